@@ -1,0 +1,283 @@
+"""The topology rules that relate several fields: exclusive GPUs and ports, P/D agreement, engine needs.
+
+They run on the raw parsed data, not on a validated ``Topology``, so that one pass reports them
+beside pydantic's per-field errors even when some unrelated field failed to parse. Each rule
+therefore looks only at values of the right type and leaves wrong types to the schema.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, get_args
+
+from .topology_errors import format_field
+from .topology_schema import Device, KvCacheDtype, WorkerDefaults
+
+Path_ = tuple[Any, ...]
+ROLES = ("prefill", "decode")
+EMBEDDED_COMPRESS_RATIO = 4  # one compressed (C4) KV entry per 4 tokens; pages must hold whole entries
+
+
+@dataclass(frozen=True)
+class Finding:
+    path: Path_
+    message: str
+    fix: str
+
+
+@dataclass(frozen=True)
+class _Worker:
+    role: str
+    index: int
+    raw: dict[Any, Any]
+
+    @property
+    def path(self) -> Path_:
+        return (self.role, self.index)
+
+    @property
+    def label(self) -> str:
+        name = self.raw.get("name")
+        where = f"{self.role}[{self.index}]"
+        return f"{name} ({where})" if isinstance(name, str) else where
+
+
+@dataclass(frozen=True)
+class _Context:
+    data: dict[Any, Any]
+    workers: tuple[_Worker, ...]
+    nodes: dict[str, str]  # node name -> address, for the well-formed nodes
+    first_node: str | None
+
+    @property
+    def engine(self) -> str | None:
+        engine = self.data.get("engine")
+        return engine if engine in ("embedded", "sglang") else None
+
+    def section(self, name: str) -> dict[Any, Any]:
+        value = self.data.get(name)
+        return value if isinstance(value, dict) else {}
+
+    def node_of(self, raw: dict[Any, Any]) -> str | None:
+        node = raw.get("node")
+        return self.first_node if node is None else node if isinstance(node, str) else None
+
+    def host_key(self, node: str | None) -> str | None:
+        """Ports and GPUs are shared per host: two node names with one address are one host."""
+        return None if node is None else self.nodes.get(node, node)
+
+    def resolved(self, worker: _Worker, key: str) -> tuple[Any, Path_]:
+        """The value a worker ends up with for a defaulted field, and where it was written."""
+        if worker.raw.get(key) is not None:
+            return worker.raw[key], worker.path + (key,)
+        defaults = self.section("defaults")
+        if defaults.get(key) is not None:
+            return defaults[key], ("defaults", key)
+        return WorkerDefaults.model_fields[key].default, ("defaults", key)
+
+
+def _context(data: dict[Any, Any]) -> _Context:
+    workers = []
+    for role in ROLES:
+        items = data.get(role)
+        if isinstance(items, list):
+            workers += [_Worker(role, i, w) for i, w in enumerate(items) if isinstance(w, dict)]
+    raw_nodes = data.get("nodes")
+    if raw_nodes is None:
+        nodes = {"local": "127.0.0.1"}
+    else:
+        nodes = {
+            n["name"]: n["address"] if isinstance(n.get("address"), str) else n["name"]
+            for n in (raw_nodes if isinstance(raw_nodes, list) else [])
+            if isinstance(n, dict) and isinstance(n.get("name"), str)
+        }
+    return _Context(data, tuple(workers), nodes, next(iter(nodes), None))
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def check_rules(data: dict[Any, Any]) -> list[Finding]:
+    """Every cross-field problem of the raw topology data, in rule order."""
+    ctx = _context(data)
+    return [finding for rule in RULES for finding in rule(ctx)]
+
+
+def _role_matches_list(ctx: _Context) -> Iterator[Finding]:
+    for w in ctx.workers:
+        if "role" in w.raw and w.raw["role"] != w.role:
+            yield Finding(w.path + ("role",), f"worker listed under {w.role} says role: {w.raw['role']!r}",
+                          f"remove 'role' (the list sets it) and move the worker under '{w.role}:' or the other list")
+
+
+def _names_unique(ctx: _Context) -> Iterator[Finding]:
+    seen: dict[str, _Worker] = {}
+    for w in ctx.workers:
+        name = w.raw.get("name")
+        if not isinstance(name, str):
+            continue
+        if name in seen:
+            yield Finding(w.path + ("name",), f"worker name {name!r} is also used by {seen[name].role}[{seen[name].index}]",
+                          "give every worker a unique name")
+        seen.setdefault(name, w)
+    raw_nodes = ctx.data.get("nodes")
+    names: dict[str, int] = {}
+    for i, node in enumerate(raw_nodes if isinstance(raw_nodes, list) else []):
+        name = node.get("name") if isinstance(node, dict) else None
+        if isinstance(name, str) and name in names:
+            yield Finding(("nodes", i, "name"), f"node name {name!r} is also used by nodes[{names[name]}]",
+                          "give every node a unique name")
+        if isinstance(name, str):
+            names.setdefault(name, i)
+
+
+def _nodes_known(ctx: _Context) -> Iterator[Finding]:
+    if ctx.data.get("nodes") is not None and not isinstance(ctx.data.get("nodes"), list):
+        return
+    known = ", ".join(ctx.nodes) or "none"
+    users = [(w.path, w.raw) for w in ctx.workers] + [(("router",), ctx.section("router"))]
+    for path, raw in users:
+        node = raw.get("node")
+        if isinstance(node, str) and node not in ctx.nodes:
+            yield Finding(path + ("node",), f"unknown node {node!r}",
+                          f"use one of the names under 'nodes:' ({known}), or add a node named {node!r}")
+
+
+def _device_gpus_tp(ctx: _Context) -> Iterator[Finding]:
+    for w in ctx.workers:
+        device = w.raw.get("device", "cpu")
+        gpus, tp = w.raw.get("gpus", []), _int(w.raw.get("tp", 1))
+        if device not in get_args(Device) or not isinstance(gpus, list):
+            continue
+        if device == "cpu":
+            if gpus:
+                yield Finding(w.path + ("gpus",), f"device cpu takes no GPUs, got {gpus}",
+                              "remove 'gpus', or set device: cuda")
+            if tp is not None and tp != 1:
+                yield Finding(w.path + ("tp",), f"device cpu runs tp: 1 only, got tp: {tp}",
+                              "set tp: 1, or device: cuda with one GPU per TP rank")
+            continue
+        if not gpus:
+            yield Finding(w.path + ("gpus",), "device cuda needs GPUs, none listed",
+                          "list one GPU index per TP rank, e.g. gpus: [0, 1, 2, 3] with tp: 4")
+        elif tp is not None and tp != len(gpus):
+            yield Finding(w.path + ("tp",), f"tp is {tp} but {len(gpus)} GPU(s) are listed in gpus",
+                          f"set tp: {len(gpus)}, or list exactly {tp} GPUs (one per TP rank)")
+
+
+def _gpus_exclusive(ctx: _Context) -> Iterator[Finding]:
+    owners: dict[tuple[str, int], _Worker] = {}
+    for w in ctx.workers:
+        gpus, host = w.raw.get("gpus"), ctx.host_key(ctx.node_of(w.raw))
+        if not isinstance(gpus, list) or host is None:
+            continue
+        for j, gpu in enumerate(gpus):
+            if _int(gpu) is None:
+                continue
+            first = owners.setdefault((host, gpu), w)
+            if first is not w:
+                yield Finding(w.path + ("gpus", j), f"GPU {gpu} on node {ctx.node_of(w.raw)!r} is given to both "
+                              f"{first.label} and {w.label}", "give each GPU to one worker only")
+            elif gpus.index(gpu) != j:
+                yield Finding(w.path + ("gpus", j), f"GPU {gpu} is listed twice in {w.label}",
+                              "list each GPU once (one per TP rank)")
+
+
+def _ports_distinct(ctx: _Context) -> Iterator[Finding]:
+    taken: dict[tuple[str, int], tuple[Path_, str]] = {}
+    router = ctx.section("router")
+    router_port = _int(router.get("port", 30001))
+    router_host = ctx.host_key(ctx.node_of(router))
+    if router_port is not None and router_host is not None:
+        taken[(router_host, router_port)] = (("router", "port"), "the router")
+    for w in ctx.workers:
+        host = ctx.host_key(ctx.node_of(w.raw))
+        for key in ("port", "nccl_port", "bootstrap_port"):
+            port = _int(w.raw.get(key))
+            if port is None or host is None:
+                continue
+            path = w.path + (key,)
+            first_path, owner = taken.setdefault((host, port), (path, w.label))
+            if first_path != path:
+                yield Finding(path, f"port {port} on node {ctx.node_of(w.raw)!r} is also {format_field(first_path)} "
+                              f"of {owner}", "give every port on one host a different, free value"
+                              + (" (the router owns its port)" if first_path == ("router", "port") else ""))
+
+
+def _bootstrap_ports(ctx: _Context) -> Iterator[Finding]:
+    for w in ctx.workers:
+        has = w.raw.get("bootstrap_port") is not None
+        if w.role == "prefill" and not has:
+            yield Finding(w.path + ("bootstrap_port",), f"prefill worker {w.label} has no bootstrap_port",
+                          "add bootstrap_port: <free port>, e.g. 8998 (decode workers fetch KV routes from it)")
+        if w.role == "decode" and has:
+            yield Finding(w.path + ("bootstrap_port",), "decode workers run no bootstrap server",
+                          "remove bootstrap_port from this decode worker")
+
+
+def _engine_needs(ctx: _Context) -> Iterator[Finding]:
+    if ctx.engine == "sglang":
+        if ctx.section("model").get("path") is None and isinstance(ctx.data.get("model"), dict):
+            yield Finding(("model", "path"), "engine sglang needs the weights, model.path is not set",
+                          "set model.path to a Hugging Face id or local folder, e.g. deepseek-ai/DeepSeek-V4-Flash")
+        for w in ctx.workers:
+            if w.raw.get("nccl_port") is None:
+                yield Finding(w.path + ("nccl_port",), f"engine sglang needs an nccl_port for {w.label}",
+                              "add nccl_port: <free port> (the TP group's NCCL rendezvous)")
+            if w.raw.get("device", "cpu") == "cpu":
+                yield Finding(w.path + ("device",), f"engine sglang serves on CUDA only, {w.label} is on cpu",
+                              "set device: cuda with gpus and tp, or use engine: embedded on CPU")
+    if ctx.engine == "embedded":
+        lacking = [w.label for w in ctx.workers if ctx.resolved(w, "max_total_tokens")[0] is None]
+        if lacking:
+            yield Finding(("defaults", "max_total_tokens"), f"the embedded engine needs a KV pool size; "
+                          f"{', '.join(lacking)} have none", "set defaults.max_total_tokens (e.g. 16384) or "
+                          "max_total_tokens on each worker")
+        reported: set[Path_] = set()
+        for w in ctx.workers:
+            size, path = ctx.resolved(w, "page_size")
+            if _int(size) and size > 0 and size % EMBEDDED_COMPRESS_RATIO and path not in reported:
+                reported.add(path)
+                yield Finding(path, f"page_size {size} is not a multiple of {EMBEDDED_COMPRESS_RATIO} (the embedded "
+                              "model's compression ratio: a page must hold whole compressed entries)",
+                              "use a multiple of 4, e.g. 16 or 64")
+
+
+def _pool_fits_context(ctx: _Context) -> Iterator[Finding]:
+    context = _int(ctx.section("model").get("context_length"))
+    reported: set[Path_] = set()
+    for w in ctx.workers:
+        tokens, path = ctx.resolved(w, "max_total_tokens")
+        if context and _int(tokens) and 0 < tokens < context and path not in reported:
+            reported.add(path)
+            yield Finding(path, f"max_total_tokens {tokens} is below model.context_length {context}: one "
+                          "full-length request would not fit in the KV pool",
+                          f"raise max_total_tokens to at least {context}, or lower model.context_length")
+
+
+def _kv_layout_agrees(ctx: _Context) -> Iterator[Finding]:
+    valid = {"page_size": lambda v: _int(v) is not None and v > 0,
+             "kv_cache_dtype": lambda v: v in get_args(KvCacheDtype)}
+    prefills = [w for w in ctx.workers if w.role == "prefill"]
+    if not prefills:
+        return
+    reference = prefills[0]
+    for key, ok in valid.items():
+        ref_value, ref_path = ctx.resolved(reference, key)
+        if not ok(ref_value):
+            continue
+        for w in ctx.workers[1:]:
+            value, path = ctx.resolved(w, key)
+            if ok(value) and value != ref_value:
+                yield Finding(path, f"{key} {value!r} of {w.label} differs from {ref_value!r} of "
+                              f"{reference.label} ({format_field(ref_path)})",
+                              f"prefill and decode exchange KV pages as-is: use one {key} for every worker "
+                              f"(set defaults.{key} and drop the per-worker values)")
+
+
+RULES: tuple[Callable[[_Context], Iterator[Finding]], ...] = (
+    _role_matches_list, _names_unique, _nodes_known, _device_gpus_tp, _gpus_exclusive, _ports_distinct,
+    _bootstrap_ports, _engine_needs, _pool_fits_context, _kv_layout_agrees,
+)

@@ -1,0 +1,108 @@
+"""A YAML document read together with the line of every key and list item.
+
+PyYAML's ``safe_load`` throws the positions away, yet an operator fixing a topology file wants
+``topology.yaml:41: decode[0].port: ...``. So we compose the node tree (which keeps marks) and
+build the plain Python data ourselves, recording ``path -> line`` on the way. Duplicate keys,
+which ``safe_load`` silently collapses to the last one, are recorded too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+Path_ = tuple[Any, ...]  # ("prefill", 0, "gpus") — keys and list indices from the root
+
+
+class YamlSyntaxError(ValueError):
+    """The text is not one well-formed YAML document; ``line`` is 1-based when known."""
+
+    def __init__(self, message: str, line: int | None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.line = line
+
+
+@dataclass(frozen=True)
+class YamlDocument:
+    """Plain data (dicts, lists, scalars) plus where each part was written."""
+
+    data: Any
+    lines: dict[Path_, int] = field(default_factory=dict)
+    duplicate_keys: tuple[tuple[Path_, int, int], ...] = ()  # (path, first line, repeated line)
+
+    def line_of(self, path: Path_) -> int | None:
+        """Line of ``path``, else of its nearest written ancestor (a missing key → its parent)."""
+        for end in range(len(path), -1, -1):
+            line = self.lines.get(tuple(path[:end]))
+            if line is not None:
+                return line
+        return None
+
+
+def read_yaml(text: str) -> YamlDocument:
+    """Parse one YAML document with line numbers; raise ``YamlSyntaxError`` if it is malformed."""
+    loader = yaml.SafeLoader(text)
+    try:
+        root = loader.get_single_node()
+        if root is None:
+            return YamlDocument(data=None)
+        builder = _Builder(loader)
+        data = builder.build(root, ())
+        return YamlDocument(data, builder.lines, tuple(builder.duplicates))
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = mark.line + 1 if mark is not None else None
+        what = " ".join(part for part in (exc.context, exc.problem) if part)
+        raise YamlSyntaxError(what or str(exc), line) from exc
+    except yaml.YAMLError as exc:
+        raise YamlSyntaxError(str(exc), None) from exc
+    finally:
+        loader.dispose()
+
+
+class _Builder:
+    """Walks the composed node tree once, constructing scalars with PyYAML's safe rules."""
+
+    def __init__(self, loader: yaml.SafeLoader) -> None:
+        self._loader = loader
+        self.lines: dict[Path_, int] = {}
+        self.duplicates: list[tuple[Path_, int, int]] = []
+        self._active: set[int] = set()  # node ids on the current branch: catches recursive aliases
+
+    def build(self, node: yaml.Node, path: Path_) -> Any:
+        self.lines.setdefault(path, node.start_mark.line + 1)
+        if id(node) in self._active:
+            raise yaml.constructor.ConstructorError(
+                None, None, "found a recursive alias (an anchor that contains itself)", node.start_mark
+            )
+        self._active.add(id(node))
+        try:
+            if isinstance(node, yaml.MappingNode):
+                return self._mapping(node, path)
+            if isinstance(node, yaml.SequenceNode):
+                return [self.build(item, path + (i,)) for i, item in enumerate(node.value)]
+            return self._loader.construct_object(node, deep=True)
+        finally:
+            self._active.discard(id(node))
+
+    def _mapping(self, node: yaml.MappingNode, path: Path_) -> dict[Any, Any]:
+        self._loader.flatten_mapping(node)  # resolves "<<: *anchor" merge keys
+        out: dict[Any, Any] = {}
+        for key_node, value_node in node.value:
+            key = self._loader.construct_object(key_node, deep=True)
+            if isinstance(key, (list, dict)):
+                raise yaml.constructor.ConstructorError(
+                    None, None, "found a list or mapping used as a key", key_node.start_mark
+                )
+            line = key_node.start_mark.line + 1
+            child = path + (key,)
+            if key in out:
+                self.duplicates.append((child, self.lines[child], line))
+                self.lines[child] = line
+            else:
+                self.lines[child] = line
+            out[key] = self.build(value_node, child)
+        return out
