@@ -1,0 +1,173 @@
+"""Triton kernels of sparse MLA decode: all heads of a query in one program, split-K, combine.
+
+Why one program per (query, split) with every head in it: all 64 heads share one KV head, so a
+tile of selected rows is loaded once and used by one [H, 512] x [512, BN] tensor-core product; a
+per-head kernel would read every row 64 times. Split-K over the selected rows keeps the machine
+busy at small batches; `_combine_kernel` merges the splits by their log-sum-exp.
+
+Work is O(live rows): a program walks only the blocks below the query's valid lengths, so the
+grid can be sized once for CUDA-graph capture. Nothing here syncs with the host.
+
+Rows come from two caches (window rows, then extra rows): live block j < nbw is a window block,
+otherwise an extra block; both are read through one selected base pointer. Two row formats:
+bf16/fp16 rows [N, 512] (any row stride), or the V4 fp8 pages of `fp8_layout`, dequantised in
+registers (e4m3 x 2**(ue8m0 - 127) for 7 tiles of 64 dims, bf16 RoPE for the last 64).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _load_rows(base, row_stride, idx, valid, D: tl.constexpr, BN: tl.constexpr, IS_FP8: tl.constexpr,
+               PAGE_STRIDE: tl.constexpr, SCALES_OFFSET: tl.constexpr):
+    """[BN, D] rows `idx` of one cache as float32 (zeros where not valid)."""
+    if IS_FP8:
+        page = idx // 64
+        slot = idx % 64
+        page_base = base + page.to(tl.int64) * PAGE_STRIDE
+        rec = page_base + slot * 576
+        t = tl.arange(0, 8)
+        c = tl.arange(0, 64)
+        is_nope = (t < 7)[None, :, None]
+        v3 = valid[:, None, None]
+        nope = tl.load(rec[:, None, None] + (t[None, :, None] * 64 + c[None, None, :]),
+                       mask=v3 & is_nope, other=0)
+        nope = nope.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        sc = tl.load((page_base + SCALES_OFFSET + slot * 8)[:, None] + t[None, :],
+                     mask=valid[:, None] & (t < 7)[None, :], other=127)
+        sc = tl.exp2(sc.to(tl.float32) - 127.0)
+        rope_ptr = (rec + 448).to(tl.pointer_type(tl.bfloat16), bitcast=True)
+        rope = tl.load(rope_ptr[:, None, None] + (c[None, None, :] + 0 * t[None, :, None]),
+                       mask=v3 & (t == 7)[None, :, None], other=0.0).to(tl.float32)
+        rows = tl.where(is_nope, nope * sc[:, :, None], rope)
+        return tl.reshape(rows, (BN, D))
+    else:
+        d = tl.arange(0, D)
+        ptrs = base + idx.to(tl.int64)[:, None] * row_stride + d[None, :]
+        return tl.load(ptrs, mask=valid[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _sparse_decode_kernel(
+    q_ptr, stride_qb, stride_qh,
+    kv_ptr, stride_kv, ekv_ptr, stride_ekv,
+    widx_ptr, stride_wb, W, eidx_ptr, stride_eb, K,
+    wlen_ptr, elen_ptr, sink_ptr,
+    out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
+    part_o_ptr, part_lse_ptr,
+    qk_scale_log2,
+    H: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    IS_FP8: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_WLEN: tl.constexpr, HAS_ELEN: tl.constexpr,
+    HAS_SINK: tl.constexpr, DOT_F32: tl.constexpr,
+    PAGE_STRIDE: tl.constexpr, SCALES_OFFSET: tl.constexpr,
+):
+    b = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_h = tl.arange(0, H)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BN)
+
+    wlen = W
+    if HAS_WLEN:
+        wlen = tl.minimum(tl.maximum(tl.load(wlen_ptr + b), 0), W)
+    elen = 0
+    if HAS_EXTRA:
+        elen = K
+        if HAS_ELEN:
+            elen = tl.minimum(tl.maximum(tl.load(elen_ptr + b), 0), K)
+    nbw = tl.cdiv(wlen, BN)
+    nlive = nbw + tl.cdiv(elen, BN)
+    per_split = tl.cdiv(nlive, NUM_SPLITS)
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, nlive)
+
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :])
+    dot_t = q.dtype
+    if DOT_F32:
+        dot_t = tl.float32
+    q = q.to(dot_t)
+
+    m_i = tl.full((H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((H,), tl.float32)
+    acc = tl.zeros((H, D), tl.float32)
+    for j in range(lo, hi):
+        is_w = j < nbw
+        start = tl.where(is_w, j, j - nbw) * BN
+        n_valid = tl.where(is_w, wlen, elen)
+        idx_row = tl.where(is_w, widx_ptr + b.to(tl.int64) * stride_wb, eidx_ptr + b.to(tl.int64) * stride_eb)
+        pos = start + offs_n
+        idx = tl.load(idx_row + pos, mask=pos < n_valid, other=-1)
+        valid = idx >= 0
+        base = tl.where(is_w, kv_ptr, ekv_ptr)
+        row_stride = tl.where(is_w, stride_kv, stride_ekv)
+        k = _load_rows(base, row_stride, idx, valid, D, BN, IS_FP8, PAGE_STRIDE, SCALES_OFFSET).to(dot_t)
+
+        if DOT_F32:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale_log2
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if DOT_F32:
+            pv = tl.dot(p, k, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(dot_t), k)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    has_any = l_i > 0
+    o = acc / tl.where(has_any, l_i, 1.0)[:, None]
+    lse = tl.where(has_any, (m_i + tl.log2(tl.where(has_any, l_i, 1.0))) * LN2, float("-inf"))
+    if NUM_SPLITS == 1:
+        if HAS_SINK:
+            sink = tl.load(sink_ptr + offs_h)
+            o = o / (1.0 + tl.exp(sink - lse))[:, None]
+        tl.store(out_ptr + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty))
+        tl.store(lse_ptr + b * stride_lb + offs_h, lse)
+    else:
+        row = (b * NUM_SPLITS + split).to(tl.int64) * H
+        tl.store(part_o_ptr + (row + offs_h[:, None]) * D + offs_d[None, :], o)
+        tl.store(part_lse_ptr + row + offs_h, lse)
+
+
+@triton.jit
+def _combine_kernel(
+    part_o_ptr, part_lse_ptr, sink_ptr,
+    out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
+    H: tl.constexpr, D: tl.constexpr, HB: tl.constexpr, NUM_SPLITS: tl.constexpr, SP: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+):
+    """Merge NUM_SPLITS partial (out, lse) of query b, heads [hb * HB, hb * HB + HB)."""
+    b = tl.program_id(0)
+    offs_h = tl.program_id(1) * HB + tl.arange(0, HB)
+    offs_s = tl.arange(0, SP)
+    offs_d = tl.arange(0, D)
+    s_ok = offs_s < NUM_SPLITS
+    rows = (b * NUM_SPLITS + offs_s).to(tl.int64)[:, None] * H + offs_h[None, :]  # [SP, HB]
+    lse_s = tl.load(part_lse_ptr + rows, mask=s_ok[:, None], other=float("-inf"))
+    lse_max = tl.max(lse_s, axis=0)
+    max_safe = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w = tl.exp(lse_s - max_safe[None, :])  # [SP, HB]; 0 for empty splits
+    w_sum = tl.sum(w, axis=0)
+    has_any = w_sum > 0
+    o_s = tl.load(part_o_ptr + rows[:, :, None] * D + offs_d[None, None, :], mask=s_ok[:, None, None], other=0.0)
+    o = tl.sum(o_s * w[:, :, None], axis=0) / tl.where(has_any, w_sum, 1.0)[:, None]
+    lse = tl.where(has_any, max_safe + tl.log(tl.where(has_any, w_sum, 1.0)), float("-inf"))
+    if HAS_SINK:
+        sink = tl.load(sink_ptr + offs_h)
+        o = o / (1.0 + tl.exp(sink - lse))[:, None]
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty))
+    tl.store(lse_ptr + b * stride_lb + offs_h, lse)

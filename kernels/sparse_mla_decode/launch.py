@@ -1,0 +1,157 @@
+"""Host side of the Triton sparse MLA decode: argument checks, split choice, grid, workspace.
+
+Everything here depends on tensor shapes only (never on index or length values), so a call is
+CUDA-graph capturable: the split count, the grid and the workspace size are fixed for fixed shapes,
+and index values are not checked (an index must be -1 or a row of its cache, as in FlashMLA).
+On CPU tensors the same kernels run under TRITON_INTERPRET=1 (the tests do this).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import checks
+from .fp8_layout import PAGE_STRIDE, SCALES_OFFSET, check_cache
+from .kernel import LOG2E, _combine_kernel, _sparse_decode_kernel
+
+DIM = 512
+TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How the work is cut: rows per block, splits per query (0 = choose from B), warps, stages."""
+
+    block_n: int = 32
+    num_splits: int = 0
+    num_warps: int = 8
+    num_stages: int = 2
+    combine_heads: int = 8
+
+
+def choose_splits(batch: int, num_blocks: int, num_sms: int) -> int:
+    """Enough (query, split) programs to cover the machine once, never more splits than blocks."""
+    return max(1, min(num_blocks, -(-num_sms // max(batch, 1))))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _check_common(q, window_idx, extra_idx, sink, window_lens, extra_lens, has_extra):
+    b, h, d = checks.check_queries(q)
+    if d != DIM:
+        raise checks.SparseDecodeInputError(f"the Triton kernel needs D={DIM} (DeepSeek-V4); got D={d}: use the reference")
+    if h < 16 or h > 64 or h & (h - 1):
+        raise checks.SparseDecodeInputError(f"the Triton kernel needs H in {{16, 32, 64}}; got H={h}: use the reference")
+    if q.dtype not in TRITON_DTYPES:
+        raise checks.SparseDecodeInputError(f"q must be bf16, fp16 or fp32 for the Triton kernel, got {q.dtype}")
+    if q.stride(2) != 1:
+        raise checks.SparseDecodeInputError("q's last dim must be contiguous; call .contiguous() on it")
+    w = checks.check_indices(window_idx, b, "window_idx", q.device)
+    checks.check_lens(window_lens, b, "window_lens", q.device)
+    k = 0
+    if has_extra:
+        k = checks.check_indices(extra_idx, b, "extra_idx", q.device)
+        checks.check_lens(extra_lens, b, "extra_lens", q.device)
+    elif extra_lens is not None:
+        raise checks.SparseDecodeInputError("extra_lens was given without an extra cache and extra_idx")
+    for name, t in (("window_idx", window_idx), ("extra_idx", extra_idx)):
+        if t is not None and t.stride(1) != 1:
+            raise checks.SparseDecodeInputError(f"{name}'s last dim must be contiguous; call .contiguous() on it")
+    checks.check_sink(sink, h, q.device)
+    return b, h, w, k
+
+
+def _launch(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, sink, scale,
+            window_lens, extra_lens, w, k, is_fp8, config):
+    b, h, _ = q.shape
+    config = config or LaunchConfig()
+    bn = config.block_n
+    num_blocks = -(-w // bn) + -(-k // bn)
+    splits = config.num_splits or choose_splits(b, num_blocks, _num_sms(q.device))
+    out = torch.empty_like(q)
+    lse = torch.empty(b, h, dtype=torch.float32, device=q.device)
+    if splits > 1:
+        part_o = torch.empty(b * splits * h * DIM, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(b * splits * h, dtype=torch.float32, device=q.device)
+    else:
+        part_o, part_lse = lse, lse  # unused: the kernel writes the final result directly
+    has_extra = extra is not None
+    scale = DIM**-0.5 if scale is None else float(scale)
+    _sparse_decode_kernel[(b, splits)](
+        q, q.stride(0), q.stride(1),
+        main, main_stride, extra if has_extra else main, extra_stride if has_extra else main_stride,
+        window_idx, window_idx.stride(0), w,
+        extra_idx if has_extra else window_idx, extra_idx.stride(0) if has_extra else 0, k,
+        window_lens if window_lens is not None else window_idx,
+        extra_lens if extra_lens is not None else window_idx,
+        sink if sink is not None else lse,
+        out, out.stride(0), out.stride(1), lse, lse.stride(0),
+        part_o, part_lse,
+        scale * LOG2E,
+        H=h, D=DIM, BN=bn, NUM_SPLITS=splits,
+        IS_FP8=is_fp8, HAS_EXTRA=has_extra, HAS_WLEN=window_lens is not None,
+        HAS_ELEN=has_extra and extra_lens is not None, HAS_SINK=sink is not None,
+        DOT_F32=(q.dtype == torch.float32 or not q.is_cuda),
+        PAGE_STRIDE=PAGE_STRIDE, SCALES_OFFSET=SCALES_OFFSET,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if splits > 1:
+        hb = min(config.combine_heads, h)
+        _combine_kernel[(b, h // hb)](
+            part_o, part_lse, sink if sink is not None else lse,
+            out, out.stride(0), out.stride(1), lse, lse.stride(0),
+            H=h, D=DIM, HB=hb, NUM_SPLITS=splits, SP=triton_next_pow2(splits),
+            HAS_SINK=sink is not None, num_warps=4,
+        )
+    return out, lse
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
+def sparse_mla_decode_triton(q, kv, window_idx, extra_kv=None, extra_idx=None, sink=None, scale=None,
+                             window_lens=None, extra_lens=None, *, config: LaunchConfig | None = None):
+    """Triton sparse MLA decode on bf16/fp16/fp32 rows; arguments and outputs as `sparse_mla_decode_ref`.
+
+    Constraints: D = 512, H in {16, 32, 64}, kv/extra_kv in q's dtype with a contiguous last dim.
+    Index values are not checked (no host sync): each must be -1 or a row of its cache.
+    fp32 runs (exact-precision dots) but is the slow path; bf16 is the fast one.
+    """
+    checks.check_extra_pair(extra_kv, extra_idx)
+    b, h, w, k = _check_common(q, window_idx, extra_idx, sink, window_lens, extra_lens, extra_kv is not None)
+    for name, rows in (("kv", kv), ("extra_kv", extra_kv)):
+        if rows is None:
+            continue
+        checks.check_rows(rows, DIM, name, q.device)
+        if rows.dtype != q.dtype or rows.stride(1) != 1:
+            raise checks.SparseDecodeInputError(
+                f"{name} must have q's dtype ({q.dtype}) and a contiguous last dim, got {rows.dtype} stride {rows.stride()}"
+            )
+    return _launch(q, kv, kv.stride(0), extra_kv, extra_kv.stride(0) if extra_kv is not None else 0,
+                   window_idx, extra_idx, sink, scale, window_lens, extra_lens, w, k, False, config)
+
+
+def sparse_mla_decode_fp8_triton(q, kv_cache, window_idx, extra_cache=None, extra_idx=None, sink=None,
+                                 scale=None, window_lens=None, extra_lens=None, *, config: LaunchConfig | None = None):
+    """Triton sparse MLA decode on the V4 fp8 layout (uint8 [pages, 37440] caches, slot indices).
+
+    Arguments and outputs as `sparse_mla_decode_fp8_ref`; q is bf16/fp16 [B, H, 512], H in {16, 32, 64}.
+    """
+    checks.check_extra_pair(extra_cache, extra_idx)
+    b, h, w, k = _check_common(q, window_idx, extra_idx, sink, window_lens, extra_lens, extra_cache is not None)
+    check_cache(kv_cache, "kv_cache")
+    if extra_cache is not None:
+        check_cache(extra_cache, "extra_cache")
+    for name, cache in (("kv_cache", kv_cache), ("extra_cache", extra_cache)):
+        if cache is not None and cache.device != q.device:
+            raise checks.SparseDecodeInputError(f"{name} is on {cache.device} but q is on {q.device}")
+    return _launch(q, kv_cache, PAGE_STRIDE, extra_cache, PAGE_STRIDE, window_idx, extra_idx, sink, scale,
+                   window_lens, extra_lens, w, k, True, config)
+
