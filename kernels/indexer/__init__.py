@@ -1,1 +1,45 @@
+"""Indexer for DeepSeek-V4's CSA layers: score[t] = sum_h relu(q_h . k_t) * w_h over live entries.
 
+`indexer` / `indexer_fp8` dispatch: Triton for CUDA tensors, the torch reference otherwise (the
+embedded CPU engine). Shapes are documented on `reference.indexer_ref` and `triton_indexer`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def indexer(q, weights, k_cache, page_table, lens, **kernel_options) -> torch.Tensor:
+    """Scores [B, max_pages*E] float32 of float keys [P, E, Di]; see `reference.indexer_ref`.
+
+    On CUDA the tail past lens[b] is left unwritten (see `triton_indexer.indexer_triton`);
+    kernel_options (out, split, block_t, num_warps) go to the Triton kernel only.
+    """
+    if q.is_cuda:
+        from dsv4_cluster.kernels.indexer.triton_indexer import indexer_triton
+
+        return indexer_triton(q, weights, k_cache, page_table, lens, **kernel_options)
+    _refuse_kernel_options(kernel_options)
+    from dsv4_cluster.kernels.indexer.reference import indexer_ref
+
+    return indexer_ref(q, weights, k_cache, page_table, lens)
+
+
+def indexer_fp8(q, weights, k_cache_fp8, page_table, lens, **kernel_options) -> torch.Tensor:
+    """Scores of fp8 keys uint8 [P, E*(Di+4)] (layout in `fp8_keys`); see `reference.indexer_fp8_ref`."""
+    if q.is_cuda:
+        from dsv4_cluster.kernels.indexer.triton_indexer import indexer_fp8_triton
+
+        return indexer_fp8_triton(q, weights, k_cache_fp8, page_table, lens, **kernel_options)
+    _refuse_kernel_options(kernel_options)
+    from dsv4_cluster.kernels.indexer.reference import indexer_fp8_ref
+
+    return indexer_fp8_ref(q, weights, k_cache_fp8, page_table, lens)
+
+
+def _refuse_kernel_options(kernel_options: dict) -> None:
+    if kernel_options:
+        raise TypeError(
+            f"kernel options {sorted(kernel_options)} apply to the CUDA kernel only; "
+            "the reference path (non-CUDA tensors) takes none"
+        )

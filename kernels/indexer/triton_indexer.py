@@ -1,0 +1,148 @@
+"""Triton indexer: scores only the live compressed entries of each request, CUDA-graph safe.
+
+Why a grid that does not grow with the context: SGLang's indexer sized its work by the configured
+maximum context, which made decode at 1M context 2.68x slower than at 131K. Here the grid is
+(split, B), fixed for a given batch, and program s of request b walks blocks s, s+split, ... of
+b's live entries only, reading lens[b] on the device. A CUDA graph captured once replays at any
+live lengths, and work, bytes read and bytes written are all O(live length): the page table and
+the score buffer past lens[b] are never touched.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4_cluster.kernels.indexer.shapes import IndexerInputError, check_indexer_inputs, check_lens_values
+
+
+@triton.jit
+def _indexer_kernel(
+    q_ptr, w_ptr, k_ptr, scale_ptr, pt_ptr, lens_ptr, out_ptr,
+    stride_qb, stride_qh, stride_wb, stride_kp, stride_ke, stride_sp, stride_ptb, stride_ob,
+    heads, dim, per_page, capacity, split,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+    FP8: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = tl.program_id(1)
+    n = tl.minimum(tl.maximum(tl.load(lens_ptr + b).to(tl.int32), 0), capacity)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    hm = h < heads
+    dm = d < dim
+    q = tl.load(q_ptr + b * stride_qb + h[:, None] * stride_qh + d[None, :], mask=hm[:, None] & dm[None, :], other=0.0)
+    w = tl.load(w_ptr + b * stride_wb + h, mask=hm, other=0.0).to(tl.float32)
+    for start in range(pid * BLOCK_T, n, split * BLOCK_T):
+        t = start + tl.arange(0, BLOCK_T)
+        tm = t < n
+        page = tl.load(pt_ptr + b * stride_ptb + t // per_page, mask=tm, other=0).to(tl.int64)
+        slot = t % per_page
+        row = page * stride_kp + slot * stride_ke
+        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=tm[:, None] & dm[None, :], other=0)
+        if FP8:
+            k = k.to(tl.float8e4nv, bitcast=True).to(q.dtype)
+        else:
+            k = k.to(q.dtype)
+        if IEEE:
+            logits = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            logits = tl.dot(q, tl.trans(k))
+        if FP8:
+            scale = tl.load(scale_ptr + page * stride_sp + slot, mask=tm, other=0.0)
+            logits = logits * scale[None, :]
+        score = tl.sum(tl.maximum(logits, 0.0) * w[:, None], axis=0)
+        tl.store(out_ptr + b * stride_ob + t, score, mask=tm)
+
+
+def default_split(batch: int, device: torch.device) -> int:
+    """Programs per request: enough for ~4 waves of programs over the device's multiprocessors."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return max(1, -(-4 * sms // max(batch, 1)))
+
+
+def indexer_triton(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    k_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    lens: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    split: int | None = None,
+    block_t: int = 128,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """Indexer scores with Triton; same inputs and formula as `reference.indexer_ref`.
+
+    Shapes: q [B, Hi, Di] (bf16, fp16 or fp32, last dim contiguous); weights [B, Hi] float;
+    k_cache [P, E, Di] of q's dtype with each key row contiguous; page_table [B, max_pages] int32
+    or int64; lens [B] int32/int64 (device). Hi and Di up to 256 (padded to >= 16 inside).
+    Returns float32 [B, max_pages*E] (`out` if given, which must be that shape, float32, row
+    contiguous). Only scores[b, :lens[b]] are written; the tail is left as it was (uninitialised
+    unless `out` was filled by the caller), because writing it would cost O(max context).
+    fp32 inputs use IEEE fp32 dot products; bf16/fp16 accumulate in fp32.
+    Under CUDA-graph capture, lens values are not checked (that would sync); the kernel clamps
+    them to [0, max_pages*E].
+    """
+    per_page = check_indexer_inputs(q, weights, k_cache, page_table, lens, key_kind="float")
+    if k_cache.dtype != q.dtype:
+        raise IndexerInputError(f"k_cache dtype {k_cache.dtype} must equal q's {q.dtype}; cast one of them")
+    return _launch(q, weights, k_cache, None, page_table, lens, per_page, out, split, block_t, num_warps,
+                   stride_kp=k_cache.stride(0), stride_ke=k_cache.stride(1), stride_sp=0, kdim_stride=k_cache.stride(2))
+
+
+def indexer_fp8_triton(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    k_cache_fp8: torch.Tensor,
+    page_table: torch.Tensor,
+    lens: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    split: int | None = None,
+    block_t: int = 128,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """`indexer_triton` on fp8 keys: k_cache_fp8 uint8 [P, E*(Di+4)], contiguous, layout of `fp8_keys`
+    (Di % 4 == 0). Keys are widened to q's dtype (exact for e4m3 into bf16) and each entry's dot
+    products scaled by its fp32 scale before the relu. Other shapes as `indexer_triton`.
+    """
+    per_page = check_indexer_inputs(q, weights, k_cache_fp8, page_table, lens, key_kind="fp8")
+    dim = q.shape[-1]
+    if dim % 4 or not k_cache_fp8.is_contiguous():
+        raise IndexerInputError(f"fp8 keys need Di % 4 == 0 (got {dim}) and a contiguous k_cache_fp8")
+    scales = k_cache_fp8.view(torch.float32)  # same bytes, one page = E*(Di+4)/4 floats
+    scale_base = scales[:, per_page * dim // 4 :]
+    return _launch(q, weights, k_cache_fp8, scale_base, page_table, lens, per_page, out, split, block_t, num_warps,
+                   stride_kp=k_cache_fp8.stride(0), stride_ke=dim, stride_sp=scales.stride(0), kdim_stride=1)
+
+
+def _launch(q, weights, keys, scales, page_table, lens, per_page, out, split, block_t, num_warps,
+            *, stride_kp, stride_ke, stride_sp, kdim_stride):
+    batch, heads, dim = q.shape
+    if heads > 256 or dim > 256:
+        raise IndexerInputError(f"indexer_triton supports Hi, Di <= 256; got Hi={heads}, Di={dim}")
+    if q.stride(2) != 1 or kdim_stride != 1 or weights.stride(1) != 1:
+        raise IndexerInputError("q, weights and k_cache must be contiguous along their last dim; call .contiguous()")
+    capacity = page_table.shape[1] * per_page
+    if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        check_lens_values(lens, page_table, per_page, keys.shape[0])
+    if out is None:
+        out = torch.empty((batch, capacity), dtype=torch.float32, device=q.device)
+    elif tuple(out.shape) != (batch, capacity) or out.dtype != torch.float32 or out.stride(1) != 1:
+        raise IndexerInputError(f"out must be float32 [B, max_pages*E] = [{batch}, {capacity}] with unit column stride")
+    if split is None:
+        split = default_split(batch, q.device)
+    if batch == 0:
+        return out
+    grid = (split, batch)
+    _indexer_kernel[grid](
+        q, weights, keys, scales if scales is not None else keys, page_table, lens, out,
+        q.stride(0), q.stride(1), weights.stride(0), stride_kp, stride_ke, stride_sp, page_table.stride(0), out.stride(0),
+        heads, dim, per_page, capacity, split,
+        BLOCK_H=max(16, triton.next_power_of_2(heads)), BLOCK_D=max(16, triton.next_power_of_2(dim)),
+        BLOCK_T=block_t, FP8=scales is not None, IEEE=q.dtype == torch.float32, num_warps=num_warps,
+    )
+    return out
