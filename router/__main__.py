@@ -1,0 +1,48 @@
+"""`python -m dsv4_cluster.router --config PATH.json [--host H] [--port P]`: serve the router.
+
+Exit status 2 when the settings file is bad (the message names the field); defaults come from
+`RouterSettings`, never retyped here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import uvicorn
+from pydantic import ValidationError
+
+from .app import build_app
+from .settings import RouterSettings, SettingsError, load_settings
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    fields = RouterSettings.model_fields
+    parser = argparse.ArgumentParser(prog="python -m dsv4_cluster.router", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="router settings JSON (RouterSettings)")
+    parser.add_argument("--host", help=f"override the settings' host (default {fields['host'].default})")
+    parser.add_argument("--port", type=int, help=f"override the settings' port (default {fields['port'].default})")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = load_settings(args.config)
+        overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+        settings = RouterSettings.model_validate({**settings.model_dump(), **overrides})
+    except SettingsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except ValidationError as exc:
+        print(f"error: bad --host/--port override: {exc}", file=sys.stderr)
+        return 2
+    uvicorn.run(build_app(settings), host=settings.host, port=settings.port, log_level=args.log_level)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Typed router errors and the one place that turns them into OpenAI-style error JSON.
+
+Every failure a client can see leaves the router as `{"error": {"message", "type", "code"}}` with a
+status that says whose fault it was: 400 the request, 502/503/504 an upstream worker, 500 the router.
+Streams that already sent their 200 carry the same body as an SSE event (see `relay.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+log = logging.getLogger(__name__)
+
+
+def error_body(message: str, type_: str, code: int | str) -> dict:
+    """The OpenAI error envelope."""
+    return {"error": {"message": message, "type": type_, "code": code}}
+
+
+class RouterError(Exception):
+    """Base of every error the router reports to a client."""
+
+    status: int = 500
+    type_: str = "internal_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type_, self.status)
+
+
+class InvalidRequest(RouterError):
+    """The client's request cannot be routed as sent (bad JSON, wrong shape)."""
+
+    status = 400
+    type_ = "invalid_request_error"
+
+
+class NoWorkers(RouterError):
+    """A pool the request needs is empty."""
+
+    status = 503
+    type_ = "service_unavailable"
+
+
+class UpstreamUnreachable(RouterError):
+    """A worker could not be connected to, or dropped the connection."""
+
+    status = 502
+    type_ = "upstream_unreachable"
+
+
+class UpstreamTimeout(RouterError):
+    """A worker did not answer within the router's timeout."""
+
+    status = 504
+    type_ = "upstream_timeout"
+
+
+class UpstreamFailed(RouterError):
+    """A worker answered with an error; the client gets that worker's status and message."""
+
+    type_ = "upstream_error"
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _router_error(_: Request, exc: RouterError) -> JSONResponse:
+    if exc.status >= 500:
+        log.warning("%s (%d): %s", type(exc).__name__, exc.status, exc.message)
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    parts = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
+    body = error_body("invalid request: " + "; ".join(parts), InvalidRequest.type_, 400)
+    return JSONResponse(body, status_code=400)
+
+
+def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
+    type_ = "invalid_request_error" if exc.status_code < 500 else "internal_error"
+    return JSONResponse(error_body(str(exc.detail), type_, exc.status_code), status_code=exc.status_code)
+
+
+def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unexpected error serving %s %s", request.method, request.url.path, exc_info=exc)
+    body = error_body(f"internal router error: {type(exc).__name__}: {exc}", "internal_error", 500)
+    return JSONResponse(body, status_code=500)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map every exception a route can raise to OpenAI-style error JSON."""
+    app.add_exception_handler(RouterError, _router_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)

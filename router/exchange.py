@@ -1,0 +1,101 @@
+"""One non-streaming PD exchange: both legs at once, decode's answer to the client.
+
+Lifecycle:
+  1. POST the paired body to P and D concurrently (prefill-first deadlocks: P waits for D's KV slots).
+  2. P fails first (error status, transport error) -> abort D by rid, the client gets P's error.
+  3. D fails -> abort P if it is still running; the client gets D's status and body.
+  4. D succeeds -> wait for P's answer too (it finished before D could decode), then answer with D's
+     body (for `/generate` with `return_logprob`, P's input logprobs go in front of D's).
+  5. The client disconnects -> abort both legs; nobody is left to answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any, Awaitable, Callable
+
+from fastapi import Response
+
+from .pairing import PairedRequest
+from .pool import Worker
+from .tasks import TaskSet
+from .upstream import LegResult, Upstream
+
+log = logging.getLogger(__name__)
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+
+
+async def client_gone(receive: Receive) -> None:
+    """Returns when the client disconnects (the body was already read, so nothing else arrives)."""
+    while (await receive())["type"] != "http.disconnect":
+        continue
+
+
+def abort_leg(upstream: Upstream, tasks: TaskSet, worker: Worker, req: PairedRequest,
+              leg: asyncio.Task[Any] | None = None) -> None:
+    """Cancel the leg's HTTP call (closing its connection) and POST /abort_request by rid, in the background."""
+    if leg is not None and not leg.done():
+        leg.cancel()
+    log.info("aborting rid %s on %s", req.rid, worker.describe())
+    tasks.spawn(upstream.abort(worker, req.rids), name=f"abort-{worker.name}-{req.rid}")
+
+
+def _prepend_logprobs(prefill: Any, decode: Any) -> Any:
+    if isinstance(prefill, list) and isinstance(decode, list) and len(prefill) == len(decode):
+        return [_prepend_logprobs(p, d) for p, d in zip(prefill, decode)]
+    if isinstance(prefill, dict) and isinstance(decode, dict):
+        p_meta, d_meta = prefill.get("meta_info") or {}, decode.get("meta_info") or {}
+        key = "input_token_logprobs"
+        if isinstance(p_meta.get(key), list) and isinstance(d_meta.get(key), list):
+            d_meta[key] = p_meta[key] + d_meta[key]
+    return decode
+
+
+def decode_response(req: PairedRequest, decode: LegResult, prefill: LegResult | None) -> Response:
+    """D's status and body; `/generate` with `return_logprob` gets P's input logprobs in front."""
+    content = decode.content
+    if req.path == "/generate" and req.body.get("return_logprob") and prefill is not None and prefill.ok:
+        try:
+            merged = _prepend_logprobs(json.loads(prefill.content), json.loads(decode.content))
+            content = json.dumps(merged).encode()
+        except json.JSONDecodeError:
+            log.warning("rid %s: cannot merge logprobs, a leg's answer is not JSON", req.rid)
+    return Response(content, status_code=decode.status, media_type=decode.content_type or None)
+
+
+async def exchange(upstream: Upstream, tasks: TaskSet, req: PairedRequest, receive: Receive) -> Response:
+    """Run both legs of one non-streaming request and answer with decode's response."""
+    pair = req.pair
+    p_leg = asyncio.create_task(upstream.call(pair.prefill, req.path, req.body), name=f"prefill-{req.rid}")
+    d_leg = asyncio.create_task(upstream.call(pair.decode, req.path, req.body), name=f"decode-{req.rid}")
+    gone = asyncio.create_task(client_gone(receive), name=f"client-{req.rid}")
+    try:
+        while True:
+            running = {task for task in (p_leg, d_leg, gone) if not task.done()}
+            await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            if d_leg.done():
+                decode = d_leg.result()
+                if not decode.ok:
+                    if not p_leg.done():
+                        abort_leg(upstream, tasks, pair.prefill, req, p_leg)
+                    if decode.status:
+                        return Response(decode.content, status_code=decode.status,
+                                        media_type=decode.content_type or None)
+                    raise decode.error
+                prefill = await p_leg
+                if not prefill.ok:
+                    log.warning("rid %s: decode succeeded but %s", req.rid, prefill.error.message)
+                return decode_response(req, decode, prefill)
+            if p_leg.done() and not p_leg.result().ok:
+                abort_leg(upstream, tasks, pair.decode, req, d_leg)
+                raise p_leg.result().error
+            if gone.done():
+                log.info("rid %s: client disconnected, aborting both legs", req.rid)
+                abort_leg(upstream, tasks, pair.prefill, req, p_leg)
+                abort_leg(upstream, tasks, pair.decode, req, d_leg)
+                return Response(status_code=499)
+    finally:
+        for task in (p_leg, d_leg, gone):
+            task.cancel()

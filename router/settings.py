@@ -1,0 +1,95 @@
+"""Router settings: the JSON file the orchestrator writes and `python -m dsv4_cluster.router` reads.
+
+Validated with pydantic (`extra="forbid"`) so that a typo in a field name or a bad URL fails at startup
+with the field's path in the message, not at the first request. The CLI takes its defaults from here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class SettingsError(ValueError):
+    """The settings file is missing, not JSON, or does not validate; the message names the field."""
+
+
+def _check_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{url!r} is not an http(s) URL with a host; write it like 'http://127.0.0.1:30100'")
+    if parts.path.strip("/") or parts.query or parts.fragment:
+        raise ValueError(f"{url!r} must be the server's base URL, without a path, query or fragment")
+    return url.rstrip("/")
+
+
+class PrefillEndpoint(BaseModel):
+    """One prefill server: its HTTP URL and where decode servers reach its bootstrap server."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1)
+    url: str
+    bootstrap_host: str = Field(min_length=1, description="P's host as reachable from the decode servers")
+    bootstrap_port: int | None = Field(default=8998, ge=1, le=65535)
+
+    _url = field_validator("url")(_check_url)
+
+
+class DecodeEndpoint(BaseModel):
+    """One decode server: its HTTP URL."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1)
+    url: str
+
+    _url = field_validator("url")(_check_url)
+
+
+class RouterSettings(BaseModel):
+    """Everything the router needs; the pools may be empty (then /health is 503 and requests get 503)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: str = "0.0.0.0"
+    port: int = Field(default=30001, ge=1, le=65535)
+    model_name: str = Field(min_length=1)
+    prefill: list[PrefillEndpoint] = Field(default_factory=list)
+    decode: list[DecodeEndpoint] = Field(default_factory=list)
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    connect_timeout_s: float = Field(default=5.0, gt=0)
+
+    @model_validator(mode="after")
+    def _names_unique(self) -> RouterSettings:
+        names = [w.name for w in [*self.prefill, *self.decode]]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"worker names must be unique across prefill and decode; repeated: {dupes}")
+        return self
+
+
+def _describe(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        lines.append(f"  {where}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def load_settings(path: str | Path) -> RouterSettings:
+    """Read and validate a settings JSON file; raise SettingsError naming the file and the bad fields."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except OSError as exc:
+        raise SettingsError(f"cannot read router settings {path}: {exc.strerror}") from exc
+    except json.JSONDecodeError as exc:
+        raise SettingsError(f"router settings {path} is not valid JSON: {exc}") from exc
+    try:
+        return RouterSettings.model_validate(raw)
+    except ValidationError as exc:
+        raise SettingsError(f"router settings {path} are invalid:\n{_describe(exc)}") from exc

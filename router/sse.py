@@ -1,0 +1,58 @@
+"""Server-sent events as SGLang streams them: `data: <json>` events, ended by `data: [DONE]`.
+
+The router relays decode's stream event by event (never a partial event), so that it can end a
+stream with an error event on a clean boundary and can see the `[DONE]` and `error` events that
+tell it how a leg ended.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncIterator
+
+DONE = b"data: [DONE]\n\n"
+
+
+def error_event(body: dict[str, Any]) -> bytes:
+    """An SSE event carrying an OpenAI error body (PROTOCOL.md, "Errors")."""
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+async def events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Re-frame a byte stream into complete events, each ending in a blank line.
+
+    A trailing event without its blank line (the server closed mid-event) is yielded as it is.
+    """
+    buffer = b""
+    async for chunk in chunks:
+        buffer = (buffer + chunk).replace(b"\r\n", b"\n")
+        while (end := buffer.find(b"\n\n")) >= 0:
+            event, buffer = buffer[: end + 2], buffer[end + 2 :]
+            if event.strip():
+                yield event
+    if buffer.strip():
+        yield buffer
+
+
+def data_of(event: bytes) -> str:
+    """The event's data field (multi-line data joined by newlines); '' if it has none."""
+    lines = [line[5:].removeprefix(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
+    return b"\n".join(lines).decode("utf-8", errors="replace")
+
+
+def is_done(event: bytes) -> bool:
+    return data_of(event).strip() == "[DONE]"
+
+
+def error_in(event: bytes) -> dict[str, Any] | None:
+    """The `error` object of an error event, or None for any other event."""
+    data = data_of(event).strip()
+    if not data.startswith("{"):
+        return None
+    try:
+        parsed = json.loads(data)
+    except json.JSONDecodeError:
+        return None
+    if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
+        return parsed["error"]
+    return None
