@@ -25,7 +25,7 @@ def explain_pydantic_error(error: dict[str, Any], root: type[BaseModel]) -> tupl
     key = str(loc[-1]) if loc else "topology"
     if kind == "extra_forbidden":
         allowed = sorted(set(_fields_at(root, loc[:-1])) - _SET_BY_LOADER)
-        close = difflib.get_close_matches(key, allowed, n=1)
+        close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.75)
         hint = f"did you mean {close[0]!r}? " if close else "remove it; "
         return f"unknown key {key!r}", f"{hint}allowed here: {', '.join(allowed) or 'none'}"
     if kind == "missing":

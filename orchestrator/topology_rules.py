@@ -171,7 +171,7 @@ def _gpus_exclusive(ctx: _Context) -> Iterator[Finding]:
     owners: dict[tuple[str, int], _Worker] = {}
     for w in ctx.workers:
         gpus, host = w.raw.get("gpus"), ctx.host_key(ctx.node_of(w.raw))
-        if not isinstance(gpus, list) or host is None:
+        if w.raw.get("device") != "cuda" or not isinstance(gpus, list) or host is None:
             continue
         for j, gpu in enumerate(gpus):
             if _int(gpu) is None:
@@ -191,7 +191,7 @@ def _ports_distinct(ctx: _Context) -> Iterator[Finding]:
     router_port = _int(router.get("port", 30001))
     router_host = ctx.host_key(ctx.node_of(router))
     if router_port is not None and router_host is not None:
-        taken[(router_host, router_port)] = (("router", "port"), "the router")
+        taken[(router_host, router_port)] = (("router", "port"), "")
     for w in ctx.workers:
         host = ctx.host_key(ctx.node_of(w.raw))
         for key in ("port", "nccl_port", "bootstrap_port"):
@@ -201,8 +201,8 @@ def _ports_distinct(ctx: _Context) -> Iterator[Finding]:
             path = w.path + (key,)
             first_path, owner = taken.setdefault((host, port), (path, w.label))
             if first_path != path:
-                yield Finding(path, f"port {port} on node {ctx.node_of(w.raw)!r} is also {format_field(first_path)} "
-                              f"of {owner}", "give every port on one host a different, free value"
+                yield Finding(path, f"port {port} on node {ctx.node_of(w.raw)!r} is also {format_field(first_path)}"
+                              + (f" of {owner}" if owner else ""), "give every port on one host a different, free value"
                               + (" (the router owns its port)" if first_path == ("router", "port") else ""))
 
 
