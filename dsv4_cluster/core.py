@@ -1,0 +1,84 @@
+"""Shared vocabulary: roles, worker lifecycle states, and the status record every package speaks.
+
+The orchestrator, the router and the CLI exchange these across process boundaries (Ray actor
+calls, `status --json`), so they are plain enums and frozen dataclasses with a dict form.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+
+class Role(str, Enum):
+    """What a supervised process does in the cluster."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    ROUTER = "router"
+
+
+class WorkerState(str, Enum):
+    """Lifecycle of one supervised process.
+
+    STARTING -> READY -> DRAINING -> STOPPED; any state -> FAILED when the process dies
+    unexpectedly or never becomes ready.
+    """
+
+    STARTING = "STARTING"
+    READY = "READY"
+    DRAINING = "DRAINING"
+    FAILED = "FAILED"
+    STOPPED = "STOPPED"
+
+
+@dataclass(frozen=True)
+class KvUsage:
+    """KV cache capacity and usage of one engine, in tokens."""
+
+    capacity_tokens: int
+    used_tokens: int
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    """One row of `dsv4-cluster status`: a supervised process as its supervisor sees it."""
+
+    name: str
+    role: Role
+    node: str
+    state: WorkerState
+    pid: int | None
+    port: int
+    restarts: int
+    kv: KvUsage | None
+    log_path: str
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["role"] = self.role.value
+        out["state"] = self.state.value
+        out["kv_capacity_tokens"] = self.kv.capacity_tokens if self.kv else None
+        out["kv_used_tokens"] = self.kv.used_tokens if self.kv else None
+        del out["kv"]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> WorkerStatus:
+        capacity, used = data.get("kv_capacity_tokens"), data.get("kv_used_tokens")
+        kv = KvUsage(int(capacity), int(used or 0)) if capacity is not None else None
+        return cls(
+            name=data["name"],
+            role=Role(data["role"]),
+            node=data["node"],
+            state=WorkerState(data["state"]),
+            pid=data.get("pid"),
+            port=int(data["port"]),
+            restarts=int(data.get("restarts", 0)),
+            kv=kv,
+            log_path=data["log_path"],
+            error=data.get("error"),
+        )

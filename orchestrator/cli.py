@@ -1,0 +1,131 @@
+"""`dsv4-cluster`: bring a PD cluster up, report on it, take it down.
+
+    dsv4-cluster up FILE [--address A] [--foreground] [--timeout S]
+    dsv4-cluster status [--json]
+    dsv4-cluster down [--timeout S]
+
+Exit codes: 0 success; 1 the cluster failed (to start, to answer, to stop cleanly); 2 nothing
+was started because the topology or this machine is not fit (every problem is printed).
+`up --foreground` stays attached and runs `down` on SIGTERM/SIGINT: what a systemd unit runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from dsv4_cluster.orchestrator import deployment
+from dsv4_cluster.orchestrator.controller import ClusterStartError
+from dsv4_cluster.orchestrator.deployment import DownOptions, NotUpError, PreflightError, UpOptions
+from dsv4_cluster.orchestrator.ray_cluster import RayClusterError
+from dsv4_cluster.orchestrator.table import render_table
+from dsv4_cluster.orchestrator.topology import TopologyError
+
+EXIT_OK, EXIT_FAILED, EXIT_UNFIT = 0, 1, 2
+FOREGROUND_CHECK_S = 5.0
+
+
+def _parser() -> argparse.ArgumentParser:
+    up_d, down_d = UpOptions(), DownOptions()
+    p = argparse.ArgumentParser(prog="dsv4-cluster", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="validate FILE, start the cluster, print endpoint and status")
+    up.add_argument("file", help="topology YAML (see examples/local.yaml)")
+    up.add_argument("--address", default=up_d.address,
+                    help="join this Ray cluster (host:port) instead of starting a head")
+    up.add_argument("--foreground", action="store_true",
+                    help="stay attached; SIGTERM/SIGINT takes the cluster down")
+    up.add_argument("--timeout", type=float, default=up_d.timeout_s,
+                    help=f"seconds each process may take to become ready (default {up_d.timeout_s:g})")
+    st = sub.add_parser("status", help="the cluster's processes, state and KV usage")
+    st.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    dn = sub.add_parser("down", help="stop the router, the workers and the Ray head up started")
+    dn.add_argument("--timeout", type=float, default=down_d.timeout_s,
+                    help=f"seconds between SIGTERM and SIGKILL (default {down_d.timeout_s:g})")
+    return p
+
+
+def _err(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _print_up(status: dict[str, Any]) -> None:
+    print(f"endpoint: {status['endpoint']}")
+    print(render_table(status), flush=True)
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    options = UpOptions(address=args.address, timeout_s=args.timeout)
+    try:
+        status = deployment.up(args.file, options)
+    except TopologyError as e:
+        _err(f"{args.file}: {len(e.problems)} problem(s); nothing was started:\n{e}")
+        return EXIT_UNFIT
+    except PreflightError as e:
+        _err(f"{args.file} cannot start on this machine; nothing was started:\n{e}")
+        return EXIT_UNFIT
+    except (ClusterStartError, RayClusterError) as e:
+        _err(f"up failed; everything it started was stopped:\n{e}")
+        return EXIT_FAILED
+    _print_up(status)
+    if not args.foreground:
+        return EXIT_OK
+    return _foreground(args)
+
+
+def _foreground(args: argparse.Namespace) -> int:
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(FOREGROUND_CHECK_S):
+        try:
+            deployment.status()
+        except NotUpError as e:
+            _err(f"the cluster went away: {e}")
+            _down(DownOptions())
+            return EXIT_FAILED
+    return _down(DownOptions())
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    try:
+        status = deployment.status()
+    except (NotUpError, RayClusterError) as e:
+        _err(str(e))
+        return EXIT_FAILED
+    print(json.dumps(status, indent=2) if args.json else render_table(status), flush=True)
+    return EXIT_OK
+
+
+def _down(options: DownOptions) -> int:
+    started = time.monotonic()
+    try:
+        final = deployment.down(options)
+    except NotUpError as e:
+        _err(f"{e}; nothing to stop")
+        return EXIT_OK
+    for note in final["notes"]:
+        _err(note)
+    if final["survivors"]:
+        _err(f"still running after down: pids {final['survivors']}")
+        return EXIT_FAILED
+    print(f"cluster down in {time.monotonic() - started:.1f}s; no process left", flush=True)
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "up":
+        return _cmd_up(args)
+    if args.command == "status":
+        return _cmd_status(args)
+    return _down(DownOptions(timeout_s=args.timeout))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""The controller: one detached, named Ray actor that owns the cluster's supervisors.
+
+`up` creates it (`name="controller"` in the topology's namespace, `lifetime="detached"`) so it
+outlives the CLI; `status` and `down` find it again by name. It creates one supervisor actor per
+worker, placed on the worker's node, starts prefill and decode concurrently, and starts the
+router only once every worker is READY. The supervisors are owned by the controller: killing the
+controller kills them, and their processes die with them (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+from dsv4_cluster.orchestrator.plan import LaunchPlan
+from dsv4_cluster.orchestrator.supervisor import WorkerSupervisor
+
+CONTROLLER_NAME = "controller"
+NODE_RESOURCE_SHARE = 0.001  # a sliver of Ray's built-in "node:<ip>" resource pins an actor
+SUPERVISOR_CONCURRENCY = 4  # start() blocks while status()/stop() must still answer
+
+
+class ClusterStartError(RuntimeError):
+    """One or more processes did not become ready; the message lists each with its log tail."""
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Everything the controller needs, computed by the CLI from the topology."""
+
+    namespace: str
+    endpoint: str
+    workers: tuple[LaunchPlan, ...]
+    router: LaunchPlan
+    router_config_path: str
+    router_config_json: str
+    node_addresses: tuple[tuple[str, str], ...]  # (node name, address)
+
+
+def _cause(err: BaseException) -> str:
+    if isinstance(err, RayTaskError):
+        return str(err.cause) if err.cause is not None else str(err)
+    return str(err)
+
+
+class ClusterController:
+    """Creates, starts, reports on and stops every supervised process of one cluster."""
+
+    def __init__(self, spec: ClusterSpec) -> None:
+        self._spec = spec
+        self._supervisors: dict[str, Any] = {}
+        self._order: list[str] = []
+
+    def _supervisor(self, plan: LaunchPlan) -> Any:
+        address = dict(self._spec.node_addresses)[plan.node]
+        alive = {n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+        if address not in alive:
+            raise ClusterStartError(
+                f"{plan.name}: node {plan.node!r} ({address}) is not in the Ray cluster "
+                f"(nodes: {', '.join(sorted(alive))}); join it with `ray start --address ...` "
+                "or fix nodes[].address")
+        actor = ray.remote(WorkerSupervisor).options(
+            name=f"supervisor-{plan.name}", num_cpus=0, max_concurrency=SUPERVISOR_CONCURRENCY,
+            resources={f"node:{address}": NODE_RESOURCE_SHARE},
+        ).remote(plan)
+        self._supervisors[plan.name] = actor
+        self._order.append(plan.name)
+        return actor
+
+    def _start_all(self, plans: list[LaunchPlan], timeout_s: float) -> list[str]:
+        refs = {p.name: self._supervisor(p).start.remote(timeout_s) for p in plans}
+        failures = []
+        for name, ref in refs.items():
+            try:
+                ray.get(ref)
+            except (RayTaskError, RayActorError) as e:
+                failures.append(f"{name}: {_cause(e)}")
+        return failures
+
+    def up(self, timeout_s: float) -> dict[str, Any]:
+        """Start workers, then the router; on any failure stop everything and raise."""
+        try:
+            failures = self._start_all(list(self._spec.workers), timeout_s)
+            if not failures:
+                path = Path(self._spec.router_config_path)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(self._spec.router_config_json)
+                failures = self._start_all([self._spec.router], timeout_s)
+        except ClusterStartError as e:
+            failures = [str(e)]
+        if failures:
+            self.stop(deadline_s=10.0)
+            raise ClusterStartError("the cluster did not come up:\n" + "\n".join(failures))
+        return self.status()
+
+    def status(self) -> dict[str, Any]:
+        """{"endpoint": ..., "workers": [status dict per process, in start order]}."""
+        rows = []
+        names = [p.name for p in self._spec.workers] + [self._spec.router.name]
+        supervisors = dict(self._supervisors)
+        refs = {n: supervisors[n].status.remote() for n in names if n in supervisors}
+        for name in names:
+            if name not in refs:
+                continue
+            try:
+                rows.append(ray.get(refs[name], timeout=30))
+            except (RayTaskError, RayActorError) as e:
+                rows.append({"name": name, "error": f"supervisor unreachable: {_cause(e)}"})
+        return {"endpoint": self._spec.endpoint, "workers": rows}
+
+    def pids(self) -> dict[str, list[int]]:
+        """Every local pid this cluster runs: controller, supervisors, supervised processes."""
+        found = [ray.get(a.pids.remote(), timeout=30) for a in dict(self._supervisors).values()]
+        return {"controller": [os.getpid()],
+                "supervisors": [f["supervisor"] for f in found],
+                "processes": [f["process"] for f in found if f["process"] is not None]}
+
+    def stop(self, deadline_s: float) -> dict[str, Any]:
+        """Router first, then every worker at once: SIGTERM, SIGKILL after `deadline_s`."""
+        final: list[dict[str, Any]] = []
+        router = self._supervisors.get(self._spec.router.name)
+        groups = [[router] if router is not None else [],
+                  [a for n, a in self._supervisors.items() if n != self._spec.router.name]]
+        for group in groups:
+            refs = [a.stop.remote(deadline_s) for a in group]
+            for ref in refs:
+                try:
+                    final.append(ray.get(ref))
+                except (RayTaskError, RayActorError) as e:
+                    final.append({"error": f"stop failed: {_cause(e)}"})
+        for actor in self._supervisors.values():
+            ray.kill(actor)
+        self._supervisors.clear()
+        return {"endpoint": self._spec.endpoint, "workers": final}

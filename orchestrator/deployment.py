@@ -1,0 +1,203 @@
+"""The deployment: the `up`, `status` and `down` sequences the CLI runs.
+
+`up`: validate -> plan -> preflight (all before anything starts) -> start or join Ray -> the
+detached controller -> it starts the supervisors and waits for READY -> record the cluster.
+`down`: stop the router and the workers through the controller, kill the controller, stop the
+Ray head only if `up` started it, check by pid that nothing is left, forget the record.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from dsv4_cluster.orchestrator import ray_cluster
+from dsv4_cluster.orchestrator.controller import (
+    CONTROLLER_NAME, ClusterController, ClusterSpec, ClusterStartError)
+from dsv4_cluster.orchestrator.plan import (
+    PlanError, cluster_plans, endpoint, router_config, router_config_path)
+from dsv4_cluster.orchestrator.preflight import preflight
+from dsv4_cluster.orchestrator.record import (
+    ClusterRecord, RecordError, clear_record, read_record, write_record)
+from dsv4_cluster.orchestrator.topology import load_topology
+
+CONTROLLER_CONCURRENCY = 8
+
+
+@dataclass(frozen=True)
+class UpOptions:
+    address: str | None = None  # join this Ray cluster; default: the topology's, else a new head
+    timeout_s: float = 600.0  # per process, from spawn to READY
+    head_timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class DownOptions:
+    timeout_s: float = 30.0  # SIGTERM, then SIGKILL after this many seconds
+
+
+class NotUpError(RuntimeError):
+    """There is no cluster to report on or stop."""
+
+
+class PreflightError(RuntimeError):
+    """The topology is valid but cannot start here; `problems` lists why."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+def _spec(topology: Any) -> ClusterSpec:
+    try:
+        workers, router = cluster_plans(topology)
+    except PlanError as e:
+        raise PreflightError([str(e)]) from e
+    problems = preflight(topology, [*workers, router])
+    if problems:
+        raise PreflightError(problems)
+    return ClusterSpec(
+        namespace=topology.cluster.namespace, endpoint=endpoint(topology), workers=tuple(workers),
+        router=router, router_config_path=str(router_config_path(topology)),
+        router_config_json=json.dumps(router_config(topology), indent=2) + "\n",
+        node_addresses=tuple((n.name, n.address) for n in topology.nodes),
+    )
+
+
+def _existing_cluster() -> ClusterRecord | None:
+    try:
+        record = read_record()
+    except RecordError:
+        return None
+    if record.head is not None and not ray_cluster.head_alive(record.head):
+        clear_record()  # its head is gone, and the processes died with it
+        return None
+    return record
+
+
+def up(topology_path: str, options: UpOptions) -> dict[str, Any]:
+    """Bring the cluster up; returns its status. Raises TopologyError and PreflightError before
+    anything starts, ClusterStartError after cleaning up what it started."""
+    topology = load_topology(topology_path)
+    spec = _spec(topology)
+    existing = _existing_cluster()
+    if existing is not None:
+        raise ClusterStartError(f"a cluster is already up ({existing.topology_path}, "
+                                f"{existing.endpoint}); run `dsv4-cluster down` first")
+    run_dir = topology.run_dir_path
+    address = options.address or topology.cluster.address
+    head = None
+    if address is None:
+        address, head = ray_cluster.start_head(run_dir / "logs" / "ray-head.log", None,
+                                               options.head_timeout_s)
+    record = ClusterRecord(address=address, namespace=spec.namespace, endpoint=spec.endpoint,
+                           topology_path=str(Path(topology_path).absolute()),
+                           run_dir=str(run_dir), head=head)
+    try:
+        ray_cluster.connect(address, spec.namespace)
+        _refuse_second_controller(spec.namespace)
+        write_record(record)
+        controller = ray.remote(ClusterController).options(
+            name=CONTROLLER_NAME, namespace=spec.namespace, lifetime="detached", num_cpus=0,
+            max_concurrency=CONTROLLER_CONCURRENCY).remote(spec)
+        try:
+            return ray.get(controller.up.remote(options.timeout_s))
+        except (RayTaskError, RayActorError) as e:
+            ray.kill(controller)
+            cause = e.cause if isinstance(e, RayTaskError) and e.cause is not None else e
+            raise ClusterStartError(str(cause)) from e
+    except BaseException:
+        ray_cluster.disconnect()
+        if head is not None:
+            ray_cluster.stop_head(head, deadline_s=10.0)
+        clear_record()
+        raise
+    finally:
+        ray_cluster.disconnect()
+
+
+def _refuse_second_controller(namespace: str) -> None:
+    try:
+        ray.get_actor(CONTROLLER_NAME, namespace=namespace)
+    except ValueError:
+        return
+    raise ClusterStartError(f"Ray namespace {namespace!r} already has a controller; run "
+                            "`dsv4-cluster down` or pick another cluster.namespace")
+
+
+def _controller(record: ClusterRecord) -> Any:
+    ray_cluster.connect(record.address, record.namespace)
+    try:
+        return ray.get_actor(CONTROLLER_NAME, namespace=record.namespace)
+    except ValueError:
+        raise NotUpError(f"no controller in Ray namespace {record.namespace!r} at "
+                         f"{record.address}; the cluster is gone — run `dsv4-cluster down` "
+                         "to clean up") from None
+
+
+def status() -> dict[str, Any]:
+    """The recorded cluster's status: {"endpoint", "workers": [...]}."""
+    try:
+        record = read_record()
+    except RecordError as e:
+        raise NotUpError(str(e)) from e
+    try:
+        return ray.get(_controller(record).status.remote(), timeout=60)
+    except (RayActorError, GetTimeoutError) as e:
+        raise NotUpError(f"the controller does not answer: {e}") from e
+    finally:
+        ray_cluster.disconnect()
+
+
+def _wait_gone(pids: list[int], deadline_s: float) -> list[int]:
+    end = time.monotonic() + deadline_s
+    while True:
+        alive = [p for p in pids if _pid_alive(p)]
+        if not alive or time.monotonic() > end:
+            return alive
+        time.sleep(0.1)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def down(options: DownOptions) -> dict[str, Any]:
+    """Stop everything `up` started; returns the processes' final status and what survived."""
+    try:
+        record = read_record()
+    except RecordError as e:
+        raise NotUpError(str(e)) from e
+    final: dict[str, Any] = {"endpoint": record.endpoint, "workers": []}
+    notes: list[str] = []
+    pids: list[int] = []
+    try:
+        controller = _controller(record)
+        found = ray.get(controller.pids.remote(), timeout=60)
+        pids = [*found["processes"], *found["supervisors"], *found["controller"]]
+        final = ray.get(controller.stop.remote(options.timeout_s), timeout=options.timeout_s + 60)
+        ray.kill(controller)
+    except (NotUpError, ray_cluster.RayClusterError, RayActorError, GetTimeoutError) as e:
+        notes.append(f"controller: {e}")
+    finally:
+        ray_cluster.disconnect()
+    if record.head is not None:
+        ray_cluster.stop_head(record.head, options.timeout_s)
+    survivors = _wait_gone(pids, options.timeout_s)
+    if record.head is not None and ray_cluster.head_alive(record.head):
+        survivors.append(record.head.pid)
+    clear_record()
+    final["survivors"] = survivors
+    final["notes"] = notes
+    return final

@@ -1,0 +1,247 @@
+"""Launch plans: the exact argv, env, log file and readiness probes of every supervised process.
+
+A plan is computed from the topology alone, before anything starts, so it can be printed,
+unit-tested flag by flag, and shipped to a supervisor actor as one frozen value. Two engines:
+the embedded engine (`python -m dsv4_cluster.workers.{prefill,decode}`) and SGLang
+(`python -m sglang.launch_server`, flags as SGLang 0.5.23's argument parser spells them).
+The router is planned here too; its JSON settings file is written by `write_router_config`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsv4_cluster.core import Role
+
+KERNEL_NAMES = ("sparse_mla_decode", "indexer", "topk")
+# SGLang 0.5.23 registers these parser names for DeepSeek-V4 (reasoning_parser_names.py and
+# function_call/parser_names.py in its wheel).
+SGLANG_REASONING_PARSER = "deepseek-v4"
+SGLANG_TOOL_CALL_PARSER = "deepseekv4"
+ROUTE_PROBE = "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
+
+
+class PlanError(ValueError):
+    """The topology asks for something no launch plan can honour yet."""
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """How to start one process and how to know it is ready."""
+
+    name: str
+    role: Role
+    node: str
+    argv: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+    cwd: str
+    log_path: str
+    port: int
+    health_url: str
+    readiness_urls: tuple[str, ...] = ()
+    server_info_url: str | None = None
+    metrics_url: str | None = None
+    ports: tuple[int, ...] = field(default=())
+
+    @property
+    def env_dict(self) -> dict[str, str]:
+        return dict(self.env)
+
+    @property
+    def all_readiness_urls(self) -> tuple[str, ...]:
+        return (self.health_url, *self.readiness_urls)
+
+
+def _value(x: Any) -> str:
+    return str(getattr(x, "value", x))
+
+
+def requested_kernels(topology: Any) -> tuple[str, ...]:
+    return tuple(k for k in KERNEL_NAMES if getattr(topology.kernels, k))
+
+
+def _probe_host(address: str, bind_host: str) -> str:
+    """Where the orchestrator reaches a server that binds `bind_host` on a node at `address`."""
+    return address if bind_host in ("0.0.0.0", "::", "") else bind_host
+
+
+def _log_path(topology: Any, name: str) -> str:
+    return str(Path(topology.run_dir_path) / "logs" / f"{name}.log")
+
+
+def _numactl_prefix(worker: Any) -> list[str]:
+    if worker.numa_node is None:
+        return []
+    n = str(worker.numa_node)
+    return ["numactl", f"--cpunodebind={n}", f"--membind={n}"]
+
+
+def _worker_env(topology: Any, worker: Any) -> dict[str, str]:
+    env = {"PYTHONUNBUFFERED": "1"}
+    if worker.gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in worker.gpus)
+    if topology.transfer.ucx_tls:
+        env["UCX_TLS"] = topology.transfer.ucx_tls
+    return env
+
+
+def embedded_argv(topology: Any, worker: Any) -> list[str]:
+    role = _value(worker.role)
+    argv = [sys.executable, "-m", f"dsv4_cluster.workers.{role}", "--host", "0.0.0.0",
+            "--port", str(worker.port)]
+    if role == Role.PREFILL.value:
+        argv += ["--disaggregation-bootstrap-port", str(worker.bootstrap_port)]
+    argv += [
+        "--served-model-name", topology.model.name,
+        "--seed", str(topology.model.seed),
+        "--context-length", str(topology.model.context_length),
+        "--page-size", str(worker.page_size),
+        "--kv-cache-dtype", str(worker.kv_cache_dtype),
+    ]
+    if worker.max_total_tokens is not None:
+        argv += ["--max-total-tokens", str(worker.max_total_tokens)]
+    argv += [
+        "--transfer-backend", _value(topology.transfer.backend),
+        "--device", _value(worker.device),
+        "--node-address", topology.node(worker.node).address,
+    ]
+    if topology.transfer.ucx_tls:
+        argv += ["--ucx-tls", topology.transfer.ucx_tls]
+    kernels = requested_kernels(topology)
+    if kernels:
+        argv += ["--kernels", ",".join(kernels)]
+    return argv + [str(a) for a in worker.extra_args]
+
+
+def sglang_argv(topology: Any, worker: Any) -> list[str]:
+    """SGLang 0.5.23 `launch_server` flags; each name checked against its arg_groups/fields."""
+    kernels = requested_kernels(topology)
+    if kernels:
+        raise PlanError(
+            f"kernels {', '.join(kernels)} requested, but installing custom kernels into SGLang "
+            "is not implemented yet; set every kernels.* to false for engine sglang"
+        )
+    role = _value(worker.role)
+    argv = [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", str(topology.model.path),
+        "--served-model-name", topology.model.name,
+        "--tp-size", str(worker.tp),
+        "--host", "0.0.0.0",
+        "--port", str(worker.port),
+        "--nccl-port", str(worker.nccl_port),
+        "--disaggregation-mode", role,
+        "--disaggregation-transfer-backend", _value(topology.transfer.backend),
+    ]
+    if role == Role.PREFILL.value:
+        argv += ["--disaggregation-bootstrap-port", str(worker.bootstrap_port)]
+    argv += [
+        "--page-size", str(worker.page_size),
+        "--kv-cache-dtype", str(worker.kv_cache_dtype),
+        "--context-length", str(topology.model.context_length),
+        "--random-seed", str(topology.model.seed),
+    ]
+    if worker.max_total_tokens is not None:
+        argv += ["--max-total-tokens", str(worker.max_total_tokens)]
+    argv += [
+        "--enable-metrics",
+        "--trust-remote-code",
+        "--reasoning-parser", SGLANG_REASONING_PARSER,
+        "--tool-call-parser", SGLANG_TOOL_CALL_PARSER,
+    ]
+    return argv + [str(a) for a in worker.extra_args]
+
+
+def worker_plan(topology: Any, worker: Any) -> LaunchPlan:
+    """The plan of one prefill or decode worker, for either engine."""
+    engine = _value(topology.engine)
+    if engine == "embedded":
+        argv = embedded_argv(topology, worker)
+    elif engine == "sglang":
+        argv = sglang_argv(topology, worker)
+    else:
+        raise PlanError(f"engine {engine!r} has no launch plan; use embedded or sglang")
+    role = Role(_value(worker.role))
+    host = topology.node(worker.node).address
+    base = f"http://{host}:{worker.port}"
+    readiness: tuple[str, ...] = ()
+    ports: tuple[int, ...] = (worker.port,)
+    if role is Role.PREFILL:
+        boot = f"http://{host}:{worker.bootstrap_port}"
+        readiness = (f"{boot}/health", f"{boot}{ROUTE_PROBE}")
+        ports += (worker.bootstrap_port,)
+    if worker.nccl_port is not None:
+        ports += (worker.nccl_port,)
+    return LaunchPlan(
+        name=worker.name,
+        role=role,
+        node=worker.node,
+        argv=tuple(_numactl_prefix(worker) + argv),
+        env=tuple(sorted(_worker_env(topology, worker).items())),
+        cwd=str(topology.run_dir_path),
+        log_path=_log_path(topology, worker.name),
+        port=worker.port,
+        health_url=f"{base}/health",
+        readiness_urls=readiness,
+        server_info_url=f"{base}/server_info",
+        metrics_url=f"{base}/metrics",
+        ports=ports,
+    )
+
+
+def router_config(topology: Any) -> dict[str, Any]:
+    """The router's JSON settings: every worker, reachable at its node's address."""
+    prefill, decode = [], []
+    for w in topology.prefill:
+        host = topology.node(w.node).address
+        prefill.append({"name": w.name, "url": f"http://{host}:{w.port}",
+                        "bootstrap_host": host, "bootstrap_port": w.bootstrap_port})
+    for w in topology.decode:
+        host = topology.node(w.node).address
+        decode.append({"name": w.name, "url": f"http://{host}:{w.port}"})
+    return {"host": topology.router.host, "port": topology.router.port,
+            "model_name": topology.model.name, "prefill": prefill, "decode": decode}
+
+
+def router_config_path(topology: Any) -> Path:
+    return Path(topology.run_dir_path) / "router.json"
+
+
+def write_router_config(topology: Any) -> Path:
+    path = router_config_path(topology)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(router_config(topology), indent=2) + "\n")
+    return path
+
+
+def router_plan(topology: Any) -> LaunchPlan:
+    """The router's plan; its settings file is `router_config_path(topology)`."""
+    r = topology.router
+    host = _probe_host(topology.node(r.node).address, r.host)
+    return LaunchPlan(
+        name="router",
+        role=Role.ROUTER,
+        node=r.node,
+        argv=(sys.executable, "-m", "dsv4_cluster.router", "--config",
+              str(router_config_path(topology))),
+        env=(("PYTHONUNBUFFERED", "1"),),
+        cwd=str(topology.run_dir_path),
+        log_path=_log_path(topology, "router"),
+        port=r.port,
+        health_url=f"http://{host}:{r.port}/health",
+        ports=(r.port,),
+    )
+
+
+def endpoint(topology: Any) -> str:
+    r = topology.router
+    return f"http://{r.host}:{r.port}/v1"
+
+
+def cluster_plans(topology: Any) -> tuple[list[LaunchPlan], LaunchPlan]:
+    """Every worker's plan (prefill then decode) and the router's; raises PlanError."""
+    return [worker_plan(topology, w) for w in topology.workers], router_plan(topology)

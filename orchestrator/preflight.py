@@ -1,0 +1,72 @@
+"""Preflight: what `up` checks on this machine before it starts anything.
+
+The topology loader checks the file; this checks the machine against it: every listening port
+free, `numactl` present when a worker is pinned to a NUMA node, NIXL importable for the nixl
+transfer, SGLang installed at the pinned version for the sglang engine. Every problem is
+reported at once, like the loader's. Ports are only checked for nodes whose address is this
+machine's (a remote node's ports are its own business).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import shutil
+import socket
+from typing import Any
+
+from dsv4_cluster.orchestrator.plan import LaunchPlan
+from dsv4_cluster.orchestrator.ports import port_is_free
+
+SGLANG_VERSION = "0.5.23"
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "0.0.0.0", "::1")
+
+
+def _is_local(address: str) -> bool:
+    if address in LOCAL_HOSTS or address.startswith("127."):
+        return True
+    try:
+        mine = {socket.gethostname(), socket.getfqdn()}
+        mine |= {ai[4][0] for ai in socket.getaddrinfo(socket.gethostname(), None)}
+    except OSError:
+        return False
+    return address in mine
+
+
+def port_problems(topology: Any, plans: list[LaunchPlan]) -> list[str]:
+    problems = []
+    for plan in plans:
+        if not _is_local(topology.node(plan.node).address):
+            continue
+        for port in plan.ports:
+            if not port_is_free(port):
+                problems.append(f"{plan.name}: port {port} is in use on this machine — stop what "
+                                "listens there (`ss -ltnp`) or pick another port in the topology")
+    return problems
+
+
+def machine_problems(topology: Any) -> list[str]:
+    problems = []
+    pinned = [w.name for w in topology.workers if w.numa_node is not None]
+    if pinned and shutil.which("numactl") is None:
+        problems.append(f"{', '.join(pinned)}: numa_node is set but `numactl` is not installed — "
+                        "apt-get install -y numactl, or remove numa_node")
+    if str(topology.transfer.backend) == "nixl" and importlib.util.find_spec("nixl") is None:
+        problems.append("transfer.backend is nixl but the `nixl` package is not importable — "
+                        "pip install nixl-cu13, or set transfer.backend: tcp")
+    if str(topology.engine) == "sglang":
+        try:
+            found = importlib.metadata.version("sglang")
+        except importlib.metadata.PackageNotFoundError:
+            problems.append(f"engine is sglang but SGLang is not installed — pip install "
+                            f"sglang=={SGLANG_VERSION}, or use engine: embedded")
+        else:
+            if found != SGLANG_VERSION:
+                problems.append(f"engine is sglang: found SGLang {found}, the launch flags are "
+                                f"checked against {SGLANG_VERSION} — pip install sglang=={SGLANG_VERSION}")
+    return problems
+
+
+def preflight(topology: Any, plans: list[LaunchPlan]) -> list[str]:
+    """Every problem that would stop the cluster from starting here; empty when none."""
+    return machine_problems(topology) + port_problems(topology, plans)

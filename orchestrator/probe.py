@@ -1,0 +1,59 @@
+"""HTTP probes of a running worker: readiness and KV cache capacity/usage.
+
+Readiness is "every URL answers 200" (a worker's `/health`; for prefill also its bootstrap
+server's `/health` and `/route`). KV numbers come from `/server_info` (`max_total_num_tokens`,
+`internal_states[0].num_used_tokens`); SGLang's internal state may lack the usage, so `/metrics`
+(`sglang:num_used_tokens`) is the fallback.
+"""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+
+from dsv4_cluster.core import KvUsage
+
+_USED_RE = re.compile(r"^sglang:num_used_tokens(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.MULTILINE)
+
+
+class ProbeError(RuntimeError):
+    """A worker answered, but not with what the protocol promises."""
+
+
+def first_unready(client: httpx.Client, urls: tuple[str, ...]) -> str | None:
+    """The first URL that does not answer 200 yet (with why), or None when all do."""
+    for url in urls:
+        try:
+            r = client.get(url)
+        except httpx.HTTPError as e:
+            return f"{url}: {type(e).__name__}"
+        if r.status_code != 200:
+            return f"{url}: HTTP {r.status_code}"
+    return None
+
+
+def _used_from_metrics(client: httpx.Client, metrics_url: str) -> int:
+    r = client.get(metrics_url)
+    r.raise_for_status()
+    values = [float(m) for m in _USED_RE.findall(r.text)]
+    if not values:
+        raise ProbeError(f"{metrics_url} has no sglang:num_used_tokens sample")
+    return int(sum(values))
+
+
+def kv_usage(client: httpx.Client, server_info_url: str, metrics_url: str | None) -> KvUsage:
+    """KV capacity and usage in tokens; raises httpx.HTTPError or ProbeError."""
+    r = client.get(server_info_url)
+    r.raise_for_status()
+    info = r.json()
+    if "max_total_num_tokens" not in info:
+        raise ProbeError(f"{server_info_url} lacks max_total_num_tokens")
+    capacity = int(info["max_total_num_tokens"])
+    states = info.get("internal_states") or [{}]
+    used = states[0].get("num_used_tokens")
+    if used is None:
+        if metrics_url is None:
+            raise ProbeError(f"{server_info_url} lacks internal_states[0].num_used_tokens")
+        return KvUsage(capacity, _used_from_metrics(client, metrics_url))
+    return KvUsage(capacity, int(used))

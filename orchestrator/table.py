@@ -1,0 +1,30 @@
+"""The status table `up` and `status` print: one row per supervised process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+COLUMNS = ("NAME", "ROLE", "NODE", "PID", "STATE", "RESTARTS", "PORT", "KV_CAPACITY", "KV_USED")
+
+
+def _cell(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def status_rows(workers: list[dict[str, Any]]) -> list[tuple[str, ...]]:
+    return [
+        tuple(_cell(w.get(k)) for k in ("name", "role", "node", "pid", "state", "restarts", "port",
+                                         "kv_capacity_tokens", "kv_used_tokens"))
+        for w in workers
+    ]
+
+
+def render_table(status: dict[str, Any]) -> str:
+    """The table, then one line per process that reports an error."""
+    rows = [COLUMNS, *status_rows(status["workers"])]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    for w in status["workers"]:
+        if w.get("error"):
+            lines.append(f"{w.get('name', '?')}: {w['error']}")
+    return "\n".join(lines)
