@@ -1,0 +1,80 @@
+"""Worker command-line arguments. Flag names follow SGLang's where SGLang has the same concept."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+KERNEL_NAMES = ("sparse_mla_decode", "indexer", "topk")
+
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    mode: Literal["prefill", "decode"]
+    host: str = "127.0.0.1"
+    port: int = 30100
+    disaggregation_bootstrap_port: int | None = None
+    served_model_name: str = "dsv4-tiny"
+    seed: int = 0
+    context_length: int = 2048
+    page_size: int = 16
+    kv_cache_dtype: str = "auto"
+    max_total_tokens: int = 16384
+    transfer_backend: str = "nixl"
+    device: str = "cpu"
+    node_address: str = "127.0.0.1"
+    ucx_tls: str | None = None
+    kernels: str = ""
+    peer_timeout_s: float = 30.0
+    transfer_timeout_s: float = 60.0
+    log_level: str = "info"
+
+    @property
+    def kernel_list(self) -> tuple[str, ...]:
+        return tuple(k for k in self.kernels.split(",") if k)
+
+
+class ArgsError(ValueError):
+    """A worker flag with a value the embedded engine cannot serve."""
+
+
+def parse_args(mode: str, argv: list[str] | None = None) -> WorkerArgs:
+    parser = argparse.ArgumentParser(prog=f"python -m dsv4_cluster.workers.{mode}",
+                                     description=f"Embedded DeepSeek-V4-shaped {mode} worker")
+    for f in dataclasses.fields(WorkerArgs):
+        if f.name == "mode" or (f.name == "disaggregation_bootstrap_port" and mode == "decode"):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = {"int": int, "float": float, "int | None": int, "str | None": str}.get(str(f.type), str)
+        parser.add_argument(flag, type=kind, default=f.default, help=f"(default: {f.default})")
+    ns = vars(parser.parse_args(argv))
+    args = WorkerArgs(mode=mode, **ns)
+    problems = validate(args)
+    if problems:
+        parser.error("; ".join(problems))
+    return args
+
+
+def validate(args: WorkerArgs) -> list[str]:
+    problems = []
+    if args.mode == "prefill" and not args.disaggregation_bootstrap_port:
+        problems.append("--disaggregation-bootstrap-port is required for a prefill worker")
+    if args.transfer_backend != "nixl":
+        problems.append(f"--transfer-backend {args.transfer_backend!r}: the embedded engine implements only "
+                        "'nixl' (no silent fallback); use nixl")
+    if args.kv_cache_dtype not in ("auto", "float32"):
+        problems.append(f"--kv-cache-dtype {args.kv_cache_dtype!r}: the embedded engine keeps KV in float32 "
+                        "('auto'); bf16 and fp8 layouts are for SGLang")
+    if args.device not in ("cpu", "cuda"):
+        problems.append(f"--device {args.device!r}: use cpu or cuda")
+    if args.page_size <= 0 or args.page_size % 4:
+        problems.append(f"--page-size {args.page_size}: must be a positive multiple of 4 (the compression ratio)")
+    if args.max_total_tokens < args.context_length:
+        problems.append(f"--max-total-tokens {args.max_total_tokens} is smaller than --context-length "
+                        f"{args.context_length}: one full-length request could never fit")
+    unknown = [k for k in args.kernel_list if k not in KERNEL_NAMES]
+    if unknown:
+        problems.append(f"--kernels: unknown {unknown}; choose from {', '.join(KERNEL_NAMES)}")
+    return problems

@@ -1,0 +1,6 @@
+"""`python -m dsv4_cluster.workers.decode`: run one embedded decode worker until SIGTERM."""
+
+from ..main import main
+
+if __name__ == "__main__":
+    main("decode")

@@ -1,0 +1,136 @@
+"""Decode engine: reserve KV pages, wait for prefill's WRITE, then decode in a continuous batch.
+
+Request lifecycle on the decode side:
+1. The router's POST arrives with bootstrap_host/port/room (without them: 400, decode cannot
+   prefill). The handler tokenizes and submits a `Req`; it waits in the prealloc queue until the pool
+   has pages for prompt + max output (so a running request never runs out of KV).
+2. With pages reserved, the engine emits `Reserved`; the handler registers this worker's NIXL agent
+   with the prefill's bootstrap server (once per prefill) and tells it the room's destination pages.
+3. Prefill WRITEs the KV pages and sends a notification with the room and the first output token.
+   A request whose KV does not land within `transfer_timeout_s` fails with 500.
+4. The request joins the running batch; each step decodes one token for every running request.
+5. On EOS, a stop string, or its length budget, it finishes and its pages go back to the pool.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import deque
+
+from ..engine import Engine
+from ..kv_pool import PoolExhausted
+from ..request import Req, ReqState, Reserved, Token
+from ..runner import ModelRunner
+from ..tokenizer import ByteTokenizer
+from ..transfer import NixlTransfer
+
+log = logging.getLogger(__name__)
+
+
+class DecodeEngine(Engine):
+    def __init__(self, runner: ModelRunner, transfer: NixlTransfer, tokenizer: ByteTokenizer,
+                 transfer_timeout_s: float = 60.0, max_running: int = 64):
+        super().__init__(runner, "decode-engine")
+        self.transfer = transfer
+        self.tokenizer = tokenizer
+        self.transfer_timeout_s = transfer_timeout_s
+        self.max_running = max_running
+        self._prealloc: deque[Req] = deque()
+        self._by_room: dict[int, Req] = {}
+        self._running: list[Req] = []
+        # Pages of requests that failed while prefill may still be writing into them: held until
+        # their notification arrives or the quarantine expires, never handed to another request.
+        self._quarantine: dict[int, tuple[list[int], float]] = {}
+
+    def on_submit(self, req: Req) -> None:
+        self._prealloc.append(req)
+
+    def on_fail(self, req: Req) -> None:
+        if req in self._prealloc:
+            self._prealloc.remove(req)
+        if req in self._running:
+            self._running.remove(req)
+        if req.room is not None and self._by_room.get(req.room) is req:
+            del self._by_room[req.room]
+            if req.state is ReqState.WAITING_PEER and req.pages:
+                self._quarantine[req.room] = (req.pages, self.now() + 4 * self.transfer_timeout_s)
+                req.pages = []
+
+    def step(self) -> bool:
+        worked = self._reserve()
+        worked |= self._receive()
+        worked |= self._decode()
+        s = self.stats
+        s.num_queued, s.num_waiting_peer, s.num_running = (
+            len(self._prealloc), len(self._by_room), len(self._running))
+        return worked
+
+    def _reserve(self) -> bool:
+        worked = False
+        while self._prealloc and len(self._running) + len(self._by_room) < self.max_running:
+            req = self._prealloc[0]
+            try:
+                req.pages = self.runner.pool.alloc(req.budget)
+            except PoolExhausted:
+                break
+            self._prealloc.popleft()
+            req.state = ReqState.WAITING_PEER
+            req.deadline = self.now() + self.transfer_timeout_s
+            self._by_room[req.room] = req
+            req.emit(Reserved(list(req.pages)))
+            worked = True
+        for room, req in list(self._by_room.items()):
+            if self.now() > req.deadline:
+                self.stats.transfer_failed += 1
+                self.fail(req, 500, f"KV for bootstrap_room {room} did not arrive from prefill within "
+                                    f"{self.transfer_timeout_s:.0f}s")
+        now = self.now()
+        for room, (pages, expires) in list(self._quarantine.items()):
+            if now > expires:
+                del self._quarantine[room]
+                self.runner.pool.release(pages)
+        return worked
+
+    def _receive(self) -> bool:
+        notifs = self.transfer.notifications()
+        for raw in notifs:
+            msg = json.loads(raw)
+            room, first = int(msg["room"]), int(msg["first_token"])
+            if room in self._quarantine:
+                self.runner.pool.release(self._quarantine.pop(room)[0])
+                continue
+            req = self._by_room.pop(room, None)
+            if req is None:
+                log.warning("KV arrived for unknown bootstrap_room %s; ignored", room)
+                continue
+            req.state = ReqState.RUNNING
+            self._emit_token(req, first)
+            if req.state is ReqState.RUNNING:
+                self._running.append(req)
+        return bool(notifs)
+
+    def _decode(self) -> bool:
+        if not self._running:
+            return False
+        batch = list(self._running)
+        started = time.monotonic()
+        n_prompt = [len(r.prompt_ids) for r in batch]
+        logits = self.runner.decode([r.out[-1] for r in batch],
+                                    [n + len(r.out) - 1 for n, r in zip(n_prompt, batch)],
+                                    [r.pages for r in batch])
+        for req, row in zip(batch, logits):
+            self._emit_token(req, self.runner.sampler.sample(row, req.params, len(req.out)))
+        self._running = [r for r in self._running if r.state is ReqState.RUNNING]
+        self.throughput(len(batch), time.monotonic() - started)
+        return True
+
+    def _emit_token(self, req: Req, token: int) -> None:
+        req.out.append(token)
+        req.last_token_time = time.monotonic()
+        self.stats.generation_tokens += 1
+        reason = req.finish_reason(self.tokenizer.eos_token_id, self.tokenizer.decode)
+        req.emit(Token(token, reason))
+        if reason is not None:
+            self.finish(req)

@@ -1,0 +1,91 @@
+"""Embedded decode worker: reserves KV, registers with the request's prefill, streams tokens."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+import httpx
+from fastapi import FastAPI
+
+from ..args import WorkerArgs
+from ..request import Event, Failed, Reserved, Token
+from ..responses import GenSpec
+from ..runner import ModelRunner
+from ..server import BadRequest, WorkerServer
+from ..transfer import NixlTransfer
+from .engine import DecodeEngine
+
+
+class BootstrapError(RuntimeError):
+    """The prefill's bootstrap server refused or could not be reached."""
+
+
+class DecodeServer(WorkerServer):
+    role = "decode"
+
+    def __init__(self, args: WorkerArgs):
+        super().__init__(args)
+        self._registered: set[str] = set()
+        self._client: httpx.AsyncClient | None = None
+
+    def build_engine(self, runner: ModelRunner) -> DecodeEngine:
+        a = self.args
+        transfer = NixlTransfer(f"decode-{a.node_address}-{a.port}", runner.pool, a.ucx_tls)
+        return DecodeEngine(runner, transfer, self.tokenizer, transfer_timeout_s=a.transfer_timeout_s)
+
+    def check(self, spec: GenSpec) -> None:
+        if spec.room is None or spec.bootstrap_host is None:
+            raise BadRequest("a decode server cannot prefill: the request lacks bootstrap_host/bootstrap_port/"
+                             "bootstrap_room; send it through the router, which pairs it with a prefill server")
+
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=5.0))
+        return self._client
+
+    async def _tell_prefill(self, spec: GenSpec, pages: list[int]) -> None:
+        base = f"http://{spec.bootstrap_host}:{spec.bootstrap_port or 8998}"
+        body = {"room": spec.room, "agent_name": self.engine.transfer.name, "pages": pages}
+        try:
+            for attempt in range(2):
+                if base not in self._registered:
+                    info = await asyncio.to_thread(lambda: self.engine.transfer.local_info().to_json())
+                    r = await self.client().post(base + "/kv/register", json=info)
+                    if r.status_code != 200:
+                        raise BootstrapError(f"prefill bootstrap {base} refused registration: {r.text}")
+                    self._registered.add(base)
+                r = await self.client().post(base + "/kv/reserve", json=body)
+                if r.status_code == 409 and attempt == 0:   # prefill restarted and forgot us
+                    self._registered.discard(base)
+                    continue
+                if r.status_code != 200:
+                    raise BootstrapError(f"prefill bootstrap {base} refused room {spec.room}: {r.text}")
+                return
+        except httpx.HTTPError as exc:
+            raise BootstrapError(f"prefill bootstrap {base} unreachable: {exc!r}") from None
+
+    async def events(self, spec: GenSpec) -> AsyncIterator[Event]:
+        req, queue = await self.submit(spec)
+        done = False
+        try:
+            while not done:
+                ev = await queue.get()
+                if isinstance(ev, Reserved):
+                    try:
+                        await self._tell_prefill(spec, ev.pages)
+                    except BootstrapError as exc:
+                        self.engine.stats.bootstrap_failed += 1
+                        self.engine.abort(req.rid, str(exc))
+                        done = True
+                        yield Failed(500, f"KV bootstrap failed: {exc}")
+                    continue
+                done = isinstance(ev, Failed) or (isinstance(ev, Token) and ev.finish_reason is not None)
+                yield ev
+        finally:
+            if not done:
+                self.engine.abort(req.rid, "the client went away")
+
+
+def make_apps(args: WorkerArgs) -> list[tuple[FastAPI, str, int]]:
+    return [(DecodeServer(args).build_app(), args.host, args.port)]

@@ -1,0 +1,157 @@
+"""The engine thread both roles share: an inbox, a scheduling loop, aborts, and live statistics.
+
+HTTP handlers never touch the model or the pool: they `submit` a `Req` and read its events. The
+role-specific work (what one scheduling step does) lives in the prefill and decode engines.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from .request import Failed, Req, ReqState
+from .runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    """Counters and gauges the metrics endpoint and /server_info read (written by the engine thread)."""
+
+    num_running: int = 0
+    num_queued: int = 0
+    num_waiting_peer: int = 0
+    num_transferring: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    requests: int = 0
+    aborted: int = 0
+    bootstrap_failed: int = 0
+    transfer_failed: int = 0
+    last_gen_throughput: float = 0.0
+    last_transfer_gb_s: float = 0.0
+    last_transfer_ms: float = 0.0
+
+
+class Engine:
+    """Base scheduling loop. Subclasses implement `step()` -> bool (True if it did work)."""
+
+    idle_wait_s = 0.002
+
+    def __init__(self, runner: ModelRunner, name: str):
+        self.runner = runner
+        self.stats = EngineStats()
+        self._inbox: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.reqs: dict[str, Req] = {}
+        self.fatal: str | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.fatal is None
+
+    def submit(self, req: Req) -> None:
+        self._inbox.put(("submit", req))
+
+    def abort(self, rid: str, reason: str = "aborted by request") -> None:
+        self._inbox.put(("abort", (rid, reason)))
+
+    def call(self, fn) -> None:
+        """Run `fn()` on the engine thread (for state that only the engine may touch)."""
+        self._inbox.put(("call", fn))
+
+    # -- engine thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                drained = self._drain()
+                worked = self.step()
+                if not (drained or worked):
+                    self._wait_for_work()
+        except Exception as exc:   # the engine is dead: fail every request loudly, never hang them
+            log.exception("engine thread crashed")
+            self.fatal = f"engine crashed: {exc!r}"
+            for req in list(self.reqs.values()):
+                self.fail(req, 500, self.fatal)
+
+    def _wait_for_work(self) -> None:
+        try:
+            item = self._inbox.get(timeout=self.idle_wait_s)
+        except queue.Empty:
+            return
+        self._handle(item)
+
+    def _drain(self) -> bool:
+        got = False
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return got
+            got = True
+            self._handle(item)
+
+    def _handle(self, item) -> None:
+        kind, payload = item
+        if kind == "submit":
+            self.reqs[payload.rid] = payload
+            self.stats.requests += 1
+            self.on_submit(payload)
+        elif kind == "abort":
+            rid, reason = payload
+            req = self.reqs.get(rid)
+            if req is not None:
+                self.stats.aborted += 1
+                self.fail(req, 499, reason, state=ReqState.ABORTED)
+        else:
+            payload()
+
+    def on_submit(self, req: Req) -> None:
+        """Called on the engine thread when a request arrives."""
+
+    def release(self, req: Req) -> None:
+        """Free the request's pages unless a transfer may still write or read them."""
+        if req.pages and req.state is not ReqState.TRANSFERRING:
+            self.runner.pool.release(req.pages)
+            req.pages = []
+
+    def finish(self, req: Req, state: ReqState = ReqState.FINISHED) -> None:
+        req.state = state
+        self.release(req)
+        self.reqs.pop(req.rid, None)
+
+    def fail(self, req: Req, status: int, message: str, state: ReqState = ReqState.ABORTED) -> None:
+        keep_pages = req.state is ReqState.TRANSFERRING
+        self.on_fail(req)
+        req.emit(Failed(status, message))
+        if keep_pages:
+            req.state = state
+            self.reqs.pop(req.rid, None)
+        else:
+            self.finish(req, state)
+
+    def on_fail(self, req: Req) -> None:
+        """Role hook: drop the request from role-specific queues."""
+
+    def step(self) -> bool:
+        raise NotImplementedError
+
+    def throughput(self, tokens: int, seconds: float) -> None:
+        if seconds > 0:
+            self.stats.last_gen_throughput = tokens / seconds
+
+    @staticmethod
+    def now() -> float:
+        return time.monotonic()

@@ -1,0 +1,79 @@
+"""Prometheus metrics under SGLang's names, so one dashboard and one alert set serve both engines.
+
+Gauges and counters are read from the engine's live statistics at scrape time (a custom collector,
+no second copy of the numbers); latency histograms are observed by the HTTP handlers.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from .engine import Engine
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class _EngineCollector:
+    def __init__(self, engine: Engine, labels: dict[str, str], context_length: int):
+        self.engine, self.labels, self.context_length = engine, labels, context_length
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(name, doc, labels=list(self.labels))
+        g.add_metric(list(self.labels.values()), value)
+        return g
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        c = CounterMetricFamily(name, doc, labels=list(self.labels))
+        c.add_metric(list(self.labels.values()), value)
+        return c
+
+    def collect(self):
+        s, pool = self.engine.stats, self.engine.runner.pool
+        cap, used = pool.capacity_tokens, pool.used_tokens
+        g, c = self._gauge, self._counter
+        yield g("sglang:num_running_reqs", "Requests in the running batch", s.num_running)
+        yield g("sglang:num_queue_reqs", "Requests waiting for KV pages", s.num_queued)
+        yield g("sglang:token_usage", "Fraction of the KV pool in use", used / cap if cap else 0.0)
+        yield g("sglang:num_used_tokens", "KV tokens in use", used)
+        yield g("sglang:kv_used_tokens", "KV tokens in use", used)
+        yield g("sglang:kv_available_tokens", "KV tokens free", cap - used)
+        yield g("sglang:max_total_num_tokens", "KV pool capacity in tokens", cap)
+        yield g("sglang:gen_throughput", "Decode throughput of the last step (tokens/s)", s.last_gen_throughput)
+        yield g("sglang:cache_hit_rate", "Prefix cache hit rate (the embedded engine has no prefix cache)", 0.0)
+        yield g("sglang:context_len", "Maximum context length", self.context_length)
+        yield g("sglang:page_size", "KV page size in tokens", pool.layout.page_size)
+        yield g("sglang:num_prefill_bootstrap_queue_reqs", "Prefill requests waiting for pages",
+                s.num_queued if self.labels["engine_type"] == "prefill" else 0)
+        yield g("sglang:num_prefill_inflight_queue_reqs", "Prefill requests waiting for or in KV transfer",
+                s.num_waiting_peer + s.num_transferring if self.labels["engine_type"] == "prefill" else 0)
+        yield g("sglang:num_decode_prealloc_queue_reqs", "Decode requests waiting for pages",
+                s.num_queued if self.labels["engine_type"] == "decode" else 0)
+        yield g("sglang:num_decode_transfer_queue_reqs", "Decode requests waiting for KV to arrive",
+                s.num_waiting_peer if self.labels["engine_type"] == "decode" else 0)
+        yield g("sglang:kv_transfer_speed_gb_s", "Speed of the last KV transfer", s.last_transfer_gb_s)
+        yield g("sglang:kv_transfer_latency_ms", "Latency of the last KV transfer", s.last_transfer_ms)
+        yield c("sglang:prompt_tokens", "Prompt tokens processed", s.prompt_tokens)
+        yield c("sglang:generation_tokens", "Tokens generated", s.generation_tokens)
+        yield c("sglang:num_requests", "Requests received", s.requests)
+        yield c("sglang:num_aborted_requests", "Requests aborted", s.aborted)
+        yield c("sglang:num_bootstrap_failed_reqs", "Requests whose bootstrap failed", s.bootstrap_failed)
+        yield c("sglang:num_transfer_failed_reqs", "Requests whose KV transfer failed", s.transfer_failed)
+
+
+class WorkerMetrics:
+    def __init__(self, engine: Engine, model_name: str, engine_type: str, context_length: int):
+        labels = {"model_name": model_name, "engine_type": engine_type}
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine, labels, context_length))
+
+        def hist(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, list(labels), buckets=LATENCY_BUCKETS,
+                             registry=self.registry).labels(**labels)
+
+        self.ttft = hist("sglang:time_to_first_token_seconds", "Time to first token")
+        self.itl = hist("sglang:inter_token_latency_seconds", "Time between two output tokens")
+        self.e2e = hist("sglang:e2e_request_latency_seconds", "Request latency, arrival to last token")
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

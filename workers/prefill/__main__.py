@@ -1,0 +1,6 @@
+"""`python -m dsv4_cluster.workers.prefill`: run one embedded prefill worker until SIGTERM."""
+
+from ..main import main
+
+if __name__ == "__main__":
+    main("prefill")

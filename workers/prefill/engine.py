@@ -1,0 +1,162 @@
+"""Prefill engine: compute a prompt's KV, then WRITE its pages into the decode pool over NIXL.
+
+Request lifecycle on the prefill side:
+1. The router's POST arrives (same body as decode's, with bootstrap_room); the handler tokenizes
+   and submits a `Req` here. It waits in the bootstrap queue until the pool has pages for the prompt.
+2. The engine runs the prompt through the model and samples the first output token.
+3. It waits until the decode side has reserved pages for this room (`Destinations`, fed by the
+   bootstrap server), for at most `peer_timeout_s`.
+4. It WRITEs the prompt's pages into those pages with a notification carrying the room and the first
+   token; that notification is how decode learns the KV has landed.
+5. Once the WRITE is DONE, the pages are freed and the handler answers the router with one token
+   and finish_reason length (PROTOCOL.md).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from ..engine import Engine
+from ..kv_pool import PoolExhausted
+from ..request import Req, ReqState, Token
+from ..runner import ModelRunner
+from ..transfer import NixlTransfer, TransferError
+
+
+@dataclass(frozen=True)
+class Destination:
+    agent_name: str
+    pages: list[int]
+    arrived: float
+
+
+class Destinations:
+    """Rooms -> where decode reserved KV. Written by the bootstrap server, read by the engine."""
+
+    def __init__(self, ttl_s: float):
+        self._lock = threading.Lock()
+        self._by_room: dict[int, Destination] = {}
+        self._ttl_s = ttl_s
+
+    def put(self, room: int, agent_name: str, pages: list[int]) -> None:
+        with self._lock:
+            now = time.monotonic()
+            self._by_room = {r: d for r, d in self._by_room.items() if now - d.arrived < self._ttl_s}
+            self._by_room[room] = Destination(agent_name, pages, now)
+
+    def pop(self, room: int) -> Destination | None:
+        with self._lock:
+            return self._by_room.pop(room, None)
+
+    def cancel(self, room: int) -> None:
+        self.pop(room)
+
+
+def notif_message(room: int, first_token: int) -> bytes:
+    return json.dumps({"room": room, "first_token": first_token}).encode()
+
+
+class PrefillEngine(Engine):
+    def __init__(self, runner: ModelRunner, transfer: NixlTransfer, peer_timeout_s: float = 30.0):
+        super().__init__(runner, "prefill-engine")
+        self.transfer = transfer
+        self.destinations = Destinations(ttl_s=peer_timeout_s * 4)
+        self.peer_timeout_s = peer_timeout_s
+        self._bootstrap: deque[Req] = deque()
+        self._waiting_peer: list[Req] = []
+        self._inflight: list[tuple[Req, object, float, int]] = []
+
+    def on_submit(self, req: Req) -> None:
+        self._bootstrap.append(req)
+
+    def on_fail(self, req: Req) -> None:
+        if req in self._bootstrap:
+            self._bootstrap.remove(req)
+        if req in self._waiting_peer:
+            self._waiting_peer.remove(req)
+        if req.room is not None:
+            self.destinations.cancel(req.room)
+
+    def step(self) -> bool:
+        worked = self._poll_inflight()
+        worked |= self._send_ready()
+        worked |= self._prefill_one()
+        s = self.stats
+        s.num_queued, s.num_waiting_peer, s.num_transferring = (
+            len(self._bootstrap), len(self._waiting_peer), len(self._inflight))
+        return worked
+
+    def _prefill_one(self) -> bool:
+        if not self._bootstrap:
+            return False
+        req = self._bootstrap[0]
+        try:
+            req.pages = self.runner.pool.alloc(len(req.prompt_ids))
+        except PoolExhausted:
+            return False
+        self._bootstrap.popleft()
+        logits = self.runner.prefill(req.prompt_ids, req.pages)
+        req.out.append(self.runner.sampler.sample(logits, req.params, 0))
+        self.stats.prompt_tokens += len(req.prompt_ids)
+        req.state = ReqState.WAITING_PEER
+        req.deadline = self.now() + self.peer_timeout_s
+        self._waiting_peer.append(req)
+        return True
+
+    def _send_ready(self) -> bool:
+        worked = False
+        for req in list(self._waiting_peer):
+            dest = self.destinations.pop(req.room)
+            if dest is None:
+                if self.now() > req.deadline:
+                    self.stats.bootstrap_failed += 1
+                    self.fail(req, 500, f"decode never reserved KV for bootstrap_room {req.room} within "
+                                        f"{self.peer_timeout_s:.0f}s; is the decode server reachable and alive?")
+                continue
+            self._waiting_peer.remove(req)
+            worked = True
+            try:
+                handle = self.transfer.write_pages(dest.agent_name, req.pages, dest.pages,
+                                                   notif_message(req.room, req.out[0]))
+            except TransferError as exc:
+                self.stats.transfer_failed += 1
+                self.fail(req, 500, f"KV transfer failed: {exc}")
+                continue
+            req.state = ReqState.TRANSFERRING
+            nbytes = self._page_bytes() * len(req.pages)
+            self._inflight.append((req, handle, self.now(), nbytes))
+        return worked
+
+    def _poll_inflight(self) -> bool:
+        worked = False
+        for item in list(self._inflight):
+            req, handle, started, nbytes = item
+            state = self.transfer.poll(handle)
+            if state == "PROC":
+                continue
+            worked = True
+            self._inflight.remove(item)
+            was_aborted = req.state is ReqState.ABORTED
+            req.state = ReqState.FINISHED
+            if state == "DONE":
+                secs = max(self.now() - started, 1e-9)
+                self.stats.last_transfer_ms = secs * 1e3
+                self.stats.last_transfer_gb_s = nbytes / secs / 1e9
+                if not was_aborted:
+                    req.emit(Token(req.out[0], "length"))
+                self.finish(req)
+            else:
+                self.stats.transfer_failed += 1
+                req.state = ReqState.WAITING_PEER      # pages are ours again; fail() frees them
+                if was_aborted:
+                    self.finish(req)
+                else:
+                    self.fail(req, 500, f"KV transfer of bootstrap_room {req.room} failed in NIXL")
+        return worked
+
+    def _page_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.runner.pool.buffers()) // self.runner.pool.layout.num_pages

@@ -1,0 +1,297 @@
+"""The HTTP side both embedded roles share: SGLang's worker endpoints over an `Engine`.
+
+The model is built after the socket is listening, so `/health` answers 503 while starting and 200
+once serving, as SGLang's does. Role servers (prefill/decode) supply `events(spec)`: the request's
+lifecycle as an async stream of engine events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+import uuid
+from typing import AsyncIterator
+
+import torch
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from .. import __version__
+from .args import WorkerArgs
+from .engine import Engine
+from .metrics import WorkerMetrics
+from .model import ModelConfig
+from .protocol import AbortRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest
+from .request import Event, Failed, Req, Token, loop_emitter
+from .responses import GenSpec, ResponseBuilder, error_body, sse
+from .runner import ModelRunner, RunnerConfig
+from .tokenizer import ByteTokenizer, ChatTemplateError
+
+log = logging.getLogger(__name__)
+READY_LINE = "The server is fired up and ready to roll!"
+
+
+class BadRequest(ValueError):
+    """A request the worker refuses with 400 (the message says what to fix)."""
+
+
+class WorkerServer:
+    role = "unified"
+
+    def __init__(self, args: WorkerArgs):
+        self.args = args
+        self.tokenizer = ByteTokenizer()
+        self.engine: Engine | None = None
+        self.metrics: WorkerMetrics | None = None
+        self.kernels: dict[str, str] = {}
+        self._startup: asyncio.Task | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def runner_config(self) -> RunnerConfig:
+        a = self.args
+        return RunnerConfig(model=ModelConfig(seed=a.seed), page_size=a.page_size,
+                            max_total_tokens=a.max_total_tokens, context_length=a.context_length, device=a.device)
+
+    def build_engine(self, runner: ModelRunner) -> Engine:
+        raise NotImplementedError
+
+    def _build(self) -> None:
+        torch.set_num_threads(1)
+        runner = ModelRunner(self.runner_config())
+        self.engine = self.build_engine(runner)
+        self.metrics = WorkerMetrics(self.engine, self.args.served_model_name, self.role, self.args.context_length)
+        impl = "triton" if self.args.device == "cuda" else "reference"
+        self.kernels = {k: (impl if k in self.args.kernel_list else "off")
+                        for k in ("sparse_mla_decode", "indexer", "topk")}
+        self.engine.start()
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and self.engine.alive
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: FastAPI):
+        async def build():
+            await asyncio.to_thread(self._build)
+            log.info("%s (%s on %s:%s)", READY_LINE, self.role, self.args.host, self.args.port)
+        self._startup = asyncio.create_task(build())
+        try:
+            yield
+        finally:
+            if self.engine is not None:
+                self.engine.stop()
+
+    # -- requests -----------------------------------------------------------------------------
+    def parse(self, kind: str, body: dict) -> GenSpec:
+        model = {"chat": ChatCompletionRequest, "completion": CompletionRequest, "generate": GenerateRequest}[kind]
+        try:
+            req = model.model_validate(body)
+        except ValidationError as exc:
+            raise BadRequest("; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}"
+                                       for e in exc.errors())) from None
+        a = self.args
+        try:
+            if kind == "chat":
+                ids = self.tokenizer.apply_chat_template([m.model_dump() for m in req.messages])
+            elif kind == "completion":
+                ids = self.tokenizer.encode(req.prompt)
+            else:
+                ids = req.input_ids if req.input_ids is not None else self.tokenizer.encode(req.text)
+        except ChatTemplateError as exc:
+            raise BadRequest(str(exc)) from None
+        if not ids or any(not 0 <= i < self.tokenizer.vocab_size for i in ids):
+            raise BadRequest(f"input_ids must be a non-empty list of ids in [0, {self.tokenizer.vocab_size})")
+        if len(ids) >= a.context_length:
+            raise BadRequest(f"the prompt has {len(ids)} tokens; this server's context_length is "
+                             f"{a.context_length} (prompt + output); shorten the prompt")
+        if kind == "generate":
+            params, stream, usage = req.sampling_params.params(), req.stream, False
+        else:
+            params = req.sampling(default_max=16 if kind == "completion" else a.context_length - len(ids))
+            stream, usage = req.stream, bool(req.stream_options and req.stream_options.include_usage)
+        return GenSpec(kind=kind, rid=req.rid or uuid.uuid4().hex, prompt_ids=ids, params=params, stream=stream,
+                       include_usage=usage, model=a.served_model_name, room=req.bootstrap_room,
+                       bootstrap_host=req.bootstrap_host, bootstrap_port=req.bootstrap_port)
+
+    def budget(self, spec: GenSpec) -> int:
+        return min(len(spec.prompt_ids) + spec.params.max_new_tokens, self.args.context_length)
+
+    async def submit(self, spec: GenSpec) -> tuple[Req, asyncio.Queue]:
+        queue: asyncio.Queue = asyncio.Queue()
+        req = Req(rid=spec.rid, prompt_ids=spec.prompt_ids, params=spec.params, budget=self.budget(spec),
+                  emit=loop_emitter(asyncio.get_running_loop(), queue), room=spec.room)
+        self.engine.submit(req)
+        return req, queue
+
+    async def events(self, spec: GenSpec) -> AsyncIterator[Event]:
+        raise NotImplementedError
+        yield
+
+    async def generate(self, kind: str, request: Request) -> Response:
+        if not self.ready:
+            return _error(503, "the server is still starting; retry when /health answers 200")
+        try:
+            spec = self.parse(kind, await request.json())
+            self.check(spec)
+        except BadRequest as exc:
+            return _error(400, str(exc))
+        except ValueError as exc:   # JSON decoding
+            return _error(400, f"the body is not valid JSON: {exc}")
+        events = self.events(spec)
+        if spec.stream:
+            return StreamingResponse(self._stream(spec, events), media_type="text/event-stream")
+        return await self._collect(spec, events, request)
+
+    def check(self, spec: GenSpec) -> None:
+        """Role hook: refuse requests this role cannot serve."""
+
+    async def _collect(self, spec: GenSpec, events: AsyncIterator[Event], request: Request) -> Response:
+        out = ResponseBuilder(spec, self.tokenizer)
+        started = time.monotonic()
+        async with contextlib.aclosing(events):
+            async for ev in events:
+                if isinstance(ev, Failed):
+                    return _error(ev.status, ev.message)
+                out.push(ev.token_id)
+                if len(out.ids) == 1:
+                    self.metrics.ttft.observe(time.monotonic() - started)
+                if ev.finish_reason:
+                    self.metrics.e2e.observe(time.monotonic() - started)
+                    return JSONResponse(out.final(ev.finish_reason, prefill_only=self.role == "prefill"))
+        return _error(500, "the request ended without a result")
+
+    async def _stream(self, spec: GenSpec, events: AsyncIterator[Event]):
+        out = ResponseBuilder(spec, self.tokenizer)
+        started = last = time.monotonic()
+        async with contextlib.aclosing(events):
+            async for ev in events:
+                if isinstance(ev, Failed):
+                    yield sse(error_body(ev.status, ev.message))
+                    break
+                delta = out.push(ev.token_id)
+                now = time.monotonic()
+                (self.metrics.ttft if len(out.ids) == 1 else self.metrics.itl).observe(now - last)
+                last = now
+                yield sse(out.chunk(delta, ev.finish_reason, first=len(out.ids) == 1,
+                                    prefill_only=self.role == "prefill"))
+                if ev.finish_reason:
+                    self.metrics.e2e.observe(now - started)
+                    usage = out.usage_chunk()
+                    if usage:
+                        yield sse(usage)
+                    break
+        yield sse("[DONE]")
+
+    # -- app ----------------------------------------------------------------------------------
+    def server_info(self) -> dict:
+        a, e = self.args, self.engine
+        pool = e.runner.pool
+        return {
+            "model_path": "embedded:dsv4-tiny", "served_model_name": a.served_model_name, "tp_size": 1,
+            "dp_size": 1, "disaggregation_mode": self.role, "disaggregation_transfer_backend": a.transfer_backend,
+            "disaggregation_bootstrap_port": a.disaggregation_bootstrap_port, "context_length": a.context_length,
+            "page_size": a.page_size, "kv_cache_dtype": a.kv_cache_dtype, "device": a.device,
+            "max_total_num_tokens": pool.capacity_tokens, "max_req_input_len": a.context_length - 1,
+            "internal_states": [{"num_used_tokens": pool.used_tokens,
+                                 "token_usage": pool.used_tokens / pool.capacity_tokens,
+                                 "last_gen_throughput": e.stats.last_gen_throughput,
+                                 "num_running_reqs": e.stats.num_running, "num_queue_reqs": e.stats.num_queued}],
+            "kernels": self.kernels, "engine": "embedded", "version": __version__,
+        }
+
+    def model_info(self) -> dict:
+        return {"model_path": "embedded:dsv4-tiny", "served_model_name": self.args.served_model_name,
+                "is_generation": True, "reasoning_parser": None, "tool_call_parser": None,
+                "disaggregation_mode": self.role}
+
+    def build_app(self) -> FastAPI:
+        app = FastAPI(title=f"dsv4-cluster embedded {self.role} worker", lifespan=self.lifespan)
+
+        def need_ready():
+            return None if self.ready else _error(503, "starting" if self.engine is None else self.engine.fatal)
+
+        @app.get("/health")
+        @app.get("/health_generate")
+        async def health():
+            return need_ready() or PlainTextResponse("OK")
+
+        @app.get("/server_info")
+        @app.get("/get_server_info")
+        async def server_info():
+            return need_ready() or self.server_info()
+
+        @app.get("/model_info")
+        @app.get("/get_model_info")
+        async def model_info():
+            return self.model_info()
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": self.args.served_model_name, "object": "model",
+                                                "created": 0, "owned_by": "dsv4-cluster", "root": "dsv4-tiny"}]}
+
+        @app.get("/metrics")
+        async def metrics():
+            return need_ready() or Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+        @app.post("/abort_request")
+        async def abort(body: AbortRequest):
+            if self.engine is not None:
+                self.engine.abort(body.rid, "aborted through /abort_request")
+            return {"success": True}
+
+        @app.post("/flush_cache")
+        async def flush_cache():
+            return {"success": True, "message": "the embedded engine keeps no prefix cache"}
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request):
+            return await self.generate("chat", request)
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            return await self.generate("completion", request)
+
+        @app.post("/generate")
+        async def generate(request: Request):
+            return await self.generate("generate", request)
+
+        return app
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse(error_body(status, message), status_code=status)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn server whose signal handling is left to `serve_all` (several servers, one process)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+    def install_signal_handlers(self) -> None:
+        return None
+
+
+async def serve_all(apps: list[tuple[FastAPI, str, int]], log_level: str) -> None:
+    """Serve several apps in this event loop until SIGTERM/SIGINT, then shut all of them down."""
+    servers = [_Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on"))
+               for app, host, port in apps]
+    loop = asyncio.get_running_loop()
+
+    def stop() -> None:
+        for s in servers:
+            s.should_exit = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop)
+    results = await asyncio.gather(*(s.serve() for s in servers), return_exceptions=True)
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed or any(not s.started for s in servers):
+        raise SystemExit(f"a server failed to start or crashed: {failed or 'port in use?'}")

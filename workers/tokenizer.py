@@ -1,0 +1,76 @@
+"""Byte-level tokenizer with a chat template, for the embedded engine.
+
+Token ids 0..255 are raw bytes; a handful of special tokens follow. Prefill and decode processes
+tokenize the same request independently, so tokenization must be a pure function of the text.
+"""
+
+from __future__ import annotations
+
+import codecs
+from dataclasses import dataclass
+
+BOS, EOS, SYSTEM, USER, ASSISTANT, END_TURN = 256, 257, 258, 259, 260, 261
+VOCAB_SIZE = 264  # 256 bytes + 6 specials, padded to a multiple of 8
+SPECIAL_NAMES = {BOS: "<bos>", EOS: "<eos>", SYSTEM: "<|system|>", USER: "<|user|>",
+                 ASSISTANT: "<|assistant|>", END_TURN: "<|end|>"}
+ROLE_TOKENS = {"system": SYSTEM, "developer": SYSTEM, "user": USER, "assistant": ASSISTANT}
+# The tiny model's weights are random, so its text means nothing; sampling is restricted to
+# printable ASCII (and EOS) so that every response is valid UTF-8 a client can display.
+PRINTABLE_IDS = tuple(range(32, 127)) + (EOS,)
+
+
+class ChatTemplateError(ValueError):
+    """A chat message the template cannot render (unknown role, non-text content)."""
+
+
+@dataclass(frozen=True)
+class ByteTokenizer:
+    vocab_size: int = VOCAB_SIZE
+    eos_token_id: int = EOS
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        return [BOS, *ids] if add_bos else ids
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """<bos> then, per message, <|role|> content <|end|>; then <|assistant|> to prompt a reply."""
+        ids = [BOS]
+        for i, message in enumerate(messages):
+            role = message.get("role")
+            if role not in ROLE_TOKENS:
+                raise ChatTemplateError(
+                    f"messages[{i}].role {role!r} is not supported; use one of {sorted(ROLE_TOKENS)}")
+            ids.append(ROLE_TOKENS[role])
+            ids.extend(self.encode(_content_text(message.get("content"), i), add_bos=False))
+            ids.append(END_TURN)
+        ids.append(ASSISTANT)
+        return ids
+
+
+class IncrementalDecoder:
+    """Turns a stream of token ids into text deltas without splitting UTF-8 sequences."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        return self._decoder.decode(bytes([token_id])) if token_id < 256 else ""
+
+
+def _content_text(content, index: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise ChatTemplateError(
+                    f"messages[{index}].content: only text parts are supported by the embedded engine")
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+    raise ChatTemplateError(f"messages[{index}].content must be a string or a list of text parts")

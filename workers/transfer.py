@@ -1,0 +1,134 @@
+"""KV page transfer prefill -> decode over NIXL (UCX backend): DRAM on CPU, VRAM on GPU.
+
+The decode side registers its pool and hands the prefill side its agent metadata plus, per buffer,
+the base address and bytes per page. The prefill side then WRITEs whole pages straight into the
+decode pool and attaches a notification; the decode side learns that a request's KV has landed
+from that notification alone. There is no fallback: if NIXL cannot be loaded, this module says so.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import threading
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from .kv_pool import KVPool, PoolLayout
+
+
+class TransferError(RuntimeError):
+    """NIXL is missing, a peer is unknown or incompatible, or a transfer failed."""
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """What one side tells the other so that pages can be written into its pool."""
+
+    agent_name: str
+    metadata_b64: str
+    layout: dict
+    buffers: list[tuple[int, int]]   # (base address, bytes per page), in KVPool.buffers() order
+    mem_type: str
+    device_id: int
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "PeerInfo":
+        return cls(**{**d, "buffers": [tuple(b) for b in d["buffers"]]})
+
+
+def _load_nixl():
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except ImportError:
+        try:
+            from nixl_cu13._api import nixl_agent, nixl_agent_config
+        except ImportError as exc:
+            raise TransferError(
+                "the nixl transfer backend needs the NIXL Python package: pip install nixl-cu13 "
+                "(or nixl-cu12); no other transfer is substituted silently") from exc
+    return nixl_agent, nixl_agent_config
+
+
+class NixlTransfer:
+    """One NIXL agent per worker process; thread-safe (HTTP handlers and the engine share it)."""
+
+    def __init__(self, name: str, pool: KVPool, ucx_tls: str | None = None):
+        if ucx_tls:
+            os.environ["UCX_TLS"] = ucx_tls   # UCX reads it when the agent's backend starts
+        nixl_agent, nixl_agent_config = _load_nixl()
+        self.name = name
+        self._pool = pool
+        self._lock = threading.Lock()
+        self._agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        buffers = pool.buffers()
+        self._agent.register_memory(buffers)
+        dev = buffers[0].device
+        self._mem_type = "VRAM" if dev.type == "cuda" else "DRAM"
+        self._device_id = dev.index or 0
+        n = pool.layout.num_pages
+        self._local = [(b.data_ptr(), b.numel() * b.element_size() // n) for b in buffers]
+        self._peers: dict[str, PeerInfo] = {}
+
+    def local_info(self) -> PeerInfo:
+        with self._lock:
+            meta = self._agent.get_agent_metadata()
+        return PeerInfo(self.name, base64.b64encode(meta).decode(), asdict(self._pool.layout),
+                        list(self._local), self._mem_type, self._device_id)
+
+    def add_peer(self, info: PeerInfo) -> None:
+        mismatch = self._pool.layout.compatible(PoolLayout(**info.layout))
+        if mismatch:
+            mine = {k: getattr(self._pool.layout, k) for k in mismatch}
+            theirs = {k: info.layout[k] for k in mismatch}
+            raise TransferError(f"KV layout of {info.agent_name} disagrees with {self.name} on {mismatch}: "
+                                f"{theirs} vs {mine}; give prefill and decode the same page_size and kv_cache_dtype")
+        with self._lock:
+            if info.agent_name not in self._peers:
+                self._agent.add_remote_agent(base64.b64decode(info.metadata_b64))
+            self._peers[info.agent_name] = info
+
+    def has_peer(self, agent_name: str) -> bool:
+        with self._lock:
+            return agent_name in self._peers
+
+    def write_pages(self, peer: str, src_pages: list[int], dst_pages: list[int], notif: bytes):
+        """Start WRITEs of local `src_pages` into the peer's `dst_pages`; returns a handle for `poll`."""
+        if len(src_pages) > len(dst_pages):
+            raise TransferError(f"{len(src_pages)} pages to send but {peer} reserved only {len(dst_pages)}")
+        with self._lock:
+            info = self._peers.get(peer)
+            if info is None:
+                raise TransferError(f"unknown decode agent {peer!r}: it never registered with this prefill")
+            local = _descs(self._local, src_pages, self._device_id)
+            remote = _descs(info.buffers, dst_pages[: len(src_pages)], info.device_id)
+            handle = self._agent.initialize_xfer(
+                "WRITE", self._agent.get_xfer_descs(local, self._mem_type),
+                self._agent.get_xfer_descs(remote, info.mem_type), peer, notif)
+            state = self._agent.transfer(handle)
+        if state == "ERR":
+            raise TransferError(f"NIXL refused the WRITE of {len(src_pages)} pages to {peer}")
+        return handle
+
+    def poll(self, handle) -> str:
+        """'DONE', 'PROC' or 'ERR'; a finished handle is released."""
+        with self._lock:
+            state = self._agent.check_xfer_state(handle)
+            if state != "PROC":
+                self._agent.release_xfer_handle(handle)
+        return state
+
+    def notifications(self) -> list[bytes]:
+        with self._lock:
+            notifs = self._agent.get_new_notifs()
+        return [msg for msgs in notifs.values() for msg in msgs]
+
+
+def _descs(buffers: list[tuple[int, int]], pages: list[int], device_id: int) -> np.ndarray:
+    """Nx3 (address, length, device) rows: every buffer's slice of every page, buffer-major."""
+    rows = [(base + p * size, size, device_id) for base, size in buffers for p in pages]
+    return np.array(rows, dtype=np.uint64).reshape(-1, 3)
