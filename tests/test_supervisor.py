@@ -1,0 +1,188 @@
+"""WorkerSupervisor against a real child process: a tiny stand-in HTTP server (a fake allowed in
+this one component's unit test) that can be slow to become ready, crash, ignore SIGTERM, or fork a
+grandchild. The supervisor runs in-process here; test_orchestrator drives it as a Ray actor."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from dsv4_cluster.core import Role, WorkerState
+from dsv4_cluster.orchestrator.plan import LaunchPlan
+from dsv4_cluster.orchestrator.ports import free_ports, port_is_free
+from dsv4_cluster.orchestrator.supervisor import WorkerStartError, WorkerSupervisor
+
+STANDIN = textwrap.dedent('''
+    import argparse, json, os, signal, subprocess, sys, time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int); p.add_argument("--ready-after", type=float, default=0)
+    p.add_argument("--exit-after", type=float, default=None); p.add_argument("--ignore-sigterm", action="store_true")
+    p.add_argument("--grandchild-pidfile", default=None); p.add_argument("--no-used-in-info", action="store_true")
+    a = p.parse_args()
+    t0 = time.monotonic()
+    if a.ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if a.grandchild_pidfile:
+        g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        open(a.grandchild_pidfile, "w").write(str(g.pid))
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *args): pass
+        def _send(self, code, body, ctype="application/json"):
+            data = body.encode(); self.send_response(code); self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(data))); self.end_headers(); self.wfile.write(data)
+        def do_GET(self):
+            ready = time.monotonic() - t0 >= a.ready_after
+            if self.path == "/health":
+                return self._send(200 if ready else 503, "{}")
+            if self.path == "/server_info":
+                state = {} if a.no_used_in_info else {"num_used_tokens": 7}
+                return self._send(200, json.dumps({"max_total_num_tokens": 1000, "internal_states": [state]}))
+            if self.path == "/metrics":
+                return self._send(200, 'sglang:num_used_tokens{model_name="m",engine_type="decode"} 42.0\\n', "text/plain")
+            self._send(404, "{}")
+    srv = ThreadingHTTPServer(("127.0.0.1", a.port), H)
+    print("stand-in listening", a.port, flush=True)
+    if a.exit_after is not None:
+        import threading
+        threading.Timer(a.exit_after, lambda: (print("stand-in crashing now", flush=True), os._exit(3))).start()
+    srv.serve_forever()
+''')
+
+
+def _plan(tmp_path: Path, *flags: str, port: int | None = None) -> LaunchPlan:
+    script = tmp_path / "standin.py"
+    script.write_text(STANDIN)
+    port = port or free_ports(1)[0]
+    base = f"http://127.0.0.1:{port}"
+    return LaunchPlan(
+        name="decode-t", role=Role.DECODE, node="local",
+        argv=(sys.executable, str(script), "--port", str(port), *flags), env=(("STANDIN", "1"),),
+        cwd=str(tmp_path), log_path=str(tmp_path / "logs" / "decode-t.log"), port=port,
+        health_url=f"{base}/health", server_info_url=f"{base}/server_info",
+        metrics_url=f"{base}/metrics", ports=(port,),
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _wait_dead(pid: int, timeout_s: float = 10.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while _alive(pid) and time.monotonic() < end:
+        time.sleep(0.05)
+    return not _alive(pid)
+
+
+def test_start_reports_ready_with_kv_then_stop_frees_everything(tmp_path: Path) -> None:
+    plan = _plan(tmp_path, "--ready-after", "0.5")
+    sup = WorkerSupervisor(plan)
+    status = sup.start(timeout_s=30)
+    assert status["state"] == WorkerState.READY.value
+    assert status["restarts"] == 0 and status["port"] == plan.port
+    assert (status["kv_capacity_tokens"], status["kv_used_tokens"]) == (1000, 7)
+    pid = status["pid"]
+    assert _alive(pid)
+    assert "stand-in listening" in Path(plan.log_path).read_text()
+    final = sup.stop(deadline_s=5)
+    assert final["state"] == WorkerState.STOPPED.value and final["pid"] is None
+    assert _wait_dead(pid)
+    assert port_is_free(plan.port)
+
+
+def test_kv_usage_falls_back_to_metrics(tmp_path: Path) -> None:
+    sup = WorkerSupervisor(_plan(tmp_path, "--no-used-in-info"))
+    try:
+        status = sup.start(timeout_s=30)
+        assert (status["kv_capacity_tokens"], status["kv_used_tokens"]) == (1000, 42)
+    finally:
+        sup.stop(deadline_s=5)
+
+
+def test_exit_during_start_fails_fast_with_log_tail(tmp_path: Path) -> None:
+    sup = WorkerSupervisor(_plan(tmp_path, "--ready-after", "60", "--exit-after", "0.5"))
+    started = time.monotonic()
+    with pytest.raises(WorkerStartError) as err:
+        sup.start(timeout_s=60)
+    assert time.monotonic() - started < 15
+    assert "code 3" in str(err.value) and "stand-in crashing now" in str(err.value)
+    assert sup.status()["state"] == WorkerState.FAILED.value
+
+
+def test_spawn_failure_names_the_command(tmp_path: Path) -> None:
+    plan = _plan(tmp_path)
+    bad = LaunchPlan(**{**plan.__dict__, "argv": ("/nonexistent/engine", "--port", "1")})
+    with pytest.raises(WorkerStartError, match="/nonexistent/engine"):
+        WorkerSupervisor(bad).start(timeout_s=5)
+
+
+def test_timeout_names_the_pending_url_and_kills_the_process(tmp_path: Path) -> None:
+    plan = _plan(tmp_path, "--ready-after", "600")
+    sup = WorkerSupervisor(plan)
+    with pytest.raises(WorkerStartError, match=r"not ready after 2s .*?/health: HTTP 503"):
+        sup.start(timeout_s=2)
+    pid = sup.pids()["process"]
+    assert pid is not None and _wait_dead(pid)
+    assert sup.status()["state"] == WorkerState.FAILED.value
+
+
+def test_crash_after_ready_is_reported_failed(tmp_path: Path) -> None:
+    sup = WorkerSupervisor(_plan(tmp_path, "--exit-after", "1.5"))
+    sup.start(timeout_s=30)
+    end = time.monotonic() + 15
+    while sup.status()["state"] != WorkerState.FAILED.value and time.monotonic() < end:
+        time.sleep(0.1)
+    status = sup.status()
+    assert status["state"] == WorkerState.FAILED.value
+    assert "exited unexpectedly with code 3" in status["error"]
+
+
+def test_stop_escalates_to_sigkill_and_reaches_the_whole_group(tmp_path: Path) -> None:
+    pidfile = tmp_path / "grandchild.pid"
+    sup = WorkerSupervisor(_plan(tmp_path, "--ignore-sigterm", "--grandchild-pidfile", str(pidfile)))
+    pid = sup.start(timeout_s=30)["pid"]
+    grandchild = int(pidfile.read_text())
+    started = time.monotonic()
+    final = sup.stop(deadline_s=1.0)
+    assert final["state"] == WorkerState.STOPPED.value
+    assert 0.9 < time.monotonic() - started < 10
+    assert _wait_dead(pid) and _wait_dead(grandchild)
+
+
+def test_a_killed_supervisor_takes_its_process_with_it(tmp_path: Path) -> None:
+    plan = _plan(tmp_path)
+    driver = textwrap.dedent(f"""
+        import pickle, sys, threading
+        from dsv4_cluster.orchestrator.supervisor import WorkerSupervisor
+        sup = WorkerSupervisor(pickle.loads({pickle_bytes(plan)!r}))
+        print(sup.start(timeout_s=30)["pid"], flush=True)
+        threading.Event().wait()
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(proc.stdout.readline())
+        assert _alive(pid)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        assert _wait_dead(pid), "the worker outlived its supervisor (PR_SET_PDEATHSIG missing?)"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def pickle_bytes(obj: object) -> bytes:
+    import pickle
+
+    return pickle.dumps(obj)
