@@ -14,7 +14,7 @@ import torch
 
 from . import checks
 from .fp8_layout import PAGE_STRIDE, SCALES_OFFSET, check_cache
-from .kernel import LOG2E, _combine_kernel, _sparse_decode_kernel
+from . import kernel as _kernels
 
 DIM = 512
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -83,7 +83,12 @@ def _launch(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, si
         part_o, part_lse = lse, lse  # unused: the kernel writes the final result directly
     has_extra = extra is not None
     scale = DIM**-0.5 if scale is None else float(scale)
-    _sparse_decode_kernel[(b, splits)](
+    if not q.is_cuda and type(_kernels._sparse_decode_kernel).__name__ != "InterpretedFunction":
+        raise checks.SparseDecodeInputError(
+            "the Triton kernel runs on CPU tensors only under TRITON_INTERPRET=1 (set before import); "
+            "on CPU call sparse_mla_decode_ref, or sparse_mla_decode, which picks it"
+        )
+    _kernels._sparse_decode_kernel[(b, splits)](
         q, q.stride(0), q.stride(1),
         main, main_stride, extra if has_extra else main, extra_stride if has_extra else main_stride,
         window_idx, window_idx.stride(0), w,
@@ -93,7 +98,7 @@ def _launch(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, si
         sink if sink is not None else lse,
         out, out.stride(0), out.stride(1), lse, lse.stride(0),
         part_o, part_lse,
-        scale * LOG2E,
+        scale * _kernels.LOG2E,
         H=h, D=DIM, BN=bn, NUM_SPLITS=splits,
         IS_FP8=is_fp8, HAS_EXTRA=has_extra, HAS_WLEN=window_lens is not None,
         HAS_ELEN=has_extra and extra_lens is not None, HAS_SINK=sink is not None,
@@ -103,7 +108,7 @@ def _launch(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, si
     )
     if splits > 1:
         hb = min(config.combine_heads, h)
-        _combine_kernel[(b, h // hb)](
+        _kernels._combine_kernel[(b, h // hb)](
             part_o, part_lse, sink if sink is not None else lse,
             out, out.stride(0), out.stride(1), lse, lse.stride(0),
             H=h, D=DIM, HB=hb, NUM_SPLITS=splits, SP=triton_next_pow2(splits),

@@ -1,0 +1,282 @@
+"""Sparse MLA decode: reference semantics, the V4 fp8 layout, and the Triton kernel against the reference.
+
+On CPU the Triton kernel runs under Triton's interpreter (small shapes, same code path); on a GPU
+the same checks run at DeepSeek-V4 shapes, plus CUDA-graph capture and replay.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+import torch
+
+from dsv4_cluster.kernels.sparse_mla_decode import (
+    SparseDecodeInputError,
+    dequantize_kv_v4,
+    quantize_kv_v4,
+    sparse_mla_decode,
+    sparse_mla_decode_fp8_ref,
+    sparse_mla_decode_ref,
+)
+from dsv4_cluster.kernels.sparse_mla_decode import fp8_layout, launch
+from dsv4_cluster.kernels.sparse_mla_decode.launch import (
+    LaunchConfig,
+    sparse_mla_decode_fp8_triton,
+    sparse_mla_decode_triton,
+)
+
+HAS_CUDA = torch.cuda.is_available()
+gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+
+# Relative L2 error of `out` against a float64 reference on the same (dequantised) rows. bf16/fp16:
+# the output is rounded to 8 (11) mantissa bits and P is rounded to bf16 before the PV product, so a
+# few 1e-3; fp32 under the interpreter is numpy float32 arithmetic; on the GPU fp32 uses ieee dots.
+OUT_RTOL = {torch.bfloat16: 1.5e-2, torch.float16: 4e-3, torch.float32: 1e-5}
+# Absolute error of lse (natural log): scores are float32 sums of bf16 products.
+LSE_ATOL = {torch.bfloat16: 2e-3, torch.float16: 2e-3, torch.float32: 1e-5}
+
+
+def make_case(b, h, w, k, n, m, dtype=torch.bfloat16, device="cpu", d=512, seed=0, ragged=True, sink=True):
+    """Random queries over random caches, with invalid entries, ragged lengths and one empty query."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q = torch.randn(b, h, d, generator=g).to(dtype)
+    kv = torch.randn(n, d, generator=g).to(dtype)
+    extra = torch.randn(m, d, generator=g).to(dtype) if k else None
+    widx = torch.randint(0, n, (b, w), generator=g, dtype=torch.int32)
+    widx[:, ::5] = -1
+    eidx = torch.randint(0, m, (b, k), generator=g, dtype=torch.int32) if k else None
+    wl = el = None
+    if ragged:
+        wl = torch.randint(0, w + 1, (b,), generator=g, dtype=torch.int32)
+        wl[0] = w
+        if k:
+            el = torch.randint(0, k + 1, (b,), generator=g, dtype=torch.int32)
+            el[0] = k
+    if b > 1:  # the last query has no valid row at all
+        widx[-1] = -1
+        if k:
+            eidx[-1] = -1
+    sink_t = torch.randn(h, generator=g) if sink else None
+    args = dict(q=q, kv=kv, window_idx=widx, extra_kv=extra, extra_idx=eidx, sink=sink_t,
+                window_lens=wl, extra_lens=el)
+    return {key: (v.to(device) if isinstance(v, torch.Tensor) else v) for key, v in args.items()}
+
+
+def reference64(case):
+    c = dict(case)
+    c["q"] = c["q"].double()
+    c["kv"] = c["kv"].double()
+    if c["extra_kv"] is not None:
+        c["extra_kv"] = c["extra_kv"].double()
+    return sparse_mla_decode_ref(**c)
+
+
+def assert_close(out, lse, ref_out, ref_lse, dtype):
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert torch.isfinite(out).all(), "output holds NaN/inf"
+    err = ((out.double() - ref_out).norm() / ref_out.norm().clamp_min(1e-30)).item()
+    assert err < OUT_RTOL[dtype], f"relative error {err:.2e} over {OUT_RTOL[dtype]:.0e}"
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), "empty queries must give lse -inf, only they"
+    fin = torch.isfinite(ref_lse)
+    assert (lse[fin].double() - ref_lse[fin].double()).abs().max().item() < LSE_ATOL[dtype]
+    assert (out[~fin] == 0).all(), "a query with no valid row must give out 0"
+
+
+@pytest.fixture(scope="module")
+def triton_kernels():
+    """The Triton kernels, interpreted on CPU (a fresh copy of kernel.py built with TRITON_INTERPRET=1)."""
+    if HAS_CUDA:
+        yield "cuda"
+        return
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TRITON_INTERPRET", "1")
+    spec = importlib.util.spec_from_file_location("sparse_decode_kernel_interpreted", launch._kernels.__file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    mp.setattr(launch, "_kernels", module)
+    yield "cpu"
+    mp.undo()
+
+
+# ---- reference semantics ----
+
+def brute_force(q, rows_per_query, sink, scale):
+    """Per query and head with Python loops: the definition, in float64."""
+    b, h, d = q.shape
+    out = torch.zeros(b, h, d, dtype=torch.float64)
+    lse = torch.full((b, h), -math.inf, dtype=torch.float64)
+    for i in range(b):
+        rows = rows_per_query[i]
+        for j in range(h):
+            if not rows:
+                continue
+            s = torch.stack([q[i, j].double() @ r.double() * scale for r in rows])
+            lse[i, j] = torch.logsumexp(s, 0)
+            o = sum(torch.exp(s[t] - lse[i, j]) * rows[t].double() for t in range(len(rows)))
+            if sink is not None:
+                o = o * math.exp(lse[i, j]) / (math.exp(lse[i, j]) + math.exp(sink[j]))
+            out[i, j] = o
+    return out, lse
+
+
+@pytest.mark.parametrize("with_sink", [False, True])
+def test_reference_matches_definition_at_engine_shapes(with_sink):
+    c = make_case(3, 8, 6, 5, 20, 12, dtype=torch.float32, d=64, seed=1, sink=with_sink)
+    out, lse = sparse_mla_decode_ref(**c)
+    rows = []
+    for i in range(3):
+        picked = [c["kv"][t] for p, t in enumerate(c["window_idx"][i].tolist()) if t >= 0 and p < c["window_lens"][i]]
+        picked += [c["extra_kv"][t] for p, t in enumerate(c["extra_idx"][i].tolist()) if t >= 0 and p < c["extra_lens"][i]]
+        rows.append(picked)
+    ref_out, ref_lse = brute_force(c["q"], rows, None if c["sink"] is None else c["sink"].tolist(), 64**-0.5)
+    assert out.dtype == torch.float32 and out.shape == (3, 8, 64) and lse.shape == (3, 8)
+    torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+    assert torch.isinf(lse[2]).all() and (out[2] == 0).all()
+
+
+def test_dispatcher_uses_reference_on_cpu():
+    c = make_case(2, 8, 4, 0, 10, 0, dtype=torch.float32, d=64, seed=2)
+    out, lse = sparse_mla_decode(**c)
+    ref_out, ref_lse = sparse_mla_decode_ref(**c)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(q=torch.zeros(2, 8)), "q must be"),
+        (dict(kv=torch.zeros(10, 32)), "kv must be"),
+        (dict(window_idx=torch.zeros(2, 4, dtype=torch.int64)), "int32"),
+        (dict(window_idx=torch.full((2, 4), 10, dtype=torch.int32)), "outside"),
+        (dict(sink=torch.zeros(3)), "sink must be"),
+        (dict(extra_kv=torch.zeros(5, 64)), "go together"),
+        (dict(window_lens=torch.zeros(3, dtype=torch.int32)), "window_lens"),
+    ],
+)
+def test_reference_rejects_bad_input(change, match):
+    c = make_case(2, 8, 4, 0, 10, 0, dtype=torch.float32, d=64, seed=3)
+    c.update(change)
+    with pytest.raises(SparseDecodeInputError, match=match):
+        sparse_mla_decode_ref(**c)
+
+
+# ---- V4 fp8 layout ----
+
+def test_fp8_layout_sizes_and_round_trip():
+    assert fp8_layout.BYTES_PER_TOKEN == 584 and fp8_layout.PAGE_STRIDE == 37440
+    kv = (torch.randn(100, 512) * torch.logspace(-3, 2, 100)[:, None]).to(torch.bfloat16)
+    cache = quantize_kv_v4(kv)
+    assert cache.shape == (2, 37440) and cache.dtype == torch.uint8
+    back = dequantize_kv_v4(cache)
+    assert back.shape == (128, 512) and back.dtype == torch.bfloat16
+    assert torch.equal(back[:100, 448:], kv[:, 448:]), "RoPE dims are stored as bf16, exactly"
+    nope, ref = back[:100, :448].float().view(100, 7, 64), kv[:, :448].float().view(100, 7, 64)
+    tile_amax = ref.abs().amax(-1, keepdim=True)
+    assert ((nope - ref).abs() <= tile_amax / 16 + 1e-6).all(), "e4m3 keeps 3 mantissa bits per tile scale"
+    exps = cache[:, fp8_layout.SCALES_OFFSET : fp8_layout.SCALES_OFFSET + 64 * 8].reshape(128, 8)
+    assert (exps[:100, 7] == 0).all() and (exps[:100, :7] > 0).all()
+    view = fp8_layout.flashmla_view(cache)
+    assert view.shape == (2, 64, 1, 584) and view.stride(0) == 37440 and view.dtype == torch.float8_e4m3fn
+
+
+def test_fp8_layout_rejects_wrong_cache():
+    with pytest.raises(SparseDecodeInputError, match="37440"):
+        dequantize_kv_v4(torch.zeros(2, 584 * 64, dtype=torch.uint8))
+    with pytest.raises(SparseDecodeInputError, match=r"\[N, 512\]"):
+        quantize_kv_v4(torch.zeros(4, 576))
+
+
+# ---- Triton kernel against the reference (interpreter on CPU, real GPU otherwise) ----
+
+SMALL = dict(b=3, h=16, w=24, k=40, n=300, m=200)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("with_sink", [False, True])
+def test_triton_matches_reference(triton_kernels, dtype, splits, with_sink):
+    c = make_case(**SMALL, dtype=dtype, device=triton_kernels, seed=10 + splits, sink=with_sink)
+    out, lse = sparse_mla_decode_triton(**c, config=LaunchConfig(block_n=16, num_splits=splits))
+    ref_out, ref_lse = reference64({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in c.items()})
+    assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, dtype)
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_triton_window_only_without_lengths(triton_kernels, splits):
+    c = make_case(2, 16, 40, 0, 100, 0, device=triton_kernels, seed=20, ragged=False, sink=False)
+    out, lse = sparse_mla_decode_triton(**c, config=LaunchConfig(block_n=16, num_splits=splits))
+    ref_out, ref_lse = reference64({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in c.items()})
+    assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_triton_fp8_matches_reference(triton_kernels, splits):
+    c = make_case(**SMALL, device="cpu", seed=30 + splits)
+    cache, extra = quantize_kv_v4(c.pop("kv")), quantize_kv_v4(c.pop("extra_kv"))
+    ref_out, ref_lse = sparse_mla_decode_fp8_ref(**{**c, "q": c["q"].double()}, kv_cache=cache, extra_cache=extra)
+    dev = {k: (v.to(triton_kernels) if isinstance(v, torch.Tensor) else v) for k, v in c.items()}
+    out, lse = sparse_mla_decode_fp8_triton(**dev, kv_cache=cache.to(triton_kernels), extra_cache=extra.to(triton_kernels),
+                                            config=LaunchConfig(block_n=16, num_splits=splits))
+    assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
+
+
+def test_triton_rejects_unsupported_shapes():
+    c = make_case(2, 8, 4, 0, 10, 0, d=64, seed=4)
+    with pytest.raises(SparseDecodeInputError, match="D=512"):
+        sparse_mla_decode_triton(**c)
+    c = make_case(2, 16, 4, 0, 10, 0, seed=4)
+    c["kv"] = c["kv"].float()
+    with pytest.raises(SparseDecodeInputError, match="q's dtype"):
+        sparse_mla_decode_triton(**c)
+
+
+# ---- GPU: DeepSeek-V4 shapes, CUDA graphs ----
+
+V4 = dict(h=64, w=128, k=512, n=8192, m=4096)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("b", [1, 8, 64])
+@pytest.mark.parametrize("with_sink", [False, True])
+def test_gpu_v4_shapes_bf16_and_fp8(b, with_sink):
+    c = make_case(b, **V4, device="cuda", seed=b, sink=with_sink)
+    out, lse = sparse_mla_decode(**c)
+    ref_out, ref_lse = reference64({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in c.items()})
+    assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
+    cache, extra = quantize_kv_v4(c.pop("kv")), quantize_kv_v4(c.pop("extra_kv"))
+    out8, lse8 = launch.sparse_mla_decode_fp8_triton(**c, kv_cache=cache, extra_cache=extra)
+    ref8 = sparse_mla_decode_fp8_ref(**{k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in c.items()},
+                                     kv_cache=cache.cpu(), extra_cache=extra.cpu())
+    assert_close(out8.cpu(), lse8.cpu(), ref8[0].double(), ref8[1], torch.bfloat16)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gpu_cuda_graph_replay_with_new_indices(fp8):
+    b = 8
+    c = make_case(b, **V4, device="cuda", seed=40)
+    caches = dict(kv_cache=quantize_kv_v4(c["kv"]), extra_cache=quantize_kv_v4(c["extra_kv"])) if fp8 else {}
+
+    def call():
+        if fp8:
+            rest = {k: v for k, v in c.items() if k not in ("kv", "extra_kv")}
+            return launch.sparse_mla_decode_fp8_triton(**rest, **caches)
+        return sparse_mla_decode(**c)
+
+    call()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, g_lse = call()
+    fresh = make_case(b, **V4, device="cuda", seed=41)
+    for key in ("q", "window_idx", "extra_idx", "window_lens", "extra_lens"):
+        c[key].copy_(fresh[key])
+    graph.replay()
+    torch.cuda.synchronize()
+    e_out, e_lse = call()
+    assert torch.equal(g_out, e_out) and torch.equal(g_lse, e_lse)
