@@ -12,6 +12,8 @@ This module is the public face of the topology: the schema classes are re-export
 
 from __future__ import annotations
 
+import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +40,7 @@ from .yaml_lines import YamlDocument, YamlSyntaxError, read_yaml
 __all__ = [
     "ClusterConfig", "EngineName", "KernelsConfig", "KvCacheDtype", "ModelConfig", "NodeConfig", "Problem",
     "RouterConfig", "Topology", "TopologyError", "TransferConfig", "UnknownNameError", "WorkerConfig",
-    "WorkerDefaults", "format_field", "load_topology", "parse_topology", "topology_from_data",
+    "WorkerDefaults", "format_field", "load_topology", "main", "parse_topology", "topology_from_data",
 ]
 
 _EXAMPLE_HINT = "see the commented topology.yaml at the repository root or examples/local.yaml"
@@ -88,8 +90,8 @@ def topology_from_data(data: Any, source: str | Path | None = None) -> Topology:
 
 def _validate(doc: YamlDocument, file: str, source: Path | None) -> Topology:
     problems = [
-        Problem(file, again, format_field(path), f"key given twice (first on line {first}); the last one wins",
-                "keep one of them")
+        Problem(file, again, format_field(path), f"key given twice (first on line {first})",
+                "keep one of them (YAML would silently use the last)")
         for path, first, again in doc.duplicate_keys
     ]
     topology = None
@@ -113,3 +115,24 @@ def _validate(doc: YamlDocument, file: str, source: Path | None) -> Topology:
 
 def _kind(value: Any) -> str:
     return "list" if isinstance(value, list) else f"single value ({value!r})"[:80]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Check a topology file and start nothing: 0 when it loads, ``TopologyError.exit_code`` (2) when not."""
+    parser = argparse.ArgumentParser(prog="python -m dsv4_cluster.orchestrator.topology",
+                                     description="Check a topology file; print every problem; start nothing.")
+    parser.add_argument("path", type=Path, help="the topology YAML file, e.g. topology.yaml")
+    args = parser.parse_args(argv)
+    try:
+        topology = load_topology(args.path)
+    except TopologyError as exc:
+        print(exc, file=sys.stderr)
+        print(f"{len(exc.problems)} problem(s) in {args.path}; nothing was started", file=sys.stderr)
+        return exc.exit_code
+    print(f"{args.path}: ok — engine {topology.engine}, {len(topology.prefill)} prefill + "
+          f"{len(topology.decode)} decode, router {topology.router.host}:{topology.router.port}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

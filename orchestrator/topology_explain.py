@@ -13,9 +13,10 @@ import types
 from typing import Any, Union, get_args, get_origin
 
 from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 
 _SCHEMA_HINT = "see the commented topology.yaml at the repository root"
-_SET_BY_LOADER = {"role"}
+_SET_BY_LOADER = frozenset({"role"})
 
 
 def explain_pydantic_error(error: dict[str, Any], root: type[BaseModel]) -> tuple[str, str]:
@@ -29,7 +30,8 @@ def explain_pydantic_error(error: dict[str, Any], root: type[BaseModel]) -> tupl
         hint = f"did you mean {close[0]!r}? " if close else "remove it; "
         return f"unknown key {key!r}", f"{hint}allowed here: {', '.join(allowed) or 'none'}"
     if kind == "missing":
-        description = _fields_at(root, loc[:-1]).get(key)
+        info = _fields_at(root, loc[:-1]).get(key)
+        description = info.description if info is not None else None
         return f"required key {key!r} is missing", f"add '{key}:' here" + (f" ({description})" if description else "")
     if kind == "literal_error":
         return f"unknown {key} {value}", f"use one of: {ctx.get('expected', '')}"
@@ -48,10 +50,15 @@ def explain_pydantic_error(error: dict[str, Any], root: type[BaseModel]) -> tupl
     if kind == "list_type":
         return f"expected a list, got {value}", "write a YAML list: [a, b], or one '- item' line per entry"
     if kind in ("model_type", "dict_type", "model_attributes_type"):
-        return f"expected a mapping, got {value}", "write 'key: value' lines indented under it"
+        info = _fields_at(root, loc[:-1]).get(key)
+        optional = info is not None and not info.is_required()
+        return f"expected a mapping, got {value}", "write 'key: value' lines indented under it" + (
+            ", or remove the key to get the defaults" if optional and error.get("input") is None else "")
     if kind == "too_short":
-        what = "worker" if key in ("prefill", "decode") else "entry"
-        return f"{key} needs at least {ctx.get('min_length', 1)} {what}, got none", f"add a {what}; {_SCHEMA_HINT}"
+        if key == "nodes":
+            return "nodes needs at least one node, got none", (
+                "add one, e.g. '- {name: local, address: 127.0.0.1}', or remove 'nodes' to get that default")
+        return f"{key} needs at least one worker, got none", "add a worker; see examples/local.yaml"
     if kind == "string_too_short":
         return "must not be empty", "write a value, or remove the key to get the default"
     if kind == "string_pattern_mismatch":
@@ -63,8 +70,8 @@ def explain_pydantic_error(error: dict[str, Any], root: type[BaseModel]) -> tupl
     return str(error["msg"]), _SCHEMA_HINT
 
 
-def _fields_at(root: type[BaseModel], loc: tuple[Any, ...]) -> dict[str, str | None]:
-    """Field names (→ description) of the model found by walking ``loc`` from ``root``; {} if none."""
+def _fields_at(root: type[BaseModel], loc: tuple[Any, ...]) -> dict[str, FieldInfo]:
+    """The fields of the model found by walking ``loc`` from ``root``; {} if there is none."""
     current: Any = root
     for part in loc:
         current = _unwrap_optional(current)
@@ -76,7 +83,7 @@ def _fields_at(root: type[BaseModel], loc: tuple[Any, ...]) -> dict[str, str | N
             return {}
     current = _unwrap_optional(current)
     if isinstance(current, type) and issubclass(current, BaseModel):
-        return {name: info.description for name, info in current.model_fields.items()}
+        return dict(current.model_fields)
     return {}
 
 

@@ -13,9 +13,9 @@ After validation each worker has ``role`` set and ``node``, ``page_size``, ``kv_
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from .topology_errors import UnknownNameError
 
@@ -26,11 +26,12 @@ Role = Literal["prefill", "decode"]
 TransferBackend = Literal["nixl", "tcp"]
 
 _NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$"
-_STRICT = ConfigDict(extra="forbid", strict=True)
 
 
 class _Strict(BaseModel):
-    model_config = _STRICT
+    """Unknown keys are errors, and YAML strings are never coerced to numbers or booleans."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class ModelConfig(_Strict):
@@ -87,7 +88,7 @@ class WorkerConfig(_Strict):
     role: Role = Field(description="set by the loader from the list the worker is in")
     node: str | None = Field(default=None, description="null → the first node; resolved after load")
     device: Device = "cpu"
-    gpus: list[int] = Field(default_factory=list)
+    gpus: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, description="GPU indices on the node")
     tp: int = Field(default=1, ge=1)
     numa_node: int | None = Field(default=None, ge=0)
     port: int = Field(ge=1, le=65535)
@@ -97,14 +98,6 @@ class WorkerConfig(_Strict):
     kv_cache_dtype: KvCacheDtype | None = None
     max_total_tokens: int | None = Field(default=None, ge=1)
     extra_args: list[str] = Field(default_factory=list)
-
-    @field_validator("gpus")
-    @classmethod
-    def _gpu_indices_non_negative(cls, gpus: list[int]) -> list[int]:
-        bad = [g for g in gpus if g < 0]
-        if bad:
-            raise ValueError(f"GPU indices must be >= 0, got {bad}")
-        return gpus
 
 
 RESOLVED_FROM_DEFAULTS = ("page_size", "kv_cache_dtype", "max_total_tokens")

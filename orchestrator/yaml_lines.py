@@ -89,20 +89,22 @@ class _Builder:
             self._active.discard(id(node))
 
     def _mapping(self, node: yaml.MappingNode, path: Path_) -> dict[Any, Any]:
-        self._loader.flatten_mapping(node)  # resolves "<<: *anchor" merge keys
+        own = sum(1 for key_node, _ in node.value if key_node.tag != "tag:yaml.org,2002:merge")
+        self._loader.flatten_mapping(node)  # "<<: *anchor" merges: merged pairs first, then the node's own
+        merged = len(node.value) - own
         out: dict[Any, Any] = {}
-        for key_node, value_node in node.value:
+        own_keys: set[Any] = set()
+        for index, (key_node, value_node) in enumerate(node.value):
             key = self._loader.construct_object(key_node, deep=True)
             if isinstance(key, (list, dict)):
                 raise yaml.constructor.ConstructorError(
                     None, None, "found a list or mapping used as a key", key_node.start_mark
                 )
-            line = key_node.start_mark.line + 1
             child = path + (key,)
-            if key in out:
-                self.duplicates.append((child, self.lines[child], line))
-                self.lines[child] = line
-            else:
-                self.lines[child] = line
+            if index >= merged:  # a merged key may be overridden; the node's own key only once
+                if key in own_keys:
+                    self.duplicates.append((child, self.lines[child], key_node.start_mark.line + 1))
+                own_keys.add(key)
+            self.lines[child] = key_node.start_mark.line + 1
             out[key] = self.build(value_node, child)
         return out
