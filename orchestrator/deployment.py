@@ -23,7 +23,7 @@ from dsv4_cluster.orchestrator.controller import (
     CONTROLLER_NAME, ClusterController, ClusterSpec, ClusterStartError)
 from dsv4_cluster.orchestrator.plan import (
     PlanError, cluster_plans, endpoint, router_config, router_config_path)
-from dsv4_cluster.orchestrator.preflight import preflight
+from dsv4_cluster.orchestrator.preflight import machine_problems, preflight
 from dsv4_cluster.orchestrator.record import (
     ClusterRecord, RecordError, clear_record, read_record, write_record)
 from dsv4_cluster.orchestrator.topology import load_topology
@@ -59,7 +59,7 @@ def _spec(topology: Any) -> ClusterSpec:
     try:
         workers, router = cluster_plans(topology)
     except PlanError as e:
-        raise PreflightError([str(e)]) from e
+        raise PreflightError([str(e), *machine_problems(topology)]) from e
     problems = preflight(topology, [*workers, router])
     if problems:
         raise PreflightError(problems)

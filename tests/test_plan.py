@@ -1,0 +1,150 @@
+"""Launch plans: the argv, env and probes generated for both engines and the router."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+
+from dsv4_cluster.core import Role
+from dsv4_cluster.orchestrator.plan import (
+    ROUTE_PROBE, PlanError, cluster_plans, endpoint, router_config, write_router_config)
+from dsv4_cluster.orchestrator.topology import load_topology, topology_from_data
+from dsv4_cluster.router.settings import load_settings
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Every flag the sglang plan emits, as SGLang 0.5.23 declares it (read from the 0.5.23 wheel:
+# sglang/srt/arg_groups/fields/*.py derive "--" + field name with "_" -> "-"; the two parser
+# flags are registered in sglang/srt/server_args.py add_cli_args).
+SGLANG_0_5_23_FLAGS = {
+    "--model-path", "--served-model-name", "--tp-size", "--host", "--port", "--nccl-port",
+    "--disaggregation-mode", "--disaggregation-transfer-backend", "--disaggregation-bootstrap-port",
+    "--page-size", "--kv-cache-dtype", "--context-length", "--random-seed", "--max-total-tokens",
+    "--enable-metrics", "--trust-remote-code", "--reasoning-parser", "--tool-call-parser",
+}
+
+
+def _local(**overrides: object) -> object:
+    data = {
+        "engine": "embedded", "model": {"name": "dsv4-tiny", "seed": 3, "context_length": 2048},
+        "kernels": {"sparse_mla_decode": True, "indexer": False, "topk": True},
+        "defaults": {"page_size": 16, "kv_cache_dtype": "auto", "max_total_tokens": 16384},
+        "router": {"host": "0.0.0.0", "port": 21001},
+        "transfer": {"backend": "nixl", "ucx_tls": "tcp,self"},
+        "prefill": [{"name": "prefill-0", "port": 21100, "bootstrap_port": 21098}],
+        "decode": [{"name": "decode-0", "port": 21200, "page_size": 16}],
+        **overrides,
+    }
+    return topology_from_data(data, source=REPO / "examples" / "x.yaml")
+
+
+def _flag(argv: tuple[str, ...], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_embedded_prefill_and_decode_argv() -> None:
+    workers, _ = cluster_plans(_local())
+    prefill, decode = workers
+    assert prefill.argv[:3] == (sys.executable, "-m", "dsv4_cluster.workers.prefill")
+    assert decode.argv[:3] == (sys.executable, "-m", "dsv4_cluster.workers.decode")
+    for plan in workers:
+        a = plan.argv
+        assert (_flag(a, "--served-model-name"), _flag(a, "--seed"), _flag(a, "--context-length")) == \
+            ("dsv4-tiny", "3", "2048")
+        assert (_flag(a, "--page-size"), _flag(a, "--kv-cache-dtype"), _flag(a, "--max-total-tokens")) == \
+            ("16", "auto", "16384")
+        assert (_flag(a, "--transfer-backend"), _flag(a, "--device"), _flag(a, "--node-address")) == \
+            ("nixl", "cpu", "127.0.0.1")
+        assert _flag(a, "--ucx-tls") == "tcp,self" and plan.env_dict["UCX_TLS"] == "tcp,self"
+        assert _flag(a, "--kernels") == "sparse_mla_decode,topk"
+        assert _flag(a, "--host") == "0.0.0.0"
+    assert _flag(prefill.argv, "--disaggregation-bootstrap-port") == "21098"
+    assert "--disaggregation-bootstrap-port" not in decode.argv
+
+
+def test_readiness_probes_and_log_paths() -> None:
+    topo = _local()
+    (prefill, decode), router = cluster_plans(topo)
+    assert prefill.all_readiness_urls == (
+        "http://127.0.0.1:21100/health", "http://127.0.0.1:21098/health",
+        f"http://127.0.0.1:21098{ROUTE_PROBE}")
+    assert decode.all_readiness_urls == ("http://127.0.0.1:21200/health",)
+    assert prefill.ports == (21100, 21098) and router.ports == (21001,)
+    assert router.health_url == "http://127.0.0.1:21001/health"  # 0.0.0.0 is probed via the node
+    assert decode.log_path == str(topo.run_dir_path / "logs" / "decode-0.log")
+    assert (prefill.role, decode.role, router.role) == (Role.PREFILL, Role.DECODE, Role.ROUTER)
+    assert endpoint(topo) == "http://0.0.0.0:21001/v1"
+
+
+def test_no_kernels_no_kernel_flag() -> None:
+    topo = _local(kernels={"sparse_mla_decode": False, "indexer": False, "topk": False})
+    workers, _ = cluster_plans(topo)
+    assert all("--kernels" not in p.argv for p in workers)
+
+
+def test_router_config_is_accepted_by_the_router(tmp_path: Path) -> None:
+    topo = _local(cluster={"run_dir": str(tmp_path)})
+    path = write_router_config(topo)
+    settings = load_settings(path)
+    assert (settings.port, settings.model_name) == (21001, "dsv4-tiny")
+    assert [(p.name, p.url, p.bootstrap_host, p.bootstrap_port) for p in settings.prefill] == \
+        [("prefill-0", "http://127.0.0.1:21100", "127.0.0.1", 21098)]
+    assert [(d.name, d.url) for d in settings.decode] == [("decode-0", "http://127.0.0.1:21200")]
+    _, router = cluster_plans(topo)
+    assert router.argv == (sys.executable, "-m", "dsv4_cluster.router", "--config", str(path))
+    assert router_config(topo)["host"] == "0.0.0.0"
+
+
+def _production(kernels: bool):
+    topo = load_topology(REPO / "topology.yaml")
+    if not kernels:
+        topo = topo.model_copy(update={"kernels": topo.kernels.model_copy(
+            update={"sparse_mla_decode": False, "indexer": False, "topk": False})})
+    return topo
+
+
+def test_sglang_with_kernels_requested_refuses_clearly() -> None:
+    with pytest.raises(PlanError, match="kernel.*SGLang is not implemented yet"):
+        cluster_plans(_production(kernels=True))
+
+
+def test_sglang_argv_env_and_pinning() -> None:
+    (prefill, decode), _ = cluster_plans(_production(kernels=False))
+    assert prefill.argv[:6] == ("numactl", "--cpunodebind=0", "--membind=0",
+                                sys.executable, "-m", "sglang.launch_server")
+    assert decode.argv[:3] == ("numactl", "--cpunodebind=1", "--membind=1")
+    assert prefill.env_dict["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+    assert decode.env_dict["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+    a = prefill.argv
+    assert (_flag(a, "--tp-size"), _flag(a, "--port"), _flag(a, "--nccl-port")) == ("4", "30100", "30110")
+    assert (_flag(a, "--disaggregation-mode"), _flag(a, "--disaggregation-transfer-backend"),
+            _flag(a, "--disaggregation-bootstrap-port")) == ("prefill", "nixl", "8998")
+    assert (_flag(a, "--model-path"), _flag(a, "--page-size"), _flag(a, "--kv-cache-dtype")) == \
+        ("deepseek-ai/DeepSeek-V4-Flash", "64", "fp8_e4m3")
+    assert (_flag(a, "--reasoning-parser"), _flag(a, "--tool-call-parser")) == ("deepseek-v4", "deepseekv4")
+    assert "--enable-metrics" in a and "--trust-remote-code" in a
+    assert _flag(decode.argv, "--disaggregation-mode") == "decode"
+    assert "--disaggregation-bootstrap-port" not in decode.argv
+    assert "--max-total-tokens" not in a  # null: SGLang sizes the pool from free memory
+    assert prefill.ports == (30100, 8998, 30110)
+
+
+def test_sglang_flags_are_sglang_0_5_23_flags() -> None:
+    (prefill, decode), _ = cluster_plans(_production(kernels=False))
+    for plan in (prefill, decode):
+        argv = plan.argv[plan.argv.index("sglang.launch_server") + 1:]
+        flags = {a for a in argv if a.startswith("--")}
+        assert flags <= SGLANG_0_5_23_FLAGS, flags - SGLANG_0_5_23_FLAGS
+
+
+def test_sglang_argv_parses_with_sglang_own_parser() -> None:
+    server_args = pytest.importorskip("sglang.srt.server_args")
+    (prefill, decode), _ = cluster_plans(_production(kernels=False))
+    for plan in (prefill, decode):
+        parser = argparse.ArgumentParser()
+        server_args.ServerArgs.add_cli_args(parser)
+        ns = parser.parse_args(list(plan.argv[plan.argv.index("sglang.launch_server") + 1:]))
+        assert ns.tp_size == 4 and ns.disaggregation_transfer_backend == "nixl"
