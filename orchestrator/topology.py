@@ -67,14 +67,15 @@ def parse_topology(text: str, source: str | Path | None = None) -> Topology:
     try:
         doc = read_yaml(text)
     except YamlSyntaxError as exc:
-        raise TopologyError([Problem(file, exc.line, "", f"not valid YAML: {exc.message}",
-                                     "fix the YAML syntax at that line (indentation, a missing ':' or quote)")]) from exc
+        fix = "fix the YAML syntax at that line (indentation, a missing ':' or quote)"
+        raise TopologyError([Problem(file, exc.line, "", f"not valid YAML: {exc.message}", fix)]) from exc
     if doc.data is None:
         raise TopologyError([Problem(file, None, "", "the file is empty",
                                      f"write a topology: engine, model, prefill and decode at least; {_EXAMPLE_HINT}")])
     if not isinstance(doc.data, dict):
-        raise TopologyError([Problem(file, doc.line_of(()), "", f"the file holds a {_kind(doc.data)}, not a mapping",
-                                     f"write 'key: value' lines at the top level (engine:, model:, ...); {_EXAMPLE_HINT}")])
+        fix = f"write 'key: value' lines at the top level (engine:, model:, ...); {_EXAMPLE_HINT}"
+        what = f"the file holds a {_kind(doc.data)}, not a mapping"
+        raise TopologyError([Problem(file, doc.line_of(()), "", what, fix)])
     return _validate(doc, file, source_path)
 
 

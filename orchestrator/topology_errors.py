@@ -14,7 +14,10 @@ def format_field(path: tuple[Any, ...]) -> str:
     """``("prefill", 0, "gpus")`` → ``prefill[0].gpus``."""
     out = ""
     for part in path:
-        out += f"[{part}]" if isinstance(part, int) and not isinstance(part, bool) else (f".{part}" if out else str(part))
+        if isinstance(part, int) and not isinstance(part, bool):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
     return out
 
 

@@ -39,7 +39,7 @@ def explain_pydantic_error(error: dict[str, Any], root: type[BaseModel]) -> tupl
         return f"expected a whole number, got {value}", "write an integer without quotes or a fraction"
     if kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
         if key.endswith("port"):
-            return f"port {value} is out of range", "use a port in 1..65535 (below 32768 keeps clear of ephemeral ports)"
+            return f"port {value} is out of range", "use a port in 1..65535 (below 32768 avoids ephemeral ports)"
         bound = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}[kind]
         limit = next(iter(ctx.values()), "")
         return f"{value} is out of range", f"use a value {bound} {limit}"
@@ -63,8 +63,10 @@ def explain_pydantic_error(error: dict[str, Any], root: type[BaseModel]) -> tupl
         return "must not be empty", "write a value, or remove the key to get the default"
     if kind == "string_pattern_mismatch":
         if key == "address":
-            return f"{value} is not a host:port address", 'write "host:port" (e.g. "10.0.0.1:6379"), or null to start a local Ray head'
-        return f"{value} is not a valid name", "use lowercase letters, digits and '-', starting and ending with a letter or digit (e.g. prefill-0)"
+            return f"{value} is not a host:port address", (
+                'write "host:port" (e.g. "10.0.0.1:6379"), or null to start a local Ray head')
+        return f"{value} is not a valid name", (
+            "use lowercase letters, digits and '-', starting and ending with a letter or digit (e.g. prefill-0)")
     if kind == "value_error":
         return str(error["msg"]).removeprefix("Value error, "), _SCHEMA_HINT
     return str(error["msg"]), _SCHEMA_HINT

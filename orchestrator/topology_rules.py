@@ -11,8 +11,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, get_args
 
+from pydantic import BaseModel
+
 from .topology_errors import format_field
-from .topology_schema import Device, KvCacheDtype, WorkerDefaults
+from .topology_schema import Device, EngineName, KvCacheDtype, RouterConfig, WorkerConfig, WorkerDefaults, default_nodes
 
 Path_ = tuple[Any, ...]
 ROLES = ("prefill", "decode")
@@ -53,7 +55,7 @@ class _Context:
     @property
     def engine(self) -> str | None:
         engine = self.data.get("engine")
-        return engine if engine in ("embedded", "sglang") else None
+        return engine if engine in get_args(EngineName) else None
 
     def section(self, name: str) -> dict[Any, Any]:
         value = self.data.get(name)
@@ -85,7 +87,7 @@ def _context(data: dict[Any, Any]) -> _Context:
             workers += [_Worker(role, i, w) for i, w in enumerate(items) if isinstance(w, dict)]
     raw_nodes = data.get("nodes")
     if raw_nodes is None:
-        nodes = {"local": "127.0.0.1"}
+        nodes = {node.name: node.address for node in default_nodes()}
     else:
         nodes = {
             n["name"]: n["address"] if isinstance(n.get("address"), str) else n["name"]
@@ -93,6 +95,11 @@ def _context(data: dict[Any, Any]) -> _Context:
             if isinstance(n, dict) and isinstance(n.get("name"), str)
         }
     return _Context(data, tuple(workers), nodes, next(iter(nodes), None))
+
+
+def _get(raw: dict[Any, Any], model: type[BaseModel], key: str) -> Any:
+    """The raw value, or the schema's default when the key is absent."""
+    return raw[key] if key in raw else model.model_fields[key].get_default(call_default_factory=True)
 
 
 def _int(value: Any) -> int | None:
@@ -109,7 +116,8 @@ def _role_matches_list(ctx: _Context) -> Iterator[Finding]:
     for w in ctx.workers:
         if "role" in w.raw and w.raw["role"] != w.role:
             yield Finding(w.path + ("role",), f"worker listed under {w.role} says role: {w.raw['role']!r}",
-                          f"remove 'role' (the list sets it) and move the worker under '{w.role}:' or the other list")
+                          "remove 'role': the list a worker is in sets it (move the worker to the other list "
+                          "if that is what you meant)")
 
 
 def _names_unique(ctx: _Context) -> Iterator[Finding]:
@@ -119,7 +127,8 @@ def _names_unique(ctx: _Context) -> Iterator[Finding]:
         if not isinstance(name, str):
             continue
         if name in seen:
-            yield Finding(w.path + ("name",), f"worker name {name!r} is also used by {seen[name].role}[{seen[name].index}]",
+            first = format_field(seen[name].path)
+            yield Finding(w.path + ("name",), f"worker name {name!r} is also used by {first}",
                           "give every worker a unique name")
         seen.setdefault(name, w)
     raw_nodes = ctx.data.get("nodes")
@@ -147,8 +156,8 @@ def _nodes_known(ctx: _Context) -> Iterator[Finding]:
 
 def _device_gpus_tp(ctx: _Context) -> Iterator[Finding]:
     for w in ctx.workers:
-        device = w.raw.get("device", "cpu")
-        gpus, tp = w.raw.get("gpus", []), _int(w.raw.get("tp", 1))
+        device, gpus = _get(w.raw, WorkerConfig, "device"), _get(w.raw, WorkerConfig, "gpus")
+        tp = _int(_get(w.raw, WorkerConfig, "tp"))
         if device not in get_args(Device) or not isinstance(gpus, list):
             continue
         if device == "cpu":
@@ -171,7 +180,7 @@ def _gpus_exclusive(ctx: _Context) -> Iterator[Finding]:
     owners: dict[tuple[str, int], _Worker] = {}
     for w in ctx.workers:
         gpus, host = w.raw.get("gpus"), ctx.host_key(ctx.node_of(w.raw))
-        if w.raw.get("device") != "cuda" or not isinstance(gpus, list) or host is None:
+        if _get(w.raw, WorkerConfig, "device") != "cuda" or not isinstance(gpus, list) or host is None:
             continue
         for j, gpu in enumerate(gpus):
             if _int(gpu) is None:
@@ -188,7 +197,7 @@ def _gpus_exclusive(ctx: _Context) -> Iterator[Finding]:
 def _ports_distinct(ctx: _Context) -> Iterator[Finding]:
     taken: dict[tuple[str, int], tuple[Path_, str]] = {}
     router = ctx.section("router")
-    router_port = _int(router.get("port", 30001))
+    router_port = _int(_get(router, RouterConfig, "port"))
     router_host = ctx.host_key(ctx.node_of(router))
     if router_port is not None and router_host is not None:
         taken[(router_host, router_port)] = (("router", "port"), "")
@@ -226,7 +235,7 @@ def _engine_needs(ctx: _Context) -> Iterator[Finding]:
             if w.raw.get("nccl_port") is None:
                 yield Finding(w.path + ("nccl_port",), f"engine sglang needs an nccl_port for {w.label}",
                               "add nccl_port: <free port> (the TP group's NCCL rendezvous)")
-            if w.raw.get("device", "cpu") == "cpu":
+            if _get(w.raw, WorkerConfig, "device") == "cpu":
                 yield Finding(w.path + ("device",), f"engine sglang serves on CUDA only, {w.label} is on cpu",
                               "set device: cuda with gpus and tp, or use engine: embedded on CPU")
     if ctx.engine == "embedded":

@@ -56,7 +56,8 @@ class NodeConfig(_Strict):
     address: str = Field(min_length=1, description="address other workers reach this node on")
 
 
-def _default_nodes() -> list[NodeConfig]:
+def default_nodes() -> list[NodeConfig]:
+    """One node, ``local`` at 127.0.0.1: what a topology without ``nodes`` runs on."""
     return [NodeConfig(name="local", address="127.0.0.1")]
 
 
@@ -107,7 +108,7 @@ class Topology(_Strict):
     engine: EngineName
     model: ModelConfig
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
-    nodes: list[NodeConfig] = Field(default_factory=_default_nodes, min_length=1)
+    nodes: list[NodeConfig] = Field(default_factory=default_nodes, min_length=1)
     router: RouterConfig = Field(default_factory=RouterConfig)
     transfer: TransferConfig = Field(default_factory=TransferConfig)
     kernels: KernelsConfig = Field(default_factory=KernelsConfig)
@@ -120,7 +121,7 @@ class Topology(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _set_roles(cls, data: Any) -> Any:
-        """A worker's role is the list it is in (a differing ``role`` key is a rule error); ``nodes: null`` = default."""
+        """A worker's role is the list it is in (a differing ``role`` is a rule error); ``nodes: null`` = default."""
         if not isinstance(data, dict):
             return data
         data = dict(data)

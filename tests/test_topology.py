@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -49,6 +50,14 @@ def test_local_example_loads_resolved() -> None:
                for w in topo.workers)
     assert topo.router.port == 30001 and topo.node("local").address == "127.0.0.1"
     assert topo.run_dir_path == (REPO / "examples" / ".dsv4-cluster").resolve()
+
+
+def test_round_trips_through_data_and_pickle() -> None:
+    topo = load_topology(REPO / "topology.yaml")
+    again = topology_from_data(topo.model_dump(), source=topo.source)
+    assert again == topo and again.run_dir_path == topo.run_dir_path
+    unpickled = pickle.loads(pickle.dumps(topo))  # Ray ships it to the supervisor actors
+    assert unpickled == topo and unpickled.source == topo.source
 
 
 def test_lookups_name_what_exists() -> None:

@@ -8,6 +8,7 @@ from dsv4_cluster.orchestrator.topology import parse_topology
 
 from .topology_fixtures import BASE, SGLANG, check, edit, line_of, only, problems
 
+
 @pytest.mark.parametrize(("old", "new", "field", "hint"), [
     ("engine: embedded\n", "engine: embedded\ncolour: red\n", "colour", "remove it; allowed here: cluster, decode"),
     ("  name: dsv4-tiny\n", "  name: dsv4-tiny\n  seeds: 3\n", "model.seeds", "did you mean 'seed'?"),
