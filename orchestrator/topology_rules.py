@@ -231,6 +231,9 @@ def _engine_needs(ctx: _Context) -> Iterator[Finding]:
         if ctx.section("model").get("path") is None and isinstance(ctx.data.get("model"), dict):
             yield Finding(("model", "path"), "engine sglang needs the weights, model.path is not set",
                           "set model.path to a Hugging Face id or local folder, e.g. deepseek-ai/DeepSeek-V4-Flash")
+        if ctx.section("transfer").get("backend") == "tcp":
+            yield Finding(("transfer", "backend"), "SGLang has no tcp KV transfer backend",
+                          "use backend: nixl with engine sglang (tcp exists for the embedded engine only)")
         for w in ctx.workers:
             if w.raw.get("nccl_port") is None:
                 yield Finding(w.path + ("nccl_port",), f"engine sglang needs an nccl_port for {w.label}",

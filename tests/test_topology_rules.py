@@ -120,6 +120,8 @@ def test_sglang_needs_model_path_nccl_ports_and_cuda() -> None:
     check(text, "model.path", 2, "engine sglang needs the weights", "set model.path")
     text = edit(SGLANG, "    nccl_port: 30210\n", "")
     check(text, "decode[0].nccl_port", line_of(text, "- name: decode-0"), "needs an nccl_port for decode-0", "add nccl_port")
+    text = SGLANG + "transfer:\n  backend: tcp\n"
+    check(text, "transfer.backend", line_of(text, "backend: tcp"), "SGLang has no tcp KV transfer", "use backend: nixl")
     text = edit(SGLANG, "    device: cuda\n    gpus: [2, 3]\n    tp: 2\n", "")
     check(text, "decode[0].device", line_of(text, "- name: decode-0"), "serves on CUDA only", "use engine: embedded")
 
