@@ -5,19 +5,19 @@ Lifecycle:
   2. P fails first (error status, transport error) -> abort D by rid, the client gets P's error.
   3. D fails -> abort P if it is still running; the client gets D's status and body.
   4. D succeeds -> wait for P's answer too (it finished before D could decode), then answer with D's
-     body (for `/generate` with `return_logprob`, P's input logprobs go in front of D's).
+     body (for `/generate` with `return_logprob`, P's input logprobs go in front: `logprobs.py`).
   5. The client disconnects -> abort both legs; nobody is left to answer.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from typing import Any, Awaitable, Callable
 
 from fastapi import Response
 
+from . import logprobs
 from .pairing import PairedRequest
 from .pool import Worker
 from .tasks import TaskSet
@@ -42,26 +42,11 @@ def abort_leg(upstream: Upstream, tasks: TaskSet, worker: Worker, req: PairedReq
     tasks.spawn(upstream.abort(worker, req.rids), name=f"abort-{worker.name}-{req.rid}")
 
 
-def _prepend_logprobs(prefill: Any, decode: Any) -> Any:
-    if isinstance(prefill, list) and isinstance(decode, list) and len(prefill) == len(decode):
-        return [_prepend_logprobs(p, d) for p, d in zip(prefill, decode)]
-    if isinstance(prefill, dict) and isinstance(decode, dict):
-        p_meta, d_meta = prefill.get("meta_info") or {}, decode.get("meta_info") or {}
-        key = "input_token_logprobs"
-        if isinstance(p_meta.get(key), list) and isinstance(d_meta.get(key), list):
-            d_meta[key] = p_meta[key] + d_meta[key]
-    return decode
-
-
 def decode_response(req: PairedRequest, decode: LegResult, prefill: LegResult | None) -> Response:
     """D's status and body; `/generate` with `return_logprob` gets P's input logprobs in front."""
     content = decode.content
-    if req.path == "/generate" and req.body.get("return_logprob") and prefill is not None and prefill.ok:
-        try:
-            merged = _prepend_logprobs(json.loads(prefill.content), json.loads(decode.content))
-            content = json.dumps(merged).encode()
-        except json.JSONDecodeError:
-            log.warning("rid %s: cannot merge logprobs, a leg's answer is not JSON", req.rid)
+    if logprobs.wanted(req.path, req.body) and prefill is not None and prefill.ok:
+        content = logprobs.merge_body(prefill.content, decode.content)
     return Response(content, status_code=decode.status, media_type=decode.content_type or None)
 
 

@@ -22,7 +22,7 @@ from fastapi import Response
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
-from . import sse
+from . import logprobs, sse
 from .errors import RouterError, UpstreamUnreachable
 from .exchange import abort_leg
 from .pairing import PairedRequest
@@ -53,23 +53,38 @@ class StreamRelay:
         prefill.add_done_callback(self._prefill_done)
 
     async def _pump_decode(self) -> None:
+        try:
+            prefill_answer = None
+            if logprobs.wanted(self._req.path, self._req.body):
+                prefill = await asyncio.shield(self._prefill)
+                if not prefill.ok:
+                    return  # _prefill_done aborts D and ends the stream
+                prefill_answer = logprobs.final_answer(prefill.content)
+            end = await self._relay_events(prefill_answer)
+        except Exception as exc:
+            self._queue.put_nowait(_End(RouterError(f"router failed relaying rid {self._req.rid}: {exc!r}")))
+            raise
+        finally:
+            await self._decode.aclose()
+        self._queue.put_nowait(end)
+
+    async def _relay_events(self, prefill_answer: object) -> _End:
+        """Queue D's events until its stream ends; how it ended decides whether P is aborted."""
         decode = self._req.pair.decode
         end = _End(UpstreamUnreachable(f"{decode.describe()} ended its stream without 'data: [DONE]'"))
         try:
             async for event in sse.events(self._decode.aiter_raw()):
-                self._queue.put_nowait(event)
+                self._queue.put_nowait(logprobs.merge_event(prefill_answer, event) if prefill_answer else event)
                 if sse.is_done(event) or sse.error_in(event) is not None:
                     end = _End(None)
                 if sse.error_in(event) is not None:
                     self._abort_prefill(f"{decode.describe()} streamed an error")
         except httpx.HTTPError as exc:
             end = _End(transport_error(decode, exc, self._upstream.request_timeout_s))
-        finally:
-            self._decode_ended = True
-            await self._decode.aclose()
+        self._decode_ended = True
         if end.error is not None:
             self._abort_prefill(end.error.message)
-        self._queue.put_nowait(end)
+        return end
 
     def _abort_prefill(self, why: str) -> None:
         if not self._prefill.done():
@@ -77,16 +92,19 @@ class StreamRelay:
             abort_leg(self._upstream, self._tasks, self._req.pair.prefill, self._req, self._prefill)
 
     def _prefill_done(self, task: asyncio.Task[LegResult]) -> None:
-        if task.cancelled() or task.exception() is not None:
+        if task.cancelled():
             return
-        result = task.result()
-        if result.ok or result.error is None:
+        if task.exception() is not None:
+            error = RouterError(f"router failed draining the prefill leg of rid {self._req.rid}: {task.exception()!r}")
+        elif task.result().error is not None:
+            error = task.result().error
+        else:
             return
         if self._decode_ended or self._finished:
-            log.warning("rid %s: decode already finished, but %s", self._req.rid, result.error.message)
+            log.warning("rid %s: decode already finished, but %s", self._req.rid, error.message)
             return
         abort_leg(self._upstream, self._tasks, self._req.pair.decode, self._req, self._pump)
-        self._queue.put_nowait(_End(result.error))
+        self._queue.put_nowait(_End(error))
 
     async def body(self) -> AsyncIterator[bytes]:
         """The client's stream: D's events, then (on failure) an error event and `[DONE]`."""
