@@ -21,9 +21,9 @@ from dsv4_cluster.kernels.indexer.shapes import IndexerInputError, check_indexer
 def _indexer_kernel(
     q_ptr, w_ptr, k_ptr, scale_ptr, pt_ptr, lens_ptr, out_ptr,
     stride_qb, stride_qh, stride_wb, stride_kp, stride_ke, stride_sp, stride_ptb, stride_ob,
-    heads, dim, per_page, capacity, split,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-    FP8: tl.constexpr, IEEE: tl.constexpr,
+    heads, dim, capacity, split,
+    PER_PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+    FP8: tl.constexpr, IEEE: tl.constexpr, MASK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = tl.program_id(1)
@@ -37,10 +37,13 @@ def _indexer_kernel(
     for start in range(pid * BLOCK_T, n, split * BLOCK_T):
         t = start + tl.arange(0, BLOCK_T)
         tm = t < n
-        page = tl.load(pt_ptr + b * stride_ptb + t // per_page, mask=tm, other=0).to(tl.int64)
-        slot = t % per_page
+        page = tl.load(pt_ptr + b * stride_ptb + t // PER_PAGE, mask=tm, other=0).to(tl.int64)
+        slot = t % PER_PAGE
         row = page * stride_kp + slot * stride_ke
-        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=tm[:, None] & dm[None, :], other=0)
+        if MASK_D:
+            k = tl.load(k_ptr + row[:, None] + d[None, :], mask=tm[:, None] & dm[None, :], other=0)
+        else:  # no mask along Di: key rows load as 16-byte vectors
+            k = tl.load(k_ptr + row[:, None] + d[None, :], mask=tm[:, None], other=0)
         if FP8:
             k = k.to(tl.float8e4nv, bitcast=True).to(q.dtype)
         else:
@@ -138,11 +141,13 @@ def _launch(q, weights, keys, scales, page_table, lens, per_page, out, split, bl
     if batch == 0:
         return out
     grid = (split, batch)
+    block_d = max(16, triton.next_power_of_2(dim))
     _indexer_kernel[grid](
         q, weights, keys, scales if scales is not None else keys, page_table, lens, out,
         q.stride(0), q.stride(1), weights.stride(0), stride_kp, stride_ke, stride_sp, page_table.stride(0), out.stride(0),
-        heads, dim, per_page, capacity, split,
-        BLOCK_H=max(16, triton.next_power_of_2(heads)), BLOCK_D=max(16, triton.next_power_of_2(dim)),
-        BLOCK_T=block_t, FP8=scales is not None, IEEE=q.dtype == torch.float32, num_warps=num_warps,
+        heads, dim, capacity, split,
+        PER_PAGE=per_page, BLOCK_H=max(16, triton.next_power_of_2(heads)), BLOCK_D=block_d,
+        BLOCK_T=block_t, FP8=scales is not None, IEEE=q.dtype == torch.float32, MASK_D=block_d != dim,
+        num_warps=num_warps,
     )
     return out

@@ -1,0 +1,208 @@
+"""Benchmark: indexer + top-512 at live length L against buffers sized for a larger configured maximum.
+
+Why: the cost of decode must follow the live length, not `--context-length`. For B = 32 requests of
+L tokens (L/4 compressed entries, 64 per page) and a configured maximum M (page table and score
+buffer sized for M), this times, cold L2, median:
+  ours      Triton indexer + radix-select top-k, eager and as a replayed CUDA graph (captured once
+            per M and replayed at L: the production pattern);
+  torch     PyTorch scoring + torch.topk over the full buffer width (the O(max) pattern; at M = L
+            it is the exact-width version);
+  deep_gemm fp8_paged_mqa_logits + torch.topk, when the sgl-deep-gemm wheel loads (else why not).
+GB/s counts the key bytes the indexer must read (B * L/4 * 256 B bf16, 132 B fp8), against the
+device copy bandwidth measured in the same run. Correctness is checked before anything is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from dsv4_cluster.bench.kernels import bench_us, copy_bandwidth_gbs, print_table, write_results
+from dsv4_cluster.kernels.indexer.fp8_keys import quantize_keys
+from dsv4_cluster.kernels.indexer.reference import indexer_fp8_ref, indexer_ref
+from dsv4_cluster.kernels.indexer.triton_indexer import indexer_fp8_triton, indexer_triton
+from dsv4_cluster.kernels.topk.radix_select import NUM_BINS, NUM_PASSES, topk_triton
+from dsv4_cluster.kernels.topk.reference import topk_ref
+
+HEADS, DIM, PER_PAGE, K = 64, 128, 64, 512
+KI = 1024
+
+
+def make_inputs(batch: int, live: int, maximum: int, seed: int = 0, device: str = "cuda") -> dict:
+    """Live entries of each request on shuffled physical pages; the page table sized for `maximum`
+    tokens, its unused columns pointing at page 0 (so the O(max) torch baseline can gather them)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    entries, max_entries = live // 4, maximum // 4
+    live_pages, max_pages = entries // PER_PAGE, max_entries // PER_PAGE
+    pages = batch * live_pages
+    table = torch.zeros(batch, max_pages, dtype=torch.int32, device=device)
+    table[:, :live_pages] = torch.randperm(pages, device=device, generator=g).view(batch, live_pages).to(torch.int32)
+    return {
+        "q": torch.randn(batch, HEADS, DIM, device=device, generator=g).to(torch.bfloat16),
+        "w": torch.randn(batch, HEADS, device=device, generator=g) * HEADS**-0.5,
+        "keys": torch.randn(pages, PER_PAGE, DIM, device=device, generator=g).to(torch.bfloat16),
+        "table": table,
+        "lens": torch.full((batch,), entries, dtype=torch.int32, device=device),
+    }
+
+
+def torch_scores_topk(x: dict) -> torch.Tensor:
+    """The O(max) pattern: gather every page-table column, score all of them, mask, torch.topk."""
+    batch, max_pages = x["table"].shape
+    keys = x["keys"][x["table"].long()].view(batch, max_pages * PER_PAGE, DIM)
+    logits = torch.relu(torch.einsum("bhd,bnd->bhn", x["q"], keys))
+    scores = (logits * x["w"][:, :, None]).sum(1)
+    t = torch.arange(scores.shape[1], device=scores.device)
+    scores = scores.masked_fill(t[None, :] >= x["lens"][:, None], float("-inf"))
+    return torch.topk(scores, min(K, scores.shape[1]), dim=1).indices
+
+
+class Ours:
+    """Indexer + top-k with every buffer allocated once (scores sized for the maximum), graph-capturable."""
+
+    def __init__(self, x: dict, fp8: bool, **indexer_options):
+        self.x, self.fp8, self.opts = x, fp8, indexer_options
+        batch, max_pages = x["table"].shape
+        self.keys = quantize_keys(x["keys"]) if fp8 else x["keys"]
+        self.scores = torch.empty(batch, max_pages * PER_PAGE, device="cuda")
+        self.idx = torch.empty(batch, K, dtype=torch.int32, device="cuda")
+        self.workspace = torch.zeros(NUM_PASSES * batch * NUM_BINS + batch, dtype=torch.int32, device="cuda")
+
+    def indexer(self) -> None:
+        fn = indexer_fp8_triton if self.fp8 else indexer_triton
+        fn(self.x["q"], self.x["w"], self.keys, self.x["table"], self.x["lens"], out=self.scores, **self.opts)
+
+    def topk(self) -> None:
+        topk_triton(self.scores, self.x["lens"], K, out=self.idx, workspace=self.workspace)
+
+    def __call__(self) -> None:
+        self.indexer()
+        self.topk()
+
+    def graph(self) -> torch.cuda.CUDAGraph:
+        self()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self()
+        return graph
+
+
+def check(ours: Ours) -> dict:
+    """Scores against the fp32 reference and indices against the reference top-k of our own scores."""
+    x = ours.x
+    ours()
+    n = int(x["lens"][0])
+    ref_fn = indexer_fp8_ref if ours.fp8 else indexer_ref
+    ref = ref_fn(x["q"], x["w"], ours.keys, x["table"], x["lens"])[:, :n]
+    got = ours.scores[:, :n]
+    rel = float((got.double() - ref.double()).norm() / ref.double().norm())
+    want = topk_ref(ours.scores, x["lens"], K)
+    same = all(set(ours.idx[b].tolist()) == set(want[b].tolist()) for b in range(want.shape[0]))
+    return {"score_rel_err_vs_fp32_ref": rel, "topk_sets_equal": same}
+
+
+def deep_gemm_attempt(x: dict) -> dict:
+    """One attempt at DeepGEMM's fp8_paged_mqa_logits + torch.topk; the error is the result if it fails."""
+    try:
+        import deep_gemm
+    except (ImportError, OSError, RuntimeError) as e:
+        return {"status": "does not load", "error": repr(e)[:600]}
+    try:
+        batch = x["q"].shape[0]
+        q8 = x["q"].to(torch.float8_e4m3fn).view(batch, 1, HEADS, DIM)
+        kv = quantize_keys(x["keys"]).view(-1, PER_PAGE, 1, DIM + 4)
+        ctx = x["lens"].clone()
+        max_len = x["table"].shape[1] * PER_PAGE
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        meta = deep_gemm.get_paged_mqa_logits_metadata(ctx, PER_PAGE, sms)
+
+        def run() -> torch.Tensor:
+            logits = deep_gemm.fp8_paged_mqa_logits(q8, kv, x["w"], ctx, x["table"], meta, max_len, True)
+            return torch.topk(logits, K, dim=1).indices
+
+        run()
+        return {"status": "ran", "us": bench_us(run)}
+    except (RuntimeError, TypeError, ValueError, AttributeError) as e:
+        return {"status": "loads but failed", "error": repr(e)[:600]}
+
+
+def run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="indexer_topk")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--lives", default="4096,65536,262144", help="live lengths L in tokens")
+    parser.add_argument("--maxima", default="L,131072,1048576", help="configured maxima in tokens ('L' = L)")
+    parser.add_argument("--sweep", action="store_true", help="also time indexer block/warp variants at L = 64K")
+    args = parser.parse_args(argv)
+    copy_gbs = copy_bandwidth_gbs()
+    rows, checks = [], {}
+    for live in (int(v) for v in args.lives.split(",")):
+        maxima = sorted({live if m == "L" else int(m) for m in args.maxima.split(",")})
+        for maximum in (m for m in maxima if m >= live):
+            x = make_inputs(args.batch, live, maximum)
+            for fp8 in (False, True):
+                ours = Ours(x, fp8)
+                if maximum == live:
+                    checks[f"L={live // KI}K {'fp8' if fp8 else 'bf16'}"] = check(ours)
+                graph = ours.graph()
+                key_bytes = args.batch * (live // 4) * (DIM + 4 if fp8 else 2 * DIM)
+                row = {"L": f"{live // KI}K", "max": f"{maximum // KI}K", "keys": "fp8" if fp8 else "bf16",
+                       "ours_graph_us": bench_us(graph.replay), "ours_eager_us": bench_us(ours),
+                       "indexer_us": bench_us(ours.indexer), "topk_us": bench_us(ours.topk)}
+                row["indexer_gbs"] = key_bytes / row["indexer_us"] / 1e3
+                row["indexer_frac_copy"] = row["indexer_gbs"] / copy_gbs
+                if not fp8:
+                    row["torch_us"] = bench_us(lambda: torch_scores_topk(x))
+                rows.append(row)
+                del graph, ours
+            if args.sweep and live >= 65536 and maximum == live:
+                rows += sweep(x, args.batch, copy_gbs)
+            del x
+            torch.cuda.empty_cache()
+    derived = derive(rows)
+    payload = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_gbs": copy_gbs,
+               "batch": args.batch, "k": K, "checks": checks, "rows": rows, "derived": derived,
+               "deep_gemm": deep_gemm_attempt(make_inputs(args.batch, 65536, 65536))}
+    path = write_results("indexer_topk", payload)
+    print_table(rows, ["L", "max", "keys", "ours_graph_us", "ours_eager_us", "indexer_us", "topk_us",
+                       "indexer_gbs", "indexer_frac_copy", "torch_us"])
+    print_table(derived, list(derived[0]) if derived else ["L"])
+    print(f"copy {copy_gbs:.0f} GB/s; checks {checks}; deep_gemm {payload['deep_gemm']}; wrote {path}")
+    ok = all(c["topk_sets_equal"] and c["score_rel_err_vs_fp32_ref"] < 2e-3 for c in checks.values())
+    return 0 if ok else 1
+
+
+def sweep(x: dict, batch: int, copy_gbs: float) -> list[dict]:
+    """Indexer and top-k launch variants at one live length (bf16 keys, maximum = L)."""
+    out, live = [], int(x["lens"][0])
+    key_bytes = batch * live * 2 * DIM
+    base = Ours(x, False)
+    base.indexer()
+    split = -(-4 * torch.cuda.get_device_properties(0).multi_processor_count // batch)
+    for block_t, num_warps, sp in ((64, 4, split), (128, 4, split), (128, 8, split), (256, 8, split),
+                                   (128, 4, split // 2), (128, 4, 2 * split)):
+        us = bench_us(Ours(x, False, block_t=block_t, num_warps=num_warps, split=sp).indexer)
+        out.append({"L": f"{live * 4 // KI}K", "max": "sweep", "keys": f"idx bt{block_t} w{num_warps} s{sp}",
+                    "indexer_us": us, "indexer_gbs": key_bytes / us / 1e3, "indexer_frac_copy": key_bytes / us / 1e3 / copy_gbs})
+    for block, num_warps, sp in ((1024, 4, split // 2), (2048, 8, split // 2), (4096, 8, split // 2),
+                                 (2048, 8, split), (2048, 4, split // 2)):
+        us = bench_us(lambda: topk_triton(base.scores, x["lens"], K, out=base.idx, workspace=base.workspace,
+                                          split=sp, block=block, num_warps=num_warps))
+        out.append({"L": f"{live * 4 // KI}K", "max": "sweep", "keys": f"topk b{block} w{num_warps} s{sp}", "topk_us": us})
+    return out
+
+
+def derive(rows: list[dict]) -> list[dict]:
+    """Per L (bf16): the max-context tax (time at the largest maximum / time at maximum = L) and speedups."""
+    out = []
+    main = [r for r in rows if r["keys"] == "bf16" and r["max"] != "sweep"]
+    for live in dict.fromkeys(r["L"] for r in main):
+        same = [r for r in main if r["L"] == live]
+        exact, largest = same[0], same[-1]
+        out.append({"L": live, "largest_max": largest["max"],
+                    "ours_tax": largest["ours_graph_us"] / exact["ours_graph_us"],
+                    "torch_tax": largest["torch_us"] / exact["torch_us"],
+                    "speedup_vs_torch_exact": exact["torch_us"] / exact["ours_graph_us"],
+                    "speedup_vs_torch_at_largest_max": largest["torch_us"] / largest["ours_graph_us"]})
+    return out
