@@ -20,13 +20,13 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _load_rows(base, row_stride, idx, valid, D: tl.constexpr, BN: tl.constexpr, IS_FP8: tl.constexpr,
-               PAGE_STRIDE: tl.constexpr, SCALES_OFFSET: tl.constexpr):
-    """[BN, D] rows `idx` of one cache as float32 (zeros where not valid)."""
+def _load_rows(base, row_stride, idx, valid, out_t: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
+               IS_FP8: tl.constexpr, PAGE_STRIDE: tl.constexpr, SCALES_OFFSET: tl.constexpr):
+    """[BN, D] rows `idx` of one cache in dtype out_t (zeros where not valid)."""
     if IS_FP8:
         page = idx // 64
         slot = idx % 64
@@ -46,11 +46,11 @@ def _load_rows(base, row_stride, idx, valid, D: tl.constexpr, BN: tl.constexpr, 
         rope = tl.load(rope_ptr[:, None, None] + (c[None, None, :] + 0 * t[None, :, None]),
                        mask=v3 & (t == 7)[None, :, None], other=0.0).to(tl.float32)
         rows = tl.where(is_nope, nope * sc[:, :, None], rope)
-        return tl.reshape(rows, (BN, D))
+        return tl.reshape(rows.to(out_t), (BN, D))
     else:
         d = tl.arange(0, D)
         ptrs = base + idx.to(tl.int64)[:, None] * row_stride + d[None, :]
-        return tl.load(ptrs, mask=valid[:, None], other=0.0).to(tl.float32)
+        return tl.load(ptrs, mask=valid[:, None], other=0.0).to(out_t)
 
 
 @triton.jit
@@ -61,8 +61,8 @@ def _sparse_decode_kernel(
     wlen_ptr, elen_ptr, sink_ptr,
     out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
     part_o_ptr, part_lse_ptr,
-    qk_scale_log2,
-    H: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    qk_scale_log2, num_splits,
+    H: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, SPLIT_OUT: tl.constexpr,
     IS_FP8: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_WLEN: tl.constexpr, HAS_ELEN: tl.constexpr,
     HAS_SINK: tl.constexpr, DOT_F32: tl.constexpr,
     PAGE_STRIDE: tl.constexpr, SCALES_OFFSET: tl.constexpr,
@@ -83,7 +83,7 @@ def _sparse_decode_kernel(
             elen = tl.minimum(tl.maximum(tl.load(elen_ptr + b), 0), K)
     nbw = tl.cdiv(wlen, BN)
     nlive = nbw + tl.cdiv(elen, BN)
-    per_split = tl.cdiv(nlive, NUM_SPLITS)
+    per_split = tl.cdiv(nlive, num_splits)
     lo = split * per_split
     hi = tl.minimum(lo + per_split, nlive)
 
@@ -106,7 +106,7 @@ def _sparse_decode_kernel(
         valid = idx >= 0
         base = tl.where(is_w, kv_ptr, ekv_ptr)
         row_stride = tl.where(is_w, stride_kv, stride_ekv)
-        k = _load_rows(base, row_stride, idx, valid, D, BN, IS_FP8, PAGE_STRIDE, SCALES_OFFSET).to(dot_t)
+        k = _load_rows(base, row_stride, idx, valid, dot_t, D, BN, IS_FP8, PAGE_STRIDE, SCALES_OFFSET)
 
         if DOT_F32:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -129,7 +129,7 @@ def _sparse_decode_kernel(
     has_any = l_i > 0
     o = acc / tl.where(has_any, l_i, 1.0)[:, None]
     lse = tl.where(has_any, (m_i + tl.log2(tl.where(has_any, l_i, 1.0))) * LN2, float("-inf"))
-    if NUM_SPLITS == 1:
+    if not SPLIT_OUT:
         if HAS_SINK:
             sink = tl.load(sink_ptr + offs_h)
             o = o / (1.0 + tl.exp(sink - lse))[:, None]
@@ -137,7 +137,7 @@ def _sparse_decode_kernel(
                  o.to(out_ptr.dtype.element_ty))
         tl.store(lse_ptr + b * stride_lb + offs_h, lse)
     else:
-        row = (b * NUM_SPLITS + split).to(tl.int64) * H
+        row = (b * num_splits + split).to(tl.int64) * H
         tl.store(part_o_ptr + (row + offs_h[:, None]) * D + offs_d[None, :], o)
         tl.store(part_lse_ptr + row + offs_h, lse)
 
@@ -145,17 +145,17 @@ def _sparse_decode_kernel(
 @triton.jit
 def _combine_kernel(
     part_o_ptr, part_lse_ptr, sink_ptr,
-    out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
-    H: tl.constexpr, D: tl.constexpr, HB: tl.constexpr, NUM_SPLITS: tl.constexpr, SP: tl.constexpr,
+    out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, num_splits,
+    H: tl.constexpr, D: tl.constexpr, HB: tl.constexpr, SP: tl.constexpr,
     HAS_SINK: tl.constexpr,
 ):
-    """Merge NUM_SPLITS partial (out, lse) of query b, heads [hb * HB, hb * HB + HB)."""
+    """Merge num_splits (<= SP) partial (out, lse) of query b, heads [hb * HB, hb * HB + HB)."""
     b = tl.program_id(0)
     offs_h = tl.program_id(1) * HB + tl.arange(0, HB)
     offs_s = tl.arange(0, SP)
     offs_d = tl.arange(0, D)
-    s_ok = offs_s < NUM_SPLITS
-    rows = (b * NUM_SPLITS + offs_s).to(tl.int64)[:, None] * H + offs_h[None, :]  # [SP, HB]
+    s_ok = offs_s < num_splits
+    rows = (b * num_splits + offs_s).to(tl.int64)[:, None] * H + offs_h[None, :]  # [SP, HB]
     lse_s = tl.load(part_lse_ptr + rows, mask=s_ok[:, None], other=float("-inf"))
     lse_max = tl.max(lse_s, axis=0)
     max_safe = tl.where(lse_max == float("-inf"), 0.0, lse_max)

@@ -98,8 +98,8 @@ def _launch(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, si
         sink if sink is not None else lse,
         out, out.stride(0), out.stride(1), lse, lse.stride(0),
         part_o, part_lse,
-        scale * _kernels.LOG2E,
-        H=h, D=DIM, BN=bn, NUM_SPLITS=splits,
+        scale * _kernels.LOG2E, splits,
+        H=h, D=DIM, BN=bn, SPLIT_OUT=splits > 1,
         IS_FP8=is_fp8, HAS_EXTRA=has_extra, HAS_WLEN=window_lens is not None,
         HAS_ELEN=has_extra and extra_lens is not None, HAS_SINK=sink is not None,
         DOT_F32=(q.dtype == torch.float32 or not q.is_cuda),
@@ -110,8 +110,8 @@ def _launch(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, si
         hb = min(config.combine_heads, h)
         _kernels._combine_kernel[(b, h // hb)](
             part_o, part_lse, sink if sink is not None else lse,
-            out, out.stride(0), out.stride(1), lse, lse.stride(0),
-            H=h, D=DIM, HB=hb, NUM_SPLITS=splits, SP=triton_next_pow2(splits),
+            out, out.stride(0), out.stride(1), lse, lse.stride(0), splits,
+            H=h, D=DIM, HB=hb, SP=triton_next_pow2(splits),
             HAS_SINK=sink is not None, num_warps=4,
         )
     return out, lse

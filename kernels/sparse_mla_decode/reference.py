@@ -55,22 +55,24 @@ def sparse_mla_decode_ref(
     checks.check_lens(window_lens, b, "window_lens", q.device)
     checks.check_extra_pair(extra_kv, extra_idx)
     checks.check_sink(sink, h, q.device)
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     scale = d**-0.5 if scale is None else float(scale)
 
-    rows, valid = _gather(kv, window_idx, window_lens)
     if extra_kv is not None:
         m = checks.check_rows(extra_kv, d, "extra_kv", q.device)
         checks.check_indices(extra_idx, b, "extra_idx", q.device)
         checks.check_index_values(extra_idx, m, "extra_idx")
         checks.check_lens(extra_lens, b, "extra_lens", q.device)
-        extra_rows, extra_valid = _gather(extra_kv, extra_idx, extra_lens)
-        rows = torch.cat([rows.to(compute), extra_rows.to(compute)], dim=1)
-        valid = torch.cat([valid, extra_valid], dim=1)
     elif extra_lens is not None:
         raise checks.SparseDecodeInputError("extra_lens was given without extra_kv/extra_idx")
-    rows = rows.to(compute)
+    rows, valid = gather_rows(kv, window_idx, extra_kv, extra_idx, window_lens, extra_lens)
+    return attend(q, rows, valid, sink, scale)
 
+
+def attend(q: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor | None,
+           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention itself on gathered rows: q [B, H, D], rows [B, R, D], valid [B, R] bool."""
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    rows = rows.to(compute)
     scores = torch.einsum("bhd,brd->bhr", q.to(compute), rows) * scale
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # -inf where no row is valid
@@ -80,6 +82,18 @@ def sparse_mla_decode_ref(
     if sink is not None:
         out = out * torch.sigmoid(lse - sink.to(compute)[None, :])[..., None]
     return out.to(q.dtype), lse.float()
+
+
+def gather_rows(kv: torch.Tensor, window_idx: torch.Tensor, extra_kv: torch.Tensor | None = None,
+                extra_idx: torch.Tensor | None = None, window_lens: torch.Tensor | None = None,
+                extra_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Selected rows [B, W + K, D] (window then extra, in kv's dtype) and their validity [B, W + K]."""
+    rows, valid = _gather(kv, window_idx, window_lens)
+    if extra_kv is not None:
+        extra_rows, extra_valid = _gather(extra_kv, extra_idx, extra_lens)
+        rows = torch.cat([rows, extra_rows.to(rows.dtype)], dim=1)
+        valid = torch.cat([valid, extra_valid], dim=1)
+    return rows, valid
 
 
 def sparse_mla_decode_fp8_ref(

@@ -1,0 +1,172 @@
+"""Benchmark of sparse MLA decode on one GPU: `python -m dsv4_cluster.bench.kernels sparse_decode`.
+
+DeepSeek-V4 CSA-layer shapes: 64 heads, D = 512, a 128-row window + top-512 compressed entries per
+query, every query over its own region of a large cache (so rows come from HBM, not L2). Reported
+per batch size: median time (cold L2), effective GB/s over the bytes the op needs (selected rows +
+Q + O + lse + indices), that as a fraction of the device copy bandwidth measured in the same run,
+TFLOP/s; for the Triton kernel (bf16 rows and the V4 fp8 layout), the PyTorch reference and
+FlashMLA's SM90 sparse decode on the same fp8 cache (if `flash_mla` loads; otherwise its error).
+A kernel whose output disagrees with the reference gets no row but its error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+
+from dsv4_cluster.bench.kernels import bench_us, copy_bandwidth_gbs, print_table, write_results
+from dsv4_cluster.kernels.sparse_mla_decode import fp8_layout, quantize_kv_v4, sparse_mla_decode_ref
+from dsv4_cluster.kernels.sparse_mla_decode.reference import attend, gather_rows
+from dsv4_cluster.kernels.sparse_mla_decode.launch import (
+    LaunchConfig,
+    choose_splits,
+    sparse_mla_decode_fp8_triton,
+    sparse_mla_decode_triton,
+)
+
+H, D, W, TOPK = 64, 512, 128, 512
+CONTEXT = 4096  # tokens per request: main-cache region; L/4 compressed entries in the extra cache
+MAX_REL_ERR = 2e-2
+
+
+def make_inputs(b: int, seed: int = 0) -> dict:
+    """Per request: window = its last 128 tokens, extra = 512 distinct of its L/4 compressed entries."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    comp = CONTEXT // 4
+    q = torch.randn(b, H, D, device="cuda", generator=g).to(torch.bfloat16)
+    kv = torch.randn(b * CONTEXT, D, device="cuda", generator=g).to(torch.bfloat16)
+    extra = torch.randn(b * comp, D, device="cuda", generator=g).to(torch.bfloat16)
+    base = torch.arange(b, device="cuda")[:, None]
+    widx = (base * CONTEXT + CONTEXT - W + torch.arange(W, device="cuda")[None, :]).int()
+    picks = torch.rand(b, comp, device="cuda", generator=g).argsort(dim=1)[:, :TOPK].sort(dim=1).values
+    eidx = (base * comp + picks).int()
+    sink = torch.randn(H, device="cuda", generator=g)
+    return dict(q=q, kv=kv, window_idx=widx, extra_kv=extra, extra_idx=eidx, sink=sink)
+
+
+def torch_reference(case: dict):
+    """The reference's math (gather, then attention) without its host-syncing index checks."""
+    rows, valid = gather_rows(case["kv"], case["window_idx"], case["extra_kv"], case["extra_idx"])
+    return attend(case["q"], rows, valid, case["sink"], D**-0.5)
+
+
+def required_bytes(b: int, row_bytes: int) -> int:
+    per_query = (W + TOPK) * (row_bytes + 4) + 2 * H * D * 2 + H * 4
+    return b * per_query
+
+
+def flops(b: int) -> float:
+    return 2.0 * 2.0 * b * H * (W + TOPK) * D
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def flashmla_call(case: dict, cache: torch.Tensor, extra_cache: torch.Tensor):
+    """A closure running FlashMLA's SM90 V4 sparse decode on our fp8 caches, or the import error."""
+    try:
+        import flash_mla
+    except (ImportError, OSError, RuntimeError) as exc:  # a load failure (ABI, missing lib) is the result
+        return None, f"{type(exc).__name__}: {exc}"
+    b = case["q"].shape[0]
+    q4 = case["q"].view(b, 1, H, D)
+    widx, eidx = case["window_idx"].view(b, 1, W), case["extra_idx"].view(b, 1, TOPK)
+    wlen = torch.full((b,), W, dtype=torch.int32, device="cuda")
+    elen = torch.full((b,), TOPK, dtype=torch.int32, device="cuda")
+    k_view, e_view = fp8_layout.flashmla_view(cache), fp8_layout.flashmla_view(extra_cache)
+    meta = flash_mla.get_mla_metadata()[0]
+
+    def run():
+        out, lse = flash_mla.flash_mla_with_kvcache(
+            q4, k_view, None, None, D, meta, softmax_scale=D**-0.5, is_fp8_kvcache=True,
+            indices=widx, attn_sink=case["sink"], extra_k_cache=e_view, extra_indices_in_kvcache=eidx,
+            topk_length=wlen, extra_topk_length=elen, use_legacy=True, kv_format="V4",
+        )
+        return out.view(b, H, D), lse
+
+    return run, None
+
+
+def measure(name, fn, ref_out, b, row_bytes, copy_gbs, extra=None):
+    err = rel_err(fn()[0], ref_out)
+    row = dict(kernel=name, B=b, rel_err=err, **(extra or {}))
+    if not err < MAX_REL_ERR:
+        row["error"] = f"output disagrees with the reference (relative error {err:.3g}); not timed"
+        return row
+    us = bench_us(fn)
+    gbs = required_bytes(b, row_bytes) / (us * 1e-6) / 1e9
+    row.update(us=us, GBps=gbs, frac_copy=gbs / copy_gbs, TFLOPs=flops(b) / (us * 1e-6) / 1e12)
+    print(f"  {name:22s} B={b:4d} {us:8.1f} us {gbs:7.0f} GB/s {gbs / copy_gbs:5.1%} of copy  err {err:.2e} {extra or ''}")
+    return row
+
+
+def best_config(fn_for, ref_out, b, configs):
+    """Fastest correct config for this batch size (each timed once)."""
+    best = None
+    for cfg in configs:
+        fn = fn_for(cfg)
+        if rel_err(fn()[0], ref_out) >= MAX_REL_ERR:
+            continue
+        us = bench_us(fn, rep_ms=100)
+        if best is None or us < best[1]:
+            best = (cfg, us)
+    return best[0] if best else None
+
+
+def run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="sparse_decode")
+    parser.add_argument("--batches", default="1,8,32,64,128")
+    parser.add_argument("--sweep", action="store_true", help="also try other launch configs, report the best")
+    args = parser.parse_args(argv)
+    batches = [int(x) for x in args.batches.split(",")]
+    copy_gbs = copy_bandwidth_gbs()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows, fm_error = [], None
+    for b in batches:
+        case = make_inputs(b, seed=b)
+        cache, extra_cache = quantize_kv_v4(case["kv"]), quantize_kv_v4(case["extra_kv"])
+        fp8_case = {k: v for k, v in case.items() if k not in ("kv", "extra_kv")}
+        ref_out, _ = sparse_mla_decode_ref(**case)
+        deq = {**case, "kv": fp8_layout.dequantize_kv_v4(cache), "extra_kv": fp8_layout.dequantize_kv_v4(extra_cache)}
+        ref8_out, _ = sparse_mla_decode_ref(**deq)
+        rows.append(measure("torch_reference_bf16", lambda: torch_reference(case), ref_out, b, 1024, copy_gbs))
+
+        nblocks = {bn: -(-W // bn) + -(-TOPK // bn) for bn in (16, 32, 64)}
+        default = LaunchConfig()
+        configs = [default]
+        if args.sweep:
+            configs = [LaunchConfig(block_n=bn, num_warps=nw, num_splits=s, num_stages=st)
+                       for bn, nw, st in itertools.product((16, 32, 64), (8,), (2, 3))
+                       for s in sorted({choose_splits(b, nblocks[bn], sms), max(1, choose_splits(b, nblocks[bn], 2 * sms))})]
+        for name, fn_for, ref, row_bytes in (
+            ("triton_bf16", lambda c: (lambda: sparse_mla_decode_triton(**case, config=c)), ref_out, 1024),
+            ("triton_fp8", lambda c: (lambda: sparse_mla_decode_fp8_triton(**fp8_case, kv_cache=cache, extra_cache=extra_cache, config=c)), ref8_out, fp8_layout.BYTES_PER_TOKEN),
+        ):
+            cfg = best_config(fn_for, ref, b, configs) if args.sweep else default
+            if cfg is None:
+                rows.append(dict(kernel=name, B=b, error="no config gave a correct output"))
+                continue
+            splits = cfg.num_splits or choose_splits(b, nblocks[cfg.block_n], sms)
+            info = dict(block_n=cfg.block_n, warps=cfg.num_warps, stages=cfg.num_stages, splits=splits)
+            rows.append(measure(name, fn_for(cfg), ref, b, row_bytes, copy_gbs, info))
+
+        fm_run, fm_error = flashmla_call(fp8_case, cache, extra_cache)
+        if fm_run is not None:
+            try:
+                rows.append(measure("flashmla_fp8_v4", fm_run, ref8_out, b, fp8_layout.BYTES_PER_TOKEN, copy_gbs))
+            except (RuntimeError, AssertionError, TypeError) as exc:
+                fm_error = f"{type(exc).__name__}: {exc}"
+        del case, cache, extra_cache, deq
+        torch.cuda.empty_cache()
+
+    print(f"device copy bandwidth (same run): {copy_gbs:.0f} GB/s; FlashMLA: {fm_error or 'loaded'}")
+    print_table(rows, ["kernel", "B", "us", "GBps", "frac_copy", "TFLOPs", "rel_err", "block_n", "warps", "stages", "splits", "error"])
+    path = write_results("sparse_decode", dict(
+        device=torch.cuda.get_device_name(0), torch=torch.__version__, copy_gbs=copy_gbs,
+        shapes=dict(H=H, D=D, window=W, topk=TOPK, context=CONTEXT), flashmla_error=fm_error, rows=rows,
+    ))
+    print(f"wrote {path}")
+    return 0
