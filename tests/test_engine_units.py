@@ -1,0 +1,92 @@
+"""Unit tests of the embedded engine's parts: tokenizer, KV pool, model, sampling, request bodies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4_cluster.workers.args import parse_args
+from dsv4_cluster.workers.kv_pool import KVPool, PoolExhausted, PoolLayout
+from dsv4_cluster.workers.model import ModelConfig
+from dsv4_cluster.workers.protocol import ChatCompletionRequest, GenerateRequest
+from dsv4_cluster.workers.runner import ModelRunner, RunnerConfig, generate_single_process
+from dsv4_cluster.workers.sampling import SamplingParams
+from dsv4_cluster.workers.tokenizer import ASSISTANT, BOS, EOS, USER, ByteTokenizer, ChatTemplateError
+
+TOK = ByteTokenizer()
+
+
+def runner(max_total_tokens: int = 2048, page_size: int = 16) -> ModelRunner:
+    return ModelRunner(RunnerConfig(model=ModelConfig(), page_size=page_size,
+                                    max_total_tokens=max_total_tokens, context_length=1024))
+
+
+def test_chat_template_and_round_trip():
+    ids = TOK.apply_chat_template([{"role": "user", "content": "héllo"}])
+    assert ids[:2] == [BOS, USER] and ids[-1] == ASSISTANT
+    assert TOK.decode(ids) == "héllo"
+    with pytest.raises(ChatTemplateError, match="role"):
+        TOK.apply_chat_template([{"role": "tool", "content": "x"}])
+
+
+def test_pool_allocates_whole_pages_and_refuses_past_capacity():
+    pool = KVPool(PoolLayout(page_size=16, num_pages=4, n_layers=1, head_dim=8, index_dim=4, ratio=4,
+                             dtype="float32"))
+    pages = pool.alloc(17)
+    assert len(pages) == 2 and pool.used_tokens == 32 and pool.capacity_tokens == 64
+    with pytest.raises(PoolExhausted):
+        pool.alloc(33)
+    pool.release(pages)
+    assert pool.used_tokens == 0
+
+
+def test_logits_do_not_depend_on_which_pages_hold_the_kv():
+    """The property a KV transfer relies on: the same prompt in other physical pages decodes the same."""
+    r = runner()
+    prompt = TOK.encode("page placement must not matter " * 3)
+    a = r.pool.alloc(len(prompt) + 1)
+    first = r.prefill(prompt, a)
+    filler = r.pool.alloc(64)          # shift the next allocation to other pages
+    b = r.pool.alloc(len(prompt) + 1)
+    assert set(a).isdisjoint(b)
+    second = r.prefill(prompt, b)
+    assert torch.equal(first, second)
+    r.pool.release(a + b + filler)
+
+
+def test_greedy_generation_is_deterministic_and_stops():
+    r = runner()
+    params = SamplingParams(max_new_tokens=24, temperature=0)
+    prompt = TOK.encode("determinism")
+    out1 = generate_single_process(r, prompt, params, EOS, TOK.decode)
+    out2 = generate_single_process(r, prompt, params, EOS, TOK.decode)
+    assert out1 == out2 and 1 <= len(out1) <= 24
+    assert all(32 <= t < 127 or t == EOS for t in out1)
+    assert r.pool.used_tokens == 0
+
+
+def test_seeded_sampling_is_reproducible():
+    r = runner()
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, seed=7)
+    prompt = TOK.encode("seeded")
+    assert generate_single_process(r, prompt, params, EOS, TOK.decode) == \
+        generate_single_process(r, prompt, params, EOS, TOK.decode)
+
+
+def test_request_bodies_reject_what_the_engine_cannot_do():
+    with pytest.raises(ValueError, match="n=1"):
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "n": 2})
+    with pytest.raises(ValueError, match="unexpected_field"):
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
+                                              "unexpected_field": 1})
+    with pytest.raises(ValueError, match="exactly one of text or input_ids"):
+        GenerateRequest.model_validate({"sampling_params": {}})
+
+
+def test_worker_args_refuse_silent_fallbacks(capsys):
+    with pytest.raises(SystemExit):
+        parse_args("decode", ["--transfer-backend", "tcp"])
+    assert "no silent fallback" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args("prefill", [])
+    assert "--disaggregation-bootstrap-port is required" in capsys.readouterr().err

@@ -1,0 +1,73 @@
+"""Test helper: a real embedded prefill + decode pair as subprocesses on free loopback ports."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from .servers import free_port
+
+
+@dataclass
+class WorkerPair:
+    prefill_url: str
+    bootstrap_port: int
+    decode_url: str
+    procs: list[subprocess.Popen]
+    logs: list[Path]
+
+    def bootstrap(self, room: int, rid: str) -> dict:
+        return {"bootstrap_host": "127.0.0.1", "bootstrap_port": self.bootstrap_port, "bootstrap_room": room,
+                "rid": rid}
+
+
+def _wait(url: str, procs: list[subprocess.Popen], logs: list[Path], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for p, log in zip(procs, logs):
+            if p.poll() is not None:
+                raise RuntimeError(f"worker exited with {p.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} not ready after {timeout_s}s")
+
+
+def start_pair(tmp: Path, extra: list[str] = (), prefill_extra: list[str] = (),
+               decode_extra: list[str] = ()) -> WorkerPair:
+    p_port, b_port, d_port = free_port(), free_port(), free_port()
+    common = ["--host", "127.0.0.1", "--max-total-tokens", "4096", "--context-length", "1024", *extra]
+    cmds = [
+        [sys.executable, "-m", "dsv4_cluster.workers.prefill", "--port", str(p_port),
+         "--disaggregation-bootstrap-port", str(b_port), *common, *prefill_extra],
+        [sys.executable, "-m", "dsv4_cluster.workers.decode", "--port", str(d_port), *common, *decode_extra],
+    ]
+    logs = [tmp / "prefill.log", tmp / "decode.log"]
+    procs = [subprocess.Popen(c, stdout=log.open("w"), stderr=subprocess.STDOUT) for c, log in zip(cmds, logs)]
+    pair = WorkerPair(f"http://127.0.0.1:{p_port}", b_port, f"http://127.0.0.1:{d_port}", procs, logs)
+    try:
+        for url in (pair.prefill_url + "/health", f"http://127.0.0.1:{b_port}/route", pair.decode_url + "/health"):
+            _wait(url, procs, logs)
+    except BaseException:
+        stop_pair(pair)
+        raise
+    return pair
+
+
+def stop_pair(pair: WorkerPair) -> None:
+    for p in pair.procs:
+        p.terminate()
+    for p in pair.procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
