@@ -116,6 +116,23 @@ def best_config(fn_for, ref_out, b, configs):
     return best[0] if best else None
 
 
+def compiled_resources() -> list[dict]:
+    """Registers, spills and shared memory of every compiled variant of the main kernel (Triton's cache)."""
+    from dsv4_cluster.kernels.sparse_mla_decode import kernel
+
+    found = []
+    caches = getattr(kernel._sparse_decode_kernel, "device_caches", {})
+    for entry in caches.values():
+        for compiled in entry[0].values():
+            compiled._init_handles()
+            meta = compiled.metadata
+            found.append(dict(regs=compiled.n_regs, spills=compiled.n_spills, smem=meta.shared,
+                              warps=meta.num_warps, stages=meta.num_stages,
+                              async_copies=compiled.asm["ttgir"].count("async_copy_global_to_local"),
+                              wgmma=compiled.asm["ttgir"].count("warp_group_dot ")))
+    return found
+
+
 def run(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="sparse_decode")
     parser.add_argument("--batches", default="1,8,32,64,128")
@@ -162,11 +179,14 @@ def run(argv: list[str]) -> int:
         del case, cache, extra_cache, deq
         torch.cuda.empty_cache()
 
+    resources = compiled_resources()
+    for r in resources:
+        print("  compiled:", r)
     print(f"device copy bandwidth (same run): {copy_gbs:.0f} GB/s; FlashMLA: {fm_error or 'loaded'}")
     print_table(rows, ["kernel", "B", "us", "GBps", "frac_copy", "TFLOPs", "rel_err", "block_n", "warps", "stages", "splits", "error"])
     path = write_results("sparse_decode", dict(
         device=torch.cuda.get_device_name(0), torch=torch.__version__, copy_gbs=copy_gbs,
-        shapes=dict(H=H, D=D, window=W, topk=TOPK, context=CONTEXT), flashmla_error=fm_error, rows=rows,
+        shapes=dict(H=H, D=D, window=W, topk=TOPK, context=CONTEXT), flashmla_error=fm_error, compiled=resources, rows=rows,
     ))
     print(f"wrote {path}")
     return 0
