@@ -190,5 +190,30 @@ def run(argv: list[str]) -> int:
         device=torch.cuda.get_device_name(0), torch=torch.__version__, copy_gbs=copy_gbs,
         shapes=dict(H=H, D=D, window=W, topk=TOPK, context=CONTEXT), flashmla_error=fm_error, compiled=resources, rows=rows,
     ))
-    print(f"wrote {path}")
+    md = path.with_suffix(".md")
+    md.write_text(markdown(rows, copy_gbs, fm_error, torch.cuda.get_device_name(0)))
+    print(f"wrote {path} and {md}")
     return 0
+
+
+def markdown(rows: list[dict], copy_gbs: float, fm_error: str | None, device: str) -> str:
+    cols = ["kernel", "B", "us", "GBps", "frac_copy", "TFLOPs", "rel_err", "splits"]
+    lines = [
+        f"# sparse_decode on {device}",
+        "",
+        f"64 heads, D=512, window {W} + top-{TOPK} rows per query; cold-L2 median; device copy in the same run: "
+        f"{copy_gbs:.0f} GB/s. GB/s counts the bytes the op needs (selected rows + Q + O + lse + indices). "
+        f"FlashMLA: {fm_error or 'sgl-flash-mla SM90 sparse decode, use_legacy=True, kv_format=V4'}.",
+        "",
+        "| " + " | ".join(cols) + " |",
+        "|" + "---|" * len(cols),
+    ]
+    for r in rows:
+        cells = []
+        for c in cols:
+            v = r.get(c)
+            cells.append("-" if v is None else f"{v:.1%}" if c == "frac_copy" else f"{v:.0f}" if c == "GBps" else f"{v:.3g}" if isinstance(v, float) else str(v))
+        if "error" in r:
+            cells[-1] += f" ({r['error']})"
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
