@@ -3,10 +3,11 @@
 Why: the cost of decode must follow the live length, not `--context-length`. For B = 32 requests of
 L tokens (L/4 compressed entries, 64 per page) and a configured maximum M (page table and score
 buffer sized for M), this times, cold L2, median:
-  ours      Triton indexer + radix-select top-k, eager and as a replayed CUDA graph (captured once
-            per M and replayed at L: the production pattern);
+  ours      Triton indexer + radix-select top-k as a replayed CUDA graph (the production pattern;
+            eager calls add host-side input checks that sync), also each part alone;
   torch     PyTorch scoring + torch.topk over the full buffer width (the O(max) pattern; at M = L
-            it is the exact-width version);
+            it is the exact-width version), eager, keys contiguous per request or gathered
+            through the page table first;
   deep_gemm fp8_paged_mqa_logits + torch.topk, when the sgl-deep-gemm wheel loads (else why not).
 GB/s counts the key bytes the indexer must read (B * L/4 * 256 B bf16, 132 B fp8), against the
 device copy bandwidth measured in the same run. Correctness is checked before anything is timed.
@@ -17,12 +18,13 @@ from __future__ import annotations
 import argparse
 
 import torch
+import triton
 
 from dsv4_cluster.bench.kernels import bench_us, copy_bandwidth_gbs, print_table, write_results
 from dsv4_cluster.kernels.indexer.fp8_keys import quantize_keys
 from dsv4_cluster.kernels.indexer.reference import indexer_fp8_ref, indexer_ref
 from dsv4_cluster.kernels.indexer.triton_indexer import indexer_fp8_triton, indexer_triton
-from dsv4_cluster.kernels.topk.radix_select import NUM_BINS, NUM_PASSES, topk_triton
+from dsv4_cluster.kernels.topk.radix_select import topk_triton, workspace_size
 from dsv4_cluster.kernels.topk.reference import topk_ref
 
 HEADS, DIM, PER_PAGE, K = 64, 128, 64, 512
@@ -47,10 +49,17 @@ def make_inputs(batch: int, live: int, maximum: int, seed: int = 0, device: str 
     }
 
 
-def torch_scores_topk(x: dict) -> torch.Tensor:
-    """The O(max) pattern: gather every page-table column, score all of them, mask, torch.topk."""
+def contiguous_keys(x: dict) -> torch.Tensor:
+    """Every request's keys laid out contiguously, [B, max_pages*E, Di]: PyTorch's cheapest layout."""
     batch, max_pages = x["table"].shape
-    keys = x["keys"][x["table"].long()].view(batch, max_pages * PER_PAGE, DIM)
+    return x["keys"][x["table"].long()].view(batch, max_pages * PER_PAGE, DIM).contiguous()
+
+
+def torch_scores_topk(x: dict, keys: torch.Tensor | None = None) -> torch.Tensor:
+    """The O(max) pattern: score every column of the buffer, mask past lens, torch.topk. Without
+    `keys`, the keys are first gathered through the page table (paged); with them, read in place."""
+    if keys is None:
+        keys = contiguous_keys(x)
     logits = torch.relu(torch.einsum("bhd,bnd->bhn", x["q"], keys))
     scores = (logits * x["w"][:, :, None]).sum(1)
     t = torch.arange(scores.shape[1], device=scores.device)
@@ -61,32 +70,38 @@ def torch_scores_topk(x: dict) -> torch.Tensor:
 class Ours:
     """Indexer + top-k with every buffer allocated once (scores sized for the maximum), graph-capturable."""
 
-    def __init__(self, x: dict, fp8: bool, **indexer_options):
-        self.x, self.fp8, self.opts = x, fp8, indexer_options
+    def __init__(self, x: dict, fp8: bool, indexer_options: dict | None = None, topk_options: dict | None = None):
+        self.x, self.fp8 = x, fp8
+        self.indexer_options, self.topk_options = indexer_options or {}, topk_options or {}
         batch, max_pages = x["table"].shape
         self.keys = quantize_keys(x["keys"]) if fp8 else x["keys"]
         self.scores = torch.empty(batch, max_pages * PER_PAGE, device="cuda")
         self.idx = torch.empty(batch, K, dtype=torch.int32, device="cuda")
-        self.workspace = torch.zeros(NUM_PASSES * batch * NUM_BINS + batch, dtype=torch.int32, device="cuda")
+        self.workspace = torch.zeros(workspace_size(batch), dtype=torch.int32, device="cuda")
 
     def indexer(self) -> None:
         fn = indexer_fp8_triton if self.fp8 else indexer_triton
-        fn(self.x["q"], self.x["w"], self.keys, self.x["table"], self.x["lens"], out=self.scores, **self.opts)
+        fn(self.x["q"], self.x["w"], self.keys, self.x["table"], self.x["lens"], out=self.scores,
+           **self.indexer_options)
 
     def topk(self) -> None:
-        topk_triton(self.scores, self.x["lens"], K, out=self.idx, workspace=self.workspace)
+        topk_triton(self.scores, self.x["lens"], K, out=self.idx, workspace=self.workspace, **self.topk_options)
 
     def __call__(self) -> None:
         self.indexer()
         self.topk()
 
-    def graph(self) -> torch.cuda.CUDAGraph:
-        self()
+    def graph_us(self, fn=None) -> float:
+        """Median time of one replay of a CUDA graph of `fn` (default: indexer + top-k), cold L2."""
+        fn = fn or self
+        fn()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self()
-        return graph
+            fn()
+        us = bench_us(graph.replay)
+        del graph
+        return us
 
 
 def check(ours: Ours) -> dict:
@@ -133,10 +148,10 @@ def run(argv: list[str]) -> int:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lives", default="4096,65536,262144", help="live lengths L in tokens")
     parser.add_argument("--maxima", default="L,131072,1048576", help="configured maxima in tokens ('L' = L)")
-    parser.add_argument("--sweep", action="store_true", help="also time indexer block/warp variants at L = 64K")
+    parser.add_argument("--sweep", action="store_true", help="also time launch variants at L >= 64K, maximum = L")
     args = parser.parse_args(argv)
     copy_gbs = copy_bandwidth_gbs()
-    rows, checks = [], {}
+    rows, checks, variants = [], {}, []
     for live in (int(v) for v in args.lives.split(",")):
         maxima = sorted({live if m == "L" else int(m) for m in args.maxima.split(",")})
         for maximum in (m for m in maxima if m >= live):
@@ -145,28 +160,33 @@ def run(argv: list[str]) -> int:
                 ours = Ours(x, fp8)
                 if maximum == live:
                     checks[f"L={live // KI}K {'fp8' if fp8 else 'bf16'}"] = check(ours)
-                graph = ours.graph()
                 key_bytes = args.batch * (live // 4) * (DIM + 4 if fp8 else 2 * DIM)
                 row = {"L": f"{live // KI}K", "max": f"{maximum // KI}K", "keys": "fp8" if fp8 else "bf16",
-                       "ours_graph_us": bench_us(graph.replay), "ours_eager_us": bench_us(ours),
-                       "indexer_us": bench_us(ours.indexer), "topk_us": bench_us(ours.topk)}
+                       "ours_us": ours.graph_us(), "indexer_us": ours.graph_us(ours.indexer),
+                       "topk_us": ours.graph_us(ours.topk)}
                 row["indexer_gbs"] = key_bytes / row["indexer_us"] / 1e3
                 row["indexer_frac_copy"] = row["indexer_gbs"] / copy_gbs
                 if not fp8:
-                    row["torch_us"] = bench_us(lambda: torch_scores_topk(x))
+                    row["torch_paged_us"] = bench_us(lambda: torch_scores_topk(x))
+                    contiguous = contiguous_keys(x)
+                    row["torch_contig_us"] = bench_us(lambda: torch_scores_topk(x, contiguous))
+                    del contiguous
                 rows.append(row)
-                del graph, ours
+                del ours
             if args.sweep and live >= 65536 and maximum == live:
-                rows += sweep(x, args.batch, copy_gbs)
+                variants += sweep(x, args.batch, copy_gbs)
             del x
             torch.cuda.empty_cache()
     derived = derive(rows)
-    payload = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_gbs": copy_gbs,
-               "batch": args.batch, "k": K, "checks": checks, "rows": rows, "derived": derived,
+    payload = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+               "copy_gbs": copy_gbs, "batch": args.batch, "k": K, "timing": "CUDA graph replay, cold L2, median",
+               "checks": checks, "rows": rows, "derived": derived, "variants": variants,
                "deep_gemm": deep_gemm_attempt(make_inputs(args.batch, 65536, 65536))}
     path = write_results("indexer_topk", payload)
-    print_table(rows, ["L", "max", "keys", "ours_graph_us", "ours_eager_us", "indexer_us", "topk_us",
-                       "indexer_gbs", "indexer_frac_copy", "torch_us"])
+    print_table(rows, ["L", "max", "keys", "ours_us", "indexer_us", "topk_us", "indexer_gbs", "indexer_frac_copy",
+                       "torch_contig_us", "torch_paged_us"])
+    if variants:
+        print_table(variants, ["L", "variant", "us", "gbs", "frac_copy"])
     print_table(derived, list(derived[0]) if derived else ["L"])
     print(f"copy {copy_gbs:.0f} GB/s; checks {checks}; deep_gemm {payload['deep_gemm']}; wrote {path}")
     ok = all(c["topk_sets_equal"] and c["score_rel_err_vs_fp32_ref"] < 2e-3 for c in checks.values())
@@ -174,35 +194,37 @@ def run(argv: list[str]) -> int:
 
 
 def sweep(x: dict, batch: int, copy_gbs: float) -> list[dict]:
-    """Indexer and top-k launch variants at one live length (bf16 keys, maximum = L)."""
+    """Indexer and top-k launch variants at one live length (bf16 keys, maximum = L), graph-timed."""
     out, live = [], int(x["lens"][0])
     key_bytes = batch * live * 2 * DIM
-    base = Ours(x, False)
-    base.indexer()
-    split = -(-4 * torch.cuda.get_device_properties(0).multi_processor_count // batch)
-    for block_t, num_warps, sp in ((64, 4, split), (128, 4, split), (128, 8, split), (256, 8, split),
-                                   (128, 4, split // 2), (128, 4, 2 * split)):
-        us = bench_us(Ours(x, False, block_t=block_t, num_warps=num_warps, split=sp).indexer)
-        out.append({"L": f"{live * 4 // KI}K", "max": "sweep", "keys": f"idx bt{block_t} w{num_warps} s{sp}",
-                    "indexer_us": us, "indexer_gbs": key_bytes / us / 1e3, "indexer_frac_copy": key_bytes / us / 1e3 / copy_gbs})
-    for block, num_warps, sp in ((1024, 4, split // 2), (2048, 8, split // 2), (4096, 8, split // 2),
-                                 (2048, 8, split), (2048, 4, split // 2)):
-        us = bench_us(lambda: topk_triton(base.scores, x["lens"], K, out=base.idx, workspace=base.workspace,
-                                          split=sp, block=block, num_warps=num_warps))
-        out.append({"L": f"{live * 4 // KI}K", "max": "sweep", "keys": f"topk b{block} w{num_warps} s{sp}", "topk_us": us})
+    s = -(-4 * torch.cuda.get_device_properties(0).multi_processor_count // batch)
+    for bt, nw, sp, st in ((64, 4, s, 3), (128, 4, s, 3), (128, 8, s, 3), (256, 8, s, 3), (128, 4, s // 2, 3),
+                           (128, 4, 2 * s, 3), (128, 4, s, 2), (128, 4, s, 4), (64, 4, 2 * s, 4)):
+        ours = Ours(x, False, dict(block_t=bt, num_warps=nw, split=sp, num_stages=st))
+        us = ours.graph_us(ours.indexer)
+        out.append({"L": f"{live * 4 // KI}K", "variant": f"indexer bt{bt} w{nw} s{sp} st{st}", "us": us,
+                    "gbs": key_bytes / us / 1e3, "frac_copy": key_bytes / us / 1e3 / copy_gbs})
+    ours = Ours(x, False)
+    ours.indexer()
+    for one, blk, nw, sp in ((True, 2048, 8, None), (True, 4096, 8, None), (True, 1024, 4, None), (True, 2048, 4, 4),
+                             (True, 4096, 16, 2), (False, 2048, 8, None)):
+        ours.topk_options = dict(one_launch=one, block=blk, num_warps=nw, split=sp)
+        out.append({"L": f"{live * 4 // KI}K", "variant": f"topk {'one' if one else 'per-pass'} b{blk} w{nw} s{sp}",
+                    "us": ours.graph_us(ours.topk)})
     return out
 
 
 def derive(rows: list[dict]) -> list[dict]:
-    """Per L (bf16): the max-context tax (time at the largest maximum / time at maximum = L) and speedups."""
+    """Per L (bf16): the max-context tax (time at the largest maximum / time at maximum = L), speedups."""
     out = []
-    main = [r for r in rows if r["keys"] == "bf16" and r["max"] != "sweep"]
+    main = [r for r in rows if r["keys"] == "bf16"]
     for live in dict.fromkeys(r["L"] for r in main):
         same = [r for r in main if r["L"] == live]
         exact, largest = same[0], same[-1]
         out.append({"L": live, "largest_max": largest["max"],
-                    "ours_tax": largest["ours_graph_us"] / exact["ours_graph_us"],
-                    "torch_tax": largest["torch_us"] / exact["torch_us"],
-                    "speedup_vs_torch_exact": exact["torch_us"] / exact["ours_graph_us"],
-                    "speedup_vs_torch_at_largest_max": largest["torch_us"] / largest["ours_graph_us"]})
+                    "ours_tax": largest["ours_us"] / exact["ours_us"],
+                    "torch_contig_tax": largest["torch_contig_us"] / exact["torch_contig_us"],
+                    "x_vs_torch_contig_exact": exact["torch_contig_us"] / exact["ours_us"],
+                    "x_vs_torch_paged_exact": exact["torch_paged_us"] / exact["ours_us"],
+                    "x_vs_torch_contig_at_largest": largest["torch_contig_us"] / largest["ours_us"]})
     return out

@@ -76,6 +76,7 @@ def indexer_triton(
     split: int | None = None,
     block_t: int = 128,
     num_warps: int = 4,
+    num_stages: int = 3,
 ) -> torch.Tensor:
     """Indexer scores with Triton; same inputs and formula as `reference.indexer_ref`.
 
@@ -92,7 +93,7 @@ def indexer_triton(
     per_page = check_indexer_inputs(q, weights, k_cache, page_table, lens, key_kind="float")
     if k_cache.dtype != q.dtype:
         raise IndexerInputError(f"k_cache dtype {k_cache.dtype} must equal q's {q.dtype}; cast one of them")
-    return _launch(q, weights, k_cache, None, page_table, lens, per_page, out, split, block_t, num_warps,
+    return _launch(q, weights, k_cache, None, page_table, lens, per_page, out, split, block_t, num_warps, num_stages,
                    stride_kp=k_cache.stride(0), stride_ke=k_cache.stride(1), stride_sp=0, kdim_stride=k_cache.stride(2))
 
 
@@ -107,6 +108,7 @@ def indexer_fp8_triton(
     split: int | None = None,
     block_t: int = 128,
     num_warps: int = 4,
+    num_stages: int = 3,
 ) -> torch.Tensor:
     """`indexer_triton` on fp8 keys: k_cache_fp8 uint8 [P, E*(Di+4)], contiguous, layout of `fp8_keys`
     (Di % 4 == 0). Keys are widened to q's dtype (exact for e4m3 into bf16) and each entry's dot
@@ -119,10 +121,11 @@ def indexer_fp8_triton(
     scales = k_cache_fp8.view(torch.float32)  # same bytes, one page = E*(Di+4)/4 floats
     scale_base = scales[:, per_page * dim // 4 :]
     return _launch(q, weights, k_cache_fp8, scale_base, page_table, lens, per_page, out, split, block_t, num_warps,
+                   num_stages,
                    stride_kp=k_cache_fp8.stride(0), stride_ke=dim, stride_sp=scales.stride(0), kdim_stride=1)
 
 
-def _launch(q, weights, keys, scales, page_table, lens, per_page, out, split, block_t, num_warps,
+def _launch(q, weights, keys, scales, page_table, lens, per_page, out, split, block_t, num_warps, num_stages,
             *, stride_kp, stride_ke, stride_sp, kdim_stride):
     batch, heads, dim = q.shape
     if heads > 256 or dim > 256:
@@ -148,6 +151,6 @@ def _launch(q, weights, keys, scales, page_table, lens, per_page, out, split, bl
         heads, dim, capacity, split,
         PER_PAGE=per_page, BLOCK_H=max(16, triton.next_power_of_2(heads)), BLOCK_D=block_d,
         BLOCK_T=block_t, FP8=scales is not None, IEEE=q.dtype == torch.float32, MASK_D=block_d != dim,
-        num_warps=num_warps,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -6,10 +6,12 @@ import pytest
 import torch
 
 from dsv4_cluster.kernels.topk import topk
-from dsv4_cluster.kernels.topk.radix_select import topk_triton
+from dsv4_cluster.kernels.topk.radix_select import topk_triton, workspace_size
 from dsv4_cluster.kernels.topk.reference import TopkInputError, topk_ref
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# The small-shape kernel tests run compiled on a GPU when there is one, else in the interpreter.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def assert_same_sets(got: torch.Tensor, ref: torch.Tensor, lens) -> None:
@@ -40,31 +42,38 @@ def test_reference_order_and_tie_rule():
     assert topk_ref(s, torch.tensor([2], dtype=torch.int32), 4).tolist() == [[1, 0, -1, -1]]
 
 
+# One launch with a per-row barrier needs programs running concurrently: the interpreter runs them
+# one after another, so there it is tested with one program per row; the per-pass variant with three.
+VARIANTS = [dict(one_launch=False, split=3), dict(one_launch=True, split=1 if DEVICE == "cpu" else 3)]
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=["per_pass", "one_launch"])
 @pytest.mark.parametrize("k", [1, 7, 37, 64])
-def test_triton_matches_reference_ragged(k):
+def test_triton_matches_reference_ragged(k, variant):
     lens = [0, 1, 20, 64, 65, 300, 513]
-    s, n = poisoned_scores(len(lens), 520, lens, seed=k)
-    assert_same_sets(topk_triton(s, n, k, block=64, split=3), topk_ref(s, n, k), lens)
+    s, n = poisoned_scores(len(lens), 520, lens, seed=k, device=DEVICE)
+    assert_same_sets(topk_triton(s, n, k, block=64, **variant), topk_ref(s, n, k), lens)
 
 
-def test_triton_heavy_ties_and_signed_zeros():
+@pytest.mark.parametrize("variant", VARIANTS, ids=["per_pass", "one_launch"])
+def test_triton_heavy_ties_and_signed_zeros(variant):
     lens = [400, 399, 350]
-    s, n = poisoned_scores(3, 400, lens, seed=5)
+    s, n = poisoned_scores(3, 400, lens, seed=5, device=DEVICE)
     s[0, :400] = torch.round(s[0, :400] * 2) / 2  # a handful of distinct values
     s[1, :399] = 0.0
     s[1, 1:399:3] = -0.0  # signed zeros tie with zeros: the lowest indices win
-    s[2, :350] = torch.randn(350).abs() * 1e-30 - 1e30  # all negative, nearly equal
+    s[2, :350] = torch.randn(350, device=DEVICE).abs() * 1e-30 - 1e30  # all negative, nearly equal
     for k in (5, 33, 100):
-        assert_same_sets(topk_triton(s, n, k, block=128, split=2), topk_ref(s, n, k), lens)
+        assert_same_sets(topk_triton(s, n, k, block=128, **variant), topk_ref(s, n, k), lens)
 
 
 def test_bf16_scores_and_preallocated_out_and_workspace():
     lens = [100, 3]
-    s, n = poisoned_scores(2, 128, lens, seed=3)
+    s, n = poisoned_scores(2, 128, lens, seed=3, device=DEVICE)
     s = s.to(torch.bfloat16)  # bf16 rounding makes ties common
-    out = torch.full((2, 40), 77, dtype=torch.int32)
-    ws = torch.full((4 * 2 * 256 + 2,), 9, dtype=torch.int32)
-    got = topk_triton(s, n, 40, out=out, workspace=ws, block=32, split=2)
+    out = torch.full((2, 40), 77, dtype=torch.int32, device=DEVICE)
+    ws = torch.full((workspace_size(2),), 9, dtype=torch.int32, device=DEVICE)
+    got = topk_triton(s, n, 40, out=out, workspace=ws, block=32, one_launch=False, split=2)
     assert got.data_ptr() == out.data_ptr()
     assert_same_sets(got, topk_ref(s, n, 40), lens)
 
@@ -81,17 +90,18 @@ def test_dispatcher_and_bad_inputs():
     with pytest.raises(TopkInputError, match="NaN"):
         topk_ref(torch.full((2, 50), float("nan")), n, 8)
     with pytest.raises(TopkInputError, match="workspace"):
-        topk_triton(s, n, 8, workspace=torch.zeros(3, dtype=torch.int32))
+        topk_triton(s, n, 8, workspace=torch.zeros(3, dtype=torch.int32), one_launch=False)
 
 
 @cuda
 @pytest.mark.gpu
-def test_gpu_k512_very_ragged_batch():
+@pytest.mark.parametrize("one_launch", [True, False])
+def test_gpu_k512_very_ragged_batch(one_launch):
     lens = [0, 1, 511, 512, 513, 4096, 65536, 100_000, 262_144, 7, 30_000, 2048]
     s, n = poisoned_scores(len(lens), 262_144, lens, seed=11, device="cuda")
     s[3, :512] = 1.0  # a row of equal scores exactly k long
     s[10, :30_000] = torch.round(s[10, :30_000] * 8) / 8  # ties across the pivot
-    assert_same_sets(topk_triton(s, n, 512).cpu(), topk_ref(s, n, 512).cpu(), lens)
+    assert_same_sets(topk_triton(s, n, 512, one_launch=one_launch).cpu(), topk_ref(s, n, 512).cpu(), lens)
 
 
 @cuda
@@ -102,7 +112,7 @@ def test_gpu_graph_captured_at_max_width_replays_at_many_lengths():
     s = torch.randn(batch, width, device="cuda", generator=g)
     n = torch.full((batch,), width, dtype=torch.int32, device="cuda")
     out = torch.empty(batch, k, dtype=torch.int32, device="cuda")
-    ws = torch.zeros(4 * batch * 256 + batch, dtype=torch.int32, device="cuda")
+    ws = torch.zeros(workspace_size(batch), dtype=torch.int32, device="cuda")
     topk_triton(s, n, k, out=out, workspace=ws)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
