@@ -157,8 +157,8 @@ def run(argv: list[str]) -> int:
         default = LaunchConfig()
         configs = [default]
         if args.sweep:
-            configs = [LaunchConfig(block_n=bn, num_warps=nw, num_splits=s, num_stages=st)
-                       for bn, nw, st in itertools.product((16, 32, 64), (8,), (2, 3))
+            configs = [LaunchConfig(block_n=bn, num_splits=s, prefetch=pf)
+                       for bn, pf in itertools.product((16, 32, 64), (True, False))
                        for s in sorted({choose_splits(b, nblocks[bn], sms), max(1, choose_splits(b, nblocks[bn], 2 * sms))})]
         for name, fn_for, ref, row_bytes in (
             ("triton_bf16", lambda c: (lambda: sparse_mla_decode_triton(**case, config=c)), ref_out, 1024),
@@ -169,7 +169,7 @@ def run(argv: list[str]) -> int:
                 rows.append(dict(kernel=name, B=b, error="no config gave a correct output"))
                 continue
             splits = cfg.num_splits or choose_splits(b, nblocks[cfg.block_n], sms)
-            info = dict(block_n=cfg.block_n, warps=cfg.num_warps, stages=cfg.num_stages, splits=splits)
+            info = dict(block_n=cfg.block_n, prefetch=cfg.prefetch, warps=cfg.num_warps, splits=splits)
             rows.append(measure(name, fn_for(cfg), ref, b, row_bytes, copy_gbs, info))
 
         fm_run, fm_error = flashmla_call(fp8_case, cache, extra_cache)
@@ -185,7 +185,7 @@ def run(argv: list[str]) -> int:
     for r in resources:
         print("  compiled:", r)
     print(f"device copy bandwidth (same run): {copy_gbs:.0f} GB/s; FlashMLA: {fm_error or 'loaded'}")
-    print_table(rows, ["kernel", "B", "us", "GBps", "frac_copy", "TFLOPs", "rel_err", "block_n", "warps", "stages", "splits", "error"])
+    print_table(rows, ["kernel", "B", "us", "GBps", "frac_copy", "TFLOPs", "rel_err", "block_n", "prefetch", "warps", "splits", "error"])
     path = write_results("sparse_decode", dict(
         device=torch.cuda.get_device_name(0), torch=torch.__version__, copy_gbs=copy_gbs,
         shapes=dict(H=H, D=D, window=W, topk=TOPK, context=CONTEXT), flashmla_error=fm_error, compiled=resources, rows=rows,

@@ -54,6 +54,21 @@ def _load_rows(base, row_stride, idx, valid, out_t: tl.constexpr, D: tl.constexp
 
 
 @triton.jit
+def _fetch_block(j, hi, nbw, wlen, elen, widx_row, eidx_row, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
+                 out_t: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, IS_FP8: tl.constexpr,
+                 PAGE_STRIDE: tl.constexpr, SCALES_OFFSET: tl.constexpr):
+    """Live block j of a query: window block j if j < nbw, else extra block j - nbw. Rows [BN, D] + validity."""
+    is_w = j < nbw
+    pos = tl.where(is_w, j, j - nbw) * BN + tl.arange(0, BN)
+    n_valid = tl.where(j < hi, tl.where(is_w, wlen, elen), 0)  # block hi (a prefetch past the end) is empty
+    idx = tl.load(tl.where(is_w, widx_row, eidx_row) + pos, mask=pos < n_valid, other=-1)
+    valid = idx >= 0
+    base = tl.where(is_w, kv_ptr, ekv_ptr)
+    row_stride = tl.where(is_w, stride_kv, stride_ekv)
+    return _load_rows(base, row_stride, idx, valid, out_t, D, BN, IS_FP8, PAGE_STRIDE, SCALES_OFFSET), valid
+
+
+@triton.jit
 def _sparse_decode_kernel(
     q_ptr, stride_qb, stride_qh,
     kv_ptr, stride_kv, ekv_ptr, stride_ekv,
@@ -64,7 +79,7 @@ def _sparse_decode_kernel(
     qk_scale_log2, num_splits,
     H: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, SPLIT_OUT: tl.constexpr,
     IS_FP8: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_WLEN: tl.constexpr, HAS_ELEN: tl.constexpr,
-    HAS_SINK: tl.constexpr, DOT_F32: tl.constexpr,
+    HAS_SINK: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH: tl.constexpr,
     PAGE_STRIDE: tl.constexpr, SCALES_OFFSET: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -96,17 +111,21 @@ def _sparse_decode_kernel(
     m_i = tl.full((H,), float("-inf"), tl.float32)
     l_i = tl.zeros((H,), tl.float32)
     acc = tl.zeros((H, D), tl.float32)
+    widx_row = widx_ptr + b.to(tl.int64) * stride_wb
+    eidx_row = eidx_ptr + b.to(tl.int64) * stride_eb
+    if PREFETCH:
+        k_next, valid_next = _fetch_block(lo, hi, nbw, wlen, elen, widx_row, eidx_row, kv_ptr, stride_kv,
+                                          ekv_ptr, stride_ekv, dot_t, D, BN, IS_FP8, PAGE_STRIDE, SCALES_OFFSET)
     for j in range(lo, hi):
-        is_w = j < nbw
-        start = tl.where(is_w, j, j - nbw) * BN
-        n_valid = tl.where(is_w, wlen, elen)
-        idx_row = tl.where(is_w, widx_ptr + b.to(tl.int64) * stride_wb, eidx_ptr + b.to(tl.int64) * stride_eb)
-        pos = start + offs_n
-        idx = tl.load(idx_row + pos, mask=pos < n_valid, other=-1)
-        valid = idx >= 0
-        base = tl.where(is_w, kv_ptr, ekv_ptr)
-        row_stride = tl.where(is_w, stride_kv, stride_ekv)
-        k = _load_rows(base, row_stride, idx, valid, dot_t, D, BN, IS_FP8, PAGE_STRIDE, SCALES_OFFSET)
+        if PREFETCH:  # issue block j + 1's loads before block j's math
+            k = k_next
+            valid = valid_next
+            k_next, valid_next = _fetch_block(j + 1, hi, nbw, wlen, elen, widx_row, eidx_row, kv_ptr,
+                                              stride_kv, ekv_ptr, stride_ekv, dot_t, D, BN, IS_FP8, PAGE_STRIDE,
+                                              SCALES_OFFSET)
+        else:
+            k, valid = _fetch_block(j, hi, nbw, wlen, elen, widx_row, eidx_row, kv_ptr, stride_kv, ekv_ptr,
+                                    stride_ekv, dot_t, D, BN, IS_FP8, PAGE_STRIDE, SCALES_OFFSET)
 
         if DOT_F32:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")

@@ -22,12 +22,14 @@ TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """How the work is cut: rows per block, splits per query (0 = choose from B), warps, stages."""
+    """How the work is cut: rows per block, splits per query (0 = choose from B), warps, stages, and
+    whether block j + 1 is loaded before block j is computed (register prefetch)."""
 
     block_n: int = 32
     num_splits: int = 0
     num_warps: int = 8
     num_stages: int = 2
+    prefetch: bool = True
     combine_heads: int = 8
 
 
@@ -102,7 +104,7 @@ def _launch(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, si
         H=h, D=DIM, BN=bn, SPLIT_OUT=splits > 1,
         IS_FP8=is_fp8, HAS_EXTRA=has_extra, HAS_WLEN=window_lens is not None,
         HAS_ELEN=has_extra and extra_lens is not None, HAS_SINK=sink is not None,
-        DOT_F32=(q.dtype == torch.float32 or not q.is_cuda),
+        DOT_F32=(q.dtype == torch.float32 or not q.is_cuda), PREFETCH=config.prefetch,
         PAGE_STRIDE=PAGE_STRIDE, SCALES_OFFSET=SCALES_OFFSET,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -204,22 +204,22 @@ def test_triton_matches_reference(triton_kernels, dtype, splits, with_sink):
     assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, dtype)
 
 
-@pytest.mark.parametrize("splits", [1, 2])
-def test_triton_window_only_without_lengths(triton_kernels, splits):
+@pytest.mark.parametrize("splits, prefetch", [(1, True), (2, False)])
+def test_triton_window_only_without_lengths(triton_kernels, splits, prefetch):
     c = make_case(2, 16, 40, 0, 100, 0, device=triton_kernels, seed=20, ragged=False, sink=False)
-    out, lse = sparse_mla_decode_triton(**c, config=LaunchConfig(block_n=16, num_splits=splits))
+    out, lse = sparse_mla_decode_triton(**c, config=LaunchConfig(block_n=16, num_splits=splits, prefetch=prefetch))
     ref_out, ref_lse = reference64({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in c.items()})
     assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
 
 
-@pytest.mark.parametrize("splits", [1, 4])
-def test_triton_fp8_matches_reference(triton_kernels, splits):
+@pytest.mark.parametrize("splits, prefetch", [(1, True), (4, True), (2, False)])
+def test_triton_fp8_matches_reference(triton_kernels, splits, prefetch):
     c = make_case(**SMALL, device="cpu", seed=30 + splits)
     cache, extra = quantize_kv_v4(c.pop("kv")), quantize_kv_v4(c.pop("extra_kv"))
     ref_out, ref_lse = sparse_mla_decode_fp8_ref(**{**c, "q": c["q"].double()}, kv_cache=cache, extra_cache=extra)
     dev = {k: (v.to(triton_kernels) if isinstance(v, torch.Tensor) else v) for k, v in c.items()}
     out, lse = sparse_mla_decode_fp8_triton(**dev, kv_cache=cache.to(triton_kernels), extra_cache=extra.to(triton_kernels),
-                                            config=LaunchConfig(block_n=16, num_splits=splits))
+                                            config=LaunchConfig(block_n=16, num_splits=splits, prefetch=prefetch))
     assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
 
 
