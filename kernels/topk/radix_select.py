@@ -45,6 +45,7 @@ def _topk_one_launch_kernel(scores_ptr, stride_sb, lens_ptr, hist_ptr, bar_ptr, 
         if done == 0:
             acc = local_histogram(row_ptr, n, pid, split, prefix, p, BLOCK)
             tl.atomic_add(hist_ptr + (p * batch + b) * 256 + bins, acc, mask=acc > 0)
+            tl.debug_barrier()  # every thread's histogram atomics are done before the arrival below
             arrived = tl.atomic_add(bar_ptr + p * batch + b, 1) + 1
             while arrived < split:
                 arrived = tl.atomic_add(bar_ptr + p * batch + b, 0)
