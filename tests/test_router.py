@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 import openai
@@ -26,7 +26,7 @@ from dsv4_cluster.router.__main__ import main as router_main
 from dsv4_cluster.router.app import build_app
 from dsv4_cluster.router.pairing import ROOM_LIMIT
 from dsv4_cluster.router.settings import RouterSettings
-from dsv4_cluster.router.sse import events
+from dsv4_cluster.router.sse import DONE, events
 from dsv4_cluster.tests.servers import UvicornThread, free_port
 
 WAIT_S = 5.0
@@ -37,33 +37,28 @@ class Rendezvous:
     """Per-rid meeting point of the two legs, shared by the fake servers' threads."""
 
     lock: threading.Lock = field(default_factory=threading.Lock)
-    decode_arrived: dict[str, threading.Event] = field(default_factory=dict)
-    kv_sent: dict[str, threading.Event] = field(default_factory=dict)
+    events: dict[str, threading.Event] = field(default_factory=dict)
 
-    def get(self, table: dict[str, threading.Event], rid: Any) -> threading.Event:
+    def __call__(self, what: str, rid: Any) -> threading.Event:
         with self.lock:
-            return table.setdefault(json.dumps(rid), threading.Event())
+            return self.events.setdefault(what + json.dumps(rid), threading.Event())
 
 
-async def wait_event(event: threading.Event, stop: Callable[[], bool], timeout_s: float = WAIT_S) -> bool:
-    """Wait for `event` (set by the other leg's thread) unless `stop()` (this leg was aborted)."""
-    deadline = time.monotonic() + timeout_s
-    while not event.is_set() and not stop() and time.monotonic() < deadline:
-        await asyncio.sleep(0.005)
-    return event.is_set()
+LOGPROBS = {"prefill": [[-0.5, 7, None]], "decode": [[-0.1, 8, None]]}  # meta_info.input_token_logprobs
+SSE = "text/event-stream"
 
 
-def chunk(text: str | None, finish: str | None = None) -> bytes:
-    delta = {} if text is None else {"content": text}
-    body = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m",
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+def event(body: Any) -> bytes:
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
-def completion(text: str, finish: Any = "stop") -> dict:
-    return {"id": "c", "object": "chat.completion", "created": 0, "model": "m",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}],
-            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+def answer(role: str, text: str | None, finish: Any = None, stream: bool = True) -> Any:
+    """A chat completion (or chunk) carrying `role`'s input logprobs the way SGLang's `/generate` does."""
+    key, obj = ("delta", "chat.completion.chunk") if stream else ("message", "chat.completion")
+    choice = {"index": 0, key: {} if text is None else {"role": "assistant", "content": text}, "finish_reason": finish}
+    body = {"id": "c", "object": obj, "created": 0, "model": "m", "choices": [choice],
+            "meta_info": {"input_token_logprobs": LOGPROBS[role]}}
+    return event(body) if stream else body
 
 
 @dataclass
@@ -75,62 +70,66 @@ class FakeWorker:
     mode: str = "ok"
     received: list[dict] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
+    ever_aborted: set[str] = field(default_factory=set)  # what reset() does not clear: late legs still stop
 
-    def reset(self, mode: str = "ok") -> None:
+    def reset(self, mode: str) -> None:
         self.mode, self.received, self.aborted = mode, [], []
 
     def aborted_soon(self, rid: str | None = None) -> bool:
         """Whether `rid` (None: any rid) is aborted within WAIT_S."""
         deadline = time.monotonic() + WAIT_S
-        while not self._aborted(rid) and time.monotonic() < deadline:
+        while not (rid in self.aborted if rid else self.aborted) and time.monotonic() < deadline:
             time.sleep(0.01)
-        return self._aborted(rid)
+        return bool(rid in self.aborted if rid else self.aborted)
 
-    def _aborted(self, rid: str | None) -> bool:
-        return rid in self.aborted if rid is not None else bool(self.aborted)
+    async def wait(self, what: str, rid: Any, timeout_s: float = WAIT_S) -> bool:
+        """Wait for the other leg's `what` unless this leg gets aborted."""
+        event, deadline = self.meet(what, rid), time.monotonic() + timeout_s
+        while not event.is_set() and json.dumps(rid) not in self.ever_aborted:
+            if time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.005)
+        return event.is_set()
 
-    async def _prefill(self, body: dict) -> Any:
-        rid = body.get("rid")
-        if not await wait_event(self.meet.get(self.meet.decode_arrived, rid), lambda: rid in self.aborted):
+    async def prefill(self, body: dict, rid: Any, stream: bool) -> Any:
+        self.meet("prefill_arrived", rid).set()
+        if not await self.wait("decode_arrived", rid):
             return JSONResponse({"error": {"message": "decode leg never arrived"}}, status_code=500)
         if self.mode == "fail":
             return JSONResponse({"object": "error", "message": "KV transfer failed", "code": 500}, status_code=500)
         if self.mode in ("hold", "fail_later"):
             await asyncio.sleep(0.3)
-            if self.mode == "fail_later":
-                err = {"error": {"message": "KV transfer failed", "type": "internal", "code": 500}}
-                if body.get("stream"):
-                    return StreamingResponse(iter([b"data: " + json.dumps(err).encode() + b"\n\n", b"data: [DONE]\n\n"]),
-                                             media_type="text/event-stream")
-                return JSONResponse(err, status_code=500)
-            await wait_event(threading.Event(), lambda: rid in self.aborted, timeout_s=3.0)
-        self.meet.get(self.meet.kv_sent, body.get("rid")).set()
-        if body.get("stream"):
-            return StreamingResponse(iter([chunk("x", "length"), b"data: [DONE]\n\n"]), media_type="text/event-stream")
-        return completion("x", {"type": "length", "length": 0})
+        if self.mode == "fail_later":
+            err = {"error": {"message": "KV transfer failed", "type": "internal", "code": 500}}
+            return StreamingResponse(iter([event(err), DONE]), media_type=SSE) if stream else JSONResponse(err, 500)
+        if self.mode == "hold":
+            await self.wait("never", rid, timeout_s=3.0)
+        self.meet("kv_sent", rid).set()
+        finish = {"type": "length", "length": 0}
+        if stream:
+            return StreamingResponse(iter([answer("prefill", "x", finish), DONE]), media_type=SSE)
+        return answer("prefill", "x", finish, stream=False)
 
-    async def _decode(self, body: dict) -> Any:
-        self.meet.get(self.meet.decode_arrived, body.get("rid")).set()
+    async def decode(self, body: dict, rid: Any, stream: bool) -> Any:
+        self.meet("decode_arrived", rid).set()
         if self.mode == "fail":
             return JSONResponse({"object": "error", "message": "no KV room", "code": 503}, status_code=503)
-        slow = self.mode == "slow" and body.get("stream")
-        rid = body.get("rid")
-        if not slow and not await wait_event(self.meet.get(self.meet.kv_sent, rid), lambda: rid in self.aborted):
+        slow = self.mode == "slow" and stream  # streams while P still works, as P's failure tests need
+        if not await self.wait("prefill_arrived" if slow else "kv_sent", rid):
             return JSONResponse({"error": {"message": "prefill never sent KV"}}, status_code=500)
-        if not body.get("stream"):
-            return completion("hello world")
+        if not stream:
+            return answer("decode", "hello world", "stop", stream=False)
 
-        async def stream() -> Any:
+        async def tokens() -> Any:
             for i in range(100 if slow else 2):
-                if body.get("rid") in self.aborted:
-                    yield chunk(None, "abort")
+                if rid in self.aborted:
                     break
-                yield chunk(f"tok{i} ")
+                yield answer("decode", f"tok{i} ")
                 await asyncio.sleep(0.05 if slow else 0)
-            yield chunk(None, "stop")
-            yield b"data: [DONE]\n\n"
+            yield answer("decode", None, "abort" if rid in self.aborted else "stop")
+            yield DONE
 
-        return StreamingResponse(stream(), media_type="text/event-stream")
+        return StreamingResponse(tokens(), media_type=SSE)
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -138,14 +137,17 @@ class FakeWorker:
         async def generate(request: Request) -> Any:
             body = await request.json()
             self.received.append({"path": request.url.path, "body": body})
-            return await (self._prefill(body) if self.role == "prefill" else self._decode(body))
+            serve = self.prefill if self.role == "prefill" else self.decode
+            return await serve(body, body.get("rid"), bool(body.get("stream")))
 
         for path in ("/v1/chat/completions", "/v1/completions", "/generate"):
             app.add_api_route(path, generate, methods=["POST"])
 
         @app.post("/abort_request")
         async def abort(request: Request) -> dict:
-            self.aborted.append((await request.json())["rid"])
+            rid = (await request.json())["rid"]
+            self.aborted.append(rid)
+            self.ever_aborted.add(json.dumps(rid))
             return {}
 
         return app
@@ -167,11 +169,11 @@ class Cluster:
         return self.prefill.received[0], self.decode.received[0]
 
 
-def router_settings(prefill_url: str, decode_url: str, **extra: Any) -> RouterSettings:
+def router_settings(prefill_url: str, decode_url: str) -> RouterSettings:
     return RouterSettings(
         host="127.0.0.1", port=1, model_name="dsv4-tiny", request_timeout_s=10, connect_timeout_s=2,
         prefill=[{"name": "prefill-0", "url": prefill_url, "bootstrap_host": "127.0.0.1", "bootstrap_port": 8998}],
-        decode=[{"name": "decode-0", "url": decode_url}], **extra)
+        decode=[{"name": "decode-0", "url": decode_url}])
 
 
 @pytest.fixture(scope="module")
@@ -184,19 +186,21 @@ def cluster():
             yield Cluster(prefill, decode, router, settings)
 
 
-@pytest.fixture
-def fresh(cluster: Cluster) -> Callable[..., Cluster]:
-    def make(prefill: str = "ok", decode: str = "ok") -> Cluster:
-        cluster.reset(prefill, decode)
-        return cluster
-    return make
-
-
 def client(cluster: Cluster) -> openai.OpenAI:
     return openai.OpenAI(base_url=cluster.router.url + "/v1", api_key="unused", max_retries=0, timeout=WAIT_S * 2)
 
 
 MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def chat(url: str, stream: bool = False, timeout: float = WAIT_S) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", json={"messages": MESSAGES, "stream": stream}, timeout=timeout)
+
+
+def stream_lines(url: str, path: str = "/v1/chat/completions", **body: Any) -> list[str]:
+    with httpx.stream("POST", url + path, json={"messages": MESSAGES, **body, "stream": True}, timeout=WAIT_S) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith(SSE)
+        return [line.removeprefix("data: ") for line in r.iter_lines() if line]
 
 
 def assert_paired(cluster: Cluster, path: str) -> dict:
@@ -210,97 +214,80 @@ def assert_paired(cluster: Cluster, path: str) -> dict:
     return body
 
 
-def test_chat_plain_through_openai_client(fresh) -> None:
-    cluster = fresh()
-    reply = client(cluster).chat.completions.create(model="dsv4-tiny", messages=MESSAGES, max_tokens=4)
-    assert reply.choices[0].message.content == "hello world"
-    body = assert_paired(cluster, "/v1/chat/completions")
-    assert body["messages"] == MESSAGES and body["max_tokens"] == 4
-
-
-def test_each_request_gets_its_own_room_and_rid(fresh) -> None:
-    cluster = fresh()
+def test_chat_plain_through_openai_client(cluster: Cluster) -> None:
     seen = set()
     for _ in range(3):
         cluster.reset()
-        client(cluster).chat.completions.create(model="dsv4-tiny", messages=MESSAGES)
+        reply = client(cluster).chat.completions.create(model="dsv4-tiny", messages=MESSAGES, max_tokens=4)
+        assert reply.choices[0].message.content == "hello world"
         body = assert_paired(cluster, "/v1/chat/completions")
+        assert body["messages"] == MESSAGES and body["max_tokens"] == 4
         seen.add((body["rid"], body["bootstrap_room"]))
-    assert len({rid for rid, _ in seen}) == 3 and len({room for _, room in seen}) == 3
+    assert len({rid for rid, _ in seen}) == 3 and len({room for _, room in seen}) == 3, "fresh rid and room"
 
 
-def test_chat_stream_through_openai_client(fresh) -> None:
-    cluster = fresh()
+def test_chat_stream_through_openai_client_and_raw(cluster: Cluster) -> None:
+    cluster.reset()
     stream = client(cluster).chat.completions.create(model="dsv4-tiny", messages=MESSAGES, stream=True)
-    text = "".join(c.choices[0].delta.content or "" for c in stream)
-    assert text == "tok0 tok1 "
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == "tok0 tok1 "
     assert assert_paired(cluster, "/v1/chat/completions")["stream"] is True
+    cluster.reset()
+    data = stream_lines(cluster.router.url)
+    assert data[-1] == "[DONE]" and len(data) == 4, "two tokens, the stop chunk and [DONE], nothing added"
 
 
-def test_stream_passthrough_ends_with_done(fresh) -> None:
-    cluster = fresh()
-    with httpx.stream("POST", cluster.router.url + "/v1/chat/completions",
-                      json={"messages": MESSAGES, "stream": True}, timeout=WAIT_S) as resp:
-        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
-        raw = b"".join(resp.iter_raw())
-    assert raw.endswith(b"data: [DONE]\n\n")
-    assert raw.count(b"data: ") == 4, "two tokens, the stop chunk and [DONE], nothing added"
-
-
-def test_completions_and_generate_are_paired(fresh) -> None:
-    cluster = fresh()
-    reply = client(cluster).completions.create(model="dsv4-tiny", prompt="hi", max_tokens=2)
-    assert reply.choices[0] is not None
+def test_completions_and_generate_are_paired(cluster: Cluster) -> None:
+    cluster.reset()
+    assert client(cluster).completions.create(model="dsv4-tiny", prompt="hi", max_tokens=2).choices
     assert_paired(cluster, "/v1/completions")
     cluster.reset()
-    resp = httpx.post(cluster.router.url + "/generate", json={"text": "hi", "sampling_params": {}})
-    assert resp.status_code == 200
+    assert httpx.post(cluster.router.url + "/generate", json={"text": "hi", "sampling_params": {}}).status_code == 200
     assert_paired(cluster, "/generate")
-
-
-def test_batched_generate_carries_one_entry_per_item(fresh) -> None:
-    cluster = fresh()
-    resp = httpx.post(cluster.router.url + "/generate", json={"text": ["a", "b", "c"]})
-    assert resp.status_code == 200
-    p, d = cluster.legs()
-    body = p["body"]
-    assert body == d["body"]
-    assert body["bootstrap_host"] == ["127.0.0.1"] * 3 and body["bootstrap_port"] == [8998] * 3
+    cluster.reset()
+    assert httpx.post(cluster.router.url + "/generate", json={"text": ["a", "b", "c"]}).status_code == 200
+    body, decode = (leg["body"] for leg in cluster.legs())
+    assert body == decode and body["bootstrap_host"] == ["127.0.0.1"] * 3 and body["bootstrap_port"] == [8998] * 3
     assert len(set(body["bootstrap_room"])) == 3 and all(0 <= r < ROOM_LIMIT for r in body["bootstrap_room"])
-    assert len(set(body["rid"])) == 3
+    assert len(set(body["rid"])) == 3, "a batch carries one rid and one room per item"
 
 
-def test_prefill_failure_returns_its_error_and_aborts_decode(fresh) -> None:
-    cluster = fresh(prefill="fail", decode="slow")
-    resp = httpx.post(cluster.router.url + "/v1/chat/completions", json={"messages": MESSAGES}, timeout=WAIT_S)
-    assert resp.status_code == 500
-    error = resp.json()["error"]
-    assert "prefill worker 'prefill-0'" in error["message"] and "KV transfer failed" in error["message"]
+def test_generate_logprobs_put_prefill_first(cluster: Cluster) -> None:
+    cluster.reset()
+    want = LOGPROBS["prefill"] + LOGPROBS["decode"]
+    body = {"text": "hi", "return_logprob": True}
+    resp = httpx.post(cluster.router.url + "/generate", json=body, timeout=WAIT_S)
+    assert resp.json()["meta_info"]["input_token_logprobs"] == want
+    cluster.reset()
+    data = stream_lines(cluster.router.url, "/generate", **body)
+    assert data[-1] == "[DONE]" and len(data) == 4
+    assert all(json.loads(d)["meta_info"]["input_token_logprobs"] == want for d in data[:-1])
+
+
+def test_prefill_failure_returns_its_error_and_aborts_decode(cluster: Cluster) -> None:
+    cluster.reset(prefill="fail", decode="slow")
+    resp = chat(cluster.router.url)
+    message = resp.json()["error"]["message"]
+    assert resp.status_code == 500 and "prefill worker 'prefill-0'" in message and "KV transfer failed" in message
     assert cluster.decode.aborted_soon(cluster.legs()[1]["body"]["rid"])
 
 
-def test_prefill_failure_mid_stream_ends_stream_with_error(fresh) -> None:
-    cluster = fresh(prefill="fail_later", decode="slow")
-    with httpx.stream("POST", cluster.router.url + "/v1/chat/completions",
-                      json={"messages": MESSAGES, "stream": True}, timeout=WAIT_S) as resp:
-        assert resp.status_code == 200
-        lines = [line for line in resp.iter_lines() if line]
-    assert lines[0].startswith("data: ") and "tok0" in lines[0]
-    assert lines[-1] == "data: [DONE]"
-    error = json.loads(lines[-2].removeprefix("data: "))["error"]
-    assert "prefill worker 'prefill-0'" in error["message"]
+def test_prefill_failure_mid_stream_ends_stream_with_error(cluster: Cluster) -> None:
+    cluster.reset(prefill="fail_later", decode="slow")
+    data = stream_lines(cluster.router.url)
+    assert "tok0" in data[0] and data[-1] == "[DONE]"
+    assert "prefill worker 'prefill-0'" in json.loads(data[-2])["error"]["message"]
     assert cluster.decode.aborted_soon(cluster.legs()[1]["body"]["rid"])
 
 
-def test_decode_error_is_passed_through_and_prefill_aborted(fresh) -> None:
-    cluster = fresh(prefill="hold", decode="fail")
-    resp = httpx.post(cluster.router.url + "/v1/chat/completions", json={"messages": MESSAGES}, timeout=WAIT_S)
+def test_decode_error_is_passed_through_and_prefill_aborted(cluster: Cluster) -> None:
+    cluster.reset(prefill="hold", decode="fail")
+    resp = chat(cluster.router.url)
     assert resp.status_code == 503 and resp.json()["message"] == "no KV room"
     assert cluster.prefill.aborted_soon(cluster.legs()[0]["body"]["rid"])
 
 
-def test_client_disconnect_mid_stream_aborts_both_legs(fresh) -> None:
-    cluster = fresh(prefill="hold", decode="slow")
+def test_client_disconnect_mid_stream_aborts_both_legs(cluster: Cluster) -> None:
+    cluster.reset(prefill="hold", decode="slow")
     with httpx.stream("POST", cluster.router.url + "/v1/chat/completions",
                       json={"messages": MESSAGES, "stream": True}, timeout=WAIT_S) as resp:
         first = next(resp.iter_lines())
@@ -309,10 +296,10 @@ def test_client_disconnect_mid_stream_aborts_both_legs(fresh) -> None:
     assert cluster.decode.aborted_soon(rid) and cluster.prefill.aborted_soon(rid)
 
 
-def test_client_disconnect_while_waiting_aborts_both_legs(fresh) -> None:
-    cluster = fresh(prefill="hold", decode="ok")
+def test_client_disconnect_while_waiting_aborts_both_legs(cluster: Cluster) -> None:
+    cluster.reset(prefill="hold", decode="ok")
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(cluster.router.url + "/v1/chat/completions", json={"messages": MESSAGES}, timeout=0.2)
+        chat(cluster.router.url, timeout=0.2)
     time.sleep(0.05)
     rid = cluster.legs()[0]["body"]["rid"]
     assert cluster.decode.aborted_soon(rid) and cluster.prefill.aborted_soon(rid)
@@ -350,32 +337,30 @@ def test_unreachable_decode_names_worker_and_url_and_aborts_prefill(cluster: Clu
     with UvicornThread(build_app(settings)) as router:
         for stream in (False, True):
             cluster.reset(prefill="hold")
-            resp = httpx.post(router.url + "/v1/chat/completions", json={"messages": MESSAGES, "stream": stream},
-                              timeout=WAIT_S)
-            assert resp.status_code == 502
+            resp = chat(router.url, stream=stream)
             message = resp.json()["error"]["message"]
-            assert "decode worker 'decode-0'" in message and dead in message
+            assert resp.status_code == 502 and "decode worker 'decode-0'" in message and dead in message
             assert cluster.prefill.aborted_soon()  # its request may be cancelled before it was sent
-            if cluster.prefill.received:
-                assert cluster.prefill.received[0]["body"]["rid"] in cluster.prefill.aborted
+            assert all(leg["body"]["rid"] in cluster.prefill.aborted for leg in cluster.prefill.received)
 
 
 def test_router_without_workers_is_unhealthy_and_refuses() -> None:
     with UvicornThread(build_app(RouterSettings(model_name="m"))) as router:
         assert httpx.get(router.url + "/health").status_code == 503
-        resp = httpx.post(router.url + "/v1/chat/completions", json={"messages": MESSAGES})
+        resp = chat(router.url)
         assert resp.status_code == 503 and "no prefill worker" in resp.json()["error"]["message"]
 
 
 def test_sse_events_are_reframed_across_chunk_boundaries() -> None:
-    async def chunks():
-        for piece in (b"data: {\"a\"", b": 1}\r\n", b"\r\ndata: [DO", b"NE]\n\n"):
+    async def collect(*pieces: bytes) -> list[bytes]:
+        return [e async for e in events(aiter_of(pieces))]
+
+    async def aiter_of(pieces: tuple[bytes, ...]) -> Any:
+        for piece in pieces:
             yield piece
 
-    async def collect() -> list[bytes]:
-        return [e async for e in events(chunks())]
-
-    assert asyncio.run(collect()) == [b'data: {"a": 1}\n\n', b"data: [DONE]\n\n"]
+    got = asyncio.run(collect(b'data: {"a"', b": 1}\r", b"\n\r\ndata: [DO", b"NE]\n\n"))
+    assert got == [b'data: {"a": 1}\n\n', DONE]
 
 
 def test_cli_rejects_bad_settings_with_exit_2(tmp_path, capsys) -> None:
@@ -400,11 +385,11 @@ def test_cli_serves_the_settings_file(cluster: Cluster, tmp_path) -> None:
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
                     break
             except httpx.TransportError:
-                assert proc.poll() is None, proc.stdout.read()
-                assert time.monotonic() < deadline, "router did not come up"
-                time.sleep(0.1)
+                pass  # not listening yet
+            assert proc.poll() is None and time.monotonic() < deadline, "router did not come up"
+            time.sleep(0.1)
         cluster.reset()
-        resp = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={"messages": MESSAGES})
+        resp = chat(f"http://127.0.0.1:{port}")
         assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["content"] == "hello world"
     finally:
         proc.terminate()
