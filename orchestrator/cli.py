@@ -19,10 +19,10 @@ import threading
 import time
 from typing import Any
 
-from dsv4_cluster.orchestrator import deployment
-from dsv4_cluster.orchestrator.controller import ClusterStartError
-from dsv4_cluster.orchestrator.deployment import DownOptions, NotUpError, PreflightError, UpOptions
-from dsv4_cluster.orchestrator.ray_cluster import RayClusterError
+from dsv4_cluster.orchestrator.errors import (
+    ClusterStartError, NotUpError, PreflightError, RayClusterError)
+from dsv4_cluster.orchestrator.options import DownOptions, UpOptions
+from dsv4_cluster.orchestrator.ray_env import prepare_ray_env
 from dsv4_cluster.orchestrator.table import render_table
 from dsv4_cluster.orchestrator.topology import TopologyError
 
@@ -38,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("file", help="topology YAML (see examples/local.yaml)")
     up.add_argument("--address", default=up_d.address,
                     help="join this Ray cluster (host:port) instead of starting a head")
-    up.add_argument("--foreground", action="store_true",
+    up.add_argument("--foreground", action="store_true", default=up_d.foreground,
                     help="stay attached; SIGTERM/SIGINT takes the cluster down")
     up.add_argument("--timeout", type=float, default=up_d.timeout_s,
                     help=f"seconds each process may take to become ready (default {up_d.timeout_s:g})")
@@ -54,13 +54,9 @@ def _err(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _print_up(status: dict[str, Any]) -> None:
-    print(f"endpoint: {status['endpoint']}")
-    print(render_table(status), flush=True)
-
-
-def _cmd_up(args: argparse.Namespace) -> int:
-    options = UpOptions(address=args.address, timeout_s=args.timeout)
+def _cmd_up(deployment: Any, args: argparse.Namespace) -> int:
+    options = UpOptions(address=args.address, timeout_s=args.timeout, foreground=args.foreground)
+    started = time.monotonic()
     try:
         status = deployment.up(args.file, options)
     except TopologyError as e:
@@ -72,27 +68,22 @@ def _cmd_up(args: argparse.Namespace) -> int:
     except (ClusterStartError, RayClusterError) as e:
         _err(f"up failed; everything it started was stopped:\n{e}")
         return EXIT_FAILED
-    _print_up(status)
-    if not args.foreground:
+    print(f"cluster up in {time.monotonic() - started:.1f}s")
+    print(f"endpoint: {status['endpoint']}")
+    print(render_table(status), flush=True)
+    if not options.foreground:
         return EXIT_OK
-    return _foreground(args)
-
-
-def _foreground(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(FOREGROUND_CHECK_S):
-        try:
-            deployment.status()
-        except NotUpError as e:
-            _err(f"the cluster went away: {e}")
-            _down(DownOptions())
-            return EXIT_FAILED
-    return _down(DownOptions())
+    lost = deployment.watch(stop, FOREGROUND_CHECK_S)
+    if lost is not None:
+        _err(f"the cluster went away: {lost}")
+    code = _cmd_down(deployment, DownOptions())
+    return EXIT_FAILED if lost is not None else code
 
 
-def _cmd_status(args: argparse.Namespace) -> int:
+def _cmd_status(deployment: Any, args: argparse.Namespace) -> int:
     try:
         status = deployment.status()
     except (NotUpError, RayClusterError) as e:
@@ -102,7 +93,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _down(options: DownOptions) -> int:
+def _cmd_down(deployment: Any, options: DownOptions) -> int:
     started = time.monotonic()
     try:
         final = deployment.down(options)
@@ -120,11 +111,14 @@ def _down(options: DownOptions) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    prepare_ray_env()
+    from dsv4_cluster.orchestrator import deployment  # imports Ray: only after prepare_ray_env
+
     if args.command == "up":
-        return _cmd_up(args)
+        return _cmd_up(deployment, args)
     if args.command == "status":
-        return _cmd_status(args)
-    return _down(DownOptions(timeout_s=args.timeout))
+        return _cmd_status(deployment, args)
+    return _cmd_down(deployment, DownOptions(timeout_s=args.timeout))
 
 
 if __name__ == "__main__":

@@ -17,16 +17,13 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
+from dsv4_cluster.orchestrator.errors import ClusterStartError
 from dsv4_cluster.orchestrator.plan import LaunchPlan
 from dsv4_cluster.orchestrator.supervisor import WorkerSupervisor
 
 CONTROLLER_NAME = "controller"
 NODE_RESOURCE_SHARE = 0.001  # a sliver of Ray's built-in "node:<ip>" resource pins an actor
 SUPERVISOR_CONCURRENCY = 4  # start() blocks while status()/stop() must still answer
-
-
-class ClusterStartError(RuntimeError):
-    """One or more processes did not become ready; the message lists each with its log tail."""
 
 
 @dataclass(frozen=True)

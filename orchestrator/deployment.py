@@ -9,9 +9,8 @@ Ray head only if `up` started it, check by pid that nothing is left, forget the 
 from __future__ import annotations
 
 import json
-import os
+import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,40 +18,19 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from dsv4_cluster.orchestrator import ray_cluster
-from dsv4_cluster.orchestrator.controller import (
-    CONTROLLER_NAME, ClusterController, ClusterSpec, ClusterStartError)
+from dsv4_cluster.orchestrator.controller import CONTROLLER_NAME, ClusterController, ClusterSpec
+from dsv4_cluster.orchestrator.errors import (
+    ClusterStartError, NotUpError, PreflightError, RayClusterError)
+from dsv4_cluster.orchestrator.options import DownOptions, UpOptions
 from dsv4_cluster.orchestrator.plan import (
     PlanError, cluster_plans, endpoint, router_config, router_config_path)
+from dsv4_cluster.orchestrator.processes import group_members, pid_alive
 from dsv4_cluster.orchestrator.preflight import machine_problems, preflight
 from dsv4_cluster.orchestrator.record import (
     ClusterRecord, RecordError, clear_record, read_record, write_record)
 from dsv4_cluster.orchestrator.topology import load_topology
 
 CONTROLLER_CONCURRENCY = 8
-
-
-@dataclass(frozen=True)
-class UpOptions:
-    address: str | None = None  # join this Ray cluster; default: the topology's, else a new head
-    timeout_s: float = 600.0  # per process, from spawn to READY
-    head_timeout_s: float = 60.0
-
-
-@dataclass(frozen=True)
-class DownOptions:
-    timeout_s: float = 30.0  # SIGTERM, then SIGKILL after this many seconds
-
-
-class NotUpError(RuntimeError):
-    """There is no cluster to report on or stop."""
-
-
-class PreflightError(RuntimeError):
-    """The topology is valid but cannot start here; `problems` lists why."""
-
-    def __init__(self, problems: list[str]) -> None:
-        self.problems = problems
-        super().__init__("\n".join(problems))
 
 
 def _spec(topology: Any) -> ClusterSpec:
@@ -100,6 +78,7 @@ def up(topology_path: str, options: UpOptions) -> dict[str, Any]:
     record = ClusterRecord(address=address, namespace=spec.namespace, endpoint=spec.endpoint,
                            topology_path=str(Path(topology_path).absolute()),
                            run_dir=str(run_dir), head=head)
+    controller = None
     try:
         ray_cluster.connect(address, spec.namespace)
         _refuse_second_controller(spec.namespace)
@@ -110,10 +89,11 @@ def up(topology_path: str, options: UpOptions) -> dict[str, Any]:
         try:
             return ray.get(controller.up.remote(options.timeout_s))
         except (RayTaskError, RayActorError) as e:
-            ray.kill(controller)
             cause = e.cause if isinstance(e, RayTaskError) and e.cause is not None else e
             raise ClusterStartError(str(cause)) from e
     except BaseException:
+        if controller is not None:
+            _abandon(controller)
         ray_cluster.disconnect()
         if head is not None:
             ray_cluster.stop_head(head, deadline_s=10.0)
@@ -121,6 +101,15 @@ def up(topology_path: str, options: UpOptions) -> dict[str, Any]:
         raise
     finally:
         ray_cluster.disconnect()
+
+
+def _abandon(controller: Any) -> None:
+    """Stop whatever a failed or interrupted `up` left running, then the controller itself."""
+    try:
+        ray.get(controller.stop.remote(10.0), timeout=60)
+    except (RayTaskError, RayActorError, GetTimeoutError):
+        pass  # the controller is killed next; its supervisors and their processes die with it
+    ray.kill(controller)
 
 
 def _refuse_second_controller(namespace: str) -> None:
@@ -156,21 +145,28 @@ def status() -> dict[str, Any]:
         ray_cluster.disconnect()
 
 
+def watch(stop: threading.Event, interval_s: float) -> str | None:
+    """Block until `stop` is set (None) or the cluster's controller stops answering (why)."""
+    record = read_record()
+    try:
+        controller = _controller(record)
+        while not stop.wait(interval_s):
+            try:
+                ray.get(controller.status.remote(), timeout=60)
+            except (RayActorError, GetTimeoutError) as e:
+                return f"the controller does not answer: {e}"
+        return None
+    finally:
+        ray_cluster.disconnect()
+
+
 def _wait_gone(pids: list[int], deadline_s: float) -> list[int]:
     end = time.monotonic() + deadline_s
     while True:
-        alive = [p for p in pids if _pid_alive(p)]
+        alive = [p for p in pids if pid_alive(p)]
         if not alive or time.monotonic() > end:
             return alive
         time.sleep(0.1)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def down(options: DownOptions) -> dict[str, Any]:
@@ -188,15 +184,15 @@ def down(options: DownOptions) -> dict[str, Any]:
         pids = [*found["processes"], *found["supervisors"], *found["controller"]]
         final = ray.get(controller.stop.remote(options.timeout_s), timeout=options.timeout_s + 60)
         ray.kill(controller)
-    except (NotUpError, ray_cluster.RayClusterError, RayActorError, GetTimeoutError) as e:
+    except (NotUpError, RayClusterError, RayActorError, GetTimeoutError) as e:
         notes.append(f"controller: {e}")
     finally:
         ray_cluster.disconnect()
     if record.head is not None:
         ray_cluster.stop_head(record.head, options.timeout_s)
     survivors = _wait_gone(pids, options.timeout_s)
-    if record.head is not None and ray_cluster.head_alive(record.head):
-        survivors.append(record.head.pid)
+    if record.head is not None:
+        survivors += group_members(record.head.pid)
     clear_record()
     final["survivors"] = survivors
     final["notes"] = notes

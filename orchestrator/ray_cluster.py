@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,23 +20,17 @@ from pathlib import Path
 
 import ray
 
+from dsv4_cluster.orchestrator.errors import RayClusterError
 from dsv4_cluster.orchestrator.ports import free_ports
+from dsv4_cluster.orchestrator.processes import group_members, signal_group
+from dsv4_cluster.orchestrator.ray_env import RAY_ENV
 from dsv4_cluster.orchestrator.record import HeadProcess
 from dsv4_cluster.orchestrator.supervisor import log_tail
 
 HEAD_HOST = "127.0.0.1"
-HEAD_ENV = {
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # keep the node on 127.0.0.1
-    "RAY_AUTH_MODE": "disabled",
-    "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",  # SIGTERM stops at once, no 30 s drain
-    "RAY_USAGE_STATS_ENABLED": "0",
-}
 READY_LINE = "Ray runtime started"
 POLL_S = 0.2
-
-
-class RayClusterError(RuntimeError):
-    """The Ray head could not be started, reached or stopped."""
+CONNECT_TIMEOUT_S = 5.0
 
 
 def _ray_executable() -> str:
@@ -60,13 +55,14 @@ def start_head(log_path: Path, num_cpus: int | None, timeout_s: float) -> tuple[
     if num_cpus is not None:
         argv += ["--num-cpus", str(num_cpus)]
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    offset = log_path.stat().st_size if log_path.exists() else 0
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, **HEAD_ENV}, start_new_session=True)
+                                env={**os.environ, **RAY_ENV}, start_new_session=True)
     head = HeadProcess(pid=proc.pid, log_path=str(log_path))
     address = f"{HEAD_HOST}:{gcs}"
     deadline = time.monotonic() + timeout_s
-    while READY_LINE not in log_path.read_text(errors="replace"):
+    while READY_LINE not in _read_from(log_path, offset):
         if proc.poll() is not None:
             raise RayClusterError(f"`ray start --head` exited with code {proc.returncode}; "
                                   f"{log_path}:\n{log_tail(str(log_path))}")
@@ -78,41 +74,24 @@ def start_head(log_path: Path, num_cpus: int | None, timeout_s: float) -> tuple[
     return address, head
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+def _read_from(path: Path, offset: int) -> str:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read().decode(errors="replace")
 
 
 def stop_head(head: HeadProcess, deadline_s: float) -> None:
     """SIGTERM the head's process group, SIGKILL what is left after `deadline_s`."""
-    try:
-        os.killpg(head.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + deadline_s
-    while _group_alive(head.pid) and time.monotonic() < deadline:
-        _reap(head.pid)
-        time.sleep(POLL_S)
-    if _group_alive(head.pid):
-        try:
-            os.killpg(head.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            return
-        end = time.monotonic() + 10.0
-        while _group_alive(head.pid) and time.monotonic() < end:
+    signal_group(head.pid, signal.SIGTERM)
+    for sig in (signal.SIGKILL, None):
+        deadline = time.monotonic() + deadline_s
+        while group_members(head.pid) and time.monotonic() < deadline:
             _reap(head.pid)
             time.sleep(POLL_S)
+        _reap(head.pid)
+        if sig is None or not group_members(head.pid):
+            return
+        signal_group(head.pid, sig)
 
 
 def _reap(pid: int) -> None:
@@ -125,7 +104,12 @@ def _reap(pid: int) -> None:
 
 def connect(address: str, namespace: str) -> None:
     """Attach this process to the Ray cluster at `address` as a driver in `namespace`."""
-    os.environ.update(HEAD_ENV)
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except (OSError, ValueError) as e:
+        raise RayClusterError(f"no Ray cluster answers at {address} ({e}); start one, or fix "
+                              "--address / cluster.address") from e
     try:
         ray.init(address=address, namespace=namespace, log_to_driver=False,
                  logging_level="ERROR", configure_logging=True)
@@ -139,4 +123,4 @@ def disconnect() -> None:
 
 
 def head_alive(head: HeadProcess) -> bool:
-    return _alive(head.pid)
+    return bool(group_members(head.pid))

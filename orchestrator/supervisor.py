@@ -25,6 +25,7 @@ import httpx
 
 from dsv4_cluster.core import KvUsage, WorkerState, WorkerStatus
 from dsv4_cluster.orchestrator.plan import LaunchPlan
+from dsv4_cluster.orchestrator.processes import group_members, signal_group
 from dsv4_cluster.orchestrator.probe import ProbeError, first_unready, kv_usage
 
 PR_SET_PDEATHSIG = 1
@@ -53,16 +54,6 @@ def log_tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
             return "".join(deque(f, maxlen=lines))
     except FileNotFoundError:
         return "(no log file)"
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class WorkerSupervisor:
@@ -162,12 +153,8 @@ class WorkerSupervisor:
 
     def _kill_group(self, sig: signal.Signals) -> None:
         proc = self._proc
-        if proc is None:
-            return
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass
+        if proc is not None:
+            signal_group(proc.pid, sig)
 
     def stop(self, deadline_s: float) -> dict[str, Any]:
         """SIGTERM the process group, SIGKILL it after `deadline_s`; returns the final status."""
@@ -182,9 +169,9 @@ class WorkerSupervisor:
                 self._kill_group(signal.SIGKILL)
                 self._exited.wait(10.0)
             end = time.monotonic() + deadline_s
-            while _group_alive(proc.pid) and time.monotonic() < end:
+            while group_members(proc.pid) and time.monotonic() < end:
                 self._exited.wait(POLL_INTERVAL_S)
-            if _group_alive(proc.pid):
+            if group_members(proc.pid):
                 self._kill_group(signal.SIGKILL)
         with self._lock:
             if self._state is not WorkerState.FAILED:

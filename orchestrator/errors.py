@@ -1,0 +1,25 @@
+"""The orchestrator's typed errors, in a module free of Ray so the CLI can catch them before
+it imports Ray (see ray_env)."""
+
+from __future__ import annotations
+
+
+class PreflightError(RuntimeError):
+    """The topology is valid but cannot start here; `problems` lists why. Nothing was started."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+class ClusterStartError(RuntimeError):
+    """The cluster did not come up; what was started has been stopped. The message lists each
+    failed process with its log tail."""
+
+
+class RayClusterError(RuntimeError):
+    """The Ray head could not be started, reached or stopped."""
+
+
+class NotUpError(RuntimeError):
+    """There is no cluster to report on or stop."""

@@ -1,0 +1,46 @@
+"""Liveness of processes and process groups, as `down` and the supervisors must judge it.
+
+A zombie (exited, not yet reaped by a parent that is not us) counts as gone: it holds no port,
+no memory and runs nothing, but `kill(pid, 0)` still succeeds on it. Linux only (/proc).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # "pid (comm) state ppid pgrp ..."; comm may hold spaces and parentheses.
+    return text[text.rindex(")") + 2:].split()
+
+
+def pid_alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] != "Z"
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes whose process group is `pgid`."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        fields = _stat_fields(int(entry.name))
+        if fields is not None and fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
+def signal_group(pgid: int, sig: signal.Signals) -> None:
+    """Send `sig` to every process of group `pgid`; a group already gone is fine."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
