@@ -1,0 +1,139 @@
+"""`dsv4-cluster up/status/down` end to end: the real CLI in its own process, a real Ray head,
+the real embedded prefill and decode workers and the real router, on free loopback ports."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from dsv4_cluster.orchestrator.ports import free_ports, port_is_free
+from dsv4_cluster.orchestrator.processes import pid_alive
+
+pytestmark = pytest.mark.slow
+CLI = [sys.executable, "-m", "dsv4_cluster.orchestrator"]
+
+
+def _topology(tmp_path: Path, extra_decode: str = "") -> tuple[Path, dict[str, int]]:
+    router, prefill, boot, decode = free_ports(4)
+    ports = {"router": router, "prefill": prefill, "bootstrap": boot, "decode": decode}
+    path = tmp_path / "topology.yaml"
+    path.write_text(f"""
+engine: embedded
+model: {{name: dsv4-tiny, seed: 0, context_length: 512}}
+cluster: {{namespace: dsv4-test-{router}, run_dir: run}}
+router: {{host: 127.0.0.1, port: {router}}}
+kernels: {{sparse_mla_decode: false, indexer: false, topk: false}}
+defaults: {{page_size: 16, kv_cache_dtype: auto, max_total_tokens: 4096}}
+prefill:
+  - {{name: prefill-0, device: cpu, port: {prefill}, bootstrap_port: {boot}}}
+decode:
+  - {{name: decode-0, device: cpu, port: {decode}{extra_decode}}}
+""")
+    return path, ports
+
+
+def _run(tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "DSV4_CLUSTER_HOME": str(tmp_path / "home")}
+    return subprocess.run([*CLI, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _gone(pids: list[int], timeout_s: float = 15) -> list[int]:
+    end = time.monotonic() + timeout_s
+    while any(pid_alive(p) for p in pids) and time.monotonic() < end:
+        time.sleep(0.1)
+    return [p for p in pids if pid_alive(p)]
+
+
+def _head_pid(tmp_path: Path) -> int:
+    return json.loads((tmp_path / "home" / "current.json").read_text())["head"]["pid"]
+
+
+def test_up_status_chat_down(tmp_path: Path) -> None:
+    topo, ports = _topology(tmp_path)
+    up = _run(tmp_path, "up", str(topo), "--timeout", "180")
+    try:
+        assert up.returncode == 0, up.stderr + up.stdout
+        assert f"endpoint: http://127.0.0.1:{ports['router']}/v1" in up.stdout
+        head = _head_pid(tmp_path)
+
+        st = _run(tmp_path, "status", "--json")
+        assert st.returncode == 0, st.stderr
+        status = json.loads(st.stdout)
+        rows = {w["name"]: w for w in status["workers"]}
+        assert list(rows) == ["prefill-0", "decode-0", "router"]
+        for name, role, port in [("prefill-0", "prefill", ports["prefill"]),
+                                 ("decode-0", "decode", ports["decode"]),
+                                 ("router", "router", ports["router"])]:
+            row = rows[name]
+            assert (row["role"], row["state"], row["restarts"], row["port"]) == (role, "READY", 0, port)
+            assert pid_alive(row["pid"])
+        for name in ("prefill-0", "decode-0"):
+            assert (rows[name]["kv_capacity_tokens"], rows[name]["kv_used_tokens"]) == (4096, 0)
+        assert rows["router"]["kv_capacity_tokens"] is None
+
+        table = _run(tmp_path, "status").stdout.splitlines()
+        assert table[0].split() == ["NAME", "ROLE", "NODE", "PID", "STATE", "RESTARTS", "PORT",
+                                    "KV_CAPACITY", "KV_USED"]
+        assert table[1].split() == ["prefill-0", "prefill", "local", str(rows["prefill-0"]["pid"]),
+                                    "READY", "0", str(ports["prefill"]), "4096", "0"]
+
+        reply = httpx.post(f"http://127.0.0.1:{ports['router']}/v1/chat/completions", timeout=120,
+                           json={"model": "dsv4-tiny", "max_tokens": 4,
+                                 "messages": [{"role": "user", "content": "hi"}]})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == 4
+    finally:
+        down = _run(tmp_path, "down", "--timeout", "10")
+    assert down.returncode == 0, down.stderr + down.stdout
+    assert _gone([row["pid"] for row in rows.values()] + [head]) == []
+    assert port_is_free(ports["router"])
+    assert not (tmp_path / "home" / "current.json").exists()
+    after = _run(tmp_path, "status")
+    assert after.returncode == 1 and "no cluster is up" in after.stderr
+
+
+def test_broken_topology_lists_every_problem_and_starts_nothing(tmp_path: Path) -> None:
+    topo = tmp_path / "bad.yaml"
+    topo.write_text("engine: vllm\nmodel: {name: x, context_length: 0}\nprefill: []\n"
+                    "decode:\n  - {name: Decode_0, port: 70000}\n")
+    started = time.monotonic()
+    r = _run(tmp_path, "up", str(topo))
+    assert r.returncode == 2
+    assert "nothing was started" in r.stderr
+    for field in ("engine", "model.context_length", "prefill", "decode[0].name", "decode[0].port"):
+        assert f" {field}:" in r.stderr, (field, r.stderr)
+    assert time.monotonic() - started < 20
+    assert not (tmp_path / "home").exists()
+    assert not (tmp_path / "run").exists()
+
+
+def test_port_in_use_is_a_preflight_problem(tmp_path: Path) -> None:
+    topo, ports = _topology(tmp_path)
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", ports["decode"]))
+        busy.listen()
+        r = _run(tmp_path, "up", str(topo))
+    assert r.returncode == 2, r.stderr
+    assert f"decode-0: port {ports['decode']} is in use" in r.stderr
+    assert not (tmp_path / "home").exists()
+
+
+def test_a_worker_that_cannot_start_fails_up_and_leaves_nothing(tmp_path: Path) -> None:
+    topo, ports = _topology(tmp_path, extra_decode=", extra_args: [--no-such-flag]")
+    r = _run(tmp_path, "up", str(topo), "--timeout", "120")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "decode-0" in r.stderr and "--no-such-flag" in r.stderr
+    assert "everything it started was stopped" in r.stderr
+    assert not (tmp_path / "home" / "current.json").exists()
+    head_log = (tmp_path / "run" / "logs" / "ray-head.log").read_text()
+    assert "Ray runtime started" in head_log
+    for port in ports.values():
+        assert port_is_free(port), port
