@@ -72,6 +72,7 @@ class UpstreamFailed(RouterError):
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
         self.status = status
+        self.type_ = "invalid_request_error" if 400 <= status < 500 else "upstream_error"
 
 
 def _router_error(_: Request, exc: RouterError) -> JSONResponse:

@@ -18,6 +18,7 @@ from typing import Any, Awaitable, Callable
 from fastapi import Response
 
 from . import logprobs
+from .errors import RouterError, UpstreamTimeout
 from .pairing import PairedRequest
 from .pool import Worker
 from .tasks import TaskSet
@@ -42,6 +43,21 @@ def abort_leg(upstream: Upstream, tasks: TaskSet, worker: Worker, req: PairedReq
     tasks.spawn(upstream.abort(worker, req.rids), name=f"abort-{worker.name}-{req.rid}")
 
 
+def abort_if_timed_out(upstream: Upstream, tasks: TaskSet, worker: Worker, req: PairedRequest,
+                       error: RouterError | None) -> None:
+    """A leg the router gave up waiting for is still running on its worker: abort it there too."""
+    if isinstance(error, UpstreamTimeout):
+        abort_leg(upstream, tasks, worker, req)
+
+
+def abort_prefill(upstream: Upstream, tasks: TaskSet, req: PairedRequest, leg: asyncio.Task[LegResult]) -> None:
+    """After D failed: abort P if it still runs on its worker (in flight, or given up on by a timeout)."""
+    if not leg.done():
+        abort_leg(upstream, tasks, req.pair.prefill, req, leg)
+    elif not leg.cancelled() and leg.exception() is None:
+        abort_if_timed_out(upstream, tasks, req.pair.prefill, req, leg.result().error)
+
+
 def decode_response(req: PairedRequest, decode: LegResult, prefill: LegResult | None) -> Response:
     """D's status and body; `/generate` with `return_logprob` gets P's input logprobs in front."""
     content = decode.content
@@ -63,8 +79,8 @@ async def exchange(upstream: Upstream, tasks: TaskSet, req: PairedRequest, recei
             if d_leg.done():
                 decode = d_leg.result()
                 if not decode.ok:
-                    if not p_leg.done():
-                        abort_leg(upstream, tasks, pair.prefill, req, p_leg)
+                    abort_if_timed_out(upstream, tasks, pair.decode, req, decode.error)
+                    abort_prefill(upstream, tasks, req, p_leg)
                     if decode.status:
                         return Response(decode.content, status_code=decode.status,
                                         media_type=decode.content_type or None)
@@ -74,6 +90,7 @@ async def exchange(upstream: Upstream, tasks: TaskSet, req: PairedRequest, recei
                     log.warning("rid %s: decode succeeded but %s", req.rid, prefill.error.message)
                 return decode_response(req, decode, prefill)
             if p_leg.done() and not p_leg.result().ok:
+                abort_if_timed_out(upstream, tasks, pair.prefill, req, p_leg.result().error)
                 abort_leg(upstream, tasks, pair.decode, req, d_leg)
                 raise p_leg.result().error
             if gone.done():

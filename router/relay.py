@@ -24,7 +24,7 @@ from starlette.background import BackgroundTask
 
 from . import logprobs, sse
 from .errors import RouterError, UpstreamUnreachable
-from .exchange import abort_leg
+from .exchange import abort_if_timed_out, abort_leg, abort_prefill
 from .pairing import PairedRequest
 from .tasks import TaskSet
 from .upstream import LegResult, Upstream, transport_error
@@ -81,6 +81,7 @@ class StreamRelay:
                     self._abort_prefill(f"{decode.describe()} streamed an error")
         except httpx.HTTPError as exc:
             end = _End(transport_error(decode, exc, self._upstream.request_timeout_s))
+            abort_if_timed_out(self._upstream, self._tasks, decode, self._req, end.error)
         self._decode_ended = True
         if end.error is not None:
             self._abort_prefill(end.error.message)
@@ -100,6 +101,7 @@ class StreamRelay:
             error = task.result().error
         else:
             return
+        abort_if_timed_out(self._upstream, self._tasks, self._req.pair.prefill, self._req, error)
         if self._decode_ended or self._finished:
             log.warning("rid %s: decode already finished, but %s", self._req.rid, error.message)
             return
@@ -133,38 +135,44 @@ class StreamRelay:
         self._abort_prefill("client left")
 
 
+async def _open_decode(upstream: Upstream, tasks: TaskSet, req: PairedRequest,
+                       prefill: asyncio.Task[LegResult]) -> httpx.Response:
+    """D's response headers; or the error of the leg that failed first, with the other leg aborted."""
+    pair = req.pair
+    opening = asyncio.create_task(upstream.open_stream(pair.decode, req.path, req.body), name=f"decode-{req.rid}")
+    try:
+        await asyncio.wait({prefill, opening}, return_when=asyncio.FIRST_COMPLETED)
+        if opening.done() or prefill.result().ok:
+            return await opening
+    except BaseException as exc:
+        opening.cancel()
+        abort_if_timed_out(upstream, tasks, pair.decode, req, exc if isinstance(exc, RouterError) else None)
+        abort_prefill(upstream, tasks, req, prefill)
+        raise
+    error = prefill.result().error
+    abort_if_timed_out(upstream, tasks, pair.prefill, req, error)
+    abort_leg(upstream, tasks, pair.decode, req, opening)
+    raise error
+
+
 async def relay(upstream: Upstream, tasks: TaskSet, req: PairedRequest) -> Response:
     """Run one streaming request: steps 1-3 here, the rest in StreamRelay."""
     pair = req.pair
     prefill = tasks.spawn(upstream.call(pair.prefill, req.path, req.body), name=f"prefill-{req.rid}")
-    opening = asyncio.create_task(upstream.open_stream(pair.decode, req.path, req.body),
-                                  name=f"decode-{req.rid}")
-    try:
-        await asyncio.wait({prefill, opening}, return_when=asyncio.FIRST_COMPLETED)
-        if not opening.done() and not prefill.result().ok:
-            abort_leg(upstream, tasks, pair.decode, req, opening)
-            raise prefill.result().error
-        decode = await opening
-    except BaseException:
-        opening.cancel()
-        if not prefill.done():
-            abort_leg(upstream, tasks, pair.prefill, req, prefill)
-        raise
+    decode = await _open_decode(upstream, tasks, req, prefill)
     if not decode.is_success or not decode.headers.get("content-type", "").startswith("text/event-stream"):
         try:
             content = await decode.aread()
         except httpx.HTTPError as exc:
-            abort_leg(upstream, tasks, pair.prefill, req, prefill)
+            abort_prefill(upstream, tasks, req, prefill)
             raise transport_error(pair.decode, exc, upstream.request_timeout_s) from exc
         finally:
             await decode.aclose()
-        if not decode.is_success and not prefill.done():
-            abort_leg(upstream, tasks, pair.prefill, req, prefill)
-        return Response(content, status_code=decode.status_code,
-                        media_type=decode.headers.get("content-type"))
+        if not decode.is_success:
+            abort_prefill(upstream, tasks, req, prefill)
+        return Response(content, status_code=decode.status_code, media_type=decode.headers.get("content-type"))
     stream = StreamRelay(upstream, tasks, req, decode, prefill)
     return StreamingResponse(stream.body(), status_code=decode.status_code,
                              media_type=decode.headers.get("content-type"),
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                              background=BackgroundTask(stream.release))
-

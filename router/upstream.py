@@ -59,7 +59,7 @@ def transport_error(worker: Worker, exc: Exception, timeout_s: float) -> RouterE
         return UpstreamUnreachable(f"{where} did not accept a connection in time: {exc!r}")
     if isinstance(exc, httpx.ConnectError):
         return UpstreamUnreachable(f"cannot connect to {where}: {exc}")
-    if isinstance(exc, (httpx.TimeoutException, TimeoutError)):
+    if isinstance(exc, (httpx.TimeoutException, asyncio.TimeoutError)):
         return UpstreamTimeout(f"{where} did not answer within {timeout_s:g} s (request_timeout_s)")
     return UpstreamUnreachable(f"{where} failed mid-request: {type(exc).__name__}: {exc}")
 
@@ -78,9 +78,8 @@ class Upstream:
     async def call(self, worker: Worker, path: str, body: dict[str, Any]) -> LegResult:
         """POST and read the whole answer (JSON, or SSE drained to the end); never raises for the leg."""
         try:
-            async with asyncio.timeout(self.request_timeout_s):
-                resp = await self.client.post(worker.url + path, json=body)
-        except (httpx.HTTPError, TimeoutError) as exc:
+            resp = await asyncio.wait_for(self.client.post(worker.url + path, json=body), self.request_timeout_s)
+        except (httpx.HTTPError, asyncio.TimeoutError) as exc:
             return LegResult(worker, 0, b"", "", transport_error(worker, exc, self.request_timeout_s))
         content_type = resp.headers.get("content-type", "")
         result = LegResult(worker, resp.status_code, resp.content, content_type)
@@ -114,9 +113,9 @@ class Upstream:
         """Best effort `POST /abort_request` for each rid; failures are logged, never raised."""
         for rid in rids:
             try:
-                async with asyncio.timeout(self.abort_timeout_s):
-                    resp = await self.client.post(worker.url + "/abort_request", json={"rid": rid})
+                abort = self.client.post(worker.url + "/abort_request", json={"rid": rid})
+                resp = await asyncio.wait_for(abort, self.abort_timeout_s)
                 if not resp.is_success:
                     log.warning("abort of %s on %s answered %d", rid, worker.describe(), resp.status_code)
-            except (httpx.HTTPError, TimeoutError) as exc:
+            except (httpx.HTTPError, asyncio.TimeoutError) as exc:
                 log.warning("abort of %s on %s failed: %r", rid, worker.describe(), exc)

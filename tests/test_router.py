@@ -281,8 +281,7 @@ def test_prefill_failure_mid_stream_ends_stream_with_error(cluster: Cluster) -> 
 
 def test_decode_error_is_passed_through_and_prefill_aborted(cluster: Cluster) -> None:
     cluster.reset(prefill="hold", decode="fail")
-    resp = chat(cluster.router.url)
-    assert resp.status_code == 503 and resp.json()["message"] == "no KV room"
+    assert (resp := chat(cluster.router.url)).status_code == 503 and resp.json()["message"] == "no KV room"
     assert cluster.prefill.aborted_soon(cluster.legs()[0]["body"]["rid"])
 
 
@@ -290,8 +289,7 @@ def test_client_disconnect_mid_stream_aborts_both_legs(cluster: Cluster) -> None
     cluster.reset(prefill="hold", decode="slow")
     with httpx.stream("POST", cluster.router.url + "/v1/chat/completions",
                       json={"messages": MESSAGES, "stream": True}, timeout=WAIT_S) as resp:
-        first = next(resp.iter_lines())
-        assert "tok0" in first
+        assert "tok0" in next(resp.iter_lines())
     rid = cluster.legs()[0]["body"]["rid"]
     assert cluster.decode.aborted_soon(rid) and cluster.prefill.aborted_soon(rid)
 
@@ -330,18 +328,21 @@ def test_bad_requests_get_400(cluster: Cluster, content: bytes, needle: str) -> 
     assert cluster.prefill.received == [] and cluster.decode.received == []
 
 
-def test_unreachable_decode_names_worker_and_url_and_aborts_prefill(cluster: Cluster) -> None:
-    cluster.reset(prefill="hold")
-    dead = f"http://127.0.0.1:{free_port()}"
-    settings = router_settings(cluster.settings.prefill[0].url, dead)
+@pytest.mark.parametrize("dead, status, needle", [
+    (True, 502, "cannot connect to decode worker 'decode-0' at {decode}"),
+    (False, 504, "did not answer within 0.5 s (request_timeout_s)"),  # P holds, so D waits for KV
+])
+def test_dead_or_slow_worker_gives_502_or_504_and_aborts_the_legs(cluster: Cluster, dead, status, needle) -> None:
+    decode = f"http://127.0.0.1:{free_port()}" if dead else cluster.settings.decode[0].url
+    settings = router_settings(cluster.settings.prefill[0].url, decode).model_copy(update={"request_timeout_s": 0.5})
     with UvicornThread(build_app(settings)) as router:
         for stream in (False, True):
             cluster.reset(prefill="hold")
             resp = chat(router.url, stream=stream)
-            message = resp.json()["error"]["message"]
-            assert resp.status_code == 502 and "decode worker 'decode-0'" in message and dead in message
+            assert resp.status_code == status and needle.format(decode=decode) in resp.json()["error"]["message"]
             assert cluster.prefill.aborted_soon()  # its request may be cancelled before it was sent
             assert all(leg["body"]["rid"] in cluster.prefill.aborted for leg in cluster.prefill.received)
+            assert dead or cluster.decode.aborted_soon(cluster.decode.received[0]["body"]["rid"])
 
 
 def test_router_without_workers_is_unhealthy_and_refuses() -> None:
