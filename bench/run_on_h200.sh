@@ -4,19 +4,24 @@
 set -uo pipefail
 : "${OUT:?OUT must name the folder whose files come back}"
 mkdir -p /tmp/p/dsv4_cluster
-for d in kernels bench tests; do ln -sfn "$PWD/$d" "/tmp/p/dsv4_cluster/$d"; done
-cp dsv4_cluster/__init__.py /tmp/p/dsv4_cluster/
+repo=$PWD
+for d in kernels bench tests; do ln -sfn "$repo/$d" "/tmp/p/dsv4_cluster/$d"; done
+cp dsv4_cluster/*.py /tmp/p/dsv4_cluster/
+# Run from /tmp: the repo root holds a dsv4_cluster/ folder without the mapped subpackages, which
+# would shadow /tmp/p on sys.path.
+cd /tmp
 export PYTHONPATH=/tmp/p PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
-wheel=$(ls .whl/sgl_flash_mla-*.whl 2>/dev/null | head -1)
+wheel=$(ls "$repo"/.whl/sgl_flash_mla-*.whl 2>/dev/null | head -1)
 if [ -n "$wheel" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$wheel" \
     && export PYTHONPATH=/tmp/p:/tmp/site
 fi
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-python3 -m pytest -q -p no:cacheprovider --noconftest tests/kernels/test_sparse_mla_decode.py 2>&1 | tee "$OUT/tests.log"
+python3 -m pytest -q -p no:cacheprovider --import-mode=importlib --rootdir="$repo" \
+  "$repo/tests/kernels/test_sparse_mla_decode.py" 2>&1 | tee "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}
 python3 -m dsv4_cluster.bench.kernels sparse_decode "$@" 2>&1 | tee "$OUT/bench.log"
 bench_rc=${PIPESTATUS[0]}
-cp bench/results/sparse_decode.json "$OUT/" 2>/dev/null
+cp "$repo"/bench/results/sparse_decode.* "$OUT/" 2>/dev/null
 echo "tests rc=$tests_rc bench rc=$bench_rc"
 exit $(( tests_rc || bench_rc ))

@@ -96,9 +96,9 @@ def _sparse_decode_kernel(
         elen = K
         if HAS_ELEN:
             elen = tl.minimum(tl.maximum(tl.load(elen_ptr + b), 0), K)
-    nbw = tl.cdiv(wlen, BN)
-    nlive = nbw + tl.cdiv(elen, BN)
-    per_split = tl.cdiv(nlive, num_splits)
+    nbw = (wlen + BN - 1) // BN
+    nlive = nbw + (elen + BN - 1) // BN
+    per_split = (nlive + num_splits - 1) // num_splits
     lo = split * per_split
     hi = tl.minimum(lo + per_split, nlive)
 
