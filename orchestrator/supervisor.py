@@ -4,9 +4,12 @@ It runs as a Ray actor (`supervisor_actor()`), one per worker and one for the ro
 process gets its own process group (so `stop` reaches the children an engine spawns, e.g.
 SGLang's TP ranks) and PR_SET_PDEATHSIG=SIGKILL (so a dead supervisor never orphans it), and
 writes stdout+stderr to its own log file. `start` blocks until every readiness URL answers 200,
-failing fast with the log's tail if the process exits first. A dedicated thread spawns the
-process and waits on it: the death signal follows the spawning thread, so that thread lives
-exactly as long as the process.
+failing fast with the log's tail if the process exits first. A process that crashes after it
+was READY is restarted with exponential backoff; after `RestartPolicy.max_restarts` crashes
+within `window_s` the supervisor gives up, says why, and the state stays FAILED.
+
+One dedicated thread spawns the process, waits for readiness, waits on it and restarts it: the
+death signal follows the thread that forked, so that thread outlives every process it spawns.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import subprocess
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,126 +60,163 @@ def log_tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
         return "(no log file)"
 
 
-class WorkerSupervisor:
-    """Spawns, watches and stops one process described by a LaunchPlan."""
+@dataclass(frozen=True)
+class RestartPolicy:
+    """Restart a crashed worker after backoff_s, doubling per recent crash up to backoff_max_s;
+    give up once more than max_restarts crashes fall within window_s."""
 
-    def __init__(self, plan: LaunchPlan) -> None:
-        self._plan = plan
+    max_restarts: int = 3
+    window_s: float = 300.0
+    backoff_s: float = 1.0
+    backoff_max_s: float = 30.0
+
+    def delay(self, recent_crashes: int) -> float | None:
+        if recent_crashes > self.max_restarts:
+            return None
+        return min(self.backoff_s * 2 ** (recent_crashes - 1), self.backoff_max_s)
+
+
+class WorkerSupervisor:
+    """Spawns, watches, restarts and stops one process described by a LaunchPlan."""
+
+    def __init__(self, plan: LaunchPlan, policy: RestartPolicy = RestartPolicy()) -> None:
+        self._plan, self._policy = plan, policy
         self._lock = threading.Lock()
         self._state = WorkerState.STOPPED
         self._proc: subprocess.Popen[bytes] | None = None
-        self._spawned = threading.Event()
-        self._exited = threading.Event()
-        self._spawn_error: BaseException | None = None
-        self._stopping = False
+        self._stop = threading.Event()
+        self._first_outcome = threading.Event()
+        self._start_error: str | None = None
         self._restarts = 0
+        self._crashes: deque[float] = deque()
         self._error: str | None = None
         self._thread: threading.Thread | None = None
         self._http = httpx.Client(timeout=httpx.Timeout(2.0, connect=1.0))
 
-    # -- process thread -------------------------------------------------------------------
+    # -- the process thread ---------------------------------------------------------------
 
-    def _run_process(self) -> None:
+    def _set(self, state: WorkerState, error: str | None = None) -> None:
+        with self._lock:
+            self._state, self._error = state, error
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        plan = self._plan
+        Path(plan.log_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(plan.cwd).mkdir(parents=True, exist_ok=True)
+        with open(plan.log_path, "ab") as log:
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+            log.write(f"=== {stamp} supervisor starts: {' '.join(plan.argv)}\n".encode())
+            log.flush()
+            return subprocess.Popen(
+                list(plan.argv), cwd=plan.cwd, env={**os.environ, **plan.env_dict},
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True, preexec_fn=_death_signal_preexec(os.getpid()),
+            )
+
+    def _launch(self, timeout_s: float) -> str | None:
+        """Spawn and wait until ready: None when READY, else why not (the process is dead)."""
         plan = self._plan
         try:
-            Path(plan.log_path).parent.mkdir(parents=True, exist_ok=True)
-            Path(plan.cwd).mkdir(parents=True, exist_ok=True)
-            with open(plan.log_path, "ab") as log:
-                stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
-                log.write(f"=== {stamp} supervisor starts: {' '.join(plan.argv)}\n".encode())
-                log.flush()
-                proc = subprocess.Popen(
-                    list(plan.argv), cwd=plan.cwd, env={**os.environ, **plan.env_dict},
-                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                    start_new_session=True, preexec_fn=_death_signal_preexec(os.getpid()),
-                )
+            proc = self._spawn()
         except OSError as e:
-            self._spawn_error = e
-            self._spawned.set()
-            self._exited.set()
-            return
+            return f"could not spawn {plan.argv[0]!r}: {e}"
         self._proc = proc
-        self._spawned.set()
-        code = proc.wait()
-        with self._lock:
-            if not self._stopping:
-                self._state = WorkerState.FAILED
-                self._error = (f"exited unexpectedly with code {code}; last log lines:\n"
-                               f"{log_tail(plan.log_path)}")
-        self._exited.set()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            code = proc.poll()
+            if code is not None:
+                return (f"exited with code {code} before it was ready; last log lines:\n"
+                        f"{log_tail(plan.log_path)}")
+            if self._stop.is_set():
+                return "stopped while starting"
+            pending = first_unready(self._http, plan.all_readiness_urls)
+            if pending is None:
+                self._set(WorkerState.READY)
+                return None
+            if time.monotonic() >= deadline:
+                signal_group(proc.pid, signal.SIGKILL)
+                proc.wait()
+                return (f"not ready after {timeout_s:.0f}s (still waiting on {pending}); "
+                        f"log {plan.log_path}, last lines:\n{log_tail(plan.log_path)}")
+            self._stop.wait(POLL_INTERVAL_S)
+
+    def _next_restart_delay(self, reason: str) -> float | None:
+        now = time.monotonic()
+        self._crashes.append(now)
+        while self._crashes and now - self._crashes[0] > self._policy.window_s:
+            self._crashes.popleft()
+        delay = self._policy.delay(len(self._crashes))
+        if delay is None:
+            self._set(WorkerState.FAILED,
+                      f"gave up after {len(self._crashes)} crashes within "
+                      f"{self._policy.window_s:.0f}s (crash loop); last: {reason}")
+        else:
+            with self._lock:
+                self._state = WorkerState.STARTING
+                self._error = f"restarting in {delay:.1f}s; last crash: {reason}"
+                self._restarts += 1
+        return delay
+
+    def _run(self, timeout_s: float) -> None:
+        try:
+            error = self._launch(timeout_s)
+            self._start_error = error
+            if error is not None:
+                self._set(WorkerState.FAILED, error)
+            self._first_outcome.set()
+            if error is not None:
+                return
+            while True:
+                if error is None:  # READY: wait for the process to exit
+                    code = self._proc.wait() if self._proc is not None else None
+                    if self._stop.is_set():
+                        return
+                    error = (f"exited unexpectedly with code {code}; last log lines:\n"
+                             f"{log_tail(self._plan.log_path)}")
+                delay = self._next_restart_delay(error)
+                if delay is None or self._stop.wait(delay):
+                    return
+                error = self._launch(timeout_s)
+                if self._stop.is_set():
+                    return
+        finally:
+            if self._proc is not None:
+                self._proc.wait()  # this thread must outlive its process (PR_SET_PDEATHSIG)
 
     # -- public API (actor methods) -------------------------------------------------------
 
     def start(self, timeout_s: float) -> dict[str, Any]:
         """Spawn the process and block until it is ready; raises WorkerStartError."""
         with self._lock:
-            if self._state in (WorkerState.STARTING, WorkerState.READY):
-                raise WorkerStartError(f"{self._plan.name} is already {self._state.value}")
-            self._state, self._error, self._stopping = WorkerState.STARTING, None, False
-            self._spawned.clear()
-            self._exited.clear()
-            self._spawn_error = None
-        self._thread = threading.Thread(target=self._run_process, name=f"proc-{self._plan.name}",
-                                        daemon=True)
+            if self._thread is not None:
+                raise WorkerStartError(f"{self._plan.name} was started already ({self._state.value})")
+            self._state = WorkerState.STARTING
+        self._thread = threading.Thread(target=self._run, args=(timeout_s,), daemon=True,
+                                        name=f"proc-{self._plan.name}")
         self._thread.start()
-        self._spawned.wait()
-        if self._spawn_error is not None:
-            self._fail(f"could not spawn {self._plan.argv[0]!r}: {self._spawn_error}")
-        self._wait_ready(timeout_s)
+        self._first_outcome.wait()
+        if self._start_error is not None:
+            raise WorkerStartError(f"{self._plan.name} never became ready: {self._start_error}")
         return self.status()
-
-    def _fail(self, message: str) -> None:
-        with self._lock:
-            self._state, self._error = WorkerState.FAILED, message
-        raise WorkerStartError(f"{self._plan.name}: {message}")
-
-    def _wait_ready(self, timeout_s: float) -> None:
-        plan = self._plan
-        deadline = time.monotonic() + timeout_s
-        pending: str | None = "not probed yet"
-        while True:
-            if self._exited.is_set():
-                with self._lock:
-                    error = self._error or "stopped while starting"
-                raise WorkerStartError(f"{plan.name} never became ready: {error}")
-            pending = first_unready(self._http, plan.all_readiness_urls)
-            if pending is None:
-                with self._lock:
-                    if self._state is WorkerState.STARTING:
-                        self._state = WorkerState.READY
-                return
-            if time.monotonic() >= deadline:
-                self._kill_group(signal.SIGKILL)
-                self._exited.wait(10.0)
-                self._fail(f"not ready after {timeout_s:.0f}s (still waiting on {pending}); "
-                           f"log {plan.log_path}, last lines:\n{log_tail(plan.log_path)}")
-            self._exited.wait(POLL_INTERVAL_S)
-
-    def _kill_group(self, sig: signal.Signals) -> None:
-        proc = self._proc
-        if proc is not None:
-            signal_group(proc.pid, sig)
 
     def stop(self, deadline_s: float) -> dict[str, Any]:
         """SIGTERM the process group, SIGKILL it after `deadline_s`; returns the final status."""
+        self._stop.set()
         with self._lock:
-            self._stopping = True
             if self._state in (WorkerState.STARTING, WorkerState.READY):
                 self._state = WorkerState.DRAINING
-        proc = self._proc
+        proc, thread = self._proc, self._thread
         if proc is not None:
-            self._kill_group(signal.SIGTERM)
-            if not self._exited.wait(deadline_s):
-                self._kill_group(signal.SIGKILL)
-                self._exited.wait(10.0)
+            signal_group(proc.pid, signal.SIGTERM)
             end = time.monotonic() + deadline_s
             while group_members(proc.pid) and time.monotonic() < end:
-                self._exited.wait(POLL_INTERVAL_S)
+                time.sleep(POLL_INTERVAL_S / 2)
             if group_members(proc.pid):
-                self._kill_group(signal.SIGKILL)
+                signal_group(proc.pid, signal.SIGKILL)
+        if thread is not None:
+            thread.join(10.0)
         with self._lock:
-            if self._state is not WorkerState.FAILED:
-                self._state = WorkerState.STOPPED
+            self._state = WorkerState.STOPPED
         return self.status()
 
     def status(self) -> dict[str, Any]:
@@ -184,7 +225,7 @@ class WorkerSupervisor:
         with self._lock:
             state, error, restarts = self._state, self._error, self._restarts
         proc = self._proc
-        pid = proc.pid if proc is not None and state not in (WorkerState.STOPPED,) else None
+        pid = proc.pid if proc is not None and proc.returncode is None else None
         kv: KvUsage | None = None
         if state is WorkerState.READY and plan.server_info_url is not None:
             try:

@@ -17,7 +17,7 @@ import pytest
 from dsv4_cluster.core import Role, WorkerState
 from dsv4_cluster.orchestrator.plan import LaunchPlan
 from dsv4_cluster.orchestrator.ports import free_ports, port_is_free
-from dsv4_cluster.orchestrator.supervisor import WorkerStartError, WorkerSupervisor
+from dsv4_cluster.orchestrator.supervisor import RestartPolicy, WorkerStartError, WorkerSupervisor
 
 STANDIN = textwrap.dedent('''
     import argparse, json, os, signal, subprocess, sys, time
@@ -138,15 +138,36 @@ def test_timeout_names_the_pending_url_and_kills_the_process(tmp_path: Path) -> 
     assert sup.status()["state"] == WorkerState.FAILED.value
 
 
-def test_crash_after_ready_is_reported_failed(tmp_path: Path) -> None:
-    sup = WorkerSupervisor(_plan(tmp_path, "--exit-after", "1.5"))
-    sup.start(timeout_s=30)
-    end = time.monotonic() + 15
-    while sup.status()["state"] != WorkerState.FAILED.value and time.monotonic() < end:
+def _wait_for(sup: WorkerSupervisor, pred, timeout_s: float = 20.0) -> dict:
+    end = time.monotonic() + timeout_s
+    while not pred(status := sup.status()) and time.monotonic() < end:
         time.sleep(0.1)
-    status = sup.status()
-    assert status["state"] == WorkerState.FAILED.value
-    assert "exited unexpectedly with code 3" in status["error"]
+    return status
+
+
+def test_crash_after_ready_is_restarted_with_backoff(tmp_path: Path) -> None:
+    sup = WorkerSupervisor(_plan(tmp_path, "--exit-after", "1.0"),
+                           RestartPolicy(max_restarts=5, backoff_s=0.2))
+    first = sup.start(timeout_s=30)["pid"]
+    try:
+        status = _wait_for(sup, lambda s: s["restarts"] == 1 and s["state"] == "READY")
+        assert (status["restarts"], status["state"]) == (1, "READY")
+        assert status["pid"] != first and _wait_dead(first)
+        assert Path(sup.status()["log_path"]).read_text().count("supervisor starts") >= 2
+    finally:
+        sup.stop(deadline_s=5)
+
+
+def test_a_crash_loop_gives_up_and_says_why(tmp_path: Path) -> None:
+    sup = WorkerSupervisor(_plan(tmp_path, "--exit-after", "0.3"),
+                           RestartPolicy(max_restarts=2, window_s=60, backoff_s=0.1))
+    sup.start(timeout_s=30)
+    status = _wait_for(sup, lambda s: s["state"] == WorkerState.FAILED.value)
+    assert status["state"] == WorkerState.FAILED.value and status["pid"] is None
+    assert status["restarts"] == 2
+    assert "gave up after 3 crashes within 60s" in status["error"]
+    assert "code 3" in status["error"]
+    assert sup.stop(deadline_s=2)["state"] == WorkerState.STOPPED.value
 
 
 def test_stop_escalates_to_sigkill_and_reaches_the_whole_group(tmp_path: Path) -> None:
