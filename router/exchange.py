@@ -18,9 +18,8 @@ from typing import Any, Awaitable, Callable
 from fastapi import Response
 
 from . import logprobs
-from .errors import RouterError, UpstreamTimeout
+from .aborts import abort_if_timed_out, abort_leg, abort_prefill
 from .pairing import PairedRequest
-from .pool import Worker
 from .tasks import TaskSet
 from .upstream import LegResult, Upstream
 
@@ -32,30 +31,6 @@ async def client_gone(receive: Receive) -> None:
     """Returns when the client disconnects (the body was already read, so nothing else arrives)."""
     while (await receive())["type"] != "http.disconnect":
         continue
-
-
-def abort_leg(upstream: Upstream, tasks: TaskSet, worker: Worker, req: PairedRequest,
-              leg: asyncio.Task[Any] | None = None) -> None:
-    """Cancel the leg's HTTP call (closing its connection) and POST /abort_request by rid, in the background."""
-    if leg is not None and not leg.done():
-        leg.cancel()
-    log.info("aborting rid %s on %s", req.rid, worker.describe())
-    tasks.spawn(upstream.abort(worker, req.rids), name=f"abort-{worker.name}-{req.rid}")
-
-
-def abort_if_timed_out(upstream: Upstream, tasks: TaskSet, worker: Worker, req: PairedRequest,
-                       error: RouterError | None) -> None:
-    """A leg the router gave up waiting for is still running on its worker: abort it there too."""
-    if isinstance(error, UpstreamTimeout):
-        abort_leg(upstream, tasks, worker, req)
-
-
-def abort_prefill(upstream: Upstream, tasks: TaskSet, req: PairedRequest, leg: asyncio.Task[LegResult]) -> None:
-    """After D failed: abort P if it still runs on its worker (in flight, or given up on by a timeout)."""
-    if not leg.done():
-        abort_leg(upstream, tasks, req.pair.prefill, req, leg)
-    elif not leg.cancelled() and leg.exception() is None:
-        abort_if_timed_out(upstream, tasks, req.pair.prefill, req, leg.result().error)
 
 
 def decode_response(req: PairedRequest, decode: LegResult, prefill: LegResult | None) -> Response:

@@ -24,7 +24,7 @@ from starlette.background import BackgroundTask
 
 from . import logprobs, sse
 from .errors import RouterError, UpstreamUnreachable
-from .exchange import abort_if_timed_out, abort_leg, abort_prefill
+from .aborts import abort_if_timed_out, abort_leg, abort_prefill
 from .pairing import PairedRequest
 from .tasks import TaskSet
 from .upstream import LegResult, Upstream, transport_error
