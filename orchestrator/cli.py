@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
-import threading
 import time
 from typing import Any
 
@@ -73,10 +71,7 @@ def _cmd_up(deployment: Any, args: argparse.Namespace) -> int:
     print(render_table(status), flush=True)
     if not options.foreground:
         return EXIT_OK
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    lost = deployment.watch(stop, FOREGROUND_CHECK_S)
+    lost = deployment.watch(FOREGROUND_CHECK_S)
     if lost is not None:
         _err(f"the cluster went away: {lost}")
     code = _cmd_down(deployment, DownOptions())

@@ -9,6 +9,7 @@ Ray head only if `up` started it, check by pid that nothing is left, forget the 
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 from pathlib import Path
@@ -145,11 +146,14 @@ def status() -> dict[str, Any]:
         ray_cluster.disconnect()
 
 
-def watch(stop: threading.Event, interval_s: float) -> str | None:
-    """Block until `stop` is set (None) or the cluster's controller stops answering (why)."""
+def watch(interval_s: float) -> str | None:
+    """Block until SIGTERM/SIGINT (None) or until the controller stops answering (why)."""
     record = read_record()
+    stop = threading.Event()
     try:
         controller = _controller(record)
+        for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs its own
+            signal.signal(sig, lambda *_: stop.set())
         while not stop.wait(interval_s):
             try:
                 ray.get(controller.status.remote(), timeout=60)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -90,6 +91,17 @@ def test_up_status_chat_down(tmp_path: Path) -> None:
                                  "messages": [{"role": "user", "content": "hi"}]})
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["completion_tokens"] == 4
+
+        os.kill(rows["decode-0"]["pid"], signal.SIGKILL)  # a crash: the supervisor restarts it
+        end = time.monotonic() + 90
+        while time.monotonic() < end:
+            decode = json.loads(_run(tmp_path, "status", "--json").stdout)["workers"][1]
+            if decode["restarts"] == 1 and decode["state"] == "READY":
+                break
+            time.sleep(0.5)
+        assert (decode["restarts"], decode["state"]) == (1, "READY"), decode
+        assert decode["pid"] != rows["decode-0"]["pid"]
+        rows["decode-0-restarted"] = decode
     finally:
         down = _run(tmp_path, "down", "--timeout", "10")
     assert down.returncode == 0, down.stderr + down.stdout
@@ -137,3 +149,36 @@ def test_a_worker_that_cannot_start_fails_up_and_leaves_nothing(tmp_path: Path) 
     assert "Ray runtime started" in head_log
     for port in ports.values():
         assert port_is_free(port), port
+
+
+def test_foreground_on_a_joined_cluster_stops_on_sigterm_and_leaves_the_head(tmp_path: Path) -> None:
+    from dsv4_cluster.orchestrator.ray_cluster import head_alive, start_head, stop_head
+
+    address, head = start_head(tmp_path / "head.log", num_cpus=1, timeout_s=60)
+    try:
+        topo, ports = _topology(tmp_path)
+        env = {**os.environ, "DSV4_CLUSTER_HOME": str(tmp_path / "home")}
+        proc = subprocess.Popen([*CLI, "up", str(topo), "--address", address, "--foreground"],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            lines = []
+            for line in proc.stdout:
+                lines.append(line)
+                if line.startswith("router"):
+                    break
+            assert any(f"127.0.0.1:{ports['router']}/v1" in ln for ln in lines), lines
+            status = json.loads(_run(tmp_path, "status", "--json").stdout)
+            pids = [w["pid"] for w in status["workers"]]
+            assert json.loads((tmp_path / "home" / "current.json").read_text())["head"] is None
+            proc.send_signal(signal.SIGTERM)
+            out, err = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+        assert proc.returncode == 0, err
+        assert "no process left" in out
+        assert _gone(pids) == []
+        assert all(port_is_free(p) for p in ports.values())
+        assert head_alive(head), "down stopped a Ray head that up did not start"
+    finally:
+        stop_head(head, deadline_s=10)
+    assert not head_alive(head)
