@@ -1,0 +1,47 @@
+"""Test helper: a whole embedded cluster brought up by the real CLI on free loopback ports."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from dsv4_cluster.orchestrator.ports import free_ports
+
+CLI = [sys.executable, "-m", "dsv4_cluster.orchestrator"]
+
+
+@dataclass(frozen=True)
+class LocalCluster:
+    home: Path
+    topology: Path
+    ports: dict[str, int]
+
+    @property
+    def router_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['router']}"
+
+    def cli(self, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "DSV4_CLUSTER_HOME": str(self.home)}
+        return subprocess.run([*CLI, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def write_topology(tmp_path: Path, context_length: int = 512, extra_decode: str = "") -> LocalCluster:
+    router, prefill, boot, decode = free_ports(4)
+    path = tmp_path / "topology.yaml"
+    path.write_text(f"""
+engine: embedded
+model: {{name: dsv4-tiny, seed: 0, context_length: {context_length}}}
+cluster: {{namespace: dsv4-test-{router}, run_dir: run}}
+router: {{host: 127.0.0.1, port: {router}}}
+kernels: {{sparse_mla_decode: true, indexer: true, topk: true}}
+defaults: {{page_size: 16, kv_cache_dtype: auto, max_total_tokens: 4096}}
+prefill:
+  - {{name: prefill-0, device: cpu, port: {prefill}, bootstrap_port: {boot}}}
+decode:
+  - {{name: decode-0, device: cpu, port: {decode}{extra_decode}}}
+""")
+    ports = {"router": router, "prefill": prefill, "bootstrap": boot, "decode": decode}
+    return LocalCluster(home=tmp_path / "home", topology=path, ports=ports)
