@@ -20,6 +20,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from dsv4_cluster.orchestrator.errors import ClusterStartError
 from dsv4_cluster.orchestrator.plan import LaunchPlan
 from dsv4_cluster.orchestrator.supervisor import WorkerSupervisor
+from dsv4_cluster.orchestrator.verification import verify_kernels
 
 CONTROLLER_NAME = "controller"
 NODE_RESOURCE_SHARE = 0.001  # a sliver of Ray's built-in "node:<ip>" resource pins an actor
@@ -37,6 +38,7 @@ class ClusterSpec:
     router_config_path: str
     router_config_json: str
     node_addresses: tuple[tuple[str, str], ...]  # (node name, address)
+    kernels: tuple[str, ...] = ()  # requested; every worker must report each one active
 
 
 def _cause(err: BaseException) -> str:
@@ -83,6 +85,8 @@ class ClusterController:
         """Start workers, then the router; on any failure stop everything and raise."""
         try:
             failures = self._start_all(list(self._spec.workers), timeout_s)
+            if not failures:
+                failures = verify_kernels(self._spec.workers, self._spec.kernels)
             if not failures:
                 path = Path(self._spec.router_config_path)
                 path.parent.mkdir(parents=True, exist_ok=True)

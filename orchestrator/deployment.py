@@ -24,7 +24,7 @@ from dsv4_cluster.orchestrator.errors import (
     ClusterStartError, NotUpError, PreflightError, RayClusterError)
 from dsv4_cluster.orchestrator.options import DownOptions, UpOptions
 from dsv4_cluster.orchestrator.plan import (
-    PlanError, cluster_plans, endpoint, router_config, router_config_path)
+    PlanError, cluster_plans, endpoint, requested_kernels, router_config, router_config_path)
 from dsv4_cluster.orchestrator.processes import group_members, pid_alive
 from dsv4_cluster.orchestrator.preflight import machine_problems, preflight
 from dsv4_cluster.orchestrator.record import (
@@ -47,6 +47,7 @@ def _spec(topology: Any) -> ClusterSpec:
         router=router, router_config_path=str(router_config_path(topology)),
         router_config_json=json.dumps(router_config(topology), indent=2) + "\n",
         node_addresses=tuple((n.name, n.address) for n in topology.nodes),
+        kernels=requested_kernels(topology),
     )
 
 

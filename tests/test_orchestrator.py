@@ -22,16 +22,17 @@ pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "dsv4_cluster.orchestrator"]
 
 
-def _topology(tmp_path: Path, extra_decode: str = "") -> tuple[Path, dict[str, int]]:
+def _topology(tmp_path: Path, extra_decode: str = "", kernels: bool = False) -> tuple[Path, dict[str, int]]:
     router, prefill, boot, decode = free_ports(4)
     ports = {"router": router, "prefill": prefill, "bootstrap": boot, "decode": decode}
     path = tmp_path / "topology.yaml"
+    k = "true" if kernels else "false"
     path.write_text(f"""
 engine: embedded
 model: {{name: dsv4-tiny, seed: 0, context_length: 512}}
 cluster: {{namespace: dsv4-test-{router}, run_dir: run}}
 router: {{host: 127.0.0.1, port: {router}}}
-kernels: {{sparse_mla_decode: false, indexer: false, topk: false}}
+kernels: {{sparse_mla_decode: {k}, indexer: {k}, topk: {k}}}
 defaults: {{page_size: 16, kv_cache_dtype: auto, max_total_tokens: 4096}}
 prefill:
   - {{name: prefill-0, device: cpu, port: {prefill}, bootstrap_port: {boot}}}
@@ -58,7 +59,7 @@ def _head_pid(tmp_path: Path) -> int:
 
 
 def test_up_status_chat_down(tmp_path: Path) -> None:
-    topo, ports = _topology(tmp_path)
+    topo, ports = _topology(tmp_path, kernels=True)  # up verifies each is active
     up = _run(tmp_path, "up", str(topo), "--timeout", "180")
     try:
         assert up.returncode == 0, up.stderr + up.stdout

@@ -1,0 +1,97 @@
+"""Small orchestrator pieces without a cluster: the status table, the cluster record, ports,
+process liveness, kernel verification."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dsv4_cluster.core import KvUsage, Role, WorkerState, WorkerStatus
+from dsv4_cluster.orchestrator.ports import free_ports, port_is_free
+from dsv4_cluster.orchestrator.processes import group_members, pid_alive
+from dsv4_cluster.orchestrator.record import (
+    HOME_ENV, ClusterRecord, HeadProcess, RecordError, clear_record, read_record, write_record)
+from dsv4_cluster.orchestrator.table import COLUMNS, render_table
+from dsv4_cluster.orchestrator.verification import kernel_problems
+
+
+def _row(**kw: object) -> WorkerStatus:
+    base = dict(name="decode-0", role=Role.DECODE, node="local", state=WorkerState.READY, pid=42,
+                port=30200, restarts=0, kv=KvUsage(16384, 128), log_path="/x/decode-0.log")
+    return WorkerStatus(**{**base, **kw})
+
+
+def test_worker_status_round_trips_through_its_dict() -> None:
+    for row in (_row(), _row(kv=None, pid=None, state=WorkerState.FAILED, error="boom")):
+        assert WorkerStatus.from_dict(json.loads(json.dumps(row.to_dict()))) == row
+    d = _row().to_dict()
+    assert (d["kv_capacity_tokens"], d["kv_used_tokens"], d["state"], d["role"]) == \
+        (16384, 128, "READY", "decode")
+
+
+def test_table_has_every_column_and_dashes_for_the_router() -> None:
+    router = _row(name="router", role=Role.ROUTER, kv=None, port=30001, pid=7)
+    failed = _row(name="prefill-0", role=Role.PREFILL, state=WorkerState.FAILED, pid=None,
+                  kv=None, error="exited with code 3")
+    text = render_table({"endpoint": "e", "workers": [_row().to_dict(), router.to_dict(),
+                                                      failed.to_dict()]})
+    lines = text.splitlines()
+    assert lines[0].split() == list(COLUMNS)
+    assert lines[1].split() == ["decode-0", "decode", "local", "42", "READY", "0", "30200",
+                                "16384", "128"]
+    assert lines[2].split() == ["router", "router", "local", "7", "READY", "0", "30001", "-", "-"]
+    assert lines[3].split()[3:5] == ["-", "FAILED"]
+    assert lines[4] == "prefill-0: exited with code 3"
+
+
+def test_record_round_trip_and_clear_message(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(HOME_ENV, str(tmp_path / "home"))
+    with pytest.raises(RecordError, match="no cluster is up"):
+        read_record()
+    rec = ClusterRecord("127.0.0.1:6379", "ns", "http://0.0.0.0:30001/v1", "/t.yaml", "/run",
+                        HeadProcess(123, "/run/logs/ray-head.log"))
+    write_record(rec)
+    assert read_record() == rec
+    (tmp_path / "home" / "current.json").write_text('{"address": 1}')
+    with pytest.raises(RecordError, match="invalid"):
+        read_record()
+    clear_record()
+    with pytest.raises(RecordError, match="no cluster is up"):
+        read_record()
+
+
+def test_free_ports_are_free_and_below_the_ephemeral_range() -> None:
+    ports = free_ports(5)
+    assert len(set(ports)) == 5 and all(20000 <= p < 32768 and port_is_free(p) for p in ports)
+
+
+def test_zombies_count_as_gone_and_groups_are_seen() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
+                             start_new_session=True)
+    try:
+        assert pid_alive(child.pid) and group_members(child.pid) == [child.pid]
+        child.kill()
+        end = time.monotonic() + 10
+        while pid_alive(child.pid) and time.monotonic() < end:  # unreaped: a zombie, not alive
+            time.sleep(0.05)
+        assert Path(f"/proc/{child.pid}").exists()  # still unreaped
+        assert not pid_alive(child.pid) and group_members(child.pid) == []
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_kernel_problems_name_each_inactive_kernel() -> None:
+    requested = ("sparse_mla_decode", "indexer", "topk")
+    ok = {"kernels": {"sparse_mla_decode": "reference", "indexer": "triton", "topk": "reference"}}
+    assert kernel_problems("p", requested, ok) == []
+    bad = {"kernels": {"sparse_mla_decode": "off", "indexer": "triton"}}
+    assert kernel_problems("p", requested, bad) == [
+        "p: kernel sparse_mla_decode was requested but is 'off' in the worker",
+        "p: kernel topk was requested but is 'missing' in the worker"]
+    assert "reports no kernels" in kernel_problems("p", requested, {})[0]
