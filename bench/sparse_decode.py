@@ -135,12 +135,28 @@ def compiled_resources() -> list[dict]:
     return found
 
 
+def profile(batches: list[int]) -> int:
+    """Three calls of each Triton kernel per batch size, default config, nothing timed: a target for ncu."""
+    for b in batches:
+        case = make_inputs(b, seed=b)
+        cache, extra_cache = quantize_kv_v4(case["kv"]), quantize_kv_v4(case["extra_kv"])
+        fp8_case = {k: v for k, v in case.items() if k not in ("kv", "extra_kv")}
+        for _ in range(3):
+            sparse_mla_decode_triton(**case)
+            sparse_mla_decode_fp8_triton(**fp8_case, kv_cache=cache, extra_cache=extra_cache)
+    torch.cuda.synchronize()
+    return 0
+
+
 def run(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="sparse_decode")
     parser.add_argument("--batches", default="1,8,32,64,128")
     parser.add_argument("--sweep", action="store_true", help="also try other launch configs, report the best")
+    parser.add_argument("--profile", action="store_true", help="only run the Triton kernels a few times (for ncu)")
     args = parser.parse_args(argv)
     batches = [int(x) for x in args.batches.split(",")]
+    if args.profile:
+        return profile(batches)
     copy_gbs = copy_bandwidth_gbs()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows, fm_error = [], None

@@ -181,8 +181,12 @@ def _combine_kernel(
     w = tl.exp(lse_s - max_safe[None, :])  # [SP, HB]; 0 for empty splits
     w_sum = tl.sum(w, axis=0)
     has_any = w_sum > 0
-    o_s = tl.load(part_o_ptr + rows[:, :, None] * D + offs_d[None, None, :], mask=s_ok[:, None, None], other=0.0)
-    o = tl.sum(o_s * w[:, :, None], axis=0) / tl.where(has_any, w_sum, 1.0)[:, None]
+    o = tl.zeros((HB, D), tl.float32)
+    for s in range(0, num_splits):  # stream the partial outputs: [HB, D] per split in registers
+        row = (b * num_splits + s).to(tl.int64) * H + offs_h
+        w_s = tl.exp(tl.load(part_lse_ptr + row) - max_safe)
+        o += w_s[:, None] * tl.load(part_o_ptr + row[:, None] * D + offs_d[None, :])
+    o = o / tl.where(has_any, w_sum, 1.0)[:, None]
     lse = tl.where(has_any, max_safe + tl.log(tl.where(has_any, w_sum, 1.0)), float("-inf"))
     if HAS_SINK:
         sink = tl.load(sink_ptr + offs_h)

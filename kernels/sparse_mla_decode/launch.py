@@ -25,11 +25,11 @@ class LaunchConfig:
     """How the work is cut: rows per block, splits per query (0 = choose from B), warps, stages, and
     whether block j + 1 is loaded before block j is computed (register prefetch)."""
 
-    block_n: int = 32
+    block_n: int = 64
     num_splits: int = 0
     num_warps: int = 8
     num_stages: int = 2
-    prefetch: bool = True
+    prefetch: bool = False
     combine_heads: int = 8
 
 
