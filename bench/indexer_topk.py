@@ -3,8 +3,9 @@
 Why: the cost of decode must follow the live length, not `--context-length`. For B = 32 requests of
 L tokens (L/4 compressed entries, 64 per page) and a configured maximum M (page table and score
 buffer sized for M), this times, cold L2, median:
-  ours      Triton indexer + radix-select top-k as a replayed CUDA graph (the production pattern;
-            eager calls add host-side input checks that sync), also each part alone;
+  ours      the fused Triton indexer + radix-select top-k (one launch) as a replayed CUDA graph
+            (the production pattern; eager calls add host-side input checks that sync); also
+            indexer and top-k as two launches, and each alone;
   torch     PyTorch scoring + torch.topk over the full buffer width (the O(max) pattern; at M = L
             it is the exact-width version), eager, keys contiguous per request or gathered
             through the page table first;
@@ -22,6 +23,7 @@ import triton
 
 from dsv4_cluster.bench.kernels import bench_us, copy_bandwidth_gbs, print_table, write_results
 from dsv4_cluster.kernels.indexer.fp8_keys import quantize_keys
+from dsv4_cluster.kernels.indexer.fused_topk import indexer_topk_triton
 from dsv4_cluster.kernels.indexer.reference import indexer_fp8_ref, indexer_ref
 from dsv4_cluster.kernels.indexer.triton_indexer import indexer_fp8_triton, indexer_triton
 from dsv4_cluster.kernels.topk.radix_select import topk_triton, workspace_size
@@ -57,11 +59,12 @@ def contiguous_keys(x: dict) -> torch.Tensor:
 
 def torch_scores_topk(x: dict, keys: torch.Tensor | None = None) -> torch.Tensor:
     """The O(max) pattern: score every column of the buffer, mask past lens, torch.topk. Without
-    `keys`, the keys are first gathered through the page table (paged); with them, read in place."""
+    `keys`, the keys are first gathered through the page table (paged); with them, read in place.
+    Two bf16 batched matmuls (q.k, then the weighted sum over heads): PyTorch's fastest form here."""
     if keys is None:
         keys = contiguous_keys(x)
-    logits = torch.relu(torch.einsum("bhd,bnd->bhn", x["q"], keys))
-    scores = (logits * x["w"][:, :, None]).sum(1)
+    logits = torch.relu_(torch.bmm(x["q"], keys.transpose(1, 2)))  # [B, H, W] bf16
+    scores = torch.bmm(x["w"].to(logits.dtype)[:, None, :], logits)[:, 0].float()  # [B, W]
     t = torch.arange(scores.shape[1], device=scores.device)
     scores = scores.masked_fill(t[None, :] >= x["lens"][:, None], float("-inf"))
     return torch.topk(scores, min(K, scores.shape[1]), dim=1).indices
@@ -70,14 +73,20 @@ def torch_scores_topk(x: dict, keys: torch.Tensor | None = None) -> torch.Tensor
 class Ours:
     """Indexer + top-k with every buffer allocated once (scores sized for the maximum), graph-capturable."""
 
-    def __init__(self, x: dict, fp8: bool, indexer_options: dict | None = None, topk_options: dict | None = None):
+    def __init__(self, x: dict, fp8: bool, indexer_options: dict | None = None, topk_options: dict | None = None,
+                 fused_options: dict | None = None):
         self.x, self.fp8 = x, fp8
         self.indexer_options, self.topk_options = indexer_options or {}, topk_options or {}
+        self.fused_options = fused_options or {}
         batch, max_pages = x["table"].shape
         self.keys = quantize_keys(x["keys"]) if fp8 else x["keys"]
         self.scores = torch.empty(batch, max_pages * PER_PAGE, device="cuda")
         self.idx = torch.empty(batch, K, dtype=torch.int32, device="cuda")
         self.workspace = torch.zeros(workspace_size(batch), dtype=torch.int32, device="cuda")
+
+    def fused(self) -> None:
+        indexer_topk_triton(self.x["q"], self.x["w"], self.keys, self.x["table"], self.x["lens"], K, fp8=self.fp8,
+                            scores=self.scores, out=self.idx, workspace=self.workspace, **self.fused_options)
 
     def indexer(self) -> None:
         fn = indexer_fp8_triton if self.fp8 else indexer_triton
@@ -92,8 +101,8 @@ class Ours:
         self.topk()
 
     def graph_us(self, fn=None) -> float:
-        """Median time of one replay of a CUDA graph of `fn` (default: indexer + top-k), cold L2."""
-        fn = fn or self
+        """Median time of one replay of a CUDA graph of `fn` (default: the fused launch), cold L2."""
+        fn = fn or self.fused
         fn()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -105,17 +114,21 @@ class Ours:
 
 
 def check(ours: Ours) -> dict:
-    """Scores against the fp32 reference and indices against the reference top-k of our own scores."""
+    """Scores against the fp32 reference; indices (fused, and indexer + top-k apart) against the
+    reference top-k of the scores they came with."""
     x = ours.x
-    ours()
-    n = int(x["lens"][0])
-    ref_fn = indexer_fp8_ref if ours.fp8 else indexer_ref
-    ref = ref_fn(x["q"], x["w"], ours.keys, x["table"], x["lens"])[:, :n]
-    got = ours.scores[:, :n]
-    rel = float((got.double() - ref.double()).norm() / ref.double().norm())
-    want = topk_ref(ours.scores, x["lens"], K)
-    same = all(set(ours.idx[b].tolist()) == set(want[b].tolist()) for b in range(want.shape[0]))
-    return {"score_rel_err_vs_fp32_ref": rel, "topk_sets_equal": same}
+    result = {}
+    for name, fn in (("separate", ours), ("fused", ours.fused)):
+        fn()
+        n = int(x["lens"][0])
+        ref_fn = indexer_fp8_ref if ours.fp8 else indexer_ref
+        ref = ref_fn(x["q"], x["w"], ours.keys, x["table"], x["lens"])[:, :n]
+        got = ours.scores[:, :n]
+        result[f"{name}_score_rel_err"] = float((got.double() - ref.double()).norm() / ref.double().norm())
+        want = topk_ref(ours.scores, x["lens"], K)
+        result[f"{name}_topk_sets_equal"] = all(
+            set(ours.idx[b].tolist()) == set(want[b].tolist()) for b in range(want.shape[0]))
+    return result
 
 
 def deep_gemm_attempt(x: dict) -> dict:
@@ -148,7 +161,7 @@ def run(argv: list[str]) -> int:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lives", default="4096,65536,262144", help="live lengths L in tokens")
     parser.add_argument("--maxima", default="L,131072,1048576", help="configured maxima in tokens ('L' = L)")
-    parser.add_argument("--sweep", action="store_true", help="also time launch variants at L >= 64K, maximum = L")
+    parser.add_argument("--sweep", action="store_true", help="also time launch variants at L = 64K, maximum = L")
     args = parser.parse_args(argv)
     copy_gbs = copy_bandwidth_gbs()
     rows, checks, variants = [], {}, []
@@ -162,8 +175,8 @@ def run(argv: list[str]) -> int:
                     checks[f"L={live // KI}K {'fp8' if fp8 else 'bf16'}"] = check(ours)
                 key_bytes = args.batch * (live // 4) * (DIM + 4 if fp8 else 2 * DIM)
                 row = {"L": f"{live // KI}K", "max": f"{maximum // KI}K", "keys": "fp8" if fp8 else "bf16",
-                       "ours_us": ours.graph_us(), "indexer_us": ours.graph_us(ours.indexer),
-                       "topk_us": ours.graph_us(ours.topk)}
+                       "ours_us": ours.graph_us(), "separate_us": ours.graph_us(ours),
+                       "indexer_us": ours.graph_us(ours.indexer), "topk_us": ours.graph_us(ours.topk)}
                 if maximum == live and not fp8:  # the same measurement again: the run-to-run spread
                     row["ours_us_again"] = ours.graph_us()
                 row["indexer_gbs"] = key_bytes / row["indexer_us"] / 1e3
@@ -175,7 +188,7 @@ def run(argv: list[str]) -> int:
                     del contiguous
                 rows.append(row)
                 del ours
-            if args.sweep and live >= 65536 and maximum == live:
+            if args.sweep and live == 65536 and maximum == live:
                 variants += sweep(x, args.batch, copy_gbs)
             del x
             torch.cuda.empty_cache()
@@ -185,33 +198,37 @@ def run(argv: list[str]) -> int:
                "checks": checks, "rows": rows, "derived": derived, "variants": variants,
                "deep_gemm": deep_gemm_attempt(make_inputs(args.batch, 65536, 65536))}
     path = write_results("indexer_topk", payload)
-    print_table(rows, ["L", "max", "keys", "ours_us", "ours_us_again", "indexer_us", "topk_us", "indexer_gbs", "indexer_frac_copy",
+    print_table(rows, ["L", "max", "keys", "ours_us", "ours_us_again", "separate_us", "indexer_us", "topk_us", "indexer_gbs", "indexer_frac_copy",
                        "torch_contig_us", "torch_paged_us"])
     if variants:
         print_table(variants, ["L", "variant", "us", "gbs", "frac_copy"])
     print_table(derived, list(derived[0]) if derived else ["L"])
     print(f"copy {copy_gbs:.0f} GB/s; checks {checks}; deep_gemm {payload['deep_gemm']}; wrote {path}")
-    ok = all(c["topk_sets_equal"] and c["score_rel_err_vs_fp32_ref"] < 2e-3 for c in checks.values())
+    ok = all(c[f"{m}_topk_sets_equal"] and c[f"{m}_score_rel_err"] < 2e-3 for c in checks.values()
+             for m in ("separate", "fused"))
     return 0 if ok else 1
 
 
 def sweep(x: dict, batch: int, copy_gbs: float) -> list[dict]:
-    """Indexer and top-k launch variants at one live length (bf16 keys, maximum = L), graph-timed."""
+    """Launch variants at one live length (bf16 keys, maximum = L), graph-timed."""
     out, live = [], int(x["lens"][0])
     key_bytes = batch * live * 2 * DIM
-    s = -(-4 * torch.cuda.get_device_properties(0).multi_processor_count // batch)
-    for bt, nw, sp, st in ((64, 4, s, 3), (128, 4, s, 3), (128, 8, s, 3), (256, 8, s, 3), (128, 4, s // 2, 3),
-                           (128, 4, 2 * s, 3), (128, 4, s, 2), (128, 4, s, 4), (64, 4, 2 * s, 4)):
-        ours = Ours(x, False, dict(block_t=bt, num_warps=nw, split=sp, num_stages=st))
+    label = f"{live * 4 // KI}K"
+    s = 2 * torch.cuda.get_device_properties(0).multi_processor_count // batch
+    for bt, nw, sp, st in ((128, 4, s, 3), (128, 8, s, 3), (64, 4, s, 3), (128, 4, s, 4), (256, 8, s, 3),
+                           (64, 4, 2 * s, 4), (128, 4, 2 * s, 3)):
+        ours = Ours(x, False, indexer_options=dict(block_t=bt, num_warps=nw, split=sp, num_stages=st))
         us = ours.graph_us(ours.indexer)
-        out.append({"L": f"{live * 4 // KI}K", "variant": f"indexer bt{bt} w{nw} s{sp} st{st}", "us": us,
+        out.append({"L": label, "variant": f"indexer bt{bt} w{nw} s{sp} st{st}", "us": us,
                     "gbs": key_bytes / us / 1e3, "frac_copy": key_bytes / us / 1e3 / copy_gbs})
+    for bt, nw, blk in ((128, 4, 2048), (128, 8, 2048), (64, 4, 2048), (128, 8, 4096), (128, 4, 1024)):
+        ours = Ours(x, False, fused_options=dict(block_t=bt, num_warps=nw, block=blk))
+        out.append({"L": label, "variant": f"fused bt{bt} w{nw} b{blk}", "us": ours.graph_us()})
     ours = Ours(x, False)
     ours.indexer()
-    for one, blk, nw, sp in ((True, 2048, 8, None), (True, 4096, 8, None), (True, 1024, 4, None), (True, 2048, 4, 4),
-                             (True, 4096, 16, 2), (False, 2048, 8, None)):
-        ours.topk_options = dict(one_launch=one, block=blk, num_warps=nw, split=sp)
-        out.append({"L": f"{live * 4 // KI}K", "variant": f"topk {'one' if one else 'per-pass'} b{blk} w{nw} s{sp}",
+    for one, blk, nw in ((True, 2048, 8), (True, 4096, 8), (False, 2048, 8)):
+        ours.topk_options = dict(one_launch=one, block=blk, num_warps=nw)
+        out.append({"L": label, "variant": f"topk {'one' if one else 'per-pass'} b{blk} w{nw}",
                     "us": ours.graph_us(ours.topk)})
     return out
 

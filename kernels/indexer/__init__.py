@@ -43,3 +43,21 @@ def _refuse_kernel_options(kernel_options: dict) -> None:
             f"kernel options {sorted(kernel_options)} apply to the CUDA kernel only; "
             "the reference path (non-CUDA tensors) takes none"
         )
+
+
+def indexer_topk(q, weights, k_cache, page_table, lens, k: int, *, fp8: bool = False, **kernel_options):
+    """(idx int32 [B, k], scores float32 [B, max_pages*E]): the indexer's scores and their top-k.
+
+    On CUDA one fused launch (`fused_topk.indexer_topk_triton`; idx order unspecified, kernel_options
+    go there); otherwise `indexer_ref` / `indexer_fp8_ref` and `topk_ref` (idx sorted).
+    """
+    if q.is_cuda:
+        from dsv4_cluster.kernels.indexer.fused_topk import indexer_topk_triton
+
+        return indexer_topk_triton(q, weights, k_cache, page_table, lens, k, fp8=fp8, **kernel_options)
+    _refuse_kernel_options(kernel_options)
+    from dsv4_cluster.kernels.indexer.reference import indexer_fp8_ref, indexer_ref
+    from dsv4_cluster.kernels.topk.reference import topk_ref
+
+    scores = (indexer_fp8_ref if fp8 else indexer_ref)(q, weights, k_cache, page_table, lens)
+    return topk_ref(scores, lens, k), scores

@@ -18,6 +18,49 @@ from dsv4_cluster.kernels.indexer.shapes import IndexerInputError, check_indexer
 
 
 @triton.jit
+def load_query(q_ptr, w_ptr, b, stride_qb, stride_qh, stride_wb, heads, dim,
+               BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Request b's query, transposed to [BLOCK_D, BLOCK_H] (zero-padded), and its head weights."""
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    hm = h < heads
+    q_t = tl.load(q_ptr + b * stride_qb + h[None, :] * stride_qh + d[:, None],
+                  mask=hm[None, :] & (d[:, None] < dim), other=0.0)
+    w = tl.load(w_ptr + b * stride_wb + h, mask=hm, other=0.0).to(tl.float32)
+    return q_t, w
+
+
+@triton.jit
+def score_block(q_t, w, k_ptr, scale_ptr, pt_row_ptr, t, n, stride_kp, stride_ke, stride_sp, dim,
+                PER_PAGE: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
+                MASK_D: tl.constexpr):
+    """Scores of entries t (a block of BLOCK_T; those >= n are masked and come out 0).
+
+    Keys are the M side of the product (k [T, Di] @ q^T [Di, H]), so the sum over heads is a
+    reduction along rows held by one warp, and fp8 keys can be widened in registers."""
+    tm = t < n
+    d = tl.arange(0, BLOCK_D)
+    page = tl.load(pt_row_ptr + t // PER_PAGE, mask=tm, other=0).to(tl.int64)
+    slot = t % PER_PAGE
+    row = page * stride_kp + slot * stride_ke
+    if MASK_D:
+        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=tm[:, None] & (d[None, :] < dim), other=0)
+    else:  # no mask along Di: key rows load as 16-byte vectors
+        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=tm[:, None], other=0)
+    if FP8:
+        k = k.to(tl.float8e4nv, bitcast=True).to(q_t.dtype)
+    else:
+        k = k.to(q_t.dtype)
+    if IEEE:
+        logits = tl.dot(k, q_t, input_precision="ieee")
+    else:
+        logits = tl.dot(k, q_t)
+    if FP8:
+        logits = logits * tl.load(scale_ptr + page * stride_sp + slot, mask=tm, other=0.0)[:, None]
+    return tl.sum(tl.maximum(logits, 0.0) * w[None, :], axis=1)
+
+
+@triton.jit
 def _indexer_kernel(
     q_ptr, w_ptr, k_ptr, scale_ptr, pt_ptr, lens_ptr, out_ptr,
     stride_qb, stride_qh, stride_wb, stride_kp, stride_ke, stride_sp, stride_ptb, stride_ob,
@@ -28,41 +71,19 @@ def _indexer_kernel(
     pid = tl.program_id(0)
     b = tl.program_id(1)
     n = tl.minimum(tl.maximum(tl.load(lens_ptr + b).to(tl.int32), 0), capacity)
-    h = tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_D)
-    hm = h < heads
-    dm = d < dim
-    q = tl.load(q_ptr + b * stride_qb + h[:, None] * stride_qh + d[None, :], mask=hm[:, None] & dm[None, :], other=0.0)
-    w = tl.load(w_ptr + b * stride_wb + h, mask=hm, other=0.0).to(tl.float32)
+    q_t, w = load_query(q_ptr, w_ptr, b, stride_qb, stride_qh, stride_wb, heads, dim, BLOCK_H, BLOCK_D)
     for start in range(pid * BLOCK_T, n, split * BLOCK_T):
         t = start + tl.arange(0, BLOCK_T)
-        tm = t < n
-        page = tl.load(pt_ptr + b * stride_ptb + t // PER_PAGE, mask=tm, other=0).to(tl.int64)
-        slot = t % PER_PAGE
-        row = page * stride_kp + slot * stride_ke
-        if MASK_D:
-            k = tl.load(k_ptr + row[:, None] + d[None, :], mask=tm[:, None] & dm[None, :], other=0)
-        else:  # no mask along Di: key rows load as 16-byte vectors
-            k = tl.load(k_ptr + row[:, None] + d[None, :], mask=tm[:, None], other=0)
-        if FP8:
-            k = k.to(tl.float8e4nv, bitcast=True).to(q.dtype)
-        else:
-            k = k.to(q.dtype)
-        if IEEE:
-            logits = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            logits = tl.dot(q, tl.trans(k))
-        if FP8:
-            scale = tl.load(scale_ptr + page * stride_sp + slot, mask=tm, other=0.0)
-            logits = logits * scale[None, :]
-        score = tl.sum(tl.maximum(logits, 0.0) * w[:, None], axis=0)
-        tl.store(out_ptr + b * stride_ob + t, score, mask=tm)
+        score = score_block(q_t, w, k_ptr, scale_ptr, pt_ptr + b * stride_ptb, t, n, stride_kp, stride_ke,
+                            stride_sp, dim, PER_PAGE, BLOCK_D, FP8, IEEE, MASK_D)
+        tl.store(out_ptr + b * stride_ob + t, score, mask=t < n)
 
 
 def default_split(batch: int, device: torch.device) -> int:
-    """Programs per request: enough for ~4 waves of programs over the device's multiprocessors."""
+    """Programs per request: one wave, two programs per multiprocessor (each stages ~80 KB of keys
+    in shared memory); measured on the H200 at B = 32, one wave beat 2-4 waves by 15-25%."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return max(1, -(-4 * sms // max(batch, 1)))
+    return max(1, 2 * sms // max(batch, 1))
 
 
 def indexer_triton(

@@ -49,6 +49,21 @@ def advance(h, needed, prefix, nbits, ties, done):
 
 
 @triton.jit
+def publish_and_advance(acc, hist_ptr, bar_ptr, p, b, batch, split, needed, prefix, nbits, ties, done):
+    """Add this program's histogram for pass p to row b's, wait at the row's barrier until all
+    `split` programs of the row have, then fold the row's histogram into the state. The barrier
+    also makes every score the row's programs stored before it visible to all of them after it."""
+    bins = tl.arange(0, 256)
+    tl.atomic_add(hist_ptr + (p * batch + b) * 256 + bins, acc, mask=acc > 0)
+    tl.debug_barrier()  # every thread's stores and atomics are done before the arrival below
+    arrived = tl.atomic_add(bar_ptr + p * batch + b, 1) + 1
+    while arrived < split:
+        arrived = tl.atomic_add(bar_ptr + p * batch + b, 0)
+    h = tl.load(hist_ptr + (p * batch + b) * 256 + bins, volatile=True)
+    return advance(h, needed, prefix, nbits, ties, done)
+
+
+@triton.jit
 def local_histogram(row_ptr, n, pid, split, prefix, PASS: tl.constexpr, BLOCK: tl.constexpr):
     """Histogram of digit PASS (bits 31-8*PASS .. 24-8*PASS) over this program's share of the live
     prefix, counting only entries whose higher digits equal `prefix`."""
@@ -56,7 +71,7 @@ def local_histogram(row_ptr, n, pid, split, prefix, PASS: tl.constexpr, BLOCK: t
     for start in range(pid * BLOCK, n, split * BLOCK):
         offs = start + tl.arange(0, BLOCK)
         m = offs < n
-        key = sortable_key(tl.load(row_ptr + offs, mask=m, other=0.0).to(tl.float32))
+        key = sortable_key(tl.load(row_ptr + offs, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32))
         if PASS > 0:
             m = m & ((key >> (32 - 8 * PASS)) == prefix)
         digit = ((key >> (24 - 8 * PASS)) & 255).to(tl.int32)
@@ -80,7 +95,7 @@ def gather(row_ptr, out_row_ptr, count_ptr, n, k, pid, split, needed, prefix, nb
     for start in range(pid * BLOCK, n, split * BLOCK):
         offs = start + tl.arange(0, BLOCK)
         m = offs < n
-        top = sortable_key(tl.load(row_ptr + offs, mask=m, other=0.0).to(tl.float32)) >> shift
+        top = sortable_key(tl.load(row_ptr + offs, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)) >> shift
         sel = (m & (take_all | (top > prefix) | (all_ties & (top == prefix)))).to(tl.int32)
         count = tl.sum(sel, axis=0)
         if count > 0:
@@ -93,7 +108,7 @@ def gather(row_ptr, out_row_ptr, count_ptr, n, k, pid, split, needed, prefix, nb
         while (start < n) & (taken < needed):
             offs = start + tl.arange(0, BLOCK)
             m = offs < n
-            key = sortable_key(tl.load(row_ptr + offs, mask=m, other=0.0).to(tl.float32))
+            key = sortable_key(tl.load(row_ptr + offs, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32))
             tie = (m & (key == prefix)).to(tl.int32)
             rank = taken + tl.cumsum(tie, axis=0) - 1
             tl.store(out_row_ptr + first + rank, offs, mask=(tie > 0) & (rank < needed))

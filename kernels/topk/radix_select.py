@@ -19,12 +19,17 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4_cluster.kernels.topk.radix_passes import advance, gather, initial_state, local_histogram
+from dsv4_cluster.kernels.topk.radix_passes import (
+    advance,
+    gather,
+    initial_state,
+    local_histogram,
+    publish_and_advance,
+)
 from dsv4_cluster.kernels.topk.reference import TopkInputError, check_lens_in_range, check_topk_inputs
 
 NUM_BINS = 256
 NUM_PASSES = 4
-RESIDENT_PROGRAMS_PER_SM = 2  # a conservative floor for 4-8 warps and no shared-memory staging
 
 
 def workspace_size(batch: int) -> int:
@@ -39,18 +44,12 @@ def _topk_one_launch_kernel(scores_ptr, stride_sb, lens_ptr, hist_ptr, bar_ptr, 
     b = tl.program_id(1)
     n = tl.minimum(tl.maximum(tl.load(lens_ptr + b).to(tl.int32), 0), width)
     row_ptr = scores_ptr + b.to(tl.int64) * stride_sb
-    bins = tl.arange(0, 256)
     needed, prefix, nbits, ties, done = initial_state(n, k)
     for p in tl.static_range(4):
         if done == 0:
             acc = local_histogram(row_ptr, n, pid, split, prefix, p, BLOCK)
-            tl.atomic_add(hist_ptr + (p * batch + b) * 256 + bins, acc, mask=acc > 0)
-            tl.debug_barrier()  # every thread's histogram atomics are done before the arrival below
-            arrived = tl.atomic_add(bar_ptr + p * batch + b, 1) + 1
-            while arrived < split:
-                arrived = tl.atomic_add(bar_ptr + p * batch + b, 0)
-            h = tl.load(hist_ptr + (p * batch + b) * 256 + bins, volatile=True)
-            needed, prefix, nbits, ties, done = advance(h, needed, prefix, nbits, ties, done)
+            needed, prefix, nbits, ties, done = publish_and_advance(acc, hist_ptr, bar_ptr, p, b, batch, split,
+                                                                    needed, prefix, nbits, ties, done)
     gather(row_ptr, out_ptr + b * stride_ob, count_ptr + b, n, k, pid, split, needed, prefix, nbits, ties,
            BLOCK, K_BLOCK)
 
@@ -86,12 +85,32 @@ def _gather_pass_kernel(scores_ptr, stride_sb, lens_ptr, hist_ptr, count_ptr, ou
            needed, prefix, nbits, ties, BLOCK, K_BLOCK)
 
 
-def default_split(batch: int, device: torch.device, one_launch: bool) -> int:
-    """Programs per row: about two per multiprocessor over the batch, capped (one launch) so that
-    every program of the grid is resident at once, which the per-row barrier needs."""
+def default_split(batch: int, device: torch.device) -> int:
+    """Programs per row: about two per multiprocessor over the batch."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-    split = max(1, -(-2 * sms // max(batch, 1)))
-    return max(1, min(split, RESIDENT_PROGRAMS_PER_SM * sms // max(batch, 1))) if one_launch else split
+    return max(1, -(-2 * sms // max(batch, 1)))
+
+
+def resident_programs(compiled, num_warps: int, device: torch.device) -> int:
+    """How many programs of a compiled kernel the GPU holds at once (shared memory, threads and,
+    when Triton reports them, registers). Kernels whose programs wait for each other need the whole
+    grid resident: their split is capped with this."""
+    props = torch.cuda.get_device_properties(device)
+    threads = 32 * num_warps
+    per_sm = min(32, getattr(props, "max_threads_per_multi_processor", 2048) // threads)
+    smem = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
+    per_sm = min(per_sm, smem // (compiled.metadata.shared + 1024))  # 1 KB per block is reserved
+    regs = getattr(compiled, "n_regs", 0) or 0
+    if regs:
+        regs_per_warp = -(-((regs + 7) // 8 * 8 * 32) // 256) * 256  # allocation granularity
+        per_sm = min(per_sm, getattr(props, "regs_per_multiprocessor", 65536) // (regs_per_warp * num_warps))
+    return max(1, per_sm) * props.multi_processor_count
+
+
+def capped_split(kernel, args: tuple, kwargs: dict, batch: int, split: int, device: torch.device) -> int:
+    """`split`, lowered until the (split, batch) grid of `kernel` is resident at once (CUDA only)."""
+    compiled = kernel.warmup(*args, grid=(split, batch), **kwargs)
+    return max(1, min(split, resident_programs(compiled, kwargs["num_warps"], device) // batch))
 
 
 def topk_triton(
@@ -115,7 +134,7 @@ def topk_triton(
     scores the lower index wins), then -1. NaN scores are not allowed (their rank is undefined).
     workspace: optional contiguous int32 scratch of `workspace_size(B)` elements, zeroed here.
     one_launch: default True on CUDA; must be False in the Triton interpreter unless split == 1.
-    With one_launch, split must not exceed what the GPU holds resident (the default respects that).
+    With one_launch on CUDA, split is lowered to what the GPU holds resident at once.
     Under CUDA-graph capture lens values are not checked; the kernels clamp them to [0, N].
     """
     check_topk_inputs(scores, lens, k)
@@ -138,14 +157,17 @@ def topk_triton(
     if batch == 0:
         return out
     one_launch = scores.is_cuda if one_launch is None else one_launch
-    split = split or default_split(batch, scores.device, one_launch)
+    split = split or default_split(batch, scores.device)
     hist_end = NUM_PASSES * batch * NUM_BINS
     hist, bars, counts = workspace[:hist_end], workspace[hist_end : size - batch], workspace[size - batch :]
     grid = (split, batch)
     k_block = min(1024, triton.next_power_of_2(k))
     if one_launch:
-        _topk_one_launch_kernel[grid](scores, scores.stride(0), lens, hist, bars, counts, out, out.stride(0),
-                                      k, width, batch, split, BLOCK=block, K_BLOCK=k_block, num_warps=num_warps)
+        args = (scores, scores.stride(0), lens, hist, bars, counts, out, out.stride(0), k, width, batch)
+        kwargs = dict(BLOCK=block, K_BLOCK=k_block, num_warps=num_warps)
+        if scores.is_cuda:
+            split = capped_split(_topk_one_launch_kernel, args + (split,), kwargs, batch, split, scores.device)
+        _topk_one_launch_kernel[(split, batch)](*args, split, **kwargs)
         return out
     for p in range(NUM_PASSES):
         _hist_pass_kernel[grid](scores, scores.stride(0), lens, hist, k, width, batch, split,

@@ -5,11 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4_cluster.kernels.indexer import indexer, indexer_fp8
+from dsv4_cluster.kernels.indexer import indexer, indexer_fp8, indexer_topk
+from dsv4_cluster.kernels.indexer.fused_topk import indexer_topk_triton
 from dsv4_cluster.kernels.indexer.fp8_keys import dequantize_keys, quantize_keys
 from dsv4_cluster.kernels.indexer.reference import indexer_fp8_ref, indexer_ref
 from dsv4_cluster.kernels.indexer.shapes import IndexerInputError
 from dsv4_cluster.kernels.indexer.triton_indexer import indexer_fp8_triton, indexer_triton
+from dsv4_cluster.kernels.topk.radix_select import workspace_size
+from dsv4_cluster.kernels.topk.reference import topk_ref
 
 # Relative L2 error allowed against the float32 reference on the same (already rounded) inputs.
 # float32: IEEE dot products, only summation order differs. bf16 / fp16 inputs: products are exact
@@ -118,6 +121,62 @@ def test_bad_inputs_name_the_problem():
         indexer_fp8_ref(q, w, keys, table, n)
     with pytest.raises(IndexerInputError, match="dtype"):
         indexer_triton(q, w, keys.double(), table, n)
+
+
+def check_fused(idx, scores, q, w, keys, table, n, lens, k, fp8, tol):
+    """Fused scores against the reference; fused indices equal, as sets, the reference top-k of the
+    fused scores (the scores themselves differ from the reference by rounding)."""
+    ref = (indexer_fp8_ref if fp8 else indexer_ref)(q, w, keys, table, n)
+    check_against_ref(scores, ref, lens, tol)
+    want = topk_ref(scores, n, k)
+    for b, length in enumerate(lens):
+        got = idx[b].tolist()
+        assert got.count(-1) == k - min(k, length), f"row {b}: wrong padding"
+        assert set(got) - {-1} == set(want[b].tolist()) - {-1}, f"row {b} (len {length}): different set"
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_fused_indexer_topk_matches_references(fp8):
+    lens = [0, 5, 17, 36, 33]
+    q, w, keys, table, n = make_case(5, 4, 32, 4, 9, lens, device=DEVICE, seed=4)
+    keys = quantize_keys(keys) if fp8 else keys
+    scores = torch.full((5, 36), POISON, device=DEVICE)
+    split = 1 if DEVICE == "cpu" else 3
+    idx, got = indexer_topk_triton(q, w, keys, table, n, 8, fp8=fp8, scores=scores, split=split, block_t=16, block=16)
+    assert got.data_ptr() == scores.data_ptr()
+    check_fused(idx, got, q, w, keys, table, n, lens, 8, fp8, 1e-5)
+
+
+def test_fused_dispatcher_on_cpu_is_reference_composition():
+    q, w, keys, table, n = make_case(2, 4, 32, 4, 5, [7, 20])
+    idx, scores = indexer_topk(q, w, keys, table, n, 6)
+    assert torch.equal(scores, indexer_ref(q, w, keys, table, n))
+    assert torch.equal(idx, topk_ref(scores, n, 6))
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gpu_fused_production_shape_ragged_and_graph_replay(fp8):
+    lens = [1, 63, 511, 512, 513, 4096, 0, 16384 - 7]
+    max_pages = 300  # every page mapped, so that the graph can replay at any length up to the table's
+    q, w, keys, table, n = make_case(len(lens), 64, 128, 64, max_pages, [max_pages * 64] * 8, torch.bfloat16, "cuda", 5)
+    n.copy_(torch.tensor(lens, dtype=torch.int32))
+    keys = quantize_keys(keys) if fp8 else keys
+    scores = torch.full((len(lens), max_pages * 64), POISON, device="cuda")
+    idx, _ = indexer_topk_triton(q, w, keys, table, n, 512, fp8=fp8, scores=scores)
+    check_fused(idx, scores, q, w, keys, table, n, lens, 512, fp8, TOLERANCE["fp8" if fp8 else torch.bfloat16])
+    out = torch.empty_like(idx)
+    ws = torch.zeros(workspace_size(len(lens)), dtype=torch.int32, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        indexer_topk_triton(q, w, keys, table, n, 512, fp8=fp8, scores=scores, out=out, workspace=ws)
+    for replay_lens in ([0, 1, 2, 3, 4, 5, 6, 7], [max_pages * 64] * 8, [600, 512, 4000, 9000, 64, 65, 1000, 1]):
+        scores.fill_(POISON)
+        n.copy_(torch.tensor(replay_lens, dtype=torch.int32))
+        graph.replay()
+        check_fused(out, scores, q, w, keys, table, n, replay_lens, 512, fp8,
+                    TOLERANCE["fp8" if fp8 else torch.bfloat16])
 
 
 @cuda
