@@ -198,6 +198,7 @@ def run(argv: list[str]) -> int:
                "checks": checks, "rows": rows, "derived": derived, "variants": variants,
                "deep_gemm": deep_gemm_attempt(make_inputs(args.batch, 65536, 65536))}
     path = write_results("indexer_topk", payload)
+    path.with_suffix(".md").write_text(markdown(payload))
     print_table(rows, ["L", "max", "keys", "ours_us", "ours_us_again", "separate_us", "indexer_us", "topk_us", "indexer_gbs", "indexer_frac_copy",
                        "torch_contig_us", "torch_paged_us"])
     if variants:
@@ -247,3 +248,27 @@ def derive(rows: list[dict]) -> list[dict]:
                     "x_vs_torch_paged_exact": exact["torch_paged_us"] / exact["ours_us"],
                     "x_vs_torch_contig_at_largest": largest["torch_contig_us"] / largest["ours_us"]})
     return out
+
+
+def markdown(payload: dict) -> str:
+    """The short results table committed beside the JSON."""
+    lines = [f"# indexer + top-{payload['k']} on {payload['device']} (B = {payload['batch']})", "",
+             f"{payload['timing']}; copy bandwidth measured in the same run: {payload['copy_gbs']:.0f} GB/s "
+             "(read + write). ours = one fused launch; separate = indexer launch + top-k launch; torch = "
+             "bmm scoring + torch.topk over the whole buffer, eager (contig: keys contiguous per request; "
+             "paged: gathered through the page table first). Times in us.", "",
+             "| L | max | keys | ours | separate | indexer | top-k | indexer GB/s (of copy) | torch contig | torch paged |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in payload["rows"]:
+        torch_cols = (f"{r['torch_contig_us']:.1f} | {r['torch_paged_us']:.1f}" if "torch_contig_us" in r else "- | -")
+        lines.append(f"| {r['L']} | {r['max']} | {r['keys']} | {r['ours_us']:.1f} | {r['separate_us']:.1f} | "
+                     f"{r['indexer_us']:.1f} | {r['topk_us']:.1f} | {r['indexer_gbs']:.0f} "
+                     f"({100 * r['indexer_frac_copy']:.0f}%) | {torch_cols} |")
+    lines += ["", "| L | ours tax (max 1M / max L) | torch tax | x vs torch contig, max = L | "
+              "x vs torch paged, max = L | x vs torch contig at max 1M |", "|---|---|---|---|---|---|"]
+    for d in payload["derived"]:
+        lines.append(f"| {d['L']} | {d['ours_tax']:.3f} | {d['torch_contig_tax']:.1f} | "
+                     f"{d['x_vs_torch_contig_exact']:.1f} | {d['x_vs_torch_paged_exact']:.1f} | "
+                     f"{d['x_vs_torch_contig_at_largest']:.1f} |")
+    lines += ["", f"DeepGEMM fp8_paged_mqa_logits: {payload['deep_gemm']}", ""]
+    return "\n".join(lines)

@@ -14,4 +14,4 @@ if ls .whl_dg/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/dg .whl_dg/*.whl && export PYTHONPATH="$PWD:/tmp/dg"
 fi
 timeout 330 python3 -m dsv4_cluster.bench.kernels indexer_topk "$@" 2>&1 | tee "$OUT/bench.log"
-cp bench/results/indexer_topk.json "$OUT/" 2>/dev/null
+cp bench/results/indexer_topk.json bench/results/indexer_topk.md "$OUT/"
