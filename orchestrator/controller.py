@@ -10,6 +10,7 @@ controller kills them, and their processes die with them (PR_SET_PDEATHSIG).
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -114,12 +115,10 @@ class ClusterController:
                 rows.append({"name": name, "error": f"supervisor unreachable: {_cause(e)}"})
         return {"endpoint": self._spec.endpoint, "workers": rows}
 
-    def pids(self) -> dict[str, list[int]]:
-        """Every local pid this cluster runs: controller, supervisors, supervised processes."""
-        found = [ray.get(a.pids.remote(), timeout=30) for a in dict(self._supervisors).values()]
-        return {"controller": [os.getpid()],
-                "supervisors": [f["supervisor"] for f in found],
-                "processes": [f["process"] for f in found if f["process"] is not None]}
+    def pids(self) -> list[tuple[str, int]]:
+        """(host, pid) of every process of this cluster: controller, supervisors, workers."""
+        refs = [a.pids.remote() for a in dict(self._supervisors).values()]
+        return [(socket.gethostname(), os.getpid())] + [p for r in refs for p in ray.get(r, timeout=30)]
 
     def stop(self, deadline_s: float) -> dict[str, Any]:
         """Router first, then every worker at once: SIGTERM, SIGKILL after `deadline_s`."""

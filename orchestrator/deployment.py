@@ -9,7 +9,9 @@ Ray head only if `up` started it, check by pid that nothing is left, forget the 
 from __future__ import annotations
 
 import json
+import logging
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -32,6 +34,7 @@ from dsv4_cluster.orchestrator.record import (
 from dsv4_cluster.orchestrator.topology import load_topology
 
 CONTROLLER_CONCURRENCY = 8
+logger = logging.getLogger(__name__)
 
 
 def _spec(topology: Any) -> ClusterSpec:
@@ -109,8 +112,9 @@ def _abandon(controller: Any) -> None:
     """Stop whatever a failed or interrupted `up` left running, then the controller itself."""
     try:
         ray.get(controller.stop.remote(10.0), timeout=60)
-    except (RayTaskError, RayActorError, GetTimeoutError):
-        pass  # the controller is killed next; its supervisors and their processes die with it
+    except (RayTaskError, RayActorError, GetTimeoutError) as e:
+        # Killing the controller below kills its supervisors, and their processes die with them.
+        logger.warning("stopping the processes of a failed up: %s; killing the controller", e)
     ray.kill(controller)
 
 
@@ -185,8 +189,8 @@ def down(options: DownOptions) -> dict[str, Any]:
     pids: list[int] = []
     try:
         controller = _controller(record)
-        found = ray.get(controller.pids.remote(), timeout=60)
-        pids = [*found["processes"], *found["supervisors"], *found["controller"]]
+        here = socket.gethostname()  # a remote node's supervisor checks its own process group
+        pids = [pid for host, pid in ray.get(controller.pids.remote(), timeout=60) if host == here]
         final = ray.get(controller.stop.remote(options.timeout_s), timeout=options.timeout_s + 60)
         ray.kill(controller)
     except (NotUpError, RayClusterError, RayActorError, GetTimeoutError) as e:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -237,7 +238,7 @@ class WorkerSupervisor:
             port=plan.port, restarts=restarts, kv=kv, log_path=plan.log_path, error=error,
         ).to_dict()
 
-    def pids(self) -> dict[str, int | None]:
-        """This supervisor's pid and its process's (None before spawn)."""
-        proc = self._proc
-        return {"supervisor": os.getpid(), "process": proc.pid if proc is not None else None}
+    def pids(self) -> list[tuple[str, int]]:
+        """(host, pid) of this supervisor and of its process once spawned."""
+        host, proc = socket.gethostname(), self._proc
+        return [(host, os.getpid())] + ([(host, proc.pid)] if proc is not None else [])

@@ -133,7 +133,7 @@ def test_timeout_names_the_pending_url_and_kills_the_process(tmp_path: Path) -> 
     sup = WorkerSupervisor(plan)
     with pytest.raises(WorkerStartError, match=r"not ready after 2s .*?/health: HTTP 503"):
         sup.start(timeout_s=2)
-    pid = sup.pids()["process"]
+    pid = sup.pids()[-1][1]
     assert pid is not None and _wait_dead(pid)
     assert sup.status()["state"] == WorkerState.FAILED.value
 
