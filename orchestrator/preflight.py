@@ -13,6 +13,7 @@ import importlib.metadata
 import importlib.util
 import shutil
 import socket
+from pathlib import Path
 from typing import Any
 
 from dsv4_cluster.orchestrator.plan import LaunchPlan
@@ -20,6 +21,7 @@ from dsv4_cluster.orchestrator.ports import port_is_free
 
 SGLANG_VERSION = "0.5.23"
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "0.0.0.0", "::1")
+NUMA_SYSFS = "/sys/devices/system/node"
 
 
 def _is_local(address: str) -> bool:
@@ -45,8 +47,33 @@ def port_problems(topology: Any, plans: list[LaunchPlan]) -> list[str]:
     return problems
 
 
-def machine_problems(topology: Any) -> list[str]:
+def _visible_gpus() -> int:
+    import torch  # only when a local worker wants a GPU: importing torch takes seconds
+
+    return torch.cuda.device_count()
+
+
+def hardware_problems(topology: Any) -> list[str]:
+    """GPUs and NUMA nodes that local workers ask for and this machine lacks."""
     problems = []
+    local = [w for w in topology.workers if _is_local(topology.node(w.node).address)]
+    for w in local:
+        if w.numa_node is not None and not Path(f"{NUMA_SYSFS}/node{w.numa_node}").exists():
+            problems.append(f"{w.name}: numa_node {w.numa_node} does not exist on this machine "
+                            f"(see {NUMA_SYSFS}) — pick an existing node or remove numa_node")
+    wanted = [w for w in local if w.device == "cuda"]
+    if wanted:
+        count = _visible_gpus()
+        for w in wanted:
+            missing = [g for g in w.gpus if g >= count]
+            if missing or not w.gpus:
+                problems.append(f"{w.name}: wants GPUs {w.gpus or '(none listed)'} but this machine "
+                                f"shows {count} CUDA device(s) — fix gpus or device")
+    return problems
+
+
+def machine_problems(topology: Any) -> list[str]:
+    problems = hardware_problems(topology)
     pinned = [w.name for w in topology.workers if w.numa_node is not None]
     if pinned and shutil.which("numactl") is None:
         problems.append(f"{', '.join(pinned)}: numa_node is set but `numactl` is not installed — "

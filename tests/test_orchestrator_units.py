@@ -95,3 +95,19 @@ def test_kernel_problems_name_each_inactive_kernel() -> None:
         "p: kernel sparse_mla_decode was requested but is 'off' in the worker",
         "p: kernel topk was requested but is 'missing' in the worker"]
     assert "reports no kernels" in kernel_problems("p", requested, {})[0]
+
+
+def test_preflight_lists_every_machine_problem_of_the_production_layout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from dsv4_cluster.orchestrator import preflight
+    from dsv4_cluster.orchestrator.topology import load_topology
+
+    topo = load_topology(Path(__file__).resolve().parents[1] / "topology.yaml")
+    monkeypatch.setattr(preflight, "_visible_gpus", lambda: 4)
+    monkeypatch.setattr(preflight.shutil, "which", lambda name: None)
+    monkeypatch.setattr(preflight, "NUMA_SYSFS", "/nonexistent")
+    problems = preflight.machine_problems(topo)
+    assert "decode-0: wants GPUs [4, 5, 6, 7] but this machine shows 4 CUDA device(s)" in "\n".join(problems)
+    assert not any(p.startswith("prefill-0: wants GPUs") for p in problems)
+    assert sum("numa_node" in p and "does not exist" in p for p in problems) == 2
+    assert any("`numactl` is not installed" in p for p in problems)
