@@ -43,9 +43,8 @@ def _load_rows(base, row_stride, idx, valid, out_t: tl.constexpr, D: tl.constexp
                      mask=valid[:, None] & (t < 7)[None, :], other=127)
         sc = tl.exp2(sc.to(tl.float32) - 127.0)
         rope_ptr = (rec + 448).to(tl.pointer_type(tl.bfloat16), bitcast=True)
-        rope = tl.load(rope_ptr[:, None, None] + (c[None, None, :] + 0 * t[None, :, None]),
-                       mask=v3 & (t == 7)[None, :, None], other=0.0).to(tl.float32)
-        rows = tl.where(is_nope, nope * sc[:, :, None], rope)
+        rope = tl.load(rope_ptr[:, None] + c[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        rows = tl.where(is_nope, nope * sc[:, :, None], rope[:, None, :])
         return tl.reshape(rows.to(out_t), (BN, D))
     else:
         d = tl.arange(0, D)
@@ -138,11 +137,11 @@ def _sparse_decode_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
         if DOT_F32:
-            pv = tl.dot(p, k, input_precision="ieee")
+            acc = tl.dot(p, k, acc, input_precision="ieee")
         else:
-            pv = tl.dot(p.to(dot_t), k)
-        acc = acc * alpha[:, None] + pv
+            acc = tl.dot(p.to(dot_t), k, acc)
         m_i = m_new
 
     has_any = l_i > 0

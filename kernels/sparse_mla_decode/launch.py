@@ -34,8 +34,13 @@ class LaunchConfig:
 
 
 def choose_splits(batch: int, num_blocks: int, num_sms: int) -> int:
-    """Enough (query, split) programs to cover the machine once, never more splits than blocks."""
-    return max(1, min(num_blocks, -(-num_sms // max(batch, 1))))
+    """Splits per query minimising waves x (blocks per split + 1), the + 1 for a program's fixed cost
+    (Q load, epilogue); one program per SM; ties go to fewer splits (less combine traffic)."""
+    def cost(s: int) -> tuple[int, int]:
+        waves = -(-batch * s // num_sms)
+        return waves * (-(-num_blocks // s) + 1), s
+
+    return min(range(1, max(num_blocks, 1) + 1), key=cost)
 
 
 def _num_sms(device: torch.device) -> int:
