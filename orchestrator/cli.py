@@ -25,6 +25,7 @@ from dsv4_cluster.orchestrator.table import render_table
 from dsv4_cluster.orchestrator.topology import TopologyError
 
 EXIT_OK, EXIT_FAILED, EXIT_UNFIT = 0, 1, 2
+EXIT_INTERRUPTED = 128 + 15
 FOREGROUND_CHECK_S = 5.0
 
 
@@ -66,6 +67,9 @@ def _cmd_up(deployment: Any, args: argparse.Namespace) -> int:
     except (ClusterStartError, RayClusterError) as e:
         _err(f"up failed; everything it started was stopped:\n{e}")
         return EXIT_FAILED
+    except KeyboardInterrupt as e:
+        _err(f"up interrupted ({str(e) or 'SIGINT'}); everything it started was stopped")
+        return EXIT_INTERRUPTED
     print(f"cluster up in {time.monotonic() - started:.1f}s")
     print(f"endpoint: {status['endpoint']}")
     print(render_table(status), flush=True)

@@ -54,7 +54,6 @@ class ClusterController:
     def __init__(self, spec: ClusterSpec) -> None:
         self._spec = spec
         self._supervisors: dict[str, Any] = {}
-        self._order: list[str] = []
 
     def _supervisor(self, plan: LaunchPlan) -> Any:
         address = dict(self._spec.node_addresses)[plan.node]
@@ -69,7 +68,6 @@ class ClusterController:
             resources={f"node:{address}": NODE_RESOURCE_SHARE},
         ).remote(plan)
         self._supervisors[plan.name] = actor
-        self._order.append(plan.name)
         return actor
 
     def _start_all(self, plans: list[LaunchPlan], timeout_s: float) -> list[str]:

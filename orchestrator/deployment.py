@@ -77,6 +77,7 @@ def up(topology_path: str, options: UpOptions) -> dict[str, Any]:
     run_dir = topology.run_dir_path
     address = options.address or topology.cluster.address
     head = None
+    _interrupt_on_sigterm()
     if address is None:
         address, head = ray_cluster.start_head(run_dir / "logs" / "ray-head.log", None,
                                                options.head_timeout_s)
@@ -86,6 +87,7 @@ def up(topology_path: str, options: UpOptions) -> dict[str, Any]:
     controller = None
     try:
         ray_cluster.connect(address, spec.namespace)
+        _interrupt_on_sigterm()  # again: ray.init replaced it
         _refuse_second_controller(spec.namespace)
         write_record(record)
         controller = ray.remote(ClusterController).options(
@@ -106,6 +108,15 @@ def up(topology_path: str, options: UpOptions) -> dict[str, Any]:
         raise
     finally:
         ray_cluster.disconnect()
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name} during up")
+
+
+def _interrupt_on_sigterm() -> None:
+    """SIGTERM during `up` stops what `up` started (ray.init installed a handler that just dies)."""
+    signal.signal(signal.SIGTERM, _raise_interrupt)
 
 
 def _abandon(controller: Any) -> None:

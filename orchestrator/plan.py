@@ -244,4 +244,8 @@ def endpoint(topology: Any) -> str:
 
 def cluster_plans(topology: Any) -> tuple[list[LaunchPlan], LaunchPlan]:
     """Every worker's plan (prefill then decode) and the router's; raises PlanError."""
-    return [worker_plan(topology, w) for w in topology.workers], router_plan(topology)
+    router = router_plan(topology)
+    if any(w.name == router.name for w in topology.workers):
+        raise PlanError(f"a worker is named {router.name!r}, the name of the router's own "
+                        "process; rename the worker")
+    return [worker_plan(topology, w) for w in topology.workers], router

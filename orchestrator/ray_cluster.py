@@ -60,18 +60,25 @@ def start_head(log_path: Path, num_cpus: int | None, timeout_s: float) -> tuple[
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, **RAY_ENV}, start_new_session=True)
     head = HeadProcess(pid=proc.pid, log_path=str(log_path))
-    address = f"{HEAD_HOST}:{gcs}"
+    try:
+        _wait_started(proc, log_path, offset, timeout_s)
+    except BaseException:  # a timeout, or SIGTERM/SIGINT while waiting: no head left behind
+        stop_head(head, deadline_s=5.0)
+        raise
+    return f"{HEAD_HOST}:{gcs}", head
+
+
+def _wait_started(proc: subprocess.Popen[bytes], log_path: Path, offset: int,
+                  timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while READY_LINE not in _read_from(log_path, offset):
         if proc.poll() is not None:
             raise RayClusterError(f"`ray start --head` exited with code {proc.returncode}; "
                                   f"{log_path}:\n{log_tail(str(log_path))}")
         if time.monotonic() > deadline:
-            stop_head(head, deadline_s=5.0)
             raise RayClusterError(f"the Ray head did not start within {timeout_s:.0f}s; "
                                   f"{log_path}:\n{log_tail(str(log_path))}")
         time.sleep(POLL_S)
-    return address, head
 
 
 def _read_from(path: Path, offset: int) -> str:

@@ -183,3 +183,24 @@ def test_foreground_on_a_joined_cluster_stops_on_sigterm_and_leaves_the_head(tmp
     finally:
         stop_head(head, deadline_s=10)
     assert not head_alive(head)
+
+
+def test_sigterm_during_up_stops_what_up_started(tmp_path: Path) -> None:
+    topo, ports = _topology(tmp_path)
+    env = {**os.environ, "DSV4_CLUSTER_HOME": str(tmp_path / "home")}
+    proc = subprocess.Popen([*CLI, "up", str(topo)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        record = tmp_path / "home" / "current.json"
+        end = time.monotonic() + 60
+        while not record.exists() and proc.poll() is None and time.monotonic() < end:
+            time.sleep(0.05)
+        head = _head_pid(tmp_path)  # the record exists once the controller is being created
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err
+    assert "everything it started was stopped" in err
+    assert _gone([head]) == [] and not record.exists()
+    assert all(port_is_free(p) for p in ports.values())

@@ -148,3 +148,9 @@ def test_sglang_argv_parses_with_sglang_own_parser() -> None:
         server_args.ServerArgs.add_cli_args(parser)
         ns = parser.parse_args(list(plan.argv[plan.argv.index("sglang.launch_server") + 1:]))
         assert ns.tp_size == 4 and ns.disaggregation_transfer_backend == "nixl"
+
+
+def test_a_worker_may_not_take_the_routers_name() -> None:
+    topo = _local(decode=[{"name": "router", "port": 21200}])
+    with pytest.raises(PlanError, match="named 'router'"):
+        cluster_plans(topo)
