@@ -157,7 +157,9 @@ def topk_triton(
     if batch == 0:
         return out
     one_launch = scores.is_cuda if one_launch is None else one_launch
-    split = split or default_split(batch, scores.device)
+    if one_launch and not scores.is_cuda and split not in (None, 1):
+        raise TopkInputError("the Triton interpreter runs programs one by one; one_launch needs split=1 there")
+    split = split or (default_split(batch, scores.device) if scores.is_cuda or not one_launch else 1)
     hist_end = NUM_PASSES * batch * NUM_BINS
     hist, bars, counts = workspace[:hist_end], workspace[hist_end : size - batch], workspace[size - batch :]
     grid = (split, batch)

@@ -89,6 +89,9 @@ def test_dispatcher_and_bad_inputs():
         topk_ref(s, n, 0)
     with pytest.raises(TopkInputError, match="NaN"):
         topk_ref(torch.full((2, 50), float("nan")), n, 8)
+    if DEVICE == "cpu":
+        with pytest.raises(TopkInputError, match="one_launch needs split=1"):
+            topk_triton(s, n, 8, one_launch=True, split=2)
     with pytest.raises(TopkInputError, match="workspace"):
         topk_triton(s, n, 8, workspace=torch.zeros(3, dtype=torch.int32), one_launch=False)
 
