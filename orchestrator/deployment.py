@@ -158,6 +158,9 @@ def status() -> dict[str, Any]:
         return ray.get(_controller(record).status.remote(), timeout=60)
     except (RayActorError, GetTimeoutError) as e:
         raise NotUpError(f"the controller does not answer: {e}") from e
+    except RayClusterError as e:
+        raise NotUpError(f"the cluster from {record.topology_path} is gone ({e}); run "
+                         "`dsv4-cluster down` to clean up") from e
     finally:
         ray_cluster.disconnect()
 

@@ -204,3 +204,19 @@ def test_sigterm_during_up_stops_what_up_started(tmp_path: Path) -> None:
     assert "everything it started was stopped" in err
     assert _gone([head]) == [] and not record.exists()
     assert all(port_is_free(p) for p in ports.values())
+
+
+def test_a_killed_ray_head_takes_every_process_with_it_and_down_cleans_up(tmp_path: Path) -> None:
+    topo, ports = _topology(tmp_path)
+    up = _run(tmp_path, "up", str(topo), "--timeout", "180")
+    assert up.returncode == 0, up.stderr
+    pids = [w["pid"] for w in json.loads(_run(tmp_path, "status", "--json").stdout)["workers"]]
+    head = _head_pid(tmp_path)
+    os.killpg(head, signal.SIGKILL)
+    assert _gone(pids + [head], timeout_s=30) == []  # supervisors die, PR_SET_PDEATHSIG does the rest
+    st = _run(tmp_path, "status")
+    assert st.returncode == 1 and "is gone" in st.stderr and "dsv4-cluster down" in st.stderr
+    down = _run(tmp_path, "down")
+    assert down.returncode == 0, down.stderr
+    assert not (tmp_path / "home" / "current.json").exists()
+    assert all(port_is_free(p) for p in ports.values())
