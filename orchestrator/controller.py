@@ -55,14 +55,17 @@ class ClusterController:
         self._spec = spec
         self._supervisors: dict[str, Any] = {}
 
+    def _missing_nodes(self) -> list[str]:
+        """One line per process whose node is not (alive) in the Ray cluster."""
+        alive = {n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+        addresses = dict(self._spec.node_addresses)
+        return [f"{p.name}: node {p.node!r} ({addresses[p.node]}) is not in the Ray cluster "
+                f"(its nodes: {', '.join(sorted(alive))}); on that machine run `ray start "
+                f"--address <head> --node-ip-address {addresses[p.node]}`, or fix nodes[].address"
+                for p in (*self._spec.workers, self._spec.router) if addresses[p.node] not in alive]
+
     def _supervisor(self, plan: LaunchPlan) -> Any:
         address = dict(self._spec.node_addresses)[plan.node]
-        alive = {n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
-        if address not in alive:
-            raise ClusterStartError(
-                f"{plan.name}: node {plan.node!r} ({address}) is not in the Ray cluster "
-                f"(nodes: {', '.join(sorted(alive))}); join it with `ray start --address ...` "
-                "or fix nodes[].address")
         actor = ray.remote(WorkerSupervisor).options(
             name=f"supervisor-{plan.name}", num_cpus=0, max_concurrency=SUPERVISOR_CONCURRENCY,
             resources={f"node:{address}": NODE_RESOURCE_SHARE},
@@ -81,18 +84,18 @@ class ClusterController:
         return failures
 
     def up(self, timeout_s: float) -> dict[str, Any]:
-        """Start workers, then the router; on any failure stop everything and raise."""
-        try:
+        """Start workers, verify them, then start the router; on any failure stop everything
+        and raise ClusterStartError listing every problem."""
+        failures = self._missing_nodes()
+        if not failures:
             failures = self._start_all(list(self._spec.workers), timeout_s)
-            if not failures:
-                failures = verify_kernels(self._spec.workers, self._spec.kernels)
-            if not failures:
-                path = Path(self._spec.router_config_path)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(self._spec.router_config_json)
-                failures = self._start_all([self._spec.router], timeout_s)
-        except ClusterStartError as e:
-            failures = [str(e)]
+        if not failures:
+            failures = verify_kernels(self._spec.workers, self._spec.kernels)
+        if not failures:
+            path = Path(self._spec.router_config_path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(self._spec.router_config_json)
+            failures = self._start_all([self._spec.router], timeout_s)
         if failures:
             self.stop(deadline_s=10.0)
             raise ClusterStartError("the cluster did not come up:\n" + "\n".join(failures))

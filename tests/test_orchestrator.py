@@ -220,3 +220,15 @@ def test_a_killed_ray_head_takes_every_process_with_it_and_down_cleans_up(tmp_pa
     assert down.returncode == 0, down.stderr
     assert not (tmp_path / "home" / "current.json").exists()
     assert all(port_is_free(p) for p in ports.values())
+
+
+def test_a_node_missing_from_ray_fails_up_before_any_process_starts(tmp_path: Path) -> None:
+    topo, ports = _topology(tmp_path)
+    text = topo.read_text().replace("decode:\n  - {", "decode:\n  - {node: far, ")
+    topo.write_text(text + "nodes:\n  - {name: local, address: 127.0.0.1}\n"
+                           "  - {name: far, address: 10.255.0.9}\n")
+    r = _run(tmp_path, "up", str(topo))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "decode-0: node 'far' (10.255.0.9) is not in the Ray cluster" in r.stderr
+    assert not (tmp_path / "run" / "logs" / "prefill-0.log").exists()
+    assert not (tmp_path / "home" / "current.json").exists()
