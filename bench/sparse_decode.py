@@ -12,6 +12,7 @@ A kernel whose output disagrees with the reference gets no row but its error.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 
 import torch
@@ -193,21 +194,23 @@ def run(argv: list[str]) -> int:
 
         nblocks = {bn: -(-W // bn) + -(-TOPK // bn) for bn in (16, 32, 64)}
         default = LaunchConfig()
-        configs = [default]
+        configs = {"bf16": [default], "fp8": [default]}
         if args.sweep:
-            configs = [LaunchConfig(block_n=bn, num_warps=nw, num_stages=st, num_splits=s)
-                       for bn, nw, st in itertools.product((32, 64), (8, 16), (2, 3))
-                       for s in sorted({choose_splits(b, nblocks[bn], sms), max(1, choose_splits(b, nblocks[bn], 2 * sms))})]
+            base = [LaunchConfig(block_n=bn, num_stages=st, num_splits=s)
+                    for bn, st in itertools.product((32, 64), (2, 3))
+                    for s in sorted({choose_splits(b, nblocks[bn], sms), choose_splits(b, nblocks[bn], 2 * sms)})]
+            configs = {"bf16": base, "fp8": base + [dataclasses.replace(c, prefetch=True) for c in base]}
         for name, fn_for, ref, row_bytes in (
             ("triton_bf16", lambda c: (lambda: sparse_mla_decode_triton(**case, config=c)), ref_out, 1024),
             ("triton_fp8", lambda c: (lambda: sparse_mla_decode_fp8_triton(**fp8_case, kv_cache=cache, extra_cache=extra_cache, config=c)), ref8_out, fp8_layout.BYTES_PER_TOKEN),
         ):
-            cfg = best_config(fn_for, ref, b, configs) if args.sweep else default
+            cfg = best_config(fn_for, ref, b, configs[name.split("_")[1]]) if args.sweep else default
             if cfg is None:
                 rows.append(dict(kernel=name, B=b, error="no config gave a correct output"))
                 continue
             splits = cfg.num_splits or choose_splits(b, nblocks[cfg.block_n], sms)
-            info = dict(block_n=cfg.block_n, warps=cfg.num_warps, stages=cfg.num_stages, splits=splits)
+            info = dict(block_n=cfg.block_n, warps=cfg.num_warps, stages=cfg.num_stages, prefetch=cfg.prefetch,
+                        splits=splits)
             rows.append(measure(name, fn_for(cfg), ref, b, row_bytes, copy_gbs, info))
 
         fm_run, fm_error = flashmla_call(fp8_case, cache, extra_cache)
@@ -223,7 +226,7 @@ def run(argv: list[str]) -> int:
     for r in resources:
         print("  compiled:", r)
     print(f"device copy bandwidth (same run): {copy_gbs:.0f} GB/s; FlashMLA: {fm_error or 'loaded'}")
-    print_table(rows, ["kernel", "B", "us", "us_eager", "GBps", "frac_copy", "TFLOPs", "rel_err", "block_n", "warps", "stages", "splits", "error"])
+    print_table(rows, ["kernel", "B", "us", "us_eager", "GBps", "frac_copy", "TFLOPs", "rel_err", "block_n", "warps", "stages", "prefetch", "splits", "error"])
     path = write_results("sparse_decode", dict(
         device=torch.cuda.get_device_name(0), torch=torch.__version__, copy_gbs=copy_gbs,
         shapes=dict(H=H, D=D, window=W, topk=TOPK, context=CONTEXT), flashmla_error=fm_error, compiled=resources, rows=rows,
@@ -235,7 +238,8 @@ def run(argv: list[str]) -> int:
 
 
 def markdown(rows: list[dict], copy_gbs: float, fm_error: str | None, device: str) -> str:
-    cols = ["kernel", "B", "us", "us_eager", "GBps", "frac_copy", "TFLOPs", "rel_err", "block_n", "warps", "splits"]
+    cols = ["kernel", "B", "us", "us_eager", "GBps", "frac_copy", "TFLOPs", "rel_err", "block_n", "stages", "prefetch",
+            "splits"]
     lines = [
         f"# sparse_decode on {device}",
         "",
