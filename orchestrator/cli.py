@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from dsv4_cluster.orchestrator.errors import (
-    ClusterStartError, NotUpError, PreflightError, RayClusterError)
+    AlreadyUpError, ClusterStartError, NotUpError, PreflightError, RayClusterError)
 from dsv4_cluster.orchestrator.options import DownOptions, UpOptions
 from dsv4_cluster.orchestrator.ray_env import prepare_ray_env
 from dsv4_cluster.orchestrator.table import render_table
@@ -64,6 +64,9 @@ def _cmd_up(deployment: Any, args: argparse.Namespace) -> int:
     except PreflightError as e:
         _err(f"{args.file} cannot start on this machine; nothing was started:\n{e}")
         return EXIT_UNFIT
+    except AlreadyUpError as e:
+        _err(f"{e}; nothing was started")
+        return EXIT_FAILED
     except (ClusterStartError, RayClusterError) as e:
         _err(f"up failed; everything it started was stopped:\n{e}")
         return EXIT_FAILED

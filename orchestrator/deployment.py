@@ -23,7 +23,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from dsv4_cluster.orchestrator import ray_cluster
 from dsv4_cluster.orchestrator.controller import CONTROLLER_NAME, ClusterController, ClusterSpec
 from dsv4_cluster.orchestrator.errors import (
-    ClusterStartError, NotUpError, PreflightError, RayClusterError)
+    AlreadyUpError, ClusterStartError, NotUpError, PreflightError, RayClusterError)
 from dsv4_cluster.orchestrator.options import DownOptions, UpOptions
 from dsv4_cluster.orchestrator.plan import (
     PlanError, cluster_plans, endpoint, requested_kernels, router_config, router_config_path)
@@ -69,11 +69,11 @@ def up(topology_path: str, options: UpOptions) -> dict[str, Any]:
     """Bring the cluster up; returns its status. Raises TopologyError and PreflightError before
     anything starts, ClusterStartError after cleaning up what it started."""
     topology = load_topology(topology_path)
-    spec = _spec(topology)
     existing = _existing_cluster()
     if existing is not None:
-        raise ClusterStartError(f"a cluster is already up ({existing.topology_path}, "
-                                f"{existing.endpoint}); run `dsv4-cluster down` first")
+        raise AlreadyUpError(f"a cluster is already up ({existing.topology_path}, "
+                             f"{existing.endpoint}); run `dsv4-cluster down` first")
+    spec = _spec(topology)
     run_dir = topology.run_dir_path
     address = options.address or topology.cluster.address
     head = None
@@ -134,8 +134,8 @@ def _refuse_second_controller(namespace: str) -> None:
         ray.get_actor(CONTROLLER_NAME, namespace=namespace)
     except ValueError:
         return
-    raise ClusterStartError(f"Ray namespace {namespace!r} already has a controller; run "
-                            "`dsv4-cluster down` or pick another cluster.namespace")
+    raise AlreadyUpError(f"Ray namespace {namespace!r} already has a controller; run "
+                         "`dsv4-cluster down` or pick another cluster.namespace")
 
 
 def _controller(record: ClusterRecord) -> Any:
@@ -170,7 +170,10 @@ def watch(interval_s: float) -> str | None:
     record = read_record()
     stop = threading.Event()
     try:
-        controller = _controller(record)
+        try:
+            controller = _controller(record)
+        except (NotUpError, RayClusterError) as e:
+            return str(e)
         for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs its own
             signal.signal(sig, lambda *_: stop.set())
         while not stop.wait(interval_s):

@@ -17,6 +17,11 @@ class ClusterStartError(RuntimeError):
     failed process with its log tail."""
 
 
+class AlreadyUpError(RuntimeError):
+    """A cluster is already recorded, or its namespace already has a controller; nothing was
+    started."""
+
+
 class RayClusterError(RuntimeError):
     """The Ray head could not be started, reached or stopped."""
 
