@@ -56,9 +56,11 @@ class WorkerStatus:
     kv: KvUsage | None
     log_path: str
     error: str | None = None
+    kernels: tuple[tuple[str, str], ...] = ()  # (kernel, implementation) the engine reports
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
+        out["kernels"] = dict(self.kernels)
         out["role"] = self.role.value
         out["state"] = self.state.value
         out["kv_capacity_tokens"] = self.kv.capacity_tokens if self.kv else None
@@ -81,4 +83,5 @@ class WorkerStatus:
             kv=kv,
             log_path=data["log_path"],
             error=data.get("error"),
+            kernels=tuple(sorted((data.get("kernels") or {}).items())),
         )

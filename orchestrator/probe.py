@@ -9,6 +9,8 @@ server's `/health` and `/route`). KV numbers come from `/server_info` (`max_tota
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -42,11 +44,27 @@ def _used_from_metrics(client: httpx.Client, metrics_url: str) -> int:
     return int(sum(values))
 
 
-def kv_usage(client: httpx.Client, server_info_url: str, metrics_url: str | None) -> KvUsage:
-    """KV capacity and usage in tokens; raises httpx.HTTPError or ProbeError."""
+@dataclass(frozen=True)
+class EngineInfo:
+    """What `status` shows of a running engine beyond its process."""
+
+    kv: KvUsage
+    kernels: tuple[tuple[str, str], ...]  # (kernel, "reference" | "triton" | "off"); () if unreported
+
+
+def engine_info(client: httpx.Client, server_info_url: str, metrics_url: str | None) -> EngineInfo:
+    """KV capacity/usage and active kernels; raises httpx.HTTPError, ProbeError or ValueError."""
     r = client.get(server_info_url)
     r.raise_for_status()
     info = r.json()
+    kernels = info.get("kernels")
+    pairs = tuple(sorted((str(k), str(v)) for k, v in kernels.items())) if isinstance(kernels, dict) else ()
+    return EngineInfo(kv_usage(client, server_info_url, info, metrics_url), pairs)
+
+
+def kv_usage(client: httpx.Client, server_info_url: str, info: dict[str, Any],
+             metrics_url: str | None) -> KvUsage:
+    """KV capacity and usage in tokens from a /server_info answer (`info`), else /metrics."""
     if "max_total_num_tokens" not in info:
         raise ProbeError(f"{server_info_url} lacks max_total_num_tokens")
     capacity = int(info["max_total_num_tokens"])

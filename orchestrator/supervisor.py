@@ -31,7 +31,7 @@ import httpx
 from dsv4_cluster.core import KvUsage, WorkerState, WorkerStatus
 from dsv4_cluster.orchestrator.plan import LaunchPlan
 from dsv4_cluster.orchestrator.processes import group_members, signal_group
-from dsv4_cluster.orchestrator.probe import ProbeError, first_unready, kv_usage
+from dsv4_cluster.orchestrator.probe import ProbeError, engine_info, first_unready
 
 PR_SET_PDEATHSIG = 1
 POLL_INTERVAL_S = 0.2
@@ -228,14 +228,17 @@ class WorkerSupervisor:
         proc = self._proc
         pid = proc.pid if proc is not None and proc.returncode is None else None
         kv: KvUsage | None = None
+        kernels: tuple[tuple[str, str], ...] = ()
         if state is WorkerState.READY and plan.server_info_url is not None:
             try:
-                kv = kv_usage(self._http, plan.server_info_url, plan.metrics_url)
+                info = engine_info(self._http, plan.server_info_url, plan.metrics_url)
+                kv, kernels = info.kv, info.kernels
             except (httpx.HTTPError, ProbeError, ValueError) as e:
-                error = f"KV probe failed: {e}"
+                error = f"/server_info probe failed: {e}"
         return WorkerStatus(
             name=plan.name, role=plan.role, node=plan.node, state=state, pid=pid,
             port=plan.port, restarts=restarts, kv=kv, log_path=plan.log_path, error=error,
+            kernels=kernels,
         ).to_dict()
 
     def pids(self) -> list[tuple[str, int]]:

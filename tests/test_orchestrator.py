@@ -82,6 +82,8 @@ def test_up_status_chat_down(tmp_path: Path) -> None:
             assert pid_alive(row["pid"])
         for name in ("prefill-0", "decode-0"):
             assert (rows[name]["kv_capacity_tokens"], rows[name]["kv_used_tokens"]) == (4096, 0)
+            assert rows[name]["kernels"] == {"indexer": "reference", "sparse_mla_decode": "reference",
+                                             "topk": "reference"}
         assert rows["router"]["kv_capacity_tokens"] is None
 
         table = _run(tmp_path, "status").stdout.splitlines()

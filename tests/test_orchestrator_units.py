@@ -27,7 +27,9 @@ def _row(**kw: object) -> WorkerStatus:
 
 
 def test_worker_status_round_trips_through_its_dict() -> None:
-    for row in (_row(), _row(kv=None, pid=None, state=WorkerState.FAILED, error="boom")):
+    rows = (_row(), _row(kv=None, pid=None, state=WorkerState.FAILED, error="boom"),
+            _row(kernels=(("indexer", "triton"), ("topk", "off"))))
+    for row in rows:
         assert WorkerStatus.from_dict(json.loads(json.dumps(row.to_dict()))) == row
     d = _row().to_dict()
     assert (d["kv_capacity_tokens"], d["kv_used_tokens"], d["state"], d["role"]) == \
