@@ -38,14 +38,14 @@ def _load_rows(base, row_stride, idx, valid, out_t: tl.constexpr, D: tl.constexp
         v3 = valid[:, None, None]
         nope = tl.load(rec[:, None, None] + (t[None, :, None] * 64 + c[None, None, :]),
                        mask=v3 & is_nope, other=0)
-        nope = nope.to(tl.float8e4nv, bitcast=True).to(out_t)
+        nope = nope.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         sc = tl.load((page_base + SCALES_OFFSET + slot * 8)[:, None] + t[None, :],
                      mask=valid[:, None] & (t < 7)[None, :], other=127)
-        sc = tl.exp2(sc.to(tl.float32) - 127.0).to(out_t)  # a power of two: exact in bf16, and so is the product
+        sc = tl.exp2(sc.to(tl.float32) - 127.0)
         rope_ptr = (rec + 448).to(tl.pointer_type(tl.bfloat16), bitcast=True)
-        rope = tl.load(rope_ptr[:, None] + c[None, :], mask=valid[:, None], other=0.0).to(out_t)
+        rope = tl.load(rope_ptr[:, None] + c[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
         rows = tl.where(is_nope, nope * sc[:, :, None], rope[:, None, :])
-        return tl.reshape(rows, (BN, D))
+        return tl.reshape(rows.to(out_t), (BN, D))
     else:
         d = tl.arange(0, D)
         ptrs = base + idx.to(tl.int64)[:, None] * row_stride + d[None, :]
