@@ -22,7 +22,8 @@ from dsv4_cluster.orchestrator.errors import (
 from dsv4_cluster.orchestrator.options import DownOptions, UpOptions
 from dsv4_cluster.orchestrator.ray_env import prepare_ray_env
 from dsv4_cluster.orchestrator.table import render_table
-from dsv4_cluster.orchestrator.topology import TopologyError
+from dsv4_cluster.orchestrator.record import RecordError, read_record
+from dsv4_cluster.orchestrator.topology import TopologyError, load_topology
 
 EXIT_OK, EXIT_FAILED, EXIT_UNFIT = 0, 1, 2
 EXIT_INTERRUPTED = 128 + 15
@@ -111,9 +112,24 @@ def _cmd_down(deployment: Any, options: DownOptions) -> int:
     return EXIT_OK
 
 
+def _ray_address(args: argparse.Namespace) -> str | None:
+    """The Ray cluster this command will talk to (None: a local head `up` starts)."""
+    if args.command == "up":
+        if args.address:
+            return str(args.address)
+        try:
+            return load_topology(args.file).cluster.address
+        except TopologyError:
+            return None  # `up` reports the problems before it imports Ray
+    try:
+        return read_record().address
+    except RecordError:
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    prepare_ray_env()
+    prepare_ray_env(_ray_address(args))
     from dsv4_cluster.orchestrator import deployment  # imports Ray: only after prepare_ray_env
 
     if args.command == "up":

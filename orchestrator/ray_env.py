@@ -2,8 +2,9 @@
 
 Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER once, when `ray` is imported: without "0" a driver
 rewrites the address 127.0.0.1 to the machine's external address and then waits forever for a
-GCS that only listens on loopback. So the CLI applies this environment first and imports Ray
-after; the Ray head gets the same variables.
+GCS that only listens on loopback. With "0" a driver advertises 127.0.0.1, which nodes of a real
+multi-node cluster cannot reach, so the flag is set only for a loopback cluster. The CLI applies
+this environment first and imports Ray after; the Ray head `up` starts gets all of RAY_ENV.
 """
 
 from __future__ import annotations
@@ -23,13 +24,29 @@ class RayEnvError(RuntimeError):
     """Ray was imported before its environment was set, so it would resolve the wrong address."""
 
 
-def prepare_ray_env() -> None:
-    """Put RAY_ENV into this process's environment; refuse if Ray already read a different one."""
+LOOPBACK_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def is_loopback(address: str | None) -> bool:
+    """True for "127.x.y.z:port" / "localhost:port", and for None (a local head `up` starts)."""
+    if address is None:
+        return True
+    host = address.rpartition(":")[0] or address
+    return host == "localhost" or host.startswith("127.")
+
+
+def prepare_ray_env(address: str | None) -> None:
+    """Put RAY_ENV into this process's environment for a driver of the cluster at `address`;
+    refuse if Ray was already imported with the other loopback setting."""
+    loopback = is_loopback(address)
     if "ray" in sys.modules:
         from ray._private import ray_constants
 
-        if ray_constants.ENABLE_RAY_CLUSTER:
-            raise RayEnvError("ray was imported before RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 was set; "
-                              "run the dsv4-cluster command in its own process, or export "
-                              "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before importing ray")
-    os.environ.update(RAY_ENV)
+        if ray_constants.ENABLE_RAY_CLUSTER == loopback:
+            raise RayEnvError(f"ray was imported before {LOOPBACK_ONLY} was set for {address}; "
+                              "run the dsv4-cluster command in its own process")
+    env = dict(RAY_ENV)
+    if not loopback:
+        del env[LOOPBACK_ONLY]
+        os.environ.pop(LOOPBACK_ONLY, None)
+    os.environ.update(env)

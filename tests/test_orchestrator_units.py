@@ -113,3 +113,10 @@ def test_preflight_lists_every_machine_problem_of_the_production_layout(
     assert not any(p.startswith("prefill-0: wants GPUs") for p in problems)
     assert sum("numa_node" in p and "does not exist" in p for p in problems) == 2
     assert any("`numactl` is not installed" in p for p in problems)
+
+
+def test_only_a_loopback_cluster_keeps_ray_drivers_on_loopback() -> None:
+    from dsv4_cluster.orchestrator.ray_env import is_loopback
+
+    assert is_loopback(None) and is_loopback("127.0.0.1:6379") and is_loopback("localhost:1")
+    assert not is_loopback("10.1.2.3:6379") and not is_loopback("head.example:6379")
