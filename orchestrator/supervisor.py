@@ -160,29 +160,30 @@ class WorkerSupervisor:
 
     def _run(self, timeout_s: float) -> None:
         try:
-            error = self._launch(timeout_s)
-            self._start_error = error
-            if error is not None:
-                self._set(WorkerState.FAILED, error)
+            self._start_error = self._launch(timeout_s)
+            if self._start_error is not None:
+                self._set(WorkerState.FAILED, self._start_error)
             self._first_outcome.set()
-            if error is not None:
-                return
-            while True:
-                if error is None:  # READY: wait for the process to exit
-                    code = self._proc.wait() if self._proc is not None else None
-                    if self._stop.is_set():
-                        return
-                    error = (f"exited unexpectedly with code {code}; last log lines:\n"
-                             f"{log_tail(self._plan.log_path)}")
-                delay = self._next_restart_delay(error)
-                if delay is None or self._stop.wait(delay):
-                    return
-                error = self._launch(timeout_s)
-                if self._stop.is_set():
-                    return
+            if self._start_error is None:
+                self._keep_running(timeout_s)
         finally:
             if self._proc is not None:
                 self._proc.wait()  # this thread must outlive its process (PR_SET_PDEATHSIG)
+
+    def _keep_running(self, timeout_s: float) -> None:
+        """Wait on the READY process; after a crash restart it as the policy allows."""
+        error: str | None = None
+        while not self._stop.is_set():
+            if error is None and self._proc is not None:
+                code = self._proc.wait()
+                if self._stop.is_set():
+                    return
+                error = (f"exited unexpectedly with code {code}; last log lines:\n"
+                         f"{log_tail(self._plan.log_path)}")
+            delay = self._next_restart_delay(error or "no process")
+            if delay is None or self._stop.wait(delay):
+                return
+            error = self._launch(timeout_s)
 
     # -- public API (actor methods) -------------------------------------------------------
 
