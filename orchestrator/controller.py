@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -36,8 +35,6 @@ class ClusterSpec:
     endpoint: str
     workers: tuple[LaunchPlan, ...]
     router: LaunchPlan
-    router_config_path: str
-    router_config_json: str
     node_addresses: tuple[tuple[str, str], ...]  # (node name, address)
     kernels: tuple[str, ...] = ()  # requested; every worker must report each one active
 
@@ -92,9 +89,6 @@ class ClusterController:
         if not failures:
             failures = verify_kernels(self._spec.workers, self._spec.kernels)
         if not failures:
-            path = Path(self._spec.router_config_path)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(self._spec.router_config_json)
             failures = self._start_all([self._spec.router], timeout_s)
         if failures:
             self.stop(deadline_s=10.0)

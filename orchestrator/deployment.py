@@ -8,7 +8,6 @@ Ray head only if `up` started it, check by pid that nothing is left, forget the 
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import socket
@@ -26,7 +25,7 @@ from dsv4_cluster.orchestrator.errors import (
     AlreadyUpError, ClusterStartError, NotUpError, PreflightError, RayClusterError)
 from dsv4_cluster.orchestrator.options import DownOptions, UpOptions
 from dsv4_cluster.orchestrator.plan import (
-    PlanError, cluster_plans, endpoint, requested_kernels, router_config, router_config_path)
+    PlanError, cluster_plans, endpoint, requested_kernels)
 from dsv4_cluster.orchestrator.processes import group_members, pid_alive
 from dsv4_cluster.orchestrator.preflight import machine_problems, preflight
 from dsv4_cluster.orchestrator.record import (
@@ -47,8 +46,7 @@ def _spec(topology: Any) -> ClusterSpec:
         raise PreflightError(problems)
     return ClusterSpec(
         namespace=topology.cluster.namespace, endpoint=endpoint(topology), workers=tuple(workers),
-        router=router, router_config_path=str(router_config_path(topology)),
-        router_config_json=json.dumps(router_config(topology), indent=2) + "\n",
+        router=router,
         node_addresses=tuple((n.name, n.address) for n in topology.nodes),
         kernels=requested_kernels(topology),
     )

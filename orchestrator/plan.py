@@ -4,7 +4,8 @@ A plan is computed from the topology alone, before anything starts, so it can be
 unit-tested flag by flag, and shipped to a supervisor actor as one frozen value. Two engines:
 the embedded engine (`python -m dsv4_cluster.workers.{prefill,decode}`) and SGLang
 (`python -m sglang.launch_server`, flags as SGLang 0.5.23's argument parser spells them).
-The router is planned here too; its JSON settings file is written by `write_router_config`.
+The router is planned here too; its JSON settings travel in the plan (`files`), so the
+supervisor on the router's node writes them there.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class LaunchPlan:
     server_info_url: str | None = None
     metrics_url: str | None = None
     ports: tuple[int, ...] = field(default=())
+    files: tuple[tuple[str, str], ...] = ()  # (path, text) the supervisor writes before spawning
 
     @property
     def env_dict(self) -> dict[str, str]:
@@ -211,23 +213,17 @@ def router_config_path(topology: Any) -> Path:
     return Path(topology.run_dir_path) / "router.json"
 
 
-def write_router_config(topology: Any) -> Path:
-    path = router_config_path(topology)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(router_config(topology), indent=2) + "\n")
-    return path
-
-
 def router_plan(topology: Any) -> LaunchPlan:
-    """The router's plan; its settings file is `router_config_path(topology)`."""
+    """The router's plan, carrying its settings file."""
     r = topology.router
     host = _probe_host(topology.node(r.node).address, r.host)
+    config = str(router_config_path(topology))
     return LaunchPlan(
         name="router",
         role=Role.ROUTER,
         node=r.node,
-        argv=(sys.executable, "-m", "dsv4_cluster.router", "--config",
-              str(router_config_path(topology))),
+        argv=(sys.executable, "-m", "dsv4_cluster.router", "--config", config),
+        files=((config, json.dumps(router_config(topology), indent=2) + "\n"),),
         env=(("PYTHONUNBUFFERED", "1"),),
         cwd=str(topology.run_dir_path),
         log_path=_log_path(topology, "router"),

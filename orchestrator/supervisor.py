@@ -104,6 +104,9 @@ class WorkerSupervisor:
         plan = self._plan
         Path(plan.log_path).parent.mkdir(parents=True, exist_ok=True)
         Path(plan.cwd).mkdir(parents=True, exist_ok=True)
+        for path, text in plan.files:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(text)
         with open(plan.log_path, "ab") as log:
             stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
             log.write(f"=== {stamp} supervisor starts: {' '.join(plan.argv)}\n".encode())

@@ -10,7 +10,7 @@ import pytest
 
 from dsv4_cluster.core import Role
 from dsv4_cluster.orchestrator.plan import (
-    ROUTE_PROBE, PlanError, cluster_plans, endpoint, router_config, write_router_config)
+    ROUTE_PROBE, PlanError, cluster_plans, endpoint, router_config)
 from dsv4_cluster.orchestrator.topology import load_topology, topology_from_data
 from dsv4_cluster.router.settings import load_settings
 
@@ -87,14 +87,16 @@ def test_no_kernels_no_kernel_flag() -> None:
 
 def test_router_config_is_accepted_by_the_router(tmp_path: Path) -> None:
     topo = _local(cluster={"run_dir": str(tmp_path)})
-    path = write_router_config(topo)
+    _, router = cluster_plans(topo)
+    ((path, text),) = router.files
+    Path(path).write_text(text)
     settings = load_settings(path)
     assert (settings.port, settings.model_name) == (21001, "dsv4-tiny")
     assert [(p.name, p.url, p.bootstrap_host, p.bootstrap_port) for p in settings.prefill] == \
         [("prefill-0", "http://127.0.0.1:21100", "127.0.0.1", 21098)]
     assert [(d.name, d.url) for d in settings.decode] == [("decode-0", "http://127.0.0.1:21200")]
-    _, router = cluster_plans(topo)
-    assert router.argv == (sys.executable, "-m", "dsv4_cluster.router", "--config", str(path))
+    assert path == str(tmp_path / "router.json")
+    assert router.argv == (sys.executable, "-m", "dsv4_cluster.router", "--config", path)
     assert router_config(topo)["host"] == "0.0.0.0"
 
 
