@@ -7,7 +7,7 @@ import importlib
 import logging
 
 from .args import parse_args
-from .server import serve_all
+from .serving import serve_all
 
 
 def main(mode: str, argv: list[str] | None = None) -> None:

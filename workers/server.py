@@ -10,13 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 import time
 import uuid
 from typing import AsyncIterator
 
 import torch
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
@@ -27,7 +25,7 @@ from .engine import Engine
 from .metrics import WorkerMetrics
 from .model import ModelConfig
 from .protocol import AbortRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest
-from .request import Event, Failed, Req, Token, loop_emitter
+from .request import Event, Failed, Req, Reserved, Token, loop_emitter
 from .responses import GenSpec, ResponseBuilder, error_body, sse
 from .runner import ModelRunner, RunnerConfig
 from .tokenizer import ByteTokenizer, ChatTemplateError
@@ -129,8 +127,25 @@ class WorkerServer:
         return req, queue
 
     async def events(self, spec: GenSpec) -> AsyncIterator[Event]:
-        raise NotImplementedError
-        yield
+        """The request's engine events until it finishes or fails; aborts it if the consumer leaves."""
+        req, queue = await self.submit(spec)
+        done = False
+        try:
+            while not done:
+                ev = await queue.get()
+                if isinstance(ev, Reserved):
+                    ev = await self.on_reserved(spec, req, ev)
+                    if ev is None:
+                        continue
+                done = isinstance(ev, Failed) or (isinstance(ev, Token) and ev.finish_reason is not None)
+                yield ev
+        finally:
+            if not done:
+                self.engine.abort(req.rid, "the client went away")
+
+    async def on_reserved(self, spec: GenSpec, req: Req, ev: Reserved) -> Failed | None:
+        """Role hook: decode tells the prefill where its KV goes; a Failed ends the request."""
+        raise NotImplementedError(f"a {self.role} engine never reserves pages for a peer")
 
     async def generate(self, kind: str, request: Request) -> Response:
         if not self.ready:
@@ -266,32 +281,3 @@ class WorkerServer:
 
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse(error_body(status, message), status_code=status)
-
-
-class _Server(uvicorn.Server):
-    """uvicorn server whose signal handling is left to `serve_all` (several servers, one process)."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        yield
-
-    def install_signal_handlers(self) -> None:
-        return None
-
-
-async def serve_all(apps: list[tuple[FastAPI, str, int]], log_level: str) -> None:
-    """Serve several apps in this event loop until SIGTERM/SIGINT, then shut all of them down."""
-    servers = [_Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on"))
-               for app, host, port in apps]
-    loop = asyncio.get_running_loop()
-
-    def stop() -> None:
-        for s in servers:
-            s.should_exit = True
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop)
-    results = await asyncio.gather(*(s.serve() for s in servers), return_exceptions=True)
-    failed = [r for r in results if isinstance(r, BaseException)]
-    if failed or any(not s.started for s in servers):
-        raise SystemExit(f"a server failed to start or crashed: {failed or 'port in use?'}")

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
-
 import httpx
 from fastapi import FastAPI
 
 from ..args import WorkerArgs
-from ..request import Event, Failed, Reserved, Token
+from ..request import Failed, Req, Reserved
 from ..responses import GenSpec
 from ..runner import ModelRunner
 from ..server import BadRequest, WorkerServer
@@ -65,26 +63,14 @@ class DecodeServer(WorkerServer):
         except httpx.HTTPError as exc:
             raise BootstrapError(f"prefill bootstrap {base} unreachable: {exc!r}") from None
 
-    async def events(self, spec: GenSpec) -> AsyncIterator[Event]:
-        req, queue = await self.submit(spec)
-        done = False
+    async def on_reserved(self, spec: GenSpec, req: Req, ev: Reserved) -> Failed | None:
         try:
-            while not done:
-                ev = await queue.get()
-                if isinstance(ev, Reserved):
-                    try:
-                        await self._tell_prefill(spec, ev.pages)
-                    except BootstrapError as exc:
-                        self.engine.stats.bootstrap_failed += 1
-                        self.engine.abort(req.rid, str(exc))
-                        done = True
-                        yield Failed(500, f"KV bootstrap failed: {exc}")
-                    continue
-                done = isinstance(ev, Failed) or (isinstance(ev, Token) and ev.finish_reason is not None)
-                yield ev
-        finally:
-            if not done:
-                self.engine.abort(req.rid, "the client went away")
+            await self._tell_prefill(spec, ev.pages)
+        except BootstrapError as exc:
+            self.engine.stats.bootstrap_failed += 1
+            self.engine.abort(req.rid, str(exc))
+            return Failed(500, f"KV bootstrap failed: {exc}")
+        return None
 
 
 def make_apps(args: WorkerArgs) -> list[tuple[FastAPI, str, int]]:

@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import asyncio
 
-from typing import AsyncIterator
-
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
 from ..args import WorkerArgs
-from ..request import Event, Failed, Token
 from ..responses import GenSpec
 from ..runner import ModelRunner
 from ..server import BadRequest, WorkerServer
@@ -47,18 +44,6 @@ class PrefillServer(WorkerServer):
         if spec.room is None:
             raise BadRequest("bootstrap_room is required: a prefill server only serves requests paired by the "
                              "router (send requests to the router, not to the prefill worker)")
-
-    async def events(self, spec: GenSpec) -> AsyncIterator[Event]:
-        req, queue = await self.submit(spec)
-        done = False
-        try:
-            while not done:
-                ev = await queue.get()
-                done = isinstance(ev, Failed) or (isinstance(ev, Token) and ev.finish_reason is not None)
-                yield ev
-        finally:
-            if not done:
-                self.engine.abort(req.rid, "the client went away")
 
     def bootstrap_app(self) -> FastAPI:
         app = FastAPI(title="dsv4-cluster embedded prefill bootstrap server")

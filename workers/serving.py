@@ -1,0 +1,43 @@
+"""Serve several ASGI apps from one process (prefill: its API and its bootstrap server).
+
+uvicorn installs its own SIGTERM handler per server, so with two servers in one process only one
+would stop; here one handler stops them all, which is what makes SIGTERM a graceful exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+
+import uvicorn
+from fastapi import FastAPI
+
+
+class _Server(uvicorn.Server):
+    """uvicorn server whose signal handling is left to `serve_all` (several servers, one process)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+    def install_signal_handlers(self) -> None:
+        return None
+
+
+async def serve_all(apps: list[tuple[FastAPI, str, int]], log_level: str) -> None:
+    """Serve several apps in this event loop until SIGTERM/SIGINT, then shut all of them down."""
+    servers = [_Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on"))
+               for app, host, port in apps]
+    loop = asyncio.get_running_loop()
+
+    def stop() -> None:
+        for s in servers:
+            s.should_exit = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop)
+    results = await asyncio.gather(*(s.serve() for s in servers), return_exceptions=True)
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed or any(not s.started for s in servers):
+        raise SystemExit(f"a server failed to start or crashed: {failed or 'port in use?'}")
