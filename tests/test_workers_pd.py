@@ -24,7 +24,8 @@ TOK = ByteTokenizer()
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    p = start_pair(tmp_path_factory.mktemp("pair"), decode_extra=["--transfer-timeout-s", "3"])
+    p = start_pair(tmp_path_factory.mktemp("pair"), prefill_extra=["--peer-timeout-s", "3"],
+                   decode_extra=["--transfer-timeout-s", "3"])
     yield p
     stop_pair(p)
 
@@ -96,6 +97,43 @@ def test_decode_fails_cleanly_when_kv_never_arrives(pair):
     r = httpx.post(pair.decode_url + "/generate", json=body, timeout=30)
     assert r.status_code == 500
     assert "did not arrive" in r.json()["error"]["message"]
+
+
+def test_prefill_fails_cleanly_when_decode_never_reserves(pair):
+    body = {"text": "lonely", **pair.bootstrap(secrets.randbits(63), "l1")}
+    r = httpx.post(pair.prefill_url + "/generate", json=body, timeout=30)
+    assert r.status_code == 500
+    assert "decode never reserved KV" in r.json()["error"]["message"]
+    assert httpx.get(pair.prefill_url + "/server_info").json()["internal_states"][0]["num_used_tokens"] == 0
+
+
+def _used(url: str) -> int:
+    return httpx.get(url + "/server_info").json()["internal_states"][0]["num_used_tokens"]
+
+
+def test_abort_ends_a_running_stream_and_frees_its_pages(pair):
+    before = _used(pair.decode_url)   # pages of earlier failed requests may still sit in quarantine
+
+    async def run():
+        body = {"text": "abort me", "stream": True, "sampling_params": {"max_new_tokens": 900, "ignore_eos": True},
+                **pair.bootstrap(secrets.randbits(63), "ab1")}
+        async with httpx.AsyncClient(timeout=60) as c:
+            p = asyncio.create_task(c.post(pair.prefill_url + "/generate", json=body))
+            lines = []
+            async with c.stream("POST", pair.decode_url + "/generate", json=body) as d:
+                async for line in d.aiter_lines():
+                    if line:
+                        lines.append(line)
+                    if len(lines) == 3:
+                        await c.post(pair.decode_url + "/abort_request", json={"rid": "ab1"})
+            return await p, lines
+
+    p, lines = asyncio.run(run())
+    assert p.status_code == 200
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["error"]["message"] == "aborted through /abort_request"
+    assert len(lines) < 100
+    assert _used(pair.decode_url) <= before
 
 
 def test_metrics_use_sglang_names(pair):
