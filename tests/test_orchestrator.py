@@ -93,7 +93,7 @@ def test_up_status_chat_down(tmp_path: Path) -> None:
                                     "READY", "0", str(ports["prefill"]), "4096", "0"]
 
         reply = httpx.post(f"http://127.0.0.1:{ports['router']}/v1/chat/completions", timeout=120,
-                           json={"model": "dsv4-tiny", "max_tokens": 4,
+                           json={"model": "dsv4-tiny", "max_tokens": 4, "ignore_eos": True,
                                  "messages": [{"role": "user", "content": "hi"}]})
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["completion_tokens"] == 4
