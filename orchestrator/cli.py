@@ -76,6 +76,8 @@ def _cmd_up(deployment: Any, args: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED
     print(f"cluster up in {time.monotonic() - started:.1f}s")
     print(f"endpoint: {status['endpoint']}")
+    if status.get("verification"):
+        print(status["verification"])
     print(render_table(status), flush=True)
     if not options.foreground:
         return EXIT_OK

@@ -24,6 +24,7 @@ from dsv4_cluster.orchestrator.controller import CONTROLLER_NAME, ClusterControl
 from dsv4_cluster.orchestrator.errors import (
     AlreadyUpError, ClusterStartError, NotUpError, PreflightError, RayClusterError)
 from dsv4_cluster.orchestrator.options import DownOptions, UpOptions
+from dsv4_cluster.orchestrator.pd_check import PDCheckError, check_pd_equivalence
 from dsv4_cluster.orchestrator.plan import (
     PlanError, cluster_plans, endpoint, requested_kernels)
 from dsv4_cluster.orchestrator.processes import group_members, pid_alive
@@ -92,10 +93,11 @@ def up(topology_path: str, options: UpOptions) -> dict[str, Any]:
             name=CONTROLLER_NAME, namespace=spec.namespace, lifetime="detached", num_cpus=0,
             max_concurrency=CONTROLLER_CONCURRENCY).remote(spec)
         try:
-            return ray.get(controller.up.remote(options.timeout_s))
+            status = ray.get(controller.up.remote(options.timeout_s))
         except (RayTaskError, RayActorError) as e:
             cause = e.cause if isinstance(e, RayTaskError) and e.cause is not None else e
             raise ClusterStartError(str(cause)) from e
+        return {**status, "verification": _verify(topology)}
     except BaseException:
         if controller is not None:
             _abandon(controller)
@@ -106,6 +108,17 @@ def up(topology_path: str, options: UpOptions) -> dict[str, Any]:
         raise
     finally:
         ray_cluster.disconnect()
+
+
+def _verify(topology: Any) -> str:
+    """End-to-end check once everything is READY; raises ClusterStartError on a wrong answer."""
+    if topology.engine != "embedded":
+        return ("not verified: an accuracy check for SGLang clusters is not implemented yet; "
+                "only the kernels were checked")
+    try:
+        return check_pd_equivalence(topology).summary()
+    except PDCheckError as e:
+        raise ClusterStartError(str(e)) from e
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 from dsv4_cluster.orchestrator.plan import LaunchPlan
 from dsv4_cluster.orchestrator.ports import port_is_free
+from dsv4_cluster.workers.nixl_loader import INSTALL_HINT as NIXL_INSTALL_HINT, nixl_package
 
 SGLANG_VERSION = "0.5.23"
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "0.0.0.0", "::1")
@@ -78,9 +79,8 @@ def machine_problems(topology: Any) -> list[str]:
     if pinned and shutil.which("numactl") is None:
         problems.append(f"{', '.join(pinned)}: numa_node is set but `numactl` is not installed — "
                         "apt-get install -y numactl, or remove numa_node")
-    if str(topology.transfer.backend) == "nixl" and importlib.util.find_spec("nixl") is None:
-        problems.append("transfer.backend is nixl but the `nixl` package is not importable — "
-                        "pip install nixl-cu13, or set transfer.backend: tcp")
+    if str(topology.transfer.backend) == "nixl" and nixl_package() is None:
+        problems.append(f"transfer.backend is nixl but NIXL is not importable — {NIXL_INSTALL_HINT}")
     if str(topology.engine) == "sglang":
         try:
             found = importlib.metadata.version("sglang")

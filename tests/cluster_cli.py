@@ -24,19 +24,26 @@ class LocalCluster:
         return f"http://127.0.0.1:{self.ports['router']}"
 
     def cli(self, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-        env = {**os.environ, "DSV4_CLUSTER_HOME": str(self.home)}
-        return subprocess.run([*CLI, *args], env=env, capture_output=True, text=True, timeout=timeout)
+        return run_cli(self.home, *args, timeout=timeout)
 
 
-def write_topology(tmp_path: Path, context_length: int = 512, extra_decode: str = "") -> LocalCluster:
+def run_cli(home: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """`dsv4-cluster ARGS` in its own process, with its record kept under `home`."""
+    env = {**os.environ, "DSV4_CLUSTER_HOME": str(home)}
+    return subprocess.run([*CLI, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def write_topology(tmp_path: Path, context_length: int = 512, extra_decode: str = "",
+                   kernels: bool = False) -> LocalCluster:
     router, prefill, boot, decode = free_ports(4)
+    k = "true" if kernels else "false"
     path = tmp_path / "topology.yaml"
     path.write_text(f"""
 engine: embedded
 model: {{name: dsv4-tiny, seed: 0, context_length: {context_length}}}
 cluster: {{namespace: dsv4-test-{router}, run_dir: run}}
 router: {{host: 127.0.0.1, port: {router}}}
-kernels: {{sparse_mla_decode: true, indexer: true, topk: true}}
+kernels: {{sparse_mla_decode: {k}, indexer: {k}, topk: {k}}}
 defaults: {{page_size: 16, kv_cache_dtype: auto, max_total_tokens: 4096}}
 prefill:
   - {{name: prefill-0, device: cpu, port: {prefill}, bootstrap_port: {boot}}}

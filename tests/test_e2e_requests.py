@@ -26,7 +26,7 @@ MESSAGES = [{"role": "user", "content": "Say something about KV caches."}]
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = write_topology(tmp_path_factory.mktemp("cluster"), context_length=1024)
+    c = write_topology(tmp_path_factory.mktemp("cluster"), context_length=1024, kernels=True)
     up = c.cli("up", str(c.topology), "--timeout", "180")
     try:
         assert up.returncode == 0, up.stderr + up.stdout

@@ -8,43 +8,27 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from dsv4_cluster.orchestrator.ports import free_ports, port_is_free
+from dsv4_cluster.orchestrator.ports import port_is_free
 from dsv4_cluster.orchestrator.processes import pid_alive
 
+from .cluster_cli import CLI, run_cli, write_topology
+
 pytestmark = pytest.mark.slow
-CLI = [sys.executable, "-m", "dsv4_cluster.orchestrator"]
 
 
 def _topology(tmp_path: Path, extra_decode: str = "", kernels: bool = False) -> tuple[Path, dict[str, int]]:
-    router, prefill, boot, decode = free_ports(4)
-    ports = {"router": router, "prefill": prefill, "bootstrap": boot, "decode": decode}
-    path = tmp_path / "topology.yaml"
-    k = "true" if kernels else "false"
-    path.write_text(f"""
-engine: embedded
-model: {{name: dsv4-tiny, seed: 0, context_length: 512}}
-cluster: {{namespace: dsv4-test-{router}, run_dir: run}}
-router: {{host: 127.0.0.1, port: {router}}}
-kernels: {{sparse_mla_decode: {k}, indexer: {k}, topk: {k}}}
-defaults: {{page_size: 16, kv_cache_dtype: auto, max_total_tokens: 4096}}
-prefill:
-  - {{name: prefill-0, device: cpu, port: {prefill}, bootstrap_port: {boot}}}
-decode:
-  - {{name: decode-0, device: cpu, port: {decode}{extra_decode}}}
-""")
-    return path, ports
+    cluster = write_topology(tmp_path, extra_decode=extra_decode, kernels=kernels)
+    return cluster.topology, cluster.ports
 
 
 def _run(tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "DSV4_CLUSTER_HOME": str(tmp_path / "home")}
-    return subprocess.run([*CLI, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    return run_cli(tmp_path / "home", *args, timeout=timeout)
 
 
 def _gone(pids: list[int], timeout_s: float = 15) -> list[int]:
@@ -131,6 +115,18 @@ def test_broken_topology_lists_every_problem_and_starts_nothing(tmp_path: Path) 
     assert time.monotonic() - started < 20
     assert not (tmp_path / "home").exists()
     assert not (tmp_path / "run").exists()
+
+
+def test_up_fails_when_decode_disagrees_with_a_single_process_run(tmp_path: Path) -> None:
+    """A decode worker with other weights (seed 1) is a wrong PD pair: up's check must catch it."""
+    topo, ports = _topology(tmp_path, extra_decode=", extra_args: [--seed, '1']")
+    r = _run(tmp_path, "up", str(topo), "--timeout", "120")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "differ from a single-process run" in r.stderr
+    assert "everything it started was stopped" in r.stderr
+    assert not (tmp_path / "home" / "current.json").exists()
+    for port in ports.values():
+        assert port_is_free(port), port
 
 
 def test_port_in_use_is_a_preflight_problem(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from .kv_pool import KVPool, PoolLayout
+from .nixl_loader import load_nixl_api
 
 
 class TransferError(RuntimeError):
@@ -43,15 +44,11 @@ class PeerInfo:
 
 def _load_nixl():
     try:
-        from nixl._api import nixl_agent, nixl_agent_config
-    except ImportError:
-        try:
-            from nixl_cu13._api import nixl_agent, nixl_agent_config
-        except ImportError as exc:
-            raise TransferError(
-                "the nixl transfer backend needs the NIXL Python package: pip install nixl-cu13 "
-                "(or nixl-cu12); no other transfer is substituted silently") from exc
-    return nixl_agent, nixl_agent_config
+        api = load_nixl_api()
+    except ImportError as exc:
+        raise TransferError(f"the nixl transfer backend needs NIXL ({exc}); no other transfer is "
+                            "substituted silently") from exc
+    return api.nixl_agent, api.nixl_agent_config
 
 
 class NixlTransfer:
