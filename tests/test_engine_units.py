@@ -88,5 +88,8 @@ def test_worker_args_refuse_silent_fallbacks(capsys):
         parse_args("decode", ["--transfer-backend", "tcp"])
     assert "no silent fallback" in capsys.readouterr().err
     with pytest.raises(SystemExit):
+        parse_args("decode", ["--device", "cuda"])
+    assert "use device: cpu" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
         parse_args("prefill", [])
     assert "--disaggregation-bootstrap-port is required" in capsys.readouterr().err

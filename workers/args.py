@@ -67,8 +67,12 @@ def validate(args: WorkerArgs) -> list[str]:
     if args.kv_cache_dtype not in ("auto", "float32"):
         problems.append(f"--kv-cache-dtype {args.kv_cache_dtype!r}: the embedded engine keeps KV in float32 "
                         "('auto'); bf16 and fp8 layouts are for SGLang")
-    if args.device not in ("cpu", "cuda"):
-        problems.append(f"--device {args.device!r}: use cpu or cuda")
+    if args.device == "cuda":
+        problems.append("--device cuda: the embedded model's shapes (8 heads x 64 dims) are below what the "
+                        "Triton kernels take (512 dims, 16/32/64 heads), and no CUDA run of it has been "
+                        "checked; use device: cpu, or engine: sglang on GPUs")
+    elif args.device != "cpu":
+        problems.append(f"--device {args.device!r}: the embedded engine runs on cpu")
     if args.page_size <= 0 or args.page_size % 4:
         problems.append(f"--page-size {args.page_size}: must be a positive multiple of 4 (the compression ratio)")
     if args.max_total_tokens < args.context_length:
