@@ -63,8 +63,8 @@ class WorkerServer:
         runner = ModelRunner(self.runner_config())
         self.engine = self.build_engine(runner)
         self.metrics = WorkerMetrics(self.engine, self.args.served_model_name, self.role, self.args.context_length)
-        impl = "triton" if self.args.device == "cuda" else "reference"
-        self.kernels = {k: (impl if k in self.args.kernel_list else "off")
+        # The embedded engine runs on CPU, where kernels/ dispatches to the PyTorch reference ops.
+        self.kernels = {k: ("reference" if k in self.args.kernel_list else "off")
                         for k in ("sparse_mla_decode", "indexer", "topk")}
         self.engine.start()
 
