@@ -60,6 +60,11 @@ class KVPool:
         return self.layout.num_pages * self.layout.page_size
 
     @property
+    def page_bytes(self) -> int:
+        """Bytes one page occupies across every buffer (what one page's transfer moves)."""
+        return sum(b.numel() * b.element_size() for b in self.buffers()) // self.layout.num_pages
+
+    @property
     def free_pages(self) -> int:
         return len(self._free)
 

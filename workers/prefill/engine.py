@@ -127,7 +127,7 @@ class PrefillEngine(Engine):
                 self.fail(req, 500, f"KV transfer failed: {exc}")
                 continue
             req.state = ReqState.TRANSFERRING
-            nbytes = self._page_bytes() * len(req.pages)
+            nbytes = self.runner.pool.page_bytes * len(req.pages)
             self._inflight.append((req, handle, self.now(), nbytes))
         return worked
 
@@ -157,6 +157,3 @@ class PrefillEngine(Engine):
                 else:
                     self.fail(req, 500, f"KV transfer of bootstrap_room {req.room} failed in NIXL")
         return worked
-
-    def _page_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.runner.pool.buffers()) // self.runner.pool.layout.num_pages
