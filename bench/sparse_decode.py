@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import traceback
 
 import torch
 from triton.runtime.errors import OutOfResources
@@ -24,6 +25,7 @@ from dsv4_cluster.kernels.sparse_mla_decode.reference import attend, gather_rows
 from dsv4_cluster.kernels.sparse_mla_decode.launch import (
     LaunchConfig,
     choose_splits,
+    gluon_unavailable,
     sparse_mla_decode_fp8_triton,
     sparse_mla_decode_triton,
 )
@@ -131,8 +133,8 @@ def best_config(fn_for, ref_out, b, configs):
                 print(f"  {cfg}: wrong output, skipped")
                 continue
             us = bench_us(graphed(fn), rep_ms=100)
-        except (RuntimeError, OutOfResources) as exc:  # e.g. too much shared memory for this config
-            print(f"  {cfg}: {type(exc).__name__}, skipped")
+        except (RuntimeError, OutOfResources, ValueError) as exc:  # e.g. too much shared memory for this config
+            print(f"  {cfg}: {type(exc).__name__}: {str(exc)[:200]}, skipped")
             continue
         if best is None or us < best[1]:
             best = (cfg, us)
@@ -193,25 +195,43 @@ def run(argv: list[str]) -> int:
         rows.append(measure("torch_reference_bf16", lambda: torch_reference(case), ref_out, b, 1024, copy_gbs))
 
         nblocks = {bn: -(-W // bn) + -(-TOPK // bn) for bn in (16, 32, 64)}
-        default = LaunchConfig()
-        configs = {"bf16": [default], "fp8": [default]}
+        triton_default = LaunchConfig(backend="triton")
+        gluon_default = LaunchConfig(backend="gluon")
+        configs = {"triton_bf16": [triton_default], "triton_fp8": [triton_default],
+                   "gluon_bf16": [gluon_default], "gluon_fp8": [gluon_default]}
         if args.sweep:
-            base = [LaunchConfig(block_n=bn, num_stages=st, num_splits=s)
+            base = [LaunchConfig(block_n=bn, num_stages=st, num_splits=s, backend="triton")
                     for bn, st in itertools.product((32, 64), (2, 3))
                     for s in sorted({choose_splits(b, nblocks[bn], sms), choose_splits(b, nblocks[bn], 2 * sms)})]
-            configs = {"bf16": base, "fp8": base + [dataclasses.replace(c, prefetch=True) for c in base]}
-        for name, fn_for, ref, row_bytes in (
+            configs["triton_bf16"] = base
+            configs["triton_fp8"] = base + [dataclasses.replace(c, prefetch=True) for c in base]
+            gluon = [LaunchConfig(block_n=bn, num_stages=st, num_splits=s, backend="gluon")
+                     for bn, st in ((64, 2), (32, 2), (32, 3), (32, 4))
+                     for s in sorted({choose_splits(b, nblocks[bn], sms), choose_splits(b, nblocks[bn], 2 * sms)})]
+            configs["gluon_bf16"] = configs["gluon_fp8"] = gluon
+        kernels = [
             ("triton_bf16", lambda c: (lambda: sparse_mla_decode_triton(**case, config=c)), ref_out, 1024),
             ("triton_fp8", lambda c: (lambda: sparse_mla_decode_fp8_triton(**fp8_case, kv_cache=cache, extra_cache=extra_cache, config=c)), ref8_out, fp8_layout.BYTES_PER_TOKEN),
-        ):
-            cfg = best_config(fn_for, ref, b, configs[name.split("_")[1]]) if args.sweep else default
+            ("gluon_bf16", lambda c: (lambda: sparse_mla_decode_triton(**case, config=c)), ref_out, 1024),
+            ("gluon_fp8", lambda c: (lambda: sparse_mla_decode_fp8_triton(**fp8_case, kv_cache=cache, extra_cache=extra_cache, config=c)), ref8_out, fp8_layout.BYTES_PER_TOKEN),
+        ]
+        for name, fn_for, ref, row_bytes in kernels:
+            if name.startswith("gluon") and gluon_unavailable(case["q"], name.endswith("fp8")):
+                why = gluon_unavailable(case["q"], name.endswith("fp8"))
+                rows.append(dict(kernel=name, B=b, error=f"not run: {why}"))
+                continue
+            cfg = best_config(fn_for, ref, b, configs[name]) if args.sweep else configs[name][0]
             if cfg is None:
                 rows.append(dict(kernel=name, B=b, error="no config gave a correct output"))
                 continue
             splits = cfg.num_splits or choose_splits(b, nblocks[cfg.block_n], sms)
             info = dict(block_n=cfg.block_n, warps=cfg.num_warps, stages=cfg.num_stages, prefetch=cfg.prefetch,
                         splits=splits)
-            rows.append(measure(name, fn_for(cfg), ref, b, row_bytes, copy_gbs, info))
+            try:
+                rows.append(measure(name, fn_for(cfg), ref, b, row_bytes, copy_gbs, info))
+            except Exception as exc:  # a kernel that fails to compile or run is a result, not the end of the run
+                traceback.print_exc()
+                rows.append(dict(kernel=name, B=b, error=f"{type(exc).__name__}: {str(exc)[:300]}", **info))
 
         fm_run, fm_error = flashmla_call(fp8_case, cache, extra_cache)
         if fm_run is not None:

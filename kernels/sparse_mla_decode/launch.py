@@ -31,6 +31,7 @@ class LaunchConfig:
     num_stages: int = 2
     prefetch: bool = False
     combine_heads: int = 8
+    backend: str = "auto"  # "auto": the warp-specialised Gluon kernel where it applies (sm_90, H = 64), else "triton"
 
 
 def choose_splits(batch: int, num_blocks: int, num_sms: int) -> int:
@@ -74,10 +75,46 @@ def _check_common(q, window_idx, extra_idx, sink, window_lens, extra_lens, has_e
     return b, h, w, k
 
 
+BACKENDS = ("auto", "triton", "gluon")
+
+
+def gluon_unavailable(q: torch.Tensor, is_fp8: bool) -> str | None:
+    """Why the warp-specialised Gluon kernel cannot take this call (None: it can)."""
+    if not q.is_cuda:
+        return "it runs on CUDA tensors only"
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return f"it is written for sm_90 (Hopper); this GPU is sm_{''.join(map(str, torch.cuda.get_device_capability(q.device)))}"
+    if q.shape[1] != 64:
+        return f"it takes all 64 heads as the wgmma M; got H={q.shape[1]}"
+    if q.dtype != torch.bfloat16:
+        return f"it takes bf16 queries; got {q.dtype}"
+    if is_fp8:
+        return "its fp8 loader is not written yet"
+    try:
+        from . import gluon_kernel  # noqa: F401
+    except ImportError as exc:  # a Triton without Gluon's Hopper API
+        return f"Gluon does not import ({exc})"
+    return None
+
+
+def _pick_backend(q, is_fp8, config) -> str:
+    if config.backend not in BACKENDS:
+        raise checks.SparseDecodeInputError(f"LaunchConfig.backend must be one of {BACKENDS}, got {config.backend!r}")
+    why = gluon_unavailable(q, is_fp8)
+    if config.backend == "gluon" and why:
+        raise checks.SparseDecodeInputError(f"the Gluon kernel cannot run this call: {why}; use backend='triton'")
+    if config.backend == "auto":
+        return "triton" if why else "gluon"
+    return config.backend
+
+
 def _launch(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, sink, scale,
             window_lens, extra_lens, w, k, is_fp8, config):
     b, h, _ = q.shape
     config = config or LaunchConfig()
+    if _pick_backend(q, is_fp8, config) == "gluon":
+        return _launch_gluon(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, sink, scale,
+                             window_lens, extra_lens, w, k, is_fp8, config)
     bn = config.block_n
     num_blocks = -(-w // bn) + -(-k // bn)
     splits = config.num_splits or choose_splits(b, num_blocks, _num_sms(q.device))
@@ -112,6 +149,51 @@ def _launch(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, si
         DOT_F32=(q.dtype == torch.float32 or not q.is_cuda), PREFETCH=config.prefetch,
         PAGE_STRIDE=PAGE_STRIDE, SCALES_OFFSET=SCALES_OFFSET,
         num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if splits > 1:
+        hb = min(config.combine_heads, h)
+        _kernels._combine_kernel[(b, h // hb)](
+            part_o, part_lse, sink if sink is not None else lse,
+            out, out.stride(0), out.stride(1), lse, lse.stride(0), splits,
+            H=h, D=DIM, HB=hb, SP=triton_next_pow2(splits),
+            HAS_SINK=sink is not None, num_warps=4,
+        )
+    return out, lse
+
+
+def _launch_gluon(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, sink, scale,
+                  window_lens, extra_lens, w, k, is_fp8, config):
+    from . import gluon_kernel
+
+    b, h, _ = q.shape
+    bn = config.block_n
+    num_blocks = -(-w // bn) + -(-k // bn)
+    splits = config.num_splits or choose_splits(b, num_blocks, _num_sms(q.device))
+    out = torch.empty_like(q)
+    lse = torch.empty(b, h, dtype=torch.float32, device=q.device)
+    if splits > 1:
+        part_o = torch.empty(b * splits * h * DIM, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(b * splits * h, dtype=torch.float32, device=q.device)
+    else:
+        part_o, part_lse = lse, lse
+    has_extra = extra is not None
+    scale = DIM**-0.5 if scale is None else float(scale)
+    gluon_kernel._sparse_decode_ws_kernel[(b, splits)](
+        q, q.stride(0), q.stride(1),
+        main, main_stride, extra if has_extra else main, extra_stride if has_extra else main_stride,
+        window_idx, window_idx.stride(0), w,
+        extra_idx if has_extra else window_idx, extra_idx.stride(0) if has_extra else 0, k,
+        window_lens if window_lens is not None else window_idx,
+        extra_lens if extra_lens is not None else window_idx,
+        sink if sink is not None else lse,
+        out, out.stride(0), out.stride(1), lse, lse.stride(0),
+        part_o, part_lse,
+        scale * _kernels.LOG2E, splits,
+        BN=bn, NS=config.num_stages, SPLIT_OUT=splits > 1,
+        IS_FP8=is_fp8, HAS_EXTRA=has_extra, HAS_WLEN=window_lens is not None,
+        HAS_ELEN=has_extra and extra_lens is not None, HAS_SINK=sink is not None,
+        PAGE_STRIDE=PAGE_STRIDE, SCALES_OFFSET=SCALES_OFFSET, LOADER_REGS=40,
+        num_warps=4,
     )
     if splits > 1:
         hb = min(config.combine_heads, h)

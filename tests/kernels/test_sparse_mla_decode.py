@@ -277,3 +277,42 @@ def test_gpu_cuda_graph_replay_with_new_indices(fp8):
     torch.cuda.synchronize()
     e_out, e_lse = call()
     assert torch.equal(g_out, e_out) and torch.equal(g_lse, e_lse)
+
+
+# ---- GPU: the warp-specialised Gluon kernel (sm_90, H = 64) ----
+
+def gluon_ready():
+    return HAS_CUDA and launch.gluon_unavailable(torch.empty(1, 64, 512, dtype=torch.bfloat16, device="cuda"), False) is None
+
+
+gluon_gpu = pytest.mark.skipif(not gluon_ready(), reason="needs an sm_90 GPU and Triton's Gluon")
+
+
+@gluon_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_n, stages", [(64, 2), (32, 3)])
+@pytest.mark.parametrize("b, splits", [(1, 0), (8, 0), (8, 1), (64, 3), (130, 0)])
+def test_gpu_gluon_matches_reference(block_n, stages, b, splits):
+    c = make_case(b, **V4, device="cuda", seed=100 + b + splits, sink=b % 2 == 0)
+    cfg = LaunchConfig(block_n=block_n, num_stages=stages, num_splits=splits, backend="gluon")
+    out, lse = sparse_mla_decode_triton(**c, config=cfg)
+    ref_out, ref_lse = reference64({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in c.items()})
+    assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
+
+
+@gluon_gpu
+@pytest.mark.gpu
+def test_gpu_gluon_window_only_and_full_lengths():
+    c = make_case(5, 64, 128, 0, 4096, 0, device="cuda", seed=7, ragged=False, sink=False)
+    out, lse = sparse_mla_decode_triton(**c, config=LaunchConfig(backend="gluon"))
+    ref_out, ref_lse = reference64({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in c.items()})
+    assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
+
+
+@gluon_gpu
+@pytest.mark.gpu
+def test_gpu_auto_backend_is_gluon_for_v4_bf16():
+    c = make_case(2, **V4, device="cuda", seed=3)
+    auto = sparse_mla_decode(**c)
+    forced = sparse_mla_decode_triton(**c, config=LaunchConfig(backend="gluon"))
+    assert torch.equal(auto[0], forced[0]) and torch.equal(auto[1], forced[1])

@@ -1,0 +1,224 @@
+"""Warp-specialised sparse MLA decode for Hopper, written in Gluon (Triton's explicit-layout dialect).
+
+Why a second kernel beside `kernel.py`: the plain-Triton kernel runs one 8-warp program per SM whose
+every 64-row block is a serial chain (gather -> QK^T -> softmax -> PV), with the softmax's row
+reductions and P crossing the two warpgroups through shared memory; ncu saw 12% occupancy and no
+overlap. Here one CTA per (query, split) has three partitions that run concurrently:
+
+    loader      (4 warps)  gathers the selected rows of block i into shared-memory stage i % NS with
+                           cp.async (bf16 rows), or loads V4 fp8 records, dequantises them in
+                           registers and stores bf16 (fp8 pages); signals `full[s]`.
+    compute 0/1 (4 warps each) each owns half of the output dims (O[:, 0:256] / O[:, 256:512], a
+                           [64, 256] fp32 accumulator per warpgroup). Both compute the whole
+                           S = Q K^T of a block (so neither waits on the other, at 1.5x the minimal
+                           tensor-core work), run the same online softmax, then P V on their half;
+                           each arrives on `empty[s]` when done with the stage.
+
+All 64 heads of the query are the M = 64 of every wgmma, so each selected row is read from memory
+once. Work is O(live rows): the split's block range comes from the per-query lengths, nothing is
+sized by the cache. No host syncs: graph-capturable like `kernel.py`; splits are merged by
+`kernel._combine_kernel`.
+
+Semantics are those of `reference.py`; this file only runs on sm_90 (the tests and the benchmark
+compare it with the reference there). Block indices: live block j < nbw is window block j, else extra
+block j - nbw, exactly as in `kernel.py`.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+H_ALL = gl.constexpr(64)
+D_ALL = gl.constexpr(512)
+LOADER_WARPS = gl.constexpr(4)
+
+
+@gluon.jit
+def _block_range(b, split, num_splits, W, K, wlen_ptr, elen_ptr, BN: gl.constexpr,
+                 HAS_EXTRA: gl.constexpr, HAS_WLEN: gl.constexpr, HAS_ELEN: gl.constexpr):
+    """(lo, hi, nbw, wlen, elen): this split's live blocks [lo, hi) and the query's lengths."""
+    wlen = W
+    if HAS_WLEN:
+        wlen = gl.minimum(gl.maximum(gl.load(wlen_ptr + b), 0), W)
+    elen = 0
+    if HAS_EXTRA:
+        elen = K
+        if HAS_ELEN:
+            elen = gl.minimum(gl.maximum(gl.load(elen_ptr + b), 0), K)
+    nbw = (wlen + BN - 1) // BN
+    nlive = nbw + (elen + BN - 1) // BN
+    per_split = (nlive + num_splits - 1) // num_splits
+    lo = split * per_split
+    hi = gl.minimum(lo + per_split, nlive)
+    return lo, hi, nbw, wlen, elen
+
+
+@gluon.jit
+def _loader(q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
+            widx_ptr, stride_wb, eidx_ptr, stride_eb,
+            b, lo, hi, nbw, wlen, elen,
+            q_smem, k_smem, idx_smem, q_bar, full, empty,
+            BN: gl.constexpr, NS: gl.constexpr, IS_FP8: gl.constexpr,
+            PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr):
+    NW: gl.constexpr = gl.num_warps()
+    rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
+    idx_l: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+
+    # Q: 64 heads x 512 dims, once.
+    qh = gl.arange(0, H_ALL, layout=gl.SliceLayout(1, rows_l))
+    qd = gl.arange(0, D_ALL, layout=gl.SliceLayout(0, rows_l))
+    q_ptrs = q_ptr + b.to(gl.int64) * stride_qb + qh[:, None] * stride_qh + qd[None, :]
+    async_copy.async_copy_global_to_shared(q_smem, q_ptrs)
+    async_copy.mbarrier_arrive(q_bar, increment_count=False)
+
+    widx_row = widx_ptr + b.to(gl.int64) * stride_wb
+    eidx_row = eidx_ptr + b.to(gl.int64) * stride_eb
+    offs_n = gl.arange(0, BN, layout=gl.SliceLayout(1, rows_l))
+    offs_d = gl.arange(0, D_ALL, layout=gl.SliceLayout(0, rows_l))
+    offs_i = gl.arange(0, BN, layout=idx_l)
+    for j in range(lo, hi):
+        i = j - lo
+        s = i % NS
+        if i >= NS:  # wait until both compute warpgroups are done with this stage's previous block
+            mbarrier.wait(empty.index(s), ((i // NS) + 1) & 1)
+        is_w = j < nbw
+        blk = gl.where(is_w, j, j - nbw)
+        n_valid = gl.where(is_w, wlen, elen)
+        idx_row = gl.where(is_w, widx_row, eidx_row)
+        # The block's indices, for the consumers' validity mask (zeros past n_valid; they mask by position too).
+        pos_i = blk * BN + offs_i
+        async_copy.async_copy_global_to_shared(idx_smem.index(s), idx_row + pos_i, mask=pos_i < n_valid)
+        pos = blk * BN + offs_n
+        idx = gl.load(idx_row + pos, mask=pos < n_valid, other=-1)
+        valid = idx >= 0
+        if IS_FP8:
+            gl.static_assert(False, "fp8 loader not written yet")
+        else:
+            base = gl.where(is_w, kv_ptr, ekv_ptr)
+            stride = gl.where(is_w, stride_kv, stride_ekv)
+            ptrs = base + idx.to(gl.int64)[:, None] * stride + offs_d[None, :]
+            async_copy.async_copy_global_to_shared(k_smem.index(s), ptrs, mask=valid[:, None])
+        async_copy.mbarrier_arrive(full.index(s), increment_count=False)
+
+
+@gluon.jit
+def _compute(b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
+             sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
+             q_smem, k_smem, idx_smem, q_bar, full, empty,
+             HALF: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr,
+             SPLIT_OUT: gl.constexpr, HAS_SINK: gl.constexpr):
+    DH: gl.constexpr = D_ALL // 2
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DH, 16])
+    p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_l)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_l)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_l)
+
+    m_i = gl.full([H_ALL], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([H_ALL], gl.float32, layout=row_s)
+    acc = gl.zeros([H_ALL, DH], gl.float32, layout=o_l)
+    s_zero = gl.zeros([H_ALL, BN], gl.float32, layout=s_l)
+    offs_c = gl.arange(0, BN, layout=col_s)
+    mbarrier.wait(q_bar, 0)
+    for j in range(lo, hi):
+        i = j - lo
+        s = i % NS
+        mbarrier.wait(full.index(s), (i // NS) & 1)
+        fence_async_shared()
+        k = k_smem.index(s)
+        sc = warpgroup_mma(q_smem, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+        is_w = j < nbw
+        blk = gl.where(is_w, j, j - nbw)
+        n_valid = gl.where(is_w, wlen, elen)
+        idx = idx_smem.index(s).load(col_s)
+        valid = (idx >= 0) & (blk * BN + offs_c < n_valid)
+        sc = gl.where(valid[None, :], sc * qk_scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(sc - m_safe[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        p_op = gl.convert_layout(p.to(gl.bfloat16), p_l)
+        acc = warpgroup_mma(p_op, k.slice(HALF * DH, DH, dim=1), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index(s))
+
+    LN2: gl.constexpr = 0.6931471805599453
+    has_any = l_i > 0
+    l_safe = gl.where(has_any, l_i, 1.0)
+    lse = gl.where(has_any, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
+    inv = 1.0 / l_safe
+    offs_h = gl.arange(0, H_ALL, layout=row_o)
+    offs_d = HALF * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, o_l))
+    offs_hs = gl.arange(0, H_ALL, layout=row_s)
+    if SPLIT_OUT:
+        o = acc * gl.convert_layout(inv, row_o)[:, None]
+        row = (b * num_splits + split).to(gl.int64) * H_ALL
+        gl.store(part_o_ptr + (row + offs_h[:, None]) * D_ALL + offs_d[None, :], o)
+        if HALF == 0:
+            gl.store(part_lse_ptr + row + offs_hs, lse)
+    else:
+        if HAS_SINK:
+            sink = gl.load(sink_ptr + offs_hs)
+            inv = inv / (1.0 + gl.exp(sink - lse))
+        o = acc * gl.convert_layout(inv, row_o)[:, None]
+        gl.store(out_ptr + b.to(gl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty))
+        if HALF == 0:
+            gl.store(lse_ptr + b * stride_lb + offs_hs, lse)
+
+
+@gluon.jit
+def _sparse_decode_ws_kernel(
+    q_ptr, stride_qb, stride_qh,
+    kv_ptr, stride_kv, ekv_ptr, stride_ekv,
+    widx_ptr, stride_wb, W, eidx_ptr, stride_eb, K,
+    wlen_ptr, elen_ptr, sink_ptr,
+    out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
+    part_o_ptr, part_lse_ptr,
+    qk_scale_log2, num_splits,
+    BN: gl.constexpr, NS: gl.constexpr, SPLIT_OUT: gl.constexpr,
+    IS_FP8: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_WLEN: gl.constexpr, HAS_ELEN: gl.constexpr,
+    HAS_SINK: gl.constexpr, PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr,
+    LOADER_REGS: gl.constexpr,
+):
+    b = gl.program_id(0)
+    split = gl.program_id(1)
+    lo, hi, nbw, wlen, elen = _block_range(b, split, num_splits, W, K, wlen_ptr, elen_ptr, BN,
+                                           HAS_EXTRA, HAS_WLEN, HAS_ELEN)
+
+    nvmma: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [H_ALL, D_ALL], nvmma)
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [NS, BN, D_ALL], nvmma)
+    idx_smem = gl.allocate_shared_memory(gl.int32, [NS, BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    full = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=LOADER_WARPS * 32)
+    for s in gl.static_range(NS):
+        mbarrier.init(full.index(s), count=LOADER_WARPS * 32)
+        mbarrier.init(empty.index(s), count=2)
+
+    gl.warp_specialize([
+        (_compute, (b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
+                    sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
+                    q_smem, k_smem, idx_smem, q_bar, full, empty, 0, BN, NS, SPLIT_OUT, HAS_SINK)),
+        (_compute, (b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
+                    sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
+                    q_smem, k_smem, idx_smem, q_bar, full, empty, 1, BN, NS, SPLIT_OUT, HAS_SINK)),
+        (_loader, (q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
+                   widx_ptr, stride_wb, eidx_ptr, stride_eb, b, lo, hi, nbw, wlen, elen,
+                   q_smem, k_smem, idx_smem, q_bar, full, empty, BN, NS, IS_FP8, PAGE_STRIDE, SCALES_OFFSET)),
+    ], [4, LOADER_WARPS], [232, LOADER_REGS])
