@@ -178,6 +178,8 @@ def run(argv: list[str]) -> int:
     parser.add_argument("--batches", default="1,8,32,64,128")
     parser.add_argument("--sweep", action="store_true", help="also try other launch configs, report the best")
     parser.add_argument("--profile", action="store_true", help="only run the Triton kernels a few times (for ncu)")
+    parser.add_argument("--kernels", default="torch_reference_bf16,triton_bf16,triton_fp8,gluon_bf16,gluon_fp8,flashmla_fp8_v4",
+                        help="comma-separated rows to measure")
     args = parser.parse_args(argv)
     batches = [int(x) for x in args.batches.split(",")]
     if args.profile:
@@ -192,7 +194,9 @@ def run(argv: list[str]) -> int:
         ref_out, _ = sparse_mla_decode_ref(**case)
         deq = {**case, "kv": fp8_layout.dequantize_kv_v4(cache), "extra_kv": fp8_layout.dequantize_kv_v4(extra_cache)}
         ref8_out, _ = sparse_mla_decode_ref(**deq)
-        rows.append(measure("torch_reference_bf16", lambda: torch_reference(case), ref_out, b, 1024, copy_gbs))
+        wanted = set(args.kernels.split(","))
+        if "torch_reference_bf16" in wanted:
+            rows.append(measure("torch_reference_bf16", lambda: torch_reference(case), ref_out, b, 1024, copy_gbs))
 
         nblocks = {bn: -(-W // bn) + -(-TOPK // bn) for bn in (16, 32, 64)}
         triton_default = LaunchConfig(backend="triton")
@@ -216,6 +220,8 @@ def run(argv: list[str]) -> int:
             ("gluon_fp8", lambda c: (lambda: sparse_mla_decode_fp8_triton(**fp8_case, kv_cache=cache, extra_cache=extra_cache, config=c)), ref8_out, fp8_layout.BYTES_PER_TOKEN),
         ]
         for name, fn_for, ref, row_bytes in kernels:
+            if name not in wanted:
+                continue
             if name.startswith("gluon") and gluon_unavailable(case["q"], name.endswith("fp8")):
                 why = gluon_unavailable(case["q"], name.endswith("fp8"))
                 rows.append(dict(kernel=name, B=b, error=f"not run: {why}"))
@@ -234,7 +240,7 @@ def run(argv: list[str]) -> int:
                 rows.append(dict(kernel=name, B=b, error=f"{type(exc).__name__}: {str(exc)[:300]}", **info))
 
         fm_run, fm_error = flashmla_call(fp8_case, cache, extra_cache)
-        if fm_run is not None:
+        if fm_run is not None and "flashmla_fp8_v4" in wanted:
             try:
                 rows.append(measure("flashmla_fp8_v4", fm_run, ref8_out, b, fp8_layout.BYTES_PER_TOKEN, copy_gbs))
             except (RuntimeError, AssertionError, TypeError) as exc:
