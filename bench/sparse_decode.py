@@ -136,6 +136,7 @@ def best_config(fn_for, ref_out, b, configs):
         except (RuntimeError, OutOfResources, ValueError) as exc:  # e.g. too much shared memory for this config
             print(f"  {cfg}: {type(exc).__name__}: {str(exc)[:200]}, skipped")
             continue
+        print(f"  {us:8.1f} us  {cfg}")
         if best is None or us < best[1]:
             best = (cfg, us)
     return best[0] if best else None
@@ -209,9 +210,10 @@ def run(argv: list[str]) -> int:
                     for s in sorted({choose_splits(b, nblocks[bn], sms), choose_splits(b, nblocks[bn], 2 * sms)})]
             configs["triton_bf16"] = base
             configs["triton_fp8"] = base + [dataclasses.replace(c, prefetch=True) for c in base]
-            gluon = [LaunchConfig(block_n=bn, num_stages=st, num_splits=s, backend="gluon")
-                     for bn, st in ((64, 2), (32, 2), (32, 3), (32, 4))
-                     for s in sorted({choose_splits(b, nblocks[bn], sms), choose_splits(b, nblocks[bn], 2 * sms)})]
+            gluon = [LaunchConfig(block_n=bn, num_stages=st, num_splits=s, backend="gluon", pipeline=pipe)
+                     for bn, st in ((64, 2), (32, 3), (32, 4)) for pipe in (False, True)
+                     for s in sorted({choose_splits(b, nblocks[bn], sms), choose_splits(b, nblocks[bn], 2 * sms),
+                                      *((1, 2, 5) if b == 1 else ())})]
             configs["gluon_bf16"] = configs["gluon_fp8"] = gluon
         kernels = [
             ("triton_bf16", lambda c: (lambda: sparse_mla_decode_triton(**case, config=c)), ref_out, 1024),
@@ -233,6 +235,8 @@ def run(argv: list[str]) -> int:
             splits = cfg.num_splits or choose_splits(b, nblocks[cfg.block_n], sms)
             info = dict(block_n=cfg.block_n, warps=cfg.num_warps, stages=cfg.num_stages, prefetch=cfg.prefetch,
                         splits=splits)
+            if name.startswith("gluon"):
+                info.update(warps=12, prefetch=None, pipeline=cfg.pipeline)
             try:
                 rows.append(measure(name, fn_for(cfg), ref, b, row_bytes, copy_gbs, info))
             except Exception as exc:  # a kernel that fails to compile or run is a result, not the end of the run
@@ -252,7 +256,7 @@ def run(argv: list[str]) -> int:
     for r in resources:
         print("  compiled:", r)
     print(f"device copy bandwidth (same run): {copy_gbs:.0f} GB/s; FlashMLA: {fm_error or 'loaded'}")
-    print_table(rows, ["kernel", "B", "us", "us_eager", "GBps", "frac_copy", "TFLOPs", "rel_err", "block_n", "warps", "stages", "prefetch", "splits", "error"])
+    print_table(rows, ["kernel", "B", "us", "us_eager", "GBps", "frac_copy", "TFLOPs", "rel_err", "block_n", "warps", "stages", "prefetch", "pipeline", "splits", "error"])
     path = write_results("sparse_decode", dict(
         device=torch.cuda.get_device_name(0), torch=torch.__version__, copy_gbs=copy_gbs,
         shapes=dict(H=H, D=D, window=W, topk=TOPK, context=CONTEXT), flashmla_error=fm_error, compiled=resources, rows=rows,

@@ -62,6 +62,16 @@ def _block_range(b, split, num_splits, W, K, wlen_ptr, elen_ptr, BN: gl.constexp
 
 
 @gluon.jit
+def _block_indices(j, hi, nbw, wlen, elen, widx_row, eidx_row, offs_n, BN: gl.constexpr):
+    """Cache rows of live block j (-1 where invalid or past the length; all -1 for j >= hi)."""
+    is_w = j < nbw
+    blk = gl.where(is_w, j, j - nbw)
+    n_valid = gl.where(j < hi, gl.where(is_w, wlen, elen), 0)
+    pos = blk * BN + offs_n
+    return gl.load(gl.where(is_w, widx_row, eidx_row) + pos, mask=pos < n_valid, other=-1)
+
+
+@gluon.jit
 def _loader(q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
             widx_ptr, stride_wb, eidx_ptr, stride_eb,
             b, lo, hi, nbw, wlen, elen,
@@ -84,9 +94,13 @@ def _loader(q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
     offs_n = gl.arange(0, BN, layout=gl.SliceLayout(1, rows_l))
     offs_d = gl.arange(0, D_ALL, layout=gl.SliceLayout(0, rows_l))
     offs_i = gl.arange(0, BN, layout=idx_l)
+    # Block j's indices are loaded one block ahead, before the wait for a free stage, so the
+    # dependent index -> row gather does not pay two memory latencies per block.
+    idx = _block_indices(lo, hi, nbw, wlen, elen, widx_row, eidx_row, offs_n, BN)
     for j in range(lo, hi):
         i = j - lo
         s = i % NS
+        idx_next = _block_indices(j + 1, hi, nbw, wlen, elen, widx_row, eidx_row, offs_n, BN)
         if i >= NS:  # wait until both compute warpgroups are done with this stage's previous block
             mbarrier.wait(empty.index(s), ((i // NS) + 1) & 1)
         is_w = j < nbw
@@ -96,8 +110,6 @@ def _loader(q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
         # The block's indices, for the consumers' validity mask (zeros past n_valid; they mask by position too).
         pos_i = blk * BN + offs_i
         async_copy.async_copy_global_to_shared(idx_smem.index(s), idx_row + pos_i, mask=pos_i < n_valid)
-        pos = blk * BN + offs_n
-        idx = gl.load(idx_row + pos, mask=pos < n_valid, other=-1)
         valid = idx >= 0
         if IS_FP8:
             gl.static_assert(False, "fp8 loader not written yet")
@@ -107,6 +119,24 @@ def _loader(q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
             ptrs = base + idx.to(gl.int64)[:, None] * stride + offs_d[None, :]
             async_copy.async_copy_global_to_shared(k_smem.index(s), ptrs, mask=valid[:, None])
         async_copy.mbarrier_arrive(full.index(s), increment_count=False)
+        idx = idx_next
+
+
+@gluon.jit
+def _online_softmax(sc, j, nbw, wlen, elen, idx_s, m_i, l_i, qk_scale_log2, offs_c, p_l: gl.constexpr,
+                    BN: gl.constexpr):
+    """Mask block j's raw scores, fold them into (m_i, l_i); P in bf16 as the PV wgmma's A operand."""
+    is_w = j < nbw
+    blk = gl.where(is_w, j, j - nbw)
+    n_valid = gl.where(is_w, wlen, elen)
+    valid = (idx_s >= 0) & (blk * BN + offs_c < n_valid)
+    sc = gl.where(valid[None, :], sc * qk_scale_log2, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(sc - m_safe[:, None])
+    l_new = l_i * alpha + gl.sum(p, axis=1)
+    return gl.convert_layout(p.to(gl.bfloat16), p_l), alpha, m_new, l_new
 
 
 @gluon.jit
@@ -114,7 +144,7 @@ def _compute(b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
              sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
              q_smem, k_smem, idx_smem, q_bar, full, empty,
              HALF: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr,
-             SPLIT_OUT: gl.constexpr, HAS_SINK: gl.constexpr):
+             SPLIT_OUT: gl.constexpr, HAS_SINK: gl.constexpr, PIPE: gl.constexpr):
     DH: gl.constexpr = D_ALL // 2
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DH, 16])
@@ -129,31 +159,53 @@ def _compute(b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
     s_zero = gl.zeros([H_ALL, BN], gl.float32, layout=s_l)
     offs_c = gl.arange(0, BN, layout=col_s)
     mbarrier.wait(q_bar, 0)
-    for j in range(lo, hi):
-        i = j - lo
-        s = i % NS
-        mbarrier.wait(full.index(s), (i // NS) & 1)
-        fence_async_shared()
-        k = k_smem.index(s)
-        sc = warpgroup_mma(q_smem, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-        is_w = j < nbw
-        blk = gl.where(is_w, j, j - nbw)
-        n_valid = gl.where(is_w, wlen, elen)
-        idx = idx_smem.index(s).load(col_s)
-        valid = (idx >= 0) & (blk * BN + offs_c < n_valid)
-        sc = gl.where(valid[None, :], sc * qk_scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(sc, axis=1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(sc - m_safe[:, None])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        p_op = gl.convert_layout(p.to(gl.bfloat16), p_l)
-        acc = warpgroup_mma(p_op, k.slice(HALF * DH, DH, dim=1), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index(s))
+    if PIPE:
+        # FA3-style: block j+1's QK^T is issued before block j's PV, and its softmax runs while PV
+        # is on the tensor cores; P of block j and S of block j+1 are live together.
+        p_op = gl.zeros([H_ALL, BN], gl.bfloat16, layout=p_l)
+        alpha = gl.full([H_ALL], 1.0, gl.float32, layout=row_s)
+        if lo < hi:
+            mbarrier.wait(full.index(0), 0)
+            fence_async_shared()
+            sc = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+            p_op, alpha, m_i, l_i = _online_softmax(sc, lo, nbw, wlen, elen, idx_smem.index(0).load(col_s),
+                                                    m_i, l_i, qk_scale_log2, offs_c, p_l, BN)
+        for j in range(lo, hi - 1):
+            i = j - lo
+            s = i % NS
+            s1 = (i + 1) % NS
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            mbarrier.wait(full.index(s1), ((i + 1) // NS) & 1)
+            fence_async_shared()
+            sn = warpgroup_mma(q_smem, k_smem.index(s1).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            acc = warpgroup_mma(p_op, k_smem.index(s).slice(HALF * DH, DH, dim=1), acc, is_async=True)
+            sn = warpgroup_mma_wait(num_outstanding=1, deps=(sn,))
+            p_op, alpha, m_i, l_i = _online_softmax(sn, j + 1, nbw, wlen, elen, idx_smem.index(s1).load(col_s),
+                                                    m_i, l_i, qk_scale_log2, offs_c, p_l, BN)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index(s))
+        if lo < hi:
+            s = (hi - 1 - lo) % NS
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            acc = warpgroup_mma(p_op, k_smem.index(s).slice(HALF * DH, DH, dim=1), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index(s))
+    else:
+        for j in range(lo, hi):
+            i = j - lo
+            s = i % NS
+            mbarrier.wait(full.index(s), (i // NS) & 1)
+            fence_async_shared()
+            k = k_smem.index(s)
+            sc = warpgroup_mma(q_smem, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+            p_op, alpha, m_i, l_i = _online_softmax(sc, j, nbw, wlen, elen, idx_smem.index(s).load(col_s),
+                                                    m_i, l_i, qk_scale_log2, offs_c, p_l, BN)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            acc = warpgroup_mma(p_op, k.slice(HALF * DH, DH, dim=1), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index(s))
 
     LN2: gl.constexpr = 0.6931471805599453
     has_any = l_i > 0
@@ -192,7 +244,7 @@ def _sparse_decode_ws_kernel(
     BN: gl.constexpr, NS: gl.constexpr, SPLIT_OUT: gl.constexpr,
     IS_FP8: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_WLEN: gl.constexpr, HAS_ELEN: gl.constexpr,
     HAS_SINK: gl.constexpr, PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr,
-    LOADER_REGS: gl.constexpr,
+    LOADER_REGS: gl.constexpr, PIPE: gl.constexpr,
 ):
     b = gl.program_id(0)
     split = gl.program_id(1)
@@ -214,11 +266,11 @@ def _sparse_decode_ws_kernel(
     gl.warp_specialize([
         (_compute, (b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
                     sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
-                    q_smem, k_smem, idx_smem, q_bar, full, empty, 0, BN, NS, SPLIT_OUT, HAS_SINK)),
+                    q_smem, k_smem, idx_smem, q_bar, full, empty, 0, BN, NS, SPLIT_OUT, HAS_SINK, PIPE)),
         (_compute, (b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
                     sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
-                    q_smem, k_smem, idx_smem, q_bar, full, empty, 1, BN, NS, SPLIT_OUT, HAS_SINK)),
+                    q_smem, k_smem, idx_smem, q_bar, full, empty, 1, BN, NS, SPLIT_OUT, HAS_SINK, PIPE)),
         (_loader, (q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
                    widx_ptr, stride_wb, eidx_ptr, stride_eb, b, lo, hi, nbw, wlen, elen,
                    q_smem, k_smem, idx_smem, q_bar, full, empty, BN, NS, IS_FP8, PAGE_STRIDE, SCALES_OFFSET)),
-    ], [4, LOADER_WARPS], [232, LOADER_REGS])
+    ], [4, LOADER_WARPS], [(512 - LOADER_REGS) // 16 * 8, LOADER_REGS])

@@ -32,6 +32,8 @@ class LaunchConfig:
     prefetch: bool = False
     combine_heads: int = 8
     backend: str = "auto"  # "auto": the warp-specialised Gluon kernel where it applies (sm_90, H = 64), else "triton"
+    pipeline: bool = True  # Gluon: issue block j+1's QK^T before block j's PV (FA3-style overlap)
+    loader_regs: int = 40  # Gluon: registers per loader thread; the two compute warpgroups share the rest
 
 
 def choose_splits(batch: int, num_blocks: int, num_sms: int) -> int:
@@ -192,7 +194,7 @@ def _launch_gluon(q, main, main_stride, extra, extra_stride, window_idx, extra_i
         BN=bn, NS=config.num_stages, SPLIT_OUT=splits > 1,
         IS_FP8=is_fp8, HAS_EXTRA=has_extra, HAS_WLEN=window_lens is not None,
         HAS_ELEN=has_extra and extra_lens is not None, HAS_SINK=sink is not None,
-        PAGE_STRIDE=PAGE_STRIDE, SCALES_OFFSET=SCALES_OFFSET, LOADER_REGS=40,
+        PAGE_STRIDE=PAGE_STRIDE, SCALES_OFFSET=SCALES_OFFSET, LOADER_REGS=config.loader_regs, PIPE=config.pipeline,
         num_warps=4,
     )
     if splits > 1:

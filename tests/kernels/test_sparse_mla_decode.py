@@ -290,11 +290,11 @@ gluon_gpu = pytest.mark.skipif(not gluon_ready(), reason="needs an sm_90 GPU and
 
 @gluon_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_n, stages", [(64, 2), (32, 3)])
+@pytest.mark.parametrize("block_n, stages, pipeline", [(64, 2, True), (64, 2, False), (32, 3, True), (32, 4, False)])
 @pytest.mark.parametrize("b, splits", [(1, 0), (8, 0), (8, 1), (64, 3), (130, 0)])
-def test_gpu_gluon_matches_reference(block_n, stages, b, splits):
+def test_gpu_gluon_matches_reference(block_n, stages, pipeline, b, splits):
     c = make_case(b, **V4, device="cuda", seed=100 + b + splits, sink=b % 2 == 0)
-    cfg = LaunchConfig(block_n=block_n, num_stages=stages, num_splits=splits, backend="gluon")
+    cfg = LaunchConfig(block_n=block_n, num_stages=stages, num_splits=splits, backend="gluon", pipeline=pipeline)
     out, lse = sparse_mla_decode_triton(**c, config=cfg)
     ref_out, ref_lse = reference64({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in c.items()})
     assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
