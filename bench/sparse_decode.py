@@ -26,6 +26,9 @@ from dsv4_cluster.kernels.sparse_mla_decode.launch import (
     LaunchConfig,
     choose_splits,
     gluon_unavailable,
+    gluon_smem_bytes,
+    resolved,
+    SMEM_LIMIT,
     sparse_mla_decode_fp8_triton,
     sparse_mla_decode_triton,
 )
@@ -210,11 +213,17 @@ def run(argv: list[str]) -> int:
                     for s in sorted({choose_splits(b, nblocks[bn], sms), choose_splits(b, nblocks[bn], 2 * sms)})]
             configs["triton_bf16"] = base
             configs["triton_fp8"] = base + [dataclasses.replace(c, prefetch=True) for c in base]
-            gluon = [LaunchConfig(block_n=bn, num_stages=st, num_splits=s, backend="gluon", pipeline=pipe)
-                     for bn, st in ((64, 2), (32, 3), (32, 4)) for pipe in (False, True)
-                     for s in sorted({choose_splits(b, nblocks[bn], sms), choose_splits(b, nblocks[bn], 2 * sms),
-                                      *((1, 2, 5) if b == 1 else ())})]
-            configs["gluon_bf16"] = configs["gluon_fp8"] = gluon
+            def gluon_configs(fp8: bool) -> list:
+                shapes = [(bn, st) for bn, st in ((64, 2), (32, 2), (32, 3), (32, 4))
+                          if gluon_smem_bytes(bn, st, fp8) <= SMEM_LIMIT]
+                return [LaunchConfig(block_n=bn, num_stages=st, num_splits=s, backend="gluon", pipeline=pipe,
+                                     loader_regs=regs)
+                        for bn, st in shapes for pipe in (False, True) for regs in ((56, 96) if fp8 else (40,))
+                        for s in sorted({choose_splits(b, nblocks[bn], sms), choose_splits(b, nblocks[bn], 2 * sms),
+                                         *((1, 2, 5) if b == 1 else ())})]
+
+            configs["gluon_bf16"] = gluon_configs(False)
+            configs["gluon_fp8"] = gluon_configs(True)
         kernels = [
             ("triton_bf16", lambda c: (lambda: sparse_mla_decode_triton(**case, config=c)), ref_out, 1024),
             ("triton_fp8", lambda c: (lambda: sparse_mla_decode_fp8_triton(**fp8_case, kv_cache=cache, extra_cache=extra_cache, config=c)), ref8_out, fp8_layout.BYTES_PER_TOKEN),
@@ -232,11 +241,12 @@ def run(argv: list[str]) -> int:
             if cfg is None:
                 rows.append(dict(kernel=name, B=b, error="no config gave a correct output"))
                 continue
+            cfg = resolved(cfg, name.split("_")[0], name.endswith("fp8"))
             splits = cfg.num_splits or choose_splits(b, nblocks[cfg.block_n], sms)
             info = dict(block_n=cfg.block_n, warps=cfg.num_warps, stages=cfg.num_stages, prefetch=cfg.prefetch,
                         splits=splits)
             if name.startswith("gluon"):
-                info.update(warps=12, prefetch=None, pipeline=cfg.pipeline)
+                info.update(warps=12, prefetch=None, pipeline=cfg.pipeline, loader_regs=cfg.loader_regs)
             try:
                 rows.append(measure(name, fn_for(cfg), ref, b, row_bytes, copy_gbs, info))
             except Exception as exc:  # a kernel that fails to compile or run is a result, not the end of the run
@@ -256,7 +266,7 @@ def run(argv: list[str]) -> int:
     for r in resources:
         print("  compiled:", r)
     print(f"device copy bandwidth (same run): {copy_gbs:.0f} GB/s; FlashMLA: {fm_error or 'loaded'}")
-    print_table(rows, ["kernel", "B", "us", "us_eager", "GBps", "frac_copy", "TFLOPs", "rel_err", "block_n", "warps", "stages", "prefetch", "pipeline", "splits", "error"])
+    print_table(rows, ["kernel", "B", "us", "us_eager", "GBps", "frac_copy", "TFLOPs", "rel_err", "block_n", "warps", "stages", "prefetch", "pipeline", "loader_regs", "splits", "error"])
     path = write_results("sparse_decode", dict(
         device=torch.cuda.get_device_name(0), torch=torch.__version__, copy_gbs=copy_gbs,
         shapes=dict(H=H, D=D, window=W, topk=TOPK, context=CONTEXT), flashmla_error=fm_error, compiled=resources, rows=rows,

@@ -111,15 +111,109 @@ def _loader(q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
         pos_i = blk * BN + offs_i
         async_copy.async_copy_global_to_shared(idx_smem.index(s), idx_row + pos_i, mask=pos_i < n_valid)
         valid = idx >= 0
-        if IS_FP8:
-            gl.static_assert(False, "fp8 loader not written yet")
-        else:
-            base = gl.where(is_w, kv_ptr, ekv_ptr)
-            stride = gl.where(is_w, stride_kv, stride_ekv)
-            ptrs = base + idx.to(gl.int64)[:, None] * stride + offs_d[None, :]
-            async_copy.async_copy_global_to_shared(k_smem.index(s), ptrs, mask=valid[:, None])
+        base = gl.where(is_w, kv_ptr, ekv_ptr)
+        stride = gl.where(is_w, stride_kv, stride_ekv)
+        ptrs = base + idx.to(gl.int64)[:, None] * stride + offs_d[None, :]
+        async_copy.async_copy_global_to_shared(k_smem.index(s), ptrs, mask=valid[:, None])
         async_copy.mbarrier_arrive(full.index(s), increment_count=False)
         idx = idx_next
+
+
+@gluon.jit
+def _issue_raw_fp8(j, hi, nbw, wlen, elen, widx_row, eidx_row, kv_ptr, ekv_ptr, nope_st, rope_st, sc_st,
+                   BN: gl.constexpr, PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr):
+    """cp.async the raw V4 records of live block j (nothing for j >= hi) into one staging buffer; commit.
+
+    nope_st [BN, 8, 64] u8 gets the 448 e4m3 bytes (tile 7 zero-filled), rope_st [BN, 64] bf16 the
+    RoPE dims, sc_st [BN, 8] u8 the 7 ue8m0 scales + pad. Invalid rows are zero-filled everywhere.
+    """
+    NW: gl.constexpr = gl.num_warps()
+    nope_l: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 8, 4], [NW, 1, 1], [2, 1, 0])
+    rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+    sc_l: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [NW, 1], [1, 0])
+    row_l: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, nope_l))
+    idx = _block_indices(j, hi, nbw, wlen, elen, widx_row, eidx_row, gl.arange(0, BN, layout=row_l), BN)
+    valid = idx >= 0
+    base = gl.where(j < nbw, kv_ptr, ekv_ptr)
+    page_base = base + (idx // 64).to(gl.int64) * PAGE_STRIDE
+    slot = idx % 64
+    rec = page_base + slot * 576
+    t = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, nope_l)))
+    c = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, nope_l)))
+    nope_ptrs = rec[:, None, None] + (t[None, :, None] * 64 + c[None, None, :])
+    nope_mask = valid[:, None, None] & (t < 7)[None, :, None]
+    async_copy.async_copy_global_to_shared(nope_st, nope_ptrs, mask=nope_mask)
+
+    rec_r = gl.convert_layout(rec, gl.SliceLayout(1, rope_l))
+    valid_r = gl.convert_layout(valid, gl.SliceLayout(1, rope_l))
+    cr = gl.arange(0, 64, layout=gl.SliceLayout(0, rope_l))
+    rope_ptrs = (rec_r + 448).to(gl.pointer_type(gl.bfloat16), bitcast=True)[:, None] + cr[None, :]
+    async_copy.async_copy_global_to_shared(rope_st, rope_ptrs, mask=valid_r[:, None])
+
+    pb_s = gl.convert_layout(page_base, gl.SliceLayout(1, sc_l))
+    slot_s = gl.convert_layout(slot, gl.SliceLayout(1, sc_l))
+    valid_s = gl.convert_layout(valid, gl.SliceLayout(1, sc_l))
+    cs = gl.arange(0, 8, layout=gl.SliceLayout(0, sc_l))
+    sc_ptrs = (pb_s + SCALES_OFFSET + slot_s * 8)[:, None] + cs[None, :]
+    async_copy.async_copy_global_to_shared(sc_st, sc_ptrs, mask=valid_s[:, None])
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr,
+                widx_ptr, stride_wb, eidx_ptr, stride_eb,
+                b, lo, hi, nbw, wlen, elen,
+                q_smem, k_smem, idx_smem, nope_st, rope_st, sc_st, q_bar, full, empty,
+                BN: gl.constexpr, NS: gl.constexpr, RC: gl.constexpr,
+                PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr):
+    """V4 fp8 pages: raw records of block j+1 are copied (cp.async, double-buffered staging) while
+    block j is dequantised from shared memory in RC-row chunks into the bf16 stage the wgmmas read."""
+    NW: gl.constexpr = gl.num_warps()
+    rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
+    idx_l: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+    deq_l: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 8, 4], [NW, 1, 1], [2, 1, 0])
+
+    qh = gl.arange(0, H_ALL, layout=gl.SliceLayout(1, rows_l))
+    qd = gl.arange(0, D_ALL, layout=gl.SliceLayout(0, rows_l))
+    q_ptrs = q_ptr + b.to(gl.int64) * stride_qb + qh[:, None] * stride_qh + qd[None, :]
+    async_copy.async_copy_global_to_shared(q_smem, q_ptrs)
+    async_copy.mbarrier_arrive(q_bar, increment_count=False)
+
+    widx_row = widx_ptr + b.to(gl.int64) * stride_wb
+    eidx_row = eidx_ptr + b.to(gl.int64) * stride_eb
+    offs_i = gl.arange(0, BN, layout=idx_l)
+    t = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, deq_l)))
+    is_nope = (t < 7)[None, :, None]
+    _issue_raw_fp8(lo, hi, nbw, wlen, elen, widx_row, eidx_row, kv_ptr, ekv_ptr,
+                   nope_st.index(0), rope_st.index(0), sc_st.index(0), BN, PAGE_STRIDE, SCALES_OFFSET)
+    for j in range(lo, hi):
+        i = j - lo
+        s = i % NS
+        cur = i % 2
+        _issue_raw_fp8(j + 1, hi, nbw, wlen, elen, widx_row, eidx_row, kv_ptr, ekv_ptr,
+                       nope_st.index(1 - cur), rope_st.index(1 - cur), sc_st.index(1 - cur), BN, PAGE_STRIDE,
+                       SCALES_OFFSET)
+        async_copy.wait_group(1)  # this thread's copies of block j have landed ...
+        gl.thread_barrier()  # ... and every loader thread's
+        if i >= NS:
+            mbarrier.wait(empty.index(s), ((i // NS) + 1) & 1)
+        for r0 in gl.static_range(0, BN, RC):
+            raw = nope_st.index(cur).slice(r0, RC, dim=0).load(deq_l)
+            sc = sc_st.index(cur).slice(r0, RC, dim=0).load(gl.SliceLayout(2, deq_l))
+            rope = rope_st.index(cur).slice(r0, RC, dim=0).load(gl.SliceLayout(1, deq_l))
+            scale = gl.exp2(sc.to(gl.float32) - 127.0)
+            vals = raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, :, None]
+            vals = gl.where(is_nope, vals, rope.to(gl.float32)[:, None, :])
+            k_smem.index(s).slice(r0, RC, dim=0).store(gl.reshape(vals.to(gl.bfloat16), [RC, D_ALL]))
+        fence_async_shared()  # the generic-proxy stores above are read by wgmma (async proxy)
+        is_w = j < nbw
+        blk = gl.where(is_w, j, j - nbw)
+        n_valid = gl.where(is_w, wlen, elen)
+        pos_i = blk * BN + offs_i
+        async_copy.async_copy_global_to_shared(idx_smem.index(s), gl.where(is_w, widx_row, eidx_row) + pos_i,
+                                               mask=pos_i < n_valid)
+        async_copy.mbarrier_arrive(full.index(s), increment_count=False)
+        mbarrier.arrive(full.index(s))  # after a loader-wide barrier: the dequantised stage is complete
 
 
 @gluon.jit
@@ -244,7 +338,7 @@ def _sparse_decode_ws_kernel(
     BN: gl.constexpr, NS: gl.constexpr, SPLIT_OUT: gl.constexpr,
     IS_FP8: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_WLEN: gl.constexpr, HAS_ELEN: gl.constexpr,
     HAS_SINK: gl.constexpr, PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr,
-    LOADER_REGS: gl.constexpr, PIPE: gl.constexpr,
+    LOADER_REGS: gl.constexpr, PIPE: gl.constexpr, RC: gl.constexpr,
 ):
     b = gl.program_id(0)
     split = gl.program_id(1)
@@ -255,22 +349,40 @@ def _sparse_decode_ws_kernel(
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [H_ALL, D_ALL], nvmma)
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [NS, BN, D_ALL], nvmma)
     idx_smem = gl.allocate_shared_memory(gl.int32, [NS, BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    if IS_FP8:
+        nope_st = gl.allocate_shared_memory(gl.uint8, [2, BN, 8, 64], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+        rope_st = gl.allocate_shared_memory(gl.bfloat16, [2, BN, 64], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        sc_st = gl.allocate_shared_memory(gl.uint8, [2, BN, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     full = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=LOADER_WARPS * 32)
     for s in gl.static_range(NS):
-        mbarrier.init(full.index(s), count=LOADER_WARPS * 32)
+        mbarrier.init(full.index(s), count=LOADER_WARPS * 32 + IS_FP8)
         mbarrier.init(empty.index(s), count=2)
 
-    gl.warp_specialize([
-        (_compute, (b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
-                    sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
-                    q_smem, k_smem, idx_smem, q_bar, full, empty, 0, BN, NS, SPLIT_OUT, HAS_SINK, PIPE)),
-        (_compute, (b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
-                    sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
-                    q_smem, k_smem, idx_smem, q_bar, full, empty, 1, BN, NS, SPLIT_OUT, HAS_SINK, PIPE)),
-        (_loader, (q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
-                   widx_ptr, stride_wb, eidx_ptr, stride_eb, b, lo, hi, nbw, wlen, elen,
-                   q_smem, k_smem, idx_smem, q_bar, full, empty, BN, NS, IS_FP8, PAGE_STRIDE, SCALES_OFFSET)),
-    ], [4, LOADER_WARPS], [(512 - LOADER_REGS) // 16 * 8, LOADER_REGS])
+    compute_regs: gl.constexpr = (512 - LOADER_REGS) // 16 * 8
+    if IS_FP8:
+        gl.warp_specialize([
+            (_compute, (b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
+                         sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
+                         q_smem, k_smem, idx_smem, q_bar, full, empty, 0, BN, NS, SPLIT_OUT, HAS_SINK, PIPE)),
+            (_compute, (b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
+                         sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
+                         q_smem, k_smem, idx_smem, q_bar, full, empty, 1, BN, NS, SPLIT_OUT, HAS_SINK, PIPE)),
+            (_loader_fp8, (q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr, widx_ptr, stride_wb, eidx_ptr, stride_eb,
+                           b, lo, hi, nbw, wlen, elen, q_smem, k_smem, idx_smem, nope_st, rope_st, sc_st,
+                           q_bar, full, empty, BN, NS, RC, PAGE_STRIDE, SCALES_OFFSET)),
+        ], [4, LOADER_WARPS], [compute_regs, LOADER_REGS])
+    else:
+        gl.warp_specialize([
+            (_compute, (b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
+                         sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
+                         q_smem, k_smem, idx_smem, q_bar, full, empty, 0, BN, NS, SPLIT_OUT, HAS_SINK, PIPE)),
+            (_compute, (b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
+                         sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
+                         q_smem, k_smem, idx_smem, q_bar, full, empty, 1, BN, NS, SPLIT_OUT, HAS_SINK, PIPE)),
+            (_loader, (q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
+                       widx_ptr, stride_wb, eidx_ptr, stride_eb, b, lo, hi, nbw, wlen, elen,
+                       q_smem, k_smem, idx_smem, q_bar, full, empty, BN, NS, IS_FP8, PAGE_STRIDE, SCALES_OFFSET)),
+        ], [4, LOADER_WARPS], [compute_regs, LOADER_REGS])

@@ -8,7 +8,7 @@ On CPU tensors the same kernels run under TRITON_INTERPRET=1 (the tests do this)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -25,10 +25,10 @@ class LaunchConfig:
     """How the work is cut: rows per block, splits per query (0 = choose from B), warps, stages, and
     whether block j + 1 is loaded before block j is computed (register prefetch)."""
 
-    block_n: int = 64
+    block_n: int = 0  # 0: the backend's default (see `resolved`)
     num_splits: int = 0
     num_warps: int = 8
-    num_stages: int = 2
+    num_stages: int = 0  # 0: the backend's default; Gluon: shared-memory stages of block_n rows
     prefetch: bool = False
     combine_heads: int = 8
     backend: str = "auto"  # "auto": the warp-specialised Gluon kernel where it applies (sm_90, H = 64), else "triton"
@@ -78,6 +78,24 @@ def _check_common(q, window_idx, extra_idx, sink, window_lens, extra_lens, has_e
 
 
 BACKENDS = ("auto", "triton", "gluon")
+# (block_n, stages) when the config leaves them 0. Gluon fp8 also stages raw records in shared memory,
+# so its blocks are smaller.
+DEFAULT_BLOCKS = {("triton", False): (64, 2), ("triton", True): (64, 2),
+                  ("gluon", False): (64, 2), ("gluon", True): (32, 3)}
+SMEM_LIMIT = 226 * 1024  # the 227 KB a block may opt into, less a margin for what the estimate leaves out
+
+
+def resolved(config: LaunchConfig | None, backend: str, is_fp8: bool) -> LaunchConfig:
+    """`config` with its 0 (= default) block size and stage count filled in for this backend."""
+    config = config or LaunchConfig()
+    bn, stages = DEFAULT_BLOCKS[(backend, is_fp8)]
+    return replace(config, block_n=config.block_n or bn, num_stages=config.num_stages or stages, backend=backend)
+
+
+def gluon_smem_bytes(block_n: int, stages: int, is_fp8: bool) -> int:
+    """Shared memory of the Gluon kernel: Q, the bf16 row stages, their indices, fp8 raw staging, barriers."""
+    raw = 2 * block_n * (512 + 2 * 64 + 8) if is_fp8 else 0
+    return 64 * DIM * 2 + stages * block_n * (DIM * 2 + 4) + raw + 8 * (2 * stages + 1)
 
 
 def gluon_unavailable(q: torch.Tensor, is_fp8: bool) -> str | None:
@@ -90,8 +108,6 @@ def gluon_unavailable(q: torch.Tensor, is_fp8: bool) -> str | None:
         return f"it takes all 64 heads as the wgmma M; got H={q.shape[1]}"
     if q.dtype != torch.bfloat16:
         return f"it takes bf16 queries; got {q.dtype}"
-    if is_fp8:
-        return "its fp8 loader is not written yet"
     try:
         from . import gluon_kernel  # noqa: F401
     except ImportError as exc:  # a Triton without Gluon's Hopper API
@@ -114,7 +130,9 @@ def _launch(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, si
             window_lens, extra_lens, w, k, is_fp8, config):
     b, h, _ = q.shape
     config = config or LaunchConfig()
-    if _pick_backend(q, is_fp8, config) == "gluon":
+    backend = _pick_backend(q, is_fp8, config)
+    config = resolved(config, backend, is_fp8)
+    if backend == "gluon":
         return _launch_gluon(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, sink, scale,
                              window_lens, extra_lens, w, k, is_fp8, config)
     bn = config.block_n
@@ -169,6 +187,14 @@ def _launch_gluon(q, main, main_stride, extra, extra_stride, window_idx, extra_i
 
     b, h, _ = q.shape
     bn = config.block_n
+    if bn not in (32, 64) or config.num_stages < 2:
+        raise checks.SparseDecodeInputError(
+            f"the Gluon kernel takes block_n 32 or 64 and num_stages >= 2; got {bn}, {config.num_stages}")
+    smem = gluon_smem_bytes(bn, config.num_stages, is_fp8)
+    if smem > SMEM_LIMIT:
+        raise checks.SparseDecodeInputError(
+            f"block_n={bn} with {config.num_stages} stages{' (fp8)' if is_fp8 else ''} needs {smem} B of shared memory, "
+            f"over the {SMEM_LIMIT} B a block may use: use fewer stages or block_n=32")
     num_blocks = -(-w // bn) + -(-k // bn)
     splits = config.num_splits or choose_splits(b, num_blocks, _num_sms(q.device))
     out = torch.empty_like(q)
@@ -195,6 +221,7 @@ def _launch_gluon(q, main, main_stride, extra, extra_stride, window_idx, extra_i
         IS_FP8=is_fp8, HAS_EXTRA=has_extra, HAS_WLEN=window_lens is not None,
         HAS_ELEN=has_extra and extra_lens is not None, HAS_SINK=sink is not None,
         PAGE_STRIDE=PAGE_STRIDE, SCALES_OFFSET=SCALES_OFFSET, LOADER_REGS=config.loader_regs, PIPE=config.pipeline,
+        RC=8,
         num_warps=4,
     )
     if splits > 1:

@@ -316,3 +316,29 @@ def test_gpu_auto_backend_is_gluon_for_v4_bf16():
     auto = sparse_mla_decode(**c)
     forced = sparse_mla_decode_triton(**c, config=LaunchConfig(backend="gluon"))
     assert torch.equal(auto[0], forced[0]) and torch.equal(auto[1], forced[1])
+
+
+@gluon_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_n, stages, pipeline, loader_regs", [(32, 3, True, 96), (32, 2, False, 56)])
+@pytest.mark.parametrize("b, splits", [(1, 0), (8, 0), (64, 3), (130, 0)])
+def test_gpu_gluon_fp8_matches_reference(block_n, stages, pipeline, loader_regs, b, splits):
+    c = make_case(b, **V4, device="cuda", seed=200 + b + splits, sink=b % 2 == 1)
+    cache, extra = quantize_kv_v4(c.pop("kv")), quantize_kv_v4(c.pop("extra_kv"))
+    cfg = LaunchConfig(block_n=block_n, num_stages=stages, num_splits=splits, backend="gluon", pipeline=pipeline,
+                       loader_regs=loader_regs)
+    out, lse = sparse_mla_decode_fp8_triton(**c, kv_cache=cache, extra_cache=extra, config=cfg)
+    cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in c.items()}
+    ref_out, ref_lse = sparse_mla_decode_fp8_ref(**{**cpu, "q": cpu["q"].double()}, kv_cache=cache.cpu(),
+                                                 extra_cache=extra.cpu())
+    assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
+
+
+@gluon_gpu
+@pytest.mark.gpu
+def test_gpu_gluon_rejects_a_config_over_shared_memory():
+    c = make_case(2, **V4, device="cuda", seed=5)
+    cache, extra = quantize_kv_v4(c.pop("kv")), quantize_kv_v4(c.pop("extra_kv"))
+    with pytest.raises(SparseDecodeInputError, match="shared memory"):
+        sparse_mla_decode_fp8_triton(**c, kv_cache=cache, extra_cache=extra,
+                                     config=LaunchConfig(block_n=64, num_stages=2, backend="gluon"))
