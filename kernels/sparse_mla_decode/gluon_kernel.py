@@ -77,7 +77,7 @@ def _loader(q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
             b, lo, hi, nbw, wlen, elen,
             q_smem, k_smem, idx_smem, q_bar, full, empty,
             BN: gl.constexpr, NS: gl.constexpr, IS_FP8: gl.constexpr,
-            PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr):
+            PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr, PROBE: gl.constexpr):
     NW: gl.constexpr = gl.num_warps()
     rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
     idx_l: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
@@ -114,7 +114,8 @@ def _loader(q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
         base = gl.where(is_w, kv_ptr, ekv_ptr)
         stride = gl.where(is_w, stride_kv, stride_ekv)
         ptrs = base + idx.to(gl.int64)[:, None] * stride + offs_d[None, :]
-        async_copy.async_copy_global_to_shared(k_smem.index(s), ptrs, mask=valid[:, None])
+        if PROBE != 2:
+            async_copy.async_copy_global_to_shared(k_smem.index(s), ptrs, mask=valid[:, None])
         async_copy.mbarrier_arrive(full.index(s), increment_count=False)
         idx = idx_next
 
@@ -165,7 +166,7 @@ def _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr,
                 b, lo, hi, nbw, wlen, elen,
                 q_smem, k_smem, idx_smem, nope_st, rope_st, sc_st, q_bar, full, empty,
                 BN: gl.constexpr, NS: gl.constexpr, RC: gl.constexpr,
-                PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr):
+                PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr, PROBE: gl.constexpr):
     """V4 fp8 pages: raw records of block j+1 are copied (cp.async, double-buffered staging) while
     block j is dequantised from shared memory in RC-row chunks into the bf16 stage the wgmmas read."""
     NW: gl.constexpr = gl.num_warps()
@@ -190,14 +191,14 @@ def _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr,
         i = j - lo
         s = i % NS
         cur = i % 2
-        _issue_raw_fp8(j + 1, hi, nbw, wlen, elen, widx_row, eidx_row, kv_ptr, ekv_ptr,
+        _issue_raw_fp8(gl.where(PROBE == 2, hi, j + 1), hi, nbw, wlen, elen, widx_row, eidx_row, kv_ptr, ekv_ptr,
                        nope_st.index(1 - cur), rope_st.index(1 - cur), sc_st.index(1 - cur), BN, PAGE_STRIDE,
                        SCALES_OFFSET)
         async_copy.wait_group(1)  # this thread's copies of block j have landed ...
         gl.thread_barrier()  # ... and every loader thread's
         if i >= NS:
             mbarrier.wait(empty.index(s), ((i // NS) + 1) & 1)
-        for r0 in gl.static_range(0, BN, RC):
+        for r0 in gl.static_range(0, BN if PROBE != 3 else 0, RC):
             raw = nope_st.index(cur).slice(r0, RC, dim=0).load(deq_l)
             sc = sc_st.index(cur).slice(r0, RC, dim=0).load(gl.SliceLayout(2, deq_l))
             rope = rope_st.index(cur).slice(r0, RC, dim=0).load(gl.SliceLayout(1, deq_l))
@@ -238,7 +239,7 @@ def _compute(b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
              sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
              q_smem, k_smem, idx_smem, q_bar, full, empty,
              HALF: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr,
-             SPLIT_OUT: gl.constexpr, HAS_SINK: gl.constexpr, PIPE: gl.constexpr):
+             SPLIT_OUT: gl.constexpr, HAS_SINK: gl.constexpr, PIPE: gl.constexpr, PROBE: gl.constexpr):
     DH: gl.constexpr = D_ALL // 2
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DH, 16])
@@ -291,14 +292,15 @@ def _compute(b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
             s = i % NS
             mbarrier.wait(full.index(s), (i // NS) & 1)
             fence_async_shared()
-            k = k_smem.index(s)
-            sc = warpgroup_mma(q_smem, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-            p_op, alpha, m_i, l_i = _online_softmax(sc, j, nbw, wlen, elen, idx_smem.index(s).load(col_s),
-                                                    m_i, l_i, qk_scale_log2, offs_c, p_l, BN)
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            acc = warpgroup_mma(p_op, k.slice(HALF * DH, DH, dim=1), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            if PROBE != 1:
+                k = k_smem.index(s)
+                sc = warpgroup_mma(q_smem, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+                p_op, alpha, m_i, l_i = _online_softmax(sc, j, nbw, wlen, elen, idx_smem.index(s).load(col_s),
+                                                        m_i, l_i, qk_scale_log2, offs_c, p_l, BN)
+                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                acc = warpgroup_mma(p_op, k.slice(HALF * DH, DH, dim=1), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index(s))
 
     LN2: gl.constexpr = 0.6931471805599453
@@ -338,8 +340,9 @@ def _sparse_decode_ws_kernel(
     BN: gl.constexpr, NS: gl.constexpr, SPLIT_OUT: gl.constexpr,
     IS_FP8: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_WLEN: gl.constexpr, HAS_ELEN: gl.constexpr,
     HAS_SINK: gl.constexpr, PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr,
-    LOADER_REGS: gl.constexpr, PIPE: gl.constexpr, RC: gl.constexpr,
+    LOADER_REGS: gl.constexpr, PIPE: gl.constexpr, RC: gl.constexpr, PROBE: gl.constexpr = 0,
 ):
+    # PROBE (timing experiments only; wrong results): 1 = no math, 2 = no row loads, 3 = fp8: no dequantisation.
     b = gl.program_id(0)
     split = gl.program_id(1)
     lo, hi, nbw, wlen, elen = _block_range(b, split, num_splits, W, K, wlen_ptr, elen_ptr, BN,
@@ -366,23 +369,23 @@ def _sparse_decode_ws_kernel(
         gl.warp_specialize([
             (_compute, (b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
                          sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
-                         q_smem, k_smem, idx_smem, q_bar, full, empty, 0, BN, NS, SPLIT_OUT, HAS_SINK, PIPE)),
+                         q_smem, k_smem, idx_smem, q_bar, full, empty, 0, BN, NS, SPLIT_OUT, HAS_SINK, PIPE, PROBE)),
             (_compute, (b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
                          sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
-                         q_smem, k_smem, idx_smem, q_bar, full, empty, 1, BN, NS, SPLIT_OUT, HAS_SINK, PIPE)),
+                         q_smem, k_smem, idx_smem, q_bar, full, empty, 1, BN, NS, SPLIT_OUT, HAS_SINK, PIPE, PROBE)),
             (_loader_fp8, (q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr, widx_ptr, stride_wb, eidx_ptr, stride_eb,
                            b, lo, hi, nbw, wlen, elen, q_smem, k_smem, idx_smem, nope_st, rope_st, sc_st,
-                           q_bar, full, empty, BN, NS, RC, PAGE_STRIDE, SCALES_OFFSET)),
+                           q_bar, full, empty, BN, NS, RC, PAGE_STRIDE, SCALES_OFFSET, PROBE)),
         ], [4, LOADER_WARPS], [compute_regs, LOADER_REGS])
     else:
         gl.warp_specialize([
             (_compute, (b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
                          sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
-                         q_smem, k_smem, idx_smem, q_bar, full, empty, 0, BN, NS, SPLIT_OUT, HAS_SINK, PIPE)),
+                         q_smem, k_smem, idx_smem, q_bar, full, empty, 0, BN, NS, SPLIT_OUT, HAS_SINK, PIPE, PROBE)),
             (_compute, (b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
                          sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
-                         q_smem, k_smem, idx_smem, q_bar, full, empty, 1, BN, NS, SPLIT_OUT, HAS_SINK, PIPE)),
+                         q_smem, k_smem, idx_smem, q_bar, full, empty, 1, BN, NS, SPLIT_OUT, HAS_SINK, PIPE, PROBE)),
             (_loader, (q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
                        widx_ptr, stride_wb, eidx_ptr, stride_eb, b, lo, hi, nbw, wlen, elen,
-                       q_smem, k_smem, idx_smem, q_bar, full, empty, BN, NS, IS_FP8, PAGE_STRIDE, SCALES_OFFSET)),
+                       q_smem, k_smem, idx_smem, q_bar, full, empty, BN, NS, IS_FP8, PAGE_STRIDE, SCALES_OFFSET, PROBE)),
         ], [4, LOADER_WARPS], [compute_regs, LOADER_REGS])

@@ -82,6 +82,7 @@ BACKENDS = ("auto", "triton", "gluon")
 # so its blocks are smaller.
 DEFAULT_BLOCKS = {("triton", False): (64, 2), ("triton", True): (64, 2),
                   ("gluon", False): (64, 2), ("gluon", True): (32, 3)}
+_PROBE = 0  # bench/probe_sparse_decode.py only: drop a stage of the Gluon kernel to time the rest (wrong results)
 SMEM_LIMIT = 226 * 1024  # the 227 KB a block may opt into, less a margin for what the estimate leaves out
 
 
@@ -221,7 +222,7 @@ def _launch_gluon(q, main, main_stride, extra, extra_stride, window_idx, extra_i
         IS_FP8=is_fp8, HAS_EXTRA=has_extra, HAS_WLEN=window_lens is not None,
         HAS_ELEN=has_extra and extra_lens is not None, HAS_SINK=sink is not None,
         PAGE_STRIDE=PAGE_STRIDE, SCALES_OFFSET=SCALES_OFFSET, LOADER_REGS=config.loader_regs, PIPE=config.pipeline,
-        RC=8,
+        RC=8, PROBE=_PROBE,
         num_warps=4,
     )
     if splits > 1:

@@ -1,0 +1,61 @@
+"""Where the Gluon sparse decode spends its time: the kernel with one stage dropped (timing only).
+
+`python -m dsv4_cluster.bench.probe_sparse_decode` on the H200 prints, per batch size and config,
+the CUDA-graph replay time of the full kernel, of the kernel without math (loads + barriers only),
+without row loads (math on whatever shared memory holds), and, for fp8, without dequantisation;
+plus a plain PyTorch gather of the same rows (index_select: the bytes at many-warp occupancy) as
+the bandwidth a gather can reach. The probes give wrong outputs by design; nothing is checked.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from dsv4_cluster.bench.kernels import bench_us, copy_bandwidth_gbs
+from dsv4_cluster.bench.sparse_decode import graphed, make_inputs, required_bytes
+from dsv4_cluster.kernels.sparse_mla_decode import launch, quantize_kv_v4
+from dsv4_cluster.kernels.sparse_mla_decode.launch import LaunchConfig
+
+PROBES = {0: "full", 1: "no math", 2: "no row loads", 3: "no dequant"}
+
+
+def main(argv: list[str]) -> int:
+    batches = [int(x) for x in (argv[0] if argv else "8,128").split(",")]
+    copy = copy_bandwidth_gbs()
+    print(f"copy {copy:.0f} GB/s")
+    for b in batches:
+        case = make_inputs(b, seed=b)
+        rows = torch.cat([case["window_idx"], case["extra_idx"] + case["kv"].shape[0]], dim=1).view(-1).long()
+        both = torch.cat([case["kv"], case["extra_kv"]])
+        gather_us = bench_us(graphed(lambda: both.index_select(0, rows)))
+        gbs = rows.numel() * 1024 * 2 / (gather_us * 1e-6) / 1e9
+        print(f"B={b:4d} torch index_select of the rows: {gather_us:7.1f} us ({gbs:.0f} GB/s read+write, "
+              f"{rows.numel() * 1024 / (gather_us * 1e-6) / 1e9:.0f} GB/s read)")
+        cache, extra = quantize_kv_v4(case["kv"]), quantize_kv_v4(case["extra_kv"])
+        fp8_case = {k: v for k, v in case.items() if k not in ("kv", "extra_kv")}
+        for fp8, cfgs in ((False, [(64, 2, False), (32, 4, False), (32, 4, True)]), (True, [(32, 2, False), (32, 3, True)])):
+            for bn, st, pipe in cfgs:
+                cfg = LaunchConfig(block_n=bn, num_stages=st, pipeline=pipe, backend="gluon",
+                                   loader_regs=96 if fp8 else 40)
+                line = []
+                for probe in (0, 1, 2, 3) if fp8 else (0, 1, 2):
+                    if probe == 1 and pipe:
+                        continue
+                    launch._PROBE = probe
+                    if fp8:
+                        fn = lambda: launch.sparse_mla_decode_fp8_triton(**fp8_case, kv_cache=cache, extra_cache=extra, config=cfg)
+                    else:
+                        fn = lambda: launch.sparse_mla_decode_triton(**case, config=cfg)
+                    us = bench_us(graphed(fn), rep_ms=100)
+                    line.append(f"{PROBES[probe]} {us:6.1f}")
+                launch._PROBE = 0
+                row_bytes = 584 if fp8 else 1024
+                print(f"B={b:4d} {'fp8 ' if fp8 else 'bf16'} bn={bn} st={st} pipe={pipe!s:5}: " + " | ".join(line)
+                      + f"  (full = {required_bytes(b, row_bytes) / copy / 1e3:.1f} us at copy speed)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
