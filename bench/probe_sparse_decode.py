@@ -35,14 +35,12 @@ def main(argv: list[str]) -> int:
               f"{rows.numel() * 1024 / (gather_us * 1e-6) / 1e9:.0f} GB/s read)")
         cache, extra = quantize_kv_v4(case["kv"]), quantize_kv_v4(case["extra_kv"])
         fp8_case = {k: v for k, v in case.items() if k not in ("kv", "extra_kv")}
-        for fp8, cfgs in ((False, [(64, 2, False), (32, 4, False), (32, 4, True)]), (True, [(32, 2, False), (32, 3, True)])):
-            for bn, st, pipe in cfgs:
-                cfg = LaunchConfig(block_n=bn, num_stages=st, pipeline=pipe, backend="gluon",
-                                   loader_regs=96 if fp8 else 40)
+        for fp8, cfgs in ((False, [(64, 2, False, 2), (64, 2, True, 2), (32, 4, True, 2)]),
+                          (True, [(32, 2, True, 3), (32, 3, True, 2), (32, 2, False, 3)])):
+            for bn, st, xch, nr in cfgs:
+                cfg = LaunchConfig(block_n=bn, num_stages=st, exchange=xch, raw_stages=nr, backend="gluon")
                 line = []
                 for probe in (0, 1, 2, 3) if fp8 else (0, 1, 2):
-                    if probe == 1 and pipe:
-                        continue
                     launch._PROBE = probe
                     if fp8:
                         fn = lambda: launch.sparse_mla_decode_fp8_triton(**fp8_case, kv_cache=cache, extra_cache=extra, config=cfg)
@@ -52,7 +50,7 @@ def main(argv: list[str]) -> int:
                     line.append(f"{PROBES[probe]} {us:6.1f}")
                 launch._PROBE = 0
                 row_bytes = 584 if fp8 else 1024
-                print(f"B={b:4d} {'fp8 ' if fp8 else 'bf16'} bn={bn} st={st} pipe={pipe!s:5}: " + " | ".join(line)
+                print(f"B={b:4d} {'fp8 ' if fp8 else 'bf16'} bn={bn} st={st} xch={xch!s:5} raw={nr}: " + " | ".join(line)
                       + f"  (full = {required_bytes(b, row_bytes) / copy / 1e3:.1f} us at copy speed)")
     return 0
 

@@ -214,11 +214,11 @@ def run(argv: list[str]) -> int:
             configs["triton_bf16"] = base
             configs["triton_fp8"] = base + [dataclasses.replace(c, prefetch=True) for c in base]
             def gluon_configs(fp8: bool) -> list:
-                shapes = [(bn, st) for bn, st in ((64, 2), (32, 2), (32, 3), (32, 4))
-                          if gluon_smem_bytes(bn, st, fp8) <= SMEM_LIMIT]
-                return [LaunchConfig(block_n=bn, num_stages=st, num_splits=s, backend="gluon", pipeline=pipe,
-                                     loader_regs=regs)
-                        for bn, st in shapes for pipe in (False, True) for regs in ((56, 96) if fp8 else (40,))
+                shapes = [(64, 2, 2), (32, 3, 2), (32, 4, 2)] if not fp8 else [(32, 2, 3), (32, 2, 2), (32, 3, 2)]
+                return [LaunchConfig(block_n=bn, num_stages=st, num_splits=s, backend="gluon", exchange=xch,
+                                     raw_stages=nr)
+                        for bn, st, nr in shapes for xch in (True, False)
+                        if gluon_smem_bytes(bn, st, fp8, xch, nr) <= SMEM_LIMIT
                         for s in sorted({choose_splits(b, nblocks[bn], sms), choose_splits(b, nblocks[bn], 2 * sms),
                                          *((1, 2, 5) if b == 1 else ())})]
 
@@ -246,7 +246,7 @@ def run(argv: list[str]) -> int:
             info = dict(block_n=cfg.block_n, warps=cfg.num_warps, stages=cfg.num_stages, prefetch=cfg.prefetch,
                         splits=splits)
             if name.startswith("gluon"):
-                info.update(warps=12, prefetch=None, pipeline=cfg.pipeline, loader_regs=cfg.loader_regs)
+                info.update(warps=12, prefetch=None, exchange=cfg.exchange, raw_stages=cfg.raw_stages if name.endswith("fp8") else None)
             try:
                 rows.append(measure(name, fn_for(cfg), ref, b, row_bytes, copy_gbs, info))
             except Exception as exc:  # a kernel that fails to compile or run is a result, not the end of the run
@@ -266,7 +266,7 @@ def run(argv: list[str]) -> int:
     for r in resources:
         print("  compiled:", r)
     print(f"device copy bandwidth (same run): {copy_gbs:.0f} GB/s; FlashMLA: {fm_error or 'loaded'}")
-    print_table(rows, ["kernel", "B", "us", "us_eager", "GBps", "frac_copy", "TFLOPs", "rel_err", "block_n", "warps", "stages", "prefetch", "pipeline", "loader_regs", "splits", "error"])
+    print_table(rows, ["kernel", "B", "us", "us_eager", "GBps", "frac_copy", "TFLOPs", "rel_err", "block_n", "warps", "stages", "prefetch", "exchange", "raw_stages", "splits", "error"])
     path = write_results("sparse_decode", dict(
         device=torch.cuda.get_device_name(0), torch=torch.__version__, copy_gbs=copy_gbs,
         shapes=dict(H=H, D=D, window=W, topk=TOPK, context=CONTEXT), flashmla_error=fm_error, compiled=resources, rows=rows,

@@ -38,7 +38,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 H_ALL = gl.constexpr(64)
 D_ALL = gl.constexpr(512)
-LOADER_WARPS = gl.constexpr(4)
 
 
 @gluon.jit
@@ -161,18 +160,34 @@ def _issue_raw_fp8(j, hi, nbw, wlen, elen, widx_row, eidx_row, kv_ptr, ekv_ptr, 
 
 
 @gluon.jit
+def _dequant_tiles(nope_st, sc_st, k_stage, T0: gl.constexpr, G: gl.constexpr, BN: gl.constexpr):
+    """k_stage[:, 64*T0 : 64*(T0+G)] = e4m3 tiles T0..T0+G-1 of the staged records x 2**(ue8m0 - 127).
+
+    16 bytes per thread and pass: RC = 8 * 4 / G rows per pass of the loader's warps."""
+    NW: gl.constexpr = gl.num_warps()
+    RC: gl.constexpr = 2 * NW * 4 // G
+    deq_l: gl.constexpr = gl.BlockedLayout([1, 1, 16], [8 // G, G, 4], [NW, 1, 1], [2, 1, 0])
+    for r0 in gl.static_range(0, BN, RC):
+        raw = nope_st.slice(r0, RC, dim=0).slice(T0, G, dim=1).load(deq_l)
+        sc = sc_st.slice(r0, RC, dim=0).slice(T0, G, dim=1).load(gl.SliceLayout(2, deq_l))
+        scale = gl.exp2(sc.to(gl.float32) - 127.0)
+        vals = raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, :, None]
+        k_stage.slice(r0, RC, dim=0).slice(T0 * 64, G * 64, dim=1).store(
+            gl.reshape(vals.to(gl.bfloat16), [RC, G * 64]))
+
+
+@gluon.jit
 def _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr,
                 widx_ptr, stride_wb, eidx_ptr, stride_eb,
                 b, lo, hi, nbw, wlen, elen,
                 q_smem, k_smem, idx_smem, nope_st, rope_st, sc_st, q_bar, full, empty,
-                BN: gl.constexpr, NS: gl.constexpr, RC: gl.constexpr,
+                BN: gl.constexpr, NS: gl.constexpr, NR: gl.constexpr,
                 PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr, PROBE: gl.constexpr):
     """V4 fp8 pages: raw records of block j+1 are copied (cp.async, double-buffered staging) while
     block j is dequantised from shared memory in RC-row chunks into the bf16 stage the wgmmas read."""
     NW: gl.constexpr = gl.num_warps()
     rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
     idx_l: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
-    deq_l: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 8, 4], [NW, 1, 1], [2, 1, 0])
 
     qh = gl.arange(0, H_ALL, layout=gl.SliceLayout(1, rows_l))
     qd = gl.arange(0, D_ALL, layout=gl.SliceLayout(0, rows_l))
@@ -183,29 +198,29 @@ def _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr,
     widx_row = widx_ptr + b.to(gl.int64) * stride_wb
     eidx_row = eidx_ptr + b.to(gl.int64) * stride_eb
     offs_i = gl.arange(0, BN, layout=idx_l)
-    t = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, deq_l)))
-    is_nope = (t < 7)[None, :, None]
-    _issue_raw_fp8(lo, hi, nbw, wlen, elen, widx_row, eidx_row, kv_ptr, ekv_ptr,
-                   nope_st.index(0), rope_st.index(0), sc_st.index(0), BN, PAGE_STRIDE, SCALES_OFFSET)
+    for r in gl.static_range(NR - 1):  # raw records of the first NR - 1 blocks in flight
+        _issue_raw_fp8(gl.where(PROBE == 2, hi, lo + r), hi, nbw, wlen, elen, widx_row, eidx_row, kv_ptr, ekv_ptr,
+                       nope_st.index(r), rope_st.index(r), sc_st.index(r), BN, PAGE_STRIDE, SCALES_OFFSET)
     for j in range(lo, hi):
         i = j - lo
         s = i % NS
-        cur = i % 2
-        _issue_raw_fp8(gl.where(PROBE == 2, hi, j + 1), hi, nbw, wlen, elen, widx_row, eidx_row, kv_ptr, ekv_ptr,
-                       nope_st.index(1 - cur), rope_st.index(1 - cur), sc_st.index(1 - cur), BN, PAGE_STRIDE,
-                       SCALES_OFFSET)
-        async_copy.wait_group(1)  # this thread's copies of block j have landed ...
+        cur = i % NR
+        nxt = (i + NR - 1) % NR  # read in the previous iteration, released by its closing barrier
+        _issue_raw_fp8(gl.where(PROBE == 2, hi, j + NR - 1), hi, nbw, wlen, elen, widx_row, eidx_row, kv_ptr, ekv_ptr,
+                       nope_st.index(nxt), rope_st.index(nxt), sc_st.index(nxt), BN, PAGE_STRIDE, SCALES_OFFSET)
+        async_copy.wait_group(NR - 1)  # this thread's copies of block j have landed ...
         gl.thread_barrier()  # ... and every loader thread's
         if i >= NS:
             mbarrier.wait(empty.index(s), ((i // NS) + 1) & 1)
-        for r0 in gl.static_range(0, BN if PROBE != 3 else 0, RC):
-            raw = nope_st.index(cur).slice(r0, RC, dim=0).load(deq_l)
-            sc = sc_st.index(cur).slice(r0, RC, dim=0).load(gl.SliceLayout(2, deq_l))
-            rope = rope_st.index(cur).slice(r0, RC, dim=0).load(gl.SliceLayout(1, deq_l))
-            scale = gl.exp2(sc.to(gl.float32) - 127.0)
-            vals = raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, :, None]
-            vals = gl.where(is_nope, vals, rope.to(gl.float32)[:, None, :])
-            k_smem.index(s).slice(r0, RC, dim=0).store(gl.reshape(vals.to(gl.bfloat16), [RC, D_ALL]))
+        if PROBE != 3:
+            k_stage = k_smem.index(s)
+            # e4m3 tiles 0-3, 4-5 and 6 (448 dims) in three groups, so no element pays a select;
+            # the RoPE dims are bf16 already and are copied as they are.
+            _dequant_tiles(nope_st.index(cur), sc_st.index(cur), k_stage, 0, 4, BN)
+            _dequant_tiles(nope_st.index(cur), sc_st.index(cur), k_stage, 4, 2, BN)
+            _dequant_tiles(nope_st.index(cur), sc_st.index(cur), k_stage, 6, 1, BN)
+            rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+            k_stage.slice(448, 64, dim=1).store(rope_st.index(cur).load(rope_l))
         fence_async_shared()  # the generic-proxy stores above are read by wgmma (async proxy)
         is_w = j < nbw
         blk = gl.where(is_w, j, j - nbw)
@@ -237,9 +252,9 @@ def _online_softmax(sc, j, nbw, wlen, elen, idx_s, m_i, l_i, qk_scale_log2, offs
 @gluon.jit
 def _compute(b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
              sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
-             q_smem, k_smem, idx_smem, q_bar, full, empty,
+             q_smem, k_smem, idx_smem, xbuf, q_bar, full, empty, xfull, xfree,
              HALF: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr,
-             SPLIT_OUT: gl.constexpr, HAS_SINK: gl.constexpr, PIPE: gl.constexpr, PROBE: gl.constexpr):
+             SPLIT_OUT: gl.constexpr, HAS_SINK: gl.constexpr, XCH: gl.constexpr, PROBE: gl.constexpr):
     DH: gl.constexpr = D_ALL // 2
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DH, 16])
@@ -254,54 +269,36 @@ def _compute(b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
     s_zero = gl.zeros([H_ALL, BN], gl.float32, layout=s_l)
     offs_c = gl.arange(0, BN, layout=col_s)
     mbarrier.wait(q_bar, 0)
-    if PIPE:
-        # FA3-style: block j+1's QK^T is issued before block j's PV, and its softmax runs while PV
-        # is on the tensor cores; P of block j and S of block j+1 are live together.
-        p_op = gl.zeros([H_ALL, BN], gl.bfloat16, layout=p_l)
-        alpha = gl.full([H_ALL], 1.0, gl.float32, layout=row_s)
-        if lo < hi:
-            mbarrier.wait(full.index(0), 0)
-            fence_async_shared()
-            sc = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-            p_op, alpha, m_i, l_i = _online_softmax(sc, lo, nbw, wlen, elen, idx_smem.index(0).load(col_s),
-                                                    m_i, l_i, qk_scale_log2, offs_c, p_l, BN)
-        for j in range(lo, hi - 1):
-            i = j - lo
-            s = i % NS
-            s1 = (i + 1) % NS
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            mbarrier.wait(full.index(s1), ((i + 1) // NS) & 1)
-            fence_async_shared()
-            sn = warpgroup_mma(q_smem, k_smem.index(s1).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            acc = warpgroup_mma(p_op, k_smem.index(s).slice(HALF * DH, DH, dim=1), acc, is_async=True)
-            sn = warpgroup_mma_wait(num_outstanding=1, deps=(sn,))
-            p_op, alpha, m_i, l_i = _online_softmax(sn, j + 1, nbw, wlen, elen, idx_smem.index(s1).load(col_s),
-                                                    m_i, l_i, qk_scale_log2, offs_c, p_l, BN)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index(s))
-        if lo < hi:
-            s = (hi - 1 - lo) % NS
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            acc = warpgroup_mma(p_op, k_smem.index(s).slice(HALF * DH, DH, dim=1), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index(s))
-    else:
-        for j in range(lo, hi):
-            i = j - lo
-            s = i % NS
-            mbarrier.wait(full.index(s), (i // NS) & 1)
-            fence_async_shared()
-            if PROBE != 1:
-                k = k_smem.index(s)
+    for j in range(lo, hi):
+        i = j - lo
+        s = i % NS
+        mbarrier.wait(full.index(s), (i // NS) & 1)
+        fence_async_shared()
+        if PROBE != 1:
+            k = k_smem.index(s)
+            if XCH:
+                # S over this warpgroup's 256 dims, swapped with the other warpgroup's half through
+                # shared memory: each S element is computed once, and both hold the same full S
+                # (fp32 addition commutes, so their softmax statistics agree bit for bit).
+                sc = warpgroup_mma(q_smem.slice(HALF * DH, DH, dim=1), k.slice(HALF * DH, DH, dim=1).permute((1, 0)),
+                                   s_zero, use_acc=False, is_async=True)
+                sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+                if i > 0:
+                    mbarrier.wait(xfree.index(HALF), (i - 1) & 1)
+                xbuf.index(HALF).store(sc)
+                mbarrier.arrive(xfull.index(HALF))
+                mbarrier.wait(xfull.index(1 - HALF), i & 1)
+                sc = sc + xbuf.index(1 - HALF).load(s_l)
+                mbarrier.arrive(xfree.index(1 - HALF))
+            else:
                 sc = warpgroup_mma(q_smem, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-                p_op, alpha, m_i, l_i = _online_softmax(sc, j, nbw, wlen, elen, idx_smem.index(s).load(col_s),
-                                                        m_i, l_i, qk_scale_log2, offs_c, p_l, BN)
-                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                acc = warpgroup_mma(p_op, k.slice(HALF * DH, DH, dim=1), acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index(s))
+            p_op, alpha, m_i, l_i = _online_softmax(sc, j, nbw, wlen, elen, idx_smem.index(s).load(col_s),
+                                                    m_i, l_i, qk_scale_log2, offs_c, p_l, BN)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            acc = warpgroup_mma(p_op, k.slice(HALF * DH, DH, dim=1), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index(s))
 
     LN2: gl.constexpr = 0.6931471805599453
     has_any = l_i > 0
@@ -340,7 +337,8 @@ def _sparse_decode_ws_kernel(
     BN: gl.constexpr, NS: gl.constexpr, SPLIT_OUT: gl.constexpr,
     IS_FP8: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_WLEN: gl.constexpr, HAS_ELEN: gl.constexpr,
     HAS_SINK: gl.constexpr, PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr,
-    LOADER_REGS: gl.constexpr, PIPE: gl.constexpr, RC: gl.constexpr, PROBE: gl.constexpr = 0,
+    LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, XCH: gl.constexpr, NR: gl.constexpr,
+    PROBE: gl.constexpr = 0,
 ):
     # PROBE (timing experiments only; wrong results): 1 = no math, 2 = no row loads, 3 = fp8: no dequantisation.
     b = gl.program_id(0)
@@ -353,10 +351,19 @@ def _sparse_decode_ws_kernel(
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [NS, BN, D_ALL], nvmma)
     idx_smem = gl.allocate_shared_memory(gl.int32, [NS, BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     if IS_FP8:
-        nope_st = gl.allocate_shared_memory(gl.uint8, [2, BN, 8, 64], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
-        rope_st = gl.allocate_shared_memory(gl.bfloat16, [2, BN, 64], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        sc_st = gl.allocate_shared_memory(gl.uint8, [2, BN, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        nope_st = gl.allocate_shared_memory(gl.uint8, [NR, BN, 8, 64], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+        rope_st = gl.allocate_shared_memory(gl.bfloat16, [NR, BN, 64], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        sc_st = gl.allocate_shared_memory(gl.uint8, [NR, BN, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    if XCH:
+        xbuf = gl.allocate_shared_memory(gl.float32, [2, H_ALL, BN], gl.SwizzledSharedLayout(2, 1, 8, [1, 0]))
+    else:
+        xbuf = q_smem  # unused
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    xfull = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    xfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for h in gl.static_range(2):
+        mbarrier.init(xfull.index(h), count=1)
+        mbarrier.init(xfree.index(h), count=1)
     full = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=LOADER_WARPS * 32)
@@ -364,27 +371,32 @@ def _sparse_decode_ws_kernel(
         mbarrier.init(full.index(s), count=LOADER_WARPS * 32 + IS_FP8)
         mbarrier.init(empty.index(s), count=2)
 
-    compute_regs: gl.constexpr = (512 - LOADER_REGS) // 16 * 8
+    # Registers: the two compute warpgroups share what the loader leaves of the 64K-register file.
+    compute_regs: gl.constexpr = (65536 - 32 * LOADER_WARPS * LOADER_REGS) // 256 // 8 * 8
     if IS_FP8:
         gl.warp_specialize([
             (_compute, (b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
                          sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
-                         q_smem, k_smem, idx_smem, q_bar, full, empty, 0, BN, NS, SPLIT_OUT, HAS_SINK, PIPE, PROBE)),
+                         q_smem, k_smem, idx_smem, xbuf, q_bar, full, empty, xfull, xfree, 0, BN, NS, SPLIT_OUT, HAS_SINK,
+                         XCH, PROBE)),
             (_compute, (b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
                          sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
-                         q_smem, k_smem, idx_smem, q_bar, full, empty, 1, BN, NS, SPLIT_OUT, HAS_SINK, PIPE, PROBE)),
+                         q_smem, k_smem, idx_smem, xbuf, q_bar, full, empty, xfull, xfree, 1, BN, NS, SPLIT_OUT, HAS_SINK,
+                         XCH, PROBE)),
             (_loader_fp8, (q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr, widx_ptr, stride_wb, eidx_ptr, stride_eb,
                            b, lo, hi, nbw, wlen, elen, q_smem, k_smem, idx_smem, nope_st, rope_st, sc_st,
-                           q_bar, full, empty, BN, NS, RC, PAGE_STRIDE, SCALES_OFFSET, PROBE)),
+                           q_bar, full, empty, BN, NS, NR, PAGE_STRIDE, SCALES_OFFSET, PROBE)),
         ], [4, LOADER_WARPS], [compute_regs, LOADER_REGS])
     else:
         gl.warp_specialize([
             (_compute, (b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
                          sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
-                         q_smem, k_smem, idx_smem, q_bar, full, empty, 0, BN, NS, SPLIT_OUT, HAS_SINK, PIPE, PROBE)),
+                         q_smem, k_smem, idx_smem, xbuf, q_bar, full, empty, xfull, xfree, 0, BN, NS, SPLIT_OUT, HAS_SINK,
+                         XCH, PROBE)),
             (_compute, (b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
                          sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
-                         q_smem, k_smem, idx_smem, q_bar, full, empty, 1, BN, NS, SPLIT_OUT, HAS_SINK, PIPE, PROBE)),
+                         q_smem, k_smem, idx_smem, xbuf, q_bar, full, empty, xfull, xfree, 1, BN, NS, SPLIT_OUT, HAS_SINK,
+                         XCH, PROBE)),
             (_loader, (q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
                        widx_ptr, stride_wb, eidx_ptr, stride_eb, b, lo, hi, nbw, wlen, elen,
                        q_smem, k_smem, idx_smem, q_bar, full, empty, BN, NS, IS_FP8, PAGE_STRIDE, SCALES_OFFSET, PROBE)),

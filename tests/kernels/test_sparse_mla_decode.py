@@ -290,11 +290,11 @@ gluon_gpu = pytest.mark.skipif(not gluon_ready(), reason="needs an sm_90 GPU and
 
 @gluon_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_n, stages, pipeline", [(64, 2, True), (64, 2, False), (32, 3, True), (32, 4, False)])
+@pytest.mark.parametrize("block_n, stages, exchange", [(64, 2, True), (64, 2, False), (32, 3, True), (32, 4, False)])
 @pytest.mark.parametrize("b, splits", [(1, 0), (8, 0), (8, 1), (64, 3), (130, 0)])
-def test_gpu_gluon_matches_reference(block_n, stages, pipeline, b, splits):
+def test_gpu_gluon_matches_reference(block_n, stages, exchange, b, splits):
     c = make_case(b, **V4, device="cuda", seed=100 + b + splits, sink=b % 2 == 0)
-    cfg = LaunchConfig(block_n=block_n, num_stages=stages, num_splits=splits, backend="gluon", pipeline=pipeline)
+    cfg = LaunchConfig(block_n=block_n, num_stages=stages, num_splits=splits, backend="gluon", exchange=exchange)
     out, lse = sparse_mla_decode_triton(**c, config=cfg)
     ref_out, ref_lse = reference64({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in c.items()})
     assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
@@ -320,13 +320,14 @@ def test_gpu_auto_backend_is_gluon_for_v4_bf16():
 
 @gluon_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_n, stages, pipeline, loader_regs", [(32, 3, True, 96), (32, 2, False, 56)])
+@pytest.mark.parametrize("block_n, stages, raw_stages, exchange, loader_regs",
+                         [(32, 2, 3, True, 96), (32, 3, 2, False, 56), (32, 2, 2, True, 80)])
 @pytest.mark.parametrize("b, splits", [(1, 0), (8, 0), (64, 3), (130, 0)])
-def test_gpu_gluon_fp8_matches_reference(block_n, stages, pipeline, loader_regs, b, splits):
+def test_gpu_gluon_fp8_matches_reference(block_n, stages, raw_stages, exchange, loader_regs, b, splits):
     c = make_case(b, **V4, device="cuda", seed=200 + b + splits, sink=b % 2 == 1)
     cache, extra = quantize_kv_v4(c.pop("kv")), quantize_kv_v4(c.pop("extra_kv"))
-    cfg = LaunchConfig(block_n=block_n, num_stages=stages, num_splits=splits, backend="gluon", pipeline=pipeline,
-                       loader_regs=loader_regs)
+    cfg = LaunchConfig(block_n=block_n, num_stages=stages, num_splits=splits, backend="gluon", exchange=exchange,
+                       loader_regs=loader_regs, raw_stages=raw_stages)
     out, lse = sparse_mla_decode_fp8_triton(**c, kv_cache=cache, extra_cache=extra, config=cfg)
     cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in c.items()}
     ref_out, ref_lse = sparse_mla_decode_fp8_ref(**{**cpu, "q": cpu["q"].double()}, kv_cache=cache.cpu(),
