@@ -180,7 +180,8 @@ def profile(batches: list[int]) -> int:
 def run(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="sparse_decode")
     parser.add_argument("--batches", default="1,8,32,64,128")
-    parser.add_argument("--sweep", action="store_true", help="also try other launch configs, report the best")
+    parser.add_argument("--sweep", nargs="?", const="all", choices=["all", "gluon"],
+                        help="also try other launch configs (all kernels, or the Gluon ones), report the best")
     parser.add_argument("--profile", action="store_true", help="only run the Triton kernels a few times (for ncu)")
     parser.add_argument("--kernels", default="torch_reference_bf16,triton_bf16,triton_fp8,gluon_bf16,gluon_fp8,flashmla_fp8_v4",
                         help="comma-separated rows to measure")
@@ -211,13 +212,15 @@ def run(argv: list[str]) -> int:
             base = [LaunchConfig(block_n=bn, num_stages=st, num_splits=s, backend="triton")
                     for bn, st in itertools.product((32, 64), (2, 3))
                     for s in sorted({choose_splits(b, nblocks[bn], sms), choose_splits(b, nblocks[bn], 2 * sms)})]
-            configs["triton_bf16"] = base
-            configs["triton_fp8"] = base + [dataclasses.replace(c, prefetch=True) for c in base]
+            if args.sweep == "all":
+                configs["triton_bf16"] = base
+                configs["triton_fp8"] = base + [dataclasses.replace(c, prefetch=True) for c in base]
             def gluon_configs(fp8: bool) -> list:
-                shapes = [(64, 2, 2), (32, 3, 2), (32, 4, 2)] if not fp8 else [(32, 2, 3), (32, 2, 2), (32, 3, 2)]
+                shapes = ([(64, 2, 2, False), (64, 2, 2, True), (32, 4, 2, False)] if not fp8 else
+                          [(32, 2, 4, False), (32, 2, 3, False), (32, 3, 2, False), (32, 2, 3, True)])
                 return [LaunchConfig(block_n=bn, num_stages=st, num_splits=s, backend="gluon", exchange=xch,
                                      raw_stages=nr)
-                        for bn, st, nr in shapes for xch in (True, False)
+                        for bn, st, nr, xch in shapes
                         if gluon_smem_bytes(bn, st, fp8, xch, nr) <= SMEM_LIMIT
                         for s in sorted({choose_splits(b, nblocks[bn], sms), choose_splits(b, nblocks[bn], 2 * sms),
                                          *((1, 2, 5) if b == 1 else ())})]
@@ -237,7 +240,7 @@ def run(argv: list[str]) -> int:
                 why = gluon_unavailable(case["q"], name.endswith("fp8"))
                 rows.append(dict(kernel=name, B=b, error=f"not run: {why}"))
                 continue
-            cfg = best_config(fn_for, ref, b, configs[name]) if args.sweep else configs[name][0]
+            cfg = best_config(fn_for, ref, b, configs[name]) if len(configs[name]) > 1 else configs[name][0]
             if cfg is None:
                 rows.append(dict(kernel=name, B=b, error="no config gave a correct output"))
                 continue

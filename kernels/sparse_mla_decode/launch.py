@@ -32,9 +32,9 @@ class LaunchConfig:
     prefetch: bool = False
     combine_heads: int = 8
     backend: str = "auto"  # "auto": the warp-specialised Gluon kernel where it applies (sm_90, H = 64), else "triton"
-    exchange: bool = True  # Gluon: each compute warpgroup does QK^T over its 256 dims, the halves swapped in smem
+    exchange: bool = False  # Gluon: each compute warpgroup does QK^T over its 256 dims, the halves swapped in smem
     loader_regs: int = 0  # Gluon: registers per loader thread (0: see `resolved`); compute gets the rest
-    raw_stages: int = 0  # Gluon fp8: raw-record staging buffers (0: 3), so raw_stages - 1 blocks are in flight
+    raw_stages: int = 0  # Gluon fp8: raw-record staging buffers (0: 4), so raw_stages - 1 blocks are in flight
 
 
 def choose_splits(batch: int, num_blocks: int, num_sms: int) -> int:
@@ -96,10 +96,10 @@ def resolved(config: LaunchConfig | None, backend: str, is_fp8: bool) -> LaunchC
     # at block_n 64 (80 leaves it spill-free), 8 at block_n 32.
     regs = config.loader_regs or (96 if is_fp8 else 80 if bn == 64 else 40)
     return replace(config, block_n=bn, num_stages=config.num_stages or stages, backend=backend,
-                   loader_regs=regs, raw_stages=config.raw_stages or 3)
+                   loader_regs=regs, raw_stages=config.raw_stages or 4)
 
 
-def gluon_smem_bytes(block_n: int, stages: int, is_fp8: bool, exchange: bool = True, raw_stages: int = 3) -> int:
+def gluon_smem_bytes(block_n: int, stages: int, is_fp8: bool, exchange: bool = False, raw_stages: int = 4) -> int:
     """Shared memory of the Gluon kernel: Q, the bf16 row stages and their indices, the S-half exchange,
     fp8 raw staging, barriers."""
     raw = raw_stages * block_n * (512 + 2 * 64 + 8) if is_fp8 else 0
