@@ -223,7 +223,7 @@ def run(argv: list[str]) -> int:
                         for bn, st, nr, xch in shapes
                         if gluon_smem_bytes(bn, st, fp8, xch, nr) <= SMEM_LIMIT
                         for s in sorted({choose_splits(b, nblocks[bn], sms), choose_splits(b, nblocks[bn], 2 * sms),
-                                         *((1, 2, 5) if b == 1 else ())})]
+                                         *((1, 2, 5) if b == 1 else (2, 5) if b <= 8 else ())})]
 
             configs["gluon_bf16"] = gluon_configs(False)
             configs["gluon_fp8"] = gluon_configs(True)

@@ -30,7 +30,6 @@ class LaunchConfig:
     num_warps: int = 8
     num_stages: int = 0  # 0: the backend's default; Gluon: shared-memory stages of block_n rows
     prefetch: bool = False
-    combine_heads: int = 8
     backend: str = "auto"  # "auto": the warp-specialised Gluon kernel where it applies (sm_90, H = 64), else "triton"
     exchange: bool = False  # Gluon: each compute warpgroup does QK^T over its 256 dims, the halves swapped in smem
     loader_regs: int = 0  # Gluon: registers per loader thread (0: see `resolved`); compute gets the rest
@@ -180,13 +179,7 @@ def _launch(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, si
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits > 1:
-        hb = min(config.combine_heads, h)
-        _kernels._combine_kernel[(b, h // hb)](
-            part_o, part_lse, sink if sink is not None else lse,
-            out, out.stride(0), out.stride(1), lse, lse.stride(0), splits,
-            H=h, D=DIM, HB=hb, SP=triton_next_pow2(splits),
-            HAS_SINK=sink is not None, num_warps=4,
-        )
+        _combine(part_o, part_lse, sink, out, lse, b, h, splits)
     return out, lse
 
 
@@ -237,14 +230,19 @@ def _launch_gluon(q, main, main_stride, extra, extra_stride, window_idx, extra_i
         num_warps=4,
     )
     if splits > 1:
-        hb = min(config.combine_heads, h)
-        _kernels._combine_kernel[(b, h // hb)](
-            part_o, part_lse, sink if sink is not None else lse,
-            out, out.stride(0), out.stride(1), lse, lse.stride(0), splits,
-            H=h, D=DIM, HB=hb, SP=triton_next_pow2(splits),
-            HAS_SINK=sink is not None, num_warps=4,
-        )
+        _combine(part_o, part_lse, sink, out, lse, b, h, splits)
     return out, lse
+
+
+def _combine(part_o, part_lse, sink, out, lse, b, h, splits):
+    """Merge the splits: programs over (query, 8-head group, 64-dim chunk); each loads all its splits at once."""
+    sp = triton_next_pow2(splits)
+    hb = max(1, min(8, h, 8192 // (sp * 64)))
+    _kernels._combine_kernel[(b, h // hb, DIM // 64)](
+        part_o, part_lse, sink if sink is not None else lse,
+        out, out.stride(0), out.stride(1), lse, lse.stride(0), splits,
+        H=h, D=DIM, HB=hb, DC=64, SP=sp, HAS_SINK=sink is not None, num_warps=4,
+    )
 
 
 def triton_next_pow2(n: int) -> int:
