@@ -194,3 +194,39 @@ def _combine_kernel(
              o.to(out_ptr.dtype.element_ty))
     if tl.program_id(2) == 0:
         tl.store(lse_ptr + b * stride_lb + offs_h, lse)
+
+
+@triton.jit
+def _combine_stream_kernel(
+    part_o_ptr, part_lse_ptr, sink_ptr,
+    out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, num_splits,
+    H: tl.constexpr, D: tl.constexpr, HB: tl.constexpr, SP: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+):
+    """Merge num_splits (<= SP) partial (out, lse) of query b, heads [hb * HB, hb * HB + HB), streaming the
+    splits one [HB, D] tile at a time: fewer, larger programs; on the H200 the faster merge below 8 splits."""
+    b = tl.program_id(0)
+    offs_h = tl.program_id(1) * HB + tl.arange(0, HB)
+    offs_s = tl.arange(0, SP)
+    offs_d = tl.arange(0, D)
+    s_ok = offs_s < num_splits
+    rows = (b * num_splits + offs_s).to(tl.int64)[:, None] * H + offs_h[None, :]  # [SP, HB]
+    lse_s = tl.load(part_lse_ptr + rows, mask=s_ok[:, None], other=float("-inf"))
+    lse_max = tl.max(lse_s, axis=0)
+    max_safe = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w = tl.exp(lse_s - max_safe[None, :])  # [SP, HB]; 0 for empty splits
+    w_sum = tl.sum(w, axis=0)
+    has_any = w_sum > 0
+    o = tl.zeros((HB, D), tl.float32)
+    for s in range(0, num_splits):  # stream the partial outputs: [HB, D] per split in registers
+        row = (b * num_splits + s).to(tl.int64) * H + offs_h
+        w_s = tl.exp(tl.load(part_lse_ptr + row) - max_safe)
+        o += w_s[:, None] * tl.load(part_o_ptr + row[:, None] * D + offs_d[None, :])
+    o = o / tl.where(has_any, w_sum, 1.0)[:, None]
+    lse = tl.where(has_any, max_safe + tl.log(tl.where(has_any, w_sum, 1.0)), float("-inf"))
+    if HAS_SINK:
+        sink = tl.load(sink_ptr + offs_h)
+        o = o / (1.0 + tl.exp(sink - lse))[:, None]
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty))
+    tl.store(lse_ptr + b * stride_lb + offs_h, lse)

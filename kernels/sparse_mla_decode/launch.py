@@ -235,8 +235,18 @@ def _launch_gluon(q, main, main_stride, extra, extra_stride, window_idx, extra_i
 
 
 def _combine(part_o, part_lse, sink, out, lse, b, h, splits):
-    """Merge the splits: programs over (query, 8-head group, 64-dim chunk); each loads all its splits at once."""
+    """Merge the splits. From 8 splits on: programs over (query, head group, 64-dim chunk), each loading
+    all its splits at once (one L2 round trip); below: programs over (query, 8 heads) streaming the splits.
+    The threshold is measured (H200, bench/results/sparse_decode.md): each is the faster on its side."""
     sp = triton_next_pow2(splits)
+    if splits < 8:
+        hb = min(8, h)
+        _kernels._combine_stream_kernel[(b, h // hb)](
+            part_o, part_lse, sink if sink is not None else lse,
+            out, out.stride(0), out.stride(1), lse, lse.stride(0), splits,
+            H=h, D=DIM, HB=hb, SP=sp, HAS_SINK=sink is not None, num_warps=4,
+        )
+        return
     hb = max(1, min(8, h, 8192 // (sp * 64)))
     _kernels._combine_kernel[(b, h // hb, DIM // 64)](
         part_o, part_lse, sink if sink is not None else lse,

@@ -192,7 +192,7 @@ SMALL = dict(b=3, h=16, w=24, k=40, n=300, m=200)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("splits", [1, 3, 9])  # 9: the one-shot merge, with empty splits
 @pytest.mark.parametrize("with_sink", [False, True])
 def test_triton_matches_reference(triton_kernels, dtype, splits, with_sink):
     c = make_case(**SMALL, dtype=dtype, device=triton_kernels, seed=10 + splits, sink=with_sink)
