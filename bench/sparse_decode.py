@@ -281,8 +281,8 @@ def run(argv: list[str]) -> int:
 
 
 def markdown(rows: list[dict], copy_gbs: float, fm_error: str | None, device: str) -> str:
-    cols = ["kernel", "B", "us", "us_eager", "GBps", "frac_copy", "TFLOPs", "rel_err", "block_n", "stages", "prefetch",
-            "splits"]
+    cols = ["kernel", "B", "us", "us_eager", "GBps", "frac_copy", "TFLOPs", "rel_err", "block_n", "warps", "stages",
+            "prefetch", "exchange", "raw_stages", "splits"]
     lines = [
         f"# sparse_decode on {device}",
         "",

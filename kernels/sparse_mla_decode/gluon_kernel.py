@@ -61,67 +61,76 @@ def _block_range(b, split, num_splits, W, K, wlen_ptr, elen_ptr, BN: gl.constexp
 
 
 @gluon.jit
-def _block_indices(j, hi, nbw, wlen, elen, widx_row, eidx_row, offs_n, BN: gl.constexpr):
-    """Cache rows of live block j (-1 where invalid or past the length; all -1 for j >= hi)."""
+def _stage_indices(idx_all, widx_row, eidx_row, nbw, wlen, elen, MAXB: gl.constexpr, BN: gl.constexpr):
+    """cp.async every live block's indices into idx_all [MAXB, BN]: row j = live block j (window blocks,
+    then extra blocks), zeros past the lengths (readers mask by position). One round trip for all of them,
+    so no block waits on an index load before its rows can be gathered."""
+    NW: gl.constexpr = gl.num_warps()
+    l: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (BN // 4), BN // 4], [NW, 1], [1, 0])
+    jr = gl.arange(0, MAXB, layout=gl.SliceLayout(1, l))
+    c = gl.arange(0, BN, layout=gl.SliceLayout(0, l))
+    is_w = jr < nbw
+    blk = gl.where(is_w, jr, jr - nbw)
+    n_valid = gl.where(is_w, wlen, elen)
+    pos = blk[:, None] * BN + c[None, :]
+    ptrs = gl.where(is_w[:, None], widx_row + pos, eidx_row + pos)
+    # idx_all is allocated with a rank-1 layout (so that .index(j) gives block j); the 2-D copy needs
+    # the same unswizzled row-major bytes seen through a rank-2 layout.
+    table = idx_all._reinterpret(gl.int32, [MAXB, BN], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    async_copy.async_copy_global_to_shared(table, ptrs, mask=(pos >= 0) & (pos < n_valid[:, None]))
+
+
+@gluon.jit
+def _block_rows(idx_all, j, hi, nbw, wlen, elen, offs_n, MAXB: gl.constexpr, BN: gl.constexpr):
+    """Cache rows of live block j from the staged table (-1 where invalid or past the length; all -1 for j >= hi)."""
     is_w = j < nbw
     blk = gl.where(is_w, j, j - nbw)
     n_valid = gl.where(j < hi, gl.where(is_w, wlen, elen), 0)
-    pos = blk * BN + offs_n
-    return gl.load(gl.where(is_w, widx_row, eidx_row) + pos, mask=pos < n_valid, other=-1)
+    idx = idx_all.index(gl.minimum(j, MAXB - 1)).load(offs_n.type.layout)
+    return gl.where(blk * BN + offs_n < n_valid, idx, -1)
 
 
 @gluon.jit
 def _loader(q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
             widx_ptr, stride_wb, eidx_ptr, stride_eb,
             b, lo, hi, nbw, wlen, elen,
-            q_smem, k_smem, idx_smem, q_bar, full, empty,
-            BN: gl.constexpr, NS: gl.constexpr, IS_FP8: gl.constexpr,
+            q_smem, k_smem, idx_all, q_bar, full, empty,
+            BN: gl.constexpr, NS: gl.constexpr, MAXB: gl.constexpr,
             PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr, PROBE: gl.constexpr):
     NW: gl.constexpr = gl.num_warps()
     rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
-    idx_l: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
 
     # Q: 64 heads x 512 dims, once.
     qh = gl.arange(0, H_ALL, layout=gl.SliceLayout(1, rows_l))
     qd = gl.arange(0, D_ALL, layout=gl.SliceLayout(0, rows_l))
     q_ptrs = q_ptr + b.to(gl.int64) * stride_qb + qh[:, None] * stride_qh + qd[None, :]
     async_copy.async_copy_global_to_shared(q_smem, q_ptrs)
-    async_copy.mbarrier_arrive(q_bar, increment_count=False)
-
     widx_row = widx_ptr + b.to(gl.int64) * stride_wb
     eidx_row = eidx_ptr + b.to(gl.int64) * stride_eb
+    _stage_indices(idx_all, widx_row, eidx_row, nbw, wlen, elen, MAXB, BN)
+    async_copy.mbarrier_arrive(q_bar, increment_count=False)
+    mbarrier.wait(q_bar, 0)  # the loader reads the index table too
+
     offs_n = gl.arange(0, BN, layout=gl.SliceLayout(1, rows_l))
     offs_d = gl.arange(0, D_ALL, layout=gl.SliceLayout(0, rows_l))
-    offs_i = gl.arange(0, BN, layout=idx_l)
-    # Block j's indices are loaded one block ahead, before the wait for a free stage, so the
-    # dependent index -> row gather does not pay two memory latencies per block.
-    idx = _block_indices(lo, hi, nbw, wlen, elen, widx_row, eidx_row, offs_n, BN)
     for j in range(lo, hi):
         i = j - lo
         s = i % NS
-        idx_next = _block_indices(j + 1, hi, nbw, wlen, elen, widx_row, eidx_row, offs_n, BN)
+        idx = _block_rows(idx_all, j, hi, nbw, wlen, elen, offs_n, MAXB, BN)
         if i >= NS:  # wait until both compute warpgroups are done with this stage's previous block
             mbarrier.wait(empty.index(s), ((i // NS) + 1) & 1)
-        is_w = j < nbw
-        blk = gl.where(is_w, j, j - nbw)
-        n_valid = gl.where(is_w, wlen, elen)
-        idx_row = gl.where(is_w, widx_row, eidx_row)
-        # The block's indices, for the consumers' validity mask (zeros past n_valid; they mask by position too).
-        pos_i = blk * BN + offs_i
-        async_copy.async_copy_global_to_shared(idx_smem.index(s), idx_row + pos_i, mask=pos_i < n_valid)
         valid = idx >= 0
-        base = gl.where(is_w, kv_ptr, ekv_ptr)
-        stride = gl.where(is_w, stride_kv, stride_ekv)
+        base = gl.where(j < nbw, kv_ptr, ekv_ptr)
+        stride = gl.where(j < nbw, stride_kv, stride_ekv)
         ptrs = base + idx.to(gl.int64)[:, None] * stride + offs_d[None, :]
         if PROBE != 2:
             async_copy.async_copy_global_to_shared(k_smem.index(s), ptrs, mask=valid[:, None])
         async_copy.mbarrier_arrive(full.index(s), increment_count=False)
-        idx = idx_next
 
 
 @gluon.jit
-def _issue_raw_fp8(j, hi, nbw, wlen, elen, widx_row, eidx_row, kv_ptr, ekv_ptr, nope_st, rope_st, sc_st,
-                   BN: gl.constexpr, PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr):
+def _issue_raw_fp8(j, hi, nbw, wlen, elen, idx_all, kv_ptr, ekv_ptr, nope_st, rope_st, sc_st,
+                   BN: gl.constexpr, MAXB: gl.constexpr, PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr):
     """cp.async the raw V4 records of live block j (nothing for j >= hi) into one staging buffer; commit.
 
     nope_st [BN, 8, 64] u8 gets the 448 e4m3 bytes (tile 7 zero-filled), rope_st [BN, 64] bf16 the
@@ -132,7 +141,7 @@ def _issue_raw_fp8(j, hi, nbw, wlen, elen, widx_row, eidx_row, kv_ptr, ekv_ptr, 
     rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
     sc_l: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [NW, 1], [1, 0])
     row_l: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, nope_l))
-    idx = _block_indices(j, hi, nbw, wlen, elen, widx_row, eidx_row, gl.arange(0, BN, layout=row_l), BN)
+    idx = _block_rows(idx_all, j, hi, nbw, wlen, elen, gl.arange(0, BN, layout=row_l), MAXB, BN)
     valid = idx >= 0
     base = gl.where(j < nbw, kv_ptr, ekv_ptr)
     page_base = base + (idx // 64).to(gl.int64) * PAGE_STRIDE
@@ -180,34 +189,34 @@ def _dequant_tiles(nope_st, sc_st, k_stage, T0: gl.constexpr, G: gl.constexpr, B
 def _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr,
                 widx_ptr, stride_wb, eidx_ptr, stride_eb,
                 b, lo, hi, nbw, wlen, elen,
-                q_smem, k_smem, idx_smem, nope_st, rope_st, sc_st, q_bar, full, empty,
-                BN: gl.constexpr, NS: gl.constexpr, NR: gl.constexpr,
+                q_smem, k_smem, idx_all, nope_st, rope_st, sc_st, q_bar, full, empty,
+                BN: gl.constexpr, NS: gl.constexpr, NR: gl.constexpr, MAXB: gl.constexpr,
                 PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr, PROBE: gl.constexpr):
-    """V4 fp8 pages: raw records of block j+1 are copied (cp.async, double-buffered staging) while
-    block j is dequantised from shared memory in RC-row chunks into the bf16 stage the wgmmas read."""
+    """V4 fp8 pages: raw records of blocks j+1 .. j+NR-1 are in flight (cp.async into NR staging
+    buffers) while block j is dequantised from shared memory into the bf16 stage the wgmmas read."""
     NW: gl.constexpr = gl.num_warps()
     rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
-    idx_l: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
 
     qh = gl.arange(0, H_ALL, layout=gl.SliceLayout(1, rows_l))
     qd = gl.arange(0, D_ALL, layout=gl.SliceLayout(0, rows_l))
     q_ptrs = q_ptr + b.to(gl.int64) * stride_qb + qh[:, None] * stride_qh + qd[None, :]
     async_copy.async_copy_global_to_shared(q_smem, q_ptrs)
-    async_copy.mbarrier_arrive(q_bar, increment_count=False)
-
     widx_row = widx_ptr + b.to(gl.int64) * stride_wb
     eidx_row = eidx_ptr + b.to(gl.int64) * stride_eb
-    offs_i = gl.arange(0, BN, layout=idx_l)
+    _stage_indices(idx_all, widx_row, eidx_row, nbw, wlen, elen, MAXB, BN)
+    async_copy.mbarrier_arrive(q_bar, increment_count=False)
+    mbarrier.wait(q_bar, 0)  # the loader reads the index table too
+
     for r in gl.static_range(NR - 1):  # raw records of the first NR - 1 blocks in flight
-        _issue_raw_fp8(gl.where(PROBE == 2, hi, lo + r), hi, nbw, wlen, elen, widx_row, eidx_row, kv_ptr, ekv_ptr,
-                       nope_st.index(r), rope_st.index(r), sc_st.index(r), BN, PAGE_STRIDE, SCALES_OFFSET)
+        _issue_raw_fp8(gl.where(PROBE == 2, hi, lo + r), hi, nbw, wlen, elen, idx_all, kv_ptr, ekv_ptr,
+                       nope_st.index(r), rope_st.index(r), sc_st.index(r), BN, MAXB, PAGE_STRIDE, SCALES_OFFSET)
     for j in range(lo, hi):
         i = j - lo
         s = i % NS
         cur = i % NR
         nxt = (i + NR - 1) % NR  # read in the previous iteration, released by its closing barrier
-        _issue_raw_fp8(gl.where(PROBE == 2, hi, j + NR - 1), hi, nbw, wlen, elen, widx_row, eidx_row, kv_ptr, ekv_ptr,
-                       nope_st.index(nxt), rope_st.index(nxt), sc_st.index(nxt), BN, PAGE_STRIDE, SCALES_OFFSET)
+        _issue_raw_fp8(gl.where(PROBE == 2, hi, j + NR - 1), hi, nbw, wlen, elen, idx_all, kv_ptr, ekv_ptr,
+                       nope_st.index(nxt), rope_st.index(nxt), sc_st.index(nxt), BN, MAXB, PAGE_STRIDE, SCALES_OFFSET)
         async_copy.wait_group(NR - 1)  # this thread's copies of block j have landed ...
         gl.thread_barrier()  # ... and every loader thread's
         if i >= NS:
@@ -222,14 +231,9 @@ def _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr,
             rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
             k_stage.slice(448, 64, dim=1).store(rope_st.index(cur).load(rope_l))
         fence_async_shared()  # the generic-proxy stores above are read by wgmma (async proxy)
-        is_w = j < nbw
-        blk = gl.where(is_w, j, j - nbw)
-        n_valid = gl.where(is_w, wlen, elen)
-        pos_i = blk * BN + offs_i
-        async_copy.async_copy_global_to_shared(idx_smem.index(s), gl.where(is_w, widx_row, eidx_row) + pos_i,
-                                               mask=pos_i < n_valid)
-        async_copy.mbarrier_arrive(full.index(s), increment_count=False)
-        mbarrier.arrive(full.index(s))  # after a loader-wide barrier: the dequantised stage is complete
+        # Only a plain arrive (after a loader-wide barrier): a cp.async arrive here would also wait
+        # for the raw copies of the blocks ahead.
+        mbarrier.arrive(full.index(s))
 
 
 @gluon.jit
@@ -252,7 +256,7 @@ def _online_softmax(sc, j, nbw, wlen, elen, idx_s, m_i, l_i, qk_scale_log2, offs
 @gluon.jit
 def _compute(b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
              sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
-             q_smem, k_smem, idx_smem, xbuf, q_bar, full, empty, xfull, xfree,
+             q_smem, k_smem, idx_all, xbuf, q_bar, full, empty, xfull, xfree,
              HALF: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr,
              SPLIT_OUT: gl.constexpr, HAS_SINK: gl.constexpr, XCH: gl.constexpr, PROBE: gl.constexpr):
     DH: gl.constexpr = D_ALL // 2
@@ -293,7 +297,7 @@ def _compute(b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
             else:
                 sc = warpgroup_mma(q_smem, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-            p_op, alpha, m_i, l_i = _online_softmax(sc, j, nbw, wlen, elen, idx_smem.index(s).load(col_s),
+            p_op, alpha, m_i, l_i = _online_softmax(sc, j, nbw, wlen, elen, idx_all.index(j).load(col_s),
                                                     m_i, l_i, qk_scale_log2, offs_c, p_l, BN)
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             acc = warpgroup_mma(p_op, k.slice(HALF * DH, DH, dim=1), acc, is_async=True)
@@ -337,7 +341,7 @@ def _sparse_decode_ws_kernel(
     BN: gl.constexpr, NS: gl.constexpr, SPLIT_OUT: gl.constexpr,
     IS_FP8: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_WLEN: gl.constexpr, HAS_ELEN: gl.constexpr,
     HAS_SINK: gl.constexpr, PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr,
-    LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, XCH: gl.constexpr, NR: gl.constexpr,
+    LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, XCH: gl.constexpr, NR: gl.constexpr, MAXB: gl.constexpr,
     PROBE: gl.constexpr = 0,
 ):
     # PROBE (timing experiments only; wrong results): 1 = no math, 2 = no row loads, 3 = fp8: no dequantisation.
@@ -349,7 +353,7 @@ def _sparse_decode_ws_kernel(
     nvmma: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [H_ALL, D_ALL], nvmma)
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [NS, BN, D_ALL], nvmma)
-    idx_smem = gl.allocate_shared_memory(gl.int32, [NS, BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    idx_all = gl.allocate_shared_memory(gl.int32, [MAXB, BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     if IS_FP8:
         nope_st = gl.allocate_shared_memory(gl.uint8, [NR, BN, 8, 64], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
         rope_st = gl.allocate_shared_memory(gl.bfloat16, [NR, BN, 64], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
@@ -368,7 +372,8 @@ def _sparse_decode_ws_kernel(
     empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=LOADER_WARPS * 32)
     for s in gl.static_range(NS):
-        mbarrier.init(full.index(s), count=LOADER_WARPS * 32 + IS_FP8)
+        # bf16: one cp.async arrive per loader thread; fp8: one plain arrive after the dequantisation.
+        mbarrier.init(full.index(s), count=1 if IS_FP8 else LOADER_WARPS * 32)
         mbarrier.init(empty.index(s), count=2)
 
     # Registers: the two compute warpgroups share what the loader leaves of the 64K-register file.
@@ -377,27 +382,27 @@ def _sparse_decode_ws_kernel(
         gl.warp_specialize([
             (_compute, (b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
                          sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
-                         q_smem, k_smem, idx_smem, xbuf, q_bar, full, empty, xfull, xfree, 0, BN, NS, SPLIT_OUT, HAS_SINK,
+                         q_smem, k_smem, idx_all, xbuf, q_bar, full, empty, xfull, xfree, 0, BN, NS, SPLIT_OUT, HAS_SINK,
                          XCH, PROBE)),
             (_compute, (b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
                          sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
-                         q_smem, k_smem, idx_smem, xbuf, q_bar, full, empty, xfull, xfree, 1, BN, NS, SPLIT_OUT, HAS_SINK,
+                         q_smem, k_smem, idx_all, xbuf, q_bar, full, empty, xfull, xfree, 1, BN, NS, SPLIT_OUT, HAS_SINK,
                          XCH, PROBE)),
             (_loader_fp8, (q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr, widx_ptr, stride_wb, eidx_ptr, stride_eb,
-                           b, lo, hi, nbw, wlen, elen, q_smem, k_smem, idx_smem, nope_st, rope_st, sc_st,
-                           q_bar, full, empty, BN, NS, NR, PAGE_STRIDE, SCALES_OFFSET, PROBE)),
+                           b, lo, hi, nbw, wlen, elen, q_smem, k_smem, idx_all, nope_st, rope_st, sc_st,
+                           q_bar, full, empty, BN, NS, NR, MAXB, PAGE_STRIDE, SCALES_OFFSET, PROBE)),
         ], [4, LOADER_WARPS], [compute_regs, LOADER_REGS])
     else:
         gl.warp_specialize([
             (_compute, (b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
                          sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
-                         q_smem, k_smem, idx_smem, xbuf, q_bar, full, empty, xfull, xfree, 0, BN, NS, SPLIT_OUT, HAS_SINK,
+                         q_smem, k_smem, idx_all, xbuf, q_bar, full, empty, xfull, xfree, 0, BN, NS, SPLIT_OUT, HAS_SINK,
                          XCH, PROBE)),
             (_compute, (b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
                          sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
-                         q_smem, k_smem, idx_smem, xbuf, q_bar, full, empty, xfull, xfree, 1, BN, NS, SPLIT_OUT, HAS_SINK,
+                         q_smem, k_smem, idx_all, xbuf, q_bar, full, empty, xfull, xfree, 1, BN, NS, SPLIT_OUT, HAS_SINK,
                          XCH, PROBE)),
             (_loader, (q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
                        widx_ptr, stride_wb, eidx_ptr, stride_eb, b, lo, hi, nbw, wlen, elen,
-                       q_smem, k_smem, idx_smem, q_bar, full, empty, BN, NS, IS_FP8, PAGE_STRIDE, SCALES_OFFSET, PROBE)),
+                       q_smem, k_smem, idx_all, q_bar, full, empty, BN, NS, MAXB, PAGE_STRIDE, SCALES_OFFSET, PROBE)),
         ], [4, LOADER_WARPS], [compute_regs, LOADER_REGS])

@@ -33,7 +33,7 @@ class LaunchConfig:
     backend: str = "auto"  # "auto": the warp-specialised Gluon kernel where it applies (sm_90, H = 64), else "triton"
     exchange: bool = False  # Gluon: each compute warpgroup does QK^T over its 256 dims, the halves swapped in smem
     loader_regs: int = 0  # Gluon: registers per loader thread (0: see `resolved`); compute gets the rest
-    raw_stages: int = 0  # Gluon fp8: raw-record staging buffers (0: 4), so raw_stages - 1 blocks are in flight
+    raw_stages: int = 0  # Gluon fp8: raw-record staging buffers (0: 2), so raw_stages - 1 blocks are in flight
 
 
 def choose_splits(batch: int, num_blocks: int, num_sms: int) -> int:
@@ -78,10 +78,10 @@ def _check_common(q, window_idx, extra_idx, sink, window_lens, extra_lens, has_e
 
 
 BACKENDS = ("auto", "triton", "gluon")
-# (block_n, stages) when the config leaves them 0. Gluon fp8 also stages raw records in shared memory,
-# so its blocks are smaller.
+# (block_n, stages) when the config leaves them 0: the H200 sweep's most frequent winners
+# (bench/results/sparse_decode.md). Gluon fp8 also stages raw records in shared memory, so its blocks are smaller.
 DEFAULT_BLOCKS = {("triton", False): (64, 2), ("triton", True): (64, 2),
-                  ("gluon", False): (64, 2), ("gluon", True): (32, 2)}
+                  ("gluon", False): (64, 2), ("gluon", True): (32, 3)}
 _PROBE = 0  # bench/probe_sparse_decode.py only: drop a stage of the Gluon kernel to time the rest (wrong results)
 SMEM_LIMIT = 226 * 1024  # the 227 KB a block may opt into, less a margin for what the estimate leaves out
 
@@ -95,15 +95,22 @@ def resolved(config: LaunchConfig | None, backend: str, is_fp8: bool) -> LaunchC
     # at block_n 64 (80 leaves it spill-free), 8 at block_n 32.
     regs = config.loader_regs or (96 if is_fp8 else 80 if bn == 64 else 40)
     return replace(config, block_n=bn, num_stages=config.num_stages or stages, backend=backend,
-                   loader_regs=regs, raw_stages=config.raw_stages or 4)
+                   loader_regs=regs, raw_stages=config.raw_stages or 2)
 
 
-def gluon_smem_bytes(block_n: int, stages: int, is_fp8: bool, exchange: bool = False, raw_stages: int = 4) -> int:
-    """Shared memory of the Gluon kernel: Q, the bf16 row stages and their indices, the S-half exchange,
-    fp8 raw staging, barriers."""
+def gluon_index_blocks(w: int, k: int, block_n: int) -> int:
+    """Rows of the Gluon kernel's index table: the live blocks of a query, rounded up to a power of two."""
+    return triton_next_pow2(-(-w // block_n) + -(-k // block_n))
+
+
+def gluon_smem_bytes(block_n: int, stages: int, is_fp8: bool, exchange: bool = False, raw_stages: int = 2,
+                     w: int = 128, k: int = 512) -> int:
+    """Shared memory of the Gluon kernel: Q, the bf16 row stages, the index table, the S-half exchange,
+    fp8 raw staging, barriers (w, k: window and extra lists per query)."""
     raw = raw_stages * block_n * (512 + 2 * 64 + 8) if is_fp8 else 0
     xchg = 2 * 64 * block_n * 4 if exchange else 0
-    return 64 * DIM * 2 + stages * block_n * (DIM * 2 + 4) + xchg + raw + 8 * (2 * stages + 5)
+    table = gluon_index_blocks(w, k, block_n) * block_n * 4
+    return 64 * DIM * 2 + stages * block_n * DIM * 2 + table + xchg + raw + 8 * (2 * stages + 5)
 
 
 def gluon_unavailable(q: torch.Tensor, is_fp8: bool) -> str | None:
@@ -194,12 +201,13 @@ def _launch_gluon(q, main, main_stride, extra, extra_stride, window_idx, extra_i
             f"the Gluon kernel takes block_n 32 or 64 and num_stages >= 2; got {bn}, {config.num_stages}")
     if is_fp8 and config.raw_stages < 2:
         raise checks.SparseDecodeInputError(f"raw_stages must be >= 2, got {config.raw_stages}")
-    smem = gluon_smem_bytes(bn, config.num_stages, is_fp8, config.exchange, config.raw_stages)
+    smem = gluon_smem_bytes(bn, config.num_stages, is_fp8, config.exchange, config.raw_stages, w, k)
     if smem > SMEM_LIMIT:
         raise checks.SparseDecodeInputError(
             f"block_n={bn} with {config.num_stages} stages{f' and {config.raw_stages} raw stages (fp8)' if is_fp8 else ''}"
             f"{' and the S exchange' if config.exchange else ''} needs {smem} B of shared memory, "
-            f"over the {SMEM_LIMIT} B a block may use: use fewer stages or block_n=32")
+            f"over the {SMEM_LIMIT} B a block may use (window {w} + extra {k} indices per query): "
+            "use fewer stages or block_n=32")
     num_blocks = -(-w // bn) + -(-k // bn)
     splits = config.num_splits or choose_splits(b, num_blocks, _num_sms(q.device))
     out = torch.empty_like(q)
@@ -226,7 +234,7 @@ def _launch_gluon(q, main, main_stride, extra, extra_stride, window_idx, extra_i
         IS_FP8=is_fp8, HAS_EXTRA=has_extra, HAS_WLEN=window_lens is not None,
         HAS_ELEN=has_extra and extra_lens is not None, HAS_SINK=sink is not None,
         PAGE_STRIDE=PAGE_STRIDE, SCALES_OFFSET=SCALES_OFFSET, LOADER_WARPS=4, LOADER_REGS=config.loader_regs,
-        XCH=config.exchange, NR=config.raw_stages, PROBE=_PROBE,
+        XCH=config.exchange, NR=config.raw_stages, MAXB=gluon_index_blocks(w, k, bn), PROBE=_PROBE,
         num_warps=4,
     )
     if splits > 1:
