@@ -1,27 +1,29 @@
 """Warp-specialised sparse MLA decode for Hopper, written in Gluon (Triton's explicit-layout dialect).
 
 Why a second kernel beside `kernel.py`: the plain-Triton kernel runs one 8-warp program per SM whose
-every 64-row block is a serial chain (gather -> QK^T -> softmax -> PV), with the softmax's row
-reductions and P crossing the two warpgroups through shared memory; ncu saw 12% occupancy and no
+every 64-row block is a serial chain (gather -> QK^T -> softmax -> PV); ncu saw 12% occupancy and no
 overlap. Here one CTA per (query, split) has three partitions that run concurrently:
 
-    loader      (4 warps)  gathers the selected rows of block i into shared-memory stage i % NS with
-                           cp.async (bf16 rows), or loads V4 fp8 records, dequantises them in
-                           registers and stores bf16 (fp8 pages); signals `full[s]`.
+    loader      (4 warps)  first stages Q and every live block's indices in shared memory (one round
+                           trip), then per block: bf16 rows are gathered with cp.async straight into
+                           stage i % NS; V4 fp8 records are cp.async'd into NR raw staging buffers
+                           (NR - 1 blocks in flight) and dequantised from there into the bf16 stage.
+                           Signals `full[s]`.
     compute 0/1 (4 warps each) each owns half of the output dims (O[:, 0:256] / O[:, 256:512], a
-                           [64, 256] fp32 accumulator per warpgroup). Both compute the whole
-                           S = Q K^T of a block (so neither waits on the other, at 1.5x the minimal
-                           tensor-core work), run the same online softmax, then P V on their half;
-                           each arrives on `empty[s]` when done with the stage.
+                           [64, 256] fp32 accumulator per warpgroup). By default both compute the whole
+                           S = Q K^T of a block (neither waits on the other, at 1.5x the minimal
+                           tensor-core work); with XCH each computes S over its 256 dims and the halves
+                           are swapped through shared memory (measured slower on the H200). Both run the
+                           same online softmax, then P V on their half; each arrives on `empty[s]`.
 
 All 64 heads of the query are the M = 64 of every wgmma, so each selected row is read from memory
 once. Work is O(live rows): the split's block range comes from the per-query lengths, nothing is
 sized by the cache. No host syncs: graph-capturable like `kernel.py`; splits are merged by
-`kernel._combine_kernel`.
+`kernel._combine_kernel` / `_combine_stream_kernel` (see launch._combine).
 
 Semantics are those of `reference.py`; this file only runs on sm_90 (the tests and the benchmark
 compare it with the reference there). Block indices: live block j < nbw is window block j, else extra
-block j - nbw, exactly as in `kernel.py`.
+block j - nbw, exactly as in `kernel.py`. Measurements and what was tried: bench/results/sparse_decode.md.
 """
 
 from __future__ import annotations
