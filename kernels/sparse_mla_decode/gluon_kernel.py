@@ -93,16 +93,10 @@ def _block_rows(idx_all, j, hi, nbw, wlen, elen, offs_n, MAXB: gl.constexpr, BN:
 
 
 @gluon.jit
-def _loader(q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
-            widx_ptr, stride_wb, eidx_ptr, stride_eb,
-            b, lo, hi, nbw, wlen, elen,
-            q_smem, k_smem, idx_all, q_bar, full, empty,
-            BN: gl.constexpr, NS: gl.constexpr, MAXB: gl.constexpr,
-            PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr, PROBE: gl.constexpr):
-    NW: gl.constexpr = gl.num_warps()
-    rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
-
-    # Q: 64 heads x 512 dims, once.
+def _stage_q_and_indices(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_ptr, stride_eb, b, nbw, wlen, elen,
+                         q_smem, idx_all, q_bar, rows_l: gl.constexpr, MAXB: gl.constexpr, BN: gl.constexpr):
+    """Loader prologue: Q (64 heads x 512 dims) and the index table by cp.async, tracked by q_bar, which
+    the loader then waits on too (it reads the table)."""
     qh = gl.arange(0, H_ALL, layout=gl.SliceLayout(1, rows_l))
     qd = gl.arange(0, D_ALL, layout=gl.SliceLayout(0, rows_l))
     q_ptrs = q_ptr + b.to(gl.int64) * stride_qb + qh[:, None] * stride_qh + qd[None, :]
@@ -111,7 +105,20 @@ def _loader(q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
     eidx_row = eidx_ptr + b.to(gl.int64) * stride_eb
     _stage_indices(idx_all, widx_row, eidx_row, nbw, wlen, elen, MAXB, BN)
     async_copy.mbarrier_arrive(q_bar, increment_count=False)
-    mbarrier.wait(q_bar, 0)  # the loader reads the index table too
+    mbarrier.wait(q_bar, 0)
+
+
+@gluon.jit
+def _loader(q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
+            widx_ptr, stride_wb, eidx_ptr, stride_eb,
+            b, lo, hi, nbw, wlen, elen,
+            q_smem, k_smem, idx_all, q_bar, full, empty,
+            BN: gl.constexpr, NS: gl.constexpr, MAXB: gl.constexpr,
+            PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr, PROBE: gl.constexpr):
+    NW: gl.constexpr = gl.num_warps()
+    rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
+    _stage_q_and_indices(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_ptr, stride_eb, b, nbw, wlen, elen,
+                         q_smem, idx_all, q_bar, rows_l, MAXB, BN)
 
     offs_n = gl.arange(0, BN, layout=gl.SliceLayout(1, rows_l))
     offs_d = gl.arange(0, D_ALL, layout=gl.SliceLayout(0, rows_l))
@@ -198,16 +205,8 @@ def _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr,
     buffers) while block j is dequantised from shared memory into the bf16 stage the wgmmas read."""
     NW: gl.constexpr = gl.num_warps()
     rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
-
-    qh = gl.arange(0, H_ALL, layout=gl.SliceLayout(1, rows_l))
-    qd = gl.arange(0, D_ALL, layout=gl.SliceLayout(0, rows_l))
-    q_ptrs = q_ptr + b.to(gl.int64) * stride_qb + qh[:, None] * stride_qh + qd[None, :]
-    async_copy.async_copy_global_to_shared(q_smem, q_ptrs)
-    widx_row = widx_ptr + b.to(gl.int64) * stride_wb
-    eidx_row = eidx_ptr + b.to(gl.int64) * stride_eb
-    _stage_indices(idx_all, widx_row, eidx_row, nbw, wlen, elen, MAXB, BN)
-    async_copy.mbarrier_arrive(q_bar, increment_count=False)
-    mbarrier.wait(q_bar, 0)  # the loader reads the index table too
+    _stage_q_and_indices(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_ptr, stride_eb, b, nbw, wlen, elen,
+                         q_smem, idx_all, q_bar, rows_l, MAXB, BN)
 
     for r in gl.static_range(NR - 1):  # raw records of the first NR - 1 blocks in flight
         _issue_raw_fp8(gl.where(PROBE == 2, hi, lo + r), hi, nbw, wlen, elen, idx_all, kv_ptr, ekv_ptr,

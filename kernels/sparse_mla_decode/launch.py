@@ -141,6 +141,39 @@ def _pick_backend(q, is_fp8, config) -> str:
     return config.backend
 
 
+def _outputs(q, splits):
+    """out, lse, and the per-split partial (out, lse) workspace (aliases of lse when there is one split:
+    the kernel then writes the final result directly and never touches them)."""
+    b, h, _ = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty(b, h, dtype=torch.float32, device=q.device)
+    if splits == 1:
+        return out, lse, lse, lse
+    part_o = torch.empty(b * splits * h * DIM, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(b * splits * h, dtype=torch.float32, device=q.device)
+    return out, lse, part_o, part_lse
+
+
+def _kernel_args(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, sink, scale,
+                 window_lens, extra_lens, w, k, out, lse, part_o, part_lse, splits):
+    """The positional arguments both sparse-decode kernels (Triton and Gluon) take, in order; absent
+    optional tensors are replaced by a tensor the kernel will not read (its HAS_* flag is off)."""
+    has_extra = extra is not None
+    scale = DIM**-0.5 if scale is None else float(scale)
+    return (
+        q, q.stride(0), q.stride(1),
+        main, main_stride, extra if has_extra else main, extra_stride if has_extra else main_stride,
+        window_idx, window_idx.stride(0), w,
+        extra_idx if has_extra else window_idx, extra_idx.stride(0) if has_extra else 0, k,
+        window_lens if window_lens is not None else window_idx,
+        extra_lens if extra_lens is not None else window_idx,
+        sink if sink is not None else lse,
+        out, out.stride(0), out.stride(1), lse, lse.stride(0),
+        part_o, part_lse,
+        scale * _kernels.LOG2E, splits,
+    )
+
+
 def _launch(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, sink, scale,
             window_lens, extra_lens, w, k, is_fp8, config):
     b, h, _ = q.shape
@@ -153,34 +186,18 @@ def _launch(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, si
     bn = config.block_n
     num_blocks = -(-w // bn) + -(-k // bn)
     splits = config.num_splits or choose_splits(b, num_blocks, _num_sms(q.device))
-    out = torch.empty_like(q)
-    lse = torch.empty(b, h, dtype=torch.float32, device=q.device)
-    if splits > 1:
-        part_o = torch.empty(b * splits * h * DIM, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(b * splits * h, dtype=torch.float32, device=q.device)
-    else:
-        part_o, part_lse = lse, lse  # unused: the kernel writes the final result directly
-    has_extra = extra is not None
-    scale = DIM**-0.5 if scale is None else float(scale)
+    out, lse, part_o, part_lse = _outputs(q, splits)
     if not q.is_cuda and type(_kernels._sparse_decode_kernel).__name__ != "InterpretedFunction":
         raise checks.SparseDecodeInputError(
             "the Triton kernel runs on CPU tensors only under TRITON_INTERPRET=1 (set before import); "
             "on CPU call sparse_mla_decode_ref, or sparse_mla_decode, which picks it"
         )
     _kernels._sparse_decode_kernel[(b, splits)](
-        q, q.stride(0), q.stride(1),
-        main, main_stride, extra if has_extra else main, extra_stride if has_extra else main_stride,
-        window_idx, window_idx.stride(0), w,
-        extra_idx if has_extra else window_idx, extra_idx.stride(0) if has_extra else 0, k,
-        window_lens if window_lens is not None else window_idx,
-        extra_lens if extra_lens is not None else window_idx,
-        sink if sink is not None else lse,
-        out, out.stride(0), out.stride(1), lse, lse.stride(0),
-        part_o, part_lse,
-        scale * _kernels.LOG2E, splits,
+        *_kernel_args(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, sink, scale,
+                      window_lens, extra_lens, w, k, out, lse, part_o, part_lse, splits),
         H=h, D=DIM, BN=bn, SPLIT_OUT=splits > 1,
-        IS_FP8=is_fp8, HAS_EXTRA=has_extra, HAS_WLEN=window_lens is not None,
-        HAS_ELEN=has_extra and extra_lens is not None, HAS_SINK=sink is not None,
+        IS_FP8=is_fp8, HAS_EXTRA=extra is not None, HAS_WLEN=window_lens is not None,
+        HAS_ELEN=extra is not None and extra_lens is not None, HAS_SINK=sink is not None,
         DOT_F32=(q.dtype == torch.float32 or not q.is_cuda), PREFETCH=config.prefetch,
         PAGE_STRIDE=PAGE_STRIDE, SCALES_OFFSET=SCALES_OFFSET,
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -210,29 +227,13 @@ def _launch_gluon(q, main, main_stride, extra, extra_stride, window_idx, extra_i
             "use fewer stages or block_n=32")
     num_blocks = -(-w // bn) + -(-k // bn)
     splits = config.num_splits or choose_splits(b, num_blocks, _num_sms(q.device))
-    out = torch.empty_like(q)
-    lse = torch.empty(b, h, dtype=torch.float32, device=q.device)
-    if splits > 1:
-        part_o = torch.empty(b * splits * h * DIM, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(b * splits * h, dtype=torch.float32, device=q.device)
-    else:
-        part_o, part_lse = lse, lse
-    has_extra = extra is not None
-    scale = DIM**-0.5 if scale is None else float(scale)
+    out, lse, part_o, part_lse = _outputs(q, splits)
     gluon_kernel._sparse_decode_ws_kernel[(b, splits)](
-        q, q.stride(0), q.stride(1),
-        main, main_stride, extra if has_extra else main, extra_stride if has_extra else main_stride,
-        window_idx, window_idx.stride(0), w,
-        extra_idx if has_extra else window_idx, extra_idx.stride(0) if has_extra else 0, k,
-        window_lens if window_lens is not None else window_idx,
-        extra_lens if extra_lens is not None else window_idx,
-        sink if sink is not None else lse,
-        out, out.stride(0), out.stride(1), lse, lse.stride(0),
-        part_o, part_lse,
-        scale * _kernels.LOG2E, splits,
+        *_kernel_args(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, sink, scale,
+                      window_lens, extra_lens, w, k, out, lse, part_o, part_lse, splits),
         BN=bn, NS=config.num_stages, SPLIT_OUT=splits > 1,
-        IS_FP8=is_fp8, HAS_EXTRA=has_extra, HAS_WLEN=window_lens is not None,
-        HAS_ELEN=has_extra and extra_lens is not None, HAS_SINK=sink is not None,
+        IS_FP8=is_fp8, HAS_EXTRA=extra is not None, HAS_WLEN=window_lens is not None,
+        HAS_ELEN=extra is not None and extra_lens is not None, HAS_SINK=sink is not None,
         PAGE_STRIDE=PAGE_STRIDE, SCALES_OFFSET=SCALES_OFFSET, LOADER_WARPS=4, LOADER_REGS=config.loader_regs,
         XCH=config.exchange, NR=config.raw_stages, MAXB=gluon_index_blocks(w, k, bn), PROBE=_PROBE,
         num_warps=4,

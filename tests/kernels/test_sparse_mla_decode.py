@@ -343,3 +343,42 @@ def test_gpu_gluon_rejects_a_config_over_shared_memory():
     with pytest.raises(SparseDecodeInputError, match="shared memory"):
         sparse_mla_decode_fp8_triton(**c, kv_cache=cache, extra_cache=extra,
                                      config=LaunchConfig(block_n=64, num_stages=2, backend="gluon"))
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gluon_launch_passes_every_kernel_parameter(monkeypatch, fp8):
+    """Host side of the Gluon kernel without a GPU: the launch binds every kernel parameter exactly once,
+    with the split merge behind it when there are splits (the kernel itself runs only on sm_90)."""
+    from dsv4_cluster.kernels.sparse_mla_decode import gluon_kernel
+
+    launches = []
+
+    class Recorder:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.fn, grid, args, kwargs))
+
+    kernel = gluon_kernel._sparse_decode_ws_kernel
+    stream_merge = launch._kernels._combine_stream_kernel
+    monkeypatch.setattr(gluon_kernel, "_sparse_decode_ws_kernel", Recorder(kernel))
+    monkeypatch.setattr(launch._kernels, "_combine_kernel", Recorder(launch._kernels._combine_kernel))
+    monkeypatch.setattr(launch._kernels, "_combine_stream_kernel", Recorder(launch._kernels._combine_stream_kernel))
+    c = make_case(3, 64, 128, 512, 300, 200, seed=8)
+    cfg = launch.resolved(LaunchConfig(backend="gluon", num_splits=4), "gluon", fp8)
+    if fp8:
+        caches = (quantize_kv_v4(c["kv"]), fp8_layout.PAGE_STRIDE, quantize_kv_v4(c["extra_kv"]), fp8_layout.PAGE_STRIDE)
+    else:
+        caches = (c["kv"], c["kv"].stride(0), c["extra_kv"], c["extra_kv"].stride(0))
+    launch._launch_gluon(c["q"], *caches, c["window_idx"], c["extra_idx"], c["sink"], None,
+                         c["window_lens"], c["extra_lens"], 128, 512, fp8, cfg)
+    (fn, grid, args, kwargs), merge = launches
+    assert grid == (3, 4)
+    required = [name for name, p in zip(kernel.arg_names, kernel.params) if not p.has_default]
+    bound = kernel.arg_names[:len(args)] + [k for k in kwargs if k != "num_warps"]  # num_warps: a launch option
+    assert sorted(bound) == sorted(set(bound)), "a parameter is bound twice"
+    assert set(required) <= set(bound), f"unbound: {set(required) - set(bound)}"
+    assert set(bound) <= set(kernel.arg_names), f"unknown: {set(bound) - set(kernel.arg_names)}"
+    assert kwargs["IS_FP8"] is fp8 and kwargs["SPLIT_OUT"] is True and kwargs["MAXB"] == (16 if cfg.block_n == 64 else 32)
+    assert merge[0] is stream_merge  # 4 splits: the streaming merge
