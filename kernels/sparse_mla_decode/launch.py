@@ -123,9 +123,25 @@ def gluon_unavailable(q: torch.Tensor, is_fp8: bool) -> str | None:
         return f"it takes all 64 heads as the wgmma M; got H={q.shape[1]}"
     if q.dtype != torch.bfloat16:
         return f"it takes bf16 queries; got {q.dtype}"
+    return gluon_api_unavailable()
+
+
+# Gluon is experimental and its API moves between Triton releases (3.9 renamed the cp.async entry point
+# this kernel uses), so the kernel runs only on the releases it was built and tested with on the H200.
+GLUON_TRITON_RELEASES = ("3.6",)
+
+
+def gluon_api_unavailable() -> str | None:
+    """Why this Triton cannot build the Gluon kernel (None: it can)."""
+    import triton
+
+    release = ".".join(triton.__version__.split(".")[:2])
+    if release not in GLUON_TRITON_RELEASES:
+        return (f"it is written against Triton {'/'.join(GLUON_TRITON_RELEASES)}'s Gluon API; this is Triton "
+                f"{triton.__version__} (port gluon_kernel.py and add the release to GLUON_TRITON_RELEASES)")
     try:
         from . import gluon_kernel  # noqa: F401
-    except ImportError as exc:  # a Triton without Gluon's Hopper API
+    except ImportError as exc:  # a build without Gluon's Hopper API
         return f"Gluon does not import ({exc})"
     return None
 

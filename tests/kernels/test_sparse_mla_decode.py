@@ -382,3 +382,12 @@ def test_gluon_launch_passes_every_kernel_parameter(monkeypatch, fp8):
     assert set(bound) <= set(kernel.arg_names), f"unknown: {set(bound) - set(kernel.arg_names)}"
     assert kwargs["IS_FP8"] is fp8 and kwargs["SPLIT_OUT"] is True and kwargs["MAXB"] == (16 if cfg.block_n == 64 else 32)
     assert merge[0] is stream_merge  # 4 splits: the streaming merge
+
+
+def test_gluon_is_refused_with_the_reason_on_an_untested_triton(monkeypatch):
+    import triton
+
+    monkeypatch.setattr(triton, "__version__", "3.9.0")
+    assert "Triton 3.6" in launch.gluon_api_unavailable()
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    assert launch.gluon_api_unavailable() is None

@@ -1,0 +1,107 @@
+"""Compile the Gluon sparse-decode kernel for sm_90a on a machine without a GPU; print its resources.
+
+Device minutes are scarce; most "will this config spill / fit / assemble?" questions are answered here:
+shared memory, ptxas registers and spills, and the `setmaxnreg` budget of each partition. Needs the
+Triton release the kernel is written for (the H200's; see launch.GLUON_TRITON_RELEASES), e.g.
+
+    python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0
+    /tmp/t36/bin/python bench/compile_gluon_sm90.py bf16:64:2 fp8:32:3:raw2 bf16:32:4:xch [--sass DIR]
+
+A config is dtype:block_n:stages[:xch][:rawN][:regsN] (regsN: loader registers; default as the launcher).
+The script loads kernels/sparse_mla_decode/gluon_kernel.py by path (only Triton is imported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+
+KERNEL = pathlib.Path(__file__).resolve().parents[1] / "kernels" / "sparse_mla_decode" / "gluon_kernel.py"
+POINTERS = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "ekv_ptr": "*bf16", "widx_ptr": "*i32", "eidx_ptr": "*i32",
+            "wlen_ptr": "*i32", "elen_ptr": "*i32", "sink_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
+            "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+
+
+def parse(spec: str) -> dict:
+    dtype, bn, stages, *flags = spec.split(":")
+    if dtype not in ("bf16", "fp8"):
+        raise SystemExit(f"config {spec!r}: dtype must be bf16 or fp8")
+    cfg = dict(fp8=dtype == "fp8", bn=int(bn), stages=int(stages), xch=False, raw=2, regs=0)
+    for f in flags:
+        if f == "xch":
+            cfg["xch"] = True
+        elif m := re.fullmatch(r"(raw|regs)(\d+)", f):
+            cfg[m[1]] = int(m[2])
+        else:
+            raise SystemExit(f"config {spec!r}: unknown flag {f!r} (xch, rawN, regsN)")
+    cfg["regs"] = cfg["regs"] or (96 if cfg["fp8"] else 80 if cfg["bn"] == 64 else 40)
+    return cfg
+
+
+def compile_one(module, cfg: dict):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = module._sparse_decode_ws_kernel
+    blocks = -(-128 // cfg["bn"]) + -(-512 // cfg["bn"])
+    const = dict(BN=cfg["bn"], NS=cfg["stages"], SPLIT_OUT=False, IS_FP8=cfg["fp8"], HAS_EXTRA=True, HAS_WLEN=True,
+                 HAS_ELEN=True, HAS_SINK=True, PAGE_STRIDE=37440, SCALES_OFFSET=36864, LOADER_WARPS=4,
+                 LOADER_REGS=cfg["regs"], XCH=cfg["xch"], NR=cfg["raw"], MAXB=1 << (blocks - 1).bit_length(), PROBE=0)
+    pointers = dict(POINTERS, **({"kv_ptr": "*u8", "ekv_ptr": "*u8"} if cfg["fp8"] else {}))
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in const:
+            sig[name] = "constexpr"
+        elif name in pointers or name.startswith("stride"):
+            sig[name] = pointers.get(name, "i32")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = "fp32" if name == "qk_scale_log2" else "i32"
+    return triton.compile(GluonASTSource(fn, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4})
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("configs", nargs="+")
+    parser.add_argument("--sass", type=pathlib.Path, help="also write each config's SASS into this folder")
+    args = parser.parse_args(argv)
+    import triton
+
+    spec = importlib.util.spec_from_file_location("gluon_kernel", KERNEL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    bindir = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    print(f"triton {triton.__version__}")
+    for text in args.configs:
+        cfg = parse(text)
+        try:
+            compiled = compile_one(module, cfg)
+        except Exception as exc:  # a config that does not build is a result
+            print(f"{text:24s} does not compile: {type(exc).__name__}: {str(exc).splitlines()[-1][:200]}")
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            ptx = pathlib.Path(tmp) / "k.ptx"
+            ptx.write_text(compiled.asm["ptx"])
+            report = subprocess.run([bindir / "ptxas", "-arch=sm_90a", "-v", ptx, "-o", pathlib.Path(tmp) / "k.cubin"],
+                                    capture_output=True, text=True).stderr
+            if args.sass:
+                args.sass.mkdir(parents=True, exist_ok=True)
+                sass = subprocess.run([bindir / "nvdisasm", "-c", pathlib.Path(tmp) / "k.cubin"],
+                                      capture_output=True, text=True).stdout
+                (args.sass / f"{text.replace(':', '_')}.sass").write_text(sass)
+        spill = re.search(r"(\d+) bytes spill stores", report)
+        regs = sorted(set(re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", compiled.asm["ptx"])), key=int)
+        print(f"{text:24s} smem {compiled.metadata.shared:7d} B  spill stores {spill[1] if spill else '?':>4s} B  "
+              f"setmaxnreg {'/'.join(regs)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
