@@ -8,20 +8,21 @@ Triton release the kernel is written for (the H200's; see launch.GLUON_TRITON_RE
     /tmp/t36/bin/python bench/compile_gluon_sm90.py bf16:64:2 fp8:32:3:raw2 bf16:32:4:xch [--sass DIR]
 
 A config is dtype:block_n:stages[:xch][:rawN][:regsN] (regsN: loader registers; default as the launcher).
-The script loads kernels/sparse_mla_decode/gluon_kernel.py by path (only Triton is imported).
+The script loads kernels/sparse_mla_decode/gluon_*.py by path (only Triton is imported, not the package).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import pathlib
 import re
 import subprocess
 import sys
 import tempfile
+import types
 
-KERNEL = pathlib.Path(__file__).resolve().parents[1] / "kernels" / "sparse_mla_decode" / "gluon_kernel.py"
+KERNELS = pathlib.Path(__file__).resolve().parents[1] / "kernels" / "sparse_mla_decode"
 POINTERS = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "ekv_ptr": "*bf16", "widx_ptr": "*i32", "eidx_ptr": "*i32",
             "wlen_ptr": "*i32", "elen_ptr": "*i32", "sink_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
             "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32"}
@@ -74,9 +75,12 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     import triton
 
-    spec = importlib.util.spec_from_file_location("gluon_kernel", KERNEL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    # A stand-in package over the kernel folder, so gluon_kernel's relative import works without
+    # running the real package's __init__ (which needs torch).
+    package = types.ModuleType("sparse_mla_decode_gluon")
+    package.__path__ = [str(KERNELS)]
+    sys.modules[package.__name__] = package
+    module = importlib.import_module(f"{package.__name__}.gluon_kernel")
     bindir = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     print(f"triton {triton.__version__}")
     for text in args.configs:
