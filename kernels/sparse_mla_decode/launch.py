@@ -138,7 +138,8 @@ def gluon_api_unavailable() -> str | None:
     release = ".".join(triton.__version__.split(".")[:2])
     if release not in GLUON_TRITON_RELEASES:
         return (f"it is written against Triton {'/'.join(GLUON_TRITON_RELEASES)}'s Gluon API; this is Triton "
-                f"{triton.__version__} (port gluon_kernel.py and gluon_loaders.py, then add the release to GLUON_TRITON_RELEASES)")
+                f"{triton.__version__} (port gluon_kernel.py and gluon_loaders.py, then add the release to "
+                "GLUON_TRITON_RELEASES)")
     try:
         from . import gluon_kernel  # noqa: F401
     except ImportError as exc:  # a build without Gluon's Hopper API
