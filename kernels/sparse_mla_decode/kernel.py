@@ -85,7 +85,6 @@ def _sparse_decode_kernel(
     split = tl.program_id(1)
     offs_h = tl.arange(0, H)
     offs_d = tl.arange(0, D)
-    offs_n = tl.arange(0, BN)
 
     wlen = W
     if HAS_WLEN:
@@ -148,16 +147,46 @@ def _sparse_decode_kernel(
     o = acc / tl.where(has_any, l_i, 1.0)[:, None]
     lse = tl.where(has_any, (m_i + tl.log2(tl.where(has_any, l_i, 1.0))) * LN2, float("-inf"))
     if not SPLIT_OUT:
-        if HAS_SINK:
-            sink = tl.load(sink_ptr + offs_h)
-            o = o / (1.0 + tl.exp(sink - lse))[:, None]
-        tl.store(out_ptr + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty))
-        tl.store(lse_ptr + b * stride_lb + offs_h, lse)
+        _store_result(o, lse, b, offs_h, offs_d, sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
+                      True, HAS_SINK)
     else:
         row = (b * num_splits + split).to(tl.int64) * H
         tl.store(part_o_ptr + (row + offs_h[:, None]) * D + offs_d[None, :], o)
         tl.store(part_lse_ptr + row + offs_h, lse)
+
+
+@triton.jit
+def _split_weights(part_lse_ptr, b, num_splits, offs_h, H: tl.constexpr, SP: tl.constexpr):
+    """For query b, heads offs_h: the partial rows [SP, HB], their weights exp(lse_s - max) (0 for empty or
+    missing splits), that max (0 when no split has a row) and the weights' sum."""
+    offs_s = tl.arange(0, SP)
+    rows = (b * num_splits + offs_s).to(tl.int64)[:, None] * H + offs_h[None, :]  # [SP, HB]
+    lse_s = tl.load(part_lse_ptr + rows, mask=(offs_s < num_splits)[:, None], other=float("-inf"))
+    lse_max = tl.max(lse_s, axis=0)
+    max_safe = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w = tl.exp(lse_s - max_safe[None, :])
+    return rows, w, max_safe, tl.sum(w, axis=0)
+
+
+@triton.jit
+def _merged(o_sum, w_sum, max_safe):
+    """The merged (out, lse) from the weighted sum of the partial outputs; (0, -inf) for an empty query."""
+    has_any = w_sum > 0
+    o = o_sum / tl.where(has_any, w_sum, 1.0)[:, None]
+    return o, tl.where(has_any, max_safe + tl.log(tl.where(has_any, w_sum, 1.0)), float("-inf"))
+
+
+@triton.jit
+def _store_result(o, lse, b, offs_h, offs_d, sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
+                  write_lse, HAS_SINK: tl.constexpr):
+    """Scale by the attention sink (if any), store out[b, offs_h, offs_d] and, if write_lse, lse[b, offs_h]."""
+    if HAS_SINK:
+        sink = tl.load(sink_ptr + offs_h)
+        o = o / (1.0 + tl.exp(sink - lse))[:, None]
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty))
+    if write_lse:
+        tl.store(lse_ptr + b * stride_lb + offs_h, lse)
 
 
 @triton.jit
@@ -175,25 +204,12 @@ def _combine_kernel(
     b = tl.program_id(0)
     offs_h = tl.program_id(1) * HB + tl.arange(0, HB)
     offs_d = tl.program_id(2) * DC + tl.arange(0, DC)
-    offs_s = tl.arange(0, SP)
-    s_ok = offs_s < num_splits
-    rows = (b * num_splits + offs_s).to(tl.int64)[:, None] * H + offs_h[None, :]  # [SP, HB]
-    lse_s = tl.load(part_lse_ptr + rows, mask=s_ok[:, None], other=float("-inf"))
+    rows, w, max_safe, w_sum = _split_weights(part_lse_ptr, b, num_splits, offs_h, H, SP)
+    s_ok = tl.arange(0, SP) < num_splits
     parts = tl.load(part_o_ptr + rows[:, :, None] * D + offs_d[None, None, :], mask=s_ok[:, None, None], other=0.0)
-    lse_max = tl.max(lse_s, axis=0)
-    max_safe = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    w = tl.exp(lse_s - max_safe[None, :])  # [SP, HB]; 0 for empty or missing splits
-    w_sum = tl.sum(w, axis=0)
-    has_any = w_sum > 0
-    o = tl.sum(w[:, :, None] * parts, axis=0) / tl.where(has_any, w_sum, 1.0)[:, None]
-    lse = tl.where(has_any, max_safe + tl.log(tl.where(has_any, w_sum, 1.0)), float("-inf"))
-    if HAS_SINK:
-        sink = tl.load(sink_ptr + offs_h)
-        o = o / (1.0 + tl.exp(sink - lse))[:, None]
-    tl.store(out_ptr + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :],
-             o.to(out_ptr.dtype.element_ty))
-    if tl.program_id(2) == 0:
-        tl.store(lse_ptr + b * stride_lb + offs_h, lse)
+    o, lse = _merged(tl.sum(w[:, :, None] * parts, axis=0), w_sum, max_safe)
+    _store_result(o, lse, b, offs_h, offs_d, sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
+                  tl.program_id(2) == 0, HAS_SINK)
 
 
 @triton.jit
@@ -207,26 +223,13 @@ def _combine_stream_kernel(
     splits one [HB, D] tile at a time: fewer, larger programs; on the H200 the faster merge below 8 splits."""
     b = tl.program_id(0)
     offs_h = tl.program_id(1) * HB + tl.arange(0, HB)
-    offs_s = tl.arange(0, SP)
     offs_d = tl.arange(0, D)
-    s_ok = offs_s < num_splits
-    rows = (b * num_splits + offs_s).to(tl.int64)[:, None] * H + offs_h[None, :]  # [SP, HB]
-    lse_s = tl.load(part_lse_ptr + rows, mask=s_ok[:, None], other=float("-inf"))
-    lse_max = tl.max(lse_s, axis=0)
-    max_safe = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    w = tl.exp(lse_s - max_safe[None, :])  # [SP, HB]; 0 for empty splits
-    w_sum = tl.sum(w, axis=0)
-    has_any = w_sum > 0
+    _, _, max_safe, w_sum = _split_weights(part_lse_ptr, b, num_splits, offs_h, H, SP)
     o = tl.zeros((HB, D), tl.float32)
     for s in range(0, num_splits):  # stream the partial outputs: [HB, D] per split in registers
         row = (b * num_splits + s).to(tl.int64) * H + offs_h
         w_s = tl.exp(tl.load(part_lse_ptr + row) - max_safe)
         o += w_s[:, None] * tl.load(part_o_ptr + row[:, None] * D + offs_d[None, :])
-    o = o / tl.where(has_any, w_sum, 1.0)[:, None]
-    lse = tl.where(has_any, max_safe + tl.log(tl.where(has_any, w_sum, 1.0)), float("-inf"))
-    if HAS_SINK:
-        sink = tl.load(sink_ptr + offs_h)
-        o = o / (1.0 + tl.exp(sink - lse))[:, None]
-    tl.store(out_ptr + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :],
-             o.to(out_ptr.dtype.element_ty))
-    tl.store(lse_ptr + b * stride_lb + offs_h, lse)
+    o, lse = _merged(o, w_sum, max_safe)
+    _store_result(o, lse, b, offs_h, offs_d, sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
+                  True, HAS_SINK)
