@@ -236,8 +236,8 @@ def run(argv: list[str]) -> int:
         for name, fn_for, ref, row_bytes in kernels:
             if name not in wanted:
                 continue
-            if name.startswith("gluon") and gluon_unavailable(case["q"], name.endswith("fp8")):
-                why = gluon_unavailable(case["q"], name.endswith("fp8"))
+            why = gluon_unavailable(case["q"], name.endswith("fp8")) if name.startswith("gluon") else None
+            if why:
                 rows.append(dict(kernel=name, B=b, error=f"not run: {why}"))
                 continue
             cfg = best_config(fn_for, ref, b, configs[name]) if len(configs[name]) > 1 else configs[name][0]
