@@ -101,9 +101,10 @@ def main(argv: list[str]) -> int:
                                       capture_output=True, text=True).stdout
                 (args.sass / f"{text.replace(':', '_')}.sass").write_text(sass)
         spill = re.search(r"(\d+) bytes spill stores", report)
+        used = re.search(r"Used (\d+) registers", report)
         regs = sorted(set(re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", compiled.asm["ptx"])), key=int)
         print(f"{text:24s} smem {compiled.metadata.shared:7d} B  spill stores {spill[1] if spill else '?':>4s} B  "
-              f"setmaxnreg {'/'.join(regs)}")
+              f"setmaxnreg {'/'.join(regs)}  ptxas regs {used[1] if used else '?'}")
     return 0
 
 

@@ -21,6 +21,10 @@ from dsv4_cluster.kernels.sparse_mla_decode.launch import LaunchConfig
 PROBES = {0: "full", 1: "no math", 2: "no row loads", 3: "no dequant"}
 
 
+def splits_of(b: int, bn: int) -> int:
+    return launch.choose_splits(b, -(-128 // bn) + -(-512 // bn), torch.cuda.get_device_properties(0).multi_processor_count)
+
+
 def main(argv: list[str]) -> int:
     batches = [int(x) for x in (argv[0] if argv else "8,128").split(",")]
     copy = copy_bandwidth_gbs()
@@ -37,7 +41,7 @@ def main(argv: list[str]) -> int:
               f"{rows.numel() * 1024 / (gather_us * 1e-6) / 1e9:.0f} GB/s read)")
         cache, extra = quantize_kv_v4(case["kv"]), quantize_kv_v4(case["extra_kv"])
         fp8_case = {k: v for k, v in case.items() if k not in ("kv", "extra_kv")}
-        for fp8, cfgs in ((False, [(64, 2, False, 2)]), (True, [(32, 2, False, 4), (32, 2, False, 3)])):
+        for fp8, cfgs in ((False, [(64, 2, False, 0)]), (True, [(64, 2, False, 0), (32, 3, False, 0), (32, 3, False, 2)])):
             for bn, st, xch, nr in cfgs:
                 cfg = LaunchConfig(block_n=bn, num_stages=st, exchange=xch, raw_stages=nr, backend="gluon")
                 line = []
@@ -57,6 +61,14 @@ def main(argv: list[str]) -> int:
                         c2 = LaunchConfig(block_n=bn, num_stages=st, exchange=xch, backend="gluon", num_splits=splits)
                         us = bench_us(graphed(lambda: launch.sparse_mla_decode_triton(**empty, config=c2)), rep_ms=100)
                         line.append(f"empty queries (splits {splits or 'auto'}) {us:6.1f}")
+                if splits_of(b, bn) > 1:  # the merge launched as a programmatic dependent or plainly
+                    for pdl in (True, False):
+                        launch.COMBINE_PDL = pdl
+                        fn = ((lambda: launch.sparse_mla_decode_fp8_triton(**fp8_case, kv_cache=cache, extra_cache=extra,
+                                                                           config=cfg)) if fp8 else
+                              (lambda: launch.sparse_mla_decode_triton(**case, config=cfg)))
+                        line.append(f"merge {'PDL' if pdl else 'plain'} {bench_us(graphed(fn), rep_ms=100):6.1f}")
+                    launch.COMBINE_PDL = True
                 row_bytes = 584 if fp8 else 1024
                 print(f"B={b:4d} {'fp8 ' if fp8 else 'bf16'} bn={bn} st={st} xch={xch!s:5} raw={nr}: " + " | ".join(line)
                       + f"  (full = {required_bytes(b, row_bytes) / copy / 1e3:.1f} us at copy speed)")

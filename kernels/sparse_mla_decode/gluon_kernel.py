@@ -178,7 +178,7 @@ def _sparse_decode_ws_kernel(
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [H_ALL, D_ALL], nvmma)
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [NS, BN, D_ALL], nvmma)
     idx_all = gl.allocate_shared_memory(gl.int32, [MAXB, BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    if IS_FP8:
+    if IS_FP8 and NR > 0:
         nope_st = gl.allocate_shared_memory(gl.uint8, [NR, BN, 8, 64], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
         rope_st = gl.allocate_shared_memory(gl.bfloat16, [NR, BN, 64], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         sc_st = gl.allocate_shared_memory(gl.uint8, [NR, BN, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
@@ -202,7 +202,7 @@ def _sparse_decode_ws_kernel(
 
     # Registers: the two compute warpgroups share what the loader leaves of the 64K-register file.
     compute_regs: gl.constexpr = (65536 - 32 * LOADER_WARPS * LOADER_REGS) // 256 // 8 * 8
-    if not IS_FP8:  # the fp8 staging buffers are not used: any descriptor fills their places
+    if not (IS_FP8 and NR > 0):  # the fp8 staging buffers are not used: any descriptor fills their places
         nope_st = q_smem
         rope_st = q_smem
         sc_st = q_smem

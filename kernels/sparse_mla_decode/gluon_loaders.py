@@ -190,13 +190,166 @@ def _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr,
 
 
 @gluon.jit
+def _round_rows(idx_all, j, hi, nbw, wlen, elen, r0: gl.constexpr, R: gl.constexpr, row_l: gl.constexpr,
+                MAXB: gl.constexpr, BN: gl.constexpr):
+    """Cache rows r0 .. r0 + R - 1 of live block j, from the staged table (-1: invalid, past the length, j >= hi)."""
+    offs = r0 + gl.arange(0, R, layout=row_l)
+    is_w = j < nbw
+    blk = gl.where(is_w, j, j - nbw)
+    n_valid = gl.where(j < hi, gl.where(is_w, wlen, elen), 0)
+    idx = idx_all.index(gl.minimum(j, MAXB - 1)).slice(r0, R).load(row_l)
+    return gl.where(blk * BN + offs < n_valid, idx, -1)
+
+
+@gluon.jit
+def _load_nope(idx_all, j, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, r0: gl.constexpr, R: gl.constexpr,
+               T0: gl.constexpr, G: gl.constexpr, MAXB: gl.constexpr, BN: gl.constexpr,
+               PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr):
+    """e4m3 tiles T0 .. T0 + G - 1 (64 dims each) of rows r0 .. r0 + R - 1 of live block j, as int32
+    words of 4 e4m3 bytes (16 bytes per thread and load; zeros for invalid rows), and each (row, tile)'s
+    scale 2**(ue8m0 - 127) as a bf16x2 word."""
+    NW: gl.constexpr = gl.num_warps()
+    deq_l: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8 // G, G, 4], [NW, 1, 1], [2, 1, 0])
+    sc_l: gl.constexpr = gl.SliceLayout(2, deq_l)
+    row_l: gl.constexpr = gl.SliceLayout(1, sc_l)
+    idx = _round_rows(idx_all, j, hi, nbw, wlen, elen, r0, R, row_l, MAXB, BN)
+    valid = idx >= 0
+    safe = gl.maximum(idx, 0)
+    page = gl.where(j < nbw, kv_ptr, ekv_ptr) + (safe // 64).to(gl.int64) * PAGE_STRIDE
+    slot = safe % 64
+    t = T0 + gl.arange(0, G, layout=gl.SliceLayout(0, sc_l))
+    c = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, deq_l)))
+    rec = (page + slot * 576).to(gl.pointer_type(gl.int32), bitcast=True)
+    raw = gl.load(rec[:, None, None] + (t[None, :, None] * 16 + c[None, None, :]), mask=valid[:, None, None],
+                  other=0)
+    e = gl.load((page + SCALES_OFFSET + slot * 8)[:, None] + t[None, :], mask=valid[:, None], other=127).to(gl.int32)
+    bits = gl.where(e == 0, 0x40, e << 7)  # bf16 2**(e - 127); e = 0 is the subnormal 2**-127
+    return raw, bits | (bits << 16)
+
+
+@gluon.jit
+def _load_rope(idx_all, j, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, r0: gl.constexpr, R: gl.constexpr,
+               MAXB: gl.constexpr, BN: gl.constexpr, PAGE_STRIDE: gl.constexpr):
+    """The 64 bf16 RoPE dims of rows r0 .. r0 + R - 1 of live block j, as 32 int32 words per row (zeros
+    for invalid rows)."""
+    NW: gl.constexpr = gl.num_warps()
+    rope_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])
+    idx = _round_rows(idx_all, j, hi, nbw, wlen, elen, r0, R, gl.SliceLayout(1, rope_l), MAXB, BN)
+    safe = gl.maximum(idx, 0)
+    rec = gl.where(j < nbw, kv_ptr, ekv_ptr) + (safe // 64).to(gl.int64) * PAGE_STRIDE + (safe % 64) * 576
+    c = gl.arange(0, 32, layout=gl.SliceLayout(0, rope_l))
+    ptrs = (rec + 448).to(gl.pointer_type(gl.int32), bitcast=True)[:, None] + c[None, :]
+    return gl.load(ptrs, mask=(idx >= 0)[:, None], other=0)
+
+
+# 4 e4m3 bytes -> 2 bf16x2 words, times a bf16x2 scale. bf16 bits (sign << 15) | ((byte & 0x7f) << 4)
+# are the e4m3 value times 2**-120 exactly (e4m3 subnormals become bf16 subnormals), so two
+# multiplications by powers of two, 2**120 and the scale, give the exact dequantised value. Integer
+# and half-precision ops only: the hardware e4m3 conversions (fp8 -> f16 -> f32 -> bf16) issue at a
+# quarter of that rate and were the fp8 loader's bottleneck.
+_E4M3_TO_BF16X2 = gl.constexpr("""{
+.reg .b32 m, s, t, u, k;
+and.b32 m, $2, 0x7f7f7f7f;
+and.b32 s, $2, 0x80808080;
+mov.b32 k, 0x7b807b80;
+prmt.b32 t, m, 0, 0x4140;
+prmt.b32 u, s, 0, 0x1404;
+mad.lo.u32 t, t, 16, u;
+mul.rn.bf16x2 t, t, k;
+mul.rn.bf16x2 $0, t, $3;
+prmt.b32 t, m, 0, 0x4342;
+prmt.b32 u, s, 0, 0x3424;
+mad.lo.u32 t, t, 16, u;
+mul.rn.bf16x2 t, t, k;
+mul.rn.bf16x2 $1, t, $3;
+}""")
+
+
+@gluon.jit
+def _store_dequant(k_words, raw, scw, r0: gl.constexpr, R: gl.constexpr, T0: gl.constexpr, G: gl.constexpr):
+    """k_words (the stage as int32 [BN, 256]) rows r0 .. r0 + R - 1, dims 64*T0 .. 64*(T0+G) - 1 =
+    the e4m3 words `raw` dequantised with their scales `scw`, in bf16."""
+    lo, hi = gl.inline_asm_elementwise(_E4M3_TO_BF16X2, "=r,=r,r,r", [raw, scw[:, :, None]],
+                                       dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+    words = gl.reshape(gl.join(lo, hi), [R, G * 32])
+    k_words.slice(r0, R, dim=0).slice(T0 * 32, G * 32, dim=1).store(words)
+
+
+@gluon.jit
+def _loader_fp8_direct(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr,
+                       widx_ptr, stride_wb, eidx_ptr, stride_eb,
+                       b, lo, hi, nbw, wlen, elen,
+                       q_smem, k_smem, idx_all, q_bar, full, empty,
+                       BN: gl.constexpr, NS: gl.constexpr, MAXB: gl.constexpr,
+                       PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr, PROBE: gl.constexpr):
+    """V4 fp8 pages, no raw staging in shared memory: the records of a block are loaded into registers
+    (the next half-block's loads in flight while this one is dequantised) and stored, dequantised, into
+    the bf16 stage the wgmmas read. Rounds of R = 32 rows; a block is BN // R rounds."""
+    NW: gl.constexpr = gl.num_warps()
+    R: gl.constexpr = 32
+    RPB: gl.constexpr = BN // R
+    rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
+    # The bf16 stage seen as int32 words: the same bytes and 128-byte swizzle (32 words = 64 dims per line).
+    words_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+    _stage_q_and_indices(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_ptr, stride_eb, b, nbw, wlen, elen,
+                         q_smem, idx_all, q_bar, rows_l, MAXB, BN)
+    j0 = gl.where(PROBE == 2, hi, lo)
+    n4, s4 = _load_nope(idx_all, j0, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, 0, R, 0, 4, MAXB, BN, PAGE_STRIDE,
+                        SCALES_OFFSET)
+    n2, s2 = _load_nope(idx_all, j0, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, 0, R, 4, 2, MAXB, BN, PAGE_STRIDE,
+                        SCALES_OFFSET)
+    n1, s1 = _load_nope(idx_all, j0, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, 0, R, 6, 1, MAXB, BN, PAGE_STRIDE,
+                        SCALES_OFFSET)
+    rp = _load_rope(idx_all, j0, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, 0, R, MAXB, BN, PAGE_STRIDE)
+    for j in range(lo, hi):
+        i = j - lo
+        s = i % NS
+        k_words = k_smem.index(s)._reinterpret(gl.int32, [BN, D_ALL // 2], words_l)
+        for r in gl.static_range(RPB):
+            c4 = n4
+            d4 = s4
+            c2 = n2
+            d2 = s2
+            c1 = n1
+            d1 = s1
+            cr = rp
+            # the next round's loads go out before this round is dequantised
+            jn = j if r + 1 < RPB else j + 1
+            jn = gl.where(PROBE == 2, hi, jn)
+            n4, s4 = _load_nope(idx_all, jn, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, ((r + 1) % RPB) * R, R, 0, 4, MAXB, BN,
+                                PAGE_STRIDE, SCALES_OFFSET)
+            n2, s2 = _load_nope(idx_all, jn, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, ((r + 1) % RPB) * R, R, 4, 2, MAXB, BN,
+                                PAGE_STRIDE, SCALES_OFFSET)
+            n1, s1 = _load_nope(idx_all, jn, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, ((r + 1) % RPB) * R, R, 6, 1, MAXB, BN,
+                                PAGE_STRIDE, SCALES_OFFSET)
+            rp = _load_rope(idx_all, jn, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, ((r + 1) % RPB) * R, R, MAXB, BN, PAGE_STRIDE)
+            if r == 0:
+                if i >= NS:  # both compute warpgroups are done with this stage's previous block
+                    mbarrier.wait(empty.index(s), ((i // NS) + 1) & 1)
+            if PROBE != 3:
+                # e4m3 tiles 0-3, 4-5 and 6 (448 dims) in three groups, so no element pays a select;
+                # the RoPE dims are bf16 already and are stored as they are.
+                _store_dequant(k_words, c4, d4, r * R, R, 0, 4)
+                _store_dequant(k_words, c2, d2, r * R, R, 4, 2)
+                _store_dequant(k_words, c1, d1, r * R, R, 6, 1)
+                k_words.slice(r * R, R, dim=0).slice(224, 32, dim=1).store(cr)
+        fence_async_shared()  # the generic-proxy stores above are read by wgmma (async proxy)
+        gl.thread_barrier()  # every loader thread's stores are in before the one arrive
+        mbarrier.arrive(full.index(s))
+
+
+@gluon.jit
 def loader_partition(q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
                      widx_ptr, stride_wb, eidx_ptr, stride_eb, b, lo, hi, nbw, wlen, elen,
                      q_smem, k_smem, idx_all, nope_st, rope_st, sc_st, q_bar, full, empty,
                      BN: gl.constexpr, NS: gl.constexpr, NR: gl.constexpr, MAXB: gl.constexpr, IS_FP8: gl.constexpr,
                      PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr, PROBE: gl.constexpr):
     """The loader warps: `_loader_fp8` on V4 fp8 pages (nope_st, rope_st, sc_st: its staging), else `_loader`."""
-    if IS_FP8:
+    if IS_FP8 and NR == 0:
+        _loader_fp8_direct(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr, widx_ptr, stride_wb, eidx_ptr, stride_eb,
+                           b, lo, hi, nbw, wlen, elen, q_smem, k_smem, idx_all, q_bar, full, empty,
+                           BN, NS, MAXB, PAGE_STRIDE, SCALES_OFFSET, PROBE)
+    elif IS_FP8:
         _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr, widx_ptr, stride_wb, eidx_ptr, stride_eb,
                     b, lo, hi, nbw, wlen, elen, q_smem, k_smem, idx_all, nope_st, rope_st, sc_st,
                     q_bar, full, empty, BN, NS, NR, MAXB, PAGE_STRIDE, SCALES_OFFSET, PROBE)

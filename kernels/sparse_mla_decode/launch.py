@@ -33,7 +33,9 @@ class LaunchConfig:
     backend: str = "auto"  # "auto": the warp-specialised Gluon kernel where it applies (sm_90, H = 64), else "triton"
     exchange: bool = False  # Gluon: each compute warpgroup does QK^T over its 256 dims, the halves swapped in smem
     loader_regs: int = 0  # Gluon: registers per loader thread (0: see `resolved`); compute gets the rest
-    raw_stages: int = 0  # Gluon fp8: raw-record staging buffers (0: 2), so raw_stages - 1 blocks are in flight
+    # Gluon fp8: 0 = each record is loaded into the loader's registers and dequantised there; N >= 2 =
+    # raw records staged through N shared-memory buffers first (N - 1 blocks in flight)
+    raw_stages: int = 0
 
 
 def choose_splits(batch: int, num_blocks: int, num_sms: int) -> int:
@@ -79,9 +81,12 @@ def _check_common(q, window_idx, extra_idx, sink, window_lens, extra_lens, has_e
 
 BACKENDS = ("auto", "triton", "gluon")
 # (block_n, stages) when the config leaves them 0: the H200 sweep's most frequent winners
-# (bench/results/sparse_decode.md). Gluon fp8 also stages raw records in shared memory, so its blocks are smaller.
+# (bench/results/sparse_decode.md).
 DEFAULT_BLOCKS = {("triton", False): (64, 2), ("triton", True): (64, 2),
-                  ("gluon", False): (64, 2), ("gluon", True): (32, 3)}
+                  ("gluon", False): (64, 2), ("gluon", True): (64, 2)}
+# The merge is launched as a programmatic dependent (PDL) of the split kernel on CUDA, so its launch overlaps
+# the split kernel's tail; it waits (griddepcontrol.wait) before reading the partials.
+COMBINE_PDL = True
 _PROBE = 0  # bench/probe_sparse_decode.py only: drop a stage of the Gluon kernel to time the rest (wrong results)
 SMEM_LIMIT = 226 * 1024  # the 227 KB a block may opt into, less a margin for what the estimate leaves out
 
@@ -91,11 +96,11 @@ def resolved(config: LaunchConfig | None, backend: str, is_fp8: bool) -> LaunchC
     config = config or LaunchConfig()
     bn, stages = DEFAULT_BLOCKS[(backend, is_fp8)]
     bn = config.block_n or bn
-    # Loader registers: the fp8 dequantiser needs 96; the bf16 gather holds 16 row addresses per thread
-    # at block_n 64 (80 leaves it spill-free), 8 at block_n 32.
+    # Loader registers: the fp8 dequantiser needs 96 (the compute warpgroups spill more when it has
+    # more); the bf16 gather holds 16 row addresses per thread at block_n 64 (80 leaves it spill-free),
+    # 8 at block_n 32.
     regs = config.loader_regs or (96 if is_fp8 else 80 if bn == 64 else 40)
-    return replace(config, block_n=bn, num_stages=config.num_stages or stages, backend=backend,
-                   loader_regs=regs, raw_stages=config.raw_stages or 2)
+    return replace(config, block_n=bn, num_stages=config.num_stages or stages, backend=backend, loader_regs=regs)
 
 
 def gluon_index_blocks(w: int, k: int, block_n: int) -> int:
@@ -103,7 +108,7 @@ def gluon_index_blocks(w: int, k: int, block_n: int) -> int:
     return triton_next_pow2(-(-w // block_n) + -(-k // block_n))
 
 
-def gluon_smem_bytes(block_n: int, stages: int, is_fp8: bool, exchange: bool = False, raw_stages: int = 2,
+def gluon_smem_bytes(block_n: int, stages: int, is_fp8: bool, exchange: bool = False, raw_stages: int = 0,
                      w: int = 128, k: int = 512) -> int:
     """Shared memory of the Gluon kernel: Q, the bf16 row stages, the index table, the S-half exchange,
     fp8 raw staging, barriers (w, k: window and extra lists per query)."""
@@ -233,12 +238,13 @@ def _launch_gluon(q, main, main_stride, extra, extra_stride, window_idx, extra_i
     if bn not in (32, 64) or config.num_stages < 2:
         raise checks.SparseDecodeInputError(
             f"the Gluon kernel takes block_n 32 or 64 and num_stages >= 2; got {bn}, {config.num_stages}")
-    if is_fp8 and config.raw_stages < 2:
-        raise checks.SparseDecodeInputError(f"raw_stages must be >= 2, got {config.raw_stages}")
+    if is_fp8 and (config.raw_stages == 1 or config.raw_stages < 0):
+        raise checks.SparseDecodeInputError(
+            f"raw_stages must be 0 (dequantise from registers) or >= 2 (staging buffers), got {config.raw_stages}")
     smem = gluon_smem_bytes(bn, config.num_stages, is_fp8, config.exchange, config.raw_stages, w, k)
     if smem > SMEM_LIMIT:
         raise checks.SparseDecodeInputError(
-            f"block_n={bn} with {config.num_stages} stages{f' and {config.raw_stages} raw stages (fp8)' if is_fp8 else ''}"
+            f"block_n={bn} with {config.num_stages} stages{f' and {config.raw_stages} raw stages (fp8)' if is_fp8 and config.raw_stages else ''}"
             f"{' and the S exchange' if config.exchange else ''} needs {smem} B of shared memory, "
             f"over the {SMEM_LIMIT} B a block may use (window {w} + extra {k} indices per query): "
             "use fewer stages or block_n=32")
@@ -265,19 +271,20 @@ def _combine(part_o, part_lse, sink, out, lse, b, h, splits):
     all its splits at once (one L2 round trip); below: programs over (query, 8 heads) streaming the splits.
     The threshold is measured (H200, bench/results/sparse_decode.md): each is the faster on its side."""
     sp = triton_next_pow2(splits)
+    pdl = dict(PDL=True, launch_pdl=True) if COMBINE_PDL and out.is_cuda else {}
     if splits < 8:
         hb = min(8, h)
         _kernels._combine_stream_kernel[(b, h // hb)](
             part_o, part_lse, sink if sink is not None else lse,
             out, out.stride(0), out.stride(1), lse, lse.stride(0), splits,
-            H=h, D=DIM, HB=hb, SP=sp, HAS_SINK=sink is not None, num_warps=4,
+            H=h, D=DIM, HB=hb, SP=sp, HAS_SINK=sink is not None, num_warps=4, **pdl,
         )
         return
     hb = max(1, min(8, h, 8192 // (sp * 64)))
     _kernels._combine_kernel[(b, h // hb, DIM // 64)](
         part_o, part_lse, sink if sink is not None else lse,
         out, out.stride(0), out.stride(1), lse, lse.stride(0), splits,
-        H=h, D=DIM, HB=hb, DC=64, SP=sp, HAS_SINK=sink is not None, num_warps=4,
+        H=h, D=DIM, HB=hb, DC=64, SP=sp, HAS_SINK=sink is not None, num_warps=4, **pdl,
     )
 
 

@@ -321,13 +321,49 @@ def test_gpu_auto_backend_is_gluon_for_v4_bf16():
 @gluon_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_n, stages, raw_stages, exchange, loader_regs",
-                         [(32, 2, 3, True, 96), (32, 3, 2, False, 56), (32, 2, 2, True, 80)])
+                         [(64, 2, 0, False, 0), (64, 2, 0, False, 128), (32, 3, 0, False, 0), (32, 2, 0, True, 80),
+                          (32, 3, 2, False, 56), (32, 2, 3, True, 96)])
 @pytest.mark.parametrize("b, splits", [(1, 0), (8, 0), (64, 3), (130, 0)])
 def test_gpu_gluon_fp8_matches_reference(block_n, stages, raw_stages, exchange, loader_regs, b, splits):
     c = make_case(b, **V4, device="cuda", seed=200 + b + splits, sink=b % 2 == 1)
     cache, extra = quantize_kv_v4(c.pop("kv")), quantize_kv_v4(c.pop("extra_kv"))
     cfg = LaunchConfig(block_n=block_n, num_stages=stages, num_splits=splits, backend="gluon", exchange=exchange,
                        loader_regs=loader_regs, raw_stages=raw_stages)
+    out, lse = sparse_mla_decode_fp8_triton(**c, kv_cache=cache, extra_cache=extra, config=cfg)
+    cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in c.items()}
+    ref_out, ref_lse = sparse_mla_decode_fp8_ref(**{**cpu, "q": cpu["q"].double()}, kv_cache=cache.cpu(),
+                                                 extra_cache=extra.cpu())
+    assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
+
+
+def odd_e4m3_cache(kv: torch.Tensor, seed: int) -> torch.Tensor:
+    """A V4 cache whose e4m3 bytes are small (exponent field 0-3: a quarter of them subnormal) and whose
+    scales reach 2**10, past the range one bf16 multiplication could carry: every dequantisation path."""
+    g = torch.Generator().manual_seed(seed)
+    cache = quantize_kv_v4(kv.cpu())
+    pages = cache.shape[0]
+    records = cache[:, :fp8_layout.SCALES_OFFSET].view(pages, fp8_layout.PAGE_TOKENS, fp8_layout.RECORD_BYTES)
+    n = pages * fp8_layout.PAGE_TOKENS * fp8_layout.NOPE_DIMS
+    sign = torch.randint(0, 2, (n,), generator=g) << 7
+    exponent = torch.randint(0, 4, (n,), generator=g) << 3
+    mantissa = torch.randint(0, 8, (n,), generator=g)
+    nope = records[..., :fp8_layout.NOPE_DIMS]
+    nope.copy_((sign | exponent | mantissa).to(torch.uint8).view(nope.shape))
+    scales = cache[:, fp8_layout.SCALES_OFFSET:fp8_layout.SCALES_OFFSET + fp8_layout.PAGE_TOKENS * fp8_layout.SCALE_BYTES]
+    scales = scales.view(pages, fp8_layout.PAGE_TOKENS, fp8_layout.SCALE_BYTES)[..., :fp8_layout.NUM_TILES]
+    scales.copy_(torch.randint(126, 138, scales.shape, generator=g).to(torch.uint8))
+    return cache.to(kv.device)
+
+
+@gluon_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("raw_stages", [0, 2])
+def test_gpu_gluon_fp8_dequantises_subnormals_and_large_scales_exactly(raw_stages):
+    c = make_case(6, **V4, device="cuda", seed=31, sink=True)
+    c["q"] = c["q"] * 0.02
+    cache, extra = odd_e4m3_cache(c.pop("kv"), 1), odd_e4m3_cache(c.pop("extra_kv"), 2)
+    assert (fp8_layout.dequantize_kv_v4(cache.cpu()).float().abs().amax() > 2**9)  # large scales are in play
+    cfg = LaunchConfig(block_n=32, num_stages=3, backend="gluon", raw_stages=raw_stages)
     out, lse = sparse_mla_decode_fp8_triton(**c, kv_cache=cache, extra_cache=extra, config=cfg)
     cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in c.items()}
     ref_out, ref_lse = sparse_mla_decode_fp8_ref(**{**cpu, "q": cpu["q"].double()}, kv_cache=cache.cpu(),
@@ -342,7 +378,10 @@ def test_gpu_gluon_rejects_a_config_over_shared_memory():
     cache, extra = quantize_kv_v4(c.pop("kv")), quantize_kv_v4(c.pop("extra_kv"))
     with pytest.raises(SparseDecodeInputError, match="shared memory"):
         sparse_mla_decode_fp8_triton(**c, kv_cache=cache, extra_cache=extra,
-                                     config=LaunchConfig(block_n=64, num_stages=2, backend="gluon"))
+                                     config=LaunchConfig(block_n=64, num_stages=2, raw_stages=2, backend="gluon"))
+    with pytest.raises(SparseDecodeInputError, match="raw_stages must be 0"):
+        sparse_mla_decode_fp8_triton(**c, kv_cache=cache, extra_cache=extra,
+                                     config=LaunchConfig(raw_stages=1, backend="gluon"))
 
 
 @pytest.mark.parametrize("fp8", [False, True])
