@@ -218,8 +218,8 @@ def run(argv: list[str]) -> int:
             def gluon_configs(fp8: bool) -> list:
                 # (block_n, stages, raw_stages, exchange, loader_regs); fp8 raw_stages 0: dequantised from registers
                 shapes = ([(64, 2, 0, False, 0), (64, 2, 0, True, 0), (32, 4, 0, False, 0)] if not fp8 else
-                          [(64, 2, 0, False, 0), (64, 2, 0, False, 128), (32, 3, 0, False, 0), (32, 4, 0, False, 0),
-                           (32, 3, 2, False, 0)])
+                          [(64, 2, 0, False, 128), (32, 2, 4, False, 0), (32, 2, 3, False, 0), (32, 3, 2, False, 0),
+                           (32, 2, 4, False, 128)])
                 return [LaunchConfig(block_n=bn, num_stages=st, num_splits=s, backend="gluon", exchange=xch,
                                      raw_stages=nr, loader_regs=regs)
                         for bn, st, nr, xch, regs in shapes

@@ -130,20 +130,19 @@ def _issue_raw_fp8(j, hi, nbw, wlen, elen, idx_all, kv_ptr, ekv_ptr, nope_st, ro
 
 
 @gluon.jit
-def _dequant_tiles(nope_st, sc_st, k_stage, T0: gl.constexpr, G: gl.constexpr, BN: gl.constexpr):
-    """k_stage[:, 64*T0 : 64*(T0+G)] = e4m3 tiles T0..T0+G-1 of the staged records x 2**(ue8m0 - 127).
+def _dequant_tiles(nope_words, sc_st, k_words, T0: gl.constexpr, G: gl.constexpr, BN: gl.constexpr):
+    """Stage dims 64*T0 .. 64*(T0+G) - 1 = e4m3 tiles T0..T0+G-1 of the staged records x 2**(ue8m0 - 127).
 
+    nope_words: the staged e4m3 bytes as int32 [BN, 8, 16]; k_words: the bf16 stage as int32 [BN, 256].
     16 bytes per thread and pass: RC = 8 * 4 / G rows per pass of the loader's warps."""
     NW: gl.constexpr = gl.num_warps()
     RC: gl.constexpr = 2 * NW * 4 // G
-    deq_l: gl.constexpr = gl.BlockedLayout([1, 1, 16], [8 // G, G, 4], [NW, 1, 1], [2, 1, 0])
+    deq_l: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8 // G, G, 4], [NW, 1, 1], [2, 1, 0])
     for r0 in gl.static_range(0, BN, RC):
-        raw = nope_st.slice(r0, RC, dim=0).slice(T0, G, dim=1).load(deq_l)
-        sc = sc_st.slice(r0, RC, dim=0).slice(T0, G, dim=1).load(gl.SliceLayout(2, deq_l))
-        scale = gl.exp2(sc.to(gl.float32) - 127.0)
-        vals = raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, :, None]
-        k_stage.slice(r0, RC, dim=0).slice(T0 * 64, G * 64, dim=1).store(
-            gl.reshape(vals.to(gl.bfloat16), [RC, G * 64]))
+        raw = nope_words.slice(r0, RC, dim=0).slice(T0, G, dim=1).load(deq_l)
+        e = sc_st.slice(r0, RC, dim=0).slice(T0, G, dim=1).load(gl.SliceLayout(2, deq_l)).to(gl.int32)
+        bits = gl.where(e == 0, 0x40, e << 7)
+        _store_dequant(k_words, raw, bits | (bits << 16), r0, RC, T0, G)
 
 
 @gluon.jit
@@ -156,6 +155,8 @@ def _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr,
     """V4 fp8 pages: raw records of blocks j+1 .. j+NR-1 are in flight (cp.async into NR staging
     buffers) while block j is dequantised from shared memory into the bf16 stage the wgmmas read."""
     NW: gl.constexpr = gl.num_warps()
+    words_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+    raw_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
     rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
     _stage_q_and_indices(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_ptr, stride_eb, b, nbw, wlen, elen,
                          q_smem, idx_all, q_bar, rows_l, MAXB, BN)
@@ -176,11 +177,13 @@ def _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr,
             mbarrier.wait(empty.index(s), ((i // NS) + 1) & 1)
         if PROBE != 3:
             k_stage = k_smem.index(s)
+            k_words = k_stage._reinterpret(gl.int32, [BN, D_ALL // 2], words_l)
+            nope_words = nope_st.index(cur)._reinterpret(gl.int32, [BN, 8, 16], raw_l)
             # e4m3 tiles 0-3, 4-5 and 6 (448 dims) in three groups, so no element pays a select;
             # the RoPE dims are bf16 already and are copied as they are.
-            _dequant_tiles(nope_st.index(cur), sc_st.index(cur), k_stage, 0, 4, BN)
-            _dequant_tiles(nope_st.index(cur), sc_st.index(cur), k_stage, 4, 2, BN)
-            _dequant_tiles(nope_st.index(cur), sc_st.index(cur), k_stage, 6, 1, BN)
+            _dequant_tiles(nope_words, sc_st.index(cur), k_words, 0, 4, BN)
+            _dequant_tiles(nope_words, sc_st.index(cur), k_words, 4, 2, BN)
+            _dequant_tiles(nope_words, sc_st.index(cur), k_words, 6, 1, BN)
             rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
             k_stage.slice(448, 64, dim=1).store(rope_st.index(cur).load(rope_l))
         fence_async_shared()  # the generic-proxy stores above are read by wgmma (async proxy)
