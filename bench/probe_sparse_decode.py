@@ -41,7 +41,7 @@ def main(argv: list[str]) -> int:
               f"{rows.numel() * 1024 / (gather_us * 1e-6) / 1e9:.0f} GB/s read)")
         cache, extra = quantize_kv_v4(case["kv"]), quantize_kv_v4(case["extra_kv"])
         fp8_case = {k: v for k, v in case.items() if k not in ("kv", "extra_kv")}
-        for fp8, cfgs in ((False, [(64, 2, False, 0)]), (True, [(32, 2, False, 4)])):
+        for fp8, cfgs in ((False, [(64, 2, False, 0)]), (True, [(64, 2, False, 0), (32, 2, False, 4)])):
             for bn, st, xch, nr in cfgs:
                 cfg = LaunchConfig(block_n=bn, num_stages=st, exchange=xch, raw_stages=nr, backend="gluon")
                 line = []
@@ -54,6 +54,12 @@ def main(argv: list[str]) -> int:
                     us = bench_us(graphed(fn), rep_ms=100)
                     line.append(f"{PROBES[probe]} {us:6.1f}")
                 launch._PROBE = 0
+                launch._ONE_QK = False  # both compute warpgroups compute S (the previous design)
+                fn = ((lambda: launch.sparse_mla_decode_fp8_triton(**fp8_case, kv_cache=cache, extra_cache=extra,
+                                                                   config=cfg)) if fp8 else
+                      (lambda: launch.sparse_mla_decode_triton(**case, config=cfg)))
+                line.append(f"S in both warpgroups {bench_us(graphed(fn), rep_ms=100):6.1f}")
+                launch._ONE_QK = True
                 if not fp8:  # the fixed cost: every query empty (launch, Q load, epilogue, combine)
                     empty = {**case, "window_lens": torch.zeros(b, dtype=torch.int32, device="cuda"),
                              "extra_lens": torch.zeros(b, dtype=torch.int32, device="cuda")}

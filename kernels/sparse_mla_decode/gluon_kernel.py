@@ -74,7 +74,7 @@ def _online_softmax(sc, j, nbw, wlen, elen, idx_s, m_i, l_i, qk_scale_log2, offs
     alpha = gl.exp2(m_i - m_safe)
     p = gl.exp2(sc - m_safe[:, None])
     l_new = l_i * alpha + gl.sum(p, axis=1)
-    return gl.convert_layout(p.to(gl.bfloat16), p_l), alpha, m_new, l_new
+    return p.to(gl.bfloat16), alpha, m_new, l_new
 
 
 @gluon.jit
@@ -121,8 +121,9 @@ def _compute(b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
             else:
                 sc = warpgroup_mma(q_smem, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-            p_op, alpha, m_i, l_i = _online_softmax(sc, j, nbw, wlen, elen, idx_all.index(j).load(col_s),
-                                                    m_i, l_i, qk_scale_log2, offs_c, p_l, BN)
+            p, alpha, m_i, l_i = _online_softmax(sc, j, nbw, wlen, elen, idx_all.index(j).load(col_s),
+                                                 m_i, l_i, qk_scale_log2, offs_c, p_l, BN)
+            p_op = gl.convert_layout(p, p_l)
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             acc = warpgroup_mma(p_op, k.slice(HALF * DH, DH, dim=1), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -154,6 +155,125 @@ def _compute(b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
 
 
 @gluon.jit
+def _epilogue(acc, m_i, l_i, b, split, num_splits, sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
+              part_o_ptr, part_lse_ptr, o_l: gl.constexpr, row_s: gl.constexpr, HALF: gl.constexpr,
+              SPLIT_OUT: gl.constexpr, HAS_SINK: gl.constexpr):
+    """Normalise this warpgroup's half of O by the softmax sum and store it (lse from the HALF 0 warpgroup)."""
+    DH: gl.constexpr = D_ALL // 2
+    row_o: gl.constexpr = gl.SliceLayout(1, o_l)
+    LN2: gl.constexpr = 0.6931471805599453
+    has_any = l_i > 0
+    l_safe = gl.where(has_any, l_i, 1.0)
+    lse = gl.where(has_any, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
+    inv = 1.0 / l_safe
+    offs_h = gl.arange(0, H_ALL, layout=row_o)
+    offs_d = HALF * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, o_l))
+    offs_hs = gl.arange(0, H_ALL, layout=row_s)
+    if SPLIT_OUT:
+        o = acc * gl.convert_layout(inv, row_o)[:, None]
+        row = (b * num_splits + split).to(gl.int64) * H_ALL
+        gl.store(part_o_ptr + (row + offs_h[:, None]) * D_ALL + offs_d[None, :], o)
+        if HALF == 0:
+            gl.store(part_lse_ptr + row + offs_hs, lse)
+    else:
+        if HAS_SINK:
+            sink = gl.load(sink_ptr + offs_hs)
+            inv = inv / (1.0 + gl.exp(sink - lse))
+        o = acc * gl.convert_layout(inv, row_o)[:, None]
+        gl.store(out_ptr + b.to(gl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty))
+        if HALF == 0:
+            gl.store(lse_ptr + b * stride_lb + offs_hs, lse)
+
+
+@gluon.jit
+def _compute_s(b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
+               sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
+               q_smem, k_smem, idx_all, p_smem, row_smem, q_bar, full, empty, pready, pfree, lready,
+               BN: gl.constexpr, NS: gl.constexpr, SPLIT_OUT: gl.constexpr, HAS_SINK: gl.constexpr,
+               PROBE: gl.constexpr):
+    """Warpgroup 0 (the default partition): S = Q K^T over all 512 dims (the only QK^T of a block), the
+    online softmax, P and the rescale factor handed to warpgroup 1 through shared memory, then P V on
+    O[:, 0:256]. At the end the softmax statistics go to warpgroup 1 the same way."""
+    DH: gl.constexpr = D_ALL // 2
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DH, 16])
+    p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_l)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_l)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_l)
+
+    m_i = gl.full([H_ALL], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([H_ALL], gl.float32, layout=row_s)
+    acc = gl.zeros([H_ALL, DH], gl.float32, layout=o_l)
+    s_zero = gl.zeros([H_ALL, BN], gl.float32, layout=s_l)
+    offs_c = gl.arange(0, BN, layout=col_s)
+    mbarrier.wait(q_bar, 0)
+    for j in range(lo, hi):
+        i = j - lo
+        s = i % NS
+        pb = i % 2
+        mbarrier.wait(full.index(s), (i // NS) & 1)
+        fence_async_shared()
+        if PROBE != 1:
+            k = k_smem.index(s)
+            sc = warpgroup_mma(q_smem, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+            p, alpha, m_i, l_i = _online_softmax(sc, j, nbw, wlen, elen, idx_all.index(j).load(col_s),
+                                                 m_i, l_i, qk_scale_log2, offs_c, p_l, BN)
+            if i >= 2:  # warpgroup 1 is done with this P buffer's previous block
+                mbarrier.wait(pfree.index(pb), ((i // 2) + 1) & 1)
+            p_smem.index(pb).store(p)
+            p_op = gl.convert_layout(p, p_l)
+            row_smem.index(pb).store(alpha)
+            fence_async_shared()  # P is read by warpgroup 1's wgmma (async proxy)
+            gl.thread_barrier()
+            mbarrier.arrive(pready.index(pb))
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            acc = warpgroup_mma(p_op, k.slice(0, DH, dim=1), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index(s))
+    row_smem.index(2).store(m_i)
+    row_smem.index(3).store(l_i)
+    gl.thread_barrier()
+    mbarrier.arrive(lready)
+    _epilogue(acc, m_i, l_i, b, split, num_splits, sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
+              part_o_ptr, part_lse_ptr, o_l, row_s, 0, SPLIT_OUT, HAS_SINK)
+
+
+@gluon.jit
+def _compute_pv(b, split, num_splits, lo, hi, sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
+                part_o_ptr, part_lse_ptr, k_smem, p_smem, row_smem, full, empty, pready, pfree, lready,
+                BN: gl.constexpr, NS: gl.constexpr, SPLIT_OUT: gl.constexpr, HAS_SINK: gl.constexpr,
+                PROBE: gl.constexpr):
+    """Warpgroup 1: O[:, 256:512] += P V with P (and the rescale of O) from warpgroup 0's shared memory."""
+    DH: gl.constexpr = D_ALL // 2
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DH, 16])
+    row_o: gl.constexpr = gl.SliceLayout(1, o_l)
+    acc = gl.zeros([H_ALL, DH], gl.float32, layout=o_l)
+    for j in range(lo, hi):
+        i = j - lo
+        s = i % NS
+        pb = i % 2
+        mbarrier.wait(full.index(s), (i // NS) & 1)
+        if PROBE != 1:
+            mbarrier.wait(pready.index(pb), (i // 2) & 1)
+            alpha = row_smem.index(pb).load(row_o)
+            acc = acc * alpha[:, None]
+            acc = warpgroup_mma(p_smem.index(pb), k_smem.index(s).slice(DH, DH, dim=1), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(pfree.index(pb))
+        mbarrier.arrive(empty.index(s))
+    mbarrier.wait(lready, 0)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_l)
+    m_i = row_smem.index(2).load(row_s)
+    l_i = row_smem.index(3).load(row_s)
+    _epilogue(acc, m_i, l_i, b, split, num_splits, sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
+              part_o_ptr, part_lse_ptr, o_l, row_s, 1, SPLIT_OUT, HAS_SINK)
+
+
+@gluon.jit
 def _sparse_decode_ws_kernel(
     q_ptr, stride_qb, stride_qh,
     kv_ptr, stride_kv, ekv_ptr, stride_ekv,
@@ -166,7 +286,7 @@ def _sparse_decode_ws_kernel(
     IS_FP8: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_WLEN: gl.constexpr, HAS_ELEN: gl.constexpr,
     HAS_SINK: gl.constexpr, PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr,
     LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, XCH: gl.constexpr, NR: gl.constexpr, MAXB: gl.constexpr,
-    PROBE: gl.constexpr = 0,
+    ONE_QK: gl.constexpr = True, PV_REGS: gl.constexpr = 160, PROBE: gl.constexpr = 0,
 ):
     # PROBE (timing experiments only; wrong results): 1 = no math, 2 = no row loads, 3 = fp8: no dequantisation.
     b = gl.program_id(0)
@@ -206,17 +326,42 @@ def _sparse_decode_ws_kernel(
         nope_st = q_smem
         rope_st = q_smem
         sc_st = q_smem
-    gl.warp_specialize([
-        (_compute, (b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
-                    sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
-                    q_smem, k_smem, idx_all, xbuf, q_bar, full, empty, xfull, xfree, 0, BN, NS, SPLIT_OUT, HAS_SINK,
-                    XCH, PROBE)),
-        (_compute, (b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
-                    sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
-                    q_smem, k_smem, idx_all, xbuf, q_bar, full, empty, xfull, xfree, 1, BN, NS, SPLIT_OUT, HAS_SINK,
-                    XCH, PROBE)),
-        (loader_partition, (q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
-                            widx_ptr, stride_wb, eidx_ptr, stride_eb, b, lo, hi, nbw, wlen, elen,
-                            q_smem, k_smem, idx_all, nope_st, rope_st, sc_st, q_bar, full, empty,
-                            BN, NS, NR, MAXB, IS_FP8, PAGE_STRIDE, SCALES_OFFSET, PROBE)),
-    ], [4, LOADER_WARPS], [compute_regs, LOADER_REGS])
+    if ONE_QK:
+        p_smem = gl.allocate_shared_memory(gl.bfloat16, [2, H_ALL, BN],
+                                           gl.NVMMASharedLayout.get_default_for([H_ALL, BN], gl.bfloat16))
+        row_smem = gl.allocate_shared_memory(gl.float32, [4, H_ALL], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        pready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        pfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        lready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for h in gl.static_range(2):
+            mbarrier.init(pready.index(h), count=1)
+            mbarrier.init(pfree.index(h), count=1)
+        mbarrier.init(lready, count=1)
+        gl.warp_specialize([
+            (_compute_s, (b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
+                          sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
+                          q_smem, k_smem, idx_all, p_smem, row_smem, q_bar, full, empty, pready, pfree, lready,
+                          BN, NS, SPLIT_OUT, HAS_SINK, PROBE)),
+            (_compute_pv, (b, split, num_splits, lo, hi, sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
+                           part_o_ptr, part_lse_ptr, k_smem, p_smem, row_smem, full, empty, pready, pfree, lready,
+                           BN, NS, SPLIT_OUT, HAS_SINK, PROBE)),
+            (loader_partition, (q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
+                                widx_ptr, stride_wb, eidx_ptr, stride_eb, b, lo, hi, nbw, wlen, elen,
+                                q_smem, k_smem, idx_all, nope_st, rope_st, sc_st, q_bar, full, empty,
+                                BN, NS, NR, MAXB, IS_FP8, PAGE_STRIDE, SCALES_OFFSET, PROBE)),
+        ], [4, LOADER_WARPS], [PV_REGS, LOADER_REGS])
+    else:
+        gl.warp_specialize([
+            (_compute, (b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
+                        sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
+                        q_smem, k_smem, idx_all, xbuf, q_bar, full, empty, xfull, xfree, 0, BN, NS, SPLIT_OUT, HAS_SINK,
+                        XCH, PROBE)),
+            (_compute, (b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
+                        sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
+                        q_smem, k_smem, idx_all, xbuf, q_bar, full, empty, xfull, xfree, 1, BN, NS, SPLIT_OUT, HAS_SINK,
+                        XCH, PROBE)),
+            (loader_partition, (q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
+                                widx_ptr, stride_wb, eidx_ptr, stride_eb, b, lo, hi, nbw, wlen, elen,
+                                q_smem, k_smem, idx_all, nope_st, rope_st, sc_st, q_bar, full, empty,
+                                BN, NS, NR, MAXB, IS_FP8, PAGE_STRIDE, SCALES_OFFSET, PROBE)),
+        ], [4, LOADER_WARPS], [compute_regs, LOADER_REGS])

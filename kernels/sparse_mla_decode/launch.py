@@ -87,6 +87,9 @@ DEFAULT_BLOCKS = {("triton", False): (64, 2), ("triton", True): (64, 2),
 # The merge is launched as a programmatic dependent (PDL) of the split kernel on CUDA, so its launch overlaps
 # the split kernel's tail; it waits (griddepcontrol.wait) before reading the partials.
 COMBINE_PDL = True
+# Gluon: one compute warpgroup computes S = Q K^T and hands P to the other (True), or both compute S (False).
+_ONE_QK = True
+PV_REGS = 160  # registers per thread of the Gluon P V-only warpgroup (a 64 x 256 fp32 accumulator and little else)
 _PROBE = 0  # bench/probe_sparse_decode.py only: drop a stage of the Gluon kernel to time the rest (wrong results)
 SMEM_LIMIT = 226 * 1024  # the 227 KB a block may opt into, less a margin for what the estimate leaves out
 
@@ -96,10 +99,10 @@ def resolved(config: LaunchConfig | None, backend: str, is_fp8: bool) -> LaunchC
     config = config or LaunchConfig()
     bn, stages = DEFAULT_BLOCKS[(backend, is_fp8)]
     bn = config.block_n or bn
-    # Loader registers: the fp8 dequantiser needs 96 (the compute warpgroups spill more when it has
-    # more); the bf16 gather holds 16 row addresses per thread at block_n 64 (80 leaves it spill-free),
-    # 8 at block_n 32.
-    regs = config.loader_regs or (96 if is_fp8 else 80 if bn == 64 else 40)
+    # Loader registers: the fp8 loader holds two half-blocks of records at once when it dequantises
+    # from registers (128 leaves it spill-free), 96 with staging; the bf16 gather holds 16 row
+    # addresses per thread at block_n 64 (80 leaves it spill-free), 8 at block_n 32.
+    regs = config.loader_regs or (128 if is_fp8 and not config.raw_stages else 96 if is_fp8 else 80 if bn == 64 else 40)
     return replace(config, block_n=bn, num_stages=config.num_stages or stages, backend=backend, loader_regs=regs)
 
 
@@ -114,6 +117,8 @@ def gluon_smem_bytes(block_n: int, stages: int, is_fp8: bool, exchange: bool = F
     fp8 raw staging, barriers (w, k: window and extra lists per query)."""
     raw = raw_stages * block_n * (512 + 2 * 64 + 8) if is_fp8 else 0
     xchg = 2 * 64 * block_n * 4 if exchange else 0
+    if _ONE_QK:  # two P buffers (bf16) and four rows of softmax statistics instead of the S exchange
+        xchg = 2 * 64 * block_n * 2 + 4 * 64 * 4
     table = gluon_index_blocks(w, k, block_n) * block_n * 4
     return 64 * DIM * 2 + stages * block_n * DIM * 2 + table + xchg + raw + 8 * (2 * stages + 5)
 
@@ -259,6 +264,7 @@ def _launch_gluon(q, main, main_stride, extra, extra_stride, window_idx, extra_i
         HAS_ELEN=extra is not None and extra_lens is not None, HAS_SINK=sink is not None,
         PAGE_STRIDE=PAGE_STRIDE, SCALES_OFFSET=SCALES_OFFSET, LOADER_WARPS=4, LOADER_REGS=config.loader_regs,
         XCH=config.exchange, NR=config.raw_stages, MAXB=gluon_index_blocks(w, k, bn), PROBE=_PROBE,
+        ONE_QK=_ONE_QK, PV_REGS=PV_REGS,
         num_warps=4,
     )
     if splits > 1:

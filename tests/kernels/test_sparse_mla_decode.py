@@ -364,8 +364,8 @@ def test_gpu_gluon_fp8_dequantises_subnormals_and_large_scales_exactly(raw_stage
     cache, extra = odd_e4m3_cache(c.pop("kv"), 1), odd_e4m3_cache(c.pop("extra_kv"), 2)
     for t in (cache, extra):  # scales past 2**7 (ue8m0 > 134) and subnormal e4m3 bytes are both in play
         scales = t[:, fp8_layout.SCALES_OFFSET:fp8_layout.SCALES_OFFSET + 64 * fp8_layout.SCALE_BYTES]
-        assert scales.view(-1, fp8_layout.SCALE_BYTES)[:, :fp8_layout.NUM_TILES].max() > 134
-        assert ((t[:, :fp8_layout.SCALES_OFFSET].view(-1, 576)[:, :448] & 0x78) == 0).any()
+        assert scales.reshape(-1, fp8_layout.SCALE_BYTES)[:, :fp8_layout.NUM_TILES].max() > 134
+        assert ((t[:, :fp8_layout.SCALES_OFFSET].reshape(-1, 576)[:, :448] & 0x78) == 0).any()
     cfg = LaunchConfig(block_n=32, num_stages=3, backend="gluon", raw_stages=raw_stages)
     out, lse = sparse_mla_decode_fp8_triton(**c, kv_cache=cache, extra_cache=extra, config=cfg)
     cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in c.items()}
