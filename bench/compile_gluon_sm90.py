@@ -5,10 +5,10 @@ shared memory, ptxas registers and spills, and the `setmaxnreg` budget of each p
 Triton release the kernel is written for (the H200's; see launch.GLUON_TRITON_RELEASES), e.g.
 
     python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0
-    /tmp/t36/bin/python bench/compile_gluon_sm90.py bf16:64:2 fp8:32:3:raw2 bf16:32:4:xch [--sass DIR]
+    /tmp/t36/bin/python bench/compile_gluon_sm90.py bf16:64:2 fp8:64:2 bf16:32:4:regs40 [--sass DIR]
 
-A config is dtype:block_n:stages[:xch][:twoqk][:rawN][:regsN][:pvN] (regsN: loader registers, default as the
-launcher; pvN: registers of the P V warpgroup; twoqk: both compute warpgroups compute S).
+A config is dtype:block_n:stages[:regsN][:pvN] (regsN: loader registers, default as the launcher; pvN:
+registers of the P V warpgroup, default launch.PV_REGS).
 The script loads kernels/sparse_mla_decode/gluon_*.py by path (only Triton is imported, not the package).
 """
 
@@ -33,17 +33,13 @@ def parse(spec: str) -> dict:
     dtype, bn, stages, *flags = spec.split(":")
     if dtype not in ("bf16", "fp8"):
         raise SystemExit(f"config {spec!r}: dtype must be bf16 or fp8")
-    cfg = dict(fp8=dtype == "fp8", bn=int(bn), stages=int(stages), xch=False, raw=0, regs=0, pv=160, one_qk=True)
+    cfg = dict(fp8=dtype == "fp8", bn=int(bn), stages=int(stages), regs=0, pv=160)
     for f in flags:
-        if f == "xch":
-            cfg["xch"] = True
-        elif f == "twoqk":
-            cfg["one_qk"] = False
-        elif m := re.fullmatch(r"(raw|regs|pv)(\d+)", f):
+        if m := re.fullmatch(r"(regs|pv)(\d+)", f):
             cfg[m[1]] = int(m[2])
         else:
-            raise SystemExit(f"config {spec!r}: unknown flag {f!r} (xch, twoqk, rawN, regsN, pvN)")
-    cfg["regs"] = cfg["regs"] or (96 if cfg["fp8"] else 80 if cfg["bn"] == 64 else 40)
+            raise SystemExit(f"config {spec!r}: unknown flag {f!r} (regsN, pvN)")
+    cfg["regs"] = cfg["regs"] or (128 if cfg["fp8"] else 80 if cfg["bn"] == 64 else 40)
     return cfg
 
 
@@ -56,8 +52,7 @@ def compile_one(module, cfg: dict):
     blocks = -(-128 // cfg["bn"]) + -(-512 // cfg["bn"])
     const = dict(BN=cfg["bn"], NS=cfg["stages"], SPLIT_OUT=False, IS_FP8=cfg["fp8"], HAS_EXTRA=True, HAS_WLEN=True,
                  HAS_ELEN=True, HAS_SINK=True, PAGE_STRIDE=37440, SCALES_OFFSET=36864, LOADER_WARPS=4,
-                 LOADER_REGS=cfg["regs"], XCH=cfg["xch"], NR=cfg["raw"], MAXB=1 << (blocks - 1).bit_length(), PROBE=0,
-                 ONE_QK=cfg["one_qk"], PV_REGS=cfg["pv"])
+                 LOADER_REGS=cfg["regs"], PV_REGS=cfg["pv"], MAXB=1 << (blocks - 1).bit_length(), PROBE=0)
     pointers = dict(POINTERS, **({"kv_ptr": "*u8", "ekv_ptr": "*u8"} if cfg["fp8"] else {}))
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):

@@ -41,42 +41,33 @@ def main(argv: list[str]) -> int:
               f"{rows.numel() * 1024 / (gather_us * 1e-6) / 1e9:.0f} GB/s read)")
         cache, extra = quantize_kv_v4(case["kv"]), quantize_kv_v4(case["extra_kv"])
         fp8_case = {k: v for k, v in case.items() if k not in ("kv", "extra_kv")}
-        for fp8, cfgs in ((False, [(64, 2, False, 0)]), (True, [(64, 2, False, 0), (32, 2, False, 4)])):
-            for bn, st, xch, nr in cfgs:
-                cfg = LaunchConfig(block_n=bn, num_stages=st, exchange=xch, raw_stages=nr, backend="gluon")
+        for fp8, cfgs in ((False, [(64, 2)]), (True, [(64, 2), (32, 3)])):
+            for bn, st in cfgs:
+                cfg = LaunchConfig(block_n=bn, num_stages=st, backend="gluon")
+
+                def run(cfg=cfg, fp8=fp8, c=case):
+                    if fp8:
+                        return launch.sparse_mla_decode_fp8_triton(**{k: v for k, v in c.items() if k not in ("kv", "extra_kv")},
+                                                                   kv_cache=cache, extra_cache=extra, config=cfg)
+                    return launch.sparse_mla_decode_triton(**c, config=cfg)
+
                 line = []
                 for probe in (0, 1, 2, 3) if fp8 else (0, 1, 2):
                     launch._PROBE = probe
-                    if fp8:
-                        fn = lambda: launch.sparse_mla_decode_fp8_triton(**fp8_case, kv_cache=cache, extra_cache=extra, config=cfg)
-                    else:
-                        fn = lambda: launch.sparse_mla_decode_triton(**case, config=cfg)
-                    us = bench_us(graphed(fn), rep_ms=100)
-                    line.append(f"{PROBES[probe]} {us:6.1f}")
+                    line.append(f"{PROBES[probe]} {bench_us(graphed(run), rep_ms=100):6.1f}")
                 launch._PROBE = 0
-                launch._ONE_QK = False  # both compute warpgroups compute S (the previous design)
-                fn = ((lambda: launch.sparse_mla_decode_fp8_triton(**fp8_case, kv_cache=cache, extra_cache=extra,
-                                                                   config=cfg)) if fp8 else
-                      (lambda: launch.sparse_mla_decode_triton(**case, config=cfg)))
-                line.append(f"S in both warpgroups {bench_us(graphed(fn), rep_ms=100):6.1f}")
-                launch._ONE_QK = True
-                if not fp8:  # the fixed cost: every query empty (launch, Q load, epilogue, combine)
-                    empty = {**case, "window_lens": torch.zeros(b, dtype=torch.int32, device="cuda"),
-                             "extra_lens": torch.zeros(b, dtype=torch.int32, device="cuda")}
-                    for splits in (1, 0):
-                        c2 = LaunchConfig(block_n=bn, num_stages=st, exchange=xch, backend="gluon", num_splits=splits)
-                        us = bench_us(graphed(lambda: launch.sparse_mla_decode_triton(**empty, config=c2)), rep_ms=100)
-                        line.append(f"empty queries (splits {splits or 'auto'}) {us:6.1f}")
-                if splits_of(b, bn) > 1:  # the merge launched as a programmatic dependent or plainly
-                    for pdl in (True, False):
-                        launch.COMBINE_PDL = pdl
-                        fn = ((lambda: launch.sparse_mla_decode_fp8_triton(**fp8_case, kv_cache=cache, extra_cache=extra,
-                                                                           config=cfg)) if fp8 else
-                              (lambda: launch.sparse_mla_decode_triton(**case, config=cfg)))
-                        line.append(f"merge {'PDL' if pdl else 'plain'} {bench_us(graphed(fn), rep_ms=100):6.1f}")
-                    launch.COMBINE_PDL = True
+                # the fixed cost: every query empty (launch, Q load, epilogue, merge)
+                empty = {**case, "window_lens": torch.zeros(b, dtype=torch.int32, device="cuda"),
+                         "extra_lens": torch.zeros(b, dtype=torch.int32, device="cuda")}
+                for splits in (1, 0):
+                    c2 = LaunchConfig(block_n=bn, num_stages=st, backend="gluon", num_splits=splits)
+                    line.append(f"empty queries (splits {splits or 'auto'}) {bench_us(graphed(lambda: run(c2, c=empty)), rep_ms=100):6.1f}")
+                if 1 < splits_of(b, bn) < launch.ONESHOT_MERGE_FROM:  # the one-shot merge below its threshold
+                    launch.ONESHOT_MERGE_FROM = 2
+                    line.append(f"one-shot merge {bench_us(graphed(run), rep_ms=100):6.1f}")
+                    launch.ONESHOT_MERGE_FROM = 8
                 row_bytes = 584 if fp8 else 1024
-                print(f"B={b:4d} {'fp8 ' if fp8 else 'bf16'} bn={bn} st={st} xch={xch!s:5} raw={nr}: " + " | ".join(line)
+                print(f"B={b:4d} {'fp8 ' if fp8 else 'bf16'} bn={bn} st={st} splits={splits_of(b, bn)}: " + " | ".join(line)
                       + f"  (full = {required_bytes(b, row_bytes) / copy / 1e3:.1f} us at copy speed)")
     return 0
 

@@ -216,14 +216,11 @@ def run(argv: list[str]) -> int:
                 configs["triton_bf16"] = base
                 configs["triton_fp8"] = base + [dataclasses.replace(c, prefetch=True) for c in base]
             def gluon_configs(fp8: bool) -> list:
-                # (block_n, stages, raw_stages, exchange, loader_regs); fp8 raw_stages 0: dequantised from registers
-                shapes = ([(64, 2, 0, False, 0), (64, 2, 0, True, 0), (32, 4, 0, False, 0)] if not fp8 else
-                          [(64, 2, 0, False, 128), (32, 2, 4, False, 0), (32, 2, 3, False, 0), (32, 3, 2, False, 0),
-                           (32, 2, 4, False, 128)])
-                return [LaunchConfig(block_n=bn, num_stages=st, num_splits=s, backend="gluon", exchange=xch,
-                                     raw_stages=nr, loader_regs=regs)
-                        for bn, st, nr, xch, regs in shapes
-                        if gluon_smem_bytes(bn, st, fp8, xch, nr) <= SMEM_LIMIT
+                # (block_n, stages, loader_regs)
+                shapes = ([(64, 2, 0), (32, 4, 0), (32, 3, 0)] if not fp8 else [(64, 2, 0), (32, 4, 0), (32, 3, 0)])
+                return [LaunchConfig(block_n=bn, num_stages=st, num_splits=s, backend="gluon", loader_regs=regs)
+                        for bn, st, regs in shapes
+                        if gluon_smem_bytes(bn, st) <= SMEM_LIMIT
                         for s in sorted({choose_splits(b, nblocks[bn], sms), choose_splits(b, nblocks[bn], 2 * sms),
                                          *((1, 2, 5) if b == 1 else (2, 5) if b <= 8 else ())})]
 
@@ -251,8 +248,7 @@ def run(argv: list[str]) -> int:
             info = dict(block_n=cfg.block_n, warps=cfg.num_warps, stages=cfg.num_stages, prefetch=cfg.prefetch,
                         splits=splits)
             if name.startswith("gluon"):
-                info.update(warps=12, prefetch=None, exchange=cfg.exchange, raw_stages=cfg.raw_stages if name.endswith("fp8") else None,
-                            loader_regs=cfg.loader_regs)
+                info.update(warps=12, prefetch=None, loader_regs=cfg.loader_regs)
             try:
                 rows.append(measure(name, fn_for(cfg), ref, b, row_bytes, copy_gbs, info))
             except Exception as exc:  # a kernel that fails to compile or run is a result, not the end of the run
@@ -272,7 +268,7 @@ def run(argv: list[str]) -> int:
     for r in resources:
         print("  compiled:", r)
     print(f"device copy bandwidth (same run): {copy_gbs:.0f} GB/s; FlashMLA: {fm_error or 'loaded'}")
-    print_table(rows, ["kernel", "B", "us", "us_eager", "GBps", "frac_copy", "TFLOPs", "rel_err", "block_n", "warps", "stages", "prefetch", "exchange", "raw_stages", "loader_regs", "splits", "error"])
+    print_table(rows, ["kernel", "B", "us", "us_eager", "GBps", "frac_copy", "TFLOPs", "rel_err", "block_n", "warps", "stages", "prefetch", "loader_regs", "splits", "error"])
     path = write_results("sparse_decode", dict(
         device=torch.cuda.get_device_name(0), torch=torch.__version__, copy_gbs=copy_gbs,
         shapes=dict(H=H, D=D, window=W, topk=TOPK, context=CONTEXT), flashmla_error=fm_error, compiled=resources, rows=rows,
@@ -285,7 +281,7 @@ def run(argv: list[str]) -> int:
 
 def markdown(rows: list[dict], copy_gbs: float, fm_error: str | None, device: str) -> str:
     cols = ["kernel", "B", "us", "us_eager", "GBps", "frac_copy", "TFLOPs", "rel_err", "block_n", "warps", "stages",
-            "prefetch", "exchange", "raw_stages", "loader_regs", "splits"]
+            "prefetch", "loader_regs", "splits"]
     lines = [
         f"# sparse_decode on {device}",
         "",

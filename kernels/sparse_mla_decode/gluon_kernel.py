@@ -4,17 +4,17 @@ Why a second kernel beside `kernel.py`: the plain-Triton kernel runs one 8-warp 
 every 64-row block is a serial chain (gather -> QK^T -> softmax -> PV); ncu saw 12% occupancy and no
 overlap. Here one CTA per (query, split) has three partitions that run concurrently:
 
-    loader      (4 warps, gluon_loaders.py) first stages Q and every live block's indices in shared memory (one round
-                           trip), then per block: bf16 rows are gathered with cp.async straight into
-                           stage i % NS; V4 fp8 records are cp.async'd into NR raw staging buffers
-                           (NR - 1 blocks in flight) and dequantised from there into the bf16 stage.
-                           Signals `full[s]`.
-    compute 0/1 (4 warps each) each owns half of the output dims (O[:, 0:256] / O[:, 256:512], a
-                           [64, 256] fp32 accumulator per warpgroup). By default both compute the whole
-                           S = Q K^T of a block (neither waits on the other, at 1.5x the minimal
-                           tensor-core work); with XCH each computes S over its 256 dims and the halves
-                           are swapped through shared memory (measured slower on the H200). Both run the
-                           same online softmax, then P V on their half; each arrives on `empty[s]`.
+    loader      (4 warps, gluon_loaders.py) first stages Q and every live block's indices in shared
+                memory (one round trip), then per block fills stage i % NS: bf16 rows by cp.async; V4 fp8
+                records loaded into registers (the next half-block in flight), dequantised there and
+                stored as bf16. Signals `full[s]`.
+    compute S   (warpgroup 0, the default partition) S = Q K^T of the block (the only QK^T: computing
+                it in both warpgroups doubled the tensor cores' shared-memory reads, measured 50.0 vs
+                44.2 us at B=128 bf16), the online softmax, P and the rescale of O into shared memory
+                for warpgroup 1 (`pready`), then P V on O[:, 0:256].
+    compute PV  (warpgroup 1) O[:, 256:512] += P V with P read from shared memory (`pfree` when done).
+                Both compute warpgroups arrive on `empty[s]`; the softmax statistics reach warpgroup 1
+                at the end (`lready`) for its normalisation.
 
 All 64 heads of the query are the M = 64 of every wgmma, so each selected row is read from memory
 once. Work is O(live rows): the split's block range comes from the per-query lengths, nothing is
@@ -61,9 +61,8 @@ def _block_range(b, split, num_splits, W, K, wlen_ptr, elen_ptr, BN: gl.constexp
 
 
 @gluon.jit
-def _online_softmax(sc, j, nbw, wlen, elen, idx_s, m_i, l_i, qk_scale_log2, offs_c, p_l: gl.constexpr,
-                    BN: gl.constexpr):
-    """Mask block j's raw scores, fold them into (m_i, l_i); P in bf16 as the PV wgmma's A operand."""
+def _online_softmax(sc, j, nbw, wlen, elen, idx_s, m_i, l_i, qk_scale_log2, offs_c, BN: gl.constexpr):
+    """Mask block j's raw scores, fold them into (m_i, l_i); P in bf16 (S's layout), the O rescale, m, l."""
     is_w = j < nbw
     blk = gl.where(is_w, j, j - nbw)
     n_valid = gl.where(is_w, wlen, elen)
@@ -75,83 +74,6 @@ def _online_softmax(sc, j, nbw, wlen, elen, idx_s, m_i, l_i, qk_scale_log2, offs
     p = gl.exp2(sc - m_safe[:, None])
     l_new = l_i * alpha + gl.sum(p, axis=1)
     return p.to(gl.bfloat16), alpha, m_new, l_new
-
-
-@gluon.jit
-def _compute(b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
-             sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
-             q_smem, k_smem, idx_all, xbuf, q_bar, full, empty, xfull, xfree,
-             HALF: gl.constexpr, BN: gl.constexpr, NS: gl.constexpr,
-             SPLIT_OUT: gl.constexpr, HAS_SINK: gl.constexpr, XCH: gl.constexpr, PROBE: gl.constexpr):
-    DH: gl.constexpr = D_ALL // 2
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DH, 16])
-    p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_l)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_l)
-    col_s: gl.constexpr = gl.SliceLayout(0, s_l)
-
-    m_i = gl.full([H_ALL], float("-inf"), gl.float32, layout=row_s)
-    l_i = gl.zeros([H_ALL], gl.float32, layout=row_s)
-    acc = gl.zeros([H_ALL, DH], gl.float32, layout=o_l)
-    s_zero = gl.zeros([H_ALL, BN], gl.float32, layout=s_l)
-    offs_c = gl.arange(0, BN, layout=col_s)
-    mbarrier.wait(q_bar, 0)
-    for j in range(lo, hi):
-        i = j - lo
-        s = i % NS
-        mbarrier.wait(full.index(s), (i // NS) & 1)
-        fence_async_shared()
-        if PROBE != 1:
-            k = k_smem.index(s)
-            if XCH:
-                # S over this warpgroup's 256 dims, swapped with the other warpgroup's half through
-                # shared memory: each S element is computed once, and both hold the same full S
-                # (fp32 addition commutes, so their softmax statistics agree bit for bit).
-                sc = warpgroup_mma(q_smem.slice(HALF * DH, DH, dim=1), k.slice(HALF * DH, DH, dim=1).permute((1, 0)),
-                                   s_zero, use_acc=False, is_async=True)
-                sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-                if i > 0:
-                    mbarrier.wait(xfree.index(HALF), (i - 1) & 1)
-                xbuf.index(HALF).store(sc)
-                mbarrier.arrive(xfull.index(HALF))
-                mbarrier.wait(xfull.index(1 - HALF), i & 1)
-                sc = sc + xbuf.index(1 - HALF).load(s_l)
-                mbarrier.arrive(xfree.index(1 - HALF))
-            else:
-                sc = warpgroup_mma(q_smem, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-            p, alpha, m_i, l_i = _online_softmax(sc, j, nbw, wlen, elen, idx_all.index(j).load(col_s),
-                                                 m_i, l_i, qk_scale_log2, offs_c, p_l, BN)
-            p_op = gl.convert_layout(p, p_l)
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            acc = warpgroup_mma(p_op, k.slice(HALF * DH, DH, dim=1), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index(s))
-
-    LN2: gl.constexpr = 0.6931471805599453
-    has_any = l_i > 0
-    l_safe = gl.where(has_any, l_i, 1.0)
-    lse = gl.where(has_any, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
-    inv = 1.0 / l_safe
-    offs_h = gl.arange(0, H_ALL, layout=row_o)
-    offs_d = HALF * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, o_l))
-    offs_hs = gl.arange(0, H_ALL, layout=row_s)
-    if SPLIT_OUT:
-        o = acc * gl.convert_layout(inv, row_o)[:, None]
-        row = (b * num_splits + split).to(gl.int64) * H_ALL
-        gl.store(part_o_ptr + (row + offs_h[:, None]) * D_ALL + offs_d[None, :], o)
-        if HALF == 0:
-            gl.store(part_lse_ptr + row + offs_hs, lse)
-    else:
-        if HAS_SINK:
-            sink = gl.load(sink_ptr + offs_hs)
-            inv = inv / (1.0 + gl.exp(sink - lse))
-        o = acc * gl.convert_layout(inv, row_o)[:, None]
-        gl.store(out_ptr + b.to(gl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty))
-        if HALF == 0:
-            gl.store(lse_ptr + b * stride_lb + offs_hs, lse)
 
 
 @gluon.jit
@@ -220,7 +142,7 @@ def _compute_s(b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
             sc = warpgroup_mma(q_smem, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
             p, alpha, m_i, l_i = _online_softmax(sc, j, nbw, wlen, elen, idx_all.index(j).load(col_s),
-                                                 m_i, l_i, qk_scale_log2, offs_c, p_l, BN)
+                                                 m_i, l_i, qk_scale_log2, offs_c, BN)
             if i >= 2:  # warpgroup 1 is done with this P buffer's previous block
                 mbarrier.wait(pfree.index(pb), ((i // 2) + 1) & 1)
             p_smem.index(pb).store(p)
@@ -285,8 +207,8 @@ def _sparse_decode_ws_kernel(
     BN: gl.constexpr, NS: gl.constexpr, SPLIT_OUT: gl.constexpr,
     IS_FP8: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_WLEN: gl.constexpr, HAS_ELEN: gl.constexpr,
     HAS_SINK: gl.constexpr, PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr,
-    LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, XCH: gl.constexpr, NR: gl.constexpr, MAXB: gl.constexpr,
-    ONE_QK: gl.constexpr = True, PV_REGS: gl.constexpr = 160, PROBE: gl.constexpr = 0,
+    LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, PV_REGS: gl.constexpr, MAXB: gl.constexpr,
+    PROBE: gl.constexpr = 0,
 ):
     # PROBE (timing experiments only; wrong results): 1 = no math, 2 = no row loads, 3 = fp8: no dequantisation.
     b = gl.program_id(0)
@@ -298,70 +220,37 @@ def _sparse_decode_ws_kernel(
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [H_ALL, D_ALL], nvmma)
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [NS, BN, D_ALL], nvmma)
     idx_all = gl.allocate_shared_memory(gl.int32, [MAXB, BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    if IS_FP8 and NR > 0:
-        nope_st = gl.allocate_shared_memory(gl.uint8, [NR, BN, 8, 64], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
-        rope_st = gl.allocate_shared_memory(gl.bfloat16, [NR, BN, 64], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        sc_st = gl.allocate_shared_memory(gl.uint8, [NR, BN, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    if XCH:
-        xbuf = gl.allocate_shared_memory(gl.float32, [2, H_ALL, BN], gl.SwizzledSharedLayout(2, 1, 8, [1, 0]))
-    else:
-        xbuf = q_smem  # unused
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [2, H_ALL, BN],
+                                       gl.NVMMASharedLayout.get_default_for([H_ALL, BN], gl.bfloat16))
+    # rows 0-1: the O rescale of the block in P buffer 0 / 1; rows 2-3: the final softmax max and sum
+    row_smem = gl.allocate_shared_memory(gl.float32, [4, H_ALL], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    xfull = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    xfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for h in gl.static_range(2):
-        mbarrier.init(xfull.index(h), count=1)
-        mbarrier.init(xfree.index(h), count=1)
     full = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    pready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    pfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    lready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=LOADER_WARPS * 32)
     for s in gl.static_range(NS):
         # bf16: one cp.async arrive per loader thread; fp8: one plain arrive after the dequantisation.
         mbarrier.init(full.index(s), count=1 if IS_FP8 else LOADER_WARPS * 32)
         mbarrier.init(empty.index(s), count=2)
+    for h in gl.static_range(2):
+        mbarrier.init(pready.index(h), count=1)
+        mbarrier.init(pfree.index(h), count=1)
+    mbarrier.init(lready, count=1)
 
-    # Registers: the two compute warpgroups share what the loader leaves of the 64K-register file.
-    compute_regs: gl.constexpr = (65536 - 32 * LOADER_WARPS * LOADER_REGS) // 256 // 8 * 8
-    if not (IS_FP8 and NR > 0):  # the fp8 staging buffers are not used: any descriptor fills their places
-        nope_st = q_smem
-        rope_st = q_smem
-        sc_st = q_smem
-    if ONE_QK:
-        p_smem = gl.allocate_shared_memory(gl.bfloat16, [2, H_ALL, BN],
-                                           gl.NVMMASharedLayout.get_default_for([H_ALL, BN], gl.bfloat16))
-        row_smem = gl.allocate_shared_memory(gl.float32, [4, H_ALL], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        pready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        pfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        lready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for h in gl.static_range(2):
-            mbarrier.init(pready.index(h), count=1)
-            mbarrier.init(pfree.index(h), count=1)
-        mbarrier.init(lready, count=1)
-        gl.warp_specialize([
-            (_compute_s, (b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
-                          sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
-                          q_smem, k_smem, idx_all, p_smem, row_smem, q_bar, full, empty, pready, pfree, lready,
-                          BN, NS, SPLIT_OUT, HAS_SINK, PROBE)),
-            (_compute_pv, (b, split, num_splits, lo, hi, sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
-                           part_o_ptr, part_lse_ptr, k_smem, p_smem, row_smem, full, empty, pready, pfree, lready,
-                           BN, NS, SPLIT_OUT, HAS_SINK, PROBE)),
-            (loader_partition, (q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
-                                widx_ptr, stride_wb, eidx_ptr, stride_eb, b, lo, hi, nbw, wlen, elen,
-                                q_smem, k_smem, idx_all, nope_st, rope_st, sc_st, q_bar, full, empty,
-                                BN, NS, NR, MAXB, IS_FP8, PAGE_STRIDE, SCALES_OFFSET, PROBE)),
-        ], [4, LOADER_WARPS], [PV_REGS, LOADER_REGS])
-    else:
-        gl.warp_specialize([
-            (_compute, (b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
-                        sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
-                        q_smem, k_smem, idx_all, xbuf, q_bar, full, empty, xfull, xfree, 0, BN, NS, SPLIT_OUT, HAS_SINK,
-                        XCH, PROBE)),
-            (_compute, (b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
-                        sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
-                        q_smem, k_smem, idx_all, xbuf, q_bar, full, empty, xfull, xfree, 1, BN, NS, SPLIT_OUT, HAS_SINK,
-                        XCH, PROBE)),
-            (loader_partition, (q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
-                                widx_ptr, stride_wb, eidx_ptr, stride_eb, b, lo, hi, nbw, wlen, elen,
-                                q_smem, k_smem, idx_all, nope_st, rope_st, sc_st, q_bar, full, empty,
-                                BN, NS, NR, MAXB, IS_FP8, PAGE_STRIDE, SCALES_OFFSET, PROBE)),
-        ], [4, LOADER_WARPS], [compute_regs, LOADER_REGS])
+    # Registers: the loader and the P V warpgroup get what they ask for, warpgroup 0 the rest.
+    gl.warp_specialize([
+        (_compute_s, (b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
+                      sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
+                      q_smem, k_smem, idx_all, p_smem, row_smem, q_bar, full, empty, pready, pfree, lready,
+                      BN, NS, SPLIT_OUT, HAS_SINK, PROBE)),
+        (_compute_pv, (b, split, num_splits, lo, hi, sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
+                       part_o_ptr, part_lse_ptr, k_smem, p_smem, row_smem, full, empty, pready, pfree, lready,
+                       BN, NS, SPLIT_OUT, HAS_SINK, PROBE)),
+        (loader_partition, (q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
+                            widx_ptr, stride_wb, eidx_ptr, stride_eb, b, lo, hi, nbw, wlen, elen,
+                            q_smem, k_smem, idx_all, q_bar, full, empty,
+                            BN, NS, MAXB, IS_FP8, PAGE_STRIDE, SCALES_OFFSET, PROBE)),
+    ], [4, LOADER_WARPS], [PV_REGS, LOADER_REGS])

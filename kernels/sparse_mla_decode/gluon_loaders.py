@@ -1,6 +1,7 @@
 """The loader partition of the warp-specialised sparse decode (`gluon_kernel.py`): Q and the index table
-first, then per block either bf16 rows gathered straight into the wgmma stages, or V4 fp8 records staged
-raw and dequantised into them. Stage handoffs: `full[s]` (loader -> compute), `empty[s]` (compute -> loader).
+first, then per block either bf16 rows gathered straight into the wgmma stages, or V4 fp8 records loaded
+into registers and dequantised into them. Stage handoffs: `full[s]` (loader -> compute), `empty[s]`
+(compute -> loader).
 """
 
 from __future__ import annotations
@@ -90,109 +91,6 @@ def _loader(q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
 
 
 @gluon.jit
-def _issue_raw_fp8(j, hi, nbw, wlen, elen, idx_all, kv_ptr, ekv_ptr, nope_st, rope_st, sc_st,
-                   BN: gl.constexpr, MAXB: gl.constexpr, PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr):
-    """cp.async the raw V4 records of live block j (nothing for j >= hi) into one staging buffer; commit.
-
-    nope_st [BN, 8, 64] u8 gets the 448 e4m3 bytes (tile 7 zero-filled), rope_st [BN, 64] bf16 the
-    RoPE dims, sc_st [BN, 8] u8 the 7 ue8m0 scales + pad. Invalid rows are zero-filled everywhere.
-    """
-    NW: gl.constexpr = gl.num_warps()
-    nope_l: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 8, 4], [NW, 1, 1], [2, 1, 0])
-    rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
-    sc_l: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [NW, 1], [1, 0])
-    row_l: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, nope_l))
-    idx = _block_rows(idx_all, j, hi, nbw, wlen, elen, gl.arange(0, BN, layout=row_l), MAXB, BN)
-    valid = idx >= 0
-    base = gl.where(j < nbw, kv_ptr, ekv_ptr)
-    page_base = base + (idx // 64).to(gl.int64) * PAGE_STRIDE
-    slot = idx % 64
-    rec = page_base + slot * 576
-    t = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, nope_l)))
-    c = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, nope_l)))
-    nope_ptrs = rec[:, None, None] + (t[None, :, None] * 64 + c[None, None, :])
-    nope_mask = valid[:, None, None] & (t < 7)[None, :, None]
-    async_copy.async_copy_global_to_shared(nope_st, nope_ptrs, mask=nope_mask)
-
-    rec_r = gl.convert_layout(rec, gl.SliceLayout(1, rope_l))
-    valid_r = gl.convert_layout(valid, gl.SliceLayout(1, rope_l))
-    cr = gl.arange(0, 64, layout=gl.SliceLayout(0, rope_l))
-    rope_ptrs = (rec_r + 448).to(gl.pointer_type(gl.bfloat16), bitcast=True)[:, None] + cr[None, :]
-    async_copy.async_copy_global_to_shared(rope_st, rope_ptrs, mask=valid_r[:, None])
-
-    pb_s = gl.convert_layout(page_base, gl.SliceLayout(1, sc_l))
-    slot_s = gl.convert_layout(slot, gl.SliceLayout(1, sc_l))
-    valid_s = gl.convert_layout(valid, gl.SliceLayout(1, sc_l))
-    cs = gl.arange(0, 8, layout=gl.SliceLayout(0, sc_l))
-    sc_ptrs = (pb_s + SCALES_OFFSET + slot_s * 8)[:, None] + cs[None, :]
-    async_copy.async_copy_global_to_shared(sc_st, sc_ptrs, mask=valid_s[:, None])
-    async_copy.commit_group()
-
-
-@gluon.jit
-def _dequant_tiles(nope_words, sc_st, k_words, T0: gl.constexpr, G: gl.constexpr, BN: gl.constexpr):
-    """Stage dims 64*T0 .. 64*(T0+G) - 1 = e4m3 tiles T0..T0+G-1 of the staged records x 2**(ue8m0 - 127).
-
-    nope_words: the staged e4m3 bytes as int32 [BN, 8, 16]; k_words: the bf16 stage as int32 [BN, 256].
-    16 bytes per thread and pass: RC = 8 * 4 / G rows per pass of the loader's warps."""
-    NW: gl.constexpr = gl.num_warps()
-    RC: gl.constexpr = 2 * NW * 4 // G
-    deq_l: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8 // G, G, 4], [NW, 1, 1], [2, 1, 0])
-    for r0 in gl.static_range(0, BN, RC):
-        raw = nope_words.slice(r0, RC, dim=0).slice(T0, G, dim=1).load(deq_l)
-        e = sc_st.slice(r0, RC, dim=0).slice(T0, G, dim=1).load(gl.SliceLayout(2, deq_l)).to(gl.int32)
-        bits = gl.where(e == 0, 0x40, e << 7)
-        _store_dequant(k_words, raw, bits | (bits << 16), r0, RC, T0, G)
-
-
-@gluon.jit
-def _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr,
-                widx_ptr, stride_wb, eidx_ptr, stride_eb,
-                b, lo, hi, nbw, wlen, elen,
-                q_smem, k_smem, idx_all, nope_st, rope_st, sc_st, q_bar, full, empty,
-                BN: gl.constexpr, NS: gl.constexpr, NR: gl.constexpr, MAXB: gl.constexpr,
-                PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr, PROBE: gl.constexpr):
-    """V4 fp8 pages: raw records of blocks j+1 .. j+NR-1 are in flight (cp.async into NR staging
-    buffers) while block j is dequantised from shared memory into the bf16 stage the wgmmas read."""
-    NW: gl.constexpr = gl.num_warps()
-    words_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-    raw_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
-    rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
-    _stage_q_and_indices(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_ptr, stride_eb, b, nbw, wlen, elen,
-                         q_smem, idx_all, q_bar, rows_l, MAXB, BN)
-
-    for r in gl.static_range(NR - 1):  # raw records of the first NR - 1 blocks in flight
-        _issue_raw_fp8(gl.where(PROBE == 2, hi, lo + r), hi, nbw, wlen, elen, idx_all, kv_ptr, ekv_ptr,
-                       nope_st.index(r), rope_st.index(r), sc_st.index(r), BN, MAXB, PAGE_STRIDE, SCALES_OFFSET)
-    for j in range(lo, hi):
-        i = j - lo
-        s = i % NS
-        cur = i % NR
-        nxt = (i + NR - 1) % NR  # read in the previous iteration, released by its closing barrier
-        _issue_raw_fp8(gl.where(PROBE == 2, hi, j + NR - 1), hi, nbw, wlen, elen, idx_all, kv_ptr, ekv_ptr,
-                       nope_st.index(nxt), rope_st.index(nxt), sc_st.index(nxt), BN, MAXB, PAGE_STRIDE, SCALES_OFFSET)
-        async_copy.wait_group(NR - 1)  # this thread's copies of block j have landed ...
-        gl.thread_barrier()  # ... and every loader thread's
-        if i >= NS:
-            mbarrier.wait(empty.index(s), ((i // NS) + 1) & 1)
-        if PROBE != 3:
-            k_stage = k_smem.index(s)
-            k_words = k_stage._reinterpret(gl.int32, [BN, D_ALL // 2], words_l)
-            nope_words = nope_st.index(cur)._reinterpret(gl.int32, [BN, 8, 16], raw_l)
-            # e4m3 tiles 0-3, 4-5 and 6 (448 dims) in three groups, so no element pays a select;
-            # the RoPE dims are bf16 already and are copied as they are.
-            _dequant_tiles(nope_words, sc_st.index(cur), k_words, 0, 4, BN)
-            _dequant_tiles(nope_words, sc_st.index(cur), k_words, 4, 2, BN)
-            _dequant_tiles(nope_words, sc_st.index(cur), k_words, 6, 1, BN)
-            rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
-            k_stage.slice(448, 64, dim=1).store(rope_st.index(cur).load(rope_l))
-        fence_async_shared()  # the generic-proxy stores above are read by wgmma (async proxy)
-        # Only a plain arrive (after a loader-wide barrier): a cp.async arrive here would also wait
-        # for the raw copies of the blocks ahead.
-        mbarrier.arrive(full.index(s))
-
-
-@gluon.jit
 def _round_rows(idx_all, j, hi, nbw, wlen, elen, r0: gl.constexpr, R: gl.constexpr, row_l: gl.constexpr,
                 MAXB: gl.constexpr, BN: gl.constexpr):
     """Cache rows r0 .. r0 + R - 1 of live block j, from the staged table (-1: invalid, past the length, j >= hi)."""
@@ -279,15 +177,16 @@ def _store_dequant(k_words, raw, scw, r0: gl.constexpr, R: gl.constexpr, T0: gl.
 
 
 @gluon.jit
-def _loader_fp8_direct(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr,
+def _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr,
                        widx_ptr, stride_wb, eidx_ptr, stride_eb,
                        b, lo, hi, nbw, wlen, elen,
                        q_smem, k_smem, idx_all, q_bar, full, empty,
                        BN: gl.constexpr, NS: gl.constexpr, MAXB: gl.constexpr,
                        PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr, PROBE: gl.constexpr):
-    """V4 fp8 pages, no raw staging in shared memory: the records of a block are loaded into registers
-    (the next half-block's loads in flight while this one is dequantised) and stored, dequantised, into
-    the bf16 stage the wgmmas read. Rounds of R = 32 rows; a block is BN // R rounds."""
+    """V4 fp8 pages: the records of a block are loaded into registers (the next round's loads in flight
+    while this one is dequantised) and stored, dequantised, into the bf16 stage the wgmmas read. Rounds
+    of R = 32 rows; a block is BN // R rounds. (Staging the raw records in shared memory by cp.async
+    first was slower at every B >= 8 once both ran the same dequantisation: bench/results.)"""
     NW: gl.constexpr = gl.num_warps()
     R: gl.constexpr = 32
     RPB: gl.constexpr = BN // R
@@ -344,18 +243,14 @@ def _loader_fp8_direct(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr,
 @gluon.jit
 def loader_partition(q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
                      widx_ptr, stride_wb, eidx_ptr, stride_eb, b, lo, hi, nbw, wlen, elen,
-                     q_smem, k_smem, idx_all, nope_st, rope_st, sc_st, q_bar, full, empty,
-                     BN: gl.constexpr, NS: gl.constexpr, NR: gl.constexpr, MAXB: gl.constexpr, IS_FP8: gl.constexpr,
+                     q_smem, k_smem, idx_all, q_bar, full, empty,
+                     BN: gl.constexpr, NS: gl.constexpr, MAXB: gl.constexpr, IS_FP8: gl.constexpr,
                      PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr, PROBE: gl.constexpr):
-    """The loader warps: `_loader_fp8` on V4 fp8 pages (nope_st, rope_st, sc_st: its staging), else `_loader`."""
-    if IS_FP8 and NR == 0:
-        _loader_fp8_direct(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr, widx_ptr, stride_wb, eidx_ptr, stride_eb,
-                           b, lo, hi, nbw, wlen, elen, q_smem, k_smem, idx_all, q_bar, full, empty,
-                           BN, NS, MAXB, PAGE_STRIDE, SCALES_OFFSET, PROBE)
-    elif IS_FP8:
+    """The loader warps: `_loader_fp8` on V4 fp8 pages, else `_loader` (bf16 rows)."""
+    if IS_FP8:
         _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr, widx_ptr, stride_wb, eidx_ptr, stride_eb,
-                    b, lo, hi, nbw, wlen, elen, q_smem, k_smem, idx_all, nope_st, rope_st, sc_st,
-                    q_bar, full, empty, BN, NS, NR, MAXB, PAGE_STRIDE, SCALES_OFFSET, PROBE)
+                    b, lo, hi, nbw, wlen, elen, q_smem, k_smem, idx_all, q_bar, full, empty,
+                    BN, NS, MAXB, PAGE_STRIDE, SCALES_OFFSET, PROBE)
     else:
         _loader(q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
                 widx_ptr, stride_wb, eidx_ptr, stride_eb, b, lo, hi, nbw, wlen, elen,

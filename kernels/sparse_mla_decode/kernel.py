@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
@@ -195,15 +194,13 @@ def _combine_kernel(
     part_o_ptr, part_lse_ptr, sink_ptr,
     out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, num_splits,
     H: tl.constexpr, D: tl.constexpr, HB: tl.constexpr, DC: tl.constexpr, SP: tl.constexpr,
-    HAS_SINK: tl.constexpr, PDL: tl.constexpr = False,
+    HAS_SINK: tl.constexpr,
 ):
     """Merge num_splits (<= SP) partial (out, lse) of query b for heads [hb*HB, +HB), dims [dc*DC, +DC).
 
     Every split's partial tile is loaded at once ([SP, HB, DC]), so the merge costs one round trip to
     L2, not one per split; the grid spreads the dims over programs to keep that tile small.
     """
-    if PDL:  # launched as a programmatic dependent of the split kernel: its writes are visible after this
-        gdc_wait()
     b = tl.program_id(0)
     offs_h = tl.program_id(1) * HB + tl.arange(0, HB)
     offs_d = tl.program_id(2) * DC + tl.arange(0, DC)
@@ -220,12 +217,10 @@ def _combine_stream_kernel(
     part_o_ptr, part_lse_ptr, sink_ptr,
     out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, num_splits,
     H: tl.constexpr, D: tl.constexpr, HB: tl.constexpr, SP: tl.constexpr,
-    HAS_SINK: tl.constexpr, PDL: tl.constexpr = False,
+    HAS_SINK: tl.constexpr,
 ):
     """Merge num_splits (<= SP) partial (out, lse) of query b, heads [hb * HB, hb * HB + HB), streaming the
     splits one [HB, D] tile at a time: fewer, larger programs; on the H200 the faster merge below 8 splits."""
-    if PDL:  # launched as a programmatic dependent of the split kernel: its writes are visible after this
-        gdc_wait()
     b = tl.program_id(0)
     offs_h = tl.program_id(1) * HB + tl.arange(0, HB)
     offs_d = tl.arange(0, D)

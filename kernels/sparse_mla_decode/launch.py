@@ -31,19 +31,18 @@ class LaunchConfig:
     num_stages: int = 0  # 0: the backend's default; Gluon: shared-memory stages of block_n rows
     prefetch: bool = False
     backend: str = "auto"  # "auto": the warp-specialised Gluon kernel where it applies (sm_90, H = 64), else "triton"
-    exchange: bool = False  # Gluon: each compute warpgroup does QK^T over its 256 dims, the halves swapped in smem
     loader_regs: int = 0  # Gluon: registers per loader thread (0: see `resolved`); compute gets the rest
-    # Gluon fp8: 0 = each record is loaded into the loader's registers and dequantised there; N >= 2 =
-    # raw records staged through N shared-memory buffers first (N - 1 blocks in flight)
-    raw_stages: int = 0
 
 
 def choose_splits(batch: int, num_blocks: int, num_sms: int) -> int:
-    """Splits per query minimising waves x (blocks per split + 1), the + 1 for a program's fixed cost
-    (Q load, epilogue); one program per SM; ties go to fewer splits (less combine traffic)."""
-    def cost(s: int) -> tuple[int, int]:
+    """Splits per query minimising waves x (blocks per split + 1) + 0.03 x batch x splits, in units of one
+    block's time: + 1 for a program's fixed cost (Q load, epilogue), the last term for the merge, whose
+    partial outputs (128 KB per query and split) are written and read once more. One program per SM;
+    ties go to fewer splits. Fitted to the H200 sweep (bench/results/sparse_decode.md): it picks the
+    measured best at B = 1 (10), 8 (5), 32 (4), 64 (2) and 128 (1) for 10 blocks of 64 rows."""
+    def cost(s: int) -> tuple[float, int]:
         waves = -(-batch * s // num_sms)
-        return waves * (-(-num_blocks // s) + 1), s
+        return waves * (-(-num_blocks // s) + 1) + (0.03 * batch * s if s > 1 else 0.0), s
 
     return min(range(1, max(num_blocks, 1) + 1), key=cost)
 
@@ -84,11 +83,6 @@ BACKENDS = ("auto", "triton", "gluon")
 # (bench/results/sparse_decode.md).
 DEFAULT_BLOCKS = {("triton", False): (64, 2), ("triton", True): (64, 2),
                   ("gluon", False): (64, 2), ("gluon", True): (64, 2)}
-# The merge is launched as a programmatic dependent (PDL) of the split kernel on CUDA, so its launch overlaps
-# the split kernel's tail; it waits (griddepcontrol.wait) before reading the partials.
-COMBINE_PDL = True
-# Gluon: one compute warpgroup computes S = Q K^T and hands P to the other (True), or both compute S (False).
-_ONE_QK = True
 PV_REGS = 160  # registers per thread of the Gluon P V-only warpgroup (a 64 x 256 fp32 accumulator and little else)
 _PROBE = 0  # bench/probe_sparse_decode.py only: drop a stage of the Gluon kernel to time the rest (wrong results)
 SMEM_LIMIT = 226 * 1024  # the 227 KB a block may opt into, less a margin for what the estimate leaves out
@@ -99,10 +93,10 @@ def resolved(config: LaunchConfig | None, backend: str, is_fp8: bool) -> LaunchC
     config = config or LaunchConfig()
     bn, stages = DEFAULT_BLOCKS[(backend, is_fp8)]
     bn = config.block_n or bn
-    # Loader registers: the fp8 loader holds two half-blocks of records at once when it dequantises
-    # from registers (128 leaves it spill-free), 96 with staging; the bf16 gather holds 16 row
-    # addresses per thread at block_n 64 (80 leaves it spill-free), 8 at block_n 32.
-    regs = config.loader_regs or (128 if is_fp8 and not config.raw_stages else 96 if is_fp8 else 80 if bn == 64 else 40)
+    # Loader registers: the fp8 loader holds two 32-row rounds of records at once (128 leaves it
+    # spill-free); the bf16 gather holds 16 row addresses per thread at block_n 64 (80 leaves it
+    # spill-free), 8 at block_n 32.
+    regs = config.loader_regs or (128 if is_fp8 else 80 if bn == 64 else 40)
     return replace(config, block_n=bn, num_stages=config.num_stages or stages, backend=backend, loader_regs=regs)
 
 
@@ -111,16 +105,13 @@ def gluon_index_blocks(w: int, k: int, block_n: int) -> int:
     return triton_next_pow2(-(-w // block_n) + -(-k // block_n))
 
 
-def gluon_smem_bytes(block_n: int, stages: int, is_fp8: bool, exchange: bool = False, raw_stages: int = 0,
-                     w: int = 128, k: int = 512) -> int:
-    """Shared memory of the Gluon kernel: Q, the bf16 row stages, the index table, the S-half exchange,
-    fp8 raw staging, barriers (w, k: window and extra lists per query)."""
-    raw = raw_stages * block_n * (512 + 2 * 64 + 8) if is_fp8 else 0
-    xchg = 2 * 64 * block_n * 4 if exchange else 0
-    if _ONE_QK:  # two P buffers (bf16) and four rows of softmax statistics instead of the S exchange
-        xchg = 2 * 64 * block_n * 2 + 4 * 64 * 4
+def gluon_smem_bytes(block_n: int, stages: int, w: int = 128, k: int = 512) -> int:
+    """Shared memory of the Gluon kernel: Q, the bf16 row stages, the index table, two P buffers and
+    the softmax rows handed between the compute warpgroups, barriers (w, k: window and extra lists per
+    query). The same for bf16 and fp8: fp8 records are dequantised from registers."""
     table = gluon_index_blocks(w, k, block_n) * block_n * 4
-    return 64 * DIM * 2 + stages * block_n * DIM * 2 + table + xchg + raw + 8 * (2 * stages + 5)
+    handoff = 2 * 64 * block_n * 2 + 4 * 64 * 4
+    return 64 * DIM * 2 + stages * block_n * DIM * 2 + table + handoff + 8 * (2 * stages + 6)
 
 
 def gluon_unavailable(q: torch.Tensor, is_fp8: bool) -> str | None:
@@ -243,16 +234,12 @@ def _launch_gluon(q, main, main_stride, extra, extra_stride, window_idx, extra_i
     if bn not in (32, 64) or config.num_stages < 2:
         raise checks.SparseDecodeInputError(
             f"the Gluon kernel takes block_n 32 or 64 and num_stages >= 2; got {bn}, {config.num_stages}")
-    if is_fp8 and (config.raw_stages == 1 or config.raw_stages < 0):
-        raise checks.SparseDecodeInputError(
-            f"raw_stages must be 0 (dequantise from registers) or >= 2 (staging buffers), got {config.raw_stages}")
-    smem = gluon_smem_bytes(bn, config.num_stages, is_fp8, config.exchange, config.raw_stages, w, k)
+    smem = gluon_smem_bytes(bn, config.num_stages, w, k)
     if smem > SMEM_LIMIT:
         raise checks.SparseDecodeInputError(
-            f"block_n={bn} with {config.num_stages} stages{f' and {config.raw_stages} raw stages (fp8)' if is_fp8 and config.raw_stages else ''}"
-            f"{' and the S exchange' if config.exchange else ''} needs {smem} B of shared memory, "
-            f"over the {SMEM_LIMIT} B a block may use (window {w} + extra {k} indices per query): "
-            "use fewer stages or block_n=32")
+            f"block_n={bn} with {config.num_stages} stages needs {smem} B of shared memory, over the "
+            f"{SMEM_LIMIT} B a block may use (window {w} + extra {k} indices per query): use fewer stages "
+            "or block_n=32")
     num_blocks = -(-w // bn) + -(-k // bn)
     splits = config.num_splits or choose_splits(b, num_blocks, _num_sms(q.device))
     out, lse, part_o, part_lse = _outputs(q, splits)
@@ -263,8 +250,7 @@ def _launch_gluon(q, main, main_stride, extra, extra_stride, window_idx, extra_i
         IS_FP8=is_fp8, HAS_EXTRA=extra is not None, HAS_WLEN=window_lens is not None,
         HAS_ELEN=extra is not None and extra_lens is not None, HAS_SINK=sink is not None,
         PAGE_STRIDE=PAGE_STRIDE, SCALES_OFFSET=SCALES_OFFSET, LOADER_WARPS=4, LOADER_REGS=config.loader_regs,
-        XCH=config.exchange, NR=config.raw_stages, MAXB=gluon_index_blocks(w, k, bn), PROBE=_PROBE,
-        ONE_QK=_ONE_QK, PV_REGS=PV_REGS,
+        PV_REGS=PV_REGS, MAXB=gluon_index_blocks(w, k, bn), PROBE=_PROBE,
         num_warps=4,
     )
     if splits > 1:
@@ -272,25 +258,27 @@ def _launch_gluon(q, main, main_stride, extra, extra_stride, window_idx, extra_i
     return out, lse
 
 
+ONESHOT_MERGE_FROM = 8  # splits from which the one-shot merge is used (measured; bench/probe_sparse_decode.py)
+
+
 def _combine(part_o, part_lse, sink, out, lse, b, h, splits):
     """Merge the splits. From 8 splits on: programs over (query, head group, 64-dim chunk), each loading
     all its splits at once (one L2 round trip); below: programs over (query, 8 heads) streaming the splits.
     The threshold is measured (H200, bench/results/sparse_decode.md): each is the faster on its side."""
     sp = triton_next_pow2(splits)
-    pdl = dict(PDL=True, launch_pdl=True) if COMBINE_PDL and out.is_cuda else {}
-    if splits < 8:
+    if splits < ONESHOT_MERGE_FROM:
         hb = min(8, h)
         _kernels._combine_stream_kernel[(b, h // hb)](
             part_o, part_lse, sink if sink is not None else lse,
             out, out.stride(0), out.stride(1), lse, lse.stride(0), splits,
-            H=h, D=DIM, HB=hb, SP=sp, HAS_SINK=sink is not None, num_warps=4, **pdl,
+            H=h, D=DIM, HB=hb, SP=sp, HAS_SINK=sink is not None, num_warps=4,
         )
         return
     hb = max(1, min(8, h, 8192 // (sp * 64)))
     _kernels._combine_kernel[(b, h // hb, DIM // 64)](
         part_o, part_lse, sink if sink is not None else lse,
         out, out.stride(0), out.stride(1), lse, lse.stride(0), splits,
-        H=h, D=DIM, HB=hb, DC=64, SP=sp, HAS_SINK=sink is not None, num_warps=4, **pdl,
+        H=h, D=DIM, HB=hb, DC=64, SP=sp, HAS_SINK=sink is not None, num_warps=4,
     )
 
 

@@ -290,11 +290,11 @@ gluon_gpu = pytest.mark.skipif(not gluon_ready(), reason="needs an sm_90 GPU and
 
 @gluon_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_n, stages, exchange", [(64, 2, False), (32, 3, True), (32, 4, False)])
+@pytest.mark.parametrize("block_n, stages", [(64, 2), (32, 3), (32, 4)])
 @pytest.mark.parametrize("b, splits", [(1, 0), (8, 0), (8, 1), (64, 3), (130, 0)])
-def test_gpu_gluon_matches_reference(block_n, stages, exchange, b, splits):
+def test_gpu_gluon_matches_reference(block_n, stages, b, splits):
     c = make_case(b, **V4, device="cuda", seed=100 + b + splits, sink=b % 2 == 0)
-    cfg = LaunchConfig(block_n=block_n, num_stages=stages, num_splits=splits, backend="gluon", exchange=exchange)
+    cfg = LaunchConfig(block_n=block_n, num_stages=stages, num_splits=splits, backend="gluon")
     out, lse = sparse_mla_decode_triton(**c, config=cfg)
     ref_out, ref_lse = reference64({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in c.items()})
     assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
@@ -320,15 +320,12 @@ def test_gpu_auto_backend_is_gluon_for_v4_bf16():
 
 @gluon_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_n, stages, raw_stages, exchange, loader_regs",
-                         [(64, 2, 0, False, 0), (64, 2, 0, False, 128), (32, 3, 0, False, 0), (32, 2, 0, True, 80),
-                          (32, 3, 2, False, 56), (32, 2, 3, True, 96), (32, 2, 4, False, 0)])
+@pytest.mark.parametrize("block_n, stages, loader_regs", [(64, 2, 0), (64, 2, 96), (32, 3, 0), (32, 2, 80)])
 @pytest.mark.parametrize("b, splits", [(1, 0), (8, 0), (64, 3), (130, 0)])
-def test_gpu_gluon_fp8_matches_reference(block_n, stages, raw_stages, exchange, loader_regs, b, splits):
+def test_gpu_gluon_fp8_matches_reference(block_n, stages, loader_regs, b, splits):
     c = make_case(b, **V4, device="cuda", seed=200 + b + splits, sink=b % 2 == 1)
     cache, extra = quantize_kv_v4(c.pop("kv")), quantize_kv_v4(c.pop("extra_kv"))
-    cfg = LaunchConfig(block_n=block_n, num_stages=stages, num_splits=splits, backend="gluon", exchange=exchange,
-                       loader_regs=loader_regs, raw_stages=raw_stages)
+    cfg = LaunchConfig(block_n=block_n, num_stages=stages, num_splits=splits, backend="gluon", loader_regs=loader_regs)
     out, lse = sparse_mla_decode_fp8_triton(**c, kv_cache=cache, extra_cache=extra, config=cfg)
     cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in c.items()}
     ref_out, ref_lse = sparse_mla_decode_fp8_ref(**{**cpu, "q": cpu["q"].double()}, kv_cache=cache.cpu(),
@@ -357,8 +354,8 @@ def odd_e4m3_cache(kv: torch.Tensor, seed: int) -> torch.Tensor:
 
 @gluon_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("raw_stages", [0, 2])
-def test_gpu_gluon_fp8_dequantises_subnormals_and_large_scales_exactly(raw_stages):
+@pytest.mark.parametrize("block_n, stages", [(64, 2), (32, 3)])
+def test_gpu_gluon_fp8_dequantises_subnormals_and_large_scales_exactly(block_n, stages):
     c = make_case(6, **V4, device="cuda", seed=31, sink=True)
     c["q"] = c["q"] * 0.02
     cache, extra = odd_e4m3_cache(c.pop("kv"), 1), odd_e4m3_cache(c.pop("extra_kv"), 2)
@@ -366,7 +363,7 @@ def test_gpu_gluon_fp8_dequantises_subnormals_and_large_scales_exactly(raw_stage
         scales = t[:, fp8_layout.SCALES_OFFSET:fp8_layout.SCALES_OFFSET + 64 * fp8_layout.SCALE_BYTES]
         assert scales.reshape(-1, fp8_layout.SCALE_BYTES)[:, :fp8_layout.NUM_TILES].max() > 134
         assert ((t[:, :fp8_layout.SCALES_OFFSET].reshape(-1, 576)[:, :448] & 0x78) == 0).any()
-    cfg = LaunchConfig(block_n=32, num_stages=3, backend="gluon", raw_stages=raw_stages)
+    cfg = LaunchConfig(block_n=block_n, num_stages=stages, backend="gluon")
     out, lse = sparse_mla_decode_fp8_triton(**c, kv_cache=cache, extra_cache=extra, config=cfg)
     cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in c.items()}
     ref_out, ref_lse = sparse_mla_decode_fp8_ref(**{**cpu, "q": cpu["q"].double()}, kv_cache=cache.cpu(),
@@ -381,10 +378,7 @@ def test_gpu_gluon_rejects_a_config_over_shared_memory():
     cache, extra = quantize_kv_v4(c.pop("kv")), quantize_kv_v4(c.pop("extra_kv"))
     with pytest.raises(SparseDecodeInputError, match="shared memory"):
         sparse_mla_decode_fp8_triton(**c, kv_cache=cache, extra_cache=extra,
-                                     config=LaunchConfig(block_n=64, num_stages=2, raw_stages=2, backend="gluon"))
-    with pytest.raises(SparseDecodeInputError, match="raw_stages must be 0"):
-        sparse_mla_decode_fp8_triton(**c, kv_cache=cache, extra_cache=extra,
-                                     config=LaunchConfig(raw_stages=1, backend="gluon"))
+                                     config=LaunchConfig(block_n=64, num_stages=3, backend="gluon"))
 
 
 @pytest.mark.parametrize("fp8", [False, True])
