@@ -37,7 +37,27 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_loaders import D_ALL, H_ALL, _block_range, _table_row, loader_partition
+from .gluon_loaders import D_ALL, H_ALL, loader_partition
+
+
+@gluon.jit
+def _block_range(b, split, num_splits, W, K, wlen_ptr, elen_ptr, BN: gl.constexpr,
+                 HAS_EXTRA: gl.constexpr, HAS_WLEN: gl.constexpr, HAS_ELEN: gl.constexpr):
+    """(lo, hi, nbw, wlen, elen): this split's live blocks [lo, hi) and the query's lengths."""
+    wlen = W
+    if HAS_WLEN:
+        wlen = gl.minimum(gl.maximum(gl.load(wlen_ptr + b), 0), W)
+    elen = 0
+    if HAS_EXTRA:
+        elen = K
+        if HAS_ELEN:
+            elen = gl.minimum(gl.maximum(gl.load(elen_ptr + b), 0), K)
+    nbw = (wlen + BN - 1) // BN
+    nlive = nbw + (elen + BN - 1) // BN
+    per_split = (nlive + num_splits - 1) // num_splits
+    lo = split * per_split
+    hi = gl.minimum(lo + per_split, nlive)
+    return lo, hi, nbw, wlen, elen
 
 
 @gluon.jit
@@ -89,11 +109,11 @@ def _epilogue(acc, m_i, l_i, b, split, num_splits, sink_ptr, out_ptr, stride_ob,
 
 
 @gluon.jit
-def _compute_s(b, split, num_splits, W, K, wlen_ptr, elen_ptr, qk_scale_log2,
+def _compute_s(b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
                sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
                q_smem, k_smem, idx_all, p_smem, row_smem, q_bar, full, empty, pready, pfree, lready,
                BN: gl.constexpr, NS: gl.constexpr, SPLIT_OUT: gl.constexpr, HAS_SINK: gl.constexpr,
-               HAS_EXTRA: gl.constexpr, HAS_WLEN: gl.constexpr, HAS_ELEN: gl.constexpr, PROBE: gl.constexpr):
+               PROBE: gl.constexpr):
     """Warpgroup 0 (the default partition): S = Q K^T over all 512 dims (the only QK^T of a block), the
     online softmax, P and the rescale factor handed to warpgroup 1 through shared memory, then P V on
     O[:, 0:256]. At the end the softmax statistics go to warpgroup 1 the same way."""
@@ -105,9 +125,6 @@ def _compute_s(b, split, num_splits, W, K, wlen_ptr, elen_ptr, qk_scale_log2,
     row_o: gl.constexpr = gl.SliceLayout(1, o_l)
     col_s: gl.constexpr = gl.SliceLayout(0, s_l)
 
-    lo, hi, nbw, wlen, elen = _block_range(b, split, num_splits, W, K, wlen_ptr, elen_ptr, BN,
-                                           HAS_EXTRA, HAS_WLEN, HAS_ELEN)
-    nbw_max = (W + BN - 1) // BN
     m_i = gl.full([H_ALL], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([H_ALL], gl.float32, layout=row_s)
     acc = gl.zeros([H_ALL, DH], gl.float32, layout=o_l)
@@ -124,8 +141,7 @@ def _compute_s(b, split, num_splits, W, K, wlen_ptr, elen_ptr, qk_scale_log2,
             k = k_smem.index(s)
             sc = warpgroup_mma(q_smem, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-            idx_s = idx_all.index(_table_row(j, nbw, nbw_max)).load(col_s)
-            p, alpha, m_i, l_i = _online_softmax(sc, j, nbw, wlen, elen, idx_s,
+            p, alpha, m_i, l_i = _online_softmax(sc, j, nbw, wlen, elen, idx_all.index(j).load(col_s),
                                                  m_i, l_i, qk_scale_log2, offs_c, BN)
             if i >= 2:  # warpgroup 1 is done with this P buffer's previous block
                 mbarrier.wait(pfree.index(pb), ((i // 2) + 1) & 1)
@@ -148,13 +164,11 @@ def _compute_s(b, split, num_splits, W, K, wlen_ptr, elen_ptr, qk_scale_log2,
 
 
 @gluon.jit
-def _compute_pv(b, split, num_splits, W, K, wlen_ptr, elen_ptr, sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
+def _compute_pv(b, split, num_splits, lo, hi, sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
                 part_o_ptr, part_lse_ptr, k_smem, p_smem, row_smem, full, empty, pready, pfree, lready,
                 BN: gl.constexpr, NS: gl.constexpr, SPLIT_OUT: gl.constexpr, HAS_SINK: gl.constexpr,
-                HAS_EXTRA: gl.constexpr, HAS_WLEN: gl.constexpr, HAS_ELEN: gl.constexpr, PROBE: gl.constexpr):
+                PROBE: gl.constexpr):
     """Warpgroup 1: O[:, 256:512] += P V with P (and the rescale of O) from warpgroup 0's shared memory."""
-    lo, hi, nbw, wlen, elen = _block_range(b, split, num_splits, W, K, wlen_ptr, elen_ptr, BN,
-                                           HAS_EXTRA, HAS_WLEN, HAS_ELEN)
     DH: gl.constexpr = D_ALL // 2
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DH, 16])
@@ -199,8 +213,8 @@ def _sparse_decode_ws_kernel(
     # PROBE (timing experiments only; wrong results): 1 = no math, 2 = no row loads, 3 = fp8: no dequantisation.
     b = gl.program_id(0)
     split = gl.program_id(1)
-    # Each partition computes its block range itself (the per-query lengths are a global load), so the
-    # loader can put Q and the index table in flight first.
+    lo, hi, nbw, wlen, elen = _block_range(b, split, num_splits, W, K, wlen_ptr, elen_ptr, BN,
+                                           HAS_EXTRA, HAS_WLEN, HAS_ELEN)
 
     nvmma: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [H_ALL, D_ALL], nvmma)
@@ -228,15 +242,15 @@ def _sparse_decode_ws_kernel(
 
     # Registers: the loader and the P V warpgroup get what they ask for, warpgroup 0 the rest.
     gl.warp_specialize([
-        (_compute_s, (b, split, num_splits, W, K, wlen_ptr, elen_ptr, qk_scale_log2,
+        (_compute_s, (b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
                       sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
                       q_smem, k_smem, idx_all, p_smem, row_smem, q_bar, full, empty, pready, pfree, lready,
-                      BN, NS, SPLIT_OUT, HAS_SINK, HAS_EXTRA, HAS_WLEN, HAS_ELEN, PROBE)),
-        (_compute_pv, (b, split, num_splits, W, K, wlen_ptr, elen_ptr, sink_ptr, out_ptr, stride_ob, stride_oh,
-                       lse_ptr, stride_lb, part_o_ptr, part_lse_ptr, k_smem, p_smem, row_smem, full, empty,
-                       pready, pfree, lready, BN, NS, SPLIT_OUT, HAS_SINK, HAS_EXTRA, HAS_WLEN, HAS_ELEN, PROBE)),
+                      BN, NS, SPLIT_OUT, HAS_SINK, PROBE)),
+        (_compute_pv, (b, split, num_splits, lo, hi, sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
+                       part_o_ptr, part_lse_ptr, k_smem, p_smem, row_smem, full, empty, pready, pfree, lready,
+                       BN, NS, SPLIT_OUT, HAS_SINK, PROBE)),
         (loader_partition, (q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
-                            widx_ptr, stride_wb, eidx_ptr, stride_eb, b, split, num_splits, W, K, wlen_ptr, elen_ptr,
+                            widx_ptr, stride_wb, eidx_ptr, stride_eb, b, lo, hi, nbw, wlen, elen,
                             q_smem, k_smem, idx_all, q_bar, full, empty,
-                            BN, NS, MAXB, IS_FP8, PAGE_STRIDE, SCALES_OFFSET, HAS_EXTRA, HAS_WLEN, HAS_ELEN, PROBE)),
+                            BN, NS, MAXB, IS_FP8, PAGE_STRIDE, SCALES_OFFSET, PROBE)),
     ], [4, LOADER_WARPS], [PV_REGS, LOADER_REGS])

@@ -16,47 +16,17 @@ D_ALL = gl.constexpr(512)
 
 
 @gluon.jit
-def _block_range(b, split, num_splits, W, K, wlen_ptr, elen_ptr, BN: gl.constexpr,
-                 HAS_EXTRA: gl.constexpr, HAS_WLEN: gl.constexpr, HAS_ELEN: gl.constexpr):
-    """(lo, hi, nbw, wlen, elen): this split's live blocks [lo, hi) and the query's lengths."""
-    wlen = W
-    if HAS_WLEN:
-        wlen = gl.minimum(gl.maximum(gl.load(wlen_ptr + b), 0), W)
-    elen = 0
-    if HAS_EXTRA:
-        elen = K
-        if HAS_ELEN:
-            elen = gl.minimum(gl.maximum(gl.load(elen_ptr + b), 0), K)
-    nbw = (wlen + BN - 1) // BN
-    nlive = nbw + (elen + BN - 1) // BN
-    per_split = (nlive + num_splits - 1) // num_splits
-    lo = split * per_split
-    hi = gl.minimum(lo + per_split, nlive)
-    return lo, hi, nbw, wlen, elen
-
-
-@gluon.jit
-def _table_row(j, nbw, nbw_max):
-    """Row of the index table that holds live block j: the table has a row for every window block the
-    window could have (nbw_max = ceil(W / BN)), then the extra blocks, so it is laid out without the
-    per-query lengths and can be loaded before them."""
-    return gl.where(j < nbw, j, j - nbw + nbw_max)
-
-
-
-@gluon.jit
-def _stage_indices(idx_all, widx_row, eidx_row, W, K, MAXB: gl.constexpr, BN: gl.constexpr):
-    """cp.async the index table into idx_all [MAXB, BN]: window block r in row r (r < ceil(W / BN)), extra
-    block r in row ceil(W / BN) + r; zeros past W and K (readers mask by the lengths, `_block_rows`).
-    One round trip for all of it, so no block waits on an index load before its rows can be gathered."""
+def _stage_indices(idx_all, widx_row, eidx_row, nbw, wlen, elen, MAXB: gl.constexpr, BN: gl.constexpr):
+    """cp.async every live block's indices into idx_all [MAXB, BN]: row j = live block j (window blocks,
+    then extra blocks), zeros past the lengths (readers mask by position). One round trip for all of them,
+    so no block waits on an index load before its rows can be gathered."""
     NW: gl.constexpr = gl.num_warps()
     l: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (BN // 4), BN // 4], [NW, 1], [1, 0])
     jr = gl.arange(0, MAXB, layout=gl.SliceLayout(1, l))
     c = gl.arange(0, BN, layout=gl.SliceLayout(0, l))
-    nbw_max = (W + BN - 1) // BN
-    is_w = jr < nbw_max
-    blk = gl.where(is_w, jr, jr - nbw_max)
-    n_valid = gl.where(is_w, W, K)
+    is_w = jr < nbw
+    blk = gl.where(is_w, jr, jr - nbw)
+    n_valid = gl.where(is_w, wlen, elen)
     pos = blk[:, None] * BN + c[None, :]
     ptrs = gl.where(is_w[:, None], widx_row + pos, eidx_row + pos)
     # idx_all is allocated with a rank-1 layout (so that .index(j) gives block j); the 2-D copy needs
@@ -66,63 +36,49 @@ def _stage_indices(idx_all, widx_row, eidx_row, W, K, MAXB: gl.constexpr, BN: gl
 
 
 @gluon.jit
-def _block_rows(idx_all, j, hi, nbw, nbw_max, wlen, elen, offs_n, MAXB: gl.constexpr, BN: gl.constexpr):
+def _block_rows(idx_all, j, hi, nbw, wlen, elen, offs_n, MAXB: gl.constexpr, BN: gl.constexpr):
     """Cache rows of live block j from the staged table (-1 where invalid or past the length; all -1 for j >= hi)."""
     is_w = j < nbw
     blk = gl.where(is_w, j, j - nbw)
     n_valid = gl.where(j < hi, gl.where(is_w, wlen, elen), 0)
-    idx = idx_all.index(gl.minimum(_table_row(j, nbw, nbw_max), MAXB - 1)).load(offs_n.type.layout)
+    idx = idx_all.index(gl.minimum(j, MAXB - 1)).load(offs_n.type.layout)
     return gl.where(blk * BN + offs_n < n_valid, idx, -1)
 
 
 @gluon.jit
-def _stage_q_and_indices(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_ptr, stride_eb, b, W, K,
+def _stage_q_and_indices(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_ptr, stride_eb, b, nbw, wlen, elen,
                          q_smem, idx_all, q_bar, rows_l: gl.constexpr, MAXB: gl.constexpr, BN: gl.constexpr):
-    """Loader prologue, before anything else (it needs no per-query length): the index table, then Q
-    (64 heads x 512 dims), by cp.async in two commit groups; q_bar (waited by the compute warpgroups)
-    completes when both have landed. The loader itself waits for the table only (`_table_ready`)."""
-    widx_row = widx_ptr + b.to(gl.int64) * stride_wb
-    eidx_row = eidx_ptr + b.to(gl.int64) * stride_eb
-    _stage_indices(idx_all, widx_row, eidx_row, W, K, MAXB, BN)
-    async_copy.commit_group()
+    """Loader prologue: Q (64 heads x 512 dims) and the index table by cp.async, tracked by q_bar, which
+    the loader then waits on too (it reads the table)."""
     qh = gl.arange(0, H_ALL, layout=gl.SliceLayout(1, rows_l))
     qd = gl.arange(0, D_ALL, layout=gl.SliceLayout(0, rows_l))
     q_ptrs = q_ptr + b.to(gl.int64) * stride_qb + qh[:, None] * stride_qh + qd[None, :]
     async_copy.async_copy_global_to_shared(q_smem, q_ptrs)
-    async_copy.commit_group()
+    widx_row = widx_ptr + b.to(gl.int64) * stride_wb
+    eidx_row = eidx_ptr + b.to(gl.int64) * stride_eb
+    _stage_indices(idx_all, widx_row, eidx_row, nbw, wlen, elen, MAXB, BN)
     async_copy.mbarrier_arrive(q_bar, increment_count=False)
-
-
-@gluon.jit
-def _table_ready():
-    """Wait until every loader thread's index-table copies (the older of its two prologue groups) have landed."""
-    async_copy.wait_group(1)
-    gl.thread_barrier()
+    mbarrier.wait(q_bar, 0)
 
 
 @gluon.jit
 def _loader(q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
             widx_ptr, stride_wb, eidx_ptr, stride_eb,
-            b, split, num_splits, W, K, wlen_ptr, elen_ptr,
+            b, lo, hi, nbw, wlen, elen,
             q_smem, k_smem, idx_all, q_bar, full, empty,
             BN: gl.constexpr, NS: gl.constexpr, MAXB: gl.constexpr,
-            PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr,
-            HAS_EXTRA: gl.constexpr, HAS_WLEN: gl.constexpr, HAS_ELEN: gl.constexpr, PROBE: gl.constexpr):
+            PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr, PROBE: gl.constexpr):
     NW: gl.constexpr = gl.num_warps()
     rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
-    _stage_q_and_indices(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_ptr, stride_eb, b, W, K,
+    _stage_q_and_indices(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_ptr, stride_eb, b, nbw, wlen, elen,
                          q_smem, idx_all, q_bar, rows_l, MAXB, BN)
-    lo, hi, nbw, wlen, elen = _block_range(b, split, num_splits, W, K, wlen_ptr, elen_ptr, BN,
-                                           HAS_EXTRA, HAS_WLEN, HAS_ELEN)
-    nbw_max = (W + BN - 1) // BN
-    _table_ready()
 
     offs_n = gl.arange(0, BN, layout=gl.SliceLayout(1, rows_l))
     offs_d = gl.arange(0, D_ALL, layout=gl.SliceLayout(0, rows_l))
     for j in range(lo, hi):
         i = j - lo
         s = i % NS
-        idx = _block_rows(idx_all, j, hi, nbw, nbw_max, wlen, elen, offs_n, MAXB, BN)
+        idx = _block_rows(idx_all, j, hi, nbw, wlen, elen, offs_n, MAXB, BN)
         if i >= NS:  # wait until both compute warpgroups are done with this stage's previous block
             mbarrier.wait(empty.index(s), ((i // NS) + 1) & 1)
         valid = idx >= 0
@@ -135,19 +91,19 @@ def _loader(q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
 
 
 @gluon.jit
-def _round_rows(idx_all, j, hi, nbw, nbw_max, wlen, elen, r0: gl.constexpr, R: gl.constexpr, row_l: gl.constexpr,
+def _round_rows(idx_all, j, hi, nbw, wlen, elen, r0: gl.constexpr, R: gl.constexpr, row_l: gl.constexpr,
                 MAXB: gl.constexpr, BN: gl.constexpr):
     """Cache rows r0 .. r0 + R - 1 of live block j, from the staged table (-1: invalid, past the length, j >= hi)."""
     offs = r0 + gl.arange(0, R, layout=row_l)
     is_w = j < nbw
     blk = gl.where(is_w, j, j - nbw)
     n_valid = gl.where(j < hi, gl.where(is_w, wlen, elen), 0)
-    idx = idx_all.index(gl.minimum(_table_row(j, nbw, nbw_max), MAXB - 1)).slice(r0, R).load(row_l)
+    idx = idx_all.index(gl.minimum(j, MAXB - 1)).slice(r0, R).load(row_l)
     return gl.where(blk * BN + offs < n_valid, idx, -1)
 
 
 @gluon.jit
-def _load_nope(idx_all, j, hi, nbw, nbw_max, wlen, elen, kv_ptr, ekv_ptr, r0: gl.constexpr, R: gl.constexpr,
+def _load_nope(idx_all, j, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, r0: gl.constexpr, R: gl.constexpr,
                T0: gl.constexpr, G: gl.constexpr, MAXB: gl.constexpr, BN: gl.constexpr,
                PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr):
     """e4m3 tiles T0 .. T0 + G - 1 (64 dims each) of rows r0 .. r0 + R - 1 of live block j, as int32
@@ -157,7 +113,7 @@ def _load_nope(idx_all, j, hi, nbw, nbw_max, wlen, elen, kv_ptr, ekv_ptr, r0: gl
     deq_l: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8 // G, G, 4], [NW, 1, 1], [2, 1, 0])
     sc_l: gl.constexpr = gl.SliceLayout(2, deq_l)
     row_l: gl.constexpr = gl.SliceLayout(1, sc_l)
-    idx = _round_rows(idx_all, j, hi, nbw, nbw_max, wlen, elen, r0, R, row_l, MAXB, BN)
+    idx = _round_rows(idx_all, j, hi, nbw, wlen, elen, r0, R, row_l, MAXB, BN)
     valid = idx >= 0
     safe = gl.maximum(idx, 0)
     page = gl.where(j < nbw, kv_ptr, ekv_ptr) + (safe // 64).to(gl.int64) * PAGE_STRIDE
@@ -173,13 +129,13 @@ def _load_nope(idx_all, j, hi, nbw, nbw_max, wlen, elen, kv_ptr, ekv_ptr, r0: gl
 
 
 @gluon.jit
-def _load_rope(idx_all, j, hi, nbw, nbw_max, wlen, elen, kv_ptr, ekv_ptr, r0: gl.constexpr, R: gl.constexpr,
+def _load_rope(idx_all, j, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, r0: gl.constexpr, R: gl.constexpr,
                MAXB: gl.constexpr, BN: gl.constexpr, PAGE_STRIDE: gl.constexpr):
     """The 64 bf16 RoPE dims of rows r0 .. r0 + R - 1 of live block j, as 32 int32 words per row (zeros
     for invalid rows)."""
     NW: gl.constexpr = gl.num_warps()
     rope_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])
-    idx = _round_rows(idx_all, j, hi, nbw, nbw_max, wlen, elen, r0, R, gl.SliceLayout(1, rope_l), MAXB, BN)
+    idx = _round_rows(idx_all, j, hi, nbw, wlen, elen, r0, R, gl.SliceLayout(1, rope_l), MAXB, BN)
     safe = gl.maximum(idx, 0)
     rec = gl.where(j < nbw, kv_ptr, ekv_ptr) + (safe // 64).to(gl.int64) * PAGE_STRIDE + (safe % 64) * 576
     c = gl.arange(0, 32, layout=gl.SliceLayout(0, rope_l))
@@ -223,11 +179,10 @@ def _store_dequant(k_words, raw, scw, r0: gl.constexpr, R: gl.constexpr, T0: gl.
 @gluon.jit
 def _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr,
                        widx_ptr, stride_wb, eidx_ptr, stride_eb,
-                       b, split, num_splits, W, K, wlen_ptr, elen_ptr,
+                       b, lo, hi, nbw, wlen, elen,
                        q_smem, k_smem, idx_all, q_bar, full, empty,
                        BN: gl.constexpr, NS: gl.constexpr, MAXB: gl.constexpr,
-                       PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr,
-                       HAS_EXTRA: gl.constexpr, HAS_WLEN: gl.constexpr, HAS_ELEN: gl.constexpr, PROBE: gl.constexpr):
+                       PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr, PROBE: gl.constexpr):
     """V4 fp8 pages: the records of a block are loaded into registers (the next round's loads in flight
     while this one is dequantised) and stored, dequantised, into the bf16 stage the wgmmas read. Rounds
     of R = 32 rows; a block is BN // R rounds. (Staging the raw records in shared memory by cp.async
@@ -238,20 +193,16 @@ def _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr,
     rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
     # The bf16 stage seen as int32 words: the same bytes and 128-byte swizzle (32 words = 64 dims per line).
     words_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-    _stage_q_and_indices(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_ptr, stride_eb, b, W, K,
+    _stage_q_and_indices(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_ptr, stride_eb, b, nbw, wlen, elen,
                          q_smem, idx_all, q_bar, rows_l, MAXB, BN)
-    lo, hi, nbw, wlen, elen = _block_range(b, split, num_splits, W, K, wlen_ptr, elen_ptr, BN,
-                                           HAS_EXTRA, HAS_WLEN, HAS_ELEN)
-    nbw_max = (W + BN - 1) // BN
-    _table_ready()
     j0 = gl.where(PROBE == 2, hi, lo)
-    n4, s4 = _load_nope(idx_all, j0, hi, nbw, nbw_max, wlen, elen, kv_ptr, ekv_ptr, 0, R, 0, 4, MAXB, BN, PAGE_STRIDE,
+    n4, s4 = _load_nope(idx_all, j0, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, 0, R, 0, 4, MAXB, BN, PAGE_STRIDE,
                         SCALES_OFFSET)
-    n2, s2 = _load_nope(idx_all, j0, hi, nbw, nbw_max, wlen, elen, kv_ptr, ekv_ptr, 0, R, 4, 2, MAXB, BN, PAGE_STRIDE,
+    n2, s2 = _load_nope(idx_all, j0, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, 0, R, 4, 2, MAXB, BN, PAGE_STRIDE,
                         SCALES_OFFSET)
-    n1, s1 = _load_nope(idx_all, j0, hi, nbw, nbw_max, wlen, elen, kv_ptr, ekv_ptr, 0, R, 6, 1, MAXB, BN, PAGE_STRIDE,
+    n1, s1 = _load_nope(idx_all, j0, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, 0, R, 6, 1, MAXB, BN, PAGE_STRIDE,
                         SCALES_OFFSET)
-    rp = _load_rope(idx_all, j0, hi, nbw, nbw_max, wlen, elen, kv_ptr, ekv_ptr, 0, R, MAXB, BN, PAGE_STRIDE)
+    rp = _load_rope(idx_all, j0, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, 0, R, MAXB, BN, PAGE_STRIDE)
     for j in range(lo, hi):
         i = j - lo
         s = i % NS
@@ -267,13 +218,13 @@ def _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr,
             # the next round's loads go out before this round is dequantised
             jn = j if r + 1 < RPB else j + 1
             jn = gl.where(PROBE == 2, hi, jn)
-            n4, s4 = _load_nope(idx_all, jn, hi, nbw, nbw_max, wlen, elen, kv_ptr, ekv_ptr, ((r + 1) % RPB) * R, R, 0, 4, MAXB, BN,
+            n4, s4 = _load_nope(idx_all, jn, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, ((r + 1) % RPB) * R, R, 0, 4, MAXB, BN,
                                 PAGE_STRIDE, SCALES_OFFSET)
-            n2, s2 = _load_nope(idx_all, jn, hi, nbw, nbw_max, wlen, elen, kv_ptr, ekv_ptr, ((r + 1) % RPB) * R, R, 4, 2, MAXB, BN,
+            n2, s2 = _load_nope(idx_all, jn, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, ((r + 1) % RPB) * R, R, 4, 2, MAXB, BN,
                                 PAGE_STRIDE, SCALES_OFFSET)
-            n1, s1 = _load_nope(idx_all, jn, hi, nbw, nbw_max, wlen, elen, kv_ptr, ekv_ptr, ((r + 1) % RPB) * R, R, 6, 1, MAXB, BN,
+            n1, s1 = _load_nope(idx_all, jn, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, ((r + 1) % RPB) * R, R, 6, 1, MAXB, BN,
                                 PAGE_STRIDE, SCALES_OFFSET)
-            rp = _load_rope(idx_all, jn, hi, nbw, nbw_max, wlen, elen, kv_ptr, ekv_ptr, ((r + 1) % RPB) * R, R, MAXB, BN, PAGE_STRIDE)
+            rp = _load_rope(idx_all, jn, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, ((r + 1) % RPB) * R, R, MAXB, BN, PAGE_STRIDE)
             if r == 0:
                 if i >= NS:  # both compute warpgroups are done with this stage's previous block
                     mbarrier.wait(empty.index(s), ((i // NS) + 1) & 1)
@@ -291,18 +242,16 @@ def _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr,
 
 @gluon.jit
 def loader_partition(q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
-                     widx_ptr, stride_wb, eidx_ptr, stride_eb, b, split, num_splits, W, K, wlen_ptr, elen_ptr,
+                     widx_ptr, stride_wb, eidx_ptr, stride_eb, b, lo, hi, nbw, wlen, elen,
                      q_smem, k_smem, idx_all, q_bar, full, empty,
                      BN: gl.constexpr, NS: gl.constexpr, MAXB: gl.constexpr, IS_FP8: gl.constexpr,
-                     PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr,
-                     HAS_EXTRA: gl.constexpr, HAS_WLEN: gl.constexpr, HAS_ELEN: gl.constexpr, PROBE: gl.constexpr):
+                     PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr, PROBE: gl.constexpr):
     """The loader warps: `_loader_fp8` on V4 fp8 pages, else `_loader` (bf16 rows)."""
     if IS_FP8:
         _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr, widx_ptr, stride_wb, eidx_ptr, stride_eb,
-                    b, split, num_splits, W, K, wlen_ptr, elen_ptr, q_smem, k_smem, idx_all, q_bar, full, empty,
-                    BN, NS, MAXB, PAGE_STRIDE, SCALES_OFFSET, HAS_EXTRA, HAS_WLEN, HAS_ELEN, PROBE)
+                    b, lo, hi, nbw, wlen, elen, q_smem, k_smem, idx_all, q_bar, full, empty,
+                    BN, NS, MAXB, PAGE_STRIDE, SCALES_OFFSET, PROBE)
     else:
         _loader(q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
-                widx_ptr, stride_wb, eidx_ptr, stride_eb, b, split, num_splits, W, K, wlen_ptr, elen_ptr,
-                q_smem, k_smem, idx_all, q_bar, full, empty, BN, NS, MAXB, PAGE_STRIDE, SCALES_OFFSET,
-                HAS_EXTRA, HAS_WLEN, HAS_ELEN, PROBE)
+                widx_ptr, stride_wb, eidx_ptr, stride_eb, b, lo, hi, nbw, wlen, elen,
+                q_smem, k_smem, idx_all, q_bar, full, empty, BN, NS, MAXB, PAGE_STRIDE, SCALES_OFFSET, PROBE)
