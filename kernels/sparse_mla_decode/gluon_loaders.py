@@ -143,6 +143,21 @@ def _load_rope(idx_all, j, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, r0: gl.constexp
     return gl.load(ptrs, mask=(idx >= 0)[:, None], other=0)
 
 
+@gluon.jit
+def _load_round(idx_all, j, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, r0: gl.constexpr, R: gl.constexpr,
+                MAXB: gl.constexpr, BN: gl.constexpr, PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr):
+    """One round (rows r0 .. r0 + R - 1 of live block j) into registers: e4m3 tiles 0-3, 4-5 and 6 with
+    their scales (three groups, so no element pays a select), and the RoPE words."""
+    n4, s4 = _load_nope(idx_all, j, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, r0, R, 0, 4, MAXB, BN, PAGE_STRIDE,
+                        SCALES_OFFSET)
+    n2, s2 = _load_nope(idx_all, j, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, r0, R, 4, 2, MAXB, BN, PAGE_STRIDE,
+                        SCALES_OFFSET)
+    n1, s1 = _load_nope(idx_all, j, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, r0, R, 6, 1, MAXB, BN, PAGE_STRIDE,
+                        SCALES_OFFSET)
+    rp = _load_rope(idx_all, j, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, r0, R, MAXB, BN, PAGE_STRIDE)
+    return n4, s4, n2, s2, n1, s1, rp
+
+
 # 4 e4m3 bytes -> 2 bf16x2 words, times a bf16x2 scale. bf16 bits (sign << 15) | ((byte & 0x7f) << 4)
 # are the e4m3 value times 2**-120 exactly (e4m3 subnormals become bf16 subnormals), so two
 # multiplications by powers of two, 2**120 and the scale, give the exact dequantised value. Integer
@@ -196,13 +211,8 @@ def _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr,
     _stage_q_and_indices(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_ptr, stride_eb, b, nbw, wlen, elen,
                          q_smem, idx_all, q_bar, rows_l, MAXB, BN)
     j0 = gl.where(PROBE == 2, hi, lo)
-    n4, s4 = _load_nope(idx_all, j0, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, 0, R, 0, 4, MAXB, BN, PAGE_STRIDE,
-                        SCALES_OFFSET)
-    n2, s2 = _load_nope(idx_all, j0, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, 0, R, 4, 2, MAXB, BN, PAGE_STRIDE,
-                        SCALES_OFFSET)
-    n1, s1 = _load_nope(idx_all, j0, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, 0, R, 6, 1, MAXB, BN, PAGE_STRIDE,
-                        SCALES_OFFSET)
-    rp = _load_rope(idx_all, j0, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, 0, R, MAXB, BN, PAGE_STRIDE)
+    n4, s4, n2, s2, n1, s1, rp = _load_round(idx_all, j0, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, 0, R, MAXB, BN,
+                                             PAGE_STRIDE, SCALES_OFFSET)
     for j in range(lo, hi):
         i = j - lo
         s = i % NS
@@ -218,13 +228,8 @@ def _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr,
             # the next round's loads go out before this round is dequantised
             jn = j if r + 1 < RPB else j + 1
             jn = gl.where(PROBE == 2, hi, jn)
-            n4, s4 = _load_nope(idx_all, jn, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, ((r + 1) % RPB) * R, R, 0, 4, MAXB, BN,
-                                PAGE_STRIDE, SCALES_OFFSET)
-            n2, s2 = _load_nope(idx_all, jn, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, ((r + 1) % RPB) * R, R, 4, 2, MAXB, BN,
-                                PAGE_STRIDE, SCALES_OFFSET)
-            n1, s1 = _load_nope(idx_all, jn, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, ((r + 1) % RPB) * R, R, 6, 1, MAXB, BN,
-                                PAGE_STRIDE, SCALES_OFFSET)
-            rp = _load_rope(idx_all, jn, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, ((r + 1) % RPB) * R, R, MAXB, BN, PAGE_STRIDE)
+            n4, s4, n2, s2, n1, s1, rp = _load_round(idx_all, jn, hi, nbw, wlen, elen, kv_ptr, ekv_ptr,
+                                                     ((r + 1) % RPB) * R, R, MAXB, BN, PAGE_STRIDE, SCALES_OFFSET)
             if r == 0:
                 if i >= NS:  # both compute warpgroups are done with this stage's previous block
                     mbarrier.wait(empty.index(s), ((i // NS) + 1) & 1)

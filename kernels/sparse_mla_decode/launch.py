@@ -31,7 +31,9 @@ class LaunchConfig:
     num_stages: int = 0  # 0: the backend's default; Gluon: shared-memory stages of block_n rows
     prefetch: bool = False
     backend: str = "auto"  # "auto": the warp-specialised Gluon kernel where it applies (sm_90, H = 64), else "triton"
-    loader_regs: int = 0  # Gluon: registers per loader thread (0: see `resolved`); compute gets the rest
+    # Gluon: registers per loader thread (0: see `resolved`); the S warpgroup gets what the loader and
+    # the P V warpgroup (PV_REGS) leave
+    loader_regs: int = 0
 
 
 def choose_splits(batch: int, num_blocks: int, num_sms: int) -> int:
