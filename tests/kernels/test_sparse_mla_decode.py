@@ -220,6 +220,15 @@ def test_triton_fp8_matches_reference(triton_kernels, splits, prefetch):
     assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
 
 
+def test_split_choice_is_the_measured_best_on_an_h200():
+    """choose_splits for the V4 decode (10 blocks of 64 rows, 132 SMs) gives the splits the H200 sweep
+    measured fastest per batch size (bench/results/sparse_decode.md); with 32-row blocks, twice as many."""
+    assert [launch.choose_splits(b, 10, 132) for b in (1, 8, 32, 64, 128)] == [10, 5, 4, 2, 1]
+    assert [launch.choose_splits(b, 20, 132) for b in (1, 8, 32, 64, 128)] == [20, 10, 4, 2, 1]
+    assert launch.choose_splits(4096, 10, 132) == 1  # many queries: no split, no merge
+    assert launch.choose_splits(1, 1, 132) == 1
+
+
 def test_triton_rejects_unsupported_shapes():
     c = make_case(2, 8, 4, 0, 10, 0, d=64, seed=4)
     with pytest.raises(SparseDecodeInputError, match="D=512"):
