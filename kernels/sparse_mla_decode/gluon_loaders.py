@@ -36,13 +36,16 @@ def _stage_indices(idx_all, widx_row, eidx_row, nbw, wlen, elen, MAXB: gl.conste
 
 
 @gluon.jit
-def _block_rows(idx_all, j, hi, nbw, wlen, elen, offs_n, MAXB: gl.constexpr, BN: gl.constexpr):
-    """Cache rows of live block j from the staged table (-1 where invalid or past the length; all -1 for j >= hi)."""
+def _round_rows(idx_all, j, hi, nbw, wlen, elen, r0: gl.constexpr, R: gl.constexpr, row_l: gl.constexpr,
+                MAXB: gl.constexpr, BN: gl.constexpr):
+    """Cache rows r0 .. r0 + R - 1 of live block j from the staged table, in layout row_l (-1 where invalid or
+    past the length; all -1 for j >= hi)."""
+    offs = r0 + gl.arange(0, R, layout=row_l)
     is_w = j < nbw
     blk = gl.where(is_w, j, j - nbw)
     n_valid = gl.where(j < hi, gl.where(is_w, wlen, elen), 0)
-    idx = idx_all.index(gl.minimum(j, MAXB - 1)).load(offs_n.type.layout)
-    return gl.where(blk * BN + offs_n < n_valid, idx, -1)
+    idx = idx_all.index(gl.minimum(j, MAXB - 1)).slice(r0, R).load(row_l)
+    return gl.where(blk * BN + offs < n_valid, idx, -1)
 
 
 @gluon.jit
@@ -73,12 +76,11 @@ def _loader(q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
     _stage_q_and_indices(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_ptr, stride_eb, b, nbw, wlen, elen,
                          q_smem, idx_all, q_bar, rows_l, MAXB, BN)
 
-    offs_n = gl.arange(0, BN, layout=gl.SliceLayout(1, rows_l))
     offs_d = gl.arange(0, D_ALL, layout=gl.SliceLayout(0, rows_l))
     for j in range(lo, hi):
         i = j - lo
         s = i % NS
-        idx = _block_rows(idx_all, j, hi, nbw, wlen, elen, offs_n, MAXB, BN)
+        idx = _round_rows(idx_all, j, hi, nbw, wlen, elen, 0, BN, gl.SliceLayout(1, rows_l), MAXB, BN)
         if i >= NS:  # wait until both compute warpgroups are done with this stage's previous block
             mbarrier.wait(empty.index(s), ((i // NS) + 1) & 1)
         valid = idx >= 0
@@ -91,15 +93,11 @@ def _loader(q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
 
 
 @gluon.jit
-def _round_rows(idx_all, j, hi, nbw, wlen, elen, r0: gl.constexpr, R: gl.constexpr, row_l: gl.constexpr,
-                MAXB: gl.constexpr, BN: gl.constexpr):
-    """Cache rows r0 .. r0 + R - 1 of live block j, from the staged table (-1: invalid, past the length, j >= hi)."""
-    offs = r0 + gl.arange(0, R, layout=row_l)
-    is_w = j < nbw
-    blk = gl.where(is_w, j, j - nbw)
-    n_valid = gl.where(j < hi, gl.where(is_w, wlen, elen), 0)
-    idx = idx_all.index(gl.minimum(j, MAXB - 1)).slice(r0, R).load(row_l)
-    return gl.where(blk * BN + offs < n_valid, idx, -1)
+def _page_slot(idx, j, nbw, kv_ptr, ekv_ptr, PAGE_STRIDE: gl.constexpr):
+    """V4 cache rows idx of live block j (its window or extra cache) -> (page base pointer, slot in the
+    page); an invalid row (-1) reads as row 0, which the callers mask."""
+    safe = gl.maximum(idx, 0)
+    return gl.where(j < nbw, kv_ptr, ekv_ptr) + (safe // 64).to(gl.int64) * PAGE_STRIDE, safe % 64
 
 
 @gluon.jit
@@ -115,9 +113,7 @@ def _load_nope(idx_all, j, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, r0: gl.constexp
     row_l: gl.constexpr = gl.SliceLayout(1, sc_l)
     idx = _round_rows(idx_all, j, hi, nbw, wlen, elen, r0, R, row_l, MAXB, BN)
     valid = idx >= 0
-    safe = gl.maximum(idx, 0)
-    page = gl.where(j < nbw, kv_ptr, ekv_ptr) + (safe // 64).to(gl.int64) * PAGE_STRIDE
-    slot = safe % 64
+    page, slot = _page_slot(idx, j, nbw, kv_ptr, ekv_ptr, PAGE_STRIDE)
     t = T0 + gl.arange(0, G, layout=gl.SliceLayout(0, sc_l))
     c = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, deq_l)))
     rec = (page + slot * 576).to(gl.pointer_type(gl.int32), bitcast=True)
@@ -136,8 +132,8 @@ def _load_rope(idx_all, j, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, r0: gl.constexp
     NW: gl.constexpr = gl.num_warps()
     rope_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])
     idx = _round_rows(idx_all, j, hi, nbw, wlen, elen, r0, R, gl.SliceLayout(1, rope_l), MAXB, BN)
-    safe = gl.maximum(idx, 0)
-    rec = gl.where(j < nbw, kv_ptr, ekv_ptr) + (safe // 64).to(gl.int64) * PAGE_STRIDE + (safe % 64) * 576
+    page, slot = _page_slot(idx, j, nbw, kv_ptr, ekv_ptr, PAGE_STRIDE)
+    rec = page + slot * 576
     c = gl.arange(0, 32, layout=gl.SliceLayout(0, rope_l))
     ptrs = (rec + 448).to(gl.pointer_type(gl.int32), bitcast=True)[:, None] + c[None, :]
     return gl.load(ptrs, mask=(idx >= 0)[:, None], other=0)
