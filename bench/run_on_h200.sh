@@ -20,7 +20,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.tx
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 # A kernel whose partitions wait on each other hangs rather than fails when that goes wrong: bound it.
 timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -x -p no:cacheprovider --import-mode=importlib --rootdir="$repo" \
-  "$repo/tests/kernels/test_sparse_mla_decode.py" ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log"
+  "$repo"/tests/kernels/test_sparse_mla_decode*.py ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}
 timeout "${BENCH_TIMEOUT:-300}" python3 -m dsv4_cluster.bench.kernels sparse_decode "$@" 2>&1 | tee "$OUT/bench.log"
 bench_rc=${PIPESTATUS[0]}

@@ -1,0 +1,65 @@
+"""Shared by the sparse-decode test modules: random cases, the float64 reference and the tolerance check."""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4_cluster.kernels.sparse_mla_decode import sparse_mla_decode_ref
+
+HAS_CUDA = torch.cuda.is_available()
+# Relative L2 error of `out` against a float64 reference on the same (dequantised) rows. bf16/fp16:
+# the output is rounded to 8 (11) mantissa bits and P is rounded to bf16 before the PV product, so a
+# few 1e-3; fp32 under the interpreter is numpy float32 arithmetic; on the GPU fp32 uses ieee dots.
+OUT_RTOL = {torch.bfloat16: 1.5e-2, torch.float16: 4e-3, torch.float32: 1e-5}
+# Absolute error of lse (natural log): scores are float32 sums of bf16 products.
+LSE_ATOL = {torch.bfloat16: 2e-3, torch.float16: 2e-3, torch.float32: 1e-5}
+
+
+def make_case(b, h, w, k, n, m, dtype=torch.bfloat16, device="cpu", d=512, seed=0, ragged=True, sink=True):
+    """Random queries over random caches, with invalid entries, ragged lengths and one empty query."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q = torch.randn(b, h, d, generator=g).to(dtype)
+    kv = torch.randn(n, d, generator=g).to(dtype)
+    extra = torch.randn(m, d, generator=g).to(dtype) if k else None
+    widx = torch.randint(0, n, (b, w), generator=g, dtype=torch.int32)
+    widx[:, ::5] = -1
+    eidx = torch.randint(0, m, (b, k), generator=g, dtype=torch.int32) if k else None
+    wl = el = None
+    if ragged:
+        wl = torch.randint(0, w + 1, (b,), generator=g, dtype=torch.int32)
+        wl[0] = w
+        if k:
+            el = torch.randint(0, k + 1, (b,), generator=g, dtype=torch.int32)
+            el[0] = k
+    if b > 1:  # the last query has no valid row at all
+        widx[-1] = -1
+        if k:
+            eidx[-1] = -1
+    sink_t = torch.randn(h, generator=g) if sink else None
+    args = dict(q=q, kv=kv, window_idx=widx, extra_kv=extra, extra_idx=eidx, sink=sink_t,
+                window_lens=wl, extra_lens=el)
+    return {key: (v.to(device) if isinstance(v, torch.Tensor) else v) for key, v in args.items()}
+
+
+def reference64(case):
+    c = dict(case)
+    c["q"] = c["q"].double()
+    c["kv"] = c["kv"].double()
+    if c["extra_kv"] is not None:
+        c["extra_kv"] = c["extra_kv"].double()
+    return sparse_mla_decode_ref(**c)
+
+
+def assert_close(out, lse, ref_out, ref_lse, dtype):
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert torch.isfinite(out).all(), "output holds NaN/inf"
+    err = ((out.double() - ref_out).norm() / ref_out.norm().clamp_min(1e-30)).item()
+    assert err < OUT_RTOL[dtype], f"relative error {err:.2e} over {OUT_RTOL[dtype]:.0e}"
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), "empty queries must give lse -inf, only they"
+    fin = torch.isfinite(ref_lse)
+    assert (lse[fin].double() - ref_lse[fin].double()).abs().max().item() < LSE_ATOL[dtype]
+    assert (out[~fin] == 0).all(), "a query with no valid row must give out 0"
+
+
+# DeepSeek-V4 CSA shapes for the GPU tests: 64 heads, a 128-row window, top-512 over a 4096-entry cache.
+V4 = dict(h=64, w=128, k=512, n=8192, m=4096)

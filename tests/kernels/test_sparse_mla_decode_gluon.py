@@ -1,0 +1,169 @@
+"""Sparse MLA decode: the warp-specialised Gluon kernel (sm_90, H = 64) against the reference on the GPU,
+and its host side (launch binding, Triton release gate) without one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4_cluster.kernels.sparse_mla_decode import (
+    SparseDecodeInputError,
+    quantize_kv_v4,
+    sparse_mla_decode,
+    sparse_mla_decode_fp8_ref,
+)
+from dsv4_cluster.kernels.sparse_mla_decode import fp8_layout, launch
+from dsv4_cluster.kernels.sparse_mla_decode.launch import (
+    LaunchConfig,
+    sparse_mla_decode_fp8_triton,
+    sparse_mla_decode_triton,
+)
+from dsv4_cluster.tests.kernels.sparse_decode_cases import HAS_CUDA, V4, assert_close, make_case, reference64
+
+
+def gluon_ready():
+    return HAS_CUDA and launch.gluon_unavailable(torch.empty(1, 64, 512, dtype=torch.bfloat16, device="cuda"), False) is None
+
+
+gluon_gpu = pytest.mark.skipif(not gluon_ready(), reason="needs an sm_90 GPU and Triton's Gluon")
+
+
+@gluon_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_n, stages", [(64, 2), (32, 3), (32, 4)])
+@pytest.mark.parametrize("b, splits", [(1, 0), (8, 0), (8, 1), (64, 3), (130, 0)])
+def test_gpu_gluon_matches_reference(block_n, stages, b, splits):
+    c = make_case(b, **V4, device="cuda", seed=100 + b + splits, sink=b % 2 == 0)
+    cfg = LaunchConfig(block_n=block_n, num_stages=stages, num_splits=splits, backend="gluon")
+    out, lse = sparse_mla_decode_triton(**c, config=cfg)
+    ref_out, ref_lse = reference64({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in c.items()})
+    assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
+
+
+@gluon_gpu
+@pytest.mark.gpu
+def test_gpu_gluon_window_only_and_full_lengths():
+    c = make_case(5, 64, 128, 0, 4096, 0, device="cuda", seed=7, ragged=False, sink=False)
+    out, lse = sparse_mla_decode_triton(**c, config=LaunchConfig(backend="gluon"))
+    ref_out, ref_lse = reference64({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in c.items()})
+    assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
+
+
+@gluon_gpu
+@pytest.mark.gpu
+def test_gpu_auto_backend_is_gluon_for_v4_bf16():
+    c = make_case(2, **V4, device="cuda", seed=3)
+    auto = sparse_mla_decode(**c)
+    forced = sparse_mla_decode_triton(**c, config=LaunchConfig(backend="gluon"))
+    assert torch.equal(auto[0], forced[0]) and torch.equal(auto[1], forced[1])
+
+
+@gluon_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_n, stages, loader_regs", [(64, 2, 0), (64, 2, 96), (32, 3, 0), (32, 2, 80)])
+@pytest.mark.parametrize("b, splits", [(1, 0), (8, 0), (64, 3), (130, 0)])
+def test_gpu_gluon_fp8_matches_reference(block_n, stages, loader_regs, b, splits):
+    c = make_case(b, **V4, device="cuda", seed=200 + b + splits, sink=b % 2 == 1)
+    cache, extra = quantize_kv_v4(c.pop("kv")), quantize_kv_v4(c.pop("extra_kv"))
+    cfg = LaunchConfig(block_n=block_n, num_stages=stages, num_splits=splits, backend="gluon", loader_regs=loader_regs)
+    out, lse = sparse_mla_decode_fp8_triton(**c, kv_cache=cache, extra_cache=extra, config=cfg)
+    cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in c.items()}
+    ref_out, ref_lse = sparse_mla_decode_fp8_ref(**{**cpu, "q": cpu["q"].double()}, kv_cache=cache.cpu(),
+                                                 extra_cache=extra.cpu())
+    assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
+
+
+def odd_e4m3_cache(kv: torch.Tensor, seed: int) -> torch.Tensor:
+    """A V4 cache whose e4m3 bytes are small (exponent field 0-3: a quarter of them subnormal) and whose
+    scales reach 2**10, past the range one bf16 multiplication could carry: every dequantisation path."""
+    g = torch.Generator().manual_seed(seed)
+    cache = quantize_kv_v4(kv.cpu())
+    pages = cache.shape[0]
+    records = cache[:, :fp8_layout.SCALES_OFFSET].view(pages, fp8_layout.PAGE_TOKENS, fp8_layout.RECORD_BYTES)
+    n = pages * fp8_layout.PAGE_TOKENS * fp8_layout.NOPE_DIMS
+    sign = torch.randint(0, 2, (n,), generator=g) << 7
+    exponent = torch.randint(0, 4, (n,), generator=g) << 3
+    mantissa = torch.randint(0, 8, (n,), generator=g)
+    nope = records[..., :fp8_layout.NOPE_DIMS]
+    nope.copy_((sign | exponent | mantissa).to(torch.uint8).view(nope.shape))
+    scales = cache[:, fp8_layout.SCALES_OFFSET:fp8_layout.SCALES_OFFSET + fp8_layout.PAGE_TOKENS * fp8_layout.SCALE_BYTES]
+    scales = scales.view(pages, fp8_layout.PAGE_TOKENS, fp8_layout.SCALE_BYTES)[..., :fp8_layout.NUM_TILES]
+    scales.copy_(torch.randint(126, 138, scales.shape, generator=g).to(torch.uint8))
+    return cache.to(kv.device)
+
+
+@gluon_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_n, stages", [(64, 2), (32, 3)])
+def test_gpu_gluon_fp8_dequantises_subnormals_and_large_scales_exactly(block_n, stages):
+    c = make_case(6, **V4, device="cuda", seed=31, sink=True)
+    c["q"] = c["q"] * 0.02
+    cache, extra = odd_e4m3_cache(c.pop("kv"), 1), odd_e4m3_cache(c.pop("extra_kv"), 2)
+    for t in (cache, extra):  # scales past 2**7 (ue8m0 > 134) and subnormal e4m3 bytes are both in play
+        scales = t[:, fp8_layout.SCALES_OFFSET:fp8_layout.SCALES_OFFSET + 64 * fp8_layout.SCALE_BYTES]
+        assert scales.reshape(-1, fp8_layout.SCALE_BYTES)[:, :fp8_layout.NUM_TILES].max() > 134
+        assert ((t[:, :fp8_layout.SCALES_OFFSET].reshape(-1, 576)[:, :448] & 0x78) == 0).any()
+    cfg = LaunchConfig(block_n=block_n, num_stages=stages, backend="gluon")
+    out, lse = sparse_mla_decode_fp8_triton(**c, kv_cache=cache, extra_cache=extra, config=cfg)
+    cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in c.items()}
+    ref_out, ref_lse = sparse_mla_decode_fp8_ref(**{**cpu, "q": cpu["q"].double()}, kv_cache=cache.cpu(),
+                                                 extra_cache=extra.cpu())
+    assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
+
+
+@gluon_gpu
+@pytest.mark.gpu
+def test_gpu_gluon_rejects_a_config_over_shared_memory():
+    c = make_case(2, **V4, device="cuda", seed=5)
+    cache, extra = quantize_kv_v4(c.pop("kv")), quantize_kv_v4(c.pop("extra_kv"))
+    with pytest.raises(SparseDecodeInputError, match="shared memory"):
+        sparse_mla_decode_fp8_triton(**c, kv_cache=cache, extra_cache=extra,
+                                     config=LaunchConfig(block_n=64, num_stages=3, backend="gluon"))
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gluon_launch_passes_every_kernel_parameter(monkeypatch, fp8):
+    """Host side of the Gluon kernel without a GPU: the launch binds every kernel parameter exactly once,
+    with the split merge behind it when there are splits (the kernel itself runs only on sm_90)."""
+    from dsv4_cluster.kernels.sparse_mla_decode import gluon_kernel
+
+    launches = []
+
+    class Recorder:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.fn, grid, args, kwargs))
+
+    kernel = gluon_kernel._sparse_decode_ws_kernel
+    stream_merge = launch._kernels._combine_stream_kernel
+    monkeypatch.setattr(gluon_kernel, "_sparse_decode_ws_kernel", Recorder(kernel))
+    monkeypatch.setattr(launch._kernels, "_combine_kernel", Recorder(launch._kernels._combine_kernel))
+    monkeypatch.setattr(launch._kernels, "_combine_stream_kernel", Recorder(launch._kernels._combine_stream_kernel))
+    c = make_case(3, 64, 128, 512, 300, 200, seed=8)
+    cfg = launch.resolved(LaunchConfig(backend="gluon", num_splits=4), "gluon", fp8)
+    if fp8:
+        caches = (quantize_kv_v4(c["kv"]), fp8_layout.PAGE_STRIDE, quantize_kv_v4(c["extra_kv"]), fp8_layout.PAGE_STRIDE)
+    else:
+        caches = (c["kv"], c["kv"].stride(0), c["extra_kv"], c["extra_kv"].stride(0))
+    launch._launch_gluon(c["q"], *caches, c["window_idx"], c["extra_idx"], c["sink"], None,
+                         c["window_lens"], c["extra_lens"], 128, 512, fp8, cfg)
+    (fn, grid, args, kwargs), merge = launches
+    assert grid == (3, 4)
+    required = [name for name, p in zip(kernel.arg_names, kernel.params) if not p.has_default]
+    bound = kernel.arg_names[:len(args)] + [k for k in kwargs if k != "num_warps"]  # num_warps: a launch option
+    assert sorted(bound) == sorted(set(bound)), "a parameter is bound twice"
+    assert set(required) <= set(bound), f"unbound: {set(required) - set(bound)}"
+    assert set(bound) <= set(kernel.arg_names), f"unknown: {set(bound) - set(kernel.arg_names)}"
+    assert kwargs["IS_FP8"] is fp8 and kwargs["SPLIT_OUT"] is True and kwargs["MAXB"] == (16 if cfg.block_n == 64 else 32)
+    assert merge[0] is stream_merge  # 4 splits: the streaming merge
+
+
+def test_gluon_is_refused_with_the_reason_on_an_untested_triton(monkeypatch):
+    import triton
+
+    monkeypatch.setattr(triton, "__version__", "3.9.0")
+    assert "Triton 3.6" in launch.gluon_api_unavailable()
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    assert launch.gluon_api_unavailable() is None
