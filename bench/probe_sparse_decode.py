@@ -22,7 +22,8 @@ PROBES = {0: "full", 1: "no math", 2: "no row loads", 3: "no dequant"}
 
 
 def splits_of(b: int, bn: int) -> int:
-    return launch.choose_splits(b, -(-128 // bn) + -(-512 // bn), torch.cuda.get_device_properties(0).multi_processor_count)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return launch.choose_splits(b, -(-128 // bn) + -(-512 // bn), sms)
 
 
 def main(argv: list[str]) -> int:
@@ -40,15 +41,17 @@ def main(argv: list[str]) -> int:
         print(f"B={b:4d} torch index_select of the rows: {gather_us:7.1f} us ({gbs:.0f} GB/s read+write, "
               f"{rows.numel() * 1024 / (gather_us * 1e-6) / 1e9:.0f} GB/s read)")
         cache, extra = quantize_kv_v4(case["kv"]), quantize_kv_v4(case["extra_kv"])
-        fp8_case = {k: v for k, v in case.items() if k not in ("kv", "extra_kv")}
+        # the fixed cost: every query empty (launch, Q load, epilogue, merge)
+        empty = {**case, "window_lens": torch.zeros(b, dtype=torch.int32, device="cuda"),
+                 "extra_lens": torch.zeros(b, dtype=torch.int32, device="cuda")}
         for fp8, cfgs in ((False, [(64, 2)]), (True, [(64, 2), (32, 3)])):
             for bn, st in cfgs:
                 cfg = LaunchConfig(block_n=bn, num_stages=st, backend="gluon")
 
                 def run(cfg=cfg, fp8=fp8, c=case):
                     if fp8:
-                        return launch.sparse_mla_decode_fp8_triton(**{k: v for k, v in c.items() if k not in ("kv", "extra_kv")},
-                                                                   kv_cache=cache, extra_cache=extra, config=cfg)
+                        rest = {k: v for k, v in c.items() if k not in ("kv", "extra_kv")}
+                        return launch.sparse_mla_decode_fp8_triton(**rest, kv_cache=cache, extra_cache=extra, config=cfg)
                     return launch.sparse_mla_decode_triton(**c, config=cfg)
 
                 line = []
@@ -56,16 +59,15 @@ def main(argv: list[str]) -> int:
                     launch._PROBE = probe
                     line.append(f"{PROBES[probe]} {bench_us(graphed(run), rep_ms=100):6.1f}")
                 launch._PROBE = 0
-                # the fixed cost: every query empty (launch, Q load, epilogue, merge)
-                empty = {**case, "window_lens": torch.zeros(b, dtype=torch.int32, device="cuda"),
-                         "extra_lens": torch.zeros(b, dtype=torch.int32, device="cuda")}
                 for splits in (1, 0):
                     c2 = LaunchConfig(block_n=bn, num_stages=st, backend="gluon", num_splits=splits)
-                    line.append(f"empty queries (splits {splits or 'auto'}) {bench_us(graphed(lambda: run(c2, c=empty)), rep_ms=100):6.1f}")
-                if 1 < splits_of(b, bn) < launch.ONESHOT_MERGE_FROM:  # the one-shot merge below its threshold
+                    us = bench_us(graphed(lambda: run(c2, c=empty)), rep_ms=100)
+                    line.append(f"empty queries (splits {splits or 'auto'}) {us:6.1f}")
+                threshold = launch.ONESHOT_MERGE_FROM
+                if 1 < splits_of(b, bn) < threshold:  # the one-shot merge below its threshold
                     launch.ONESHOT_MERGE_FROM = 2
                     line.append(f"one-shot merge {bench_us(graphed(run), rep_ms=100):6.1f}")
-                    launch.ONESHOT_MERGE_FROM = 8
+                    launch.ONESHOT_MERGE_FROM = threshold
                 row_bytes = 584 if fp8 else 1024
                 print(f"B={b:4d} {'fp8 ' if fp8 else 'bf16'} bn={bn} st={st} splits={splits_of(b, bn)}: " + " | ".join(line)
                       + f"  (full = {required_bytes(b, row_bytes) / copy / 1e3:.1f} us at copy speed)")

@@ -215,17 +215,14 @@ def run(argv: list[str]) -> int:
             if args.sweep == "all":
                 configs["triton_bf16"] = base
                 configs["triton_fp8"] = base + [dataclasses.replace(c, prefetch=True) for c in base]
-            def gluon_configs(fp8: bool) -> list:
-                # (block_n, stages, loader_regs)
-                shapes = ([(64, 2, 0), (32, 4, 0), (32, 3, 0)] if not fp8 else [(64, 2, 0), (32, 4, 0), (32, 3, 0)])
-                return [LaunchConfig(block_n=bn, num_stages=st, num_splits=s, backend="gluon", loader_regs=regs)
-                        for bn, st, regs in shapes
-                        if gluon_smem_bytes(bn, st) <= SMEM_LIMIT
-                        for s in sorted({choose_splits(b, nblocks[bn], sms), choose_splits(b, nblocks[bn], 2 * sms),
-                                         *((1, 2, 5) if b == 1 else (2, 5) if b <= 8 else ())})]
-
-            configs["gluon_bf16"] = gluon_configs(False)
-            configs["gluon_fp8"] = gluon_configs(True)
+            # (block_n, stages) for both row formats: fp8 rows are dequantised from registers into the
+            # same bf16 stages, so the kernel's shared memory does not depend on the format
+            gluon = [LaunchConfig(block_n=bn, num_stages=st, num_splits=s, backend="gluon")
+                     for bn, st in ((64, 2), (32, 4), (32, 3))
+                     if gluon_smem_bytes(bn, st) <= SMEM_LIMIT
+                     for s in sorted({choose_splits(b, nblocks[bn], sms), choose_splits(b, nblocks[bn], 2 * sms),
+                                      *((1, 2, 5) if b == 1 else (2, 5) if b <= 8 else ())})]
+            configs["gluon_bf16"] = configs["gluon_fp8"] = gluon
         kernels = [
             ("triton_bf16", lambda c: (lambda: sparse_mla_decode_triton(**case, config=c)), ref_out, 1024),
             ("triton_fp8", lambda c: (lambda: sparse_mla_decode_fp8_triton(**fp8_case, kv_cache=cache, extra_cache=extra_cache, config=c)), ref8_out, fp8_layout.BYTES_PER_TOKEN),
