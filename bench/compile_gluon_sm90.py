@@ -7,8 +7,9 @@ Triton release the kernel is written for (the H200's; see launch.GLUON_TRITON_RE
     python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0
     /tmp/t36/bin/python bench/compile_gluon_sm90.py bf16:64:2 fp8:64:2 bf16:32:4:regs40 [--sass DIR]
 
-A config is dtype:block_n:stages[:regsN][:pvN] (regsN: loader registers, default as the launcher; pvN:
-registers of the P V warpgroup, default launch.PV_REGS).
+A config is dtype:block_n:stages[:regsN][:pvN][:fuseN] (regsN: loader registers, default as the launcher;
+pvN: registers of the P V warpgroup, default launch.PV_REGS; fuseN: split output for N splits merged inside
+the kernel, the tile as launch._fused_merge_tile).
 The script loads kernels/sparse_mla_decode/gluon_*.py by path (only Triton is imported, not the package).
 """
 
@@ -21,24 +22,25 @@ import re
 import subprocess
 import sys
 import tempfile
+import traceback
 import types
 
 KERNELS = pathlib.Path(__file__).resolve().parents[1] / "kernels" / "sparse_mla_decode"
 POINTERS = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "ekv_ptr": "*bf16", "widx_ptr": "*i32", "eidx_ptr": "*i32",
             "wlen_ptr": "*i32", "elen_ptr": "*i32", "sink_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
-            "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+            "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "counter_ptr": "*i32"}
 
 
 def parse(spec: str) -> dict:
     dtype, bn, stages, *flags = spec.split(":")
     if dtype not in ("bf16", "fp8"):
         raise SystemExit(f"config {spec!r}: dtype must be bf16 or fp8")
-    cfg = dict(fp8=dtype == "fp8", bn=int(bn), stages=int(stages), regs=0, pv=160)
+    cfg = dict(fp8=dtype == "fp8", bn=int(bn), stages=int(stages), regs=0, pv=160, fuse=0)
     for f in flags:
-        if m := re.fullmatch(r"(regs|pv)(\d+)", f):
+        if m := re.fullmatch(r"(regs|pv|fuse)(\d+)", f):
             cfg[m[1]] = int(m[2])
         else:
-            raise SystemExit(f"config {spec!r}: unknown flag {f!r} (regsN, pvN)")
+            raise SystemExit(f"config {spec!r}: unknown flag {f!r} (regsN, pvN, fuseN)")
     cfg["regs"] = cfg["regs"] or (128 if cfg["fp8"] else 80 if cfg["bn"] == 64 else 40)
     return cfg
 
@@ -52,7 +54,12 @@ def compile_one(module, cfg: dict):
     blocks = -(-128 // cfg["bn"]) + -(-512 // cfg["bn"])
     const = dict(BN=cfg["bn"], NS=cfg["stages"], SPLIT_OUT=False, IS_FP8=cfg["fp8"], HAS_EXTRA=True, HAS_WLEN=True,
                  HAS_ELEN=True, HAS_SINK=True, PAGE_STRIDE=37440, SCALES_OFFSET=36864, LOADER_WARPS=4,
-                 LOADER_REGS=cfg["regs"], PV_REGS=cfg["pv"], MAXB=1 << (blocks - 1).bit_length(), PROBE=0)
+                 LOADER_REGS=cfg["regs"], PV_REGS=cfg["pv"], MAXB=1 << (blocks - 1).bit_length(), PROBE=0,
+                 FUSE_MERGE=False, SP=1, MHT=1, MDC=64)
+    if cfg["fuse"]:  # as launch._fused_merge_tile
+        sp = 1 << (cfg["fuse"] - 1).bit_length()
+        mht = 1 << (-(-64 // cfg["fuse"]) - 1).bit_length()
+        const.update(SPLIT_OUT=True, FUSE_MERGE=True, SP=sp, MHT=mht, MDC=max(16, min(128, 64 * 128 // (sp * mht))))
     pointers = dict(POINTERS, **({"kv_ptr": "*u8", "ekv_ptr": "*u8"} if cfg["fp8"] else {}))
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -71,6 +78,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("configs", nargs="+")
     parser.add_argument("--sass", type=pathlib.Path, help="also write each config's SASS into this folder")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print the traceback of a config that does not compile")
     args = parser.parse_args(argv)
     import triton
 
@@ -88,6 +96,8 @@ def main(argv: list[str]) -> int:
             compiled = compile_one(module, cfg)
         except Exception as exc:  # a config that does not build is a result
             print(f"{text:24s} does not compile: {type(exc).__name__}: {str(exc).splitlines()[-1][:200]}")
+            if args.verbose:
+                traceback.print_exc()
             continue
         with tempfile.TemporaryDirectory() as tmp:
             ptx = pathlib.Path(tmp) / "k.ptx"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On the lent H200 (repo root, $OUT set): the sparse-decode GPU tests, then its benchmark.
 # Usage: bash bench/run_on_h200.sh [benchmark args, e.g. --sweep]. Logs and JSON land in $OUT.
+# Env: TEST_TIMEOUT, BENCH_TIMEOUT (s), PYTEST_K (a -k expression), PYTEST_ARGS.
 set -uo pipefail
 : "${OUT:?OUT must name the folder whose files come back}"
 mkdir -p /tmp/p/dsv4_cluster
@@ -20,7 +21,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.tx
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 # A kernel whose partitions wait on each other hangs rather than fails when that goes wrong: bound it.
 timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -x -p no:cacheprovider --import-mode=importlib --rootdir="$repo" \
-  "$repo"/tests/kernels/test_sparse_mla_decode*.py ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log"
+  "$repo"/tests/kernels/test_sparse_mla_decode*.py ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}
 timeout "${BENCH_TIMEOUT:-300}" python3 -m dsv4_cluster.bench.kernels sparse_decode "$@" 2>&1 | tee "$OUT/bench.log"
 bench_rc=${PIPESTATUS[0]}

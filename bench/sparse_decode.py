@@ -183,6 +183,11 @@ def run(argv: list[str]) -> int:
     parser.add_argument("--sweep", nargs="?", const="all", choices=["all", "gluon"],
                         help="also try other launch configs (all kernels, or the Gluon ones), report the best")
     parser.add_argument("--profile", action="store_true", help="only run the Triton kernels a few times (for ncu)")
+    parser.add_argument("--blocks", help="Gluon sweep: block_n:stages pairs to try, e.g. 64:2,32:4 (default: all that fit)")
+    parser.add_argument("--splits", help="Gluon sweep: split counts to try at every B, e.g. 2,5,10 (default: "
+                        "choose_splits for 1 and 2 waves, and a few more at B <= 8)")
+    parser.add_argument("--merge", choices=["fused", "kernel", "both"], default="both",
+                        help="Gluon sweep: split merges to try (fused into the kernel where the CTAs fit, the merge kernel)")
     parser.add_argument("--kernels", default="torch_reference_bf16,triton_bf16,triton_fp8,gluon_bf16,gluon_fp8,flashmla_fp8_v4",
                         help="comma-separated rows to measure")
     args = parser.parse_args(argv)
@@ -217,11 +222,21 @@ def run(argv: list[str]) -> int:
                 configs["triton_fp8"] = base + [dataclasses.replace(c, prefetch=True) for c in base]
             # (block_n, stages) for both row formats: fp8 rows are dequantised from registers into the
             # same bf16 stages, so the kernel's shared memory does not depend on the format
-            gluon = [LaunchConfig(block_n=bn, num_stages=st, num_splits=s, backend="gluon")
-                     for bn, st in ((64, 2), (32, 4), (32, 3))
-                     if gluon_smem_bytes(bn, st) <= SMEM_LIMIT
-                     for s in sorted({choose_splits(b, nblocks[bn], sms), choose_splits(b, nblocks[bn], 2 * sms),
-                                      *((1, 2, 5) if b == 1 else (2, 5) if b <= 8 else ())})]
+            blocks = [tuple(map(int, x.split(":"))) for x in args.blocks.split(",")] if args.blocks else \
+                [(64, 2), (32, 4), (32, 3)]
+            merges = {"fused": (True,), "kernel": (False,), "both": (True, False)}[args.merge]
+
+            def split_counts(bn):
+                if args.splits:
+                    return sorted({1, *(int(x) for x in args.splits.split(","))})
+                return sorted({choose_splits(b, nblocks[bn], sms), choose_splits(b, nblocks[bn], 2 * sms),
+                               *((1, 2, 5) if b == 1 else (2, 5) if b <= 8 else ())})
+
+            # a fused merge needs every CTA resident at once (B x splits <= SMs); one split has no merge
+            gluon = [LaunchConfig(block_n=bn, num_stages=st, num_splits=s, backend="gluon", fused_merge=f)
+                     for bn, st in blocks if gluon_smem_bytes(bn, st) <= SMEM_LIMIT
+                     for s in split_counts(bn)
+                     for f in ((True,) if s == 1 else merges) if not (f and s > 1 and b * s > sms)]
             configs["gluon_bf16"] = configs["gluon_fp8"] = gluon
         kernels = [
             ("triton_bf16", lambda c: (lambda: sparse_mla_decode_triton(**case, config=c)), ref_out, 1024),
@@ -245,7 +260,8 @@ def run(argv: list[str]) -> int:
             info = dict(block_n=cfg.block_n, warps=cfg.num_warps, stages=cfg.num_stages, prefetch=cfg.prefetch,
                         splits=splits)
             if name.startswith("gluon"):
-                info.update(warps=12, prefetch=None, loader_regs=cfg.loader_regs)
+                info.update(warps=12, prefetch=None, loader_regs=cfg.loader_regs,
+                            merge="-" if splits == 1 else "fused" if cfg.fused_merge and b * splits <= sms else "kernel")
             try:
                 rows.append(measure(name, fn_for(cfg), ref, b, row_bytes, copy_gbs, info))
             except Exception as exc:  # a kernel that fails to compile or run is a result, not the end of the run
@@ -265,7 +281,7 @@ def run(argv: list[str]) -> int:
     for r in resources:
         print("  compiled:", r)
     print(f"device copy bandwidth (same run): {copy_gbs:.0f} GB/s; FlashMLA: {fm_error or 'loaded'}")
-    print_table(rows, ["kernel", "B", "us", "us_eager", "GBps", "frac_copy", "TFLOPs", "rel_err", "block_n", "warps", "stages", "prefetch", "loader_regs", "splits", "error"])
+    print_table(rows, ["kernel", "B", "us", "us_eager", "GBps", "frac_copy", "TFLOPs", "rel_err", "block_n", "warps", "stages", "prefetch", "loader_regs", "splits", "merge", "error"])
     path = write_results("sparse_decode", dict(
         device=torch.cuda.get_device_name(0), torch=torch.__version__, copy_gbs=copy_gbs,
         shapes=dict(H=H, D=D, window=W, topk=TOPK, context=CONTEXT), flashmla_error=fm_error, compiled=resources, rows=rows,
@@ -278,7 +294,7 @@ def run(argv: list[str]) -> int:
 
 def markdown(rows: list[dict], copy_gbs: float, fm_error: str | None, device: str) -> str:
     cols = ["kernel", "B", "us", "us_eager", "GBps", "frac_copy", "TFLOPs", "rel_err", "block_n", "warps", "stages",
-            "prefetch", "loader_regs", "splits"]
+            "prefetch", "loader_regs", "splits", "merge"]
     lines = [
         f"# sparse_decode on {device}",
         "",

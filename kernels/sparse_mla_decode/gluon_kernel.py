@@ -108,11 +108,93 @@ def _epilogue(acc, m_i, l_i, b, split, num_splits, sink_ptr, out_ptr, stride_ob,
             gl.store(lse_ptr + b * stride_lb + offs_hs, lse)
 
 
+# One warp of a compute warpgroup, once its share of the split's partial output is stored: arrive on query
+# b's split barrier ($1: two u32 counters, arrivals then departures), wait until all $2 = 8 x num_splits
+# compute warps of the query have arrived, then count out; the last warp out zeroes both counters for the
+# next launch. bar.warp.sync orders the lanes' stores before lane 0's release (GPU scope); every lane
+# acquires, so each sees every split's partial output. $0: the arrivals seen (>= $2).
+_SPLIT_BARRIER = gl.constexpr("""{
+.reg .pred p, q;
+.reg .u32 old, last, zero;
+mov.u32 old, %laneid;
+setp.eq.u32 p, old, 0;
+bar.warp.sync -1;
+@p red.release.gpu.global.add.u32 [$1], 1;
+SPLIT_WAIT_${:uid}:
+ld.acquire.gpu.global.u32 $0, [$1];
+setp.lt.u32 q, $0, $2;
+@q bra SPLIT_WAIT_${:uid};
+mov.u32 old, 0;
+@p atom.relaxed.gpu.global.add.u32 old, [$1+4], 1;
+sub.u32 last, $2, 1;
+setp.eq.and.u32 q, old, last, p;
+mov.u32 zero, 0;
+@q st.relaxed.gpu.global.v2.u32 [$1], {zero, zero};
+}""")
+
+
+@gluon.jit
+def _merge_splits(b, split, num_splits, counter_ptr, part_o_ptr, part_lse_ptr, sink_ptr, out_ptr, stride_ob,
+                  stride_oh, lse_ptr, stride_lb, HALF: gl.constexpr, SP: gl.constexpr, MHT: gl.constexpr,
+                  MDC: gl.constexpr, HAS_SINK: gl.constexpr):
+    """The fused split merge, run by both compute warpgroups of every split once their partial outputs are
+    stored. The launch is cooperative (every split of every query is resident), so waiting on the query's
+    other splits cannot deadlock. Then this split merges heads [split * hp, + hp), hp = ceil(64 / splits),
+    over this warpgroup's half of the dims, MDC dims at a time with all splits' tiles loaded at once
+    ([SP, MHT, MDC]; SP >= splits, MHT >= hp, powers of two), from L2 (.cg: the partials were written by
+    other SMs during this launch)."""
+    NW: gl.constexpr = gl.num_warps()
+    DH: gl.constexpr = D_ALL // 2
+    one_l: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+    lanes = gl.arange(0, 32 * NW, layout=one_l)
+    gl.inline_asm_elementwise(_SPLIT_BARRIER, "=r,l,r",
+                              [counter_ptr + 2 * b + lanes * 0, gl.full([32 * NW], 8, gl.int32, one_l) * num_splits],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+    l3: gl.constexpr = gl.BlockedLayout([SP, 1, 4], [1, 32 // (MDC // 4), MDC // 4], [1, NW, 1], [2, 1, 0])
+    l_sh: gl.constexpr = gl.SliceLayout(2, l3)  # [SP, MHT]
+    l_hd: gl.constexpr = gl.SliceLayout(0, l3)  # [MHT, MDC]
+    hp = (H_ALL + num_splits - 1) // num_splits
+    h0 = split * hp
+    offs_s = gl.arange(0, SP, layout=gl.SliceLayout(1, l_sh))
+    offs_h = h0 + gl.arange(0, MHT, layout=gl.SliceLayout(0, l_sh))
+    h_ok = (offs_h < h0 + hp) & (offs_h < H_ALL)
+    ok = (offs_s < num_splits)[:, None] & h_ok[None, :]
+    rows = (b * num_splits + offs_s).to(gl.int64)[:, None] * H_ALL + offs_h[None, :]
+    lse_s = gl.load(part_lse_ptr + rows, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    lse_max = gl.max(lse_s, axis=0)
+    max_safe = gl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w = gl.exp(lse_s - max_safe[None, :])
+    w_sum = gl.sum(w, axis=0)
+    has_any = w_sum > 0
+    w_safe = gl.where(has_any, w_sum, 1.0)
+    lse = gl.where(has_any, max_safe + gl.log(w_safe), float("-inf"))
+    inv = 1.0 / w_safe
+    if HAS_SINK:
+        inv = inv / (1.0 + gl.exp(gl.load(sink_ptr + offs_h, mask=h_ok, other=0.0) - lse))
+    w = w * inv[None, :]
+    if HALF == 0:
+        gl.store(lse_ptr + b * stride_lb + offs_h, lse, mask=h_ok)
+
+    offs_d = gl.arange(0, MDC, layout=gl.SliceLayout(0, l_hd))  # dims of the merged [MHT, MDC] tile
+    offs_d3 = gl.arange(0, MDC, layout=gl.SliceLayout(0, gl.SliceLayout(1, l3)))  # of the [SP, MHT, MDC] tile
+    oh = h0 + gl.arange(0, MHT, layout=gl.SliceLayout(1, l_hd))
+    o_rows = out_ptr + b.to(gl.int64) * stride_ob + oh[:, None] * stride_oh
+    o_ok = ((oh < h0 + hp) & (oh < H_ALL))[:, None]
+    p_rows = part_o_ptr + rows[:, :, None] * D_ALL
+    for c in gl.static_range(DH // MDC):
+        d0 = HALF * DH + c * MDC
+        parts = gl.load(p_rows + (d0 + offs_d3)[None, None, :], mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
+        o = gl.sum(w[:, :, None] * parts, axis=0)
+        gl.store(o_rows + (d0 + offs_d)[None, :], o.to(out_ptr.dtype.element_ty), mask=o_ok)
+
+
 @gluon.jit
 def _compute_s(b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
                sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
-               q_smem, k_smem, idx_all, p_smem, row_smem, q_bar, full, empty, pready, pfree, lready,
+               q_smem, k_smem, idx_all, p_smem, row_smem, q_bar, full, empty, pready, pfree, lready, counter_ptr,
                BN: gl.constexpr, NS: gl.constexpr, SPLIT_OUT: gl.constexpr, HAS_SINK: gl.constexpr,
+               FUSE_MERGE: gl.constexpr, SP: gl.constexpr, MHT: gl.constexpr, MDC: gl.constexpr,
                PROBE: gl.constexpr):
     """Warpgroup 0 (the default partition): S = Q K^T over all 512 dims (the only QK^T of a block), the
     online softmax, P and the rescale factor handed to warpgroup 1 through shared memory, then P V on
@@ -161,12 +243,16 @@ def _compute_s(b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
     mbarrier.arrive(lready)
     _epilogue(acc, m_i, l_i, b, split, num_splits, sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
               part_o_ptr, part_lse_ptr, o_l, row_s, 0, SPLIT_OUT, HAS_SINK)
+    if FUSE_MERGE:
+        _merge_splits(b, split, num_splits, counter_ptr, part_o_ptr, part_lse_ptr, sink_ptr, out_ptr, stride_ob,
+                      stride_oh, lse_ptr, stride_lb, 0, SP, MHT, MDC, HAS_SINK)
 
 
 @gluon.jit
 def _compute_pv(b, split, num_splits, lo, hi, sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
-                part_o_ptr, part_lse_ptr, k_smem, p_smem, row_smem, full, empty, pready, pfree, lready,
+                part_o_ptr, part_lse_ptr, k_smem, p_smem, row_smem, full, empty, pready, pfree, lready, counter_ptr,
                 BN: gl.constexpr, NS: gl.constexpr, SPLIT_OUT: gl.constexpr, HAS_SINK: gl.constexpr,
+                FUSE_MERGE: gl.constexpr, SP: gl.constexpr, MHT: gl.constexpr, MDC: gl.constexpr,
                 PROBE: gl.constexpr):
     """Warpgroup 1: O[:, 256:512] += P V with P (and the rescale of O) from warpgroup 0's shared memory."""
     DH: gl.constexpr = D_ALL // 2
@@ -193,6 +279,9 @@ def _compute_pv(b, split, num_splits, lo, hi, sink_ptr, out_ptr, stride_ob, stri
     l_i = row_smem.index(3).load(row_s)
     _epilogue(acc, m_i, l_i, b, split, num_splits, sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
               part_o_ptr, part_lse_ptr, o_l, row_s, 1, SPLIT_OUT, HAS_SINK)
+    if FUSE_MERGE:
+        _merge_splits(b, split, num_splits, counter_ptr, part_o_ptr, part_lse_ptr, sink_ptr, out_ptr, stride_ob,
+                      stride_oh, lse_ptr, stride_lb, 1, SP, MHT, MDC, HAS_SINK)
 
 
 @gluon.jit
@@ -202,14 +291,17 @@ def _sparse_decode_ws_kernel(
     widx_ptr, stride_wb, W, eidx_ptr, stride_eb, K,
     wlen_ptr, elen_ptr, sink_ptr,
     out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
-    part_o_ptr, part_lse_ptr,
+    part_o_ptr, part_lse_ptr, counter_ptr,
     qk_scale_log2, num_splits,
     BN: gl.constexpr, NS: gl.constexpr, SPLIT_OUT: gl.constexpr,
     IS_FP8: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_WLEN: gl.constexpr, HAS_ELEN: gl.constexpr,
     HAS_SINK: gl.constexpr, PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr,
     LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, PV_REGS: gl.constexpr, MAXB: gl.constexpr,
+    FUSE_MERGE: gl.constexpr = False, SP: gl.constexpr = 1, MHT: gl.constexpr = 1, MDC: gl.constexpr = 64,
     PROBE: gl.constexpr = 0,
 ):
+    # FUSE_MERGE (a cooperative launch, SPLIT_OUT): the splits merge themselves at the end (_merge_splits);
+    # SP, MHT, MDC: its tile (launch._fused_merge_tile).
     # PROBE (timing experiments only; wrong results): 1 = no math, 2 = no row loads, 3 = fp8: no dequantisation.
     b = gl.program_id(0)
     split = gl.program_id(1)
@@ -245,10 +337,10 @@ def _sparse_decode_ws_kernel(
         (_compute_s, (b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
                       sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
                       q_smem, k_smem, idx_all, p_smem, row_smem, q_bar, full, empty, pready, pfree, lready,
-                      BN, NS, SPLIT_OUT, HAS_SINK, PROBE)),
+                      counter_ptr, BN, NS, SPLIT_OUT, HAS_SINK, FUSE_MERGE, SP, MHT, MDC, PROBE)),
         (_compute_pv, (b, split, num_splits, lo, hi, sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
                        part_o_ptr, part_lse_ptr, k_smem, p_smem, row_smem, full, empty, pready, pfree, lready,
-                       BN, NS, SPLIT_OUT, HAS_SINK, PROBE)),
+                       counter_ptr, BN, NS, SPLIT_OUT, HAS_SINK, FUSE_MERGE, SP, MHT, MDC, PROBE)),
         (loader_partition, (q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
                             widx_ptr, stride_wb, eidx_ptr, stride_eb, b, lo, hi, nbw, wlen, elen,
                             q_smem, k_smem, idx_all, q_bar, full, empty,

@@ -34,6 +34,9 @@ class LaunchConfig:
     # Gluon: registers per loader thread (0: see `resolved`); the S warpgroup gets what the loader and
     # the P V warpgroup (PV_REGS) leave
     loader_regs: int = 0
+    # Gluon: merge the splits inside the kernel (a cooperative launch; only when B x splits CTAs fit on the
+    # SMs at once), else with the merge kernel after it
+    fused_merge: bool = True
 
 
 def choose_splits(batch: int, num_blocks: int, num_sms: int) -> int:
@@ -175,9 +178,10 @@ def _outputs(q, splits):
 
 
 def _kernel_args(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, sink, scale,
-                 window_lens, extra_lens, w, k, out, lse, part_o, part_lse, splits):
+                 window_lens, extra_lens, w, k, out, lse, part_o, part_lse, splits, counters=None):
     """The positional arguments both sparse-decode kernels (Triton and Gluon) take, in order; absent
-    optional tensors are replaced by a tensor the kernel will not read (its HAS_* flag is off)."""
+    optional tensors are replaced by a tensor the kernel will not read (its HAS_* flag is off).
+    `counters`: the Gluon kernel's split-merge counters (it alone takes them)."""
     has_extra = extra is not None
     scale = DIM**-0.5 if scale is None else float(scale)
     return (
@@ -189,7 +193,7 @@ def _kernel_args(q, main, main_stride, extra, extra_stride, window_idx, extra_id
         extra_lens if extra_lens is not None else window_idx,
         sink if sink is not None else lse,
         out, out.stride(0), out.stride(1), lse, lse.stride(0),
-        part_o, part_lse,
+        part_o, part_lse, *(() if counters is None else (counters,)),
         scale * _kernels.LOG2E, splits,
     )
 
@@ -245,19 +249,54 @@ def _launch_gluon(q, main, main_stride, extra, extra_stride, window_idx, extra_i
     num_blocks = -(-w // bn) + -(-k // bn)
     splits = config.num_splits or choose_splits(b, num_blocks, _num_sms(q.device))
     out, lse, part_o, part_lse = _outputs(q, splits)
+    # Splits merge inside the kernel when every CTA can be resident at once (one per SM: a cooperative
+    # launch guarantees it, or fails); else the merge kernel runs after it.
+    fuse = splits > 1 and config.fused_merge and b * splits <= _num_sms(q.device)
+    sp, mht, mdc = _fused_merge_tile(splits) if fuse else (1, 1, 64)
     gluon_kernel._sparse_decode_ws_kernel[(b, splits)](
         *_kernel_args(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, sink, scale,
-                      window_lens, extra_lens, w, k, out, lse, part_o, part_lse, splits),
+                      window_lens, extra_lens, w, k, out, lse, part_o, part_lse, splits,
+                      counters=split_counters(q.device, b) if fuse else lse),
         BN=bn, NS=config.num_stages, SPLIT_OUT=splits > 1,
         IS_FP8=is_fp8, HAS_EXTRA=extra is not None, HAS_WLEN=window_lens is not None,
         HAS_ELEN=extra is not None and extra_lens is not None, HAS_SINK=sink is not None,
         PAGE_STRIDE=PAGE_STRIDE, SCALES_OFFSET=SCALES_OFFSET, LOADER_WARPS=4, LOADER_REGS=config.loader_regs,
-        PV_REGS=PV_REGS, MAXB=gluon_index_blocks(w, k, bn), PROBE=_PROBE,
-        num_warps=4,
+        PV_REGS=PV_REGS, MAXB=gluon_index_blocks(w, k, bn), FUSE_MERGE=fuse, SP=sp, MHT=mht, MDC=mdc,
+        PROBE=_PROBE, num_warps=4, launch_cooperative_grid=fuse,
     )
-    if splits > 1:
+    if splits > 1 and not fuse:
         _combine(part_o, part_lse, sink, out, lse, b, h, splits)
     return out, lse
+
+
+def _fused_merge_tile(splits: int) -> tuple[int, int, int]:
+    """(SP, MHT, MDC) of the fused merge: splits and heads per split rounded up to powers of two, and the
+    dims merged at a time, as many as keep the [SP, MHT, MDC] fp32 tile at 64 registers per thread (<= 128:
+    32 lanes x 4 dims)."""
+    sp = triton_next_pow2(splits)
+    mht = triton_next_pow2(-(-64 // splits))
+    return sp, mht, max(16, min(128, 64 * 128 // (sp * mht)))
+
+
+# Per device: two u32 counters per query (arrivals, departures) for the fused merge's split barrier. They
+# start at zero and every launch leaves them at zero, so one buffer serves every call on the device that
+# runs in stream order (decode runs its layers one after another on one stream). Two fused-merge launches
+# running at the same time on one device (two streams) would share them: do not do that.
+_SPLIT_COUNTERS: dict[int | None, torch.Tensor] = {}
+
+
+def split_counters(device: torch.device, batch: int) -> torch.Tensor:
+    """The fused merge's counters for `batch` queries on `device`: allocated (zeroed) at the first eager call;
+    under CUDA-graph capture without one, a fresh zeroed buffer whose memset is captured with the kernel."""
+    cuda = device.type == "cuda"
+    index = device.index if device.index is not None or not cuda else torch.cuda.current_device()
+    buf = _SPLIT_COUNTERS.get(index)
+    if buf is None or buf.numel() < 2 * batch:
+        fresh = torch.zeros(2 * max(batch, 1024), dtype=torch.int32, device=device)
+        if cuda and torch.cuda.is_current_stream_capturing():
+            return fresh  # not kept: its memory and its zeroing belong to this graph
+        buf = _SPLIT_COUNTERS[index] = fresh
+    return buf
 
 
 ONESHOT_MERGE_FROM = 8  # splits from which the one-shot merge is used (measured; bench/probe_sparse_decode.py)

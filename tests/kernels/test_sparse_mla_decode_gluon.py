@@ -111,6 +111,64 @@ def test_gpu_gluon_fp8_dequantises_subnormals_and_large_scales_exactly(block_n, 
     assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
 
 
+def _v4_call(c, fp8, config):
+    """The Gluon kernel on case c (bf16 rows, or the same rows quantised to the V4 fp8 layout) and the float64
+    reference of what it was given."""
+    c = dict(c)
+    cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in c.items()}
+    if not fp8:
+        return (lambda: sparse_mla_decode_triton(**c, config=config)), reference64(cpu)
+    cache, extra = quantize_kv_v4(c.pop("kv")), quantize_kv_v4(c.pop("extra_kv"))
+    for k in ("kv", "extra_kv"):
+        cpu.pop(k)
+    ref = sparse_mla_decode_fp8_ref(**{**cpu, "q": cpu["q"].double()}, kv_cache=cache.cpu(), extra_cache=extra.cpu())
+    return (lambda: sparse_mla_decode_fp8_triton(**c, kv_cache=cache, extra_cache=extra, config=config)), ref
+
+
+@gluon_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("b, splits", [(1, 10), (8, 5), (3, 16), (32, 4), (66, 2)])
+def test_gpu_gluon_fused_merge_matches_reference_and_leaves_the_counters_at_zero(monkeypatch, fp8, b, splits):
+    """Splits merged inside the kernel (cooperative launch): as exact as the merge kernel, on every split count
+    (3 x 16: six splits with no rows at all; 66 x 2 = 132: every SM), and the counters end at zero."""
+    merges, merge_kernel = [], launch._combine
+    monkeypatch.setattr(launch, "_combine", lambda *a: (merges.append(a), merge_kernel(*a)))
+    c = make_case(b, **V4, device="cuda", seed=300 + b, sink=b % 2 == 0)
+    for fused in (True, False):
+        run, (ref_out, ref_lse) = _v4_call(c, fp8, LaunchConfig(num_splits=splits, backend="gluon", fused_merge=fused))
+        for _ in range(3):  # the counters must be back at zero for the next launch
+            out, lse = run()
+        assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
+        assert len(merges) == (0 if fused else 3)
+        merges.clear()
+    torch.cuda.synchronize()
+    assert not launch._SPLIT_COUNTERS[torch.cuda.current_device()].any()
+
+
+@gluon_gpu
+@pytest.mark.gpu
+def test_gpu_gluon_fused_merge_captured_before_any_eager_call(monkeypatch):
+    """A graph captured with no counters kept yet captures its own zeroed counters, and replays correctly."""
+    c = make_case(8, **V4, device="cuda", seed=78)
+    cfg = LaunchConfig(num_splits=5, backend="gluon")
+    sparse_mla_decode_triton(**c, config=cfg)  # compile outside the capture
+    torch.cuda.synchronize()
+    monkeypatch.setattr(launch, "_SPLIT_COUNTERS", {})
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, g_lse = sparse_mla_decode_triton(**c, config=cfg)
+    assert launch._SPLIT_COUNTERS == {}
+    for seed in (79, 80):
+        fresh = make_case(8, **V4, device="cuda", seed=seed)
+        for key in ("q", "window_idx", "extra_idx", "window_lens", "extra_lens"):
+            c[key].copy_(fresh[key])
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_out, ref_lse = reference64({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in c.items()})
+        assert_close(g_out.cpu(), g_lse.cpu(), ref_out, ref_lse, torch.bfloat16)
+
+
 @gluon_gpu
 @pytest.mark.gpu
 def test_gpu_gluon_rejects_a_config_over_shared_memory():
@@ -121,10 +179,12 @@ def test_gpu_gluon_rejects_a_config_over_shared_memory():
                                      config=LaunchConfig(block_n=64, num_stages=3, backend="gluon"))
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_gluon_launch_passes_every_kernel_parameter(monkeypatch, fp8):
+def test_gluon_launch_passes_every_kernel_parameter(monkeypatch, fp8, fused):
     """Host side of the Gluon kernel without a GPU: the launch binds every kernel parameter exactly once,
-    with the split merge behind it when there are splits (the kernel itself runs only on sm_90)."""
+    with the split merge behind it when there are splits, or (when every CTA fits on the SMs at once) a
+    cooperative launch that merges them itself (the kernel itself runs only on sm_90)."""
     from dsv4_cluster.kernels.sparse_mla_decode import gluon_kernel
 
     launches = []
@@ -141,6 +201,8 @@ def test_gluon_launch_passes_every_kernel_parameter(monkeypatch, fp8):
     monkeypatch.setattr(gluon_kernel, "_sparse_decode_ws_kernel", Recorder(kernel))
     monkeypatch.setattr(launch._kernels, "_combine_kernel", Recorder(launch._kernels._combine_kernel))
     monkeypatch.setattr(launch._kernels, "_combine_stream_kernel", Recorder(launch._kernels._combine_stream_kernel))
+    monkeypatch.setattr(launch, "_num_sms", lambda device: 132 if fused else 4)  # 3 x 4 CTAs fit on 132 SMs
+    monkeypatch.setattr(launch, "_SPLIT_COUNTERS", {})
     c = make_case(3, 64, 128, 512, 300, 200, seed=8)
     cfg = launch.resolved(LaunchConfig(backend="gluon", num_splits=4), "gluon", fp8)
     if fp8:
@@ -149,15 +211,32 @@ def test_gluon_launch_passes_every_kernel_parameter(monkeypatch, fp8):
         caches = (c["kv"], c["kv"].stride(0), c["extra_kv"], c["extra_kv"].stride(0))
     launch._launch_gluon(c["q"], *caches, c["window_idx"], c["extra_idx"], c["sink"], None,
                          c["window_lens"], c["extra_lens"], 128, 512, fp8, cfg)
-    (fn, grid, args, kwargs), merge = launches
+    (fn, grid, args, kwargs), *merge = launches
     assert grid == (3, 4)
     required = [name for name, p in zip(kernel.arg_names, kernel.params) if not p.has_default]
-    bound = kernel.arg_names[:len(args)] + [k for k in kwargs if k != "num_warps"]  # num_warps: a launch option
+    options = ("num_warps", "launch_cooperative_grid")  # launch options, not parameters
+    bound = kernel.arg_names[:len(args)] + [k for k in kwargs if k not in options]
     assert sorted(bound) == sorted(set(bound)), "a parameter is bound twice"
     assert set(required) <= set(bound), f"unbound: {set(required) - set(bound)}"
     assert set(bound) <= set(kernel.arg_names), f"unknown: {set(bound) - set(kernel.arg_names)}"
     assert kwargs["IS_FP8"] is fp8 and kwargs["SPLIT_OUT"] is True and kwargs["MAXB"] == (16 if cfg.block_n == 64 else 32)
-    assert merge[0] is stream_merge  # 4 splits: the streaming merge
+    assert kwargs["FUSE_MERGE"] is fused and kwargs["launch_cooperative_grid"] is fused
+    counters = args[kernel.arg_names.index("counter_ptr")]
+    if fused:
+        assert merge == []  # the kernel merges: no merge kernel after it
+        assert (kwargs["SP"], kwargs["MHT"], kwargs["MDC"]) == (4, 16, 128)  # 4 splits of 16 heads, 128 dims a time
+        assert counters is launch._SPLIT_COUNTERS[None] and counters.dtype == torch.int32
+        assert counters.numel() >= 2 * 3 and not counters.any()
+    else:
+        assert merge[0][0] is stream_merge  # 4 splits: the streaming merge
+        assert launch._SPLIT_COUNTERS == {}  # no counters when the merge kernel runs
+
+
+def test_fused_merge_tile_stays_at_64_registers_per_thread():
+    for splits in range(2, 33):
+        sp, mht, mdc = launch._fused_merge_tile(splits)
+        assert sp >= splits and mht * splits >= 64 and 16 <= mdc <= 128
+        assert sp * mht * mdc // 128 <= 64 or mdc == 16
 
 
 def test_gluon_is_refused_with_the_reason_on_an_untested_triton(monkeypatch):
