@@ -1,8 +1,9 @@
 """Where the Gluon sparse decode spends its time: the kernel with one stage dropped (timing only).
 
-`python -m dsv4_cluster.bench.probe_sparse_decode` on the H200 prints, per batch size and config,
-the CUDA-graph replay time of the full kernel, of the kernel without math (loads + barriers only),
-without row loads (math on whatever shared memory holds), and, for fp8, without dequantisation;
+`python -m dsv4_cluster.bench.probe_sparse_decode [batches] [splits]` on the H200 prints, per batch size
+and config, the CUDA-graph replay time of the full kernel, of the kernel without math (loads + barriers
+only), without row loads (math on whatever shared memory holds), and, for fp8, without dequantisation; the
+full kernel with the merge kernel instead of the fused merge, and every query empty (the fixed cost);
 plus a plain PyTorch gather of the same rows (index_select: the bytes at many-warp occupancy) as
 the bandwidth a gather can reach. The probes give wrong outputs by design; nothing is checked.
 """
@@ -27,7 +28,9 @@ def splits_of(b: int, bn: int) -> int:
 
 
 def main(argv: list[str]) -> int:
+    """argv: [batches, e.g. 8,128] [split count for every B (default: choose_splits)]"""
     batches = [int(x) for x in (argv[0] if argv else "8,128").split(",")]
+    forced_splits = int(argv[1]) if len(argv) > 1 else 0
     copy = copy_bandwidth_gbs()
     print(f"copy {copy:.0f} GB/s")
     floor = torch.empty(1, device="cuda")
@@ -46,7 +49,8 @@ def main(argv: list[str]) -> int:
                  "extra_lens": torch.zeros(b, dtype=torch.int32, device="cuda")}
         for fp8, cfgs in ((False, [(64, 2)]), (True, [(64, 2), (32, 3)])):
             for bn, st in cfgs:
-                cfg = LaunchConfig(block_n=bn, num_stages=st, backend="gluon")
+                splits = forced_splits or splits_of(b, bn)
+                cfg = LaunchConfig(block_n=bn, num_stages=st, backend="gluon", num_splits=splits)
 
                 def run(cfg=cfg, fp8=fp8, c=case):
                     if fp8:
@@ -59,17 +63,16 @@ def main(argv: list[str]) -> int:
                     launch._PROBE = probe
                     line.append(f"{PROBES[probe]} {bench_us(graphed(run), rep_ms=100):6.1f}")
                 launch._PROBE = 0
-                for splits in (1, 0):
-                    c2 = LaunchConfig(block_n=bn, num_stages=st, backend="gluon", num_splits=splits)
+                if splits > 1:  # the same with the merge kernel after it instead of the fused merge
+                    unfused = LaunchConfig(block_n=bn, num_stages=st, backend="gluon", num_splits=splits, fused_merge=False)
+                    line.append(f"full, merge kernel {bench_us(graphed(lambda: run(unfused)), rep_ms=100):6.1f}")
+                for n, fused in ((1, True), (splits, True), (splits, False)) if splits > 1 else ((1, True),):
+                    c2 = LaunchConfig(block_n=bn, num_stages=st, backend="gluon", num_splits=n, fused_merge=fused)
                     us = bench_us(graphed(lambda: run(c2, c=empty)), rep_ms=100)
-                    line.append(f"empty queries (splits {splits or 'auto'}) {us:6.1f}")
-                threshold = launch.ONESHOT_MERGE_FROM
-                if 1 < splits_of(b, bn) < threshold:  # the one-shot merge below its threshold
-                    launch.ONESHOT_MERGE_FROM = 2
-                    line.append(f"one-shot merge {bench_us(graphed(run), rep_ms=100):6.1f}")
-                    launch.ONESHOT_MERGE_FROM = threshold
+                    how = "" if n == 1 else ", fused" if fused else ", merge kernel"
+                    line.append(f"empty queries (splits {n}{how}) {us:6.1f}")
                 row_bytes = 584 if fp8 else 1024
-                print(f"B={b:4d} {'fp8 ' if fp8 else 'bf16'} bn={bn} st={st} splits={splits_of(b, bn)}: " + " | ".join(line)
+                print(f"B={b:4d} {'fp8 ' if fp8 else 'bf16'} bn={bn} st={st} splits={splits}: " + " | ".join(line)
                       + f"  (full = {required_bytes(b, row_bytes) / copy / 1e3:.1f} us at copy speed)")
     return 0
 

@@ -109,10 +109,13 @@ def _epilogue(acc, m_i, l_i, b, split, num_splits, sink_ptr, out_ptr, stride_ob,
 
 
 # One warp of a compute warpgroup, once its share of the split's partial output is stored: arrive on query
-# b's split barrier ($1: two u32 counters, arrivals then departures), wait until all $2 = 8 x num_splits
-# compute warps of the query have arrived, then count out; the last warp out zeroes both counters for the
-# next launch. bar.warp.sync orders the lanes' stores before lane 0's release (GPU scope); every lane
-# acquires, so each sees every split's partial output. $0: the arrivals seen (>= $2).
+# b's split barrier ($1: two u32 counters, arrivals then departures, alone in their 128-byte line), wait
+# until all $2 = 8 x num_splits compute warps of the query have arrived (polling every ~SPIN_NS ns: warps that
+# spin flat out on one line slow every other access to its L2 slice), then count out; the last warp out
+# zeroes both counters for the next launch. bar.warp.sync orders the lanes' stores before lane 0's release
+# (GPU scope); every lane acquires, so each sees every split's partial output. $0: the arrivals seen.
+COUNTER_STRIDE = gl.constexpr(32)  # int32s between two queries' counters (launch.COUNTER_STRIDE)
+SPIN_NS = 100
 _SPLIT_BARRIER = gl.constexpr("""{
 .reg .pred p, q;
 .reg .u32 old, last, zero;
@@ -123,6 +126,7 @@ bar.warp.sync -1;
 SPLIT_WAIT_${:uid}:
 ld.acquire.gpu.global.u32 $0, [$1];
 setp.lt.u32 q, $0, $2;
+@q nanosleep.u32 SPIN_NS;
 @q bra SPLIT_WAIT_${:uid};
 mov.u32 old, 0;
 @p atom.relaxed.gpu.global.add.u32 old, [$1+4], 1;
@@ -130,7 +134,7 @@ sub.u32 last, $2, 1;
 setp.eq.and.u32 q, old, last, p;
 mov.u32 zero, 0;
 @q st.relaxed.gpu.global.v2.u32 [$1], {zero, zero};
-}""")
+}""".replace("SPIN_NS", str(SPIN_NS)))
 
 
 @gluon.jit
@@ -148,7 +152,8 @@ def _merge_splits(b, split, num_splits, counter_ptr, part_o_ptr, part_lse_ptr, s
     one_l: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
     lanes = gl.arange(0, 32 * NW, layout=one_l)
     gl.inline_asm_elementwise(_SPLIT_BARRIER, "=r,l,r",
-                              [counter_ptr + 2 * b + lanes * 0, gl.full([32 * NW], 8, gl.int32, one_l) * num_splits],
+                              [counter_ptr + COUNTER_STRIDE * b + lanes * 0,
+                               gl.full([32 * NW], 8, gl.int32, one_l) * num_splits],
                               dtype=gl.int32, is_pure=False, pack=1)
 
     l3: gl.constexpr = gl.BlockedLayout([SP, 1, 4], [1, 32 // (MDC // 4), MDC // 4], [1, NW, 1], [2, 1, 0])

@@ -278,6 +278,7 @@ def _fused_merge_tile(splits: int) -> tuple[int, int, int]:
     return sp, mht, max(16, min(128, 64 * 128 // (sp * mht)))
 
 
+COUNTER_STRIDE = 32  # int32s per query: its two counters alone in a 128-byte line (gluon_kernel.COUNTER_STRIDE)
 # Per device: two u32 counters per query (arrivals, departures) for the fused merge's split barrier. They
 # start at zero and every launch leaves them at zero, so one buffer serves every call on the device that
 # runs in stream order (decode runs its layers one after another on one stream). Two fused-merge launches
@@ -291,8 +292,8 @@ def split_counters(device: torch.device, batch: int) -> torch.Tensor:
     cuda = device.type == "cuda"
     index = device.index if device.index is not None or not cuda else torch.cuda.current_device()
     buf = _SPLIT_COUNTERS.get(index)
-    if buf is None or buf.numel() < 2 * batch:
-        fresh = torch.zeros(2 * max(batch, 1024), dtype=torch.int32, device=device)
+    if buf is None or buf.numel() < COUNTER_STRIDE * batch:
+        fresh = torch.zeros(COUNTER_STRIDE * max(batch, 1024), dtype=torch.int32, device=device)
         if cuda and torch.cuda.is_current_stream_capturing():
             return fresh  # not kept: its memory and its zeroing belong to this graph
         buf = _SPLIT_COUNTERS[index] = fresh
