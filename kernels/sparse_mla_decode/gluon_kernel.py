@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_loaders import D_ALL, H_ALL, loader_partition
+from .gluon_loaders import D_ALL, H_ALL, _table_row, loader_partition, stage_q_and_indices
 
 
 @gluon.jit
@@ -195,7 +195,7 @@ def _merge_splits(b, split, num_splits, counter_ptr, part_o_ptr, part_lse_ptr, s
 
 
 @gluon.jit
-def _compute_s(b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
+def _compute_s(b, split, num_splits, lo, hi, nbw, nbw_t, wlen, elen, qk_scale_log2,
                sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
                q_smem, k_smem, idx_all, p_smem, row_smem, q_bar, full, empty, pready, pfree, lready, counter_ptr,
                BN: gl.constexpr, NS: gl.constexpr, SPLIT_OUT: gl.constexpr, HAS_SINK: gl.constexpr,
@@ -228,7 +228,8 @@ def _compute_s(b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
             k = k_smem.index(s)
             sc = warpgroup_mma(q_smem, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-            p, alpha, m_i, l_i = _online_softmax(sc, j, nbw, wlen, elen, idx_all.index(j).load(col_s),
+            idx_s = idx_all.index(_table_row(j, nbw, nbw_t)).load(col_s)
+            p, alpha, m_i, l_i = _online_softmax(sc, j, nbw, wlen, elen, idx_s,
                                                  m_i, l_i, qk_scale_log2, offs_c, BN)
             if i >= 2:  # warpgroup 1 is done with this P buffer's previous block
                 mbarrier.wait(pfree.index(pb), ((i // 2) + 1) & 1)
@@ -303,15 +304,18 @@ def _sparse_decode_ws_kernel(
     HAS_SINK: gl.constexpr, PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr,
     LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, PV_REGS: gl.constexpr, MAXB: gl.constexpr,
     FUSE_MERGE: gl.constexpr = False, SP: gl.constexpr = 1, MHT: gl.constexpr = 1, MDC: gl.constexpr = 64,
-    PROBE: gl.constexpr = 0,
+    EARLY_TABLE: gl.constexpr = False, PROBE: gl.constexpr = 0,
 ):
     # FUSE_MERGE (a cooperative launch, SPLIT_OUT): the splits merge themselves at the end (_merge_splits);
-    # SP, MHT, MDC: its tile (launch._fused_merge_tile).
+    # SP, MHT, MDC: its tile (launch._fused_merge_tile). EARLY_TABLE: Q and the index table are staged by
+    # the body before the per-query lengths are loaded (launch: with splits, where the kernel is short and
+    # that round trip shows; at one split it measured 1.1 us slower on fp8, B = 128).
     # PROBE (timing experiments only; wrong results): 1 = no math, 2 = no row loads, 3 = fp8: no dequantisation.
     b = gl.program_id(0)
     split = gl.program_id(1)
-    lo, hi, nbw, wlen, elen = _block_range(b, split, num_splits, W, K, wlen_ptr, elen_ptr, BN,
-                                           HAS_EXTRA, HAS_WLEN, HAS_ELEN)
+    if not EARLY_TABLE:
+        lo, hi, nbw, wlen, elen = _block_range(b, split, num_splits, W, K, wlen_ptr, elen_ptr, BN,
+                                               HAS_EXTRA, HAS_WLEN, HAS_ELEN)
 
     nvmma: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [H_ALL, D_ALL], nvmma)
@@ -327,7 +331,7 @@ def _sparse_decode_ws_kernel(
     pready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     pfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     lready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=LOADER_WARPS * 32)
+    mbarrier.init(q_bar, count=(gl.num_warps() if EARLY_TABLE else LOADER_WARPS) * 32)  # its stagers' threads
     for s in gl.static_range(NS):
         # bf16: one cp.async arrive per loader thread; fp8: one plain arrive after the dequantisation.
         mbarrier.init(full.index(s), count=1 if IS_FP8 else LOADER_WARPS * 32)
@@ -337,9 +341,20 @@ def _sparse_decode_ws_kernel(
         mbarrier.init(pfree.index(h), count=1)
     mbarrier.init(lready, count=1)
 
+    if EARLY_TABLE:
+        # Q and the index table (laid out by W and K: window block r in row r, extra block r in row
+        # ceil(W / BN) + r) go out first, from these 4 warps, so that their round trip overlaps the load
+        # of the per-query lengths below, which the table would otherwise wait for.
+        gl.thread_barrier()  # q_bar's init is seen by every thread that arrives on it
+        stage_q_and_indices(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_ptr, stride_eb, b,
+                            (W + BN - 1) // BN, W, K, q_smem, idx_all, q_bar, MAXB, BN)
+        lo, hi, nbw, wlen, elen = _block_range(b, split, num_splits, W, K, wlen_ptr, elen_ptr, BN,
+                                               HAS_EXTRA, HAS_WLEN, HAS_ELEN)
+    nbw_t = (W + BN - 1) // BN if EARLY_TABLE else nbw  # the table's window blocks (`_table_row`)
+
     # Registers: the loader and the P V warpgroup get what they ask for, warpgroup 0 the rest.
     gl.warp_specialize([
-        (_compute_s, (b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
+        (_compute_s, (b, split, num_splits, lo, hi, nbw, nbw_t, wlen, elen, qk_scale_log2,
                       sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
                       q_smem, k_smem, idx_all, p_smem, row_smem, q_bar, full, empty, pready, pfree, lready,
                       counter_ptr, BN, NS, SPLIT_OUT, HAS_SINK, FUSE_MERGE, SP, MHT, MDC, PROBE)),
@@ -347,7 +362,7 @@ def _sparse_decode_ws_kernel(
                        part_o_ptr, part_lse_ptr, k_smem, p_smem, row_smem, full, empty, pready, pfree, lready,
                        counter_ptr, BN, NS, SPLIT_OUT, HAS_SINK, FUSE_MERGE, SP, MHT, MDC, PROBE)),
         (loader_partition, (q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
-                            widx_ptr, stride_wb, eidx_ptr, stride_eb, b, lo, hi, nbw, wlen, elen,
+                            widx_ptr, stride_wb, eidx_ptr, stride_eb, b, lo, hi, nbw, nbw_t, wlen, elen,
                             q_smem, k_smem, idx_all, q_bar, full, empty,
-                            BN, NS, MAXB, IS_FP8, PAGE_STRIDE, SCALES_OFFSET, PROBE)),
+                            BN, NS, MAXB, IS_FP8, PAGE_STRIDE, SCALES_OFFSET, EARLY_TABLE, PROBE)),
     ], [4, LOADER_WARPS], [PV_REGS, LOADER_REGS])

@@ -17,9 +17,10 @@ D_ALL = gl.constexpr(512)
 
 @gluon.jit
 def _stage_indices(idx_all, widx_row, eidx_row, nbw, wlen, elen, MAXB: gl.constexpr, BN: gl.constexpr):
-    """cp.async every live block's indices into idx_all [MAXB, BN]: row j = live block j (window blocks,
-    then extra blocks), zeros past the lengths (readers mask by position). One round trip for all of them,
-    so no block waits on an index load before its rows can be gathered."""
+    """cp.async the index table into idx_all [MAXB, BN]: the nbw window blocks (of wlen indices), then the
+    extra blocks (of elen), zeros past the lengths (readers mask by position). Called with the query's
+    lengths (row j = live block j) or with W and K (`_table_row`). One round trip for all of it, so no
+    block waits on an index load before its rows can be gathered."""
     NW: gl.constexpr = gl.num_warps()
     l: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (BN // 4), BN // 4], [NW, 1], [1, 0])
     jr = gl.arange(0, MAXB, layout=gl.SliceLayout(1, l))
@@ -36,7 +37,15 @@ def _stage_indices(idx_all, widx_row, eidx_row, nbw, wlen, elen, MAXB: gl.conste
 
 
 @gluon.jit
-def _round_rows(idx_all, j, hi, nbw, wlen, elen, r0: gl.constexpr, R: gl.constexpr, row_l: gl.constexpr,
+def _table_row(j, nbw, nbw_t):
+    """Row of the index table that holds live block j when the table has nbw_t window blocks (nbw_t = nbw:
+    the table was staged by the query's lengths, and the row is j; nbw_t = ceil(W / BN): staged by W and K
+    before the lengths were known)."""
+    return gl.where(j < nbw, j, j - nbw + nbw_t)
+
+
+@gluon.jit
+def _round_rows(idx_all, j, hi, nbw, nbw_t, wlen, elen, r0: gl.constexpr, R: gl.constexpr, row_l: gl.constexpr,
                 MAXB: gl.constexpr, BN: gl.constexpr):
     """Cache rows r0 .. r0 + R - 1 of live block j from the staged table, in layout row_l (-1 where invalid or
     past the length; all -1 for j >= hi)."""
@@ -44,15 +53,18 @@ def _round_rows(idx_all, j, hi, nbw, wlen, elen, r0: gl.constexpr, R: gl.constex
     is_w = j < nbw
     blk = gl.where(is_w, j, j - nbw)
     n_valid = gl.where(j < hi, gl.where(is_w, wlen, elen), 0)
-    idx = idx_all.index(gl.minimum(j, MAXB - 1)).slice(r0, R).load(row_l)
+    idx = idx_all.index(gl.minimum(_table_row(j, nbw, nbw_t), MAXB - 1)).slice(r0, R).load(row_l)
     return gl.where(blk * BN + offs < n_valid, idx, -1)
 
 
 @gluon.jit
-def _stage_q_and_indices(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_ptr, stride_eb, b, nbw, wlen, elen,
-                         q_smem, idx_all, q_bar, rows_l: gl.constexpr, MAXB: gl.constexpr, BN: gl.constexpr):
-    """Loader prologue: Q (64 heads x 512 dims) and the index table by cp.async, tracked by q_bar, which
-    the loader then waits on too (it reads the table)."""
+def stage_q_and_indices(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_ptr, stride_eb, b, nbw, wlen, elen,
+                        q_smem, idx_all, q_bar, MAXB: gl.constexpr, BN: gl.constexpr):
+    """Q (64 heads x 512 dims) and the index table (`_stage_indices`) by cp.async; q_bar completes when both
+    have landed (one arrival per calling thread). The loader runs this itself, or (EARLY_TABLE) the kernel
+    body does, before the per-query lengths are loaded."""
+    NW: gl.constexpr = gl.num_warps()
+    rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
     qh = gl.arange(0, H_ALL, layout=gl.SliceLayout(1, rows_l))
     qd = gl.arange(0, D_ALL, layout=gl.SliceLayout(0, rows_l))
     q_ptrs = q_ptr + b.to(gl.int64) * stride_qb + qh[:, None] * stride_qh + qd[None, :]
@@ -61,26 +73,27 @@ def _stage_q_and_indices(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_
     eidx_row = eidx_ptr + b.to(gl.int64) * stride_eb
     _stage_indices(idx_all, widx_row, eidx_row, nbw, wlen, elen, MAXB, BN)
     async_copy.mbarrier_arrive(q_bar, increment_count=False)
-    mbarrier.wait(q_bar, 0)
 
 
 @gluon.jit
 def _loader(q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
             widx_ptr, stride_wb, eidx_ptr, stride_eb,
-            b, lo, hi, nbw, wlen, elen,
+            b, lo, hi, nbw, nbw_t, wlen, elen,
             q_smem, k_smem, idx_all, q_bar, full, empty,
             BN: gl.constexpr, NS: gl.constexpr, MAXB: gl.constexpr,
-            PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr, PROBE: gl.constexpr):
+            PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr, EARLY_TABLE: gl.constexpr, PROBE: gl.constexpr):
     NW: gl.constexpr = gl.num_warps()
     rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
-    _stage_q_and_indices(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_ptr, stride_eb, b, nbw, wlen, elen,
-                         q_smem, idx_all, q_bar, rows_l, MAXB, BN)
+    if not EARLY_TABLE:
+        stage_q_and_indices(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_ptr, stride_eb, b, nbw, wlen,
+                            elen, q_smem, idx_all, q_bar, MAXB, BN)
+    mbarrier.wait(q_bar, 0)  # the table is read below
 
     offs_d = gl.arange(0, D_ALL, layout=gl.SliceLayout(0, rows_l))
     for j in range(lo, hi):
         i = j - lo
         s = i % NS
-        idx = _round_rows(idx_all, j, hi, nbw, wlen, elen, 0, BN, gl.SliceLayout(1, rows_l), MAXB, BN)
+        idx = _round_rows(idx_all, j, hi, nbw, nbw_t, wlen, elen, 0, BN, gl.SliceLayout(1, rows_l), MAXB, BN)
         if i >= NS:  # wait until both compute warpgroups are done with this stage's previous block
             mbarrier.wait(empty.index(s), ((i // NS) + 1) & 1)
         valid = idx >= 0
@@ -101,7 +114,7 @@ def _page_slot(idx, j, nbw, kv_ptr, ekv_ptr, PAGE_STRIDE: gl.constexpr):
 
 
 @gluon.jit
-def _load_nope(idx_all, j, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, r0: gl.constexpr, R: gl.constexpr,
+def _load_nope(idx_all, j, hi, nbw, nbw_t, wlen, elen, kv_ptr, ekv_ptr, r0: gl.constexpr, R: gl.constexpr,
                T0: gl.constexpr, G: gl.constexpr, MAXB: gl.constexpr, BN: gl.constexpr,
                PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr):
     """e4m3 tiles T0 .. T0 + G - 1 (64 dims each) of rows r0 .. r0 + R - 1 of live block j, as int32
@@ -111,7 +124,7 @@ def _load_nope(idx_all, j, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, r0: gl.constexp
     deq_l: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8 // G, G, 4], [NW, 1, 1], [2, 1, 0])
     sc_l: gl.constexpr = gl.SliceLayout(2, deq_l)
     row_l: gl.constexpr = gl.SliceLayout(1, sc_l)
-    idx = _round_rows(idx_all, j, hi, nbw, wlen, elen, r0, R, row_l, MAXB, BN)
+    idx = _round_rows(idx_all, j, hi, nbw, nbw_t, wlen, elen, r0, R, row_l, MAXB, BN)
     valid = idx >= 0
     page, slot = _page_slot(idx, j, nbw, kv_ptr, ekv_ptr, PAGE_STRIDE)
     t = T0 + gl.arange(0, G, layout=gl.SliceLayout(0, sc_l))
@@ -125,13 +138,13 @@ def _load_nope(idx_all, j, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, r0: gl.constexp
 
 
 @gluon.jit
-def _load_rope(idx_all, j, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, r0: gl.constexpr, R: gl.constexpr,
+def _load_rope(idx_all, j, hi, nbw, nbw_t, wlen, elen, kv_ptr, ekv_ptr, r0: gl.constexpr, R: gl.constexpr,
                MAXB: gl.constexpr, BN: gl.constexpr, PAGE_STRIDE: gl.constexpr):
     """The 64 bf16 RoPE dims of rows r0 .. r0 + R - 1 of live block j, as 32 int32 words per row (zeros
     for invalid rows)."""
     NW: gl.constexpr = gl.num_warps()
     rope_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])
-    idx = _round_rows(idx_all, j, hi, nbw, wlen, elen, r0, R, gl.SliceLayout(1, rope_l), MAXB, BN)
+    idx = _round_rows(idx_all, j, hi, nbw, nbw_t, wlen, elen, r0, R, gl.SliceLayout(1, rope_l), MAXB, BN)
     page, slot = _page_slot(idx, j, nbw, kv_ptr, ekv_ptr, PAGE_STRIDE)
     rec = page + slot * 576
     c = gl.arange(0, 32, layout=gl.SliceLayout(0, rope_l))
@@ -140,17 +153,17 @@ def _load_rope(idx_all, j, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, r0: gl.constexp
 
 
 @gluon.jit
-def _load_round(idx_all, j, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, r0: gl.constexpr, R: gl.constexpr,
+def _load_round(idx_all, j, hi, nbw, nbw_t, wlen, elen, kv_ptr, ekv_ptr, r0: gl.constexpr, R: gl.constexpr,
                 MAXB: gl.constexpr, BN: gl.constexpr, PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr):
     """One round (rows r0 .. r0 + R - 1 of live block j) into registers: e4m3 tiles 0-3, 4-5 and 6 with
     their scales (three groups, so no element pays a select), and the RoPE words."""
-    n4, s4 = _load_nope(idx_all, j, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, r0, R, 0, 4, MAXB, BN, PAGE_STRIDE,
+    n4, s4 = _load_nope(idx_all, j, hi, nbw, nbw_t, wlen, elen, kv_ptr, ekv_ptr, r0, R, 0, 4, MAXB, BN, PAGE_STRIDE,
                         SCALES_OFFSET)
-    n2, s2 = _load_nope(idx_all, j, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, r0, R, 4, 2, MAXB, BN, PAGE_STRIDE,
+    n2, s2 = _load_nope(idx_all, j, hi, nbw, nbw_t, wlen, elen, kv_ptr, ekv_ptr, r0, R, 4, 2, MAXB, BN, PAGE_STRIDE,
                         SCALES_OFFSET)
-    n1, s1 = _load_nope(idx_all, j, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, r0, R, 6, 1, MAXB, BN, PAGE_STRIDE,
+    n1, s1 = _load_nope(idx_all, j, hi, nbw, nbw_t, wlen, elen, kv_ptr, ekv_ptr, r0, R, 6, 1, MAXB, BN, PAGE_STRIDE,
                         SCALES_OFFSET)
-    rp = _load_rope(idx_all, j, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, r0, R, MAXB, BN, PAGE_STRIDE)
+    rp = _load_rope(idx_all, j, hi, nbw, nbw_t, wlen, elen, kv_ptr, ekv_ptr, r0, R, MAXB, BN, PAGE_STRIDE)
     return n4, s4, n2, s2, n1, s1, rp
 
 
@@ -190,10 +203,11 @@ def _store_dequant(k_words, raw, scw, r0: gl.constexpr, R: gl.constexpr, T0: gl.
 @gluon.jit
 def _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr,
                        widx_ptr, stride_wb, eidx_ptr, stride_eb,
-                       b, lo, hi, nbw, wlen, elen,
+                       b, lo, hi, nbw, nbw_t, wlen, elen,
                        q_smem, k_smem, idx_all, q_bar, full, empty,
                        BN: gl.constexpr, NS: gl.constexpr, MAXB: gl.constexpr,
-                       PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr, PROBE: gl.constexpr):
+                       PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr, EARLY_TABLE: gl.constexpr,
+                       PROBE: gl.constexpr):
     """V4 fp8 pages: the records of a block are loaded into registers (the next round's loads in flight
     while this one is dequantised) and stored, dequantised, into the bf16 stage the wgmmas read. Rounds
     of R = 32 rows; a block is BN // R rounds. (Staging the raw records in shared memory by cp.async
@@ -204,10 +218,12 @@ def _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr,
     rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
     # The bf16 stage seen as int32 words: the same bytes and 128-byte swizzle (32 words = 64 dims per line).
     words_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-    _stage_q_and_indices(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_ptr, stride_eb, b, nbw, wlen, elen,
-                         q_smem, idx_all, q_bar, rows_l, MAXB, BN)
+    if not EARLY_TABLE:
+        stage_q_and_indices(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_ptr, stride_eb, b, nbw, wlen,
+                            elen, q_smem, idx_all, q_bar, MAXB, BN)
+    mbarrier.wait(q_bar, 0)  # the table is read below
     j0 = gl.where(PROBE == 2, hi, lo)
-    n4, s4, n2, s2, n1, s1, rp = _load_round(idx_all, j0, hi, nbw, wlen, elen, kv_ptr, ekv_ptr, 0, R, MAXB, BN,
+    n4, s4, n2, s2, n1, s1, rp = _load_round(idx_all, j0, hi, nbw, nbw_t, wlen, elen, kv_ptr, ekv_ptr, 0, R, MAXB, BN,
                                              PAGE_STRIDE, SCALES_OFFSET)
     for j in range(lo, hi):
         i = j - lo
@@ -224,7 +240,7 @@ def _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr,
             # the next round's loads go out before this round is dequantised
             jn = j if r + 1 < RPB else j + 1
             jn = gl.where(PROBE == 2, hi, jn)
-            n4, s4, n2, s2, n1, s1, rp = _load_round(idx_all, jn, hi, nbw, wlen, elen, kv_ptr, ekv_ptr,
+            n4, s4, n2, s2, n1, s1, rp = _load_round(idx_all, jn, hi, nbw, nbw_t, wlen, elen, kv_ptr, ekv_ptr,
                                                      ((r + 1) % RPB) * R, R, MAXB, BN, PAGE_STRIDE, SCALES_OFFSET)
             if r == 0:
                 if i >= NS:  # both compute warpgroups are done with this stage's previous block
@@ -243,16 +259,18 @@ def _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr,
 
 @gluon.jit
 def loader_partition(q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
-                     widx_ptr, stride_wb, eidx_ptr, stride_eb, b, lo, hi, nbw, wlen, elen,
+                     widx_ptr, stride_wb, eidx_ptr, stride_eb, b, lo, hi, nbw, nbw_t, wlen, elen,
                      q_smem, k_smem, idx_all, q_bar, full, empty,
                      BN: gl.constexpr, NS: gl.constexpr, MAXB: gl.constexpr, IS_FP8: gl.constexpr,
-                     PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr, PROBE: gl.constexpr):
+                     PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr, EARLY_TABLE: gl.constexpr,
+                     PROBE: gl.constexpr):
     """The loader warps: `_loader_fp8` on V4 fp8 pages, else `_loader` (bf16 rows)."""
     if IS_FP8:
         _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr, widx_ptr, stride_wb, eidx_ptr, stride_eb,
-                    b, lo, hi, nbw, wlen, elen, q_smem, k_smem, idx_all, q_bar, full, empty,
-                    BN, NS, MAXB, PAGE_STRIDE, SCALES_OFFSET, PROBE)
+                    b, lo, hi, nbw, nbw_t, wlen, elen, q_smem, k_smem, idx_all, q_bar, full, empty,
+                    BN, NS, MAXB, PAGE_STRIDE, SCALES_OFFSET, EARLY_TABLE, PROBE)
     else:
         _loader(q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
-                widx_ptr, stride_wb, eidx_ptr, stride_eb, b, lo, hi, nbw, wlen, elen,
-                q_smem, k_smem, idx_all, q_bar, full, empty, BN, NS, MAXB, PAGE_STRIDE, SCALES_OFFSET, PROBE)
+                widx_ptr, stride_wb, eidx_ptr, stride_eb, b, lo, hi, nbw, nbw_t, wlen, elen,
+                q_smem, k_smem, idx_all, q_bar, full, empty, BN, NS, MAXB, PAGE_STRIDE, SCALES_OFFSET,
+                EARLY_TABLE, PROBE)

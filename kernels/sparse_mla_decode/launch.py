@@ -37,6 +37,9 @@ class LaunchConfig:
     # Gluon: merge the splits inside the kernel (a cooperative launch; only when B x splits CTAs fit on the
     # SMs at once), else with the merge kernel after it
     fused_merge: bool = True
+    # Gluon: stage Q and the index table before the per-query lengths are loaded (None: with splits; one
+    # split keeps the order the B = 128 measurements favour)
+    early_table: bool | None = None
 
 
 def choose_splits(batch: int, num_blocks: int, num_sms: int) -> int:
@@ -262,6 +265,7 @@ def _launch_gluon(q, main, main_stride, extra, extra_stride, window_idx, extra_i
         HAS_ELEN=extra is not None and extra_lens is not None, HAS_SINK=sink is not None,
         PAGE_STRIDE=PAGE_STRIDE, SCALES_OFFSET=SCALES_OFFSET, LOADER_WARPS=4, LOADER_REGS=config.loader_regs,
         PV_REGS=PV_REGS, MAXB=gluon_index_blocks(w, k, bn), FUSE_MERGE=fuse, SP=sp, MHT=mht, MDC=mdc,
+        EARLY_TABLE=splits > 1 if config.early_table is None else config.early_table,
         PROBE=_PROBE, num_warps=4, launch_cooperative_grid=fuse,
     )
     if splits > 1 and not fuse:

@@ -148,6 +148,22 @@ def test_gpu_gluon_fused_merge_matches_reference_and_leaves_the_counters_at_zero
 
 @gluon_gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("early", [False, True])
+@pytest.mark.parametrize("b, splits", [(5, 1), (4, 3)])
+def test_gpu_gluon_index_table_staged_before_or_after_the_lengths(fp8, early, b, splits):
+    """The index table laid out by W and K (staged before the lengths) or by the lengths: same results, on
+    ragged lengths, window-only queries and queries with no rows."""
+    c = make_case(b, **V4, device="cuda", seed=400 + b, sink=True)
+    c["window_lens"][0], c["extra_lens"][0] = 0, 0
+    c["extra_lens"][1] = 0
+    run, (ref_out, ref_lse) = _v4_call(c, fp8, LaunchConfig(num_splits=splits, backend="gluon", early_table=early))
+    out, lse = run()
+    assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
+
+
+@gluon_gpu
+@pytest.mark.gpu
 def test_gpu_gluon_fused_merge_captured_before_any_eager_call(monkeypatch):
     """A graph captured with no counters kept yet captures its own zeroed counters, and replays correctly."""
     c = make_case(8, **V4, device="cuda", seed=78)
@@ -221,6 +237,7 @@ def test_gluon_launch_passes_every_kernel_parameter(monkeypatch, fp8, fused):
     assert set(bound) <= set(kernel.arg_names), f"unknown: {set(bound) - set(kernel.arg_names)}"
     assert kwargs["IS_FP8"] is fp8 and kwargs["SPLIT_OUT"] is True and kwargs["MAXB"] == (16 if cfg.block_n == 64 else 32)
     assert kwargs["FUSE_MERGE"] is fused and kwargs["launch_cooperative_grid"] is fused
+    assert kwargs["EARLY_TABLE"] is True  # with splits, the table is staged before the lengths
     counters = args[kernel.arg_names.index("counter_ptr")]
     if fused:
         assert merge == []  # the kernel merges: no merge kernel after it
