@@ -18,8 +18,10 @@ overlap. Here one CTA per (query, split) has three partitions that run concurren
 
 All 64 heads of the query are the M = 64 of every wgmma, so each selected row is read from memory
 once. Work is O(live rows): the split's block range comes from the per-query lengths, nothing is
-sized by the cache. No host syncs: graph-capturable like `kernel.py`; splits are merged by
-`kernel._combine_kernel` / `_combine_stream_kernel` (see launch._combine).
+sized by the cache. No host syncs: graph-capturable like `kernel.py`. Splits are merged inside the
+kernel when all B x splits CTAs fit on the SMs at once (`_merge_splits`, a cooperative launch: each
+split waits for its query's others on a counter, then merges a share of the heads), else by
+`kernel._combine_kernel` / `_combine_stream_kernel` after it (see launch._combine).
 
 Semantics are those of `reference.py`; this file only runs on sm_90 (the tests and the benchmark
 compare it with the reference there). Block indices: live block j < nbw is window block j, else extra
