@@ -186,6 +186,8 @@ def run(argv: list[str]) -> int:
     parser.add_argument("--blocks", help="Gluon sweep: block_n:stages pairs to try, e.g. 64:2,32:4 (default: all that fit)")
     parser.add_argument("--splits", help="Gluon sweep: split counts to try at every B, e.g. 2,5,10 (default: "
                         "choose_splits for 1 and 2 waves, and a few more at B <= 8)")
+    parser.add_argument("--partials", choices=["fp32", "bf16", "both"], default="fp32",
+                        help="Gluon sweep: the fused merge's partial outputs")
     parser.add_argument("--merge", choices=["fused", "kernel", "both"], default="both",
                         help="Gluon sweep: split merges to try (fused into the kernel where the CTAs fit, the merge kernel)")
     parser.add_argument("--kernels", default="torch_reference_bf16,triton_bf16,triton_fp8,gluon_bf16,gluon_fp8,flashmla_fp8_v4",
@@ -233,10 +235,13 @@ def run(argv: list[str]) -> int:
                                *((1, 2, 5) if b == 1 else (2, 5) if b <= 8 else ())})
 
             # a fused merge needs every CTA resident at once (B x splits <= SMs); one split has no merge
-            gluon = [LaunchConfig(block_n=bn, num_stages=st, num_splits=s, backend="gluon", fused_merge=f)
+            partials = {"fp32": (False,), "bf16": (True,), "both": (False, True)}[args.partials]
+            gluon = [LaunchConfig(block_n=bn, num_stages=st, num_splits=s, backend="gluon", fused_merge=f,
+                                  partials_bf16=p)
                      for bn, st in blocks if gluon_smem_bytes(bn, st) <= SMEM_LIMIT
                      for s in split_counts(bn)
-                     for f in ((True,) if s == 1 else merges) if not (f and s > 1 and b * s > sms)]
+                     for f in ((True,) if s == 1 else merges) if not (f and s > 1 and b * s > sms)
+                     for p in (partials if f and s > 1 else (False,))]
             configs["gluon_bf16"] = configs["gluon_fp8"] = gluon
         kernels = [
             ("triton_bf16", lambda c: (lambda: sparse_mla_decode_triton(**case, config=c)), ref_out, 1024),
@@ -261,7 +266,8 @@ def run(argv: list[str]) -> int:
                         splits=splits)
             if name.startswith("gluon"):
                 info.update(warps=12, prefetch=None, loader_regs=cfg.loader_regs,
-                            merge="-" if splits == 1 else "fused" if cfg.fused_merge and b * splits <= sms else "kernel")
+                            merge="-" if splits == 1 else "kernel" if not (cfg.fused_merge and b * splits <= sms)
+                            else "fused, bf16" if cfg.partials_bf16 else "fused")
             try:
                 rows.append(measure(name, fn_for(cfg), ref, b, row_bytes, copy_gbs, info))
             except Exception as exc:  # a kernel that fails to compile or run is a result, not the end of the run

@@ -40,6 +40,9 @@ class LaunchConfig:
     # Gluon: stage Q and the index table before the per-query lengths are loaded (None: with splits; one
     # split keeps the order the B = 128 measurements favour)
     early_table: bool | None = None
+    # Gluon, fused merge: the splits' partial outputs in bf16 instead of fp32 (half the merge's L2 traffic;
+    # adds one bf16 rounding of each split's normalised output before the weighted sum)
+    partials_bf16: bool = False
 
 
 def choose_splits(batch: int, num_blocks: int, num_sms: int) -> int:
@@ -266,6 +269,7 @@ def _launch_gluon(q, main, main_stride, extra, extra_stride, window_idx, extra_i
         PAGE_STRIDE=PAGE_STRIDE, SCALES_OFFSET=SCALES_OFFSET, LOADER_WARPS=4, LOADER_REGS=config.loader_regs,
         PV_REGS=PV_REGS, MAXB=gluon_index_blocks(w, k, bn), FUSE_MERGE=fuse, SP=sp, MHT=mht, MDC=mdc,
         EARLY_TABLE=splits > 1 if config.early_table is None else config.early_table,
+        PART_BF16=fuse and config.partials_bf16,
         PROBE=_PROBE, num_warps=4, launch_cooperative_grid=fuse,
     )
     if splits > 1 and not fuse:

@@ -130,13 +130,15 @@ def _v4_call(c, fp8, config):
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("b, splits", [(1, 10), (8, 5), (3, 16), (32, 4), (66, 2)])
 def test_gpu_gluon_fused_merge_matches_reference_and_leaves_the_counters_at_zero(monkeypatch, fp8, b, splits):
-    """Splits merged inside the kernel (cooperative launch): as exact as the merge kernel, on every split count
-    (3 x 16: six splits with no rows at all; 66 x 2 = 132: every SM), and the counters end at zero."""
+    """Splits merged inside the kernel (cooperative launch), with fp32 or bf16 partial outputs: within the
+    tolerance like the merge kernel, on every split count (3 x 16: six splits with no rows at all;
+    66 x 2 = 132: every SM), and the counters end at zero."""
     merges, merge_kernel = [], launch._combine
     monkeypatch.setattr(launch, "_combine", lambda *a: (merges.append(a), merge_kernel(*a)))
     c = make_case(b, **V4, device="cuda", seed=300 + b, sink=b % 2 == 0)
-    for fused in (True, False):
-        run, (ref_out, ref_lse) = _v4_call(c, fp8, LaunchConfig(num_splits=splits, backend="gluon", fused_merge=fused))
+    for fused, partials_bf16 in ((True, False), (True, True), (False, False)):
+        cfg = LaunchConfig(num_splits=splits, backend="gluon", fused_merge=fused, partials_bf16=partials_bf16)
+        run, (ref_out, ref_lse) = _v4_call(c, fp8, cfg)
         for _ in range(3):  # the counters must be back at zero for the next launch
             out, lse = run()
         assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
