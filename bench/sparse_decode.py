@@ -23,6 +23,7 @@ from dsv4_cluster.bench.kernels import bench_us, copy_bandwidth_gbs, print_table
 from dsv4_cluster.kernels.sparse_mla_decode import fp8_layout, quantize_kv_v4, sparse_mla_decode_ref
 from dsv4_cluster.kernels.sparse_mla_decode.reference import attend, gather_rows
 from dsv4_cluster.kernels.sparse_mla_decode.launch import (
+    FUSED_MERGE_MIN_SPLITS,
     LaunchConfig,
     choose_splits,
     gluon_unavailable,
@@ -185,7 +186,7 @@ def run(argv: list[str]) -> int:
     parser.add_argument("--profile", action="store_true", help="only run the Triton kernels a few times (for ncu)")
     parser.add_argument("--blocks", help="Gluon sweep: block_n:stages pairs to try, e.g. 64:2,32:4 (default: all that fit)")
     parser.add_argument("--splits", help="Gluon sweep: split counts to try at every B, e.g. 2,5,10 (default: "
-                        "choose_splits for 1 and 2 waves, and a few more at B <= 8)")
+                        "choose_splits' picks with and without the fused merge, and the neighbours that won before)")
     parser.add_argument("--partials", choices=["fp32", "bf16", "both"], default="fp32",
                         help="Gluon sweep: the fused merge's partial outputs")
     parser.add_argument("--merge", choices=["fused", "kernel", "both"], default="both",
@@ -231,8 +232,8 @@ def run(argv: list[str]) -> int:
             def split_counts(bn):
                 if args.splits:
                     return sorted({1, *(int(x) for x in args.splits.split(","))})
-                return sorted({choose_splits(b, nblocks[bn], sms), choose_splits(b, nblocks[bn], 2 * sms),
-                               *((1, 2, 5) if b == 1 else (2, 5) if b <= 8 else ())})
+                return sorted({1, choose_splits(b, nblocks[bn], sms), choose_splits(b, nblocks[bn], sms, fused=True),
+                               *((5, 10, 16) if b <= 8 else ()), *((2, 4) if b <= 32 else (2,))})
 
             # a fused merge needs every CTA resident at once (B x splits <= SMs); one split has no merge
             partials = {"fp32": (False,), "bf16": (True,), "both": (False, True)}[args.partials]
@@ -261,18 +262,24 @@ def run(argv: list[str]) -> int:
                 rows.append(dict(kernel=name, B=b, error="no config gave a correct output"))
                 continue
             cfg = resolved(cfg, name.split("_")[0], name.endswith("fp8"))
-            splits = cfg.num_splits or choose_splits(b, nblocks[cfg.block_n], sms)
-            info = dict(block_n=cfg.block_n, warps=cfg.num_warps, stages=cfg.num_stages, prefetch=cfg.prefetch,
-                        splits=splits)
-            if name.startswith("gluon"):
-                info.update(warps=12, prefetch=None, loader_regs=cfg.loader_regs,
-                            merge="-" if splits == 1 else "kernel" if not (cfg.fused_merge and b * splits <= sms)
-                            else "fused, bf16" if cfg.partials_bf16 else "fused")
-            try:
-                rows.append(measure(name, fn_for(cfg), ref, b, row_bytes, copy_gbs, info))
-            except Exception as exc:  # a kernel that fails to compile or run is a result, not the end of the run
-                traceback.print_exc()
-                rows.append(dict(kernel=name, B=b, error=f"{type(exc).__name__}: {str(exc)[:300]}", **info))
+            is_gluon = name.startswith("gluon")
+            # the sweep's best, and the launcher's own choice when it differs (row "<kernel>_default")
+            default = resolved(configs[name][0] if len(configs[name]) == 1 else
+                               (gluon_default if is_gluon else triton_default), name.split("_")[0], name.endswith("fp8"))
+            for label, c in ((name, cfg), (f"{name}_default", default)):
+                if label != name and (c == cfg or not is_gluon):
+                    continue
+                splits = c.num_splits or choose_splits(b, nblocks[c.block_n], sms,
+                                                       fused=is_gluon and c.fused_merge is not False)
+                info = dict(block_n=c.block_n, warps=c.num_warps, stages=c.num_stages, prefetch=c.prefetch,
+                            splits=splits)
+                if is_gluon:
+                    info.update(warps=12, prefetch=None, loader_regs=c.loader_regs, merge=merge_of(c, b, splits, sms))
+                try:
+                    rows.append(measure(label, fn_for(c), ref, b, row_bytes, copy_gbs, info))
+                except Exception as exc:  # a kernel that fails to compile or run is a result, not the end of the run
+                    traceback.print_exc()
+                    rows.append(dict(kernel=label, B=b, error=f"{type(exc).__name__}: {str(exc)[:300]}", **info))
 
         fm_run, fm_error = flashmla_call(fp8_case, cache, extra_cache)
         if fm_run is not None and "flashmla_fp8_v4" in wanted:
@@ -296,6 +303,16 @@ def run(argv: list[str]) -> int:
     md.write_text(markdown(rows, copy_gbs, fm_error, torch.cuda.get_device_name(0)))
     print(f"wrote {path} and {md}")
     return 0
+
+
+def merge_of(cfg: LaunchConfig, b: int, splits: int, sms: int) -> str:
+    """How the Gluon launch merges this config's splits (as launch._launch_gluon decides)."""
+    if splits == 1:
+        return "-"
+    wanted = splits >= FUSED_MERGE_MIN_SPLITS if cfg.fused_merge is None else cfg.fused_merge
+    if not (wanted and b * splits <= sms):
+        return "kernel"
+    return "fused, bf16" if cfg.partials_bf16 else "fused"
 
 
 def markdown(rows: list[dict], copy_gbs: float, fm_error: str | None, device: str) -> str:

@@ -35,8 +35,8 @@ class LaunchConfig:
     # the P V warpgroup (PV_REGS) leave
     loader_regs: int = 0
     # Gluon: merge the splits inside the kernel (a cooperative launch; only when B x splits CTAs fit on the
-    # SMs at once), else with the merge kernel after it
-    fused_merge: bool = True
+    # SMs at once), else with the merge kernel after it. None: fused from FUSED_MERGE_MIN_SPLITS splits on
+    fused_merge: bool | None = None
     # Gluon: stage Q and the index table before the per-query lengths are loaded (None: with splits; one
     # split keeps the order the B = 128 measurements favour)
     early_table: bool | None = None
@@ -45,12 +45,21 @@ class LaunchConfig:
     partials_bf16: bool = False
 
 
-def choose_splits(batch: int, num_blocks: int, num_sms: int) -> int:
-    """Splits per query minimising waves x (blocks per split + 1) + 0.03 x batch x splits, in units of one
-    block's time: + 1 for a program's fixed cost (Q load, epilogue), the last term for the merge, whose
-    partial outputs (128 KB per query and split) are written and read once more. One program per SM;
-    ties go to fewer splits. Fitted to the H200 sweep (bench/results/sparse_decode.md): it picks the
-    measured best at B = 1 (10), 8 (5), 32 (4), 64 (2) and 128 (1) for 10 blocks of 64 rows."""
+FUSED_MERGE_MIN_SPLITS = 4  # below, the merge kernel measured faster (H200: 2 splits at B = 8, 32, 64)
+
+
+def choose_splits(batch: int, num_blocks: int, num_sms: int, fused: bool = False) -> int:
+    """Splits per query. With the fused merge (Gluon) and room for at least FUSED_MERGE_MIN_SPLITS splits
+    per query on the SMs: one block per split (min(blocks, SMs // B) splits), and 16 at B <= 2, where the
+    extra splits have no rows but shrink each split's share of the merge (H200: 14.9 vs 16.2 us at B = 1).
+    Otherwise (merge kernel, one CTA per SM) the count minimising waves x (blocks per split + 1) + 0.03 x
+    batch x splits, in units of one block's time: + 1 for a program's fixed cost (Q load, epilogue), the
+    last term for the merge, whose partial outputs (128 KB per query and split) are written and read once
+    more; ties go to fewer splits. Fitted to the H200 sweeps (bench/results/sparse_decode.md): fused, 16 /
+    10 / 4 splits at B = 1 / 8 / 32; merge kernel, 10 / 5 / 4 / 2 / 1 at B = 1 / 8 / 32 / 64 / 128."""
+    if fused and batch * FUSED_MERGE_MIN_SPLITS <= num_sms:
+        return min(num_sms // batch, 16 if batch <= 2 else max(num_blocks, FUSED_MERGE_MIN_SPLITS))
+
     def cost(s: int) -> tuple[float, int]:
         waves = -(-batch * s // num_sms)
         return waves * (-(-num_blocks // s) + 1) + (0.03 * batch * s if s > 1 else 0.0), s
@@ -253,11 +262,13 @@ def _launch_gluon(q, main, main_stride, extra, extra_stride, window_idx, extra_i
             f"{SMEM_LIMIT} B a block may use (window {w} + extra {k} indices per query): use fewer stages "
             "or block_n=32")
     num_blocks = -(-w // bn) + -(-k // bn)
-    splits = config.num_splits or choose_splits(b, num_blocks, _num_sms(q.device))
+    sms = _num_sms(q.device)
+    splits = config.num_splits or choose_splits(b, num_blocks, sms, fused=config.fused_merge is not False)
     out, lse, part_o, part_lse = _outputs(q, splits)
     # Splits merge inside the kernel when every CTA can be resident at once (one per SM: a cooperative
     # launch guarantees it, or fails); else the merge kernel runs after it.
-    fuse = splits > 1 and config.fused_merge and b * splits <= _num_sms(q.device)
+    wanted = splits >= FUSED_MERGE_MIN_SPLITS if config.fused_merge is None else config.fused_merge
+    fuse = splits > 1 and wanted and b * splits <= sms
     sp, mht, mdc = _fused_merge_tile(splits) if fuse else (1, 1, 64)
     gluon_kernel._sparse_decode_ws_kernel[(b, splits)](
         *_kernel_args(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, sink, scale,

@@ -222,7 +222,7 @@ def test_gluon_launch_passes_every_kernel_parameter(monkeypatch, fp8, fused):
     monkeypatch.setattr(launch, "_num_sms", lambda device: 132 if fused else 4)  # 3 x 4 CTAs fit on 132 SMs
     monkeypatch.setattr(launch, "_SPLIT_COUNTERS", {})
     c = make_case(3, 64, 128, 512, 300, 200, seed=8)
-    cfg = launch.resolved(LaunchConfig(backend="gluon", num_splits=4), "gluon", fp8)
+    cfg = launch.resolved(LaunchConfig(backend="gluon", num_splits=4), "gluon", fp8)  # fused_merge None: auto
     if fp8:
         caches = (quantize_kv_v4(c["kv"]), fp8_layout.PAGE_STRIDE, quantize_kv_v4(c["extra_kv"]), fp8_layout.PAGE_STRIDE)
     else:
