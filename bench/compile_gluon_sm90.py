@@ -10,7 +10,7 @@ Triton release the kernel is written for (the H200's; see launch.GLUON_TRITON_RE
 A config is dtype:block_n:stages[:regsN][:pvN][:fuseN] (regsN: loader registers, default as the launcher;
 pvN: registers of the P V warpgroup, default launch.PV_REGS; fuseN: split output for N splits merged inside
 the kernel, the tile as launch._fused_merge_tile; early: EARLY_TABLE, the index table staged before the
-lengths; pbf16: the fused merge's partials in bf16).
+lengths).
 The script loads kernels/sparse_mla_decode/gluon_*.py by path (only Triton is imported, not the package).
 """
 
@@ -36,14 +36,14 @@ def parse(spec: str) -> dict:
     dtype, bn, stages, *flags = spec.split(":")
     if dtype not in ("bf16", "fp8"):
         raise SystemExit(f"config {spec!r}: dtype must be bf16 or fp8")
-    cfg = dict(fp8=dtype == "fp8", bn=int(bn), stages=int(stages), regs=0, pv=160, fuse=0, early=0, pbf16=0)
+    cfg = dict(fp8=dtype == "fp8", bn=int(bn), stages=int(stages), regs=0, pv=160, fuse=0, early=0)
     for f in flags:
         if m := re.fullmatch(r"(regs|pv|fuse)(\d+)", f):
             cfg[m[1]] = int(m[2])
-        elif f in ("early", "pbf16"):
+        elif f == "early":
             cfg[f] = 1
         else:
-            raise SystemExit(f"config {spec!r}: unknown flag {f!r} (regsN, pvN, fuseN, early, pbf16)")
+            raise SystemExit(f"config {spec!r}: unknown flag {f!r} (regsN, pvN, fuseN, early)")
     cfg["regs"] = cfg["regs"] or (128 if cfg["fp8"] else 80 if cfg["bn"] == 64 else 40)
     return cfg
 
@@ -62,8 +62,7 @@ def compile_one(module, cfg: dict):
     if cfg["fuse"]:  # as launch._fused_merge_tile
         sp = 1 << (cfg["fuse"] - 1).bit_length()
         mht = 1 << (-(-64 // cfg["fuse"]) - 1).bit_length()
-        const.update(SPLIT_OUT=True, FUSE_MERGE=True, SP=sp, MHT=mht, MDC=max(16, min(128, 64 * 128 // (sp * mht))),
-                     PART_BF16=bool(cfg["pbf16"]))
+        const.update(SPLIT_OUT=True, FUSE_MERGE=True, SP=sp, MHT=mht, MDC=max(16, min(128, 64 * 128 // (sp * mht))))
     pointers = dict(POINTERS, **({"kv_ptr": "*u8", "ekv_ptr": "*u8"} if cfg["fp8"] else {}))
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):

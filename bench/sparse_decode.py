@@ -187,8 +187,6 @@ def run(argv: list[str]) -> int:
     parser.add_argument("--blocks", help="Gluon sweep: block_n:stages pairs to try, e.g. 64:2,32:4 (default: all that fit)")
     parser.add_argument("--splits", help="Gluon sweep: split counts to try at every B, e.g. 2,5,10 (default: "
                         "choose_splits' picks with and without the fused merge, and the neighbours that won before)")
-    parser.add_argument("--partials", choices=["fp32", "bf16", "both"], default="fp32",
-                        help="Gluon sweep: the fused merge's partial outputs")
     parser.add_argument("--merge", choices=["fused", "kernel", "both"], default="both",
                         help="Gluon sweep: split merges to try (fused into the kernel where the CTAs fit, the merge kernel)")
     parser.add_argument("--kernels", default="torch_reference_bf16,triton_bf16,triton_fp8,gluon_bf16,gluon_fp8,flashmla_fp8_v4",
@@ -236,13 +234,10 @@ def run(argv: list[str]) -> int:
                                *((5, 10, 16) if b <= 8 else ()), *((2, 4) if b <= 32 else (2,))})
 
             # a fused merge needs every CTA resident at once (B x splits <= SMs); one split has no merge
-            partials = {"fp32": (False,), "bf16": (True,), "both": (False, True)}[args.partials]
-            gluon = [LaunchConfig(block_n=bn, num_stages=st, num_splits=s, backend="gluon", fused_merge=f,
-                                  partials_bf16=p)
+            gluon = [LaunchConfig(block_n=bn, num_stages=st, num_splits=s, backend="gluon", fused_merge=f)
                      for bn, st in blocks if gluon_smem_bytes(bn, st) <= SMEM_LIMIT
                      for s in split_counts(bn)
-                     for f in ((True,) if s == 1 else merges) if not (f and s > 1 and b * s > sms)
-                     for p in (partials if f and s > 1 else (False,))]
+                     for f in ((True,) if s == 1 else merges) if not (f and s > 1 and b * s > sms)]
             configs["gluon_bf16"] = configs["gluon_fp8"] = gluon
         kernels = [
             ("triton_bf16", lambda c: (lambda: sparse_mla_decode_triton(**case, config=c)), ref_out, 1024),
@@ -312,7 +307,7 @@ def merge_of(cfg: LaunchConfig, b: int, splits: int, sms: int) -> str:
     wanted = splits >= FUSED_MERGE_MIN_SPLITS if cfg.fused_merge is None else cfg.fused_merge
     if not (wanted and b * splits <= sms):
         return "kernel"
-    return "fused, bf16" if cfg.partials_bf16 else "fused"
+    return "fused"
 
 
 def markdown(rows: list[dict], copy_gbs: float, fm_error: str | None, device: str) -> str:

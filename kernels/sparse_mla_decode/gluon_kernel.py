@@ -81,10 +81,10 @@ def _online_softmax(sc, j, nbw, wlen, elen, idx_s, m_i, l_i, qk_scale_log2, offs
 @gluon.jit
 def _epilogue(acc, m_i, l_i, b, split, num_splits, sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
               part_o_ptr, part_lse_ptr, o_l: gl.constexpr, row_s: gl.constexpr, HALF: gl.constexpr,
-              SPLIT_OUT: gl.constexpr, HAS_SINK: gl.constexpr, FUSE_MERGE: gl.constexpr, PART_BF16: gl.constexpr):
+              SPLIT_OUT: gl.constexpr, HAS_SINK: gl.constexpr, FUSE_MERGE: gl.constexpr):
     """Normalise this warpgroup's half of O by the softmax sum and store it (lse from the HALF 0 warpgroup).
     For the fused merge, a head with no valid row stores only its lse (-inf: `_merge_splits` skips its
-    partial output), and PART_BF16 stores the partial output in bf16 (half the L2 traffic of the merge)."""
+    partial output)."""
     DH: gl.constexpr = D_ALL // 2
     row_o: gl.constexpr = gl.SliceLayout(1, o_l)
     LN2: gl.constexpr = 0.6931471805599453
@@ -99,10 +99,7 @@ def _epilogue(acc, m_i, l_i, b, split, num_splits, sink_ptr, out_ptr, stride_ob,
         o = acc * gl.convert_layout(inv, row_o)[:, None]
         row = (b * num_splits + split).to(gl.int64) * H_ALL
         if FUSE_MERGE:
-            p_o = part_o_ptr
-            if PART_BF16:
-                p_o = part_o_ptr.to(gl.pointer_type(gl.bfloat16), bitcast=True)
-            gl.store(p_o + (row + offs_h[:, None]) * D_ALL + offs_d[None, :], o.to(p_o.dtype.element_ty),
+            gl.store(part_o_ptr + (row + offs_h[:, None]) * D_ALL + offs_d[None, :], o,
                      mask=gl.convert_layout(has_any, row_o)[:, None])
         else:
             gl.store(part_o_ptr + (row + offs_h[:, None]) * D_ALL + offs_d[None, :], o)
@@ -151,7 +148,7 @@ mov.u32 zero, 0;
 @gluon.jit
 def _merge_splits(b, split, num_splits, counter_ptr, part_o_ptr, part_lse_ptr, sink_ptr, out_ptr, stride_ob,
                   stride_oh, lse_ptr, stride_lb, HALF: gl.constexpr, SP: gl.constexpr, MHT: gl.constexpr,
-                  MDC: gl.constexpr, HAS_SINK: gl.constexpr, PART_BF16: gl.constexpr):
+                  MDC: gl.constexpr, HAS_SINK: gl.constexpr):
     """The fused split merge, run by both compute warpgroups of every split once their partial outputs are
     stored. The launch is cooperative (every split of every query is resident), so waiting on the query's
     other splits cannot deadlock. Then this split merges heads [split * hp, + hp), hp = ceil(64 / splits),
@@ -197,15 +194,12 @@ def _merge_splits(b, split, num_splits, counter_ptr, part_o_ptr, part_lse_ptr, s
     oh = h0 + gl.arange(0, MHT, layout=gl.SliceLayout(1, l_hd))
     o_rows = out_ptr + b.to(gl.int64) * stride_ob + oh[:, None] * stride_oh
     o_ok = ((oh < h0 + hp) & (oh < H_ALL))[:, None]
-    p_o = part_o_ptr
-    if PART_BF16:
-        p_o = part_o_ptr.to(gl.pointer_type(gl.bfloat16), bitcast=True)
-    p_rows = p_o + rows[:, :, None] * D_ALL
+    p_rows = part_o_ptr + rows[:, :, None] * D_ALL
     live = (ok & (lse_s > float("-inf")))[:, :, None]  # a (split, head) with no row stored no output
     for c in gl.static_range(DH // MDC):
         d0 = HALF * DH + c * MDC
         parts = gl.load(p_rows + (d0 + offs_d3)[None, None, :], mask=live, other=0.0, cache_modifier=".cg")
-        o = gl.sum(w[:, :, None] * parts.to(gl.float32), axis=0)
+        o = gl.sum(w[:, :, None] * parts, axis=0)
         gl.store(o_rows + (d0 + offs_d)[None, :], o.to(out_ptr.dtype.element_ty), mask=o_ok)
 
 
@@ -215,7 +209,7 @@ def _compute_s(b, split, num_splits, lo, hi, nbw, nbw_t, wlen, elen, qk_scale_lo
                q_smem, k_smem, idx_all, p_smem, row_smem, q_bar, full, empty, pready, pfree, lready, counter_ptr,
                BN: gl.constexpr, NS: gl.constexpr, SPLIT_OUT: gl.constexpr, HAS_SINK: gl.constexpr,
                FUSE_MERGE: gl.constexpr, SP: gl.constexpr, MHT: gl.constexpr, MDC: gl.constexpr,
-               PART_BF16: gl.constexpr, PROBE: gl.constexpr):
+               PROBE: gl.constexpr):
     """Warpgroup 0 (the default partition): S = Q K^T over all 512 dims (the only QK^T of a block), the
     online softmax, P and the rescale factor handed to warpgroup 1 through shared memory, then P V on
     O[:, 0:256]. At the end the softmax statistics go to warpgroup 1 the same way."""
@@ -263,10 +257,10 @@ def _compute_s(b, split, num_splits, lo, hi, nbw, nbw_t, wlen, elen, qk_scale_lo
     gl.thread_barrier()
     mbarrier.arrive(lready)
     _epilogue(acc, m_i, l_i, b, split, num_splits, sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
-              part_o_ptr, part_lse_ptr, o_l, row_s, 0, SPLIT_OUT, HAS_SINK, FUSE_MERGE, PART_BF16)
+              part_o_ptr, part_lse_ptr, o_l, row_s, 0, SPLIT_OUT, HAS_SINK, FUSE_MERGE)
     if FUSE_MERGE:
         _merge_splits(b, split, num_splits, counter_ptr, part_o_ptr, part_lse_ptr, sink_ptr, out_ptr, stride_ob,
-                      stride_oh, lse_ptr, stride_lb, 0, SP, MHT, MDC, HAS_SINK, PART_BF16)
+                      stride_oh, lse_ptr, stride_lb, 0, SP, MHT, MDC, HAS_SINK)
 
 
 @gluon.jit
@@ -274,7 +268,7 @@ def _compute_pv(b, split, num_splits, lo, hi, sink_ptr, out_ptr, stride_ob, stri
                 part_o_ptr, part_lse_ptr, k_smem, p_smem, row_smem, full, empty, pready, pfree, lready, counter_ptr,
                 BN: gl.constexpr, NS: gl.constexpr, SPLIT_OUT: gl.constexpr, HAS_SINK: gl.constexpr,
                 FUSE_MERGE: gl.constexpr, SP: gl.constexpr, MHT: gl.constexpr, MDC: gl.constexpr,
-                PART_BF16: gl.constexpr, PROBE: gl.constexpr):
+                PROBE: gl.constexpr):
     """Warpgroup 1: O[:, 256:512] += P V with P (and the rescale of O) from warpgroup 0's shared memory."""
     DH: gl.constexpr = D_ALL // 2
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
@@ -299,10 +293,10 @@ def _compute_pv(b, split, num_splits, lo, hi, sink_ptr, out_ptr, stride_ob, stri
     m_i = row_smem.index(2).load(row_s)
     l_i = row_smem.index(3).load(row_s)
     _epilogue(acc, m_i, l_i, b, split, num_splits, sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
-              part_o_ptr, part_lse_ptr, o_l, row_s, 1, SPLIT_OUT, HAS_SINK, FUSE_MERGE, PART_BF16)
+              part_o_ptr, part_lse_ptr, o_l, row_s, 1, SPLIT_OUT, HAS_SINK, FUSE_MERGE)
     if FUSE_MERGE:
         _merge_splits(b, split, num_splits, counter_ptr, part_o_ptr, part_lse_ptr, sink_ptr, out_ptr, stride_ob,
-                      stride_oh, lse_ptr, stride_lb, 1, SP, MHT, MDC, HAS_SINK, PART_BF16)
+                      stride_oh, lse_ptr, stride_lb, 1, SP, MHT, MDC, HAS_SINK)
 
 
 @gluon.jit
@@ -319,7 +313,7 @@ def _sparse_decode_ws_kernel(
     HAS_SINK: gl.constexpr, PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr,
     LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, PV_REGS: gl.constexpr, MAXB: gl.constexpr,
     FUSE_MERGE: gl.constexpr = False, SP: gl.constexpr = 1, MHT: gl.constexpr = 1, MDC: gl.constexpr = 64,
-    EARLY_TABLE: gl.constexpr = False, PART_BF16: gl.constexpr = False, PROBE: gl.constexpr = 0,
+    EARLY_TABLE: gl.constexpr = False, PROBE: gl.constexpr = 0,
 ):
     # FUSE_MERGE (a cooperative launch, SPLIT_OUT): the splits merge themselves at the end (_merge_splits);
     # SP, MHT, MDC: its tile (launch._fused_merge_tile). EARLY_TABLE: Q and the index table are staged by
@@ -372,10 +366,10 @@ def _sparse_decode_ws_kernel(
         (_compute_s, (b, split, num_splits, lo, hi, nbw, nbw_t, wlen, elen, qk_scale_log2,
                       sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
                       q_smem, k_smem, idx_all, p_smem, row_smem, q_bar, full, empty, pready, pfree, lready,
-                      counter_ptr, BN, NS, SPLIT_OUT, HAS_SINK, FUSE_MERGE, SP, MHT, MDC, PART_BF16, PROBE)),
+                      counter_ptr, BN, NS, SPLIT_OUT, HAS_SINK, FUSE_MERGE, SP, MHT, MDC, PROBE)),
         (_compute_pv, (b, split, num_splits, lo, hi, sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
                        part_o_ptr, part_lse_ptr, k_smem, p_smem, row_smem, full, empty, pready, pfree, lready,
-                       counter_ptr, BN, NS, SPLIT_OUT, HAS_SINK, FUSE_MERGE, SP, MHT, MDC, PART_BF16, PROBE)),
+                       counter_ptr, BN, NS, SPLIT_OUT, HAS_SINK, FUSE_MERGE, SP, MHT, MDC, PROBE)),
         (loader_partition, (q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
                             widx_ptr, stride_wb, eidx_ptr, stride_eb, b, lo, hi, nbw, nbw_t, wlen, elen,
                             q_smem, k_smem, idx_all, q_bar, full, empty,

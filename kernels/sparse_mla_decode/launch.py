@@ -37,12 +37,10 @@ class LaunchConfig:
     # Gluon: merge the splits inside the kernel (a cooperative launch; only when B x splits CTAs fit on the
     # SMs at once), else with the merge kernel after it. None: fused from FUSED_MERGE_MIN_SPLITS splits on
     fused_merge: bool | None = None
-    # Gluon: stage Q and the index table before the per-query lengths are loaded (None: with splits; one
-    # split keeps the order the B = 128 measurements favour)
+    # Gluon: stage Q and the index table before the per-query lengths are loaded (None: with the fused
+    # merge, i.e. at small B; with the merge kernel it measured slower on fp8: B = 64 37.9 vs 36.2 us,
+    # and at one split B = 128 fp8 52.4 vs 51.3)
     early_table: bool | None = None
-    # Gluon, fused merge: the splits' partial outputs in bf16 instead of fp32 (half the merge's L2 traffic;
-    # adds one bf16 rounding of each split's normalised output before the weighted sum)
-    partials_bf16: bool = False
 
 
 FUSED_MERGE_MIN_SPLITS = 4  # below, the merge kernel measured faster (H200: 2 splits at B = 8, 32, 64)
@@ -279,8 +277,7 @@ def _launch_gluon(q, main, main_stride, extra, extra_stride, window_idx, extra_i
         HAS_ELEN=extra is not None and extra_lens is not None, HAS_SINK=sink is not None,
         PAGE_STRIDE=PAGE_STRIDE, SCALES_OFFSET=SCALES_OFFSET, LOADER_WARPS=4, LOADER_REGS=config.loader_regs,
         PV_REGS=PV_REGS, MAXB=gluon_index_blocks(w, k, bn), FUSE_MERGE=fuse, SP=sp, MHT=mht, MDC=mdc,
-        EARLY_TABLE=splits > 1 if config.early_table is None else config.early_table,
-        PART_BF16=fuse and config.partials_bf16,
+        EARLY_TABLE=fuse if config.early_table is None else config.early_table,
         PROBE=_PROBE, num_warps=4, launch_cooperative_grid=fuse,
     )
     if splits > 1 and not fuse:

@@ -130,15 +130,14 @@ def _v4_call(c, fp8, config):
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("b, splits", [(1, 10), (8, 5), (3, 16), (32, 4), (66, 2)])
 def test_gpu_gluon_fused_merge_matches_reference_and_leaves_the_counters_at_zero(monkeypatch, fp8, b, splits):
-    """Splits merged inside the kernel (cooperative launch), with fp32 or bf16 partial outputs: within the
-    tolerance like the merge kernel, on every split count (3 x 16: six splits with no rows at all;
-    66 x 2 = 132: every SM), and the counters end at zero."""
+    """Splits merged inside the kernel (cooperative launch): within the tolerance like the merge kernel, on
+    every split count (3 x 16: six splits with no rows at all; 66 x 2 = 132: every SM), and the counters
+    end at zero."""
     merges, merge_kernel = [], launch._combine
     monkeypatch.setattr(launch, "_combine", lambda *a: (merges.append(a), merge_kernel(*a)))
     c = make_case(b, **V4, device="cuda", seed=300 + b, sink=b % 2 == 0)
-    for fused, partials_bf16 in ((True, False), (True, True), (False, False)):
-        cfg = LaunchConfig(num_splits=splits, backend="gluon", fused_merge=fused, partials_bf16=partials_bf16)
-        run, (ref_out, ref_lse) = _v4_call(c, fp8, cfg)
+    for fused in (True, False):
+        run, (ref_out, ref_lse) = _v4_call(c, fp8, LaunchConfig(num_splits=splits, backend="gluon", fused_merge=fused))
         for _ in range(3):  # the counters must be back at zero for the next launch
             out, lse = run()
         assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
@@ -239,7 +238,7 @@ def test_gluon_launch_passes_every_kernel_parameter(monkeypatch, fp8, fused):
     assert set(bound) <= set(kernel.arg_names), f"unknown: {set(bound) - set(kernel.arg_names)}"
     assert kwargs["IS_FP8"] is fp8 and kwargs["SPLIT_OUT"] is True and kwargs["MAXB"] == (16 if cfg.block_n == 64 else 32)
     assert kwargs["FUSE_MERGE"] is fused and kwargs["launch_cooperative_grid"] is fused
-    assert kwargs["EARLY_TABLE"] is True  # with splits, the table is staged before the lengths
+    assert kwargs["EARLY_TABLE"] is fused  # staged before the lengths with the fused merge only
     counters = args[kernel.arg_names.index("counter_ptr")]
     if fused:
         assert merge == []  # the kernel merges: no merge kernel after it
