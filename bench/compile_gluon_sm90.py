@@ -9,7 +9,7 @@ Triton release the kernel is written for (the H200's; see launch.GLUON_TRITON_RE
 
 A config is dtype:block_n:stages[:regsN][:pvN][:fuseN] (regsN: loader registers, default as the launcher;
 pvN: registers of the P V warpgroup, default launch.PV_REGS; fuseN: split output for N splits merged inside
-the kernel, the tile as launch._fused_merge_tile; early: EARLY_TABLE, the index table staged before the
+the kernel, the tile as gluon_kernel.fused_merge_tile; early: EARLY_TABLE, the index table staged before the
 lengths).
 The script loads kernels/sparse_mla_decode/gluon_*.py by path (only Triton is imported, not the package).
 """
@@ -59,10 +59,9 @@ def compile_one(module, cfg: dict):
                  HAS_ELEN=True, HAS_SINK=True, PAGE_STRIDE=37440, SCALES_OFFSET=36864, LOADER_WARPS=4,
                  LOADER_REGS=cfg["regs"], PV_REGS=cfg["pv"], MAXB=1 << (blocks - 1).bit_length(), PROBE=0,
                  FUSE_MERGE=False, SP=1, MHT=1, MDC=64, EARLY_TABLE=bool(cfg["early"]))
-    if cfg["fuse"]:  # as launch._fused_merge_tile
-        sp = 1 << (cfg["fuse"] - 1).bit_length()
-        mht = 1 << (-(-64 // cfg["fuse"]) - 1).bit_length()
-        const.update(SPLIT_OUT=True, FUSE_MERGE=True, SP=sp, MHT=mht, MDC=max(16, min(128, 64 * 128 // (sp * mht))))
+    if cfg["fuse"]:
+        sp, mht, mdc = module.fused_merge_tile(cfg["fuse"])
+        const.update(SPLIT_OUT=True, FUSE_MERGE=True, SP=sp, MHT=mht, MDC=mdc)
     pointers = dict(POINTERS, **({"kv_ptr": "*u8", "ekv_ptr": "*u8"} if cfg["fp8"] else {}))
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):

@@ -23,9 +23,9 @@ from dsv4_cluster.bench.kernels import bench_us, copy_bandwidth_gbs, print_table
 from dsv4_cluster.kernels.sparse_mla_decode import fp8_layout, quantize_kv_v4, sparse_mla_decode_ref
 from dsv4_cluster.kernels.sparse_mla_decode.reference import attend, gather_rows
 from dsv4_cluster.kernels.sparse_mla_decode.launch import (
-    FUSED_MERGE_MIN_SPLITS,
     LaunchConfig,
     choose_splits,
+    fuses_merge,
     gluon_unavailable,
     gluon_smem_bytes,
     resolved,
@@ -259,11 +259,11 @@ def run(argv: list[str]) -> int:
             cfg = resolved(cfg, name.split("_")[0], name.endswith("fp8"))
             is_gluon = name.startswith("gluon")
             # the sweep's best, and the launcher's own choice when it differs (row "<kernel>_default")
-            default = resolved(configs[name][0] if len(configs[name]) == 1 else
-                               (gluon_default if is_gluon else triton_default), name.split("_")[0], name.endswith("fp8"))
-            for label, c in ((name, cfg), (f"{name}_default", default)):
-                if label != name and (c == cfg or not is_gluon):
-                    continue
+            runs = [(name, cfg)]
+            if is_gluon:
+                default = resolved(gluon_default, "gluon", name.endswith("fp8"))
+                runs += [(f"{name}_default", default)] if default != cfg else []
+            for label, c in runs:
                 splits = c.num_splits or choose_splits(b, nblocks[c.block_n], sms,
                                                        fused=is_gluon and c.fused_merge is not False)
                 info = dict(block_n=c.block_n, warps=c.num_warps, stages=c.num_stages, prefetch=c.prefetch,
@@ -301,13 +301,8 @@ def run(argv: list[str]) -> int:
 
 
 def merge_of(cfg: LaunchConfig, b: int, splits: int, sms: int) -> str:
-    """How the Gluon launch merges this config's splits (as launch._launch_gluon decides)."""
-    if splits == 1:
-        return "-"
-    wanted = splits >= FUSED_MERGE_MIN_SPLITS if cfg.fused_merge is None else cfg.fused_merge
-    if not (wanted and b * splits <= sms):
-        return "kernel"
-    return "fused"
+    """How the Gluon launch merges this config's splits."""
+    return "-" if splits == 1 else "fused" if fuses_merge(cfg, b, splits, sms) else "kernel"
 
 
 def markdown(rows: list[dict], copy_gbs: float, fm_error: str | None, device: str) -> str:

@@ -80,11 +80,12 @@ def _online_softmax(sc, j, nbw, wlen, elen, idx_s, m_i, l_i, qk_scale_log2, offs
 
 @gluon.jit
 def _epilogue(acc, m_i, l_i, b, split, num_splits, sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
-              part_o_ptr, part_lse_ptr, o_l: gl.constexpr, row_s: gl.constexpr, HALF: gl.constexpr,
-              SPLIT_OUT: gl.constexpr, HAS_SINK: gl.constexpr, FUSE_MERGE: gl.constexpr):
+              part_o_ptr, part_lse_ptr, counter_ptr, o_l: gl.constexpr, row_s: gl.constexpr, HALF: gl.constexpr,
+              SPLIT_OUT: gl.constexpr, HAS_SINK: gl.constexpr, FUSE_MERGE: gl.constexpr, SP: gl.constexpr,
+              MHT: gl.constexpr, MDC: gl.constexpr):
     """Normalise this warpgroup's half of O by the softmax sum and store it (lse from the HALF 0 warpgroup).
     For the fused merge, a head with no valid row stores only its lse (-inf: `_merge_splits` skips its
-    partial output)."""
+    partial output), and then the warpgroup takes its part in `_merge_splits`."""
     DH: gl.constexpr = D_ALL // 2
     row_o: gl.constexpr = gl.SliceLayout(1, o_l)
     LN2: gl.constexpr = 0.6931471805599453
@@ -105,6 +106,9 @@ def _epilogue(acc, m_i, l_i, b, split, num_splits, sink_ptr, out_ptr, stride_ob,
             gl.store(part_o_ptr + (row + offs_h[:, None]) * D_ALL + offs_d[None, :], o)
         if HALF == 0:
             gl.store(part_lse_ptr + row + offs_hs, lse)
+        if FUSE_MERGE:
+            _merge_splits(b, split, num_splits, counter_ptr, part_o_ptr, part_lse_ptr, sink_ptr, out_ptr, stride_ob,
+                          stride_oh, lse_ptr, stride_lb, HALF, SP, MHT, MDC, HAS_SINK)
     else:
         if HAS_SINK:
             sink = gl.load(sink_ptr + offs_hs)
@@ -143,6 +147,15 @@ setp.eq.and.u32 q, old, last, p;
 mov.u32 zero, 0;
 @q st.relaxed.gpu.global.v2.u32 [$1], {zero, zero};
 }""".replace("SPIN_NS", str(SPIN_NS)))
+
+
+def fused_merge_tile(splits: int) -> tuple[int, int, int]:
+    """(SP, MHT, MDC) of `_merge_splits` for `splits` splits: splits and heads per split rounded up to powers
+    of two, and the dims merged at a time, as many as keep the [SP, MHT, MDC] fp32 tile at 64 registers per
+    thread (<= 128: 32 lanes x 4 dims; MDC 128 at 10 splits spilled 136-252 B in warpgroup 1)."""
+    sp = 1 << (splits - 1).bit_length()
+    mht = 1 << (-(-64 // splits) - 1).bit_length()
+    return sp, mht, max(16, min(128, 64 * 128 // (sp * mht)))
 
 
 @gluon.jit
@@ -257,10 +270,7 @@ def _compute_s(b, split, num_splits, lo, hi, nbw, nbw_t, wlen, elen, qk_scale_lo
     gl.thread_barrier()
     mbarrier.arrive(lready)
     _epilogue(acc, m_i, l_i, b, split, num_splits, sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
-              part_o_ptr, part_lse_ptr, o_l, row_s, 0, SPLIT_OUT, HAS_SINK, FUSE_MERGE)
-    if FUSE_MERGE:
-        _merge_splits(b, split, num_splits, counter_ptr, part_o_ptr, part_lse_ptr, sink_ptr, out_ptr, stride_ob,
-                      stride_oh, lse_ptr, stride_lb, 0, SP, MHT, MDC, HAS_SINK)
+              part_o_ptr, part_lse_ptr, counter_ptr, o_l, row_s, 0, SPLIT_OUT, HAS_SINK, FUSE_MERGE, SP, MHT, MDC)
 
 
 @gluon.jit
@@ -293,10 +303,7 @@ def _compute_pv(b, split, num_splits, lo, hi, sink_ptr, out_ptr, stride_ob, stri
     m_i = row_smem.index(2).load(row_s)
     l_i = row_smem.index(3).load(row_s)
     _epilogue(acc, m_i, l_i, b, split, num_splits, sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
-              part_o_ptr, part_lse_ptr, o_l, row_s, 1, SPLIT_OUT, HAS_SINK, FUSE_MERGE)
-    if FUSE_MERGE:
-        _merge_splits(b, split, num_splits, counter_ptr, part_o_ptr, part_lse_ptr, sink_ptr, out_ptr, stride_ob,
-                      stride_oh, lse_ptr, stride_lb, 1, SP, MHT, MDC, HAS_SINK)
+              part_o_ptr, part_lse_ptr, counter_ptr, o_l, row_s, 1, SPLIT_OUT, HAS_SINK, FUSE_MERGE, SP, MHT, MDC)
 
 
 @gluon.jit
@@ -316,7 +323,7 @@ def _sparse_decode_ws_kernel(
     EARLY_TABLE: gl.constexpr = False, PROBE: gl.constexpr = 0,
 ):
     # FUSE_MERGE (a cooperative launch, SPLIT_OUT): the splits merge themselves at the end (_merge_splits);
-    # SP, MHT, MDC: its tile (launch._fused_merge_tile). EARLY_TABLE: Q and the index table are staged by
+    # SP, MHT, MDC: its tile (fused_merge_tile). EARLY_TABLE: Q and the index table are staged by
     # the body before the per-query lengths are loaded (launch: with splits, where the kernel is short and
     # that round trip shows; at one split it measured 1.1 us slower on fp8, B = 128).
     # PROBE (timing experiments only; wrong results): 1 = no math, 2 = no row loads, 3 = fp8: no dequantisation.

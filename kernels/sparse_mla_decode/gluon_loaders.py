@@ -212,10 +212,8 @@ def _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr,
     while this one is dequantised) and stored, dequantised, into the bf16 stage the wgmmas read. Rounds
     of R = 32 rows; a block is BN // R rounds. (Staging the raw records in shared memory by cp.async
     first was slower at every B >= 8 once both ran the same dequantisation: bench/results.)"""
-    NW: gl.constexpr = gl.num_warps()
     R: gl.constexpr = 32
     RPB: gl.constexpr = BN // R
-    rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
     # The bf16 stage seen as int32 words: the same bytes and 128-byte swizzle (32 words = 64 dims per line).
     words_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
     if not EARLY_TABLE:

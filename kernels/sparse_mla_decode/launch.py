@@ -46,6 +46,14 @@ class LaunchConfig:
 FUSED_MERGE_MIN_SPLITS = 4  # below, the merge kernel measured faster (H200: 2 splits at B = 8, 32, 64)
 
 
+def fuses_merge(config: LaunchConfig, batch: int, splits: int, num_sms: int) -> bool:
+    """Whether the Gluon launch merges its splits inside the kernel: when asked (config.fused_merge; None:
+    from FUSED_MERGE_MIN_SPLITS splits on) and every CTA can be resident at once (one per SM: the
+    cooperative launch guarantees it, or fails). Otherwise the merge kernel runs after it."""
+    wanted = splits >= FUSED_MERGE_MIN_SPLITS if config.fused_merge is None else config.fused_merge
+    return splits > 1 and wanted and batch * splits <= num_sms
+
+
 def choose_splits(batch: int, num_blocks: int, num_sms: int, fused: bool = False) -> int:
     """Splits per query. With the fused merge (Gluon) and room for at least FUSED_MERGE_MIN_SPLITS splits
     per query on the SMs: one block per split (min(blocks, SMs // B) splits), and 16 at B <= 2, where the
@@ -263,11 +271,8 @@ def _launch_gluon(q, main, main_stride, extra, extra_stride, window_idx, extra_i
     sms = _num_sms(q.device)
     splits = config.num_splits or choose_splits(b, num_blocks, sms, fused=config.fused_merge is not False)
     out, lse, part_o, part_lse = _outputs(q, splits)
-    # Splits merge inside the kernel when every CTA can be resident at once (one per SM: a cooperative
-    # launch guarantees it, or fails); else the merge kernel runs after it.
-    wanted = splits >= FUSED_MERGE_MIN_SPLITS if config.fused_merge is None else config.fused_merge
-    fuse = splits > 1 and wanted and b * splits <= sms
-    sp, mht, mdc = _fused_merge_tile(splits) if fuse else (1, 1, 64)
+    fuse = fuses_merge(config, b, splits, sms)
+    sp, mht, mdc = gluon_kernel.fused_merge_tile(splits) if fuse else (1, 1, 64)
     gluon_kernel._sparse_decode_ws_kernel[(b, splits)](
         *_kernel_args(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, sink, scale,
                       window_lens, extra_lens, w, k, out, lse, part_o, part_lse, splits,
@@ -283,15 +288,6 @@ def _launch_gluon(q, main, main_stride, extra, extra_stride, window_idx, extra_i
     if splits > 1 and not fuse:
         _combine(part_o, part_lse, sink, out, lse, b, h, splits)
     return out, lse
-
-
-def _fused_merge_tile(splits: int) -> tuple[int, int, int]:
-    """(SP, MHT, MDC) of the fused merge: splits and heads per split rounded up to powers of two, and the
-    dims merged at a time, as many as keep the [SP, MHT, MDC] fp32 tile at 64 registers per thread (<= 128:
-    32 lanes x 4 dims)."""
-    sp = triton_next_pow2(splits)
-    mht = triton_next_pow2(-(-64 // splits))
-    return sp, mht, max(16, min(128, 64 * 128 // (sp * mht)))
 
 
 COUNTER_STRIDE = 32  # int32s per query: its two counters alone in a 128-byte line (gluon_kernel.COUNTER_STRIDE)

@@ -255,7 +255,7 @@ def test_fused_merge_tile_stays_at_64_registers_per_thread():
 
     assert gluon_kernel.COUNTER_STRIDE.value == launch.COUNTER_STRIDE  # the kernel and the buffer agree
     for splits in range(2, 33):
-        sp, mht, mdc = launch._fused_merge_tile(splits)
+        sp, mht, mdc = gluon_kernel.fused_merge_tile(splits)
         assert sp >= splits and mht * splits >= 64 and 16 <= mdc <= 128
         assert sp * mht * mdc // 128 <= 64 or mdc == 16
 
