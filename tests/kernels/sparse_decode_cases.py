@@ -38,11 +38,17 @@ def make_case(b, h, w, k, n, m, dtype=torch.bfloat16, device="cpu", d=512, seed=
     sink_t = torch.randn(h, generator=g) if sink else None
     args = dict(q=q, kv=kv, window_idx=widx, extra_kv=extra, extra_idx=eidx, sink=sink_t,
                 window_lens=wl, extra_lens=el)
-    return {key: (v.to(device) if isinstance(v, torch.Tensor) else v) for key, v in args.items()}
+    return moved(args, device)
+
+
+def moved(case, device):
+    """The case with its tensors on `device` (other values as they are)."""
+    return {key: (v.to(device) if isinstance(v, torch.Tensor) else v) for key, v in case.items()}
 
 
 def reference64(case):
-    c = dict(case)
+    """The float64 reference on the CPU, for a case on any device."""
+    c = moved(case, "cpu")
     c["q"] = c["q"].double()
     c["kv"] = c["kv"].double()
     if c["extra_kv"] is not None:

@@ -26,7 +26,7 @@ from dsv4_cluster.kernels.sparse_mla_decode.launch import (
     sparse_mla_decode_fp8_triton,
     sparse_mla_decode_triton,
 )
-from dsv4_cluster.tests.kernels.sparse_decode_cases import HAS_CUDA, V4, assert_close, make_case, reference64
+from dsv4_cluster.tests.kernels.sparse_decode_cases import HAS_CUDA, V4, assert_close, make_case, moved, reference64
 
 gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 
@@ -145,7 +145,7 @@ SMALL = dict(b=3, h=16, w=24, k=40, n=300, m=200)
 def test_triton_matches_reference(triton_kernels, dtype, splits, with_sink):
     c = make_case(**SMALL, dtype=dtype, device=triton_kernels, seed=10 + splits, sink=with_sink)
     out, lse = sparse_mla_decode_triton(**c, config=LaunchConfig(block_n=16, num_splits=splits))
-    ref_out, ref_lse = reference64({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in c.items()})
+    ref_out, ref_lse = reference64(c)
     assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, dtype)
 
 
@@ -153,7 +153,7 @@ def test_triton_matches_reference(triton_kernels, dtype, splits, with_sink):
 def test_triton_window_only_without_lengths(triton_kernels, splits, prefetch):
     c = make_case(2, 16, 40, 0, 100, 0, device=triton_kernels, seed=20, ragged=False, sink=False)
     out, lse = sparse_mla_decode_triton(**c, config=LaunchConfig(block_n=16, num_splits=splits, prefetch=prefetch))
-    ref_out, ref_lse = reference64({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in c.items()})
+    ref_out, ref_lse = reference64(c)
     assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
 
 
@@ -202,11 +202,11 @@ def test_triton_rejects_unsupported_shapes():
 def test_gpu_v4_shapes_bf16_and_fp8(b, with_sink):
     c = make_case(b, **V4, device="cuda", seed=b, sink=with_sink)
     out, lse = sparse_mla_decode(**c)
-    ref_out, ref_lse = reference64({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in c.items()})
+    ref_out, ref_lse = reference64(c)
     assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
     cache, extra = quantize_kv_v4(c.pop("kv")), quantize_kv_v4(c.pop("extra_kv"))
     out8, lse8 = launch.sparse_mla_decode_fp8_triton(**c, kv_cache=cache, extra_cache=extra)
-    ref8 = sparse_mla_decode_fp8_ref(**{k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in c.items()},
+    ref8 = sparse_mla_decode_fp8_ref(**moved(c, "cpu"),
                                      kv_cache=cache.cpu(), extra_cache=extra.cpu())
     assert_close(out8.cpu(), lse8.cpu(), ref8[0].double(), ref8[1], torch.bfloat16)
 

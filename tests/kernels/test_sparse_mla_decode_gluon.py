@@ -18,7 +18,7 @@ from dsv4_cluster.kernels.sparse_mla_decode.launch import (
     sparse_mla_decode_fp8_triton,
     sparse_mla_decode_triton,
 )
-from dsv4_cluster.tests.kernels.sparse_decode_cases import HAS_CUDA, V4, assert_close, make_case, reference64
+from dsv4_cluster.tests.kernels.sparse_decode_cases import HAS_CUDA, V4, assert_close, make_case, moved, reference64
 
 
 def gluon_ready():
@@ -36,7 +36,7 @@ def test_gpu_gluon_matches_reference(block_n, stages, b, splits):
     c = make_case(b, **V4, device="cuda", seed=100 + b + splits, sink=b % 2 == 0)
     cfg = LaunchConfig(block_n=block_n, num_stages=stages, num_splits=splits, backend="gluon")
     out, lse = sparse_mla_decode_triton(**c, config=cfg)
-    ref_out, ref_lse = reference64({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in c.items()})
+    ref_out, ref_lse = reference64(c)
     assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
 
 
@@ -45,7 +45,7 @@ def test_gpu_gluon_matches_reference(block_n, stages, b, splits):
 def test_gpu_gluon_window_only_and_full_lengths():
     c = make_case(5, 64, 128, 0, 4096, 0, device="cuda", seed=7, ragged=False, sink=False)
     out, lse = sparse_mla_decode_triton(**c, config=LaunchConfig(backend="gluon"))
-    ref_out, ref_lse = reference64({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in c.items()})
+    ref_out, ref_lse = reference64(c)
     assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
 
 
@@ -64,12 +64,9 @@ def test_gpu_auto_backend_is_gluon_for_v4_bf16():
 @pytest.mark.parametrize("b, splits", [(1, 0), (8, 0), (64, 3), (130, 0)])
 def test_gpu_gluon_fp8_matches_reference(block_n, stages, loader_regs, b, splits):
     c = make_case(b, **V4, device="cuda", seed=200 + b + splits, sink=b % 2 == 1)
-    cache, extra = quantize_kv_v4(c.pop("kv")), quantize_kv_v4(c.pop("extra_kv"))
     cfg = LaunchConfig(block_n=block_n, num_stages=stages, num_splits=splits, backend="gluon", loader_regs=loader_regs)
-    out, lse = sparse_mla_decode_fp8_triton(**c, kv_cache=cache, extra_cache=extra, config=cfg)
-    cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in c.items()}
-    ref_out, ref_lse = sparse_mla_decode_fp8_ref(**{**cpu, "q": cpu["q"].double()}, kv_cache=cache.cpu(),
-                                                 extra_cache=extra.cpu())
+    run, (ref_out, ref_lse) = _v4_call(c, True, cfg)
+    out, lse = run()
     assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
 
 
@@ -105,7 +102,7 @@ def test_gpu_gluon_fp8_dequantises_subnormals_and_large_scales_exactly(block_n, 
         assert ((t[:, :fp8_layout.SCALES_OFFSET].reshape(-1, 576)[:, :448] & 0x78) == 0).any()
     cfg = LaunchConfig(block_n=block_n, num_stages=stages, backend="gluon")
     out, lse = sparse_mla_decode_fp8_triton(**c, kv_cache=cache, extra_cache=extra, config=cfg)
-    cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in c.items()}
+    cpu = moved(c, "cpu")
     ref_out, ref_lse = sparse_mla_decode_fp8_ref(**{**cpu, "q": cpu["q"].double()}, kv_cache=cache.cpu(),
                                                  extra_cache=extra.cpu())
     assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
@@ -115,7 +112,7 @@ def _v4_call(c, fp8, config):
     """The Gluon kernel on case c (bf16 rows, or the same rows quantised to the V4 fp8 layout) and the float64
     reference of what it was given."""
     c = dict(c)
-    cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in c.items()}
+    cpu = moved(c, "cpu")
     if not fp8:
         return (lambda: sparse_mla_decode_triton(**c, config=config)), reference64(cpu)
     cache, extra = quantize_kv_v4(c.pop("kv")), quantize_kv_v4(c.pop("extra_kv"))
@@ -182,7 +179,7 @@ def test_gpu_gluon_fused_merge_captured_before_any_eager_call(monkeypatch):
             c[key].copy_(fresh[key])
         graph.replay()
         torch.cuda.synchronize()
-        ref_out, ref_lse = reference64({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in c.items()})
+        ref_out, ref_lse = reference64(c)
         assert_close(g_out.cpu(), g_lse.cpu(), ref_out, ref_lse, torch.bfloat16)
 
 
