@@ -3,13 +3,7 @@
 # default backend: Gluon on sm_90), at the batch sizes given (default 128). Text report + .ncu-rep in $OUT.
 # Usage: bash bench/ncu_on_h200.sh [batches, e.g. 8,128]
 set -uo pipefail
-: "${OUT:?OUT must name the folder whose files come back}"
-mkdir -p /tmp/p/dsv4_cluster
-repo=$PWD
-for d in kernels bench tests; do ln -sfn "$repo/$d" "/tmp/p/dsv4_cluster/$d"; done
-cp dsv4_cluster/*.py /tmp/p/dsv4_cluster/
-cd /tmp  # the repo root's dsv4_cluster/ would shadow /tmp/p (see run_on_h200.sh)
-export PYTHONPATH=/tmp/p PYTHONUNBUFFERED=1
+source "$(dirname "$0")/h200_package.sh"  # sets $repo, cd /tmp, PYTHONPATH
 # Per batch size the profile mode runs bf16 then fp8, three times each: skip the first pair (compiles).
 timeout 400 ncu --clock-control none --kernel-name regex:sparse_decode --launch-skip 2 --launch-count 2 \
   --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \

@@ -3,15 +3,8 @@
 # Usage: bash bench/run_on_h200.sh [benchmark args, e.g. --sweep]. Logs and JSON land in $OUT.
 # Env: TEST_TIMEOUT, BENCH_TIMEOUT (s), PYTEST_K (a -k expression), PYTEST_ARGS.
 set -uo pipefail
-: "${OUT:?OUT must name the folder whose files come back}"
-mkdir -p /tmp/p/dsv4_cluster
-repo=$PWD
-for d in kernels bench tests; do ln -sfn "$repo/$d" "/tmp/p/dsv4_cluster/$d"; done
-cp dsv4_cluster/*.py /tmp/p/dsv4_cluster/
-# Run from /tmp: the repo root holds a dsv4_cluster/ folder without the mapped subpackages, which
-# would shadow /tmp/p on sys.path.
-cd /tmp
-export PYTHONPATH=/tmp/p PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
+source "$(dirname "$0")/h200_package.sh"  # sets $repo, cd /tmp, PYTHONPATH
+export TRITON_DEFAULT_FP_FUSION=1
 wheel=$(ls "$repo"/.whl/sgl_flash_mla-*.whl 2>/dev/null | head -1)
 if [ -n "$wheel" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$wheel" \
