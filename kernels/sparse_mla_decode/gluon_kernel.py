@@ -4,8 +4,8 @@ Why a second kernel beside `kernel.py`: the plain-Triton kernel runs one 8-warp 
 every 64-row block is a serial chain (gather -> QK^T -> softmax -> PV); ncu saw 12% occupancy and no
 overlap. Here one CTA per (query, split) has three partitions that run concurrently:
 
-    loader      (4 warps, gluon_loaders.py) first stages Q and every live block's indices in shared
-                memory (one round trip), then per block fills stage i % NS: bf16 rows by cp.async; V4 fp8
+    loader      (4 warps, gluon_loaders.py) first stages every live block's indices, then Q, in shared
+                memory (one round trip; it waits for the indices only), then per block fills stage i % NS: bf16 rows by cp.async; V4 fp8
                 records loaded into registers (the next half-block in flight), dequantised there and
                 stored as bf16. Signals `full[s]`.
     compute S   (warpgroup 0, the default partition) S = Q K^T of the block (the only QK^T: computing
@@ -341,13 +341,15 @@ def _sparse_decode_ws_kernel(
                                        gl.NVMMASharedLayout.get_default_for([H_ALL, BN], gl.bfloat16))
     # rows 0-1: the O rescale of the block in P buffer 0 / 1; rows 2-3: the final softmax max and sum
     row_smem = gl.allocate_shared_memory(gl.float32, [4, H_ALL], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    t_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # the index table has landed
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # Q has landed
     full = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     pready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     pfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     lready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=(gl.num_warps() if EARLY_TABLE else LOADER_WARPS) * 32)  # its stagers' threads
+    mbarrier.init(t_bar, count=(gl.num_warps() if EARLY_TABLE else LOADER_WARPS) * 32)  # its stagers' threads
+    mbarrier.init(q_bar, count=(gl.num_warps() if EARLY_TABLE else LOADER_WARPS) * 32)
     for s in gl.static_range(NS):
         # bf16: one cp.async arrive per loader thread; fp8: one plain arrive after the dequantisation.
         mbarrier.init(full.index(s), count=1 if IS_FP8 else LOADER_WARPS * 32)
@@ -361,9 +363,9 @@ def _sparse_decode_ws_kernel(
         # Q and the index table (laid out by W and K: window block r in row r, extra block r in row
         # ceil(W / BN) + r) go out first, from these 4 warps, so that their round trip overlaps the load
         # of the per-query lengths below, which the table would otherwise wait for.
-        gl.thread_barrier()  # q_bar's init is seen by every thread that arrives on it
+        gl.thread_barrier()  # the barriers' inits are seen by every thread that arrives on them
         stage_q_and_indices(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_ptr, stride_eb, b,
-                            (W + BN - 1) // BN, W, K, q_smem, idx_all, q_bar, MAXB, BN)
+                            (W + BN - 1) // BN, W, K, q_smem, idx_all, t_bar, q_bar, MAXB, BN)
         lo, hi, nbw, wlen, elen = _block_range(b, split, num_splits, W, K, wlen_ptr, elen_ptr, BN,
                                                HAS_EXTRA, HAS_WLEN, HAS_ELEN)
     nbw_t = (W + BN - 1) // BN if EARLY_TABLE else nbw  # the table's window blocks (`_table_row`)
@@ -379,6 +381,6 @@ def _sparse_decode_ws_kernel(
                        counter_ptr, BN, NS, SPLIT_OUT, HAS_SINK, FUSE_MERGE, SP, MHT, MDC, PROBE)),
         (loader_partition, (q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
                             widx_ptr, stride_wb, eidx_ptr, stride_eb, b, lo, hi, nbw, nbw_t, wlen, elen,
-                            q_smem, k_smem, idx_all, q_bar, full, empty,
+                            q_smem, k_smem, idx_all, t_bar, q_bar, full, empty,
                             BN, NS, MAXB, IS_FP8, PAGE_STRIDE, SCALES_OFFSET, EARLY_TABLE, PROBE)),
     ], [4, LOADER_WARPS], [PV_REGS, LOADER_REGS])

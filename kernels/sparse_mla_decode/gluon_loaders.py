@@ -59,19 +59,22 @@ def _round_rows(idx_all, j, hi, nbw, nbw_t, wlen, elen, r0: gl.constexpr, R: gl.
 
 @gluon.jit
 def stage_q_and_indices(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_ptr, stride_eb, b, nbw, wlen, elen,
-                        q_smem, idx_all, q_bar, MAXB: gl.constexpr, BN: gl.constexpr):
-    """Q (64 heads x 512 dims) and the index table (`_stage_indices`) by cp.async; q_bar completes when both
-    have landed (one arrival per calling thread). The loader runs this itself, or (EARLY_TABLE) the kernel
-    body does, before the per-query lengths are loaded."""
+                        q_smem, idx_all, t_bar, q_bar, MAXB: gl.constexpr, BN: gl.constexpr):
+    """The index table (`_stage_indices`), then Q (64 heads x 512 dims), by cp.async; t_bar completes when
+    the table has landed, q_bar when Q has too (one arrival per calling thread on each). The loader waits
+    for the table only, so the first rows' loads go out while Q (64 KB) is still arriving; the compute
+    warpgroups wait for Q. The loader runs this itself, or (EARLY_TABLE) the kernel body does, before the
+    per-query lengths are loaded."""
     NW: gl.constexpr = gl.num_warps()
+    widx_row = widx_ptr + b.to(gl.int64) * stride_wb
+    eidx_row = eidx_ptr + b.to(gl.int64) * stride_eb
+    _stage_indices(idx_all, widx_row, eidx_row, nbw, wlen, elen, MAXB, BN)
+    async_copy.mbarrier_arrive(t_bar, increment_count=False)  # tracks this thread's cp.asyncs so far
     rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
     qh = gl.arange(0, H_ALL, layout=gl.SliceLayout(1, rows_l))
     qd = gl.arange(0, D_ALL, layout=gl.SliceLayout(0, rows_l))
     q_ptrs = q_ptr + b.to(gl.int64) * stride_qb + qh[:, None] * stride_qh + qd[None, :]
     async_copy.async_copy_global_to_shared(q_smem, q_ptrs)
-    widx_row = widx_ptr + b.to(gl.int64) * stride_wb
-    eidx_row = eidx_ptr + b.to(gl.int64) * stride_eb
-    _stage_indices(idx_all, widx_row, eidx_row, nbw, wlen, elen, MAXB, BN)
     async_copy.mbarrier_arrive(q_bar, increment_count=False)
 
 
@@ -79,15 +82,15 @@ def stage_q_and_indices(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_p
 def _loader(q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
             widx_ptr, stride_wb, eidx_ptr, stride_eb,
             b, lo, hi, nbw, nbw_t, wlen, elen,
-            q_smem, k_smem, idx_all, q_bar, full, empty,
+            q_smem, k_smem, idx_all, t_bar, q_bar, full, empty,
             BN: gl.constexpr, NS: gl.constexpr, MAXB: gl.constexpr,
             PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr, EARLY_TABLE: gl.constexpr, PROBE: gl.constexpr):
     NW: gl.constexpr = gl.num_warps()
     rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
     if not EARLY_TABLE:
         stage_q_and_indices(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_ptr, stride_eb, b, nbw, wlen,
-                            elen, q_smem, idx_all, q_bar, MAXB, BN)
-    mbarrier.wait(q_bar, 0)  # the table is read below
+                            elen, q_smem, idx_all, t_bar, q_bar, MAXB, BN)
+    mbarrier.wait(t_bar, 0)  # the table is read below (Q is the compute warpgroups' to wait for)
 
     offs_d = gl.arange(0, D_ALL, layout=gl.SliceLayout(0, rows_l))
     for j in range(lo, hi):
@@ -204,7 +207,7 @@ def _store_dequant(k_words, raw, scw, r0: gl.constexpr, R: gl.constexpr, T0: gl.
 def _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr,
                        widx_ptr, stride_wb, eidx_ptr, stride_eb,
                        b, lo, hi, nbw, nbw_t, wlen, elen,
-                       q_smem, k_smem, idx_all, q_bar, full, empty,
+                       q_smem, k_smem, idx_all, t_bar, q_bar, full, empty,
                        BN: gl.constexpr, NS: gl.constexpr, MAXB: gl.constexpr,
                        PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr, EARLY_TABLE: gl.constexpr,
                        PROBE: gl.constexpr):
@@ -218,8 +221,8 @@ def _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr,
     words_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
     if not EARLY_TABLE:
         stage_q_and_indices(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_ptr, stride_eb, b, nbw, wlen,
-                            elen, q_smem, idx_all, q_bar, MAXB, BN)
-    mbarrier.wait(q_bar, 0)  # the table is read below
+                            elen, q_smem, idx_all, t_bar, q_bar, MAXB, BN)
+    mbarrier.wait(t_bar, 0)  # the table is read below (Q is the compute warpgroups' to wait for)
     j0 = gl.where(PROBE == 2, hi, lo)
     n4, s4, n2, s2, n1, s1, rp = _load_round(idx_all, j0, hi, nbw, nbw_t, wlen, elen, kv_ptr, ekv_ptr, 0, R, MAXB, BN,
                                              PAGE_STRIDE, SCALES_OFFSET)
@@ -258,17 +261,17 @@ def _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr,
 @gluon.jit
 def loader_partition(q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
                      widx_ptr, stride_wb, eidx_ptr, stride_eb, b, lo, hi, nbw, nbw_t, wlen, elen,
-                     q_smem, k_smem, idx_all, q_bar, full, empty,
+                     q_smem, k_smem, idx_all, t_bar, q_bar, full, empty,
                      BN: gl.constexpr, NS: gl.constexpr, MAXB: gl.constexpr, IS_FP8: gl.constexpr,
                      PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr, EARLY_TABLE: gl.constexpr,
                      PROBE: gl.constexpr):
     """The loader warps: `_loader_fp8` on V4 fp8 pages, else `_loader` (bf16 rows)."""
     if IS_FP8:
         _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr, widx_ptr, stride_wb, eidx_ptr, stride_eb,
-                    b, lo, hi, nbw, nbw_t, wlen, elen, q_smem, k_smem, idx_all, q_bar, full, empty,
+                    b, lo, hi, nbw, nbw_t, wlen, elen, q_smem, k_smem, idx_all, t_bar, q_bar, full, empty,
                     BN, NS, MAXB, PAGE_STRIDE, SCALES_OFFSET, EARLY_TABLE, PROBE)
     else:
         _loader(q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
                 widx_ptr, stride_wb, eidx_ptr, stride_eb, b, lo, hi, nbw, nbw_t, wlen, elen,
-                q_smem, k_smem, idx_all, q_bar, full, empty, BN, NS, MAXB, PAGE_STRIDE, SCALES_OFFSET,
+                q_smem, k_smem, idx_all, t_bar, q_bar, full, empty, BN, NS, MAXB, PAGE_STRIDE, SCALES_OFFSET,
                 EARLY_TABLE, PROBE)

@@ -37,9 +37,9 @@ class LaunchConfig:
     # Gluon: merge the splits inside the kernel (a cooperative launch; only when B x splits CTAs fit on the
     # SMs at once), else with the merge kernel after it. None: fused from FUSED_MERGE_MIN_SPLITS splits on
     fused_merge: bool | None = None
-    # Gluon: stage Q and the index table before the per-query lengths are loaded (None: with the fused
-    # merge, i.e. at small B; with the merge kernel it measured slower on fp8: B = 64 37.9 vs 36.2 us,
-    # and at one split B = 128 fp8 52.4 vs 51.3)
+    # Gluon: stage the index table and Q before the per-query lengths are loaded (None: on bf16 rows with
+    # the fused merge, i.e. at small B. On fp8 it measured slower at every B, e.g. B = 8 20.4 vs 19.9 us,
+    # B = 32 29.3 vs 28.1, B = 64 37.9 vs 36.2; bf16 gains up to 0.3 us at B <= 32)
     early_table: bool | None = None
 
 
@@ -282,7 +282,7 @@ def _launch_gluon(q, main, main_stride, extra, extra_stride, window_idx, extra_i
         HAS_ELEN=extra is not None and extra_lens is not None, HAS_SINK=sink is not None,
         PAGE_STRIDE=PAGE_STRIDE, SCALES_OFFSET=SCALES_OFFSET, LOADER_WARPS=4, LOADER_REGS=config.loader_regs,
         PV_REGS=PV_REGS, MAXB=gluon_index_blocks(w, k, bn), FUSE_MERGE=fuse, SP=sp, MHT=mht, MDC=mdc,
-        EARLY_TABLE=fuse if config.early_table is None else config.early_table,
+        EARLY_TABLE=(fuse and not is_fp8) if config.early_table is None else config.early_table,
         PROBE=_PROBE, num_warps=4, launch_cooperative_grid=fuse,
     )
     if splits > 1 and not fuse:
@@ -300,7 +300,9 @@ _SPLIT_COUNTERS: dict[int | None, torch.Tensor] = {}
 
 def split_counters(device: torch.device, batch: int) -> torch.Tensor:
     """The fused merge's counters for `batch` queries on `device`: allocated (zeroed) at the first eager call;
-    under CUDA-graph capture without one, a fresh zeroed buffer whose memset is captured with the kernel."""
+    under CUDA-graph capture without one, a fresh zeroed buffer whose memset is captured with the kernel.
+    Every fused-merge launch on the device shares them, so two such launches must not run at the same time
+    (other streams, graphs replayed side by side): give those `LaunchConfig(fused_merge=False)`."""
     cuda = device.type == "cuda"
     index = device.index if device.index is not None or not cuda else torch.cuda.current_device()
     buf = _SPLIT_COUNTERS.get(index)

@@ -235,7 +235,7 @@ def test_gluon_launch_passes_every_kernel_parameter(monkeypatch, fp8, fused):
     assert set(bound) <= set(kernel.arg_names), f"unknown: {set(bound) - set(kernel.arg_names)}"
     assert kwargs["IS_FP8"] is fp8 and kwargs["SPLIT_OUT"] is True and kwargs["MAXB"] == (16 if cfg.block_n == 64 else 32)
     assert kwargs["FUSE_MERGE"] is fused and kwargs["launch_cooperative_grid"] is fused
-    assert kwargs["EARLY_TABLE"] is fused  # staged before the lengths with the fused merge only
+    assert kwargs["EARLY_TABLE"] is (fused and not fp8)  # staged before the lengths: bf16 with the fused merge only
     counters = args[kernel.arg_names.index("counter_ptr")]
     if fused:
         assert merge == []  # the kernel merges: no merge kernel after it
