@@ -126,19 +126,32 @@ def _epilogue(acc, m_i, l_i, b, split, num_splits, sink_ptr, out_ptr, stride_ob,
 # spin flat out on one line slow every other access to its L2 slice), then count out; the last warp out
 # zeroes both counters for the next launch. bar.warp.sync orders the lanes' stores before lane 0's release
 # (GPU scope); every lane acquires, so each sees every split's partial output. $0: the arrivals seen.
+# The wait is bounded: all splits are resident (cooperative launch), so a legitimate wait lasts as long as
+# the slowest split, microseconds. Counters that cannot reach the count (two launches sharing them at
+# once, a buffer that was not zeroed) would otherwise spin forever; after SPIN_LIMIT_NS of %globaltimer
+# the warp executes `trap`, so the launch fails with a CUDA error (the process's CUDA context is lost)
+# instead of hanging the stream, the process and every request behind it. The check stays predicated in the
+# loop: written out of line (`@q bra DONE`, sleep and check after it) it cost 5 us at B = 8 (H200).
 COUNTER_STRIDE = gl.constexpr(32)  # int32s between two queries' counters (launch.COUNTER_STRIDE)
 SPIN_NS = 100
+SPIN_LIMIT_NS = 2_000_000_000
 _SPLIT_BARRIER = gl.constexpr("""{
-.reg .pred p, q;
+.reg .pred p, q, r;
 .reg .u32 old, last, zero;
+.reg .u64 t0, t1;
 mov.u32 old, %laneid;
 setp.eq.u32 p, old, 0;
 bar.warp.sync -1;
 @p red.release.gpu.global.add.u32 [$1], 1;
+mov.u64 t0, %globaltimer;
 SPLIT_WAIT_${:uid}:
 ld.acquire.gpu.global.u32 $0, [$1];
 setp.lt.u32 q, $0, $2;
 @q nanosleep.u32 SPIN_NS;
+mov.u64 t1, %globaltimer;
+sub.u64 t1, t1, t0;
+setp.gt.and.u64 r, t1, SPIN_LIMIT_NS, q;
+@r trap;
 @q bra SPLIT_WAIT_${:uid};
 mov.u32 old, 0;
 @p atom.relaxed.gpu.global.add.u32 old, [$1+4], 1;
@@ -146,7 +159,7 @@ sub.u32 last, $2, 1;
 setp.eq.and.u32 q, old, last, p;
 mov.u32 zero, 0;
 @q st.relaxed.gpu.global.v2.u32 [$1], {zero, zero};
-}""".replace("SPIN_NS", str(SPIN_NS)))
+}""".replace("SPIN_LIMIT_NS", str(SPIN_LIMIT_NS)).replace("SPIN_NS", str(SPIN_NS)))
 
 
 def fused_merge_tile(splits: int) -> tuple[int, int, int]:

@@ -302,7 +302,9 @@ def split_counters(device: torch.device, batch: int) -> torch.Tensor:
     """The fused merge's counters for `batch` queries on `device`: allocated (zeroed) at the first eager call;
     under CUDA-graph capture without one, a fresh zeroed buffer whose memset is captured with the kernel.
     Every fused-merge launch on the device shares them, so two such launches must not run at the same time
-    (other streams, graphs replayed side by side): give those `LaunchConfig(fused_merge=False)`."""
+    (other streams, graphs replayed side by side): give those `LaunchConfig(fused_merge=False)`. Counters
+    that cannot complete make the kernel trap after gluon_kernel.SPIN_LIMIT_NS (a CUDA error) instead of
+    hanging."""
     cuda = device.type == "cuda"
     index = device.index if device.index is not None or not cuda else torch.cuda.current_device()
     buf = _SPLIT_COUNTERS.get(index)

@@ -183,6 +183,49 @@ def test_gpu_gluon_fused_merge_captured_before_any_eager_call(monkeypatch):
         assert_close(g_out.cpu(), g_lse.cpu(), ref_out, ref_lse, torch.bfloat16)
 
 
+_POISONED_COUNTERS = """
+import time
+import torch
+from dsv4_cluster.kernels.sparse_mla_decode import launch
+from dsv4_cluster.kernels.sparse_mla_decode.launch import LaunchConfig, sparse_mla_decode_triton
+from dsv4_cluster.tests.kernels.sparse_decode_cases import V4, make_case
+c = make_case(2, **V4, device="cuda", seed=81)
+cfg = LaunchConfig(num_splits=5, backend="gluon", fused_merge=True)
+sparse_mla_decode_triton(**c, config=cfg)
+torch.cuda.synchronize()
+# 40 arrivals from 0xFFFFFFF0 wrap around to 24 < 40: query 0's splits can never all be seen to arrive
+launch._SPLIT_COUNTERS[torch.cuda.current_device()][0] = -16
+torch.cuda.synchronize()
+t0 = time.monotonic()
+try:
+    sparse_mla_decode_triton(**c, config=cfg)
+    torch.cuda.synchronize()
+except RuntimeError as exc:
+    print(f"LAUNCH FAILED after {time.monotonic() - t0:.3f} s:", exc, flush=True)
+    raise SystemExit(3)
+print("LAUNCH RETURNED", flush=True)
+"""
+
+
+@gluon_gpu
+@pytest.mark.gpu
+def test_gpu_gluon_fused_merge_fails_instead_of_hanging_on_counters_that_cannot_complete():
+    """Counters that can never reach the split count (here: poisoned) make the launch fail with a CUDA error
+    once the bounded wait runs out (gluon_kernel.SPIN_LIMIT_NS), in a child process whose CUDA context that
+    error ends, rather than spin forever."""
+    import re
+    import subprocess
+    import sys
+
+    from dsv4_cluster.kernels.sparse_mla_decode import gluon_kernel
+
+    proc = subprocess.run([sys.executable, "-c", _POISONED_COUNTERS], capture_output=True, text=True, timeout=180)
+    failed = re.search(r"LAUNCH FAILED after ([0-9.]+) s", proc.stdout)
+    assert proc.returncode == 3 and failed, proc.stdout + proc.stderr
+    # it waited the bound out, then failed (not some other error at once)
+    assert gluon_kernel.SPIN_LIMIT_NS * 1e-9 <= float(failed.group(1)) < 60, proc.stdout
+
+
 @gluon_gpu
 @pytest.mark.gpu
 def test_gpu_gluon_rejects_a_config_over_shared_memory():
