@@ -1,0 +1,72 @@
+"""A/B of kernel versions on the H200: other versions of kernels/sparse_mla_decode vs this tree, interleaved
+on the same inputs (cold-L2 CUDA-graph replays), so that sub-microsecond differences are seen in one run.
+
+    mkdir -p .ab/smd_old && git archive <commit> kernels/sparse_mla_decode | tar -x -C .ab/smd_old --strip-components=2
+    python3 -m dsv4_cluster.bench.ab_sparse_decode "$repo/.ab" 1,8,32,64,128 2 old[,other]  # H200, carry .ab
+    (after `source bench/h200_package.sh`, as bench/run_on_h200.sh does)
+
+argv: the folder holding smd_<name>/ copies, batches, passes, variant names. Rows: Gluon bf16 with the default
+table staging and fp8 with the table staged after the lengths, per variant and "new" (this tree), FlashMLA;
+at B=8 also fp8 with block_n 32. Results of session 6: bench/results/sparse_decode_ab_session6.log.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+from dsv4_cluster.bench.kernels import bench_us, copy_bandwidth_gbs
+from dsv4_cluster.bench.sparse_decode import flashmla_call, graphed, make_inputs, rel_err, required_bytes
+from dsv4_cluster.kernels.sparse_mla_decode import launch as new, quantize_kv_v4, sparse_mla_decode_ref, fp8_layout
+
+
+def main(argv: list[str]) -> int:
+    sys.path.insert(0, argv[0])  # the folder holding the smd_* variants
+    variants = [(v, importlib.import_module(f"smd_{v}.launch")) for v in argv[3].split(",")]
+    batches = [int(x) for x in (argv[1] if len(argv) > 1 else "1,8,32,64,128").split(",")]
+    passes = int(argv[2]) if len(argv) > 2 else 2
+    copy = copy_bandwidth_gbs()
+    print(f"copy {copy:.0f} GB/s", flush=True)
+    for b in batches:
+        case = make_inputs(b, seed=b)
+        cache, extra = quantize_kv_v4(case["kv"]), quantize_kv_v4(case["extra_kv"])
+        fp8c = {k: v for k, v in case.items() if k not in ("kv", "extra_kv")}
+        ref, _ = sparse_mla_decode_ref(**case)
+        deq = {**case, "kv": fp8_layout.dequantize_kv_v4(cache), "extra_kv": fp8_layout.dequantize_kv_v4(extra)}
+        ref8, _ = sparse_mla_decode_ref(**deq)
+        runs = {}
+        for tag, mod in variants + [("new", new)]:
+            for early, fp8 in ((None, False), (False, True)):
+                cfg = mod.LaunchConfig(backend="gluon", early_table=early)
+                if fp8:
+                    runs[f"{tag:7s} fp8  early={early}"] = (
+                        lambda m=mod, c=cfg: m.sparse_mla_decode_fp8_triton(**fp8c, kv_cache=cache, extra_cache=extra, config=c),
+                        ref8, 584)
+                else:
+                    runs[f"{tag:7s} bf16 early={early}"] = (lambda m=mod, c=cfg: m.sparse_mla_decode_triton(**case, config=c), ref, 1024)
+        if b == 8:
+            for bn, st, sp in ((32, 3, 10), (32, 3, 16), (32, 4, 10)):
+                cfg = new.LaunchConfig(backend="gluon", early_table=False, block_n=bn, num_stages=st, num_splits=sp)
+                runs[f"new fp8 bn{bn} st{st} sp{sp}"] = (
+                    lambda c=cfg: new.sparse_mla_decode_fp8_triton(**fp8c, kv_cache=cache, extra_cache=extra, config=c), ref8, 584)
+        fm, err = flashmla_call(fp8c, cache, extra)
+        if fm:
+            runs["flashmla fp8"] = (fm, ref8, 584)
+        else:
+            print("flashmla:", err)
+        res = {k: [] for k in runs}
+        for k, (fn, r, _) in runs.items():
+            e = rel_err(fn()[0], r)
+            if not e < 2e-2:
+                raise SystemExit(f"B={b} {k.strip()}: output disagrees with the reference (relative error {e:.3g})")
+        graphs = {k: graphed(fn) for k, (fn, _, _) in runs.items()}
+        for p in range(passes):
+            for k, g in graphs.items():
+                res[k].append(bench_us(g, rep_ms=150))
+        for k, v in res.items():
+            gbs = required_bytes(b, runs[k][2]) / (min(v) * 1e-6) / 1e9
+            print(f"B={b:4d} {k:24s} " + " ".join(f"{x:6.2f}" for x in v) + f"   {gbs / copy:5.1%} of copy", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
