@@ -15,8 +15,8 @@ import importlib
 import sys
 
 from dsv4_cluster.bench.kernels import bench_us, copy_bandwidth_gbs
-from dsv4_cluster.bench.sparse_decode import flashmla_call, graphed, make_inputs, rel_err, required_bytes
-from dsv4_cluster.kernels.sparse_mla_decode import launch as new, quantize_kv_v4, sparse_mla_decode_ref, fp8_layout
+from dsv4_cluster.bench.sparse_decode import flashmla_call, graphed, inputs_and_references, rel_err, required_bytes
+from dsv4_cluster.kernels.sparse_mla_decode import launch as new
 
 
 def main(argv: list[str]) -> int:
@@ -27,12 +27,7 @@ def main(argv: list[str]) -> int:
     copy = copy_bandwidth_gbs()
     print(f"copy {copy:.0f} GB/s", flush=True)
     for b in batches:
-        case = make_inputs(b, seed=b)
-        cache, extra = quantize_kv_v4(case["kv"]), quantize_kv_v4(case["extra_kv"])
-        fp8c = {k: v for k, v in case.items() if k not in ("kv", "extra_kv")}
-        ref, _ = sparse_mla_decode_ref(**case)
-        deq = {**case, "kv": fp8_layout.dequantize_kv_v4(cache), "extra_kv": fp8_layout.dequantize_kv_v4(extra)}
-        ref8, _ = sparse_mla_decode_ref(**deq)
+        case, cache, extra, fp8c, ref, ref8 = inputs_and_references(b)
         runs = {}
         for tag, mod in variants + [("new", new)]:
             for early, fp8 in ((None, False), (False, True)):

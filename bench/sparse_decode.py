@@ -54,6 +54,18 @@ def make_inputs(b: int, seed: int = 0) -> dict:
     return dict(q=q, kv=kv, window_idx=widx, extra_kv=extra, extra_idx=eidx, sink=sink)
 
 
+def inputs_and_references(b: int):
+    """`make_inputs(b, seed=b)`, its rows quantised to V4 fp8 caches, the case without its bf16 rows (for the
+    fp8 calls), and the reference outputs on the bf16 rows and on the dequantised fp8 rows."""
+    case = make_inputs(b, seed=b)
+    cache, extra_cache = quantize_kv_v4(case["kv"]), quantize_kv_v4(case["extra_kv"])
+    fp8_case = {k: v for k, v in case.items() if k not in ("kv", "extra_kv")}
+    ref_out, _ = sparse_mla_decode_ref(**case)
+    deq = {**case, "kv": fp8_layout.dequantize_kv_v4(cache), "extra_kv": fp8_layout.dequantize_kv_v4(extra_cache)}
+    ref8_out, _ = sparse_mla_decode_ref(**deq)
+    return case, cache, extra_cache, fp8_case, ref_out, ref8_out
+
+
 def torch_reference(case: dict):
     """The reference's math (gather, then attention) without its host-syncing index checks."""
     rows, valid = gather_rows(case["kv"], case["window_idx"], case["extra_kv"], case["extra_idx"])
@@ -199,12 +211,7 @@ def run(argv: list[str]) -> int:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows, fm_error = [], None
     for b in batches:
-        case = make_inputs(b, seed=b)
-        cache, extra_cache = quantize_kv_v4(case["kv"]), quantize_kv_v4(case["extra_kv"])
-        fp8_case = {k: v for k, v in case.items() if k not in ("kv", "extra_kv")}
-        ref_out, _ = sparse_mla_decode_ref(**case)
-        deq = {**case, "kv": fp8_layout.dequantize_kv_v4(cache), "extra_kv": fp8_layout.dequantize_kv_v4(extra_cache)}
-        ref8_out, _ = sparse_mla_decode_ref(**deq)
+        case, cache, extra_cache, fp8_case, ref_out, ref8_out = inputs_and_references(b)
         wanted = set(args.kernels.split(","))
         if "torch_reference_bf16" in wanted:
             rows.append(measure("torch_reference_bf16", lambda: torch_reference(case), ref_out, b, 1024, copy_gbs))
@@ -282,7 +289,7 @@ def run(argv: list[str]) -> int:
                 rows.append(measure("flashmla_fp8_v4", fm_run, ref8_out, b, fp8_layout.BYTES_PER_TOKEN, copy_gbs))
             except (RuntimeError, AssertionError, TypeError) as exc:
                 fm_error = f"{type(exc).__name__}: {exc}"
-        del case, cache, extra_cache, deq
+        del case, cache, extra_cache, fp8_case
         torch.cuda.empty_cache()
 
     resources = compiled_resources()
