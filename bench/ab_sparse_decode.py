@@ -15,8 +15,12 @@ import importlib
 import sys
 
 from dsv4_cluster.bench.kernels import bench_us, copy_bandwidth_gbs
-from dsv4_cluster.bench.sparse_decode import flashmla_call, graphed, inputs_and_references, rel_err, required_bytes
-from dsv4_cluster.kernels.sparse_mla_decode import launch as new
+from dsv4_cluster.bench.sparse_decode import (
+    MAX_REL_ERR, flashmla_call, graphed, inputs_and_references, rel_err, required_bytes,
+)
+from dsv4_cluster.kernels.sparse_mla_decode import fp8_layout, launch as new
+
+FP8_ROW = fp8_layout.BYTES_PER_TOKEN
 
 
 def main(argv: list[str]) -> int:
@@ -35,23 +39,23 @@ def main(argv: list[str]) -> int:
                 if fp8:
                     runs[f"{tag:7s} fp8  early={early}"] = (
                         lambda m=mod, c=cfg: m.sparse_mla_decode_fp8_triton(**fp8c, kv_cache=cache, extra_cache=extra, config=c),
-                        ref8, 584)
+                        ref8, FP8_ROW)
                 else:
                     runs[f"{tag:7s} bf16 early={early}"] = (lambda m=mod, c=cfg: m.sparse_mla_decode_triton(**case, config=c), ref, 1024)
         if b == 8:
             for bn, st, sp in ((32, 3, 10), (32, 3, 16), (32, 4, 10)):
                 cfg = new.LaunchConfig(backend="gluon", early_table=False, block_n=bn, num_stages=st, num_splits=sp)
                 runs[f"new fp8 bn{bn} st{st} sp{sp}"] = (
-                    lambda c=cfg: new.sparse_mla_decode_fp8_triton(**fp8c, kv_cache=cache, extra_cache=extra, config=c), ref8, 584)
+                    lambda c=cfg: new.sparse_mla_decode_fp8_triton(**fp8c, kv_cache=cache, extra_cache=extra, config=c), ref8, FP8_ROW)
         fm, err = flashmla_call(fp8c, cache, extra)
         if fm:
-            runs["flashmla fp8"] = (fm, ref8, 584)
+            runs["flashmla fp8"] = (fm, ref8, FP8_ROW)
         else:
             print("flashmla:", err)
         res = {k: [] for k in runs}
         for k, (fn, r, _) in runs.items():
             e = rel_err(fn()[0], r)
-            if not e < 2e-2:
+            if not e < MAX_REL_ERR:
                 raise SystemExit(f"B={b} {k.strip()}: output disagrees with the reference (relative error {e:.3g})")
         graphs = {k: graphed(fn) for k, (fn, _, _) in runs.items()}
         for p in range(passes):

@@ -5,8 +5,8 @@ every 64-row block is a serial chain (gather -> QK^T -> softmax -> PV); ncu saw 
 overlap. Here one CTA per (query, split) has three partitions that run concurrently:
 
     loader      (4 warps, gluon_loaders.py) first stages every live block's indices, then Q, in shared
-                memory (one round trip; it waits for the indices only), then per block fills stage i % NS: bf16 rows by cp.async; V4 fp8
-                records loaded into registers (the next half-block in flight), dequantised there and
+                memory (one round trip; it waits for the indices only), then per block fills stage
+                i % NS: bf16 rows by cp.async; V4 fp8 records loaded into registers (the next half-block in flight), dequantised there and
                 stored as bf16. Signals `full[s]`.
     compute S   (warpgroup 0, the default partition) S = Q K^T of the block (the only QK^T: computing
                 it in both warpgroups doubled the tensor cores' shared-memory reads, measured 50.0 vs
@@ -337,8 +337,8 @@ def _sparse_decode_ws_kernel(
 ):
     # FUSE_MERGE (a cooperative launch, SPLIT_OUT): the splits merge themselves at the end (_merge_splits);
     # SP, MHT, MDC: its tile (fused_merge_tile). EARLY_TABLE: Q and the index table are staged by
-    # the body before the per-query lengths are loaded (launch: with splits, where the kernel is short and
-    # that round trip shows; at one split it measured 1.1 us slower on fp8, B = 128).
+    # the body before the per-query lengths are loaded (launch: bf16 with the fused merge, where the kernel is
+    # short and that round trip shows; on fp8 it measured slower at every B, see LaunchConfig.early_table).
     # PROBE (timing experiments only; wrong results): 1 = no math, 2 = no row loads, 3 = fp8: no dequantisation.
     b = gl.program_id(0)
     split = gl.program_id(1)
@@ -361,8 +361,9 @@ def _sparse_decode_ws_kernel(
     pready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     pfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     lready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(t_bar, count=(gl.num_warps() if EARLY_TABLE else LOADER_WARPS) * 32)  # its stagers' threads
-    mbarrier.init(q_bar, count=(gl.num_warps() if EARLY_TABLE else LOADER_WARPS) * 32)
+    stagers: gl.constexpr = (gl.num_warps() if EARLY_TABLE else LOADER_WARPS) * 32  # threads staging table and Q
+    mbarrier.init(t_bar, count=stagers)
+    mbarrier.init(q_bar, count=stagers)
     for s in gl.static_range(NS):
         # bf16: one cp.async arrive per loader thread; fp8: one plain arrive after the dequantisation.
         mbarrier.init(full.index(s), count=1 if IS_FP8 else LOADER_WARPS * 32)
