@@ -10,7 +10,7 @@ Triton release the kernel is written for (the H200's; see launch.GLUON_TRITON_RE
 A config is dtype:block_n:stages[:regsN][:pvN][:fuseN] (regsN: loader registers, default as the launcher;
 pvN: registers of the P V warpgroup, default launch.PV_REGS; fuseN: split output for N splits merged inside
 the kernel, the tile as gluon_kernel.fused_merge_tile; early: EARLY_TABLE, the index table staged before the
-lengths).
+lengths; trace: TRACE, the phase timestamps of bench/trace_sparse_decode.py).
 The script loads kernels/sparse_mla_decode/gluon_*.py by path (only Triton is imported, not the package).
 """
 
@@ -29,21 +29,22 @@ import types
 KERNELS = pathlib.Path(__file__).resolve().parents[1] / "kernels" / "sparse_mla_decode"
 POINTERS = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "ekv_ptr": "*bf16", "widx_ptr": "*i32", "eidx_ptr": "*i32",
             "wlen_ptr": "*i32", "elen_ptr": "*i32", "sink_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
-            "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "counter_ptr": "*i32"}
+            "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "counter_ptr": "*i32",
+            "trace_ptr": "*i64"}
 
 
 def parse(spec: str) -> dict:
     dtype, bn, stages, *flags = spec.split(":")
     if dtype not in ("bf16", "fp8"):
         raise SystemExit(f"config {spec!r}: dtype must be bf16 or fp8")
-    cfg = dict(fp8=dtype == "fp8", bn=int(bn), stages=int(stages), regs=0, pv=160, fuse=0, early=0)
+    cfg = dict(fp8=dtype == "fp8", bn=int(bn), stages=int(stages), regs=0, pv=160, fuse=0, early=0, trace=0)
     for f in flags:
         if m := re.fullmatch(r"(regs|pv|fuse)(\d+)", f):
             cfg[m[1]] = int(m[2])
-        elif f == "early":
+        elif f in ("early", "trace"):
             cfg[f] = 1
         else:
-            raise SystemExit(f"config {spec!r}: unknown flag {f!r} (regsN, pvN, fuseN, early)")
+            raise SystemExit(f"config {spec!r}: unknown flag {f!r} (regsN, pvN, fuseN, early, trace)")
     cfg["regs"] = cfg["regs"] or (128 if cfg["fp8"] else 80 if cfg["bn"] == 64 else 40)
     return cfg
 
@@ -58,7 +59,8 @@ def compile_one(module, cfg: dict):
     const = dict(BN=cfg["bn"], NS=cfg["stages"], SPLIT_OUT=False, IS_FP8=cfg["fp8"], HAS_EXTRA=True, HAS_WLEN=True,
                  HAS_ELEN=True, HAS_SINK=True, PAGE_STRIDE=37440, SCALES_OFFSET=36864, LOADER_WARPS=4,
                  LOADER_REGS=cfg["regs"], PV_REGS=cfg["pv"], MAXB=1 << (blocks - 1).bit_length(), PROBE=0,
-                 FUSE_MERGE=False, SP=1, MHT=1, MDC=64, EARLY_TABLE=bool(cfg["early"]))
+                 FUSE_MERGE=False, SP=1, MHT=1, MDC=64, EARLY_TABLE=bool(cfg["early"]),
+                 TRACE=bool(cfg["trace"]))
     if cfg["fuse"]:
         sp, mht, mdc = module.fused_merge_tile(cfg["fuse"])
         const.update(SPLIT_OUT=True, FUSE_MERGE=True, SP=sp, MHT=mht, MDC=mdc)

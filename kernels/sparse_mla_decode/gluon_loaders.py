@@ -14,6 +14,24 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 H_ALL = gl.constexpr(64)
 D_ALL = gl.constexpr(512)
 
+# TRACE (bench/trace_sparse_decode.py only): per CTA, TRACE_SLOTS int64 %globaltimer stamps (ns), slot i = when
+# the CTA's partition reached TRACE_PHASES[i] (stores issued, not landed).
+TRACE_SLOTS = gl.constexpr(16)
+TRACE_PHASES = ("start", "lengths loaded", "loader: table landed", "loader: last rows issued",
+                "S: Q landed", "S: first block landed", "S: last block done", "S: epilogue issued",
+                "PV: epilogue issued")
+
+
+@gluon.jit
+def _stamp(trace_row, slot: gl.constexpr):
+    """Thread 0 of the calling partition writes %globaltimer to trace_row[slot]."""
+    NW: gl.constexpr = gl.num_warps()
+    l: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+    lane = gl.arange(0, 32 * NW, layout=l)
+    t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [lane], dtype=gl.int64, is_pure=False,
+                                  pack=1)
+    gl.store(trace_row + slot + lane * 0, t, mask=lane == 0)
+
 
 @gluon.jit
 def _stage_indices(idx_all, widx_row, eidx_row, nbw, wlen, elen, MAXB: gl.constexpr, BN: gl.constexpr):
@@ -84,13 +102,16 @@ def _loader(q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
             b, lo, hi, nbw, nbw_t, wlen, elen,
             q_smem, k_smem, idx_all, t_bar, q_bar, full, empty,
             BN: gl.constexpr, NS: gl.constexpr, MAXB: gl.constexpr,
-            PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr, EARLY_TABLE: gl.constexpr, PROBE: gl.constexpr):
+            PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr, EARLY_TABLE: gl.constexpr, PROBE: gl.constexpr,
+            trace_row, TRACE: gl.constexpr):
     NW: gl.constexpr = gl.num_warps()
     rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
     if not EARLY_TABLE:
         stage_q_and_indices(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_ptr, stride_eb, b, nbw, wlen,
                             elen, q_smem, idx_all, t_bar, q_bar, MAXB, BN)
     mbarrier.wait(t_bar, 0)  # the table is read below (Q is the compute warpgroups' to wait for)
+    if TRACE:
+        _stamp(trace_row, 2)
 
     offs_d = gl.arange(0, D_ALL, layout=gl.SliceLayout(0, rows_l))
     for j in range(lo, hi):
@@ -106,6 +127,8 @@ def _loader(q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
         if PROBE != 2:
             async_copy.async_copy_global_to_shared(k_smem.index(s), ptrs, mask=valid[:, None])
         async_copy.mbarrier_arrive(full.index(s), increment_count=False)
+    if TRACE:
+        _stamp(trace_row, 3)
 
 
 @gluon.jit
@@ -210,7 +233,7 @@ def _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr,
                        q_smem, k_smem, idx_all, t_bar, q_bar, full, empty,
                        BN: gl.constexpr, NS: gl.constexpr, MAXB: gl.constexpr,
                        PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr, EARLY_TABLE: gl.constexpr,
-                       PROBE: gl.constexpr):
+                       PROBE: gl.constexpr, trace_row, TRACE: gl.constexpr):
     """V4 fp8 pages: the records of a block are loaded into registers (the next round's loads in flight
     while this one is dequantised) and stored, dequantised, into the bf16 stage the wgmmas read. Rounds
     of R = 32 rows; a block is BN // R rounds. (Staging the raw records in shared memory by cp.async
@@ -223,6 +246,8 @@ def _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr,
         stage_q_and_indices(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_ptr, stride_eb, b, nbw, wlen,
                             elen, q_smem, idx_all, t_bar, q_bar, MAXB, BN)
     mbarrier.wait(t_bar, 0)  # the table is read below (Q is the compute warpgroups' to wait for)
+    if TRACE:
+        _stamp(trace_row, 2)
     j0 = gl.where(PROBE == 2, hi, lo)
     n4, s4, n2, s2, n1, s1, rp = _load_round(idx_all, j0, hi, nbw, nbw_t, wlen, elen, kv_ptr, ekv_ptr, 0, R, MAXB, BN,
                                              PAGE_STRIDE, SCALES_OFFSET)
@@ -256,6 +281,8 @@ def _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr,
         fence_async_shared()  # the generic-proxy stores above are read by wgmma (async proxy)
         gl.thread_barrier()  # every loader thread's stores are in before the one arrive
         mbarrier.arrive(full.index(s))
+    if TRACE:
+        _stamp(trace_row, 3)
 
 
 @gluon.jit
@@ -264,14 +291,14 @@ def loader_partition(q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, st
                      q_smem, k_smem, idx_all, t_bar, q_bar, full, empty,
                      BN: gl.constexpr, NS: gl.constexpr, MAXB: gl.constexpr, IS_FP8: gl.constexpr,
                      PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr, EARLY_TABLE: gl.constexpr,
-                     PROBE: gl.constexpr):
+                     PROBE: gl.constexpr, trace_row, TRACE: gl.constexpr):
     """The loader warps: `_loader_fp8` on V4 fp8 pages, else `_loader` (bf16 rows)."""
     if IS_FP8:
         _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr, widx_ptr, stride_wb, eidx_ptr, stride_eb,
                     b, lo, hi, nbw, nbw_t, wlen, elen, q_smem, k_smem, idx_all, t_bar, q_bar, full, empty,
-                    BN, NS, MAXB, PAGE_STRIDE, SCALES_OFFSET, EARLY_TABLE, PROBE)
+                    BN, NS, MAXB, PAGE_STRIDE, SCALES_OFFSET, EARLY_TABLE, PROBE, trace_row, TRACE)
     else:
         _loader(q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
                 widx_ptr, stride_wb, eidx_ptr, stride_eb, b, lo, hi, nbw, nbw_t, wlen, elen,
                 q_smem, k_smem, idx_all, t_bar, q_bar, full, empty, BN, NS, MAXB, PAGE_STRIDE, SCALES_OFFSET,
-                EARLY_TABLE, PROBE)
+                EARLY_TABLE, PROBE, trace_row, TRACE)

@@ -111,6 +111,9 @@ DEFAULT_BLOCKS = {("triton", False): (64, 2), ("triton", True): (64, 2),
                   ("gluon", False): (64, 2), ("gluon", True): (64, 2)}
 PV_REGS = 160  # registers per thread of the Gluon P V-only warpgroup (a 64 x 256 fp32 accumulator and little else)
 _PROBE = 0  # bench/probe_sparse_decode.py only: drop a stage of the Gluon kernel to time the rest (wrong results)
+# bench/trace_sparse_decode.py only: an int64 CUDA tensor of >= B x splits x gluon_loaders.TRACE_SLOTS elements;
+# while set, Gluon launches write their CTAs' phase timestamps into it
+_TRACE: torch.Tensor | None = None
 SMEM_LIMIT = 226 * 1024  # the 227 KB a block may opt into, less a margin for what the estimate leaves out
 
 
@@ -283,7 +286,8 @@ def _launch_gluon(q, main, main_stride, extra, extra_stride, window_idx, extra_i
         PAGE_STRIDE=PAGE_STRIDE, SCALES_OFFSET=SCALES_OFFSET, LOADER_WARPS=4, LOADER_REGS=config.loader_regs,
         PV_REGS=PV_REGS, MAXB=gluon_index_blocks(w, k, bn), FUSE_MERGE=fuse, SP=sp, MHT=mht, MDC=mdc,
         EARLY_TABLE=(fuse and not is_fp8) if config.early_table is None else config.early_table,
-        PROBE=_PROBE, num_warps=4, launch_cooperative_grid=fuse,
+        PROBE=_PROBE, TRACE=_TRACE is not None, trace_ptr=_TRACE if _TRACE is not None else lse,
+        num_warps=4, launch_cooperative_grid=fuse,
     )
     if splits > 1 and not fuse:
         _combine(part_o, part_lse, sink, out, lse, b, h, splits)
