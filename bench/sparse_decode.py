@@ -26,6 +26,7 @@ from dsv4_cluster.kernels.sparse_mla_decode.launch import (
     LaunchConfig,
     choose_splits,
     fuses_merge,
+    gluon_splits,
     gluon_unavailable,
     gluon_smem_bytes,
     resolved,
@@ -271,8 +272,8 @@ def run(argv: list[str]) -> int:
                 default = resolved(gluon_default, "gluon", name.endswith("fp8"))
                 runs += [(f"{name}_default", default)] if default != cfg else []
             for label, c in runs:
-                splits = c.num_splits or choose_splits(b, nblocks[c.block_n], sms,
-                                                       fused=is_gluon and c.fused_merge is not False)
+                splits = gluon_splits(c, b, nblocks[c.block_n], sms, name.endswith("fp8")) if is_gluon else \
+                    c.num_splits or choose_splits(b, nblocks[c.block_n], sms)
                 info = dict(block_n=c.block_n, warps=c.num_warps, stages=c.num_stages, prefetch=c.prefetch,
                             splits=splits)
                 if is_gluon:

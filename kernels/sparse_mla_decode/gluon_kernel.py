@@ -15,6 +15,9 @@ overlap. Here one CTA per (query, split) has three partitions that run concurren
     compute PV  (warpgroup 1) O[:, 256:512] += P V with P read from shared memory (`pfree` when done).
                 Both compute warpgroups arrive on `empty[s]`; the softmax statistics reach warpgroup 1
                 at the end (`lready`) for its normalisation.
+    epilogue    each compute warpgroup stores its half of O. Unsplit, through its own shared memory, free by
+                then (Q's for warpgroup 0, the row stages' for warpgroup 1) and whole-row 16-byte stores
+                (`_store_rows`); split partials (fp32) straight from the accumulator layout.
 
 All 64 heads of the query are the M = 64 of every wgmma, so each selected row is read from memory
 once. Work is O(live rows): the split's block range comes from the per-query lengths, nothing is

@@ -181,6 +181,11 @@ def test_split_choice_is_the_measured_best_on_an_h200():
     # from B = 34, 4 splits per query no longer fit on the SMs at once: the merge kernel's choice
     assert launch.choose_splits(34, 10, 132, fused=True) == launch.choose_splits(34, 10, 132) == 2
     assert all(b * launch.choose_splits(b, 10, 132, fused=True) <= 132 for b in range(1, 34))
+    # Gluon on bf16 rows: the merge weighs more, so B = 64 runs unsplit (fp8 keeps 2 splits)
+    bf16, fp8 = LaunchConfig(backend="gluon"), True
+    assert [launch.gluon_splits(bf16, b, 10, 132, not fp8) for b in (1, 8, 32, 48, 64, 128)] == [16, 10, 4, 2, 1, 1]
+    assert [launch.gluon_splits(bf16, b, 10, 132, fp8) for b in (1, 8, 32, 48, 64, 128)] == [16, 10, 4, 2, 2, 1]
+    assert launch.gluon_splits(LaunchConfig(num_splits=3), 64, 10, 132, fp8) == 3  # asked for: as asked
 
 
 def test_triton_rejects_unsupported_shapes():
