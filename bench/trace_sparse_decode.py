@@ -83,7 +83,8 @@ def main(argv: list[str]) -> int:
                 def run(c=c, fp8=fp8):
                     if fp8:
                         rest = {k: v for k, v in c.items() if k not in ("kv", "extra_kv")}
-                        return launch.sparse_mla_decode_fp8_triton(**rest, kv_cache=cache, extra_cache=extra, config=cfg)
+                        return launch.sparse_mla_decode_fp8_triton(**rest, kv_cache=cache, extra_cache=extra,
+                                                                   config=cfg)
                     return launch.sparse_mla_decode_triton(**c, config=cfg)
 
                 graph_us = bench_us(graphed(run), rep_ms=100)

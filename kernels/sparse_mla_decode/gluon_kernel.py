@@ -108,10 +108,10 @@ def _epilogue(acc, m_i, l_i, sink, b, split, num_splits, sink_ptr, out_ptr, stri
               row_s: gl.constexpr, HALF: gl.constexpr, SPLIT_OUT: gl.constexpr, HAS_SINK: gl.constexpr,
               FUSE_MERGE: gl.constexpr, SP: gl.constexpr, MHT: gl.constexpr, MDC: gl.constexpr):
     """Normalise this warpgroup's half of O by the softmax sum and store it (lse from the HALF 0 warpgroup):
-    the final output through `buf` (`_store_rows`), split partials straight. sink: the query's per-head sinks in row_s, loaded before the
-    loop (unsplit output with HAS_SINK only). For the fused merge, a head with no valid row stores only its
-    lse (-inf: `_merge_splits` skips its partial output), and then the warpgroup takes its part in
-    `_merge_splits`."""
+    the final output through `buf` (`_store_rows`), split partials straight. sink: the query's per-head
+    sinks in row_s, loaded before the loop (unsplit output with HAS_SINK only). For the fused merge, a head
+    with no valid row stores only its lse (-inf: `_merge_splits` skips its partial output), and then the
+    warpgroup takes its part in `_merge_splits`."""
     DH: gl.constexpr = D_ALL // 2
     row_o: gl.constexpr = gl.SliceLayout(1, o_l)
     LN2: gl.constexpr = 0.6931471805599453
@@ -337,7 +337,8 @@ def _compute_s(b, split, num_splits, lo, hi, nbw, nbw_t, wlen, elen, qk_scale_lo
     mbarrier.arrive(lready)
     # Q is read no more (the last S is done): its 64 KB stage this warpgroup's half of O
     _epilogue(acc, m_i, l_i, sink, b, split, num_splits, sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
-              part_o_ptr, part_lse_ptr, counter_ptr, _out_buf(q_smem), o_l, row_s, 0, SPLIT_OUT, HAS_SINK, FUSE_MERGE, SP, MHT, MDC)
+              part_o_ptr, part_lse_ptr, counter_ptr, _out_buf(q_smem), o_l, row_s, 0, SPLIT_OUT, HAS_SINK, FUSE_MERGE,
+              SP, MHT, MDC)
     if TRACE:
         _stamp(trace_row, 7)
 
@@ -375,7 +376,8 @@ def _compute_pv(b, split, num_splits, lo, hi, sink_ptr, out_ptr, stride_ob, stri
     # lready: warpgroup 0 is past its last S, and this one past its last P V, so no block is read any more
     # and the loader has nothing in flight: the row stages stage this warpgroup's half of O
     _epilogue(acc, m_i, l_i, sink, b, split, num_splits, sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
-              part_o_ptr, part_lse_ptr, counter_ptr, _out_buf(k_smem), o_l, row_s, 1, SPLIT_OUT, HAS_SINK, FUSE_MERGE, SP, MHT, MDC)
+              part_o_ptr, part_lse_ptr, counter_ptr, _out_buf(k_smem), o_l, row_s, 1, SPLIT_OUT, HAS_SINK, FUSE_MERGE,
+              SP, MHT, MDC)
     if TRACE:
         _stamp(trace_row, 8)
 

@@ -70,8 +70,9 @@ def choose_splits(batch: int, num_blocks: int, num_sms: int, fused: bool = False
     Otherwise (merge kernel, one CTA per SM) the count minimising waves x (blocks per split + 1) + merge_cost x
     batch x splits, in units of one block's time: + 1 for a program's fixed cost (Q load, epilogue), the
     last term for the merge, whose partial outputs (128 KB per query and split) are written and read once
-    more; ties go to fewer splits (Gluon bf16 passes GLUON_BF16_MERGE_COST: `gluon_splits`). Fitted to the H200 sweeps (bench/results/sparse_decode.md): fused, 16 /
-    10 / 4 splits at B = 1 / 8 / 32; merge kernel, 10 / 5 / 4 / 2 / 1 at B = 1 / 8 / 32 / 64 / 128."""
+    more; ties go to fewer splits. Fitted to the H200 sweeps (bench/results/sparse_decode.md): fused, 16 / 10
+    / 4 splits at B = 1 / 8 / 32; merge kernel, 10 / 5 / 4 / 2 / 1 at B = 1 / 8 / 32 / 64 / 128 (Gluon on
+    bf16 rows: GLUON_BF16_MERGE_COST, 1 split at B = 64; see `gluon_splits`)."""
     if fused and batch * FUSED_MERGE_MIN_SPLITS <= num_sms:
         return min(num_sms // batch, 16 if batch <= 2 else max(num_blocks, FUSED_MERGE_MIN_SPLITS))
 
