@@ -25,10 +25,11 @@ from dsv4_cluster.kernels.sparse_mla_decode.launch import LaunchConfig
 REPS = 20
 
 
-def traced(run, b: int) -> torch.Tensor:
-    """[REPS, CTAs, len(TRACE_PHASES)] float64 us after each launch's earliest CTA start (nan: not reached)."""
-    slots = TRACE_SLOTS.value if hasattr(TRACE_SLOTS, "value") else int(TRACE_SLOTS)
-    buf = torch.full((b * 16 * slots,), -1, dtype=torch.int64, device="cuda")
+def traced(run, b: int, max_splits: int) -> torch.Tensor:
+    """[REPS, CTAs, len(TRACE_PHASES)] float64 us after each launch's earliest CTA start (nan: not reached);
+    max_splits: at least the launch's splits per query (the buffer has a row per CTA)."""
+    slots = TRACE_SLOTS.value
+    buf = torch.full((b * max_splits * slots,), -1, dtype=torch.int64, device="cuda")
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
     out = []
     launch._TRACE = buf
@@ -88,7 +89,8 @@ def main(argv: list[str]) -> int:
                     return launch.sparse_mla_decode_triton(**c, config=cfg)
 
                 graph_us = bench_us(graphed(run), rep_ms=100)
-                report(f"B={b} {'fp8' if fp8 else 'bf16'} {what}", traced(run, b), graph_us)
+                # 16: the most splits the launcher chooses (splits.choose_splits)
+                report(f"B={b} {'fp8' if fp8 else 'bf16'} {what}", traced(run, b, max(splits, 16)), graph_us)
     return 0
 
 
