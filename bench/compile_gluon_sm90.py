@@ -9,7 +9,7 @@ Triton release the kernel is written for (the H200's; see launch.GLUON_TRITON_RE
 
 A config is dtype:block_n:stages[:regsN][:pvN][:fuseN] (regsN: loader registers, default as the launcher;
 pvN: registers of the P V warpgroup, default launch.PV_REGS; fuseN: split output for N splits merged inside
-the kernel, the tile as gluon_kernel.fused_merge_tile; early: EARLY_TABLE, the index table staged before the
+the kernel, the tile as gluon_epilogue.fused_merge_tile; early: EARLY_TABLE, the index table staged before the
 lengths; trace: TRACE, the phase timestamps of bench/trace_sparse_decode.py).
 The script loads kernels/sparse_mla_decode/gluon_*.py by path (only Triton is imported, not the package).
 """
@@ -62,7 +62,7 @@ def compile_one(module, cfg: dict):
                  FUSE_MERGE=False, SP=1, MHT=1, MDC=64, EARLY_TABLE=bool(cfg["early"]),
                  TRACE=bool(cfg["trace"]))
     if cfg["fuse"]:
-        sp, mht, mdc = module.fused_merge_tile(cfg["fuse"])
+        sp, mht, mdc = importlib.import_module(f"{module.__package__}.gluon_epilogue").fused_merge_tile(cfg["fuse"])
         const.update(SPLIT_OUT=True, FUSE_MERGE=True, SP=sp, MHT=mht, MDC=mdc)
     pointers = dict(POINTERS, **({"kv_ptr": "*u8", "ekv_ptr": "*u8"} if cfg["fp8"] else {}))
     sig, attrs = {}, {}

@@ -22,11 +22,9 @@ from triton.runtime.errors import OutOfResources
 from dsv4_cluster.bench.kernels import bench_us, copy_bandwidth_gbs, print_table, write_results
 from dsv4_cluster.kernels.sparse_mla_decode import fp8_layout, quantize_kv_v4, sparse_mla_decode_ref
 from dsv4_cluster.kernels.sparse_mla_decode.reference import attend, gather_rows
+from dsv4_cluster.kernels.sparse_mla_decode.splits import choose_splits, fuses_merge, gluon_splits
 from dsv4_cluster.kernels.sparse_mla_decode.launch import (
     LaunchConfig,
-    choose_splits,
-    fuses_merge,
-    gluon_splits,
     gluon_unavailable,
     gluon_smem_bytes,
     resolved,

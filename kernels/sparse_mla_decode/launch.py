@@ -15,6 +15,7 @@ import torch
 from . import checks
 from .fp8_layout import PAGE_STRIDE, SCALES_OFFSET, check_cache
 from . import kernel as _kernels
+from .splits import choose_splits, fuses_merge, gluon_splits
 
 DIM = 512
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -35,59 +36,12 @@ class LaunchConfig:
     # the P V warpgroup (PV_REGS) leave
     loader_regs: int = 0
     # Gluon: merge the splits inside the kernel (a cooperative launch; only when B x splits CTAs fit on the
-    # SMs at once), else with the merge kernel after it. None: fused from FUSED_MERGE_MIN_SPLITS splits on
+    # SMs at once), else with the merge kernel after it. None: fused from splits.FUSED_MERGE_MIN_SPLITS on
     fused_merge: bool | None = None
     # Gluon: stage the index table and Q before the per-query lengths are loaded (None: on bf16 rows with
     # the fused merge, i.e. at small B. On fp8 it measured slower at every B, e.g. B = 8 20.4 vs 19.9 us,
     # B = 32 29.3 vs 28.1, B = 64 37.9 vs 36.2; bf16 gains up to 0.3 us at B <= 32)
     early_table: bool | None = None
-
-
-FUSED_MERGE_MIN_SPLITS = 4  # below, the merge kernel measured faster (H200: 2 splits at B = 8, 32, 64)
-
-
-def fuses_merge(config: LaunchConfig, batch: int, splits: int, num_sms: int) -> bool:
-    """Whether the Gluon launch merges its splits inside the kernel: when asked (config.fused_merge; None:
-    from FUSED_MERGE_MIN_SPLITS splits on) and every CTA can be resident at once (one per SM: the
-    cooperative launch guarantees it, or fails). Otherwise the merge kernel runs after it."""
-    wanted = splits >= FUSED_MERGE_MIN_SPLITS if config.fused_merge is None else config.fused_merge
-    return splits > 1 and wanted and batch * splits <= num_sms
-
-
-MERGE_COST = 0.03  # choose_splits: a split's merge, in blocks per (query, split)
-# Gluon on bf16 rows: an unsplit query's output is cheap (stored through shared memory) and its blocks are (no
-# dequantisation), so the merge weighs more against them: H200, B = 64, 1 split 30.0 us vs 2 splits 33.0
-# (B = 48 29.0 vs 29.1). On fp8 rows 2 splits stay the faster: 35.8 vs 40.9 at B = 64, 33.2 vs 40.1 at B = 48
-# (bench/results/sparse_decode_ab_session7.log).
-GLUON_BF16_MERGE_COST = 0.04
-
-
-def choose_splits(batch: int, num_blocks: int, num_sms: int, fused: bool = False,
-                  merge_cost: float = MERGE_COST) -> int:
-    """Splits per query. With the fused merge (Gluon) and room for at least FUSED_MERGE_MIN_SPLITS splits
-    per query on the SMs: one block per split (min(blocks, SMs // B) splits), and 16 at B <= 2, where the
-    extra splits have no rows but shrink each split's share of the merge (H200: 14.9 vs 16.2 us at B = 1).
-    Otherwise (merge kernel, one CTA per SM) the count minimising waves x (blocks per split + 1) + merge_cost x
-    batch x splits, in units of one block's time: + 1 for a program's fixed cost (Q load, epilogue), the
-    last term for the merge, whose partial outputs (128 KB per query and split) are written and read once
-    more; ties go to fewer splits. Fitted to the H200 sweeps (bench/results/sparse_decode.md): fused, 16 / 10
-    / 4 splits at B = 1 / 8 / 32; merge kernel, 10 / 5 / 4 / 2 / 1 at B = 1 / 8 / 32 / 64 / 128 (Gluon on
-    bf16 rows: GLUON_BF16_MERGE_COST, 1 split at B = 64; see `gluon_splits`)."""
-    if fused and batch * FUSED_MERGE_MIN_SPLITS <= num_sms:
-        return min(num_sms // batch, 16 if batch <= 2 else max(num_blocks, FUSED_MERGE_MIN_SPLITS))
-
-    def cost(s: int) -> tuple[float, int]:
-        waves = -(-batch * s // num_sms)
-        return waves * (-(-num_blocks // s) + 1) + (merge_cost * batch * s if s > 1 else 0.0), s
-
-    return min(range(1, max(num_blocks, 1) + 1), key=cost)
-
-
-def gluon_splits(config: LaunchConfig, batch: int, num_blocks: int, num_sms: int, is_fp8: bool) -> int:
-    """Splits per query of a Gluon launch: config.num_splits, else `choose_splits` (fused merge unless the
-    config turns it off; bf16 rows with GLUON_BF16_MERGE_COST)."""
-    return config.num_splits or choose_splits(batch, num_blocks, num_sms, fused=config.fused_merge is not False,
-                                              merge_cost=MERGE_COST if is_fp8 else GLUON_BF16_MERGE_COST)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -185,7 +139,7 @@ def gluon_api_unavailable() -> str | None:
     release = ".".join(triton.__version__.split(".")[:2])
     if release not in GLUON_TRITON_RELEASES:
         return (f"it is written against Triton {'/'.join(GLUON_TRITON_RELEASES)}'s Gluon API; this is Triton "
-                f"{triton.__version__} (port gluon_kernel.py and gluon_loaders.py, then add the release to "
+                f"{triton.__version__} (port the gluon_*.py kernel files, then add the release to "
                 "GLUON_TRITON_RELEASES)")
     try:
         from . import gluon_kernel  # noqa: F401
@@ -274,7 +228,7 @@ def _launch(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, si
 
 def _launch_gluon(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, sink, scale,
                   window_lens, extra_lens, w, k, is_fp8, config):
-    from . import gluon_kernel
+    from . import gluon_epilogue, gluon_kernel
 
     b, h, _ = q.shape
     bn = config.block_n
@@ -292,7 +246,7 @@ def _launch_gluon(q, main, main_stride, extra, extra_stride, window_idx, extra_i
     splits = gluon_splits(config, b, num_blocks, sms, is_fp8)
     out, lse, part_o, part_lse = _outputs(q, splits)
     fuse = fuses_merge(config, b, splits, sms)
-    sp, mht, mdc = gluon_kernel.fused_merge_tile(splits) if fuse else (1, 1, 64)
+    sp, mht, mdc = gluon_epilogue.fused_merge_tile(splits) if fuse else (1, 1, 64)
     gluon_kernel._sparse_decode_ws_kernel[(b, splits)](
         *_kernel_args(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, sink, scale,
                       window_lens, extra_lens, w, k, out, lse, part_o, part_lse, splits,
@@ -311,7 +265,7 @@ def _launch_gluon(q, main, main_stride, extra, extra_stride, window_idx, extra_i
     return out, lse
 
 
-COUNTER_STRIDE = 32  # int32s per query: its two counters alone in a 128-byte line (gluon_kernel.COUNTER_STRIDE)
+COUNTER_STRIDE = 32  # int32s per query: its two counters alone in a 128-byte line (gluon_epilogue.COUNTER_STRIDE)
 # Per device: two u32 counters per query (arrivals, departures) for the fused merge's split barrier. They
 # start at zero and every launch leaves them at zero, so one buffer serves every call on the device that
 # runs in stream order (decode runs its layers one after another on one stream). Two fused-merge launches
@@ -324,7 +278,7 @@ def split_counters(device: torch.device, batch: int) -> torch.Tensor:
     under CUDA-graph capture without one, a fresh zeroed buffer whose memset is captured with the kernel.
     Every fused-merge launch on the device shares them, so two such launches must not run at the same time
     (other streams, graphs replayed side by side): give those `LaunchConfig(fused_merge=False)`. Counters
-    that cannot complete make the kernel trap after gluon_kernel.SPIN_LIMIT_NS (a CUDA error) instead of
+    that cannot complete make the kernel trap after gluon_epilogue.SPIN_LIMIT_NS (a CUDA error) instead of
     hanging."""
     cuda = device.type == "cuda"
     index = device.index if device.index is not None or not cuda else torch.cuda.current_device()

@@ -243,19 +243,19 @@ print("LAUNCH RETURNED", flush=True)
 @pytest.mark.gpu
 def test_gpu_gluon_fused_merge_fails_instead_of_hanging_on_counters_that_cannot_complete():
     """Counters that can never reach the split count (here: poisoned) make the launch fail with a CUDA error
-    once the bounded wait runs out (gluon_kernel.SPIN_LIMIT_NS), in a child process whose CUDA context that
+    once the bounded wait runs out (gluon_epilogue.SPIN_LIMIT_NS), in a child process whose CUDA context that
     error ends, rather than spin forever."""
     import re
     import subprocess
     import sys
 
-    from dsv4_cluster.kernels.sparse_mla_decode import gluon_kernel
+    from dsv4_cluster.kernels.sparse_mla_decode import gluon_epilogue
 
     proc = subprocess.run([sys.executable, "-c", _POISONED_COUNTERS], capture_output=True, text=True, timeout=180)
     failed = re.search(r"LAUNCH FAILED after ([0-9.]+) s", proc.stdout)
     assert proc.returncode == 3 and failed, proc.stdout + proc.stderr
     # it waited the bound out, then failed (not some other error at once)
-    assert gluon_kernel.SPIN_LIMIT_NS * 1e-9 <= float(failed.group(1)) < 60, proc.stdout
+    assert gluon_epilogue.SPIN_LIMIT_NS * 1e-9 <= float(failed.group(1)) < 60, proc.stdout
 
 
 @gluon_gpu
@@ -323,11 +323,11 @@ def test_gluon_launch_passes_every_kernel_parameter(monkeypatch, fp8, fused):
 
 
 def test_fused_merge_tile_stays_at_64_registers_per_thread():
-    from dsv4_cluster.kernels.sparse_mla_decode import gluon_kernel
+    from dsv4_cluster.kernels.sparse_mla_decode import gluon_epilogue
 
-    assert gluon_kernel.COUNTER_STRIDE.value == launch.COUNTER_STRIDE  # the kernel and the buffer agree
+    assert gluon_epilogue.COUNTER_STRIDE.value == launch.COUNTER_STRIDE  # the kernel and the buffer agree
     for splits in range(2, 33):
-        sp, mht, mdc = gluon_kernel.fused_merge_tile(splits)
+        sp, mht, mdc = gluon_epilogue.fused_merge_tile(splits)
         assert sp >= splits and mht * splits >= 64 and 16 <= mdc <= 128
         assert sp * mht * mdc // 128 <= 64 or mdc == 16
 

@@ -1,0 +1,57 @@
+"""How a sparse-decode launch splits each query's rows: the split count (`choose_splits`, `gluon_splits`)
+and whether the Gluon kernel merges the splits itself (`fuses_merge`). Depends on shapes only (batch,
+blocks per query, SMs), so a call stays CUDA-graph capturable. The constants are fitted to H200
+measurements (bench/results/)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .launch import LaunchConfig
+
+FUSED_MERGE_MIN_SPLITS = 4  # below, the merge kernel measured faster (H200: 2 splits at B = 8, 32, 64)
+
+
+def fuses_merge(config: LaunchConfig, batch: int, splits: int, num_sms: int) -> bool:
+    """Whether the Gluon launch merges its splits inside the kernel: when asked (config.fused_merge; None:
+    from FUSED_MERGE_MIN_SPLITS splits on) and every CTA can be resident at once (one per SM: the
+    cooperative launch guarantees it, or fails). Otherwise the merge kernel runs after it."""
+    wanted = splits >= FUSED_MERGE_MIN_SPLITS if config.fused_merge is None else config.fused_merge
+    return splits > 1 and wanted and batch * splits <= num_sms
+
+
+MERGE_COST = 0.03  # choose_splits: a split's merge, in blocks per (query, split)
+# Gluon on bf16 rows: an unsplit query's output is cheap (stored through shared memory) and its blocks are (no
+# dequantisation), so the merge weighs more against them: H200, B = 64, 1 split 30.0 us vs 2 splits 33.0
+# (B = 48 29.0 vs 29.1). On fp8 rows 2 splits stay the faster: 35.8 vs 40.9 at B = 64, 33.2 vs 40.1 at B = 48
+# (bench/results/sparse_decode_ab_session7.log).
+GLUON_BF16_MERGE_COST = 0.04
+
+
+def choose_splits(batch: int, num_blocks: int, num_sms: int, fused: bool = False,
+                  merge_cost: float = MERGE_COST) -> int:
+    """Splits per query. With the fused merge (Gluon) and room for at least FUSED_MERGE_MIN_SPLITS splits
+    per query on the SMs: one block per split (min(blocks, SMs // B) splits), and 16 at B <= 2, where the
+    extra splits have no rows but shrink each split's share of the merge (H200: 14.9 vs 16.2 us at B = 1).
+    Otherwise (merge kernel, one CTA per SM) the count minimising waves x (blocks per split + 1) + merge_cost x
+    batch x splits, in units of one block's time: + 1 for a program's fixed cost (Q load, epilogue), the
+    last term for the merge, whose partial outputs (128 KB per query and split) are written and read once
+    more; ties go to fewer splits. Fitted to the H200 sweeps (bench/results/sparse_decode.md): fused, 16 / 10
+    / 4 splits at B = 1 / 8 / 32; merge kernel, 10 / 5 / 4 / 2 / 1 at B = 1 / 8 / 32 / 64 / 128 (Gluon on
+    bf16 rows: GLUON_BF16_MERGE_COST, 1 split at B = 64; see `gluon_splits`)."""
+    if fused and batch * FUSED_MERGE_MIN_SPLITS <= num_sms:
+        return min(num_sms // batch, 16 if batch <= 2 else max(num_blocks, FUSED_MERGE_MIN_SPLITS))
+
+    def cost(s: int) -> tuple[float, int]:
+        waves = -(-batch * s // num_sms)
+        return waves * (-(-num_blocks // s) + 1) + (merge_cost * batch * s if s > 1 else 0.0), s
+
+    return min(range(1, max(num_blocks, 1) + 1), key=cost)
+
+
+def gluon_splits(config: LaunchConfig, batch: int, num_blocks: int, num_sms: int, is_fp8: bool) -> int:
+    """Splits per query of a Gluon launch: config.num_splits, else `choose_splits` (fused merge unless the
+    config turns it off; bf16 rows with GLUON_BF16_MERGE_COST)."""
+    return config.num_splits or choose_splits(batch, num_blocks, num_sms, fused=config.fused_merge is not False,
+                                              merge_cost=MERGE_COST if is_fp8 else GLUON_BF16_MERGE_COST)
