@@ -23,12 +23,17 @@ class Role(str, Enum):
 class WorkerState(str, Enum):
     """Lifecycle of one supervised process.
 
-    STARTING -> READY -> DRAINING -> STOPPED; any state -> FAILED when the process dies
-    unexpectedly or never becomes ready.
+    STARTING -> READY -> DRAINING -> STOPPED. READY -> DEGRADED when health probes start failing
+    (still running, not paired by the router) and back to READY when they pass again;
+    DEGRADED/any running state -> RESTARTING while the supervisor replaces the process;
+    FAILED after a crash loop (or a start that never becomes ready), with the reason.
+    Only READY workers are paired by the router.
     """
 
     STARTING = "STARTING"
     READY = "READY"
+    DEGRADED = "DEGRADED"
+    RESTARTING = "RESTARTING"
     DRAINING = "DRAINING"
     FAILED = "FAILED"
     STOPPED = "STOPPED"
