@@ -49,6 +49,7 @@ def flash_mla_with_kvcache(
     *,
     use_legacy: bool = True,
     real_heads: int | None = None,
+    config=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """V4 sparse decode. Returns (out [B, 1, H, 512] bf16, softmax_lse [B, H, 1] float32), as FlashMLA.
 
@@ -56,13 +57,15 @@ def flash_mla_with_kvcache(
     its index is not -1 and its position is below topk_length / extra_topk_length), times
     exp(lse) / (exp(lse) + exp(attn_sink[h])). block_table, cache_seqlens and tile_scheduler_metadata are
     ignored (FlashMLA's sparse decode ignores the first two; the third is its own schedule). A query with
-    no valid row gets out 0 and lse -inf. Heads at and past `real_heads` are not written.
+    no valid row gets out 0 and lse -inf. Heads at and past `real_heads` are not written, except where
+    the backend choice (`heads_to_run`) computes the padded heads too because that measured faster.
+    config: a `launch.LaunchConfig` (backend, splits; benchmarks and tests), None = the default.
     """
     call = _check(q, k_cache, head_dim_v, num_splits, causal, descale_q, descale_k, is_fp8_kvcache, indices,
                   attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length, extra_topk_length, kv_format,
                   use_legacy, real_heads)
     b, _, heads, _ = q.shape
-    h = call["h"]
+    h = heads_to_run(q, call["h"], config)
     scale = DIM**-0.5 if softmax_scale is None else float(softmax_scale)
     out = torch.empty(b, 1, heads, DIM, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(b, heads, 1, dtype=torch.float32, device=q.device)
@@ -75,12 +78,30 @@ def flash_mla_with_kvcache(
     if q.is_cuda:
         from ..sparse_mla_decode.launch import sparse_decode_paged
 
-        sparse_decode_paged(q[:, 0, :h], window, extra, sink, scale, out[:, 0, :h], lse[:, :h, 0])
+        sparse_decode_paged(q[:, 0, :h], window, extra, sink, scale, out[:, 0, :h], lse[:, :h, 0], config=config)
     else:
         o, l = reference_decode(q[:, 0, :h], window, extra, sink, scale)
         out[:, 0, :h] = o
         lse[:, :h, 0] = l
     return out, lse
+
+
+_GLUON_READY: dict[int, bool] = {}
+
+
+def heads_to_run(q: torch.Tensor, h: int, config) -> int:
+    """Heads to compute for `h` real ones: all of q's on sm_90 when the Gluon kernel can run (it takes 64
+    heads as its wgmma M, and at 64 heads it measured faster than the Triton kernel at 16, see
+    bench/results/sglang_decode.md), else h. A config naming the Triton backend keeps h."""
+    heads = q.shape[2]
+    if h == heads or not q.is_cuda or (config is not None and config.backend == "triton"):
+        return h
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    if index not in _GLUON_READY:
+        from ..sparse_mla_decode.launch import gluon_unavailable
+
+        _GLUON_READY[index] = gluon_unavailable(q[:, 0], True) is None
+    return heads if _GLUON_READY[index] else h
 
 
 def reference_decode(q3: torch.Tensor, window: tuple, extra: tuple | None, sink, scale: float):

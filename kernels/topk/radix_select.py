@@ -107,10 +107,18 @@ def resident_programs(compiled, num_warps: int, device: torch.device) -> int:
     return max(1, per_sm) * props.multi_processor_count
 
 
+_CAPPED: dict[tuple, int] = {}  # capped_split's answers: the warmup it needs costs as much host time as a launch
+
+
 def capped_split(kernel, args: tuple, kwargs: dict, batch: int, split: int, device: torch.device) -> int:
-    """`split`, lowered until the (split, batch) grid of `kernel` is resident at once (CUDA only)."""
-    compiled = kernel.warmup(*args, grid=(split, batch), **kwargs)
-    return max(1, min(split, resident_programs(compiled, kwargs["num_warps"], device) // batch))
+    """`split`, lowered until the (split, batch) grid of `kernel` is resident at once (CUDA only); cached per
+    kernel, device, batch, split, constexprs and argument dtypes (what the compiled resources depend on)."""
+    key = (kernel, device.index, batch, split, tuple(sorted(kwargs.items())),
+           tuple(a.dtype if isinstance(a, torch.Tensor) else type(a) for a in args))
+    if key not in _CAPPED:
+        compiled = kernel.warmup(*args, grid=(split, batch), **kwargs)
+        _CAPPED[key] = max(1, min(split, resident_programs(compiled, kwargs["num_warps"], device) // batch))
+    return _CAPPED[key]
 
 
 def topk_triton(
