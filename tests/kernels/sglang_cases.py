@@ -7,6 +7,8 @@ q [B, 1, 64, 512] bf16 whose heads past `real_heads` hold garbage (SGLang pads t
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from dsv4_cluster.kernels.sparse_mla_decode import fp8_layout
@@ -17,8 +19,11 @@ HEADS = 64
 DIM = 512
 
 
-def _cache(tokens: int, page_tokens: int, gen, device):
-    kv = torch.randn(tokens, DIM, generator=gen).to(device)
+@functools.lru_cache(maxsize=8)
+def _cache(tokens: int, page_tokens: int, device):
+    """A V4 cache of `tokens` random rows in pages of `page_tokens` (read-only: shared between cases)."""
+    gen = torch.Generator(device=device).manual_seed(tokens + page_tokens)
+    kv = torch.randn(tokens, DIM, generator=gen, device=device)
     cache = fp8_layout.quantize_kv_v4(kv, page_tokens)
     return cache, fp8_layout.flashmla_view(cache, page_tokens)
 
@@ -36,7 +41,7 @@ def decode_case(kind: str, b: int, real_heads: int = HEADS, device="cuda", seed:
                 window_tokens: int = 8192, extra_tokens: int = 8192) -> dict:
     """Keyword arguments of SGLang's `flash_mla_with_kvcache` call for one layer kind (+ 'real_heads')."""
     gen = torch.Generator().manual_seed(seed)
-    _, k_view = _cache(window_tokens, 256, gen, device)
+    _, k_view = _cache(window_tokens, 256, str(device))
     q = torch.randn(b, 1, HEADS, DIM, generator=gen)
     q[:, :, real_heads:] *= 40.0  # padding rows: garbage that must not leak into the real heads
     indices, topk_length = _list(b, WINDOW, window_tokens, gen, device, full, 1)
@@ -45,7 +50,7 @@ def decode_case(kind: str, b: int, real_heads: int = HEADS, device="cuda", seed:
                 topk_length=topk_length, attn_sink=torch.randn(HEADS, generator=gen).to(device))
     if LAYERS[kind] is not None:
         page_tokens, width = LAYERS[kind]
-        _, e_view = _cache(extra_tokens, page_tokens, gen, device)
+        _, e_view = _cache(extra_tokens, page_tokens, str(device))
         e_idx, e_len = _list(b, width, extra_tokens, gen, device, full, 0)
         args.update(extra_k_cache=e_view, extra_indices_in_kvcache=e_idx, extra_topk_length=e_len)
     return args
@@ -70,7 +75,8 @@ def indexer_case(b: int, lens: list[int], capacity: int, device="cuda", seed: in
     per_page = 64
     live_pages = [-(-n // per_page) for n in lens]
     pool = max(1, sum(live_pages))
-    keys = quantize_keys(torch.randn(pool, per_page, dim, generator=gen)).to(device)
+    device_gen = torch.Generator(device=device).manual_seed(seed)
+    keys = quantize_keys(torch.randn(pool, per_page, dim, generator=device_gen, device=device))
     table = torch.zeros(b, capacity // per_page, dtype=torch.int32)
     perm = torch.randperm(pool, generator=gen).to(torch.int32)
     start = 0
