@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4_cluster.kernels.fast_launch import launch as fast_launch
 from dsv4_cluster.kernels.indexer.shapes import IndexerInputError, check_indexer_inputs, check_lens_values
 from dsv4_cluster.kernels.indexer.triton_indexer import default_split, load_query, score_block
 from dsv4_cluster.kernels.topk.radix_passes import (
@@ -139,7 +140,7 @@ def indexer_topk_triton(
                   K_BLOCK=min(1024, triton.next_power_of_2(k)), num_warps=num_warps, num_stages=num_stages)
     if q.is_cuda:
         split = capped_split(_indexer_topk_kernel, args + (split, k, batch), kwargs, batch, split, q.device)
-    _indexer_topk_kernel[(split, batch)](*args, split, k, batch, **kwargs)
+    fast_launch(_indexer_topk_kernel, (split, batch), args + (split, k, batch), kwargs)
     return out, scores
 
 

@@ -15,6 +15,7 @@ import torch
 
 from . import checks
 from .fp8_layout import DEFAULT_GEOMETRY, PageGeometry, check_cache
+from ..fast_launch import launch as fast_launch
 from ..workspace import scratch
 from . import kernel as _kernels
 from .splits import choose_splits, fuses_merge, gluon_splits
@@ -221,9 +222,9 @@ def _launch(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, si
             "the Triton kernel runs on CPU tensors only under TRITON_INTERPRET=1 (set before import); "
             "on CPU call sparse_mla_decode_ref, or sparse_mla_decode, which picks it"
         )
-    _kernels._sparse_decode_kernel[(b, splits)](
-        *_kernel_args(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, sink, scale,
-                      window_lens, extra_lens, w, k, out, lse, part_o, part_lse, splits), **kwargs)
+    fast_launch(_kernels._sparse_decode_kernel, (b, splits),
+                _kernel_args(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, sink, scale,
+                             window_lens, extra_lens, w, k, out, lse, part_o, part_lse, splits), kwargs)
     if splits > 1:
         _combine(part_o, part_lse, sink, out, lse, b, h, splits)
     return out, lse
@@ -299,11 +300,11 @@ def _launch_gluon(q, main, main_stride, extra, extra_stride, window_idx, extra_i
     splits, fuse, kwargs = _gluon_plan(b, w, k, is_fp8, config, _num_sms(q.device), flags, geos, _PROBE,
                                        _TRACE is not None)
     out, lse, part_o, part_lse = _outputs(q, splits, out, lse)
-    gluon_kernel._sparse_decode_ws_kernel[(b, splits)](
-        *_kernel_args(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, sink, scale,
-                      window_lens, extra_lens, w, k, out, lse, part_o, part_lse, splits,
-                      counters=split_counters(q.device, b) if fuse else lse),
-        trace_ptr=_TRACE if _TRACE is not None else lse, **kwargs)
+    fast_launch(gluon_kernel._sparse_decode_ws_kernel, (b, splits),
+                _kernel_args(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, sink, scale,
+                             window_lens, extra_lens, w, k, out, lse, part_o, part_lse, splits,
+                             counters=split_counters(q.device, b) if fuse else lse),
+                dict(kwargs, trace_ptr=_TRACE if _TRACE is not None else lse))
     if splits > 1 and not fuse:
         _combine(part_o, part_lse, sink, out, lse, b, h, splits)
     return out, lse
@@ -345,18 +346,16 @@ def _combine(part_o, part_lse, sink, out, lse, b, h, splits):
     sp = triton_next_pow2(splits)
     if splits < ONESHOT_MERGE_FROM:
         hb = min(8, h)
-        _kernels._combine_stream_kernel[(b, h // hb)](
-            part_o, part_lse, sink if sink is not None else lse,
-            out, out.stride(0), out.stride(1), lse, lse.stride(0), splits,
-            H=h, D=DIM, HB=hb, SP=sp, HAS_SINK=sink is not None, num_warps=4,
-        )
+        fast_launch(_kernels._combine_stream_kernel, (b, h // hb),
+                    (part_o, part_lse, sink if sink is not None else lse,
+                     out, out.stride(0), out.stride(1), lse, lse.stride(0), splits),
+                    dict(H=h, D=DIM, HB=hb, SP=sp, HAS_SINK=sink is not None, num_warps=4))
         return
     hb = max(1, min(8, h, 8192 // (sp * 64)))
-    _kernels._combine_kernel[(b, h // hb, DIM // 64)](
-        part_o, part_lse, sink if sink is not None else lse,
-        out, out.stride(0), out.stride(1), lse, lse.stride(0), splits,
-        H=h, D=DIM, HB=hb, DC=64, SP=sp, HAS_SINK=sink is not None, num_warps=4,
-    )
+    fast_launch(_kernels._combine_kernel, (b, h // hb, DIM // 64),
+                (part_o, part_lse, sink if sink is not None else lse,
+                 out, out.stride(0), out.stride(1), lse, lse.stride(0), splits),
+                dict(H=h, D=DIM, HB=hb, DC=64, SP=sp, HAS_SINK=sink is not None, num_warps=4))
 
 
 def triton_next_pow2(n: int) -> int:

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..fast_launch import launch as fast_launch
+
 
 @triton.jit
 def _page_transform_kernel(idx_ptr, stride_ib, pt_ptr, stride_pb, out_ptr, stride_ob, raw_ptr, stride_rb, k,
@@ -38,12 +40,12 @@ def page_transform(idx: torch.Tensor, page_table: torch.Tensor | None, page_shif
     rows, k = idx.shape
     if rows == 0:
         return
-    _page_transform_kernel[(rows,)](
-        idx, idx.stride(0), page_table if page_table is not None else idx,
-        page_table.stride(0) if page_table is not None else 0, out, out.stride(0),
-        raw_out if raw_out is not None else out, raw_out.stride(0) if raw_out is not None else 0, k,
-        PAGE_SHIFT=page_shift, K_BLOCK=triton.next_power_of_2(k), HAS_PT=page_table is not None,
-        HAS_RAW=raw_out is not None, num_warps=4)
+    fast_launch(_page_transform_kernel, (rows,),
+                (idx, idx.stride(0), page_table if page_table is not None else idx,
+                 page_table.stride(0) if page_table is not None else 0, out, out.stride(0),
+                 raw_out if raw_out is not None else out, raw_out.stride(0) if raw_out is not None else 0, k),
+                dict(PAGE_SHIFT=page_shift, K_BLOCK=triton.next_power_of_2(k), HAS_PT=page_table is not None,
+                     HAS_RAW=raw_out is not None, num_warps=4))
 
 
 def page_transform_ref(idx: torch.Tensor, page_table: torch.Tensor | None, page_shift: int) -> torch.Tensor:

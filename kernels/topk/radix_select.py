@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4_cluster.kernels.fast_launch import launch as fast_launch
 from dsv4_cluster.kernels.topk.radix_passes import (
     advance,
     gather,
@@ -180,7 +181,7 @@ def topk_triton(
         kwargs = dict(BLOCK=block, K_BLOCK=k_block, num_warps=num_warps)
         if scores.is_cuda:
             split = capped_split(_topk_one_launch_kernel, args + (split,), kwargs, batch, split, scores.device)
-        _topk_one_launch_kernel[(split, batch)](*args, split, **kwargs)
+        fast_launch(_topk_one_launch_kernel, (split, batch), args + (split,), kwargs)
         return out
     for p in range(NUM_PASSES):
         _hist_pass_kernel[grid](scores, scores.stride(0), lens, hist, k, width, batch, split,
