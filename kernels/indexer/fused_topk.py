@@ -35,12 +35,13 @@ def _indexer_topk_kernel(
     heads, dim, capacity, split, k, batch,
     PER_PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
     FP8: tl.constexpr, IEEE: tl.constexpr, MASK_D: tl.constexpr, BLOCK: tl.constexpr, K_BLOCK: tl.constexpr,
+    Q_FP8_DOT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = tl.program_id(1)
     n = tl.minimum(tl.maximum(tl.load(lens_ptr + b).to(tl.int32), 0), capacity)
     row_ptr = scores_ptr + b.to(tl.int64) * stride_sb
-    q_t, w = load_query(q_ptr, w_ptr, b, stride_qb, stride_qh, stride_wb, heads, dim, BLOCK_H, BLOCK_D)
+    q_t, w = load_query(q_ptr, w_ptr, b, stride_qb, stride_qh, stride_wb, heads, dim, BLOCK_H, BLOCK_D, Q_FP8_DOT)
     acc = tl.zeros([256], dtype=tl.int32)
     for start in range(pid * BLOCK_T, n, split * BLOCK_T):
         t = start + tl.arange(0, BLOCK_T)
@@ -79,6 +80,7 @@ def indexer_topk_triton(
     num_warps: int = 4,
     num_stages: int = 3,
     check_values: bool = True,
+    fp8_dot: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k indices of the indexer scores and the scores, in one launch.
 
@@ -89,7 +91,9 @@ def indexer_topk_triton(
     (among equal scores the lower index wins), then -1; scores past lens[b] are not written.
     scores / out / workspace (int32, `radix_select.workspace_size(B)` elements, zeroed here) may be
     passed preallocated; scores may be wider than max_pages*E (only the live prefix is written).
-    check_values=False skips the lens / page-table value checks (they read device memory: a sync). Programs of one request wait for each other, so on CUDA split is lowered to
+    check_values=False skips the lens / page-table value checks (they read device memory: a sync).
+    fp8_dot: with e4m3 q and fp8 keys, score with fp8 tensor-core products (no key conversion); False widens
+    both to bf16 first (the same exact products). Programs of one request wait for each other, so on CUDA split is lowered to
     what the GPU holds resident at once, and the Triton interpreter needs split == 1.
     """
     per_page = check_indexer_inputs(q, weights, k_cache, page_table, lens, key_kind="fp8" if fp8 else "float")
@@ -137,7 +141,8 @@ def indexer_topk_triton(
             out.stride(0), heads, dim, capacity)
     kwargs = dict(PER_PAGE=per_page, BLOCK_H=max(16, triton.next_power_of_2(heads)), BLOCK_D=block_d,
                   BLOCK_T=block_t, FP8=fp8, IEEE=q.dtype == torch.float32, MASK_D=block_d != dim, BLOCK=block,
-                  K_BLOCK=min(1024, triton.next_power_of_2(k)), num_warps=num_warps, num_stages=num_stages)
+                  K_BLOCK=min(1024, triton.next_power_of_2(k)), num_warps=num_warps, num_stages=num_stages,
+                  Q_FP8_DOT=fp8 and fp8_dot and q.dtype == torch.float8_e4m3fn)
     if q.is_cuda:
         split = capped_split(_indexer_topk_kernel, args + (split, k, batch), kwargs, batch, split, q.device)
     fast_launch(_indexer_topk_kernel, (split, batch), args + (split, k, batch), kwargs)

@@ -19,16 +19,17 @@ from dsv4_cluster.kernels.indexer.shapes import IndexerInputError, check_indexer
 
 @triton.jit
 def load_query(q_ptr, w_ptr, b, stride_qb, stride_qh, stride_wb, heads, dim,
-               BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Request b's query, transposed to [BLOCK_D, BLOCK_H] (zero-padded; e4m3 widened to bf16), and its
-    head weights."""
+               BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, Q_FP8_DOT: tl.constexpr):
+    """Request b's query, transposed to [BLOCK_D, BLOCK_H] (zero-padded), and its head weights. e4m3
+    queries stay e4m3 with Q_FP8_DOT (fp8 keys then meet them in an fp8 tensor-core product, no key
+    conversion), else they are widened to bf16 (exact; the products stay exact in fp32)."""
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     hm = h < heads
     q_t = tl.load(q_ptr + b * stride_qb + h[None, :] * stride_qh + d[:, None],
                   mask=hm[None, :] & (d[:, None] < dim), other=0.0)
     w = tl.load(w_ptr + b * stride_wb + h, mask=hm, other=0.0).to(tl.float32)
-    if q_t.dtype == tl.float8e4nv:  # e4m3 queries (SGLang's): widened exactly, the products stay exact in fp32
+    if q_t.dtype == tl.float8e4nv and not Q_FP8_DOT:
         q_t = q_t.to(tl.bfloat16)
     return q_t, w
 
@@ -69,12 +70,12 @@ def _indexer_kernel(
     stride_qb, stride_qh, stride_wb, stride_kp, stride_ke, stride_sp, stride_ptb, stride_ob,
     heads, dim, capacity, split,
     PER_PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-    FP8: tl.constexpr, IEEE: tl.constexpr, MASK_D: tl.constexpr,
+    FP8: tl.constexpr, IEEE: tl.constexpr, MASK_D: tl.constexpr, Q_FP8_DOT: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     b = tl.program_id(1)
     n = tl.minimum(tl.maximum(tl.load(lens_ptr + b).to(tl.int32), 0), capacity)
-    q_t, w = load_query(q_ptr, w_ptr, b, stride_qb, stride_qh, stride_wb, heads, dim, BLOCK_H, BLOCK_D)
+    q_t, w = load_query(q_ptr, w_ptr, b, stride_qb, stride_qh, stride_wb, heads, dim, BLOCK_H, BLOCK_D, Q_FP8_DOT)
     for start in range(pid * BLOCK_T, n, split * BLOCK_T):
         t = start + tl.arange(0, BLOCK_T)
         score = score_block(q_t, w, k_ptr, scale_ptr, pt_ptr + b * stride_ptb, t, n, stride_kp, stride_ke,
