@@ -36,7 +36,7 @@ def launch(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
     """kernel[grid](*args, **kwargs), through the kept compiled handle after the first launch of a
     specialization (see the module docstring). Same arguments and effect as the JIT launch."""
     first = args[0]
-    if not (isinstance(first, torch.Tensor) and first.is_cuda) or _hooks_set():
+    if not _on_cuda(first) or _hooks_set():
         kernel[grid](*args, **kwargs)
         return
     layout = _CONSTEXPR.get(kernel)
@@ -60,6 +60,10 @@ def launch(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
     stream = torch._C._cuda_getCurrentRawStream(first.device.index)
     g = grid + (1,) * (3 - len(grid))
     handle.run(g[0], g[1], g[2], stream, handle.function, handle.packed_metadata, None, None, None, *full)
+
+
+def _on_cuda(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_cuda
 
 
 def _default(kernel, name: str):
