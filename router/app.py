@@ -14,7 +14,9 @@ from typing import AsyncIterator
 import httpx
 from fastapi import FastAPI
 
+from .admin_api import admin_router
 from .errors import install_error_handlers
+from .health import HealthChecker
 from .meta_api import meta_router
 from .openai_api import generation_router
 from .pool import WorkerPool
@@ -42,6 +44,9 @@ def build_app(settings: RouterSettings) -> FastAPI:
                      settings.host, settings.port, [w.name for w in pool.prefill], [w.name for w in pool.decode])
             if not pool.ready:
                 log.warning("router has no prefill or no decode worker: /health is 503 until it has both")
+            if settings.admin_token is None:
+                log.info("no admin_token in the settings: the admin API answers 403")
+            tasks.spawn(HealthChecker(pool, client, settings).run(), name="health-checks")
             try:
                 yield
             finally:
@@ -51,4 +56,5 @@ def build_app(settings: RouterSettings) -> FastAPI:
     install_error_handlers(app)
     app.include_router(generation_router())
     app.include_router(meta_router())
+    app.include_router(admin_router())
     return app

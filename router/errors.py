@@ -27,6 +27,7 @@ class RouterError(Exception):
 
     status: int = 500
     type_: str = "internal_error"
+    headers: dict[str, str] | None = None
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -44,10 +45,33 @@ class InvalidRequest(RouterError):
 
 
 class NoWorkers(RouterError):
-    """A pool the request needs is empty."""
+    """A pool the request needs has no eligible worker; the client may retry after a moment."""
 
     status = 503
     type_ = "service_unavailable"
+    headers = {"Retry-After": "1"}
+
+
+class UnknownWorker(RouterError):
+    """An admin request names a worker the router does not have."""
+
+    status = 404
+    type_ = "not_found_error"
+
+
+class Unauthorized(RouterError):
+    """A protected route was called without the right bearer token."""
+
+    status = 401
+    type_ = "authentication_error"
+    headers = {"WWW-Authenticate": "Bearer"}
+
+
+class Forbidden(RouterError):
+    """A route that is closed on this router (the admin API without a configured admin token)."""
+
+    status = 403
+    type_ = "permission_error"
 
 
 class UpstreamUnreachable(RouterError):
@@ -78,7 +102,7 @@ class UpstreamFailed(RouterError):
 def _router_error(_: Request, exc: RouterError) -> JSONResponse:
     if exc.status >= 500:
         log.warning("%s (%d): %s", type(exc).__name__, exc.status, exc.message)
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -1,7 +1,8 @@
 """Endpoints the router answers itself: `/health` and `/v1/models`.
 
-`/health` reports the router's own readiness (it has a prefill and a decode worker to pair); it does
-not probe the workers, so a load balancer polling it never adds load to them.
+`/health` follows the pool: 200 while at least one prefill and one decode worker are eligible (READY,
+not drained, passing the router's health checks), else 503. It reads the pool's standing and probes
+nothing itself, so a load balancer polling it never adds load to the workers.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ def meta_router() -> APIRouter:
         body = {
             "status": "ok" if pool.ready else "no_workers",
             "model": state.settings.model_name,
-            "prefill": [w.name for w in pool.prefill],
-            "decode": [w.name for w in pool.decode],
+            "prefill": [w.name for w in pool.prefill if w.eligible],
+            "decode": [w.name for w in pool.decode if w.eligible],
             "background_tasks": len(state.tasks),
         }
         return JSONResponse(body, status_code=200 if pool.ready else 503)

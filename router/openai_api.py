@@ -11,6 +11,7 @@ import logging
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
+from fastapi.responses import StreamingResponse
 
 from .errors import InvalidRequest
 from .exchange import exchange
@@ -44,11 +45,19 @@ def parse_body(raw: bytes, path: str) -> dict[str, Any]:
 async def route(request: Request, path: str) -> Response:
     state: RouterState = request.app.state.router
     body = parse_body(await request.body(), path)
-    req = pair_request(path, body, state.pool.pick())
-    log.debug("rid %s: %s -> %s + %s", req.rid, path, req.pair.prefill.name, req.pair.decode.name)
-    if req.stream:
-        return await relay(state.upstream, state.tasks, req)
-    return await exchange(state.upstream, state.tasks, req, request.receive)
+    pair = state.pool.pick()
+    streaming = False
+    try:
+        req = pair_request(path, body, pair)
+        log.debug("rid %s: %s -> %s + %s", req.rid, path, pair.prefill.name, pair.decode.name)
+        if req.stream:
+            response = await relay(state.upstream, state.tasks, req)
+            streaming = isinstance(response, StreamingResponse)  # then the relay releases the pair at its end
+            return response
+        return await exchange(state.upstream, state.tasks, req, request.receive)
+    finally:
+        if not streaming:
+            pair.release()
 
 
 def generation_router() -> APIRouter:

@@ -124,8 +124,13 @@ class StreamRelay:
         finally:
             self.release()
 
+    async def finish(self) -> None:
+        """The response's background task: `release` on the event loop (a sync one would run in a thread)."""
+        self.release()
+
     def release(self) -> None:
         """Called when the client's response ends, however it ends; aborts whatever still runs."""
+        self._req.pair.release()
         if self._finished:
             return
         self._finished = True
@@ -175,4 +180,4 @@ async def relay(upstream: Upstream, tasks: TaskSet, req: PairedRequest) -> Respo
     return StreamingResponse(stream.body(), status_code=decode.status_code,
                              media_type=decode.headers.get("content-type"),
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                             background=BackgroundTask(stream.release))
+                             background=BackgroundTask(stream.finish))

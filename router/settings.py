@@ -62,6 +62,13 @@ class RouterSettings(BaseModel):
     decode: list[DecodeEndpoint] = Field(default_factory=list)
     request_timeout_s: float = Field(default=600.0, gt=0)
     connect_timeout_s: float = Field(default=5.0, gt=0)
+    admin_token: str | None = Field(
+        default=None, min_length=16, repr=False,
+        description="bearer token for /admin/*; without one the admin routes answer 403 (docs/router_admin.md)")
+    health_check_interval_s: float = Field(default=2.0, gt=0, description="how often each worker's /health is polled")
+    health_check_timeout_s: float = Field(default=2.0, gt=0)
+    health_failures_to_unhealthy: int = Field(default=2, ge=1,
+                                              description="consecutive failed checks before a worker leaves the pool")
 
     @model_validator(mode="after")
     def _names_unique(self) -> RouterSettings:

@@ -1,0 +1,56 @@
+"""The router's own health checks: each worker's `/health`, polled, moves it out of and back into the pool.
+
+A worker leaves the pool after `health_failures_to_unhealthy` consecutive failed checks (no answer within
+`health_check_timeout_s`, or a status other than 200) and comes back on the first check that passes. The
+orchestrator reports state changes through the admin API as well; the two are independent (a worker is
+paired only when both agree, `pool.Worker.eligible`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+
+from .pool import Worker, WorkerPool
+from .settings import RouterSettings
+
+log = logging.getLogger(__name__)
+
+
+class HealthChecker:
+    """Polls every worker of the pool until cancelled."""
+
+    def __init__(self, pool: WorkerPool, client: httpx.AsyncClient, settings: RouterSettings) -> None:
+        self._pool, self._client = pool, client
+        self._interval_s = settings.health_check_interval_s
+        self._timeout_s = settings.health_check_timeout_s
+        self._threshold = settings.health_failures_to_unhealthy
+        self._failures = {w.name: 0 for w in pool.workers}
+
+    async def _passes(self, worker: Worker) -> bool:
+        try:
+            resp = await asyncio.wait_for(self._client.get(worker.url + "/health"), self._timeout_s)
+        except (httpx.HTTPError, asyncio.TimeoutError):
+            return False
+        return resp.status_code == 200
+
+    async def check(self, worker: Worker) -> None:
+        """One check of one worker, and the transition it causes."""
+        if await self._passes(worker):
+            if not worker.healthy:
+                log.warning("%s at %s passes its health check again; back in the pool", worker.describe(), worker.url)
+            self._failures[worker.name] = 0
+            worker.healthy = True
+            return
+        self._failures[worker.name] += 1
+        if worker.healthy and self._failures[worker.name] >= self._threshold:
+            worker.healthy = False
+            log.warning("%s at %s failed %d health checks in a row; out of the pool until it passes",
+                        worker.describe(), worker.url, self._failures[worker.name])
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.gather(*(self.check(w) for w in self._pool.workers))
+            await asyncio.sleep(self._interval_s)
