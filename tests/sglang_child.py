@@ -2,6 +2,7 @@
 
     python -m dsv4_cluster.tests.sglang_child resolve '<argvs as JSON>'  -> resolved fields per argv, JSON
     python -m dsv4_cluster.tests.sglang_child plugin                     -> what load_plugins() did, as JSON
+    python -m dsv4_cluster.tests.sglang_child install DIR                -> our factory on SGLang's classes
 
 torchvision: SGLang's config package imports `torchvision.transforms` at module level (for vision
 models' preprocessing), and no torchvision build loads beside the CPU torch 2.13 (every registry build
@@ -17,6 +18,7 @@ import importlib.machinery
 import json
 import sys
 import types
+from pathlib import Path
 from typing import Any
 
 RESOLVED_FIELDS = ("page_size", "kv_cache_dtype", "attention_backend", "context_length", "tp_size",
@@ -92,12 +94,62 @@ def plugin() -> dict[str, Any]:
             "replaced": after is not before}
 
 
+def install(attest_dir: str) -> dict[str, Any]:
+    """Our factory around SGLang's real DeepseekV4AttnBackend class, as far as a CPU allows.
+
+    A real backend needs a GPU model runner, so the instance is made with `__new__` and given the
+    `functools.partial(..., use_legacy=...)` SGLang 0.5.23's `__init__` binds; everything else (the
+    class, the call-site modules, the plugin's checks, the attestation, the counters) is real."""
+    import functools
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.attention.deepseek_v4_backend import DeepseekV4AttnBackend
+
+    from dsv4_cluster.kernels.sglang_plugin import installing_factory
+    from dsv4_cluster.kernels.sglang_plugin.attestation import read_json
+    from dsv4_cluster.kernels.sglang_plugin.install import PluginInstallError
+    from dsv4_cluster.kernels.sglang_plugin.settings import PluginSettings
+
+    def stock_flash_mla(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the stock FlashMLA call must have been replaced")
+
+    def backend() -> Any:
+        b = DeepseekV4AttnBackend.__new__(DeepseekV4AttnBackend)
+        b._flash_mla_with_kvcache = functools.partial(stock_flash_mla, use_legacy=True)
+        return b
+
+    out: dict[str, Any] = {}
+    for case, kernels, make in (("ok", ("sparse_mla_decode", "topk"), backend),
+                                ("indexer", ("sparse_mla_decode", "indexer", "topk"), backend),
+                                ("not_dsv4", ("sparse_mla_decode",), lambda: SimpleNamespace())):
+        settings = PluginSettings(kernels=kernels, attest_dir=f"{attest_dir}/{case}", worker="decode-0")
+        factory = installing_factory(lambda runner, make=make: make(), settings)
+        try:
+            b = factory(SimpleNamespace(device="cpu", tp_rank=1, gpu_id=5))
+        except PluginInstallError as e:
+            out[case] = {"error": str(e)}
+            continue
+        partial = b._flash_mla_with_kvcache
+        from sglang.kernels.ops.attention.dsv4 import topk as topk_module
+        from sglang.srt.layers.attention.dsv4 import indexer as indexer_module
+
+        out[case] = {"flash_mla_keywords": partial.keywords,
+                     "flash_mla_adapter": partial.func.dsv4_adapter.__module__,
+                     "topk_adapters": [topk_module.topk_transform_paged_v2.dsv4_adapter.__module__,
+                                       indexer_module.topk_transform_paged_v2.dsv4_adapter.__module__],
+                     "attestation": read_json(Path(settings.attest_dir) / "rank1.json"),
+                     "counters": read_json(Path(settings.attest_dir) / "counters-rank1.json")}
+    return out
+
+
 def main(argv: list[str]) -> int:
     _install_torchvision_stand_in()
     if argv[0] == "resolve":
         out = [resolve(one) for one in json.loads(argv[1])]  # one interpreter: SGLang imports take ~20 s
     elif argv[0] == "plugin":
         out = plugin()
+    elif argv[0] == "install":
+        out = install(argv[1])
     else:
         raise SystemExit(f"unknown command {argv[0]!r}; use resolve or plugin")
     print("RESULT " + json.dumps(out, default=str), flush=True)

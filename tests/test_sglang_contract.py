@@ -113,6 +113,25 @@ def test_misconfigured_plugin_env_fails_closed_from_the_factory() -> None:
     assert got["replaced"] and got["name"] == "refuse"  # the factory raises; register() itself never does
 
 
+def test_factory_installs_on_sglangs_backend_class_and_fails_closed(tmp_path: Path) -> None:
+    got = _child("install", str(tmp_path))
+    ok = got["ok"]
+    assert ok["flash_mla_keywords"] == {"use_legacy": True}  # SGLang's own binding kept
+    assert ok["flash_mla_adapter"] == "dsv4_cluster.kernels.sglang_adapters.flash_mla"
+    assert ok["topk_adapters"] == ["dsv4_cluster.kernels.sglang_adapters.topk"] * 2
+    att = ok["attestation"]
+    assert (att["worker"], att["rank"], att["gpu"], att["sglang_version"]) == ("decode-0", 1, 5, SGLANG_VERSION)
+    assert att["call_sites"] == {
+        "sparse_mla_decode": ["DeepseekV4AttnBackend._flash_mla_with_kvcache"],
+        "topk": ["sglang.kernels.ops.attention.dsv4.topk.topk_transform_paged_v2",
+                 "sglang.srt.layers.attention.dsv4.indexer.topk_transform_paged_v2"]}
+    assert ok["counters"]["counts"] == {"sparse_mla_decode": 0, "indexer": 0, "topk": 0}
+    # no DeepGEMM on this machine: asking for the indexer must fail model init, naming it
+    assert "indexer: cannot import deep_gemm" in got["indexer"]["error"]
+    assert "sparse_mla_decode: the dsv4 factory built a SimpleNamespace" in got["not_dsv4"]["error"]
+    assert not (tmp_path / "indexer" / "rank1.json").exists()  # nothing attested when install failed
+
+
 @pytest.mark.parametrize("site", CALL_SITES, ids=lambda s: f"{s.kernel}:{s.module}")
 def test_every_replaced_call_site_exists_with_its_signature(site) -> None:
     check_call_site(site)
