@@ -12,6 +12,9 @@ from enum import Enum
 from typing import Any
 
 
+KERNEL_NAMES = ("sparse_mla_decode", "indexer", "topk")  # the custom kernels a topology can ask for
+
+
 class Role(str, Enum):
     """What a supervised process does in the cluster."""
 

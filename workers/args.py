@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-KERNEL_NAMES = ("sparse_mla_decode", "indexer", "topk")
+from dsv4_cluster.core import KERNEL_NAMES
 
 
 @dataclass(frozen=True)
