@@ -5,8 +5,14 @@ what a router needs from SGLang's PD workers (PROTOCOL.md): the generation paths
 one token and `finish_reason` length 0; decode: `TOKENS` content chunks, a stop chunk and `data: [DONE]`,
 chunked like SGLang's streams), plus `/health`, `/abort_request`, `/v1/models`, `/model_info`,
 `/server_info`. It is a raw asyncio protocol so that the stub, not the router under test, is never the
-bottleneck. `GET /stats` returns how many generation requests it served and how many carried PD bootstrap
+bottleneck. `GET /stats` returns how many generation requests it received and how many carried PD bootstrap
 fields, so the benchmark can check that a router really paired every request.
+
+`fault` makes the stub misbehave on generation requests, for the router's fault tests: `close` reads the
+request and closes the connection without a byte of answer (a worker dying before it answered);
+`close_reused` answers the first request of each connection and closes on the second without answering
+(a keep-alive connection closed just as a request went out on it); `break` sends the status line and two
+events, then closes (a decode dying mid-stream); `reject` answers 400. `StubThread` serves one in a thread.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import argparse
 import asyncio
 import json
 import socket
+import threading
 
 TOKENS = 8
 GENERATION_PATHS = (b"/v1/chat/completions", b"/v1/completions", b"/generate")
@@ -59,6 +66,13 @@ PREFILL_JSON = _json_response({"id": "stub", "object": "chat.completion", "creat
                                             "finish_reason": {"type": "length", "length": 0}}]})
 
 
+BROKEN_STREAM = DECODE_STREAM[:DECODE_STREAM.index(b"\r\n\r\n") + 4] + b"".join(
+    _chunk(_event(_choice({"role": "assistant", "content": f"t{i} "}, None))) for i in range(2))
+REJECT = _json_response({"error": {"message": "bad field", "type": "invalid_request_error", "code": 400}},
+                        b"400 Bad Request")
+FAULTS = ("close", "close_reused", "break", "reject")
+
+
 class Stats:
     def __init__(self) -> None:
         self.generations = 0
@@ -68,10 +82,11 @@ class Stats:
 class StubProtocol(asyncio.Protocol):
     """One keep-alive connection: parse requests (Content-Length bodies), answer each at once."""
 
-    def __init__(self, role: str, port: int, stats: Stats) -> None:
-        self.role, self.port, self.stats = role, port, stats
+    def __init__(self, role: str, port: int, stats: Stats, fault: str | None = None) -> None:
+        self.role, self.port, self.stats, self.fault = role, port, stats, fault
         self.buffer = b""
         self.transport: asyncio.Transport | None = None
+        self.served = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -93,10 +108,30 @@ class StubProtocol(asyncio.Protocol):
             body = self.buffer[end + 4: end + 4 + length]
             self.buffer = self.buffer[end + 4 + length:]
             method, path = head.split(b" ", 2)[:2]
-            self.transport.write(self.answer(method, path.split(b"?")[0], body))
-            if b"connection: close" in lower:
+            path = path.split(b"?")[0]
+            if self.fault and method == b"POST" and path in GENERATION_PATHS:
+                answer, close = self.faulty(body)
+            else:
+                answer, close = self.answer(method, path, body), b"connection: close" in lower
+            if answer:
+                self.transport.write(answer)
+            if close:
                 self.transport.close()
                 return
+
+    def faulty(self, body: bytes) -> tuple[bytes, bool]:
+        """The answer to a generation request under `fault`, and whether to close the connection after it."""
+        self.served += 1
+        if self.fault == "close" or (self.fault == "close_reused" and self.served > 1):
+            self.stats.generations += 1
+            return b"", True
+        if self.fault == "break" and b'"stream":true' in body.replace(b" ", b""):
+            self.stats.generations += 1
+            return BROKEN_STREAM, True
+        if self.fault == "reject":
+            self.stats.generations += 1
+            return REJECT, False
+        return self.answer(b"POST", GENERATION_PATHS[0], body), False
 
     def answer(self, method: bytes, path: bytes, body: bytes) -> bytes:
         if method == b"POST" and path in GENERATION_PATHS:
@@ -134,6 +169,41 @@ async def serve(role: str, host: str, port: int) -> None:
     print(f"stub {role} ready on {host}:{port}", flush=True)
     async with server:
         await server.serve_forever()
+
+
+class StubThread:
+    """A stub served from a thread on its own event loop (tests); `url`, `stats`, and `fault` to change."""
+
+    def __init__(self, role: str, sock: socket.socket, fault: str | None = None) -> None:
+        self.role, self.fault, self.stats = role, fault, Stats()
+        self._sock = sock
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"stub-{role}-{self.port}", daemon=True)
+
+    def _protocol(self) -> StubProtocol:
+        return StubProtocol(self.role, self.port, self.stats, self.fault)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._server = self._loop.run_until_complete(self._loop.create_server(self._protocol, sock=self._sock))
+        self._ready.set()
+        self._loop.run_forever()
+        self._server.close()
+        self._loop.run_until_complete(self._server.wait_closed())
+        self._loop.close()
+
+    def __enter__(self) -> StubThread:
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise RuntimeError(f"stub {self.role} did not start")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
 
 
 def main() -> None:

@@ -132,12 +132,23 @@ def check_key(scope: dict[str, Any], keys: list[str]) -> None:
                            "router (api_keys)", code="invalid_api_key")
 
 
+TYPE_LABELS = {"str", "int", "float", "bool", "none", "dict", "list"}
+
+
+def _is_field(part: object) -> bool:
+    """Union branches show up in an error's location as type labels ('str', 'list[int]', 'GenerateSampling')."""
+    text = str(part)
+    return isinstance(part, int) or not ("[" in text or "-" in text or text[:1].isupper() or text in TYPE_LABELS)
+
+
 def _field_errors(err: ValidationError) -> str:
-    parts = []
+    """'field.path: problem' for each error; for a union, the branch that got furthest (the others are noise)."""
+    found = []
     for e in err.errors(include_url=False, include_input=False):
-        loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith(("function-", "union[", "tagged-union")))
-        parts.append(f"{loc or '(body)'}: {e['msg']}")
-    return "; ".join(dict.fromkeys(parts))
+        found.append((tuple(str(p) for p in e["loc"] if _is_field(p)), e["msg"]))
+    kept = [(loc, msg) for loc, msg in found
+            if not any(len(other) > len(loc) and other[:len(loc)] == loc for other, _ in found)]
+    return "; ".join(dict.fromkeys(f"{'.'.join(loc) or '(body)'}: {msg}" for loc, msg in kept))
 
 
 def admit(state: Any, path: str, scope: dict[str, Any], raw: bytes) -> tuple[dict[str, Any], bool]:

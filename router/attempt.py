@@ -17,6 +17,8 @@ import asyncio
 import json
 import logging
 
+import orjson
+
 from .errors import RouterError, UpstreamTimeout
 from .http_client import Interrupted, Response
 from .pairing import PairedRequest
@@ -26,12 +28,20 @@ from .upstream import LegResult
 log = logging.getLogger(__name__)
 
 
+def dumps(body: dict) -> bytes:
+    """JSON bytes of a leg's body: orjson (several times faster); json for what orjson refuses (ints past 64 bits)."""
+    try:
+        return orjson.dumps(body)
+    except TypeError:
+        return json.dumps(body).encode()
+
+
 class Attempt:
     """Both legs of one PairedRequest."""
 
     def __init__(self, state: RouterState, req: PairedRequest) -> None:
         self._state, self.req = state, req
-        self.body = json.dumps(req.body).encode()
+        self.body = dumps(req.body)
         self.decode: Response | None = None
         self.prefill_error: RouterError | None = None
         self._stop: object = None  # why D's reader must stop: P's error, or the client left

@@ -52,6 +52,11 @@ class Interrupted(Exception):
         self.reason = reason
 
 
+def _expire(waiter: asyncio.Future[bool]) -> None:
+    if not waiter.done():
+        waiter.set_result(False)
+
+
 PAUSE_AT = 64  # buffered body chunks before the connection stops reading (the client is slower than the worker)
 
 
@@ -62,9 +67,8 @@ class Response:
         self._conn = conn
         self.status = 0
         self.headers: dict[bytes, bytes] = {}
-        self._head: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._chunks: deque[bytes] = deque()
-        self._waiter: asyncio.Future[None] | None = None
+        self._waiter: asyncio.Future[bool] | None = None
         self._error: BaseException | None = None
         self.complete = False
         self.closed = False
@@ -87,35 +91,38 @@ class Response:
     def _finish(self, error: BaseException | None = None) -> None:
         if error is not None and not self.complete and self._error is None:
             self._error = error
-            if not self._head.done():
-                self._head.set_exception(error)
-                self._head.exception()  # retrieved: the caller may have gone
         self.complete = self.complete or error is None
         self._wake()
 
-    def _headers_done(self) -> None:
-        if not self._head.done():
-            self._head.set_result(None)
-
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+            self._waiter.set_result(True)
+
+    async def _sleep(self, timeout_s: float) -> bool:
+        """Until the connection has news (True) or `timeout_s` passed (False); a timer, not a task per wait."""
+        loop = asyncio.get_running_loop()
+        self._waiter = waiter = loop.create_future()
+        timer = loop.call_later(timeout_s, _expire, waiter)
+        try:
+            return await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
 
     # -- used by the router
     def interrupt(self, reason: object) -> None:
         """Make the pending (or next) read raise `Interrupted(reason)`; the connection is not reused."""
         if self._error is None and not self.complete:
             self._error = Interrupted(reason)
-            if not self._head.done():
-                self._head.set_exception(self._error)
-                self._head.exception()
             self._wake()
 
     async def wait_head(self, timeout_s: float) -> None:
-        try:
-            await asyncio.wait_for(asyncio.shield(self._head), timeout_s)
-        except asyncio.TimeoutError:
-            raise ReadTimeout(f"no response within {timeout_s:g} s") from None
+        """Until the status line and headers arrived (raises the connection's error, or ReadTimeout)."""
+        while self.status == 0:
+            if self._error is not None:
+                raise self._error
+            if not await self._sleep(timeout_s):
+                raise ReadTimeout(f"no response within {timeout_s:g} s")
 
     async def next_chunk(self, timeout_s: float) -> bytes | None:
         """The next body chunk, or None at the end of the body."""
@@ -124,13 +131,8 @@ class Response:
                 raise self._error
             if self.complete:
                 return None
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await asyncio.wait_for(self._waiter, timeout_s)
-            except asyncio.TimeoutError:
-                raise ReadTimeout(f"no data for {timeout_s:g} s") from None
-            finally:
-                self._waiter = None
+            if not await self._sleep(timeout_s):
+                raise ReadTimeout(f"no data for {timeout_s:g} s")
         if self._error is not None and isinstance(self._error, Interrupted):
             raise self._error
         chunk = self._chunks.popleft()
@@ -196,7 +198,7 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         self.response.status = self._parser.get_status_code()
         self._keep_alive = self._parser.should_keep_alive()
-        self.response._headers_done()
+        self.response._wake()
 
     def on_body(self, body: bytes) -> None:
         self.response._feed(body)
