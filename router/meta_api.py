@@ -1,4 +1,4 @@
-"""Endpoints the router answers itself: `/health` and `/v1/models`.
+"""Endpoints the router answers itself: `/health`, `/v1/models` (API key checked) and `/metrics`.
 
 `/health` follows the pool: 200 while at least one prefill and one decode worker are eligible (READY,
 not drained, passing the router's health checks), else 503. It reads the pool's standing and probes
@@ -8,7 +8,10 @@ nothing itself, so a load balancer polling it never adds load to the workers.
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from .admission import check_key
 
 from .state import RouterState
 
@@ -32,8 +35,14 @@ def meta_router() -> APIRouter:
     @api.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         state: RouterState = request.app.state.router
-        model = {"id": state.settings.model_name, "object": "model", "created": state.created,
-                 "owned_by": "dsv4-cluster"}
-        return JSONResponse({"object": "list", "data": [model]})
+        check_key(request.scope, state.settings.api_keys)
+        names = [state.settings.model_name, *state.settings.model_aliases]
+        data = [{"id": n, "object": "model", "created": state.created, "owned_by": "dsv4-cluster"} for n in names]
+        return JSONResponse({"object": "list", "data": data})
+
+    @api.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        state: RouterState = request.app.state.router
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return api

@@ -71,6 +71,7 @@ class ChatMessage(_Body):
 class ChatCompletionRequest(_OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    continue_final_message: bool = False  # continue a final assistant message (the router's stream migration)
 
     def sampling(self, default_max: int) -> SamplingParams:
         params = super().sampling(default_max)

@@ -95,7 +95,8 @@ class WorkerServer:
         a = self.args
         try:
             if kind == "chat":
-                ids = self.tokenizer.apply_chat_template([m.model_dump() for m in req.messages])
+                ids = self.tokenizer.apply_chat_template([m.model_dump() for m in req.messages],
+                                                         continue_final=req.continue_final_message)
             elif kind == "completion":
                 ids = self.tokenizer.encode(req.prompt)
             else:
