@@ -35,7 +35,7 @@ from typing import Any
 
 import httpx
 
-from dsv4_cluster.core import KvUsage, WorkerState, WorkerStatus
+from dsv4_cluster.core import KvUsage, Role, WorkerState, WorkerStatus
 from dsv4_cluster.orchestrator.plan import LaunchPlan
 from dsv4_cluster.orchestrator.policy import CrashWindow, HealthPolicy, RestartPolicy
 from dsv4_cluster.orchestrator.processes import group_members, signal_group
@@ -135,8 +135,10 @@ class WorkerSupervisor:
         Path(plan.cwd).mkdir(parents=True, exist_ok=True)
         for path, text in plan.files:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            Path(path).write_text(text)
-            os.chmod(path, 0o600)  # the router's settings hold the admin token
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # the router's settings
+            os.fchmod(fd, 0o600)                                                # hold the admin token
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
         with open(plan.log_path, "ab") as log:
             stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
             log.write(f"=== {stamp} supervisor starts: {' '.join(plan.argv)}\n".encode())
@@ -216,6 +218,18 @@ class WorkerSupervisor:
                     return
                 failure = self._launch(timeout_s)
 
+    def _liveness_problem(self) -> str | None:
+        """Why the running process does not look alive, or None. A worker is alive while its /health
+        answers 200; the router's /health follows its pool (503 without a usable pair), so the
+        router is alive while it answers at all."""
+        if self._plan.role is not Role.ROUTER:
+            return first_unready(self._http, (self._plan.health_url,))
+        try:
+            self._http.get(self._plan.health_url)
+        except httpx.HTTPError as e:
+            return f"{self._plan.health_url}: {type(e).__name__}"
+        return None
+
     def _watch(self) -> _Failure | None:
         """Poll the running process until it exits or fails its health checks (why), or stop (None)."""
         proc, plan, failures = self._proc, self._plan, 0
@@ -230,7 +244,7 @@ class WorkerSupervisor:
             if code is not None:
                 return _Failure(f"exited unexpectedly with code {code}; last log lines:\n"
                                 f"{log_tail(plan.log_path)}")
-            problem = first_unready(self._http, (plan.health_url,))
+            problem = self._liveness_problem()
             if problem is None:
                 if failures:
                     self._set(WorkerState.READY)
