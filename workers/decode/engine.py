@@ -96,8 +96,12 @@ class DecodeEngine(Engine):
     def _receive(self) -> bool:
         notifs = self.transfer.notifications()
         for raw in notifs:
-            msg = json.loads(raw)
-            room, first = int(msg["room"]), int(msg["first_token"])
+            try:
+                msg = json.loads(raw)
+                room, first = int(msg["room"]), int(msg["first_token"])
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("ignored a malformed KV notification %r: %r", raw[:200], exc)
+                continue
             if room in self._quarantine:
                 self.runner.pool.release(self._quarantine.pop(room)[0])
                 continue
@@ -106,7 +110,8 @@ class DecodeEngine(Engine):
                 log.warning("KV arrived for unknown bootstrap_room %s; ignored", room)
                 continue
             req.state = ReqState.RUNNING
-            self._emit_token(req, first)
+            with self.serving(req):
+                self._emit_token(req, first)
             if req.state is ReqState.RUNNING:
                 self._running.append(req)
         return bool(notifs)
@@ -117,11 +122,14 @@ class DecodeEngine(Engine):
         batch = list(self._running)
         started = time.monotonic()
         n_prompt = [len(r.prompt_ids) for r in batch]
-        logits = self.runner.decode([r.out[-1] for r in batch],
-                                    [n + len(r.out) - 1 for n, r in zip(n_prompt, batch)],
-                                    [r.pages for r in batch])
-        for req, row in zip(batch, logits):
-            self._emit_token(req, self.runner.sampler.sample(row, req.params, len(req.out)))
+        logits = None
+        with self.serving(*batch):
+            logits = self.runner.decode([r.out[-1] for r in batch],
+                                        [n + len(r.out) - 1 for n, r in zip(n_prompt, batch)],
+                                        [r.pages for r in batch])
+        for req, row in zip(batch, logits if logits is not None else ()):
+            with self.serving(req):
+                self._emit_token(req, self.runner.sampler.sample(row, req.params, len(req.out)))
         self._running = [r for r in self._running if r.state is ReqState.RUNNING]
         self.throughput(len(batch), time.monotonic() - started)
         return True

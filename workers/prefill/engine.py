@@ -32,6 +32,7 @@ class Destination:
     agent_name: str
     pages: list[int]
     arrived: float
+    incarnation: int | None = None   # of the decode process that reserved `pages` (NixlTransfer)
 
 
 class Destinations:
@@ -42,11 +43,11 @@ class Destinations:
         self._by_room: dict[int, Destination] = {}
         self._ttl_s = ttl_s
 
-    def put(self, room: int, agent_name: str, pages: list[int]) -> None:
+    def put(self, room: int, agent_name: str, pages: list[int], incarnation: int | None = None) -> None:
         with self._lock:
             now = time.monotonic()
             self._by_room = {r: d for r, d in self._by_room.items() if now - d.arrived < self._ttl_s}
-            self._by_room[room] = Destination(agent_name, pages, now)
+            self._by_room[room] = Destination(agent_name, pages, now, incarnation)
 
     def pop(self, room: int) -> Destination | None:
         with self._lock:
@@ -99,12 +100,13 @@ class PrefillEngine(Engine):
         except PoolExhausted:
             return False
         self._bootstrap.popleft()
-        logits = self.runner.prefill(req.prompt_ids, req.pages)
-        req.out.append(self.runner.sampler.sample(logits, req.params, 0))
-        self.stats.prompt_tokens += len(req.prompt_ids)
-        req.state = ReqState.WAITING_PEER
-        req.deadline = self.now() + self.peer_timeout_s
-        self._waiting_peer.append(req)
+        with self.serving(req):
+            logits = self.runner.prefill(req.prompt_ids, req.pages)
+            req.out.append(self.runner.sampler.sample(logits, req.params, 0))
+            self.stats.prompt_tokens += len(req.prompt_ids)
+            req.state = ReqState.WAITING_PEER
+            req.deadline = self.now() + self.peer_timeout_s
+            self._waiting_peer.append(req)
         return True
 
     def _send_ready(self) -> bool:
@@ -119,12 +121,14 @@ class PrefillEngine(Engine):
                 continue
             self._waiting_peer.remove(req)
             worked = True
-            try:
-                handle = self.transfer.write_pages(dest.agent_name, req.pages, dest.pages,
-                                                   notif_message(req.room, req.out[0]))
-            except TransferError as exc:
-                self.stats.transfer_failed += 1
-                self.fail(req, 500, f"KV transfer failed: {exc}")
+            with self.serving(req):
+                try:
+                    handle = self.transfer.write_pages(dest.agent_name, req.pages, dest.pages,
+                                                       notif_message(req.room, req.out[0]), dest.incarnation)
+                except TransferError as exc:
+                    self.stats.transfer_failed += 1
+                    self.fail(req, 500, f"KV transfer failed: {exc}")
+            if req.state is not ReqState.WAITING_PEER:   # failed just above
                 continue
             req.state = ReqState.TRANSFERRING
             nbytes = self.runner.pool.page_bytes * len(req.pages)
