@@ -59,14 +59,14 @@ class ModelRunner:
 
 
 def generate_single_process(runner: ModelRunner, prompt_ids: list[int], params: SamplingParams,
-                            eos_token_id: int, decode_text) -> list[int]:
+                            eos_token_id: int) -> list[int]:
     """Prefill then decode one request in this process; returns the output token ids."""
     budget = min(len(prompt_ids) + params.max_new_tokens, runner.cfg.context_length)
     req = Req(rid="single-process", prompt_ids=prompt_ids, params=params, budget=budget, emit=lambda e: None)
     pages = runner.pool.alloc(budget)
     try:
         req.out.append(runner.sampler.sample(runner.prefill(prompt_ids, pages), params, 0))
-        while req.finish_reason(eos_token_id, decode_text) is None:
+        while req.finished(eos_token_id) is None:
             logits = runner.decode([req.out[-1]], [len(prompt_ids) + len(req.out) - 1], [pages])[0]
             req.out.append(runner.sampler.sample(logits, params, len(req.out)))
         return req.out

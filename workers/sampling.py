@@ -16,7 +16,9 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    no_stop_trim: bool = False      # keep a matched stop string / stop token in the text
 
 
 class Sampler:

@@ -130,7 +130,7 @@ class DecodeEngine(Engine):
         req.out.append(token)
         req.last_token_time = time.monotonic()
         self.stats.generation_tokens += 1
-        reason = req.finish_reason(self.tokenizer.eos_token_id, self.tokenizer.decode)
-        req.emit(Token(token, reason))
-        if reason is not None:
+        finish = req.finished(self.tokenizer.eos_token_id)
+        req.emit(Token(token, finish))
+        if finish is not None:
             self.finish(req)

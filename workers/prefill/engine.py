@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from ..engine import Engine
 from ..kv_pool import PoolExhausted
-from ..request import Req, ReqState, Token
+from ..request import Finish, Req, ReqState, Token
 from ..runner import ModelRunner
 from ..transfer import NixlTransfer, TransferError
 
@@ -147,7 +147,7 @@ class PrefillEngine(Engine):
                 self.stats.last_transfer_ms = secs * 1e3
                 self.stats.last_transfer_gb_s = nbytes / secs / 1e9
                 if not was_aborted:
-                    req.emit(Token(req.out[0], "length"))
+                    req.emit(Token(req.out[0], Finish("length")))
                 self.finish(req)
             else:
                 self.stats.transfer_failed += 1
