@@ -61,7 +61,9 @@ class NixlTransfer:
         self.name = name
         self._pool = pool
         self._lock = threading.Lock()
-        self._agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        # No progress thread: UCX's spins a core even while idle. The engine loop's polls
+        # (poll/notifications) drive progress while a transfer is pending (engine.py).
+        self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         buffers = pool.buffers()
         self._agent.register_memory(buffers)
         dev = buffers[0].device

@@ -47,6 +47,9 @@ class DecodeEngine(Engine):
     def on_submit(self, req: Req) -> None:
         self._prealloc.append(req)
 
+    def pending(self) -> bool:
+        return bool(self.reqs or self._quarantine)
+
     def on_fail(self, req: Req) -> None:
         if req in self._prealloc:
             self._prealloc.remove(req)
@@ -115,7 +118,6 @@ class DecodeEngine(Engine):
         if not self._running:
             return False
         batch = list(self._running)
-        started = time.monotonic()
         n_prompt = [len(r.prompt_ids) for r in batch]
         logits = self.runner.decode([r.out[-1] for r in batch],
                                     [n + len(r.out) - 1 for n, r in zip(n_prompt, batch)],
@@ -123,13 +125,13 @@ class DecodeEngine(Engine):
         for req, row in zip(batch, logits):
             self._emit_token(req, self.runner.sampler.sample(row, req.params, len(req.out)))
         self._running = [r for r in self._running if r.state is ReqState.RUNNING]
-        self.throughput(len(batch), time.monotonic() - started)
         return True
 
     def _emit_token(self, req: Req, token: int) -> None:
         req.out.append(token)
         req.last_token_time = time.monotonic()
         self.stats.generation_tokens += 1
+        self.stats.generated.add(1, req.last_token_time)
         finish = req.finished(self.tokenizer.eos_token_id)
         req.emit(Token(token, finish))
         if finish is not None:

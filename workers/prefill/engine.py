@@ -144,8 +144,8 @@ class PrefillEngine(Engine):
             req.state = ReqState.FINISHED
             if state == "DONE":
                 secs = max(self.now() - started, 1e-9)
-                self.stats.last_transfer_ms = secs * 1e3
-                self.stats.last_transfer_gb_s = nbytes / secs / 1e9
+                self.stats.transfer_ms.add(secs * 1e3)
+                self.stats.transfer_gb_s.add(nbytes / secs / 1e9)
                 if not was_aborted:
                     req.emit(Token(req.out[0], Finish("length")))
                 self.finish(req)
