@@ -6,7 +6,8 @@
 brings the topology up with `dsv4-cluster up` (its ports and Ray namespace swapped for free ones, so it
 never collides with a cluster already running; every other setting is the file's), sends the load through
 its router with streaming chat requests, brings it down, and writes output tok/s, TTFT p50/p99, the
-error count and the machine's load average (the machine may be shared) as JSON. `--url` instead loads a
+error count and the machine's load average (the machine may be shared) as JSON. Before the load it
+measures each worker process's CPU (user + system, all threads) over `--idle-s` seconds of idleness. `--url` instead loads a
 router that is already up. The numbers are for comparing builds measured close together on one machine,
 not absolute speeds: the embedded model is a tiny random-weight model on the CPU.
 """
@@ -131,6 +132,19 @@ def relocated(topology: Path, workdir: Path) -> tuple[Path, str]:
     return path, f"http://127.0.0.1:{doc['router']['port']}"
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid`, all its threads, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def idle_cpu(pids: dict[str, int], seconds: float) -> dict[str, float]:
+    """Fraction of one core each process used over `seconds` of wall time."""
+    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    time.sleep(seconds)
+    return {name: round((cpu_seconds(pid) - before[name]) / seconds, 4) for name, pid in pids.items()}
+
+
 def _cli(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "DSV4_CLUSTER_HOME": str(home)}
     return subprocess.run([*CLI, *args], env=env, capture_output=True, text=True, timeout=300)
@@ -144,12 +158,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-chars", type=int, default=200)
+    p.add_argument("--idle-s", type=float, default=10.0, help="seconds of idle CPU measurement before the load")
     p.add_argument("--label", default="", help="a name for this run in the JSON (e.g. before/after)")
     p.add_argument("--out", type=Path, help="append the result as one JSON line to this file")
     a = p.parse_args(argv)
     if (a.topology is None) == (a.url is None):
         p.error("give either a topology file or --url")
     load = lambda url: asyncio.run(run_load(url, a.requests, a.concurrency, a.max_tokens, a.prompt_chars))  # noqa: E731
+    idle: dict[str, float] = {}
+    busy: dict[str, float] = {}
     if a.url:
         result = load(a.url)
     else:
@@ -162,12 +179,21 @@ def main(argv: list[str] | None = None) -> int:
                 _cli(home, "down", "--timeout", "10")
                 return 1
             try:
+                status = json.loads(_cli(home, "status", "--json").stdout)
+                pids = {w["name"]: w["pid"] for w in status["workers"] if w["pid"]}
+                time.sleep(2.0)       # let start-up work (verification, first probes) settle
+                idle = idle_cpu(pids, a.idle_s)
+                before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+                client_before = time.process_time()
                 result = load(url)
+                busy = {name: round(cpu_seconds(pid) - before[name], 1) for name, pid in pids.items()}
+                busy["load client"] = round(time.process_time() - client_before, 1)
             finally:
                 down = _cli(home, "down", "--timeout", "10")
                 if down.returncode != 0:
                     print(down.stdout + down.stderr, file=sys.stderr)
-    record = {"label": a.label, "topology": str(a.topology or a.url), **asdict(result)}
+    record = {"label": a.label, "topology": str(a.topology or a.url), **asdict(result),
+              "idle_cpu_core_fraction": idle, "idle_s": a.idle_s if idle else 0, "cpu_s_during_load": busy}
     print(json.dumps(record, indent=1))
     if a.out:
         with a.out.open("a") as f:

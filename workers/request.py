@@ -69,6 +69,7 @@ class Req:
     room: int | None = None
     state: ReqState = ReqState.WAITING_PAGES
     pages: list[int] = field(default_factory=list)
+    prefilled: int = 0                     # prompt tokens whose KV is computed (chunked prefill)
     out: list[int] = field(default_factory=list)
     created: float = field(default_factory=time.monotonic)
     deadline: float | None = None

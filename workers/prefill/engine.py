@@ -3,7 +3,9 @@
 Request lifecycle on the prefill side:
 1. The router's POST arrives (same body as decode's, with bootstrap_room); the handler tokenizes
    and submits a `Req` here. It waits in the bootstrap queue until the pool has pages for the prompt.
-2. The engine runs the prompt through the model and samples the first output token.
+2. Each step runs one forward over chunks of the queue's first prompts, up to `chunk_tokens` tokens
+   in all (batched, chunked prefill, as SGLang's --chunked-prefill-size); a prompt longer than what
+   is left goes on in the next step. Once a prompt is done the engine samples its first output token.
 3. It waits until the decode side has reserved pages for this room (`Destinations`, fed by the
    bootstrap server), for at most `peer_timeout_s`.
 4. It WRITEs the prompt's pages into those pages with a notification carrying the room and the first
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 from ..engine import Engine
 from ..kv_pool import PoolExhausted
 from ..request import Finish, Req, ReqState, Token
-from ..runner import ModelRunner
+from ..runner import Chunk, ModelRunner
 from ..transfer import NixlTransfer, TransferError
 
 
@@ -61,8 +63,10 @@ def notif_message(room: int, first_token: int) -> bytes:
 
 
 class PrefillEngine(Engine):
-    def __init__(self, runner: ModelRunner, transfer: NixlTransfer, peer_timeout_s: float = 30.0):
+    def __init__(self, runner: ModelRunner, transfer: NixlTransfer, peer_timeout_s: float = 30.0,
+                 chunk_tokens: int = 1024):
         super().__init__(runner, "prefill-engine")
+        self.chunk_tokens = chunk_tokens
         self.transfer = transfer
         self.destinations = Destinations(ttl_s=peer_timeout_s * 4)
         self.peer_timeout_s = peer_timeout_s
@@ -84,27 +88,39 @@ class PrefillEngine(Engine):
     def step(self) -> bool:
         worked = self._poll_inflight()
         worked |= self._send_ready()
-        worked |= self._prefill_one()
+        worked |= self._prefill_batch()
         s = self.stats
         s.num_queued, s.num_waiting_peer, s.num_transferring = (
             len(self._bootstrap), len(self._waiting_peer), len(self._inflight))
         return worked
 
-    def _prefill_one(self) -> bool:
-        if not self._bootstrap:
+    def _prefill_batch(self) -> bool:
+        budget, chunks, reqs = self.chunk_tokens, [], []
+        for req in self._bootstrap:
+            if budget <= 0:
+                break
+            if not req.pages:
+                try:
+                    req.pages = self.runner.pool.alloc(len(req.prompt_ids))
+                except PoolExhausted:
+                    break
+            n = min(len(req.prompt_ids) - req.prefilled, budget)
+            chunks.append(Chunk(req.prompt_ids[req.prefilled: req.prefilled + n], req.prefilled, req.pages))
+            reqs.append(req)
+            budget -= n
+        if not chunks:
             return False
-        req = self._bootstrap[0]
-        try:
-            req.pages = self.runner.pool.alloc(len(req.prompt_ids))
-        except PoolExhausted:
-            return False
-        self._bootstrap.popleft()
-        logits = self.runner.prefill(req.prompt_ids, req.pages)
-        req.out.append(self.runner.sampler.sample(logits, req.params, 0))
-        self.stats.prompt_tokens += len(req.prompt_ids)
-        req.state = ReqState.WAITING_PEER
-        req.deadline = self.now() + self.peer_timeout_s
-        self._waiting_peer.append(req)
+        logits = self.runner.extend(chunks)
+        for req, chunk, row in zip(reqs, chunks, logits):
+            req.prefilled = chunk.start + len(chunk.token_ids)
+            if req.prefilled < len(req.prompt_ids):
+                continue
+            self._bootstrap.remove(req)
+            req.out.append(self.runner.sampler.sample(row, req.params, 0))
+            self.stats.prompt_tokens += len(req.prompt_ids)
+            req.state = ReqState.WAITING_PEER
+            req.deadline = self.now() + self.peer_timeout_s
+            self._waiting_peer.append(req)
         return True
 
     def _send_ready(self) -> bool:

@@ -38,7 +38,7 @@ class PrefillServer(WorkerServer):
     def build_engine(self, runner: ModelRunner) -> PrefillEngine:
         a = self.args
         transfer = NixlTransfer(f"prefill-{a.node_address}-{a.port}", runner.pool, a.ucx_tls)
-        return PrefillEngine(runner, transfer, peer_timeout_s=a.peer_timeout_s)
+        return PrefillEngine(runner, transfer, peer_timeout_s=a.peer_timeout_s, chunk_tokens=a.chunked_prefill_size)
 
     def check(self, spec: GenSpec) -> None:
         if spec.room is None:
