@@ -7,7 +7,7 @@ import torch
 
 from dsv4_cluster.kernels.indexer import indexer
 from dsv4_cluster.kernels.topk import topk
-from dsv4_cluster.workers.model import ModelConfig, _select_shared_table
+from dsv4_cluster.workers.model import ModelConfig, _select_rows, _select_shared_table
 from dsv4_cluster.workers.runner import Chunk, ModelRunner, RunnerConfig
 
 
@@ -22,6 +22,21 @@ def test_shared_table_selection_equals_the_kernels_reference(tokens, pages, firs
     q, w = torch.randn(tokens, 4, 32, generator=gen), torch.randn(tokens, 4, generator=gen)
     expected = topk(indexer(q, w, keys, table.clamp(min=0)[None].expand(tokens, -1).contiguous(), live), live, 8)
     assert torch.equal(_select_shared_table(q, w, keys, table, live, 8), expected)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 64])
+def test_per_row_selection_equals_the_kernels_reference(rows):
+    gen = torch.Generator().manual_seed(rows)
+    keys = torch.randn(256, 4, 32, generator=gen)
+    lens = torch.randint(1, 60, (rows,), generator=gen)
+    tables = torch.full((rows, 64), -1, dtype=torch.int32)
+    for r, n in enumerate(lens.tolist()):
+        tables[r, :n] = torch.randperm(256, generator=gen)[:n].to(torch.int32)
+    positions = torch.stack([torch.randint(0, int(n) * 16, (1,), generator=gen)[0] for n in lens])
+    live = ((positions + 1) // 4).to(torch.int32)
+    q, w = torch.randn(rows, 4, 32, generator=gen), torch.randn(rows, 4, generator=gen)
+    expected = topk(indexer(q, w, keys, tables.clamp(min=0), live), live, 8)
+    assert torch.equal(_select_rows(q, w, keys, tables, live, 8), expected)
 
 
 def _runner() -> ModelRunner:

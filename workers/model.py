@@ -149,6 +149,8 @@ class TinyDSV4:
             chosen = torch.cat([_select_shared_table(q_idx[a:b], weights[a:b], pool.index_keys[li],
                                                      batch.pages[a], live[a:b], c.topk)
                                 for a, b in batch.segments]).long()
+        elif not q_idx.is_cuda:
+            chosen = _select_rows(q_idx, weights, pool.index_keys[li], batch.pages, live, c.topk).long()
         else:
             scores = indexer(q_idx, weights, pool.index_keys[li], batch.pages.clamp(min=0).to(torch.int32), live)
             chosen = topk(scores, live, c.topk).long()
@@ -160,25 +162,41 @@ def _select_shared_table(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, t
                          live: torch.Tensor, k: int) -> torch.Tensor:
     """`topk(indexer(...))` for rows of one request (one page table), on the CPU, as whole-tensor ops.
 
-    The kernels' CPU reference loops over rows in Python, which made a prompt's prefill cost
-    O(prompt length) interpreter steps per layer; here all rows of a prompt chunk are scored at once.
-    Same formula and rule: score[t, e] = sum_h relu(q[t,h] . key_e) * w[t,h] for e < live[t], the k
-    best by (descending score, ascending index), -1 padded (tests/test_engine_units.py checks that
-    the result equals the kernels' reference exactly).
+    The kernels' CPU reference loops over rows in Python, which made a forward cost O(rows)
+    interpreter steps per layer; here all rows of a prompt chunk are scored at once. Same formula and
+    rule: score[t, e] = sum_h relu(q[t,h] . key_e) * w[t,h] for e < live[t], the k best by (descending
+    score, ascending index), -1 padded (tests/test_prefill_batching.py checks that the result equals
+    the kernels' reference exactly).
     q [T, Hi, Di]; w [T, Hi]; keys [P, E, Di]; table [max_pages]; live [T] -> int32 [T, k].
     """
     n = int(live.max()) if live.numel() else 0
-    out = torch.full((q.shape[0], k), -1, dtype=torch.int32)
     if n == 0:
-        return out
+        return torch.full((q.shape[0], k), -1, dtype=torch.int32)
     per_page = keys.shape[1]
     kk = keys[table[: (n + per_page - 1) // per_page].long()].reshape(-1, keys.shape[-1])[:n].float()
-    scores = (torch.relu(q.float() @ kk.T) * w.float()[:, :, None]).sum(1)          # [T, n]
-    idx = torch.arange(n)
-    scores = scores.masked_fill(idx[None, :] >= live[:, None], float("-inf"))
+    return _top(torch.relu(q.float() @ kk.T), w, live, k)
+
+
+def _select_rows(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, tables: torch.Tensor,
+                 live: torch.Tensor, k: int) -> torch.Tensor:
+    """`_select_shared_table` for rows with a page table each (a decode batch): tables [T, max_pages]."""
+    n = int(live.max()) if live.numel() else 0
+    if n == 0:
+        return torch.full((q.shape[0], k), -1, dtype=torch.int32)
+    per_page = keys.shape[1]
+    pages = tables[:, : (n + per_page - 1) // per_page].clamp(min=0).long()
+    kk = keys[pages].reshape(q.shape[0], -1, keys.shape[-1])[:, :n].float()          # [T, n, Di]
+    return _top(torch.relu(q.float() @ kk.transpose(1, 2)), w, live, k)
+
+
+def _top(logits: torch.Tensor, w: torch.Tensor, live: torch.Tensor, k: int) -> torch.Tensor:
+    """relu'd logits [T, Hi, n] -> the k best live entries per row by the weighted head sum, -1 padded."""
+    scores = (logits * w.float()[:, :, None]).sum(1)                                  # [T, n]
+    n = scores.shape[1]
+    scores = scores.masked_fill(torch.arange(n)[None, :] >= live[:, None], float("-inf"))
     order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k].to(torch.int32)
-    order = order.masked_fill(order >= live[:, None], -1)
-    out[:, : order.shape[1]] = order
+    out = torch.full((scores.shape[0], k), -1, dtype=torch.int32)
+    out[:, : order.shape[1]] = order.masked_fill(order >= live[:, None], -1)
     return out
 
 
