@@ -67,6 +67,7 @@ class Req:
     budget: int                            # prompt + output tokens this request may hold
     emit: Callable[[Event], None]
     room: int | None = None
+    bootstrap: str | None = None           # the paired prefill's bootstrap server, http://host:port
     state: ReqState = ReqState.WAITING_PAGES
     pages: list[int] = field(default_factory=list)
     prefilled: int = 0                     # prompt tokens whose KV is computed (chunked prefill)

@@ -35,6 +35,13 @@ class GenSpec:
     bootstrap_port: int | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
+    @property
+    def bootstrap_url(self) -> str | None:
+        """The paired prefill's bootstrap server (SGLang's default port 8998 when none is given)."""
+        if self.bootstrap_host is None:
+            return None
+        return f"http://{self.bootstrap_host}:{self.bootstrap_port or 8998}"
+
 
 def sse(payload: dict | str) -> bytes:
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))

@@ -121,7 +121,7 @@ class WorkerServer:
     async def submit(self, spec: GenSpec) -> tuple[Req, asyncio.Queue]:
         queue: asyncio.Queue = asyncio.Queue()
         req = Req(rid=spec.rid, prompt_ids=spec.prompt_ids, params=spec.params, budget=self.budget(spec),
-                  emit=loop_emitter(asyncio.get_running_loop(), queue), room=spec.room)
+                  emit=loop_emitter(asyncio.get_running_loop(), queue), room=spec.room, bootstrap=spec.bootstrap_url)
         self.engine.submit(req)
         return req, queue
 

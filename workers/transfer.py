@@ -121,6 +121,16 @@ class NixlTransfer:
                 self._agent.release_xfer_handle(handle)
         return state
 
+    def notify(self, peer: str, message: bytes) -> None:
+        """Send `message` to a registered peer as a NIXL notification (no data moves)."""
+        with self._lock:
+            if peer not in self._peers:
+                raise TransferError(f"unknown agent {peer!r}: it never registered with {self.name}")
+            try:
+                self._agent.send_notif(peer, message)
+            except Exception as exc:    # nixl raises its own error types, none exported
+                raise TransferError(f"NIXL could not notify {peer}: {exc}") from exc
+
     def notifications(self) -> list[bytes]:
         with self._lock:
             notifs = self._agent.get_new_notifs()

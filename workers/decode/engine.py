@@ -7,7 +7,11 @@ Request lifecycle on the decode side:
 2. With pages reserved, the engine emits `Reserved`; the handler registers this worker's NIXL agent
    with the prefill's bootstrap server (once per prefill) and tells it the room's destination pages.
 3. Prefill WRITEs the KV pages and sends a notification with the room and the first output token.
-   A request whose KV does not land within `transfer_timeout_s` fails with 500.
+   A request whose KV does not land within `transfer_timeout_s` fails with 500; one whose prefill
+   failed ends as soon as the prefill says so (a "failed" notification), its pages freed at once.
+   Pages of a request that failed here while waiting (router abort, client gone) are quarantined
+   until prefill confirms it will not write them (`on_quarantine` -> its /kv/cancel), the WRITE's
+   notification arrives, or, as the last resort, the quarantine expires.
 4. The request joins the running batch; each step decodes one token for every running request.
 5. On EOS, a stop string, or its length budget, it finishes and its pages go back to the pool.
 """
@@ -18,6 +22,7 @@ import json
 import logging
 import time
 from collections import deque
+from typing import Callable
 
 from ..engine import Engine
 from ..kv_pool import PoolExhausted
@@ -43,6 +48,8 @@ class DecodeEngine(Engine):
         # Pages of requests that failed while prefill may still be writing into them: held until
         # their notification arrives or the quarantine expires, never handed to another request.
         self._quarantine: dict[int, tuple[list[int], float]] = {}
+        # Set by the server: called (engine thread) with the room and its prefill's bootstrap URL.
+        self.on_quarantine: Callable[[int, str | None], None] | None = None
 
     def on_submit(self, req: Req) -> None:
         self._prealloc.append(req)
@@ -60,6 +67,14 @@ class DecodeEngine(Engine):
             if req.state is ReqState.WAITING_PEER and req.pages:
                 self._quarantine[req.room] = (req.pages, self.now() + 4 * self.transfer_timeout_s)
                 req.pages = []
+                if self.on_quarantine is not None:
+                    self.on_quarantine(req.room, req.bootstrap)
+
+    def release_quarantine(self, room: int) -> None:
+        """Prefill will never write the room's pages: free them now (engine thread)."""
+        entry = self._quarantine.pop(room, None)
+        if entry is not None:
+            self.runner.pool.release(entry[0])
 
     def step(self) -> bool:
         worked = self._reserve()
@@ -100,14 +115,22 @@ class DecodeEngine(Engine):
         notifs = self.transfer.notifications()
         for raw in notifs:
             msg = json.loads(raw)
-            room, first = int(msg["room"]), int(msg["first_token"])
+            room = int(msg["room"])
             if room in self._quarantine:
-                self.runner.pool.release(self._quarantine.pop(room)[0])
+                self.release_quarantine(room)
+                continue
+            if "failed" in msg:
+                req = self._by_room.get(room)
+                if req is not None:    # prefill will not write: fail() frees the pages, no quarantine
+                    req.state = ReqState.WAITING_PAGES
+                    self.stats.transfer_failed += 1
+                    self.fail(req, 500, f"prefill failed: {msg['failed']}")
                 continue
             req = self._by_room.pop(room, None)
             if req is None:
                 log.warning("KV arrived for unknown bootstrap_room %s; ignored", room)
                 continue
+            first = int(msg["first_token"])
             req.state = ReqState.RUNNING
             self._emit_token(req, first)
             if req.state is ReqState.RUNNING:

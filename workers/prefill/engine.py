@@ -17,6 +17,7 @@ Request lifecycle on the prefill side:
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections import deque
@@ -28,6 +29,8 @@ from ..request import Finish, Req, ReqState, Token
 from ..runner import Chunk, ModelRunner
 from ..transfer import NixlTransfer, TransferError
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class Destination:
@@ -37,29 +40,70 @@ class Destination:
 
 
 class Destinations:
-    """Rooms -> where decode reserved KV. Written by the bootstrap server, read by the engine."""
+    """Rooms -> where decode reserved KV. Written by the bootstrap server, read by the engine.
+
+    A room goes put (decode reserved) -> taken (the engine starts its WRITE) -> done (the WRITE ended).
+    Decode may `cancel` a room it gave up: if no WRITE was taken for it, none ever will be (later puts
+    are refused and a waiting request fails at once), so decode can free the pages right away.
+    """
 
     def __init__(self, ttl_s: float):
         self._lock = threading.Lock()
         self._by_room: dict[int, Destination] = {}
+        self._taken: dict[int, str] = {}            # room -> decode agent, WRITE in flight
+        self._cancelled: dict[int, float] = {}      # room -> when decode gave it up
         self._ttl_s = ttl_s
 
-    def put(self, room: int, agent_name: str, pages: list[int]) -> None:
+    def put(self, room: int, agent_name: str, pages: list[int]) -> bool:
+        """Record decode's pages for `room`; False if decode already cancelled it."""
         with self._lock:
             now = time.monotonic()
             self._by_room = {r: d for r, d in self._by_room.items() if now - d.arrived < self._ttl_s}
+            self._cancelled = {r: t for r, t in self._cancelled.items() if now - t < self._ttl_s}
+            if room in self._cancelled:
+                return False
             self._by_room[room] = Destination(agent_name, pages, now)
+            return True
 
-    def pop(self, room: int) -> Destination | None:
+    def take(self, room: int) -> Destination | None:
+        """The engine is about to WRITE into the room's pages (until `done`)."""
         with self._lock:
-            return self._by_room.pop(room, None)
+            dest = self._by_room.pop(room, None)
+            if dest is not None:
+                self._taken[room] = dest.agent_name
+            return dest
 
-    def cancel(self, room: int) -> None:
-        self.pop(room)
+    def done(self, room: int) -> str | None:
+        """The room's WRITE ended (or never started); returns the decode agent it was for."""
+        with self._lock:
+            return self._taken.pop(room, None)
+
+    def cancelled(self, room: int) -> bool:
+        with self._lock:
+            return room in self._cancelled
+
+    def discard(self, room: int) -> None:
+        """Prefill gave the room up itself (its request failed before any WRITE)."""
+        with self._lock:
+            self._by_room.pop(room, None)
+
+    def cancel(self, room: int) -> bool:
+        """Decode gave the room up. True if a WRITE into its pages may still be in flight."""
+        with self._lock:
+            if room in self._taken:
+                return True
+            self._by_room.pop(room, None)
+            self._cancelled[room] = time.monotonic()
+            return False
 
 
 def notif_message(room: int, first_token: int) -> bytes:
     return json.dumps({"room": room, "first_token": first_token}).encode()
+
+
+def failed_message(room: int, reason: str) -> bytes:
+    """Tells decode that no KV will come for `room`, so it can free the room's pages now."""
+    return json.dumps({"room": room, "failed": reason}).encode()
 
 
 class PrefillEngine(Engine):
@@ -82,8 +126,8 @@ class PrefillEngine(Engine):
             self._bootstrap.remove(req)
         if req in self._waiting_peer:
             self._waiting_peer.remove(req)
-        if req.room is not None:
-            self.destinations.cancel(req.room)
+        if req.room is not None and req.state is not ReqState.TRANSFERRING:
+            self.destinations.discard(req.room)
 
     def step(self) -> bool:
         worked = self._poll_inflight()
@@ -126,9 +170,11 @@ class PrefillEngine(Engine):
     def _send_ready(self) -> bool:
         worked = False
         for req in list(self._waiting_peer):
-            dest = self.destinations.pop(req.room)
+            dest = self.destinations.take(req.room)
             if dest is None:
-                if self.now() > req.deadline:
+                if self.destinations.cancelled(req.room):
+                    self.fail(req, 500, f"decode gave up bootstrap_room {req.room} before its KV was sent")
+                elif self.now() > req.deadline:
                     self.stats.bootstrap_failed += 1
                     self.fail(req, 500, f"decode never reserved KV for bootstrap_room {req.room} within "
                                         f"{self.peer_timeout_s:.0f}s; is the decode server reachable and alive?")
@@ -140,12 +186,23 @@ class PrefillEngine(Engine):
                                                    notif_message(req.room, req.out[0]))
             except TransferError as exc:
                 self.stats.transfer_failed += 1
+                self._tell_decode_failed(req.room, f"KV transfer failed: {exc}")
                 self.fail(req, 500, f"KV transfer failed: {exc}")
                 continue
             req.state = ReqState.TRANSFERRING
             nbytes = self.runner.pool.page_bytes * len(req.pages)
             self._inflight.append((req, handle, self.now(), nbytes))
         return worked
+
+    def _tell_decode_failed(self, room: int, reason: str) -> None:
+        """Best effort: decode frees the room's pages at once instead of at its deadline."""
+        agent = self.destinations.done(room)
+        if agent is None:
+            return
+        try:
+            self.transfer.notify(agent, failed_message(room, reason))
+        except TransferError as exc:
+            log.warning("could not tell %s that bootstrap_room %s failed: %s", agent, room, exc)
 
     def _poll_inflight(self) -> bool:
         worked = False
@@ -158,6 +215,10 @@ class PrefillEngine(Engine):
             self._inflight.remove(item)
             was_aborted = req.state is ReqState.ABORTED
             req.state = ReqState.FINISHED
+            if state != "DONE":
+                self._tell_decode_failed(req.room, f"KV transfer of bootstrap_room {req.room} failed in NIXL")
+            else:
+                self.destinations.done(req.room)
             if state == "DONE":
                 secs = max(self.now() - started, 1e-9)
                 self.stats.transfer_ms.add(secs * 1e3)

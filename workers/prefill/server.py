@@ -82,14 +82,17 @@ class PrefillServer(WorkerServer):
             if not self.engine.transfer.has_peer(body.agent_name):
                 return JSONResponse({"error": f"unknown decode agent {body.agent_name}; register first"},
                                     status_code=409)
-            self.engine.destinations.put(body.room, body.agent_name, body.pages)
+            if not self.engine.destinations.put(body.room, body.agent_name, body.pages):
+                return JSONResponse({"error": f"bootstrap_room {body.room} was cancelled by decode"},
+                                    status_code=410)
             return {"success": True}
 
         @app.post("/kv/cancel")
         async def cancel(body: Cancel):
-            if self.ready:
-                self.engine.destinations.cancel(body.room)
-            return {"success": True}
+            """Decode gave a room up; `in_flight` false means no KV will ever be written into its pages."""
+            if not self.ready:
+                return JSONResponse({"error": "prefill is still starting"}, status_code=503)
+            return {"in_flight": self.engine.destinations.cancel(body.room)}
 
         return app
 
