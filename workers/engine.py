@@ -16,11 +16,12 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from .request import Failed, Req, ReqState
 from .runner import ModelRunner
+from .window import Window
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +40,15 @@ class EngineStats:
     aborted: int = 0
     bootstrap_failed: int = 0
     transfer_failed: int = 0
-    last_gen_throughput: float = 0.0
-    last_transfer_gb_s: float = 0.0
-    last_transfer_ms: float = 0.0
     internal_errors: int = 0
+    # the last few seconds only, so the gauges read 0 once the engine is idle
+    generated: Window = field(default_factory=Window)
+    transfer_gb_s: Window = field(default_factory=Window)
+    transfer_ms: Window = field(default_factory=Window)
+
+    @property
+    def last_gen_throughput(self) -> float:
+        return self.generated.rate()
 
 
 class EngineKilled(RuntimeError):
@@ -50,9 +56,16 @@ class EngineKilled(RuntimeError):
 
 
 class Engine:
-    """Base scheduling loop. Subclasses implement `step()` -> bool (True if it did work)."""
+    """Base scheduling loop. Subclasses implement `step()` -> bool (True if it did work).
 
-    idle_wait_s = 0.002
+    Nothing spins while idle: with no live request the loop blocks on its inbox (waking once per
+    `idle_wait_s` for deadlines); while requests wait on NIXL (a WRITE in flight, KV not arrived) it
+    polls every `poll_s`, and that polling is what drives NIXL's progress (its agents run without a
+    progress thread; transfer.py).
+    """
+
+    idle_wait_s = 1.0
+    poll_s = 0.001
 
     def __init__(self, runner: ModelRunner, name: str):
         self.runner = runner
@@ -113,9 +126,17 @@ class Engine:
                 if req.state not in (ReqState.FINISHED, ReqState.ABORTED):
                     self.fail(req, 500, f"the engine failed this request: {exc!r}")
 
+    def wake(self) -> None:
+        """Make an idle loop run a step now (state it reads changed outside the engine thread)."""
+        self._inbox.put(("call", lambda: None))
+
+    def pending(self) -> bool:
+        """Role hook: whether something needs polling (a request in flight, a deadline)."""
+        return bool(self.reqs)
+
     def _wait_for_work(self) -> None:
         try:
-            item = self._inbox.get(timeout=self.idle_wait_s)
+            item = self._inbox.get(timeout=self.poll_s if self.pending() else self.idle_wait_s)
         except queue.Empty:
             return
         self._handle(item)
@@ -174,10 +195,6 @@ class Engine:
 
     def step(self) -> bool:
         raise NotImplementedError
-
-    def throughput(self, tokens: int, seconds: float) -> None:
-        if seconds > 0:
-            self.stats.last_gen_throughput = tokens / seconds
 
     @staticmethod
     def now() -> float:

@@ -100,15 +100,14 @@ class WorkerServer:
         try:
             req = model.model_validate(body)
         except ValidationError as exc:
-            raise BadRequest("; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}"
-                                       for e in exc.errors())) from None
+            raise BadRequest("; ".join(_describe(e, model.__name__) for e in exc.errors())) from None
         a = self.args
         try:
             if kind == "chat":
-                ids = self.tokenizer.apply_chat_template([m.model_dump() for m in req.messages],
-                                                         continue_final=req.continue_final_message)
+                ids = req.input_ids or self.tokenizer.apply_chat_template(
+                    [m.model_dump() for m in req.messages], continue_final=req.continue_final_message)
             elif kind == "completion":
-                ids = self.tokenizer.encode(req.prompt)
+                ids = req.prompt if isinstance(req.prompt, list) else self.tokenizer.encode(req.prompt)
             else:
                 ids = req.input_ids if req.input_ids is not None else self.tokenizer.encode(req.text)
         except ChatTemplateError as exc:
@@ -120,9 +119,9 @@ class WorkerServer:
                              f"{a.context_length} (prompt + output); shorten the prompt")
         try:
             if kind == "generate":
-                params, stream, usage = req.sampling_params.params(), req.stream, False
+                params, stream, usage = req.sampling_params.params(a.default_max_tokens), req.stream, False
             else:
-                params = req.sampling(default_max=16 if kind == "completion" else a.context_length - len(ids))
+                params = req.sampling(default_max=a.default_max_tokens)
                 stream, usage = req.stream, bool(req.stream_options and req.stream_options.include_usage)
         except ValueError as exc:   # SamplingParams names the field
             raise BadRequest(str(exc)) from None
@@ -136,7 +135,7 @@ class WorkerServer:
     async def submit(self, spec: GenSpec) -> tuple[Req, asyncio.Queue]:
         queue: asyncio.Queue = asyncio.Queue()
         req = Req(rid=spec.rid, prompt_ids=spec.prompt_ids, params=spec.params, budget=self.budget(spec),
-                  emit=loop_emitter(asyncio.get_running_loop(), queue), room=spec.room)
+                  emit=loop_emitter(asyncio.get_running_loop(), queue), room=spec.room, bootstrap=spec.bootstrap_url)
         self.engine.submit(req)
         return req, queue
 
@@ -186,7 +185,7 @@ class WorkerServer:
             async for ev in events:
                 if isinstance(ev, Failed):
                     return _error(ev.status, ev.message)
-                out.push(ev.token_id)
+                out.push(ev.token_id, ev.finish)
                 if len(out.ids) == 1:
                     self.metrics.ttft.observe(time.monotonic() - started)
                 if ev.finish_reason:
@@ -202,7 +201,7 @@ class WorkerServer:
                 if isinstance(ev, Failed):
                     yield sse(error_body(ev.status, ev.message))
                     break
-                delta = out.push(ev.token_id)
+                delta = out.push(ev.token_id, ev.finish)
                 now = time.monotonic()
                 (self.metrics.ttft if len(out.ids) == 1 else self.metrics.itl).observe(now - last)
                 last = now
@@ -304,6 +303,15 @@ class WorkerServer:
 
 def _kill_engine() -> None:
     raise EngineKilled("killed through POST /debug/kill_engine (--test-hooks)")
+
+
+def _describe(error: dict, model: str) -> str:
+    """One pydantic error as a sentence that names the field and what to do."""
+    where = ".".join(map(str, error["loc"]))
+    if error["type"] == "extra_forbidden":
+        return f"{where}: unknown field (SGLang 0.5.23's {model} has no such field); remove it"
+    message = error["msg"].removeprefix("Value error, ")
+    return f"{where}: {message}" if where else message
 
 
 def _error(status: int, message: str) -> JSONResponse:

@@ -66,7 +66,9 @@ class NixlTransfer:
         self.name = name
         self._pool = pool
         self._lock = threading.Lock()
-        self._agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        # No progress thread: UCX's spins a core even while idle. The engine loop's polls
+        # (poll/notifications) drive progress while a transfer is pending (engine.py).
+        self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         buffers = pool.buffers()
         self._agent.register_memory(buffers)
         dev = buffers[0].device
@@ -160,6 +162,15 @@ class NixlTransfer:
             self._agent.release_xfer_handle(handle)
         except self._nixl_errors as exc:
             log.warning("NIXL kept a transfer handle it could not release: %r", exc)
+    def notify(self, peer: str, message: bytes) -> None:
+        """Send `message` to a registered peer as a NIXL notification (no data moves)."""
+        with self._lock:
+            if peer not in self._peers:
+                raise TransferError(f"unknown agent {peer!r}: it never registered with {self.name}")
+            try:
+                self._agent.send_notif(peer, message)
+            except Exception as exc:    # nixl raises its own error types, none exported
+                raise TransferError(f"NIXL could not notify {peer}: {exc}") from exc
 
     def notifications(self) -> list[bytes]:
         with self._lock:
