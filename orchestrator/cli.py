@@ -3,6 +3,7 @@
     dsv4-cluster up FILE [--address A] [--foreground] [--timeout S]
     dsv4-cluster status [--json]
     dsv4-cluster down [--timeout S]
+    dsv4-cluster verify
 
 Exit codes: 0 success; 1 the cluster failed (to start, to answer, to stop cleanly); 2 nothing
 was started because the topology or this machine is not fit (every problem is printed).
@@ -47,7 +48,23 @@ def _parser() -> argparse.ArgumentParser:
     dn = sub.add_parser("down", help="stop the router, the workers and the Ray head up started")
     dn.add_argument("--timeout", type=float, default=down_d.timeout_s,
                     help=f"seconds between SIGTERM and SIGKILL (default {down_d.timeout_s:g})")
+    _add_verify_parser(sub)
     return p
+
+
+def _add_verify_parser(sub: Any) -> None:
+    sub.add_parser("verify", help="check the running cluster: kernels attested and called on every rank, "
+                   "answers, throughput vs the last good run")
+
+
+def _cmd_verify(deployment: Any) -> int:
+    try:
+        report = deployment.verify()
+    except (NotUpError, RayClusterError) as e:
+        _err(str(e))
+        return EXIT_FAILED
+    print(report.summary(), flush=True)
+    return EXIT_OK if report.ok else EXIT_FAILED
 
 
 def _err(message: str) -> None:
@@ -138,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         return _cmd_up(deployment, args)
     if args.command == "status":
         return _cmd_status(deployment, args)
+    if args.command == "verify":
+        return _cmd_verify(deployment)
     return _cmd_down(deployment, DownOptions(timeout_s=args.timeout))
 
 

@@ -87,13 +87,17 @@ class ClusterController:
         if not failures:
             failures = self._start_all(list(self._spec.workers), timeout_s)
         if not failures:
-            failures = verify_kernels(self._spec.workers, self._spec.kernels)
+            failures = verify_kernels(self._spec.workers, self._spec.kernels, self._pids())
         if not failures:
             failures = self._start_all([self._spec.router], timeout_s)
         if failures:
             self.stop(deadline_s=10.0)
             raise ClusterStartError("the cluster did not come up:\n" + "\n".join(failures))
         return self.status()
+
+    def _pids(self) -> dict[str, int | None]:
+        """Each supervised process's pid (None when not running), for the kernel attestations."""
+        return {row["name"]: row.get("pid") for row in self.status()["workers"]}
 
     def status(self) -> dict[str, Any]:
         """{"endpoint": ..., "workers": [status dict per process, in start order]}."""

@@ -24,7 +24,6 @@ from dsv4_cluster.orchestrator.controller import CONTROLLER_NAME, ClusterControl
 from dsv4_cluster.orchestrator.errors import (
     AlreadyUpError, ClusterStartError, NotUpError, PreflightError, RayClusterError)
 from dsv4_cluster.orchestrator.options import DownOptions, UpOptions
-from dsv4_cluster.orchestrator.pd_check import PDCheckError, check_pd_equivalence
 from dsv4_cluster.orchestrator.plan import (
     PlanError, cluster_plans, endpoint, requested_kernels)
 from dsv4_cluster.orchestrator.processes import group_members, pid_alive
@@ -32,6 +31,7 @@ from dsv4_cluster.orchestrator.preflight import machine_problems, preflight
 from dsv4_cluster.orchestrator.record import (
     ClusterRecord, RecordError, clear_record, read_record, write_record)
 from dsv4_cluster.orchestrator.topology import load_topology
+from dsv4_cluster.orchestrator.verification import VerifyReport, verify_cluster
 
 CONTROLLER_CONCURRENCY = 8
 logger = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ def up(topology_path: str, options: UpOptions) -> dict[str, Any]:
         except (RayTaskError, RayActorError) as e:
             cause = e.cause if isinstance(e, RayTaskError) and e.cause is not None else e
             raise ClusterStartError(str(cause)) from e
-        return {**status, "verification": _verify(topology)}
+        return {**status, "verification": _verify(topology, status)}
     except BaseException:
         if controller is not None:
             _abandon(controller)
@@ -110,15 +110,24 @@ def up(topology_path: str, options: UpOptions) -> dict[str, Any]:
         ray_cluster.disconnect()
 
 
-def _verify(topology: Any) -> str:
-    """End-to-end check once everything is READY; raises ClusterStartError on a wrong answer."""
-    if topology.engine != "embedded":
-        return ("not verified: an accuracy check for SGLang clusters is not implemented yet; "
-                "only the kernels were checked")
-    try:
-        return check_pd_equivalence(topology).summary()
-    except PDCheckError as e:
-        raise ClusterStartError(str(e)) from e
+def _pids(status: dict[str, Any]) -> dict[str, int | None]:
+    return {row["name"]: row.get("pid") for row in status["workers"]}
+
+
+def _verify(topology: Any, status: dict[str, Any]) -> str:
+    """End-to-end check once everything is READY (verification.py); raises ClusterStartError on failure."""
+    report = verify_cluster(topology, _pids(status))
+    if not report.ok:
+        raise ClusterStartError(report.summary())
+    return report.summary()
+
+
+def verify() -> VerifyReport:
+    """`dsv4-cluster verify`: the same checks against the cluster that is up now."""
+    record = _existing_cluster()
+    if record is None:
+        raise NotUpError("no cluster is up (no record of one)")
+    return verify_cluster(load_topology(record.topology_path), _pids(status()))
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:

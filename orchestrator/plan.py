@@ -44,6 +44,7 @@ class LaunchPlan:
     metrics_url: str | None = None
     ports: tuple[int, ...] = field(default=())
     files: tuple[tuple[str, str], ...] = ()  # (path, text) the supervisor writes before spawning
+    tp: int = 1  # processes that serve it (SGLang: one per TP rank); each attests its kernels
 
     @property
     def env_dict(self) -> dict[str, str]:
@@ -152,6 +153,7 @@ def worker_plan(topology: Any, worker: Any) -> LaunchPlan:
         server_info_url=f"{base}/server_info",
         metrics_url=f"{base}/metrics",
         ports=ports,
+        tp=worker.tp,
     )
 
 
