@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+CAPACITY_TOLERANCE = 0.05  # `status` flags a server whose actual capacity misses the prediction by more
+
 SGLANG_NOT_PREDICTED = ("not predicted: SGLang 0.5.23 sizes the DeepSeek-V4 pool from free GPU memory at "
                         "start (DSV4PoolConfigurator); set max_total_tokens to fix it, read /server_info after up")
 

@@ -30,7 +30,9 @@ from dsv4_cluster.orchestrator.processes import group_members, pid_alive
 from dsv4_cluster.orchestrator.preflight import machine_problems, preflight
 from dsv4_cluster.orchestrator.record import (
     ClusterRecord, RecordError, clear_record, read_record, write_record)
-from dsv4_cluster.orchestrator.topology import load_topology
+from dsv4_cluster.orchestrator.capacity import CAPACITY_TOLERANCE, predict
+from dsv4_cluster.orchestrator.topology import TopologyError, load_topology
+from dsv4_cluster.orchestrator.topology_errors import UnknownNameError
 from dsv4_cluster.orchestrator.verification import VerifyReport, verify_cluster
 
 CONTROLLER_CONCURRENCY = 8
@@ -175,7 +177,8 @@ def status() -> dict[str, Any]:
     except RecordError as e:
         raise NotUpError(str(e)) from e
     try:
-        return ray.get(_controller(record).status.remote(), timeout=60)
+        return with_predicted_capacity(ray.get(_controller(record).status.remote(), timeout=60),
+                                       record.topology_path)
     except (RayActorError, GetTimeoutError) as e:
         raise NotUpError(f"the controller does not answer: {e}") from e
     except RayClusterError as e:
@@ -183,6 +186,26 @@ def status() -> dict[str, Any]:
                          "`dsv4-cluster down` to clean up") from e
     finally:
         ray_cluster.disconnect()
+
+
+def with_predicted_capacity(status: dict[str, Any], topology_path: str) -> dict[str, Any]:
+    """Each worker row gets `kv_predicted_tokens` (capacity.py), and an error line past a 5% miss."""
+    try:
+        topology = load_topology(topology_path)
+    except TopologyError:
+        return status  # the file changed since up; the rows stand without a prediction
+    for row in status["workers"]:
+        try:
+            predicted = predict(topology, topology.worker(row["name"])).max_total_num_tokens
+        except UnknownNameError:
+            continue  # the router
+        row["kv_predicted_tokens"] = predicted
+        actual = row.get("kv_capacity_tokens")
+        if predicted and actual is not None and abs(actual - predicted) > CAPACITY_TOLERANCE * predicted:
+            note = (f"KV capacity {actual} tokens differs from the predicted {predicted} by "
+                    f"{abs(actual - predicted) / predicted:.0%} (over {CAPACITY_TOLERANCE:.0%})")
+            row["error"] = f"{row['error']}; {note}" if row.get("error") else note
+    return status
 
 
 def watch(interval_s: float) -> str | None:
