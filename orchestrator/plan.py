@@ -125,7 +125,7 @@ def worker_plan(topology: Any, worker: Any) -> LaunchPlan:
     if engine == "embedded":
         argv = embedded_argv(topology, worker)
     elif engine == "sglang":
-        argv = sglang_argv(topology, worker, requested_kernels(topology))
+        argv = sglang_argv(topology, worker)
     else:
         raise PlanError(f"engine {engine!r} has no launch plan; use embedded or sglang")
     role = Role(_value(worker.role))
