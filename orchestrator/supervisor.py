@@ -31,6 +31,7 @@ import httpx
 from dsv4_cluster.core import KvUsage, WorkerState, WorkerStatus
 from dsv4_cluster.orchestrator.plan import LaunchPlan
 from dsv4_cluster.orchestrator.processes import group_members, signal_group
+from dsv4_cluster.orchestrator.kernel_verify import attested_kernels
 from dsv4_cluster.orchestrator.probe import ProbeError, engine_info, first_unready
 
 PR_SET_PDEATHSIG = 1
@@ -239,6 +240,7 @@ class WorkerSupervisor:
                 kv, kernels = info.kv, info.kernels
             except (httpx.HTTPError, ProbeError, ValueError) as e:
                 error = f"/server_info probe failed: {e}"
+            kernels = kernels or attested_kernels(plan, pid)  # SGLang: its ranks attest, not /server_info
         return WorkerStatus(
             name=plan.name, role=plan.role, node=plan.node, state=state, pid=pid,
             port=plan.port, restarts=restarts, kv=kv, log_path=plan.log_path, error=error,
