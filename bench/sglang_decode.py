@@ -3,12 +3,16 @@
 Sparse decode per layer kind (window; window + ratio-4 top-512; window + ratio-128) and B, at 64 real heads
 and at TP4 (16 of 64 real): FlashMLA called as SGLang calls it vs the adapter (default backend choice, and the
 Triton kernel at 16 heads), cold-L2 median of CUDA-graph replays (`us`) and of eager calls (`us_eager`).
-Indexer + top-k on fp8 keys at B = 32 and L in {4K, 64K, 256K}: the adapters with 1M capacity, with
-capacity = L, and PyTorch scoring + torch.topk over the capacity (a stock path). The copy bandwidth is
-measured in the same run. JSON + a markdown table in bench/results/sglang_decode.*.
+Indexer + top-k on fp8 keys at B = 32 and context L in {4K, 64K, 256K} (L / 4 compressed entries per row,
+as the ratio-4 indexer sees them): the adapters with capacity for 1M context (256K entries), with capacity
+= L, and PyTorch scoring + torch.topk over the capacity (a stock path). `host_us`: host time per eager call
+(calls issued back to back without a sync; equal to the GPU time when the GPU is the slower). The copy
+bandwidth is measured in the same run. JSON + a markdown table in bench/results/sglang_decode.*.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -33,6 +37,18 @@ def _time(fn) -> tuple[float, float]:
     return bench_us(_graphed(fn)), bench_us(fn)
 
 
+def host_us(fn, calls: int = 200) -> float:
+    """Host time per eager call: `calls` calls issued back to back, then one sync (not timed)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
 def decode_rows(copy_gbs: float, batches=BATCHES) -> list[dict]:
     import flash_mla
 
@@ -47,17 +63,19 @@ def decode_rows(copy_gbs: float, batches=BATCHES) -> list[dict]:
                 impls = {"flashmla": fm,
                          "adapter": lambda: flash_mla_with_kvcache(tile_scheduler_metadata=None, real_heads=real,
                                                                    **args)}
-                if real < 64:
-                    impls["adapter_triton_h16"] = lambda: flash_mla_with_kvcache(
-                        tile_scheduler_metadata=None, real_heads=real, config=LaunchConfig(backend="triton"), **args)
+                impls[f"adapter_triton_h{real}"] = lambda: flash_mla_with_kvcache(
+                    tile_scheduler_metadata=None, real_heads=real, config=LaunchConfig(backend="triton"), **args)
+                if real < 64:  # the Gluon kernel computing the padded heads too
+                    impls["adapter_gluon_h64"] = lambda: flash_mla_with_kvcache(
+                        tile_scheduler_metadata=None, real_heads=real, config=LaunchConfig(backend="gluon"), **args)
                 base = None
                 for name, fn in impls.items():
                     us, eager = _time(fn)
                     base = us if name == "flashmla" else base
                     gbs = nbytes / (us * 1e-6) / 1e9
                     rows.append(dict(bench="decode", layer=kind, B=b, real_heads=real, impl=name, us=us,
-                                     us_eager=eager, speedup_vs_flashmla=base / us, GBps=gbs,
-                                     frac_copy=gbs / copy_gbs))
+                                     us_eager=eager, host_us=host_us(fn) if b <= 8 else None,
+                                     speedup_vs_flashmla=base / us, GBps=gbs, frac_copy=gbs / copy_gbs))
                     print(rows[-1], flush=True)
     return rows
 
@@ -83,9 +101,10 @@ def _torch_stock(c, cap):
 
 def indexer_rows(copy_gbs: float) -> list[dict]:
     rows = []
-    for length in (4096, 65536, 262144):
+    for context in (4096, 65536, 262144):
+        length = context // 4  # compressed entries (ratio 4)
         per_cap = {}
-        for cap in (1 << 20, length):
+        for cap in (1 << 18, length):  # 1M context, or exactly L
             c = indexer_case(32, [length] * 32, capacity=cap, seed=length)
             out = torch.empty(32, 512, dtype=torch.int32, device="cuda")
 
@@ -97,16 +116,16 @@ def indexer_rows(copy_gbs: float) -> list[dict]:
             us, eager = _time(step)
             per_cap[cap] = us
             gbs = 32 * length * 132 / (us * 1e-6) / 1e9
-            rows.append(dict(bench="indexer_topk", L=length, capacity=cap, impl="adapters", us=us, us_eager=eager,
-                             eager_over_graph=eager / us, GBps_keys=gbs, frac_copy=gbs / copy_gbs))
+            rows.append(dict(bench="indexer_topk", L=context, entries=length, capacity=cap, impl="adapters", us=us,
+                             us_eager=eager, host_us=host_us(step), eager_over_graph=eager / us, GBps_keys=gbs,
+                             frac_copy=gbs / copy_gbs))
             print(rows[-1], flush=True)
-        rows[-2]["cap1M_over_capL"] = per_cap[1 << 20] / per_cap[length]
-        if length <= 65536:
-            c = indexer_case(32, [length] * 32, capacity=1 << 20, seed=length)
-            us = bench_us(_torch_stock(c, 1 << 20))
-            rows.append(dict(bench="indexer_topk", L=length, capacity=1 << 20, impl="torch_score_topk", us=us,
-                             speedup_of_adapters=us / rows[-2]["us"]))
-            print(rows[-1], flush=True)
+        rows[-2]["cap1M_over_capL"] = per_cap[1 << 18] / per_cap[length]
+        c = indexer_case(32, [length] * 32, capacity=1 << 18, seed=length)
+        us = bench_us(_torch_stock(c, 1 << 18))
+        rows.append(dict(bench="indexer_topk", L=context, entries=length, capacity=1 << 18, impl="torch_score_topk",
+                         us=us, speedup_of_adapters=us / rows[-2]["us"]))
+        print(rows[-1], flush=True)
     return rows
 
 
@@ -115,20 +134,26 @@ def markdown(rows: list[dict], copy_gbs: float, device: str) -> str:
              f"Device copy in the same run: {copy_gbs:.0f} GB/s. `us`: cold-L2 median of CUDA-graph replays; "
              "`us_eager`: of eager calls. FlashMLA: sgl-flash-mla 1.0.0 called as SGLang 0.5.23 calls it "
              "(use_legacy=True, 256-token window pages). Full lists (window 128, extra 512).", "",
-             "| layer | B | real_heads | impl | us | us_eager | x FlashMLA | GB/s | of copy |", "|---|---|---|---|---|---|---|---|---|"]
+             "| layer | B | real_heads | impl | us | us_eager | host_us | x FlashMLA | GB/s | of copy |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def f(r, k, fmt):
+        return format(r[k], fmt) if r.get(k) is not None else "-"
+
     for r in rows:
         if r["bench"] == "decode":
             lines.append(f"| {r['layer']} | {r['B']} | {r['real_heads']} | {r['impl']} | {r['us']:.1f} | "
-                         f"{r['us_eager']:.1f} | {r['speedup_vs_flashmla']:.2f} | {r['GBps']:.0f} | {r['frac_copy']:.1%} |")
-    lines += ["", "Indexer + top-k (B = 32, fp8 keys, 132 B each):", "",
-              "| L | capacity | impl | us | us_eager | eager/graph | 1M/L | key GB/s | of copy | stock/ours |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+                         f"{r['us_eager']:.1f} | {f(r, 'host_us', '.1f')} | {r['speedup_vs_flashmla']:.2f} | "
+                         f"{r['GBps']:.0f} | {r['frac_copy']:.1%} |")
+    lines += ["", "Indexer + top-k (B = 32, fp8 keys, 132 B each; entries = L / 4; capacity in entries):", "",
+              "| L | entries | capacity | impl | us | us_eager | host_us | eager/graph | 1M/L | key GB/s | of copy "
+              "| stock/ours |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["bench"] == "indexer_topk":
-            f = lambda k, fmt: format(r[k], fmt) if k in r else "-"
-            lines.append(f"| {r['L']} | {r['capacity']} | {r['impl']} | {r['us']:.1f} | {f('us_eager', '.1f')} | "
-                         f"{f('eager_over_graph', '.2f')} | {f('cap1M_over_capL', '.3f')} | {f('GBps_keys', '.0f')} | "
-                         f"{f('frac_copy', '.1%')} | {f('speedup_of_adapters', '.1f')} |")
+            lines.append(f"| {r['L']} | {r['entries']} | {r['capacity']} | {r['impl']} | {r['us']:.1f} | "
+                         f"{f(r, 'us_eager', '.1f')} | {f(r, 'host_us', '.1f')} | "
+                         f"{f(r, 'eager_over_graph', '.2f')} | {f(r, 'cap1M_over_capL', '.3f')} | "
+                         f"{f(r, 'GBps_keys', '.0f')} | {f(r, 'frac_copy', '.1%')} | {f(r, 'speedup_of_adapters', '.1f')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -65,6 +65,7 @@ class WorkerStatus:
     log_path: str
     error: str | None = None
     kernels: tuple[tuple[str, str], ...] = ()  # (kernel, implementation) the engine reports
+    log_tail: str | None = None  # the log's last lines while DEGRADED, RESTARTING or FAILED
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -92,4 +93,5 @@ class WorkerStatus:
             log_path=data["log_path"],
             error=data.get("error"),
             kernels=tuple(sorted((data.get("kernels") or {}).items())),
+            log_tail=data.get("log_tail"),
         )

@@ -19,7 +19,7 @@ import torch
 
 from .. import debug
 from ..workspace import scratch
-from .errors import require
+from .errors import fail
 
 INDEX_TOPK = 512  # SGLang's DEFAULT_INDEX_TOPK: the width of the top-k the fused launch computes
 _LAST: dict[str, object] = {}  # the latest fused call: weakref to its logits, its top-k buffer
@@ -71,27 +71,31 @@ def fused_topk_for(scores: torch.Tensor, k: int) -> torch.Tensor | None:
 
 
 def _check(q, kv, weights, context_lens, block_table, max_context_len, clean_logits):
-    require(not clean_logits, "clean_logits=True would fill every row up to max_context_len with -inf "
-                              "(O(max context)); SGLang passes False, and only that is supported")
-    require(q.dim() == 4 and q.shape[1] == 1, f"q must be [rows, 1, heads, dim] (next_n = 1); got {list(q.shape)}")
-    require(q.dtype == torch.float8_e4m3fn or not q.is_cuda,
-            f"q must be float8_e4m3fn (SGLang's fp8 indexer); got {q.dtype}")
+    if clean_logits:
+        fail("clean_logits=True would fill every row up to max_context_len with -inf "
+             "(O(max context)); SGLang passes False, and only that is supported")
+    if not (q.dim() == 4 and q.shape[1] == 1):
+        fail(f"q must be [rows, 1, heads, dim] (next_n = 1); got {list(q.shape)}")
+    if not (q.dtype == torch.float8_e4m3fn or not q.is_cuda):
+        fail(f"q must be float8_e4m3fn (SGLang's fp8 indexer); got {q.dtype}")
     rows, _, heads, dim = q.shape
-    require(kv.dim() == 4 and kv.shape[2] == 1 and kv.shape[3] == dim + 4 and kv.dtype == torch.uint8,
-            f"fused_kv_cache must be uint8 [pages, page_size, 1, {dim + 4}]; got {kv.dtype} {list(kv.shape)}")
+    if not (kv.dim() == 4 and kv.shape[2] == 1 and kv.shape[3] == dim + 4 and kv.dtype == torch.uint8):
+        fail(f"fused_kv_cache must be uint8 [pages, page_size, 1, {dim + 4}]; got {kv.dtype} {list(kv.shape)}")
     pages, per_page = kv.shape[0], kv.shape[1]
-    require(kv.stride(0) == per_page * (dim + 4) and kv.stride(3) == 1,
-            f"fused_kv_cache pages must be packed ({per_page * (dim + 4)} B apart); got strides {kv.stride()}")
-    require(weights.shape == (rows, heads) and weights.dtype == torch.float32,
-            f"weights must be float32 [{rows}, {heads}]; got {weights.dtype} {list(weights.shape)}")
+    if not (kv.stride(0) == per_page * (dim + 4) and kv.stride(3) == 1):
+        fail(f"fused_kv_cache pages must be packed ({per_page * (dim + 4)} B apart); got strides {kv.stride()}")
+    if not (weights.shape == (rows, heads) and weights.dtype == torch.float32):
+        fail(f"weights must be float32 [{rows}, {heads}]; got {weights.dtype} {list(weights.shape)}")
     if context_lens.dim() == 2:
-        require(context_lens.shape[1] == 1, f"context_lens must be [rows] or [rows, 1]; got {list(context_lens.shape)}")
+        if context_lens.shape[1] != 1:
+            fail(f"context_lens must be [rows] or [rows, 1]; got {list(context_lens.shape)}")
         context_lens = context_lens[:, 0]
-    require(context_lens.shape == (rows,) and context_lens.dtype == torch.int32 and context_lens.stride(0) == 1,
-            f"context_lens must be contiguous int32 [{rows}] (or [{rows}, 1]); got {context_lens.dtype} "
-            f"{list(context_lens.shape)}")
-    require(block_table.dim() == 2 and block_table.shape[0] == rows and block_table.dtype == torch.int32,
-            f"block_table must be int32 [{rows}, max_pages]; got {block_table.dtype} {list(block_table.shape)}")
-    require(int(max_context_len) >= 0, f"max_context_len must be >= 0; got {max_context_len}")
+    if not (context_lens.shape == (rows,) and context_lens.dtype == torch.int32 and context_lens.stride(0) == 1):
+        fail(f"context_lens must be contiguous int32 [{rows}] (or [{rows}, 1]); got {context_lens.dtype} "
+             f"{list(context_lens.shape)}")
+    if not (block_table.dim() == 2 and block_table.shape[0] == rows and block_table.dtype == torch.int32):
+        fail(f"block_table must be int32 [{rows}, max_pages]; got {block_table.dtype} {list(block_table.shape)}")
+    if not (int(max_context_len) >= 0):
+        fail(f"max_context_len must be >= 0; got {max_context_len}")
     keys = torch.as_strided(kv, (pages, per_page * (dim + 4)), (kv.stride(0), 1))
     return context_lens, keys, per_page

@@ -13,7 +13,7 @@ import torch
 
 from .. import debug
 from ..workspace import scratch
-from .errors import require
+from .errors import fail
 from .indexer import fused_topk_for
 
 
@@ -51,23 +51,24 @@ def topk_transform_paged_v2(
 
 
 def _check(scores, seq_lens, page_tables, out, page_size, raw) -> None:
-    require(scores.dim() == 2 and scores.dtype == torch.float32 and scores.stride(1) == 1,
-            f"scores must be float32 [rows, width] with unit column stride; got {scores.dtype} {list(scores.shape)}")
+    if not (scores.dim() == 2 and scores.dtype == torch.float32 and scores.stride(1) == 1):
+        fail(f"scores must be float32 [rows, width] with unit column stride; got {scores.dtype} {list(scores.shape)}")
     rows = scores.shape[0]
-    require(seq_lens.shape == (rows,) and seq_lens.dtype == torch.int32,
-            f"seq_lens must be int32 [{rows}]; got {seq_lens.dtype} {list(seq_lens.shape)}")
-    require(out.dim() == 2 and out.shape[0] == rows and out.dtype == torch.int32 and out.stride(1) == 1,
-            f"out_page_indices must be int32 [{rows}, k] with unit column stride; got {out.dtype} {list(out.shape)}")
-    require(isinstance(page_size, int) and page_size >= 1 and page_size & (page_size - 1) == 0,
-            f"page_size must be a power of two; got {page_size!r}")
+    if not (seq_lens.shape == (rows,) and seq_lens.dtype == torch.int32):
+        fail(f"seq_lens must be int32 [{rows}]; got {seq_lens.dtype} {list(seq_lens.shape)}")
+    if not (out.dim() == 2 and out.shape[0] == rows and out.dtype == torch.int32 and out.stride(1) == 1):
+        fail(f"out_page_indices must be int32 [{rows}, k] with unit column stride; got {out.dtype} {list(out.shape)}")
+    if not (isinstance(page_size, int) and page_size >= 1 and page_size & (page_size - 1) == 0):
+        fail(f"page_size must be a power of two; got {page_size!r}")
     if page_tables is not None:
-        require(page_tables.dim() == 2 and page_tables.shape[0] == rows and page_tables.dtype == torch.int32
-                and page_tables.stride(1) == 1,
-                f"page_tables must be int32 [{rows}, pages]; got {page_tables.dtype} {list(page_tables.shape)}")
+        if not (page_tables.dim() == 2 and page_tables.shape[0] == rows and page_tables.dtype == torch.int32
+                and page_tables.stride(1) == 1):
+            fail(f"page_tables must be int32 [{rows}, pages]; got {page_tables.dtype} {list(page_tables.shape)}")
     if raw is not None:
-        require(raw.shape == out.shape and raw.dtype == torch.int32 and raw.stride(1) == 1,
-                f"out_raw_indices must be int32 {list(out.shape)}; got {raw.dtype} {list(raw.shape)}")
+        if not (raw.shape == out.shape and raw.dtype == torch.int32 and raw.stride(1) == 1):
+            fail(f"out_raw_indices must be int32 {list(out.shape)}; got {raw.dtype} {list(raw.shape)}")
     for name, t in (("seq_lens", seq_lens), ("page_tables", page_tables), ("out_page_indices", out),
                     ("out_raw_indices", raw)):
-        require(t is None or t.device == scores.device, f"{name} is on {getattr(t, 'device', None)}, "
-                                                        f"scores on {scores.device}")
+        if not (t is None or t.device == scores.device):
+            fail(f"{name} is on {getattr(t, 'device', None)}, "
+                 f"scores on {scores.device}")

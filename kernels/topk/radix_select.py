@@ -112,9 +112,10 @@ _CAPPED: dict[tuple, int] = {}  # capped_split's answers: the warmup it needs co
 
 def capped_split(kernel, args: tuple, kwargs: dict, batch: int, split: int, device: torch.device) -> int:
     """`split`, lowered until the (split, batch) grid of `kernel` is resident at once (CUDA only); cached per
-    kernel, device, batch, split, constexprs and argument dtypes (what the compiled resources depend on)."""
-    key = (kernel, device.index, batch, split, tuple(sorted(kwargs.items())),
-           tuple(a.dtype if isinstance(a, torch.Tensor) else type(a) for a in args))
+    kernel, device, batch, split, constexprs and the dtypes of the first three arguments (what the compiled
+    resources depend on: the callers' other tensors have fixed dtypes, int32 or float32)."""
+    key = (kernel, device.index, batch, split, tuple(kwargs.values()),
+           tuple(a.dtype if isinstance(a, torch.Tensor) else type(a) for a in args[:3]))
     if key not in _CAPPED:
         compiled = kernel.warmup(*args, grid=(split, batch), **kwargs)
         _CAPPED[key] = max(1, min(split, resident_programs(compiled, kwargs["num_warps"], device) // batch))
