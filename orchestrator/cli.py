@@ -3,6 +3,8 @@
     dsv4-cluster up FILE [--address A] [--foreground] [--timeout S]
     dsv4-cluster status [--json]
     dsv4-cluster down [--timeout S]
+    dsv4-cluster verify
+    dsv4-cluster plan FILE
 
 Exit codes: 0 success; 1 the cluster failed (to start, to answer, to stop cleanly); 2 nothing
 was started because the topology or this machine is not fit (every problem is printed).
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from typing import Any
@@ -47,7 +50,51 @@ def _parser() -> argparse.ArgumentParser:
     dn = sub.add_parser("down", help="stop the router, the workers and the Ray head up started")
     dn.add_argument("--timeout", type=float, default=down_d.timeout_s,
                     help=f"seconds between SIGTERM and SIGKILL (default {down_d.timeout_s:g})")
+    _add_verify_parser(sub)
+    _add_plan_parser(sub)
     return p
+
+
+def _add_plan_parser(sub: Any) -> None:
+    pl = sub.add_parser("plan", help="dry run: the env and command line of every server, and their KV capacity")
+    pl.add_argument("file", help="topology YAML")
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    """Starts nothing and needs no Ray: what `up FILE` would run, and the KV pools it would get."""
+    from dsv4_cluster.orchestrator.capacity import capacity_table, predict
+    from dsv4_cluster.orchestrator.plan import PlanError, cluster_plans
+
+    try:
+        topology = load_topology(args.file)
+        workers, router = cluster_plans(topology)
+    except TopologyError as e:
+        _err(f"{args.file}: {len(e.problems)} problem(s):\n{e}")
+        return EXIT_UNFIT
+    except PlanError as e:
+        _err(f"{args.file}: {e}")
+        return EXIT_UNFIT
+    for plan in [*workers, router]:
+        print(f"# {plan.name} ({plan.role.value}) on node {plan.node}, log {plan.log_path}")
+        print(shlex.join(["env", *(f"{k}={v}" for k, v in plan.env), *plan.argv]))
+    print()
+    print(capacity_table([predict(topology, w) for w in topology.workers]), flush=True)
+    return EXIT_OK
+
+
+def _add_verify_parser(sub: Any) -> None:
+    sub.add_parser("verify", help="check the running cluster: kernels attested and called on every rank, "
+                   "answers, throughput vs the last good run")
+
+
+def _cmd_verify(deployment: Any) -> int:
+    try:
+        report = deployment.verify()
+    except (NotUpError, RayClusterError) as e:
+        _err(str(e))
+        return EXIT_FAILED
+    print(report.summary(), flush=True)
+    return EXIT_OK if report.ok else EXIT_FAILED
 
 
 def _err(message: str) -> None:
@@ -131,6 +178,8 @@ def _ray_address(args: argparse.Namespace) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "plan":
+        return _cmd_plan(args)
     prepare_ray_env(_ray_address(args))
     from dsv4_cluster.orchestrator import deployment  # imports Ray: only after prepare_ray_env
 
@@ -138,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         return _cmd_up(deployment, args)
     if args.command == "status":
         return _cmd_status(deployment, args)
+    if args.command == "verify":
+        return _cmd_verify(deployment)
     return _cmd_down(deployment, DownOptions(timeout_s=args.timeout))
 
 

@@ -99,7 +99,7 @@ class ClusterController:
         if not failures:
             failures = self._start_all(list(self._spec.workers), timeout_s)
         if not failures:
-            failures = verify_kernels(self._spec.workers, self._spec.kernels)
+            failures = verify_kernels(self._spec.workers, self._spec.kernels, self._pids())
         if not failures:
             failures = self._start_all([self._spec.router], timeout_s)
         if failures:
@@ -108,6 +108,10 @@ class ClusterController:
         self._prober = DeepProber(self._spec.workers, self._spec.probe_interval_s)
         self._prober.start()
         return self.status()
+
+    def _pids(self) -> dict[str, int | None]:
+        """Each supervised process's pid (None when not running), for the kernel attestations."""
+        return {row["name"]: row.get("pid") for row in self.status()["workers"]}
 
     def status(self) -> dict[str, Any]:
         """{"endpoint": ..., "workers": [status dict per process, in start order]}."""

@@ -25,15 +25,17 @@ from dsv4_cluster.orchestrator.controller import CONTROLLER_NAME, ClusterControl
 from dsv4_cluster.orchestrator.errors import (
     AlreadyUpError, ClusterStartError, NotUpError, PreflightError, RayClusterError)
 from dsv4_cluster.orchestrator.options import DownOptions, UpOptions
-from dsv4_cluster.orchestrator.pd_check import PDCheckError, check_pd_equivalence
 from dsv4_cluster.orchestrator.plan import (
     PlanError, cluster_plans, endpoint, requested_kernels)
 from dsv4_cluster.orchestrator.processes import group_members, pid_alive
 from dsv4_cluster.orchestrator.preflight import machine_problems, preflight
 from dsv4_cluster.orchestrator.record import (
     ClusterRecord, RecordError, clear_record, read_record, write_record)
+from dsv4_cluster.orchestrator.capacity import CAPACITY_TOLERANCE, predict
 from dsv4_cluster.orchestrator.router_admin import new_admin_token, with_admin_token
-from dsv4_cluster.orchestrator.topology import load_topology
+from dsv4_cluster.orchestrator.topology import TopologyError, load_topology
+from dsv4_cluster.orchestrator.topology_errors import UnknownNameError
+from dsv4_cluster.orchestrator.verification import VerifyReport, verify_cluster
 
 CONTROLLER_CONCURRENCY = 8
 logger = logging.getLogger(__name__)
@@ -100,7 +102,7 @@ def up(topology_path: str, options: UpOptions) -> dict[str, Any]:
         except (RayTaskError, RayActorError) as e:
             cause = e.cause if isinstance(e, RayTaskError) and e.cause is not None else e
             raise ClusterStartError(str(cause)) from e
-        return {**status, "verification": _verify(topology)}
+        return {**status, "verification": _verify(topology, status)}
     except BaseException:
         if controller is not None:
             _abandon(controller)
@@ -113,15 +115,24 @@ def up(topology_path: str, options: UpOptions) -> dict[str, Any]:
         ray_cluster.disconnect()
 
 
-def _verify(topology: Any) -> str:
-    """End-to-end check once everything is READY; raises ClusterStartError on a wrong answer."""
-    if topology.engine != "embedded":
-        return ("not verified: an accuracy check for SGLang clusters is not implemented yet; "
-                "only the kernels were checked")
-    try:
-        return check_pd_equivalence(topology).summary()
-    except PDCheckError as e:
-        raise ClusterStartError(str(e)) from e
+def _pids(status: dict[str, Any]) -> dict[str, int | None]:
+    return {row["name"]: row.get("pid") for row in status["workers"]}
+
+
+def _verify(topology: Any, status: dict[str, Any]) -> str:
+    """End-to-end check once everything is READY (verification.py); raises ClusterStartError on failure."""
+    report = verify_cluster(topology, _pids(status))
+    if not report.ok:
+        raise ClusterStartError(report.summary())
+    return report.summary()
+
+
+def verify() -> VerifyReport:
+    """`dsv4-cluster verify`: the same checks against the cluster that is up now."""
+    record = _existing_cluster()
+    if record is None:
+        raise NotUpError("no cluster is up (no record of one)")
+    return verify_cluster(load_topology(record.topology_path), _pids(status()))
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
@@ -169,7 +180,8 @@ def status() -> dict[str, Any]:
     except RecordError as e:
         raise NotUpError(str(e)) from e
     try:
-        return ray.get(_controller(record).status.remote(), timeout=60)
+        return with_predicted_capacity(ray.get(_controller(record).status.remote(), timeout=60),
+                                       record.topology_path)
     except (RayActorError, GetTimeoutError) as e:
         raise NotUpError(f"the controller does not answer: {e}") from e
     except RayClusterError as e:
@@ -177,6 +189,26 @@ def status() -> dict[str, Any]:
                          "`dsv4-cluster down` to clean up") from e
     finally:
         ray_cluster.disconnect()
+
+
+def with_predicted_capacity(status: dict[str, Any], topology_path: str) -> dict[str, Any]:
+    """Each worker row gets `kv_predicted_tokens` (capacity.py), and an error line past a 5% miss."""
+    try:
+        topology = load_topology(topology_path)
+    except TopologyError:
+        return status  # the file changed since up; the rows stand without a prediction
+    for row in status["workers"]:
+        try:
+            predicted = predict(topology, topology.worker(row["name"])).max_total_num_tokens
+        except UnknownNameError:
+            continue  # the router
+        row["kv_predicted_tokens"] = predicted
+        actual = row.get("kv_capacity_tokens")
+        if predicted and actual is not None and abs(actual - predicted) > CAPACITY_TOLERANCE * predicted:
+            note = (f"KV capacity {actual} tokens differs from the predicted {predicted} by "
+                    f"{abs(actual - predicted) / predicted:.0%} (over {CAPACITY_TOLERANCE:.0%})")
+            row["error"] = f"{row['error']}; {note}" if row.get("error") else note
+    return status
 
 
 def watch(interval_s: float) -> str | None:

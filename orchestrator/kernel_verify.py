@@ -20,7 +20,8 @@ from pathlib import Path
 
 from dsv4_cluster.kernels.sglang_plugin.attestation import (
     Attestation, attestation_path, counters_path, read_json)
-from dsv4_cluster.kernels.sglang_plugin.settings import SGLANG_VERSION
+from dsv4_cluster.kernels.sglang_plugin.settings import ATTEST_DIR_ENV, KERNELS_ENV, SGLANG_VERSION
+from dsv4_cluster.orchestrator.plan import LaunchPlan
 from dsv4_cluster.orchestrator.processes import group_members
 
 Counts = dict[int, dict[str, int]]  # rank -> kernel -> calls
@@ -81,3 +82,14 @@ def counter_problems(worker: str, tp: int, requested: tuple[str, ...], before: C
                 problems.append(f"{worker}: rank {rank}: kernel {kernel} was not called during the decode steps "
                                 f"(counter {old} -> {new}); the stock kernel ran instead")
     return problems
+
+
+def attested_kernels(plan: LaunchPlan, server_pid: int | None) -> tuple[tuple[str, str], ...]:
+    """`status`'s kernels of an SGLang worker: each requested kernel as "dsv4-cluster" when every rank
+    attests it from a live process, else as "unproven"; () for a worker whose ranks do not attest."""
+    env = plan.env_dict
+    requested = tuple(k for k in env.get(KERNELS_ENV, "").split(",") if k)
+    if not requested or ATTEST_DIR_ENV not in env:
+        return ()
+    proven = not attestation_problems(plan.name, env[ATTEST_DIR_ENV], plan.tp, requested, server_pid)
+    return tuple(sorted((k, "dsv4-cluster" if proven else "unproven") for k in requested))

@@ -44,6 +44,7 @@ class LaunchPlan:
     metrics_url: str | None = None
     ports: tuple[int, ...] = field(default=())
     files: tuple[tuple[str, str], ...] = ()  # (path, text) the supervisor writes before spawning
+    tp: int = 1  # processes that serve it (SGLang: one per TP rank); each attests its kernels
 
     @property
     def env_dict(self) -> dict[str, str]:
@@ -124,7 +125,7 @@ def worker_plan(topology: Any, worker: Any) -> LaunchPlan:
     if engine == "embedded":
         argv = embedded_argv(topology, worker)
     elif engine == "sglang":
-        argv = sglang_argv(topology, worker, requested_kernels(topology))
+        argv = sglang_argv(topology, worker)
     else:
         raise PlanError(f"engine {engine!r} has no launch plan; use embedded or sglang")
     role = Role(_value(worker.role))
@@ -152,6 +153,7 @@ def worker_plan(topology: Any, worker: Any) -> LaunchPlan:
         server_info_url=f"{base}/server_info",
         metrics_url=f"{base}/metrics",
         ports=ports,
+        tp=worker.tp,
     )
 
 

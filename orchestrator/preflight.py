@@ -2,7 +2,9 @@
 
 The topology loader checks the file; this checks the machine against it: every listening port
 free, `numactl` present when a worker is pinned to a NUMA node, NIXL importable for the nixl
-transfer, SGLang installed at the pinned version for the sglang engine. Every problem is
+transfer, SGLang installed at the pinned version for the sglang engine, SGLang able to find our plugin when
+kernels are asked for, and each pinned worker's NUMA node the one its GPUs sit on (SGLang binds each TP
+child to the topology's node, see orchestrator/sglang_launch.py). Every problem is
 reported at once, like the loader's. Ports are only checked for nodes whose address is this
 machine's (a remote node's ports are its own business).
 """
@@ -17,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv4_cluster.kernels.sglang_plugin.settings import SGLANG_VERSION
-from dsv4_cluster.orchestrator.plan import LaunchPlan
+from dsv4_cluster.orchestrator.plan import LaunchPlan, requested_kernels
 from dsv4_cluster.orchestrator.ports import port_is_free
 from dsv4_cluster.workers.nixl_loader import INSTALL_HINT as NIXL_INSTALL_HINT, nixl_package
 
@@ -73,6 +75,50 @@ def hardware_problems(topology: Any) -> list[str]:
     return problems
 
 
+PLUGIN_ENTRY_POINT = "dsv4_cluster.kernels.sglang_plugin:register"
+
+
+def gpu_numa_node(index: int) -> int | None:
+    """The NUMA node sysfs gives for CUDA device `index` (None when unknown: -1, no file, no GPU)."""
+    import torch
+
+    props = torch.cuda.get_device_properties(index)
+    bus = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+    try:
+        node = int(Path(f"/sys/bus/pci/devices/{bus}/numa_node").read_text())
+    except (OSError, ValueError):
+        return None
+    return node if node >= 0 else None
+
+
+def numa_mismatches(workers: list[Any], numa_of_gpu: Any) -> list[str]:
+    """Workers whose numa_node is not their GPUs' node: SGLang would bind TP children away from the GPU."""
+    problems = []
+    for w in workers:
+        if w.numa_node is None:
+            continue
+        wrong = {g: n for g in w.gpus if (n := numa_of_gpu(g)) is not None and n != w.numa_node}
+        if wrong:
+            found = ", ".join(f"GPU {g} on node {n}" for g, n in wrong.items())
+            problems.append(f"{w.name}: numa_node {w.numa_node}, but {found} (sysfs); SGLang binds each TP child "
+                            f"to numa_node, away from its GPU — set numa_node to the GPUs' node")
+    return problems
+
+
+def sglang_problems(topology: Any) -> list[str]:
+    """The plugin SGLang must find for the kernels, and the topology's NUMA nodes against the GPUs'."""
+    problems = []
+    kernels = requested_kernels(topology)
+    plugins = {ep.value for ep in importlib.metadata.entry_points(group="sglang.srt.plugins")}
+    if kernels and PLUGIN_ENTRY_POINT not in plugins:
+        problems.append(f"kernels {', '.join(kernels)} requested but SGLang will not find the dsv4-cluster plugin "
+                        "(entry point group sglang.srt.plugins) — reinstall this project (pip install -e .)")
+    local = [w for w in topology.workers if _is_local(topology.node(w.node).address) and w.device == "cuda"]
+    if any(w.numa_node is not None for w in local) and _visible_gpus() > max(g for w in local for g in w.gpus):
+        problems += numa_mismatches(local, gpu_numa_node)
+    return problems
+
+
 def machine_problems(topology: Any) -> list[str]:
     problems = hardware_problems(topology)
     pinned = [w.name for w in topology.workers if w.numa_node is not None]
@@ -92,6 +138,7 @@ def machine_problems(topology: Any) -> list[str]:
             if found != SGLANG_VERSION:
                 problems.append(f"engine is sglang: found SGLang {found}, the launch flags are "
                                 f"checked against {SGLANG_VERSION} — pip install sglang=={SGLANG_VERSION}")
+        problems += sglang_problems(topology)
     return problems
 
 

@@ -25,6 +25,7 @@ PROBE_REQUESTS = 4
 PROBE_TOKENS = 64
 DROP_WARN = 0.5  # warn when throughput falls below half the last good run
 LAST_GOOD = "last-good-throughput.json"
+NO_THINKING = {"thinking": False}  # DeepSeek's chat template: answer directly, no reasoning preamble
 _INT = re.compile(r"-?\d[\d,]*")
 
 
@@ -48,10 +49,11 @@ def first_integer(text: str) -> int | None:
     return int(match.group().replace(",", "")) if match else None
 
 
-def _chat(client: httpx.Client, base: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+def _chat(client: httpx.Client, base: str, model: str, prompt: str, max_tokens: int,
+          **extra: Any) -> dict[str, Any]:
     r = client.post(f"{base}/chat/completions", json={
         "model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-        "temperature": 0})
+        "temperature": 0, **extra})
     r.raise_for_status()
     return r.json()
 
@@ -62,7 +64,8 @@ def check_answers(base: str, model: str, timeout_s: float = 120.0) -> AnswerRepo
     with httpx.Client(timeout=timeout_s) as client:
         for prompt, answer in ANSWERS:
             try:
-                reply = _chat(client, base, model, prompt, MAX_TOKENS)["choices"][0]["message"].get("content") or ""
+                body = _chat(client, base, model, prompt, MAX_TOKENS, chat_template_kwargs=NO_THINKING)
+                reply = body["choices"][0]["message"].get("content") or ""
             except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
                 misses.append(f"{prompt!r}: request failed: {e}")
                 continue

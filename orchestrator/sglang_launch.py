@@ -58,9 +58,8 @@ def numa_node_list(worker: Any) -> list[str]:
     return [str(worker.numa_node)] * (max(worker.gpus) + 1)
 
 
-def sglang_argv(topology: Any, worker: Any, kernels: tuple[str, ...]) -> list[str]:
-    """SGLang 0.5.23 `launch_server` argv; every flag checked by its own parser in tests."""
-    del kernels  # the plugin takes them from the environment; the argv is SGLang's own
+def sglang_argv(topology: Any, worker: Any) -> list[str]:
+    """SGLang 0.5.23 `launch_server` argv (the kernels travel in the env); parsed by SGLang in tests."""
     role = _value(worker.role)
     argv = [
         sys.executable, "-m", "sglang.launch_server",

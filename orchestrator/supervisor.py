@@ -39,6 +39,7 @@ from dsv4_cluster.core import KvUsage, Role, WorkerState, WorkerStatus
 from dsv4_cluster.orchestrator.plan import LaunchPlan
 from dsv4_cluster.orchestrator.policy import CrashWindow, HealthPolicy, RestartPolicy
 from dsv4_cluster.orchestrator.processes import group_members, signal_group
+from dsv4_cluster.orchestrator.kernel_verify import attested_kernels
 from dsv4_cluster.orchestrator.probe import ProbeError, engine_info, first_unready
 from dsv4_cluster.orchestrator.router_admin import RouterAdmin, RouterAdminError, RouterLink
 
@@ -311,6 +312,7 @@ class WorkerSupervisor:
                 kv, kernels = info.kv, info.kernels
             except (httpx.HTTPError, ProbeError, ValueError) as e:
                 error = f"/server_info probe failed: {e}"
+            kernels = kernels or attested_kernels(plan, pid)  # SGLang: its ranks attest, not /server_info
         troubled = state in (WorkerState.DEGRADED, WorkerState.RESTARTING, WorkerState.FAILED)
         return WorkerStatus(
             name=plan.name, role=plan.role, node=plan.node, state=state, pid=pid,

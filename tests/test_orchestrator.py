@@ -82,6 +82,11 @@ def test_up_status_chat_down(tmp_path: Path) -> None:
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["completion_tokens"] == 4
 
+        assert "verified: " in up.stdout and " tok/s" in up.stdout  # up ran verify, throughput probe included
+        verify = _run(tmp_path, "verify")  # on demand: PD equivalence again, and vs up's stored throughput
+        assert verify.returncode == 0 and verify.stdout.startswith("verified: "), verify.stdout + verify.stderr
+        assert json.loads((topo.parent / "run" / "last-good-throughput.json").read_text())["tokens_per_s"] > 0
+
         os.kill(rows["decode-0"]["pid"], signal.SIGKILL)  # a crash: the supervisor restarts it
         end = time.monotonic() + 90
         while time.monotonic() < end:

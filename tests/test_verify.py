@@ -124,3 +124,38 @@ def test_throughput_drop_is_flagged_against_the_last_good_run(tmp_path: Path) ->
     store_last_good(tmp_path, 100.0)
     assert compare_with_last_good(tmp_path, 60.0) is None
     assert "40% of the last good run (100.0 tok/s" in compare_with_last_good(tmp_path, 40.0)
+
+
+def test_verify_kernels_of_the_production_plan_reads_every_ranks_attestation(tmp_path: Path, server_group) -> None:
+    """What `up` and `verify` call: SGLang workers are judged by their ranks' attestations (tp 4 each)."""
+    from dsv4_cluster.orchestrator.plan import cluster_plans, requested_kernels
+    from dsv4_cluster.orchestrator.topology import load_topology
+    from dsv4_cluster.orchestrator.verification import verify_kernels
+
+    topo = load_topology(Path(__file__).resolve().parents[1] / "topology.yaml")
+    topo.cluster.run_dir = str(tmp_path)
+    workers, _ = cluster_plans(topo)
+    leader, pids = server_group
+    for plan in workers:
+        for rank in range(4):
+            if (plan.name, rank) != ("decode-0", 3):
+                _attest(tmp_path / "attest" / plan.name, rank, pids[rank % len(pids)])
+    problems = verify_kernels(tuple(workers), requested_kernels(topo), {"prefill-0": leader, "decode-0": leader})
+    assert len(problems) == 1 and problems[0].startswith("decode-0: rank 3 wrote no attestation")
+    assert "sparse_mla_decode, indexer, topk are not proven there" in problems[0]
+
+
+def test_status_reports_sglang_kernels_only_when_every_rank_attests(tmp_path: Path, server_group) -> None:
+    from dsv4_cluster.orchestrator.kernel_verify import attested_kernels
+    from dsv4_cluster.orchestrator.plan import cluster_plans
+    from dsv4_cluster.orchestrator.topology import load_topology
+
+    topo = load_topology(Path(__file__).resolve().parents[1] / "topology.yaml")
+    topo.cluster.run_dir = str(tmp_path)
+    (_, decode), _ = cluster_plans(topo)
+    leader, pids = server_group
+    for rank in range(3):
+        _attest(tmp_path / "attest" / "decode-0", rank, pids[rank])
+    assert dict(attested_kernels(decode, leader)) == dict.fromkeys(KERNELS, "unproven")  # rank 3 missing
+    _attest(tmp_path / "attest" / "decode-0", 3, pids[0])
+    assert dict(attested_kernels(decode, leader)) == dict.fromkeys(KERNELS, "dsv4-cluster")

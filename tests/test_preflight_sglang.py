@@ -1,0 +1,36 @@
+"""Preflight for the SGLang engine on this machine: the real problems, and the NUMA agreement rule."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dsv4_cluster.orchestrator.cli import main
+from dsv4_cluster.orchestrator.record import HOME_ENV
+from dsv4_cluster.orchestrator.preflight import numa_mismatches, sglang_problems
+from dsv4_cluster.orchestrator.topology import load_topology
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_numa_node_must_be_the_gpus_node() -> None:
+    topo = load_topology(REPO / "topology.yaml")  # prefill on GPUs 0-3 / node 0, decode on 4-7 / node 1
+    sysfs = {0: 0, 1: 0, 2: 0, 3: 0, 4: 1, 5: 1, 6: 0, 7: 1}.get
+    assert numa_mismatches(topo.workers, sysfs) == [
+        "decode-0: numa_node 1, but GPU 6 on node 0 (sysfs); SGLang binds each TP child to numa_node, away from "
+        "its GPU — set numa_node to the GPUs' node"]
+    assert numa_mismatches(topo.workers, {}.get) == []  # sysfs without a node (-1 or missing): nothing to compare
+
+
+def test_the_plugin_is_installed_where_sglang_looks() -> None:
+    assert sglang_problems(load_topology(REPO / "topology.yaml")) == []
+
+
+def test_up_production_topology_stops_at_preflight_with_this_machines_problems(capsys, monkeypatch,
+                                                                              tmp_path: Path) -> None:
+    """No 'not implemented': planning passes; what stops it is what this CPU machine lacks."""
+    monkeypatch.setenv(HOME_ENV, str(tmp_path))  # no other cluster's record in the way
+    assert main(["up", str(REPO / "topology.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot start on this machine; nothing was started" in err
+    assert "wants GPUs [0, 1, 2, 3] but this machine shows 0 CUDA device(s)" in err
+    assert "not implemented" not in err
