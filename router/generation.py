@@ -161,7 +161,8 @@ class Flight:
             if prefill.ok:
                 content = logprobs.merge_body(prefill.content, content)
         self.status = decode.status
-        await send_response(self.send, decode.status, content, decode.content_type or "application/json")
+        retry = {"Retry-After": "1"} if decode.status == 503 else None  # a worker out of capacity
+        await send_response(self.send, decode.status, content, decode.content_type or "application/json", retry)
 
 
 def is_generation(scope: Scope) -> bool:
