@@ -77,6 +77,7 @@ class Stats:
     def __init__(self) -> None:
         self.generations = 0
         self.paired = 0
+        self.token_usage = 0.0  # what `/metrics` reports as `sglang:token_usage`
 
 
 class StubProtocol(asyncio.Protocol):
@@ -145,6 +146,9 @@ class StubProtocol(asyncio.Protocol):
             return _json_response({})
         if path == b"/abort_request":
             return _json_response({})
+        if path == b"/metrics":
+            text = b'sglang:token_usage{model_name="stub",engine_type="%s"} %.2f\n' % (self.role.encode(), self.stats.token_usage)
+            return b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n\r\n%s" % (len(text), text)
         if path == b"/stats":
             return _json_response({"generations": self.stats.generations, "paired": self.stats.paired})
         if path in (b"/model_info", b"/get_model_info"):

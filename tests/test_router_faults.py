@@ -4,6 +4,7 @@ on purpose (`bench/router_stubs.py`: real sockets; the counts are what each stub
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -95,3 +96,23 @@ def test_the_circuit_breaker_takes_a_refusing_worker_out() -> None:
                 "after two refusals the breaker keeps requests away from it"
             assert good.stats.generations == 6
             assert httpx.get(router.url + "/health").json()["decode"] == ["decode-1"]
+
+
+def test_least_load_avoids_the_worker_whose_kv_is_full() -> None:
+    token = "admin-token-0123456789"
+    with stub("prefill") as p, stub("decode") as busy, stub("decode") as idle:
+        busy.stats.token_usage = 0.9  # what its /metrics reports as sglang:token_usage
+        settings = router_settings(p.url, busy.url, idle.url, decode_policy="least_load", admin_token=token,
+                                   health_check_interval_s=0.1)
+        with UvicornThread(build_app(settings)) as router:
+            def usage() -> float:
+                workers = httpx.get(router.url + "/admin/workers", headers={"Authorization": f"Bearer {token}"}).json()
+                return next(w["token_usage"] for w in workers["workers"] if w["name"] == "decode-0")
+
+            deadline = time.monotonic() + WAIT_S
+            while usage() != 0.9 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert usage() == 0.9, "the health checks read the worker's reported KV usage"
+            for _ in range(4):
+                assert post(router.url, stream=False)[0] == 200
+            assert (busy.stats.generations, idle.stats.generations) == (0, 4), "least_load avoids the loaded decode"
