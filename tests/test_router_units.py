@@ -1,4 +1,4 @@
-"""Pairing policies on their own: which worker each picks among the eligible ones."""
+"""Router parts on their own: the pairing policies, and migration's reading of a stream's progress."""
 
 from __future__ import annotations
 
@@ -39,3 +39,14 @@ def test_random_spreads_over_all() -> None:
     pool, chooser = workers(0, 0, 9), Chooser("random", seed=2)
     picks = Counter(chooser.choose(pool).name for _ in range(300))
     assert set(picks) == {"decode-0", "decode-1", "decode-2"}
+
+
+def test_migration_progress_folds_long_streams_the_same_as_whole() -> None:
+    from dsv4_cluster.router.migration import progress
+
+    events = [b'data: {"choices": [{"delta": {"content": "t%d "}}]}\n\n' % i for i in range(600)]
+    whole = progress("/v1/chat/completions", events)
+    folded = ("", [], 0)
+    for at in range(0, 600, 256):
+        folded = progress("/v1/chat/completions", events[at:at + 256], folded)
+    assert folded == whole and whole[2] == 600 and whole[0].startswith("t0 t1 ")
