@@ -223,7 +223,7 @@ def test_cli_serves_the_settings_file(cluster: Cluster, tmp_path) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "dsv4_cluster.router", "--config", str(path),
                              "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60  # a loaded machine imports slowly
         while True:
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:

@@ -11,6 +11,7 @@ import pytest
 
 from dsv4_cluster.bench.router_stubs import StubThread
 from dsv4_cluster.router.app import build_app
+from dsv4_cluster.router.settings import RouterSettings
 from dsv4_cluster.tests.router_fakes import MESSAGES, WAIT_S, router_settings
 from dsv4_cluster.tests.servers import UvicornThread, bound_socket
 
@@ -27,6 +28,9 @@ def post(url: str, stream: bool) -> tuple[int, list[str] | dict]:
         resp = httpx.post(url + "/v1/chat/completions", json=body, timeout=WAIT_S)
         return resp.status_code, resp.json()
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=WAIT_S) as resp:
+        if not resp.headers["content-type"].startswith("text/event-stream"):
+            resp.read()
+            return resp.status_code, resp.json()
         return resp.status_code, [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
 
 
@@ -116,3 +120,24 @@ def test_least_load_avoids_the_worker_whose_kv_is_full() -> None:
             for _ in range(4):
                 assert post(router.url, stream=False)[0] == 200
             assert (busy.stats.generations, idle.stats.generations) == (0, 4), "least_load avoids the loaded decode"
+
+
+def test_a_prefill_failing_after_the_decodes_headers_is_retried_before_the_first_event() -> None:
+    """SGLang's decode sends its 200 at once and its events once the KV arrived: a retryable failure of the prefill
+    in between reaches the client as nothing at all, the request moves to a fresh pair."""
+    with stub("prefill", "close") as dying, stub("prefill") as good, stub("decode", "headers_first") as d:
+        raw = router_settings(dying.url, d.url, breaker_failures=100).model_dump()
+        raw["prefill"].append({"name": "prefill-1", "url": good.url, "bootstrap_host": "127.0.0.1",
+                               "bootstrap_port": 8999})
+        settings = RouterSettings.model_validate(raw)
+        with UvicornThread(build_app(settings)) as router:
+            status, data = post(router.url, stream=True)
+            assert status == 200 and content(data) == TOKENS and data[-1] == "[DONE]"
+            assert (dying.stats.generations, good.stats.generations, d.stats.generations) == (1, 1, 2)
+            assert metric(router.url, "dsv4_router_retries_total") == 1
+        settings = settings.model_copy(update={"prefill": settings.prefill[:1], "max_retries": 1})
+        with UvicornThread(build_app(settings)) as router:
+            status, data = post(router.url, stream=True)
+            assert status == 502, "nothing was streamed yet: a plain error response, not a 200 with an error event"
+            assert "prefill worker 'prefill-0'" in data["error"]["message"]
+            assert (dying.stats.generations, d.stats.generations) == (3, 4), "two requests, the second retried once"
