@@ -7,7 +7,7 @@ router in turn starts it in front of the stubs, checks one streamed chat complet
 tokens, `[DONE]`; for PD routers the stubs must have seen both legs with bootstrap fields), and drives it
 with `wrk` (streamed `POST /v1/chat/completions`) at each concurrency: req/s, p50, p99, errors. "direct"
 sends the same load straight to the stub decode: the floor. Ratios are against the Rust router of the
-same run. Writes `router.json` and `router.md` to `--out`; records the machine's load average, because
+same run. Each measurement starts `SETTLE_S` after the previous load ended. Writes `router.json` and `router.md` to `--out`; records the machine's load average, because
 on a shared machine the absolute numbers move from run to run.
 """
 
@@ -34,6 +34,10 @@ from dsv4_cluster.orchestrator.ports import free_ports
 MODEL = "stub"
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 8}
 ROUTERS = ("direct", "ours", "rust", "mini_lb")
+# Pause before each measurement, for every router alike: the previous wrk closed its connections with requests
+# in flight, and the aborts and closes that follow (router, stubs, kernel) gave our router p99s over 1 s when
+# the next wrk started at once (seen here: 1.0 s without the pause, 0.21 s with it, same run otherwise).
+SETTLE_S = 2.0
 LABELS = {"direct": "direct to the stub decode (floor)", "ours": "ours (dsv4_cluster.router)",
           "rust": "SGLang Rust router (sglang-router, PD mode)", "mini_lb": "SGLang Python mini_lb"}
 
@@ -137,6 +141,7 @@ def measure(name: str, url: str, args: argparse.Namespace, script: Path, stubs: 
     rows = []
     run_wrk(url, max(args.concurrency), 1.0, script)  # warm-up: connections, caches
     for c in args.concurrency:
+        time.sleep(SETTLE_S)
         rps, p50, p99, n, errors = run_wrk(url, c, args.duration, script)
         rows.append(Row(name, c, round(rps, 1), round(p50, 3), round(p99, 3), n, errors))
         print(f"{name:8s} c={c:3d}: {rps:9.1f} req/s  p50 {p50:8.3f} ms  p99 {p99:8.3f} ms  errors {errors}",

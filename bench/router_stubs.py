@@ -12,7 +12,8 @@ fields, so the benchmark can check that a router really paired every request.
 request and closes the connection without a byte of answer (a worker dying before it answered);
 `close_reused` answers the first request of each connection and closes on the second without answering
 (a keep-alive connection closed just as a request went out on it); `break` sends the status line and two
-events, then closes (a decode dying mid-stream); `reject` answers 400. `StubThread` serves one in a thread.
+events, then closes (a decode dying mid-stream); `reject` answers 400; `headers_first` sends a stream's status
+line at once and its events 0.3 s later (as SGLang's decode does while it waits for the KV). `StubThread` serves one in a thread.
 """
 
 from __future__ import annotations
@@ -70,13 +71,15 @@ BROKEN_STREAM = DECODE_STREAM[:DECODE_STREAM.index(b"\r\n\r\n") + 4] + b"".join(
     _chunk(_event(_choice({"role": "assistant", "content": f"t{i} "}, None))) for i in range(2))
 REJECT = _json_response({"error": {"message": "bad field", "type": "invalid_request_error", "code": 400}},
                         b"400 Bad Request")
-FAULTS = ("close", "close_reused", "break", "reject")
+FAULTS = ("close", "close_reused", "break", "reject", "headers_first")
+STREAM_HEAD_END = DECODE_STREAM.index(b"\r\n\r\n") + 4
 
 
 class Stats:
     def __init__(self) -> None:
         self.generations = 0
         self.paired = 0
+        self.token_usage = 0.0  # what `/metrics` reports as `sglang:token_usage`
 
 
 class StubProtocol(asyncio.Protocol):
@@ -131,7 +134,15 @@ class StubProtocol(asyncio.Protocol):
         if self.fault == "reject":
             self.stats.generations += 1
             return REJECT, False
+        if self.fault == "headers_first" and b'"stream":true' in body.replace(b" ", b""):
+            self.stats.generations += 1
+            asyncio.get_running_loop().call_later(0.3, self._write_rest)
+            return DECODE_STREAM[:STREAM_HEAD_END], False
         return self.answer(b"POST", GENERATION_PATHS[0], body), False
+
+    def _write_rest(self) -> None:
+        if not self.transport.is_closing():
+            self.transport.write(DECODE_STREAM[STREAM_HEAD_END:])
 
     def answer(self, method: bytes, path: bytes, body: bytes) -> bytes:
         if method == b"POST" and path in GENERATION_PATHS:
@@ -145,6 +156,9 @@ class StubProtocol(asyncio.Protocol):
             return _json_response({})
         if path == b"/abort_request":
             return _json_response({})
+        if path == b"/metrics":
+            text = b'sglang:token_usage{model_name="stub",engine_type="%s"} %.2f\n' % (self.role.encode(), self.stats.token_usage)
+            return b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n\r\n%s" % (len(text), text)
         if path == b"/stats":
             return _json_response({"generations": self.stats.generations, "paired": self.stats.paired})
         if path in (b"/model_info", b"/get_model_info"):

@@ -11,6 +11,9 @@ Lifecycle of one request (a `Flight`):
   3. Both legs at once (`attempt.py`). A connection-level failure before D's status line arrived (refused,
      reset, closed: the worker cannot have started) aborts both legs by rid and tries a fresh pair, at most
      `max_retries` times; nothing is retried once a byte went to the client, or on any status a worker sent.
+     For a stream, the first byte is its first event: D's 200 may come before P finished (SGLang sends
+     its headers at once), so a retryable failure of P, or a D that breaks before its first event, is retried
+     the same way, and a failure before the first event gets a plain error response, not a 200.
   4. Not streaming: D's status and body (P's error if P failed first). Streaming: `relay.py`.
   5. The client leaves at any point: both legs are aborted; nothing is sent.
 """
@@ -65,6 +68,7 @@ class Flight:
         self.body: dict[str, Any] = {}
         self.gone = False
         self.status = 0
+        self.retries = 0  # fresh pairs tried so far, across the whole request
         self._last_sent: float | None = None
 
     def token_sent(self) -> None:
@@ -86,11 +90,18 @@ class Flight:
         while (await self.receive())["type"] != "http.disconnect":
             continue
 
+    def may_retry(self, error: RouterError) -> bool:
+        """Whether a failure before the first byte is tried again on a fresh pair (and count it if so)."""
+        if not error.retryable or self.retries >= self.state.settings.max_retries or self.gone:
+            return False
+        self.retries += 1
+        self.state.metrics.retries.inc()
+        return True
+
     async def start(self, body: dict[str, Any], avoid: set[Worker] | None = None) -> Attempt:
         """An attempt whose D answered with a status line; retries connection failures on fresh pairs.
         Workers in `avoid` are taken only when no other is eligible."""
         avoid = set(avoid or ())
-        retries = 0
         while True:
             pair = self.state.pool.pick(frozenset(avoid))
             self.attempt = attempt = Attempt(self.state, pair_request(self.path, body, pair))
@@ -102,10 +113,8 @@ class Flight:
             except RouterError as exc:
                 pair.release()
                 self.state.metrics.pair_failures.inc()
-                if not exc.retryable or retries >= self.state.settings.max_retries or self.gone:
+                if not self.may_retry(exc):
                     raise
-                retries += 1
-                self.state.metrics.retries.inc()
                 avoid |= {pair.prefill, pair.decode}
             except BaseException:
                 pair.release()
@@ -122,7 +131,6 @@ class Flight:
             attempt = await self.start(self.body)
             try:
                 if stream and attempt.decode.ok and attempt.decode.content_type.startswith("text/event-stream"):
-                    self.status = 200
                     await relay(self, attempt)
                 else:
                     await self.answer(attempt)
@@ -161,7 +169,8 @@ class Flight:
             if prefill.ok:
                 content = logprobs.merge_body(prefill.content, content)
         self.status = decode.status
-        await send_response(self.send, decode.status, content, decode.content_type or "application/json")
+        retry = {"Retry-After": "1"} if decode.status == 503 else None  # a worker out of capacity
+        await send_response(self.send, decode.status, content, decode.content_type or "application/json", retry)
 
 
 def is_generation(scope: Scope) -> bool:

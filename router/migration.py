@@ -12,7 +12,8 @@ interrupted by a decode's death equals the uninterrupted one (NVIDIA Dynamo's `-
   as content-bearing events, one token each as SGLang and the embedded engine stream them); the final
   usage counts move those tokens from prompt back to completion, so usage stays right.
 - At most `migration_limit` times per request; requests with several choices or prompts (n > 1, batches)
-  are not migrated. Events are kept raw while the stream runs and parsed only when a migration happens.
+  are not migrated. Events are kept raw while the stream runs and parsed when a migration happens, or
+  every `FOLD_AT` events (so a long stream holds a bounded number of them).
 """
 
 from __future__ import annotations
@@ -57,9 +58,13 @@ def _data(event: bytes) -> Any:
         return None
 
 
-def progress(path: str, events: list[bytes]) -> tuple[str, list[int], int]:
-    """What the client already has: its text, output ids (`/generate`), and how many tokens."""
-    text, ids, tokens = "", [], 0
+Progress = tuple[str, list[int], int]
+FOLD_AT = 256  # events kept raw before they are folded into the progress so far (bounds memory per stream)
+
+
+def progress(path: str, events: list[bytes], start: Progress = ("", [], 0)) -> Progress:
+    """What the client already has, after `start`: its text, output ids (`/generate`), and how many tokens."""
+    text, ids, tokens = start
     for event in events:
         data = _data(event)
         if not isinstance(data, dict):
@@ -141,6 +146,7 @@ class Migration:
         self.left = flight.state.settings.migration_limit
         self.keep = self.left > 0 and migratable(flight.path, flight.body)
         self.sent: list[bytes] = []
+        self._folded: Progress = ("", [], 0)
         self._rewrite: Callable[[bytes], bytes] | None = None
 
     def outgoing(self, events: list[bytes]) -> bytes:
@@ -149,6 +155,8 @@ class Migration:
             events = [self._rewrite(e) for e in events]
         if self.keep:
             self.sent.extend(events)
+            if len(self.sent) >= FOLD_AT:
+                self._folded, self.sent = progress(self.flight.path, self.sent, self._folded), []
         return b"".join(events)
 
     async def next_attempt(self) -> bool:
@@ -156,7 +164,7 @@ class Migration:
         if not self.keep or self.left <= 0 or self.flight.gone:
             return False
         path = self.flight.path
-        text, ids, tokens = progress(path, self.sent)
+        text, ids, tokens = progress(path, self.sent, self._folded)
         body = continuation(path, self.flight.body, text, ids, tokens)
         if body is None:
             return False

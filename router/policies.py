@@ -39,6 +39,6 @@ class Chooser:
         if self.policy == "power_of_two":
             a, b = self._rng.sample(eligible, 2)
             return a if a.load <= b.load else b
-        start = next(self._turn) % len(eligible)
-        rotated = [*eligible[start:], *eligible[:start]]
-        return min(rotated, key=lambda w: w.load)
+        best = min(w.load for w in eligible)
+        tied = [w for w in eligible if w.load == best]
+        return tied[next(self._turn) % len(tied)]

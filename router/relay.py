@@ -1,6 +1,8 @@
 """One streaming answer: D's SSE events relayed to the client as they arrive, on event boundaries.
 
-  1. The client gets D's status and headers, then D's complete events, batched per chunk read.
+  1. The client gets a 200 and D's complete events, batched per chunk read, from D's first event on. Until
+     then nothing was sent: a retryable failure (P's, or D breaking) moves the request to a fresh pair
+     (`Flight.may_retry`), any other failure answers with its status and error body.
   2. D's `[DONE]` (or an error event D streamed, then its end) ends the stream; an error event aborts P.
   3. D's stream breaks or ends without `[DONE]` (the decode died): with migrations left
      (`migration_limit`), `migration.py` continues the stream on a fresh pair from the tokens already sent;
@@ -31,6 +33,15 @@ class StreamBroke(Exception):
     def __init__(self, error: RouterError) -> None:
         super().__init__(error.message)
         self.error = error
+
+
+def _error_of(exc: BaseException) -> RouterError | None:
+    """The RouterError a relay failure carries; None when the client left."""
+    if isinstance(exc, StreamBroke):
+        return exc.error
+    if isinstance(exc, Interrupted):
+        return exc.reason if isinstance(exc.reason, RouterError) else None
+    return exc if isinstance(exc, RouterError) else None
 
 
 async def pump(flight: Flight, attempt: Attempt, migration: Migration) -> None:
@@ -69,36 +80,40 @@ async def pump(flight: Flight, attempt: Attempt, migration: Migration) -> None:
                     attempt.abort_prefill()
                 done = done or sse.is_done(event)
         if out or done:
+            if flight.status == 0:
+                flight.status = 200
+                await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
             flight.token_sent()
             await send({"type": "http.response.body", "body": out, "more_body": not done})
 
 
 async def relay(flight: Flight, attempt: Attempt) -> None:
     """Steps 1-5 above; the pair of each attempt is released by its owner."""
-    send = flight.send
-    await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
     migration = Migration(flight, attempt)
     while True:
         try:
             await pump(flight, migration.attempt, migration)
             migration.attempt.finish()
             return
-        except StreamBroke as broke:
+        except (StreamBroke, Interrupted, RouterError) as exc:
             migration.attempt.abort_both()
-            if not await migration.next_attempt():
-                await send({"type": "http.response.body", "body": sse.error_event(broke.error.body()) + sse.DONE,
-                            "more_body": True})
-                break
-        except Interrupted as exc:
-            migration.attempt.abort_both()
-            if not isinstance(exc.reason, RouterError):
+            error = _error_of(exc)
+            if error is None:
                 raise  # the client left
-            await send({"type": "http.response.body", "body": sse.error_event(exc.reason.body()) + sse.DONE,
-                        "more_body": True})
-            break
-        except RouterError as error:
-            migration.attempt.abort_both()
-            await send({"type": "http.response.body", "body": sse.error_event(error.body()) + sse.DONE,
-                        "more_body": True})
-            break
-    await send({"type": "http.response.body", "body": b"", "more_body": False})
+            if flight.status == 0:  # nothing sent yet
+                if error.retryable or isinstance(exc, StreamBroke):
+                    error.retryable = True
+                    if flight.may_retry(error):
+                        migration.attempt.req.pair.release()
+                        attempt = await flight.start(flight.body, avoid={migration.attempt.req.pair.decode})
+                        migration.attempt = attempt
+                        if not attempt.decode.ok or not attempt.decode.content_type.startswith("text/event-stream"):
+                            await flight.answer(attempt)  # D's error status and body, as for any first attempt
+                            return
+                        continue
+                raise error from None
+            if isinstance(exc, StreamBroke) and await migration.next_attempt():
+                continue
+            await flight.send({"type": "http.response.body", "body": sse.error_event(error.body()) + sse.DONE,
+                               "more_body": False})
+            return

@@ -8,7 +8,7 @@ tell it how a leg ended.
 from __future__ import annotations
 
 import json
-from typing import Any, AsyncIterator
+from typing import Any
 
 DONE = b"data: [DONE]\n\n"
 
@@ -19,7 +19,8 @@ def error_event(body: dict[str, Any]) -> bytes:
 
 
 class Framer:
-    """Cuts a byte stream into complete events (each ending in a blank line), chunk by chunk."""
+    """Cuts a byte stream into complete events (each ending in a blank line), chunk by chunk. A partial event
+    left when the stream breaks is never relayed: the client's stream ends on an event boundary."""
 
     def __init__(self) -> None:
         self._buffer = b""
@@ -36,27 +37,6 @@ class Framer:
             start = end + 2
         self._buffer = buffer[start:]
         return out
-
-    def rest(self) -> bytes:
-        """What is left without its blank line (the server closed mid-event)."""
-        rest, self._buffer = self._buffer, b""
-        return rest if rest.strip() else b""
-
-
-async def events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """Re-frame a byte stream into complete events, each ending in a blank line.
-
-    A trailing event without its blank line (the server closed mid-event) is yielded as it is.
-    """
-    buffer = b""
-    async for chunk in chunks:
-        buffer = (buffer + chunk).replace(b"\r\n", b"\n")
-        while (end := buffer.find(b"\n\n")) >= 0:
-            event, buffer = buffer[: end + 2], buffer[end + 2 :]
-            if event.strip():
-                yield event
-    if buffer.strip():
-        yield buffer
 
 
 def data_of(event: bytes) -> str:

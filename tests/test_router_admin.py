@@ -140,7 +140,10 @@ def test_failing_health_checks_take_a_worker_out_and_back(pools: Pools) -> None:
     for _ in range(3):
         assert chat(pools.url).status_code == 200
     assert pools.decode_hits() == [0, 3]
-    pools.decodes[0].mode = "ok"
+    pools.decodes[1].mode = "unhealthy"
+    assert wait_for(lambda: httpx.get(pools.url + "/health").status_code == 503), "no healthy decode: 503"
+    assert chat(pools.url).status_code == 503
+    pools.decodes[0].mode = pools.decodes[1].mode = "ok"
     assert wait_for(lambda: pools.entry("decode-0")["healthy"])
     pools.reset()
     for _ in range(4):

@@ -4,12 +4,14 @@ on purpose (`bench/router_stubs.py`: real sockets; the counts are what each stub
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
 
 from dsv4_cluster.bench.router_stubs import StubThread
 from dsv4_cluster.router.app import build_app
+from dsv4_cluster.router.settings import RouterSettings
 from dsv4_cluster.tests.router_fakes import MESSAGES, WAIT_S, router_settings
 from dsv4_cluster.tests.servers import UvicornThread, bound_socket
 
@@ -26,6 +28,9 @@ def post(url: str, stream: bool) -> tuple[int, list[str] | dict]:
         resp = httpx.post(url + "/v1/chat/completions", json=body, timeout=WAIT_S)
         return resp.status_code, resp.json()
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=WAIT_S) as resp:
+        if not resp.headers["content-type"].startswith("text/event-stream"):
+            resp.read()
+            return resp.status_code, resp.json()
         return resp.status_code, [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
 
 
@@ -95,3 +100,44 @@ def test_the_circuit_breaker_takes_a_refusing_worker_out() -> None:
                 "after two refusals the breaker keeps requests away from it"
             assert good.stats.generations == 6
             assert httpx.get(router.url + "/health").json()["decode"] == ["decode-1"]
+
+
+def test_least_load_avoids_the_worker_whose_kv_is_full() -> None:
+    token = "admin-token-0123456789"
+    with stub("prefill") as p, stub("decode") as busy, stub("decode") as idle:
+        busy.stats.token_usage = 0.9  # what its /metrics reports as sglang:token_usage
+        settings = router_settings(p.url, busy.url, idle.url, decode_policy="least_load", admin_token=token,
+                                   health_check_interval_s=0.1)
+        with UvicornThread(build_app(settings)) as router:
+            def usage() -> float:
+                workers = httpx.get(router.url + "/admin/workers", headers={"Authorization": f"Bearer {token}"}).json()
+                return next(w["token_usage"] for w in workers["workers"] if w["name"] == "decode-0")
+
+            deadline = time.monotonic() + WAIT_S
+            while usage() != 0.9 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert usage() == 0.9, "the health checks read the worker's reported KV usage"
+            for _ in range(4):
+                assert post(router.url, stream=False)[0] == 200
+            assert (busy.stats.generations, idle.stats.generations) == (0, 4), "least_load avoids the loaded decode"
+
+
+def test_a_prefill_failing_after_the_decodes_headers_is_retried_before_the_first_event() -> None:
+    """SGLang's decode sends its 200 at once and its events once the KV arrived: a retryable failure of the prefill
+    in between reaches the client as nothing at all, the request moves to a fresh pair."""
+    with stub("prefill", "close") as dying, stub("prefill") as good, stub("decode", "headers_first") as d:
+        raw = router_settings(dying.url, d.url, breaker_failures=100).model_dump()
+        raw["prefill"].append({"name": "prefill-1", "url": good.url, "bootstrap_host": "127.0.0.1",
+                               "bootstrap_port": 8999})
+        settings = RouterSettings.model_validate(raw)
+        with UvicornThread(build_app(settings)) as router:
+            status, data = post(router.url, stream=True)
+            assert status == 200 and content(data) == TOKENS and data[-1] == "[DONE]"
+            assert (dying.stats.generations, good.stats.generations, d.stats.generations) == (1, 1, 2)
+            assert metric(router.url, "dsv4_router_retries_total") == 1
+        settings = settings.model_copy(update={"prefill": settings.prefill[:1], "max_retries": 1})
+        with UvicornThread(build_app(settings)) as router:
+            status, data = post(router.url, stream=True)
+            assert status == 502, "nothing was streamed yet: a plain error response, not a 200 with an error event"
+            assert "prefill worker 'prefill-0'" in data["error"]["message"]
+            assert (dying.stats.generations, d.stats.generations) == (3, 4), "two requests, the second retried once"

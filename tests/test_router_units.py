@@ -1,0 +1,52 @@
+"""Router parts on their own: the pairing policies, and migration's reading of a stream's progress."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from dsv4_cluster.router.policies import Chooser
+from dsv4_cluster.router.worker import Worker
+
+
+def workers(*loads: float) -> list[Worker]:
+    out = []
+    for i, load in enumerate(loads):
+        w = Worker("decode", f"decode-{i}", f"http://127.0.0.1:{20000 + i}")
+        w.in_flight, w.token_usage = int(load), load - int(load)
+        out.append(w)
+    return out
+
+
+def test_round_robin_takes_each_in_turn() -> None:
+    pool, chooser = workers(0, 0, 0), Chooser("round_robin")
+    assert [chooser.choose(pool).name for _ in range(6)] == ["decode-0", "decode-1", "decode-2"] * 2
+
+
+def test_least_load_adds_in_flight_and_token_usage_and_rotates_ties() -> None:
+    pool, chooser = workers(2, 1.5, 1.2), Chooser("least_load")
+    assert {chooser.choose(pool).name for _ in range(5)} == {"decode-2"}
+    tied, chooser = workers(1, 1, 3), Chooser("least_load")
+    assert Counter(chooser.choose(tied).name for _ in range(4)) == {"decode-0": 2, "decode-1": 2}
+
+
+def test_power_of_two_never_takes_the_most_loaded_of_three() -> None:
+    pool, chooser = workers(0, 1, 5), Chooser("power_of_two", seed=1)
+    picks = Counter(chooser.choose(pool).name for _ in range(300))
+    assert "decode-2" not in picks and picks["decode-0"] > picks["decode-1"] > 0
+
+
+def test_random_spreads_over_all() -> None:
+    pool, chooser = workers(0, 0, 9), Chooser("random", seed=2)
+    picks = Counter(chooser.choose(pool).name for _ in range(300))
+    assert set(picks) == {"decode-0", "decode-1", "decode-2"}
+
+
+def test_migration_progress_folds_long_streams_the_same_as_whole() -> None:
+    from dsv4_cluster.router.migration import progress
+
+    events = [b'data: {"choices": [{"delta": {"content": "t%d "}}]}\n\n' % i for i in range(600)]
+    whole = progress("/v1/chat/completions", events)
+    folded = ("", [], 0)
+    for at in range(0, 600, 256):
+        folded = progress("/v1/chat/completions", events[at:at + 256], folded)
+    assert folded == whole and whole[2] == 600 and whole[0].startswith("t0 t1 ")
