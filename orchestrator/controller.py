@@ -13,17 +13,18 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from dsv4_cluster.orchestrator.errors import ClusterStartError
+from dsv4_cluster.orchestrator.errors import ClusterStartError, UnknownWorkerError
 from dsv4_cluster.core import Role
 from dsv4_cluster.orchestrator.deep_probe import DeepProber
 from dsv4_cluster.orchestrator.plan import LaunchPlan
-from dsv4_cluster.orchestrator.router_admin import RouterLink
+from dsv4_cluster.orchestrator.router_admin import RouterAdmin, RouterAdminError, RouterLink
 from dsv4_cluster.orchestrator.supervisor import WorkerSupervisor
 from dsv4_cluster.orchestrator.verification import verify_kernels
 
@@ -31,6 +32,7 @@ CONTROLLER_NAME = "controller"
 NODE_RESOURCE_SHARE = 0.001  # a sliver of Ray's built-in "node:<ip>" resource pins an actor
 SUPERVISOR_CONCURRENCY = 4  # start() blocks while status()/stop() must still answer
 DEEP_PROBE_INTERVAL_S = 30.0
+DRAIN_POLL_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,50 @@ class ClusterController:
                 rows.append({"name": name, "error": f"supervisor unreachable: {_cause(e)}"})
         probes = self._prober.results() if self._prober is not None else []
         return {"endpoint": self._spec.endpoint, "workers": rows, "probes": probes}
+
+    def _worker(self, name: str) -> tuple[LaunchPlan, Any]:
+        plans = {p.name: p for p in self._spec.workers}
+        if name not in plans or name not in self._supervisors:
+            raise UnknownWorkerError(f"no worker named {name!r}; this cluster has {sorted(plans)} "
+                                     f"(the router is not drained or restarted by name)")
+        return plans[name], self._supervisors[name]
+
+    def _admin(self) -> RouterAdmin:
+        if self._spec.admin_token is None:
+            raise RouterAdminError("this cluster was started without a router admin token")
+        return RouterAdmin(RouterLink.for_router(self._spec.router, self._spec.admin_token))
+
+    def drain(self, name: str, deadline_s: float, stop_deadline_s: float) -> dict[str, Any]:
+        """Stop pairing `name`, wait until its in-flight requests are done (at most `deadline_s`),
+        then stop it (SIGTERM, SIGKILL after `stop_deadline_s`). Raises RouterAdminError when the
+        router cannot be told (then nothing was stopped)."""
+        _, supervisor = self._worker(name)
+        admin = self._admin()
+        try:
+            entry = admin.drain(name)
+            end = time.monotonic() + deadline_s
+            while entry["in_flight"] > 0 and time.monotonic() < end:
+                time.sleep(DRAIN_POLL_S)
+                entry = admin.worker(name)
+        finally:
+            admin.close()
+        final = ray.get(supervisor.stop.remote(stop_deadline_s))
+        return {"worker": final, "forced": entry["in_flight"] > 0, "in_flight_at_stop": entry["in_flight"]}
+
+    def restart(self, name: str, timeout_s: float, stop_deadline_s: float) -> dict[str, Any]:
+        """Stop `name` (SIGTERM, SIGKILL after `stop_deadline_s`), start it again, wait for READY,
+        and let the router pair it again (a drained worker is resumed)."""
+        _, supervisor = self._worker(name)
+        try:
+            status = ray.get(supervisor.restart.remote(timeout_s, stop_deadline_s))
+        except RayTaskError as e:
+            raise ClusterStartError(f"{name} did not come back: {_cause(e)}") from None
+        admin = self._admin()
+        try:
+            admin.resume(name)
+        finally:
+            admin.close()
+        return status
 
     def pids(self) -> list[tuple[str, int]]:
         """(host, pid) of every process of this cluster: controller, supervisors, workers."""

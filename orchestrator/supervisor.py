@@ -296,6 +296,16 @@ class WorkerSupervisor:
         self._set(WorkerState.STOPPED, None)
         return self.status()
 
+    def restart(self, timeout_s: float, deadline_s: float) -> dict[str, Any]:
+        """An operator's restart: stop the process (as `stop`), then start it again (as `start`).
+        Counted in `restarts`, not as a crash."""
+        self.stop(deadline_s)
+        with self._lock:
+            self._thread, self._start_error = None, None
+            self._stop, self._first_outcome = threading.Event(), threading.Event()
+            self._restarts += 1
+        return self.start(timeout_s)
+
     def status(self) -> dict[str, Any]:
         """This worker's status row as a dict (see WorkerStatus)."""
         plan = self._plan

@@ -49,7 +49,9 @@ def test_up_status_chat_down(tmp_path: Path) -> None:
         assert up.returncode == 0, up.stderr + up.stdout
         assert f"endpoint: http://127.0.0.1:{ports['router']}/v1" in up.stdout
         head = _head_pid(tmp_path)
-        again = _run(tmp_path, "up", str(topo))
+        other = tmp_path / "other.yaml"
+        other.write_text(topo.read_text())
+        again = _run(tmp_path, "up", str(other))
         assert again.returncode == 1 and "already up" in again.stderr, again.stderr
         assert "nothing was started" in again.stderr
 
