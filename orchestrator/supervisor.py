@@ -37,6 +37,7 @@ import httpx
 
 from dsv4_cluster.core import KvUsage, Role, WorkerState, WorkerStatus
 from dsv4_cluster.orchestrator.plan import LaunchPlan
+from dsv4_cluster.orchestrator.pinning import pinning_report
 from dsv4_cluster.orchestrator.policy import CrashWindow, HealthPolicy, RestartPolicy
 from dsv4_cluster.orchestrator.processes import group_members, signal_group
 from dsv4_cluster.orchestrator.probe import ProbeError, engine_info, first_unready
@@ -326,6 +327,7 @@ class WorkerSupervisor:
             name=plan.name, role=plan.role, node=plan.node, state=state, pid=pid,
             port=plan.port, restarts=restarts, kv=kv, log_path=plan.log_path, error=error,
             kernels=kernels, log_tail=log_tail(plan.log_path, STATUS_TAIL_LINES) if troubled else None,
+            pinning=pinning_report(plan, pid) if pid is not None else None,
         ).to_dict()
 
     def pids(self) -> list[tuple[str, int]]:

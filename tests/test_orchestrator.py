@@ -138,7 +138,7 @@ def test_port_in_use_is_a_preflight_problem(tmp_path: Path) -> None:
         busy.listen()
         r = _run(tmp_path, "up", str(topo))
     assert r.returncode == 2, r.stderr
-    assert f"decode-0: port {ports['decode']} is in use" in r.stderr
+    assert f"decode-0: port {ports['decode']} is in use on this machine by pid {os.getpid()} (" in r.stderr
     assert not (tmp_path / "home").exists()
 
 
