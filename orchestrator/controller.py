@@ -29,7 +29,8 @@ from dsv4_cluster.orchestrator.supervisor import WorkerSupervisor
 from dsv4_cluster.orchestrator.verification import verify_kernels
 
 CONTROLLER_NAME = "controller"
-NODE_RESOURCE_SHARE = 0.001  # a sliver of Ray's built-in "node:<ip>" resource pins an actor
+NODE_RESOURCE_SHARE = 0.001  # a sliver of a node's placement resource pins an actor to it
+NODE_LABEL_PREFIX = "dsv4-node:"  # `ray start --resources '{"dsv4-node:<name>": 1}'` names a node
 SUPERVISOR_CONCURRENCY = 4  # start() blocks while status()/stop() must still answer
 DEEP_PROBE_INTERVAL_S = 30.0
 DRAIN_POLL_S = 0.2
@@ -63,23 +64,44 @@ class ClusterController:
         self._supervisors: dict[str, Any] = {}
         self._prober: DeepProber | None = None
 
+    def _node_resource(self, node: str) -> str:
+        """The Ray resource that places an actor on topology node `node`: `dsv4-node:<name>` when
+        the Ray cluster's nodes carry such labels (several Ray nodes may share an address, e.g. on
+        one machine), else Ray's built-in `node:<address>`."""
+        labelled = {r for n in ray.nodes() if n.get("Alive") for r in n.get("Resources", {})
+                    if r.startswith(NODE_LABEL_PREFIX)}
+        if labelled:
+            return NODE_LABEL_PREFIX + node
+        return f"node:{dict(self._spec.node_addresses)[node]}"
+
     def _missing_nodes(self) -> list[str]:
         """One line per process whose node is not (alive) in the Ray cluster."""
-        alive = {n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        have = {r for n in alive for r in n.get("Resources", {})}
         addresses = dict(self._spec.node_addresses)
-        return [f"{p.name}: node {p.node!r} ({addresses[p.node]}) is not in the Ray cluster "
-                f"(its nodes: {', '.join(sorted(alive))}); on that machine run `ray start "
-                f"--address <head> --node-ip-address {addresses[p.node]}`, or fix nodes[].address"
-                for p in (*self._spec.workers, self._spec.router) if addresses[p.node] not in alive]
+        problems = []
+        for p in (*self._spec.workers, self._spec.router):
+            resource = self._node_resource(p.node)
+            if resource in have:
+                continue
+            if resource.startswith(NODE_LABEL_PREFIX):
+                problems.append(f"{p.name}: node {p.node!r} is not in the Ray cluster (no Ray node has the "
+                                f"resource {resource!r}); on that machine run `ray start --address <head> "
+                                f"--resources '{{\"{resource}\": 1}}'`")
+            else:
+                problems.append(
+                    f"{p.name}: node {p.node!r} ({addresses[p.node]}) is not in the Ray cluster (its nodes: "
+                    f"{', '.join(sorted(n['NodeManagerAddress'] for n in alive))}); on that machine run "
+                    f"`ray start --address <head> --node-ip-address {addresses[p.node]}`, or fix nodes[].address")
+        return problems
 
     def _supervisor(self, plan: LaunchPlan) -> Any:
-        address = dict(self._spec.node_addresses)[plan.node]
         link = None
         if plan.role is not Role.ROUTER and self._spec.admin_token is not None:
             link = RouterLink.for_router(self._spec.router, self._spec.admin_token)
         actor = ray.remote(WorkerSupervisor).options(
             name=f"supervisor-{plan.name}", num_cpus=0, max_concurrency=SUPERVISOR_CONCURRENCY,
-            resources={f"node:{address}": NODE_RESOURCE_SHARE},
+            resources={self._node_resource(plan.node): NODE_RESOURCE_SHARE},
         ).remote(plan, router=link)
         self._supervisors[plan.name] = actor
         return actor
@@ -117,11 +139,12 @@ class ClusterController:
         names = [p.name for p in self._spec.workers] + [self._spec.router.name]
         supervisors = dict(self._supervisors)
         refs = {n: supervisors[n].status.remote() for n in names if n in supervisors}
+        where = {n: supervisors[n].ray_node.remote() for n in names if n in supervisors}
         for name in names:
             if name not in refs:
                 continue
             try:
-                rows.append(ray.get(refs[name], timeout=30))
+                rows.append({**ray.get(refs[name], timeout=30), "ray_node_id": ray.get(where[name], timeout=30)})
             except (RayTaskError, RayActorError) as e:
                 rows.append({"name": name, "error": f"supervisor unreachable: {_cause(e)}"})
         probes = self._prober.results() if self._prober is not None else []

@@ -330,6 +330,12 @@ class WorkerSupervisor:
             pinning=pinning_report(plan, pid) if pid is not None else None,
         ).to_dict()
 
+    def ray_node(self) -> str | None:
+        """The Ray node this supervisor (an actor) runs on; None outside Ray."""
+        import ray  # only ever called as an actor method, where Ray is initialised
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+
     def pids(self) -> list[tuple[str, int]]:
         """(host, pid) of this supervisor and of its process once spawned."""
         host, proc = socket.gethostname(), self._proc
