@@ -66,6 +66,7 @@ class WorkerStatus:
     error: str | None = None
     kernels: tuple[tuple[str, str], ...] = ()  # (kernel, implementation) the engine reports
     log_tail: str | None = None  # the log's last lines while DEGRADED, RESTARTING or FAILED
+    pinning: dict[str, Any] | None = None  # read back from /proc; "mismatch" lists differences from the plan
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -94,4 +95,5 @@ class WorkerStatus:
             error=data.get("error"),
             kernels=tuple(sorted((data.get("kernels") or {}).items())),
             log_tail=data.get("log_tail"),
+            pinning=data.get("pinning"),
         )

@@ -1,10 +1,11 @@
 """`dsv4-cluster`: bring a PD cluster up, report on it, take it down.
 
     dsv4-cluster up FILE [--address A] [--foreground] [--timeout S]
-    dsv4-cluster status [--json]
+    dsv4-cluster status [--json] [--watch [--interval S]]
     dsv4-cluster down [--timeout S]
     dsv4-cluster verify
     dsv4-cluster plan FILE
+    dsv4-cluster drain WORKER [--deadline S] | restart WORKER | logs NAME [-f] [-n N]
 
 Exit codes: 0 success; 1 the cluster failed (to start, to answer, to stop cleanly); 2 nothing
 was started because the topology or this machine is not fit (every problem is printed).
@@ -20,6 +21,8 @@ import sys
 import time
 from typing import Any
 
+from dsv4_cluster.orchestrator.cli_ops import (
+    WATCH_INTERVAL_S, add_operation_commands, run_operation, watch_status)
 from dsv4_cluster.orchestrator.errors import (
     AlreadyUpError, ClusterStartError, NotUpError, PreflightError, RayClusterError)
 from dsv4_cluster.orchestrator.options import DownOptions, UpOptions
@@ -47,11 +50,15 @@ def _parser() -> argparse.ArgumentParser:
                     help=f"seconds each process may take to become ready (default {up_d.timeout_s:g})")
     st = sub.add_parser("status", help="the cluster's processes, state and KV usage")
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    st.add_argument("--watch", action="store_true", help="refresh the table until Ctrl-C")
+    st.add_argument("--interval", type=float, default=WATCH_INTERVAL_S,
+                    help=f"seconds between refreshes with --watch (default {WATCH_INTERVAL_S:g})")
     dn = sub.add_parser("down", help="stop the router, the workers and the Ray head up started")
     dn.add_argument("--timeout", type=float, default=down_d.timeout_s,
                     help=f"seconds between SIGTERM and SIGKILL (default {down_d.timeout_s:g})")
     _add_verify_parser(sub)
     _add_plan_parser(sub)
+    add_operation_commands(sub)
     return p
 
 
@@ -121,7 +128,10 @@ def _cmd_up(deployment: Any, args: argparse.Namespace) -> int:
     except KeyboardInterrupt as e:
         _err(f"up interrupted ({str(e) or 'SIGINT'}); everything it started was stopped")
         return EXIT_INTERRUPTED
-    print(f"cluster up in {time.monotonic() - started:.1f}s")
+    if status.get("already_up"):
+        print(f"already up from {args.file}; nothing was started")
+    else:
+        print(f"cluster up in {time.monotonic() - started:.1f}s")
     print(f"endpoint: {status['endpoint']}")
     if status.get("verification"):
         print(status["verification"])
@@ -136,6 +146,8 @@ def _cmd_up(deployment: Any, args: argparse.Namespace) -> int:
 
 
 def _cmd_status(deployment: Any, args: argparse.Namespace) -> int:
+    if args.watch:
+        return watch_status(deployment, args.interval)
     try:
         status = deployment.status()
     except (NotUpError, RayClusterError) as e:
@@ -189,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         return _cmd_status(deployment, args)
     if args.command == "verify":
         return _cmd_verify(deployment)
-    return _cmd_down(deployment, DownOptions(timeout_s=args.timeout))
+    if args.command == "down":
+        return _cmd_down(deployment, DownOptions(timeout_s=args.timeout))
+    return run_operation(args)
 
 
 if __name__ == "__main__":

@@ -13,24 +13,27 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from dsv4_cluster.orchestrator.errors import ClusterStartError
+from dsv4_cluster.orchestrator.errors import ClusterStartError, UnknownWorkerError
 from dsv4_cluster.core import Role
 from dsv4_cluster.orchestrator.deep_probe import DeepProber
 from dsv4_cluster.orchestrator.plan import LaunchPlan
-from dsv4_cluster.orchestrator.router_admin import RouterLink
+from dsv4_cluster.orchestrator.router_admin import RouterAdmin, RouterAdminError, RouterLink
 from dsv4_cluster.orchestrator.supervisor import WorkerSupervisor
 from dsv4_cluster.orchestrator.verification import verify_kernels
 
 CONTROLLER_NAME = "controller"
-NODE_RESOURCE_SHARE = 0.001  # a sliver of Ray's built-in "node:<ip>" resource pins an actor
+NODE_RESOURCE_SHARE = 0.001  # a sliver of a node's placement resource pins an actor to it
+NODE_LABEL_PREFIX = "dsv4-node:"  # `ray start --resources '{"dsv4-node:<name>": 1}'` names a node
 SUPERVISOR_CONCURRENCY = 4  # start() blocks while status()/stop() must still answer
 DEEP_PROBE_INTERVAL_S = 30.0
+DRAIN_POLL_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -61,23 +64,44 @@ class ClusterController:
         self._supervisors: dict[str, Any] = {}
         self._prober: DeepProber | None = None
 
+    def _node_resource(self, node: str) -> str:
+        """The Ray resource that places an actor on topology node `node`: `dsv4-node:<name>` when
+        the Ray cluster's nodes carry such labels (several Ray nodes may share an address, e.g. on
+        one machine), else Ray's built-in `node:<address>`."""
+        labelled = {r for n in ray.nodes() if n.get("Alive") for r in n.get("Resources", {})
+                    if r.startswith(NODE_LABEL_PREFIX)}
+        if labelled:
+            return NODE_LABEL_PREFIX + node
+        return f"node:{dict(self._spec.node_addresses)[node]}"
+
     def _missing_nodes(self) -> list[str]:
         """One line per process whose node is not (alive) in the Ray cluster."""
-        alive = {n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        have = {r for n in alive for r in n.get("Resources", {})}
         addresses = dict(self._spec.node_addresses)
-        return [f"{p.name}: node {p.node!r} ({addresses[p.node]}) is not in the Ray cluster "
-                f"(its nodes: {', '.join(sorted(alive))}); on that machine run `ray start "
-                f"--address <head> --node-ip-address {addresses[p.node]}`, or fix nodes[].address"
-                for p in (*self._spec.workers, self._spec.router) if addresses[p.node] not in alive]
+        problems = []
+        for p in (*self._spec.workers, self._spec.router):
+            resource = self._node_resource(p.node)
+            if resource in have:
+                continue
+            if resource.startswith(NODE_LABEL_PREFIX):
+                problems.append(f"{p.name}: node {p.node!r} is not in the Ray cluster (no Ray node has the "
+                                f"resource {resource!r}); on that machine run `ray start --address <head> "
+                                f"--resources '{{\"{resource}\": 1}}'`")
+            else:
+                problems.append(
+                    f"{p.name}: node {p.node!r} ({addresses[p.node]}) is not in the Ray cluster (its nodes: "
+                    f"{', '.join(sorted(n['NodeManagerAddress'] for n in alive))}); on that machine run "
+                    f"`ray start --address <head> --node-ip-address {addresses[p.node]}`, or fix nodes[].address")
+        return problems
 
     def _supervisor(self, plan: LaunchPlan) -> Any:
-        address = dict(self._spec.node_addresses)[plan.node]
         link = None
         if plan.role is not Role.ROUTER and self._spec.admin_token is not None:
             link = RouterLink.for_router(self._spec.router, self._spec.admin_token)
         actor = ray.remote(WorkerSupervisor).options(
             name=f"supervisor-{plan.name}", num_cpus=0, max_concurrency=SUPERVISOR_CONCURRENCY,
-            resources={f"node:{address}": NODE_RESOURCE_SHARE},
+            resources={self._node_resource(plan.node): NODE_RESOURCE_SHARE},
         ).remote(plan, router=link)
         self._supervisors[plan.name] = actor
         return actor
@@ -119,15 +143,60 @@ class ClusterController:
         names = [p.name for p in self._spec.workers] + [self._spec.router.name]
         supervisors = dict(self._supervisors)
         refs = {n: supervisors[n].status.remote() for n in names if n in supervisors}
+        where = {n: supervisors[n].ray_node.remote() for n in names if n in supervisors}
         for name in names:
             if name not in refs:
                 continue
             try:
-                rows.append(ray.get(refs[name], timeout=30))
+                rows.append({**ray.get(refs[name], timeout=30), "ray_node_id": ray.get(where[name], timeout=30)})
             except (RayTaskError, RayActorError) as e:
                 rows.append({"name": name, "error": f"supervisor unreachable: {_cause(e)}"})
         probes = self._prober.results() if self._prober is not None else []
         return {"endpoint": self._spec.endpoint, "workers": rows, "probes": probes}
+
+    def _worker(self, name: str) -> tuple[LaunchPlan, Any]:
+        plans = {p.name: p for p in self._spec.workers}
+        if name not in plans or name not in self._supervisors:
+            raise UnknownWorkerError(f"no worker named {name!r}; this cluster has {sorted(plans)} "
+                                     f"(the router is not drained or restarted by name)")
+        return plans[name], self._supervisors[name]
+
+    def _admin(self) -> RouterAdmin:
+        if self._spec.admin_token is None:
+            raise RouterAdminError("this cluster was started without a router admin token")
+        return RouterAdmin(RouterLink.for_router(self._spec.router, self._spec.admin_token))
+
+    def drain(self, name: str, deadline_s: float, stop_deadline_s: float) -> dict[str, Any]:
+        """Stop pairing `name`, wait until its in-flight requests are done (at most `deadline_s`),
+        then stop it (SIGTERM, SIGKILL after `stop_deadline_s`). Raises RouterAdminError when the
+        router cannot be told (then nothing was stopped)."""
+        _, supervisor = self._worker(name)
+        admin = self._admin()
+        try:
+            entry = admin.drain(name)
+            end = time.monotonic() + deadline_s
+            while entry["in_flight"] > 0 and time.monotonic() < end:
+                time.sleep(DRAIN_POLL_S)
+                entry = admin.worker(name)
+        finally:
+            admin.close()
+        final = ray.get(supervisor.stop.remote(stop_deadline_s))
+        return {"worker": final, "forced": entry["in_flight"] > 0, "in_flight_at_stop": entry["in_flight"]}
+
+    def restart(self, name: str, timeout_s: float, stop_deadline_s: float) -> dict[str, Any]:
+        """Stop `name` (SIGTERM, SIGKILL after `stop_deadline_s`), start it again, wait for READY,
+        and let the router pair it again (a drained worker is resumed)."""
+        _, supervisor = self._worker(name)
+        try:
+            status = ray.get(supervisor.restart.remote(timeout_s, stop_deadline_s))
+        except RayTaskError as e:
+            raise ClusterStartError(f"{name} did not come back: {_cause(e)}") from None
+        admin = self._admin()
+        try:
+            admin.resume(name)
+        finally:
+            admin.close()
+        return status
 
     def pids(self) -> list[tuple[str, int]]:
         """(host, pid) of every process of this cluster: controller, supervisors, workers."""

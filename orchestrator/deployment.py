@@ -69,11 +69,18 @@ def _existing_cluster() -> ClusterRecord | None:
 
 
 def up(topology_path: str, options: UpOptions) -> dict[str, Any]:
-    """Bring the cluster up; returns its status. Raises TopologyError and PreflightError before
-    anything starts, ClusterStartError after cleaning up what it started."""
+    """Bring the cluster up; returns its status. Up again with the same topology file while it
+    runs starts nothing and returns its status with `already_up`. Raises TopologyError and
+    PreflightError before anything starts, ClusterStartError after cleaning up what it started."""
     topology = load_topology(topology_path)
     existing = _existing_cluster()
     if existing is not None:
+        if existing.topology_path == str(Path(topology_path).absolute()):
+            try:
+                return {**status(), "already_up": True}  # `up` again is a no-op that reports
+            except NotUpError as e:
+                raise AlreadyUpError(f"a cluster from {topology_path} is recorded but does not answer "
+                                     f"({e}); run `dsv4-cluster down` first") from e
         raise AlreadyUpError(f"a cluster is already up ({existing.topology_path}, "
                              f"{existing.endpoint}); run `dsv4-cluster down` first")
     admin_token = new_admin_token()
@@ -98,11 +105,11 @@ def up(topology_path: str, options: UpOptions) -> dict[str, Any]:
             name=CONTROLLER_NAME, namespace=spec.namespace, lifetime="detached", num_cpus=0,
             max_concurrency=CONTROLLER_CONCURRENCY).remote(spec)
         try:
-            status = ray.get(controller.up.remote(options.timeout_s))
+            started = ray.get(controller.up.remote(options.timeout_s))
         except (RayTaskError, RayActorError) as e:
             cause = e.cause if isinstance(e, RayTaskError) and e.cause is not None else e
             raise ClusterStartError(str(cause)) from e
-        return {**status, "verification": _verify(topology, status)}
+        return {**started, "verification": _verify(topology, started)}
     except BaseException:
         if controller is not None:
             _abandon(controller)
@@ -163,7 +170,8 @@ def _refuse_second_controller(namespace: str) -> None:
                          "`dsv4-cluster down` or pick another cluster.namespace")
 
 
-def _controller(record: ClusterRecord) -> Any:
+def find_controller(record: ClusterRecord) -> Any:
+    """The cluster's controller actor (connects to its Ray cluster; the caller disconnects)."""
     ray_cluster.connect(record.address, record.namespace)
     try:
         return ray.get_actor(CONTROLLER_NAME, namespace=record.namespace)
@@ -180,7 +188,7 @@ def status() -> dict[str, Any]:
     except RecordError as e:
         raise NotUpError(str(e)) from e
     try:
-        return with_predicted_capacity(ray.get(_controller(record).status.remote(), timeout=60),
+        return with_predicted_capacity(ray.get(find_controller(record).status.remote(), timeout=60),
                                        record.topology_path)
     except (RayActorError, GetTimeoutError) as e:
         raise NotUpError(f"the controller does not answer: {e}") from e
@@ -218,17 +226,17 @@ def watch(interval_s: float) -> str | None:
     stop = threading.Event()
     try:
         try:
-            controller = _controller(record)
+            controller = find_controller(record)
         except (NotUpError, RayClusterError) as e:
             return str(e)
         for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs its own
             signal.signal(sig, lambda *_: stop.set())
         while not stop.wait(interval_s):
             try:
-                status = ray.get(controller.status.remote(), timeout=60)
+                current = ray.get(controller.status.remote(), timeout=60)
             except (RayActorError, GetTimeoutError) as e:
                 return f"the controller does not answer: {e}"
-            failed = [w for w in status["workers"] if w.get("state") == WorkerState.FAILED.value]
+            failed = [w for w in current["workers"] if w.get("state") == WorkerState.FAILED.value]
             if failed:
                 return "; ".join(f"{w['name']} is FAILED: {(w.get('error') or '').splitlines()[0]}"
                                  for w in failed)
@@ -256,7 +264,7 @@ def down(options: DownOptions) -> dict[str, Any]:
     notes: list[str] = []
     pids: list[int] = []
     try:
-        controller = _controller(record)
+        controller = find_controller(record)
         here = socket.gethostname()  # a remote node's supervisor checks its own process group
         pids = [pid for host, pid in ray.get(controller.pids.remote(), timeout=60) if host == here]
         final = ray.get(controller.stop.remote(options.timeout_s), timeout=options.timeout_s + 60)

@@ -28,3 +28,7 @@ class RayClusterError(RuntimeError):
 
 class NotUpError(RuntimeError):
     """There is no cluster to report on or stop."""
+
+
+class UnknownWorkerError(ValueError):
+    """An operation named a worker the cluster does not have; the message lists the names."""

@@ -20,6 +20,7 @@ from typing import Any
 
 from dsv4_cluster.kernels.sglang_plugin.settings import SGLANG_VERSION
 from dsv4_cluster.orchestrator.plan import LaunchPlan, requested_kernels
+from dsv4_cluster.orchestrator.port_owner import port_holders
 from dsv4_cluster.orchestrator.ports import port_is_free
 from dsv4_cluster.workers.nixl_loader import INSTALL_HINT as NIXL_INSTALL_HINT, nixl_package
 
@@ -45,8 +46,10 @@ def port_problems(topology: Any, plans: list[LaunchPlan]) -> list[str]:
             continue
         for port in plan.ports:
             if not port_is_free(port):
-                problems.append(f"{plan.name}: port {port} is in use on this machine — stop what "
-                                "listens there (`ss -ltnp`) or pick another port in the topology")
+                holders = port_holders(port)
+                by = f" by {', '.join(holders)}" if holders else " (by a process this user cannot inspect)"
+                problems.append(f"{plan.name}: port {port} is in use on this machine{by} — stop it "
+                                "or pick another port in the topology")
     return problems
 
 

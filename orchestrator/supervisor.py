@@ -37,6 +37,7 @@ import httpx
 
 from dsv4_cluster.core import KvUsage, Role, WorkerState, WorkerStatus
 from dsv4_cluster.orchestrator.plan import LaunchPlan
+from dsv4_cluster.orchestrator.pinning import pinning_report
 from dsv4_cluster.orchestrator.policy import CrashWindow, HealthPolicy, RestartPolicy
 from dsv4_cluster.orchestrator.processes import group_members, signal_group
 from dsv4_cluster.orchestrator.kernel_verify import attested_kernels
@@ -297,6 +298,16 @@ class WorkerSupervisor:
         self._set(WorkerState.STOPPED, None)
         return self.status()
 
+    def restart(self, timeout_s: float, deadline_s: float) -> dict[str, Any]:
+        """An operator's restart: stop the process (as `stop`), then start it again (as `start`).
+        Counted in `restarts`, not as a crash."""
+        self.stop(deadline_s)
+        with self._lock:
+            self._thread, self._start_error = None, None
+            self._stop, self._first_outcome = threading.Event(), threading.Event()
+            self._restarts += 1
+        return self.start(timeout_s)
+
     def status(self) -> dict[str, Any]:
         """This worker's status row as a dict (see WorkerStatus)."""
         plan = self._plan
@@ -318,7 +329,14 @@ class WorkerSupervisor:
             name=plan.name, role=plan.role, node=plan.node, state=state, pid=pid,
             port=plan.port, restarts=restarts, kv=kv, log_path=plan.log_path, error=error,
             kernels=kernels, log_tail=log_tail(plan.log_path, STATUS_TAIL_LINES) if troubled else None,
+            pinning=pinning_report(plan, pid) if pid is not None else None,
         ).to_dict()
+
+    def ray_node(self) -> str | None:
+        """The Ray node this supervisor (an actor) runs on; None outside Ray."""
+        import ray  # only ever called as an actor method, where Ray is initialised
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
     def pids(self) -> list[tuple[str, int]]:
         """(host, pid) of this supervisor and of its process once spawned."""

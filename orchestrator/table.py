@@ -27,6 +27,9 @@ def render_table(status: dict[str, Any]) -> str:
     for w in status["workers"]:
         if w.get("error"):
             lines.append(f"{w.get('name', '?')}: {w['error']}")
+        mismatch = (w.get("pinning") or {}).get("mismatch")
+        if mismatch:
+            lines.append(f"{w['name']}: PINNING differs from the topology: {'; '.join(mismatch)}")
     for p in status.get("probes", []):
         outcome = f"ok in {p['seconds']:.2f}s" if p["ok"] else f"FAILED: {p['error']}"
         lines.append(f"deep probe {p['prefill']} -> {p['decode']}: {outcome}")

@@ -49,7 +49,9 @@ def test_up_status_chat_down(tmp_path: Path) -> None:
         assert up.returncode == 0, up.stderr + up.stdout
         assert f"endpoint: http://127.0.0.1:{ports['router']}/v1" in up.stdout
         head = _head_pid(tmp_path)
-        again = _run(tmp_path, "up", str(topo))
+        other = tmp_path / "other.yaml"
+        other.write_text(topo.read_text())
+        again = _run(tmp_path, "up", str(other))
         assert again.returncode == 1 and "already up" in again.stderr, again.stderr
         assert "nothing was started" in again.stderr
 
@@ -141,7 +143,7 @@ def test_port_in_use_is_a_preflight_problem(tmp_path: Path) -> None:
         busy.listen()
         r = _run(tmp_path, "up", str(topo))
     assert r.returncode == 2, r.stderr
-    assert f"decode-0: port {ports['decode']} is in use" in r.stderr
+    assert f"decode-0: port {ports['decode']} is in use on this machine by pid {os.getpid()} (" in r.stderr
     assert not (tmp_path / "home").exists()
 
 

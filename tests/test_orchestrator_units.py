@@ -120,3 +120,19 @@ def test_only_a_loopback_cluster_keeps_ray_drivers_on_loopback() -> None:
 
     assert is_loopback(None) and is_loopback("127.0.0.1:6379") and is_loopback("localhost:1")
     assert not is_loopback("10.1.2.3:6379") and not is_loopback("head.example:6379")
+
+
+def test_port_holders_name_the_process_on_the_port():
+    import os
+    import socket
+
+    from dsv4_cluster.orchestrator.port_owner import port_holders
+    from dsv4_cluster.orchestrator.ports import free_ports
+
+    port = free_ports(1)[0]
+    assert port_holders(port) == []
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        holders = port_holders(port)
+    assert len(holders) == 1 and holders[0].startswith(f"pid {os.getpid()} (")

@@ -1,0 +1,57 @@
+"""Which process holds a TCP port on this machine, so preflight can name it (Linux: /proc).
+
+The port's sockets come from /proc/net/tcp and tcp6 (local port, any state), their inodes are
+matched against every process's open file descriptors. Processes this user may not inspect are
+skipped, so the answer can be incomplete; it is never a guess.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CMDLINE_CHARS = 120
+
+
+def _socket_inodes(port: int) -> set[str]:
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except FileNotFoundError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[9] != "0":
+                inodes.add(fields[9])
+    return inodes
+
+
+def _describe(pid: int) -> str:
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        cmd = "?"
+    return f"pid {pid} ({cmd[:CMDLINE_CHARS]}{'...' if len(cmd) > CMDLINE_CHARS else ''})"
+
+
+def port_holders(port: int) -> list[str]:
+    """'pid N (command line)' of every process with a socket on local TCP port `port`."""
+    wanted = {f"socket:[{inode}]" for inode in _socket_inodes(port)}
+    if not wanted:
+        return []
+    holders = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            fds = list((proc / "fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if str(fd.readlink()) in wanted:
+                    holders.append(_describe(int(proc.name)))
+                    break
+            except OSError:
+                continue
+    return holders

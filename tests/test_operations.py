@@ -1,0 +1,155 @@
+"""Operations on a running embedded cluster through the real CLI: idempotent `up`, `drain` under
+steady load (no request lost), `restart`, `logs [-f]`, `status --watch`. One cluster (1 prefill,
+2 decode) for the module."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from dsv4_cluster.orchestrator.ports import free_ports
+
+from .cluster_cli import CLI, LocalCluster
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> LocalCluster:
+    tmp = tmp_path_factory.mktemp("ops")
+    router, prefill, boot, d0, d1 = free_ports(5)
+    topology = tmp / "topology.yaml"
+    topology.write_text(f"""
+engine: embedded
+model: {{name: dsv4-tiny, seed: 0, context_length: 512}}
+cluster: {{namespace: dsv4-ops-{router}, run_dir: run}}
+router: {{host: 127.0.0.1, port: {router}}}
+kernels: {{sparse_mla_decode: false, indexer: false, topk: false}}
+defaults: {{page_size: 16, kv_cache_dtype: auto, max_total_tokens: 4096}}
+prefill:
+  - {{name: prefill-0, device: cpu, port: {prefill}, bootstrap_port: {boot}}}
+decode:
+  - {{name: decode-0, device: cpu, port: {d0}}}
+  - {{name: decode-1, device: cpu, port: {d1}}}
+""")
+    c = LocalCluster(home=tmp / "home", topology=topology,
+                     ports={"router": router, "prefill": prefill, "bootstrap": boot, "decode-0": d0, "decode-1": d1})
+    up = c.cli("up", str(topology), "--timeout", "180")
+    try:
+        assert up.returncode == 0, up.stderr + up.stdout
+        yield c
+    finally:
+        down = c.cli("down", "--timeout", "10")
+        assert down.returncode == 0, down.stderr + down.stdout
+
+
+def _rows(c: LocalCluster) -> dict[str, dict]:
+    st = c.cli("status", "--json")
+    assert st.returncode == 0, st.stderr
+    return {w["name"]: w for w in json.loads(st.stdout)["workers"]}
+
+
+def _admin(c: LocalCluster, name: str) -> dict:
+    token = json.loads((c.home / "current.json").read_text())["admin_token"]
+    r = httpx.get(c.router_url + "/admin/workers", headers={"Authorization": f"Bearer {token}"})
+    assert r.status_code == 200, r.text
+    return next(w for w in r.json()["workers"] if w["name"] == name)
+
+
+def test_up_again_reports_the_running_cluster_and_starts_nothing(cluster):
+    pids = {n: r["pid"] for n, r in _rows(cluster).items()}
+    again = cluster.cli("up", str(cluster.topology))
+    assert again.returncode == 0, again.stderr
+    assert "already up" in again.stdout and "nothing was started" in again.stdout
+    assert {n: r["pid"] for n, r in _rows(cluster).items()} == pids
+    assert (cluster.home / "current.json").stat().st_mode & 0o077 == 0   # it holds the admin token
+
+
+async def _steady_load(c: LocalCluster, stop: asyncio.Event, out: list) -> None:
+    async def lane(client: httpx.AsyncClient) -> None:
+        while not stop.is_set():
+            try:
+                r = await client.post(c.router_url + "/v1/chat/completions", json={
+                    "model": "dsv4-tiny", "max_tokens": 16, "ignore_eos": True,
+                    "messages": [{"role": "user", "content": "steady"}]})
+                out.append(r.status_code if r.status_code != 200 else r.json()["usage"]["completion_tokens"])
+            except httpx.HTTPError as e:
+                out.append(type(e).__name__)
+
+    async with httpx.AsyncClient(timeout=120) as client:
+        await asyncio.gather(*(lane(client) for _ in range(3)))
+
+
+def test_drain_under_steady_load_loses_no_request_and_restart_brings_it_back(cluster):
+    async def run() -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess, list]:
+        stop, out = asyncio.Event(), []
+        load = asyncio.ensure_future(_steady_load(cluster, stop, out))
+        while len(out) < 4:
+            await asyncio.sleep(0.1)
+        drained = await asyncio.to_thread(cluster.cli, "drain", "decode-1", "--deadline", "60")
+        served_while_drained = len(out)
+        await asyncio.sleep(2)
+        restarted = await asyncio.to_thread(cluster.cli, "restart", "decode-1", "--timeout", "120")
+        await asyncio.sleep(1)
+        stop.set()
+        await load
+        assert len(out) > served_while_drained
+        return drained, restarted, out
+
+    drained, restarted, out = asyncio.run(run())
+    assert drained.returncode == 0, drained.stderr + drained.stdout
+    assert "decode-1 drained and stopped (no request in flight)" in drained.stdout
+    assert restarted.returncode == 0, restarted.stderr + restarted.stdout
+    assert out and all(r == 16 for r in out), out   # every request of the steady load completed
+    rows = _rows(cluster)
+    assert rows["decode-1"]["state"] == "READY" and rows["decode-1"]["restarts"] == 1
+    entry = _admin(cluster, "decode-1")
+    assert (entry["state"], entry["drained"], entry["eligible"]) == ("READY", False, True)
+    log = Path(rows["decode-1"]["log_path"]).read_text()
+    assert log.count("supervisor starts") == 2
+
+
+def test_logs_print_and_follow(cluster):
+    shown = cluster.cli("logs", "decode-0", "-n", "100000")
+    assert shown.returncode == 0, shown.stderr
+    assert "ready to roll" in shown.stdout
+    unknown = cluster.cli("logs", "decode-9")
+    assert unknown.returncode == 1 and "decode-9" in unknown.stderr and "decode-0" in unknown.stderr
+    env = {**os.environ, "DSV4_CLUSTER_HOME": str(cluster.home)}
+    follow = subprocess.Popen([*CLI, "logs", "router", "-f", "-n", "1"], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        follow.stdout.readline()
+        httpx.get(cluster.router_url + "/v1/models")   # the router logs the request
+        deadline = time.monotonic() + 30
+        line = ""
+        while "/v1/models" not in line and time.monotonic() < deadline:
+            line = follow.stdout.readline()
+        assert "/v1/models" in line
+        follow.send_signal(signal.SIGINT)
+        assert follow.wait(30) == 0
+    finally:
+        follow.kill()
+
+
+def test_status_watch_refreshes_until_interrupted(cluster):
+    env = {**os.environ, "DSV4_CLUSTER_HOME": str(cluster.home)}
+    watch = subprocess.Popen([*CLI, "status", "--watch", "--interval", "0.5"], env=env,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        tables = 0
+        while tables < 2:
+            line = watch.stdout.readline()
+            assert line, "status --watch ended by itself"
+            tables += "NAME" in line and "STATE" in line
+        watch.send_signal(signal.SIGINT)
+        assert watch.wait(30) == 0
+    finally:
+        watch.kill()
