@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -161,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--idle-s", type=float, default=10.0, help="seconds of idle CPU measurement before the load")
     p.add_argument("--label", default="", help="a name for this run in the JSON (e.g. before/after)")
     p.add_argument("--out", type=Path, help="append the result as one JSON line to this file")
+    p.add_argument("--logs", type=Path, help="copy the cluster's logs here after the run")
     a = p.parse_args(argv)
     if (a.topology is None) == (a.url is None):
         p.error("give either a topology file or --url")
@@ -192,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
                 down = _cli(home, "down", "--timeout", "10")
                 if down.returncode != 0:
                     print(down.stdout + down.stderr, file=sys.stderr)
+                if a.logs:
+                    shutil.copytree(path.parent / "run", a.logs, dirs_exist_ok=True)
     record = {"label": a.label, "topology": str(a.topology or a.url), **asdict(result),
               "idle_cpu_core_fraction": idle, "idle_s": a.idle_s if idle else 0, "cpu_s_during_load": busy}
     print(json.dumps(record, indent=1))

@@ -12,7 +12,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .request import Failed, Req, ReqState
+from .request import Failed, Outbox, Req, ReqState
 from .runner import ModelRunner
 from .window import Window
 
@@ -63,6 +63,7 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.reqs: dict[str, Req] = {}
         self.fatal: str | None = None
+        self._outbox = Outbox()
 
     def start(self) -> None:
         self._thread.start()
@@ -91,6 +92,7 @@ class Engine:
             while not self._stop.is_set():
                 drained = self._drain()
                 worked = self.step()
+                self._outbox.flush()
                 if not (drained or worked):
                     self._wait_for_work()
         except Exception as exc:   # the engine is dead: fail every request loudly, never hang them
@@ -98,10 +100,7 @@ class Engine:
             self.fatal = f"engine crashed: {exc!r}"
             for req in list(self.reqs.values()):
                 self.fail(req, 500, self.fatal)
-
-    def wake(self) -> None:
-        """Make an idle loop run a step now (state it reads changed outside the engine thread)."""
-        self._inbox.put(("call", lambda: None))
+            self._outbox.flush()
 
     def pending(self) -> bool:
         """Role hook: whether something needs polling (a request in flight, a deadline)."""
@@ -127,6 +126,7 @@ class Engine:
     def _handle(self, item) -> None:
         kind, payload = item
         if kind == "submit":
+            payload.emit = self._outbox.wrap(payload.emit)
             self.reqs[payload.rid] = payload
             self.stats.requests += 1
             self.on_submit(payload)
