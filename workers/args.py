@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-KERNEL_NAMES = ("sparse_mla_decode", "indexer", "topk")
+from dsv4_cluster.core import KERNEL_NAMES
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class WorkerArgs:
     peer_timeout_s: float = 30.0
     transfer_timeout_s: float = 60.0
     log_level: str = "info"
+    test_hooks: bool = False   # serve POST /debug/kill_engine (fault tests only)
 
     @property
     def kernel_list(self) -> tuple[str, ...]:
@@ -52,6 +53,9 @@ def parse_args(mode: str, argv: list[str] | None = None) -> WorkerArgs:
         if f.name == "mode" or (f.name == "disaggregation_bootstrap_port" and mode == "decode"):
             continue
         flag = "--" + f.name.replace("_", "-")
+        if str(f.type) == "bool":
+            parser.add_argument(flag, action="store_true", help=f"(default: {f.default})")
+            continue
         kind = {"int": int, "float": float, "int | None": int, "str | None": str}.get(str(f.type), str)
         parser.add_argument(flag, type=kind, default=f.default, help=f"(default: {f.default})")
     ns = vars(parser.parse_args(argv))

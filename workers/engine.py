@@ -2,15 +2,22 @@
 
 HTTP handlers never touch the model or the pool: they `submit` a `Req` and read its events. The
 role-specific work (what one scheduling step does) lives in the prefill and decode engines.
+
+Nothing one request does may end the engine: role engines run each request's (or batch's) work
+inside `serving(...)`, which fails those requests with a 500 and keeps the loop going. If the loop
+itself dies, every request still held is failed and `on_death` is called: the server then exits
+non-zero, so its supervisor sees a dead process instead of a live one answering 503 forever.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable, Iterator
 
 from .request import Failed, Outbox, Req, ReqState
 from .runner import ModelRunner
@@ -33,6 +40,7 @@ class EngineStats:
     aborted: int = 0
     bootstrap_failed: int = 0
     transfer_failed: int = 0
+    internal_errors: int = 0
     # the last few seconds only, so the gauges read 0 once the engine is idle
     generated: Window = field(default_factory=Window)
     transfer_gb_s: Window = field(default_factory=Window)
@@ -41,6 +49,10 @@ class EngineStats:
     @property
     def last_gen_throughput(self) -> float:
         return self.generated.rate()
+
+
+class EngineKilled(RuntimeError):
+    """Raised on the engine thread by the `--test-hooks` kill endpoint: the loop dies as from a bug."""
 
 
 class Engine:
@@ -64,6 +76,7 @@ class Engine:
         self.reqs: dict[str, Req] = {}
         self.fatal: str | None = None
         self._outbox = Outbox()
+        self.on_death: Callable[[str], None] = lambda reason: None
 
     def start(self) -> None:
         self._thread.start()
@@ -95,12 +108,26 @@ class Engine:
                 self._outbox.flush()
                 if not (drained or worked):
                     self._wait_for_work()
-        except Exception as exc:   # the engine is dead: fail every request loudly, never hang them
-            log.exception("engine thread crashed")
-            self.fatal = f"engine crashed: {exc!r}"
+        except BaseException as exc:   # the engine is dead: fail every request loudly, never hang them
+            log.exception("engine thread died")
+            self.fatal = f"engine thread died: {exc!r}"
             for req in list(self.reqs.values()):
-                self.fail(req, 500, self.fatal)
+                req.emit(Failed(500, f"{self.fatal}; the worker restarts, retry the request"))
             self._outbox.flush()
+            self.reqs.clear()
+            self.on_death(self.fatal)
+
+    @contextlib.contextmanager
+    def serving(self, *reqs: Req) -> Iterator[None]:
+        """Work for `reqs` only: an exception fails these requests with a 500, never the engine."""
+        try:
+            yield
+        except Exception as exc:
+            log.exception("the engine failed request(s) %s; it goes on serving", [r.rid for r in reqs])
+            self.stats.internal_errors += 1
+            for req in reqs:
+                if req.state not in (ReqState.FINISHED, ReqState.ABORTED):
+                    self.fail(req, 500, f"the engine failed this request: {exc!r}")
 
     def pending(self) -> bool:
         """Role hook: whether something needs polling (a request in flight, a deadline)."""

@@ -104,7 +104,6 @@ CHAT: dict[str, Rule] = {
     "task": _off("the embedded engine has no DeepSeek-V4 quick-instruction tasks"),
     # without a reasoning parser there is no reasoning to separate or stream: no effect either way
     "separate_reasoning": ANY, "stream_reasoning": ANY,
-    "continue_final_message": _off("the embedded chat template always opens a new assistant turn"),
     "chat_template_kwargs": _off("the embedded chat template takes no arguments"),
 }
 

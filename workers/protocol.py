@@ -103,6 +103,7 @@ class ChatCompletionRequest(_OpenAISampling):
     SGLANG: ClassVar = "ChatCompletionRequest"
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    continue_final_message: bool = False  # continue a final assistant message (the router's stream migration)
     input_ids: list[int] | None = Field(default=None, min_length=1)
 
     def sampling(self, default_max: int) -> SamplingParams:

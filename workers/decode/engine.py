@@ -114,8 +114,13 @@ class DecodeEngine(Engine):
     def _receive(self) -> bool:
         notifs = self.transfer.notifications()
         for raw in notifs:
-            msg = json.loads(raw)
-            room = int(msg["room"])
+            try:
+                msg = json.loads(raw)
+                room = int(msg["room"])
+                first = None if "failed" in msg else int(msg["first_token"])
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("ignored a malformed KV notification %r: %r", raw[:200], exc)
+                continue
             if room in self._quarantine:
                 self.release_quarantine(room)
                 continue
@@ -130,9 +135,9 @@ class DecodeEngine(Engine):
             if req is None:
                 log.warning("KV arrived for unknown bootstrap_room %s; ignored", room)
                 continue
-            first = int(msg["first_token"])
             req.state = ReqState.RUNNING
-            self._emit_token(req, first)
+            with self.serving(req):
+                self._emit_token(req, first)
             if req.state is ReqState.RUNNING:
                 self._running.append(req)
         return bool(notifs)
@@ -142,11 +147,14 @@ class DecodeEngine(Engine):
             return False
         batch = list(self._running)
         n_prompt = [len(r.prompt_ids) for r in batch]
-        logits = self.runner.decode([r.out[-1] for r in batch],
-                                    [n + len(r.out) - 1 for n, r in zip(n_prompt, batch)],
-                                    [r.pages for r in batch])
-        for req, row in zip(batch, logits):
-            self._emit_token(req, self.runner.sampler.sample(row, req.params, len(req.out)))
+        logits = None
+        with self.serving(*batch):
+            logits = self.runner.decode([r.out[-1] for r in batch],
+                                        [n + len(r.out) - 1 for n, r in zip(n_prompt, batch)],
+                                        [r.pages for r in batch])
+        for req, row in zip(batch, logits if logits is not None else ()):
+            with self.serving(req):
+                self._emit_token(req, self.runner.sampler.sample(row, req.params, len(req.out)))
         self._running = [r for r in self._running if r.state is ReqState.RUNNING]
         return True
 

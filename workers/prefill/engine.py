@@ -37,6 +37,7 @@ class Destination:
     agent_name: str
     pages: list[int]
     arrived: float
+    incarnation: int | None = None   # of the decode process that reserved `pages` (NixlTransfer)
 
 
 class Destinations:
@@ -54,15 +55,16 @@ class Destinations:
         self._cancelled: dict[int, float] = {}      # room -> when decode gave it up
         self._ttl_s = ttl_s
 
-    def put(self, room: int, agent_name: str, pages: list[int]) -> bool:
-        """Record decode's pages for `room`; False if decode already cancelled it."""
+    def put(self, room: int, agent_name: str, pages: list[int], incarnation: int | None = None) -> bool:
+        """Record decode's pages for `room` (reserved by decode process `incarnation`); False if decode
+        already cancelled it."""
         with self._lock:
             now = time.monotonic()
             self._by_room = {r: d for r, d in self._by_room.items() if now - d.arrived < self._ttl_s}
             self._cancelled = {r: t for r, t in self._cancelled.items() if now - t < self._ttl_s}
             if room in self._cancelled:
                 return False
-            self._by_room[room] = Destination(agent_name, pages, now)
+            self._by_room[room] = Destination(agent_name, pages, now, incarnation)
             return True
 
     def take(self, room: int) -> Destination | None:
@@ -154,13 +156,18 @@ class PrefillEngine(Engine):
             budget -= n
         if not chunks:
             return False
-        logits = self.runner.extend(chunks)
-        for req, chunk, row in zip(reqs, chunks, logits):
+        logits = None
+        with self.serving(*reqs):   # an exception fails these requests (on_fail unqueues them), never the engine
+            logits = self.runner.extend(chunks)
+        for req, chunk, row in zip(reqs, chunks, logits if logits is not None else ()):
             req.prefilled = chunk.start + len(chunk.token_ids)
             if req.prefilled < len(req.prompt_ids):
                 continue
             self._bootstrap.remove(req)
-            req.out.append(self.runner.sampler.sample(row, req.params, 0))
+            with self.serving(req):
+                req.out.append(self.runner.sampler.sample(row, req.params, 0))
+            if req.state is ReqState.ABORTED:   # sampling failed just above
+                continue
             self.stats.prompt_tokens += len(req.prompt_ids)
             req.state = ReqState.WAITING_PEER
             req.deadline = self.now() + self.peer_timeout_s
@@ -181,13 +188,15 @@ class PrefillEngine(Engine):
                 continue
             self._waiting_peer.remove(req)
             worked = True
-            try:
-                handle = self.transfer.write_pages(dest.agent_name, req.pages, dest.pages,
-                                                   notif_message(req.room, req.out[0]))
-            except TransferError as exc:
-                self.stats.transfer_failed += 1
-                self._tell_decode_failed(req.room, f"KV transfer failed: {exc}")
-                self.fail(req, 500, f"KV transfer failed: {exc}")
+            with self.serving(req):
+                try:
+                    handle = self.transfer.write_pages(dest.agent_name, req.pages, dest.pages,
+                                                       notif_message(req.room, req.out[0]), dest.incarnation)
+                except TransferError as exc:
+                    self.stats.transfer_failed += 1
+                    self._tell_decode_failed(req.room, f"KV transfer failed: {exc}")
+                    self.fail(req, 500, f"KV transfer failed: {exc}")
+            if req.state is not ReqState.WAITING_PEER:   # failed just above
                 continue
             req.state = ReqState.TRANSFERRING
             nbytes = self.runner.pool.page_bytes * len(req.pages)

@@ -79,10 +79,11 @@ class PrefillServer(WorkerServer):
         async def reserve(body: Reserve):
             if not self.ready:
                 return JSONResponse({"error": "prefill is still starting"}, status_code=503)
-            if not self.engine.transfer.has_peer(body.agent_name):
+            incarnation = self.engine.transfer.incarnation(body.agent_name)
+            if incarnation is None:
                 return JSONResponse({"error": f"unknown decode agent {body.agent_name}; register first"},
                                     status_code=409)
-            if not self.engine.destinations.put(body.room, body.agent_name, body.pages):
+            if not self.engine.destinations.put(body.room, body.agent_name, body.pages, incarnation):
                 return JSONResponse({"error": f"bootstrap_room {body.room} was cancelled by decode"},
                                     status_code=410)
             return {"success": True}
