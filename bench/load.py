@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -150,6 +151,24 @@ def _cli(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*CLI, *args], env=env, capture_output=True, text=True, timeout=300)
 
 
+def report(records: list[dict]) -> str:
+    """A markdown table of load records (one JSON line each), each with its ratio to the nearest record
+    labelled 'before...' (measured next to it on the same machine)."""
+    head = ("| label | tok/s | x before | TTFT p50 s | TTFT p99 s | e2e p50 s | errors | idle CPU (cores) "
+            "| CPU s under load | load avg before -> after |\n|" + " --- |" * 10)
+    rows = [head]
+    befores = [i for i, r in enumerate(records) if r["label"].startswith("before")]
+    for i, r in enumerate(records):
+        base = records[min(befores, key=lambda b: abs(b - i))] if befores else None
+        ratio = f"{r['output_tok_s'] / base['output_tok_s']:.2f}" if base else "-"
+        idle = ", ".join(f"{k} {v:.3f}" for k, v in r.get("idle_cpu_core_fraction", {}).items())
+        busy = ", ".join(f"{k} {v}" for k, v in r.get("cpu_s_during_load", {}).items())
+        rows.append(f"| {r['label']} | {r['output_tok_s']} | {ratio} | {r['ttft_p50_s']} | {r['ttft_p99_s']} | "
+                    f"{r['e2e_p50_s']} | {r['errors']} | {idle} | {busy} | "
+                    f"{r['loadavg_before'][0]:.1f} -> {r['loadavg_after'][0]:.1f} |")
+    return "\n".join(rows) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("topology", nargs="?", type=Path, help="topology to bring up (e.g. examples/local.yaml)")
@@ -161,7 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--idle-s", type=float, default=10.0, help="seconds of idle CPU measurement before the load")
     p.add_argument("--label", default="", help="a name for this run in the JSON (e.g. before/after)")
     p.add_argument("--out", type=Path, help="append the result as one JSON line to this file")
+    p.add_argument("--logs", type=Path, help="copy the cluster's logs here after the run")
+    p.add_argument("--report", type=Path, help="print a markdown table of the JSON lines in this file and exit")
     a = p.parse_args(argv)
+    if a.report:
+        print(report([json.loads(line) for line in a.report.read_text().splitlines() if line.strip()]), end="")
+        return 0
     if (a.topology is None) == (a.url is None):
         p.error("give either a topology file or --url")
     load = lambda url: asyncio.run(run_load(url, a.requests, a.concurrency, a.max_tokens, a.prompt_chars))  # noqa: E731
@@ -192,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
                 down = _cli(home, "down", "--timeout", "10")
                 if down.returncode != 0:
                     print(down.stdout + down.stderr, file=sys.stderr)
+                if a.logs:
+                    shutil.copytree(path.parent / "run", a.logs, dirs_exist_ok=True)
     record = {"label": a.label, "topology": str(a.topology or a.url), **asdict(result),
               "idle_cpu_core_fraction": idle, "idle_s": a.idle_s if idle else 0, "cpu_s_during_load": busy}
     print(json.dumps(record, indent=1))

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from .request import Failed, Req, ReqState
+from .request import Failed, Outbox, Req, ReqState
 from .runner import ModelRunner
 from .window import Window
 
@@ -75,6 +75,7 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.reqs: dict[str, Req] = {}
         self.fatal: str | None = None
+        self._outbox = Outbox()
         self.on_death: Callable[[str], None] = lambda reason: None
 
     def start(self) -> None:
@@ -104,6 +105,7 @@ class Engine:
             while not self._stop.is_set():
                 drained = self._drain()
                 worked = self.step()
+                self._outbox.flush()
                 if not (drained or worked):
                     self._wait_for_work()
         except BaseException as exc:   # the engine is dead: fail every request loudly, never hang them
@@ -111,6 +113,7 @@ class Engine:
             self.fatal = f"engine thread died: {exc!r}"
             for req in list(self.reqs.values()):
                 req.emit(Failed(500, f"{self.fatal}; the worker restarts, retry the request"))
+            self._outbox.flush()
             self.reqs.clear()
             self.on_death(self.fatal)
 
@@ -125,10 +128,6 @@ class Engine:
             for req in reqs:
                 if req.state not in (ReqState.FINISHED, ReqState.ABORTED):
                     self.fail(req, 500, f"the engine failed this request: {exc!r}")
-
-    def wake(self) -> None:
-        """Make an idle loop run a step now (state it reads changed outside the engine thread)."""
-        self._inbox.put(("call", lambda: None))
 
     def pending(self) -> bool:
         """Role hook: whether something needs polling (a request in flight, a deadline)."""
@@ -154,6 +153,7 @@ class Engine:
     def _handle(self, item) -> None:
         kind, payload = item
         if kind == "submit":
+            payload.emit = self._outbox.wrap(payload.emit)
             self.reqs[payload.rid] = payload
             self.stats.requests += 1
             self.on_submit(payload)

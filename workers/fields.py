@@ -136,7 +136,12 @@ GENERATE: dict[str, Rule] = {
     "background": _off("the embedded engine answers in the foreground only"),
     "require_reasoning": _off(_REASONING), "max_thinking_tokens": _off(_REASONING),
     "return_bytes": _off(_EXTRA), "return_entropy": _off(_EXTRA),
+    # not SGLang's: its Rust router adds it to /generate, and SGLang's server ignores unknown fields there
+    "model": ANY,
 }
+
+# Fields above that the SGLang class lacks but SGLang's own router sends (see GENERATE's "model").
+ROUTER_EXTRAS = {"GenerateReqInput": frozenset({"model"})}
 
 SAMPLING: dict[str, Rule] = {
     **{k: _SHARED[k] for k in ("frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias",

@@ -24,6 +24,7 @@ class _SGLangBody(_Body):
     """A body whose SGLang fields outside the declared ones are checked against `fields.RULES`."""
 
     RULES: ClassVar[dict[str, fields.Rule]] = {}
+    SGLANG: ClassVar[str] = ""          # the SGLang class whose fields this body takes
 
     @model_validator(mode="before")
     @classmethod
@@ -99,6 +100,7 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(_OpenAISampling):
     RULES: ClassVar = fields.CHAT
+    SGLANG: ClassVar = "ChatCompletionRequest"
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     continue_final_message: bool = False  # continue a final assistant message (the router's stream migration)
@@ -113,6 +115,7 @@ class ChatCompletionRequest(_OpenAISampling):
 
 class CompletionRequest(_OpenAISampling):
     RULES: ClassVar = fields.COMPLETION
+    SGLANG: ClassVar = "CompletionRequest"
     prompt: str | list[int] = Field(min_length=1)
     max_tokens: int = Field(default=16, ge=1)     # SGLang's and OpenAI's default for completions
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
@@ -121,6 +124,7 @@ class CompletionRequest(_OpenAISampling):
 
 class GenerateSampling(_SGLangBody):
     RULES: ClassVar = fields.SAMPLING
+    SGLANG: ClassVar = "SamplingParams"
     max_new_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -138,6 +142,7 @@ class GenerateSampling(_SGLangBody):
 
 class GenerateRequest(Bootstrap):
     RULES: ClassVar = fields.GENERATE
+    SGLANG: ClassVar = "GenerateReqInput"
     text: str | None = None
     input_ids: list[int] | None = None
     sampling_params: GenerateSampling = Field(default_factory=GenerateSampling)

@@ -96,10 +96,45 @@ class Req:
         return None
 
 
-def loop_emitter(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> Callable[[Event], None]:
-    """An `emit` for engine threads: puts events on `queue`, owned by `loop`."""
+class LoopEmitter:
+    """An `emit` for engine threads: puts events on `queue`, owned by `loop`.
 
-    def emit(event: Event) -> None:
-        loop.call_soon_threadsafe(queue.put_nowait, event)
+    Called directly it hops one event onto the loop; an engine batches the events of one step
+    (`Outbox`) so that a decode step over B requests wakes the server's loop once, not B times.
+    """
 
-    return emit
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
+        self.loop, self.queue = loop, queue
+
+    def __call__(self, event: Event) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+
+def loop_emitter(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> LoopEmitter:
+    return LoopEmitter(loop, queue)
+
+
+class Outbox:
+    """Events an engine step emitted, delivered together when the step ends (engine thread only)."""
+
+    def __init__(self) -> None:
+        self._items: list[tuple[Callable[[Event], None], Event]] = []
+
+    def wrap(self, emit: Callable[[Event], None]) -> Callable[[Event], None]:
+        return lambda event: self._items.append((emit, event))
+
+    def flush(self) -> None:
+        items, self._items = self._items, []
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Event]]] = {}
+        for emit, event in items:
+            if isinstance(emit, LoopEmitter):
+                by_loop.setdefault(emit.loop, []).append((emit.queue, event))
+            else:
+                emit(event)
+        for loop, batch in by_loop.items():
+            loop.call_soon_threadsafe(_deliver, batch)
+
+
+def _deliver(batch: list[tuple[asyncio.Queue, Event]]) -> None:
+    for queue, event in batch:
+        queue.put_nowait(event)

@@ -100,7 +100,7 @@ class WorkerServer:
         try:
             req = model.model_validate(body)
         except ValidationError as exc:
-            raise BadRequest("; ".join(_describe(e, model.__name__) for e in exc.errors())) from None
+            raise BadRequest("; ".join(_describe(e, model.SGLANG) for e in exc.errors())) from None
         a = self.args
         try:
             if kind == "chat":

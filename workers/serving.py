@@ -17,6 +17,9 @@ from fastapi import FastAPI
 GRACEFUL_SHUTDOWN_S = 5.0   # open connections get this long after SIGTERM
 
 
+KEEP_ALIVE_S = 65
+
+
 class _Server(uvicorn.Server):
     """uvicorn server whose signal handling is left to `serve_all` (several servers, one process)."""
 
@@ -30,8 +33,12 @@ class _Server(uvicorn.Server):
 
 async def serve_all(apps: list[tuple[FastAPI, str, int]], log_level: str) -> None:
     """Serve several apps in this event loop until SIGTERM/SIGINT, then shut all of them down."""
+    # Idle keep-alive connections outlive the clients' pools (httpx drops them after 5 s): with
+    # uvicorn's default of 5 s too, a client could reuse a connection the server was closing,
+    # and a request failed with a read error under load (seen through the router).
     servers = [_Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                                      timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+                                      timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                                      timeout_keep_alive=KEEP_ALIVE_S))
                for app, host, port in apps]
     loop = asyncio.get_running_loop()
 

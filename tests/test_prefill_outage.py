@@ -1,0 +1,100 @@
+"""A prefill outage under load: decode's KV reservations come back as soon as the failures are known.
+
+The prefill process is killed while chat requests stream through the router; its supervisor restarts
+it after its backoff (an outage of a few seconds). Requests caught by the outage fail, the router aborts
+their decode legs, and decode asks the (restarted) prefill whether any KV can still land in their pages;
+none can, so the pages are freed at once instead of after the quarantine (4 x the transfer timeout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from .cluster_cli import write_topology
+
+pytestmark = pytest.mark.slow
+
+
+def _decode_used(cluster) -> int:
+    info = httpx.get(f"http://127.0.0.1:{cluster.ports['decode']}/server_info", timeout=5).json()
+    return info["internal_states"][0]["num_used_tokens"]
+
+
+def _prefill_pid(cluster) -> int:
+    status = json.loads(cluster.cli("status", "--json").stdout)
+    return next(w["pid"] for w in status["workers"] if w["name"] == "prefill-0")
+
+
+async def _load(url: str, stop: asyncio.Event, results: list[int]) -> None:
+    async def one(client: httpx.AsyncClient, i: int) -> None:
+        body = {"model": "dsv4-tiny", "messages": [{"role": "user", "content": f"outage {i} " * 20}],
+                "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        try:
+            r = await client.post(url + "/v1/chat/completions", json=body)
+            results.append(r.status_code)
+        except httpx.HTTPError:
+            results.append(-1)
+
+    async def worker(client: httpx.AsyncClient, w: int) -> None:
+        i = 0
+        while not stop.is_set():
+            await one(client, w * 10_000 + i)
+            i += 1
+
+    async with httpx.AsyncClient(timeout=60) as client:
+        await asyncio.gather(*(worker(client, w) for w in range(8)))
+
+
+def test_a_prefill_outage_under_load_leaves_decode_kv_at_baseline_soon_after_prefill_returns(tmp_path):
+    cluster = write_topology(tmp_path, context_length=1024)
+    up = cluster.cli("up", str(cluster.topology), "--timeout", "180")
+    try:
+        assert up.returncode == 0, up.stderr + up.stdout
+        baseline = _decode_used(cluster)
+        prefill_health = f"http://127.0.0.1:{cluster.ports['prefill']}/health"
+
+        async def scenario() -> tuple[list[int], float, float]:
+            stop, results = asyncio.Event(), []
+            load = asyncio.create_task(_load(cluster.router_url, stop, results))
+            await asyncio.sleep(3.0)
+            os.kill(_prefill_pid(cluster), signal.SIGKILL)
+            killed = time.monotonic()
+            async with httpx.AsyncClient(timeout=2) as c:
+                await asyncio.sleep(1.0)
+                while True:
+                    try:
+                        if (await c.get(prefill_health)).status_code == 200:
+                            break
+                    except httpx.HTTPError:
+                        pass
+                    assert time.monotonic() - killed < 90, "the prefill was not restarted"
+                    await asyncio.sleep(0.1)
+            back = time.monotonic()
+            await asyncio.sleep(2.0)          # load goes on against the restarted prefill
+            stop.set()
+            await load
+            return results, back - killed, back
+
+        results, outage_s, back = asyncio.run(scenario())
+        assert outage_s >= 3.0, outage_s
+        assert results.count(200) > 0 and any(s != 200 for s in results), results
+        while _decode_used(cluster) > baseline and time.monotonic() - back < 10.0:
+            time.sleep(0.2)
+        assert _decode_used(cluster) == baseline, f"decode still holds KV {time.monotonic() - back:.1f}s after"
+        # requests after the fault are served and checked
+        for i in range(3):
+            r = httpx.post(cluster.router_url + "/v1/chat/completions", timeout=60, json={
+                "model": "dsv4-tiny", "messages": [{"role": "user", "content": f"after {i}"}], "max_tokens": 8,
+                "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 8
+    finally:
+        down = cluster.cli("down", "--timeout", "10")
+        assert down.returncode == 0, down.stderr + down.stdout
