@@ -3,6 +3,7 @@
     dsv4-cluster up FILE [--address A] [--foreground] [--timeout S]
     dsv4-cluster status [--json]
     dsv4-cluster down [--timeout S]
+    dsv4-cluster install-service FILE [--dry-run]   (service.py)
 
 Exit codes: 0 success; 1 the cluster failed (to start, to answer, to stop cleanly); 2 nothing
 was started because the topology or this machine is not fit (every problem is printed).
@@ -19,6 +20,7 @@ from typing import Any
 
 from dsv4_cluster.orchestrator.errors import (
     AlreadyUpError, ClusterStartError, NotUpError, PreflightError, RayClusterError)
+from dsv4_cluster.orchestrator import service
 from dsv4_cluster.orchestrator.options import DownOptions, UpOptions
 from dsv4_cluster.orchestrator.ray_env import prepare_ray_env
 from dsv4_cluster.orchestrator.table import render_table
@@ -47,6 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     dn = sub.add_parser("down", help="stop the router, the workers and the Ray head up started")
     dn.add_argument("--timeout", type=float, default=down_d.timeout_s,
                     help=f"seconds between SIGTERM and SIGKILL (default {down_d.timeout_s:g})")
+    service.add_parser(sub)
     return p
 
 
@@ -131,6 +134,8 @@ def _ray_address(args: argparse.Namespace) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "install-service":
+        return service.main(args)
     prepare_ray_env(_ray_address(args))
     from dsv4_cluster.orchestrator import deployment  # imports Ray: only after prepare_ray_env
 
