@@ -19,6 +19,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from dsv4_cluster.orchestrator.errors import ClusterStartError
 from dsv4_cluster.orchestrator.plan import LaunchPlan
+from dsv4_cluster.orchestrator.prometheus_targets import record_targets
 from dsv4_cluster.orchestrator.supervisor import WorkerSupervisor
 from dsv4_cluster.orchestrator.verification import verify_kernels
 
@@ -108,6 +109,7 @@ class ClusterController:
                 rows.append(ray.get(refs[name], timeout=30))
             except (RayTaskError, RayActorError) as e:
                 rows.append({"name": name, "error": f"supervisor unreachable: {_cause(e)}"})
+        record_targets(self._spec, rows)  # Prometheus file_sd follows the processes
         return {"endpoint": self._spec.endpoint, "workers": rows}
 
     def pids(self) -> list[tuple[str, int]]:
@@ -131,4 +133,5 @@ class ClusterController:
         for actor in self._supervisors.values():
             ray.kill(actor)
         self._supervisors.clear()
+        record_targets(self._spec, final)
         return {"endpoint": self._spec.endpoint, "workers": final}

@@ -1,0 +1,88 @@
+"""The Prometheus side without a cluster: the generated config and the alert rules pass promtool,
+the rules' unit tests pass, and the file_sd targets follow the processes as the controller sees them."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import yaml
+
+from dsv4_cluster import metric_names
+from dsv4_cluster.deploy import path as deploy_path
+from dsv4_cluster.orchestrator.controller import ClusterSpec
+from dsv4_cluster.orchestrator.plan import cluster_plans
+from dsv4_cluster.orchestrator.prometheus_config import rules_path, write_config
+from dsv4_cluster.orchestrator.prometheus_targets import record_targets, targets_dir
+from dsv4_cluster.orchestrator.topology import load_topology
+
+from .cluster_cli import write_topology
+from .deploy_tools import require_tool
+
+
+def _promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([require_tool("promtool"), *args], capture_output=True, text=True,
+                          timeout=120, cwd=cwd)
+
+
+def test_rules_pass_check_and_their_unit_tests() -> None:
+    check = _promtool("check", "rules", str(rules_path()))
+    assert check.returncode == 0 and "SUCCESS: 9 rules found" in check.stdout, check.stdout + check.stderr
+    tests = _promtool("test", "rules", "alerts_test.yml", cwd=deploy_path("prometheus"))
+    assert tests.returncode == 0 and "SUCCESS" in tests.stdout, tests.stdout + tests.stderr
+
+
+def test_every_alert_has_a_unit_test_and_known_metric_names() -> None:
+    rules = yaml.safe_load(rules_path().read_text())["groups"][0]["rules"]
+    tested = {t["alertname"] for case in yaml.safe_load(deploy_path("prometheus", "alerts_test.yml").read_text())["tests"]
+              for t in case["alert_rule_test"] if t["exp_alerts"]}
+    assert {r["alert"] for r in rules} == tested  # each alert is shown firing at least once
+    known = {v for k, v in vars(metric_names).items() if k.isupper() and isinstance(v, str)}
+    known |= {n for k, v in vars(metric_names).items() if k.isupper() and isinstance(v, tuple) for n in v}
+    for rule in rules:
+        for name in re.findall(r"(sglang:\w+|dsv4_\w+)", rule["expr"]):
+            assert name.removesuffix("_bucket") in known, f"{rule['alert']}: {name} is not in metric_names"
+
+
+def test_generated_config_passes_promtool(tmp_path: Path) -> None:
+    cluster = write_topology(tmp_path)
+    topology = load_topology(cluster.topology)
+    config = write_config(topology)
+    check = _promtool("check", "config", str(config))
+    assert check.returncode == 0 and "SUCCESS" in check.stdout, check.stdout + check.stderr
+    data = yaml.safe_load(config.read_text())
+    assert [j["job_name"] for j in data["scrape_configs"]] == ["dsv4-router", "dsv4-workers", "dsv4-orchestrator"]
+    assert data["rule_files"] == [str(rules_path())]
+    for name in ("router.json", "workers.json", "orchestrator.json"):  # empty until `up` fills them
+        assert json.loads((targets_dir(topology.run_dir_path) / name).read_text()) == []
+
+
+def test_targets_follow_the_processes(tmp_path: Path) -> None:
+    cluster = write_topology(tmp_path)
+    topology = load_topology(cluster.topology)
+    workers, router = cluster_plans(topology)
+    spec = ClusterSpec(namespace="t", endpoint="e", workers=tuple(workers), router=router,
+                       node_addresses=(("local", "127.0.0.1"),))
+    tdir = targets_dir(topology.run_dir_path)
+
+    def rows(**states: str) -> list[dict[str, str]]:
+        return [{"name": n, "state": states.get(n.replace("-", "_"), "READY")}
+                for n in ("prefill-0", "decode-0", "router")]
+
+    record_targets(spec, rows(decode_0="FAILED"))  # a FAILED worker stays a target: its alert must fire
+    workers_file = json.loads((tdir / "workers.json").read_text())
+    assert workers_file == [
+        {"targets": [f"127.0.0.1:{cluster.ports['prefill']}"],
+         "labels": {"worker": "prefill-0", "role": "prefill", "node": "local"}},
+        {"targets": [f"127.0.0.1:{cluster.ports['decode']}"],
+         "labels": {"worker": "decode-0", "role": "decode", "node": "local"}}]
+    assert json.loads((tdir / "router.json").read_text()) == [
+        {"targets": [f"127.0.0.1:{cluster.ports['router']}"],
+         "labels": {"worker": "router", "role": "router", "node": "local"}}]
+    record_targets(spec, rows(decode_0="STOPPED"))  # drained / stopped on purpose: gone
+    assert [e["labels"]["worker"] for e in json.loads((tdir / "workers.json").read_text())] == ["prefill-0"]
+    record_targets(spec, rows(prefill_0="STOPPED", decode_0="STOPPED", router="STOPPED"))  # down
+    assert json.loads((tdir / "workers.json").read_text()) == []
+    assert json.loads((tdir / "router.json").read_text()) == []
