@@ -4,6 +4,7 @@
     dsv4-cluster status [--json]
     dsv4-cluster down [--timeout S]
     dsv4-cluster install-service FILE [--dry-run]   (service.py)
+    dsv4-cluster monitor up|down FILE                (monitor.py)
 
 Exit codes: 0 success; 1 the cluster failed (to start, to answer, to stop cleanly); 2 nothing
 was started because the topology or this machine is not fit (every problem is printed).
@@ -20,7 +21,7 @@ from typing import Any
 
 from dsv4_cluster.orchestrator.errors import (
     AlreadyUpError, ClusterStartError, NotUpError, PreflightError, RayClusterError)
-from dsv4_cluster.orchestrator import service
+from dsv4_cluster.orchestrator import monitor, service
 from dsv4_cluster.orchestrator.options import DownOptions, UpOptions
 from dsv4_cluster.orchestrator.ray_env import prepare_ray_env
 from dsv4_cluster.orchestrator.table import render_table
@@ -50,6 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     dn.add_argument("--timeout", type=float, default=down_d.timeout_s,
                     help=f"seconds between SIGTERM and SIGKILL (default {down_d.timeout_s:g})")
     service.add_parser(sub)
+    monitor.add_parser(sub)
     return p
 
 
@@ -136,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "install-service":
         return service.main(args)
+    if args.command == "monitor":
+        return monitor.main(args)
     prepare_ray_env(_ray_address(args))
     from dsv4_cluster.orchestrator import deployment  # imports Ray: only after prepare_ray_env
 
