@@ -136,7 +136,7 @@ def up(topology: Any, options: MonitorOptions) -> MonitorRecord:
     host = options.host
     write_job(run_dir, "dsv4-orchestrator", [{"targets": [f"{host}:{options.exporter_port}"],
                                               "labels": {"worker": "orchestrator", "role": "orchestrator",
-                                                         "node": topology.router.node}}])
+                                                         "node": str(topology.router.node)}}])
     logs = run_dir / "logs"
     started: list[subprocess.Popen[bytes]] = []
     try:

@@ -21,6 +21,7 @@ from dsv4_cluster.orchestrator.prometheus_targets import JOB_FILES, targets_dir,
 
 RULES = ("prometheus", "alerts.yml")
 CONFIG_FILE = "prometheus.yml"
+HONOR_LABELS = ("dsv4-router", "dsv4-orchestrator")
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,9 @@ def scrape_config(run_dir: str | Path, cluster_name: str, options: ScrapeOptions
     jobs = [{
         "job_name": job,
         "metrics_path": "/metrics",
+        # The router's and the exporter's series carry their own worker/role labels (per worker);
+        # the target's worker/role fill in only where a series has none (e.g. `up`).
+        "honor_labels": job in HONOR_LABELS,
         "file_sd_configs": [{"files": [str(tdir / name)], "refresh_interval": options.file_sd_refresh}],
     } for job, name in JOB_FILES.items()]
     return {

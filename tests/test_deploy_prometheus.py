@@ -4,13 +4,11 @@ the rules' unit tests pass, and the file_sd targets follow the processes as the 
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 from pathlib import Path
 
 import yaml
 
-from dsv4_cluster import metric_names
 from dsv4_cluster.deploy import path as deploy_path
 from dsv4_cluster.orchestrator.controller import ClusterSpec
 from dsv4_cluster.orchestrator.plan import cluster_plans
@@ -20,6 +18,7 @@ from dsv4_cluster.orchestrator.topology import load_topology
 
 from .cluster_cli import write_topology
 from .deploy_tools import require_tool
+from .prometheus_api import known_metric_names, metric_names_in
 
 
 def _promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -39,11 +38,10 @@ def test_every_alert_has_a_unit_test_and_known_metric_names() -> None:
     tested = {t["alertname"] for case in yaml.safe_load(deploy_path("prometheus", "alerts_test.yml").read_text())["tests"]
               for t in case["alert_rule_test"] if t["exp_alerts"]}
     assert {r["alert"] for r in rules} == tested  # each alert is shown firing at least once
-    known = {v for k, v in vars(metric_names).items() if k.isupper() and isinstance(v, str)}
-    known |= {n for k, v in vars(metric_names).items() if k.isupper() and isinstance(v, tuple) for n in v}
+    known = known_metric_names()
     for rule in rules:
-        for name in re.findall(r"(sglang:\w+|dsv4_\w+)", rule["expr"]):
-            assert name.removesuffix("_bucket") in known, f"{rule['alert']}: {name} is not in metric_names"
+        for name in metric_names_in(rule["expr"]):
+            assert name in known, f"{rule['alert']}: {name} is not in metric_names"
 
 
 def test_generated_config_passes_promtool(tmp_path: Path) -> None:
