@@ -84,3 +84,33 @@ def test_targets_follow_the_processes(tmp_path: Path) -> None:
     record_targets(spec, rows(prefill_0="STOPPED", decode_0="STOPPED", router="STOPPED"))  # down
     assert json.loads((tdir / "workers.json").read_text()) == []
     assert json.loads((tdir / "router.json").read_text()) == []
+
+
+def test_exporter_reports_each_state_and_restarts() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from dsv4_cluster.orchestrator.exporter import families
+
+    class Rows:
+        def __init__(self, rows: list[dict[str, object]] | None) -> None:
+            self.rows = rows
+
+        def collect(self):  # type: ignore[no-untyped-def]
+            return families(self.rows)
+
+    def exposition(rows: list[dict[str, object]] | None) -> str:
+        registry = CollectorRegistry()
+        registry.register(Rows(rows))
+        return generate_latest(registry).decode()
+
+    text = exposition([
+        {"name": "decode-0", "role": "decode", "node": "local", "state": "FAILED", "restarts": 4},
+        {"name": "router", "error": "supervisor unreachable"},  # no state: no series
+    ])
+    assert "dsv4_cluster_controller_up 1.0" in text
+    assert 'dsv4_cluster_worker_state{node="local",role="decode",state="FAILED",worker="decode-0"} 1.0' in text
+    assert 'dsv4_cluster_worker_state{node="local",role="decode",state="READY",worker="decode-0"} 0.0' in text
+    assert 'dsv4_cluster_worker_restarts_total{node="local",role="decode",worker="decode-0"} 4.0' in text
+    assert 'worker="router"' not in text
+    down = exposition(None)
+    assert "dsv4_cluster_controller_up 0.0" in down and "dsv4_cluster_worker_state{" not in down
