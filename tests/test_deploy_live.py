@@ -129,6 +129,11 @@ def test_targets_rules_and_every_panel_query_against_the_live_cluster(live: Live
     for rule in rules:
         assert rule["health"] == "ok" and not rule.get("lastError"), rule
 
+    # The embedded workers export SGLang's names (one dashboard for both engines).
+    for name in (*m.WORKER_GAUGES, *m.WORKER_COUNTERS, *m.WORKER_HISTOGRAMS):
+        series = prom.query(f'count by (worker) ({{__name__=~"{name}|{name}_bucket"}})')
+        assert {r["metric"]["worker"] for r in series} == {"prefill-0", "decode-0"}, name
+
     # The exporter measures the supervisors' states (READY: 1, every other state 0).
     states = {r["metric"]["worker"]: r["metric"]["state"] for r in prom.query(f"{m.CLUSTER_WORKER_STATE} == 1")}
     assert states == {"prefill-0": "READY", "decode-0": "READY", "router": "READY"}

@@ -114,3 +114,19 @@ def test_exporter_reports_each_state_and_restarts() -> None:
     assert 'worker="router"' not in text
     down = exposition(None)
     assert "dsv4_cluster_controller_up 0.0" in down and "dsv4_cluster_worker_state{" not in down
+
+
+def test_worker_metric_names_are_sglangs_own() -> None:
+    """metric_names' worker names are SGLang 0.5.23's, read from its metrics collector's source."""
+    import importlib.util
+
+    import pytest
+
+    from dsv4_cluster import metric_names as m
+
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or spec.origin is None:
+        pytest.skip("sglang is not installed (pip install --no-deps sglang==0.5.23 to run this check)")
+    source = (Path(spec.origin).parent / "srt" / "observability" / "metrics_collector.py").read_text()
+    for name in (*m.WORKER_GAUGES, *m.WORKER_COUNTERS, *m.WORKER_HISTOGRAMS):
+        assert f'name="{name}"' in source, f"SGLang 0.5.23 exports no {name}"
