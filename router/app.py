@@ -1,7 +1,8 @@
-"""`build_app(settings)`: the router's FastAPI app, one APIRouter per concern.
+"""`build_app(settings)`: the router's ASGI app.
 
-The upstream httpx client is created and closed in the lifespan; `trust_env=False` keeps proxy
-variables of the environment from redirecting worker traffic.
+The three generation routes are served as plain ASGI (`generation.py`); everything else (health, models,
+metrics, admin) by a FastAPI app with one APIRouter per concern. The upstream connections, the health
+checks and the background tasks are created and closed in the FastAPI app's lifespan.
 """
 
 from __future__ import annotations
@@ -9,14 +10,16 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
-import httpx
 from fastapi import FastAPI
 
+from .admin_api import admin_router
 from .errors import install_error_handlers
+from .generation import is_generation, serve_generation
+from .health import HealthChecker
 from .meta_api import meta_router
-from .openai_api import generation_router
+from .metrics import RouterMetrics
 from .pool import WorkerPool
 from .settings import RouterSettings
 from .state import RouterState
@@ -26,29 +29,43 @@ from .upstream import Upstream
 log = logging.getLogger(__name__)
 
 
-def build_app(settings: RouterSettings) -> FastAPI:
+class RouterApp:
+    """Generation POSTs to `serve_generation`, the rest (and the lifespan) to the FastAPI app."""
+
+    def __init__(self, api: FastAPI) -> None:
+        self.api = api
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and is_generation(scope):
+            await serve_generation(self.api.state.router, scope, receive, send)
+        else:
+            await self.api(scope, receive, send)
+
+
+def build_app(settings: RouterSettings) -> RouterApp:
     pool = WorkerPool(settings)
+    metrics = RouterMetrics(pool)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        timeout = httpx.Timeout(settings.request_timeout_s, connect=settings.connect_timeout_s,
-                                pool=settings.connect_timeout_s)
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
-            tasks = TaskSet()
-            upstream = Upstream(client, settings.request_timeout_s, abort_timeout_s=settings.connect_timeout_s)
-            app.state.router = RouterState(settings, pool, upstream, tasks, created=int(time.time()))
-            log.info("router for %r serving on http://%s:%d (prefill: %s; decode: %s)", settings.model_name,
-                     settings.host, settings.port, [w.name for w in pool.prefill], [w.name for w in pool.decode])
-            if not pool.ready:
-                log.warning("router has no prefill or no decode worker: /health is 503 until it has both")
-            try:
-                yield
-            finally:
-                await tasks.aclose()
+        tasks = TaskSet()
+        upstream = Upstream(pool, settings, metrics)
+        app.state.router = RouterState(settings, pool, upstream, tasks, metrics, created=int(time.time()))
+        log.info("router for %r serving on http://%s:%d (prefill: %s; decode: %s)", settings.model_name,
+                 settings.host, settings.port, [w.name for w in pool.prefill], [w.name for w in pool.decode])
+        if not pool.ready:
+            log.warning("router has no prefill or no decode worker: /health is 503 until it has both")
+        if settings.admin_token is None:
+            log.info("no admin_token in the settings: the admin API answers 403")
+        tasks.spawn(HealthChecker(pool, upstream, settings).run(), name="health-checks")
+        try:
+            yield
+        finally:
+            await tasks.aclose()
+            upstream.close()
 
-    app = FastAPI(title="dsv4-cluster router", lifespan=lifespan)
-    install_error_handlers(app)
-    app.include_router(generation_router())
-    app.include_router(meta_router())
-    return app
+    api = FastAPI(title="dsv4-cluster router", lifespan=lifespan)
+    install_error_handlers(api)
+    api.include_router(meta_router())
+    api.include_router(admin_router())
+    return RouterApp(api)

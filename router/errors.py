@@ -7,6 +7,7 @@ Streams that already sent their 200 carry the same body as an SSE event (see `re
 
 from __future__ import annotations
 
+import json
 import logging
 
 from fastapi import FastAPI, Request
@@ -27,13 +28,16 @@ class RouterError(Exception):
 
     status: int = 500
     type_: str = "internal_error"
+    headers: dict[str, str] | None = None
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, retryable: bool = False, code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
+        self.retryable = retryable  # the worker cannot have started the request: another pair may take it
+        self.code = code
 
     def body(self) -> dict:
-        return error_body(self.message, self.type_, self.status)
+        return error_body(self.message, self.type_, self.code or self.status)
 
 
 class InvalidRequest(RouterError):
@@ -43,11 +47,51 @@ class InvalidRequest(RouterError):
     type_ = "invalid_request_error"
 
 
+class BodyTooLarge(RouterError):
+    """The request body is over the router's `max_body_bytes`."""
+
+    status = 413
+    type_ = "invalid_request_error"
+
+
+class ModelNotFound(RouterError):
+    """The request names a model this router does not serve (OpenAI's 404 `model_not_found`)."""
+
+    status = 404
+    type_ = "invalid_request_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="model_not_found")
+
+
 class NoWorkers(RouterError):
-    """A pool the request needs is empty."""
+    """A pool the request needs has no eligible worker; the client may retry after a moment."""
 
     status = 503
     type_ = "service_unavailable"
+    headers = {"Retry-After": "1"}
+
+
+class UnknownWorker(RouterError):
+    """An admin request names a worker the router does not have."""
+
+    status = 404
+    type_ = "not_found_error"
+
+
+class Unauthorized(RouterError):
+    """A protected route was called without the right bearer token."""
+
+    status = 401
+    type_ = "authentication_error"
+    headers = {"WWW-Authenticate": "Bearer"}
+
+
+class Forbidden(RouterError):
+    """A route that is closed on this router (the admin API without a configured admin token)."""
+
+    status = 403
+    type_ = "permission_error"
 
 
 class UpstreamUnreachable(RouterError):
@@ -75,10 +119,18 @@ class UpstreamFailed(RouterError):
         self.type_ = "invalid_request_error" if 400 <= status < 500 else "upstream_error"
 
 
+def error_response(exc: RouterError) -> tuple[int, bytes, str, dict[str, str] | None]:
+    """Status, body, content type and headers of the error response for `exc` (logged when it is the
+    router's or a worker's fault)."""
+    if exc.status >= 500:
+        log.warning("%s (%d): %s", type(exc).__name__, exc.status, exc.message)
+    return exc.status, json.dumps(exc.body()).encode(), "application/json", exc.headers
+
+
 def _router_error(_: Request, exc: RouterError) -> JSONResponse:
     if exc.status >= 500:
         log.warning("%s (%d): %s", type(exc).__name__, exc.status, exc.message)
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

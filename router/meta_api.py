@@ -1,13 +1,17 @@
-"""Endpoints the router answers itself: `/health` and `/v1/models`.
+"""Endpoints the router answers itself: `/health`, `/v1/models` (API key checked) and `/metrics`.
 
-`/health` reports the router's own readiness (it has a prefill and a decode worker to pair); it does
-not probe the workers, so a load balancer polling it never adds load to them.
+`/health` follows the pool: 200 while at least one prefill and one decode worker are eligible (READY,
+not drained, passing the router's health checks), else 503. It reads the pool's standing and probes
+nothing itself, so a load balancer polling it never adds load to the workers.
 """
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from .admission import check_key
 
 from .state import RouterState
 
@@ -22,8 +26,8 @@ def meta_router() -> APIRouter:
         body = {
             "status": "ok" if pool.ready else "no_workers",
             "model": state.settings.model_name,
-            "prefill": [w.name for w in pool.prefill],
-            "decode": [w.name for w in pool.decode],
+            "prefill": [w.name for w in pool.prefill if w.eligible],
+            "decode": [w.name for w in pool.decode if w.eligible],
             "background_tasks": len(state.tasks),
         }
         return JSONResponse(body, status_code=200 if pool.ready else 503)
@@ -31,8 +35,14 @@ def meta_router() -> APIRouter:
     @api.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         state: RouterState = request.app.state.router
-        model = {"id": state.settings.model_name, "object": "model", "created": state.created,
-                 "owned_by": "dsv4-cluster"}
-        return JSONResponse({"object": "list", "data": [model]})
+        check_key(request.scope, state.settings.api_keys)
+        names = [state.settings.model_name, *state.settings.model_aliases]
+        data = [{"id": n, "object": "model", "created": state.created, "owned_by": "dsv4-cluster"} for n in names]
+        return JSONResponse({"object": "list", "data": data})
+
+    @api.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        state: RouterState = request.app.state.router
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return api

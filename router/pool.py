@@ -1,58 +1,53 @@
-"""The worker pools and how one prefill/decode pair is picked for a request.
-
-Round-robin over each pool independently; the full router replaces this with load- and
-health-aware policies, behind the same `pick()`.
-"""
+"""The worker pools and how one prefill/decode pair is picked: eligible workers only, by each role's policy."""
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass
-from typing import Iterator
-
-from .errors import NoWorkers
+from .errors import NoWorkers, UnknownWorker
+from .policies import Chooser
 from .settings import RouterSettings
-
-
-@dataclass(frozen=True)
-class Worker:
-    """One upstream server. `bootstrap_host` is set for prefill workers only."""
-
-    role: str
-    name: str
-    url: str
-    bootstrap_host: str | None = None
-    bootstrap_port: int | None = None
-
-    def describe(self) -> str:
-        return f"{self.role} worker {self.name!r} at {self.url}"
-
-
-@dataclass(frozen=True)
-class Pair:
-    prefill: Worker
-    decode: Worker
+from .worker import Pair, Worker
 
 
 class WorkerPool:
-    """Prefill and decode workers from the settings, picked round-robin."""
+    """Prefill and decode workers from the settings."""
 
     def __init__(self, settings: RouterSettings) -> None:
-        self.prefill = tuple(
-            Worker("prefill", p.name, p.url, p.bootstrap_host, p.bootstrap_port) for p in settings.prefill
-        )
-        self.decode = tuple(Worker("decode", d.name, d.url) for d in settings.decode)
-        self._next_prefill: Iterator[Worker] = itertools.cycle(self.prefill)
-        self._next_decode: Iterator[Worker] = itertools.cycle(self.decode)
+        breaker = {"breaker_failures": settings.breaker_failures, "breaker_cooldown_s": settings.breaker_cooldown_s}
+        self.prefill = tuple(Worker("prefill", p.name, p.url, p.bootstrap_host, p.bootstrap_port, **breaker)
+                             for p in settings.prefill)
+        self.decode = tuple(Worker("decode", d.name, d.url, **breaker) for d in settings.decode)
+        self._by_name = {w.name: w for w in self.workers}
+        self._choosers = {"prefill": Chooser(settings.prefill_policy), "decode": Chooser(settings.decode_policy)}
+
+    @property
+    def workers(self) -> tuple[Worker, ...]:
+        return self.prefill + self.decode
+
+    def worker(self, name: str) -> Worker:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise UnknownWorker(f"the router has no worker named {name!r}; it has {sorted(self._by_name)}") from None
 
     @property
     def ready(self) -> bool:
-        return bool(self.prefill) and bool(self.decode)
+        """At least one eligible prefill and one eligible decode: the router can serve."""
+        return any(w.eligible for w in self.prefill) and any(w.eligible for w in self.decode)
 
-    def pick(self) -> Pair:
-        """The next pair; NoWorkers if either pool is empty."""
-        if not self.prefill:
-            raise NoWorkers("the router has no prefill worker configured; add one under 'prefill' in its settings")
-        if not self.decode:
-            raise NoWorkers("the router has no decode worker configured; add one under 'decode' in its settings")
-        return Pair(next(self._next_prefill), next(self._next_decode))
+    def _choose(self, role: str, workers: tuple[Worker, ...], avoid: frozenset[Worker]) -> Worker:
+        if not workers:
+            raise NoWorkers(f"the router has no {role} worker configured; add one under {role!r} in its settings")
+        eligible = [w for w in workers if w.eligible]
+        if not eligible:
+            raise NoWorkers(f"no {role} worker can take requests now "
+                            f"({'; '.join(w.why_not() for w in workers)}); retry later")
+        fresh = [w for w in eligible if w not in avoid]
+        return self._choosers[role].choose(fresh or eligible)
+
+    def pick(self, avoid: frozenset[Worker] = frozenset()) -> Pair:
+        """The next eligible pair, counted in flight until `release()`; NoWorkers if a pool has none.
+        Workers in `avoid` (those of a failed attempt) are taken only when nothing else is eligible."""
+        pair = Pair(self._choose("prefill", self.prefill, avoid), self._choose("decode", self.decode, avoid))
+        pair.prefill.in_flight += 1
+        pair.decode.in_flight += 1
+        return pair

@@ -1,178 +1,104 @@
-"""One streaming PD exchange: decode's SSE stream relayed to the client, prefill drained beside it.
+"""One streaming answer: D's SSE events relayed to the client as they arrive, on event boundaries.
 
-Lifecycle:
-  1. Start P's leg (drained to the end in a kept background task) and open D's stream, concurrently.
-  2. P fails before D's headers arrive -> abort D; the client gets P's error as a normal error response.
-     D cannot be reached or answers non-2xx -> abort P; the client gets that error / D's status and body.
-  3. Otherwise the client gets D's status and its events one by one, as they arrive.
-  4. P fails while D still streams -> abort D, end the stream with an error event and `data: [DONE]`.
-     D's stream breaks or ends without `[DONE]` -> abort P, end the same way.
-  5. The client disconnects -> abort both legs that are still running.
+  1. The client gets D's status and headers, then D's complete events, batched per chunk read.
+  2. D's `[DONE]` (or an error event D streamed, then its end) ends the stream; an error event aborts P.
+  3. D's stream breaks or ends without `[DONE]` (the decode died): with migrations left
+     (`migration_limit`), `migration.py` continues the stream on a fresh pair from the tokens already sent;
+     otherwise P is aborted and the stream ends with an error event and `data: [DONE]`.
+  4. P fails while D streams: D is aborted, the stream ends with P's error event and `[DONE]`.
+  5. The client leaves: both legs are aborted, nothing more is sent.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-from dataclasses import dataclass
-from typing import AsyncIterator
-
-import httpx
-from fastapi import Response
-from fastapi.responses import StreamingResponse
-from starlette.background import BackgroundTask
+from typing import TYPE_CHECKING
 
 from . import logprobs, sse
+from .attempt import Attempt
 from .errors import RouterError, UpstreamUnreachable
-from .aborts import abort_if_timed_out, abort_leg, abort_prefill
-from .pairing import PairedRequest
-from .tasks import TaskSet
-from .upstream import LegResult, Upstream, transport_error
+from .http_client import Interrupted, UpstreamError
+from .migration import Migration
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from .generation import Flight
 
-
-@dataclass(frozen=True)
-class _End:
-    """The last item of a relay's queue; `error` is emitted as an error event before `[DONE]`."""
-
-    error: RouterError | None
+HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
 
-class StreamRelay:
-    """Moves D's events to the client and ties the two legs' fates together."""
+class StreamBroke(Exception):
+    """D's stream ended without `[DONE]`: the decode worker died or dropped the connection."""
 
-    def __init__(self, upstream: Upstream, tasks: TaskSet, req: PairedRequest,
-                 decode: httpx.Response, prefill: asyncio.Task[LegResult]) -> None:
-        self._upstream, self._tasks, self._req = upstream, tasks, req
-        self._decode, self._prefill = decode, prefill
-        self._queue: asyncio.Queue[bytes | _End] = asyncio.Queue()
-        self._decode_ended = False
-        self._finished = False
-        self._pump = tasks.spawn(self._pump_decode(), name=f"relay-{req.rid}")
-        prefill.add_done_callback(self._prefill_done)
+    def __init__(self, error: RouterError) -> None:
+        super().__init__(error.message)
+        self.error = error
 
-    async def _pump_decode(self) -> None:
+
+async def pump(flight: Flight, attempt: Attempt, migration: Migration) -> None:
+    """Relay D's events until `[DONE]`, whose batch also ends the client's body (one write fewer);
+    raises StreamBroke, Interrupted, or RouterError (timeout)."""
+    state, send = flight.state, flight.send
+    decode, worker = attempt.decode, attempt.req.pair.decode
+    timeout_s = state.upstream.request_timeout_s
+    framer = sse.Framer()
+    merge = None
+    if logprobs.wanted(flight.path, attempt.req.body):
+        prefill = await attempt.prefill_answer()
+        if not prefill.ok:
+            raise Interrupted(prefill.error)
+        merge = logprobs.final_answer(prefill.content)
+    done = False
+    while not done:
         try:
-            prefill_answer = None
-            if logprobs.wanted(self._req.path, self._req.body):
-                prefill = await asyncio.shield(self._prefill)
-                if not prefill.ok:
-                    return  # _prefill_done aborts D and ends the stream
-                prefill_answer = logprobs.final_answer(prefill.content)
-            end = await self._relay_events(prefill_answer)
-        except Exception as exc:
-            self._queue.put_nowait(_End(RouterError(f"router failed relaying rid {self._req.rid}: {exc!r}")))
-            raise
-        finally:
-            await self._decode.aclose()
-        self._queue.put_nowait(end)
-
-    async def _relay_events(self, prefill_answer: object) -> _End:
-        """Queue D's events until its stream ends; how it ended decides whether P is aborted."""
-        decode = self._req.pair.decode
-        end = _End(UpstreamUnreachable(f"{decode.describe()} ended its stream without 'data: [DONE]'"))
-        try:
-            async for event in sse.events(self._decode.aiter_raw()):
-                self._queue.put_nowait(logprobs.merge_event(prefill_answer, event) if prefill_answer else event)
-                if sse.is_done(event) or sse.error_in(event) is not None:
-                    end = _End(None)
+            chunk = await decode.next_chunk(timeout_s)
+        except UpstreamError as exc:
+            error = state.upstream.transport_error(worker, exc)
+            if isinstance(error, UpstreamUnreachable):
+                raise StreamBroke(error) from None
+            raise error from None
+        if chunk is None:
+            raise StreamBroke(UpstreamUnreachable(f"{worker.describe()} ended its stream without 'data: [DONE]'"))
+        events = framer.feed(chunk)
+        if not events:
+            continue
+        if merge is not None:
+            events = [logprobs.merge_event(merge, e) for e in events]
+        out = migration.outgoing(events)
+        if b"[DONE]" in out or b'"error"' in out:
+            for event in events:
                 if sse.error_in(event) is not None:
-                    self._abort_prefill(f"{decode.describe()} streamed an error")
-        except httpx.HTTPError as exc:
-            end = _End(transport_error(decode, exc, self._upstream.request_timeout_s))
-            abort_if_timed_out(self._upstream, self._tasks, decode, self._req, end.error)
-        self._decode_ended = True
-        if end.error is not None:
-            self._abort_prefill(end.error.message)
-        return end
+                    attempt.abort_prefill()
+                done = done or sse.is_done(event)
+        if out or done:
+            flight.token_sent()
+            await send({"type": "http.response.body", "body": out, "more_body": not done})
 
-    def _abort_prefill(self, why: str) -> None:
-        if not self._prefill.done():
-            log.info("rid %s: %s; aborting prefill", self._req.rid, why)
-            abort_leg(self._upstream, self._tasks, self._req.pair.prefill, self._req, self._prefill)
 
-    def _prefill_done(self, task: asyncio.Task[LegResult]) -> None:
-        if task.cancelled():
-            return
-        if task.exception() is not None:
-            error = RouterError(f"router failed draining the prefill leg of rid {self._req.rid}: {task.exception()!r}")
-        elif task.result().error is not None:
-            error = task.result().error
-        else:
-            return
-        abort_if_timed_out(self._upstream, self._tasks, self._req.pair.prefill, self._req, error)
-        if self._decode_ended or self._finished:
-            log.warning("rid %s: decode already finished, but %s", self._req.rid, error.message)
-            return
-        abort_leg(self._upstream, self._tasks, self._req.pair.decode, self._req, self._pump)
-        self._queue.put_nowait(_End(error))
-
-    async def body(self) -> AsyncIterator[bytes]:
-        """The client's stream: D's events, then (on failure) an error event and `[DONE]`."""
+async def relay(flight: Flight, attempt: Attempt) -> None:
+    """Steps 1-5 above; the pair of each attempt is released by its owner."""
+    send = flight.send
+    await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
+    migration = Migration(flight, attempt)
+    while True:
         try:
-            while True:
-                item = await self._queue.get()
-                if isinstance(item, bytes):
-                    yield item
-                    continue
-                self._finished = True
-                if item.error is not None:
-                    yield sse.error_event(item.error.body())
-                    yield sse.DONE
-                return
-        finally:
-            self.release()
-
-    def release(self) -> None:
-        """Called when the client's response ends, however it ends; aborts whatever still runs."""
-        if self._finished:
+            await pump(flight, migration.attempt, migration)
+            migration.attempt.finish()
             return
-        self._finished = True
-        log.info("rid %s: client left mid-stream, aborting both legs", self._req.rid)
-        if not self._pump.done():
-            abort_leg(self._upstream, self._tasks, self._req.pair.decode, self._req, self._pump)
-        self._abort_prefill("client left")
-
-
-async def _open_decode(upstream: Upstream, tasks: TaskSet, req: PairedRequest,
-                       prefill: asyncio.Task[LegResult]) -> httpx.Response:
-    """D's response headers; or the error of the leg that failed first, with the other leg aborted."""
-    pair = req.pair
-    opening = asyncio.create_task(upstream.open_stream(pair.decode, req.path, req.body), name=f"decode-{req.rid}")
-    try:
-        await asyncio.wait({prefill, opening}, return_when=asyncio.FIRST_COMPLETED)
-        if opening.done() or prefill.result().ok:
-            return await opening
-    except BaseException as exc:
-        opening.cancel()
-        abort_if_timed_out(upstream, tasks, pair.decode, req, exc if isinstance(exc, RouterError) else None)
-        abort_prefill(upstream, tasks, req, prefill)
-        raise
-    error = prefill.result().error
-    abort_if_timed_out(upstream, tasks, pair.prefill, req, error)
-    abort_leg(upstream, tasks, pair.decode, req, opening)
-    raise error
-
-
-async def relay(upstream: Upstream, tasks: TaskSet, req: PairedRequest) -> Response:
-    """Run one streaming request: steps 1-3 here, the rest in StreamRelay."""
-    pair = req.pair
-    prefill = tasks.spawn(upstream.call(pair.prefill, req.path, req.body), name=f"prefill-{req.rid}")
-    decode = await _open_decode(upstream, tasks, req, prefill)
-    if not decode.is_success or not decode.headers.get("content-type", "").startswith("text/event-stream"):
-        try:
-            content = await decode.aread()
-        except httpx.HTTPError as exc:
-            abort_prefill(upstream, tasks, req, prefill)
-            raise transport_error(pair.decode, exc, upstream.request_timeout_s) from exc
-        finally:
-            await decode.aclose()
-        if not decode.is_success:
-            abort_prefill(upstream, tasks, req, prefill)
-        return Response(content, status_code=decode.status_code, media_type=decode.headers.get("content-type"))
-    stream = StreamRelay(upstream, tasks, req, decode, prefill)
-    return StreamingResponse(stream.body(), status_code=decode.status_code,
-                             media_type=decode.headers.get("content-type"),
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                             background=BackgroundTask(stream.release))
+        except StreamBroke as broke:
+            migration.attempt.abort_both()
+            if not await migration.next_attempt():
+                await send({"type": "http.response.body", "body": sse.error_event(broke.error.body()) + sse.DONE,
+                            "more_body": True})
+                break
+        except Interrupted as exc:
+            migration.attempt.abort_both()
+            if not isinstance(exc.reason, RouterError):
+                raise  # the client left
+            await send({"type": "http.response.body", "body": sse.error_event(exc.reason.body()) + sse.DONE,
+                        "more_body": True})
+            break
+        except RouterError as error:
+            migration.attempt.abort_both()
+            await send({"type": "http.response.body", "body": sse.error_event(error.body()) + sse.DONE,
+                        "more_body": True})
+            break
+    await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -12,6 +12,8 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .policies import Policy
+
 
 class SettingsError(ValueError):
     """The settings file is missing, not JSON, or does not validate; the message names the field."""
@@ -62,6 +64,28 @@ class RouterSettings(BaseModel):
     decode: list[DecodeEndpoint] = Field(default_factory=list)
     request_timeout_s: float = Field(default=600.0, gt=0)
     connect_timeout_s: float = Field(default=5.0, gt=0)
+    admin_token: str | None = Field(
+        default=None, min_length=16, repr=False,
+        description="bearer token for /admin/*; without one the admin routes answer 403 (docs/router_admin.md)")
+    health_check_interval_s: float = Field(default=2.0, gt=0, description="how often each worker's /health is polled")
+    health_check_timeout_s: float = Field(default=2.0, gt=0)
+    health_failures_to_unhealthy: int = Field(default=2, ge=1,
+                                              description="consecutive failed checks before a worker leaves the pool")
+    model_aliases: list[str] = Field(default_factory=list, description="other names clients may use for the model")
+    api_keys: list[str] = Field(default_factory=list, repr=False,
+                                description="if set, /v1/* and /generate need 'Authorization: Bearer <one of them>'")
+    max_body_bytes: int = Field(default=32 * 2**20, ge=1024, description="larger request bodies get 413")
+    migration_limit: int = Field(default=1, ge=0, description="times a stream whose decode died is continued on "
+                                 "a fresh pair before it ends with an error event")
+    prefill_policy: Policy = "round_robin"
+    decode_policy: Policy = "round_robin"
+    max_retries: int = Field(default=2, ge=0, description="fresh pairs tried after a connection-level failure that "
+                             "happened before the first byte reached the client")
+    breaker_failures: int = Field(default=5, ge=1, description="connection failures in a row that open a worker's "
+                                  "circuit breaker")
+    breaker_cooldown_s: float = Field(default=5.0, gt=0)
+    upstream_keepalive_s: float = Field(default=2.0, gt=0, description="idle upstream connections are dropped after "
+                                        "this; keep it below the workers' keep-alive (uvicorn: 5 s)")
 
     @model_validator(mode="after")
     def _names_unique(self) -> RouterSettings:

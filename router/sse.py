@@ -18,6 +18,31 @@ def error_event(body: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
+class Framer:
+    """Cuts a byte stream into complete events (each ending in a blank line), chunk by chunk."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        buffer = self._buffer + chunk
+        if b"\r" in buffer:
+            buffer = buffer.replace(b"\r\n", b"\n")
+        out = []
+        start = 0
+        while (end := buffer.find(b"\n\n", start)) >= 0:
+            if buffer[start:end].strip():
+                out.append(buffer[start:end + 2])
+            start = end + 2
+        self._buffer = buffer[start:]
+        return out
+
+    def rest(self) -> bytes:
+        """What is left without its blank line (the server closed mid-event)."""
+        rest, self._buffer = self._buffer, b""
+        return rest if rest.strip() else b""
+
+
 async def events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """Re-frame a byte stream into complete events, each ending in a blank line.
 
@@ -46,6 +71,8 @@ def is_done(event: bytes) -> bool:
 
 def error_in(event: bytes) -> dict[str, Any] | None:
     """The `error` object of an error event, or None for any other event."""
+    if b'"error"' not in event:
+        return None
     data = data_of(event).strip()
     if not data.startswith("{"):
         return None

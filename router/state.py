@@ -1,9 +1,10 @@
-"""What one running router holds: settings, pools, the upstream client and its background tasks."""
+"""What one running router holds: settings, pool, the upstream connections, metrics and background tasks."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .metrics import RouterMetrics
 from .pool import WorkerPool
 from .settings import RouterSettings
 from .tasks import TaskSet
@@ -12,10 +13,11 @@ from .upstream import Upstream
 
 @dataclass(frozen=True)
 class RouterState:
-    """Built in the app's lifespan (the httpx client lives there) and kept on `app.state.router`."""
+    """Built in the app's lifespan (the upstream connections live there) and kept on `app.state.router`."""
 
     settings: RouterSettings
     pool: WorkerPool
     upstream: Upstream
     tasks: TaskSet
+    metrics: RouterMetrics
     created: int

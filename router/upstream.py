@@ -1,7 +1,9 @@
-"""HTTP calls to one worker: a full call, an opened stream, and an abort by rid.
+"""Calls to the workers: a whole answer, an opened stream, an abort by rid, a health probe.
 
-Every transport failure becomes a typed RouterError whose message names the worker and its URL,
-so a client (and the operator reading the log) sees which server could not be reached.
+Every transport failure becomes a typed RouterError whose message names the worker by role and name
+(never its internal URL) and says whether the request may be retried on another pair: only when the
+worker cannot have started it (refused connection; a connection lost before any byte of an answer).
+The per-worker circuit breaker (`Worker.record`) hears of every such failure and every success.
 """
 
 from __future__ import annotations
@@ -10,13 +12,13 @@ import asyncio
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any
-
-import httpx
 
 from . import sse
 from .errors import RouterError, UpstreamFailed, UpstreamTimeout, UpstreamUnreachable
-from .pool import Worker
+from .http_client import ConnectFailed, ConnectionLost, Interrupted, Origin, ReadTimeout, Response, UpstreamError
+from .pool import Worker, WorkerPool
+from .metrics import RouterMetrics
+from .settings import RouterSettings
 
 log = logging.getLogger(__name__)
 
@@ -52,70 +54,130 @@ def upstream_message(content: bytes) -> str:
     return json.dumps(parsed)[:500]
 
 
-def transport_error(worker: Worker, exc: Exception, timeout_s: float) -> RouterError:
-    """Map an httpx/asyncio failure to the error the client sees."""
+def transport_error(worker: Worker, exc: UpstreamError, timeout_s: float) -> RouterError:
+    """Map a client failure to the error the client sees; `retryable` when the worker started nothing."""
     where = worker.describe()
-    if isinstance(exc, httpx.ConnectTimeout):
-        return UpstreamUnreachable(f"{where} did not accept a connection in time: {exc!r}")
-    if isinstance(exc, httpx.ConnectError):
-        return UpstreamUnreachable(f"cannot connect to {where}: {exc}")
-    if isinstance(exc, (httpx.TimeoutException, asyncio.TimeoutError)):
+    if isinstance(exc, ConnectFailed):
+        return UpstreamUnreachable(str(exc), retryable=True)
+    if isinstance(exc, ReadTimeout):
         return UpstreamTimeout(f"{where} did not answer within {timeout_s:g} s (request_timeout_s)")
+    if isinstance(exc, ConnectionLost):
+        return UpstreamUnreachable(str(exc), retryable=exc.before_response)
     return UpstreamUnreachable(f"{where} failed mid-request: {type(exc).__name__}: {exc}")
 
 
-class Upstream:
-    """The router's view of the workers over one shared httpx client."""
+def stream_error(result_worker: Worker, content: bytes) -> UpstreamFailed | None:
+    """A drained SSE answer fails if it carries an error event (streams keep HTTP 200)."""
+    if b'"error"' not in content:
+        return None
+    for chunk in content.replace(b"\r\n", b"\n").split(b"\n\n"):
+        error = sse.error_in(chunk)
+        if error is not None:
+            status = error.get("code") if isinstance(error.get("code"), int) else 500
+            return UpstreamFailed(f"{result_worker.describe()} streamed an error: {error.get('message', error)}",
+                                  status)
+    return None
 
-    def __init__(self, client: httpx.AsyncClient, request_timeout_s: float, abort_timeout_s: float) -> None:
-        self.client = client
-        self.request_timeout_s = request_timeout_s
-        self.abort_timeout_s = abort_timeout_s
+
+class Upstream:
+    """The router's connections to every worker of the pool."""
+
+    def __init__(self, pool: WorkerPool, settings: RouterSettings, metrics: RouterMetrics) -> None:
+        self._metrics = metrics
+        self.request_timeout_s = settings.request_timeout_s
+        self.abort_timeout_s = settings.connect_timeout_s
+        self._origins = {w.name: Origin(w.describe(), w.url, settings.connect_timeout_s, settings.upstream_keepalive_s,
+                                        max_idle=256) for w in pool.workers}
+
+    def _record(self, worker: Worker, exc: UpstreamError) -> None:
+        """A connection-level failure counts for the worker's breaker and the metrics; a timeout does not."""
+        if isinstance(exc, (ConnectFailed, ConnectionLost)):
+            worker.record(ok=False)
+            self._metrics.connect_errors.labels(worker.name).inc()
+
+    def transport_error(self, worker: Worker, exc: UpstreamError) -> RouterError:
+        return transport_error(worker, exc, self.request_timeout_s)
 
     def failed(self, worker: Worker, status: int, content: bytes) -> UpstreamFailed:
         return UpstreamFailed(f"{worker.describe()} answered {status}: {upstream_message(content)}", status)
 
-    async def call(self, worker: Worker, path: str, body: dict[str, Any]) -> LegResult:
+    async def send(self, worker: Worker, path: str, body: bytes) -> Response:
+        """POST, returning once the request is written (connecting first if no idle connection is left)."""
+        try:
+            return await self._origins[worker.name].request("POST", path, body)
+        except UpstreamError as exc:
+            self._record(worker, exc)
+            raise transport_error(worker, exc, self.request_timeout_s) from None
+
+    async def wait_head(self, worker: Worker, response: Response) -> None:
+        """Until the status line and headers arrived; closes the response and raises a RouterError if not."""
+        try:
+            await response.wait_head(self.request_timeout_s)
+        except UpstreamError as exc:
+            response.close()
+            self._record(worker, exc)
+            raise transport_error(worker, exc, self.request_timeout_s) from None
+        except BaseException:
+            response.close()
+            raise
+        worker.record(ok=True)
+
+    async def open(self, worker: Worker, path: str, body: bytes) -> Response:
+        """POST and return once the head arrived; the caller must `close()` the response."""
+        response = await self.send(worker, path, body)
+        await self.wait_head(worker, response)
+        return response
+
+    async def call(self, worker: Worker, path: str, body: bytes, response: Response | None = None) -> LegResult:
         """POST and read the whole answer (JSON, or SSE drained to the end); never raises for the leg."""
         try:
-            resp = await asyncio.wait_for(self.client.post(worker.url + path, json=body), self.request_timeout_s)
-        except (httpx.HTTPError, asyncio.TimeoutError) as exc:
-            return LegResult(worker, 0, b"", "", transport_error(worker, exc, self.request_timeout_s))
-        content_type = resp.headers.get("content-type", "")
-        result = LegResult(worker, resp.status_code, resp.content, content_type)
-        if not resp.is_success:
-            return LegResult(worker, resp.status_code, resp.content, content_type,
-                             self.failed(worker, resp.status_code, resp.content))
-        if content_type.startswith("text/event-stream"):
-            return self._check_stream(result)
-        return result
-
-    def _check_stream(self, result: LegResult) -> LegResult:
-        """A drained SSE answer fails if it carries an error event (streams keep HTTP 200)."""
-        for chunk in result.content.replace(b"\r\n", b"\n").split(b"\n\n"):
-            error = sse.error_in(chunk)
-            if error is not None:
-                status = error.get("code") if isinstance(error.get("code"), int) else 500
-                message = f"{result.worker.describe()} streamed an error: {error.get('message', error)}"
-                return LegResult(result.worker, result.status, result.content, result.content_type,
-                                 UpstreamFailed(message, status))
-        return result
-
-    async def open_stream(self, worker: Worker, path: str, body: dict[str, Any]) -> httpx.Response:
-        """POST and return once the status line and headers arrived; the caller must close the response."""
-        request = self.client.build_request("POST", worker.url + path, json=body)
+            response = response or await self.open(worker, path, body)
+        except RouterError as exc:
+            return LegResult(worker, 0, b"", "", exc)
         try:
-            return await self.client.send(request, stream=True)
-        except httpx.HTTPError as exc:
-            raise transport_error(worker, exc, self.request_timeout_s) from exc
+            content = await response.read(self.request_timeout_s)
+        except Interrupted as exc:
+            return LegResult(worker, 0, b"", "", RouterError(f"{worker.describe()}: {exc}"))
+        except UpstreamError as exc:
+            return LegResult(worker, 0, b"", "", transport_error(worker, exc, self.request_timeout_s))
+        finally:
+            response.close()
+        content_type = response.content_type
+        if not response.ok:
+            return LegResult(worker, response.status, content, content_type,
+                             self.failed(worker, response.status, content))
+        if content_type.startswith("text/event-stream"):
+            error = stream_error(worker, content)
+            if error is not None:
+                return LegResult(worker, response.status, content, content_type, error)
+        return LegResult(worker, response.status, content, content_type)
 
     async def abort(self, worker: Worker, rids: tuple[str, ...]) -> None:
         """Best effort `POST /abort_request` for each rid; failures are logged, never raised."""
         for rid in rids:
+            response = None
             try:
-                abort = self.client.post(worker.url + "/abort_request", json={"rid": rid})
-                resp = await asyncio.wait_for(abort, self.abort_timeout_s)
-                if not resp.is_success:
-                    log.warning("abort of %s on %s answered %d", rid, worker.describe(), resp.status_code)
-            except (httpx.HTTPError, asyncio.TimeoutError) as exc:
-                log.warning("abort of %s on %s failed: %r", rid, worker.describe(), exc)
+                response = await self._origins[worker.name].request("POST", "/abort_request",
+                                                                    json.dumps({"rid": rid}).encode())
+                await response.wait_head(self.abort_timeout_s)
+                await response.read(self.abort_timeout_s)
+                if not response.ok:
+                    log.warning("abort of %s on %s answered %d", rid, worker.describe(), response.status)
+            except (UpstreamError, Interrupted) as exc:
+                log.warning("abort of %s on %s failed: %s", rid, worker.describe(), exc)
+            finally:
+                if response is not None:
+                    response.close()
+
+    async def probe(self, worker: Worker, path: str, timeout_s: float) -> tuple[int, bytes]:
+        """GET `path` (health checks); raises UpstreamError or asyncio.TimeoutError."""
+        response = await self._origins[worker.name].request("GET", path)
+        try:
+            await response.wait_head(timeout_s)
+            return response.status, await asyncio.wait_for(response.read(timeout_s), timeout_s)
+        finally:
+            response.close()
+
+    def close(self) -> None:
+        for origin in self._origins.values():
+            origin.close()

@@ -1,0 +1,126 @@
+"""One try of a request on one prefill/decode pair: both legs started together, their fates tied here.
+
+1. P's leg runs to its end in a kept background task (`Upstream.call`); D's request is sent at once
+   beside it (prefill-first deadlocks: P waits for D to reserve KV).
+2. `open_decode` returns D's response once its status line arrived. If P fails first, D is aborted and
+   P's error raised; if D fails first, P is aborted and D's error raised. Either error says whether
+   another pair may take the request (`RouterError.retryable`: the worker cannot have started it).
+3. After that, a P failure interrupts whoever reads D's body (`Interrupted(error)`), so a stream can end
+   with P's error; `abort_both` / `abort_decode` / `abort_prefill` close what still runs and send
+   `POST /abort_request` by rid (both, because each covers a gap of the other: a closed connection makes
+   SGLang abort a request it is still answering; the rid reaches one the router gave up on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import orjson
+
+from .errors import RouterError, UpstreamTimeout
+from .http_client import Interrupted, Response
+from .pairing import PairedRequest
+from .state import RouterState
+from .upstream import LegResult
+
+log = logging.getLogger(__name__)
+
+
+def dumps(body: dict) -> bytes:
+    """JSON bytes of a leg's body: orjson (several times faster); json for what orjson refuses (ints past 64 bits)."""
+    try:
+        return orjson.dumps(body)
+    except TypeError:
+        return json.dumps(body).encode()
+
+
+class Attempt:
+    """Both legs of one PairedRequest."""
+
+    def __init__(self, state: RouterState, req: PairedRequest) -> None:
+        self._state, self.req = state, req
+        self.body = dumps(req.body)
+        self.decode: Response | None = None
+        self.prefill_error: RouterError | None = None
+        self._stop: object = None  # why D's reader must stop: P's error, or the client left
+        self.decode_over = False  # D's part is settled: later P failures only get logged
+        self.prefill = state.tasks.spawn(state.upstream.call(req.pair.prefill, req.path, self.body),
+                                         name=f"prefill-{req.rid}")
+        self.prefill.add_done_callback(self._prefill_done)
+
+    def _prefill_done(self, task: asyncio.Task[LegResult]) -> None:
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is not None:
+            self.prefill_error = RouterError(f"router failed on the prefill leg of rid {self.req.rid}: {error!r}")
+        elif task.result().error is not None:
+            self.prefill_error = task.result().error
+        else:
+            return
+        if isinstance(self.prefill_error, UpstreamTimeout):
+            self._send_abort(self.req.pair.prefill)
+        if self.decode_over:
+            log.warning("rid %s: decode already finished, but %s", self.req.rid, self.prefill_error.message)
+        else:
+            self.interrupt(self.prefill_error)
+
+    def interrupt(self, reason: object) -> None:
+        """Make whoever waits on D raise `Interrupted(reason)` (now, or as soon as D's request is out)."""
+        if self._stop is None:
+            self._stop = reason
+            if self.decode is not None:
+                self.decode.interrupt(reason)
+
+    async def open_decode(self) -> Response:
+        """D's response with its head read; raises the error of whichever leg failed first (the other aborted)."""
+        upstream, decode = self._state.upstream, self.req.pair.decode
+        try:
+            self.decode = await upstream.send(decode, self.req.path, self.body)
+            if self._stop is not None:
+                self.decode.interrupt(self._stop)
+            await upstream.wait_head(decode, self.decode)
+        except Interrupted as exc:
+            if isinstance(exc.reason, RouterError):  # P failed first
+                self.abort_decode()
+                raise exc.reason from None
+            self.abort_both()  # the client left
+            raise
+        except BaseException:
+            self.abort_both()
+            raise
+        return self.decode
+
+    def _send_abort(self, worker) -> None:
+        self._state.metrics.aborts.labels(worker.role).inc()
+        self._state.tasks.spawn(self._state.upstream.abort(worker, self.req.rids),
+                                name=f"abort-{worker.name}-{self.req.rid}")
+
+    def abort_decode(self) -> None:
+        """Close D's response if still open and abort D by rid."""
+        self.decode_over = True
+        if self.decode is None or not self.decode.complete:
+            if self.decode is not None:
+                self.decode.close()
+            self._send_abort(self.req.pair.decode)
+
+    def abort_prefill(self) -> None:
+        """Abort P if it still runs on its worker (in flight, or given up on by a timeout)."""
+        if not self.prefill.done():
+            self.prefill.cancel()  # closes its connection
+            self._send_abort(self.req.pair.prefill)
+
+    def abort_both(self) -> None:
+        self.abort_prefill()
+        self.abort_decode()
+
+    def finish(self) -> None:
+        """D's part ended well: give its connection back; P drains on in the background if it must."""
+        self.decode_over = True
+        if self.decode is not None:
+            self.decode.close()
+
+    async def prefill_answer(self) -> LegResult:
+        return await asyncio.shield(self.prefill)

@@ -1,0 +1,173 @@
+"""The generation routes (`/v1/chat/completions`, `/v1/completions`, `/generate`), served as plain ASGI.
+
+Why plain ASGI: FastAPI's routing, request and response machinery (its StreamingResponse runs a task
+group per response) cost more per request than everything else the router does; the other routes stay
+on FastAPI (`app.py` sends only these three POST paths here).
+
+Lifecycle of one request (a `Flight`):
+  1. Read the body (413 past `max_body_bytes`), check the API key (401), admit it (`admission.py`: 400
+     naming the field, 404 `model_not_found`), all before any worker is touched.
+  2. Pick a pair (503 + Retry-After when a pool has no eligible worker); fresh rid and bootstrap room.
+  3. Both legs at once (`attempt.py`). A connection-level failure before D's status line arrived (refused,
+     reset, closed: the worker cannot have started) aborts both legs by rid and tries a fresh pair, at most
+     `max_retries` times; nothing is retried once a byte went to the client, or on any status a worker sent.
+  4. Not streaming: D's status and body (P's error if P failed first). Streaming: `relay.py`.
+  5. The client leaves at any point: both legs are aborted; nothing is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Awaitable, Callable
+
+from . import logprobs
+from .admission import admit, read_body
+from .attempt import Attempt
+from .errors import RouterError, error_response
+from .http_client import Interrupted, UpstreamError
+from .pairing import pair_request
+from .relay import relay
+from .state import RouterState
+from .worker import Worker
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+PATHS = ("/v1/chat/completions", "/v1/completions", "/generate")
+
+
+class ClientGone:
+    """The reason an attempt is interrupted when the client disconnected."""
+
+    def __str__(self) -> str:
+        return "the client disconnected"
+
+
+CLIENT_GONE = ClientGone()
+
+
+async def send_response(send: Send, status: int, body: bytes, content_type: str = "application/json",
+                        headers: dict[str, str] | None = None) -> None:
+    raw = [(b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode())]
+    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
+
+
+class Flight:
+    """One client request, from its body to the last byte the client gets, across attempts."""
+
+    def __init__(self, state: RouterState, path: str, receive: Receive, send: Send) -> None:
+        self.state, self.path, self.receive, self.send = state, path, receive, send
+        self.started = time.perf_counter()
+        self.attempt: Attempt | None = None
+        self.body: dict[str, Any] = {}
+        self.gone = False
+        self.status = 0
+        self._last_sent: float | None = None
+
+    def token_sent(self) -> None:
+        """Timing of a streamed batch of events: TTFT for the first, inter-token latency after."""
+        now = time.perf_counter()
+        metrics = self.state.metrics
+        if self._last_sent is None:
+            metrics.ttft.observe(now - self.started)
+        else:
+            metrics.itl.observe(now - self._last_sent)
+        self._last_sent = now
+
+    def client_gone(self, _: asyncio.Task[Any]) -> None:
+        self.gone = True
+        if self.attempt is not None:
+            self.attempt.interrupt(CLIENT_GONE)
+
+    async def _watch(self) -> None:
+        while (await self.receive())["type"] != "http.disconnect":
+            continue
+
+    async def start(self, body: dict[str, Any], avoid: set[Worker] | None = None) -> Attempt:
+        """An attempt whose D answered with a status line; retries connection failures on fresh pairs.
+        Workers in `avoid` are taken only when no other is eligible."""
+        avoid = set(avoid or ())
+        retries = 0
+        while True:
+            pair = self.state.pool.pick(frozenset(avoid))
+            self.attempt = attempt = Attempt(self.state, pair_request(self.path, body, pair))
+            if self.gone:
+                attempt.interrupt(CLIENT_GONE)
+            try:
+                await attempt.open_decode()
+                return attempt
+            except RouterError as exc:
+                pair.release()
+                self.state.metrics.pair_failures.inc()
+                if not exc.retryable or retries >= self.state.settings.max_retries or self.gone:
+                    raise
+                retries += 1
+                self.state.metrics.retries.inc()
+                avoid |= {pair.prefill, pair.decode}
+            except BaseException:
+                pair.release()
+                raise
+
+    async def run(self, scope: Scope) -> None:
+        state = self.state
+        watch: asyncio.Task[None] | None = None
+        try:
+            raw = await read_body(self.receive, scope, state.settings.max_body_bytes)
+            self.body, stream = admit(state, self.path, scope, raw)
+            watch = asyncio.get_running_loop().create_task(self._watch())
+            watch.add_done_callback(self.client_gone)
+            attempt = await self.start(self.body)
+            try:
+                if stream and attempt.decode.ok and attempt.decode.content_type.startswith("text/event-stream"):
+                    self.status = 200
+                    await relay(self, attempt)
+                else:
+                    await self.answer(attempt)
+            finally:
+                attempt.req.pair.release()
+                self.attempt.req.pair.release()  # a migrated stream's last pair
+        except Interrupted:
+            self.status = 499  # the client left: nobody to answer
+        except RouterError as exc:
+            self.status = exc.status
+            await send_response(self.send, *error_response(exc))
+        finally:
+            if watch is not None:
+                watch.remove_done_callback(self.client_gone)
+                watch.cancel()
+            state.metrics.finished(self.path, self.status, time.perf_counter() - self.started)
+
+    async def answer(self, attempt: Attempt) -> None:
+        """D's whole answer (or its error status and body) to the client."""
+        decode, worker = attempt.decode, attempt.req.pair.decode
+        try:
+            content = await decode.read(self.state.upstream.request_timeout_s)
+        except Interrupted as exc:
+            attempt.abort_both()
+            if isinstance(exc.reason, RouterError):
+                raise exc.reason from None
+            raise
+        except UpstreamError as exc:
+            attempt.abort_both()
+            raise self.state.upstream.transport_error(worker, exc) from None
+        attempt.finish()
+        if not decode.ok:
+            attempt.abort_prefill()
+        elif logprobs.wanted(self.path, attempt.req.body):
+            prefill = await attempt.prefill_answer()
+            if prefill.ok:
+                content = logprobs.merge_body(prefill.content, content)
+        self.status = decode.status
+        await send_response(self.send, decode.status, content, decode.content_type or "application/json")
+
+
+def is_generation(scope: Scope) -> bool:
+    return scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in PATHS
+
+
+async def serve_generation(state: RouterState, scope: Scope, receive: Receive, send: Send) -> None:
+    await Flight(state, scope["path"], receive, send).run(scope)
+

@@ -1,0 +1,67 @@
+"""The router's own health checks: each worker's `/health`, polled, moves it out of and back into the pool.
+
+A worker leaves the pool after `health_failures_to_unhealthy` consecutive failed checks (no answer within
+`health_check_timeout_s`, or a status other than 200) and comes back on the first check that passes. The
+orchestrator reports state changes through the admin API as well; the two are independent (a worker is
+paired only when both agree, `worker.Worker.eligible`). When a role's policy weighs load, each check also
+reads the worker's KV token usage (`sglang:token_usage` from its `/metrics`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+
+from .http_client import Interrupted, UpstreamError
+from .pool import WorkerPool
+from .settings import RouterSettings
+from .upstream import Upstream
+from .worker import Worker
+
+log = logging.getLogger(__name__)
+TOKEN_USAGE = re.compile(rb"^sglang:token_usage(?:\{[^}]*\})? ([0-9.eE+-]+)", re.M)
+LOAD_POLICIES = ("least_load", "power_of_two")
+
+
+class HealthChecker:
+    """Polls every worker of the pool until cancelled."""
+
+    def __init__(self, pool: WorkerPool, upstream: Upstream, settings: RouterSettings) -> None:
+        self._pool, self._upstream = pool, upstream
+        self._weighs_load = {"prefill": settings.prefill_policy in LOAD_POLICIES,
+                             "decode": settings.decode_policy in LOAD_POLICIES}
+        self._interval_s = settings.health_check_interval_s
+        self._timeout_s = settings.health_check_timeout_s
+        self._threshold = settings.health_failures_to_unhealthy
+        self._failures = {w.name: 0 for w in pool.workers}
+
+    async def _passes(self, worker: Worker) -> bool:
+        try:
+            status, _ = await self._upstream.probe(worker, "/health", self._timeout_s)
+            if status == 200 and self._weighs_load[worker.role]:
+                status, text = await self._upstream.probe(worker, "/metrics", self._timeout_s)
+                found = TOKEN_USAGE.search(text)
+                worker.token_usage = float(found.group(1)) if found else 0.0
+        except (UpstreamError, Interrupted, asyncio.TimeoutError):
+            return False
+        return status == 200
+
+    async def check(self, worker: Worker) -> None:
+        """One check of one worker, and the transition it causes."""
+        if await self._passes(worker):
+            if not worker.healthy:
+                log.warning("%s at %s passes its health check again; back in the pool", worker.describe(), worker.url)
+            self._failures[worker.name] = 0
+            worker.healthy = True
+            return
+        self._failures[worker.name] += 1
+        if worker.healthy and self._failures[worker.name] >= self._threshold:
+            worker.healthy = False
+            log.warning("%s at %s failed %d health checks in a row; out of the pool until it passes",
+                        worker.describe(), worker.url, self._failures[worker.name])
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.gather(*(self.check(w) for w in self._pool.workers))
+            await asyncio.sleep(self._interval_s)

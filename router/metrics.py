@@ -1,0 +1,70 @@
+"""The router's Prometheus metrics (`GET /metrics`), all named `dsv4_router_*` (metric names are an API).
+
+Each app has its own registry, so several routers in one process (tests) do not collide. Per-worker
+gauges (in flight, eligible, breaker) are read from the pool when scraped, never kept twice.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .pool import WorkerPool
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+class _PoolCollector(Collector):
+    def __init__(self, pool: WorkerPool) -> None:
+        self._pool = pool
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        labels = ["worker", "role"]
+        in_flight = GaugeMetricFamily("dsv4_router_worker_in_flight", "Requests in flight per worker", labels=labels)
+        eligible = GaugeMetricFamily("dsv4_router_worker_eligible", "1 while the router pairs the worker",
+                                     labels=labels)
+        breaker = GaugeMetricFamily("dsv4_router_worker_breaker_open", "1 while the worker's circuit breaker is open",
+                                    labels=labels)
+        for w in self._pool.workers:
+            in_flight.add_metric([w.name, w.role], w.in_flight)
+            eligible.add_metric([w.name, w.role], float(w.eligible))
+            breaker.add_metric([w.name, w.role], float(w.breaker_open))
+        yield from (in_flight, eligible, breaker)
+
+
+class RouterMetrics:
+    """Counters and histograms the request path updates."""
+
+    def __init__(self, pool: WorkerPool) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("dsv4_router_requests", "Client requests by route and status",
+                                ["route", "status"], registry=r)
+        self.ttft = Histogram("dsv4_router_time_to_first_token_seconds", "Request arrival to the first streamed event",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("dsv4_router_inter_token_latency_seconds", "Time between streamed events of a request",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("dsv4_router_e2e_request_latency_seconds", "Request arrival to its last byte",
+                             ["route"], buckets=LATENCY_BUCKETS, registry=r)
+        self.retries = Counter("dsv4_router_retries", "Requests retried on a fresh pair before the first byte",
+                               registry=r)
+        self.migrations = Counter("dsv4_router_migrations", "Streams continued on a fresh pair after a decode broke",
+                                  registry=r)
+        self.aborts = Counter("dsv4_router_aborts", "Legs aborted by rid", ["role"], registry=r)
+        self.pair_failures = Counter("dsv4_router_pair_failures", "Attempts that failed before the first byte",
+                                     registry=r)
+        self.connect_errors = Counter("dsv4_router_upstream_connection_errors",
+                                      "Connection-level failures talking to a worker", ["worker"], registry=r)
+        r.register(_PoolCollector(pool))
+        self._finished = {}
+
+    def finished(self, route: str, status: int, seconds: float) -> None:
+        key = (route, status)
+        child = self._finished.get(key)
+        if child is None:
+            child = self._finished[key] = (self.requests.labels(route, str(status)), self.e2e.labels(route))
+        child[0].inc()
+        child[1].observe(seconds)

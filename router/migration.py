@@ -1,0 +1,178 @@
+"""Migration: a stream whose decode died continues on a fresh pair instead of ending with an error.
+
+The prompt plus what the client already received becomes the new prompt, the rest of the output budget
+is carried over, and the new stream's events are spliced onto the old one, so that a greedy stream
+interrupted by a decode's death equals the uninterrupted one (NVIDIA Dynamo's `--migration-limit`):
+
+- chat: the text sent so far is appended as the final assistant message with `continue_final_message`
+  (SGLang's and the embedded engine's way to continue a reply); `/v1/completions`: appended to `prompt`;
+  `/generate`: appended to `text`, or the output ids to `input_ids`, and the new events' cumulative
+  `text` / `output_ids` are prefixed with the old ones.
+- `max_tokens` / `max_completion_tokens` / `max_new_tokens` shrink by the tokens already sent (counted
+  as content-bearing events, one token each as SGLang and the embedded engine stream them); the final
+  usage counts move those tokens from prompt back to completion, so usage stays right.
+- At most `migration_limit` times per request; requests with several choices or prompts (n > 1, batches)
+  are not migrated. Events are kept raw while the stream runs and parsed only when a migration happens.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import TYPE_CHECKING, Any, Callable
+
+from . import sse
+from .attempt import Attempt
+from .errors import RouterError
+
+if TYPE_CHECKING:
+    from .generation import Flight
+
+MAX_KEYS = {"/v1/chat/completions": ("max_completion_tokens", "max_tokens"), "/v1/completions": ("max_tokens",)}
+
+
+def _one(body: dict[str, Any], key: str = "n") -> bool:
+    return body.get(key) in (None, 1)
+
+
+def migratable(path: str, body: dict[str, Any]) -> bool:
+    """Whether a stream of this request can be continued elsewhere (one choice, one prompt)."""
+    if path == "/v1/chat/completions":
+        return _one(body)
+    if path == "/v1/completions":
+        return _one(body) and isinstance(body.get("prompt"), str)
+    params = body.get("sampling_params") or {}
+    ids = body.get("input_ids")
+    single = isinstance(body.get("text"), str) or (isinstance(ids, list) and all(isinstance(i, int) for i in ids))
+    return single and isinstance(params, dict) and _one(params)
+
+
+def _data(event: bytes) -> Any:
+    text = sse.data_of(event).strip()
+    if not text.startswith("{"):
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
+
+
+def progress(path: str, events: list[bytes]) -> tuple[str, list[int], int]:
+    """What the client already has: its text, output ids (`/generate`), and how many tokens."""
+    text, ids, tokens = "", [], 0
+    for event in events:
+        data = _data(event)
+        if not isinstance(data, dict):
+            continue
+        if path == "/generate":
+            text, ids = data.get("text", text), data.get("output_ids", ids)
+            tokens = data.get("meta_info", {}).get("completion_tokens", len(ids))
+            continue
+        for choice in data.get("choices") or ():
+            piece = (choice.get("delta") or {}).get("content") if path == "/v1/chat/completions" else choice.get("text")
+            if piece:
+                text += piece
+                tokens += 1
+    return text, ids, tokens
+
+
+def continuation(path: str, body: dict[str, Any], text: str, ids: list[int], tokens: int) -> dict | None:
+    """The request that continues `body` after `text`; None when its output budget is spent."""
+    new = copy.deepcopy(body)
+    if path == "/generate":
+        params = new.setdefault("sampling_params", {})
+        if "max_new_tokens" in params:
+            params["max_new_tokens"] -= tokens
+            if params["max_new_tokens"] <= 0:
+                return None
+        if isinstance(new.get("text"), str):
+            new["text"] += text
+        else:
+            new["input_ids"] = list(new["input_ids"]) + list(ids)
+        return new
+    for key in MAX_KEYS[path]:
+        if isinstance(new.get(key), int):
+            new[key] -= tokens
+            if new[key] <= 0:
+                return None
+    if path == "/v1/completions":
+        new["prompt"] += text
+        return new
+    messages = new["messages"]
+    last = messages[-1] if messages else None
+    if new.get("continue_final_message") and isinstance(last, dict) and last.get("role") == "assistant" \
+            and isinstance(last.get("content"), str):
+        last["content"] += text
+    else:
+        messages.append({"role": "assistant", "content": text})
+    new["continue_final_message"] = True
+    return new
+
+
+def splice(path: str, text: str, ids: list[int], tokens: int) -> Callable[[bytes], bytes]:
+    """Rewrites a continuation's events so that they read as the rest of the first stream."""
+    def rewrite(event: bytes) -> bytes:
+        if path != "/generate" and b'"usage"' not in event:
+            return event
+        data = _data(event)
+        if not isinstance(data, dict):
+            return event
+        if path == "/generate":
+            data["text"] = text + data.get("text", "")
+            if "output_ids" in data:
+                data["output_ids"] = list(ids) + data["output_ids"]
+            meta = data.get("meta_info")
+            if isinstance(meta, dict):
+                meta["completion_tokens"] = meta.get("completion_tokens", 0) + tokens
+                meta["prompt_tokens"] = meta.get("prompt_tokens", tokens) - tokens
+        usage = data.get("usage")
+        if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+            usage["prompt_tokens"] -= tokens
+            usage["completion_tokens"] = usage.get("completion_tokens", 0) + tokens
+        return b"data: " + json.dumps(data).encode() + b"\n\n"
+    return rewrite
+
+
+class Migration:
+    """The stream's current attempt, the events it sent, and the move to a fresh pair."""
+
+    def __init__(self, flight: Flight, attempt: Attempt) -> None:
+        self.flight, self.attempt = flight, attempt
+        self.left = flight.state.settings.migration_limit
+        self.keep = self.left > 0 and migratable(flight.path, flight.body)
+        self.sent: list[bytes] = []
+        self._rewrite: Callable[[bytes], bytes] | None = None
+
+    def outgoing(self, events: list[bytes]) -> bytes:
+        """The bytes to send for `events` (spliced after a migration), remembered while migration is possible."""
+        if self._rewrite is not None:
+            events = [self._rewrite(e) for e in events]
+        if self.keep:
+            self.sent.extend(events)
+        return b"".join(events)
+
+    async def next_attempt(self) -> bool:
+        """Continue on a fresh pair; False when this stream cannot (then it ends with the break's error)."""
+        if not self.keep or self.left <= 0 or self.flight.gone:
+            return False
+        path = self.flight.path
+        text, ids, tokens = progress(path, self.sent)
+        body = continuation(path, self.flight.body, text, ids, tokens)
+        if body is None:
+            return False
+        self.left -= 1
+        old = self.attempt
+        try:
+            attempt = await self.flight.start(body, avoid={old.req.pair.decode})
+        except RouterError:
+            return False
+        finally:
+            old.req.pair.release()
+        decode = attempt.decode
+        if not decode.ok or not decode.content_type.startswith("text/event-stream"):
+            attempt.abort_both()
+            return False
+        self.flight.state.metrics.migrations.inc()
+        self.attempt = attempt
+        self._rewrite = splice(path, text, ids, tokens)
+        return True

@@ -1,0 +1,44 @@
+"""How one worker is chosen among the eligible workers of a role (`RouterSettings.prefill_policy` /
+`decode_policy`, from the topology).
+
+- `round_robin`: each in turn.
+- `random`: uniformly at random.
+- `least_load`: the lowest load, where load = requests in flight through this router + the worker's
+  reported KV token usage (0..1, `sglang:token_usage` from its `/metrics`, polled with the health checks);
+  ties go round robin.
+- `power_of_two`: two at random, the less loaded of them (load as above).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from typing import Literal, Sequence
+
+from .worker import Worker
+
+Policy = Literal["round_robin", "random", "least_load", "power_of_two"]
+POLICIES: tuple[str, ...] = ("round_robin", "random", "least_load", "power_of_two")
+
+
+class Chooser:
+    """One role's policy with its own turn counter and random source."""
+
+    def __init__(self, policy: Policy, seed: int | None = None) -> None:
+        self.policy = policy
+        self._turn = itertools.count()
+        self._rng = random.Random(seed)
+
+    def choose(self, eligible: Sequence[Worker]) -> Worker:
+        if len(eligible) == 1:
+            return eligible[0]
+        if self.policy == "round_robin":
+            return eligible[next(self._turn) % len(eligible)]
+        if self.policy == "random":
+            return self._rng.choice(eligible)
+        if self.policy == "power_of_two":
+            a, b = self._rng.sample(eligible, 2)
+            return a if a.load <= b.load else b
+        start = next(self._turn) % len(eligible)
+        rotated = [*eligible[start:], *eligible[:start]]
+        return min(rotated, key=lambda w: w.load)

@@ -1,0 +1,104 @@
+"""One worker as the router sees it: where it is, and its standing (state, drained, health, breaker, load).
+
+A worker is paired only while it is *eligible*: its state (told by the orchestrator through the admin
+API, `docs/router_admin.md`) is READY, an operator has not drained it, the router's own health checks
+pass, and its circuit breaker is closed. `in_flight` counts the requests it is part of, pick to release.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsv4_cluster.core import WorkerState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Worker:
+    """One upstream server and its standing. `bootstrap_host` is set for prefill workers only."""
+
+    role: str
+    name: str
+    url: str
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    breaker_failures: int = 5
+    breaker_cooldown_s: float = 5.0
+    state: WorkerState = WorkerState.READY
+    reason: str | None = None
+    drained: bool = False
+    healthy: bool = True
+    in_flight: int = 0
+    token_usage: float = 0.0
+    failures: int = 0  # consecutive connection-level failures (the breaker's count)
+    open_until: float = 0.0  # monotonic time the breaker stays open until; 0: closed
+
+    def describe(self) -> str:
+        """How client-facing messages name the worker: role and name, never its internal URL."""
+        return f"{self.role} worker {self.name!r}"
+
+    @property
+    def breaker_open(self) -> bool:
+        return self.open_until > 0.0 and time.monotonic() < self.open_until
+
+    @property
+    def eligible(self) -> bool:
+        return self.state is WorkerState.READY and not self.drained and self.healthy and not self.breaker_open
+
+    @property
+    def load(self) -> float:
+        return self.in_flight + self.token_usage
+
+    def record(self, ok: bool) -> None:
+        """The breaker hears how a connection to this worker went: `breaker_failures` failures in a row open it
+        for `breaker_cooldown_s`; after that one request may try again (one more failure opens it again)."""
+        if ok:
+            if self.open_until:
+                log.warning("%s answers again; circuit breaker closed", self.describe())
+            self.failures, self.open_until = 0, 0.0
+            return
+        self.failures += 1
+        if self.failures >= self.breaker_failures:
+            if not self.breaker_open:
+                log.warning("%s: %d connection failures in a row; circuit breaker open for %g s",
+                            self.describe(), self.failures, self.breaker_cooldown_s)
+            self.open_until = time.monotonic() + self.breaker_cooldown_s
+
+    def why_not(self) -> str:
+        """Why an ineligible worker is skipped, for the 503 a client sees when nothing is eligible."""
+        why = []
+        if self.state is not WorkerState.READY:
+            why.append(self.state.value + (f" ({self.reason})" if self.reason else ""))
+        if self.drained:
+            why.append("drained")
+        if not self.healthy:
+            why.append("failing health checks")
+        if self.breaker_open:
+            why.append("circuit breaker open")
+        return f"{self.name}: {', '.join(why)}"
+
+    def entry(self) -> dict[str, Any]:
+        """The admin API's view of the worker."""
+        return {"name": self.name, "role": self.role, "url": self.url, "state": self.state.value,
+                "reason": self.reason, "drained": self.drained, "in_flight": self.in_flight,
+                "healthy": self.healthy, "breaker_open": self.breaker_open, "token_usage": self.token_usage,
+                "eligible": self.eligible}
+
+
+@dataclass(eq=False)
+class Pair:
+    """The two workers of one request; `release()` ends their share of it (idempotent)."""
+
+    prefill: Worker
+    decode: Worker
+    _released: bool = field(default=False, repr=False)
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.prefill.in_flight -= 1
+            self.decode.in_flight -= 1

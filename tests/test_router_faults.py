@@ -1,0 +1,97 @@
+"""Retries, the keep-alive race, the circuit breaker and the no-retry rules, against stub workers that misbehave
+on purpose (`bench/router_stubs.py`: real sockets; the counts are what each stub received)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from dsv4_cluster.bench.router_stubs import StubThread
+from dsv4_cluster.router.app import build_app
+from dsv4_cluster.tests.router_fakes import MESSAGES, WAIT_S, router_settings
+from dsv4_cluster.tests.servers import UvicornThread, bound_socket
+
+TOKENS = "".join(f"t{i} " for i in range(8))
+
+
+def stub(role: str, fault: str | None = None) -> StubThread:
+    return StubThread(role, bound_socket(), fault)
+
+
+def post(url: str, stream: bool) -> tuple[int, list[str] | dict]:
+    body = {"messages": MESSAGES, "stream": stream}
+    if not stream:
+        resp = httpx.post(url + "/v1/chat/completions", json=body, timeout=WAIT_S)
+        return resp.status_code, resp.json()
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=WAIT_S) as resp:
+        return resp.status_code, [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+
+
+def content(data: list[str]) -> str:
+    chunks = [json.loads(d) for d in data if d != "[DONE]"]
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=WAIT_S).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_failure_before_the_first_byte_is_retried_on_a_fresh_pair(stream: bool) -> None:
+    with stub("prefill") as p, stub("decode", "close") as dying, stub("decode") as good:
+        settings = router_settings(p.url, dying.url, good.url, breaker_failures=100)
+        with UvicornThread(build_app(settings)) as router:
+            for _ in range(4):
+                status, data = post(router.url, stream)
+                assert status == 200
+                assert content(data) == TOKENS if stream else data["choices"][0]["message"]["content"] == TOKENS
+            assert dying.stats.generations == 2, "round robin sends every other first attempt to the dying decode"
+            assert good.stats.generations == 4, "each request answered once, by the good decode"
+            assert metric(router.url, "dsv4_router_retries_total") == 2
+            assert metric(router.url, "dsv4_router_upstream_connection_errors_total") == 2
+
+
+def test_no_retry_once_a_byte_was_sent_and_never_on_a_4xx() -> None:
+    with stub("prefill") as p, stub("decode", "break") as breaking, stub("decode", "reject") as rejecting:
+        settings = router_settings(p.url, breaking.url, rejecting.url, migration_limit=0, breaker_failures=100)
+        with UvicornThread(build_app(settings)) as router:
+            status, data = post(router.url, stream=True)  # round robin: decode-0 breaks mid-stream
+            assert status == 200 and content(data) == "t0 t1 " and data[-1] == "[DONE]"
+            assert "decode worker 'decode-0'" in json.loads(data[-2])["error"]["message"]
+            assert (breaking.stats.generations, rejecting.stats.generations) == (1, 0), "not retried after bytes"
+            status, data = post(router.url, stream=False)  # decode-1 answers 400
+            assert status == 400 and data["error"]["message"] == "bad field"
+            assert (breaking.stats.generations, rejecting.stats.generations) == (1, 1), "a 4xx is not retried"
+            assert metric(router.url, "dsv4_router_retries_total") == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_keep_alive_race_never_reaches_the_client(stream: bool) -> None:
+    """The decode closes each keep-alive connection just as the next request arrives on it: every such request
+    is lost on the wire, and the router must send it again on a fresh connection."""
+    with stub("prefill") as p, stub("decode", "close_reused") as racy:
+        with UvicornThread(build_app(router_settings(p.url, racy.url, breaker_failures=100))) as router:
+            for _ in range(10):
+                status, data = post(router.url, stream)
+                assert status == 200
+                assert content(data) == TOKENS if stream else data["choices"][0]["message"]["content"] == TOKENS
+            lost = racy.stats.generations - 10
+            assert lost >= 5, "most requests went out on a reused connection first (health probes open fresh ones)"
+            assert metric(router.url, "dsv4_router_retries_total") == lost
+
+
+def test_the_circuit_breaker_takes_a_refusing_worker_out() -> None:
+    with stub("prefill") as p, stub("decode") as good:
+        dead = f"http://127.0.0.1:{bound_socket().getsockname()[1]}"  # bound, never listening: refused
+        settings = router_settings(p.url, dead, good.url, breaker_failures=2, breaker_cooldown_s=60, max_retries=1)
+        with UvicornThread(build_app(settings)) as router:
+            for _ in range(6):
+                assert post(router.url, stream=False)[0] == 200
+            assert metric(router.url, 'dsv4_router_worker_breaker_open{role="decode",worker="decode-0"}') == 1
+            assert metric(router.url, "dsv4_router_upstream_connection_errors_total") == 2, \
+                "after two refusals the breaker keeps requests away from it"
+            assert good.stats.generations == 6
+            assert httpx.get(router.url + "/health").json()["decode"] == ["decode-1"]
