@@ -31,7 +31,6 @@ pytestmark = pytest.mark.slow
 EVENT_ONLY = {m.ROUTER_ABORTS, m.ROUTER_CONNECTION_ERRORS}
 # Panels whose metric another issue adds; the test fails once it is exported, to drop it from here.
 NOT_EXPORTED_YET = {m.STRANDED_KV_TOKENS: "stranded KV is detected and exported by the supervision issue (14)"}
-ROUTER_PENDING = "the router's /metrics comes with the router issue (16): merge it to make these pass"
 CHAT = {"model": "dsv4-tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6,
         "ignore_eos": True}
 
@@ -74,10 +73,6 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
         cluster.cli("down", timeout=240)
 
 
-def _router_serves_metrics(live: Live) -> bool:
-    return httpx.get(f"{live.cluster.router_url}/metrics", timeout=10).status_code == 200
-
-
 def test_monitor_up_says_where_everything_is(live: Live) -> None:
     url = live.prometheus.url
     assert f"prometheus: {url} (alerts: {url}/alerts" in live.monitor_stdout
@@ -106,7 +101,6 @@ def test_targets_rules_and_every_panel_query_against_the_live_cluster(live: Live
     bad = httpx.post(f"{live.cluster.router_url}/v1/chat/completions", json={"model": "dsv4-tiny", "messages": 7},
                      timeout=30)
     assert 400 <= bad.status_code < 500, bad.text
-    router_metrics = _router_serves_metrics(live)
 
     # The decode has counted the 4 requests (plus the startup check), and Prometheus has scraped it since.
     wait_for("the decode's requests in Prometheus", lambda: prom.query(
@@ -117,11 +111,10 @@ def test_targets_rules_and_every_panel_query_against_the_live_cluster(live: Live
     expected = {("dsv4-workers", "prefill-0"), ("dsv4-workers", "decode-0"), ("dsv4-orchestrator", "orchestrator"),
                 ("dsv4-router", "router")}
     targets = wait_for("every target up", lambda: (
-        ts if all(t["health"] == "up" for t in ts if router_metrics or t["labels"]["job"] != "dsv4-router")
-        else None) if (ts := prom.targets()) else None, timeout_s=30)
+        ts if all(t["health"] == "up" for t in ts) else None) if (ts := prom.targets()) else None, timeout_s=30)
     assert {(t["labels"]["job"], t["labels"]["worker"]) for t in targets} == expected
     ups = {r["metric"]["worker"]: r["value"][1] for r in prom.query('up{job=~"dsv4-.*"}')}
-    assert ups == {"prefill-0": "1", "decode-0": "1", "orchestrator": "1", "router": "1" if router_metrics else "0"}
+    assert ups == {"prefill-0": "1", "decode-0": "1", "orchestrator": "1", "router": "1"}
 
     rules = wait_for("every rule evaluated", lambda: (
         rs if all(r["lastEvaluation"] > "2000" for r in rs) else None) if (rs := prom.rules()) else None, 30)
@@ -138,24 +131,20 @@ def test_targets_rules_and_every_panel_query_against_the_live_cluster(live: Live
     states = {r["metric"]["worker"]: r["metric"]["state"] for r in prom.query(f"{m.CLUSTER_WORKER_STATE} == 1")}
     assert states == {"prefill-0": "READY", "decode-0": "READY", "router": "READY"}
 
-    problems, router_problems, known = [], [], known_metric_names()
+    problems, known = [], known_metric_names()
     for board_name, board in dashboards().items():
         for title, expr in panel_queries(board):
             result = prom.query(expr)  # raises PromQLError on a bad expression
             names = metric_names_in(expr)
             assert names <= known, f"{board_name} / {title}: {names - known} not in metric_names"
             absent = {n for n in names if not prom.exported(n)}
-            where = router_problems if any(n.startswith("dsv4_router_") for n in names) else problems
             if absent - EVENT_ONLY - set(NOT_EXPORTED_YET):
-                where.append(f"{board_name} / {title}: nothing exports {sorted(absent)}")
+                problems.append(f"{board_name} / {title}: nothing exports {sorted(absent)}")
             elif not absent and not result:
-                where.append(f"{board_name} / {title}: `{expr}` returned no data")
+                problems.append(f"{board_name} / {title}: `{expr}` returned no data")
     for name, why in NOT_EXPORTED_YET.items():
         assert not prom.exported(name), f"{name} is exported now: drop it from NOT_EXPORTED_YET ({why})"
     assert not problems, "\n".join(problems)
-    if not router_metrics:
-        pytest.xfail(f"{ROUTER_PENDING}; {len(router_problems)} router panel queries lack data")
-    assert not router_problems, "\n".join(router_problems)
 
 
 def test_killed_worker_goes_pending_then_serves_again(live: Live) -> None:

@@ -130,3 +130,21 @@ def test_worker_metric_names_are_sglangs_own() -> None:
     source = (Path(spec.origin).parent / "srt" / "observability" / "metrics_collector.py").read_text()
     for name in (*m.WORKER_GAUGES, *m.WORKER_COUNTERS, *m.WORKER_HISTOGRAMS):
         assert f'name="{name}"' in source, f"SGLang 0.5.23 exports no {name}"
+
+
+def test_monitor_up_refuses_a_busy_port_and_starts_nothing(tmp_path: Path) -> None:
+    import socket
+
+    from .cluster_cli import run_cli
+
+    require_tool("prometheus")
+    cluster = write_topology(tmp_path)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = run_cli(cluster.home, "monitor", "up", str(cluster.topology), "--port", str(port), timeout=60)
+    assert out.returncode == 1 and f"127.0.0.1:{port} is in use; pass a free --port" in out.stderr, out.stderr
+    assert not (tmp_path / "run" / "prometheus" / "monitor.json").exists()
+    down = run_cli(cluster.home, "monitor", "down", str(cluster.topology), timeout=60)
+    assert down.returncode == 1 and "no monitor runs for this topology" in down.stderr
