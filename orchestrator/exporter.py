@@ -14,7 +14,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import multiprocessing
+import signal
+import socket
 import threading
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any, Iterator
 
 from prometheus_client import CollectorRegistry
@@ -26,49 +31,98 @@ from dsv4_cluster.core import WorkerState
 from dsv4_cluster.orchestrator.ray_env import prepare_ray_env
 from dsv4_cluster.orchestrator.record import ClusterRecord, RecordError, read_record
 
-STATUS_TIMEOUT_S = 10.0
+STATUS_TIMEOUT_S = 10.0  # the controller's status call
+DRIVER_TIMEOUT_S = 30.0  # the child's answer, including its first connect to Ray
 LABELS = ("worker", "role", "node")
 logger = logging.getLogger(__name__)
 
 
+def _driver(conn: Connection, address: str, namespace: str) -> None:
+    """Child process: a Ray driver of the recorded cluster answering "status" requests on `conn`."""
+    prepare_ray_env(address)
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    from dsv4_cluster.orchestrator import ray_cluster
+    from dsv4_cluster.orchestrator.controller import CONTROLLER_NAME
+
+    ray_cluster.connect(address, namespace)
+    while conn.recv() == "status":
+        try:
+            controller = ray.get_actor(CONTROLLER_NAME, namespace=namespace)
+            conn.send(list(ray.get(controller.status.remote(), timeout=STATUS_TIMEOUT_S)["workers"]))
+        except (ValueError, RayActorError, GetTimeoutError) as e:
+            conn.send(f"the controller does not answer: {e}")
+
+
 class ClusterStatusSource:
-    """The recorded cluster's status rows, through its controller; reconnects when the record changes."""
+    """The recorded cluster's status rows, through its controller.
+
+    The Ray driver lives in a child process: a driver whose cluster went away (`down`) blocks and
+    then kills its process, so the exporter kills the child instead and starts a new one for the
+    next recorded cluster.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._connected: ClusterRecord | None = None
+        self._record: ClusterRecord | None = None
+        self._child: BaseProcess | None = None
+        self._conn: Connection | None = None
+
+    def _stop_child(self) -> None:
+        if self._child is not None:
+            self._child.kill()
+            self._child.join()
+        self._child = self._conn = None
+
+    def _start_child(self, record: ClusterRecord) -> Connection:
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: Ray's env is set before import
+        self._conn, child_conn = ctx.Pipe()
+        self._child = ctx.Process(target=_driver, args=(child_conn, record.address, record.namespace),
+                                  daemon=True, name="exporter-ray-driver")
+        self._child.start()
+        child_conn.close()
+        return self._conn
+
+    def _reachable(self, record: ClusterRecord) -> bool:
+        host, _, port = record.address.rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=1.0).close()
+        except (OSError, ValueError):
+            return False
+        return True
 
     def rows(self) -> list[dict[str, Any]] | None:
         """The controller's rows, or None when no cluster answers."""
-        import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
-
-        from dsv4_cluster.orchestrator import ray_cluster
-        from dsv4_cluster.orchestrator.controller import CONTROLLER_NAME
-        from dsv4_cluster.orchestrator.errors import RayClusterError
-
         with self._lock:
             try:
-                record = read_record()
+                record: ClusterRecord | None = read_record()
             except RecordError:
                 record = None
-            if record != self._connected:
-                ray_cluster.disconnect()
-                self._connected = None
-                if record is None:
-                    return None
-                try:
-                    ray_cluster.connect(record.address, record.namespace)
-                except RayClusterError as e:
-                    logger.warning("cluster not reachable: %s", e)
-                    return None
-                self._connected = record
-            try:
-                controller = ray.get_actor(CONTROLLER_NAME, namespace=record.namespace)
-                return list(ray.get(controller.status.remote(), timeout=STATUS_TIMEOUT_S)["workers"])
-            except (ValueError, RayActorError, GetTimeoutError) as e:
-                logger.warning("controller does not answer: %s", e)
+            if record != self._record:
+                self._stop_child()
+                self._record = record
+            if record is None or not self._reachable(record):
+                self._stop_child()
                 return None
+            conn = self._conn if self._conn is not None else self._start_child(record)
+            try:
+                conn.send("status")
+                if not conn.poll(DRIVER_TIMEOUT_S):
+                    raise TimeoutError(f"no answer within {DRIVER_TIMEOUT_S:.0f}s")
+                reply = conn.recv()
+            except (OSError, EOFError, TimeoutError) as e:
+                logger.warning("the Ray driver failed (%s); a new one starts at the next scrape", e)
+                self._stop_child()
+                return None
+            if isinstance(reply, str):
+                logger.warning("%s", reply)
+                return None
+            return list(reply)
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop_child()
 
 
 def families(rows: list[dict[str, Any]] | None) -> Iterator[Metric]:
@@ -108,15 +162,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, required=True)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    try:
-        prepare_ray_env(read_record().address)
-    except RecordError:
-        prepare_ray_env(None)  # no cluster yet: a local one, as `up` starts by default
+    source = ClusterStatusSource()
     registry = CollectorRegistry()
-    registry.register(_Collector(ClusterStatusSource()))
-    server, thread = start_http_server(args.port, addr=args.host, registry=registry)
+    registry.register(_Collector(source))
+    server, _ = start_http_server(args.port, addr=args.host, registry=registry)
     logger.info("orchestrator metrics on http://%s:%d/metrics", args.host, args.port)
-    thread.join()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(1.0):
+        pass
+    server.shutdown()
+    source.close()
 
 
 if __name__ == "__main__":
