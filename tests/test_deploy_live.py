@@ -168,3 +168,16 @@ def test_killed_worker_goes_pending_then_serves_again(live: Live) -> None:
     restarts = wait_for("the restart in Prometheus", lambda: prom.query(
         f'{m.CLUSTER_WORKER_RESTARTS}{{worker="prefill-0"}} >= 1'), timeout_s=20)
     assert restarts[0]["value"][1] == str(before["restarts"] + 1)
+
+
+def test_down_empties_the_targets_and_the_exporter_says_no_cluster(live: Live) -> None:
+    """Last in this module: takes the cluster down under the running monitor."""
+    down = live.cluster.cli("down", timeout=240)
+    assert down.returncode == 0, down.stderr
+    jobs = wait_for("Prometheus dropping the router and worker targets", lambda: (
+        js if (js := [t["labels"]["job"] for t in live.prometheus.targets()]) == ["dsv4-orchestrator"] else None),
+        timeout_s=30)
+    assert jobs == ["dsv4-orchestrator"]  # a stopped cluster fires no worker-down alert
+    metrics = httpx.get(f"http://127.0.0.1:{live.exporter_port}/metrics", timeout=60).text
+    assert "dsv4_cluster_controller_up 0.0" in metrics
+    assert f"{m.CLUSTER_WORKER_STATE}{{" not in metrics
