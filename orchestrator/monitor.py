@@ -186,7 +186,8 @@ def add_parser(sub: Any) -> None:
     msub = p.add_subparsers(dest="monitor_command", required=True)
     mup = msub.add_parser("up", help="start Prometheus on loopback with the generated config and rules")
     mup.add_argument("file", help="topology YAML")
-    mup.add_argument("--port", type=int, default=d.prometheus_port, help=f"Prometheus port (default {d.prometheus_port})")
+    mup.add_argument("--port", type=int, default=d.prometheus_port,
+                     help=f"Prometheus port (default {d.prometheus_port})")
     mup.add_argument("--exporter-port", type=int, default=d.exporter_port,
                      help=f"port of the orchestrator's exporter (default {d.exporter_port})")
     mup.add_argument("--scrape-interval", default=d.scrape_interval,

@@ -10,7 +10,6 @@ import json
 import os
 import signal
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator
 
 import httpx

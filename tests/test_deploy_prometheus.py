@@ -35,8 +35,8 @@ def test_rules_pass_check_and_their_unit_tests() -> None:
 
 def test_every_alert_has_a_unit_test_and_known_metric_names() -> None:
     rules = yaml.safe_load(rules_path().read_text())["groups"][0]["rules"]
-    tested = {t["alertname"] for case in yaml.safe_load(deploy_path("prometheus", "alerts_test.yml").read_text())["tests"]
-              for t in case["alert_rule_test"] if t["exp_alerts"]}
+    cases = yaml.safe_load(deploy_path("prometheus", "alerts_test.yml").read_text())["tests"]
+    tested = {t["alertname"] for case in cases for t in case["alert_rule_test"] if t["exp_alerts"]}
     assert {r["alert"] for r in rules} == tested  # each alert is shown firing at least once
     known = known_metric_names()
     for rule in rules:
