@@ -12,6 +12,7 @@ rewritten when its content changes.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -22,6 +23,7 @@ from dsv4_cluster.core import Role, WorkerState
 from dsv4_cluster.orchestrator.plan import LaunchPlan
 
 TARGETS_SUBDIR = ("prometheus", "targets")
+logger = logging.getLogger(__name__)
 JOB_FILES = {"dsv4-router": "router.json", "dsv4-workers": "workers.json",
              "dsv4-orchestrator": "orchestrator.json"}
 
@@ -69,7 +71,11 @@ def write_plans(run_dir: str | Path, plans: Iterable[LaunchPlan], stopped: froze
 
 def record_targets(spec: Any, rows: list[dict[str, Any]]) -> None:
     """The controller's call: `spec` a ClusterSpec, `rows` its processes' status dicts.
-    A process is left out only when its row says STOPPED."""
+    A process is left out only when its row says STOPPED. A targets file that cannot be written
+    is logged, never raised: monitoring must not break `status` or `down`."""
     stopped = frozenset(r["name"] for r in rows
                         if "name" in r and r.get("state") == WorkerState.STOPPED.value)
-    write_plans(spec.router.cwd, (*spec.workers, spec.router), stopped)
+    try:
+        write_plans(spec.router.cwd, (*spec.workers, spec.router), stopped)
+    except OSError as e:
+        logger.warning("cannot write the Prometheus targets under %s: %s", targets_dir(spec.router.cwd), e)

@@ -148,3 +148,15 @@ def test_monitor_up_refuses_a_busy_port_and_starts_nothing(tmp_path: Path) -> No
     assert not (tmp_path / "run" / "prometheus" / "monitor.json").exists()
     down = run_cli(cluster.home, "monitor", "down", str(cluster.topology), timeout=60)
     assert down.returncode == 1 and "no monitor runs for this topology" in down.stderr
+
+
+def test_unwritable_targets_never_break_the_controller(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    cluster = write_topology(tmp_path)
+    topology = load_topology(cluster.topology)
+    workers, router = cluster_plans(topology)
+    spec = ClusterSpec(namespace="t", endpoint="e", workers=tuple(workers), router=router,
+                       node_addresses=(("local", "127.0.0.1"),))
+    targets_dir(topology.run_dir_path).parent.mkdir(parents=True)
+    targets_dir(topology.run_dir_path).write_text("a file where the folder should be")
+    record_targets(spec, [])
+    assert "cannot write the Prometheus targets" in caplog.text
