@@ -10,7 +10,8 @@ Triton release the kernel is written for (the H200's; see launch.GLUON_TRITON_RE
 A config is dtype:block_n:stages[:regsN][:pvN][:fuseN] (regsN: loader registers, default as the launcher;
 pvN: registers of the P V warpgroup, default launch.PV_REGS; fuseN: split output for N splits merged inside
 the kernel, the tile as gluon_epilogue.fused_merge_tile; early: EARLY_TABLE, the index table staged before the
-lengths; trace: TRACE, the phase timestamps of bench/trace_sparse_decode.py).
+lengths; trace: TRACE, the phase timestamps of bench/trace_sparse_decode.py; win256: SGLang's window cache
+geometry, 256-token pages of 149,760 B, instead of 64-token pages for both caches).
 The script loads kernels/sparse_mla_decode/gluon_*.py by path (only Triton is imported, not the package).
 """
 
@@ -37,14 +38,17 @@ def parse(spec: str) -> dict:
     dtype, bn, stages, *flags = spec.split(":")
     if dtype not in ("bf16", "fp8"):
         raise SystemExit(f"config {spec!r}: dtype must be bf16 or fp8")
-    cfg = dict(fp8=dtype == "fp8", bn=int(bn), stages=int(stages), regs=0, pv=160, fuse=0, early=0, trace=0)
+    cfg = dict(fp8=dtype == "fp8", bn=int(bn), stages=int(stages), regs=0, pv=160, fuse=0, early=0, trace=0,
+               wshift=6, wpage=37440)
     for f in flags:
         if m := re.fullmatch(r"(regs|pv|fuse)(\d+)", f):
             cfg[m[1]] = int(m[2])
         elif f in ("early", "trace"):
             cfg[f] = 1
+        elif f == "win256":
+            cfg.update(wshift=8, wpage=149760)
         else:
-            raise SystemExit(f"config {spec!r}: unknown flag {f!r} (regsN, pvN, fuseN, early, trace)")
+            raise SystemExit(f"config {spec!r}: unknown flag {f!r} (regsN, pvN, fuseN, early, trace, win256)")
     cfg["regs"] = cfg["regs"] or (128 if cfg["fp8"] else 80 if cfg["bn"] == 64 else 40)
     return cfg
 
@@ -57,7 +61,8 @@ def compile_one(module, cfg: dict):
     fn = module._sparse_decode_ws_kernel
     blocks = -(-128 // cfg["bn"]) + -(-512 // cfg["bn"])
     const = dict(BN=cfg["bn"], NS=cfg["stages"], SPLIT_OUT=False, IS_FP8=cfg["fp8"], HAS_EXTRA=True, HAS_WLEN=True,
-                 HAS_ELEN=True, HAS_SINK=True, PAGE_STRIDE=37440, SCALES_OFFSET=36864, LOADER_WARPS=4,
+                 HAS_ELEN=True, HAS_SINK=True, W_SHIFT=cfg["wshift"], W_PAGE=cfg["wpage"], E_SHIFT=6, E_PAGE=37440,
+                 LOADER_WARPS=4,
                  LOADER_REGS=cfg["regs"], PV_REGS=cfg["pv"], MAXB=1 << (blocks - 1).bit_length(), PROBE=0,
                  FUSE_MERGE=False, SP=1, MHT=1, MDC=64, EARLY_TABLE=bool(cfg["early"]),
                  TRACE=bool(cfg["trace"]))

@@ -16,6 +16,7 @@ import sys
 BENCHES = {
     "sparse_decode": "dsv4_cluster.bench.sparse_decode",
     "indexer_topk": "dsv4_cluster.bench.indexer_topk",
+    "sglang_decode": "dsv4_cluster.bench.sglang_decode",
 }
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 

@@ -12,6 +12,9 @@ from enum import Enum
 from typing import Any
 
 
+KERNEL_NAMES = ("sparse_mla_decode", "indexer", "topk")  # the custom kernels a topology can ask for
+
+
 class Role(str, Enum):
     """What a supervised process does in the cluster."""
 
@@ -62,6 +65,7 @@ class WorkerStatus:
     log_path: str
     error: str | None = None
     kernels: tuple[tuple[str, str], ...] = ()  # (kernel, implementation) the engine reports
+    log_tail: str | None = None  # the log's last lines while DEGRADED, RESTARTING or FAILED
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -89,4 +93,5 @@ class WorkerStatus:
             log_path=data["log_path"],
             error=data.get("error"),
             kernels=tuple(sorted((data.get("kernels") or {}).items())),
+            log_tail=data.get("log_tail"),
         )

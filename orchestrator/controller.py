@@ -4,28 +4,34 @@
 outlives the CLI; `status` and `down` find it again by name. It creates one supervisor actor per
 worker, placed on the worker's node, starts prefill and decode concurrently, and starts the
 router only once every worker is READY. The supervisors are owned by the controller: killing the
-controller kills them, and their processes die with them (PR_SET_PDEATHSIG).
+controller kills them, and their processes die with them (PR_SET_PDEATHSIG). Worker supervisors
+tell the router of every state change (admin API, with the cluster's admin token); once the router
+is up, a deep probe sends a real request through every prefill -> decode pair periodically.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from dsv4_cluster.orchestrator.errors import ClusterStartError
+from dsv4_cluster.core import Role
+from dsv4_cluster.orchestrator.deep_probe import DeepProber
 from dsv4_cluster.orchestrator.plan import LaunchPlan
 from dsv4_cluster.orchestrator.prometheus_targets import record_targets
+from dsv4_cluster.orchestrator.router_admin import RouterLink
 from dsv4_cluster.orchestrator.supervisor import WorkerSupervisor
 from dsv4_cluster.orchestrator.verification import verify_kernels
 
 CONTROLLER_NAME = "controller"
 NODE_RESOURCE_SHARE = 0.001  # a sliver of Ray's built-in "node:<ip>" resource pins an actor
 SUPERVISOR_CONCURRENCY = 4  # start() blocks while status()/stop() must still answer
+DEEP_PROBE_INTERVAL_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,8 @@ class ClusterSpec:
     router: LaunchPlan
     node_addresses: tuple[tuple[str, str], ...]  # (node name, address)
     kernels: tuple[str, ...] = ()  # requested; every worker must report each one active
+    admin_token: str | None = field(default=None, repr=False)  # the router's, for its admin API
+    probe_interval_s: float = DEEP_PROBE_INTERVAL_S
 
 
 def _cause(err: BaseException) -> str:
@@ -52,6 +60,7 @@ class ClusterController:
     def __init__(self, spec: ClusterSpec) -> None:
         self._spec = spec
         self._supervisors: dict[str, Any] = {}
+        self._prober: DeepProber | None = None
 
     def _missing_nodes(self) -> list[str]:
         """One line per process whose node is not (alive) in the Ray cluster."""
@@ -64,10 +73,13 @@ class ClusterController:
 
     def _supervisor(self, plan: LaunchPlan) -> Any:
         address = dict(self._spec.node_addresses)[plan.node]
+        link = None
+        if plan.role is not Role.ROUTER and self._spec.admin_token is not None:
+            link = RouterLink.for_router(self._spec.router, self._spec.admin_token)
         actor = ray.remote(WorkerSupervisor).options(
             name=f"supervisor-{plan.name}", num_cpus=0, max_concurrency=SUPERVISOR_CONCURRENCY,
             resources={f"node:{address}": NODE_RESOURCE_SHARE},
-        ).remote(plan)
+        ).remote(plan, router=link)
         self._supervisors[plan.name] = actor
         return actor
 
@@ -94,6 +106,8 @@ class ClusterController:
         if failures:
             self.stop(deadline_s=10.0)
             raise ClusterStartError("the cluster did not come up:\n" + "\n".join(failures))
+        self._prober = DeepProber(self._spec.workers, self._spec.probe_interval_s)
+        self._prober.start()
         return self.status()
 
     def status(self) -> dict[str, Any]:
@@ -109,8 +123,9 @@ class ClusterController:
                 rows.append(ray.get(refs[name], timeout=30))
             except (RayTaskError, RayActorError) as e:
                 rows.append({"name": name, "error": f"supervisor unreachable: {_cause(e)}"})
+        probes = self._prober.results() if self._prober is not None else []
         record_targets(self._spec, rows)  # Prometheus file_sd follows the processes
-        return {"endpoint": self._spec.endpoint, "workers": rows}
+        return {"endpoint": self._spec.endpoint, "workers": rows, "probes": probes}
 
     def pids(self) -> list[tuple[str, int]]:
         """(host, pid) of every process of this cluster: controller, supervisors, workers."""
@@ -119,6 +134,9 @@ class ClusterController:
 
     def stop(self, deadline_s: float) -> dict[str, Any]:
         """Router first, then every worker at once: SIGTERM, SIGKILL after `deadline_s`."""
+        if self._prober is not None:
+            self._prober.stop()
+            self._prober = None
         final: list[dict[str, Any]] = []
         router = self._supervisors.get(self._spec.router.name)
         groups = [[router] if router is not None else [],

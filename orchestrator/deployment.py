@@ -19,6 +19,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from dsv4_cluster.core import WorkerState
 from dsv4_cluster.orchestrator import ray_cluster
 from dsv4_cluster.orchestrator.controller import CONTROLLER_NAME, ClusterController, ClusterSpec
 from dsv4_cluster.orchestrator.errors import (
@@ -31,13 +32,14 @@ from dsv4_cluster.orchestrator.processes import group_members, pid_alive
 from dsv4_cluster.orchestrator.preflight import machine_problems, preflight
 from dsv4_cluster.orchestrator.record import (
     ClusterRecord, RecordError, clear_record, read_record, write_record)
+from dsv4_cluster.orchestrator.router_admin import new_admin_token, with_admin_token
 from dsv4_cluster.orchestrator.topology import load_topology
 
 CONTROLLER_CONCURRENCY = 8
 logger = logging.getLogger(__name__)
 
 
-def _spec(topology: Any) -> ClusterSpec:
+def _spec(topology: Any, admin_token: str) -> ClusterSpec:
     try:
         workers, router = cluster_plans(topology)
     except PlanError as e:
@@ -47,9 +49,9 @@ def _spec(topology: Any) -> ClusterSpec:
         raise PreflightError(problems)
     return ClusterSpec(
         namespace=topology.cluster.namespace, endpoint=endpoint(topology), workers=tuple(workers),
-        router=router,
+        router=with_admin_token(router, admin_token),
         node_addresses=tuple((n.name, n.address) for n in topology.nodes),
-        kernels=requested_kernels(topology),
+        kernels=requested_kernels(topology), admin_token=admin_token,
     )
 
 
@@ -72,7 +74,8 @@ def up(topology_path: str, options: UpOptions) -> dict[str, Any]:
     if existing is not None:
         raise AlreadyUpError(f"a cluster is already up ({existing.topology_path}, "
                              f"{existing.endpoint}); run `dsv4-cluster down` first")
-    spec = _spec(topology)
+    admin_token = new_admin_token()
+    spec = _spec(topology, admin_token)
     run_dir = topology.run_dir_path
     address = options.address or topology.cluster.address
     head = None
@@ -82,7 +85,7 @@ def up(topology_path: str, options: UpOptions) -> dict[str, Any]:
                                                options.head_timeout_s)
     record = ClusterRecord(address=address, namespace=spec.namespace, endpoint=spec.endpoint,
                            topology_path=str(Path(topology_path).absolute()),
-                           run_dir=str(run_dir), head=head)
+                           run_dir=str(run_dir), head=head, admin_token=admin_token)
     controller = None
     try:
         ray_cluster.connect(address, spec.namespace)
@@ -177,7 +180,8 @@ def status() -> dict[str, Any]:
 
 
 def watch(interval_s: float) -> str | None:
-    """Block until SIGTERM/SIGINT (None) or until the controller stops answering (why)."""
+    """Block until SIGTERM/SIGINT (None), or until the controller stops answering or a worker is
+    FAILED (why)."""
     record = read_record()
     stop = threading.Event()
     try:
@@ -189,9 +193,13 @@ def watch(interval_s: float) -> str | None:
             signal.signal(sig, lambda *_: stop.set())
         while not stop.wait(interval_s):
             try:
-                ray.get(controller.status.remote(), timeout=60)
+                status = ray.get(controller.status.remote(), timeout=60)
             except (RayActorError, GetTimeoutError) as e:
                 return f"the controller does not answer: {e}"
+            failed = [w for w in status["workers"] if w.get("state") == WorkerState.FAILED.value]
+            if failed:
+                return "; ".join(f"{w['name']} is FAILED: {(w.get('error') or '').splitlines()[0]}"
+                                 for w in failed)
         return None
     finally:
         ray_cluster.disconnect()

@@ -51,7 +51,7 @@ def single_process_tokens(topology: Any, prompt_ids: list[int]) -> list[int]:
                                       max_total_tokens=pages * decode.page_size, context_length=ctx))
     tok = ByteTokenizer()
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    return generate_single_process(runner, prompt_ids, params, tok.eos_token_id, tok.decode)
+    return generate_single_process(runner, prompt_ids, params, tok.eos_token_id)
 
 
 def check_pd_equivalence(topology: Any, timeout_s: float = 120.0) -> PDCheck:

@@ -3,7 +3,7 @@
 A plan is computed from the topology alone, before anything starts, so it can be printed,
 unit-tested flag by flag, and shipped to a supervisor actor as one frozen value. Two engines:
 the embedded engine (`python -m dsv4_cluster.workers.{prefill,decode}`) and SGLang
-(`python -m sglang.launch_server`, flags as SGLang 0.5.23's argument parser spells them).
+(`python -m sglang.launch_server`, flags and env in `sglang_launch`, as SGLang 0.5.23 resolves them).
 The router is planned here too; its JSON settings travel in the plan (`files`), so the
 supervisor on the router's node writes them there.
 """
@@ -16,13 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsv4_cluster.core import Role
+from dsv4_cluster.core import KERNEL_NAMES, Role
+from dsv4_cluster.orchestrator.sglang_launch import sglang_argv, sglang_env
 
-KERNEL_NAMES = ("sparse_mla_decode", "indexer", "topk")
-# SGLang 0.5.23 registers these parser names for DeepSeek-V4 (reasoning_parser_names.py and
-# function_call/parser_names.py in its wheel).
-SGLANG_REASONING_PARSER = "deepseek-v4"
-SGLANG_TOOL_CALL_PARSER = "deepseekv4"
 ROUTE_PROBE = "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
 
 
@@ -75,8 +71,9 @@ def _log_path(topology: Any, name: str) -> str:
     return str(Path(topology.run_dir_path) / "logs" / f"{name}.log")
 
 
-def _numactl_prefix(worker: Any) -> list[str]:
-    if worker.numa_node is None:
+def _numactl_prefix(topology: Any, worker: Any) -> list[str]:
+    """numactl for the embedded engine; SGLang binds its TP children itself (`--numa-node`)."""
+    if worker.numa_node is None or _value(topology.engine) == "sglang":
         return []
     n = str(worker.numa_node)
     return ["numactl", f"--cpunodebind={n}", f"--membind={n}"]
@@ -84,7 +81,9 @@ def _numactl_prefix(worker: Any) -> list[str]:
 
 def _worker_env(topology: Any, worker: Any) -> dict[str, str]:
     env = {"PYTHONUNBUFFERED": "1"}
-    if worker.gpus:
+    if _value(topology.engine) == "sglang":
+        env.update(sglang_env(topology, worker, requested_kernels(topology)))
+    elif worker.gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in worker.gpus)
     if topology.transfer.ucx_tls:
         env["UCX_TLS"] = topology.transfer.ucx_tls
@@ -119,52 +118,13 @@ def embedded_argv(topology: Any, worker: Any) -> list[str]:
     return argv + [str(a) for a in worker.extra_args]
 
 
-def sglang_argv(topology: Any, worker: Any) -> list[str]:
-    """SGLang 0.5.23 `launch_server` flags; each name checked against its arg_groups/fields."""
-    kernels = requested_kernels(topology)
-    if kernels:
-        raise PlanError(
-            f"kernels {', '.join(kernels)} requested, but installing custom kernels into SGLang "
-            "is not implemented yet; set every kernels.* to false for engine sglang"
-        )
-    role = _value(worker.role)
-    argv = [
-        sys.executable, "-m", "sglang.launch_server",
-        "--model-path", str(topology.model.path),
-        "--served-model-name", topology.model.name,
-        "--tp-size", str(worker.tp),
-        "--host", "0.0.0.0",
-        "--port", str(worker.port),
-        "--nccl-port", str(worker.nccl_port),
-        "--disaggregation-mode", role,
-        "--disaggregation-transfer-backend", _value(topology.transfer.backend),
-    ]
-    if role == Role.PREFILL.value:
-        argv += ["--disaggregation-bootstrap-port", str(worker.bootstrap_port)]
-    argv += [
-        "--page-size", str(worker.page_size),
-        "--kv-cache-dtype", str(worker.kv_cache_dtype),
-        "--context-length", str(topology.model.context_length),
-        "--random-seed", str(topology.model.seed),
-    ]
-    if worker.max_total_tokens is not None:
-        argv += ["--max-total-tokens", str(worker.max_total_tokens)]
-    argv += [
-        "--enable-metrics",
-        "--trust-remote-code",
-        "--reasoning-parser", SGLANG_REASONING_PARSER,
-        "--tool-call-parser", SGLANG_TOOL_CALL_PARSER,
-    ]
-    return argv + [str(a) for a in worker.extra_args]
-
-
 def worker_plan(topology: Any, worker: Any) -> LaunchPlan:
     """The plan of one prefill or decode worker, for either engine."""
     engine = _value(topology.engine)
     if engine == "embedded":
         argv = embedded_argv(topology, worker)
     elif engine == "sglang":
-        argv = sglang_argv(topology, worker)
+        argv = sglang_argv(topology, worker, requested_kernels(topology))
     else:
         raise PlanError(f"engine {engine!r} has no launch plan; use embedded or sglang")
     role = Role(_value(worker.role))
@@ -182,7 +142,7 @@ def worker_plan(topology: Any, worker: Any) -> LaunchPlan:
         name=worker.name,
         role=role,
         node=worker.node,
-        argv=tuple(_numactl_prefix(worker) + argv),
+        argv=tuple(_numactl_prefix(topology, worker) + argv),
         env=tuple(sorted(_worker_env(topology, worker).items())),
         cwd=str(topology.run_dir_path),
         log_path=_log_path(topology, worker.name),

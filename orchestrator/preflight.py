@@ -16,11 +16,11 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from dsv4_cluster.kernels.sglang_plugin.settings import SGLANG_VERSION
 from dsv4_cluster.orchestrator.plan import LaunchPlan
 from dsv4_cluster.orchestrator.ports import port_is_free
 from dsv4_cluster.workers.nixl_loader import INSTALL_HINT as NIXL_INSTALL_HINT, nixl_package
 
-SGLANG_VERSION = "0.5.23"
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "0.0.0.0", "::1")
 NUMA_SYSFS = "/sys/devices/system/node"
 
@@ -77,7 +77,8 @@ def machine_problems(topology: Any) -> list[str]:
     problems = hardware_problems(topology)
     pinned = [w.name for w in topology.workers if w.numa_node is not None]
     if pinned and shutil.which("numactl") is None:
-        problems.append(f"{', '.join(pinned)}: numa_node is set but `numactl` is not installed — "
+        problems.append(f"{', '.join(pinned)}: numa_node is set but `numactl` is not installed (the embedded "
+                        "engine runs under it; SGLang binds its TP children with it) — "
                         "apt-get install -y numactl, or remove numa_node")
     if str(topology.transfer.backend) == "nixl" and nixl_package() is None:
         problems.append(f"transfer.backend is nixl but NIXL is not importable — {NIXL_INSTALL_HINT}")

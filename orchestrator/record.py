@@ -2,14 +2,15 @@
 
 `up` writes `<home>/current.json` once the cluster is up: the Ray address, the namespace the
 controller lives in, whether `up` started the Ray head (then `down` stops it, and only then),
-and the endpoint. `<home>` is `~/.dsv4-cluster`, or `$DSV4_CLUSTER_HOME` (tests use their own).
+the endpoint, and the router's admin token (so the file is private to its owner). `<home>` is
+`~/.dsv4-cluster`, or `$DSV4_CLUSTER_HOME` (tests use their own).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -44,6 +45,7 @@ class ClusterRecord:
     topology_path: str
     run_dir: str
     head: HeadProcess | None  # None: `up` joined a Ray cluster someone else started
+    admin_token: str | None = field(default=None, repr=False)  # the router's admin API token
 
 
 class _HeadModel(BaseModel):
@@ -60,6 +62,7 @@ class _RecordModel(BaseModel):
     topology_path: str
     run_dir: str
     head: _HeadModel | None
+    admin_token: str | None = None
 
 
 def record_path() -> Path:
@@ -70,7 +73,10 @@ def write_record(record: ClusterRecord) -> Path:
     path = record_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(record), indent=2) + "\n")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # it holds the admin token
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(asdict(record), indent=2) + "\n")
     tmp.replace(path)
     return path
 
@@ -91,7 +97,7 @@ def read_record() -> ClusterRecord:
         raise RecordError(f"the cluster record {path} is invalid ({e.error_count()} errors); "
                           "remove it if no cluster is running") from e
     head = HeadProcess(m.head.pid, m.head.log_path) if m.head else None
-    return ClusterRecord(m.address, m.namespace, m.endpoint, m.topology_path, m.run_dir, head)
+    return ClusterRecord(m.address, m.namespace, m.endpoint, m.topology_path, m.run_dir, head, m.admin_token)
 
 
 def clear_record() -> None:

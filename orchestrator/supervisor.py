@@ -4,17 +4,24 @@ It runs as a Ray actor (`supervisor_actor()`), one per worker and one for the ro
 process gets its own process group (so `stop` reaches the children an engine spawns, e.g.
 SGLang's TP ranks) and PR_SET_PDEATHSIG=SIGKILL (so a dead supervisor never orphans it), and
 writes stdout+stderr to its own log file. `start` blocks until every readiness URL answers 200,
-failing fast with the log's tail if the process exits first. A process that crashes after it
-was READY is restarted with exponential backoff; after `RestartPolicy.max_restarts` crashes
-within `window_s` the supervisor gives up, says why, and the state stays FAILED.
+failing fast with the log's tail if the process exits first.
 
-One dedicated thread spawns the process, waits for readiness, waits on it and restarts it: the
+Liveness is more than the pid: a READY worker's `/health` is polled (`HealthPolicy`); a failed
+poll makes it DEGRADED, a run of them gets the process killed and restarted. A process that exits
+(at start or after READY) is restarted with exponential backoff as RESTARTING; after
+`RestartPolicy.max_restarts` crashes within `window_s` the supervisor gives up and the state stays
+FAILED, with the reason and the log's last lines in `status`. Every state change is told to the
+router's admin API (`RouterLink`), retried on each poll until the router has it.
+
+One dedicated thread spawns the process, waits for readiness, watches it and restarts it: the
 death signal follows the thread that forked, so that thread outlives every process it spawns.
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
+import logging
 import os
 import signal
 import socket
@@ -28,14 +35,21 @@ from typing import Any
 
 import httpx
 
-from dsv4_cluster.core import KvUsage, WorkerState, WorkerStatus
+from dsv4_cluster.core import KvUsage, Role, WorkerState, WorkerStatus
 from dsv4_cluster.orchestrator.plan import LaunchPlan
+from dsv4_cluster.orchestrator.policy import CrashWindow, HealthPolicy, RestartPolicy
 from dsv4_cluster.orchestrator.processes import group_members, signal_group
 from dsv4_cluster.orchestrator.probe import ProbeError, engine_info, first_unready
+from dsv4_cluster.orchestrator.router_admin import RouterAdmin, RouterAdminError, RouterLink
+
+__all__ = ["HealthPolicy", "RestartPolicy", "WorkerStartError", "WorkerSupervisor", "log_tail"]
+logger = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
 POLL_INTERVAL_S = 0.2
 LOG_TAIL_LINES = 30
+STATUS_TAIL_LINES = 10  # of a worker that is not READY, in `status`
+RETELL_EVERY_POLLS = 15  # the router hears the state again this often, in case it restarted
 
 
 class WorkerStartError(RuntimeError):
@@ -62,26 +76,19 @@ def log_tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
 
 
 @dataclass(frozen=True)
-class RestartPolicy:
-    """Restart a crashed worker after backoff_s, doubling per recent crash up to backoff_max_s;
-    give up once more than max_restarts crashes fall within window_s."""
+class _Failure:
+    """Why a process is gone or must go; `retry`: whether restarting it can help."""
 
-    max_restarts: int = 3
-    window_s: float = 300.0
-    backoff_s: float = 1.0
-    backoff_max_s: float = 30.0
-
-    def delay(self, recent_crashes: int) -> float | None:
-        if recent_crashes > self.max_restarts:
-            return None
-        return min(self.backoff_s * 2 ** (recent_crashes - 1), self.backoff_max_s)
+    reason: str
+    retry: bool = True
 
 
 class WorkerSupervisor:
     """Spawns, watches, restarts and stops one process described by a LaunchPlan."""
 
-    def __init__(self, plan: LaunchPlan, policy: RestartPolicy = RestartPolicy()) -> None:
-        self._plan, self._policy = plan, policy
+    def __init__(self, plan: LaunchPlan, policy: RestartPolicy = RestartPolicy(),
+                 health: HealthPolicy = HealthPolicy(), router: RouterLink | None = None) -> None:
+        self._plan, self._health = plan, health
         self._lock = threading.Lock()
         self._state = WorkerState.STOPPED
         self._proc: subprocess.Popen[bytes] | None = None
@@ -89,16 +96,38 @@ class WorkerSupervisor:
         self._first_outcome = threading.Event()
         self._start_error: str | None = None
         self._restarts = 0
-        self._crashes: deque[float] = deque()
+        self._crashes = CrashWindow(policy)
         self._error: str | None = None
         self._thread: threading.Thread | None = None
-        self._http = httpx.Client(timeout=httpx.Timeout(2.0, connect=1.0))
+        self._http = httpx.Client(timeout=httpx.Timeout(health.timeout_s, connect=min(health.timeout_s, 1.0)))
+        self._admin = RouterAdmin(router) if router is not None else None
+        self._told: tuple[WorkerState, str | None] | None = None  # what the router acknowledged
+        self._tell_lock = threading.Lock()
 
     # -- the process thread ---------------------------------------------------------------
 
     def _set(self, state: WorkerState, error: str | None = None) -> None:
         with self._lock:
             self._state, self._error = state, error
+        self._tell_router()
+
+    def _tell_router(self, again: bool = False) -> None:
+        """Report the current state to the router unless it has it already (`again`: even then, for
+        a router that restarted and forgot); failures wait for the next poll (the router may not
+        be up yet, or be restarting)."""
+        if self._admin is None:
+            return
+        with self._tell_lock:
+            with self._lock:
+                current = (self._state, (self._error or "").split("\n")[0][:300] or None)
+            if current == self._told and not again:
+                return
+            try:
+                self._admin.set_state(self._plan.name, *current)
+            except RouterAdminError as e:
+                logger.debug("router not told of %s %s yet: %s", self._plan.name, current[0].value, e)
+                return
+            self._told = current
 
     def _spawn(self) -> subprocess.Popen[bytes]:
         plan = self._plan
@@ -106,7 +135,10 @@ class WorkerSupervisor:
         Path(plan.cwd).mkdir(parents=True, exist_ok=True)
         for path, text in plan.files:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            Path(path).write_text(text)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # the router's settings
+            os.fchmod(fd, 0o600)                                                # hold the admin token
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
         with open(plan.log_path, "ab") as log:
             stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
             log.write(f"=== {stamp} supervisor starts: {' '.join(plan.argv)}\n".encode())
@@ -117,22 +149,22 @@ class WorkerSupervisor:
                 start_new_session=True, preexec_fn=_death_signal_preexec(os.getpid()),
             )
 
-    def _launch(self, timeout_s: float) -> str | None:
+    def _launch(self, timeout_s: float) -> _Failure | None:
         """Spawn and wait until ready: None when READY, else why not (the process is dead)."""
         plan = self._plan
         try:
             proc = self._spawn()
         except OSError as e:
-            return f"could not spawn {plan.argv[0]!r}: {e}"
+            return _Failure(f"could not spawn {plan.argv[0]!r}: {e}", retry=False)
         self._proc = proc
         deadline = time.monotonic() + timeout_s
         while True:
             code = proc.poll()
             if code is not None:
-                return (f"exited with code {code} before it was ready; last log lines:\n"
-                        f"{log_tail(plan.log_path)}")
+                return _Failure(f"exited with code {code} before it was ready; last log lines:\n"
+                                f"{log_tail(plan.log_path)}")
             if self._stop.is_set():
-                return "stopped while starting"
+                return _Failure("stopped while starting", retry=False)
             pending = first_unready(self._http, plan.all_readiness_urls)
             if pending is None:
                 self._set(WorkerState.READY)
@@ -140,53 +172,94 @@ class WorkerSupervisor:
             if time.monotonic() >= deadline:
                 signal_group(proc.pid, signal.SIGKILL)
                 proc.wait()
-                return (f"not ready after {timeout_s:.0f}s (still waiting on {pending}); "
-                        f"log {plan.log_path}, last lines:\n{log_tail(plan.log_path)}")
+                return _Failure(f"not ready after {timeout_s:.0f}s (still waiting on {pending}); "
+                                f"log {plan.log_path}, last lines:\n{log_tail(plan.log_path)}", retry=False)
             self._stop.wait(POLL_INTERVAL_S)
 
-    def _next_restart_delay(self, reason: str) -> float | None:
-        now = time.monotonic()
-        self._crashes.append(now)
-        while self._crashes and now - self._crashes[0] > self._policy.window_s:
-            self._crashes.popleft()
-        delay = self._policy.delay(len(self._crashes))
+    def _restart_delay(self, failure: _Failure) -> float | None:
+        """Count a crash: the backoff before restarting, or None (FAILED: a crash loop, or a failure
+        a restart cannot mend)."""
+        delay = self._crashes.record() if failure.retry else None
         if delay is None:
             self._set(WorkerState.FAILED,
-                      f"gave up after {len(self._crashes)} crashes within "
-                      f"{self._policy.window_s:.0f}s (crash loop); last: {reason}")
-        else:
-            with self._lock:
-                self._state = WorkerState.STARTING
-                self._error = f"restarting in {delay:.1f}s; last crash: {reason}"
-                self._restarts += 1
+                      self._crashes.giving_up(failure.reason) if failure.retry else failure.reason)
+            return None
+        with self._lock:
+            self._restarts += 1
+        self._set(WorkerState.RESTARTING, f"restarting in {delay:.1f}s; last crash: {failure.reason}")
         return delay
 
     def _run(self, timeout_s: float) -> None:
         try:
-            self._start_error = self._launch(timeout_s)
-            if self._start_error is not None:
-                self._set(WorkerState.FAILED, self._start_error)
+            failure = self._launch(timeout_s)
+            while failure is not None:   # a process that exits at start is retried like a crash
+                delay = self._restart_delay(failure)
+                if delay is None or self._stop.wait(delay):
+                    break
+                failure = self._launch(timeout_s)
+            if failure is not None:
+                self._start_error = self._error if self._state is WorkerState.FAILED else failure.reason
             self._first_outcome.set()
-            if self._start_error is None:
+            if failure is None:
                 self._keep_running(timeout_s)
         finally:
             if self._proc is not None:
                 self._proc.wait()  # this thread must outlive its process (PR_SET_PDEATHSIG)
 
     def _keep_running(self, timeout_s: float) -> None:
-        """Wait on the READY process; after a crash restart it as the policy allows."""
-        error: str | None = None
+        """Watch the READY process; after it dies or stops answering, restart it as the policy allows."""
         while not self._stop.is_set():
-            if error is None and self._proc is not None:
-                code = self._proc.wait()
-                if self._stop.is_set():
-                    return
-                error = (f"exited unexpectedly with code {code}; last log lines:\n"
-                         f"{log_tail(self._plan.log_path)}")
-            delay = self._next_restart_delay(error or "no process")
-            if delay is None or self._stop.wait(delay):
+            failure = self._watch()
+            if failure is None:   # stopped
                 return
-            error = self._launch(timeout_s)
+            while failure is not None:
+                delay = self._restart_delay(failure)
+                if delay is None or self._stop.wait(delay):
+                    return
+                failure = self._launch(timeout_s)
+
+    def _liveness_problem(self) -> str | None:
+        """Why the running process does not look alive, or None. A worker is alive while its /health
+        answers 200; the router's /health follows its pool (503 without a usable pair), so the
+        router is alive while it answers at all."""
+        if self._plan.role is not Role.ROUTER:
+            return first_unready(self._http, (self._plan.health_url,))
+        try:
+            self._http.get(self._plan.health_url)
+        except httpx.HTTPError as e:
+            return f"{self._plan.health_url}: {type(e).__name__}"
+        return None
+
+    def _watch(self) -> _Failure | None:
+        """Poll the running process until it exits or fails its health checks (why), or stop (None)."""
+        proc, plan, failures = self._proc, self._plan, 0
+        assert proc is not None
+        for polls in itertools.count(1):
+            try:
+                code = proc.wait(timeout=self._health.interval_s)
+            except subprocess.TimeoutExpired:
+                code = None
+            if self._stop.is_set():
+                return None
+            if code is not None:
+                return _Failure(f"exited unexpectedly with code {code}; last log lines:\n"
+                                f"{log_tail(plan.log_path)}")
+            problem = self._liveness_problem()
+            if problem is None:
+                if failures:
+                    self._set(WorkerState.READY)
+                failures = 0
+            else:
+                failures += 1
+                if failures >= self._health.failures_to_restart:
+                    signal_group(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    return _Failure(f"failed {failures} health checks in a row (last: {problem}); killed; "
+                                    f"last log lines:\n{log_tail(plan.log_path)}")
+                self._set(WorkerState.DEGRADED, f"health check {failures}/{self._health.failures_to_restart} "
+                                                f"failed: {problem}")
+            self._tell_router(again=polls % RETELL_EVERY_POLLS == 0)
+        return None  # unreachable: the loop above only returns
 
     # -- public API (actor methods) -------------------------------------------------------
 
@@ -220,8 +293,7 @@ class WorkerSupervisor:
                 signal_group(proc.pid, signal.SIGKILL)
         if thread is not None:
             thread.join(10.0)
-        with self._lock:
-            self._state = WorkerState.STOPPED
+        self._set(WorkerState.STOPPED, None)
         return self.status()
 
     def status(self) -> dict[str, Any]:
@@ -239,10 +311,11 @@ class WorkerSupervisor:
                 kv, kernels = info.kv, info.kernels
             except (httpx.HTTPError, ProbeError, ValueError) as e:
                 error = f"/server_info probe failed: {e}"
+        troubled = state in (WorkerState.DEGRADED, WorkerState.RESTARTING, WorkerState.FAILED)
         return WorkerStatus(
             name=plan.name, role=plan.role, node=plan.node, state=state, pid=pid,
             port=plan.port, restarts=restarts, kv=kv, log_path=plan.log_path, error=error,
-            kernels=kernels,
+            kernels=kernels, log_tail=log_tail(plan.log_path, STATUS_TAIL_LINES) if troubled else None,
         ).to_dict()
 
     def pids(self) -> list[tuple[str, int]]:

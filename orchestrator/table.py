@@ -20,11 +20,14 @@ def status_rows(workers: list[dict[str, Any]]) -> list[tuple[str, ...]]:
 
 
 def render_table(status: dict[str, Any]) -> str:
-    """The table, then one line per process that reports an error."""
+    """The table, one line per process that reports an error, one per deep-probed pair."""
     rows = [COLUMNS, *status_rows(status["workers"])]
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     for w in status["workers"]:
         if w.get("error"):
             lines.append(f"{w.get('name', '?')}: {w['error']}")
+    for p in status.get("probes", []):
+        outcome = f"ok in {p['seconds']:.2f}s" if p["ok"] else f"FAILED: {p['error']}"
+        lines.append(f"deep probe {p['prefill']} -> {p['decode']}: {outcome}")
     return "\n".join(lines)

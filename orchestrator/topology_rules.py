@@ -14,7 +14,12 @@ from typing import Any, get_args
 from pydantic import BaseModel
 
 from .topology_errors import format_field
-from .topology_schema import Device, EngineName, KvCacheDtype, RouterConfig, WorkerConfig, WorkerDefaults, default_nodes
+from dsv4_cluster.core import KERNEL_NAMES
+
+from .sglang_launch import DSV4_PAGE_SIZE, KERNELS_NEED_KV_DTYPE, SGLANG_KV_DTYPE
+from .topology_schema import (
+    ENGINE_DEFAULTS, Device, EngineName, KernelsConfig, KvCacheDtype, RouterConfig, WorkerConfig, WorkerDefaults,
+    default_nodes)
 
 Path_ = tuple[Any, ...]
 ROLES = ("prefill", "decode")
@@ -76,7 +81,18 @@ class _Context:
         defaults = self.section("defaults")
         if defaults.get(key) is not None:
             return defaults[key], ("defaults", key)
-        return WorkerDefaults.model_fields[key].default, ("defaults", key)
+        engine_default = ENGINE_DEFAULTS.get(self.engine or "", {}).get(key)
+        return engine_default if engine_default is not None else WorkerDefaults.model_fields[key].default, \
+            ("defaults", key)
+
+    def written(self, worker: _Worker, key: str) -> bool:
+        """Whether the file sets `key` for this worker (itself or under defaults)."""
+        return worker.raw.get(key) is not None or self.section("defaults").get(key) is not None
+
+    @property
+    def kernels_requested(self) -> list[str]:
+        kernels = self.section("kernels")
+        return [k for k in KERNEL_NAMES if kernels.get(k, KernelsConfig.model_fields[k].default) is True]
 
 
 def _context(data: dict[Any, Any]) -> _Context:
@@ -241,7 +257,15 @@ def _engine_needs(ctx: _Context) -> Iterator[Finding]:
             if _get(w.raw, WorkerConfig, "device") == "cpu":
                 yield Finding(w.path + ("device",), f"engine sglang serves on CUDA only, {w.label} is on cpu",
                               "set device: cuda with gpus and tp, or use engine: embedded on CPU")
+            gpus = w.raw.get("gpus")
+            if isinstance(gpus, list) and gpus and all(_int(g) is not None for g in gpus) \
+                    and gpus != list(range(gpus[0], gpus[0] + len(gpus))):
+                yield Finding(w.path + ("gpus",), f"engine sglang places {w.label}'s TP ranks on --base-gpu-id and the "
+                              f"GPUs after it, so its GPUs must be consecutive and ascending; got {gpus}",
+                              f"list consecutive GPUs, e.g. {list(range(min(gpus), min(gpus) + len(gpus)))}")
+        yield from _sglang_kv_layout(ctx)
     if ctx.engine == "embedded":
+        yield from _embedded_options(ctx)
         lacking = [w.label for w in ctx.workers if ctx.resolved(w, "max_total_tokens")[0] is None]
         if lacking:
             yield Finding(("defaults", "max_total_tokens"), f"the embedded engine needs a KV pool size; "
@@ -257,6 +281,46 @@ def _engine_needs(ctx: _Context) -> Iterator[Finding]:
                               "use a multiple of 4, e.g. 16 or 64")
 
 
+def _once(ctx: _Context, key: str) -> Iterator[tuple[_Worker, Any, Path_]]:
+    """Each distinct place the file sets `key` (a worker or defaults), with its resolved value, once."""
+    reported: set[Path_] = set()
+    for w in ctx.workers:
+        value, path = ctx.resolved(w, key)
+        if path not in reported:
+            reported.add(path)
+            yield w, value, path
+
+
+def _sglang_kv_layout(ctx: _Context) -> Iterator[Finding]:
+    """SGLang 0.5.23 DeepSeek-V4: 256-token pages whatever it is told; fp8 KV for the kernels."""
+    for w, size, path in _once(ctx, "page_size"):
+        if ctx.written(w, "page_size") and _int(size) is not None and size != DSV4_PAGE_SIZE:
+            yield Finding(path, f"page_size {size}: SGLang 0.5.23 runs DeepSeek-V4 with {DSV4_PAGE_SIZE}-token pages "
+                          "whatever --page-size says", f"set page_size: {DSV4_PAGE_SIZE}, or remove it")
+    kernels = ctx.kernels_requested
+    for w, dtype, path in _once(ctx, "kv_cache_dtype"):
+        if dtype in SGLANG_KV_DTYPE and kernels and SGLANG_KV_DTYPE[dtype] != KERNELS_NEED_KV_DTYPE:
+            yield Finding(path, f"kv_cache_dtype {dtype} (SGLang {SGLANG_KV_DTYPE[dtype]}) with kernels "
+                          f"{', '.join(kernels)}: the kernels read SGLang's fp8 KV rows only",
+                          f"set kv_cache_dtype: {KERNELS_NEED_KV_DTYPE}, or set those kernels.* to false")
+
+
+def _embedded_options(ctx: _Context) -> Iterator[Finding]:
+    """What the embedded engine's workers would refuse at start (workers/args.py), said before anything starts."""
+    if ctx.section("transfer").get("backend") == "tcp":
+        yield Finding(("transfer", "backend"), "the embedded engine moves KV over NIXL only (no tcp backend)",
+                      "use backend: nixl")
+    for w in ctx.workers:
+        if _get(w.raw, WorkerConfig, "device") == "cuda":
+            yield Finding(w.path + ("device",), f"the embedded engine runs on cpu only, {w.label} asks for cuda "
+                          "(its tiny model's shapes are below what the CUDA kernels take)",
+                          "set device: cpu, or engine: sglang on GPUs")
+    for w, dtype, path in _once(ctx, "kv_cache_dtype"):
+        if dtype in get_args(KvCacheDtype) and dtype != "auto":
+            yield Finding(path, f"kv_cache_dtype {dtype}: the embedded engine keeps KV in float32 ('auto'); "
+                          "bf16 and fp8 layouts are SGLang's", "set kv_cache_dtype: auto, or remove it")
+
+
 def _pool_fits_context(ctx: _Context) -> Iterator[Finding]:
     context = _int(ctx.section("model").get("context_length"))
     reported: set[Path_] = set()
@@ -269,7 +333,15 @@ def _pool_fits_context(ctx: _Context) -> Iterator[Finding]:
                           f"raise max_total_tokens to at least {context}, or lower model.context_length")
 
 
+def _engine_value(ctx: _Context, key: str, value: Any) -> Any:
+    """What the engine will run with for `value` of `key` (SGLang: 256-token pages, its dtype names)."""
+    if ctx.engine == "sglang":
+        return DSV4_PAGE_SIZE if key == "page_size" else SGLANG_KV_DTYPE.get(value, value)
+    return value
+
+
 def _kv_layout_agrees(ctx: _Context) -> Iterator[Finding]:
+    """P and D copy KV pages as-is: page size and KV dtype must agree as the engine will run them."""
     valid = {"page_size": lambda v: _int(v) is not None and v > 0,
              "kv_cache_dtype": lambda v: v in get_args(KvCacheDtype)}
     prefills = [w for w in ctx.workers if w.role == "prefill"]
@@ -282,7 +354,7 @@ def _kv_layout_agrees(ctx: _Context) -> Iterator[Finding]:
             continue
         for w in ctx.workers[1:]:
             value, path = ctx.resolved(w, key)
-            if ok(value) and value != ref_value:
+            if ok(value) and _engine_value(ctx, key, value) != _engine_value(ctx, key, ref_value):
                 yield Finding(path, f"{key} {value!r} of {w.label} differs from {ref_value!r} of "
                               f"{reference.label} ({format_field(ref_path)})",
                               f"prefill and decode exchange KV pages as-is: use one {key} for every worker "

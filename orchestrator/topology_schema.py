@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
+from .sglang_launch import DSV4_PAGE_SIZE
 from .topology_errors import UnknownNameError
 
 EngineName = Literal["embedded", "sglang"]
@@ -78,9 +79,18 @@ class KernelsConfig(_Strict):
     topk: bool = True
 
 
+# What a worker gets when neither it nor `defaults` says. SGLang 0.5.23 runs DeepSeek-V4 with 256-token
+# pages whatever it is told and fp8 KV for "auto" (orchestrator/sglang_launch.py); the embedded engine
+# keeps float32 KV ("auto") in 64-token pages.
+ENGINE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "sglang": {"page_size": DSV4_PAGE_SIZE, "kv_cache_dtype": "fp8_e4m3"},
+    "embedded": {"page_size": 64, "kv_cache_dtype": "auto"},
+}
+
+
 class WorkerDefaults(_Strict):
-    page_size: int = Field(default=64, ge=1)
-    kv_cache_dtype: KvCacheDtype = "fp8_e4m3"
+    page_size: int | None = Field(default=None, ge=1, description="null → the engine's page size")
+    kv_cache_dtype: KvCacheDtype | None = Field(default=None, description="null → the engine's KV dtype")
     max_total_tokens: int | None = Field(default=None, ge=1, description="KV pool capacity in tokens")
 
 
@@ -144,6 +154,9 @@ class Topology(_Strict):
             for key in RESOLVED_FROM_DEFAULTS:
                 if getattr(worker, key) is None:
                     setattr(worker, key, getattr(self.defaults, key))
+            for key, value in ENGINE_DEFAULTS[self.engine].items():
+                if getattr(worker, key) is None:
+                    setattr(worker, key, value)
         return self
 
     @property

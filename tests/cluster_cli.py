@@ -34,7 +34,7 @@ def run_cli(home: Path, *args: str, timeout: float = 240) -> subprocess.Complete
 
 
 def write_topology(tmp_path: Path, context_length: int = 512, extra_decode: str = "",
-                   kernels: bool = False) -> LocalCluster:
+                   kernels: bool = False, extra_prefill: str = "") -> LocalCluster:
     router, prefill, boot, decode = free_ports(4)
     k = "true" if kernels else "false"
     path = tmp_path / "topology.yaml"
@@ -46,7 +46,7 @@ router: {{host: 127.0.0.1, port: {router}}}
 kernels: {{sparse_mla_decode: {k}, indexer: {k}, topk: {k}}}
 defaults: {{page_size: 16, kv_cache_dtype: auto, max_total_tokens: 4096}}
 prefill:
-  - {{name: prefill-0, device: cpu, port: {prefill}, bootstrap_port: {boot}}}
+  - {{name: prefill-0, device: cpu, port: {prefill}, bootstrap_port: {boot}{extra_prefill}}}
 decode:
   - {{name: decode-0, device: cpu, port: {decode}{extra_decode}}}
 """)

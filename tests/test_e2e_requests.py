@@ -86,7 +86,7 @@ def test_greedy_tokens_through_the_cluster_equal_a_single_process_run(cluster):
                        json={"text": text, "sampling_params": {"max_new_tokens": 32, "temperature": 0}})
         assert r.status_code == 200, r.text
         expected = generate_single_process(runner, TOK.encode(text), SamplingParams(max_new_tokens=32, temperature=0),
-                                           EOS, TOK.decode)
+                                           EOS)
         assert r.json()["output_ids"] == expected, text
 
 

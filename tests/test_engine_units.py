@@ -58,8 +58,8 @@ def test_greedy_generation_is_deterministic_and_stops():
     r = runner()
     params = SamplingParams(max_new_tokens=24, temperature=0)
     prompt = TOK.encode("determinism")
-    out1 = generate_single_process(r, prompt, params, EOS, TOK.decode)
-    out2 = generate_single_process(r, prompt, params, EOS, TOK.decode)
+    out1 = generate_single_process(r, prompt, params, EOS)
+    out2 = generate_single_process(r, prompt, params, EOS)
     assert out1 == out2 and 1 <= len(out1) <= 24
     assert all(32 <= t < 127 or t == EOS for t in out1)
     assert r.pool.used_tokens == 0
@@ -69,12 +69,12 @@ def test_seeded_sampling_is_reproducible():
     r = runner()
     params = SamplingParams(max_new_tokens=16, temperature=1.0, seed=7)
     prompt = TOK.encode("seeded")
-    assert generate_single_process(r, prompt, params, EOS, TOK.decode) == \
-        generate_single_process(r, prompt, params, EOS, TOK.decode)
+    assert generate_single_process(r, prompt, params, EOS) == \
+        generate_single_process(r, prompt, params, EOS)
 
 
 def test_request_bodies_reject_what_the_engine_cannot_do():
-    with pytest.raises(ValueError, match="n=1"):
+    with pytest.raises(ValueError, match="n: 2 is not supported"):
         ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "n": 2})
     with pytest.raises(ValueError, match="unexpected_field"):
         ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],

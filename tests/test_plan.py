@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import pytest
 
 from dsv4_cluster.core import Role
+from dsv4_cluster.kernels.sglang_plugin.settings import ATTEST_DIR_ENV, KERNELS_ENV, WORKER_ENV
 from dsv4_cluster.orchestrator.plan import (
     ROUTE_PROBE, PlanError, cluster_plans, endpoint, router_config)
 from dsv4_cluster.orchestrator.topology import load_topology, topology_from_data
@@ -24,6 +24,7 @@ SGLANG_0_5_23_FLAGS = {
     "--disaggregation-mode", "--disaggregation-transfer-backend", "--disaggregation-bootstrap-port",
     "--page-size", "--kv-cache-dtype", "--context-length", "--random-seed", "--max-total-tokens",
     "--enable-metrics", "--trust-remote-code", "--reasoning-parser", "--tool-call-parser",
+    "--base-gpu-id", "--gpu-id-step", "--numa-node",
 }
 
 
@@ -43,6 +44,12 @@ def _local(**overrides: object) -> object:
 
 def _flag(argv: tuple[str, ...], name: str) -> str:
     return argv[argv.index(name) + 1]
+
+
+def _flags(argv: tuple[str, ...], name: str) -> list[str]:
+    """The values of a multi-value flag: everything up to the next flag."""
+    rest = argv[argv.index(name) + 1:]
+    return list(next((rest[:i] for i, a in enumerate(rest) if a.startswith("--")), rest))
 
 
 def test_embedded_prefill_and_decode_argv() -> None:
@@ -108,24 +115,21 @@ def _production(kernels: bool):
     return topo
 
 
-def test_sglang_with_kernels_requested_refuses_clearly() -> None:
-    with pytest.raises(PlanError, match="kernel.*SGLang is not implemented yet"):
-        cluster_plans(_production(kernels=True))
-
-
 def test_sglang_argv_env_and_pinning() -> None:
-    (prefill, decode), _ = cluster_plans(_production(kernels=False))
-    assert prefill.argv[:6] == ("numactl", "--cpunodebind=0", "--membind=0",
-                                sys.executable, "-m", "sglang.launch_server")
-    assert decode.argv[:3] == ("numactl", "--cpunodebind=1", "--membind=1")
-    assert prefill.env_dict["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
-    assert decode.env_dict["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+    (prefill, decode), _ = cluster_plans(_production(kernels=True))
+    assert prefill.argv[:3] == (sys.executable, "-m", "sglang.launch_server")  # no numactl stacked
     a = prefill.argv
+    assert _flags(a, "--numa-node") == ["0"] * 4  # indexed by GPU id, as SGLang reads it
+    assert _flags(decode.argv, "--numa-node") == ["1"] * 8
+    assert "CUDA_VISIBLE_DEVICES" not in prefill.env_dict  # all GPUs visible: NIXL may copy GPU to GPU
+    assert (_flag(a, "--base-gpu-id"), _flag(a, "--gpu-id-step")) == ("0", "1")
+    assert _flag(decode.argv, "--base-gpu-id") == "4"
+    assert prefill.env_dict["SGLANG_HOST_IP"] == decode.env_dict["SGLANG_HOST_IP"] == "127.0.0.1"
     assert (_flag(a, "--tp-size"), _flag(a, "--port"), _flag(a, "--nccl-port")) == ("4", "30100", "30110")
     assert (_flag(a, "--disaggregation-mode"), _flag(a, "--disaggregation-transfer-backend"),
             _flag(a, "--disaggregation-bootstrap-port")) == ("prefill", "nixl", "8998")
     assert (_flag(a, "--model-path"), _flag(a, "--page-size"), _flag(a, "--kv-cache-dtype")) == \
-        ("deepseek-ai/DeepSeek-V4-Flash", "64", "fp8_e4m3")
+        ("deepseek-ai/DeepSeek-V4-Flash", "256", "fp8_e4m3")
     assert (_flag(a, "--reasoning-parser"), _flag(a, "--tool-call-parser")) == ("deepseek-v4", "deepseekv4")
     assert "--enable-metrics" in a and "--trust-remote-code" in a
     assert _flag(decode.argv, "--disaggregation-mode") == "decode"
@@ -134,22 +138,34 @@ def test_sglang_argv_env_and_pinning() -> None:
     assert prefill.ports == (30100, 8998, 30110)
 
 
+def test_sglang_plugin_env_names_the_kernels_only_when_asked() -> None:
+    (prefill, decode), _ = cluster_plans(_production(kernels=True))
+    topo = _production(kernels=True)
+    for plan in (prefill, decode):
+        env = plan.env_dict
+        assert env[KERNELS_ENV] == "sparse_mla_decode,indexer,topk"
+        assert env[ATTEST_DIR_ENV] == str(topo.run_dir_path / "attest" / plan.name)
+        assert env[WORKER_ENV] == plan.name
+    (prefill, _), _ = cluster_plans(_production(kernels=False))
+    assert KERNELS_ENV not in prefill.env_dict and ATTEST_DIR_ENV not in prefill.env_dict
+
+
+@pytest.mark.parametrize("topology_dtype, sglang_dtype", [("bf16", "bfloat16"), ("auto", "fp8_e4m3"),
+                                                          ("fp8_e4m3", "fp8_e4m3")])
+def test_sglang_kv_dtype_takes_sglang_names(topology_dtype: str, sglang_dtype: str) -> None:
+    topo = _production(kernels=False)
+    for w in topo.workers:
+        w.kv_cache_dtype = topology_dtype
+    (prefill, _), _ = cluster_plans(topo)
+    assert _flag(prefill.argv, "--kv-cache-dtype") == sglang_dtype
+
+
 def test_sglang_flags_are_sglang_0_5_23_flags() -> None:
-    (prefill, decode), _ = cluster_plans(_production(kernels=False))
+    (prefill, decode), _ = cluster_plans(_production(kernels=True))
     for plan in (prefill, decode):
         argv = plan.argv[plan.argv.index("sglang.launch_server") + 1:]
         flags = {a for a in argv if a.startswith("--")}
         assert flags <= SGLANG_0_5_23_FLAGS, flags - SGLANG_0_5_23_FLAGS
-
-
-def test_sglang_argv_parses_with_sglang_own_parser() -> None:
-    server_args = pytest.importorskip("sglang.srt.server_args")
-    (prefill, decode), _ = cluster_plans(_production(kernels=False))
-    for plan in (prefill, decode):
-        parser = argparse.ArgumentParser()
-        server_args.ServerArgs.add_cli_args(parser)
-        ns = parser.parse_args(list(plan.argv[plan.argv.index("sglang.launch_server") + 1:]))
-        assert ns.tp_size == 4 and ns.disaggregation_transfer_backend == "nixl"
 
 
 def test_a_worker_may_not_take_the_routers_name() -> None:

@@ -17,7 +17,8 @@ import pytest
 from dsv4_cluster.core import Role, WorkerState
 from dsv4_cluster.orchestrator.plan import LaunchPlan
 from dsv4_cluster.orchestrator.ports import free_ports, port_is_free
-from dsv4_cluster.orchestrator.supervisor import RestartPolicy, WorkerStartError, WorkerSupervisor
+from dsv4_cluster.orchestrator.supervisor import (
+    HealthPolicy, RestartPolicy, WorkerStartError, WorkerSupervisor)
 
 STANDIN = textwrap.dedent('''
     import argparse, json, os, signal, subprocess, sys, time
@@ -26,6 +27,7 @@ STANDIN = textwrap.dedent('''
     p.add_argument("--port", type=int); p.add_argument("--ready-after", type=float, default=0)
     p.add_argument("--exit-after", type=float, default=None); p.add_argument("--ignore-sigterm", action="store_true")
     p.add_argument("--grandchild-pidfile", default=None); p.add_argument("--no-used-in-info", action="store_true")
+    p.add_argument("--unhealthy-after", type=float, default=None); p.add_argument("--unhealthy-for", type=float, default=1e9)
     a = p.parse_args()
     t0 = time.monotonic()
     if a.ignore_sigterm:
@@ -39,7 +41,10 @@ STANDIN = textwrap.dedent('''
             data = body.encode(); self.send_response(code); self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(data))); self.end_headers(); self.wfile.write(data)
         def do_GET(self):
-            ready = time.monotonic() - t0 >= a.ready_after
+            age = time.monotonic() - t0
+            ready = age >= a.ready_after
+            if a.unhealthy_after is not None and a.unhealthy_after <= age < a.unhealthy_after + a.unhealthy_for:
+                ready = False
             if self.path == "/health":
                 return self._send(200 if ready else 503, "{}")
             if self.path == "/server_info":
@@ -207,3 +212,70 @@ def pickle_bytes(obj: object) -> bytes:
     import pickle
 
     return pickle.dumps(obj)
+
+
+FAST_HEALTH = HealthPolicy(interval_s=0.2, timeout_s=1.0, failures_to_restart=3)
+
+
+def test_a_worker_that_stops_answering_health_is_degraded_then_restarted(tmp_path: Path) -> None:
+    sup = WorkerSupervisor(_plan(tmp_path, "--unhealthy-after", "1.0"), RestartPolicy(backoff_s=0.1),
+                           FAST_HEALTH)
+    first = sup.start(timeout_s=30)["pid"]
+    try:
+        degraded = _wait_for(sup, lambda s: s["state"] == "DEGRADED")
+        assert degraded["state"] == "DEGRADED" and "health check 1/3 failed" in degraded["error"]
+        assert "stand-in listening" in degraded["log_tail"]
+        status = _wait_for(sup, lambda s: s["restarts"] == 1 and s["state"] == "READY")
+        assert (status["restarts"], status["state"], status["log_tail"]) == (1, "READY", None)
+        assert status["pid"] != first and _wait_dead(first)
+    finally:
+        sup.stop(deadline_s=5)
+
+
+def test_a_short_health_blip_is_degraded_and_back_without_a_restart(tmp_path: Path) -> None:
+    sup = WorkerSupervisor(_plan(tmp_path, "--unhealthy-after", "1.0", "--unhealthy-for", "0.3"),
+                           RestartPolicy(backoff_s=0.1), FAST_HEALTH)
+    pid = sup.start(timeout_s=30)["pid"]
+    try:
+        assert _wait_for(sup, lambda s: s["state"] == "DEGRADED")["state"] == "DEGRADED"
+        status = _wait_for(sup, lambda s: s["state"] == "READY")
+        assert (status["state"], status["restarts"], status["pid"]) == ("READY", 0, pid)
+    finally:
+        sup.stop(deadline_s=5)
+
+
+def test_the_router_hears_every_state_change(tmp_path: Path) -> None:
+    """The real router app (admin API) learns DEGRADED, RESTARTING, READY and STOPPED of a worker."""
+    from dsv4_cluster.orchestrator.router_admin import RouterAdmin, RouterLink
+    from dsv4_cluster.router.app import build_app
+    from dsv4_cluster.router.settings import RouterSettings
+
+    from .servers import UvicornThread
+
+    plan = _plan(tmp_path, "--unhealthy-after", "1.5")
+    token = "t" * 32
+    worker_url = plan.health_url.removesuffix("/health")
+    settings = RouterSettings(model_name="m", admin_token=token, health_check_interval_s=60,
+                              prefill=[{"name": "prefill-x", "url": worker_url, "bootstrap_host": "127.0.0.1"}],
+                              decode=[{"name": plan.name, "url": worker_url}])
+    with UvicornThread(build_app(settings)) as router:
+        link = RouterLink(router.url, token)
+        admin = RouterAdmin(link)
+        seen: list[str] = []
+        sup = WorkerSupervisor(plan, RestartPolicy(backoff_s=0.5), FAST_HEALTH, router=link)
+        sup.start(timeout_s=30)
+        try:
+            end = time.monotonic() + 30
+            while time.monotonic() < end and not (seen and seen[-1] == "READY" and "RESTARTING" in seen):
+                state = admin.worker(plan.name)["state"]
+                if not seen or seen[-1] != state:
+                    seen.append(state)
+                time.sleep(0.05)
+            assert seen[:1] == ["READY"] and "DEGRADED" in seen and "RESTARTING" in seen, seen
+            assert seen[-1] == "READY", seen
+            assert admin.worker(plan.name)["reason"] is None
+        finally:
+            sup.stop(deadline_s=5)
+        entry = admin.worker(plan.name)
+        assert entry["state"] == "STOPPED" and not entry["eligible"]
+        admin.close()

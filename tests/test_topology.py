@@ -36,7 +36,7 @@ def test_production_topology_loads_resolved() -> None:
     assert (prefill.port, prefill.nccl_port, prefill.bootstrap_port) == (30100, 30110, 8998)
     assert (decode.role, decode.gpus, decode.tp, decode.numa_node) == ("decode", [4, 5, 6, 7], 4, 1)
     assert (decode.port, decode.nccl_port, decode.bootstrap_port) == (30200, 30210, None)
-    assert all((w.page_size, w.kv_cache_dtype, w.node) == (64, "fp8_e4m3", "local") for w in topo.workers)
+    assert all((w.page_size, w.kv_cache_dtype, w.node) == (256, "fp8_e4m3", "local") for w in topo.workers)
     assert (topo.router.host, topo.router.port, topo.transfer.backend) == ("0.0.0.0", 30001, "nixl")
     assert topo.kernels.sparse_mla_decode and topo.kernels.indexer and topo.kernels.topk
     assert topo.source == (REPO / "topology.yaml").absolute()
@@ -132,9 +132,11 @@ def test_one_file_reports_every_problem_at_once() -> None:
         (line_of(text, "gpus: [0]"), "prefill[0].gpus"),
         (line_of(text, "port: 30001", 2), "prefill[0].port"),
         (line_of(text, "page_sise"), "prefill[0].page_sise"),
+        (line_of(text, "device: cuda"), "decode[0].device"),
         (line_of(text, "tp: 4"), "decode[0].tp"),
         (line_of(text, "bootstrap_port: 8998", 2), "decode[0].bootstrap_port"),
         (line_of(text, "bootstrap_port: 8998", 2), "decode[0].bootstrap_port"),
+        (line_of(text, "kv_cache_dtype: bf16"), "decode[0].kv_cache_dtype"),
         (line_of(text, "kv_cache_dtype: bf16"), "decode[0].kv_cache_dtype"),
     ]
     lines = str(info.value).splitlines()
@@ -145,7 +147,7 @@ def test_one_file_reports_every_problem_at_once() -> None:
 def test_check_command_exits_2_listing_problems(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([str(REPO / "examples" / "invalid" / "many-problems.yaml")]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert len(err) == 8 and err[-1].endswith("7 problem(s) in " + str(REPO / "examples" / "invalid" / "many-problems.yaml")
+    assert len(err) == 10 and err[-1].endswith("9 problem(s) in " + str(REPO / "examples" / "invalid" / "many-problems.yaml")
                                               + "; nothing was started")
     assert main([str(REPO / "examples" / "local.yaml")]) == 0
     assert "ok — engine embedded, 1 prefill + 1 decode, router 0.0.0.0:30001" in capsys.readouterr().out

@@ -95,9 +95,41 @@ def test_prefill_and_decode_disagree_on_page_size() -> None:
 
 
 def test_prefill_and_decode_disagree_on_kv_dtype() -> None:
-    text = edit(BASE, "    port: 30200", "    port: 30200\n    kv_cache_dtype: fp8_e4m3")
-    check(text, "decode[0].kv_cache_dtype", line_of(text, "kv_cache_dtype: fp8"), "'fp8_e4m3' of decode-0 (decode[0]) "
-          "differs from 'auto' of prefill-0", "use one kv_cache_dtype for every worker")
+    text = SGLANG + "kernels: {sparse_mla_decode: false, indexer: false, topk: false}\n"
+    text = edit(text, "    port: 30200", "    port: 30200\n    kv_cache_dtype: bf16")
+    check(text, "decode[0].kv_cache_dtype", line_of(text, "kv_cache_dtype: bf16"), "'bf16' of decode-0 (decode[0]) "
+          "differs from 'fp8_e4m3' of prefill-0", "use one kv_cache_dtype for every worker")
+    # agreement is judged as SGLang runs it: "auto" is fp8_e4m3 there
+    parse_topology(edit(SGLANG, "    port: 30200", "    port: 30200\n    kv_cache_dtype: auto"))
+
+
+def test_sglang_page_size_is_256_whatever_it_is_told() -> None:
+    text = SGLANG + "defaults:\n  page_size: 64\n"
+    check(text, "defaults.page_size", line_of(text, "page_size: 64"), "256-token pages whatever --page-size says",
+          "set page_size: 256, or remove it")
+    assert parse_topology(SGLANG).worker("decode-0").page_size == 256
+    assert parse_topology(BASE.replace("  page_size: 16\n", "")).worker("decode-0").page_size == 64
+
+
+def test_sglang_kernels_need_fp8_kv() -> None:
+    text = SGLANG + "defaults:\n  kv_cache_dtype: bf16\n"
+    check(text, "defaults.kv_cache_dtype", line_of(text, "kv_cache_dtype: bf16"), "the kernels read SGLang's fp8 KV",
+          "set kv_cache_dtype: fp8_e4m3")
+    parse_topology(text + "kernels: {sparse_mla_decode: false, indexer: false, topk: false}\n")
+
+
+def test_sglang_gpus_must_be_consecutive() -> None:
+    text = edit(SGLANG, "gpus: [2, 3]", "gpus: [3, 5]")
+    check(text, "decode[0].gpus", line_of(text, "gpus: [3, 5]"), "must be consecutive and ascending", "e.g. [3, 4]")
+
+
+def test_embedded_engine_options_are_checked_before_start() -> None:
+    text = edit(BASE, "kv_cache_dtype: auto", "kv_cache_dtype: fp8_e4m3")
+    check(text, "defaults.kv_cache_dtype", line_of(text, "fp8_e4m3"), "keeps KV in float32", "kv_cache_dtype: auto")
+    text = BASE + "transfer:\n  backend: tcp\n"
+    check(text, "transfer.backend", line_of(text, "backend: tcp"), "NIXL only", "use backend: nixl")
+    text = edit(BASE, "    device: cpu\n    port: 30200", "    device: cuda\n    gpus: [0]\n    port: 30200")
+    check(text, "decode[0].device", line_of(text, "device: cuda"), "runs on cpu only", "set device: cpu")
 
 
 def test_no_prefill_or_empty_decode() -> None:
@@ -153,7 +185,7 @@ def test_page_size_positive_and_embedded_multiple_of_four() -> None:
     check(text, "defaults.page_size", line_of(text, "page_size: 0"), "0 is out of range", ">= 1")
     text = edit(BASE, "page_size: 16", "page_size: 18")
     check(text, "defaults.page_size", line_of(text, "page_size: 18"), "not a multiple of 4", "e.g. 16 or 64")
-    assert parse_topology(SGLANG + "defaults:\n  page_size: 18\n").worker("decode-0").page_size == 18
+    assert parse_topology(SGLANG + "defaults:\n  page_size: 256\n").worker("decode-0").page_size == 256
 
 
 def test_role_key_must_match_its_list() -> None:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import secrets
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -53,7 +55,7 @@ def test_pair_matches_single_process_greedy_tokens(pair):
         assert p.status_code == 200 and d.status_code == 200, (p.text, d.text)
         assert p.json()["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
         expected = generate_single_process(runner, TOK.encode(text), SamplingParams(max_new_tokens=24, temperature=0),
-                                           EOS, TOK.decode)
+                                           EOS)
         assert d.json()["output_ids"] == expected
         assert d.json()["output_ids"][0] == p.json()["output_ids"][0]
 
@@ -162,3 +164,96 @@ def test_mismatched_page_size_is_refused_with_a_reason(pair, tmp_path):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_decode_frees_a_given_up_room_at_once_when_prefill_never_wrote_it(pair):
+    """Only the decode leg is sent and aborted: prefill confirms (/kv/cancel) that it never writes the room,
+    so the pages come back at once, not at the quarantine's expiry (4 x the transfer timeout)."""
+    before = _used(pair.decode_url)
+
+    async def run():
+        body = {"text": "given up", "sampling_params": {"max_new_tokens": 400},
+                **pair.bootstrap(secrets.randbits(63), "gu1")}
+        async with httpx.AsyncClient(timeout=30) as c:
+            d = asyncio.create_task(c.post(pair.decode_url + "/generate", json=body))
+            while _used(pair.decode_url) == before:
+                await asyncio.sleep(0.05)
+            await c.post(pair.decode_url + "/abort_request", json={"rid": "gu1"})
+            return await d
+
+    assert asyncio.run(run()).status_code == 499
+    deadline = time.monotonic() + 2.0
+    while _used(pair.decode_url) > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _used(pair.decode_url) == before
+
+
+def _greedy(pair, path: str, body: dict) -> dict:
+    p, d = asyncio.run(_both(pair, path, body))
+    assert p.status_code == 200 and d.status_code == 200, (p.text, d.text)
+    return d.json()
+
+
+def test_stop_strings_are_trimmed_through_the_pair_plain_and_streaming(pair):
+    chat = {"messages": [{"role": "user", "content": "stop test"}], "max_tokens": 40, "temperature": 0,
+            "ignore_eos": True}
+    full = _greedy(pair, "/v1/chat/completions", chat)["choices"][0]["message"]["content"]
+    stop = full[10:13]
+    cut = full.index(stop)
+    plain = _greedy(pair, "/v1/chat/completions", {**chat, "stop": stop})["choices"][0]
+    assert (plain["message"]["content"], plain["finish_reason"]) == (full[:cut], "stop")
+    kept = _greedy(pair, "/v1/chat/completions", {**chat, "stop": stop, "no_stop_trim": True})
+    assert kept["choices"][0]["message"]["content"] == full[:cut + len(stop)]
+
+    async def stream():
+        body = {**chat, "stop": [stop], "stream": True, **pair.bootstrap(secrets.randbits(63), "st1")}
+        async with httpx.AsyncClient(timeout=60) as c:
+            p = asyncio.create_task(c.post(pair.prefill_url + "/v1/chat/completions", json=body))
+            async with c.stream("POST", pair.decode_url + "/v1/chat/completions", json=body) as d:
+                lines = [line async for line in d.aiter_lines() if line.startswith("data: {")]
+            return await p, [json.loads(line[6:]) for line in lines]
+
+    p, chunks = asyncio.run(stream())
+    assert p.status_code == 200
+    deltas = [c["choices"][0]["delta"].get("content") or "" for c in chunks]
+    assert "".join(deltas) == full[:cut]                     # the stop string, sent over 3 tokens, never shows
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    generate = _greedy(pair, "/generate", {"text": "stop test", "sampling_params": {
+        "max_new_tokens": 30, "temperature": 0, "ignore_eos": True}})
+    gstop = generate["text"][5:7]
+    trimmed = _greedy(pair, "/generate", {"text": "stop test", "sampling_params": {
+        "max_new_tokens": 30, "temperature": 0, "ignore_eos": True, "stop": gstop}})
+    assert trimmed["text"] == generate["text"][:generate["text"].index(gstop)]
+    assert trimmed["meta_info"]["finish_reason"] == {"type": "stop", "matched": gstop}
+
+
+def test_openai_fields_over_http_neutral_accepted_others_refused_naming_the_field(pair):
+    chat = {"messages": [{"role": "user", "content": "fields"}], "max_tokens": 3}
+    neutral = {"frequency_penalty": 0, "presence_penalty": 0, "response_format": {"type": "text"}, "tools": None,
+               "n": 1, "logprobs": False, "no_stop_trim": False, "skip_special_tokens": True,
+               "separate_reasoning": True, "stream_reasoning": True, "return_hidden_states": False,
+               "continue_final_message": False}
+    _greedy(pair, "/v1/chat/completions", {**chat, **neutral})
+    r = httpx.post(pair.decode_url + "/v1/chat/completions", json={**chat, "frequency_penalty": 0.7,
+                                                                     **pair.bootstrap(1, "f1")}, timeout=30)
+    assert r.status_code == 400
+    assert r.json()["error"]["message"].startswith("frequency_penalty: 0.7 is not supported: ")
+    r = httpx.post(pair.decode_url + "/v1/completions", json={"prompt": "x", "echo": True,
+                                                               **pair.bootstrap(2, "f2")}, timeout=30)
+    assert r.status_code == 400 and "echo: true is not supported" in r.json()["error"]["message"]
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_idle_workers_use_almost_no_cpu_and_throughput_gauges_fall_to_zero(pair):
+    _greedy(pair, "/generate", {"text": "warm", "sampling_params": {"max_new_tokens": 8}})
+    before = [_cpu_seconds(p.pid) for p in pair.procs]
+    time.sleep(6.0)     # longer than the gauges' 5-s window
+    used = [(_cpu_seconds(p.pid) - b) / 6.0 for p, b in zip(pair.procs, before)]
+    assert all(u < 0.05 for u in used), used          # NIXL's progress thread alone took ~0.66 of a core
+    text = httpx.get(pair.decode_url + "/metrics").text
+    gauge = next(line for line in text.splitlines() if line.startswith("sglang:gen_throughput{"))
+    assert float(gauge.rsplit(" ", 1)[1]) == 0.0, gauge

@@ -20,6 +20,7 @@ class WorkerPair:
     decode_url: str
     procs: list[subprocess.Popen]
     logs: list[Path]
+    cmds: list[list[str]]
 
     def bootstrap(self, room: int, rid: str) -> dict:
         return {"bootstrap_host": "127.0.0.1", "bootstrap_port": self.bootstrap_port, "bootstrap_room": room,
@@ -52,14 +53,28 @@ def start_pair(tmp: Path, extra: list[str] = (), prefill_extra: list[str] = (),
     ]
     logs = [tmp / "prefill.log", tmp / "decode.log"]
     procs = [subprocess.Popen(c, stdout=log.open("w"), stderr=subprocess.STDOUT) for c, log in zip(cmds, logs)]
-    pair = WorkerPair(f"http://127.0.0.1:{p_port}", b_port, f"http://127.0.0.1:{d_port}", procs, logs)
+    pair = WorkerPair(f"http://127.0.0.1:{p_port}", b_port, f"http://127.0.0.1:{d_port}", procs, logs, cmds)
     try:
-        for url in (pair.prefill_url + "/health", f"http://127.0.0.1:{b_port}/route", pair.decode_url + "/health"):
-            _wait(url, procs, logs)
+        wait_ready(pair)
     except BaseException:
         stop_pair(pair)
         raise
     return pair
+
+
+def wait_ready(pair: WorkerPair) -> None:
+    for url in (pair.prefill_url + "/health", f"http://127.0.0.1:{pair.bootstrap_port}/route",
+                pair.decode_url + "/health"):
+        _wait(url, pair.procs, pair.logs)
+
+
+def restart(pair: WorkerPair, index: int) -> None:
+    """Start worker `index` (0 prefill, 1 decode) again with its old command line (same ports, same
+    NIXL agent name), after whatever ended it, and wait until the pair is ready."""
+    pair.procs[index].wait(10)
+    with pair.logs[index].open("a") as log:
+        pair.procs[index] = subprocess.Popen(pair.cmds[index], stdout=log, stderr=subprocess.STDOUT)
+    wait_ready(pair)
 
 
 def stop_pair(pair: WorkerPair) -> None:

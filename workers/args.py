@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-KERNEL_NAMES = ("sparse_mla_decode", "indexer", "topk")
+from dsv4_cluster.core import KERNEL_NAMES
 
 
 @dataclass(frozen=True)
@@ -19,6 +19,11 @@ class WorkerArgs:
     served_model_name: str = "dsv4-tiny"
     seed: int = 0
     context_length: int = 2048
+    # max_new_tokens of a request that gives none (chat, /generate): SGLang's SamplingParams default.
+    # Decode reserves prompt + max_new_tokens of KV, so this, not the context, sizes such a reservation.
+    default_max_tokens: int = 128
+    # prompt tokens one prefill step computes, over one or more prompts (SGLang's flag of that name)
+    chunked_prefill_size: int = 1024
     page_size: int = 16
     kv_cache_dtype: str = "auto"
     max_total_tokens: int = 16384
@@ -30,6 +35,7 @@ class WorkerArgs:
     peer_timeout_s: float = 30.0
     transfer_timeout_s: float = 60.0
     log_level: str = "info"
+    test_hooks: bool = False   # serve POST /debug/kill_engine (fault tests only)
 
     @property
     def kernel_list(self) -> tuple[str, ...]:
@@ -47,6 +53,9 @@ def parse_args(mode: str, argv: list[str] | None = None) -> WorkerArgs:
         if f.name == "mode" or (f.name == "disaggregation_bootstrap_port" and mode == "decode"):
             continue
         flag = "--" + f.name.replace("_", "-")
+        if str(f.type) == "bool":
+            parser.add_argument(flag, action="store_true", help=f"(default: {f.default})")
+            continue
         kind = {"int": int, "float": float, "int | None": int, "str | None": str}.get(str(f.type), str)
         parser.add_argument(flag, type=kind, default=f.default, help=f"(default: {f.default})")
     ns = vars(parser.parse_args(argv))
@@ -75,6 +84,10 @@ def validate(args: WorkerArgs) -> list[str]:
         problems.append(f"--device {args.device!r}: the embedded engine runs on cpu")
     if args.page_size <= 0 or args.page_size % 4:
         problems.append(f"--page-size {args.page_size}: must be a positive multiple of 4 (the compression ratio)")
+    if args.chunked_prefill_size < 1:
+        problems.append(f"--chunked-prefill-size {args.chunked_prefill_size}: must be at least 1")
+    if args.default_max_tokens < 1:
+        problems.append(f"--default-max-tokens {args.default_max_tokens}: must be at least 1")
     if args.max_total_tokens < args.context_length:
         problems.append(f"--max-total-tokens {args.max_total_tokens} is smaller than --context-length "
                         f"{args.context_length}: one full-length request could never fit")

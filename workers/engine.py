@@ -2,18 +2,26 @@
 
 HTTP handlers never touch the model or the pool: they `submit` a `Req` and read its events. The
 role-specific work (what one scheduling step does) lives in the prefill and decode engines.
+
+Nothing one request does may end the engine: role engines run each request's (or batch's) work
+inside `serving(...)`, which fails those requests with a 500 and keeps the loop going. If the loop
+itself dies, every request still held is failed and `on_death` is called: the server then exits
+non-zero, so its supervisor sees a dead process instead of a live one answering 503 forever.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
 
 from .request import Failed, Req, ReqState
 from .runner import ModelRunner
+from .window import Window
 
 log = logging.getLogger(__name__)
 
@@ -32,15 +40,32 @@ class EngineStats:
     aborted: int = 0
     bootstrap_failed: int = 0
     transfer_failed: int = 0
-    last_gen_throughput: float = 0.0
-    last_transfer_gb_s: float = 0.0
-    last_transfer_ms: float = 0.0
+    internal_errors: int = 0
+    # the last few seconds only, so the gauges read 0 once the engine is idle
+    generated: Window = field(default_factory=Window)
+    transfer_gb_s: Window = field(default_factory=Window)
+    transfer_ms: Window = field(default_factory=Window)
+
+    @property
+    def last_gen_throughput(self) -> float:
+        return self.generated.rate()
+
+
+class EngineKilled(RuntimeError):
+    """Raised on the engine thread by the `--test-hooks` kill endpoint: the loop dies as from a bug."""
 
 
 class Engine:
-    """Base scheduling loop. Subclasses implement `step()` -> bool (True if it did work)."""
+    """Base scheduling loop. Subclasses implement `step()` -> bool (True if it did work).
 
-    idle_wait_s = 0.002
+    Nothing spins while idle: with no live request the loop blocks on its inbox (waking once per
+    `idle_wait_s` for deadlines); while requests wait on NIXL (a WRITE in flight, KV not arrived) it
+    polls every `poll_s`, and that polling is what drives NIXL's progress (its agents run without a
+    progress thread; transfer.py).
+    """
+
+    idle_wait_s = 1.0
+    poll_s = 0.001
 
     def __init__(self, runner: ModelRunner, name: str):
         self.runner = runner
@@ -50,6 +75,7 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.reqs: dict[str, Req] = {}
         self.fatal: str | None = None
+        self.on_death: Callable[[str], None] = lambda reason: None
 
     def start(self) -> None:
         self._thread.start()
@@ -80,15 +106,37 @@ class Engine:
                 worked = self.step()
                 if not (drained or worked):
                     self._wait_for_work()
-        except Exception as exc:   # the engine is dead: fail every request loudly, never hang them
-            log.exception("engine thread crashed")
-            self.fatal = f"engine crashed: {exc!r}"
+        except BaseException as exc:   # the engine is dead: fail every request loudly, never hang them
+            log.exception("engine thread died")
+            self.fatal = f"engine thread died: {exc!r}"
             for req in list(self.reqs.values()):
-                self.fail(req, 500, self.fatal)
+                req.emit(Failed(500, f"{self.fatal}; the worker restarts, retry the request"))
+            self.reqs.clear()
+            self.on_death(self.fatal)
+
+    @contextlib.contextmanager
+    def serving(self, *reqs: Req) -> Iterator[None]:
+        """Work for `reqs` only: an exception fails these requests with a 500, never the engine."""
+        try:
+            yield
+        except Exception as exc:
+            log.exception("the engine failed request(s) %s; it goes on serving", [r.rid for r in reqs])
+            self.stats.internal_errors += 1
+            for req in reqs:
+                if req.state not in (ReqState.FINISHED, ReqState.ABORTED):
+                    self.fail(req, 500, f"the engine failed this request: {exc!r}")
+
+    def wake(self) -> None:
+        """Make an idle loop run a step now (state it reads changed outside the engine thread)."""
+        self._inbox.put(("call", lambda: None))
+
+    def pending(self) -> bool:
+        """Role hook: whether something needs polling (a request in flight, a deadline)."""
+        return bool(self.reqs)
 
     def _wait_for_work(self) -> None:
         try:
-            item = self._inbox.get(timeout=self.idle_wait_s)
+            item = self._inbox.get(timeout=self.poll_s if self.pending() else self.idle_wait_s)
         except queue.Empty:
             return
         self._handle(item)
@@ -147,10 +195,6 @@ class Engine:
 
     def step(self) -> bool:
         raise NotImplementedError
-
-    def throughput(self, tokens: int, seconds: float) -> None:
-        if seconds > 0:
-            self.stats.last_gen_throughput = tokens / seconds
 
     @staticmethod
     def now() -> float:

@@ -39,7 +39,7 @@ class _EngineCollector:
         yield g("sglang:kv_used_tokens", "KV tokens in use", used)
         yield g("sglang:kv_available_tokens", "KV tokens free", cap - used)
         yield g("sglang:max_total_num_tokens", "KV pool capacity in tokens", cap)
-        yield g("sglang:gen_throughput", "Decode throughput of the last step (tokens/s)", s.last_gen_throughput)
+        yield g("sglang:gen_throughput", "Tokens generated per second over the last 5 s", s.last_gen_throughput)
         yield g("sglang:cache_hit_rate", "Prefix cache hit rate (the embedded engine has no prefix cache)", 0.0)
         yield g("sglang:context_len", "Maximum context length", self.context_length)
         yield g("sglang:page_size", "KV page size in tokens", pool.layout.page_size)
@@ -51,8 +51,10 @@ class _EngineCollector:
                 s.num_queued if self.labels["engine_type"] == "decode" else 0)
         yield g("sglang:num_decode_transfer_queue_reqs", "Decode requests waiting for KV to arrive",
                 s.num_waiting_peer if self.labels["engine_type"] == "decode" else 0)
-        yield g("sglang:kv_transfer_speed_gb_s", "Speed of the last KV transfer", s.last_transfer_gb_s)
-        yield g("sglang:kv_transfer_latency_ms", "Latency of the last KV transfer", s.last_transfer_ms)
+        yield g("sglang:kv_transfer_speed_gb_s", "Mean speed of the KV transfers of the last 5 s",
+                s.transfer_gb_s.mean())
+        yield g("sglang:kv_transfer_latency_ms", "Mean latency of the KV transfers of the last 5 s",
+                s.transfer_ms.mean())
         yield c("sglang:prompt_tokens", "Prompt tokens processed", s.prompt_tokens)
         yield c("sglang:generation_tokens", "Tokens generated", s.generation_tokens)
         yield c("sglang:num_requests", "Requests received", s.requests)

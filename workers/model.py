@@ -44,13 +44,15 @@ class Batch:
     """Query positions of one forward pass and where each request's KV lives.
 
     tokens [T]; positions [T] (absolute position of each token in its request); pages [T, max_pages]
-    (the owning request's page table, -1 padded). Prefill passes one request's prompt (T = prompt
-    length); decode passes one new token for each running request (T = batch size).
+    (the owning request's page table, -1 padded). Prefill passes chunks of one or more prompts, each
+    a run of consecutive rows named in `segments` ((start, end) row ranges that share one page table);
+    decode passes one new token for each running request (T = batch size, no segments).
     """
 
     tokens: torch.Tensor
     positions: torch.Tensor
     pages: torch.Tensor
+    segments: tuple[tuple[int, int], ...] = ()
 
 
 class TinyDSV4:
@@ -143,10 +145,59 @@ class TinyDSV4:
         live = ((batch.positions + 1) // c.ratio).to(torch.int32)
         q_idx = (h @ p["wq_idx"]).view(-1, c.index_heads, c.index_dim)
         weights = (h @ p["w_idx"]).float() * c.index_heads ** -0.5
-        scores = indexer(q_idx, weights, pool.index_keys[li], batch.pages.clamp(min=0).to(torch.int32), live)
-        chosen = topk(scores, live, c.topk).long()
+        if batch.segments and not q_idx.is_cuda:
+            chosen = torch.cat([_select_shared_table(q_idx[a:b], weights[a:b], pool.index_keys[li],
+                                                     batch.pages[a], live[a:b], c.topk)
+                                for a, b in batch.segments]).long()
+        elif not q_idx.is_cuda:
+            chosen = _select_rows(q_idx, weights, pool.index_keys[li], batch.pages, live, c.topk).long()
+        else:
+            scores = indexer(q_idx, weights, pool.index_keys[li], batch.pages.clamp(min=0).to(torch.int32), live)
+            chosen = topk(scores, live, c.topk).long()
         rows = pool.entry_rows(batch.pages, chosen.clamp(min=0))
         return torch.where(chosen >= 0, rows, -1).to(torch.int32)
+
+
+def _select_shared_table(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, table: torch.Tensor,
+                         live: torch.Tensor, k: int) -> torch.Tensor:
+    """`topk(indexer(...))` for rows of one request (one page table), on the CPU, as whole-tensor ops.
+
+    The kernels' CPU reference loops over rows in Python, which made a forward cost O(rows)
+    interpreter steps per layer; here all rows of a prompt chunk are scored at once. Same formula and
+    rule: score[t, e] = sum_h relu(q[t,h] . key_e) * w[t,h] for e < live[t], the k best by (descending
+    score, ascending index), -1 padded (tests/test_prefill_batching.py checks that the result equals
+    the kernels' reference exactly).
+    q [T, Hi, Di]; w [T, Hi]; keys [P, E, Di]; table [max_pages]; live [T] -> int32 [T, k].
+    """
+    n = int(live.max()) if live.numel() else 0
+    if n == 0:
+        return torch.full((q.shape[0], k), -1, dtype=torch.int32)
+    per_page = keys.shape[1]
+    kk = keys[table[: (n + per_page - 1) // per_page].long()].reshape(-1, keys.shape[-1])[:n].float()
+    return _top(torch.relu(q.float() @ kk.T), w, live, k)
+
+
+def _select_rows(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, tables: torch.Tensor,
+                 live: torch.Tensor, k: int) -> torch.Tensor:
+    """`_select_shared_table` for rows with a page table each (a decode batch): tables [T, max_pages]."""
+    n = int(live.max()) if live.numel() else 0
+    if n == 0:
+        return torch.full((q.shape[0], k), -1, dtype=torch.int32)
+    per_page = keys.shape[1]
+    pages = tables[:, : (n + per_page - 1) // per_page].clamp(min=0).long()
+    kk = keys[pages].reshape(q.shape[0], -1, keys.shape[-1])[:, :n].float()          # [T, n, Di]
+    return _top(torch.relu(q.float() @ kk.transpose(1, 2)), w, live, k)
+
+
+def _top(logits: torch.Tensor, w: torch.Tensor, live: torch.Tensor, k: int) -> torch.Tensor:
+    """relu'd logits [T, Hi, n] -> the k best live entries per row by the weighted head sum, -1 padded."""
+    scores = (logits * w.float()[:, :, None]).sum(1)                                  # [T, n]
+    n = scores.shape[1]
+    scores = scores.masked_fill(torch.arange(n)[None, :] >= live[:, None], float("-inf"))
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k].to(torch.int32)
+    out = torch.full((scores.shape[0], k), -1, dtype=torch.int32)
+    out[:, : order.shape[1]] = order.masked_fill(order >= live[:, None], -1)
+    return out
 
 
 def _rms_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -1,15 +1,18 @@
 """Request bodies the embedded workers accept, in SGLang's and OpenAI's shapes.
 
-Unknown fields are rejected with a 400 that names them, rather than silently ignored; fields the
-tiny engine cannot honour (n > 1, logprobs, tools) are rejected the same way.
+Every field of SGLang 0.5.23's `GenerateReqInput` (with its `sampling_params`), `ChatCompletionRequest` and
+`CompletionRequest` is accepted: the fields declared here are honoured; the others are checked against
+`fields.py` (accepted when they cannot change the output, refused with a 400 naming them otherwise).
+A field SGLang does not know is refused with a 400 that names it.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from . import fields
 from .sampling import SamplingParams
 
 
@@ -17,7 +20,18 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class Bootstrap(_Body):
+class _SGLangBody(_Body):
+    """A body whose SGLang fields outside the declared ones are checked against `fields.RULES`."""
+
+    RULES: ClassVar[dict[str, fields.Rule]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _neutral_fields(cls, data: Any) -> Any:
+        return fields.check(data, cls.RULES) if isinstance(data, dict) else data
+
+
+class Bootstrap(_SGLangBody):
     """Fields the router adds (PROTOCOL.md, router -> workers)."""
 
     bootstrap_host: str | None = None
@@ -32,85 +46,107 @@ class Bootstrap(_Body):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: Literal[False] = False
+
+
+def _no_empty_stop(stop: str | list[str] | None) -> str | list[str] | None:
+    if any(not s for s in _stops(stop)):
+        raise ValueError("an empty stop string would end every generation at once; drop it")
+    return stop
+
+
+Stop = Annotated[str | list[str] | None, AfterValidator(_no_empty_stop)]
+
+
+def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
+    return (stop,) if isinstance(stop, str) else tuple(stop or ())
 
 
 class _OpenAISampling(Bootstrap):
-    model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Stop = None
+    stop_token_ids: list[int] | None = None
+    no_stop_trim: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
-    user: str | None = None
     ignore_eos: bool = False
-    logprobs: bool | int | None = None
-
-    @model_validator(mode="after")
-    def _supported(self):
-        if self.n != 1:
-            raise ValueError("n: only n=1 is supported; send several requests instead")
-        if self.logprobs:
-            raise ValueError("logprobs: not supported by the embedded engine; drop the field")
-        return self
 
     def sampling(self, default_max: int) -> SamplingParams:
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        return SamplingParams(max_new_tokens=self.max_tokens or default_max, temperature=self.temperature,
-                              top_p=self.top_p, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos)
+        return SamplingParams(max_new_tokens=self.max_tokens or default_max,
+                              temperature=1.0 if self.temperature is None else self.temperature,
+                              top_p=1.0 if self.top_p is None else self.top_p, seed=self.seed,
+                              stop=_stops(self.stop), stop_token_ids=tuple(self.stop_token_ids or ()),
+                              ignore_eos=self.ignore_eos, no_stop_trim=self.no_stop_trim)
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict] | None = None
     name: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _no_tools(self):
+        if self.role == "tool" or self.tool_calls or self.tool_call_id:
+            raise ValueError(f"tool messages: {fields.CHAT['tools'].why}")
+        return self
 
 
 class ChatCompletionRequest(_OpenAISampling):
+    RULES: ClassVar = fields.CHAT
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    continue_final_message: bool = False  # continue a final assistant message (the router's stream migration)
+    input_ids: list[int] | None = Field(default=None, min_length=1)
 
     def sampling(self, default_max: int) -> SamplingParams:
         params = super().sampling(default_max)
-        if self.max_completion_tokens and not self.max_tokens:
+        if self.max_completion_tokens:   # OpenAI's current name wins, as in SGLang
             params = SamplingParams(**{**params.__dict__, "max_new_tokens": self.max_completion_tokens})
         return params
 
 
 class CompletionRequest(_OpenAISampling):
-    prompt: str
+    RULES: ClassVar = fields.COMPLETION
+    prompt: str | list[int] = Field(min_length=1)
+    max_tokens: int = Field(default=16, ge=1)     # SGLang's and OpenAI's default for completions
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
 
 
-class GenerateSampling(_Body):
-    max_new_tokens: int = Field(default=128, ge=1)
+class GenerateSampling(_SGLangBody):
+    RULES: ClassVar = fields.SAMPLING
+    max_new_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(default=None, alias="sampling_seed")
-    stop: str | list[str] | None = None
+    sampling_seed: int | None = None
+    stop: Stop = None
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    no_stop_trim: bool = False
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-
-    def params(self) -> SamplingParams:
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        return SamplingParams(self.max_new_tokens, self.temperature, self.top_p, self.seed, stop, self.ignore_eos)
+    def params(self, default_max: int) -> SamplingParams:
+        return SamplingParams(self.max_new_tokens or default_max, self.temperature, self.top_p, self.sampling_seed,
+                              _stops(self.stop), tuple(self.stop_token_ids or ()), self.ignore_eos,
+                              self.no_stop_trim)
 
 
 class GenerateRequest(Bootstrap):
+    RULES: ClassVar = fields.GENERATE
     text: str | None = None
     input_ids: list[int] | None = None
     sampling_params: GenerateSampling = Field(default_factory=GenerateSampling)
     stream: bool = False
-    return_logprob: bool = False
 
     @model_validator(mode="after")
     def _one_prompt(self):
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("give exactly one of text or input_ids (batched lists are not supported)")
-        if self.return_logprob:
-            raise ValueError("return_logprob: not supported by the embedded engine")
         return self
 
 

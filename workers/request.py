@@ -33,9 +33,21 @@ class Reserved:
 
 
 @dataclass(frozen=True)
+class Finish:
+    """Why generation ended: "stop" (EOS, a stop token id or a stop string: `matched`) or "length"."""
+
+    reason: str
+    matched: str | int | None = None
+
+
+@dataclass(frozen=True)
 class Token:
     token_id: int
-    finish_reason: str | None          # None, "stop" or "length"
+    finish: Finish | None = None
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.finish.reason if self.finish else None
 
 
 @dataclass(frozen=True)
@@ -55,21 +67,32 @@ class Req:
     budget: int                            # prompt + output tokens this request may hold
     emit: Callable[[Event], None]
     room: int | None = None
+    bootstrap: str | None = None           # the paired prefill's bootstrap server, http://host:port
     state: ReqState = ReqState.WAITING_PAGES
     pages: list[int] = field(default_factory=list)
+    prefilled: int = 0                     # prompt tokens whose KV is computed (chunked prefill)
     out: list[int] = field(default_factory=list)
     created: float = field(default_factory=time.monotonic)
     deadline: float | None = None
     last_token_time: float | None = None
 
-    def finish_reason(self, eos_token_id: int, decode_text: Callable[[list[int]], str]) -> str | None:
-        """Why generation ends after the last token, or None to go on (shared by every path)."""
-        if self.out[-1] == eos_token_id and not self.params.ignore_eos:
-            return "stop"
-        if self.params.stop and any(s in decode_text(self.out[-16:]) for s in self.params.stop):
-            return "stop"
+    def finished(self, eos_token_id: int) -> Finish | None:
+        """Why generation ends after the last token, or None to go on (shared by every path).
+
+        Token ids below 256 are bytes (tokenizer.py), so a stop string matches when the output ends
+        with its UTF-8 bytes; checking after every token finds each match at its last byte.
+        """
+        last = self.out[-1]
+        if last == eos_token_id and not self.params.ignore_eos:
+            return Finish("stop", last)
+        if last in self.params.stop_token_ids:
+            return Finish("stop", last)
+        for stop in self.params.stop:
+            tail = list(stop.encode())
+            if self.out[-len(tail):] == tail:
+                return Finish("stop", stop)
         if len(self.out) >= self.params.max_new_tokens or len(self.prompt_ids) + len(self.out) >= self.budget:
-            return "length"
+            return Finish("length")
         return None
 
 

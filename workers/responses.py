@@ -1,4 +1,9 @@
-"""Response bodies in OpenAI's (chat, completions) and SGLang's (/generate) shapes, plain and SSE."""
+"""Response bodies in OpenAI's (chat, completions) and SGLang's (/generate) shapes, plain and SSE.
+
+Stop trimming follows SGLang's detokenizer: a matched stop string and a matched stop token id (EOS
+has no text anyway) are left out of the text unless `no_stop_trim`. While streaming, text that could
+be the start of a stop string is held back until the next tokens show whether it is one.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .request import Finish
 from .sampling import SamplingParams
 from .tokenizer import ByteTokenizer, IncrementalDecoder
 
@@ -29,23 +35,54 @@ class GenSpec:
     bootstrap_port: int | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
+    @property
+    def bootstrap_url(self) -> str | None:
+        """The paired prefill's bootstrap server (SGLang's default port 8998 when none is given)."""
+        if self.bootstrap_host is None:
+            return None
+        return f"http://{self.bootstrap_host}:{self.bootstrap_port or 8998}"
+
 
 def sse(payload: dict | str) -> bytes:
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
     return f"data: {data}\n\n".encode()
 
 
+def held_back(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that is the start (not the whole) of one of `stops`."""
+    longest = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:n]):
+                longest = n
+                break
+    return longest
+
+
 class ResponseBuilder:
     def __init__(self, spec: GenSpec, tokenizer: ByteTokenizer):
         self.spec, self.tok = spec, tokenizer
         self.ids: list[int] = []
-        self.text = ""
+        self.text = ""                 # what the client has been sent (or will get, when not streaming)
+        self._raw = ""                 # every token's text, stop strings included
+        self._finish: Finish | None = None
         self._decoder = IncrementalDecoder()
+        self._trim = not spec.params.no_stop_trim
 
-    def push(self, token_id: int) -> str:
+    def push(self, token_id: int, finish: Finish | None = None) -> str:
+        """Add one output token; returns the text the client may see now that it has not seen yet."""
         self.ids.append(token_id)
-        delta = self._decoder.push(token_id)
-        self.text += delta
+        self._finish = finish
+        piece = self._decoder.push(token_id)
+        if not (self._trim and finish is not None and isinstance(finish.matched, int)):
+            self._raw += piece
+        if finish is None:
+            visible = self._raw[: len(self._raw) - held_back(self._raw, self.spec.params.stop if self._trim else ())]
+        elif self._trim and isinstance(finish.matched, str):
+            visible = self._raw[: self._raw.rfind(finish.matched)]
+        else:
+            visible = self._raw
+        delta, self.text = visible[len(self.text):], visible
         return delta
 
     def _usage(self) -> dict:
@@ -62,7 +99,7 @@ class ResponseBuilder:
         elif prefill_only or reason == "length":
             finish = {"type": "length", "length": 0 if prefill_only else len(self.ids)}
         else:
-            finish = {"type": "stop", "matched": self.ids[-1] if self.ids else None}
+            finish = {"type": "stop", "matched": self._finish.matched if self._finish else None}
         return {"id": self.spec.rid, "prompt_tokens": len(self.spec.prompt_ids),
                 "completion_tokens": len(self.ids), "finish_reason": finish}
 

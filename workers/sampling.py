@@ -1,12 +1,21 @@
-"""Sampling parameters and next-token selection (greedy when temperature is 0)."""
+"""Sampling parameters and next-token selection.
+
+Values follow SGLang 0.5.23's `SamplingParams` (sglang/srt/sampling/sampling_params.py): temperature
+must be finite and >= 0, top_p in (0, 1]; a temperature below `SAMPLING_EPS` (1e-6) means greedy,
+as SGLang turns it into top_k=1 (dividing logits by 1e-40 would give NaN probabilities). Invalid
+values raise ValueError naming the field, which the server answers with a 400.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from .tokenizer import PRINTABLE_IDS
+
+SAMPLING_EPS = 1e-6   # SGLang's _SAMPLING_EPS: below it, sampling is greedy
 
 
 @dataclass(frozen=True)
@@ -16,7 +25,23 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    no_stop_trim: bool = False      # keep a matched stop string / stop token in the text
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0.0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:   # also false for NaN
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"sampling_seed must be an integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
 
 
 class Sampler:
@@ -34,7 +59,7 @@ class Sampler:
         and the decode process (steps 1..) continue one seeded sequence without sharing state.
         """
         logits = logits.float().cpu() + self._mask
-        if params.temperature == 0:
+        if params.greedy:
             return int(torch.argmax(logits))
         probs = torch.softmax(logits / params.temperature, dim=-1)
         if params.top_p < 1.0:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import signal
 import time
 import uuid
 from typing import AsyncIterator
@@ -21,7 +23,7 @@ from pydantic import ValidationError
 
 from .. import __version__
 from .args import WorkerArgs
-from .engine import Engine
+from .engine import Engine, EngineKilled
 from .metrics import WorkerMetrics
 from .model import ModelConfig
 from .protocol import AbortRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest
@@ -48,6 +50,7 @@ class WorkerServer:
         self.metrics: WorkerMetrics | None = None
         self.kernels: dict[str, str] = {}
         self._startup: asyncio.Task | None = None
+        self.exit_reason: str | None = None   # set when the engine died: the process exits non-zero
 
     # -- lifecycle ----------------------------------------------------------------------------
     def runner_config(self) -> RunnerConfig:
@@ -62,11 +65,18 @@ class WorkerServer:
         torch.set_num_threads(1)
         runner = ModelRunner(self.runner_config())
         self.engine = self.build_engine(runner)
+        self.engine.on_death = self._engine_died
         self.metrics = WorkerMetrics(self.engine, self.args.served_model_name, self.role, self.args.context_length)
         # The embedded engine runs on CPU, where kernels/ dispatches to the PyTorch reference ops.
         self.kernels = {k: ("reference" if k in self.args.kernel_list else "off")
                         for k in ("sparse_mla_decode", "indexer", "topk")}
         self.engine.start()
+
+    def _engine_died(self, reason: str) -> None:
+        """Called on the dead engine thread: stop serving and exit non-zero (serving.serve_all)."""
+        log.critical("%s; this worker exits so that its supervisor restarts it", reason)
+        self.exit_reason = reason
+        os.kill(os.getpid(), signal.SIGTERM)
 
     @property
     def ready(self) -> bool:
@@ -90,14 +100,14 @@ class WorkerServer:
         try:
             req = model.model_validate(body)
         except ValidationError as exc:
-            raise BadRequest("; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}"
-                                       for e in exc.errors())) from None
+            raise BadRequest("; ".join(_describe(e, model.__name__) for e in exc.errors())) from None
         a = self.args
         try:
             if kind == "chat":
-                ids = self.tokenizer.apply_chat_template([m.model_dump() for m in req.messages])
+                ids = req.input_ids or self.tokenizer.apply_chat_template(
+                    [m.model_dump() for m in req.messages], continue_final=req.continue_final_message)
             elif kind == "completion":
-                ids = self.tokenizer.encode(req.prompt)
+                ids = req.prompt if isinstance(req.prompt, list) else self.tokenizer.encode(req.prompt)
             else:
                 ids = req.input_ids if req.input_ids is not None else self.tokenizer.encode(req.text)
         except ChatTemplateError as exc:
@@ -107,11 +117,14 @@ class WorkerServer:
         if len(ids) >= a.context_length:
             raise BadRequest(f"the prompt has {len(ids)} tokens; this server's context_length is "
                              f"{a.context_length} (prompt + output); shorten the prompt")
-        if kind == "generate":
-            params, stream, usage = req.sampling_params.params(), req.stream, False
-        else:
-            params = req.sampling(default_max=16 if kind == "completion" else a.context_length - len(ids))
-            stream, usage = req.stream, bool(req.stream_options and req.stream_options.include_usage)
+        try:
+            if kind == "generate":
+                params, stream, usage = req.sampling_params.params(a.default_max_tokens), req.stream, False
+            else:
+                params = req.sampling(default_max=a.default_max_tokens)
+                stream, usage = req.stream, bool(req.stream_options and req.stream_options.include_usage)
+        except ValueError as exc:   # SamplingParams names the field
+            raise BadRequest(str(exc)) from None
         return GenSpec(kind=kind, rid=req.rid or uuid.uuid4().hex, prompt_ids=ids, params=params, stream=stream,
                        include_usage=usage, model=a.served_model_name, room=req.bootstrap_room,
                        bootstrap_host=req.bootstrap_host, bootstrap_port=req.bootstrap_port)
@@ -122,7 +135,7 @@ class WorkerServer:
     async def submit(self, spec: GenSpec) -> tuple[Req, asyncio.Queue]:
         queue: asyncio.Queue = asyncio.Queue()
         req = Req(rid=spec.rid, prompt_ids=spec.prompt_ids, params=spec.params, budget=self.budget(spec),
-                  emit=loop_emitter(asyncio.get_running_loop(), queue), room=spec.room)
+                  emit=loop_emitter(asyncio.get_running_loop(), queue), room=spec.room, bootstrap=spec.bootstrap_url)
         self.engine.submit(req)
         return req, queue
 
@@ -172,7 +185,7 @@ class WorkerServer:
             async for ev in events:
                 if isinstance(ev, Failed):
                     return _error(ev.status, ev.message)
-                out.push(ev.token_id)
+                out.push(ev.token_id, ev.finish)
                 if len(out.ids) == 1:
                     self.metrics.ttft.observe(time.monotonic() - started)
                 if ev.finish_reason:
@@ -188,7 +201,7 @@ class WorkerServer:
                 if isinstance(ev, Failed):
                     yield sse(error_body(ev.status, ev.message))
                     break
-                delta = out.push(ev.token_id)
+                delta = out.push(ev.token_id, ev.finish)
                 now = time.monotonic()
                 (self.metrics.ttft if len(out.ids) == 1 else self.metrics.itl).observe(now - last)
                 last = now
@@ -226,6 +239,7 @@ class WorkerServer:
 
     def build_app(self) -> FastAPI:
         app = FastAPI(title=f"dsv4-cluster embedded {self.role} worker", lifespan=self.lifespan)
+        app.state.exit_reason = lambda: self.exit_reason
 
         def need_ready():
             return None if self.ready else _error(503, "starting" if self.engine is None else self.engine.fatal)
@@ -264,6 +278,14 @@ class WorkerServer:
         async def flush_cache():
             return {"success": True, "message": "the embedded engine keeps no prefix cache"}
 
+        if self.args.test_hooks:
+            @app.post("/debug/kill_engine")
+            async def kill_engine():
+                if self.engine is None:
+                    return _error(503, "starting")
+                self.engine.call(_kill_engine)
+                return {"success": True, "message": "the engine thread dies now (--test-hooks)"}
+
         @app.post("/v1/chat/completions")
         async def chat(request: Request):
             return await self.generate("chat", request)
@@ -277,6 +299,19 @@ class WorkerServer:
             return await self.generate("generate", request)
 
         return app
+
+
+def _kill_engine() -> None:
+    raise EngineKilled("killed through POST /debug/kill_engine (--test-hooks)")
+
+
+def _describe(error: dict, model: str) -> str:
+    """One pydantic error as a sentence that names the field and what to do."""
+    where = ".".join(map(str, error["loc"]))
+    if error["type"] == "extra_forbidden":
+        return f"{where}: unknown field (SGLang 0.5.23's {model} has no such field); remove it"
+    message = error["msg"].removeprefix("Value error, ")
+    return f"{where}: {message}" if where else message
 
 
 def _error(status: int, message: str) -> JSONResponse:

@@ -1,7 +1,8 @@
 """Serve several ASGI apps from one process (prefill: its API and its bootstrap server).
 
 uvicorn installs its own SIGTERM handler per server, so with two servers in one process only one
-would stop; here one handler stops them all, which is what makes SIGTERM a graceful exit.
+would stop; here one handler stops them all, which is what makes SIGTERM a graceful exit. An app
+whose `state.exit_reason()` says why (its engine died) makes the process exit non-zero afterwards.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import signal
 
 import uvicorn
 from fastapi import FastAPI
+
+GRACEFUL_SHUTDOWN_S = 5.0   # open connections get this long after SIGTERM
 
 
 class _Server(uvicorn.Server):
@@ -27,7 +30,8 @@ class _Server(uvicorn.Server):
 
 async def serve_all(apps: list[tuple[FastAPI, str, int]], log_level: str) -> None:
     """Serve several apps in this event loop until SIGTERM/SIGINT, then shut all of them down."""
-    servers = [_Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on"))
+    servers = [_Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                                      timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
                for app, host, port in apps]
     loop = asyncio.get_running_loop()
 
@@ -41,3 +45,11 @@ async def serve_all(apps: list[tuple[FastAPI, str, int]], log_level: str) -> Non
     failed = [r for r in results if isinstance(r, BaseException)]
     if failed or any(not s.started for s in servers):
         raise SystemExit(f"a server failed to start or crashed: {failed or 'port in use?'}")
+    died = [reason for app, _, _ in apps if (reason := _exit_reason(app))]
+    if died:
+        raise SystemExit(f"exiting non-zero: {died[0]}")
+
+
+def _exit_reason(app: FastAPI) -> str | None:
+    reason = getattr(app.state, "exit_reason", None)
+    return reason() if reason is not None else None

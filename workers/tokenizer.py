@@ -35,9 +35,13 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """<bos> then, per message, <|role|> content <|end|>; then <|assistant|> to prompt a reply."""
+    def apply_chat_template(self, messages: list[dict], continue_final: bool = False) -> list[int]:
+        """<bos> then, per message, <|role|> content <|end|>; then <|assistant|> to prompt a reply.
+
+        `continue_final` (SGLang's `continue_final_message`) with a final assistant message leaves that
+        message open, so the reply continues it: the same ids as the prompt plus that text."""
         ids = [BOS]
+        open_last = continue_final and bool(messages) and messages[-1].get("role") == "assistant"
         for i, message in enumerate(messages):
             role = message.get("role")
             if role not in ROLE_TOKENS:
@@ -45,8 +49,10 @@ class ByteTokenizer:
                     f"messages[{i}].role {role!r} is not supported; use one of {sorted(ROLE_TOKENS)}")
             ids.append(ROLE_TOKENS[role])
             ids.extend(self.encode(_content_text(message.get("content"), i), add_bos=False))
-            ids.append(END_TURN)
-        ids.append(ASSISTANT)
+            if not (open_last and i == len(messages) - 1):
+                ids.append(END_TURN)
+        if not open_last:
+            ids.append(ASSISTANT)
         return ids
 
 

@@ -9,6 +9,7 @@ from that notification alone. There is no fallback: if NIXL cannot be loaded, th
 from __future__ import annotations
 
 import base64
+import logging
 import os
 import threading
 from dataclasses import asdict, dataclass
@@ -17,6 +18,8 @@ import numpy as np
 
 from .kv_pool import KVPool, PoolLayout
 from .nixl_loader import load_nixl_api
+
+log = logging.getLogger(__name__)
 
 
 class TransferError(RuntimeError):
@@ -48,7 +51,9 @@ def _load_nixl():
     except ImportError as exc:
         raise TransferError(f"the nixl transfer backend needs NIXL ({exc}); no other transfer is "
                             "substituted silently") from exc
-    return api.nixl_agent, api.nixl_agent_config
+    bind = api.nixlBind
+    errors = tuple(getattr(bind, n) for n in dir(bind) if n.startswith("nixl") and n.endswith("Error"))
+    return api.nixl_agent, api.nixl_agent_config, errors
 
 
 class NixlTransfer:
@@ -57,11 +62,13 @@ class NixlTransfer:
     def __init__(self, name: str, pool: KVPool, ucx_tls: str | None = None):
         if ucx_tls:
             os.environ["UCX_TLS"] = ucx_tls   # UCX reads it when the agent's backend starts
-        nixl_agent, nixl_agent_config = _load_nixl()
+        nixl_agent, nixl_agent_config, self._nixl_errors = _load_nixl()
         self.name = name
         self._pool = pool
         self._lock = threading.Lock()
-        self._agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        # No progress thread: UCX's spins a core even while idle. The engine loop's polls
+        # (poll/notifications) drive progress while a transfer is pending (engine.py).
+        self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         buffers = pool.buffers()
         self._agent.register_memory(buffers)
         dev = buffers[0].device
@@ -70,6 +77,7 @@ class NixlTransfer:
         n = pool.layout.num_pages
         self._local = [(b.data_ptr(), b.numel() * b.element_size() // n) for b in buffers]
         self._peers: dict[str, PeerInfo] = {}
+        self._incarnations: dict[str, int] = {}
 
     def local_info(self) -> PeerInfo:
         with self._lock:
@@ -77,51 +85,100 @@ class NixlTransfer:
         return PeerInfo(self.name, base64.b64encode(meta).decode(), asdict(self._pool.layout),
                         list(self._local), self._mem_type, self._device_id)
 
-    def add_peer(self, info: PeerInfo) -> None:
+    def add_peer(self, info: PeerInfo) -> int:
+        """Load (or reload, when its metadata changed) a peer's agent; returns its incarnation."""
         mismatch = self._pool.layout.compatible(PoolLayout(**info.layout))
         if mismatch:
             mine = {k: getattr(self._pool.layout, k) for k in mismatch}
             theirs = {k: info.layout[k] for k in mismatch}
             raise TransferError(f"KV layout of {info.agent_name} disagrees with {self.name} on {mismatch}: "
                                 f"{theirs} vs {mine}; give prefill and decode the same page_size and kv_cache_dtype")
+        name = info.agent_name
         with self._lock:
-            if info.agent_name not in self._peers:
+            known = self._peers.get(name)
+            if known is not None and known.metadata_b64 == info.metadata_b64:
+                return self._incarnations[name]
+            try:
+                if known is not None:   # the peer restarted: same name, new memory
+                    self._peers.pop(name)
+                    self._agent.remove_remote_agent(name)
                 self._agent.add_remote_agent(base64.b64decode(info.metadata_b64))
-            self._peers[info.agent_name] = info
+            except self._nixl_errors as exc:
+                raise TransferError(f"NIXL could not load the agent of {name}: {exc!r}") from exc
+            self._peers[name] = info
+            self._incarnations[name] = self._incarnations.get(name, 0) + 1
+            return self._incarnations[name]
 
-    def has_peer(self, agent_name: str) -> bool:
+    def incarnation(self, agent_name: str) -> int | None:
+        """How many times the peer registered new metadata (None: never registered)."""
         with self._lock:
-            return agent_name in self._peers
+            return self._incarnations.get(agent_name) if agent_name in self._peers else None
 
-    def write_pages(self, peer: str, src_pages: list[int], dst_pages: list[int], notif: bytes):
-        """Start WRITEs of local `src_pages` into the peer's `dst_pages`; returns a handle for `poll`."""
+    def write_pages(self, peer: str, src_pages: list[int], dst_pages: list[int], notif: bytes,
+                    incarnation: int | None = None):
+        """Start WRITEs of local `src_pages` into the peer's `dst_pages`, reserved by the peer's
+        `incarnation` (None: whichever is current); returns a handle for `poll`."""
         if len(src_pages) > len(dst_pages):
             raise TransferError(f"{len(src_pages)} pages to send but {peer} reserved only {len(dst_pages)}")
         with self._lock:
             info = self._peers.get(peer)
             if info is None:
                 raise TransferError(f"unknown decode agent {peer!r}: it never registered with this prefill")
+            if incarnation is not None and incarnation != self._incarnations[peer]:
+                raise TransferError(f"{peer} restarted after it reserved these pages; its new process "
+                                    "does not expect this KV")
             local = _descs(self._local, src_pages, self._device_id)
             remote = _descs(info.buffers, dst_pages[: len(src_pages)], info.device_id)
-            handle = self._agent.initialize_xfer(
-                "WRITE", self._agent.get_xfer_descs(local, self._mem_type),
-                self._agent.get_xfer_descs(remote, info.mem_type), peer, notif)
-            state = self._agent.transfer(handle)
-        if state == "ERR":
-            raise TransferError(f"NIXL refused the WRITE of {len(src_pages)} pages to {peer}")
+            handle = None
+            try:
+                handle = self._agent.initialize_xfer(
+                    "WRITE", self._agent.get_xfer_descs(local, self._mem_type),
+                    self._agent.get_xfer_descs(remote, info.mem_type), peer, notif)
+                state = self._agent.transfer(handle)
+            except self._nixl_errors as exc:
+                self._release(handle)
+                raise TransferError(f"NIXL failed the WRITE of {len(src_pages)} pages to {peer}: {exc!r}") from exc
+            if state == "ERR":
+                self._release(handle)
+                raise TransferError(f"NIXL refused the WRITE of {len(src_pages)} pages to {peer}")
         return handle
 
     def poll(self, handle) -> str:
-        """'DONE', 'PROC' or 'ERR'; a finished handle is released."""
+        """'DONE', 'PROC' or 'ERR' (a NIXL error counts as ERR); a finished handle is released."""
         with self._lock:
-            state = self._agent.check_xfer_state(handle)
+            try:
+                state = self._agent.check_xfer_state(handle)
+            except self._nixl_errors:
+                state = "ERR"
             if state != "PROC":
-                self._agent.release_xfer_handle(handle)
+                self._release(handle)
         return state
+
+    def _release(self, handle) -> None:
+        """Free a transfer handle; NIXL refusing (it could not cancel) leaves it to NIXL's teardown."""
+        if handle is None:
+            return
+        try:
+            self._agent.release_xfer_handle(handle)
+        except self._nixl_errors as exc:
+            log.warning("NIXL kept a transfer handle it could not release: %r", exc)
+    def notify(self, peer: str, message: bytes) -> None:
+        """Send `message` to a registered peer as a NIXL notification (no data moves)."""
+        with self._lock:
+            if peer not in self._peers:
+                raise TransferError(f"unknown agent {peer!r}: it never registered with {self.name}")
+            try:
+                self._agent.send_notif(peer, message)
+            except Exception as exc:    # nixl raises its own error types, none exported
+                raise TransferError(f"NIXL could not notify {peer}: {exc}") from exc
 
     def notifications(self) -> list[bytes]:
         with self._lock:
-            notifs = self._agent.get_new_notifs()
+            try:
+                notifs = self._agent.get_new_notifs()
+            except self._nixl_errors as exc:   # a peer went away mid-message: its requests time out
+                log.warning("NIXL could not read notifications: %r", exc)
+                return []
         return [msg for msgs in notifs.values() for msg in msgs]
 
 

@@ -77,6 +77,7 @@ def indexer_topk_triton(
     block: int = 2048,
     num_warps: int = 4,
     num_stages: int = 3,
+    check_values: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k indices of the indexer scores and the scores, in one launch.
 
@@ -86,7 +87,8 @@ def indexer_topk_triton(
     `indexer_triton`'s scores: idx row b holds the min(k, lens[b]) winners in an unspecified order
     (among equal scores the lower index wins), then -1; scores past lens[b] are not written.
     scores / out / workspace (int32, `radix_select.workspace_size(B)` elements, zeroed here) may be
-    passed preallocated. Programs of one request wait for each other, so on CUDA split is lowered to
+    passed preallocated; scores may be wider than max_pages*E (only the live prefix is written).
+    check_values=False skips the lens / page-table value checks (they read device memory: a sync). Programs of one request wait for each other, so on CUDA split is lowered to
     what the GPU holds resident at once, and the Triton interpreter needs split == 1.
     """
     per_page = check_indexer_inputs(q, weights, k_cache, page_table, lens, key_kind="fp8" if fp8 else "float")
@@ -100,9 +102,12 @@ def indexer_topk_triton(
     if not isinstance(k, int) or k < 1:
         raise IndexerInputError(f"k must be a positive int; got {k!r}")
     capacity = page_table.shape[1] * per_page
-    if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if check_values and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         check_lens_values(lens, page_table, per_page, k_cache.shape[0])
-    scores = _buffer(scores, (batch, capacity), torch.float32, q.device, "scores")
+    if scores is not None and scores.dim() == 2 and scores.shape[1] > capacity:
+        scores = _buffer(scores, (batch, scores.shape[1]), torch.float32, q.device, "scores")
+    else:
+        scores = _buffer(scores, (batch, capacity), torch.float32, q.device, "scores")
     out = _buffer(out, (batch, k), torch.int32, q.device, "out")
     if workspace is None:
         workspace = torch.zeros(workspace_size(batch), dtype=torch.int32, device=q.device)

@@ -20,13 +20,16 @@ from dsv4_cluster.kernels.indexer.shapes import IndexerInputError, check_indexer
 @triton.jit
 def load_query(q_ptr, w_ptr, b, stride_qb, stride_qh, stride_wb, heads, dim,
                BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Request b's query, transposed to [BLOCK_D, BLOCK_H] (zero-padded), and its head weights."""
+    """Request b's query, transposed to [BLOCK_D, BLOCK_H] (zero-padded; e4m3 widened to bf16), and its
+    head weights."""
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     hm = h < heads
     q_t = tl.load(q_ptr + b * stride_qb + h[None, :] * stride_qh + d[:, None],
                   mask=hm[None, :] & (d[:, None] < dim), other=0.0)
     w = tl.load(w_ptr + b * stride_wb + h, mask=hm, other=0.0).to(tl.float32)
+    if q_t.dtype == tl.float8e4nv:  # e4m3 queries (SGLang's): widened exactly, the products stay exact in fp32
+        q_t = q_t.to(tl.bfloat16)
     return q_t, w
 
 

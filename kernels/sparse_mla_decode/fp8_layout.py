@@ -1,18 +1,22 @@
 """SGLang's DeepSeek-V4 fp8 KV-cache layout (584 B/token), its quantiser and its dequantiser.
 
-The fp8 kernel reads this layout directly, so it is written down once here. Per 64-token page:
+The fp8 kernel reads this layout directly, so it is written down once here. Per page of T tokens:
 
-    64 x 576 B   [448 e4m3 no-RoPE dims | 64 bf16 RoPE dims]   one 576-B record per token
-    64 x   8 B   [7 ue8m0 scales, one per 64 no-RoPE dims | 1 pad byte]
-    padding      so the page stride is a multiple of 576 B: 37,440 B
+    T x 576 B    [448 e4m3 no-RoPE dims | 64 bf16 RoPE dims]   one 576-B record per token
+    T x   8 B    [7 ue8m0 scales, one per 64 no-RoPE dims | 1 pad byte]
+    padding      so the page stride is a multiple of 576 B
 
-A token's slot index is `page * 64 + offset`, the same numbering FlashMLA's V4 sparse decode uses.
+SGLang 0.5.23 uses three page sizes (`PageGeometry`): the sliding-window cache 256 tokens (stride
+149,760 B), the ratio-4 compressed cache 64 (37,440 B, the default here), the ratio-128 cache 2
+(1,728 B). A token's slot index is `page * T + offset`, the numbering FlashMLA's V4 sparse decode uses.
 ue8m0 byte `e` means the scale 2**(e - 127); the no-RoPE value is e4m3 * scale. Scales are the
 power of two at or above amax/448 of each 64-dim tile (amax floored at 1e-4), as FlashMLA's tests
 quantise, so dequantising is exact in bf16.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -33,23 +37,62 @@ E4M3_MAX = 448.0
 AMAX_FLOOR = 1e-4
 
 
-def num_pages_for(num_tokens: int) -> int:
-    return -(-num_tokens // PAGE_TOKENS)
+def page_stride_for(page_tokens: int) -> int:
+    """Bytes per page of `page_tokens` tokens: records and scales, padded to a multiple of 576 B."""
+    return -(-page_tokens * BYTES_PER_TOKEN // RECORD_BYTES) * RECORD_BYTES
 
 
-def quantize_kv_v4(kv: torch.Tensor) -> torch.Tensor:
+@dataclass(frozen=True)
+class PageGeometry:
+    """Where a slot's bytes lie in one V4 fp8 cache: tokens per page (a power of two) and page stride (B)."""
+
+    page_tokens: int = PAGE_TOKENS
+    page_stride: int = PAGE_STRIDE
+
+    def __post_init__(self):
+        t = self.page_tokens
+        if t < 1 or t & (t - 1):
+            raise SparseDecodeInputError(f"page_tokens must be a power of two, got {t}")
+        if self.page_stride < t * BYTES_PER_TOKEN:
+            raise SparseDecodeInputError(
+                f"a page of {t} tokens needs at least {t * BYTES_PER_TOKEN} B, got a page stride of {self.page_stride}")
+
+    @property
+    def shift(self) -> int:
+        """log2(page_tokens): slot >> shift is the page, slot & (page_tokens - 1) the offset."""
+        return self.page_tokens.bit_length() - 1
+
+    @property
+    def scales_offset(self) -> int:
+        return self.page_tokens * RECORD_BYTES
+
+    @classmethod
+    def packed(cls, page_tokens: int) -> "PageGeometry":
+        """SGLang's pages of `page_tokens` tokens (`KVLayout.V4.page_bytes`)."""
+        return cls(page_tokens, page_stride_for(page_tokens))
+
+
+DEFAULT_GEOMETRY = PageGeometry()
+
+
+def num_pages_for(num_tokens: int, page_tokens: int = PAGE_TOKENS) -> int:
+    return -(-num_tokens // page_tokens)
+
+
+def quantize_kv_v4(kv: torch.Tensor, page_tokens: int = PAGE_TOKENS) -> torch.Tensor:
     """Quantise KV rows into the paged V4 fp8 layout.
 
-    kv: [N, 512] float (bf16, fp16 or fp32); row n goes to slot n (page n // 64, offset n % 64).
-    Returns: uint8 [ceil(N / 64), 37440]; slots past N in the last page hold zeros.
+    kv: [N, 512] float (bf16, fp16 or fp32); row n goes to slot n (page n // T, offset n % T).
+    Returns: uint8 [ceil(N / T), page_stride_for(T)] (T = 64: [.., 37440]); slots past N hold zeros.
     """
     if kv.dim() != 2 or kv.shape[1] != DIM:
         raise SparseDecodeInputError(f"quantize_kv_v4: kv must be [N, {DIM}], got {list(kv.shape)}")
     if not kv.is_floating_point():
         raise SparseDecodeInputError(f"quantize_kv_v4: kv must be a float tensor, got {kv.dtype}")
+    geo = PageGeometry.packed(page_tokens)
     n = kv.shape[0]
-    pages = num_pages_for(n)
-    x = torch.zeros(pages * PAGE_TOKENS, DIM, dtype=torch.float32, device=kv.device)
+    pages = num_pages_for(n, page_tokens)
+    x = torch.zeros(pages * page_tokens, DIM, dtype=torch.float32, device=kv.device)
     x[:n] = kv.float()
     nope = x[:, :NOPE_DIMS].view(-1, NUM_TILES, TILE)
     amax = nope.abs().amax(dim=-1).clamp_min(AMAX_FLOOR)
@@ -58,40 +101,60 @@ def quantize_kv_v4(kv: torch.Tensor) -> torch.Tensor:
     q8 = (nope / scale[..., None]).to(torch.float8_e4m3fn).view(torch.uint8).view(-1, NOPE_DIMS)
     rope = x[:, NOPE_DIMS:].to(torch.bfloat16).contiguous().view(torch.uint8)  # [T, 128]
 
-    cache = torch.zeros(pages, PAGE_STRIDE, dtype=torch.uint8, device=kv.device)
-    records = cache[:, :SCALES_OFFSET].view(pages, PAGE_TOKENS, RECORD_BYTES)
-    records[..., :NOPE_DIMS] = q8.view(pages, PAGE_TOKENS, NOPE_DIMS)
-    records[..., NOPE_DIMS:] = rope.view(pages, PAGE_TOKENS, 2 * ROPE_DIMS)
-    scales = cache[:, SCALES_OFFSET:SCALES_OFFSET + PAGE_TOKENS * SCALE_BYTES].view(pages, PAGE_TOKENS, SCALE_BYTES)
-    scales[..., :NUM_TILES] = (exponent + 127).to(torch.uint8).view(pages, PAGE_TOKENS, NUM_TILES)
+    t = page_tokens
+    cache = torch.zeros(pages, geo.page_stride, dtype=torch.uint8, device=kv.device)
+    records = cache[:, :geo.scales_offset].view(pages, t, RECORD_BYTES)
+    records[..., :NOPE_DIMS] = q8.view(pages, t, NOPE_DIMS)
+    records[..., NOPE_DIMS:] = rope.view(pages, t, 2 * ROPE_DIMS)
+    scales = cache[:, geo.scales_offset:geo.scales_offset + t * SCALE_BYTES].view(pages, t, SCALE_BYTES)
+    scales[..., :NUM_TILES] = (exponent + 127).to(torch.uint8).view(pages, t, NUM_TILES)
     return cache
 
 
-def check_cache(cache: torch.Tensor, name: str) -> None:
-    if cache.dtype != torch.uint8 or cache.dim() != 2 or cache.shape[1] != PAGE_STRIDE:
+def check_cache(cache: torch.Tensor, name: str, geometry: PageGeometry = DEFAULT_GEOMETRY) -> None:
+    stride = geometry.page_stride
+    if cache.dtype != torch.uint8 or cache.dim() != 2 or cache.shape[1] != stride:
         raise SparseDecodeInputError(
-            f"{name} must be the V4 fp8 cache, uint8 [num_pages, {PAGE_STRIDE}] (see quantize_kv_v4), "
+            f"{name} must be the V4 fp8 cache, uint8 [num_pages, {stride}] (see quantize_kv_v4), "
             f"got {cache.dtype} {list(cache.shape)}"
         )
     if not cache.is_contiguous():
         raise SparseDecodeInputError(f"{name} must be contiguous; call .contiguous() on it")
 
 
-def dequantize_kv_v4(cache: torch.Tensor) -> torch.Tensor:
-    """The exact bf16 rows of a V4 fp8 cache: uint8 [P, 37440] -> bf16 [P * 64, 512] (slot order)."""
-    check_cache(cache, "cache")
-    pages = cache.shape[0]
-    records = cache[:, :SCALES_OFFSET].reshape(pages * PAGE_TOKENS, RECORD_BYTES)
-    scale_bytes = cache[:, SCALES_OFFSET:SCALES_OFFSET + PAGE_TOKENS * SCALE_BYTES]
-    exponent = scale_bytes.reshape(pages * PAGE_TOKENS, SCALE_BYTES)[:, :NUM_TILES].float() - 127.0
+def _decode_records(records: torch.Tensor, scale_rows: torch.Tensor) -> torch.Tensor:
+    """bf16 [n, 512] from n 576-B records and their n 8-B scale rows (both uint8)."""
+    exponent = scale_rows[:, :NUM_TILES].float() - 127.0
     nope = records[:, :NOPE_DIMS].contiguous().view(torch.float8_e4m3fn).float()
     nope = nope.view(-1, NUM_TILES, TILE) * torch.exp2(exponent)[..., None]
     rope = records[:, NOPE_DIMS:].contiguous().view(torch.bfloat16).float()
     return torch.cat([nope.view(-1, NOPE_DIMS), rope], dim=1).to(torch.bfloat16)
 
 
-def flashmla_view(cache: torch.Tensor) -> torch.Tensor:
-    """The same bytes as FlashMLA's V4 k_cache argument: float8_e4m3fn [P, 64, 1, 584], page stride 37440."""
-    check_cache(cache, "cache")
-    used = cache[:, : PAGE_TOKENS * BYTES_PER_TOKEN].view(torch.float8_e4m3fn)
-    return used.view(cache.shape[0], PAGE_TOKENS, 1, BYTES_PER_TOKEN)
+def dequantize_kv_v4(cache: torch.Tensor, page_tokens: int = PAGE_TOKENS) -> torch.Tensor:
+    """The exact bf16 rows of a V4 fp8 cache: uint8 [P, stride] -> bf16 [P * T, 512] (slot order)."""
+    geo = PageGeometry.packed(page_tokens)
+    check_cache(cache, "cache", geo)
+    pages, t = cache.shape[0], page_tokens
+    records = cache[:, :geo.scales_offset].reshape(pages * t, RECORD_BYTES)
+    scale_rows = cache[:, geo.scales_offset:geo.scales_offset + t * SCALE_BYTES].reshape(pages * t, SCALE_BYTES)
+    return _decode_records(records, scale_rows)
+
+
+def gather_slots(pages: torch.Tensor, geometry: PageGeometry, slots: torch.Tensor) -> torch.Tensor:
+    """The exact bf16 rows [*slots.shape, 512] of the given slots (-1 reads as slot 0) of a V4 cache
+    seen as uint8 [P, page_stride] pages; only the selected records are read (no whole-cache dequant)."""
+    flat = slots.reshape(-1).clamp_min(0).long()
+    page, off = flat >> geometry.shift, flat & (geometry.page_tokens - 1)
+    rec = (off * RECORD_BYTES)[:, None] + torch.arange(RECORD_BYTES, device=pages.device)
+    sc = (geometry.scales_offset + off * SCALE_BYTES)[:, None] + torch.arange(SCALE_BYTES, device=pages.device)
+    rows = _decode_records(pages[page[:, None], rec], pages[page[:, None], sc])
+    return rows.view(*slots.shape, DIM)
+
+
+def flashmla_view(cache: torch.Tensor, page_tokens: int = PAGE_TOKENS) -> torch.Tensor:
+    """The bytes as SGLang hands FlashMLA a V4 k_cache: float8_e4m3fn [P, T, 1, 584], stride(0) = page stride."""
+    geo = PageGeometry.packed(page_tokens)
+    check_cache(cache, "cache", geo)
+    used = cache[:, : page_tokens * BYTES_PER_TOKEN].view(torch.float8_e4m3fn)
+    return used.view(cache.shape[0], page_tokens, 1, BYTES_PER_TOKEN)

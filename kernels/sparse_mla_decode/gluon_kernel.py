@@ -201,7 +201,7 @@ def _sparse_decode_ws_kernel(
     qk_scale_log2, num_splits, trace_ptr,
     BN: gl.constexpr, NS: gl.constexpr, SPLIT_OUT: gl.constexpr,
     IS_FP8: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_WLEN: gl.constexpr, HAS_ELEN: gl.constexpr,
-    HAS_SINK: gl.constexpr, PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr,
+    HAS_SINK: gl.constexpr, W_SHIFT: gl.constexpr, W_PAGE: gl.constexpr, E_SHIFT: gl.constexpr, E_PAGE: gl.constexpr,
     LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, PV_REGS: gl.constexpr, MAXB: gl.constexpr,
     FUSE_MERGE: gl.constexpr = False, SP: gl.constexpr = 1, MHT: gl.constexpr = 1, MDC: gl.constexpr = 64,
     EARLY_TABLE: gl.constexpr = False, PROBE: gl.constexpr = 0, TRACE: gl.constexpr = False,
@@ -275,6 +275,6 @@ def _sparse_decode_ws_kernel(
         (loader_partition, (q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
                             widx_ptr, stride_wb, eidx_ptr, stride_eb, b, lo, hi, nbw, nbw_t, wlen, elen,
                             q_smem, k_smem, idx_all, t_bar, q_bar, full, empty,
-                            BN, NS, MAXB, IS_FP8, PAGE_STRIDE, SCALES_OFFSET, EARLY_TABLE, PROBE, trace_row,
+                            BN, NS, MAXB, IS_FP8, W_SHIFT, W_PAGE, E_SHIFT, E_PAGE, EARLY_TABLE, PROBE, trace_row,
                             TRACE)),
     ], [4, LOADER_WARPS], [PV_REGS, LOADER_REGS])

@@ -102,7 +102,7 @@ def _loader(q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
             b, lo, hi, nbw, nbw_t, wlen, elen,
             q_smem, k_smem, idx_all, t_bar, q_bar, full, empty,
             BN: gl.constexpr, NS: gl.constexpr, MAXB: gl.constexpr,
-            PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr, EARLY_TABLE: gl.constexpr, PROBE: gl.constexpr,
+            W_SHIFT: gl.constexpr, W_PAGE: gl.constexpr, E_SHIFT: gl.constexpr, E_PAGE: gl.constexpr, EARLY_TABLE: gl.constexpr, PROBE: gl.constexpr,
             trace_row, TRACE: gl.constexpr):
     NW: gl.constexpr = gl.num_warps()
     rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
@@ -132,17 +132,23 @@ def _loader(q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
 
 
 @gluon.jit
-def _page_slot(idx, j, nbw, kv_ptr, ekv_ptr, PAGE_STRIDE: gl.constexpr):
-    """V4 cache rows idx of live block j (its window or extra cache) -> (page base pointer, slot in the
-    page); an invalid row (-1) reads as row 0, which the callers mask."""
+def _page_slot(idx, j, nbw, kv_ptr, ekv_ptr, W_SHIFT: gl.constexpr, W_PAGE: gl.constexpr, E_SHIFT: gl.constexpr,
+               E_PAGE: gl.constexpr):
+    """V4 cache rows idx of live block j (its window or extra cache, pages of 2**shift tokens, page bytes
+    apart) -> (page base pointer, slot in the page, the page's scales base); an invalid row (-1) reads as
+    row 0, which the callers mask."""
     safe = gl.maximum(idx, 0)
-    return gl.where(j < nbw, kv_ptr, ekv_ptr) + (safe // 64).to(gl.int64) * PAGE_STRIDE, safe % 64
+    is_w = (j < nbw).to(gl.int32)
+    shift = E_SHIFT + is_w * (W_SHIFT - E_SHIFT)
+    page_bytes = E_PAGE + is_w.to(gl.int64) * (W_PAGE - E_PAGE)
+    page = gl.where(j < nbw, kv_ptr, ekv_ptr) + (safe >> shift).to(gl.int64) * page_bytes
+    return page, safe & ((1 << shift) - 1), page + (576 << shift)
 
 
 @gluon.jit
 def _load_nope(idx_all, j, hi, nbw, nbw_t, wlen, elen, kv_ptr, ekv_ptr, r0: gl.constexpr, R: gl.constexpr,
                T0: gl.constexpr, G: gl.constexpr, MAXB: gl.constexpr, BN: gl.constexpr,
-               PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr):
+               W_SHIFT: gl.constexpr, W_PAGE: gl.constexpr, E_SHIFT: gl.constexpr, E_PAGE: gl.constexpr):
     """e4m3 tiles T0 .. T0 + G - 1 (64 dims each) of rows r0 .. r0 + R - 1 of live block j, as int32
     words of 4 e4m3 bytes (16 bytes per thread and load; zeros for invalid rows), and each (row, tile)'s
     scale 2**(ue8m0 - 127) as a bf16x2 word."""
@@ -152,26 +158,27 @@ def _load_nope(idx_all, j, hi, nbw, nbw_t, wlen, elen, kv_ptr, ekv_ptr, r0: gl.c
     row_l: gl.constexpr = gl.SliceLayout(1, sc_l)
     idx = _round_rows(idx_all, j, hi, nbw, nbw_t, wlen, elen, r0, R, row_l, MAXB, BN)
     valid = idx >= 0
-    page, slot = _page_slot(idx, j, nbw, kv_ptr, ekv_ptr, PAGE_STRIDE)
+    page, slot, scales = _page_slot(idx, j, nbw, kv_ptr, ekv_ptr, W_SHIFT, W_PAGE, E_SHIFT, E_PAGE)
     t = T0 + gl.arange(0, G, layout=gl.SliceLayout(0, sc_l))
     c = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, deq_l)))
     rec = (page + slot * 576).to(gl.pointer_type(gl.int32), bitcast=True)
     raw = gl.load(rec[:, None, None] + (t[None, :, None] * 16 + c[None, None, :]), mask=valid[:, None, None],
                   other=0)
-    e = gl.load((page + SCALES_OFFSET + slot * 8)[:, None] + t[None, :], mask=valid[:, None], other=127).to(gl.int32)
+    e = gl.load((scales + slot * 8)[:, None] + t[None, :], mask=valid[:, None], other=127).to(gl.int32)
     bits = gl.where(e == 0, 0x40, e << 7)  # bf16 2**(e - 127); e = 0 is the subnormal 2**-127
     return raw, bits | (bits << 16)
 
 
 @gluon.jit
 def _load_rope(idx_all, j, hi, nbw, nbw_t, wlen, elen, kv_ptr, ekv_ptr, r0: gl.constexpr, R: gl.constexpr,
-               MAXB: gl.constexpr, BN: gl.constexpr, PAGE_STRIDE: gl.constexpr):
+               MAXB: gl.constexpr, BN: gl.constexpr, W_SHIFT: gl.constexpr, W_PAGE: gl.constexpr,
+               E_SHIFT: gl.constexpr, E_PAGE: gl.constexpr):
     """The 64 bf16 RoPE dims of rows r0 .. r0 + R - 1 of live block j, as 32 int32 words per row (zeros
     for invalid rows)."""
     NW: gl.constexpr = gl.num_warps()
     rope_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])
     idx = _round_rows(idx_all, j, hi, nbw, nbw_t, wlen, elen, r0, R, gl.SliceLayout(1, rope_l), MAXB, BN)
-    page, slot = _page_slot(idx, j, nbw, kv_ptr, ekv_ptr, PAGE_STRIDE)
+    page, slot, scales = _page_slot(idx, j, nbw, kv_ptr, ekv_ptr, W_SHIFT, W_PAGE, E_SHIFT, E_PAGE)
     rec = page + slot * 576
     c = gl.arange(0, 32, layout=gl.SliceLayout(0, rope_l))
     ptrs = (rec + 448).to(gl.pointer_type(gl.int32), bitcast=True)[:, None] + c[None, :]
@@ -180,16 +187,18 @@ def _load_rope(idx_all, j, hi, nbw, nbw_t, wlen, elen, kv_ptr, ekv_ptr, r0: gl.c
 
 @gluon.jit
 def _load_round(idx_all, j, hi, nbw, nbw_t, wlen, elen, kv_ptr, ekv_ptr, r0: gl.constexpr, R: gl.constexpr,
-                MAXB: gl.constexpr, BN: gl.constexpr, PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr):
+                MAXB: gl.constexpr, BN: gl.constexpr, W_SHIFT: gl.constexpr, W_PAGE: gl.constexpr,
+                E_SHIFT: gl.constexpr, E_PAGE: gl.constexpr):
     """One round (rows r0 .. r0 + R - 1 of live block j) into registers: e4m3 tiles 0-3, 4-5 and 6 with
     their scales (three groups, so no element pays a select), and the RoPE words."""
-    n4, s4 = _load_nope(idx_all, j, hi, nbw, nbw_t, wlen, elen, kv_ptr, ekv_ptr, r0, R, 0, 4, MAXB, BN, PAGE_STRIDE,
-                        SCALES_OFFSET)
-    n2, s2 = _load_nope(idx_all, j, hi, nbw, nbw_t, wlen, elen, kv_ptr, ekv_ptr, r0, R, 4, 2, MAXB, BN, PAGE_STRIDE,
-                        SCALES_OFFSET)
-    n1, s1 = _load_nope(idx_all, j, hi, nbw, nbw_t, wlen, elen, kv_ptr, ekv_ptr, r0, R, 6, 1, MAXB, BN, PAGE_STRIDE,
-                        SCALES_OFFSET)
-    rp = _load_rope(idx_all, j, hi, nbw, nbw_t, wlen, elen, kv_ptr, ekv_ptr, r0, R, MAXB, BN, PAGE_STRIDE)
+    n4, s4 = _load_nope(idx_all, j, hi, nbw, nbw_t, wlen, elen, kv_ptr, ekv_ptr, r0, R, 0, 4, MAXB, BN, W_SHIFT,
+                        W_PAGE, E_SHIFT, E_PAGE)
+    n2, s2 = _load_nope(idx_all, j, hi, nbw, nbw_t, wlen, elen, kv_ptr, ekv_ptr, r0, R, 4, 2, MAXB, BN, W_SHIFT,
+                        W_PAGE, E_SHIFT, E_PAGE)
+    n1, s1 = _load_nope(idx_all, j, hi, nbw, nbw_t, wlen, elen, kv_ptr, ekv_ptr, r0, R, 6, 1, MAXB, BN, W_SHIFT,
+                        W_PAGE, E_SHIFT, E_PAGE)
+    rp = _load_rope(idx_all, j, hi, nbw, nbw_t, wlen, elen, kv_ptr, ekv_ptr, r0, R, MAXB, BN, W_SHIFT, W_PAGE, E_SHIFT,
+                    E_PAGE)
     return n4, s4, n2, s2, n1, s1, rp
 
 
@@ -232,7 +241,7 @@ def _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr,
                        b, lo, hi, nbw, nbw_t, wlen, elen,
                        q_smem, k_smem, idx_all, t_bar, q_bar, full, empty,
                        BN: gl.constexpr, NS: gl.constexpr, MAXB: gl.constexpr,
-                       PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr, EARLY_TABLE: gl.constexpr,
+                       W_SHIFT: gl.constexpr, W_PAGE: gl.constexpr, E_SHIFT: gl.constexpr, E_PAGE: gl.constexpr, EARLY_TABLE: gl.constexpr,
                        PROBE: gl.constexpr, trace_row, TRACE: gl.constexpr):
     """V4 fp8 pages: the records of a block are loaded into registers (the next round's loads in flight
     while this one is dequantised) and stored, dequantised, into the bf16 stage the wgmmas read. Rounds
@@ -250,7 +259,7 @@ def _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr,
         _stamp(trace_row, 2)
     j0 = gl.where(PROBE == 2, hi, lo)
     n4, s4, n2, s2, n1, s1, rp = _load_round(idx_all, j0, hi, nbw, nbw_t, wlen, elen, kv_ptr, ekv_ptr, 0, R, MAXB, BN,
-                                             PAGE_STRIDE, SCALES_OFFSET)
+                                             W_SHIFT, W_PAGE, E_SHIFT, E_PAGE)
     for j in range(lo, hi):
         i = j - lo
         s = i % NS
@@ -267,7 +276,7 @@ def _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr,
             jn = j if r + 1 < RPB else j + 1
             jn = gl.where(PROBE == 2, hi, jn)
             n4, s4, n2, s2, n1, s1, rp = _load_round(idx_all, jn, hi, nbw, nbw_t, wlen, elen, kv_ptr, ekv_ptr,
-                                                     ((r + 1) % RPB) * R, R, MAXB, BN, PAGE_STRIDE, SCALES_OFFSET)
+                                                     ((r + 1) % RPB) * R, R, MAXB, BN, W_SHIFT, W_PAGE, E_SHIFT, E_PAGE)
             if r == 0:
                 if i >= NS:  # both compute warpgroups are done with this stage's previous block
                     mbarrier.wait(empty.index(s), ((i // NS) + 1) & 1)
@@ -290,15 +299,15 @@ def loader_partition(q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, st
                      widx_ptr, stride_wb, eidx_ptr, stride_eb, b, lo, hi, nbw, nbw_t, wlen, elen,
                      q_smem, k_smem, idx_all, t_bar, q_bar, full, empty,
                      BN: gl.constexpr, NS: gl.constexpr, MAXB: gl.constexpr, IS_FP8: gl.constexpr,
-                     PAGE_STRIDE: gl.constexpr, SCALES_OFFSET: gl.constexpr, EARLY_TABLE: gl.constexpr,
+                     W_SHIFT: gl.constexpr, W_PAGE: gl.constexpr, E_SHIFT: gl.constexpr, E_PAGE: gl.constexpr, EARLY_TABLE: gl.constexpr,
                      PROBE: gl.constexpr, trace_row, TRACE: gl.constexpr):
     """The loader warps: `_loader_fp8` on V4 fp8 pages, else `_loader` (bf16 rows)."""
     if IS_FP8:
         _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr, widx_ptr, stride_wb, eidx_ptr, stride_eb,
                     b, lo, hi, nbw, nbw_t, wlen, elen, q_smem, k_smem, idx_all, t_bar, q_bar, full, empty,
-                    BN, NS, MAXB, PAGE_STRIDE, SCALES_OFFSET, EARLY_TABLE, PROBE, trace_row, TRACE)
+                    BN, NS, MAXB, W_SHIFT, W_PAGE, E_SHIFT, E_PAGE, EARLY_TABLE, PROBE, trace_row, TRACE)
     else:
         _loader(q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
                 widx_ptr, stride_wb, eidx_ptr, stride_eb, b, lo, hi, nbw, nbw_t, wlen, elen,
-                q_smem, k_smem, idx_all, t_bar, q_bar, full, empty, BN, NS, MAXB, PAGE_STRIDE, SCALES_OFFSET,
+                q_smem, k_smem, idx_all, t_bar, q_bar, full, empty, BN, NS, MAXB, W_SHIFT, W_PAGE, E_SHIFT, E_PAGE,
                 EARLY_TABLE, PROBE, trace_row, TRACE)

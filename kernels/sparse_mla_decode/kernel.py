@@ -25,12 +25,13 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 @triton.jit
 def _load_rows(base, row_stride, idx, valid, out_t: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
-               IS_FP8: tl.constexpr, PAGE_STRIDE: tl.constexpr, SCALES_OFFSET: tl.constexpr):
-    """[BN, D] rows `idx` of one cache in dtype out_t (zeros where not valid)."""
+               IS_FP8: tl.constexpr, shift, page_bytes):
+    """[BN, D] rows `idx` of one cache in dtype out_t (zeros where not valid). fp8: pages of 2**shift
+    tokens, page_bytes apart, the scales after the page's 576-B records."""
     if IS_FP8:
-        page = idx // 64
-        slot = idx % 64
-        page_base = base + page.to(tl.int64) * PAGE_STRIDE
+        page = idx >> shift
+        slot = idx & ((1 << shift) - 1)
+        page_base = base + page.to(tl.int64) * page_bytes
         rec = page_base + slot * 576
         t = tl.arange(0, 8)
         c = tl.arange(0, 64)
@@ -39,7 +40,7 @@ def _load_rows(base, row_stride, idx, valid, out_t: tl.constexpr, D: tl.constexp
         nope = tl.load(rec[:, None, None] + (t[None, :, None] * 64 + c[None, None, :]),
                        mask=v3 & is_nope, other=0)
         nope = nope.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        sc = tl.load((page_base + SCALES_OFFSET + slot * 8)[:, None] + t[None, :],
+        sc = tl.load((page_base + (576 << shift) + slot * 8)[:, None] + t[None, :],
                      mask=valid[:, None] & (t < 7)[None, :], other=127)
         sc = tl.exp2(sc.to(tl.float32) - 127.0)
         rope_ptr = (rec + 448).to(tl.pointer_type(tl.bfloat16), bitcast=True)
@@ -55,7 +56,7 @@ def _load_rows(base, row_stride, idx, valid, out_t: tl.constexpr, D: tl.constexp
 @triton.jit
 def _fetch_block(j, hi, nbw, wlen, elen, widx_row, eidx_row, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
                  out_t: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, IS_FP8: tl.constexpr,
-                 PAGE_STRIDE: tl.constexpr, SCALES_OFFSET: tl.constexpr):
+                 W_SHIFT: tl.constexpr, W_PAGE: tl.constexpr, E_SHIFT: tl.constexpr, E_PAGE: tl.constexpr):
     """Live block j of a query: window block j if j < nbw, else extra block j - nbw. Rows [BN, D] + validity."""
     is_w = j < nbw
     pos = tl.where(is_w, j, j - nbw) * BN + tl.arange(0, BN)
@@ -64,7 +65,9 @@ def _fetch_block(j, hi, nbw, wlen, elen, widx_row, eidx_row, kv_ptr, stride_kv, 
     valid = idx >= 0
     base = tl.where(is_w, kv_ptr, ekv_ptr)
     row_stride = tl.where(is_w, stride_kv, stride_ekv)
-    return _load_rows(base, row_stride, idx, valid, out_t, D, BN, IS_FP8, PAGE_STRIDE, SCALES_OFFSET), valid
+    shift = tl.where(is_w, W_SHIFT, E_SHIFT)
+    page_bytes = tl.where(is_w, W_PAGE, E_PAGE)
+    return _load_rows(base, row_stride, idx, valid, out_t, D, BN, IS_FP8, shift, page_bytes), valid
 
 
 @triton.jit
@@ -79,7 +82,7 @@ def _sparse_decode_kernel(
     H: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, SPLIT_OUT: tl.constexpr,
     IS_FP8: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_WLEN: tl.constexpr, HAS_ELEN: tl.constexpr,
     HAS_SINK: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH: tl.constexpr,
-    PAGE_STRIDE: tl.constexpr, SCALES_OFFSET: tl.constexpr,
+    W_SHIFT: tl.constexpr, W_PAGE: tl.constexpr, E_SHIFT: tl.constexpr, E_PAGE: tl.constexpr,
 ):
     b = tl.program_id(0)
     split = tl.program_id(1)
@@ -113,17 +116,17 @@ def _sparse_decode_kernel(
     eidx_row = eidx_ptr + b.to(tl.int64) * stride_eb
     if PREFETCH:
         k_next, valid_next = _fetch_block(lo, hi, nbw, wlen, elen, widx_row, eidx_row, kv_ptr, stride_kv,
-                                          ekv_ptr, stride_ekv, dot_t, D, BN, IS_FP8, PAGE_STRIDE, SCALES_OFFSET)
+                                          ekv_ptr, stride_ekv, dot_t, D, BN, IS_FP8, W_SHIFT, W_PAGE, E_SHIFT, E_PAGE)
     for j in range(lo, hi):
         if PREFETCH:  # issue block j + 1's loads before block j's math
             k = k_next
             valid = valid_next
             k_next, valid_next = _fetch_block(j + 1, hi, nbw, wlen, elen, widx_row, eidx_row, kv_ptr,
-                                              stride_kv, ekv_ptr, stride_ekv, dot_t, D, BN, IS_FP8, PAGE_STRIDE,
-                                              SCALES_OFFSET)
+                                              stride_kv, ekv_ptr, stride_ekv, dot_t, D, BN, IS_FP8, W_SHIFT,
+                                              W_PAGE, E_SHIFT, E_PAGE)
         else:
             k, valid = _fetch_block(j, hi, nbw, wlen, elen, widx_row, eidx_row, kv_ptr, stride_kv, ekv_ptr,
-                                    stride_ekv, dot_t, D, BN, IS_FP8, PAGE_STRIDE, SCALES_OFFSET)
+                                    stride_ekv, dot_t, D, BN, IS_FP8, W_SHIFT, W_PAGE, E_SHIFT, E_PAGE)
 
         if DOT_F32:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")

@@ -8,12 +8,14 @@ On CPU tensors the same kernels run under TRITON_INTERPRET=1 (the tests do this)
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
 
 from . import checks
-from .fp8_layout import PAGE_STRIDE, SCALES_OFFSET, check_cache
+from .fp8_layout import DEFAULT_GEOMETRY, PageGeometry, check_cache
+from ..workspace import scratch
 from . import kernel as _kernels
 from .splits import choose_splits, fuses_merge, gluon_splits
 
@@ -159,17 +161,24 @@ def _pick_backend(q, is_fp8, config) -> str:
     return config.backend
 
 
-def _outputs(q, splits):
-    """out, lse, and the per-split partial (out, lse) workspace (aliases of lse when there is one split:
-    the kernel then writes the final result directly and never touches them)."""
+def _outputs(q, splits, out=None, lse=None):
+    """out, lse (given or new), and the per-split partial (out, lse) workspace, cached per device and
+    stream (`workspace.scratch`; aliases of lse when there is one split: the kernel then writes the final
+    result directly and never touches them)."""
     b, h, _ = q.shape
-    out = torch.empty_like(q)
-    lse = torch.empty(b, h, dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q) if out is None else out
+    lse = torch.empty(b, h, dtype=torch.float32, device=q.device) if lse is None else lse
     if splits == 1:
         return out, lse, lse, lse
-    part_o = torch.empty(b * splits * h * DIM, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(b * splits * h, dtype=torch.float32, device=q.device)
+    part_o = scratch("sparse_decode.part_o", b * splits * h * DIM, torch.float32, q.device)
+    part_lse = scratch("sparse_decode.part_lse", b * splits * h, torch.float32, q.device)
     return out, lse, part_o, part_lse
+
+
+def _geometry_kwargs(geos: tuple[PageGeometry, PageGeometry]) -> dict:
+    """The fp8 page geometry constexprs of both kernels: window and extra cache (log2 tokens, stride)."""
+    w, e = geos
+    return dict(W_SHIFT=w.shift, W_PAGE=w.page_stride, E_SHIFT=e.shift, E_PAGE=e.page_stride)
 
 
 def _kernel_args(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, sink, scale,
@@ -194,18 +203,19 @@ def _kernel_args(q, main, main_stride, extra, extra_stride, window_idx, extra_id
 
 
 def _launch(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, sink, scale,
-            window_lens, extra_lens, w, k, is_fp8, config):
+            window_lens, extra_lens, w, k, is_fp8, config, geos=(DEFAULT_GEOMETRY, DEFAULT_GEOMETRY),
+            out=None, lse=None):
     b, h, _ = q.shape
-    config = config or LaunchConfig()
-    backend = _pick_backend(q, is_fp8, config)
-    config = resolved(config, backend, is_fp8)
+    config = config or _DEFAULT_CONFIG
+    backend, config = _backend(q.device, h, q.dtype, is_fp8, config)
     if backend == "gluon":
         return _launch_gluon(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, sink, scale,
-                             window_lens, extra_lens, w, k, is_fp8, config)
-    bn = config.block_n
-    num_blocks = -(-w // bn) + -(-k // bn)
-    splits = config.num_splits or choose_splits(b, num_blocks, _num_sms(q.device))
-    out, lse, part_o, part_lse = _outputs(q, splits)
+                             window_lens, extra_lens, w, k, is_fp8, config, geos, out, lse)
+    flags = (extra is not None, window_lens is not None, extra is not None and extra_lens is not None,
+             sink is not None)
+    splits, kwargs = _triton_plan(b, h, w, k, is_fp8, config, _num_sms(q.device), flags, geos,
+                                  q.dtype == torch.float32 or not q.is_cuda)
+    out, lse, part_o, part_lse = _outputs(q, splits, out, lse)
     if not q.is_cuda and type(_kernels._sparse_decode_kernel).__name__ != "InterpretedFunction":
         raise checks.SparseDecodeInputError(
             "the Triton kernel runs on CPU tensors only under TRITON_INTERPRET=1 (set before import); "
@@ -213,24 +223,48 @@ def _launch(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, si
         )
     _kernels._sparse_decode_kernel[(b, splits)](
         *_kernel_args(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, sink, scale,
-                      window_lens, extra_lens, w, k, out, lse, part_o, part_lse, splits),
-        H=h, D=DIM, BN=bn, SPLIT_OUT=splits > 1,
-        IS_FP8=is_fp8, HAS_EXTRA=extra is not None, HAS_WLEN=window_lens is not None,
-        HAS_ELEN=extra is not None and extra_lens is not None, HAS_SINK=sink is not None,
-        DOT_F32=(q.dtype == torch.float32 or not q.is_cuda), PREFETCH=config.prefetch,
-        PAGE_STRIDE=PAGE_STRIDE, SCALES_OFFSET=SCALES_OFFSET,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+                      window_lens, extra_lens, w, k, out, lse, part_o, part_lse, splits), **kwargs)
     if splits > 1:
         _combine(part_o, part_lse, sink, out, lse, b, h, splits)
     return out, lse
 
 
-def _launch_gluon(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, sink, scale,
-                  window_lens, extra_lens, w, k, is_fp8, config):
-    from . import gluon_epilogue, gluon_kernel
+_DEFAULT_CONFIG = LaunchConfig()
 
-    b, h, _ = q.shape
+
+@functools.lru_cache(maxsize=256)
+def _backend(device: torch.device, h: int, dtype: torch.dtype, is_fp8: bool, config: LaunchConfig):
+    """(backend, config resolved for it) of a call: shapes and device only, so cached (an eager call
+    pays for none of the capability queries, imports and dataclass copies behind it)."""
+    backend = _pick_backend(_Probe(device, h, dtype), is_fp8, config)
+    return backend, resolved(config, backend, is_fp8)
+
+
+class _Probe:
+    """What `gluon_unavailable` reads of q (device, head count, dtype), without a tensor."""
+
+    def __init__(self, device, h, dtype):
+        self.device, self.shape, self.dtype, self.is_cuda = device, (0, h, DIM), dtype, device.type == "cuda"
+
+
+@functools.lru_cache(maxsize=1024)
+def _triton_plan(b, h, w, k, is_fp8, config, sms, flags, geos, dot_f32):
+    """(splits, launch keyword arguments) of the Triton kernel for these shapes (cached: shapes only)."""
+    bn = config.block_n
+    num_blocks = -(-w // bn) + -(-k // bn)
+    splits = config.num_splits or choose_splits(b, num_blocks, sms)
+    has_extra, has_wlen, has_elen, has_sink = flags
+    return splits, dict(H=h, D=DIM, BN=bn, SPLIT_OUT=splits > 1, IS_FP8=is_fp8, HAS_EXTRA=has_extra,
+                        HAS_WLEN=has_wlen, HAS_ELEN=has_elen, HAS_SINK=has_sink, DOT_F32=dot_f32,
+                        PREFETCH=config.prefetch, **_geometry_kwargs(geos), num_warps=config.num_warps,
+                        num_stages=config.num_stages)
+
+
+@functools.lru_cache(maxsize=1024)
+def _gluon_plan(b, w, k, is_fp8, config, sms, flags, geos, probe, trace):
+    """(splits, fused merge?, launch keyword arguments) of the Gluon kernel for these shapes (cached)."""
+    from . import gluon_epilogue
+
     bn = config.block_n
     if bn not in (32, 64) or config.num_stages < 2:
         raise checks.SparseDecodeInputError(
@@ -242,24 +276,34 @@ def _launch_gluon(q, main, main_stride, extra, extra_stride, window_idx, extra_i
             f"{SMEM_LIMIT} B a block may use (window {w} + extra {k} indices per query): use fewer stages "
             "or block_n=32")
     num_blocks = -(-w // bn) + -(-k // bn)
-    sms = _num_sms(q.device)
     splits = gluon_splits(config, b, num_blocks, sms, is_fp8)
-    out, lse, part_o, part_lse = _outputs(q, splits)
     fuse = fuses_merge(config, b, splits, sms)
     sp, mht, mdc = gluon_epilogue.fused_merge_tile(splits) if fuse else (1, 1, 64)
+    has_extra, has_wlen, has_elen, has_sink = flags
+    return splits, fuse, dict(
+        BN=bn, NS=config.num_stages, SPLIT_OUT=splits > 1, IS_FP8=is_fp8, HAS_EXTRA=has_extra,
+        HAS_WLEN=has_wlen, HAS_ELEN=has_elen, HAS_SINK=has_sink, **_geometry_kwargs(geos), LOADER_WARPS=4,
+        LOADER_REGS=config.loader_regs, PV_REGS=PV_REGS, MAXB=gluon_index_blocks(w, k, bn), FUSE_MERGE=fuse,
+        SP=sp, MHT=mht, MDC=mdc, EARLY_TABLE=(fuse and not is_fp8) if config.early_table is None else
+        config.early_table, PROBE=probe, TRACE=trace, num_warps=4, launch_cooperative_grid=fuse)
+
+
+def _launch_gluon(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, sink, scale,
+                  window_lens, extra_lens, w, k, is_fp8, config, geos=(DEFAULT_GEOMETRY, DEFAULT_GEOMETRY),
+                  out=None, lse=None):
+    from . import gluon_kernel
+
+    b, h, _ = q.shape
+    flags = (extra is not None, window_lens is not None, extra is not None and extra_lens is not None,
+             sink is not None)
+    splits, fuse, kwargs = _gluon_plan(b, w, k, is_fp8, config, _num_sms(q.device), flags, geos, _PROBE,
+                                       _TRACE is not None)
+    out, lse, part_o, part_lse = _outputs(q, splits, out, lse)
     gluon_kernel._sparse_decode_ws_kernel[(b, splits)](
         *_kernel_args(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, sink, scale,
                       window_lens, extra_lens, w, k, out, lse, part_o, part_lse, splits,
                       counters=split_counters(q.device, b) if fuse else lse),
-        BN=bn, NS=config.num_stages, SPLIT_OUT=splits > 1,
-        IS_FP8=is_fp8, HAS_EXTRA=extra is not None, HAS_WLEN=window_lens is not None,
-        HAS_ELEN=extra is not None and extra_lens is not None, HAS_SINK=sink is not None,
-        PAGE_STRIDE=PAGE_STRIDE, SCALES_OFFSET=SCALES_OFFSET, LOADER_WARPS=4, LOADER_REGS=config.loader_regs,
-        PV_REGS=PV_REGS, MAXB=gluon_index_blocks(w, k, bn), FUSE_MERGE=fuse, SP=sp, MHT=mht, MDC=mdc,
-        EARLY_TABLE=(fuse and not is_fp8) if config.early_table is None else config.early_table,
-        PROBE=_PROBE, TRACE=_TRACE is not None, trace_ptr=_TRACE if _TRACE is not None else lse,
-        num_warps=4, launch_cooperative_grid=fuse,
-    )
+        trace_ptr=_TRACE if _TRACE is not None else lse, **kwargs)
     if splits > 1 and not fuse:
         _combine(part_o, part_lse, sink, out, lse, b, h, splits)
     return out, lse
@@ -355,6 +399,22 @@ def sparse_mla_decode_fp8_triton(q, kv_cache, window_idx, extra_cache=None, extr
     for name, cache in (("kv_cache", kv_cache), ("extra_cache", extra_cache)):
         if cache is not None and cache.device != q.device:
             raise checks.SparseDecodeInputError(f"{name} is on {cache.device} but q is on {q.device}")
-    return _launch(q, kv_cache, PAGE_STRIDE, extra_cache, PAGE_STRIDE, window_idx, extra_idx, sink, scale,
-                   window_lens, extra_lens, w, k, True, config)
+    return _launch(q, kv_cache, DEFAULT_GEOMETRY.page_stride, extra_cache, DEFAULT_GEOMETRY.page_stride, window_idx,
+                   extra_idx, sink, scale, window_lens, extra_lens, w, k, True, config)
+
+
+def sparse_decode_paged(q, window, extra, sink, scale, out, lse, *, config: LaunchConfig | None = None):
+    """Sparse decode on V4 fp8 caches of any page geometry, into given out / lse views (the SGLang adapter).
+
+    q [B, h, 512] bf16 (any batch and head strides), h in {16, 32, 64}; window / extra (extra may be None):
+    (cache bytes, PageGeometry, indices int32 [B, n] (contiguous last dim), lens int32 [B] or None), where
+    the cache tensor's data pointer is page 0 and page p starts geometry.page_stride bytes later; out
+    [B, h, 512] bf16 and lse [B, h] float32 views (unit head stride for lse). Shapes only are checked by
+    the caller (flash_mla adapter); index values are not (each is -1 or a slot of its cache).
+    """
+    cache, w_geo, window_idx, window_lens = window
+    e_cache, e_geo, extra_idx, extra_lens = extra if extra is not None else (None, DEFAULT_GEOMETRY, None, None)
+    w, k = window_idx.shape[1], 0 if extra_idx is None else extra_idx.shape[1]
+    return _launch(q, cache, w_geo.page_stride, e_cache, e_geo.page_stride, window_idx, extra_idx, sink, scale,
+                   window_lens, extra_lens, w, k, True, config, (w_geo, e_geo), out, lse)
 

@@ -107,10 +107,19 @@ def resident_programs(compiled, num_warps: int, device: torch.device) -> int:
     return max(1, per_sm) * props.multi_processor_count
 
 
+_CAPPED: dict[tuple, int] = {}  # capped_split's answers: the warmup it needs costs as much host time as a launch
+
+
 def capped_split(kernel, args: tuple, kwargs: dict, batch: int, split: int, device: torch.device) -> int:
-    """`split`, lowered until the (split, batch) grid of `kernel` is resident at once (CUDA only)."""
-    compiled = kernel.warmup(*args, grid=(split, batch), **kwargs)
-    return max(1, min(split, resident_programs(compiled, kwargs["num_warps"], device) // batch))
+    """`split`, lowered until the (split, batch) grid of `kernel` is resident at once (CUDA only); cached per
+    kernel, device, batch, split, constexprs and the dtypes of the first three arguments (what the compiled
+    resources depend on: the callers' other tensors have fixed dtypes, int32 or float32)."""
+    key = (kernel, device.index, batch, split, tuple(kwargs.values()),
+           tuple(a.dtype if isinstance(a, torch.Tensor) else type(a) for a in args[:3]))
+    if key not in _CAPPED:
+        compiled = kernel.warmup(*args, grid=(split, batch), **kwargs)
+        _CAPPED[key] = max(1, min(split, resident_programs(compiled, kwargs["num_warps"], device) // batch))
+    return _CAPPED[key]
 
 
 def topk_triton(
@@ -124,6 +133,7 @@ def topk_triton(
     split: int | None = None,
     block: int = 2048,
     num_warps: int = 8,
+    check_values: bool = True,
 ) -> torch.Tensor:
     """Indices of the k largest of scores[b, :lens[b]], -1 padded; the set `reference.topk_ref` returns.
 
@@ -135,13 +145,14 @@ def topk_triton(
     workspace: optional contiguous int32 scratch of `workspace_size(B)` elements, zeroed here.
     one_launch: default True on CUDA; must be False in the Triton interpreter unless split == 1.
     With one_launch on CUDA, split is lowered to what the GPU holds resident at once.
-    Under CUDA-graph capture lens values are not checked; the kernels clamp them to [0, N].
+    Under CUDA-graph capture, or with check_values=False, lens values are not checked (that reads device
+    memory, a sync); the kernels clamp them to [0, N].
     """
     check_topk_inputs(scores, lens, k)
     if scores.dtype not in (torch.float32, torch.bfloat16, torch.float16) or scores.stride(1) != 1:
         raise TopkInputError(f"topk_triton needs float32/bf16/fp16 scores with unit column stride; got {scores.dtype}")
     batch, width = scores.shape
-    if not (scores.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if check_values and not (scores.is_cuda and torch.cuda.is_current_stream_capturing()):
         check_lens_in_range(lens, width)
     if out is None:
         out = torch.empty((batch, k), dtype=torch.int32, device=scores.device)

@@ -7,7 +7,11 @@ Request lifecycle on the decode side:
 2. With pages reserved, the engine emits `Reserved`; the handler registers this worker's NIXL agent
    with the prefill's bootstrap server (once per prefill) and tells it the room's destination pages.
 3. Prefill WRITEs the KV pages and sends a notification with the room and the first output token.
-   A request whose KV does not land within `transfer_timeout_s` fails with 500.
+   A request whose KV does not land within `transfer_timeout_s` fails with 500; one whose prefill
+   failed ends as soon as the prefill says so (a "failed" notification), its pages freed at once.
+   Pages of a request that failed here while waiting (router abort, client gone) are quarantined
+   until prefill confirms it will not write them (`on_quarantine` -> its /kv/cancel), the WRITE's
+   notification arrives, or, as the last resort, the quarantine expires.
 4. The request joins the running batch; each step decodes one token for every running request.
 5. On EOS, a stop string, or its length budget, it finishes and its pages go back to the pool.
 """
@@ -18,6 +22,7 @@ import json
 import logging
 import time
 from collections import deque
+from typing import Callable
 
 from ..engine import Engine
 from ..kv_pool import PoolExhausted
@@ -43,9 +48,14 @@ class DecodeEngine(Engine):
         # Pages of requests that failed while prefill may still be writing into them: held until
         # their notification arrives or the quarantine expires, never handed to another request.
         self._quarantine: dict[int, tuple[list[int], float]] = {}
+        # Set by the server: called (engine thread) with the room and its prefill's bootstrap URL.
+        self.on_quarantine: Callable[[int, str | None], None] | None = None
 
     def on_submit(self, req: Req) -> None:
         self._prealloc.append(req)
+
+    def pending(self) -> bool:
+        return bool(self.reqs or self._quarantine)
 
     def on_fail(self, req: Req) -> None:
         if req in self._prealloc:
@@ -57,6 +67,14 @@ class DecodeEngine(Engine):
             if req.state is ReqState.WAITING_PEER and req.pages:
                 self._quarantine[req.room] = (req.pages, self.now() + 4 * self.transfer_timeout_s)
                 req.pages = []
+                if self.on_quarantine is not None:
+                    self.on_quarantine(req.room, req.bootstrap)
+
+    def release_quarantine(self, room: int) -> None:
+        """Prefill will never write the room's pages: free them now (engine thread)."""
+        entry = self._quarantine.pop(room, None)
+        if entry is not None:
+            self.runner.pool.release(entry[0])
 
     def step(self) -> bool:
         worked = self._reserve()
@@ -96,17 +114,30 @@ class DecodeEngine(Engine):
     def _receive(self) -> bool:
         notifs = self.transfer.notifications()
         for raw in notifs:
-            msg = json.loads(raw)
-            room, first = int(msg["room"]), int(msg["first_token"])
+            try:
+                msg = json.loads(raw)
+                room = int(msg["room"])
+                first = None if "failed" in msg else int(msg["first_token"])
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("ignored a malformed KV notification %r: %r", raw[:200], exc)
+                continue
             if room in self._quarantine:
-                self.runner.pool.release(self._quarantine.pop(room)[0])
+                self.release_quarantine(room)
+                continue
+            if "failed" in msg:
+                req = self._by_room.get(room)
+                if req is not None:    # prefill will not write: fail() frees the pages, no quarantine
+                    req.state = ReqState.WAITING_PAGES
+                    self.stats.transfer_failed += 1
+                    self.fail(req, 500, f"prefill failed: {msg['failed']}")
                 continue
             req = self._by_room.pop(room, None)
             if req is None:
                 log.warning("KV arrived for unknown bootstrap_room %s; ignored", room)
                 continue
             req.state = ReqState.RUNNING
-            self._emit_token(req, first)
+            with self.serving(req):
+                self._emit_token(req, first)
             if req.state is ReqState.RUNNING:
                 self._running.append(req)
         return bool(notifs)
@@ -115,22 +146,24 @@ class DecodeEngine(Engine):
         if not self._running:
             return False
         batch = list(self._running)
-        started = time.monotonic()
         n_prompt = [len(r.prompt_ids) for r in batch]
-        logits = self.runner.decode([r.out[-1] for r in batch],
-                                    [n + len(r.out) - 1 for n, r in zip(n_prompt, batch)],
-                                    [r.pages for r in batch])
-        for req, row in zip(batch, logits):
-            self._emit_token(req, self.runner.sampler.sample(row, req.params, len(req.out)))
+        logits = None
+        with self.serving(*batch):
+            logits = self.runner.decode([r.out[-1] for r in batch],
+                                        [n + len(r.out) - 1 for n, r in zip(n_prompt, batch)],
+                                        [r.pages for r in batch])
+        for req, row in zip(batch, logits if logits is not None else ()):
+            with self.serving(req):
+                self._emit_token(req, self.runner.sampler.sample(row, req.params, len(req.out)))
         self._running = [r for r in self._running if r.state is ReqState.RUNNING]
-        self.throughput(len(batch), time.monotonic() - started)
         return True
 
     def _emit_token(self, req: Req, token: int) -> None:
         req.out.append(token)
         req.last_token_time = time.monotonic()
         self.stats.generation_tokens += 1
-        reason = req.finish_reason(self.tokenizer.eos_token_id, self.tokenizer.decode)
-        req.emit(Token(token, reason))
-        if reason is not None:
+        self.stats.generated.add(1, req.last_token_time)
+        finish = req.finished(self.tokenizer.eos_token_id)
+        req.emit(Token(token, finish))
+        if finish is not None:
             self.finish(req)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+
 import httpx
 from fastapi import FastAPI
 
@@ -13,6 +15,8 @@ from ..runner import ModelRunner
 from ..server import BadRequest, WorkerServer
 from ..transfer import NixlTransfer
 from .engine import DecodeEngine
+
+log = logging.getLogger(__name__)
 
 
 class BootstrapError(RuntimeError):
@@ -26,11 +30,44 @@ class DecodeServer(WorkerServer):
         super().__init__(args)
         self._registered: set[str] = set()
         self._client: httpx.AsyncClient | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._cancels: set[asyncio.Task] = set()
 
     def build_engine(self, runner: ModelRunner) -> DecodeEngine:
         a = self.args
         transfer = NixlTransfer(f"decode-{a.node_address}-{a.port}", runner.pool, a.ucx_tls)
-        return DecodeEngine(runner, transfer, self.tokenizer, transfer_timeout_s=a.transfer_timeout_s)
+        engine = DecodeEngine(runner, transfer, self.tokenizer, transfer_timeout_s=a.transfer_timeout_s)
+        engine.on_quarantine = self._quarantined
+        return engine
+
+    async def submit(self, spec: GenSpec):
+        self._loop = asyncio.get_running_loop()
+        return await super().submit(spec)
+
+    def _quarantined(self, room: int, bootstrap: str | None) -> None:
+        """Engine thread: a room's pages wait on prefill; ask it (on the server loop) to give them up."""
+        if bootstrap is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._start_cancel, room, bootstrap)
+
+    def _start_cancel(self, room: int, bootstrap: str) -> None:
+        task = asyncio.create_task(self._cancel_room(room, bootstrap))
+        self._cancels.add(task)
+        task.add_done_callback(self._cancels.discard)
+
+    async def _cancel_room(self, room: int, bootstrap: str) -> None:
+        """Free the room's pages now unless prefill may still write them (then its notification or
+        the quarantine's expiry frees them). A prefill that is down or restarting holds no WRITE."""
+        try:
+            r = await self.client().post(bootstrap + "/kv/cancel", json={"room": room})
+            free = r.status_code == 503 or (r.status_code == 200 and not r.json().get("in_flight", True))
+        except (httpx.ConnectError, httpx.RemoteProtocolError):
+            free = True
+        except httpx.HTTPError as exc:
+            log.warning("prefill %s did not answer the cancel of bootstrap_room %s: %r; its pages wait for "
+                        "their quarantine to expire", bootstrap, room, exc)
+            free = False
+        if free:
+            self.engine.call(lambda: self.engine.release_quarantine(room))
 
     def check(self, spec: GenSpec) -> None:
         if spec.room is None or spec.bootstrap_host is None:
@@ -43,7 +80,7 @@ class DecodeServer(WorkerServer):
         return self._client
 
     async def _tell_prefill(self, spec: GenSpec, pages: list[int]) -> None:
-        base = f"http://{spec.bootstrap_host}:{spec.bootstrap_port or 8998}"
+        base = spec.bootstrap_url
         body = {"room": spec.room, "agent_name": self.engine.transfer.name, "pages": pages}
         try:
             for attempt in range(2):

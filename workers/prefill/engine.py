@@ -3,7 +3,9 @@
 Request lifecycle on the prefill side:
 1. The router's POST arrives (same body as decode's, with bootstrap_room); the handler tokenizes
    and submits a `Req` here. It waits in the bootstrap queue until the pool has pages for the prompt.
-2. The engine runs the prompt through the model and samples the first output token.
+2. Each step runs one forward over chunks of the queue's first prompts, up to `chunk_tokens` tokens
+   in all (batched, chunked prefill, as SGLang's --chunked-prefill-size); a prompt longer than what
+   is left goes on in the next step. Once a prompt is done the engine samples its first output token.
 3. It waits until the decode side has reserved pages for this room (`Destinations`, fed by the
    bootstrap server), for at most `peer_timeout_s`.
 4. It WRITEs the prompt's pages into those pages with a notification carrying the room and the first
@@ -15,6 +17,7 @@ Request lifecycle on the prefill side:
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections import deque
@@ -22,9 +25,11 @@ from dataclasses import dataclass
 
 from ..engine import Engine
 from ..kv_pool import PoolExhausted
-from ..request import Req, ReqState, Token
-from ..runner import ModelRunner
+from ..request import Finish, Req, ReqState, Token
+from ..runner import Chunk, ModelRunner
 from ..transfer import NixlTransfer, TransferError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -32,37 +37,82 @@ class Destination:
     agent_name: str
     pages: list[int]
     arrived: float
+    incarnation: int | None = None   # of the decode process that reserved `pages` (NixlTransfer)
 
 
 class Destinations:
-    """Rooms -> where decode reserved KV. Written by the bootstrap server, read by the engine."""
+    """Rooms -> where decode reserved KV. Written by the bootstrap server, read by the engine.
+
+    A room goes put (decode reserved) -> taken (the engine starts its WRITE) -> done (the WRITE ended).
+    Decode may `cancel` a room it gave up: if no WRITE was taken for it, none ever will be (later puts
+    are refused and a waiting request fails at once), so decode can free the pages right away.
+    """
 
     def __init__(self, ttl_s: float):
         self._lock = threading.Lock()
         self._by_room: dict[int, Destination] = {}
+        self._taken: dict[int, str] = {}            # room -> decode agent, WRITE in flight
+        self._cancelled: dict[int, float] = {}      # room -> when decode gave it up
         self._ttl_s = ttl_s
 
-    def put(self, room: int, agent_name: str, pages: list[int]) -> None:
+    def put(self, room: int, agent_name: str, pages: list[int], incarnation: int | None = None) -> bool:
+        """Record decode's pages for `room` (reserved by decode process `incarnation`); False if decode
+        already cancelled it."""
         with self._lock:
             now = time.monotonic()
             self._by_room = {r: d for r, d in self._by_room.items() if now - d.arrived < self._ttl_s}
-            self._by_room[room] = Destination(agent_name, pages, now)
+            self._cancelled = {r: t for r, t in self._cancelled.items() if now - t < self._ttl_s}
+            if room in self._cancelled:
+                return False
+            self._by_room[room] = Destination(agent_name, pages, now, incarnation)
+            return True
 
-    def pop(self, room: int) -> Destination | None:
+    def take(self, room: int) -> Destination | None:
+        """The engine is about to WRITE into the room's pages (until `done`)."""
         with self._lock:
-            return self._by_room.pop(room, None)
+            dest = self._by_room.pop(room, None)
+            if dest is not None:
+                self._taken[room] = dest.agent_name
+            return dest
 
-    def cancel(self, room: int) -> None:
-        self.pop(room)
+    def done(self, room: int) -> str | None:
+        """The room's WRITE ended (or never started); returns the decode agent it was for."""
+        with self._lock:
+            return self._taken.pop(room, None)
+
+    def cancelled(self, room: int) -> bool:
+        with self._lock:
+            return room in self._cancelled
+
+    def discard(self, room: int) -> None:
+        """Prefill gave the room up itself (its request failed before any WRITE)."""
+        with self._lock:
+            self._by_room.pop(room, None)
+
+    def cancel(self, room: int) -> bool:
+        """Decode gave the room up. True if a WRITE into its pages may still be in flight."""
+        with self._lock:
+            if room in self._taken:
+                return True
+            self._by_room.pop(room, None)
+            self._cancelled[room] = time.monotonic()
+            return False
 
 
 def notif_message(room: int, first_token: int) -> bytes:
     return json.dumps({"room": room, "first_token": first_token}).encode()
 
 
+def failed_message(room: int, reason: str) -> bytes:
+    """Tells decode that no KV will come for `room`, so it can free the room's pages now."""
+    return json.dumps({"room": room, "failed": reason}).encode()
+
+
 class PrefillEngine(Engine):
-    def __init__(self, runner: ModelRunner, transfer: NixlTransfer, peer_timeout_s: float = 30.0):
+    def __init__(self, runner: ModelRunner, transfer: NixlTransfer, peer_timeout_s: float = 30.0,
+                 chunk_tokens: int = 1024):
         super().__init__(runner, "prefill-engine")
+        self.chunk_tokens = chunk_tokens
         self.transfer = transfer
         self.destinations = Destinations(ttl_s=peer_timeout_s * 4)
         self.peer_timeout_s = peer_timeout_s
@@ -78,58 +128,90 @@ class PrefillEngine(Engine):
             self._bootstrap.remove(req)
         if req in self._waiting_peer:
             self._waiting_peer.remove(req)
-        if req.room is not None:
-            self.destinations.cancel(req.room)
+        if req.room is not None and req.state is not ReqState.TRANSFERRING:
+            self.destinations.discard(req.room)
 
     def step(self) -> bool:
         worked = self._poll_inflight()
         worked |= self._send_ready()
-        worked |= self._prefill_one()
+        worked |= self._prefill_batch()
         s = self.stats
         s.num_queued, s.num_waiting_peer, s.num_transferring = (
             len(self._bootstrap), len(self._waiting_peer), len(self._inflight))
         return worked
 
-    def _prefill_one(self) -> bool:
-        if not self._bootstrap:
+    def _prefill_batch(self) -> bool:
+        budget, chunks, reqs = self.chunk_tokens, [], []
+        for req in self._bootstrap:
+            if budget <= 0:
+                break
+            if not req.pages:
+                try:
+                    req.pages = self.runner.pool.alloc(len(req.prompt_ids))
+                except PoolExhausted:
+                    break
+            n = min(len(req.prompt_ids) - req.prefilled, budget)
+            chunks.append(Chunk(req.prompt_ids[req.prefilled: req.prefilled + n], req.prefilled, req.pages))
+            reqs.append(req)
+            budget -= n
+        if not chunks:
             return False
-        req = self._bootstrap[0]
-        try:
-            req.pages = self.runner.pool.alloc(len(req.prompt_ids))
-        except PoolExhausted:
-            return False
-        self._bootstrap.popleft()
-        logits = self.runner.prefill(req.prompt_ids, req.pages)
-        req.out.append(self.runner.sampler.sample(logits, req.params, 0))
-        self.stats.prompt_tokens += len(req.prompt_ids)
-        req.state = ReqState.WAITING_PEER
-        req.deadline = self.now() + self.peer_timeout_s
-        self._waiting_peer.append(req)
+        logits = None
+        with self.serving(*reqs):   # an exception fails these requests (on_fail unqueues them), never the engine
+            logits = self.runner.extend(chunks)
+        for req, chunk, row in zip(reqs, chunks, logits if logits is not None else ()):
+            req.prefilled = chunk.start + len(chunk.token_ids)
+            if req.prefilled < len(req.prompt_ids):
+                continue
+            self._bootstrap.remove(req)
+            with self.serving(req):
+                req.out.append(self.runner.sampler.sample(row, req.params, 0))
+            if req.state is ReqState.ABORTED:   # sampling failed just above
+                continue
+            self.stats.prompt_tokens += len(req.prompt_ids)
+            req.state = ReqState.WAITING_PEER
+            req.deadline = self.now() + self.peer_timeout_s
+            self._waiting_peer.append(req)
         return True
 
     def _send_ready(self) -> bool:
         worked = False
         for req in list(self._waiting_peer):
-            dest = self.destinations.pop(req.room)
+            dest = self.destinations.take(req.room)
             if dest is None:
-                if self.now() > req.deadline:
+                if self.destinations.cancelled(req.room):
+                    self.fail(req, 500, f"decode gave up bootstrap_room {req.room} before its KV was sent")
+                elif self.now() > req.deadline:
                     self.stats.bootstrap_failed += 1
                     self.fail(req, 500, f"decode never reserved KV for bootstrap_room {req.room} within "
                                         f"{self.peer_timeout_s:.0f}s; is the decode server reachable and alive?")
                 continue
             self._waiting_peer.remove(req)
             worked = True
-            try:
-                handle = self.transfer.write_pages(dest.agent_name, req.pages, dest.pages,
-                                                   notif_message(req.room, req.out[0]))
-            except TransferError as exc:
-                self.stats.transfer_failed += 1
-                self.fail(req, 500, f"KV transfer failed: {exc}")
+            with self.serving(req):
+                try:
+                    handle = self.transfer.write_pages(dest.agent_name, req.pages, dest.pages,
+                                                       notif_message(req.room, req.out[0]), dest.incarnation)
+                except TransferError as exc:
+                    self.stats.transfer_failed += 1
+                    self._tell_decode_failed(req.room, f"KV transfer failed: {exc}")
+                    self.fail(req, 500, f"KV transfer failed: {exc}")
+            if req.state is not ReqState.WAITING_PEER:   # failed just above
                 continue
             req.state = ReqState.TRANSFERRING
             nbytes = self.runner.pool.page_bytes * len(req.pages)
             self._inflight.append((req, handle, self.now(), nbytes))
         return worked
+
+    def _tell_decode_failed(self, room: int, reason: str) -> None:
+        """Best effort: decode frees the room's pages at once instead of at its deadline."""
+        agent = self.destinations.done(room)
+        if agent is None:
+            return
+        try:
+            self.transfer.notify(agent, failed_message(room, reason))
+        except TransferError as exc:
+            log.warning("could not tell %s that bootstrap_room %s failed: %s", agent, room, exc)
 
     def _poll_inflight(self) -> bool:
         worked = False
@@ -142,12 +224,16 @@ class PrefillEngine(Engine):
             self._inflight.remove(item)
             was_aborted = req.state is ReqState.ABORTED
             req.state = ReqState.FINISHED
+            if state != "DONE":
+                self._tell_decode_failed(req.room, f"KV transfer of bootstrap_room {req.room} failed in NIXL")
+            else:
+                self.destinations.done(req.room)
             if state == "DONE":
                 secs = max(self.now() - started, 1e-9)
-                self.stats.last_transfer_ms = secs * 1e3
-                self.stats.last_transfer_gb_s = nbytes / secs / 1e9
+                self.stats.transfer_ms.add(secs * 1e3)
+                self.stats.transfer_gb_s.add(nbytes / secs / 1e9)
                 if not was_aborted:
-                    req.emit(Token(req.out[0], "length"))
+                    req.emit(Token(req.out[0], Finish("length")))
                 self.finish(req)
             else:
                 self.stats.transfer_failed += 1

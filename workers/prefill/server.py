@@ -38,7 +38,7 @@ class PrefillServer(WorkerServer):
     def build_engine(self, runner: ModelRunner) -> PrefillEngine:
         a = self.args
         transfer = NixlTransfer(f"prefill-{a.node_address}-{a.port}", runner.pool, a.ucx_tls)
-        return PrefillEngine(runner, transfer, peer_timeout_s=a.peer_timeout_s)
+        return PrefillEngine(runner, transfer, peer_timeout_s=a.peer_timeout_s, chunk_tokens=a.chunked_prefill_size)
 
     def check(self, spec: GenSpec) -> None:
         if spec.room is None:
@@ -79,17 +79,21 @@ class PrefillServer(WorkerServer):
         async def reserve(body: Reserve):
             if not self.ready:
                 return JSONResponse({"error": "prefill is still starting"}, status_code=503)
-            if not self.engine.transfer.has_peer(body.agent_name):
+            incarnation = self.engine.transfer.incarnation(body.agent_name)
+            if incarnation is None:
                 return JSONResponse({"error": f"unknown decode agent {body.agent_name}; register first"},
                                     status_code=409)
-            self.engine.destinations.put(body.room, body.agent_name, body.pages)
+            if not self.engine.destinations.put(body.room, body.agent_name, body.pages, incarnation):
+                return JSONResponse({"error": f"bootstrap_room {body.room} was cancelled by decode"},
+                                    status_code=410)
             return {"success": True}
 
         @app.post("/kv/cancel")
         async def cancel(body: Cancel):
-            if self.ready:
-                self.engine.destinations.cancel(body.room)
-            return {"success": True}
+            """Decode gave a room up; `in_flight` false means no KV will ever be written into its pages."""
+            if not self.ready:
+                return JSONResponse({"error": "prefill is still starting"}, status_code=503)
+            return {"in_flight": self.engine.destinations.cancel(body.room)}
 
         return app
 

@@ -1,0 +1,205 @@
+"""End-to-end load on an embedded cluster: N streamed chat requests at concurrency C through the router.
+
+    python -m dsv4_cluster.bench.load examples/local.yaml --requests 200 --concurrency 16 \
+        --out bench/results/load.json
+
+brings the topology up with `dsv4-cluster up` (its ports and Ray namespace swapped for free ones, so it
+never collides with a cluster already running; every other setting is the file's), sends the load through
+its router with streaming chat requests, brings it down, and writes output tok/s, TTFT p50/p99, the
+error count and the machine's load average (the machine may be shared) as JSON. Before the load it
+measures each worker process's CPU (user + system, all threads) over `--idle-s` seconds of idleness. `--url` instead loads a
+router that is already up. The numbers are for comparing builds measured close together on one machine,
+not absolute speeds: the embedded model is a tiny random-weight model on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+import yaml
+
+from ..orchestrator.ports import free_ports
+
+CLI = [sys.executable, "-m", "dsv4_cluster.orchestrator"]
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    requests: int
+    concurrency: int
+    max_tokens: int
+    prompt_chars: int
+    errors: int
+    error_samples: list[str]
+    wall_s: float
+    output_tokens: int
+    output_tok_s: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+    e2e_p50_s: float
+    loadavg_before: list[float]
+    loadavg_after: list[float]
+
+
+def _prompt(i: int, chars: int) -> str:
+    words = f"request {i}: tell me about prefill, decode and KV caches on page {i % 7}. "
+    return (words * (chars // len(words) + 1))[:chars]
+
+
+async def _one(client: httpx.AsyncClient, url: str, i: int, max_tokens: int, chars: int) -> tuple[float, int, float]:
+    body = {"model": "dsv4-tiny", "messages": [{"role": "user", "content": _prompt(i, chars)}],
+            "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    started = time.monotonic()
+    ttft, tokens, usage = None, 0, None
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"stream error: {chunk['error']}")
+            if chunk.get("usage"):
+                usage = chunk["usage"]["completion_tokens"]
+            for choice in chunk.get("choices", []):
+                if choice.get("delta", {}).get("content"):
+                    ttft = ttft if ttft is not None else time.monotonic() - started
+                    tokens += 1
+    if ttft is None:
+        raise RuntimeError("the stream ended without a token")
+    return ttft, usage if usage is not None else tokens, time.monotonic() - started
+
+
+async def run_load(url: str, requests: int, concurrency: int, max_tokens: int, chars: int) -> LoadResult:
+    sem = asyncio.Semaphore(concurrency)
+    ok: list[tuple[float, int, float]] = []
+    errors: list[str] = []
+    before = list(os.getloadavg())
+
+    async def task(client: httpx.AsyncClient, i: int) -> None:
+        async with sem:
+            try:
+                ok.append(await _one(client, url, i, max_tokens, chars))
+            except (httpx.HTTPError, RuntimeError, json.JSONDecodeError) as exc:
+                errors.append(f"{i}: {exc!r}"[:300])
+
+    limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10), limits=limits) as client:
+        started = time.monotonic()
+        await asyncio.gather(*(task(client, i) for i in range(requests)))
+        wall = time.monotonic() - started
+    ttfts = sorted(t for t, _, _ in ok) or [float("nan")]
+    tokens = sum(n for _, n, _ in ok)
+    return LoadResult(requests=requests, concurrency=concurrency, max_tokens=max_tokens, prompt_chars=chars,
+                      errors=len(errors), error_samples=errors[:5], wall_s=round(wall, 2), output_tokens=tokens,
+                      output_tok_s=round(tokens / wall, 1), ttft_p50_s=round(_pct(ttfts, 50), 3),
+                      ttft_p99_s=round(_pct(ttfts, 99), 3),
+                      e2e_p50_s=round(statistics.median(e for _, _, e in ok), 3) if ok else float("nan"),
+                      loadavg_before=before, loadavg_after=list(os.getloadavg()))
+
+
+def _pct(sorted_values: list[float], p: float) -> float:
+    k = min(len(sorted_values) - 1, max(0, round(p / 100 * (len(sorted_values) - 1))))
+    return sorted_values[k]
+
+
+def relocated(topology: Path, workdir: Path) -> tuple[Path, str]:
+    """A copy of `topology` whose router, worker and bootstrap ports and Ray namespace are free ones."""
+    doc = yaml.safe_load(topology.read_text())
+    workers = [*doc.get("prefill", []), *doc.get("decode", [])]
+    ports = iter(free_ports(2 + 2 * len(workers)))
+    doc["router"] = {**doc.get("router", {}), "host": "127.0.0.1", "port": next(ports)}
+    for w in workers:
+        w["port"] = next(ports)
+        if "bootstrap_port" in w:
+            w["bootstrap_port"] = next(ports)
+    doc["cluster"] = {**doc.get("cluster", {}), "namespace": f"dsv4-load-{next(ports)}", "run_dir": "run"}
+    path = workdir / "topology.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path, f"http://127.0.0.1:{doc['router']['port']}"
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid`, all its threads, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def idle_cpu(pids: dict[str, int], seconds: float) -> dict[str, float]:
+    """Fraction of one core each process used over `seconds` of wall time."""
+    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    time.sleep(seconds)
+    return {name: round((cpu_seconds(pid) - before[name]) / seconds, 4) for name, pid in pids.items()}
+
+
+def _cli(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "DSV4_CLUSTER_HOME": str(home)}
+    return subprocess.run([*CLI, *args], env=env, capture_output=True, text=True, timeout=300)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("topology", nargs="?", type=Path, help="topology to bring up (e.g. examples/local.yaml)")
+    p.add_argument("--url", help="load this router instead of bringing a topology up")
+    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt-chars", type=int, default=200)
+    p.add_argument("--idle-s", type=float, default=10.0, help="seconds of idle CPU measurement before the load")
+    p.add_argument("--label", default="", help="a name for this run in the JSON (e.g. before/after)")
+    p.add_argument("--out", type=Path, help="append the result as one JSON line to this file")
+    a = p.parse_args(argv)
+    if (a.topology is None) == (a.url is None):
+        p.error("give either a topology file or --url")
+    load = lambda url: asyncio.run(run_load(url, a.requests, a.concurrency, a.max_tokens, a.prompt_chars))  # noqa: E731
+    idle: dict[str, float] = {}
+    busy: dict[str, float] = {}
+    if a.url:
+        result = load(a.url)
+    else:
+        with tempfile.TemporaryDirectory(prefix="dsv4-load-") as tmp:
+            path, url = relocated(a.topology, Path(tmp))
+            home = Path(tmp) / "home"
+            up = _cli(home, "up", str(path), "--timeout", "180")
+            if up.returncode != 0:
+                print(up.stdout + up.stderr, file=sys.stderr)
+                _cli(home, "down", "--timeout", "10")
+                return 1
+            try:
+                status = json.loads(_cli(home, "status", "--json").stdout)
+                pids = {w["name"]: w["pid"] for w in status["workers"] if w["pid"]}
+                time.sleep(2.0)       # let start-up work (verification, first probes) settle
+                idle = idle_cpu(pids, a.idle_s)
+                before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+                client_before = time.process_time()
+                result = load(url)
+                busy = {name: round(cpu_seconds(pid) - before[name], 1) for name, pid in pids.items()}
+                busy["load client"] = round(time.process_time() - client_before, 1)
+            finally:
+                down = _cli(home, "down", "--timeout", "10")
+                if down.returncode != 0:
+                    print(down.stdout + down.stderr, file=sys.stderr)
+    record = {"label": a.label, "topology": str(a.topology or a.url), **asdict(result),
+              "idle_cpu_core_fraction": idle, "idle_s": a.idle_s if idle else 0, "cpu_s_during_load": busy}
+    print(json.dumps(record, indent=1))
+    if a.out:
+        with a.out.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+    return 0 if result.errors == 0 else 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

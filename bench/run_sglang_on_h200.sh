@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# On the lent H200 (repo root, $OUT set): the SGLang-adapter GPU tests, then bench/sglang_decode.py.
+# Usage: bash bench/run_sglang_on_h200.sh [batches, e.g. 1,8,64]. Logs, JSON and table land in $OUT.
+set -uo pipefail
+source "$(dirname "$0")/h200_package.sh"  # sets $repo, cd /tmp, PYTHONPATH
+wheel=$(ls "$repo"/.whl/sgl_flash_mla-*.whl 2>/dev/null | head -1)
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$wheel" && export PYTHONPATH=/tmp/p:/tmp/site
+python3 -c 'import torch, triton, flash_mla; print("torch", torch.__version__, "triton", triton.__version__)' 2>&1 | tee "$OUT/env.txt"
+timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider --import-mode=importlib --rootdir="$repo" \
+  "$repo"/tests/kernels/test_sglang_adapters_gpu.py "$repo"/tests/kernels/test_sparse_mla_decode.py \
+  "$repo"/tests/kernels/test_sparse_mla_decode_gluon.py "$repo"/tests/kernels/test_indexer.py "$repo"/tests/kernels/test_topk.py \
+  ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tail -60 | tee "$OUT/tests.log"
+timeout "${BENCH_TIMEOUT:-280}" python3 -m dsv4_cluster.bench.kernels sglang_decode "$@" 2>&1 | tee "$OUT/bench.log"
+cp "$repo"/bench/results/sglang_decode.* "$OUT/" 2>/dev/null

@@ -1,0 +1,170 @@
+"""SGLang's DeepSeek-V4 decode calls: our adapters against what SGLang runs today, on the same tensors.
+
+Sparse decode per layer kind (window; window + ratio-4 top-512; window + ratio-128) and B, at 64 real heads
+and at TP4 (16 of 64 real): FlashMLA called as SGLang calls it vs the adapter (default backend choice, and the
+Triton kernel at 16 heads), cold-L2 median of CUDA-graph replays (`us`) and of eager calls (`us_eager`).
+Indexer + top-k on fp8 keys at B = 32 and context L in {4K, 64K, 256K} (L / 4 compressed entries per row,
+as the ratio-4 indexer sees them): the adapters with capacity for 1M context (256K entries), with capacity
+= L, and PyTorch scoring + torch.topk over the capacity (a stock path). `host_us`: host time per eager call
+(calls issued back to back without a sync; equal to the GPU time when the GPU is the slower). The copy
+bandwidth is measured in the same run. JSON + a markdown table in bench/results/sglang_decode.*.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from dsv4_cluster.bench.kernels import RESULTS, bench_us, copy_bandwidth_gbs, print_table, write_results
+from dsv4_cluster.kernels.sglang_adapters import flash_mla_with_kvcache, fp8_paged_mqa_logits, topk_transform_paged_v2
+from dsv4_cluster.kernels.sparse_mla_decode.launch import LaunchConfig
+from dsv4_cluster.tests.kernels.sglang_cases import LAYERS, decode_case, indexer_case, live_rows
+
+BATCHES = (1, 8, 32, 64, 128, 256)
+
+
+def _graphed(fn):
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def _time(fn) -> tuple[float, float]:
+    return bench_us(_graphed(fn)), bench_us(fn)
+
+
+def host_us(fn, calls: int = 200) -> float:
+    """Host time per eager call: `calls` calls issued back to back, then one sync (not timed)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def decode_rows(copy_gbs: float, batches=BATCHES) -> list[dict]:
+    import flash_mla
+
+    rows = []
+    for kind in LAYERS:
+        for b in batches:
+            for real in (64, 16):
+                args = decode_case(kind, b, real, seed=b, full=True, window_tokens=65536, extra_tokens=65536)
+                meta = flash_mla.get_mla_metadata()[0]
+                fm = lambda: flash_mla.flash_mla_with_kvcache(tile_scheduler_metadata=meta, use_legacy=True, **args)
+                nbytes = live_rows(args) * 584 + b * real * 512 * 4
+                impls = {"flashmla": fm,
+                         "adapter": lambda: flash_mla_with_kvcache(tile_scheduler_metadata=None, real_heads=real,
+                                                                   **args)}
+                impls[f"adapter_triton_h{real}"] = lambda: flash_mla_with_kvcache(
+                    tile_scheduler_metadata=None, real_heads=real, config=LaunchConfig(backend="triton"), **args)
+                if real < 64:  # the Gluon kernel computing the padded heads too
+                    impls["adapter_gluon_h64"] = lambda: flash_mla_with_kvcache(
+                        tile_scheduler_metadata=None, real_heads=real, config=LaunchConfig(backend="gluon"), **args)
+                base = None
+                for name, fn in impls.items():
+                    us, eager = _time(fn)
+                    base = us if name == "flashmla" else base
+                    gbs = nbytes / (us * 1e-6) / 1e9
+                    rows.append(dict(bench="decode", layer=kind, B=b, real_heads=real, impl=name, us=us,
+                                     us_eager=eager, host_us=host_us(fn) if b <= 8 else None,
+                                     speedup_vs_flashmla=base / us, GBps=gbs, frac_copy=gbs / copy_gbs))
+                    print(rows[-1], flush=True)
+    return rows
+
+
+def _torch_stock(c, cap):
+    """PyTorch scoring of the live keys into a capacity-wide -inf row, then torch.topk over the capacity."""
+    from dsv4_cluster.kernels.indexer.fp8_keys import dequantize_keys
+
+    keys = c["kv"].view(c["kv"].shape[0], -1)
+    dim = c["q"].shape[-1]
+    n = int(c["lens"].max())
+    pages = c["table"][:, : -(-n // 64)].long()
+
+    def run():
+        k = dequantize_keys(keys[pages.reshape(-1)], dim).view(pages.shape[0], -1, dim)[:, :n]
+        s = (torch.relu(torch.einsum("bhd,btd->bht", c["q"][:, 0].float(), k)) * c["weights"][:, :, None]).sum(1)
+        row = torch.full((pages.shape[0], cap), float("-inf"), device="cuda")
+        row[:, :n] = s
+        return torch.topk(row, 512, dim=1).indices
+
+    return run
+
+
+def indexer_rows(copy_gbs: float) -> list[dict]:
+    rows = []
+    for context in (4096, 65536, 262144):
+        length = context // 4  # compressed entries (ratio 4)
+        per_cap = {}
+        for cap in (1 << 18, length):  # 1M context, or exactly L
+            c = indexer_case(32, [length] * 32, capacity=cap, seed=length)
+            out = torch.empty(32, 512, dtype=torch.int32, device="cuda")
+
+            def step(c=c, cap=cap, out=out):
+                logits = fp8_paged_mqa_logits(c["q"], c["kv"], c["weights"], c["lens2d"], c["table"], None, cap,
+                                              False)
+                topk_transform_paged_v2(logits, c["lens"], c["table"], out, 64, None)
+
+            us, eager = _time(step)
+            per_cap[cap] = us
+            gbs = 32 * length * 132 / (us * 1e-6) / 1e9
+            rows.append(dict(bench="indexer_topk", L=context, entries=length, capacity=cap, impl="adapters", us=us,
+                             us_eager=eager, host_us=host_us(step), eager_over_graph=eager / us, GBps_keys=gbs,
+                             frac_copy=gbs / copy_gbs))
+            print(rows[-1], flush=True)
+        rows[-2]["cap1M_over_capL"] = per_cap[1 << 18] / per_cap[length]
+        c = indexer_case(32, [length] * 32, capacity=1 << 18, seed=length)
+        us = bench_us(_torch_stock(c, 1 << 18))
+        rows.append(dict(bench="indexer_topk", L=context, entries=length, capacity=1 << 18, impl="torch_score_topk",
+                         us=us, speedup_of_adapters=us / rows[-2]["us"]))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def markdown(rows: list[dict], copy_gbs: float, device: str) -> str:
+    lines = [f"# sglang_decode on {device}", "",
+             f"Device copy in the same run: {copy_gbs:.0f} GB/s. `us`: cold-L2 median of CUDA-graph replays; "
+             "`us_eager`: of eager calls. FlashMLA: sgl-flash-mla 1.0.0 called as SGLang 0.5.23 calls it "
+             "(use_legacy=True, 256-token window pages). Full lists (window 128, extra 512).", "",
+             "| layer | B | real_heads | impl | us | us_eager | host_us | x FlashMLA | GB/s | of copy |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def f(r, k, fmt):
+        return format(r[k], fmt) if r.get(k) is not None else "-"
+
+    for r in rows:
+        if r["bench"] == "decode":
+            lines.append(f"| {r['layer']} | {r['B']} | {r['real_heads']} | {r['impl']} | {r['us']:.1f} | "
+                         f"{r['us_eager']:.1f} | {f(r, 'host_us', '.1f')} | {r['speedup_vs_flashmla']:.2f} | "
+                         f"{r['GBps']:.0f} | {r['frac_copy']:.1%} |")
+    lines += ["", "Indexer + top-k (B = 32, fp8 keys, 132 B each; entries = L / 4; capacity in entries):", "",
+              "| L | entries | capacity | impl | us | us_eager | host_us | eager/graph | 1M/L | key GB/s | of copy "
+              "| stock/ours |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["bench"] == "indexer_topk":
+            lines.append(f"| {r['L']} | {r['entries']} | {r['capacity']} | {r['impl']} | {r['us']:.1f} | "
+                         f"{f(r, 'us_eager', '.1f')} | {f(r, 'host_us', '.1f')} | "
+                         f"{f(r, 'eager_over_graph', '.2f')} | {f(r, 'cap1M_over_capL', '.3f')} | "
+                         f"{f(r, 'GBps_keys', '.0f')} | {f(r, 'frac_copy', '.1%')} | {f(r, 'speedup_of_adapters', '.1f')} |")
+    return "\n".join(lines) + "\n"
+
+
+def run(argv: list[str]) -> int:
+    copy_gbs = copy_bandwidth_gbs()
+    print(f"copy bandwidth {copy_gbs:.0f} GB/s", flush=True)
+    batches = tuple(int(x) for x in argv[0].split(",")) if argv else BATCHES
+    rows = indexer_rows(copy_gbs) + decode_rows(copy_gbs, batches)
+    device = torch.cuda.get_device_name()
+    write_results("sglang_decode", dict(device=device, copy_GBps=copy_gbs, rows=rows))
+    (RESULTS / "sglang_decode.md").write_text(markdown(rows, copy_gbs, device))
+    print_table([r for r in rows if r["bench"] == "decode"],
+                ["layer", "B", "real_heads", "impl", "us", "us_eager", "speedup_vs_flashmla"])
+    return 0

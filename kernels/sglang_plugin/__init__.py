@@ -1,0 +1,118 @@
+"""SGLang plugin (entry point group `sglang.srt.plugins`): our kernels in every SGLang TP process.
+
+SGLang 0.5.23's `load_plugins()` runs first thing in `run_scheduler_process`, i.e. in every TP child
+(started with `spawn`), and calls `register()`. Inert unless `DSV4_CLUSTER_KERNELS` names kernels
+(the supervisor sets it from the topology). Then `register()` wraps `ATTENTION_BACKENDS["dsv4"]`;
+the wrapper builds SGLang's backend, installs the adapters (install.py), checks by identity that
+the call sites hold them, and writes this rank's attestation (attestation.py). Anything that stops
+a requested kernel from being installed raises from the factory, so model init fails (fail closed).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+from .attestation import Attestation, CounterPublisher, write_attestation
+from .call_sites import REGISTRY_KEY, REGISTRY_MODULE
+from .install import (
+    Counters, PluginInstallError, holds_adapter, install_module_sites, install_on_backend, preconditions)
+from .settings import KERNELS_ENV, PluginSettings, PluginSettingsError, settings_from_env
+
+logger = logging.getLogger(__name__)
+_publishers: list[CounterPublisher] = []  # kept so their threads live as long as the process
+
+
+def _rank(runner: Any) -> int:
+    rank = getattr(runner, "tp_rank", None)
+    if rank is None:
+        from sglang.srt.runtime_context import get_parallel
+
+        rank = get_parallel().tp_rank
+    return int(rank)
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def installing_factory(stock: Callable[[Any], Any], settings: PluginSettings) -> Callable[[Any], Any]:
+    """The `dsv4` factory with our kernels: SGLang's backend, then the adapters, checked and attested."""
+    state: dict[str, Any] = {}
+
+    def create_dsv4_backend_with_dsv4_cluster_kernels(runner: Any) -> Any:
+        problems = preconditions(settings)
+        if problems:
+            raise PluginInstallError("dsv4-cluster kernels requested but not installable: " + "; ".join(problems))
+        backend = stock(runner)
+        if "counters" not in state:
+            state["counters"] = Counters(getattr(runner, "device", "cpu"))
+            state["module_sites"] = install_module_sites(settings, state["counters"])
+        counters = state["counters"]
+        sites = {k: list(v) for k, v in state["module_sites"].items()}
+        backend_sites = install_on_backend(backend, settings, counters)
+        if backend_sites:
+            sites["sparse_mla_decode"] = backend_sites
+        _verify_identity(backend, settings)
+        missing = [k for k in settings.kernels if not sites.get(k)]
+        if missing:
+            raise PluginInstallError(f"kernels {', '.join(missing)} were requested but no call site holds them")
+        rank = _rank(runner)
+        write_attestation(settings.attest_dir, Attestation(
+            worker=settings.worker, rank=rank, pid=os.getpid(), gpu=getattr(runner, "gpu_id", None),
+            sglang_version=_version("sglang"), project_version=_version("dsv4-cluster"), call_sites=sites))
+        if "publisher" not in state:
+            state["publisher"] = CounterPublisher(settings.attest_dir, rank, counters).start()
+            _publishers.append(state["publisher"])
+        logger.info("dsv4-cluster kernels installed on rank %d: %s", rank, sites)
+        return backend
+
+    create_dsv4_backend_with_dsv4_cluster_kernels.dsv4_stock = stock  # type: ignore[attr-defined]
+    return create_dsv4_backend_with_dsv4_cluster_kernels
+
+
+def _verify_identity(backend: Any, settings: PluginSettings) -> None:
+    from .call_sites import BACKEND_ATTR, CALL_SITES
+
+    if "sparse_mla_decode" in settings.kernels and not holds_adapter(getattr(backend, BACKEND_ATTR),
+                                                                     "sparse_mla_decode"):
+        raise PluginInstallError(f"sparse_mla_decode: {BACKEND_ATTR} does not hold the adapter after install")
+    for site in CALL_SITES:
+        if site.kernel in settings.kernels and site.kernel != "sparse_mla_decode":
+            module = importlib.import_module(site.module)
+            if not holds_adapter(getattr(module, site.attr), site.kernel):
+                raise PluginInstallError(f"{site.kernel}: {site.module}.{site.attr} does not hold the adapter")
+
+
+def _failing_factory(error: Exception) -> Callable[[Any], Any]:
+    def refuse(runner: Any) -> Any:
+        raise PluginInstallError(f"dsv4-cluster kernels requested but the plugin is misconfigured: {error}")
+
+    return refuse
+
+
+def register() -> None:
+    """SGLang's plugin hook: wrap the `dsv4` factory when kernels are requested; otherwise do nothing."""
+    try:
+        settings = settings_from_env()
+    except PluginSettingsError as e:
+        wrapper = _failing_factory(e)
+    else:
+        if not settings.active:
+            return
+        registry = importlib.import_module(REGISTRY_MODULE).ATTENTION_BACKENDS
+        stock = registry.get(REGISTRY_KEY)
+        if getattr(stock, "dsv4_stock", None) is not None:
+            return  # already wrapped in this process
+        wrapper = installing_factory(stock, settings) if stock is not None else _failing_factory(
+            RuntimeError(f"SGLang registers no {REGISTRY_KEY!r} attention backend"))
+    importlib.import_module(REGISTRY_MODULE).ATTENTION_BACKENDS[REGISTRY_KEY] = wrapper
+    logger.info("dsv4-cluster plugin wrapped the %r attention backend (%s=%s)", REGISTRY_KEY, KERNELS_ENV,
+                os.environ.get(KERNELS_ENV))

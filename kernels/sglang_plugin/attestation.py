@@ -1,0 +1,105 @@
+"""Per-rank proof that the kernels are installed and running, as files under the worker's run folder.
+
+`rank{R}.json` is written by each TP process once its backend holds the adapters (identity-checked):
+rank, pid, GPU, SGLang and project versions, and per kernel the call sites that hold our function.
+`counters-rank{R}.json` is rewritten every `COUNTER_PERIOD_S` by a daemon thread with the device
+counters (copied on a side stream, so it never waits for the model's work). `dsv4-cluster verify`
+reads both (orchestrator/kernel_verify.py); the formats are this module's, both sides import it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsv4_cluster.core import KERNEL_NAMES
+
+COUNTER_PERIOD_S = 1.0
+
+
+@dataclass(frozen=True)
+class Attestation:
+    worker: str | None
+    rank: int
+    pid: int
+    gpu: int | None
+    sglang_version: str
+    project_version: str
+    call_sites: dict[str, list[str]] = field(default_factory=dict)  # kernel -> sites holding our function
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Attestation:
+        return cls(worker=data.get("worker"), rank=int(data["rank"]), pid=int(data["pid"]), gpu=data.get("gpu"),
+                   sglang_version=str(data["sglang_version"]), project_version=str(data["project_version"]),
+                   call_sites={k: list(v) for k, v in dict(data.get("call_sites") or {}).items()})
+
+
+def attestation_path(folder: str | Path, rank: int) -> Path:
+    return Path(folder) / f"rank{rank}.json"
+
+
+def counters_path(folder: str | Path, rank: int) -> Path:
+    return Path(folder) / f"counters-rank{rank}.json"
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)  # readers never see half a file
+
+
+def write_attestation(folder: str | Path, attestation: Attestation) -> Path:
+    path = attestation_path(folder, attestation.rank)
+    _write_json(path, asdict(attestation))
+    return path
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+class CounterPublisher:
+    """Copies the device counters to a file every period, from a daemon thread it keeps."""
+
+    def __init__(self, folder: str | Path, rank: int, counters: Any) -> None:
+        self.path = counters_path(folder, rank)
+        self.counters = counters
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=f"dsv4-counters-rank{rank}", daemon=True)
+
+    def start(self) -> CounterPublisher:
+        self.publish()
+        self.thread.start()
+        return self
+
+    def snapshot(self) -> list[int]:
+        import torch
+
+        values = self.counters.values
+        if values.device.type != "cuda":
+            return [int(v) for v in values.tolist()]
+        stream = torch.cuda.Stream(device=values.device)
+        with torch.cuda.stream(stream):
+            host = values.to("cpu", non_blocking=True)
+        stream.synchronize()
+        return [int(v) for v in host.tolist()]
+
+    def publish(self) -> None:
+        counts = dict(zip(KERNEL_NAMES, self.snapshot()))
+        _write_json(self.path, {"pid": os.getpid(), "time": time.time(), "counts": counts})
+
+    def _run(self) -> None:
+        while not self._stop.wait(COUNTER_PERIOD_S):
+            self.publish()
+
+    def stop(self) -> None:
+        self._stop.set()

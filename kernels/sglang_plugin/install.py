@@ -1,0 +1,134 @@
+"""Installing the adapters into one SGLang TP process, from inside the `dsv4` backend factory.
+
+Why the factory: SGLang only logs an exception raised in a plugin's `register()`, but one raised by
+the attention-backend factory fails model init, so `launch_server` exits and `up` names the reason
+(fail closed). The factory runs in `Scheduler.init_model_worker` before `init_all_cuda_graphs`, so
+the adapters are in place when SGLang warms up and captures its CUDA graphs; a patch after capture
+would leave every replay on the stock kernels.
+
+Each adapter is wrapped so that every call also adds 1 to its slot of a device counter; that add is
+captured into the CUDA graphs, so replays advance it too (a Python counter would only see warm-up and
+capture). `attestation.py` publishes the install and the counters for `dsv4-cluster verify`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+import os
+from collections.abc import Callable
+from typing import Any
+
+from dsv4_cluster.core import KERNEL_NAMES
+
+from .call_sites import (
+    BACKEND_ATTR, BACKEND_CLASS, BACKEND_MODULE, CALL_SITES, CallSiteError, check_call_site)
+from .settings import SGLANG_VERSION, PluginSettings
+
+# SGLang env switches that route the DeepSeek-V4 indexer away from deep_gemm.fp8_paged_mqa_logits.
+INDEXER_DETOURS = ("SGLANG_OPT_USE_TILELANG_INDEXER", "SGLANG_OPT_USE_AITER_INDEXER",
+                   "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH")
+
+
+class PluginInstallError(RuntimeError):
+    """A requested kernel cannot be installed into this SGLang process; model init must fail."""
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def preconditions(settings: PluginSettings) -> list[str]:
+    """Why the requested kernels cannot be installed in this process; empty when they can."""
+    problems = []
+    try:
+        found = importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        found = None
+    if found != SGLANG_VERSION:
+        problems.append(f"SGLang {found} is not {SGLANG_VERSION}, the release whose call sites the plugin knows")
+        return problems
+    for site in CALL_SITES:
+        if site.kernel in settings.kernels:
+            try:
+                check_call_site(site)
+            except CallSiteError as e:
+                problems.append(f"{site.kernel}: {e}")
+    if "indexer" in settings.kernels:
+        detours = [name for name in INDEXER_DETOURS if _truthy(os.environ.get(name))]
+        if detours:
+            problems.append(f"indexer: {', '.join(detours)} routes SGLang's indexer away from "
+                            "deep_gemm.fp8_paged_mqa_logits; unset it")
+    return problems
+
+
+class Counters:
+    """One int64 per kernel on the model's device; `bump` is an in-place device add (graph-captured)."""
+
+    def __init__(self, device: Any) -> None:
+        import torch
+
+        self.values = torch.zeros(len(KERNEL_NAMES), dtype=torch.int64, device=device)
+
+    def bump(self, kernel: str) -> None:
+        i = KERNEL_NAMES.index(kernel)
+        self.values[i:i + 1].add_(1)
+
+    def counted(self, kernel: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.bump(kernel)
+            return fn(*args, **kwargs)
+
+        call.dsv4_adapter = fn  # type: ignore[attr-defined]
+        return call
+
+
+def _adapters() -> dict[str, Callable[..., Any]]:
+    try:
+        from dsv4_cluster.kernels import sglang_adapters as a
+    except ImportError as e:
+        raise PluginInstallError(f"the kernel adapters do not import: {e}") from e
+    return {"sparse_mla_decode": a.flash_mla_with_kvcache, "indexer": a.fp8_paged_mqa_logits,
+            "topk": a.topk_transform_paged_v2}
+
+
+def install_module_sites(settings: PluginSettings, counters: Counters) -> dict[str, list[str]]:
+    """Replace the module-level call sites (indexer, top-k) once per process; returns where, per kernel."""
+    adapters, placed = _adapters(), {}
+    for site in CALL_SITES:
+        if site.kernel not in settings.kernels or site.kernel == "sparse_mla_decode":
+            continue
+        try:
+            module = importlib.import_module(site.module)
+        except ImportError as e:
+            raise PluginInstallError(f"{site.kernel}: cannot import {site.module} to replace {site.attr}: {e}") from e
+        current = getattr(module, site.attr, None)
+        if getattr(current, "dsv4_adapter", None) is not adapters[site.kernel]:
+            setattr(module, site.attr, counters.counted(site.kernel, adapters[site.kernel]))
+        placed.setdefault(site.kernel, []).append(f"{site.module}.{site.attr}")
+    return placed
+
+
+def install_on_backend(backend: Any, settings: PluginSettings, counters: Counters) -> list[str]:
+    """Replace the per-instance FlashMLA call of one DeepSeek-V4 backend; returns where."""
+    if "sparse_mla_decode" not in settings.kernels:
+        return []
+    module = importlib.import_module(BACKEND_MODULE)
+    if not isinstance(backend, getattr(module, BACKEND_CLASS)):
+        raise PluginInstallError(f"sparse_mla_decode: the dsv4 factory built a {type(backend).__name__}, not a "
+                                 f"{BACKEND_CLASS}; its decode does not go through {BACKEND_ATTR}")
+    stock = getattr(backend, BACKEND_ATTR, None)
+    if not isinstance(stock, functools.partial) or "use_legacy" not in stock.keywords:
+        raise PluginInstallError(f"sparse_mla_decode: {type(backend).__name__}.{BACKEND_ATTR} is {stock!r}, not the "
+                                 "functools.partial(flash_mla_with_kvcache, use_legacy=...) of SGLang 0.5.23")
+    adapter = _adapters()["sparse_mla_decode"]
+    setattr(backend, BACKEND_ATTR, functools.partial(counters.counted("sparse_mla_decode", adapter), **stock.keywords))
+    return [f"{type(backend).__name__}.{BACKEND_ATTR}"]
+
+
+def holds_adapter(target: Any, kernel: str) -> bool:
+    """Identity check: does this call site hold our (counted) adapter for `kernel`?"""
+    fn = target.func if isinstance(target, functools.partial) else target
+    return getattr(fn, "dsv4_adapter", None) is _adapters()[kernel]

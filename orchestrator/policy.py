@@ -1,0 +1,56 @@
+"""How a supervisor judges its worker: liveness probes, restarts with backoff, the crash-loop limit."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class HealthPolicy:
+    """Poll a READY worker's `/health` every interval_s; the first failure makes it DEGRADED (the
+    router stops pairing it), failures_to_restart consecutive failures get it killed and restarted."""
+
+    interval_s: float = 2.0
+    timeout_s: float = 2.0
+    failures_to_restart: int = 3
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """Restart a crashed worker after backoff_s, doubling per recent crash up to backoff_max_s;
+    give up (FAILED) once more than max_restarts crashes fall within window_s."""
+
+    max_restarts: int = 3
+    window_s: float = 300.0
+    backoff_s: float = 1.0
+    backoff_max_s: float = 30.0
+
+    def delay(self, recent_crashes: int) -> float | None:
+        if recent_crashes > self.max_restarts:
+            return None
+        return min(self.backoff_s * 2 ** (recent_crashes - 1), self.backoff_max_s)
+
+
+class CrashWindow:
+    """The crashes of one worker within its policy's window."""
+
+    def __init__(self, policy: RestartPolicy) -> None:
+        self._policy = policy
+        self._at: deque[float] = deque()
+
+    def record(self) -> float | None:
+        """Count a crash now; the backoff before the restart, or None when it is a crash loop."""
+        now = time.monotonic()
+        self._at.append(now)
+        while self._at and now - self._at[0] > self._policy.window_s:
+            self._at.popleft()
+        return self._policy.delay(len(self._at))
+
+    def __len__(self) -> int:
+        return len(self._at)
+
+    def giving_up(self, reason: str) -> str:
+        return (f"gave up after {len(self._at)} crashes within {self._policy.window_s:.0f}s "
+                f"(crash loop); last: {reason}")

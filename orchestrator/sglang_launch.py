@@ -1,0 +1,107 @@
+"""The SGLang launch spec: `launch_server` flags and environment as SGLang 0.5.23 resolves them.
+
+What SGLang does with DeepSeek-V4 whatever it is told, read in its 0.5.23 wheel, and how the plan
+follows it instead of fighting it:
+
+- Page size. `arg_groups/model_overrides/deepseek_v4.py` sets `page_size = 256` (CUDA) for
+  `DeepseekV4ForCausalLM`, overriding `--page-size`. The plan emits 256, the value SGLang will use,
+  so the printed plan, `/server_info` and the P/D agreement rule all say the same thing.
+- KV dtype. `--kv-cache-dtype` takes SGLang's names; DeepSeek-V4 accepts `fp8_e4m3` and `bfloat16`
+  (`auto` becomes `fp8_e4m3`; `bf16` parses but fails an assert at start). The topology's names map
+  through `SGLANG_KV_DTYPE`, `auto` to what SGLang resolves it to.
+- Address. `SGLANG_HOST_IP` is the worker's node address (else SGLang guesses one, which on a
+  multi-homed host can be the wrong NIC for the bootstrap/NIXL side channel).
+- GPUs. All GPUs stay visible; a worker takes `--base-gpu-id` (its first GPU) with step 1, so its GPUs
+  must be consecutive. SGLang's own PD tests do this, and NIXL/UCX's CUDA transports need the peer's
+  GPU visible for a GPU-to-GPU copy inside one host (`CUDA_VISIBLE_DEVICES` per server hides it and
+  UCX falls back to staging through host memory, or fails).
+- NUMA. SGLang binds each TP child to a NUMA node itself (`configure_subprocess`, numactl in front of
+  the child, node `--numa-node[gpu_id]`, else its GPU's node from sysfs). The plan passes the
+  topology's `numa_node` as `--numa-node`, indexed by GPU id as SGLang reads it, and no numactl of
+  its own: one binding, the one the topology names.
+- Kernels. The plugin (`dsv4_cluster.kernels.sglang_plugin`) is inert unless `DSV4_CLUSTER_KERNELS`
+  names kernels; each TP rank writes its attestation under `DSV4_CLUSTER_ATTEST_DIR`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from dsv4_cluster.core import Role
+from dsv4_cluster.kernels.sglang_plugin.settings import ATTEST_DIR_ENV, KERNELS_ENV, SGLANG_VERSION, WORKER_ENV
+
+# SGLang 0.5.23 registers these parser names for DeepSeek-V4 (reasoning_parser_names.py and
+# function_call/parser_names.py in its wheel).
+SGLANG_REASONING_PARSER = "deepseek-v4"
+SGLANG_TOOL_CALL_PARSER = "deepseekv4"
+DSV4_PAGE_SIZE = 256  # model_overrides/deepseek_v4.py: forced on CUDA whatever --page-size says
+SGLANG_DSV4_KV_DTYPES = ("fp8_e4m3", "bfloat16")  # overrides.py _deepseek_v4_kv_cache_dtype asserts these
+SGLANG_KV_DTYPE = {"auto": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "bf16": "bfloat16"}
+KERNELS_NEED_KV_DTYPE = "fp8_e4m3"  # the adapters read SGLang's 584-byte fp8 rows only
+
+
+def _value(x: Any) -> str:
+    return str(getattr(x, "value", x))
+
+
+def attest_dir(topology: Any, worker: Any) -> Path:
+    """Where the TP ranks of `worker` write their attestations (under the run folder)."""
+    return Path(topology.run_dir_path) / "attest" / worker.name
+
+
+def numa_node_list(worker: Any) -> list[str]:
+    """`--numa-node` as SGLang indexes it: by GPU id, so it covers ids 0..max(gpus)."""
+    if worker.numa_node is None or not worker.gpus:
+        return []
+    return [str(worker.numa_node)] * (max(worker.gpus) + 1)
+
+
+def sglang_argv(topology: Any, worker: Any, kernels: tuple[str, ...]) -> list[str]:
+    """SGLang 0.5.23 `launch_server` argv; every flag checked by its own parser in tests."""
+    del kernels  # the plugin takes them from the environment; the argv is SGLang's own
+    role = _value(worker.role)
+    argv = [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", str(topology.model.path),
+        "--served-model-name", topology.model.name,
+        "--tp-size", str(worker.tp),
+        "--base-gpu-id", str(min(worker.gpus) if worker.gpus else 0),
+        "--gpu-id-step", "1",
+        "--host", "0.0.0.0",
+        "--port", str(worker.port),
+        "--nccl-port", str(worker.nccl_port),
+        "--disaggregation-mode", role,
+        "--disaggregation-transfer-backend", _value(topology.transfer.backend),
+    ]
+    if role == Role.PREFILL.value:
+        argv += ["--disaggregation-bootstrap-port", str(worker.bootstrap_port)]
+    argv += [
+        "--page-size", str(worker.page_size),  # 256: the rules refuse any other for engine sglang
+        "--kv-cache-dtype", SGLANG_KV_DTYPE[str(worker.kv_cache_dtype)],
+        "--context-length", str(topology.model.context_length),
+        "--random-seed", str(topology.model.seed),
+    ]
+    if worker.max_total_tokens is not None:
+        argv += ["--max-total-tokens", str(worker.max_total_tokens)]
+    numa = numa_node_list(worker)
+    if numa:
+        argv += ["--numa-node", *numa]
+    argv += [
+        "--enable-metrics",
+        "--trust-remote-code",
+        "--reasoning-parser", SGLANG_REASONING_PARSER,
+        "--tool-call-parser", SGLANG_TOOL_CALL_PARSER,
+    ]
+    return argv + [str(a) for a in worker.extra_args]
+
+
+def sglang_env(topology: Any, worker: Any, kernels: tuple[str, ...]) -> dict[str, str]:
+    """The environment an SGLang worker needs beyond the common one (no CUDA_VISIBLE_DEVICES)."""
+    env = {"SGLANG_HOST_IP": topology.node(worker.node).address}
+    if kernels:
+        env[KERNELS_ENV] = ",".join(kernels)
+        env[ATTEST_DIR_ENV] = str(attest_dir(topology, worker))
+        env[WORKER_ENV] = worker.name
+    return env

@@ -1,0 +1,128 @@
+"""The SGLang adapters on the GPU against FlashMLA called exactly as SGLang 0.5.23 calls it
+(`sgl-flash-mla==1.0.0`, use_legacy=True), on the same tensors, and in CUDA-graph replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4_cluster.kernels.sglang_adapters import flash_mla_with_kvcache, fp8_paged_mqa_logits, topk_transform_paged_v2
+from dsv4_cluster.kernels.sglang_adapters.flash_mla import cache_geometry, reference_decode
+from dsv4_cluster.kernels.topk.reference import topk_ref
+from dsv4_cluster.tests.kernels.sglang_cases import LAYERS, decode_case, indexer_case
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _reference(args, h):
+    window = (args["k_cache"].view(torch.uint8), cache_geometry(args["k_cache"], "k"), args["indices"][:, 0],
+              args["topk_length"])
+    extra = None
+    if "extra_k_cache" in args:
+        extra = (args["extra_k_cache"].view(torch.uint8), cache_geometry(args["extra_k_cache"], "e"),
+                 args["extra_indices_in_kvcache"][:, 0], args["extra_topk_length"])
+    q = args["q"][:, 0, :h].float()
+    out, _ = reference_decode(q, window, extra, args["attn_sink"][:h], args["softmax_scale"])
+    return out
+
+
+def flashmla_as_sglang(args):
+    flash_mla = pytest.importorskip("flash_mla")
+    a = {k: v for k, v in args.items()}
+    return flash_mla.flash_mla_with_kvcache(tile_scheduler_metadata=flash_mla.get_mla_metadata()[0],
+                                            use_legacy=True, **a)[0]
+
+
+@pytest.mark.parametrize("kind", sorted(LAYERS))
+@pytest.mark.parametrize("b", [1, 8, 64, 128])
+@pytest.mark.parametrize("real_heads", [16, 64])
+def test_adapter_equals_flashmla_as_sglang_calls_it(kind, b, real_heads):
+    args = decode_case(kind, b, real_heads, seed=b)
+    fm = flashmla_as_sglang(args)[:, 0, :real_heads].float()
+    ours = flash_mla_with_kvcache(tile_scheduler_metadata=None, real_heads=real_heads, **args)[0]
+    ours = ours[:, 0, :real_heads].float()
+    ref = _reference(args, real_heads)
+    fm_err = (fm - ref).abs().max().item()
+    our_err = (ours - ref).abs().max().item()
+    scale = ref.abs().max().item()
+    assert our_err <= max(1.5 * fm_err, scale / 128), (our_err, fm_err, scale)
+    assert (ours - fm).abs().max().item() <= 2 * max(fm_err, scale / 128)
+
+
+@pytest.mark.parametrize("kind", ["c4", "c128"])
+def test_adapter_graph_replay_at_many_lengths(kind):
+    static = decode_case(kind, 64, 16, seed=1, full=True)
+    static["q"] = static["q"].clone()
+    graph = torch.cuda.CUDAGraph()
+    flash_mla_with_kvcache(tile_scheduler_metadata=None, real_heads=16, **static)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        out = flash_mla_with_kvcache(tile_scheduler_metadata=None, real_heads=16, **static)[0]
+    for seed in range(2, 7):
+        fresh = decode_case(kind, 64, 16, seed=seed)
+        for name in ("q", "indices", "topk_length", "extra_indices_in_kvcache", "extra_topk_length"):
+            static[name].copy_(fresh[name])
+        graph.replay()
+        ref = _reference(static, 16)
+        err = (out[:, 0, :16].float() - ref).abs().max().item()
+        assert err <= ref.abs().max().item() / 64, (seed, err)
+
+
+def _check_indexer_topk(c, logits, out, raw):
+    from dsv4_cluster.tests.kernels.test_sglang_adapters import _stock_logits
+
+    cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in c.items()}
+    expect = _stock_logits(cpu)
+    got = logits.cpu()
+    lens = cpu["lens"].tolist()
+    for r, n in enumerate(lens):
+        torch.testing.assert_close(got[r, :n], expect[r, :n], rtol=2e-3, atol=2e-3)
+    want = topk_ref(got[:, : max(max(lens), 1)].contiguous(), cpu["lens"], 512)  # top-k of our own scores: exact
+    for r, n in enumerate(lens):
+        assert set(raw[r].cpu().tolist()) - {-1} == set(want[r].tolist()) - {-1}
+        m = min(n, 512)
+        assert (raw[r, m:] == -1).all() and (out[r, m:] == -1).all()
+        pos = raw[r, :m].long()
+        assert torch.equal(out[r, :m].long(), c["table"][r].long()[pos // 64] * 64 + pos % 64)
+
+
+def test_indexer_and_topk_adapters_with_short_and_empty_rows():
+    lens = [0, 1, 100, 511, 512, 513, 5000, 70000]
+    c = indexer_case(len(lens), lens, capacity=1 << 17)
+    logits = fp8_paged_mqa_logits(c["q"], c["kv"], c["weights"], c["lens2d"], c["table"], None, 1 << 17, False)
+    out = torch.empty(len(lens), 512, dtype=torch.int32, device="cuda")
+    raw = torch.empty_like(out)
+    topk_transform_paged_v2(logits, c["lens"], c["table"], out, 64, None, raw)
+    _check_indexer_topk(c, logits, out, raw)
+    fresh = logits.clone()  # not the tensor the indexer returned: the top-k is computed from the scores
+    out2, raw2 = torch.empty_like(out), torch.empty_like(raw)
+    topk_transform_paged_v2(fresh, c["lens"], c["table"], out2, 64, None, raw2)
+    _check_indexer_topk(c, fresh, out2, raw2)
+
+
+def test_indexer_and_topk_graph_replay_at_many_lengths():
+    cap = 1 << 16
+    c = indexer_case(8, [cap] * 8, capacity=cap, seed=3)
+    out = torch.empty(8, 512, dtype=torch.int32, device="cuda")
+    raw = torch.empty_like(out)
+
+    def step():
+        logits = fp8_paged_mqa_logits(c["q"], c["kv"], c["weights"], c["lens2d"], c["table"], None, cap, False)
+        topk_transform_paged_v2(logits, c["lens"], c["table"], out, 64, None, raw)
+        return logits
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        logits = step()
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        lens = torch.randint(0, cap + 1, (8,), generator=gen, dtype=torch.int32)
+        lens[0] = 0
+        lens[1] = 300
+        c["lens"].copy_(lens)
+        c["lens2d"].copy_(lens[:, None])
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_indexer_topk(c, logits, out, raw)

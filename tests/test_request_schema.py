@@ -1,0 +1,138 @@
+"""The workers' request schema against the installed SGLang's, and the neutral-value rule of `fields.py`.
+
+SGLang's classes are read from its source with `ast` (never imported: `pip install --no-deps sglang`
+leaves modules that its package `__init__` imports missing). Without SGLang the comparison skips, except
+in CI (CI=true), where `.ci/run` installs it and a missing SGLang is a failure.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from dsv4_cluster.workers import fields
+from dsv4_cluster.workers.protocol import (ChatCompletionRequest, CompletionRequest, GenerateRequest,
+                                           GenerateSampling)
+
+SGLANG_VERSION = "0.5.23"
+OURS = {
+    ("srt/managers/io_struct.py", "GenerateReqInput"): GenerateRequest,
+    ("srt/entrypoints/openai/protocol.py", "ChatCompletionRequest"): ChatCompletionRequest,
+    ("srt/entrypoints/openai/protocol.py", "CompletionRequest"): CompletionRequest,
+    ("srt/sampling/sampling_params.py", "SamplingParams"): GenerateSampling,
+}
+# SamplingParams' own comment splits its fields: "API parameters (set by callers)" above
+# "Internal fields (populated by __post_init__ or normalize(), not API-facing)".
+INTERNAL_MARK = "# --- Internal fields"
+
+
+def _sglang_root() -> Path:
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"sglang=={SGLANG_VERSION} is not installed; CI installs it (.ci/run) for this test")
+        pytest.skip(f"sglang=={SGLANG_VERSION} is not installed (pip install --no-deps sglang=={SGLANG_VERSION})")
+    return Path(spec.submodule_search_locations[0])
+
+
+def sglang_fields(path: str, name: str) -> set[str]:
+    """Public fields of class `name` in SGLang's `path`, with those of its bases defined in the same file."""
+    source = (_sglang_root() / path).read_text()
+    classes = {n.name: n for n in ast.parse(source).body if isinstance(n, ast.ClassDef)}
+    cutoff = next((i + 1 for i, line in enumerate(source.splitlines()) if INTERNAL_MARK in line), None)
+
+    def collect(cls: ast.ClassDef) -> set[str]:
+        out = set()
+        for base in cls.bases:
+            if isinstance(base, ast.Name) and base.id in classes:
+                out |= collect(classes[base.id])
+        for stmt in cls.body:
+            if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                    and not stmt.target.id.startswith("_") and not (cutoff and stmt.lineno > cutoff)):
+                out.add(stmt.target.id)
+        return out
+
+    return collect(classes[name])
+
+
+@pytest.mark.parametrize("where", list(OURS), ids=[name for _, name in OURS])
+def test_field_sets_equal_the_installed_sglang(where):
+    ours = OURS[where]
+    declared = set(ours.model_fields) | set(ours.RULES)
+    theirs = sglang_fields(*where)
+    assert declared == theirs, (f"{where[1]}: only SGLang has {sorted(theirs - declared)}; "
+                                f"only we have {sorted(declared - theirs)}")
+    assert not set(ours.model_fields) & set(ours.RULES), "a field is both honoured and ruled"
+
+
+def test_sglang_version_is_the_pinned_one():
+    _sglang_root()
+    assert importlib.metadata.version("sglang") == SGLANG_VERSION
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+BASES = {ChatCompletionRequest: CHAT, CompletionRequest: {"prompt": "hi"}, GenerateRequest: {"text": "hi"}}
+
+
+def _validate(model, field: str, value):
+    if model is GenerateSampling:
+        return GenerateRequest.model_validate({"text": "hi", "sampling_params": {field: value}})
+    return model.model_validate({**BASES[model], field: value})
+
+
+RULED = [(m, f, r) for m in (ChatCompletionRequest, CompletionRequest, GenerateRequest, GenerateSampling)
+         for f, r in m.RULES.items()]
+
+
+@pytest.mark.parametrize("model,field,rule", RULED, ids=[f"{m.__name__}.{f}" for m, f, _ in RULED])
+def test_neutral_values_are_accepted_and_others_refused_naming_the_field(model, field, rule):
+    if rule is fields.ANY:
+        _validate(model, field, "anything")
+        return
+    for value in rule.values:
+        _validate(model, field, value)
+    with pytest.raises(ValidationError) as err:
+        _validate(model, field, "a-value-no-rule-accepts")
+    assert f"{field}: \"a-value-no-rule-accepts\" is not supported: {rule.why}" in str(err.value)
+
+
+def test_what_openai_clients_send_by_default_is_accepted():
+    body = {**CHAT, "frequency_penalty": 0, "presence_penalty": 0, "response_format": {"type": "text"},
+            "tools": [], "tool_choice": "none", "n": 1, "logprobs": False, "top_logprobs": None, "user": "u1",
+            "parallel_tool_calls": True, "max_completion_tokens": 5, "stream_options": {"include_usage": True}}
+    assert ChatCompletionRequest.model_validate(body).sampling(128).max_new_tokens == 5
+    assert CompletionRequest.model_validate({"prompt": "x", "echo": False, "best_of": 1, "suffix": None,
+                                             "logprobs": None}).sampling(128).max_new_tokens == 16
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"presence_penalty": -1}, "presence_penalty"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"n": 2}, "n"),
+    ({"logprobs": True}, "logprobs"),
+    ({"reasoning_effort": "high"}, "reasoning_effort"),
+    ({"tool_choice": "required"}, "tool_choice"),
+])
+def test_non_neutral_openai_fields_are_refused_naming_the_field(body, field):
+    with pytest.raises(ValidationError) as err:
+        ChatCompletionRequest.model_validate({**CHAT, **body})
+    assert f"{field}: " in str(err.value) and "not supported" in str(err.value)
+
+
+def test_unknown_fields_are_refused():
+    with pytest.raises(ValidationError) as err:
+        ChatCompletionRequest.model_validate({**CHAT, "frequncy_penalty": 0})
+    assert "frequncy_penalty" in str(err.value)
+
+
+def test_false_is_not_zero_and_zero_is_not_false():
+    assert fields.Neutral((None, 1), "").accepts(1) and not fields.Neutral((None, 1), "").accepts(True)
+    assert fields.Neutral((None, 0), "").accepts(0.0) and not fields.Neutral((None, 0), "").accepts(False)

@@ -1,0 +1,161 @@
+"""Contract with SGLang 0.5.23, against its own code (installed in CI by .ci/install, never skipped there).
+
+- every generated argv goes through SGLang's parser and its model-aware resolution against the
+  committed DeepSeek-V4-Flash config.json (tests/data/deepseek-v4-flash, public values);
+- our plugin is discovered and run by SGLang's real `load_plugins()` in a fresh interpreter;
+- every call site the adapters replace exists with the signature they were written for, and
+  SGLang builds the attention backends before it captures CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dsv4_cluster.kernels import sglang_adapters
+from dsv4_cluster.kernels.sglang_plugin.call_sites import CALL_SITES, check_call_site, module_source
+from dsv4_cluster.kernels.sglang_plugin.settings import ATTEST_DIR_ENV, KERNELS_ENV, SGLANG_VERSION
+from dsv4_cluster.orchestrator.plan import cluster_plans
+from dsv4_cluster.orchestrator.topology import load_topology
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG_DIR = REPO / "tests" / "data" / "deepseek-v4-flash"
+CI = os.environ.get("CI") == "true"
+
+
+def _sglang_version() -> str | None:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+if _sglang_version() != SGLANG_VERSION:
+    if CI:
+        raise RuntimeError(f"CI must run the SGLang contract tests: sglang {_sglang_version()} is installed, "
+                           f"not {SGLANG_VERSION}; .ci/install installs it")
+    pytest.skip(f"sglang=={SGLANG_VERSION} is not installed (bash .ci/install)", allow_module_level=True)
+
+
+def _child(*args: str, env: dict[str, str] | None = None) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "dsv4_cluster.tests.sglang_child", *args], capture_output=True,
+                          text=True, timeout=240, env={**os.environ, **(env or {})}, cwd=REPO)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"child failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def _server_argv(plan) -> list[str]:
+    """The plan's argv after `-m sglang.launch_server`, weights replaced by the committed config; on a
+    GPU host SGLang detects `--device cuda`, here it is said."""
+    argv = list(plan.argv[plan.argv.index("sglang.launch_server") + 1:])
+    argv[argv.index("--model-path") + 1] = str(CONFIG_DIR)
+    return argv + ["--device", "cuda"]
+
+
+@pytest.fixture(scope="module")
+def resolved() -> dict[str, dict]:
+    """Both planned servers, and the decode argv with --page-size 64, resolved by one SGLang child."""
+    workers, _ = cluster_plans(load_topology(REPO / "topology.yaml"))
+    page_64 = _server_argv(workers[1])
+    page_64[page_64.index("--page-size") + 1] = "64"
+    results = _child("resolve", json.dumps([*(_server_argv(p) for p in workers), page_64]))
+    out = {plan.name: {"plan": plan, **r} for plan, r in zip(workers, results)}
+    out["page-64"] = results[-1]
+    return out
+
+
+def test_sglang_resolves_both_servers_as_planned(resolved: dict[str, dict]) -> None:
+    for name in ("prefill-0", "decode-0"):
+        plan, r = resolved[name]["plan"], resolved[name]["resolved"]
+        assert r["page_size"] == 256, name  # what we emit is what DeepSeek-V4 runs with
+        assert r["kv_cache_dtype"] == "fp8_e4m3" and r["attention_backend"] == "dsv4"
+        assert r["context_length"] == 131072 and r["tp_size"] == 4
+        assert r["disaggregation_mode"] == plan.role.value and r["disaggregation_transfer_backend"] == "nixl"
+        first_gpu = 0 if plan.role.value == "prefill" else 4
+        assert (r["base_gpu_id"], r["gpu_id_step"]) == (first_gpu, 1)
+        numa = 0 if plan.role.value == "prefill" else 1
+        assert r["numa_node"][first_gpu:first_gpu + 4] == [numa] * 4  # SGLang reads numa_node[gpu_id]
+        assert (r["reasoning_parser"], r["tool_call_parser"]) == ("deepseek-v4", "deepseekv4")
+        assert r["enable_metrics"] is True and r["served_model_name"] == "DeepSeek-V4-Flash"
+    assert resolved["prefill-0"]["resolved"]["disaggregation_bootstrap_port"] == 8998
+
+
+def test_sglang_would_override_any_other_page_size(resolved: dict[str, dict]) -> None:
+    """The fact the page-size rule rests on: SGLang replaces 64 with 256 for DeepSeek-V4."""
+    got = resolved["page-64"]
+    assert (got["parsed"]["page_size"], got["resolved"]["page_size"]) == (64, 256)
+
+
+def test_plugin_is_inert_without_kernels_env() -> None:
+    env = {KERNELS_ENV: "", ATTEST_DIR_ENV: ""}
+    got = _child("plugin", env=env)
+    assert got["replaced"] is False and got["name"] == got["stock_name"] == "create_dsv4_backend"
+
+
+def test_real_load_plugins_discovers_and_wraps_the_dsv4_factory(tmp_path: Path) -> None:
+    got = _child("plugin", env={KERNELS_ENV: "sparse_mla_decode,topk", ATTEST_DIR_ENV: str(tmp_path)})
+    assert got["replaced"] and got["wraps_stock"]
+    assert got["name"] == "create_dsv4_backend_with_dsv4_cluster_kernels"
+
+
+def test_misconfigured_plugin_env_fails_closed_from_the_factory() -> None:
+    got = _child("plugin", env={KERNELS_ENV: "sparse_mla_decode,flashy", ATTEST_DIR_ENV: "/nonexistent"})
+    assert got["replaced"] and got["name"] == "refuse"  # the factory raises; register() itself never does
+
+
+def test_factory_installs_on_sglangs_backend_class_and_fails_closed(tmp_path: Path) -> None:
+    got = _child("install", str(tmp_path))
+    ok = got["ok"]
+    assert ok["flash_mla_keywords"] == {"use_legacy": True}  # SGLang's own binding kept
+    assert ok["flash_mla_adapter"] == "dsv4_cluster.kernels.sglang_adapters.flash_mla"
+    assert ok["topk_adapters"] == ["dsv4_cluster.kernels.sglang_adapters.topk"] * 2
+    att = ok["attestation"]
+    assert (att["worker"], att["rank"], att["gpu"], att["sglang_version"]) == ("decode-0", 1, 5, SGLANG_VERSION)
+    assert att["call_sites"] == {
+        "sparse_mla_decode": ["DeepseekV4AttnBackend._flash_mla_with_kvcache"],
+        "topk": ["sglang.kernels.ops.attention.dsv4.topk.topk_transform_paged_v2",
+                 "sglang.srt.layers.attention.dsv4.indexer.topk_transform_paged_v2"]}
+    assert ok["counters"]["counts"] == {"sparse_mla_decode": 0, "indexer": 0, "topk": 0}
+    # no DeepGEMM on this machine: asking for the indexer must fail model init, naming it
+    assert "indexer: cannot import deep_gemm" in got["indexer"]["error"]
+    assert "sparse_mla_decode: the dsv4 factory built a SimpleNamespace" in got["not_dsv4"]["error"]
+    assert not (tmp_path / "indexer" / "rank1.json").exists()  # nothing attested when install failed
+
+
+@pytest.mark.parametrize("site", CALL_SITES, ids=lambda s: f"{s.kernel}:{s.module}")
+def test_every_replaced_call_site_exists_with_its_signature(site) -> None:
+    check_call_site(site)
+
+
+def test_adapters_take_exactly_sglangs_parameters() -> None:
+    for site in CALL_SITES:
+        if site.params is None:
+            continue
+        adapter = {"sparse_mla_decode": sglang_adapters.flash_mla_with_kvcache,
+                   "topk": sglang_adapters.topk_transform_paged_v2}[site.kernel]
+        params = inspect.signature(adapter).parameters.values()
+        ours = tuple(("*" if p.kind is p.KEYWORD_ONLY else "") + p.name for p in params)
+        assert ours[:len(site.params)] == site.params, site
+        assert all(p.default is not p.empty for p in list(params)[len(site.params):])  # extras are optional
+
+
+def test_backends_are_built_before_cuda_graph_capture() -> None:
+    """The plugin installs from the backend factory; SGLang must call it before capturing graphs."""
+    _, tree = module_source("sglang.srt.managers.scheduler")
+    method = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "init_model_worker")
+    calls = [n.func.attr for n in ast.walk(method) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)]
+    assert "init_all_attention_backends" in calls and "init_all_cuda_graphs" in calls
+    assert calls.index("init_all_attention_backends") < calls.index("init_all_cuda_graphs")
+    _, setup = module_source("sglang.srt.model_executor.model_runner_components.attention_backend_setup")
+    assert any(isinstance(n, ast.Subscript) and getattr(n.value, "id", None) == "ATTENTION_BACKENDS"
+               for n in ast.walk(setup))  # the factory is looked up in the registry the plugin wraps
