@@ -6,6 +6,8 @@
     dsv4-cluster verify
     dsv4-cluster plan FILE
     dsv4-cluster drain WORKER [--deadline S] | restart WORKER | logs NAME [-f] [-n N]
+    dsv4-cluster install-service FILE [--dry-run]   (service.py)
+    dsv4-cluster monitor up|down FILE                (monitor.py)
 
 Exit codes: 0 success; 1 the cluster failed (to start, to answer, to stop cleanly); 2 nothing
 was started because the topology or this machine is not fit (every problem is printed).
@@ -25,6 +27,7 @@ from dsv4_cluster.orchestrator.cli_ops import (
     WATCH_INTERVAL_S, add_operation_commands, run_operation, watch_status)
 from dsv4_cluster.orchestrator.errors import (
     AlreadyUpError, ClusterStartError, NotUpError, PreflightError, RayClusterError)
+from dsv4_cluster.orchestrator import monitor, service
 from dsv4_cluster.orchestrator.options import DownOptions, UpOptions
 from dsv4_cluster.orchestrator.ray_env import prepare_ray_env
 from dsv4_cluster.orchestrator.table import render_table
@@ -59,6 +62,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_verify_parser(sub)
     _add_plan_parser(sub)
     add_operation_commands(sub)
+    service.add_parser(sub)
+    monitor.add_parser(sub)
     return p
 
 
@@ -192,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "plan":
         return _cmd_plan(args)
+    if args.command == "install-service":
+        return service.main(args)
+    if args.command == "monitor":
+        return monitor.main(args)
     prepare_ray_env(_ray_address(args))
     from dsv4_cluster.orchestrator import deployment  # imports Ray: only after prepare_ray_env
 

@@ -24,6 +24,7 @@ from dsv4_cluster.orchestrator.errors import ClusterStartError, UnknownWorkerErr
 from dsv4_cluster.core import Role
 from dsv4_cluster.orchestrator.deep_probe import DeepProber
 from dsv4_cluster.orchestrator.plan import LaunchPlan
+from dsv4_cluster.orchestrator.prometheus_targets import record_targets
 from dsv4_cluster.orchestrator.router_admin import RouterAdmin, RouterAdminError, RouterLink
 from dsv4_cluster.orchestrator.supervisor import WorkerSupervisor
 from dsv4_cluster.orchestrator.verification import verify_kernels
@@ -152,6 +153,7 @@ class ClusterController:
             except (RayTaskError, RayActorError) as e:
                 rows.append({"name": name, "error": f"supervisor unreachable: {_cause(e)}"})
         probes = self._prober.results() if self._prober is not None else []
+        record_targets(self._spec, rows)  # Prometheus file_sd follows the processes
         return {"endpoint": self._spec.endpoint, "workers": rows, "probes": probes}
 
     def _worker(self, name: str) -> tuple[LaunchPlan, Any]:
@@ -222,4 +224,5 @@ class ClusterController:
         for actor in self._supervisors.values():
             ray.kill(actor)
         self._supervisors.clear()
+        record_targets(self._spec, final)
         return {"endpoint": self._spec.endpoint, "workers": final}
