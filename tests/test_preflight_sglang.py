@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
-from dsv4_cluster.orchestrator.cli import main
 from dsv4_cluster.orchestrator.record import HOME_ENV
 from dsv4_cluster.orchestrator.preflight import numa_mismatches, sglang_problems
 from dsv4_cluster.orchestrator.topology import load_topology
@@ -25,12 +27,12 @@ def test_the_plugin_is_installed_where_sglang_looks() -> None:
     assert sglang_problems(load_topology(REPO / "topology.yaml")) == []
 
 
-def test_up_production_topology_stops_at_preflight_with_this_machines_problems(capsys, monkeypatch,
-                                                                              tmp_path: Path) -> None:
+def test_up_production_topology_stops_at_preflight_with_this_machines_problems(tmp_path: Path) -> None:
     """No 'not implemented': planning passes; what stops it is what this CPU machine lacks."""
-    monkeypatch.setenv(HOME_ENV, str(tmp_path))  # no other cluster's record in the way
-    assert main(["up", str(REPO / "topology.yaml")]) == 2
-    err = capsys.readouterr().err
-    assert "cannot start on this machine; nothing was started" in err
-    assert "wants GPUs [0, 1, 2, 3] but this machine shows 0 CUDA device(s)" in err
-    assert "not implemented" not in err
+    env = {**os.environ, HOME_ENV: str(tmp_path)}  # no other cluster's record in the way
+    r = subprocess.run([sys.executable, "-m", "dsv4_cluster.orchestrator", "up", str(REPO / "topology.yaml")],
+                       capture_output=True, text=True, timeout=180, env=env)  # own process: it imports Ray
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "cannot start on this machine; nothing was started" in r.stderr
+    assert "wants GPUs [0, 1, 2, 3] but this machine shows 0 CUDA device(s)" in r.stderr
+    assert "not implemented" not in r.stderr
