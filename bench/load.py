@@ -153,13 +153,14 @@ def _cli(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 def report(records: list[dict]) -> str:
     """A markdown table of load records (one JSON line each), each with its ratio to the nearest record
-    labelled 'before...' (measured next to it on the same machine)."""
+    labelled 'before...' (measured next to it on the same machine); none for a label 'unpaired...'."""
     head = ("| label | tok/s | x before | TTFT p50 s | TTFT p99 s | e2e p50 s | errors | idle CPU (cores) "
             "| CPU s under load | load avg before -> after |\n|" + " --- |" * 10)
     rows = [head]
     befores = [i for i, r in enumerate(records) if r["label"].startswith("before")]
     for i, r in enumerate(records):
-        base = records[min(befores, key=lambda b: abs(b - i))] if befores else None
+        paired = befores and not r["label"].startswith("unpaired")
+        base = records[min(befores, key=lambda b: abs(b - i))] if paired else None
         ratio = f"{r['output_tok_s'] / base['output_tok_s']:.2f}" if base else "-"
         idle = ", ".join(f"{k} {v:.3f}" for k, v in r.get("idle_cpu_core_fraction", {}).items())
         busy = ", ".join(f"{k} {v}" for k, v in r.get("cpu_s_during_load", {}).items())
