@@ -101,6 +101,7 @@ async def relay(flight: Flight, attempt: Attempt) -> None:
             if error is None:
                 raise  # the client left
             if flight.status == 0:  # nothing sent yet
+                flight.state.metrics.pair_failures.inc()
                 if error.retryable or isinstance(exc, StreamBroke):
                     error.retryable = True
                     if flight.may_retry(error):
