@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import queue
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -124,19 +126,27 @@ def test_logs_print_and_follow(cluster):
     unknown = cluster.cli("logs", "decode-9")
     assert unknown.returncode == 1 and "decode-9" in unknown.stderr and "decode-0" in unknown.stderr
     env = {**os.environ, "DSV4_CLUSTER_HOME": str(cluster.home)}
-    follow = subprocess.Popen([*CLI, "logs", "router", "-f", "-n", "1"], env=env, stdout=subprocess.PIPE, text=True)
+    follow = subprocess.Popen([*CLI, "logs", "decode-0", "-f", "-n", "0"], env=env, stdout=subprocess.PIPE,
+                              text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in follow.stdout], daemon=True)
+    reader.start()
     try:
-        follow.stdout.readline()
-        httpx.get(cluster.router_url + "/v1/models")   # the router logs the request
+        # Nothing old is printed (-n 0); what the worker logs from now on is: its supervisor polls
+        # /health every few seconds and uvicorn logs each request.
         deadline = time.monotonic() + 30
         line = ""
-        while "/v1/models" not in line and time.monotonic() < deadline:
-            line = follow.stdout.readline()
-        assert "/v1/models" in line
+        while "/health" not in line and time.monotonic() < deadline:
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+        assert "/health" in line, "logs -f printed nothing new within 30 s"
         follow.send_signal(signal.SIGINT)
         assert follow.wait(30) == 0
     finally:
         follow.kill()
+        follow.wait()
 
 
 def test_status_watch_refreshes_until_interrupted(cluster):
