@@ -118,9 +118,9 @@ def test_sigkill_under_load_then_ready_restarts_1_and_the_next_20_succeed(cluste
 
 def test_a_poison_request_gets_a_400_and_the_engine_keeps_serving(cluster):
     restarts = {w["name"]: w["restarts"] for w in _status(cluster)["workers"]}
-    # NaN/inf are checked at the worker (test_worker_faults); the router answers them with a 500 of
-    # its own today (it cannot re-encode them as JSON), which is the router's to fix.
-    for bad in ({"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}):
+    # json.dumps writes NaN/Infinity literals, as a careless client would.
+    for bad in ({"temperature": -1}, {"temperature": float("nan")}, {"temperature": float("inf")},
+                {"top_p": 0}, {"top_p": 1.5}):
         raw = json.dumps({"model": "dsv4-tiny", "max_tokens": 4, **bad,
                           "messages": [{"role": "user", "content": "poison"}]})
         r = httpx.post(cluster.router_url + "/v1/chat/completions", content=raw, timeout=60,
