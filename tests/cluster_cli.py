@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from dsv4_cluster.orchestrator.ports import free_ports
 
@@ -25,6 +27,17 @@ class LocalCluster:
 
     def cli(self, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
         return run_cli(self.home, *args, timeout=timeout)
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[LocalCluster]:
+        """`up` this cluster (asserting it succeeded), and `down` it afterwards (asserting that too)."""
+        up = self.cli("up", str(self.topology), "--timeout", "180")
+        try:
+            assert up.returncode == 0, up.stderr + up.stdout
+            yield self
+        finally:
+            down = self.cli("down", "--timeout", "10")
+            assert down.returncode == 0, down.stderr + down.stdout
 
 
 def run_cli(home: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:

@@ -26,13 +26,8 @@ HOOKS = ", extra_args: [--test-hooks]"
 def cluster(tmp_path_factory) -> LocalCluster:
     tmp = tmp_path_factory.mktemp("cluster-faults")
     c = write_topology(tmp, extra_decode=HOOKS, extra_prefill=HOOKS)
-    up = c.cli("up", str(c.topology), "--timeout", "180")
-    try:
-        assert up.returncode == 0, up.stderr + up.stdout
+    with c.running():
         yield c
-    finally:
-        down = c.cli("down", "--timeout", "10")
-        assert down.returncode == 0, down.stderr + down.stdout
 
 
 def _status(c: LocalCluster) -> dict:

@@ -27,13 +27,8 @@ MESSAGES = [{"role": "user", "content": "Say something about KV caches."}]
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     c = write_topology(tmp_path_factory.mktemp("cluster"), context_length=1024, kernels=True)
-    up = c.cli("up", str(c.topology), "--timeout", "180")
-    try:
-        assert up.returncode == 0, up.stderr + up.stdout
+    with c.running():
         yield c
-    finally:
-        down = c.cli("down", "--timeout", "10")
-        assert down.returncode == 0, down.stderr + down.stdout
 
 
 @pytest.fixture()

@@ -44,13 +44,8 @@ decode:
 """)
     c = LocalCluster(home=tmp / "home", topology=topology,
                      ports={"router": router, "prefill": prefill, "bootstrap": boot, "decode-0": d0, "decode-1": d1})
-    up = c.cli("up", str(topology), "--timeout", "180")
-    try:
-        assert up.returncode == 0, up.stderr + up.stdout
+    with c.running():
         yield c
-    finally:
-        down = c.cli("down", "--timeout", "10")
-        assert down.returncode == 0, down.stderr + down.stdout
 
 
 def _rows(c: LocalCluster) -> dict[str, dict]:
