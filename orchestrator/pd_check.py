@@ -29,7 +29,7 @@ class PDCheck:
     seconds: float
 
     def summary(self) -> str:
-        return (f"verified: {self.tokens} greedy tokens through prefill -> NIXL -> decode equal a "
+        return (f"{self.tokens} greedy tokens through prefill -> NIXL -> decode equal a "
                 f"single-process run ({self.seconds:.2f}s for the request)")
 
 
