@@ -43,6 +43,7 @@ from dsv4_cluster.orchestrator.processes import group_members, signal_group
 from dsv4_cluster.orchestrator.kernel_verify import attested_kernels
 from dsv4_cluster.orchestrator.probe import ProbeError, engine_info, first_unready
 from dsv4_cluster.orchestrator.router_admin import RouterAdmin, RouterAdminError, RouterLink
+from dsv4_cluster.orchestrator.stranded_status import stranded_kv
 
 __all__ = ["HealthPolicy", "RestartPolicy", "WorkerStartError", "WorkerSupervisor", "log_tail"]
 logger = logging.getLogger(__name__)
@@ -316,6 +317,7 @@ class WorkerSupervisor:
         proc = self._proc
         pid = proc.pid if proc is not None and proc.returncode is None else None
         kv: KvUsage | None = None
+        stranded: dict[str, int] | None = None
         kernels: tuple[tuple[str, str], ...] = ()
         if state is WorkerState.READY and plan.server_info_url is not None:
             try:
@@ -324,13 +326,24 @@ class WorkerSupervisor:
             except (httpx.HTTPError, ProbeError, ValueError) as e:
                 error = f"/server_info probe failed: {e}"
             kernels = kernels or attested_kernels(plan, pid)  # SGLang: its ranks attest, not /server_info
+            stranded = self._stranded_kv()
         troubled = state in (WorkerState.DEGRADED, WorkerState.RESTARTING, WorkerState.FAILED)
         return WorkerStatus(
             name=plan.name, role=plan.role, node=plan.node, state=state, pid=pid,
             port=plan.port, restarts=restarts, kv=kv, log_path=plan.log_path, error=error,
             kernels=kernels, log_tail=log_tail(plan.log_path, STATUS_TAIL_LINES) if troubled else None,
-            pinning=pinning_report(plan, pid) if pid is not None else None,
+            pinning=pinning_report(plan, pid) if pid is not None else None, stranded_kv=stranded,
         ).to_dict()
+
+    def _stranded_kv(self) -> dict[str, int] | None:
+        """A prefill's stranded-KV numbers from its /metrics (None: not a prefill, or not exported)."""
+        if self._plan.role is not Role.PREFILL or self._plan.metrics_url is None:
+            return None
+        try:
+            return stranded_kv(self._http, self._plan.metrics_url)
+        except httpx.HTTPError as e:
+            logger.debug("%s: no stranded-KV numbers: %s", self._plan.name, e)
+            return None
 
     def ray_node(self) -> str | None:
         """The Ray node this supervisor (an actor) runs on; None outside Ray."""
