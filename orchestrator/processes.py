@@ -44,3 +44,11 @@ def signal_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
     except ProcessLookupError:
         pass
+
+
+def start_time(pid: int) -> int | None:
+    """When `pid` started, in clock ticks since boot (/proc/PID/stat field 22); None when it is gone.
+    With the pid it names one process for good: a recycled pid starts later."""
+    fields = _stat_fields(pid)
+    return int(fields[19]) if fields is not None else None
+

@@ -15,6 +15,10 @@ router's admin API (`RouterLink`), retried on each poll until the router has it.
 
 One dedicated thread spawns the process, waits for readiness, watches it and restarts it: the
 death signal follows the thread that forked, so that thread outlives every process it spawns.
+
+The supervisor survives its own process dying: Ray restarts the actor (`max_restarts`, controller.py),
+and the new one finds its record in the run folder (`actor_record.py`), kills what is left of the old
+worker's process group and starts the worker again, counted in `restarts`.
 """
 
 from __future__ import annotations
@@ -36,10 +40,12 @@ from typing import Any
 import httpx
 
 from dsv4_cluster.core import KvUsage, Role, WorkerState, WorkerStatus
+from dsv4_cluster.orchestrator.actor_record import (
+    ActorRecord, current_actor_id, read_actor_record, reap_worker, record_path, write_actor_record)
 from dsv4_cluster.orchestrator.plan import LaunchPlan
 from dsv4_cluster.orchestrator.pinning import pinning_report
 from dsv4_cluster.orchestrator.policy import CrashWindow, HealthPolicy, RestartPolicy
-from dsv4_cluster.orchestrator.processes import group_members, signal_group
+from dsv4_cluster.orchestrator.processes import group_members, signal_group, start_time
 from dsv4_cluster.orchestrator.kernel_verify import attested_kernels
 from dsv4_cluster.orchestrator.probe import ProbeError, engine_info, first_unready
 from dsv4_cluster.orchestrator.router_admin import RouterAdmin, RouterAdminError, RouterLink
@@ -53,6 +59,7 @@ POLL_INTERVAL_S = 0.2
 LOG_TAIL_LINES = 30
 STATUS_TAIL_LINES = 10  # of a worker that is not READY, in `status`
 RETELL_EVERY_POLLS = 15  # the router hears the state again this often, in case it restarted
+RESUME_TIMEOUT_S = 300.0  # a resumed worker's start timeout when its record lacks one
 
 
 class WorkerStartError(RuntimeError):
@@ -106,6 +113,34 @@ class WorkerSupervisor:
         self._admin = RouterAdmin(router) if router is not None else None
         self._told: tuple[WorkerState, str | None] | None = None  # what the router acknowledged
         self._tell_lock = threading.Lock()
+        self._record_path = record_path(plan.cwd, f"supervisor-{plan.name}")
+        self._actor_id = current_actor_id()
+        self._start_timeout_s: float | None = None
+        self._resume()
+
+    # -- surviving its own process ------------------------------------------------------------
+
+    def _write_record(self, running: bool) -> None:
+        proc = self._proc
+        pid = proc.pid if proc is not None else None
+        write_actor_record(self._record_path, ActorRecord(
+            self._actor_id, os.getpid(), pid, start_time(pid) if pid is not None else None,
+            self._restarts, self._start_timeout_s, running))
+
+    def _resume(self) -> None:
+        """In an actor Ray restarted after its process died (its worker died with it): kill what is
+        left of the old worker's group and start the worker again. Otherwise just record this process."""
+        old = read_actor_record(self._record_path)
+        if self._actor_id is None or old is None or old.actor_id != self._actor_id or not old.running:
+            self._write_record(running=False)
+            return
+        leftovers = reap_worker(old)
+        logger.warning("%s: supervisor restarted by Ray; killed %s left of the old worker; starting it again",
+                       self._plan.name, leftovers or "nothing")
+        self._restarts = old.restarts + 1
+        self._set(WorkerState.STARTING, "its supervisor's process died (the worker with it); Ray restarted "
+                                        "the supervisor, which starts the worker again")
+        self._begin(old.start_timeout_s or RESUME_TIMEOUT_S)
 
     # -- the process thread ---------------------------------------------------------------
 
@@ -160,6 +195,7 @@ class WorkerSupervisor:
         except OSError as e:
             return _Failure(f"could not spawn {plan.argv[0]!r}: {e}", retry=False)
         self._proc = proc
+        self._write_record(running=not self._stop.is_set())
         deadline = time.monotonic() + timeout_s
         while True:
             code = proc.poll()
@@ -272,17 +308,22 @@ class WorkerSupervisor:
             if self._thread is not None:
                 raise WorkerStartError(f"{self._plan.name} was started already ({self._state.value})")
             self._state = WorkerState.STARTING
-        self._thread = threading.Thread(target=self._run, args=(timeout_s,), daemon=True,
-                                        name=f"proc-{self._plan.name}")
-        self._thread.start()
+        self._begin(timeout_s)
         self._first_outcome.wait()
         if self._start_error is not None:
             raise WorkerStartError(f"{self._plan.name} never became ready: {self._start_error}")
         return self.status()
 
+    def _begin(self, timeout_s: float) -> None:
+        self._start_timeout_s = timeout_s
+        self._thread = threading.Thread(target=self._run, args=(timeout_s,), daemon=True,
+                                        name=f"proc-{self._plan.name}")
+        self._thread.start()
+
     def stop(self, deadline_s: float) -> dict[str, Any]:
         """SIGTERM the process group, SIGKILL it after `deadline_s`; returns the final status."""
         self._stop.set()
+        self._write_record(running=False)  # a supervisor that dies from here on does not start it again
         with self._lock:
             if self._state in (WorkerState.STARTING, WorkerState.READY):
                 self._state = WorkerState.DRAINING

@@ -1,6 +1,8 @@
 """Recovery beyond a worker's own crash, on a whole embedded cluster brought up by the real CLI:
 KV a prefill holds for a decode that died before the transfer (stranded, counted, freed at the
-deadline). After each fault the test sends requests through the router and checks them."""
+deadline); a supervisor actor's or the controller's process SIGKILLed (Ray restarts the actor, which
+takes up its duties again; no worker process is left orphaned or duplicated, checked in /proc).
+After each fault the test sends requests through the router and checks them."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import secrets
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -18,6 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dsv4_cluster import metric_names as m
+from dsv4_cluster.orchestrator.processes import pid_alive
 
 from .cluster_cli import LocalCluster, write_topology
 
@@ -127,4 +131,53 @@ def test_kv_stranded_by_a_dead_decode_is_counted_then_freed_and_requests_succeed
 
     row = _wait_ready(cluster, "decode-0", dead["restarts"] + 1, timeout_s=90)
     assert (row["state"], row["restarts"]) == ("READY", dead["restarts"] + 1), row
+    _next_20_succeed(cluster)
+
+
+def _actor_record(c: LocalCluster, actor: str) -> dict:
+    return json.loads((c.topology.parent / "run" / "actors" / f"{actor}.json").read_text())
+
+
+def _worker_pids(role: str, port: int) -> list[int]:
+    """Live processes running the embedded `role` worker on `port`, from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if (entry.name.isdigit() and f"dsv4_cluster.workers.{role}" in argv and "--port" in argv
+                and argv[argv.index("--port") + 1] == str(port) and pid_alive(int(entry.name))):
+            found.append(int(entry.name))
+    return found
+
+
+def test_a_killed_supervisor_actor_is_restarted_and_starts_its_worker_again(cluster):
+    before = _rows(cluster)["decode-0"]
+    old = _actor_record(cluster, "supervisor-decode-0")
+    assert (old["worker_pid"], old["running"]) == (before["pid"], True) and old["pid"] != before["pid"], old
+    os.kill(old["pid"], signal.SIGKILL)
+    row = _wait_ready(cluster, "decode-0", before["restarts"] + 1, timeout_s=120)
+    assert (row["state"], row["restarts"]) == ("READY", before["restarts"] + 1), row
+    new = _actor_record(cluster, "supervisor-decode-0")
+    assert new["pid"] != old["pid"] and pid_alive(new["pid"]) and not pid_alive(old["pid"]), (old, new)
+    assert new["worker_pid"] == row["pid"] != before["pid"] and not pid_alive(before["pid"]), (new, row)
+    assert _worker_pids("decode", cluster.ports["decode"]) == [row["pid"]]  # none orphaned, none twice
+    _next_20_succeed(cluster)
+
+
+def test_a_killed_controller_is_restarted_and_the_workers_serve_throughout(cluster):
+    before = {n: (r["state"], r["pid"], r["restarts"]) for n, r in _rows(cluster).items()}
+    old = _actor_record(cluster, "controller")
+    os.kill(old["pid"], signal.SIGKILL)
+    _next_20_succeed(cluster)  # supervisors, workers and router do not depend on the controller
+    end = time.monotonic() + 120
+    while _actor_record(cluster, "controller")["pid"] == old["pid"] and time.monotonic() < end:
+        time.sleep(0.5)
+    new = _actor_record(cluster, "controller")
+    assert new["pid"] != old["pid"] and pid_alive(new["pid"]) and not pid_alive(old["pid"]), (old, new)
+    after = {n: (r["state"], r["pid"], r["restarts"]) for n, r in _rows(cluster).items()}
+    assert after == before  # the restarted controller found every supervisor, each with its worker
+    assert _worker_pids("prefill", cluster.ports["prefill"]) == [before["prefill-0"][1]]
+    assert _worker_pids("decode", cluster.ports["decode"]) == [before["decode-0"][1]]
     _next_20_succeed(cluster)
