@@ -23,7 +23,6 @@ worker's process group and starts the worker again, counted in `restarts`.
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import logging
 import os
@@ -32,7 +31,6 @@ import socket
 import subprocess
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +43,8 @@ from dsv4_cluster.orchestrator.actor_record import (
 from dsv4_cluster.orchestrator.plan import LaunchPlan
 from dsv4_cluster.orchestrator.pinning import pinning_report
 from dsv4_cluster.orchestrator.policy import CrashWindow, HealthPolicy, RestartPolicy
-from dsv4_cluster.orchestrator.processes import group_members, signal_group, start_time
+from dsv4_cluster.orchestrator.processes import (
+    death_signal_preexec, group_members, log_tail, signal_group, start_time)
 from dsv4_cluster.orchestrator.kernel_verify import attested_kernels
 from dsv4_cluster.orchestrator.probe import ProbeError, engine_info, first_unready
 from dsv4_cluster.orchestrator.router_admin import RouterAdmin, RouterAdminError, RouterLink
@@ -54,9 +53,7 @@ from dsv4_cluster.orchestrator.stranded_status import stranded_kv
 __all__ = ["HealthPolicy", "RestartPolicy", "WorkerStartError", "WorkerSupervisor", "log_tail"]
 logger = logging.getLogger(__name__)
 
-PR_SET_PDEATHSIG = 1
 POLL_INTERVAL_S = 0.2
-LOG_TAIL_LINES = 30
 STATUS_TAIL_LINES = 10  # of a worker that is not READY, in `status`
 RETELL_EVERY_POLLS = 15  # the router hears the state again this often, in case it restarted
 RESUME_TIMEOUT_S = 300.0  # a resumed worker's start timeout when its record lacks one
@@ -64,25 +61,6 @@ RESUME_TIMEOUT_S = 300.0  # a resumed worker's start timeout when its record lac
 
 class WorkerStartError(RuntimeError):
     """The worker exited or timed out before it became ready."""
-
-
-def _death_signal_preexec(parent_pid: int) -> Any:
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-
-    def preexec() -> None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent_pid:  # the supervisor died between fork and prctl
-            os._exit(1)
-
-    return preexec
-
-
-def log_tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(deque(f, maxlen=lines))
-    except FileNotFoundError:
-        return "(no log file)"
 
 
 @dataclass(frozen=True)
@@ -184,7 +162,7 @@ class WorkerSupervisor:
             return subprocess.Popen(
                 list(plan.argv), cwd=plan.cwd, env={**os.environ, **plan.env_dict},
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True, preexec_fn=_death_signal_preexec(os.getpid()),
+                start_new_session=True, preexec_fn=death_signal_preexec(os.getpid()),
             )
 
     def _launch(self, timeout_s: float) -> _Failure | None:
