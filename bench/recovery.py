@@ -26,6 +26,7 @@ from pathlib import Path
 
 import httpx
 
+from dsv4_cluster.bench.local_cluster import embedded_topology
 from dsv4_cluster.orchestrator.ports import free_ports
 
 CLI = [sys.executable, "-m", "dsv4_cluster.orchestrator"]
@@ -33,24 +34,6 @@ RESULTS = Path(__file__).resolve().parent / "results"
 TARGET_S = 15.0
 REQUEST = {"model": "dsv4-tiny", "max_tokens": 2, "ignore_eos": True,
            "messages": [{"role": "user", "content": "are you back?"}]}
-
-
-def _topology(folder: Path) -> tuple[Path, dict[str, int]]:
-    router, prefill, boot, decode = free_ports(4)
-    path = folder / "topology.yaml"
-    path.write_text(f"""
-engine: embedded
-model: {{name: dsv4-tiny, seed: 0, context_length: 512}}
-cluster: {{namespace: dsv4-bench-recovery-{router}, run_dir: run}}
-router: {{host: 127.0.0.1, port: {router}}}
-kernels: {{sparse_mla_decode: false, indexer: false, topk: false}}
-defaults: {{page_size: 16, kv_cache_dtype: auto, max_total_tokens: 4096}}
-prefill:
-  - {{name: prefill-0, device: cpu, port: {prefill}, bootstrap_port: {boot}}}
-decode:
-  - {{name: decode-0, device: cpu, port: {decode}}}
-""")
-    return path, {"router": router, "prefill": prefill, "bootstrap": boot, "decode": decode}
 
 
 def _cli(home: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -137,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="dsv4-recovery-") as tmp:
         home = Path(tmp) / "home"
-        topology, ports = _topology(Path(tmp))
+        topology, ports = embedded_topology(Path(tmp), "dsv4-bench-recovery")
         up = _cli(home, "up", str(topology), "--timeout", "180")
         if up.returncode != 0:
             print(up.stderr, file=sys.stderr)

@@ -31,6 +31,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,7 @@ POLL_INTERVAL_S = 0.2
 STATUS_TAIL_LINES = 10  # of a worker that is not READY, in `status`
 RETELL_EVERY_POLLS = 15  # the router hears the state again this often, in case it restarted
 RESUME_TIMEOUT_S = 300.0  # a resumed worker's start timeout when its record lacks one
+HISTORY_LENGTH = 20  # state changes kept for `status` (with the supervisor's own timestamps)
 
 
 class WorkerStartError(RuntimeError):
@@ -91,6 +93,7 @@ class WorkerSupervisor:
         self._admin = RouterAdmin(router) if router is not None else None
         self._told: tuple[WorkerState, str | None] | None = None  # what the router acknowledged
         self._tell_lock = threading.Lock()
+        self._history: deque[dict[str, Any]] = deque(maxlen=HISTORY_LENGTH)
         self._record_path = record_path(plan.cwd, f"supervisor-{plan.name}")
         self._actor_id = current_actor_id()
         self._start_timeout_s: float | None = None
@@ -125,6 +128,8 @@ class WorkerSupervisor:
     def _set(self, state: WorkerState, error: str | None = None) -> None:
         with self._lock:
             self._state, self._error = state, error
+            self._history.append({"at": time.time(), "event": "state", "state": state.value,
+                                  "reason": (error or "").split("\n")[0][:300] or None})
         self._tell_router()
 
     def _tell_router(self, again: bool = False) -> None:
@@ -173,6 +178,8 @@ class WorkerSupervisor:
         except OSError as e:
             return _Failure(f"could not spawn {plan.argv[0]!r}: {e}", retry=False)
         self._proc = proc
+        with self._lock:
+            self._history.append({"at": time.time(), "event": "spawn", "pid": proc.pid})
         self._write_record(running=not self._stop.is_set())
         deadline = time.monotonic() + timeout_s
         while True:
@@ -332,7 +339,7 @@ class WorkerSupervisor:
         """This worker's status row as a dict (see WorkerStatus)."""
         plan = self._plan
         with self._lock:
-            state, error, restarts = self._state, self._error, self._restarts
+            state, error, restarts, history = self._state, self._error, self._restarts, list(self._history)
         proc = self._proc
         pid = proc.pid if proc is not None and proc.returncode is None else None
         kv: KvUsage | None = None
@@ -351,7 +358,7 @@ class WorkerSupervisor:
             name=plan.name, role=plan.role, node=plan.node, state=state, pid=pid,
             port=plan.port, restarts=restarts, kv=kv, log_path=plan.log_path, error=error,
             kernels=kernels, log_tail=log_tail(plan.log_path, STATUS_TAIL_LINES) if troubled else None,
-            pinning=pinning_report(plan, pid) if pid is not None else None, stranded_kv=stranded,
+            pinning=pinning_report(plan, pid) if pid is not None else None, stranded_kv=stranded, history=history,
         ).to_dict()
 
     def _stranded_kv(self) -> dict[str, int] | None:

@@ -31,9 +31,8 @@ STRANDED_TIMEOUT_S = 20  # topology transfer.stranded_kv_timeout_s; counted stra
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory) -> LocalCluster:
-    c = write_topology(tmp_path_factory.mktemp("recovery"))
-    c.topology.write_text(c.topology.read_text() +
-                          f"transfer: {{backend: nixl, stranded_kv_timeout_s: {STRANDED_TIMEOUT_S}}}\n")
+    c = write_topology(tmp_path_factory.mktemp("recovery"),
+                       extra=f"transfer: {{backend: nixl, stranded_kv_timeout_s: {STRANDED_TIMEOUT_S}}}\n")
     with c.running():
         yield c
 
