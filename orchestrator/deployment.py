@@ -237,7 +237,7 @@ def watch(interval_s: float) -> str | None:
             signal.signal(sig, lambda *_: stop.set())
         while not stop.wait(interval_s):
             try:
-                current = ray.get(controller.status.remote(), timeout=60)
+                current = ray.get(controller.status.options(max_task_retries=READ_RETRIES).remote(), timeout=60)
             except (RayActorError, GetTimeoutError) as e:
                 return f"the controller does not answer: {e}"
             failed = [w for w in current["workers"] if w.get("state") == WorkerState.FAILED.value]

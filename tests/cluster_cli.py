@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+import openai
+
 from dsv4_cluster.bench.local_cluster import embedded_topology
 
 CLI = [sys.executable, "-m", "dsv4_cluster.orchestrator"]
@@ -38,6 +40,16 @@ class LocalCluster:
         finally:
             down = self.cli("down", "--timeout", "10")
             assert down.returncode == 0, down.stderr + down.stdout
+
+
+def next_20_succeed(c: LocalCluster) -> None:
+    """The fault is over only when requests succeed: 20 greedy chats through the router, official client."""
+    client = openai.OpenAI(base_url=c.router_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    for i in range(20):
+        reply = client.chat.completions.create(model="dsv4-tiny", max_tokens=4, temperature=0,
+                                               messages=[{"role": "user", "content": f"after {i}"}],
+                                               extra_body={"ignore_eos": True})
+        assert reply.usage.completion_tokens == 4, reply
 
 
 def run_cli(home: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:

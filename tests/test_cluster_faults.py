@@ -13,10 +13,9 @@ import time
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 
-from .cluster_cli import LocalCluster, write_topology
+from .cluster_cli import LocalCluster, next_20_succeed, write_topology
 
 pytestmark = pytest.mark.slow
 HOOKS = ", extra_args: [--test-hooks]"
@@ -48,15 +47,6 @@ def _wait_ready(c: LocalCluster, name: str, restarts: int, timeout_s: float) -> 
             return row
         time.sleep(0.3)
     return row
-
-
-def _next_20_succeed(c: LocalCluster) -> None:
-    client = openai.OpenAI(base_url=c.router_url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    for i in range(20):
-        reply = client.chat.completions.create(model="dsv4-tiny", max_tokens=4, temperature=0,
-                                               messages=[{"role": "user", "content": f"after {i}"}],
-                                               extra_body={"ignore_eos": True})
-        assert reply.usage.completion_tokens == 4, reply
 
 
 async def _load(c: LocalCluster, stop: asyncio.Event, out: list[int | str]) -> None:
@@ -108,7 +98,7 @@ def test_sigkill_under_load_then_ready_restarts_1_and_the_next_20_succeed(cluste
     assert (row["state"], row["restarts"]) == ("READY", before["restarts"] + 1), row
     assert row["pid"] != before["pid"]
     assert _admin_entry(cluster, name)["state"] == "READY"
-    _next_20_succeed(cluster)
+    next_20_succeed(cluster)
 
 
 def test_a_poison_request_gets_a_400_and_the_engine_keeps_serving(cluster):
@@ -128,7 +118,7 @@ def test_a_poison_request_gets_a_400_and_the_engine_keeps_serving(cluster):
     assert tiny.status_code == 200, tiny.text
     after = {w["name"]: (w["state"], w["restarts"]) for w in _status(cluster)["workers"]}
     assert after == {name: ("READY", n) for name, n in restarts.items()}
-    _next_20_succeed(cluster)
+    next_20_succeed(cluster)
 
 
 def test_a_dead_engine_is_detected_and_restarted_within_15s(cluster):
@@ -152,5 +142,5 @@ def test_a_dead_engine_is_detected_and_restarted_within_15s(cluster):
     assert spawned["pid"] == row["pid"]
     log = Path(row["log_path"]).read_text()
     assert "engine thread died" in log and "exiting non-zero" in log
-    _next_20_succeed(cluster)
+    next_20_succeed(cluster)
 

@@ -16,14 +16,13 @@ import time
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dsv4_cluster import metric_names as m
 from dsv4_cluster.orchestrator.processes import pid_alive
 
-from .cluster_cli import LocalCluster, write_topology
+from .cluster_cli import LocalCluster, next_20_succeed, write_topology
 
 pytestmark = pytest.mark.slow
 STRANDED_TIMEOUT_S = 20  # topology transfer.stranded_kv_timeout_s; counted stranded after 5 s
@@ -50,15 +49,6 @@ def _wait_ready(c: LocalCluster, name: str, restarts: int, timeout_s: float) -> 
         if (row["state"], row["restarts"]) == ("READY", restarts) or time.monotonic() > end:
             return row
         time.sleep(0.5)
-
-
-def _next_20_succeed(c: LocalCluster) -> None:
-    client = openai.OpenAI(base_url=c.router_url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    for i in range(20):
-        reply = client.chat.completions.create(model="dsv4-tiny", max_tokens=4, temperature=0,
-                                               messages=[{"role": "user", "content": f"after {i}"}],
-                                               extra_body={"ignore_eos": True})
-        assert reply.usage.completion_tokens == 4, reply
 
 
 def _stranded(url: str) -> dict[str, float]:
@@ -130,7 +120,7 @@ def test_kv_stranded_by_a_dead_decode_is_counted_then_freed_and_requests_succeed
 
     row = _wait_ready(cluster, "decode-0", dead["restarts"] + 1, timeout_s=90)
     assert (row["state"], row["restarts"]) == ("READY", dead["restarts"] + 1), row
-    _next_20_succeed(cluster)
+    next_20_succeed(cluster)
 
 
 def _actor_record(c: LocalCluster, actor: str) -> dict:
@@ -162,14 +152,14 @@ def test_a_killed_supervisor_actor_is_restarted_and_starts_its_worker_again(clus
     assert new["pid"] != old["pid"] and pid_alive(new["pid"]) and not pid_alive(old["pid"]), (old, new)
     assert new["worker_pid"] == row["pid"] != before["pid"] and not pid_alive(before["pid"]), (new, row)
     assert _worker_pids("decode", cluster.ports["decode"]) == [row["pid"]]  # none orphaned, none twice
-    _next_20_succeed(cluster)
+    next_20_succeed(cluster)
 
 
 def test_a_killed_controller_is_restarted_and_the_workers_serve_throughout(cluster):
     before = {n: (r["state"], r["pid"], r["restarts"]) for n, r in _rows(cluster).items()}
     old = _actor_record(cluster, "controller")
     os.kill(old["pid"], signal.SIGKILL)
-    _next_20_succeed(cluster)  # supervisors, workers and router do not depend on the controller
+    next_20_succeed(cluster)  # supervisors, workers and router do not depend on the controller
     end = time.monotonic() + 120
     while _actor_record(cluster, "controller")["pid"] == old["pid"] and time.monotonic() < end:
         time.sleep(0.5)
@@ -179,4 +169,4 @@ def test_a_killed_controller_is_restarted_and_the_workers_serve_throughout(clust
     assert after == before  # the restarted controller found every supervisor, each with its worker
     assert _worker_pids("prefill", cluster.ports["prefill"]) == [before["prefill-0"][1]]
     assert _worker_pids("decode", cluster.ports["decode"]) == [before["decode-0"][1]]
-    _next_20_succeed(cluster)
+    next_20_succeed(cluster)
