@@ -1,6 +1,6 @@
 """The supervisor: owns one worker process from spawn to exit, on the worker's node.
 
-It runs as a Ray actor (`supervisor_actor()`), one per worker and one for the router. The
+It runs as a Ray actor (created by the controller), one per worker and one for the router. The
 process gets its own process group (so `stop` reaches the children an engine spawns, e.g.
 SGLang's TP ranks) and PR_SET_PDEATHSIG=SIGKILL (so a dead supervisor never orphans it), and
 writes stdout+stderr to its own log file. `start` blocks until every readiness URL answers 200,
@@ -102,11 +102,15 @@ class WorkerSupervisor:
     # -- surviving its own process ------------------------------------------------------------
 
     def _write_record(self, running: bool) -> None:
+        """Best effort: without its record a restarted supervisor starts nothing, and says so in its log."""
         proc = self._proc
         pid = proc.pid if proc is not None else None
-        write_actor_record(self._record_path, ActorRecord(
-            self._actor_id, os.getpid(), pid, start_time(pid) if pid is not None else None,
-            self._restarts, self._start_timeout_s, running))
+        try:
+            write_actor_record(self._record_path, ActorRecord(
+                self._actor_id, os.getpid(), pid, start_time(pid) if pid is not None else None,
+                self._restarts, self._start_timeout_s, running))
+        except OSError as e:
+            logger.error("%s: cannot write the supervisor record %s: %s", self._plan.name, self._record_path, e)
 
     def _resume(self) -> None:
         """In an actor Ray restarted after its process died (its worker died with it): kill what is
