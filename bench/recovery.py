@@ -1,11 +1,14 @@
-"""Recovery benchmark: seconds from SIGKILL of a worker to the first successful request after it.
+"""Recovery benchmark: seconds from SIGKILL of a worker (or of its supervisor actor's process) to the
+first successful request after it.
 
     python -m dsv4_cluster.bench.recovery [--repeats 3] [--out bench/results/recovery]
 
 Brings up a copy of the embedded cluster (1 prefill + 1 decode, free loopback ports) with the real
 CLI, then for each worker and repeat: SIGKILL its pid (from `status`), send a 2-token chat request
 through the router every 0.2 s, and record the time to the first 200 and to `status` saying READY
-again. The baseline, measured in the same run: the cold start of the same worker (a fresh process
+again. The same for the supervisor actor of each worker (its pid from the run folder's
+`actors/supervisor-<name>.json`): Ray restarts the actor, which starts the worker again (the worker
+died with it). The baseline, measured in the same run: the cold start of the same worker (a fresh process
 of that role, spawn to `/health` 200), so `ratio` = recovery / cold start shows what supervision
 adds (detection, backoff, re-registration) on top of starting the process. Target: <= 15 s.
 Writes <out>.json and <out>.md (a table) and prints the table.
@@ -26,6 +29,7 @@ from pathlib import Path
 
 import httpx
 
+from dsv4_cluster.bench.local_cluster import embedded_topology
 from dsv4_cluster.orchestrator.ports import free_ports
 
 CLI = [sys.executable, "-m", "dsv4_cluster.orchestrator"]
@@ -33,24 +37,6 @@ RESULTS = Path(__file__).resolve().parent / "results"
 TARGET_S = 15.0
 REQUEST = {"model": "dsv4-tiny", "max_tokens": 2, "ignore_eos": True,
            "messages": [{"role": "user", "content": "are you back?"}]}
-
-
-def _topology(folder: Path) -> tuple[Path, dict[str, int]]:
-    router, prefill, boot, decode = free_ports(4)
-    path = folder / "topology.yaml"
-    path.write_text(f"""
-engine: embedded
-model: {{name: dsv4-tiny, seed: 0, context_length: 512}}
-cluster: {{namespace: dsv4-bench-recovery-{router}, run_dir: run}}
-router: {{host: 127.0.0.1, port: {router}}}
-kernels: {{sparse_mla_decode: false, indexer: false, topk: false}}
-defaults: {{page_size: 16, kv_cache_dtype: auto, max_total_tokens: 4096}}
-prefill:
-  - {{name: prefill-0, device: cpu, port: {prefill}, bootstrap_port: {boot}}}
-decode:
-  - {{name: decode-0, device: cpu, port: {decode}}}
-""")
-    return path, {"router": router, "prefill": prefill, "bootstrap": boot, "decode": decode}
 
 
 def _cli(home: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -72,13 +58,16 @@ def _ok(client: httpx.Client, url: str) -> bool:
         return False
 
 
-def recover_once(home: Path, router_url: str, name: str, limit_s: float = 120.0) -> dict:
+def recover_once(home: Path, router_url: str, name: str, run_dir: Path | None = None,
+                 limit_s: float = 120.0) -> dict:
+    """SIGKILL worker `name` (or, given `run_dir`, its supervisor actor's process) and time the recovery."""
     url = router_url + "/v1/chat/completions"
     with httpx.Client(timeout=10) as client:
         if not _ok(client, url):
             raise RuntimeError("the cluster does not serve before the kill")
         before = _rows(home)[name]
-        os.kill(before["pid"], signal.SIGKILL)
+        record = run_dir / "actors" / f"supervisor-{name}.json" if run_dir is not None else None
+        os.kill(json.loads(record.read_text())["pid"] if record is not None else before["pid"], signal.SIGKILL)
         killed = time.monotonic()
         first_ok = None
         while time.monotonic() - killed < limit_s:
@@ -93,7 +82,8 @@ def recover_once(home: Path, router_url: str, name: str, limit_s: float = 120.0)
             ready_at = time.monotonic() - killed
             break
         time.sleep(0.2)
-    return {"worker": name, "first_success_s": first_ok, "status_ready_by_s": ready_at}
+    killed_what = name if run_dir is None else f"supervisor of {name}"
+    return {"worker": killed_what, "first_success_s": first_ok, "status_ready_by_s": ready_at}
 
 
 def cold_start(role: str) -> float:
@@ -121,7 +111,7 @@ def cold_start(role: str) -> float:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| worker | recovery median (s) | max (s) | status READY by, median (s) | cold start (s) | "
+    lines = ["| killed | recovery median (s) | max (s) | status READY by, median (s) | cold start (s) | "
              "recovery / cold start | <= 15 s |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
@@ -137,15 +127,16 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="dsv4-recovery-") as tmp:
         home = Path(tmp) / "home"
-        topology, ports = _topology(Path(tmp))
+        topology, ports = embedded_topology(Path(tmp), "dsv4-bench-recovery")
         up = _cli(home, "up", str(topology), "--timeout", "180")
         if up.returncode != 0:
             print(up.stderr, file=sys.stderr)
             return 1
         try:
             router_url = f"http://127.0.0.1:{ports['router']}"
-            runs = [recover_once(home, router_url, name) for name in ("decode-0", "prefill-0")
-                    for _ in range(args.repeats)]
+            run_dir = topology.parent / "run"
+            runs = [recover_once(home, router_url, name, actor) for actor in (None, run_dir)
+                    for name in ("decode-0", "prefill-0") for _ in range(args.repeats)]
         finally:
             down = _cli(home, "down", "--timeout", "10")
             if down.returncode != 0:
@@ -155,14 +146,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no successful request after the kill within the limit: {failed}", file=sys.stderr)
         return 1
     rows = []
-    for name, role in (("decode-0", "decode"), ("prefill-0", "prefill")):
+    cold = {role: statistics.median(cold_start(role) for _ in range(args.repeats)) for role in ("decode", "prefill")}
+    for name, role in (("decode-0", "decode"), ("prefill-0", "prefill"), ("supervisor of decode-0", "decode"),
+                       ("supervisor of prefill-0", "prefill")):
         times = [r["first_success_s"] for r in runs if r["worker"] == name]
         ready = [r["status_ready_by_s"] for r in runs if r["worker"] == name and r["status_ready_by_s"] is not None]
-        cold = statistics.median(cold_start(role) for _ in range(args.repeats))
         median = statistics.median(times)
         rows.append({"worker": name, "median_s": median, "max_s": max(times), "runs_s": times,
                      "ready_median_s": statistics.median(ready) if ready else float("nan"),
-                     "cold_start_s": cold, "ratio": median / cold})
+                     "cold_start_s": cold[role], "ratio": median / cold[role]})
     load = os.getloadavg()
     result = {"target_s": TARGET_S, "repeats": args.repeats, "loadavg_1_5_15": load, "rows": rows, "runs": runs,
               "cpus": os.cpu_count()}
@@ -171,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     text = table(rows)
     out.with_suffix(".md").write_text(
-        "# Recovery: SIGKILL of a worker -> first successful request through the router\n\n"
+        "# Recovery: SIGKILL of a worker or its supervisor -> first successful request through the router\n\n"
         f"`python -m dsv4_cluster.bench.recovery --repeats {args.repeats}`; {os.cpu_count()} CPUs, load average "
         f"after the run {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f} (other work on the machine slows every start).\n"
         "Baseline: the cold start of a fresh process of the same role, measured in the same run.\n\n"

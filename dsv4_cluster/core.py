@@ -67,6 +67,8 @@ class WorkerStatus:
     kernels: tuple[tuple[str, str], ...] = ()  # (kernel, implementation) the engine reports
     log_tail: str | None = None  # the log's last lines while DEGRADED, RESTARTING or FAILED
     pinning: dict[str, Any] | None = None  # read back from /proc; "mismatch" lists differences from the plan
+    stranded_kv: dict[str, int] | None = None  # prefill: tokens/rooms stranded now, freed_tokens/rooms since start
+    history: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # last spawns and state changes, `at` epoch s
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -96,4 +98,6 @@ class WorkerStatus:
             kernels=tuple(sorted((data.get("kernels") or {}).items())),
             log_tail=data.get("log_tail"),
             pinning=data.get("pinning"),
+            stranded_kv=data.get("stranded_kv"),
+            history=list(data.get("history") or []),
         )

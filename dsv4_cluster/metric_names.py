@@ -27,8 +27,13 @@ WORKER_HISTOGRAMS = (
     "sglang:time_to_first_token_seconds", "sglang:inter_token_latency_seconds",
     "sglang:e2e_request_latency_seconds",
 )
-# KV pages a prefill holds for rooms no decode will read (the supervision issue exports it).
-STRANDED_KV_TOKENS = "dsv4_stranded_kv_tokens"
+# Stranded KV: what an embedded prefill holds for rooms no decode reserved (workers/prefill/stranded.py),
+# labels model_name, engine_type (prefill only; SGLang's prefill does not export them).
+STRANDED_KV_TOKENS = "dsv4_stranded_kv_tokens"  # gauge: KV tokens held now
+STRANDED_KV_ROOMS = "dsv4_stranded_kv_rooms"  # gauge: bootstrap rooms held now
+STRANDED_KV_FREED_TOKENS = "dsv4_stranded_kv_freed_tokens_total"  # counter: freed at the deadline
+STRANDED_KV_FREED_ROOMS = "dsv4_stranded_kv_freed_rooms_total"  # counter
+STRANDED_KV = (STRANDED_KV_TOKENS, STRANDED_KV_ROOMS, STRANDED_KV_FREED_TOKENS, STRANDED_KV_FREED_ROOMS)
 
 # Router (names as the router issue's code spells them).
 ROUTER_REQUESTS = "dsv4_router_requests_total"  # labels route, status

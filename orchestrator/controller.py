@@ -3,10 +3,16 @@
 `up` creates it (`name="controller"` in the topology's namespace, `lifetime="detached"`) so it
 outlives the CLI; `status` and `down` find it again by name. It creates one supervisor actor per
 worker, placed on the worker's node, starts prefill and decode concurrently, and starts the
-router only once every worker is READY. The supervisors are owned by the controller: killing the
-controller kills them, and their processes die with them (PR_SET_PDEATHSIG). Worker supervisors
-tell the router of every state change (admin API, with the cluster's admin token); once the router
-is up, a deep probe sends a real request through every prefill -> decode pair periodically.
+router only once every worker is READY. Worker supervisors tell the router of every state change
+(admin API, with the cluster's admin token); once the router is up, a deep probe sends a real
+request through every prefill -> decode pair periodically.
+
+Both survive their own process dying. Supervisors are detached, named actors (`supervisor-<name>`)
+that Ray restarts (`max_restarts`); a restarted one starts its worker again (supervisor.py). The
+controller is restarted by Ray too (`up` creates it with `max_restarts`); its constructor finds the
+running supervisors by name and takes them over, and starts the deep probe again, so the workers
+keep serving through a controller restart. Since the supervisors no longer die with the
+controller, `stop` kills them by name, and `kill_supervisors` does so for a controller that is gone.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
+from dsv4_cluster.orchestrator.actor_record import ActorRecord, current_actor_id, record_path, write_actor_record
 from dsv4_cluster.orchestrator.errors import ClusterStartError, UnknownWorkerError
 from dsv4_cluster.core import Role
 from dsv4_cluster.orchestrator.deep_probe import DeepProber
@@ -35,6 +42,8 @@ NODE_LABEL_PREFIX = "dsv4-node:"  # `ray start --resources '{"dsv4-node:<name>":
 SUPERVISOR_CONCURRENCY = 4  # start() blocks while status()/stop() must still answer
 DEEP_PROBE_INTERVAL_S = 30.0
 DRAIN_POLL_S = 0.2
+ACTOR_MAX_RESTARTS = -1  # Ray restarts a dead controller or supervisor for as long as the cluster is up
+READ_RETRIES = 2  # status/pids are safe to send again to an actor Ray restarted
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,21 @@ class ClusterController:
         self._spec = spec
         self._supervisors: dict[str, Any] = {}
         self._prober: DeepProber | None = None
+        write_actor_record(record_path(spec.router.cwd, CONTROLLER_NAME), ActorRecord(current_actor_id(), os.getpid()))
+        self._take_over()
+
+    def _take_over(self) -> None:
+        """After Ray restarted this controller: adopt the supervisors still running (by name), and
+        start the deep probe again once the router is among them. In a new cluster there are none."""
+        for plan in (*self._spec.workers, self._spec.router):
+            try:
+                self._supervisors[plan.name] = ray.get_actor(supervisor_name(plan.name),
+                                                             namespace=self._spec.namespace)
+            except ValueError:
+                continue
+        if self._spec.router.name in self._supervisors:
+            self._prober = DeepProber(self._spec.workers, self._spec.probe_interval_s)
+            self._prober.start()
 
     def _node_resource(self, node: str) -> str:
         """The Ray resource that places an actor on topology node `node`: `dsv4-node:<name>` when
@@ -101,7 +125,8 @@ class ClusterController:
         if plan.role is not Role.ROUTER and self._spec.admin_token is not None:
             link = RouterLink.for_router(self._spec.router, self._spec.admin_token)
         actor = ray.remote(WorkerSupervisor).options(
-            name=f"supervisor-{plan.name}", num_cpus=0, max_concurrency=SUPERVISOR_CONCURRENCY,
+            name=supervisor_name(plan.name), namespace=self._spec.namespace, lifetime="detached",
+            max_restarts=ACTOR_MAX_RESTARTS, num_cpus=0, max_concurrency=SUPERVISOR_CONCURRENCY,
             resources={self._node_resource(plan.node): NODE_RESOURCE_SHARE},
         ).remote(plan, router=link)
         self._supervisors[plan.name] = actor
@@ -143,8 +168,10 @@ class ClusterController:
         rows = []
         names = [p.name for p in self._spec.workers] + [self._spec.router.name]
         supervisors = dict(self._supervisors)
-        refs = {n: supervisors[n].status.remote() for n in names if n in supervisors}
-        where = {n: supervisors[n].ray_node.remote() for n in names if n in supervisors}
+        refs = {n: supervisors[n].status.options(max_task_retries=READ_RETRIES).remote()
+                for n in names if n in supervisors}
+        where = {n: supervisors[n].ray_node.options(max_task_retries=READ_RETRIES).remote()
+                 for n in names if n in supervisors}
         for name in names:
             if name not in refs:
                 continue
@@ -202,7 +229,7 @@ class ClusterController:
 
     def pids(self) -> list[tuple[str, int]]:
         """(host, pid) of every process of this cluster: controller, supervisors, workers."""
-        refs = [a.pids.remote() for a in dict(self._supervisors).values()]
+        refs = [a.pids.options(max_task_retries=READ_RETRIES).remote() for a in dict(self._supervisors).values()]
         return [(socket.gethostname(), os.getpid())] + [p for r in refs for p in ray.get(r, timeout=30)]
 
     def stop(self, deadline_s: float) -> dict[str, Any]:
@@ -226,3 +253,22 @@ class ClusterController:
         self._supervisors.clear()
         record_targets(self._spec, final)
         return {"endpoint": self._spec.endpoint, "workers": final}
+
+
+def supervisor_name(worker: str) -> str:
+    return f"supervisor-{worker}"
+
+
+def kill_supervisors(namespace: str, workers: list[str]) -> list[str]:
+    """Kill the named supervisor actors of `workers` (their processes die with them); for a controller
+    that is gone, whose `stop` cannot. Returns the names found."""
+    found = []
+    for worker in workers:
+        try:
+            actor = ray.get_actor(supervisor_name(worker), namespace=namespace)
+        except ValueError:
+            continue
+        ray.kill(actor)
+        found.append(worker)
+    return found
+

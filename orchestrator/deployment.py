@@ -21,7 +21,8 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from dsv4_cluster.core import WorkerState
 from dsv4_cluster.orchestrator import ray_cluster
-from dsv4_cluster.orchestrator.controller import CONTROLLER_NAME, ClusterController, ClusterSpec
+from dsv4_cluster.orchestrator.controller import (
+    ACTOR_MAX_RESTARTS, CONTROLLER_NAME, READ_RETRIES, ClusterController, ClusterSpec, kill_supervisors)
 from dsv4_cluster.orchestrator.errors import (
     AlreadyUpError, ClusterStartError, NotUpError, PreflightError, RayClusterError)
 from dsv4_cluster.orchestrator.options import DownOptions, UpOptions
@@ -103,7 +104,7 @@ def up(topology_path: str, options: UpOptions) -> dict[str, Any]:
         write_record(record)
         controller = ray.remote(ClusterController).options(
             name=CONTROLLER_NAME, namespace=spec.namespace, lifetime="detached", num_cpus=0,
-            max_concurrency=CONTROLLER_CONCURRENCY).remote(spec)
+            max_concurrency=CONTROLLER_CONCURRENCY, max_restarts=ACTOR_MAX_RESTARTS).remote(spec)
         try:
             started = ray.get(controller.up.remote(options.timeout_s))
         except (RayTaskError, RayActorError) as e:
@@ -112,7 +113,7 @@ def up(topology_path: str, options: UpOptions) -> dict[str, Any]:
         return {**started, "verification": _verify(topology, started)}
     except BaseException:
         if controller is not None:
-            _abandon(controller)
+            _abandon(controller, spec)
         ray_cluster.disconnect()
         if head is not None:
             ray_cluster.stop_head(head, deadline_s=10.0)
@@ -151,13 +152,14 @@ def _interrupt_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, _raise_interrupt)
 
 
-def _abandon(controller: Any) -> None:
+def _abandon(controller: Any, spec: ClusterSpec) -> None:
     """Stop whatever a failed or interrupted `up` left running, then the controller itself."""
     try:
         ray.get(controller.stop.remote(10.0), timeout=60)
     except (RayTaskError, RayActorError, GetTimeoutError) as e:
-        # Killing the controller below kills its supervisors, and their processes die with them.
-        logger.warning("stopping the processes of a failed up: %s; killing the controller", e)
+        # Killing the supervisors kills their processes (PR_SET_PDEATHSIG).
+        killed = kill_supervisors(spec.namespace, [p.name for p in (*spec.workers, spec.router)])
+        logger.warning("stopping the processes of a failed up: %s; killed the supervisors of %s", e, killed)
     ray.kill(controller)
 
 
@@ -188,8 +190,10 @@ def status() -> dict[str, Any]:
     except RecordError as e:
         raise NotUpError(str(e)) from e
     try:
-        return with_predicted_capacity(ray.get(find_controller(record).status.remote(), timeout=60),
-                                       record.topology_path)
+        controller = find_controller(record)
+        return with_predicted_capacity(
+            ray.get(controller.status.options(max_task_retries=READ_RETRIES).remote(), timeout=60),
+            record.topology_path)
     except (RayActorError, GetTimeoutError) as e:
         raise NotUpError(f"the controller does not answer: {e}") from e
     except RayClusterError as e:
@@ -233,7 +237,7 @@ def watch(interval_s: float) -> str | None:
             signal.signal(sig, lambda *_: stop.set())
         while not stop.wait(interval_s):
             try:
-                current = ray.get(controller.status.remote(), timeout=60)
+                current = ray.get(controller.status.options(max_task_retries=READ_RETRIES).remote(), timeout=60)
             except (RayActorError, GetTimeoutError) as e:
                 return f"the controller does not answer: {e}"
             failed = [w for w in current["workers"] if w.get("state") == WorkerState.FAILED.value]
@@ -254,6 +258,18 @@ def _wait_gone(pids: list[int], deadline_s: float) -> list[int]:
         time.sleep(0.1)
 
 
+def _kill_orphaned_supervisors(record: ClusterRecord) -> list[str]:
+    """Supervisors outlive their controller (detached): kill those the topology names, if Ray answers."""
+    if not ray.is_initialized():
+        return []  # no Ray cluster to look in (its head is gone, and the actors with it)
+    try:
+        names = [w.name for w in load_topology(record.topology_path).workers] + ["router"]
+        killed = kill_supervisors(record.namespace, names)
+    except (TopologyError, RayClusterError, RayActorError) as e:
+        return [f"supervisors: not looked for ({e})"]
+    return [f"supervisors killed without their controller: {', '.join(killed)}"] if killed else []
+
+
 def down(options: DownOptions) -> dict[str, Any]:
     """Stop everything `up` started; returns the processes' final status and what survived."""
     try:
@@ -271,6 +287,7 @@ def down(options: DownOptions) -> dict[str, Any]:
         ray.kill(controller)
     except (NotUpError, RayClusterError, RayActorError, GetTimeoutError) as e:
         notes.append(f"controller: {e}")
+        notes += _kill_orphaned_supervisors(record)
     finally:
         ray_cluster.disconnect()
     if record.head is not None:

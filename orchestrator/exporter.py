@@ -44,13 +44,14 @@ def _driver(conn: Connection, address: str, namespace: str) -> None:
     from ray.exceptions import GetTimeoutError, RayActorError
 
     from dsv4_cluster.orchestrator import ray_cluster
-    from dsv4_cluster.orchestrator.controller import CONTROLLER_NAME
+    from dsv4_cluster.orchestrator.controller import CONTROLLER_NAME, READ_RETRIES
 
     ray_cluster.connect(address, namespace)
     while conn.recv() == "status":
         try:
             controller = ray.get_actor(CONTROLLER_NAME, namespace=namespace)
-            conn.send(list(ray.get(controller.status.remote(), timeout=STATUS_TIMEOUT_S)["workers"]))
+            reply = controller.status.options(max_task_retries=READ_RETRIES).remote()  # through a restart
+            conn.send(list(ray.get(reply, timeout=STATUS_TIMEOUT_S)["workers"]))
         except (ValueError, RayActorError, GetTimeoutError) as e:
             conn.send(f"the controller does not answer: {e}")
 

@@ -96,7 +96,8 @@ def embedded_argv(topology: Any, worker: Any) -> list[str]:
     argv = [sys.executable, "-m", f"dsv4_cluster.workers.{role}", "--host", "0.0.0.0",
             "--port", str(worker.port)]
     if role == Role.PREFILL.value:
-        argv += ["--disaggregation-bootstrap-port", str(worker.bootstrap_port)]
+        argv += ["--disaggregation-bootstrap-port", str(worker.bootstrap_port),
+                 "--peer-timeout-s", str(topology.transfer.stranded_kv_timeout_s)]
     argv += [
         "--served-model-name", topology.model.name,
         "--seed", str(topology.model.seed),

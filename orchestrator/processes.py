@@ -1,4 +1,5 @@
-"""Liveness of processes and process groups, as `down` and the supervisors must judge it.
+"""Liveness of processes and process groups, as `down` and the supervisors must judge it; the death
+signal a supervisor gives its children; the tail of a process's log.
 
 A zombie (exited, not yet reaped by a parent that is not us) counts as gone: it holds no port,
 no memory and runs nothing, but `kill(pid, 0)` still succeeds on it. Linux only (/proc).
@@ -6,9 +7,15 @@ no memory and runs nothing, but `kill(pid, 0)` still succeeds on it. Linux only 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
+from collections import deque
 from pathlib import Path
+from typing import Callable
+
+PR_SET_PDEATHSIG = 1
+LOG_TAIL_LINES = 30
 
 
 def _stat_fields(pid: int) -> list[str] | None:
@@ -44,3 +51,31 @@ def signal_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
     except ProcessLookupError:
         pass
+
+
+def start_time(pid: int) -> int | None:
+    """When `pid` started, in clock ticks since boot (/proc/PID/stat field 22); None when it is gone.
+    With the pid it names one process for good: a recycled pid starts later."""
+    fields = _stat_fields(pid)
+    return int(fields[19]) if fields is not None else None
+
+
+def death_signal_preexec(parent_pid: int) -> Callable[[], None]:
+    """A Popen preexec_fn: the child gets SIGKILL when the thread that forked it dies."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent_pid:  # the supervisor died between fork and prctl
+            os._exit(1)
+
+    return preexec
+
+
+def log_tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(deque(f, maxlen=lines))
+    except FileNotFoundError:
+        return "(no log file)"
+

@@ -1,6 +1,6 @@
 """The supervisor: owns one worker process from spawn to exit, on the worker's node.
 
-It runs as a Ray actor (`supervisor_actor()`), one per worker and one for the router. The
+It runs as a Ray actor (created by the controller), one per worker and one for the router. The
 process gets its own process group (so `stop` reaches the children an engine spawns, e.g.
 SGLang's TP ranks) and PR_SET_PDEATHSIG=SIGKILL (so a dead supervisor never orphans it), and
 writes stdout+stderr to its own log file. `start` blocks until every readiness URL answers 200,
@@ -15,11 +15,14 @@ router's admin API (`RouterLink`), retried on each poll until the router has it.
 
 One dedicated thread spawns the process, waits for readiness, watches it and restarts it: the
 death signal follows the thread that forked, so that thread outlives every process it spawns.
+
+The supervisor survives its own process dying: Ray restarts the actor (`max_restarts`, controller.py),
+and the new one finds its record in the run folder (`actor_record.py`), kills what is left of the old
+worker's process group and starts the worker again, counted in `restarts`.
 """
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import logging
 import os
@@ -36,45 +39,30 @@ from typing import Any
 import httpx
 
 from dsv4_cluster.core import KvUsage, Role, WorkerState, WorkerStatus
+from dsv4_cluster.orchestrator.actor_record import (
+    ActorRecord, current_actor_id, read_actor_record, reap_worker, record_path, write_actor_record)
 from dsv4_cluster.orchestrator.plan import LaunchPlan
 from dsv4_cluster.orchestrator.pinning import pinning_report
 from dsv4_cluster.orchestrator.policy import CrashWindow, HealthPolicy, RestartPolicy
-from dsv4_cluster.orchestrator.processes import group_members, signal_group
+from dsv4_cluster.orchestrator.processes import (
+    death_signal_preexec, group_members, log_tail, signal_group, start_time)
 from dsv4_cluster.orchestrator.kernel_verify import attested_kernels
 from dsv4_cluster.orchestrator.probe import ProbeError, engine_info, first_unready
 from dsv4_cluster.orchestrator.router_admin import RouterAdmin, RouterAdminError, RouterLink
+from dsv4_cluster.orchestrator.stranded_status import stranded_kv
 
 __all__ = ["HealthPolicy", "RestartPolicy", "WorkerStartError", "WorkerSupervisor", "log_tail"]
 logger = logging.getLogger(__name__)
 
-PR_SET_PDEATHSIG = 1
 POLL_INTERVAL_S = 0.2
-LOG_TAIL_LINES = 30
 STATUS_TAIL_LINES = 10  # of a worker that is not READY, in `status`
 RETELL_EVERY_POLLS = 15  # the router hears the state again this often, in case it restarted
+RESUME_TIMEOUT_S = 300.0  # a resumed worker's start timeout when its record lacks one
+HISTORY_LENGTH = 20  # state changes kept for `status` (with the supervisor's own timestamps)
 
 
 class WorkerStartError(RuntimeError):
     """The worker exited or timed out before it became ready."""
-
-
-def _death_signal_preexec(parent_pid: int) -> Any:
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-
-    def preexec() -> None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent_pid:  # the supervisor died between fork and prctl
-            os._exit(1)
-
-    return preexec
-
-
-def log_tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(deque(f, maxlen=lines))
-    except FileNotFoundError:
-        return "(no log file)"
 
 
 @dataclass(frozen=True)
@@ -105,12 +93,47 @@ class WorkerSupervisor:
         self._admin = RouterAdmin(router) if router is not None else None
         self._told: tuple[WorkerState, str | None] | None = None  # what the router acknowledged
         self._tell_lock = threading.Lock()
+        self._history: deque[dict[str, Any]] = deque(maxlen=HISTORY_LENGTH)
+        self._record_path = record_path(plan.cwd, f"supervisor-{plan.name}")
+        self._actor_id = current_actor_id()
+        self._start_timeout_s: float | None = None
+        self._resume()
+
+    # -- surviving its own process ------------------------------------------------------------
+
+    def _write_record(self, running: bool) -> None:
+        """Best effort: without its record a restarted supervisor starts nothing, and says so in its log."""
+        proc = self._proc
+        pid = proc.pid if proc is not None else None
+        try:
+            write_actor_record(self._record_path, ActorRecord(
+                self._actor_id, os.getpid(), pid, start_time(pid) if pid is not None else None,
+                self._restarts, self._start_timeout_s, running))
+        except OSError as e:
+            logger.error("%s: cannot write the supervisor record %s: %s", self._plan.name, self._record_path, e)
+
+    def _resume(self) -> None:
+        """In an actor Ray restarted after its process died (its worker died with it): kill what is
+        left of the old worker's group and start the worker again. Otherwise just record this process."""
+        old = read_actor_record(self._record_path)
+        if self._actor_id is None or old is None or old.actor_id != self._actor_id or not old.running:
+            self._write_record(running=False)
+            return
+        leftovers = reap_worker(old)
+        logger.warning("%s: supervisor restarted by Ray; killed %s left of the old worker; starting it again",
+                       self._plan.name, leftovers or "nothing")
+        self._restarts = old.restarts + 1
+        self._set(WorkerState.STARTING, "its supervisor's process died (the worker with it); Ray restarted "
+                                        "the supervisor, which starts the worker again")
+        self._begin(old.start_timeout_s or RESUME_TIMEOUT_S)
 
     # -- the process thread ---------------------------------------------------------------
 
     def _set(self, state: WorkerState, error: str | None = None) -> None:
         with self._lock:
             self._state, self._error = state, error
+            self._history.append({"at": time.time(), "event": "state", "state": state.value,
+                                  "reason": (error or "").split("\n")[0][:300] or None})
         self._tell_router()
 
     def _tell_router(self, again: bool = False) -> None:
@@ -148,7 +171,7 @@ class WorkerSupervisor:
             return subprocess.Popen(
                 list(plan.argv), cwd=plan.cwd, env={**os.environ, **plan.env_dict},
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True, preexec_fn=_death_signal_preexec(os.getpid()),
+                start_new_session=True, preexec_fn=death_signal_preexec(os.getpid()),
             )
 
     def _launch(self, timeout_s: float) -> _Failure | None:
@@ -159,6 +182,9 @@ class WorkerSupervisor:
         except OSError as e:
             return _Failure(f"could not spawn {plan.argv[0]!r}: {e}", retry=False)
         self._proc = proc
+        with self._lock:
+            self._history.append({"at": time.time(), "event": "spawn", "pid": proc.pid})
+        self._write_record(running=not self._stop.is_set())
         deadline = time.monotonic() + timeout_s
         while True:
             code = proc.poll()
@@ -271,17 +297,22 @@ class WorkerSupervisor:
             if self._thread is not None:
                 raise WorkerStartError(f"{self._plan.name} was started already ({self._state.value})")
             self._state = WorkerState.STARTING
-        self._thread = threading.Thread(target=self._run, args=(timeout_s,), daemon=True,
-                                        name=f"proc-{self._plan.name}")
-        self._thread.start()
+        self._begin(timeout_s)
         self._first_outcome.wait()
         if self._start_error is not None:
             raise WorkerStartError(f"{self._plan.name} never became ready: {self._start_error}")
         return self.status()
 
+    def _begin(self, timeout_s: float) -> None:
+        self._start_timeout_s = timeout_s
+        self._thread = threading.Thread(target=self._run, args=(timeout_s,), daemon=True,
+                                        name=f"proc-{self._plan.name}")
+        self._thread.start()
+
     def stop(self, deadline_s: float) -> dict[str, Any]:
         """SIGTERM the process group, SIGKILL it after `deadline_s`; returns the final status."""
         self._stop.set()
+        self._write_record(running=False)  # a supervisor that dies from here on does not start it again
         with self._lock:
             if self._state in (WorkerState.STARTING, WorkerState.READY):
                 self._state = WorkerState.DRAINING
@@ -312,10 +343,11 @@ class WorkerSupervisor:
         """This worker's status row as a dict (see WorkerStatus)."""
         plan = self._plan
         with self._lock:
-            state, error, restarts = self._state, self._error, self._restarts
+            state, error, restarts, history = self._state, self._error, self._restarts, list(self._history)
         proc = self._proc
         pid = proc.pid if proc is not None and proc.returncode is None else None
         kv: KvUsage | None = None
+        stranded: dict[str, int] | None = None
         kernels: tuple[tuple[str, str], ...] = ()
         if state is WorkerState.READY and plan.server_info_url is not None:
             try:
@@ -324,13 +356,24 @@ class WorkerSupervisor:
             except (httpx.HTTPError, ProbeError, ValueError) as e:
                 error = f"/server_info probe failed: {e}"
             kernels = kernels or attested_kernels(plan, pid)  # SGLang: its ranks attest, not /server_info
+            stranded = self._stranded_kv()
         troubled = state in (WorkerState.DEGRADED, WorkerState.RESTARTING, WorkerState.FAILED)
         return WorkerStatus(
             name=plan.name, role=plan.role, node=plan.node, state=state, pid=pid,
             port=plan.port, restarts=restarts, kv=kv, log_path=plan.log_path, error=error,
             kernels=kernels, log_tail=log_tail(plan.log_path, STATUS_TAIL_LINES) if troubled else None,
-            pinning=pinning_report(plan, pid) if pid is not None else None,
+            pinning=pinning_report(plan, pid) if pid is not None else None, stranded_kv=stranded, history=history,
         ).to_dict()
+
+    def _stranded_kv(self) -> dict[str, int] | None:
+        """A prefill's stranded-KV numbers from its /metrics (None: not a prefill, or not exported)."""
+        if self._plan.role is not Role.PREFILL or self._plan.metrics_url is None:
+            return None
+        try:
+            return stranded_kv(self._http, self._plan.metrics_url)
+        except httpx.HTTPError as e:
+            logger.debug("%s: no stranded-KV numbers: %s", self._plan.name, e)
+            return None
 
     def ray_node(self) -> str | None:
         """The Ray node this supervisor (an actor) runs on; None outside Ray."""

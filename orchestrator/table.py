@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from dsv4_cluster.orchestrator.stranded_status import stranded_line
+
 COLUMNS = ("NAME", "ROLE", "NODE", "PID", "STATE", "RESTARTS", "PORT", "KV_CAPACITY", "KV_USED")
 
 
@@ -27,6 +29,9 @@ def render_table(status: dict[str, Any]) -> str:
     for w in status["workers"]:
         if w.get("error"):
             lines.append(f"{w.get('name', '?')}: {w['error']}")
+        stranded = stranded_line(w)
+        if stranded:
+            lines.append(stranded)
         mismatch = (w.get("pinning") or {}).get("mismatch")
         if mismatch:
             lines.append(f"{w['name']}: PINNING differs from the topology: {'; '.join(mismatch)}")

@@ -71,6 +71,9 @@ class RouterConfig(_Strict):
 class TransferConfig(_Strict):
     backend: TransferBackend = "nixl"
     ucx_tls: str | None = Field(default=None, min_length=1, description='UCX_TLS, e.g. "rc,cuda_copy"')
+    stranded_kv_timeout_s: float = Field(
+        default=30.0, gt=0, description="embedded: a prefill frees the KV of a prompt no decode reserved "
+                                        "within this many seconds (stranded KV); SGLang has its own timeouts")
 
 
 class KernelsConfig(_Strict):

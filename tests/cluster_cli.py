@@ -10,7 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from dsv4_cluster.orchestrator.ports import free_ports
+import openai
+
+from dsv4_cluster.bench.local_cluster import embedded_topology
 
 CLI = [sys.executable, "-m", "dsv4_cluster.orchestrator"]
 
@@ -40,6 +42,16 @@ class LocalCluster:
             assert down.returncode == 0, down.stderr + down.stdout
 
 
+def next_20_succeed(c: LocalCluster) -> None:
+    """The fault is over only when requests succeed: 20 greedy chats through the router, official client."""
+    client = openai.OpenAI(base_url=c.router_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    for i in range(20):
+        reply = client.chat.completions.create(model="dsv4-tiny", max_tokens=4, temperature=0,
+                                               messages=[{"role": "user", "content": f"after {i}"}],
+                                               extra_body={"ignore_eos": True})
+        assert reply.usage.completion_tokens == 4, reply
+
+
 def run_cli(home: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     """`dsv4-cluster ARGS` in its own process, with its record kept under `home`."""
     env = {**os.environ, "DSV4_CLUSTER_HOME": str(home)}
@@ -47,21 +59,9 @@ def run_cli(home: Path, *args: str, timeout: float = 240) -> subprocess.Complete
 
 
 def write_topology(tmp_path: Path, context_length: int = 512, extra_decode: str = "",
-                   kernels: bool = False, extra_prefill: str = "") -> LocalCluster:
-    router, prefill, boot, decode = free_ports(4)
-    k = "true" if kernels else "false"
-    path = tmp_path / "topology.yaml"
-    path.write_text(f"""
-engine: embedded
-model: {{name: dsv4-tiny, seed: 0, context_length: {context_length}}}
-cluster: {{namespace: dsv4-test-{router}, run_dir: run}}
-router: {{host: 127.0.0.1, port: {router}}}
-kernels: {{sparse_mla_decode: {k}, indexer: {k}, topk: {k}}}
-defaults: {{page_size: 16, kv_cache_dtype: auto, max_total_tokens: 4096}}
-prefill:
-  - {{name: prefill-0, device: cpu, port: {prefill}, bootstrap_port: {boot}{extra_prefill}}}
-decode:
-  - {{name: decode-0, device: cpu, port: {decode}{extra_decode}}}
-""")
-    ports = {"router": router, "prefill": prefill, "bootstrap": boot, "decode": decode}
+                   kernels: bool = False, extra_prefill: str = "", decodes: int = 1, extra: str = "") -> LocalCluster:
+    """A LocalCluster of bench.local_cluster's topology (one file for the tests and the benchmarks)."""
+    path, ports = embedded_topology(tmp_path, "dsv4-test", decodes=decodes, context_length=context_length,
+                                    kernels=kernels, extra_prefill=extra_prefill, extra_decode=extra_decode,
+                                    extra=extra)
     return LocalCluster(home=tmp_path / "home", topology=path, ports=ports)

@@ -17,33 +17,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dsv4_cluster.orchestrator.ports import free_ports
 
-from .cluster_cli import CLI, LocalCluster
+from .cluster_cli import CLI, LocalCluster, write_topology
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory) -> LocalCluster:
-    tmp = tmp_path_factory.mktemp("ops")
-    router, prefill, boot, d0, d1 = free_ports(5)
-    topology = tmp / "topology.yaml"
-    topology.write_text(f"""
-engine: embedded
-model: {{name: dsv4-tiny, seed: 0, context_length: 512}}
-cluster: {{namespace: dsv4-ops-{router}, run_dir: run}}
-router: {{host: 127.0.0.1, port: {router}}}
-kernels: {{sparse_mla_decode: false, indexer: false, topk: false}}
-defaults: {{page_size: 16, kv_cache_dtype: auto, max_total_tokens: 4096}}
-prefill:
-  - {{name: prefill-0, device: cpu, port: {prefill}, bootstrap_port: {boot}}}
-decode:
-  - {{name: decode-0, device: cpu, port: {d0}}}
-  - {{name: decode-1, device: cpu, port: {d1}}}
-""")
-    c = LocalCluster(home=tmp / "home", topology=topology,
-                     ports={"router": router, "prefill": prefill, "bootstrap": boot, "decode-0": d0, "decode-1": d1})
+    c = write_topology(tmp_path_factory.mktemp("ops"), decodes=2)
     with c.running():
         yield c
 
@@ -127,16 +109,17 @@ def test_logs_print_and_follow(cluster):
     reader = threading.Thread(target=lambda: [lines.put(line) for line in follow.stdout], daemon=True)
     reader.start()
     try:
-        # Nothing old is printed (-n 0); what the worker logs from now on is: its supervisor polls
-        # /health every few seconds and uvicorn logs each request.
+        # Nothing old is printed (-n 0); what the worker logs from now on is: uvicorn logs each request
+        # (but the supervisor's /health polls: workers/serving.py keeps them out).
         deadline = time.monotonic() + 30
         line = ""
-        while "/health" not in line and time.monotonic() < deadline:
+        while "/v1/models" not in line and time.monotonic() < deadline:
+            httpx.get(f"http://127.0.0.1:{cluster.ports['decode-0']}/v1/models", timeout=10)
             try:
-                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+                line = lines.get(timeout=1.0)
             except queue.Empty:
-                break
-        assert "/health" in line, "logs -f printed nothing new within 30 s"
+                continue
+        assert "/v1/models" in line, "logs -f printed nothing new within 30 s"
         follow.send_signal(signal.SIGINT)
         assert follow.wait(30) == 0
     finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import secrets
 import signal
@@ -17,6 +18,7 @@ import pytest
 from dsv4_cluster.workers.model import ModelConfig
 from dsv4_cluster.workers.runner import ModelRunner, RunnerConfig, generate_single_process
 from dsv4_cluster.workers.sampling import SamplingParams
+from dsv4_cluster.workers.serving import QuietPolls
 from dsv4_cluster.workers.tokenizer import EOS, ByteTokenizer
 
 from .worker_procs import restart, start_pair, stop_pair
@@ -235,3 +237,22 @@ def test_sampling_values_follow_sglang():
         SamplingParams(top_p=0.0)
     assert SamplingParams(temperature=1e-40).greedy and SamplingParams(temperature=0).greedy
     assert not SamplingParams(temperature=1e-5).greedy
+
+
+def test_health_and_metrics_polls_leave_no_access_lines_but_errors_and_requests_do(pair, expected):
+    for _ in range(3):
+        for url in (pair.prefill_url, pair.decode_url):
+            assert httpx.get(url + "/health", timeout=10).status_code == 200
+            assert httpx.get(url + "/metrics", timeout=10).status_code == 200
+    assert httpx.get(pair.decode_url + "/health/nothing-here", timeout=10).status_code == 404
+    _serves(pair, expected, count=4)
+    time.sleep(0.5)  # the workers' log lines reach their files
+    prefill_log, decode_log = (log.read_text() for log in pair.logs)
+    for text in (prefill_log, decode_log):
+        assert '"GET /health HTTP/1.1" 200' not in text and '"GET /metrics HTTP/1.1" 200' not in text
+        assert '"POST /generate HTTP/1.1" 200' in text
+    assert '"GET /health/nothing-here HTTP/1.1" 404' in decode_log
+    quiet = QuietPolls()
+    failed = logging.LogRecord("uvicorn.access", logging.INFO, "", 0, '%s - "%s %s HTTP/%s" %d',
+                               ("127.0.0.1:1", "GET", "/health", "1.1", 503), None)
+    assert quiet.filter(failed)  # a failing health check stays in the log

@@ -129,6 +129,10 @@ class Engine:
                 if req.state not in (ReqState.FINISHED, ReqState.ABORTED):
                     self.fail(req, 500, f"the engine failed this request: {exc!r}")
 
+    def role_metrics(self) -> list[tuple[str, str, str, float]]:
+        """Role hook: ("gauge" | "counter", name, help, value) a role exports beyond SGLang's names."""
+        return []
+
     def pending(self) -> bool:
         """Role hook: whether something needs polling (a request in flight, a deadline)."""
         return bool(self.reqs)

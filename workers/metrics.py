@@ -61,6 +61,8 @@ class _EngineCollector:
         yield c("sglang:num_aborted_requests", "Requests aborted", s.aborted)
         yield c("sglang:num_bootstrap_failed_reqs", "Requests whose bootstrap failed", s.bootstrap_failed)
         yield c("sglang:num_transfer_failed_reqs", "Requests whose KV transfer failed", s.transfer_failed)
+        for kind, name, doc, value in self.engine.role_metrics():
+            yield (g if kind == "gauge" else c)(name, doc, value)
 
 
 class WorkerMetrics:

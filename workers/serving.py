@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
 
 import uvicorn
@@ -18,6 +19,18 @@ GRACEFUL_SHUTDOWN_S = 5.0   # open connections get this long after SIGTERM
 
 
 KEEP_ALIVE_S = 65
+POLLED_PATHS = frozenset({"/health", "/health_generate", "/metrics"})  # hit every few seconds by supervisors, Prometheus
+
+
+class QuietPolls(logging.Filter):
+    """Drops uvicorn's access-log lines of successful GETs of POLLED_PATHS; keeps their errors and all else."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if not isinstance(args, tuple) or len(args) != 5:
+            return True
+        _, method, path, _, status = args
+        return not (method == "GET" and str(path).split("?")[0] in POLLED_PATHS and int(status) < 400)
 
 
 class _Server(uvicorn.Server):
@@ -40,6 +53,7 @@ async def serve_all(apps: list[tuple[FastAPI, str, int]], log_level: str) -> Non
                                       timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                                       timeout_keep_alive=KEEP_ALIVE_S))
                for app, host, port in apps]
+    logging.getLogger("uvicorn.access").addFilter(QuietPolls())  # after uvicorn.Config set its logging up
     loop = asyncio.get_running_loop()
 
     def stop() -> None:

@@ -7,7 +7,8 @@ Request lifecycle on the prefill side:
    in all (batched, chunked prefill, as SGLang's --chunked-prefill-size); a prompt longer than what
    is left goes on in the next step. Once a prompt is done the engine samples its first output token.
 3. It waits until the decode side has reserved pages for this room (`Destinations`, fed by the
-   bootstrap server), for at most `peer_timeout_s`.
+   bootstrap server), for at most `peer_timeout_s` (topology: `transfer.stranded_kv_timeout_s`); a room
+   unreserved past the detection time is stranded KV (stranded.py), freed at that deadline.
 4. It WRITEs the prompt's pages into those pages with a notification carrying the room and the first
    token; that notification is how decode learns the KV has landed.
 5. Once the WRITE is DONE, the pages are freed and the handler answers the router with one token
@@ -28,6 +29,7 @@ from ..kv_pool import PoolExhausted
 from ..request import Finish, Req, ReqState, Token
 from ..runner import Chunk, ModelRunner
 from ..transfer import NixlTransfer, TransferError
+from .stranded import StrandedKV
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +121,8 @@ class PrefillEngine(Engine):
         self._bootstrap: deque[Req] = deque()
         self._waiting_peer: list[Req] = []
         self._inflight: list[tuple[Req, object, float, int]] = []
+        self.stranded = StrandedKV(peer_timeout_s, runner.pool.layout.page_size)
+        self._ready_at: dict[str, float] = {}   # rid -> when its KV was ready (waiting for a decode)
 
     def on_submit(self, req: Req) -> None:
         self._bootstrap.append(req)
@@ -128,12 +132,14 @@ class PrefillEngine(Engine):
             self._bootstrap.remove(req)
         if req in self._waiting_peer:
             self._waiting_peer.remove(req)
+        self._ready_at.pop(req.rid, None)
         if req.room is not None and req.state is not ReqState.TRANSFERRING:
             self.destinations.discard(req.room)
 
     def step(self) -> bool:
         worked = self._poll_inflight()
         worked |= self._send_ready()
+        self._free_stranded()
         worked |= self._prefill_batch()
         s = self.stats
         s.num_queued, s.num_waiting_peer, s.num_transferring = (
@@ -170,9 +176,21 @@ class PrefillEngine(Engine):
                 continue
             self.stats.prompt_tokens += len(req.prompt_ids)
             req.state = ReqState.WAITING_PEER
-            req.deadline = self.now() + self.peer_timeout_s
+            self._ready_at[req.rid] = self.now()
             self._waiting_peer.append(req)
         return True
+
+    def role_metrics(self) -> list[tuple[str, str, str, float]]:
+        return self.stranded.metrics()
+
+    def _free_stranded(self) -> None:
+        """Recount stranded KV; fail the requests past their deadline, which frees their pages."""
+        for req in self.stranded.scan(self._waiting_peer, self.now(), self._ready_at):
+            self.stats.bootstrap_failed += 1
+            self.stranded.freed(req)
+            self.fail(req, 500, f"decode never reserved KV for bootstrap_room {req.room} within "
+                                f"{self.peer_timeout_s:g}s; its stranded KV is freed. Is the decode server "
+                                "reachable and alive? (topology: transfer.stranded_kv_timeout_s)")
 
     def _send_ready(self) -> bool:
         worked = False
@@ -181,12 +199,9 @@ class PrefillEngine(Engine):
             if dest is None:
                 if self.destinations.cancelled(req.room):
                     self.fail(req, 500, f"decode gave up bootstrap_room {req.room} before its KV was sent")
-                elif self.now() > req.deadline:
-                    self.stats.bootstrap_failed += 1
-                    self.fail(req, 500, f"decode never reserved KV for bootstrap_room {req.room} within "
-                                        f"{self.peer_timeout_s:.0f}s; is the decode server reachable and alive?")
                 continue
             self._waiting_peer.remove(req)
+            self._ready_at.pop(req.rid, None)
             worked = True
             with self.serving(req):
                 try:

@@ -1,0 +1,86 @@
+"""What a supervisor or the controller keeps in the run folder to survive its own process dying.
+
+Ray restarts a dead supervisor or controller actor (`max_restarts`) by running its constructor again,
+with the same arguments, in a new process; whatever it held in memory is gone. Each actor therefore
+writes `<run_dir>/actors/<actor name>.json`: its Ray actor id (a restarted actor keeps it, the actor
+of a later cluster has another), its pid (where an operator, or a test, finds the process), and for
+a supervisor the worker it runs: pid and start time (so a recycled pid is never taken for it), the
+restart count, the start timeout and whether the worker should be running.
+
+A supervisor's worker dies with the supervisor (PR_SET_PDEATHSIG), so a restarted supervisor has no
+process to adopt: it kills what is left of the old worker's process group (children an engine spawned,
+e.g. SGLang's TP ranks) and starts the worker again (`WorkerSupervisor._resume`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from dsv4_cluster.orchestrator.processes import group_members, pid_alive, signal_group, start_time
+
+REAP_WAIT_S = 5.0
+
+
+@dataclass(frozen=True)
+class ActorRecord:
+    actor_id: str | None
+    pid: int
+    worker_pid: int | None = None
+    worker_start_time: int | None = None
+    restarts: int = 0
+    start_timeout_s: float | None = None
+    running: bool = False  # the worker should be running: started, and not stopped since
+
+
+def record_path(run_dir: str | Path, actor_name: str) -> Path:
+    return Path(run_dir) / "actors" / f"{actor_name}.json"
+
+
+def write_actor_record(path: Path, record: ActorRecord) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(asdict(record)) + "\n")
+    tmp.replace(path)
+
+
+def read_actor_record(path: Path) -> ActorRecord | None:
+    """The record, or None when there is none or it is unreadable (then nothing is resumed)."""
+    try:
+        return ActorRecord(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def current_actor_id() -> str | None:
+    """This process's Ray actor id; None outside a Ray actor."""
+    import ray  # the orchestrator's modules import ray; the supervisor also runs outside it in tests
+
+    if not ray.is_initialized():
+        return None
+    return ray.get_runtime_context().get_actor_id()
+
+
+def reap_worker(record: ActorRecord) -> list[int]:
+    """SIGKILL what is left of the recorded worker's process group; returns the pids it found.
+
+    The group id is the worker's pid (it leads its own session). While any member lives, Linux does not
+    hand that id to a new process; a live leader with another start time means the id was recycled, so
+    nothing is touched.
+    """
+    pgid = record.worker_pid
+    if pgid is None:
+        return []
+    if pid_alive(pgid) and start_time(pgid) != record.worker_start_time:
+        return []
+    members = group_members(pgid)
+    if members:
+        signal_group(pgid, signal.SIGKILL)
+        end = time.monotonic() + REAP_WAIT_S
+        while group_members(pgid) and time.monotonic() < end:
+            time.sleep(0.05)
+    return members

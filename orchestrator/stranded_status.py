@@ -1,0 +1,42 @@
+"""Stranded KV as `status` shows it: read from a prefill's own `/metrics` (the numbers Prometheus scrapes).
+
+Only the embedded prefill exports them (`workers/prefill/stranded.py`); for a worker that does not,
+`stranded_kv` is None and `status` shows nothing rather than a zero nobody measured.
+"""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+
+from dsv4_cluster import metric_names as m
+
+_FIELDS = {m.STRANDED_KV_TOKENS: "tokens", m.STRANDED_KV_ROOMS: "rooms",
+           m.STRANDED_KV_FREED_TOKENS: "freed_tokens", m.STRANDED_KV_FREED_ROOMS: "freed_rooms"}
+_SAMPLE = re.compile(r"^(dsv4_stranded_kv_[a-z_]+)(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.MULTILINE)
+
+
+def parse_stranded_kv(text: str) -> dict[str, int] | None:
+    """{"tokens", "rooms", "freed_tokens", "freed_rooms"} from a Prometheus text page; None when absent."""
+    found: dict[str, int] = {}
+    for name, value in _SAMPLE.findall(text):
+        if name in _FIELDS:
+            found[_FIELDS[name]] = found.get(_FIELDS[name], 0) + int(float(value))
+    return found if len(found) == len(_FIELDS) else None
+
+
+def stranded_kv(client: httpx.Client, metrics_url: str) -> dict[str, int] | None:
+    """The worker's stranded-KV numbers now; raises httpx.HTTPError when `/metrics` does not answer."""
+    r = client.get(metrics_url)
+    r.raise_for_status()
+    return parse_stranded_kv(r.text)
+
+
+def stranded_line(row: dict) -> str | None:
+    """The status line of one worker row that carries stranded-KV numbers."""
+    s = row.get("stranded_kv")
+    if not s:
+        return None
+    return (f"{row['name']}: stranded KV {s['tokens']} tokens in {s['rooms']} rooms now; freed "
+            f"{s['freed_tokens']} tokens in {s['freed_rooms']} rooms since it started")

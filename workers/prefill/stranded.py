@@ -1,0 +1,67 @@
+"""Stranded KV on the prefill: pages of computed prompts that no decode comes to read.
+
+Prefill and decode legs of a request run concurrently, so a prompt's KV is often ready before its
+decode has reserved pages for it. A room whose KV has been ready for `detect_s` without a reservation
+is *stranded*: its decode died or restarted before reserving, the router lost the decode leg, or a
+client sent a prefill leg alone. It is counted (tokens and rooms now) from then on, and its pages are
+freed when `timeout_s` have passed since its KV was ready (the request fails with a 500 naming the
+room); the freed tokens and rooms are counted too. The router normally frees such KV at once (it
+aborts the prefill leg by rid when the decode leg fails); this is the net under that.
+
+Written by the engine thread only; the metrics endpoint reads the plain numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from dsv4_cluster import metric_names as m
+
+from ..request import Req
+
+STRANDED_AFTER_S = 5.0  # a decode reserves within milliseconds of its leg arriving, unless its pool is full
+
+
+@dataclass
+class StrandedKV:
+    timeout_s: float
+    page_size: int
+    tokens: int = 0
+    rooms: int = 0
+    freed_tokens: int = 0
+    freed_rooms: int = 0
+
+    @property
+    def detect_s(self) -> float:
+        return min(STRANDED_AFTER_S, self.timeout_s / 2)
+
+    def scan(self, waiting: Iterable[Req], now: float, ready_at: dict[str, float]) -> list[Req]:
+        """Recount the stranded rooms among `waiting` (KV ready, no reservation yet; `ready_at` by rid);
+        returns the requests whose deadline has passed (the caller frees them, then calls `freed`)."""
+        tokens = rooms = 0
+        expired = []
+        for req in waiting:
+            held = now - ready_at.get(req.rid, now)
+            if held >= self.timeout_s:
+                expired.append(req)
+            elif held >= self.detect_s:
+                tokens += len(req.pages) * self.page_size
+                rooms += 1
+        self.tokens, self.rooms = tokens, rooms
+        return expired
+
+    def freed(self, req: Req) -> None:
+        """`req`'s pages are about to go back to the pool because no decode came for them."""
+        self.freed_tokens += len(req.pages) * self.page_size
+        self.freed_rooms += 1
+
+    def metrics(self) -> list[tuple[str, str, str, float]]:
+        """(kind, name, help, value) of what the worker exports (names: dsv4_cluster.metric_names)."""
+        return [
+            ("gauge", m.STRANDED_KV_TOKENS, "KV tokens held for rooms no decode has reserved within the "
+                                            "detection time (freed at the stranded-KV deadline)", self.tokens),
+            ("gauge", m.STRANDED_KV_ROOMS, "Bootstrap rooms whose KV is stranded now", self.rooms),
+            ("counter", m.STRANDED_KV_FREED_TOKENS, "Stranded KV tokens freed at the deadline", self.freed_tokens),
+            ("counter", m.STRANDED_KV_FREED_ROOMS, "Stranded rooms freed at the deadline", self.freed_rooms),
+        ]
