@@ -21,6 +21,7 @@ from typing import Any
 from dsv4_cluster.orchestrator import sglang_capacity as sg
 
 CAPACITY_TOLERANCE = 0.05  # `status` flags a server whose actual capacity misses the prediction by more
+PREDICTED_COLUMN = "KV_PREDICTED"  # status: beside KV_CAPACITY (what /server_info says), what plan predicted
 
 
 
@@ -41,6 +42,13 @@ class Capacity:
         if self.max_total_num_tokens is None:
             return None
         return self.max_total_num_tokens // self.context_length
+
+
+def kv_predicted_cell(row: dict[str, Any]) -> str:
+    """The status table's KV_PREDICTED cell: the predicted `max_total_num_tokens`, "-" when none (the
+    router, or a server whose sizing is not followed; a miss over 5% is an error line of its row)."""
+    predicted = row.get("kv_predicted_tokens")
+    return "-" if predicted is None else str(predicted)
 
 
 def embedded_bytes_per_token(page_size: int) -> float:

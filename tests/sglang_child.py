@@ -4,6 +4,7 @@
     python -m dsv4_cluster.tests.sglang_child plugin                     -> what load_plugins() did, as JSON
     python -m dsv4_cluster.tests.sglang_child install DIR                -> our factory on SGLang's classes
     python -m dsv4_cluster.tests.sglang_child capacity '<cases as JSON>' -> SGLang's own DeepSeek-V4 pool sizing
+    python -m dsv4_cluster.tests.sglang_child server_info '<argv>' N...  -> /server_info's body per N, by SGLang
 
 torchvision: SGLang's config package imports `torchvision.transforms` at module level (for vision
 models' preprocessing), and no torchvision build loads beside the CPU torch 2.13 (every registry build
@@ -231,6 +232,37 @@ def capacity(case: dict[str, Any]) -> dict[str, Any]:
             "meta_pool_bytes": _walk_bytes(pool, set())}
 
 
+def server_info(argv: list[str], max_total_num_tokens: int) -> dict[str, Any]:
+    """The body SGLang 0.5.23's `/server_info` returns for a server with `argv` and this pool size, built by
+    its own functions the way `http_server.server_info` does: the scheduler's `get_init_info` (called on a
+    stand-in scheduler carrying the fields it reads), `build_server_info`, one DP rank's internal state
+    with `build_memory_usage`; only the memory numbers are made up."""
+    from types import SimpleNamespace
+
+    from sglang.srt import runtime_context
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.managers.scheduler_components.memory_usage import build_memory_usage
+    from sglang.srt.sampling.watermarking.core import redact_watermark_secrets
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils.common import build_server_info
+    from sglang.srt.utils.msgspec_utils import msgspec_to_builtins
+    from sglang.version import __version__
+
+    args = prepare_server_args(argv)
+    args.resolve_once()
+    runtime_context.publish(args, role="scheduler")
+    scheduler = SimpleNamespace(max_total_num_tokens=max_total_num_tokens, max_req_input_len=131071,
+                                startup_time=1.0, _hicache_l3_layout=lambda: None)
+    state = dict(args.resolved_dict())
+    state["memory_usage"] = build_memory_usage(
+        weight_gb=37.2, kv_cache_gb=90.1, startup_available_gb=139.4, token_capacity=max_total_num_tokens,
+        token_capacity_swa=max_total_num_tokens // 10, target_graph_memory_usage=None,
+        draft_graph_memory_usage=None)
+    body = {**build_server_info(args, Scheduler.get_init_info(scheduler)), "startup_time": 1.0,
+            "internal_states": [state], "version": __version__, "frontend": "python"}
+    return json.loads(json.dumps(msgspec_to_builtins(redact_watermark_secrets(body)), default=str))
+
+
 def main(argv: list[str]) -> int:
     _install_torchvision_stand_in()
     if argv[0] == "resolve":
@@ -239,10 +271,12 @@ def main(argv: list[str]) -> int:
         out = plugin()
     elif argv[0] == "install":
         out = install(argv[1])
+    elif argv[0] == "server_info":
+        out = [server_info(json.loads(argv[1]), int(n)) for n in argv[2:]]
     elif argv[0] == "capacity":
         out = [capacity(case) for case in json.loads(argv[1])]
     else:
-        raise SystemExit(f"unknown command {argv[0]!r}; use resolve, plugin, install or capacity")
+        raise SystemExit(f"unknown command {argv[0]!r}; use resolve, plugin, install, capacity or server_info")
     print("RESULT " + json.dumps(out, default=str), flush=True)
     return 0
 

@@ -89,8 +89,9 @@ def test_pool_size_equals_sglangs(name: str, sglang_sized: dict[str, dict]) -> N
     assert ours.max_total_num_tokens == theirs["max_total_num_tokens"]
     assert ours.swa_tokens == theirs["swa_max_total_num_tokens"]
     assert ours.max_running_requests == theirs["max_running_requests"]
-    # The pool SGLang builds (on "meta") takes what the sizing accounted, to 0.1%.
-    assert abs(theirs["meta_pool_bytes"] - ours.pool_bytes) <= 1e-3 * ours.pool_bytes
+    # The pool SGLang builds (on "meta") takes what the sizing accounted, plus the page each sub-pool keeps
+    # in reserve (SGLang's sizing leaves it out too): within 32 MiB.
+    assert 0 <= theirs["meta_pool_bytes"] - ours.pool_bytes <= 32 << 20
 
 
 def test_the_cap_and_the_default_fractions_are_what_sglang_chose(sglang_sized: dict[str, dict]) -> None:
@@ -98,3 +99,45 @@ def test_the_cap_and_the_default_fractions_are_what_sglang_chose(sglang_sized: d
     assert sglang_sized["prefill TP2, 64K context, 0.80, capped"]["max_total_num_tokens"] == 499_968  # pages
     defaults = {sglang_sized[n]["mem_fraction_static"] for n in CASES if "default" in n}
     assert len(defaults) == 3
+
+
+def test_status_reads_sglangs_server_info_and_flags_a_miss_over_5_percent() -> None:
+    """`status`'s SGLang branch: the capacity comes from a /server_info body built by SGLang 0.5.23's own
+    functions (the child), read by the supervisor's probe over HTTP; the prediction is the plan's."""
+    import httpx
+    from fastapi import FastAPI
+    from fastapi.responses import PlainTextResponse
+
+    from dsv4_cluster.orchestrator.capacity import predict
+    from dsv4_cluster.orchestrator.deployment import with_predicted_capacity
+    from dsv4_cluster.orchestrator.probe import engine_info
+    from dsv4_cluster.orchestrator.table import render_table
+    from dsv4_cluster.tests.servers import UvicornThread
+
+    topology = load_topology(REPO / "topology.yaml")
+    workers, _ = cluster_plans(topology)
+    predicted = {p.name: predict(topology, topology.worker(p.name)).max_total_num_tokens for p in workers}
+    assert predicted == {"prefill-0": 13129728, "decode-0": 13594368}  # H200, SGLang's default fractions
+    actual = {"prefill-0": predicted["prefill-0"] - 256, "decode-0": int(predicted["decode-0"] * 0.92)}
+    bodies = {p.name: child("server_info", json.dumps(server_argv(p)), str(actual[p.name]))[0] for p in workers}
+    rows = []
+    for name, body in bodies.items():
+        assert body["version"] == "0.5.23" and body["internal_states"][0]["memory_usage"]["token_capacity"] \
+            == actual[name]
+        app = FastAPI()
+        app.get("/server_info")(lambda body=body: body)
+        app.get("/metrics", response_class=PlainTextResponse)(lambda: "sglang:num_used_tokens 512.0\n")
+        with UvicornThread(app) as server, httpx.Client(timeout=10) as client:
+            info = engine_info(client, f"{server.url}/server_info", f"{server.url}/metrics")
+        rows.append({"name": name, "role": name.split("-")[0], "kv_capacity_tokens": info.kv.capacity_tokens,
+                     "kv_used_tokens": info.kv.used_tokens})
+    status = with_predicted_capacity({"endpoint": "e", "workers": rows}, str(REPO / "topology.yaml"))
+    prefill, decode = status["workers"]
+    assert (prefill["kv_capacity_tokens"], prefill["kv_predicted_tokens"], prefill.get("error")) == \
+        (actual["prefill-0"], predicted["prefill-0"], None)
+    assert decode["error"] == (f"KV capacity {actual['decode-0']} tokens differs from the predicted "
+                               f"{predicted['decode-0']} by 8% (over 5%)")
+    table = render_table(status).splitlines()
+    assert table[0].split()[-3:] == ["KV_CAPACITY", "KV_USED", "KV_PREDICTED"]
+    assert table[2].split()[-3:] == [str(actual["decode-0"]), "512", str(predicted["decode-0"])]
+    assert table[-1].startswith("decode-0: KV capacity")
