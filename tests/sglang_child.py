@@ -4,7 +4,7 @@
     python -m dsv4_cluster.tests.sglang_child plugin                     -> what load_plugins() did, as JSON
     python -m dsv4_cluster.tests.sglang_child install DIR                -> our factory on SGLang's classes
     python -m dsv4_cluster.tests.sglang_child capacity '<cases as JSON>' -> SGLang's own DeepSeek-V4 pool sizing
-    python -m dsv4_cluster.tests.sglang_child server_info '<argv>' N...  -> /server_info's body per N, by SGLang
+    python -m dsv4_cluster.tests.sglang_child server_info '[[argv, N]...]' -> /server_info's bodies, by SGLang
 
 torchvision: SGLang's config package imports `torchvision.transforms` at module level (for vision
 models' preprocessing), and no torchvision build loads beside the CPU torch 2.13 (every registry build
@@ -272,7 +272,7 @@ def main(argv: list[str]) -> int:
     elif argv[0] == "install":
         out = install(argv[1])
     elif argv[0] == "server_info":
-        out = [server_info(json.loads(argv[1]), int(n)) for n in argv[2:]]
+        out = [server_info(one, int(n)) for one, n in json.loads(argv[1])]
     elif argv[0] == "capacity":
         out = [capacity(case) for case in json.loads(argv[1])]
     else:

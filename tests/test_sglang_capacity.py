@@ -119,7 +119,8 @@ def test_status_reads_sglangs_server_info_and_flags_a_miss_over_5_percent() -> N
     predicted = {p.name: predict(topology, topology.worker(p.name)).max_total_num_tokens for p in workers}
     assert predicted == {"prefill-0": 13129728, "decode-0": 13594368}  # H200, SGLang's default fractions
     actual = {"prefill-0": predicted["prefill-0"] - 256, "decode-0": int(predicted["decode-0"] * 0.92)}
-    bodies = {p.name: child("server_info", json.dumps(server_argv(p)), str(actual[p.name]))[0] for p in workers}
+    answers = child("server_info", json.dumps([[server_argv(p), actual[p.name]] for p in workers]))
+    bodies = {p.name: body for p, body in zip(workers, answers)}
     rows = []
     for name, body in bodies.items():
         assert body["version"] == "0.5.23" and body["internal_states"][0]["memory_usage"]["token_capacity"] \
