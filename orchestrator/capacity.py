@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsv4_cluster.orchestrator import sglang_capacity as sg
+from dsv4_cluster.orchestrator.sglang_launch import KERNELS_NEED_KV_DTYPE, SGLANG_KV_DTYPE
 
 CAPACITY_TOLERANCE = 0.05  # `status` flags a server whose actual capacity misses the prediction by more
 PREDICTED_COLUMN = "KV_PREDICTED"  # status: beside KV_CAPACITY (what /server_info says), what plan predicted
-
 
 
 @dataclass(frozen=True)
@@ -64,9 +64,13 @@ def _worker_args(worker: Any) -> list[str]:
     return [str(a) for a in worker.extra_args]
 
 
-def sglang_fractions(topology: Any, worker: Any, gpu: sg.GpuInputs) -> tuple[float, list[float]]:
+def sglang_fractions(worker: Any, gpu: sg.GpuInputs) -> tuple[float, list[float]]:
     """(the fraction the server will use, the table's fractions): the worker's --mem-fraction-static,
     else SGLang's default for its role, and a spread around it."""
+    kv_dtype = SGLANG_KV_DTYPE.get(str(worker.kv_cache_dtype))
+    if kv_dtype != KERNELS_NEED_KV_DTYPE:
+        raise sg.SizingError(f"KV dtype {kv_dtype or worker.kv_cache_dtype}: the sizing is followed (and tested) "
+                             f"for {KERNELS_NEED_KV_DTYPE} only")
     explicit, unmodelled = sg.sizing_flags(_worker_args(worker))
     if unmodelled:
         raise sg.SizingError(f"extra_args {', '.join(unmodelled)} change SGLang's sizing in ways not followed here")
@@ -82,7 +86,7 @@ def predict_sglang(topology: Any, worker: Any, fraction: float | None = None,
     context = topology.model.context_length
     role = str(getattr(worker.role, "value", worker.role))
     try:
-        used, _ = sglang_fractions(topology, worker, gpu)
+        used, _ = sglang_fractions(worker, gpu)
         f = used if fraction is None else fraction
         pre, weights = gpu.pre_gib(), gpu.weights_gib(worker.tp)
         pool = sg.size_pool(sg.geometry_for(str(topology.model.path)),
@@ -113,7 +117,7 @@ def capacity_rows(topology: Any, gpu: sg.GpuInputs = sg.GpuInputs()) -> list[Cap
             rows.append(predict(topology, w))
             continue
         try:
-            _, fractions = sglang_fractions(topology, w, gpu)
+            _, fractions = sglang_fractions(w, gpu)
         except sg.SizingError:
             rows.append(predict_sglang(topology, w, gpu=gpu))
             continue
