@@ -84,14 +84,13 @@ def predict_sglang(topology: Any, worker: Any, fraction: float | None = None,
     """One SGLang server's pool at `fraction` (default: the one it will use); a row with a note when the
     sizing cannot be followed."""
     context = topology.model.context_length
-    role = str(getattr(worker.role, "value", worker.role))
     try:
         used, _ = sglang_fractions(worker, gpu)
         f = used if fraction is None else fraction
         pre, weights = gpu.pre_gib(), gpu.weights_gib(worker.tp)
         pool = sg.size_pool(sg.geometry_for(str(topology.model.path)),
-                            available=sg.available_bytes(pre, weights, f), role=role, context_length=context,
-                            mem_fraction=f, max_total_tokens=worker.max_total_tokens, page_size=worker.page_size,
+                            available=sg.available_bytes(pre, weights, f), mem_fraction=f,
+                            max_total_tokens=worker.max_total_tokens, page_size=worker.page_size,
                             sglang_version=sglang_version or sg.installed_sglang_version(),
                             pre_gib=pre, weights_gib=weights)
     except sg.SizingError as e:

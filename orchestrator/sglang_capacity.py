@@ -100,7 +100,7 @@ class GpuInputs:
       an H200 reports 143771 MiB.
     - `free_before_load_gib`: SGLang's `pre_model_load_memory`, free memory after CUDA context and NCCL
       init. Default: total minus 1.0 GiB (CUDA context + NCCL buffers; not measured on a TP4 H200 here).
-    - `weights_gib`: weight bytes each TP rank holds after loading. Default: the official 46-shard
+    - `checkpoint_gib`: weights per TP rank = checkpoint / TP (`weights_gib`). Default: the official 46-shard
       DeepSeek-V4-Flash checkpoint, about 149 GiB on disk (FP4 experts, FP8 attention and dense layers;
       `du -sh` figure from a public 4xH200 deployment write-up), split evenly over TP. SGLang replicates a
       few small tensors and skips the MTP layer without speculative decoding; the split ignores both.
@@ -198,7 +198,7 @@ def available_bytes(pre_gib: float, weights_gib: float, mem_fraction: float) -> 
     return int(rest * GIB)
 
 
-def size_pool(g: DSV4Geometry, *, available: int, role: str, context_length: int, mem_fraction: float,
+def size_pool(g: DSV4Geometry, *, available: int, mem_fraction: float,
               max_total_tokens: int | None = None, page_size: int = 256,
               max_running_requests: int = DSV4_MAX_RUNNING_REQUESTS, sglang_version: str = SIZING_VERSION,
               pre_gib: float = 0.0, weights_gib: float = 0.0) -> PoolSize:
@@ -207,7 +207,7 @@ def size_pool(g: DSV4Geometry, *, available: int, role: str, context_length: int
         raise SizingError(f"the DeepSeek-V4 pool sizing here is SGLang {SIZING_VERSION}'s; SGLang "
                           f"{sglang_version} sizes it differently — not predicted")
     per_full, per_swa = bytes_per_full_token(g, page_size), bytes_per_swa_token(g, page_size)
-    slots = max_running_requests + 1  # decode adds disaggregation_decode_extra_slots: 0 by default
+    slots = max_running_requests + 1  # a decode server adds disaggregation_decode_extra_slots: 0 by default
     fixed = c128_state_bytes(g, slots)
     full = int(max(available - fixed, 0) / per_full) // page_size * page_size
     # Reserved low-ratio (1, 2) pages would be removed here; DeepSeek-V4(-Flash) has none.

@@ -52,8 +52,8 @@ def test_plan_takes_the_gpu_inputs(capsys: pytest.CaptureFixture[str]) -> None:
     used = [line.split()[:4] for line in out.splitlines() if line.startswith(("prefill-0 ", "decode-0 "))
             and "*" in line.split()[2]]
     assert used[0][2] == f"{sg.default_mem_fraction(81559, 'prefill', 4):.3f}*"
-    pool = sg.size_pool(sg.DSV4_FLASH, available=sg.available_bytes(78.5, 22.5, 0.8), role="decode",
-                        context_length=131072, mem_fraction=0.8)
+    pool = sg.size_pool(sg.DSV4_FLASH, available=sg.available_bytes(78.5, 22.5, 0.8),
+                        mem_fraction=0.8)
     assert ["decode-0", "sglang", "0.800", str(pool.max_total_num_tokens)] in \
         [line.split()[:4] for line in out.splitlines()]
     assert "free before load 78.5 GiB, weights per GPU TP4 22.5 GiB" in out
@@ -85,8 +85,8 @@ def test_sglang_prediction_follows_extra_args_and_names_what_it_cannot(tmp_path:
 
 def test_sglang_sizing_refuses_other_versions_and_too_small_fractions() -> None:
     with pytest.raises(sg.SizingError, match="SGLang 0.5.23's; SGLang 0.5.14 sizes it differently"):
-        sg.size_pool(sg.DSV4_FLASH, available=80 << 30, role="decode", context_length=131072,
-                     mem_fraction=0.9, sglang_version="0.5.14")
+        sg.size_pool(sg.DSV4_FLASH, available=80 << 30, mem_fraction=0.9,
+                     sglang_version="0.5.14")
     with pytest.raises(sg.SizingError, match="leaves no memory for the KV cache after 130.0 GiB of weights "
                                              "per GPU; it must exceed 0.933"):
         sg.available_bytes(139.4, 130.0, 0.9)

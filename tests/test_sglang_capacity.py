@@ -43,7 +43,7 @@ def _case(role: str, gpu_mib: float, *, tp: int = 4, context: int = 131072, frac
     gpu = sg.GpuInputs(gpu_mib, None, checkpoint_gib)
     pre, weights = gpu.pre_gib(), gpu.weights_gib(tp)
     return {"argv": argv, "gpu_total_mib": gpu_mib, "pre_gib": pre, "free_after_load_gib": pre - weights,
-            "ours": {"role": role, "tp": tp, "context": context, "fraction": fraction,
+            "ours": {"role": role, "tp": tp, "fraction": fraction,
                      "max_total_tokens": max_total_tokens, "pre": pre, "weights": weights}}
 
 
@@ -70,8 +70,7 @@ def _ours(case: dict) -> tuple[float, sg.PoolSize]:
     fraction = o["fraction"] if o["fraction"] is not None else \
         sg.default_mem_fraction(case["gpu_total_mib"], o["role"], o["tp"])
     available = sg.available_bytes(o["pre"], o["weights"], fraction)
-    pool = sg.size_pool(sg.DSV4_FLASH, available=available, role=o["role"], context_length=o["context"],
-                        mem_fraction=fraction, max_total_tokens=o["max_total_tokens"],
+    pool = sg.size_pool(sg.DSV4_FLASH, available=available, mem_fraction=fraction, max_total_tokens=o["max_total_tokens"],
                         pre_gib=o["pre"], weights_gib=o["weights"])
     return fraction, pool
 
