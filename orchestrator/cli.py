@@ -76,7 +76,7 @@ def _add_plan_parser(sub: Any) -> None:
                     help=f"SGLang: GPU memory as nvidia-smi reports memory.total (default {gpu.total_mib:g}, an H200)")
     pl.add_argument("--free-before-load-gib", type=float, default=None,
                     help="SGLang: free GPU memory once CUDA and NCCL are up, as its log's 'Memory baseline' shows "
-                         "(default: GPU memory minus 1 GiB)")
+                         "(default: GPU memory minus the 1.21 GiB CUDA context measured on an H200)")
     pl.add_argument("--checkpoint-gib", type=float, default=gpu.checkpoint_gib,
                     help=f"SGLang: checkpoint size, split evenly over TP (default {gpu.checkpoint_gib:g}, "
                          "DeepSeek-V4-Flash)")

@@ -32,6 +32,7 @@ from typing import Any
 
 SIZING_VERSION = "0.5.23"
 GIB = 1 << 30
+CUDA_CONTEXT_GIB = 1.21  # nvidia-smi total minus free after CUDA init, measured on an H200 (GpuInputs)
 
 # SGLang 0.5.23 facts for DeepSeek-V4 (file names relative to sglang/srt in the wheel):
 DSV4_MAX_RUNNING_REQUESTS = 256  # arg_groups/deepseek_v4_hook.py: set when --max-running-requests is unset
@@ -99,7 +100,9 @@ class GpuInputs:
     - `total_mib`: what nvidia-smi reports as memory.total (SGLang's default fraction reads it);
       an H200 reports 143771 MiB.
     - `free_before_load_gib`: SGLang's `pre_model_load_memory`, free memory after CUDA context and NCCL
-      init. Default: total minus 1.0 GiB (CUDA context + NCCL buffers; not measured on a TP4 H200 here).
+      init. Default: total minus 1.21 GiB, the gap measured on an H200 (nvidia-smi 143771 MiB = 140.40 GiB;
+      `torch.cuda.mem_get_info` free after creating the CUDA context 139.19 GiB; driver 580.159, torch
+      2.11+cu130). NCCL's buffers at TP4 were not measured: they lower it further.
     - `checkpoint_gib`: weights per TP rank = checkpoint / TP (`weights_gib`). Default: the official 46-shard
       DeepSeek-V4-Flash checkpoint, about 149 GiB on disk (FP4 experts, FP8 attention and dense layers;
       `du -sh` figure from a public 4xH200 deployment write-up), split evenly over TP. SGLang replicates a
@@ -111,7 +114,9 @@ class GpuInputs:
     checkpoint_gib: float = 149.0
 
     def pre_gib(self) -> float:
-        return self.total_mib / 1024 - 1.0 if self.free_before_load_gib is None else self.free_before_load_gib
+        if self.free_before_load_gib is not None:
+            return self.free_before_load_gib
+        return self.total_mib / 1024 - CUDA_CONTEXT_GIB
 
     def weights_gib(self, tp: int) -> float:
         return self.checkpoint_gib / tp

@@ -39,8 +39,8 @@ def test_plan_prints_both_command_lines_env_and_capacity(capsys: pytest.CaptureF
     used = [line.split() for line in table[1:] if "*" in line.split()[2:3][0]]
     # SGLang's default fractions on an H200 (prefill 0.907, decode 0.929; test_sglang_capacity checks them
     # and the token counts against SGLang's own code), 131072-token context, 7086.75 KV bytes per token.
-    assert [r[:6] for r in used] == [["prefill-0", "sglang", "0.907*", "13129728", "100", "7087"],
-                                     ["decode-0", "sglang", "0.929*", "13594368", "103", "7087"]]
+    assert [r[:6] for r in used] == [["prefill-0", "sglang", "0.907*", "13100800", "99", "7087"],
+                                     ["decode-0", "sglang", "0.929*", "13564928", "103", "7087"]]
     assert len(table) == 1 + 12 + 1 and table[-1].startswith("SGLang 0.5.23 DeepSeek-V4 sizing: GPU 143771 MiB")
 
 

@@ -116,7 +116,7 @@ def test_status_reads_sglangs_server_info_and_flags_a_miss_over_5_percent() -> N
     topology = load_topology(REPO / "topology.yaml")
     workers, _ = cluster_plans(topology)
     predicted = {p.name: predict(topology, topology.worker(p.name)).max_total_num_tokens for p in workers}
-    assert predicted == {"prefill-0": 13129728, "decode-0": 13594368}  # H200, SGLang's default fractions
+    assert predicted == {"prefill-0": 13100800, "decode-0": 13564928}  # H200, SGLang's default fractions
     actual = {"prefill-0": predicted["prefill-0"] - 256, "decode-0": int(predicted["decode-0"] * 0.92)}
     answers = child("server_info", json.dumps([[server_argv(p), actual[p.name]] for p in workers]))
     bodies = {p.name: body for p, body in zip(workers, answers)}
