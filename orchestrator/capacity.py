@@ -5,21 +5,24 @@ Embedded engine: exact. Its pool holds `max_total_tokens // page_size` whole pag
 times `page_size`; bytes per token follow from the pool layout (float32 rows: `main` per token,
 `comp` per ratio-4 entry, the indexer keys per entry, in every layer).
 
-SGLang: an explicit `max_total_tokens` is what the pool is cut to. Without it SGLang 0.5.23 sizes the
-DeepSeek-V4 pool from the GPU memory left after loading weights (`DSV4PoolConfigurator`, with SWA
-ratio, compress-state rings and request-slot bias); that prediction is NOT implemented here, and the
-table says so instead of printing a guess.
+SGLang: 0.5.23's DeepSeek-V4 pool sizing, followed in `sglang_capacity` (checked against SGLang's own
+configurator and pool classes in the tests), from the GPU inputs (`GpuInputs`: H200 and the
+DeepSeek-V4-Flash checkpoint by default), TP, context length, the model's config and the memory
+fraction: the worker's `--mem-fraction-static` in extra_args, else SGLang's default for its role.
+Where it cannot be followed (another SGLang, an extra flag that changes the sizing) the row says why
+and predicts nothing.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-CAPACITY_TOLERANCE = 0.05  # `status` flags a server whose actual capacity misses the prediction by more
+from dsv4_cluster.orchestrator import sglang_capacity as sg
+from dsv4_cluster.orchestrator.sglang_launch import KERNELS_NEED_KV_DTYPE, SGLANG_KV_DTYPE
 
-SGLANG_NOT_PREDICTED = ("not predicted: SGLang 0.5.23 sizes the DeepSeek-V4 pool from free GPU memory at "
-                        "start (DSV4PoolConfigurator); set max_total_tokens to fix it, read /server_info after up")
+CAPACITY_TOLERANCE = 0.05  # `status` flags a server whose actual capacity misses the prediction by more
+PREDICTED_COLUMN = "KV_PREDICTED"  # status: beside KV_CAPACITY (what /server_info says), what plan predicted
 
 
 @dataclass(frozen=True)
@@ -30,12 +33,22 @@ class Capacity:
     context_length: int
     kv_bytes_per_token: float | None
     note: str = ""
+    mem_fraction: float | None = None  # SGLang: the --mem-fraction-static of this row
+    free_after_pool_gib: float | None = None  # SGLang: GPU memory left per GPU once weights and pool are in
+    default_fraction: bool = field(default=False, compare=False)  # the fraction the server will run with
 
     @property
     def full_context_requests(self) -> int | None:
         if self.max_total_num_tokens is None:
             return None
         return self.max_total_num_tokens // self.context_length
+
+
+def kv_predicted_cell(row: dict[str, Any]) -> str:
+    """The status table's KV_PREDICTED cell: the predicted `max_total_num_tokens`, "-" when none (the
+    router, or a server whose sizing is not followed; a miss over 5% is an error line of its row)."""
+    predicted = row.get("kv_predicted_tokens")
+    return "-" if predicted is None else str(predicted)
 
 
 def embedded_bytes_per_token(page_size: int) -> float:
@@ -47,22 +60,90 @@ def embedded_bytes_per_token(page_size: int) -> float:
     return per_page / page_size
 
 
+def _worker_args(worker: Any) -> list[str]:
+    return [str(a) for a in worker.extra_args]
+
+
+def sglang_fractions(worker: Any, gpu: sg.GpuInputs) -> tuple[float, list[float]]:
+    """(the fraction the server will use, the table's fractions): the worker's --mem-fraction-static,
+    else SGLang's default for its role, and a spread around it."""
+    kv_dtype = SGLANG_KV_DTYPE.get(str(worker.kv_cache_dtype))
+    if kv_dtype != KERNELS_NEED_KV_DTYPE:
+        raise sg.SizingError(f"KV dtype {kv_dtype or worker.kv_cache_dtype}: the sizing is followed (and tested) "
+                             f"for {KERNELS_NEED_KV_DTYPE} only")
+    explicit, unmodelled = sg.sizing_flags(_worker_args(worker))
+    if unmodelled:
+        raise sg.SizingError(f"extra_args {', '.join(unmodelled)} change SGLang's sizing in ways not followed here")
+    role = str(getattr(worker.role, "value", worker.role))
+    used = explicit if explicit is not None else sg.default_mem_fraction(gpu.total_mib, role, worker.tp)
+    return used, sorted({used, 0.80, 0.85, 0.88, 0.90, 0.92})
+
+
+def predict_sglang(topology: Any, worker: Any, fraction: float | None = None,
+                   gpu: sg.GpuInputs = sg.GpuInputs(), sglang_version: str | None = None) -> Capacity:
+    """One SGLang server's pool at `fraction` (default: the one it will use); a row with a note when the
+    sizing cannot be followed."""
+    context = topology.model.context_length
+    try:
+        used, _ = sglang_fractions(worker, gpu)
+        f = used if fraction is None else fraction
+        pre, weights = gpu.pre_gib(), gpu.weights_gib(worker.tp)
+        pool = sg.size_pool(sg.geometry_for(str(topology.model.path)),
+                            available=sg.available_bytes(pre, weights, f), mem_fraction=f,
+                            max_total_tokens=worker.max_total_tokens, page_size=worker.page_size,
+                            sglang_version=sglang_version or sg.installed_sglang_version(),
+                            pre_gib=pre, weights_gib=weights)
+    except sg.SizingError as e:
+        return Capacity(worker.name, "sglang", None, context, None, f"not predicted: {e}")
+    return Capacity(worker.name, "sglang", pool.max_total_num_tokens, context, pool.bytes_per_full_token,
+                    "", f, pool.free_after_pool_bytes / sg.GIB, default_fraction=f == used)
+
+
 def predict(topology: Any, worker: Any) -> Capacity:
     """The KV capacity `worker` of `topology` will report as `max_total_num_tokens`."""
     engine, context = str(topology.engine), topology.model.context_length
     if engine == "embedded":
         tokens = worker.max_total_tokens // worker.page_size * worker.page_size
         return Capacity(worker.name, engine, tokens, context, embedded_bytes_per_token(worker.page_size))
-    if worker.max_total_tokens is not None:
-        tokens = worker.max_total_tokens // worker.page_size * worker.page_size
-        return Capacity(worker.name, engine, tokens, context, None, "cut to max_total_tokens (whole pages)")
-    return Capacity(worker.name, engine, None, context, None, SGLANG_NOT_PREDICTED)
+    return predict_sglang(topology, worker)
+
+
+def capacity_rows(topology: Any, gpu: sg.GpuInputs = sg.GpuInputs()) -> list[Capacity]:
+    """The plan's table: one row per embedded worker; per SGLang worker one row per memory fraction."""
+    rows: list[Capacity] = []
+    for w in topology.workers:
+        if str(topology.engine) != "sglang":
+            rows.append(predict(topology, w))
+            continue
+        try:
+            _, fractions = sglang_fractions(w, gpu)
+        except sg.SizingError:
+            rows.append(predict_sglang(topology, w, gpu=gpu))
+            continue
+        rows.extend(predict_sglang(topology, w, f, gpu) for f in fractions)
+    return rows
 
 
 def capacity_table(rows: list[Capacity]) -> str:
-    head = ("SERVER", "ENGINE", "MAX_TOTAL_NUM_TOKENS", "FULL_CONTEXT_REQS", "KV_BYTES/TOKEN", "NOTE")
-    body = [(r.server, r.engine, "-" if r.max_total_num_tokens is None else str(r.max_total_num_tokens),
+    head = ("SERVER", "ENGINE", "MEM_FRACTION", "MAX_TOTAL_NUM_TOKENS", "FULL_CONTEXT_REQS", "KV_BYTES/TOKEN",
+            "FREE_GIB/GPU", "NOTE")
+    body = [(r.server, r.engine,
+             "-" if r.mem_fraction is None else f"{r.mem_fraction:.3f}" + ("*" if r.default_fraction else ""),
+             "-" if r.max_total_num_tokens is None else str(r.max_total_num_tokens),
              "-" if r.full_context_requests is None else str(r.full_context_requests),
-             "-" if r.kv_bytes_per_token is None else f"{r.kv_bytes_per_token:.0f}", r.note) for r in rows]
+             "-" if r.kv_bytes_per_token is None else f"{r.kv_bytes_per_token:.0f}",
+             "-" if r.free_after_pool_gib is None else f"{r.free_after_pool_gib:.1f}", r.note) for r in rows]
     widths = [max(len(line[i]) for line in (head, *body)) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in (head, *body))
+
+
+def inputs_note(topology: Any, gpu: sg.GpuInputs) -> str:
+    """What the SGLang rows were computed from (printed under the plan's table)."""
+    if str(topology.engine) != "sglang":
+        return "embedded engine: exact (whole pages of max_total_tokens)"
+    tps = sorted({w.tp for w in topology.workers})
+    weights = ", ".join(f"TP{tp} {gpu.weights_gib(tp):.1f}" for tp in tps)
+    return (f"SGLang {sg.SIZING_VERSION} DeepSeek-V4 sizing: GPU {gpu.total_mib:.0f} MiB, free before load "
+            f"{gpu.pre_gib():.1f} GiB, weights per GPU {weights} GiB (checkpoint {gpu.checkpoint_gib:g} GiB / TP); "
+            "* = the fraction the server runs with (--mem-fraction-static in extra_args, else SGLang's default); "
+            "FULL_CONTEXT_REQS = MAX_TOTAL_NUM_TOKENS // context_length; FREE_GIB/GPU = left after weights and pool")

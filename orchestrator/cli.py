@@ -30,6 +30,7 @@ from dsv4_cluster.orchestrator.errors import (
 from dsv4_cluster.orchestrator import monitor, service
 from dsv4_cluster.orchestrator.options import DownOptions, UpOptions
 from dsv4_cluster.orchestrator.ray_env import prepare_ray_env
+from dsv4_cluster.orchestrator.sglang_capacity import GpuInputs
 from dsv4_cluster.orchestrator.table import render_table
 from dsv4_cluster.orchestrator.record import RecordError, read_record
 from dsv4_cluster.orchestrator.topology import TopologyError, load_topology
@@ -70,11 +71,20 @@ def _parser() -> argparse.ArgumentParser:
 def _add_plan_parser(sub: Any) -> None:
     pl = sub.add_parser("plan", help="dry run: the env and command line of every server, and their KV capacity")
     pl.add_argument("file", help="topology YAML")
+    gpu = GpuInputs()
+    pl.add_argument("--gpu-mib", type=float, default=gpu.total_mib,
+                    help=f"SGLang: GPU memory as nvidia-smi reports memory.total (default {gpu.total_mib:g}, an H200)")
+    pl.add_argument("--free-before-load-gib", type=float, default=None,
+                    help="SGLang: free GPU memory once CUDA and NCCL are up, as its log's 'Memory baseline' shows "
+                         "(default: GPU memory minus the 1.21 GiB CUDA context measured on an H200)")
+    pl.add_argument("--checkpoint-gib", type=float, default=gpu.checkpoint_gib,
+                    help=f"SGLang: checkpoint size, split evenly over TP (default {gpu.checkpoint_gib:g}, "
+                         "DeepSeek-V4-Flash)")
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     """Starts nothing and needs no Ray: what `up FILE` would run, and the KV pools it would get."""
-    from dsv4_cluster.orchestrator.capacity import capacity_table, predict
+    from dsv4_cluster.orchestrator.capacity import capacity_rows, capacity_table, inputs_note
     from dsv4_cluster.orchestrator.plan import PlanError, cluster_plans
 
     try:
@@ -90,7 +100,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(f"# {plan.name} ({plan.role.value}) on node {plan.node}, log {plan.log_path}")
         print(shlex.join(["env", *(f"{k}={v}" for k, v in plan.env), *plan.argv]))
     print()
-    print(capacity_table([predict(topology, w) for w in topology.workers]), flush=True)
+    gpu = GpuInputs(args.gpu_mib, args.free_before_load_gib, args.checkpoint_gib)
+    print(capacity_table(capacity_rows(topology, gpu)))
+    print(inputs_note(topology, gpu), flush=True)
     return EXIT_OK
 
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from dsv4_cluster.orchestrator.capacity import PREDICTED_COLUMN, kv_predicted_cell
 from dsv4_cluster.orchestrator.stranded_status import stranded_line
 
-COLUMNS = ("NAME", "ROLE", "NODE", "PID", "STATE", "RESTARTS", "PORT", "KV_CAPACITY", "KV_USED")
+COLUMNS = ("NAME", "ROLE", "NODE", "PID", "STATE", "RESTARTS", "PORT", "KV_CAPACITY", "KV_USED",
+           PREDICTED_COLUMN)
 
 
 def _cell(value: Any) -> str:
@@ -16,7 +18,7 @@ def _cell(value: Any) -> str:
 def status_rows(workers: list[dict[str, Any]]) -> list[tuple[str, ...]]:
     return [
         tuple(_cell(w.get(k)) for k in ("name", "role", "node", "pid", "state", "restarts", "port",
-                                         "kv_capacity_tokens", "kv_used_tokens"))
+                                         "kv_capacity_tokens", "kv_used_tokens")) + (kv_predicted_cell(w),)
         for w in workers
     ]
 

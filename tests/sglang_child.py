@@ -3,6 +3,8 @@
     python -m dsv4_cluster.tests.sglang_child resolve '<argvs as JSON>'  -> resolved fields per argv, JSON
     python -m dsv4_cluster.tests.sglang_child plugin                     -> what load_plugins() did, as JSON
     python -m dsv4_cluster.tests.sglang_child install DIR                -> our factory on SGLang's classes
+    python -m dsv4_cluster.tests.sglang_child capacity '<cases as JSON>' -> SGLang's own DeepSeek-V4 pool sizing
+    python -m dsv4_cluster.tests.sglang_child server_info '[[argv, N]...]' -> /server_info's bodies, by SGLang
 
 torchvision: SGLang's config package imports `torchvision.transforms` at module level (for vision
 models' preprocessing), and no torchvision build loads beside the CPU torch 2.13 (every registry build
@@ -142,6 +144,125 @@ def install(attest_dir: str) -> dict[str, Any]:
     return out
 
 
+def _walk_bytes(obj: Any, seen: set[int], depth: int = 0) -> int:
+    """Bytes of every tensor (not view) an SGLang pool object holds."""
+    import torch
+
+    if id(obj) in seen or depth > 6:
+        return 0
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return obj.nbytes if obj._base is None else 0
+    if isinstance(obj, (list, tuple)):
+        return sum(_walk_bytes(x, seen, depth + 1) for x in obj)
+    if isinstance(obj, dict):
+        return sum(_walk_bytes(x, seen, depth + 1) for x in obj.values())
+    if type(obj).__module__.startswith("sglang") and hasattr(obj, "__dict__"):
+        return sum(_walk_bytes(x, seen, depth + 1) for x in vars(obj).values())
+    return 0
+
+
+def capacity(case: dict[str, Any]) -> dict[str, Any]:
+    """SGLang's own sizing of the DeepSeek-V4 KV pool for one server.
+
+    The argv goes through SGLang's resolution with `get_device_memory_capacity` answering
+    `gpu_total_mib` (its default memory fraction reads it); then a real `KVCacheConfigurator` (built
+    with `object.__new__` and the fields ModelRunner would give it, since ModelRunner needs a GPU) runs
+    its `_resolve_memory_pool_config` with the measured inputs fed in: `get_available_gpu_memory`
+    answers `free_after_load_gib` and `pre_gib` is the pre-load measurement. The pool is then built by
+    SGLang's `DeepSeekV4TokenToKVPool` on device "meta" and its tensors' bytes summed."""
+    import torch
+    from types import SimpleNamespace
+
+    import sglang.srt.arg_groups.memory_hook as memory_hook
+    from sglang.srt import runtime_context
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.mem_cache import kv_cache_configurator as kcm
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+    from sglang.srt.model_executor.model_runner_components.layer_setup import ModelLayerInfo
+    from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    memory_hook.get_device_memory_capacity = lambda device=None: float(case["gpu_total_mib"])
+    args = prepare_server_args(case["argv"])
+    args.resolve_once()
+    runtime_context.publish(args, role="scheduler")
+    mc = ModelConfig.from_server_args(args)
+    tp = args.resolved_dict()["tp_size"]
+    kcm.get_available_gpu_memory = lambda *a, **k: float(case["free_after_load_gib"])
+    kcm.get_parallel = lambda: SimpleNamespace(launch_world_size=tp, pp_size=1, attn_dcp_size=1,
+                                               world_group=SimpleNamespace(cpu_group=None))
+    layers = mc.num_hidden_layers
+    kvc = object.__new__(kcm.KVCacheConfigurator)
+    fields = dict(
+        device="cuda", gpu_id=0, attn_dp_size=1, pp_size=1, pp_group=None, model=None, model_config=mc,
+        server_args=args, kv_cache_dtype=torch.float8_e4m3fn, kv_cache_dtype_str=args.resolved_dict()["kv_cache_dtype"],
+        model_dtype=torch.bfloat16, page_size=args.resolved_dict()["page_size"], sliding_window_size=mc.window_size,
+        spec_algorithm=SpeculativeAlgorithm.from_string(None), is_draft_worker=False, post_capture_kv_active=False,
+        spec_aux_config=None, is_hybrid_swa=mc.is_hybrid_swa, is_hybrid_swa_compress=True, use_mla_backend=True,
+        layer_info=ModelLayerInfo(start_layer=0, end_layer=layers, num_effective_layers=layers),
+        forward_stream=None, req_to_token_pool=None, token_to_kv_pool_allocator=None, memory_pool_config=None,
+        draft_parallel_layout=None, draft_model_idx=None, extra_mamba_cache_bytes_per_req=0, mambaish_config=None,
+        hybrid_gdn_config=None, hybrid_kda_config=None, kv_shard_rank=None, kv_shard_size=1, kv_shard_spec=None,
+        kv_shard_group=None, is_hybrid_swa_mtp_draft=False, draft_swa_full_capacity=False,
+        dflash_draft_cell_size_per_token=None)
+    for name, value in fields.items():
+        setattr(kvc, name, value)
+    configurator = create_memory_pool_configurator(kvc)
+    available = kcm.KVCacheConfigurator._profile_available_bytes(kvc, case["pre_gib"])
+    config = kcm.KVCacheConfigurator._resolve_memory_pool_config(kvc, case["pre_gib"])
+    mrr = config.max_running_requests
+    pool = DeepSeekV4TokenToKVPool(
+        max_num_reqs=mrr, swa_size=config.swa_max_total_num_tokens, c4_size=config.c4_max_total_num_tokens,
+        c128_size=config.c128_max_total_num_tokens, c4_state_pool_size=config.c4_state_pool_size,
+        c128_state_pool_size=config.c128_state_pool_size, page_size=kvc.page_size, swa_page_size=kvc.page_size,
+        dtype=torch.float8_e4m3fn, c4_state_dtype=torch.float32, c128_state_dtype=torch.float32,
+        qk_nope_head_dim=mc.qk_nope_head_dim, qk_rope_head_dim=mc.qk_rope_head_dim,
+        indexer_head_dim=mc.index_head_dim, layer_num=layers, device="meta", enable_memory_saver=False,
+        compression_ratios=mc.compress_ratios, sliding_window=mc.window_size, start_layer=0, end_layer=layers,
+        full_size=config.max_total_num_tokens)
+    return {"configurator": type(configurator).__name__, "mem_fraction_static": config.mem_fraction_static,
+            "available_bytes": available, "bytes_per_full_token": configurator.bytes_per_full_token,
+            "bytes_per_swa_token": configurator.bytes_per_swa_token,
+            "c128_state_bytes": configurator._get_c128_state_fixed_bytes(
+                configurator.requested_max_running_requests_per_worker),
+            "max_total_num_tokens": config.max_total_num_tokens,
+            "swa_max_total_num_tokens": config.swa_max_total_num_tokens, "max_running_requests": mrr,
+            "meta_pool_bytes": _walk_bytes(pool, set())}
+
+
+def server_info(argv: list[str], max_total_num_tokens: int) -> dict[str, Any]:
+    """The body SGLang 0.5.23's `/server_info` returns for a server with `argv` and this pool size, built by
+    its own functions the way `http_server.server_info` does: the scheduler's `get_init_info` (called on a
+    stand-in scheduler carrying the fields it reads), `build_server_info`, one DP rank's internal state
+    with `build_memory_usage`; only the memory numbers are made up."""
+    from types import SimpleNamespace
+
+    from sglang.srt import runtime_context
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.managers.scheduler_components.memory_usage import build_memory_usage
+    from sglang.srt.sampling.watermarking.core import redact_watermark_secrets
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils.common import build_server_info
+    from sglang.srt.utils.msgspec_utils import msgspec_to_builtins
+    from sglang.version import __version__
+
+    args = prepare_server_args(argv)
+    args.resolve_once()
+    runtime_context.publish(args, role="scheduler")
+    scheduler = SimpleNamespace(max_total_num_tokens=max_total_num_tokens, max_req_input_len=131071,
+                                startup_time=1.0, _hicache_l3_layout=lambda: None)
+    state = dict(args.resolved_dict())
+    state["memory_usage"] = build_memory_usage(
+        weight_gb=37.2, kv_cache_gb=90.1, startup_available_gb=139.4, token_capacity=max_total_num_tokens,
+        token_capacity_swa=max_total_num_tokens // 10, target_graph_memory_usage=None,
+        draft_graph_memory_usage=None)
+    body = {**build_server_info(args, Scheduler.get_init_info(scheduler)), "startup_time": 1.0,
+            "internal_states": [state], "version": __version__, "frontend": "python"}
+    return json.loads(json.dumps(msgspec_to_builtins(redact_watermark_secrets(body)), default=str))
+
+
 def main(argv: list[str]) -> int:
     _install_torchvision_stand_in()
     if argv[0] == "resolve":
@@ -150,8 +271,12 @@ def main(argv: list[str]) -> int:
         out = plugin()
     elif argv[0] == "install":
         out = install(argv[1])
+    elif argv[0] == "server_info":
+        out = [server_info(one, int(n)) for one, n in json.loads(argv[1])]
+    elif argv[0] == "capacity":
+        out = [capacity(case) for case in json.loads(argv[1])]
     else:
-        raise SystemExit(f"unknown command {argv[0]!r}; use resolve or plugin")
+        raise SystemExit(f"unknown command {argv[0]!r}; use resolve, plugin, install, capacity or server_info")
     print("RESULT " + json.dumps(out, default=str), flush=True)
     return 0
 

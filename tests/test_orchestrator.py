@@ -68,15 +68,16 @@ def test_up_status_chat_down(tmp_path: Path) -> None:
             assert pid_alive(row["pid"])
         for name in ("prefill-0", "decode-0"):
             assert (rows[name]["kv_capacity_tokens"], rows[name]["kv_used_tokens"]) == (4096, 0)
+            assert rows[name]["kv_predicted_tokens"] == 4096 and not rows[name].get("error")  # capacity.py
             assert rows[name]["kernels"] == {"indexer": "reference", "sparse_mla_decode": "reference",
                                              "topk": "reference"}
         assert rows["router"]["kv_capacity_tokens"] is None
 
         table = _run(tmp_path, "status").stdout.splitlines()
         assert table[0].split() == ["NAME", "ROLE", "NODE", "PID", "STATE", "RESTARTS", "PORT",
-                                    "KV_CAPACITY", "KV_USED"]
+                                    "KV_CAPACITY", "KV_USED", "KV_PREDICTED"]
         assert table[1].split() == ["prefill-0", "prefill", "local", str(rows["prefill-0"]["pid"]),
-                                    "READY", "0", str(ports["prefill"]), "4096", "0"]
+                                    "READY", "0", str(ports["prefill"]), "4096", "0", "4096"]
 
         reply = httpx.post(f"http://127.0.0.1:{ports['router']}/v1/chat/completions", timeout=120,
                            json={"model": "dsv4-tiny", "max_tokens": 4, "ignore_eos": True,

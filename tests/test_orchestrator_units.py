@@ -45,8 +45,8 @@ def test_table_has_every_column_and_dashes_for_the_router() -> None:
     lines = text.splitlines()
     assert lines[0].split() == list(COLUMNS)
     assert lines[1].split() == ["decode-0", "decode", "local", "42", "READY", "0", "30200",
-                                "16384", "128"]
-    assert lines[2].split() == ["router", "router", "local", "7", "READY", "0", "30001", "-", "-"]
+                                "16384", "128", "-"]
+    assert lines[2].split() == ["router", "router", "local", "7", "READY", "0", "30001", "-", "-", "-"]
     assert lines[3].split()[3:5] == ["-", "FAILED"]
     assert lines[4] == "prefill-0: exited with code 3"
 

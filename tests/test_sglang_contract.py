@@ -12,9 +12,6 @@ from __future__ import annotations
 import ast
 import inspect
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,42 +21,11 @@ from dsv4_cluster.kernels.sglang_plugin.call_sites import CALL_SITES, check_call
 from dsv4_cluster.kernels.sglang_plugin.settings import ATTEST_DIR_ENV, KERNELS_ENV, SGLANG_VERSION
 from dsv4_cluster.orchestrator.plan import cluster_plans
 from dsv4_cluster.orchestrator.topology import load_topology
+from dsv4_cluster.tests.sglang_support import REPO, require_sglang
+from dsv4_cluster.tests.sglang_support import child as _child
+from dsv4_cluster.tests.sglang_support import server_argv as _server_argv
 
-REPO = Path(__file__).resolve().parents[1]
-CONFIG_DIR = REPO / "tests" / "data" / "deepseek-v4-flash"
-CI = os.environ.get("CI") == "true"
-
-
-def _sglang_version() -> str | None:
-    import importlib.metadata
-
-    try:
-        return importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-if _sglang_version() != SGLANG_VERSION:
-    if CI:
-        raise RuntimeError(f"CI must run the SGLang contract tests: sglang {_sglang_version()} is installed, "
-                           f"not {SGLANG_VERSION}; .ci/install installs it")
-    pytest.skip(f"sglang=={SGLANG_VERSION} is not installed (bash .ci/install)", allow_module_level=True)
-
-
-def _child(*args: str, env: dict[str, str] | None = None) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "dsv4_cluster.tests.sglang_child", *args], capture_output=True,
-                          text=True, timeout=240, env={**os.environ, **(env or {})}, cwd=REPO)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"child failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
-
-
-def _server_argv(plan) -> list[str]:
-    """The plan's argv after `-m sglang.launch_server`, weights replaced by the committed config; on a
-    GPU host SGLang detects `--device cuda`, here it is said."""
-    argv = list(plan.argv[plan.argv.index("sglang.launch_server") + 1:])
-    argv[argv.index("--model-path") + 1] = str(CONFIG_DIR)
-    return argv + ["--device", "cuda"]
+require_sglang()
 
 
 @pytest.fixture(scope="module")
