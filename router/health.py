@@ -58,8 +58,10 @@ class HealthChecker:
         self._failures[worker.name] += 1
         if worker.healthy and self._failures[worker.name] >= self._threshold:
             worker.healthy = False
-            log.warning("%s at %s failed %d health checks in a row; out of the pool until it passes",
-                        worker.describe(), worker.url, self._failures[worker.name])
+            log.warning("%s at %s failed %d health checks in a row; out of the pool until it passes; "
+                        "ending the %d requests it is part of", worker.describe(), worker.url,
+                        self._failures[worker.name], len(worker.pairs))
+            worker.lost(f"failed {self._failures[worker.name]} health checks in a row")
 
     async def run(self) -> None:
         while True:
