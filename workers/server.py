@@ -25,6 +25,7 @@ from .. import __version__
 from .args import WorkerArgs
 from .engine import Engine, EngineKilled
 from .liveness import Liveness
+from .openapi import route_doc
 from .metrics import WorkerMetrics
 from .model import ModelConfig
 from .protocol import AbortRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest
@@ -307,15 +308,15 @@ class WorkerServer:
                 self.engine.call(lambda: time.sleep(seconds))
                 return {"success": True, "message": f"the engine thread stalls for {seconds:g} s (--test-hooks)"}
 
-        @app.post("/v1/chat/completions")
+        @app.post("/v1/chat/completions", openapi_extra=route_doc("/v1/chat/completions"))
         async def chat(request: Request):
             return await self.generate("chat", request)
 
-        @app.post("/v1/completions")
+        @app.post("/v1/completions", openapi_extra=route_doc("/v1/completions"))
         async def completions(request: Request):
             return await self.generate("completion", request)
 
-        @app.post("/generate")
+        @app.post("/generate", openapi_extra=route_doc("/generate"))
         async def generate(request: Request):
             return await self.generate("generate", request)
 

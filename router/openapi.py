@@ -1,0 +1,65 @@
+"""The router's OpenAPI document (`GET /openapi.json`): FastAPI's routes plus the three generation routes.
+
+The generation routes are plain ASGI (`generation.py`), so FastAPI does not see them; their request bodies are
+the embedded workers' models (`workers/protocol.py` via `workers/openapi.py`, SGLang 0.5.23's fields; the router sets the bootstrap fields
+and `rid` itself and refuses them from clients), their answers the OpenAI shapes. Every operation documents its
+errors as the OpenAI error envelope (`errors.py`): the status says whose fault, the body is always this shape.
+Schemathesis runs against this document (`bench/reliability_input.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+_CHOICES = {"type": "array", "items": {"type": "object", "required": ["index", "finish_reason"]}}
+ANSWERS = {"/v1/chat/completions": "chat.completion", "/v1/completions": "text_completion", "/generate": None}
+ROUTER_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "rid")
+
+
+def _answer_schema(obj: str | None) -> dict[str, Any]:
+    if obj is None:   # SGLang's /generate: one object, or a list of them for a batch
+        one = {"type": "object", "required": ["text", "meta_info"]}
+        return {"oneOf": [one, {"type": "array", "items": one}]}
+    return {"type": "object", "required": ["id", "object", "choices", "model"],
+            "properties": {"object": {"const": obj}, "choices": _CHOICES}}
+
+
+def generation_paths() -> dict[str, Any]:
+    # imported here: the workers' models pull in torch (sampling), which the router never needs to route
+    from dsv4_cluster.workers.openapi import ERROR_RESPONSE, request_schema
+    paths = {}
+    for path, obj in ANSWERS.items():
+        paths[path] = {"post": {
+            "summary": f"{path}: paired across a prefill and a decode worker (docs/router.md)",
+            "operationId": "generate" + path.replace("/", "_").replace(".", "_"),
+            "requestBody": {"required": True, "content": {"application/json": {"schema": request_schema(path, ROUTER_FIELDS)}}},
+            "responses": {
+                "200": {"description": "the answer; `stream: true` gives server-sent events ending in `data: [DONE]`",
+                        "content": {"application/json": {"schema": _answer_schema(obj)},
+                                    "text/event-stream": {"schema": {"type": "string"}}}},
+                "default": ERROR_RESPONSE,
+            },
+        }}
+    return paths
+
+
+def install_openapi(api: FastAPI) -> None:
+    """Replace FastAPI's document with one that has the generation routes and the error envelope."""
+
+    def openapi() -> dict[str, Any]:
+        if api.openapi_schema is None:
+            doc = get_openapi(title=api.title, version=api.version, routes=api.routes)
+            from dsv4_cluster.workers.openapi import ERROR_RESPONSE
+            doc["paths"].update(generation_paths())
+            for item in doc["paths"].values():
+                for op in item.values():
+                    responses = op.setdefault("responses", {})
+                    responses.pop("422", None)   # validation errors are 400s with the envelope (errors.py)
+                    responses.setdefault("default", ERROR_RESPONSE)
+            api.openapi_schema = doc
+        return api.openapi_schema
+
+    api.openapi = openapi  # type: ignore[method-assign]
