@@ -50,11 +50,6 @@ def fuzz(name: str, base_url: str, cases: int, skip: tuple[str, ...] = (), strip
          seed: int = 0) -> dict:
     """About `cases` schemathesis cases spread over the operations of `base_url`'s OpenAPI document."""
     import schemathesis
-    from hypothesis import HealthCheck, Phase, given, settings, seed as hseed
-    from schemathesis import GenerationMode
-    from schemathesis.checks import not_a_server_error
-    from schemathesis.core.failures import FailureGroup
-    from schemathesis.specs.openapi.checks import content_type_conformance, response_schema_conformance
 
     doc = httpx.get(base_url + "/openapi.json", timeout=30).json()
     if strip_router_fields:
@@ -62,12 +57,32 @@ def fuzz(name: str, base_url: str, cases: int, skip: tuple[str, ...] = (), strip
     schema = schemathesis.openapi.from_dict(doc)
     ops = [r.ok() for r in schema.get_all_operations()]
     ops = [op for op in ops if not any(s in op.path for s in skip)]
-    per_op = max(1, math.ceil(cases / len(ops) / 2))
     counts = {"cases": 0, "server_errors": 0, "schema_breaking": 0}
     failures: list[str] = []
     statuses: dict[int, int] = {}
-    checks = [not_a_server_error, response_schema_conformance, content_type_conformance]
+    skipped: list[str] = []
     started = time.monotonic()
+    for round_ in range(6):   # rounds with fresh seeds until `cases` were sent (cheap operations run dry)
+        missing = cases - counts["cases"]
+        if missing <= 0:
+            break
+        per_op = max(1, math.ceil(missing / len(ops) / 2)) * (round_ + 1)
+        _round(ops, per_op, seed + round_, base_url, counts, statuses, failures, skipped)
+    return {"name": name, **counts, "failures": failures, "statuses": dict(sorted(statuses.items())),
+            "operations": len(ops), "no_cases": sorted(set(skipped)), "wall_s": round(time.monotonic() - started, 1),
+            "ok": counts["server_errors"] == 0 and counts["schema_breaking"] == 0 and counts["cases"] > 0}
+
+
+def _round(ops, per_op: int, seed: int, base_url: str, counts: dict, statuses: dict, failures: list,
+           skipped: list) -> None:
+    from hypothesis import HealthCheck, Phase, given, settings, seed as hseed
+    from hypothesis.errors import Unsatisfiable
+    from schemathesis import GenerationMode
+    from schemathesis.checks import not_a_server_error
+    from schemathesis.core.failures import FailureGroup
+    from schemathesis.specs.openapi.checks import content_type_conformance, response_schema_conformance
+
+    checks = [not_a_server_error, response_schema_conformance, content_type_conformance]
     for op in ops:
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
             @hseed(seed)
@@ -75,7 +90,7 @@ def fuzz(name: str, base_url: str, cases: int, skip: tuple[str, ...] = (), strip
                       suppress_health_check=list(HealthCheck), phases=[Phase.generate])
             @given(case=op.as_strategy(generation_mode=mode))
             def one(case) -> None:
-                case.body = _clamp(case.body) if hasattr(case, "body") else None
+                _clamp(getattr(case, "body", None))
                 try:
                     response = case.call(base_url=base_url, timeout=60)
                 except OSError as exc:   # requests' ConnectionError is an OSError
@@ -96,10 +111,10 @@ def fuzz(name: str, base_url: str, cases: int, skip: tuple[str, ...] = (), strip
                         titles = "; ".join(str(getattr(f, "title", f)) for f in group.exceptions)
                         failures.append(f"{op.method.upper()} {op.path} -> {response.status_code}: {titles}: "
                                         f"{response.text[:160]!r}"[:400])
-            one()
-    return {"name": name, **counts, "failures": failures, "statuses": dict(sorted(statuses.items())),
-            "operations": len(ops), "wall_s": round(time.monotonic() - started, 1),
-            "ok": counts["server_errors"] == 0 and counts["schema_breaking"] == 0 and counts["cases"] > 0}
+            try:
+                one()
+            except Unsatisfiable:   # nothing to break (a GET without parameters has no negative cases)
+                skipped.append(f"{op.method.upper()} {op.path} {mode.value}")
 
 
 def _raw(port: int, data: bytes, read_s: float = 15.0) -> tuple[bytes, float]:
@@ -151,7 +166,6 @@ MALFORMED = [
     b'{"model": "dsv4-tiny", "messages": [{"role": "user", "content": "' + b"x" * 5000 + b'"}]}',
     b'{"model": "dsv4-tiny", "messages": [{"role": "user", "content": "hi"}], "bootstrap_room": 1}',
     b'{"model": "dsv4-tiny", "prompt": [[1, 2], [99999999999999999999]], "max_tokens": 2}',
-    b'{"model": "dsv4-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 99999999999999999999}',
     b'{"model": "' + b"m" * 100000 + b'"}',
 ]
 

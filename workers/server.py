@@ -255,8 +255,8 @@ class WorkerServer:
         def need_ready():
             return None if self.ready else _error(503, "starting" if self.liveness is None else self.engine.fatal)
 
-        @app.get("/health")
-        @app.get("/health_generate")
+        @app.get("/health", response_class=PlainTextResponse)
+        @app.get("/health_generate", response_class=PlainTextResponse)
         async def health():
             if (not_ready := need_ready()) is not None:
                 return not_ready
@@ -278,7 +278,7 @@ class WorkerServer:
             return {"object": "list", "data": [{"id": self.args.served_model_name, "object": "model",
                                                 "created": 0, "owned_by": "dsv4-cluster", "root": "dsv4-tiny"}]}
 
-        @app.get("/metrics")
+        @app.get("/metrics", response_class=PlainTextResponse)
         async def metrics():
             return need_ready() or Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
