@@ -19,6 +19,13 @@ ANSWERS = {"/v1/chat/completions": "chat.completion", "/v1/completions": "text_c
 ROUTER_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "rid")
 
 
+def _event_schema(obj: str | None, error: dict[str, Any]) -> dict[str, Any]:
+    """One server-sent event's data: a chunk, the usage chunk, an error event, or `[DONE]`."""
+    chunk = ({"type": "object", "required": ["text", "meta_info"]} if obj is None else
+             {"type": "object", "required": ["id", "object", "choices"], "properties": {"choices": {"type": "array"}}})
+    return {"anyOf": [chunk, error, {"const": "[DONE]"}]}
+
+
 def _answer_schema(obj: str | None) -> dict[str, Any]:
     if obj is None:   # SGLang's /generate: one object, or a list of them for a batch
         one = {"type": "object", "required": ["text", "meta_info"]}
@@ -39,7 +46,8 @@ def generation_paths() -> dict[str, Any]:
             "responses": {
                 "200": {"description": "the answer; `stream: true` gives server-sent events ending in `data: [DONE]`",
                         "content": {"application/json": {"schema": _answer_schema(obj)},
-                                    "text/event-stream": {"schema": {"type": "string"}}}},
+                                    "text/event-stream": {"schema": _event_schema(obj, ERROR_RESPONSE[
+                                        "content"]["application/json"]["schema"])}}},
                 "default": ERROR_RESPONSE,
             },
         }}
