@@ -6,11 +6,12 @@ after a fault or `down`, and memory growth under load.
 
 from __future__ import annotations
 
-import os
 import socket
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+
+from dsv4_cluster.orchestrator.port_owner import socket_owners
 
 LISTEN = "0A"
 
@@ -33,29 +34,9 @@ def _hex_address(field: str, v6: bool) -> tuple[str, int]:
     return text, int(port, 16)
 
 
-def _socket_owners() -> dict[int, int]:
-    """inode -> pid, for every socket a process of this machine (that we may read) holds."""
-    owners: dict[int, int] = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            fds = list((proc / "fd").iterdir())
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                target = os.readlink(fd)
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                owners[int(target[8:-1])] = int(proc.name)
-    return owners
-
-
 def listeners(ports: set[int]) -> list[Listener]:
     """Every TCP socket listening on one of `ports`, with its bound address and owning pid."""
-    found: list[tuple[str, int, int]] = []
+    found: list[tuple[str, int, str]] = []
     for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
         try:
             lines = Path(table).read_text().splitlines()[1:]
@@ -67,8 +48,8 @@ def listeners(ports: set[int]) -> list[Listener]:
                 continue
             address, port = _hex_address(cols[1], v6)
             if port in ports:
-                found.append((address, port, int(cols[9])))
-    owners = _socket_owners() if found else {}
+                found.append((address, port, cols[9]))
+    owners = socket_owners({inode for _, _, inode in found})
     return [Listener(address, port, owners.get(inode)) for address, port, inode in found]
 
 

@@ -36,13 +36,13 @@ def _faults(c: rf.Cluster) -> dict:
     return {
         "prefill killed during the KV transfer": dict(arm=rf.kill(c, "prefill-0"), ready=rf.waiting_for_kv(c),
                                                       prompt_chars=380, max_tokens=100),
-        "decode SIGSTOPped 6 s": dict(arm=rf.stop_then_continue(c, "decode-0", 6.0, held), ready=rf.mid_stream,
+        "decode SIGSTOPped 12 s": dict(arm=rf.stop_then_continue(c, "decode-0", 12.0, held), ready=rf.mid_stream,
                                       settle=resumed),
         "decode engine stalled 7 s": dict(arm=rf.stall_engine(c, "decode", 7.0), ready=rf.mid_stream),
     }
 
 
-@pytest.mark.parametrize("fault", ["prefill killed during the KV transfer", "decode SIGSTOPped 6 s",
+@pytest.mark.parametrize("fault", ["prefill killed during the KV transfer", "decode SIGSTOPped 12 s",
                                    "decode engine stalled 7 s"])
 def test_a_fault_ends_every_request_explicitly_within_10s_and_the_cluster_recovers(cluster, fault):
     kwargs = _faults(cluster)[fault]
