@@ -20,10 +20,13 @@ ROUTER_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "rid")
 
 
 def _event_schema(obj: str | None, error: dict[str, Any]) -> dict[str, Any]:
-    """One server-sent event's data: a chunk, the usage chunk, an error event, or `[DONE]`."""
+    """One server-sent event (OpenAPI 3.2's event object): its data is `[DONE]`, or JSON: a chunk (the usage
+    chunk too) or an error event."""
     chunk = ({"type": "object", "required": ["text", "meta_info"]} if obj is None else
              {"type": "object", "required": ["id", "object", "choices"], "properties": {"choices": {"type": "array"}}})
-    return {"anyOf": [chunk, error, {"const": "[DONE]"}]}
+    json_data = {"type": "string", "contentMediaType": "application/json", "contentSchema": {"anyOf": [chunk, error]}}
+    return {"type": "object", "required": ["data"],
+            "properties": {"data": {"anyOf": [{"const": "[DONE]"}, json_data]}}}
 
 
 def _answer_schema(obj: str | None) -> dict[str, Any]:
