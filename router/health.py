@@ -64,6 +64,10 @@ class HealthChecker:
             worker.lost(f"failed {self._failures[worker.name]} health checks in a row")
 
     async def run(self) -> None:
+        """A round every `health_check_interval_s`, however long the last one waited on a timeout: a hung worker
+        is out (and its requests ended) within interval + (failures - 1) x interval + timeout."""
+        loop = asyncio.get_running_loop()
         while True:
+            started = loop.time()
             await asyncio.gather(*(self.check(w) for w in self._pool.workers))
-            await asyncio.sleep(self._interval_s)
+            await asyncio.sleep(max(0.0, self._interval_s - (loop.time() - started)))

@@ -80,3 +80,19 @@ def test_a_lost_worker_ends_each_request_it_is_part_of_once():
     p.lost("prefill hung")
     assert ended[1:] == [("e", "prefill hung")]
     assert p.state is WorkerState.READY              # losing requests is not a state change (the admin API's)
+
+
+def test_the_router_openapi_bodies_are_the_workers_models():
+    """router/generation_schemas.json (the router reads it: the models pull in torch) equals what the models
+    give now; regenerate with `python -m dsv4_cluster.workers.openapi`."""
+    import json
+
+    from dsv4_cluster.router.app import build_app
+    from dsv4_cluster.router.settings import RouterSettings
+    from dsv4_cluster.workers.openapi import ROUTER_FILE, router_schemas
+
+    assert json.loads(ROUTER_FILE.read_text()) == json.loads(json.dumps(router_schemas())), \
+        "router/generation_schemas.json is stale: run python -m dsv4_cluster.workers.openapi"
+    doc = build_app(RouterSettings(model_name="m")).api.openapi()
+    body = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert "messages" in body["properties"] and "bootstrap_room" not in body["properties"]

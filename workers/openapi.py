@@ -5,6 +5,8 @@ envelope every error answer carries. The worker's and the router's `/openapi.jso
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from . import protocol
@@ -40,8 +42,28 @@ def request_schema(path: str, drop: tuple[str, ...] = ()) -> dict[str, Any]:
     return schema
 
 
+ROUTER_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "rid")   # the router sets these itself
+ROUTER_FILE = Path(__file__).resolve().parent.parent / "router" / "generation_schemas.json"
+
+
+def router_schemas() -> dict[str, Any]:
+    """What the router's OpenAPI document takes as the generation routes' bodies (the router never imports
+    this module: the models pull in torch; it reads `router/generation_schemas.json`, written by `main`)."""
+    return {"paths": {path: request_schema(path, ROUTER_FIELDS) for path in MODELS}, "error": ERROR}
+
+
+def main() -> None:
+    """`python -m dsv4_cluster.workers.openapi`: rewrite router/generation_schemas.json from the models."""
+    ROUTER_FILE.write_text(json.dumps(router_schemas(), indent=1, sort_keys=True) + "\n")
+    print(f"wrote {ROUTER_FILE.name}")
+
+
 def route_doc(path: str) -> dict[str, Any]:
     """`openapi_extra` of a worker's generation route."""
     return {"requestBody": {"required": True,
                             "content": {"application/json": {"schema": request_schema(path)}}},
             "responses": {"default": ERROR_RESPONSE}}
+
+
+if __name__ == "__main__":
+    main()
