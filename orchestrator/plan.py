@@ -93,7 +93,8 @@ def _worker_env(topology: Any, worker: Any) -> dict[str, str]:
 
 def embedded_argv(topology: Any, worker: Any) -> list[str]:
     role = _value(worker.role)
-    argv = [sys.executable, "-m", f"dsv4_cluster.workers.{role}", "--host", "0.0.0.0",
+    # the node's own address (what peers and the router use), never 0.0.0.0: a worker has no auth of its own
+    argv = [sys.executable, "-m", f"dsv4_cluster.workers.{role}", "--host", topology.node(worker.node).address,
             "--port", str(worker.port)]
     if role == Role.PREFILL.value:
         argv += ["--disaggregation-bootstrap-port", str(worker.bootstrap_port),

@@ -34,12 +34,13 @@ def _describe(pid: int) -> str:
     return f"pid {pid} ({cmd[:CMDLINE_CHARS]}{'...' if len(cmd) > CMDLINE_CHARS else ''})"
 
 
-def port_holders(port: int) -> list[str]:
-    """'pid N (command line)' of every process with a socket on local TCP port `port`."""
-    wanted = {f"socket:[{inode}]" for inode in _socket_inodes(port)}
+def socket_owners(inodes: set[str]) -> dict[str, int]:
+    """inode -> pid of the process holding that socket, for the `inodes` (strings, as /proc/net/tcp writes
+    them) some readable process holds."""
+    wanted = {f"socket:[{inode}]": inode for inode in inodes}
+    owners: dict[str, int] = {}
     if not wanted:
-        return []
-    holders = []
+        return owners
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -49,9 +50,15 @@ def port_holders(port: int) -> list[str]:
             continue
         for fd in fds:
             try:
-                if str(fd.readlink()) in wanted:
-                    holders.append(_describe(int(proc.name)))
-                    break
+                inode = wanted.get(str(fd.readlink()))
             except OSError:
                 continue
-    return holders
+            if inode is not None:
+                owners.setdefault(inode, int(proc.name))
+    return owners
+
+
+def port_holders(port: int) -> list[str]:
+    """'pid N (command line)' of every process with a socket on local TCP port `port`."""
+    pids = sorted(set(socket_owners(_socket_inodes(port)).values()))
+    return [_describe(pid) for pid in pids]

@@ -68,7 +68,7 @@ def sglang_argv(topology: Any, worker: Any) -> list[str]:
         "--tp-size", str(worker.tp),
         "--base-gpu-id", str(min(worker.gpus) if worker.gpus else 0),
         "--gpu-id-step", "1",
-        "--host", "0.0.0.0",
+        "--host", topology.node(worker.node).address,   # never 0.0.0.0: workers have no auth of their own
         "--port", str(worker.port),
         "--nccl-port", str(worker.nccl_port),
         "--disaggregation-mode", role,

@@ -44,7 +44,10 @@ class YamlDocument:
 
 def read_yaml(text: str) -> YamlDocument:
     """Parse one YAML document with line numbers; raise ``YamlSyntaxError`` if it is malformed."""
-    loader = yaml.SafeLoader(text)
+    try:   # the reader checks the characters already when the loader is built (ReaderError)
+        loader = yaml.SafeLoader(text)
+    except yaml.YAMLError as exc:
+        raise YamlSyntaxError(f"{exc}; remove control characters, the file must be printable text", None) from exc
     try:
         root = loader.get_single_node()
         if root is None:

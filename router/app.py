@@ -21,6 +21,7 @@ from .generation import is_generation, serve_generation
 from .health import HealthChecker
 from .meta_api import meta_router
 from .metrics import RouterMetrics
+from .openapi import install_openapi
 from .pool import WorkerPool
 from .settings import RouterSettings
 from .state import RouterState
@@ -68,6 +69,7 @@ def build_app(settings: RouterSettings) -> RouterApp:
 
     api = FastAPI(title="dsv4-cluster router", lifespan=lifespan)
     install_error_handlers(api)
+    install_openapi(api)
     api.include_router(meta_router())
     api.include_router(admin_router())
     return RouterApp(api)

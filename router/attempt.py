@@ -5,7 +5,7 @@
 2. `open_decode` returns D's response once its status line arrived. If P fails first, D is aborted and
    P's error raised; if D fails first, P is aborted and D's error raised. Either error says whether
    another pair may take the request (`RouterError.retryable`: the worker cannot have started it).
-3. After that, a P failure interrupts whoever reads D's body (`Interrupted(error)`), so a stream can end
+3. After that, a P failure (or either worker failing its health checks: `_worker_lost`) interrupts whoever reads D's body (`Interrupted(error)`), so a stream can end
    with P's error; `abort_both` / `abort_decode` / `abort_prefill` close what still runs and send
    `POST /abort_request` by rid (both, because each covers a gap of the other: a closed connection makes
    SGLang abort a request it is still answering; the rid reaches one the router gave up on).
@@ -19,7 +19,7 @@ import logging
 
 import orjson
 
-from .errors import RouterError, UpstreamTimeout
+from .errors import RouterError, UpstreamTimeout, UpstreamUnreachable
 from .http_client import Interrupted, Response
 from .pairing import PairedRequest
 from .state import RouterState
@@ -49,6 +49,18 @@ class Attempt:
         self.prefill = state.tasks.spawn(state.upstream.call(req.pair.prefill, req.path, self.body),
                                          name=f"prefill-{req.rid}")
         self.prefill.add_done_callback(self._prefill_done)
+        req.pair.on_lost = self._worker_lost
+
+    def _worker_lost(self, worker, why: str) -> None:
+        """A worker of this pair stopped answering its health checks (hung, stopped): end this request now
+        with an explicit error (an error event once streaming) instead of waiting on it; aborts go by rid.
+        Retryable: before the first byte, a fresh pair may take the request."""
+        error = UpstreamUnreachable(f"{worker.describe()} {why} while serving this request; it was ended so "
+                                    "that it does not hang", retryable=True)
+        if self.decode_over:
+            self.abort_prefill()
+        else:
+            self.interrupt(error)
 
     def _prefill_done(self, task: asyncio.Task[LegResult]) -> None:
         if task.cancelled():

@@ -58,10 +58,16 @@ class HealthChecker:
         self._failures[worker.name] += 1
         if worker.healthy and self._failures[worker.name] >= self._threshold:
             worker.healthy = False
-            log.warning("%s at %s failed %d health checks in a row; out of the pool until it passes",
-                        worker.describe(), worker.url, self._failures[worker.name])
+            log.warning("%s at %s failed %d health checks in a row; out of the pool until it passes; "
+                        "ending the %d requests it is part of", worker.describe(), worker.url,
+                        self._failures[worker.name], len(worker.pairs))
+            worker.lost(f"failed {self._failures[worker.name]} health checks in a row")
 
     async def run(self) -> None:
+        """A round every `health_check_interval_s`, however long the last one waited on a timeout: a hung worker
+        is out (and its requests ended) within interval + (failures - 1) x interval + timeout."""
+        loop = asyncio.get_running_loop()
         while True:
+            started = loop.time()
             await asyncio.gather(*(self.check(w) for w in self._pool.workers))
-            await asyncio.sleep(self._interval_s)
+            await asyncio.sleep(max(0.0, self._interval_s - (loop.time() - started)))

@@ -8,7 +8,7 @@ nothing itself, so a load balancer polling it never adds load to the workers.
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .admission import check_key
@@ -40,7 +40,7 @@ def meta_router() -> APIRouter:
         data = [{"id": n, "object": "model", "created": state.created, "owned_by": "dsv4-cluster"} for n in names]
         return JSONResponse({"object": "list", "data": data})
 
-    @api.get("/metrics")
+    @api.get("/metrics", response_class=PlainTextResponse)
     async def metrics(request: Request) -> Response:
         state: RouterState = request.app.state.router
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -47,7 +47,4 @@ class WorkerPool:
     def pick(self, avoid: frozenset[Worker] = frozenset()) -> Pair:
         """The next eligible pair, counted in flight until `release()`; NoWorkers if a pool has none.
         Workers in `avoid` (those of a failed attempt) are taken only when nothing else is eligible."""
-        pair = Pair(self._choose("prefill", self.prefill, avoid), self._choose("decode", self.decode, avoid))
-        pair.prefill.in_flight += 1
-        pair.decode.in_flight += 1
-        return pair
+        return Pair(self._choose("prefill", self.prefill, avoid), self._choose("decode", self.decode, avoid))

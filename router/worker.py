@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from dsv4_cluster.core import WorkerState
 
@@ -36,6 +36,13 @@ class Worker:
     token_usage: float = 0.0
     failures: int = 0  # consecutive connection-level failures (the breaker's count)
     open_until: float = 0.0  # monotonic time the breaker stays open until; 0: closed
+    pairs: set[Pair] = field(default_factory=set, repr=False)  # the pairs it is part of, pick to release
+
+    def lost(self, why: str) -> None:
+        """The worker stopped answering (health checks): end every request it is part of now, so that none
+        waits on a hung process until `request_timeout_s` (each request's attempt decides how, attempt.py)."""
+        for pair in list(self.pairs):
+            pair.lost(self, why)
 
     def describe(self) -> str:
         """How client-facing messages name the worker: role and name, never its internal URL."""
@@ -96,9 +103,20 @@ class Pair:
     prefill: Worker
     decode: Worker
     _released: bool = field(default=False, repr=False)
+    on_lost: Callable[[Worker, str], None] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        for worker in (self.prefill, self.decode):
+            worker.in_flight += 1
+            worker.pairs.add(self)
+
+    def lost(self, worker: Worker, why: str) -> None:
+        if self.on_lost is not None and not self._released:
+            self.on_lost(worker, why)
 
     def release(self) -> None:
         if not self._released:
             self._released = True
-            self.prefill.in_flight -= 1
-            self.decode.in_flight -= 1
+            for worker in (self.prefill, self.decode):
+                worker.in_flight -= 1
+                worker.pairs.discard(self)

@@ -67,7 +67,7 @@ def test_embedded_prefill_and_decode_argv() -> None:
             ("nixl", "cpu", "127.0.0.1")
         assert _flag(a, "--ucx-tls") == "tcp,self" and plan.env_dict["UCX_TLS"] == "tcp,self"
         assert _flag(a, "--kernels") == "sparse_mla_decode,topk"
-        assert _flag(a, "--host") == "0.0.0.0"
+        assert _flag(a, "--host") == "127.0.0.1"   # the node's address, never 0.0.0.0
     assert _flag(prefill.argv, "--disaggregation-bootstrap-port") == "21098"
     assert "--disaggregation-bootstrap-port" not in decode.argv
 

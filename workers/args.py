@@ -34,8 +34,10 @@ class WorkerArgs:
     kernels: str = ""
     peer_timeout_s: float = 30.0
     transfer_timeout_s: float = 60.0
+    # an engine loop that does not come round for this long fails its requests (503) and /health (liveness.py)
+    stall_timeout_s: float = 5.0
     log_level: str = "info"
-    test_hooks: bool = False   # serve POST /debug/kill_engine (fault tests only)
+    test_hooks: bool = False   # TEST ONLY: serve POST /debug/kill_engine and /debug/stall_engine (fault tests)
 
     @property
     def kernel_list(self) -> tuple[str, ...]:
@@ -86,6 +88,8 @@ def validate(args: WorkerArgs) -> list[str]:
         problems.append(f"--page-size {args.page_size}: must be a positive multiple of 4 (the compression ratio)")
     if args.chunked_prefill_size < 1:
         problems.append(f"--chunked-prefill-size {args.chunked_prefill_size}: must be at least 1")
+    if args.stall_timeout_s <= 0:
+        problems.append(f"--stall-timeout-s {args.stall_timeout_s}: must be positive")
     if args.default_max_tokens < 1:
         problems.append(f"--default-max-tokens {args.default_max_tokens}: must be at least 1")
     if args.max_total_tokens < args.context_length:

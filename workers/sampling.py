@@ -61,10 +61,12 @@ class Sampler:
         logits = logits.float().cpu() + self._mask
         if params.greedy:
             return int(torch.argmax(logits))
-        probs = torch.softmax(logits / params.temperature, dim=-1)
+        # in float64: a temperature past float32's range would turn the -inf of masked ids into NaN
+        probs = torch.softmax(logits.double() / params.temperature, dim=-1)
         if params.top_p < 1.0:
             sorted_p, order = probs.sort(descending=True)
             keep = sorted_p.cumsum(0) - sorted_p < params.top_p
+            keep[0] = True   # the most likely token always stays (as in SGLang), however small top_p is
             probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
         gen = torch.Generator()
         if params.seed is None:

@@ -24,6 +24,8 @@ from pydantic import ValidationError
 from .. import __version__
 from .args import WorkerArgs
 from .engine import Engine, EngineKilled
+from .liveness import Liveness
+from .openapi import route_doc
 from .metrics import WorkerMetrics
 from .model import ModelConfig
 from .protocol import AbortRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest
@@ -47,6 +49,7 @@ class WorkerServer:
         self.args = args
         self.tokenizer = ByteTokenizer()
         self.engine: Engine | None = None
+        self.liveness: Liveness | None = None
         self.metrics: WorkerMetrics | None = None
         self.kernels: dict[str, str] = {}
         self._startup: asyncio.Task | None = None
@@ -80,12 +83,13 @@ class WorkerServer:
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and self.engine.alive
+        return self.liveness is not None and self.engine.alive
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: FastAPI):
         async def build():
             await asyncio.to_thread(self._build)
+            self.liveness = Liveness(self.engine, self.args.stall_timeout_s)
             log.info("%s (%s on %s:%s)", READY_LINE, self.role, self.args.host, self.args.port)
         self._startup = asyncio.create_task(build())
         try:
@@ -145,7 +149,14 @@ class WorkerServer:
         done = False
         try:
             while not done:
-                ev = await queue.get()
+                try:
+                    ev = await asyncio.wait_for(queue.get(), 1.0)
+                except asyncio.TimeoutError:
+                    stall = self.liveness.stalled()
+                    if stall is None:
+                        continue
+                    self.engine.abort(req.rid, stall)   # runs when the engine comes round again
+                    ev = Failed(503, f"{stall}; this request was ended so that it does not hang, retry it")
                 if isinstance(ev, Reserved):
                     ev = await self.on_reserved(spec, req, ev)
                     if ev is None:
@@ -242,12 +253,15 @@ class WorkerServer:
         app.state.exit_reason = lambda: self.exit_reason
 
         def need_ready():
-            return None if self.ready else _error(503, "starting" if self.engine is None else self.engine.fatal)
+            return None if self.ready else _error(503, "starting" if self.liveness is None else self.engine.fatal)
 
-        @app.get("/health")
-        @app.get("/health_generate")
+        @app.get("/health", response_class=PlainTextResponse)
+        @app.get("/health_generate", response_class=PlainTextResponse)
         async def health():
-            return need_ready() or PlainTextResponse("OK")
+            if (not_ready := need_ready()) is not None:
+                return not_ready
+            stall = await self.liveness.check()
+            return _error(503, stall) if stall else PlainTextResponse("OK")
 
         @app.get("/server_info")
         @app.get("/get_server_info")
@@ -264,7 +278,7 @@ class WorkerServer:
             return {"object": "list", "data": [{"id": self.args.served_model_name, "object": "model",
                                                 "created": 0, "owned_by": "dsv4-cluster", "root": "dsv4-tiny"}]}
 
-        @app.get("/metrics")
+        @app.get("/metrics", response_class=PlainTextResponse)
         async def metrics():
             return need_ready() or Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
@@ -286,15 +300,23 @@ class WorkerServer:
                 self.engine.call(_kill_engine)
                 return {"success": True, "message": "the engine thread dies now (--test-hooks)"}
 
-        @app.post("/v1/chat/completions")
+            @app.post("/debug/stall_engine")
+            async def stall_engine(seconds: float = 20.0):
+                """The engine thread stops for `seconds` while HTTP goes on: a hung engine (--test-hooks)."""
+                if self.engine is None:
+                    return _error(503, "starting")
+                self.engine.call(lambda: time.sleep(seconds))
+                return {"success": True, "message": f"the engine thread stalls for {seconds:g} s (--test-hooks)"}
+
+        @app.post("/v1/chat/completions", openapi_extra=route_doc("/v1/chat/completions"))
         async def chat(request: Request):
             return await self.generate("chat", request)
 
-        @app.post("/v1/completions")
+        @app.post("/v1/completions", openapi_extra=route_doc("/v1/completions"))
         async def completions(request: Request):
             return await self.generate("completion", request)
 
-        @app.post("/generate")
+        @app.post("/generate", openapi_extra=route_doc("/generate"))
         async def generate(request: Request):
             return await self.generate("generate", request)
 

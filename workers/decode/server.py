@@ -54,18 +54,27 @@ class DecodeServer(WorkerServer):
         self._cancels.add(task)
         task.add_done_callback(self._cancels.discard)
 
-    async def _cancel_room(self, room: int, bootstrap: str) -> None:
+    async def _cancel_room(self, room: int, bootstrap: str, attempts: int = 10, pause_s: float = 1.0) -> None:
         """Free the room's pages now unless prefill may still write them (then its notification or
-        the quarantine's expiry frees them). A prefill that is down or restarting holds no WRITE."""
-        try:
-            r = await self.client().post(bootstrap + "/kv/cancel", json={"room": room})
-            free = r.status_code == 503 or (r.status_code == 200 and not r.json().get("in_flight", True))
-        except (httpx.ConnectError, httpx.RemoteProtocolError):
-            free = True
-        except httpx.HTTPError as exc:
-            log.warning("prefill %s did not answer the cancel of bootstrap_room %s: %r; its pages wait for "
-                        "their quarantine to expire", bootstrap, room, exc)
-            free = False
+        the quarantine's expiry frees them). A prefill that is down or restarting holds no WRITE. An answer
+        that settles nothing (the connection broke mid-call: a prefill dying, or a timeout) is asked again,
+        `attempts` times `pause_s` apart: a restarted prefill answers, and the pages are not held until the
+        quarantine expires (4 x --transfer-timeout-s)."""
+        for attempt in range(attempts):
+            try:
+                r = await self.client().post(bootstrap + "/kv/cancel", json={"room": room})
+                free = r.status_code == 503 or (r.status_code == 200 and not r.json().get("in_flight", True))
+                break
+            except (httpx.ConnectError, httpx.RemoteProtocolError):
+                free = True
+                break
+            except httpx.HTTPError as exc:
+                free = False
+                if attempt == attempts - 1:
+                    log.warning("prefill %s did not answer the cancel of bootstrap_room %s: %r; its pages wait "
+                                "for their quarantine to expire", bootstrap, room, exc)
+                else:
+                    await asyncio.sleep(pause_s)
         if free:
             self.engine.call(lambda: self.engine.release_quarantine(room))
 
