@@ -3,7 +3,8 @@
 Each request is a streamed `POST /v1/chat/completions` (greedy, `ignore_eos`, `include_usage`), so its timings
 come from the stream itself: TTFT is the time to the first content chunk, TPOT the time per output token after it
 ((end - first token) / (completion tokens - 1)), token counts are the server's own `usage`. A request that fails is
-counted under a short reason (`HTTP 503`, `stream error: ...`, `connect: ...`, `timeout`), never dropped. While a
+counted under a short reason (`HTTP 503`, `stream error: ...`, `connect: ...`, `timeout`), never dropped. Decode
+tok/s counts the tokens after each request's first over the span in which requests were decoding. While a
 level runs, `progress` gets a `Progress` every `progress_s` seconds (and once at the end).
 
 Used by `dsv4-cluster bench URL` (bench/sweep.py) and by `python -m dsv4_cluster.bench.load`.
@@ -54,6 +55,8 @@ class _Outcome:
     e2e_s: float
     prompt_tokens: int
     output_tokens: int
+    first_token_at: float     # time.monotonic() of the first token
+    ended_at: float
 
     @property
     def tpot_s(self) -> float | None:
@@ -81,6 +84,7 @@ class LevelResult:
     wall_s: float
     output_tokens: int
     output_tok_s: float
+    decode_tok_s: float        # tokens after each first one, over the span from the first first-token to the last end
     ttft_p50_s: float
     ttft_p99_s: float
     tpot_p50_s: float
@@ -137,8 +141,9 @@ async def one_request(client: httpx.AsyncClient, url: str, spec: LevelSpec, i: i
         raise RequestFailed("no token", "the stream ended without a content chunk")
     if usage is None:
         raise RequestFailed("no usage", "the stream ended without the usage chunk include_usage asks for")
-    return _Outcome(ttft_s=ttft, e2e_s=time.monotonic() - started, prompt_tokens=int(usage["prompt_tokens"]),
-                    output_tokens=int(usage["completion_tokens"]))
+    ended = time.monotonic()
+    return _Outcome(ttft_s=ttft, e2e_s=ended - started, prompt_tokens=int(usage["prompt_tokens"]),
+                    output_tokens=int(usage["completion_tokens"]), first_token_at=started + ttft, ended_at=ended)
 
 
 def _classify(exc: BaseException) -> RequestFailed:
@@ -204,11 +209,19 @@ def summarise(spec: LevelSpec, ok: list[_Outcome], failed: list[tuple[int, Reque
         prompt_tokens_mean=round(statistics.fmean(o.prompt_tokens for o in ok), 1) if ok else float("nan"),
         errors=len(failed), errors_by_reason=dict(Counter(e.reason for _, e in failed)),
         error_samples=[f"{i}: {e}"[:300] for i, e in failed[:5]], wall_s=round(wall, 3), output_tokens=tokens,
-        output_tok_s=round(tokens / wall, 1) if wall > 0 else float("nan"),
+        output_tok_s=round(tokens / wall, 1) if wall > 0 else float("nan"), decode_tok_s=round(decode_rate(ok), 1),
         ttft_p50_s=round(percentile(ttfts, 50), 4), ttft_p99_s=round(percentile(ttfts, 99), 4),
         tpot_p50_s=round(percentile(tpots, 50), 5), tpot_p99_s=round(percentile(tpots, 99), 5),
         e2e_p50_s=round(statistics.median(o.e2e_s for o in ok), 3) if ok else float("nan"),
         loadavg_before=loadavg_before, loadavg_after=list(os.getloadavg()))
+
+
+def decode_rate(ok: list[_Outcome]) -> float:
+    """Output tokens after the first of each request per second of the decode span (first first-token to last end):
+    the rate decode sustained, without the prefill time before it (NaN when nothing decoded)."""
+    span = max((o.ended_at for o in ok), default=0.0) - min((o.first_token_at for o in ok), default=0.0)
+    decoded = sum(o.output_tokens - 1 for o in ok)
+    return decoded / span if ok and span > 0 and decoded > 0 else float("nan")
 
 
 def percentile(sorted_values: list[float], p: float) -> float:

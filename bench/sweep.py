@@ -79,13 +79,13 @@ def run_sweep(url: str, options: SweepOptions, progress=None) -> dict:
 
 def table(sweep: dict) -> str:
     """The sweep as a markdown table, one row per concurrency."""
-    head = ("| concurrency | requests | prompt tok | max tokens | output tok/s | TTFT p50 ms | TTFT p99 ms "
-            "| TPOT p50 ms | TPOT p99 ms | errors |\n|" + " --- |" * 10)
+    head = ("| concurrency | requests | prompt tok | max tokens | output tok/s | decode tok/s | TTFT p50 ms "
+            "| TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | errors |\n|" + " --- |" * 11)
     rows = [head]
     for lv in sweep["levels"]:
         errs = ", ".join(f"{k} x{n}" for k, n in lv["errors_by_reason"].items()) or "0"
         rows.append(f"| {lv['concurrency']} | {lv['requests']} | {lv['prompt_tokens_mean']} | {lv['max_tokens']} "
-                    f"| {lv['output_tok_s']} | {_ms(lv['ttft_p50_s'])} | {_ms(lv['ttft_p99_s'])} "
+                    f"| {lv['output_tok_s']} | {lv['decode_tok_s']} | {_ms(lv['ttft_p50_s'])} | {_ms(lv['ttft_p99_s'])} "
                     f"| {_ms(lv['tpot_p50_s'])} | {_ms(lv['tpot_p99_s'])} | {errs} |")
     return "\n".join(rows) + "\n"
 
