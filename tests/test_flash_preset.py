@@ -94,6 +94,6 @@ def test_capture_sizes_and_padded_tables():
     from dsv4_cluster.workers.decode_graphs import capture_sizes, padded_table
 
     assert capture_sizes(64) == (1, 2, 4, 8, 16, 24, 32, 48, 64)
-    assert capture_sizes(8) == (1, 2, 4, 8) and capture_sizes(20) == (1, 2, 4, 8, 16)
+    assert capture_sizes(8) == (1, 2, 4, 8) and capture_sizes(20) == (1, 2, 4, 8, 16, 20)
     t = padded_table([[5, 6, 7], [9]], pad=3)
     assert t.dtype == torch.int32 and t.tolist() == [[5, 6, 7], [9, 3, 3]]

@@ -27,9 +27,9 @@ WARMUP_RUNS = 2
 
 
 def capture_sizes(max_bs: int) -> tuple[int, ...]:
-    """1, 2, 4, 8, then every multiple of 8 up to 32, then of 16 up to max_bs (SGLang's spacing, coarser)."""
-    sizes = [1, 2, 4, 8, *range(16, 33, 8), *range(48, max_bs + 1, 16)]
-    return tuple(s for s in sizes if s <= max_bs) or (1,)
+    """1, 2, 4, 8, then every multiple of 8 up to 32, then of 16, and max_bs itself (SGLang's spacing, coarser)."""
+    sizes = [s for s in (1, 2, 4, 8, *range(16, 33, 8), *range(48, max_bs + 1, 16)) if s <= max_bs]
+    return tuple(sizes if sizes and sizes[-1] == max_bs else [*sizes, max(max_bs, 1)])
 
 
 class DecodeGraphs:
