@@ -22,6 +22,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -161,6 +162,8 @@ def table(report: dict) -> str:
             "| errors |", "|" + " --- |" * 9]
     r = report["ratios"]["context_vs_8k"]
     for s in report["settings"]:
+        if s.get("error"):
+            rows.append(f"| {s['label']} | - | failed: {s['error'].splitlines()[0][:120]} | | | | | | |")
         for lv in s["levels"]:
             c = lv["concurrency"]
             key = "ctx{}_c{}".format(s["context"], c)
@@ -188,25 +191,40 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="flash", help="flash (the benchmark); tiny only to try the harness on cpu")
     p.add_argument("--reference-concurrency", default="64", help="levels of the kernels-off run at 8K ('' skips)")
     a = p.parse_args(argv)
-    settings = []
+    contexts = [int(x) for x in a.contexts.split(",") if x]
+    ref_levels = tuple(int(x) for x in a.reference_concurrency.split(",") if x)
+    if not contexts:
+        p.error("--contexts: give at least one, e.g. 8192,131072,1048576")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))   # stop the stacks (finally)
+    plan = [(ctx, True, CONCURRENCY) for ctx in contexts] + ([(contexts[0], False, ref_levels)] if ref_levels else [])
+    settings: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="dsv4-ctx-tax-") as tmp:
         try:
-            for ctx in (int(x) for x in a.contexts.split(",") if x):
-                settings.append(run_setting(Path(tmp), ctx, True, CONCURRENCY, a))
-            ref_levels = tuple(int(x) for x in a.reference_concurrency.split(",") if x)
-            if ref_levels:
-                settings.append(run_setting(Path(tmp), settings[0]["context"], False, ref_levels, a))
+            for ctx, kernels, levels in plan:
+                try:
+                    settings.append(run_setting(Path(tmp), ctx, kernels, levels, a))
+                except (RuntimeError, TimeoutError, httpx.HTTPError) as e:   # one setting failed: say so, go on
+                    label = f"{'kernels' if kernels else 'reference'}-ctx{ctx}"
+                    print(f"[context-tax] {label} failed: {e}", file=sys.stderr, flush=True)
+                    settings.append({"label": label, "context": ctx, "kernels": kernels, "error": str(e)[-3000:],
+                                     "levels": []})
+                write_report(a, settings)                 # after every setting: a later kill keeps what ran
         finally:
             if a.logs:
                 shutil.copytree(tmp, a.logs, dirs_exist_ok=True)
+    print(write_report(a, settings), end="")
+    ok = all(not s.get("error") and all(lv["errors"] == 0 for lv in s["levels"]) for s in settings)
+    return 0 if ok else 2
+
+
+def write_report(a: argparse.Namespace, settings: list[dict]) -> str:
     report = {"prompt_chars": a.prompt_chars, "max_tokens": a.max_tokens, "page_size": a.page_size,
-              "settings": settings, "ratios": ratios(settings)}
+              "settings": settings, "ratios": ratios([s for s in settings if not s.get("error")])}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     md = table(report)
     a.out.with_suffix(".md").write_text(md)
-    print(md, end="")
-    return 0 if all(lv["errors"] == 0 for s in settings for lv in s["levels"]) else 2
+    return md
 
 
 if __name__ == "__main__":
