@@ -1,7 +1,8 @@
 """The model's three kernel calls (sparse decode, indexer, top-k), dispatched and counted.
 
-On CUDA a kernel named in `--kernels` runs our Triton/Gluon kernel (`dsv4_cluster.kernels` entry points), any
-other runs the PyTorch reference op on the GPU; on CPU every op is the reference (the oracle). Every call adds one
+On CUDA a kernel named in `--kernels` runs our Triton/Gluon kernel (the `*_triton` entry points of
+`dsv4_cluster.kernels`), any other runs the PyTorch reference op on the GPU; on CPU every op is the reference (the
+oracle). Every call adds one
 to a counter on the model's device (`calls[kernel, impl] += 1`, a device-side add), so a CUDA-graph replay
 advances the counters exactly as the eager calls it captured: `/server_info` reports what ran from these counts,
 never from the flag. `counts()` reads them (a host sync; the engine thread calls it between steps).
@@ -16,9 +17,9 @@ import torch
 
 from dsv4_cluster.core import KERNEL_NAMES
 
-from ..kernels.indexer import indexer as indexer_kernel
-from ..kernels.sparse_mla_decode import sparse_mla_decode, sparse_mla_decode_ref
-from ..kernels.topk import topk as topk_kernel
+from ..kernels.indexer.reference import indexer_ref
+from ..kernels.sparse_mla_decode import sparse_mla_decode_ref
+from ..kernels.topk.reference import topk_ref
 
 IMPLS = ("reference", "triton", "gluon")
 
@@ -26,15 +27,24 @@ IMPLS = ("reference", "triton", "gluon")
 class KernelOps:
     def __init__(self, device: str, requested: tuple[str, ...], n_heads: int, dtype: torch.dtype):
         self.device = torch.device(device)
-        cuda = self.device.type == "cuda"
-        self.kernel = {k: cuda and k in requested for k in KERNEL_NAMES}
-        self.impl = {k: ("triton" if on else "reference") for k, on in self.kernel.items()}
-        if self.kernel["sparse_mla_decode"]:
+        self.kernel = {k: False for k in KERNEL_NAMES}
+        self.impl = {k: "reference" for k in KERNEL_NAMES}
+        self.calls = torch.zeros(len(KERNEL_NAMES), len(IMPLS), dtype=torch.int64, device=self.device)
+        self._slot = {k: (i, 0) for i, k in enumerate(KERNEL_NAMES)}
+        if self.device.type == "cuda":
+            self.route(tuple(k for k in requested if k in KERNEL_NAMES), n_heads, dtype)
+
+    def route(self, names: tuple[str, ...], n_heads: int, dtype: torch.dtype) -> None:
+        """Run `names` on our kernels (`*_triton` entry points; the sparse decode picks Gluon where it applies).
+        CUDA workers route what --kernels asks for; on CPU tensors the kernels run only under TRITON_INTERPRET=1
+        (tests/kernels/test_engine_kernel_path.py routes them there)."""
+        for k in names:
+            self.kernel[k], self.impl[k] = True, "triton"
+        if "sparse_mla_decode" in names:
             from ..kernels.sparse_mla_decode.launch import gluon_unavailable
 
             probe = torch.empty(1, n_heads, 512, dtype=dtype, device=self.device)
             self.impl["sparse_mla_decode"] = "triton" if gluon_unavailable(probe, False) else "gluon"
-        self.calls = torch.zeros(len(KERNEL_NAMES), len(IMPLS), dtype=torch.int64, device=self.device)
         self._slot = {k: (i, IMPLS.index(self.impl[k])) for i, k in enumerate(KERNEL_NAMES)}
 
     @property
@@ -48,17 +58,28 @@ class KernelOps:
 
     def sparse_decode(self, q, kv, window_idx, extra_kv, extra_idx, sink) -> torch.Tensor:
         self._count("sparse_mla_decode")
-        fn = sparse_mla_decode if self.kernel["sparse_mla_decode"] else sparse_mla_decode_ref
-        return fn(q, kv, window_idx, extra_kv=extra_kv, extra_idx=extra_idx, sink=sink)[0]
+        if self.kernel["sparse_mla_decode"]:
+            from ..kernels.sparse_mla_decode.launch import sparse_mla_decode_triton
+
+            return sparse_mla_decode_triton(q, kv, window_idx, extra_kv, extra_idx, sink)[0]
+        return sparse_mla_decode_ref(q, kv, window_idx, extra_kv, extra_idx, sink)[0]
 
     def indexer(self, q_idx, weights, keys, pages, live) -> torch.Tensor:
-        """Scores [T, max_pages * E] (on CUDA only the live prefix of each row is written)."""
+        """Scores [T, max_pages * E] (the kernel writes only the live prefix of each row)."""
         self._count("indexer")
-        return indexer_kernel(q_idx, weights, keys, pages, live)
+        if self.kernel["indexer"]:
+            from ..kernels.indexer.triton_indexer import indexer_triton
+
+            return indexer_triton(q_idx, weights, keys, pages, live)
+        return indexer_ref(q_idx, weights, keys, pages, live)
 
     def topk(self, scores, live, k: int) -> torch.Tensor:
         self._count("topk")
-        return topk_kernel(scores, live, k)
+        if self.kernel["topk"]:
+            from ..kernels.topk.radix_select import topk_triton
+
+            return topk_triton(scores, live, k)
+        return topk_ref(scores, live, k)
 
     def count_reference(self, *names: str) -> None:
         """Count ops the model ran as whole-tensor torch code (the reference formula) instead of a kernel."""
