@@ -5,7 +5,7 @@
 : "${OUT:?OUT must name the folder whose files come back}"
 repo=$PWD
 mkdir -p /tmp/p/dsv4_cluster
-for d in kernels bench tests; do ln -sfn "$repo/$d" "/tmp/p/dsv4_cluster/$d"; done
+for d in kernels bench tests orchestrator router workers deploy; do ln -sfn "$repo/$d" "/tmp/p/dsv4_cluster/$d"; done
 cp dsv4_cluster/*.py /tmp/p/dsv4_cluster/
 cd /tmp
 export PYTHONPATH=/tmp/p PYTHONUNBUFFERED=1

@@ -74,6 +74,11 @@ def _default(kernel, name: str):
 
 
 def _hooks_set() -> bool:
+    """Is a launch hook (a profiler) installed? Triton 3.5+ keeps each hook as a `HookChain` that is never
+    None (its `calls` list is empty when no hook is set); older releases keep a callable or None."""
     from triton import knobs
 
-    return knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
+    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False

@@ -60,3 +60,29 @@ def test_jit_once_per_specialization_then_the_handle(monkeypatch):
     fast_launch.launch(kernel, (4,), (y, 1), dict(BLOCK=16, num_warps=4))  # an int equal to 1
     fast_launch.launch(kernel, (4,), (y, 48), dict(BLOCK=16, num_warps=8))  # another launch option
     assert len(kernel.jit) == 5 and len(kernel.runs) == 1
+
+
+def test_hooks_are_seen_only_when_one_is_installed():
+    """Triton 3.5+ keeps each launch hook as a never-None HookChain: an empty chain is no hook (the fast path
+    was never taken on the H200 while this read `is not None`)."""
+    from triton import knobs
+
+    chain = knobs.runtime.launch_enter_hook
+    assert not fast_launch._hooks_set()
+
+    def profiler_hook(metadata):
+        return None
+
+    if hasattr(chain, "add"):
+        chain.add(profiler_hook)
+        try:
+            assert fast_launch._hooks_set()
+        finally:
+            chain.remove(profiler_hook)
+    else:
+        knobs.runtime.launch_enter_hook = profiler_hook
+        try:
+            assert fast_launch._hooks_set()
+        finally:
+            knobs.runtime.launch_enter_hook = chain
+    assert not fast_launch._hooks_set()
