@@ -6,8 +6,7 @@
 #  nixl-cu13 fastapi starlette pydantic pydantic_core uvicorn httptools orjson annotated-types
 #  typing-inspection annotated-doc -d .whl). Env: TEST_TIMEOUT, BENCH_TIMEOUT (s), PYTEST_K, SKIP_TESTS, SKIP_BENCH.
 set -uo pipefail
-source "$(dirname "$0")/h200_package.sh"  # sets $repo, cd /tmp, PYTHONPATH (kernels, bench, tests)
-for d in workers orchestrator router; do ln -sfn "$repo/$d" "/tmp/p/dsv4_cluster/$d"; done
+source "$(dirname "$0")/h200_package.sh"  # sets $repo, cd /tmp, PYTHONPATH (the package, mapped)
 if ls "$repo"/.whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$repo"/.whl/*.whl \
     && export PYTHONPATH=/tmp/p:/tmp/site
