@@ -9,7 +9,9 @@ its router with streaming chat requests, brings it down, and writes output tok/s
 error count and the machine's load average (the machine may be shared) as JSON. Before the load it
 measures each worker process's CPU (user + system, all threads) over `--idle-s` seconds of idleness. `--url` instead loads a
 router that is already up. The numbers are for comparing builds measured close together on one machine,
-not absolute speeds: the embedded model is a tiny random-weight model on the CPU.
+not absolute speeds: the embedded model is a tiny random-weight model on the CPU. The requests and their
+timings are `loadgen.py`'s, shared with `dsv4-cluster bench URL` (`sweep.py`: a concurrency sweep against a
+cluster that is already up).
 """
 
 from __future__ import annotations
@@ -19,102 +21,18 @@ import asyncio
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import httpx
 import yaml
 
 from ..orchestrator.ports import free_ports
+from .loadgen import LevelSpec, run_level
 
 CLI = [sys.executable, "-m", "dsv4_cluster.orchestrator"]
-
-
-@dataclass(frozen=True)
-class LoadResult:
-    requests: int
-    concurrency: int
-    max_tokens: int
-    prompt_chars: int
-    errors: int
-    error_samples: list[str]
-    wall_s: float
-    output_tokens: int
-    output_tok_s: float
-    ttft_p50_s: float
-    ttft_p99_s: float
-    e2e_p50_s: float
-    loadavg_before: list[float]
-    loadavg_after: list[float]
-
-
-def _prompt(i: int, chars: int) -> str:
-    words = f"request {i}: tell me about prefill, decode and KV caches on page {i % 7}. "
-    return (words * (chars // len(words) + 1))[:chars]
-
-
-async def _one(client: httpx.AsyncClient, url: str, i: int, max_tokens: int, chars: int) -> tuple[float, int, float]:
-    body = {"model": "dsv4-tiny", "messages": [{"role": "user", "content": _prompt(i, chars)}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
-    started = time.monotonic()
-    ttft, tokens, usage = None, 0, None
-    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"stream error: {chunk['error']}")
-            if chunk.get("usage"):
-                usage = chunk["usage"]["completion_tokens"]
-            for choice in chunk.get("choices", []):
-                if choice.get("delta", {}).get("content"):
-                    ttft = ttft if ttft is not None else time.monotonic() - started
-                    tokens += 1
-    if ttft is None:
-        raise RuntimeError("the stream ended without a token")
-    return ttft, usage if usage is not None else tokens, time.monotonic() - started
-
-
-async def run_load(url: str, requests: int, concurrency: int, max_tokens: int, chars: int) -> LoadResult:
-    sem = asyncio.Semaphore(concurrency)
-    ok: list[tuple[float, int, float]] = []
-    errors: list[str] = []
-    before = list(os.getloadavg())
-
-    async def task(client: httpx.AsyncClient, i: int) -> None:
-        async with sem:
-            try:
-                ok.append(await _one(client, url, i, max_tokens, chars))
-            except (httpx.HTTPError, RuntimeError, json.JSONDecodeError) as exc:
-                errors.append(f"{i}: {exc!r}"[:300])
-
-    limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10), limits=limits) as client:
-        started = time.monotonic()
-        await asyncio.gather(*(task(client, i) for i in range(requests)))
-        wall = time.monotonic() - started
-    ttfts = sorted(t for t, _, _ in ok) or [float("nan")]
-    tokens = sum(n for _, n, _ in ok)
-    return LoadResult(requests=requests, concurrency=concurrency, max_tokens=max_tokens, prompt_chars=chars,
-                      errors=len(errors), error_samples=errors[:5], wall_s=round(wall, 2), output_tokens=tokens,
-                      output_tok_s=round(tokens / wall, 1), ttft_p50_s=round(_pct(ttfts, 50), 3),
-                      ttft_p99_s=round(_pct(ttfts, 99), 3),
-                      e2e_p50_s=round(statistics.median(e for _, _, e in ok), 3) if ok else float("nan"),
-                      loadavg_before=before, loadavg_after=list(os.getloadavg()))
-
-
-def _pct(sorted_values: list[float], p: float) -> float:
-    k = min(len(sorted_values) - 1, max(0, round(p / 100 * (len(sorted_values) - 1))))
-    return sorted_values[k]
 
 
 def relocated(topology: Path, workdir: Path) -> tuple[Path, str]:
@@ -189,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if (a.topology is None) == (a.url is None):
         p.error("give either a topology file or --url")
-    load = lambda url: asyncio.run(run_load(url, a.requests, a.concurrency, a.max_tokens, a.prompt_chars))  # noqa: E731
+    spec = LevelSpec(requests=a.requests, concurrency=a.concurrency, max_tokens=a.max_tokens,
+                     prompt_chars=a.prompt_chars)
+    load = lambda url: asyncio.run(run_level(url, spec))  # noqa: E731
     idle: dict[str, float] = {}
     busy: dict[str, float] = {}
     if a.url:
@@ -219,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(down.stdout + down.stderr, file=sys.stderr)
                 if a.logs:
                     shutil.copytree(path.parent / "run", a.logs, dirs_exist_ok=True)
-    record = {"label": a.label, "topology": str(a.topology or a.url), **asdict(result),
+    record = {"label": a.label, "topology": str(a.topology or a.url), **result.to_dict(),
               "idle_cpu_core_fraction": idle, "idle_s": a.idle_s if idle else 0, "cpu_s_during_load": busy}
     print(json.dumps(record, indent=1))
     if a.out:

@@ -8,6 +8,7 @@
     dsv4-cluster drain WORKER [--deadline S] | restart WORKER | logs NAME [-f] [-n N]
     dsv4-cluster install-service FILE [--dry-run]   (service.py)
     dsv4-cluster monitor up|down FILE                (monitor.py)
+    dsv4-cluster bench URL [--concurrency 1,4,16] ... (bench/sweep.py: load a router, tok/s, TTFT, TPOT)
 
 Exit codes: 0 success; 1 the cluster failed (to start, to answer, to stop cleanly); 2 nothing
 was started because the topology or this machine is not fit (every problem is printed).
@@ -27,6 +28,7 @@ from dsv4_cluster.orchestrator.cli_ops import (
     WATCH_INTERVAL_S, add_operation_commands, run_operation, watch_status)
 from dsv4_cluster.orchestrator.errors import (
     AlreadyUpError, ClusterStartError, NotUpError, PreflightError, RayClusterError)
+from dsv4_cluster.bench import sweep
 from dsv4_cluster.orchestrator import monitor, service
 from dsv4_cluster.orchestrator.options import DownOptions, UpOptions
 from dsv4_cluster.orchestrator.ray_env import prepare_ray_env
@@ -65,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     add_operation_commands(sub)
     service.add_parser(sub)
     monitor.add_parser(sub)
+    sweep.add_parser(sub)
     return p
 
 
@@ -213,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         return service.main(args)
     if args.command == "monitor":
         return monitor.main(args)
+    if args.command == "bench":
+        return sweep.main(args)
     prepare_ray_env(_ray_address(args))
     from dsv4_cluster.orchestrator import deployment  # imports Ray: only after prepare_ray_env
 

@@ -39,7 +39,9 @@ def router_url(topology: Any) -> str:
 
 
 def single_process_tokens(topology: Any, prompt_ids: list[int]) -> list[int]:
-    from dsv4_cluster.workers.model import ModelConfig
+    from dsv4_cluster.orchestrator.plan import requested_kernels
+    from dsv4_cluster.orchestrator.topology_rules import embedded_preset
+    from dsv4_cluster.workers.presets import model_config
     from dsv4_cluster.workers.runner import ModelRunner, RunnerConfig, generate_single_process
     from dsv4_cluster.workers.sampling import SamplingParams
     from dsv4_cluster.workers.tokenizer import ByteTokenizer
@@ -47,8 +49,12 @@ def single_process_tokens(topology: Any, prompt_ids: list[int]) -> list[int]:
     decode = topology.decode[0]
     ctx = topology.model.context_length
     pages = -(-ctx // decode.page_size)
-    runner = ModelRunner(RunnerConfig(model=ModelConfig(seed=topology.model.seed), page_size=decode.page_size,
-                                      max_total_tokens=pages * decode.page_size, context_length=ctx))
+    device = str(getattr(decode.device, "value", decode.device))
+    # the decode worker's model, device and kernels; on CUDA one graph, of batch 1 (what it replays for this request)
+    runner = ModelRunner(RunnerConfig(
+        model=model_config(embedded_preset({"extra_args": decode.extra_args}), seed=topology.model.seed),
+        page_size=decode.page_size, max_total_tokens=pages * decode.page_size, context_length=ctx, device=device,
+        kernels=requested_kernels(topology) if device == "cuda" else (), cuda_graph_max_bs=1))
     tok = ByteTokenizer()
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     return generate_single_process(runner, prompt_ids, params, tok.eos_token_id)

@@ -193,8 +193,9 @@ def _device_gpus_tp(ctx: _Context) -> Iterator[Finding]:
 
 
 def _gpus_exclusive(ctx: _Context) -> Iterator[Finding]:
+    """SGLang workers own their GPUs; embedded workers (one process each) may share one (examples/gpu.yaml)."""
     owners: dict[tuple[str, int], _Worker] = {}
-    for w in ctx.workers:
+    for w in ctx.workers if ctx.engine != "embedded" else ():
         gpus, host = w.raw.get("gpus"), ctx.host_key(ctx.node_of(w.raw))
         if _get(w.raw, WorkerConfig, "device") != "cuda" or not isinstance(gpus, list) or host is None:
             continue
@@ -310,15 +311,29 @@ def _embedded_options(ctx: _Context) -> Iterator[Finding]:
     if ctx.section("transfer").get("backend") == "tcp":
         yield Finding(("transfer", "backend"), "the embedded engine moves KV over NIXL only (no tcp backend)",
                       "use backend: nixl")
+    raw_kernels = ctx.section("kernels") or {}
+    kernels = [k for k, f in KernelsConfig.model_fields.items() if raw_kernels.get(k, f.default) is True]
     for w in ctx.workers:
-        if _get(w.raw, WorkerConfig, "device") == "cuda":
-            yield Finding(w.path + ("device",), f"the embedded engine runs on cpu only, {w.label} asks for cuda "
-                          "(its tiny model's shapes are below what the CUDA kernels take)",
-                          "set device: cpu, or engine: sglang on GPUs")
+        if _get(w.raw, WorkerConfig, "device") == "cuda" and kernels and embedded_preset(w.raw) != "flash":
+            yield Finding(w.path + ("device",), f"{w.label} runs the embedded engine on cuda with kernels "
+                          f"{', '.join(kernels)}, but its model preset is {embedded_preset(w.raw)!r}, whose shapes "
+                          "the kernels do not take (they take 512 dims, 16/32/64 heads)",
+                          'add extra_args: ["--model-preset", "flash"] (examples/gpu.yaml), or set the kernels off')
     for w, dtype, path in _once(ctx, "kv_cache_dtype"):
         if dtype in get_args(KvCacheDtype) and dtype != "auto":
             yield Finding(path, f"kv_cache_dtype {dtype}: the embedded engine keeps KV in float32 ('auto'); "
                           "bf16 and fp8 layouts are SGLang's", "set kv_cache_dtype: auto, or remove it")
+
+
+def embedded_preset(raw: dict) -> str:
+    """The `--model-preset` an embedded worker's extra_args pass (workers/presets.py), else the default 'tiny'."""
+    args = [str(a) for a in raw.get("extra_args") or []]
+    for i, a in enumerate(args):
+        if a == "--model-preset" and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith("--model-preset="):
+            return a.split("=", 1)[1]
+    return "tiny"
 
 
 def _pool_fits_context(ctx: _Context) -> Iterator[Finding]:

@@ -87,9 +87,19 @@ def test_worker_args_refuse_silent_fallbacks(capsys):
     with pytest.raises(SystemExit):
         parse_args("decode", ["--transfer-backend", "tcp"])
     assert "no silent fallback" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            parse_args("decode", ["--device", "cuda"])
+        assert "no CUDA device torch can use; use --device cpu" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        parse_args("decode", ["--device", "cuda"])
-    assert "use device: cpu" in capsys.readouterr().err
+        parse_args("decode", ["--device", "cuda", "--kernels", "sparse_mla_decode"])
+    assert "the 'tiny' preset's shapes (8 heads x 64 dims) are not what the kernels take" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args("decode", ["--model-preset", "huge"])
+    assert "--model-preset 'huge': choose from tiny, flash" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args("decode", ["--kv-cache-dtype", "bfloat16"])
+    assert "'auto': float32 on cpu, bfloat16 on cuda" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse_args("prefill", [])
     assert "--disaggregation-bootstrap-port is required" in capsys.readouterr().err

@@ -7,7 +7,8 @@ import torch
 
 from dsv4_cluster.kernels.indexer import indexer
 from dsv4_cluster.kernels.topk import topk
-from dsv4_cluster.workers.model import ModelConfig, _select_rows, _select_shared_table
+from dsv4_cluster.workers.model import ModelConfig
+from dsv4_cluster.workers.selection import select_rows as _select_rows, select_shared_table as _select_shared_table
 from dsv4_cluster.workers.runner import Chunk, ModelRunner, RunnerConfig
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from dsv4_cluster.orchestrator.topology import parse_topology
@@ -129,7 +131,17 @@ def test_embedded_engine_options_are_checked_before_start() -> None:
     text = BASE + "transfer:\n  backend: tcp\n"
     check(text, "transfer.backend", line_of(text, "backend: tcp"), "NIXL only", "use backend: nixl")
     text = edit(BASE, "    device: cpu\n    port: 30200", "    device: cuda\n    gpus: [0]\n    port: 30200")
-    check(text, "decode[0].device", line_of(text, "device: cuda"), "runs on cpu only", "set device: cpu")
+    text += "kernels: {sparse_mla_decode: true, indexer: true, topk: true}\n"
+    check(text, "decode[0].device", line_of(text, "device: cuda"), "its model preset is 'tiny', whose shapes",
+          'add extra_args: ["--model-preset", "flash"]')
+
+
+def test_embedded_workers_on_cuda_may_share_a_gpu_with_the_flash_preset() -> None:
+    text = Path(__file__).resolve().parents[1].joinpath("examples", "gpu.yaml").read_text()
+    topology = parse_topology(text)
+    assert [w.gpus for w in topology.workers] == [[0], [0]]
+    check(text.replace('"--model-preset", "flash", "--cuda', '"--cuda'), "decode[0].device",
+          line_of(text, "device: cuda", 2), "its model preset is 'tiny'", "--model-preset")
 
 
 def test_no_prefill_or_empty_decode() -> None:

@@ -43,7 +43,8 @@ def _wait(url: str, procs: list[subprocess.Popen], logs: list[Path], timeout_s: 
 
 
 def start_pair(tmp: Path, extra: list[str] = (), prefill_extra: list[str] = (),
-               decode_extra: list[str] = ()) -> WorkerPair:
+               decode_extra: list[str] = (), env: dict[str, str] | None = None,
+               ready_timeout_s: float = 60.0) -> WorkerPair:
     p_port, b_port, d_port = free_port(), free_port(), free_port()
     common = ["--host", "127.0.0.1", "--max-total-tokens", "4096", "--context-length", "1024", *extra]
     cmds = [
@@ -52,20 +53,20 @@ def start_pair(tmp: Path, extra: list[str] = (), prefill_extra: list[str] = (),
         [sys.executable, "-m", "dsv4_cluster.workers.decode", "--port", str(d_port), *common, *decode_extra],
     ]
     logs = [tmp / "prefill.log", tmp / "decode.log"]
-    procs = [subprocess.Popen(c, stdout=log.open("w"), stderr=subprocess.STDOUT) for c, log in zip(cmds, logs)]
+    procs = [subprocess.Popen(c, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env) for c, log in zip(cmds, logs)]
     pair = WorkerPair(f"http://127.0.0.1:{p_port}", b_port, f"http://127.0.0.1:{d_port}", procs, logs, cmds)
     try:
-        wait_ready(pair)
+        wait_ready(pair, ready_timeout_s)
     except BaseException:
         stop_pair(pair)
         raise
     return pair
 
 
-def wait_ready(pair: WorkerPair) -> None:
+def wait_ready(pair: WorkerPair, timeout_s: float = 60.0) -> None:
     for url in (pair.prefill_url + "/health", f"http://127.0.0.1:{pair.bootstrap_port}/route",
                 pair.decode_url + "/health"):
-        _wait(url, pair.procs, pair.logs)
+        _wait(url, pair.procs, pair.logs, timeout_s)
 
 
 def restart(pair: WorkerPair, index: int) -> None:

@@ -17,6 +17,7 @@ class WorkerArgs:
     port: int = 30100
     disaggregation_bootstrap_port: int | None = None
     served_model_name: str = "dsv4-tiny"
+    model_preset: str = "tiny"          # workers/presets.py: tiny (CPU) or flash (DeepSeek-V4-Flash's shapes)
     seed: int = 0
     context_length: int = 2048
     # max_new_tokens of a request that gives none (chat, /generate): SGLang's SamplingParams default.
@@ -32,6 +33,8 @@ class WorkerArgs:
     node_address: str = "127.0.0.1"
     ucx_tls: str | None = None
     kernels: str = ""
+    cuda_graph_max_bs: int = 64       # decode batches up to this size replay CUDA graphs (SGLang's flag)
+    disable_cuda_graph: bool = False  # decode every batch eagerly (SGLang's flag)
     peer_timeout_s: float = 30.0
     transfer_timeout_s: float = 60.0
     # an engine loop that does not come round for this long fails its requests (503) and /health (liveness.py)
@@ -75,15 +78,10 @@ def validate(args: WorkerArgs) -> list[str]:
     if args.transfer_backend != "nixl":
         problems.append(f"--transfer-backend {args.transfer_backend!r}: the embedded engine implements only "
                         "'nixl' (no silent fallback); use nixl")
-    if args.kv_cache_dtype not in ("auto", "float32"):
-        problems.append(f"--kv-cache-dtype {args.kv_cache_dtype!r}: the embedded engine keeps KV in float32 "
-                        "('auto'); bf16 and fp8 layouts are for SGLang")
-    if args.device == "cuda":
-        problems.append("--device cuda: the embedded model's shapes (8 heads x 64 dims) are below what the "
-                        "Triton kernels take (512 dims, 16/32/64 heads), and no CUDA run of it has been "
-                        "checked; use device: cpu, or engine: sglang on GPUs")
-    elif args.device != "cpu":
-        problems.append(f"--device {args.device!r}: the embedded engine runs on cpu")
+    if args.kv_cache_dtype != "auto" and args.kv_cache_dtype != ("float32" if args.device == "cpu" else "bfloat16"):
+        problems.append(f"--kv-cache-dtype {args.kv_cache_dtype!r}: the embedded engine keeps KV in its model's "
+                        "dtype ('auto': float32 on cpu, bfloat16 on cuda); the fp8 layout is for SGLang")
+    problems += _device_problems(args)
     if args.page_size <= 0 or args.page_size % 4:
         problems.append(f"--page-size {args.page_size}: must be a positive multiple of 4 (the compression ratio)")
     if args.chunked_prefill_size < 1:
@@ -98,4 +96,27 @@ def validate(args: WorkerArgs) -> list[str]:
     unknown = [k for k in args.kernel_list if k not in KERNEL_NAMES]
     if unknown:
         problems.append(f"--kernels: unknown {unknown}; choose from {', '.join(KERNEL_NAMES)}")
+    return problems
+
+
+def _device_problems(args: WorkerArgs) -> list[str]:
+    from .presets import PRESETS
+
+    problems = []
+    if args.model_preset not in PRESETS:
+        problems.append(f"--model-preset {args.model_preset!r}: choose from {', '.join(PRESETS)}")
+    if args.device not in ("cpu", "cuda"):
+        problems.append(f"--device {args.device!r}: the embedded engine runs on cpu or cuda")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            problems.append("--device cuda: this machine has no CUDA device torch can use; use --device cpu")
+        cfg = PRESETS.get(args.model_preset)
+        if cfg is not None and args.kernel_list and (cfg.head_dim != 512 or cfg.n_heads not in (16, 32, 64)):
+            problems.append(f"--device cuda --kernels: the {args.model_preset!r} preset's shapes ({cfg.n_heads} "
+                            f"heads x {cfg.head_dim} dims) are not what the kernels take (512 dims, 16/32/64 "
+                            "heads); use --model-preset flash, or no --kernels (reference ops on the GPU)")
+    if args.cuda_graph_max_bs < 0:
+        problems.append(f"--cuda-graph-max-bs {args.cuda_graph_max_bs}: must be >= 0 (0: no graphs)")
     return problems

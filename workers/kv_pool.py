@@ -54,6 +54,7 @@ class KVPool:
         self.comp = [buf(n * e, layout.head_dim) for _ in range(layout.n_layers)]
         self.index_keys = [buf(n, e, layout.index_dim) for _ in range(layout.n_layers)]
         self._free: deque[int] = deque(range(n))
+        self._reserved = 0
 
     @property
     def capacity_tokens(self) -> int:
@@ -70,10 +71,15 @@ class KVPool:
 
     @property
     def used_tokens(self) -> int:
-        return (self.layout.num_pages - len(self._free)) * self.layout.page_size
+        return (self.layout.num_pages - self._reserved - len(self._free)) * self.layout.page_size
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.layout.page_size)
+
+    def reserve_pad_page(self) -> int:
+        """Take one page out of the allocator for good: padding rows of a CUDA-graph batch write there."""
+        self._reserved += 1
+        return self._free.pop()
 
     def alloc(self, num_tokens: int) -> list[int]:
         need = self.pages_for(num_tokens)
@@ -87,12 +93,6 @@ class KVPool:
     def buffers(self) -> list[torch.Tensor]:
         """Every buffer, in a fixed order both sides share (the NIXL descriptor order)."""
         return [b for layer in zip(self.main, self.comp, self.index_keys) for b in layer]
-
-    def page_table(self, pages: list[int], width: int | None = None) -> torch.Tensor:
-        width = width or len(pages)
-        table = torch.full((width,), -1, dtype=torch.long, device=self.main[0].device)
-        table[: len(pages)] = torch.tensor(pages, dtype=torch.long)
-        return table
 
     def token_rows(self, pages: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rows of `main` for token `positions` ([T] or [T, W]) of requests with page tables `pages` [T, P]."""
@@ -108,6 +108,6 @@ class KVPool:
         squeeze = idx.dim() == 1
         if squeeze:
             idx = idx[:, None]
-        page = torch.gather(pages.long(), 1, idx // per_page)
+        page = torch.gather(pages, 1, idx // per_page).long()   # gathers int32 tables too, never widens them
         rows = page * per_page + idx % per_page
         return rows[:, 0] if squeeze else rows

@@ -3,9 +3,14 @@
 What it shares with DeepSeek-V4: one shared KV head (MQA) whose value is its key (V = K), RoPE on the
 last `rope_dim` dims, a sliding window of recent tokens, ratio-4 compressed entries of which an
 indexer (`score = Σ_h relu(q_h·k)·w_h`) picks the top-k, and a per-head attention sink. Attention
-goes through `dsv4_cluster.kernels` (reference ops on CPU, Triton on CUDA), so the engine is also
-the kernels' end-to-end test bed. What it leaves out: MoE, hyper-connections, multi-token
-prediction. The weights are random: its text is meaningless by design.
+goes through `kernel_ops.KernelOps` (reference ops on CPU; on CUDA our Triton/Gluon kernels for the
+kernels asked for), so the engine is also the kernels' end-to-end test bed. Shapes come from a preset
+(`presets.py`: `tiny` for the CPU, `flash` with DeepSeek-V4-Flash's attention shapes). What it leaves out:
+MoE, hyper-connections, multi-token prediction, the ratio-128 layers, fp8 KV. The weights are random: its
+text is meaningless by design.
+
+A decode batch (`Batch.segments == ()`, one row per request) runs without a host sync when every kernel
+is on, so `decode_graphs.py` can capture it in a CUDA graph; prefill chunks may sync.
 """
 
 from __future__ import annotations
@@ -14,10 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.indexer import indexer
-from ..kernels.sparse_mla_decode import sparse_mla_decode
-from ..kernels.topk import topk
+from .kernel_ops import KernelOps
 from .kv_pool import KVPool
+from .selection import select_rows, select_shared_table
 from .tokenizer import VOCAB_SIZE
 
 
@@ -44,7 +48,7 @@ class Batch:
     """Query positions of one forward pass and where each request's KV lives.
 
     tokens [T]; positions [T] (absolute position of each token in its request); pages [T, max_pages]
-    (the owning request's page table, -1 padded). Prefill passes chunks of one or more prompts, each
+    (the owning request's page table, int32 or int64; columns past the request's own pages are never read). Prefill passes chunks of one or more prompts, each
     a run of consecutive rows named in `segments` ((start, end) row ranges that share one page table);
     decode passes one new token for each running request (T = batch size, no segments).
     """
@@ -56,8 +60,10 @@ class Batch:
 
 
 class TinyDSV4:
-    def __init__(self, cfg: ModelConfig, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    def __init__(self, cfg: ModelConfig, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                 kernels: tuple[str, ...] = ()):
         self.cfg, self.device, self.dtype = cfg, device, dtype
+        self.ops = KernelOps(device, kernels, cfg.n_heads, dtype)
         gen = torch.Generator().manual_seed(cfg.seed)
 
         def w(*shape: int, scale: float | None = None) -> torch.Tensor:
@@ -99,8 +105,7 @@ class TinyDSV4:
             pool.main[li][rows] = kv
             self._compress(li, p, batch, pool)
             sel = self._select(li, p, h, batch, pool)
-            out, _ = sparse_mla_decode(q, pool.main[li], self._window(batch, pool),
-                                       extra_kv=pool.comp[li], extra_idx=sel, sink=p["sink"])
+            out = self.ops.sparse_decode(q, pool.main[li], self._window(batch, pool), pool.comp[li], sel, p["sink"])
             x = x + out.reshape(-1, c.n_heads * c.head_dim) @ p["wo"]
             h = _rms_norm(x)
             x = x + (torch.nn.functional.silu(h @ p["w1"]) * (h @ p["w3"])) @ p["w2"]
@@ -129,6 +134,9 @@ class TinyDSV4:
         """Fill the compressed entry of every group of `ratio` tokens that this batch completes."""
         ratio = self.cfg.ratio
         done = (batch.positions + 1) % ratio == 0
+        if not batch.segments:
+            self._compress_rows(li, p, batch, pool, done)
+            return
         if not bool(done.any()):
             return
         pos, pages = batch.positions[done], batch.pages[done]
@@ -139,65 +147,40 @@ class TinyDSV4:
         pool.comp[li][entries] = mean @ p["wc"]
         pool.index_keys[li].view(-1, self.cfg.index_dim)[entries] = mean @ p["wk_idx"]
 
+    def _compress_rows(self, li: int, p: dict, batch: Batch, pool: KVPool, done: torch.Tensor) -> None:
+        """`_compress` for a decode batch without a host sync: every row computes its group's entry and
+        writes it only where its token completes the group (elsewhere the entry's old value back). Rows are
+        distinct requests, so no two rows write one entry (padding rows share the pad page: garbage there)."""
+        ratio = self.cfg.ratio
+        pos = batch.positions
+        group_pos = (pos[:, None] - torch.arange(ratio - 1, -1, -1, device=pos.device)[None, :]).clamp(min=0)
+        mean = pool.main[li][pool.token_rows(batch.pages, group_pos)].mean(dim=1)
+        entries = pool.entry_rows(batch.pages, pos // ratio)
+        keys = pool.index_keys[li].view(-1, self.cfg.index_dim)
+        keep = done[:, None]
+        pool.comp[li][entries] = torch.where(keep, mean @ p["wc"], pool.comp[li][entries])
+        keys[entries] = torch.where(keep, mean @ p["wk_idx"], keys[entries])
+
     def _select(self, li: int, p: dict, h: torch.Tensor, batch: Batch, pool: KVPool) -> torch.Tensor:
         """Indexer + top-k over each query's complete compressed entries -> [T, topk] rows (-1 pad)."""
         c = self.cfg
         live = ((batch.positions + 1) // c.ratio).to(torch.int32)
         q_idx = (h @ p["wq_idx"]).view(-1, c.index_heads, c.index_dim)
         weights = (h @ p["w_idx"]).float() * c.index_heads ** -0.5
-        if batch.segments and not q_idx.is_cuda:
-            chosen = torch.cat([_select_shared_table(q_idx[a:b], weights[a:b], pool.index_keys[li],
-                                                     batch.pages[a], live[a:b], c.topk)
+        ops = self.ops
+        if batch.segments:
+            ops.count_reference("indexer", "topk")
+            chosen = torch.cat([select_shared_table(q_idx[a:b], weights[a:b], pool.index_keys[li],
+                                                    batch.pages[a], live[a:b], c.topk)
                                 for a, b in batch.segments]).long()
-        elif not q_idx.is_cuda:
-            chosen = _select_rows(q_idx, weights, pool.index_keys[li], batch.pages, live, c.topk).long()
+        elif ops.kernel["indexer"] and ops.kernel["topk"]:
+            scores = ops.indexer(q_idx, weights, pool.index_keys[li], batch.pages, live)
+            chosen = ops.topk(scores, live, c.topk).long()
         else:
-            scores = indexer(q_idx, weights, pool.index_keys[li], batch.pages.clamp(min=0).to(torch.int32), live)
-            chosen = topk(scores, live, c.topk).long()
+            ops.count_reference("indexer", "topk")
+            chosen = select_rows(q_idx, weights, pool.index_keys[li], batch.pages, live, c.topk).long()
         rows = pool.entry_rows(batch.pages, chosen.clamp(min=0))
         return torch.where(chosen >= 0, rows, -1).to(torch.int32)
-
-
-def _select_shared_table(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, table: torch.Tensor,
-                         live: torch.Tensor, k: int) -> torch.Tensor:
-    """`topk(indexer(...))` for rows of one request (one page table), on the CPU, as whole-tensor ops.
-
-    The kernels' CPU reference loops over rows in Python, which made a forward cost O(rows)
-    interpreter steps per layer; here all rows of a prompt chunk are scored at once. Same formula and
-    rule: score[t, e] = sum_h relu(q[t,h] . key_e) * w[t,h] for e < live[t], the k best by (descending
-    score, ascending index), -1 padded (tests/test_prefill_batching.py checks that the result equals
-    the kernels' reference exactly).
-    q [T, Hi, Di]; w [T, Hi]; keys [P, E, Di]; table [max_pages]; live [T] -> int32 [T, k].
-    """
-    n = int(live.max()) if live.numel() else 0
-    if n == 0:
-        return torch.full((q.shape[0], k), -1, dtype=torch.int32)
-    per_page = keys.shape[1]
-    kk = keys[table[: (n + per_page - 1) // per_page].long()].reshape(-1, keys.shape[-1])[:n].float()
-    return _top(torch.relu(q.float() @ kk.T), w, live, k)
-
-
-def _select_rows(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, tables: torch.Tensor,
-                 live: torch.Tensor, k: int) -> torch.Tensor:
-    """`_select_shared_table` for rows with a page table each (a decode batch): tables [T, max_pages]."""
-    n = int(live.max()) if live.numel() else 0
-    if n == 0:
-        return torch.full((q.shape[0], k), -1, dtype=torch.int32)
-    per_page = keys.shape[1]
-    pages = tables[:, : (n + per_page - 1) // per_page].clamp(min=0).long()
-    kk = keys[pages].reshape(q.shape[0], -1, keys.shape[-1])[:, :n].float()          # [T, n, Di]
-    return _top(torch.relu(q.float() @ kk.transpose(1, 2)), w, live, k)
-
-
-def _top(logits: torch.Tensor, w: torch.Tensor, live: torch.Tensor, k: int) -> torch.Tensor:
-    """relu'd logits [T, Hi, n] -> the k best live entries per row by the weighted head sum, -1 padded."""
-    scores = (logits * w.float()[:, :, None]).sum(1)                                  # [T, n]
-    n = scores.shape[1]
-    scores = scores.masked_fill(torch.arange(n)[None, :] >= live[:, None], float("-inf"))
-    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k].to(torch.int32)
-    out = torch.full((scores.shape[0], k), -1, dtype=torch.int32)
-    out[:, : order.shape[1]] = order.masked_fill(order >= live[:, None], -1)
-    return out
 
 
 def _rms_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

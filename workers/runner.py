@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .decode_graphs import DecodeGraphs, padded_table
 from .kv_pool import KVPool, PoolLayout
 from .model import Batch, ModelConfig, TinyDSV4
 from .request import Req
@@ -32,21 +33,34 @@ class RunnerConfig:
     max_total_tokens: int
     context_length: int
     device: str = "cpu"
+    kernels: tuple[str, ...] = ()      # on CUDA: the ops that run our kernels (the rest: reference ops)
+    cuda_graph_max_bs: int = 64        # decode batches up to this size replay CUDA graphs (0: none)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """bf16 on CUDA (what the kernels take), float32 on the CPU."""
+        return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
 
     def layout(self) -> PoolLayout:
         m = self.model
         return PoolLayout(page_size=self.page_size, num_pages=self.max_total_tokens // self.page_size,
                           n_layers=m.n_layers, head_dim=m.head_dim, index_dim=m.index_dim,
-                          ratio=m.ratio, dtype="float32")
+                          ratio=m.ratio, dtype=str(self.dtype).removeprefix("torch."))
 
 
 class ModelRunner:
+    """Forward passes over the pool; logits come back on the host (one copy per step)."""
+
     def __init__(self, cfg: RunnerConfig):
         self.cfg = cfg
-        self.model = TinyDSV4(cfg.model, device=cfg.device)
-        self.pool = KVPool(cfg.layout(), device=cfg.device)
+        self.model = TinyDSV4(cfg.model, device=cfg.device, dtype=cfg.dtype, kernels=cfg.kernels)
+        self.pool = KVPool(cfg.layout(), device=cfg.device, dtype=cfg.dtype)
         self.sampler = Sampler(cfg.model.vocab_size)
         self.max_pages = self.pool.pages_for(cfg.context_length)
+        self.graphs: DecodeGraphs | None = None
+        if cfg.device.startswith("cuda") and cfg.cuda_graph_max_bs > 0 and self.model.ops.all_kernels:
+            self.graphs = DecodeGraphs(self.model, self.pool, self.max_pages, cfg.cuda_graph_max_bs)
+        self.eager_steps = 0
 
     def prefill(self, token_ids: list[int], pages: list[int]) -> torch.Tensor:
         """Fill `pages` with the prompt's KV; return the last position's logits [vocab]."""
@@ -60,27 +74,33 @@ class ModelRunner:
         vocab] at each chunk's last token (the next-token logits once a chunk ends its prompt).
         """
         dev = self.cfg.device
-        tokens, positions, tables, segments, ends = [], [], [], [], []
+        tokens, positions, segments, ends = [], [], [], []
         row = 0
         for c in chunks:
             n = len(c.token_ids)
             tokens.extend(c.token_ids)
-            positions.append(torch.arange(c.start, c.start + n, device=dev))
-            tables.append(self.pool.page_table(c.pages, self.max_pages)[None, :].expand(n, -1))
+            positions.append(torch.arange(c.start, c.start + n))
             segments.append((row, row + n))
             row += n
             ends.append(row - 1)
-        batch = Batch(tokens=torch.tensor(tokens, device=dev), positions=torch.cat(positions),
-                      pages=torch.cat(tables), segments=tuple(segments))
-        return self.model.forward(batch, self.pool, last_only=torch.tensor(ends, device=dev))
+        table = padded_table([c.pages for c in chunks], 0).to(dev)       # one row per chunk, its pages
+        rows_of = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor([b - a for a, b in segments]))
+        batch = Batch(tokens=torch.tensor(tokens, device=dev), positions=torch.cat(positions).to(dev),
+                      pages=table[rows_of.to(dev)], segments=tuple(segments))
+        return self.model.forward(batch, self.pool, last_only=torch.tensor(ends, device=dev)).cpu()
 
     def decode(self, tokens: list[int], positions: list[int], page_lists: list[list[int]]) -> torch.Tensor:
-        """One step for a batch: token b sits at positions[b] of its request -> logits [B, vocab]."""
+        """One step for a batch: token b sits at positions[b] of its request -> logits [B, vocab] (host).
+
+        A CUDA-graph replay when a graph of this size (or larger) was captured, else one eager forward whose
+        page tables are as wide as the batch's longest (never the configured context)."""
+        if self.graphs is not None and len(tokens) <= self.graphs.max_bs:
+            return self.graphs.run(tokens, positions, page_lists).cpu()
+        self.eager_steps += 1
         dev = self.cfg.device
-        batch = Batch(tokens=torch.tensor(tokens, device=dev),
-                      positions=torch.tensor(positions, device=dev),
-                      pages=torch.stack([self.pool.page_table(p, self.max_pages) for p in page_lists]))
-        return self.model.forward(batch, self.pool)
+        batch = Batch(tokens=torch.tensor(tokens, device=dev), positions=torch.tensor(positions, device=dev),
+                      pages=padded_table(page_lists, 0).to(dev))
+        return self.model.forward(batch, self.pool).cpu()
 
 
 def generate_single_process(runner: ModelRunner, prompt_ids: list[int], params: SamplingParams,

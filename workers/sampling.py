@@ -52,6 +52,12 @@ class Sampler:
         mask[list(PRINTABLE_IDS)] = 0.0
         self._mask = mask
 
+    def sample_batch(self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> list[int]:
+        """`sample` for every row of logits [B, vocab]: the greedy rows in one argmax, the others one by one."""
+        greedy = torch.argmax(logits.float() + self._mask, dim=-1).tolist()
+        return [g if p.greedy else self.sample(row, p, s)
+                for g, row, p, s in zip(greedy, logits, params, steps)]
+
     def sample(self, logits: torch.Tensor, params: SamplingParams, step: int) -> int:
         """logits [vocab] float32 -> token id for output position `step`. Greedy ties go to the lowest id.
 

@@ -27,7 +27,8 @@ from .engine import Engine, EngineKilled
 from .liveness import Liveness
 from .openapi import route_doc
 from .metrics import WorkerMetrics
-from .model import ModelConfig
+from .kernel_ops import KernelOps
+from .presets import model_config
 from .protocol import AbortRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest
 from .request import Event, Failed, Req, Reserved, Token, loop_emitter
 from .responses import GenSpec, ResponseBuilder, error_body, sse
@@ -51,15 +52,16 @@ class WorkerServer:
         self.engine: Engine | None = None
         self.liveness: Liveness | None = None
         self.metrics: WorkerMetrics | None = None
-        self.kernels: dict[str, str] = {}
         self._startup: asyncio.Task | None = None
         self.exit_reason: str | None = None   # set when the engine died: the process exits non-zero
 
     # -- lifecycle ----------------------------------------------------------------------------
     def runner_config(self) -> RunnerConfig:
         a = self.args
-        return RunnerConfig(model=ModelConfig(seed=a.seed), page_size=a.page_size,
-                            max_total_tokens=a.max_total_tokens, context_length=a.context_length, device=a.device)
+        return RunnerConfig(model=model_config(a.model_preset, seed=a.seed), page_size=a.page_size,
+                            max_total_tokens=a.max_total_tokens, context_length=a.context_length, device=a.device,
+                            kernels=a.kernel_list,
+                            cuda_graph_max_bs=0 if a.disable_cuda_graph or a.mode == "prefill" else a.cuda_graph_max_bs)
 
     def build_engine(self, runner: ModelRunner) -> Engine:
         raise NotImplementedError
@@ -70,9 +72,6 @@ class WorkerServer:
         self.engine = self.build_engine(runner)
         self.engine.on_death = self._engine_died
         self.metrics = WorkerMetrics(self.engine, self.args.served_model_name, self.role, self.args.context_length)
-        # The embedded engine runs on CPU, where kernels/ dispatches to the PyTorch reference ops.
-        self.kernels = {k: ("reference" if k in self.args.kernel_list else "off")
-                        for k in ("sparse_mla_decode", "indexer", "topk")}
         self.engine.start()
 
     def _engine_died(self, reason: str) -> None:
@@ -231,7 +230,7 @@ class WorkerServer:
         a, e = self.args, self.engine
         pool = e.runner.pool
         return {
-            "model_path": "embedded:dsv4-tiny", "served_model_name": a.served_model_name, "tp_size": 1,
+            "model_path": f"embedded:dsv4-{a.model_preset}", "served_model_name": a.served_model_name, "tp_size": 1,
             "dp_size": 1, "disaggregation_mode": self.role, "disaggregation_transfer_backend": a.transfer_backend,
             "disaggregation_bootstrap_port": a.disaggregation_bootstrap_port, "context_length": a.context_length,
             "page_size": a.page_size, "kv_cache_dtype": a.kv_cache_dtype, "device": a.device,
@@ -240,11 +239,24 @@ class WorkerServer:
                                  "token_usage": pool.used_tokens / pool.capacity_tokens,
                                  "last_gen_throughput": e.stats.last_gen_throughput,
                                  "num_running_reqs": e.stats.num_running, "num_queue_reqs": e.stats.num_queued}],
-            "kernels": self.kernels, "engine": "embedded", "version": __version__,
+            **self.kernel_info(), "engine": "embedded", "version": __version__,
         }
 
+    def kernel_info(self) -> dict:
+        """What ran, from the device-side call counters (`kernel_ops.py`), never from --kernels: `kernels`
+        {name: impls that ran, most calls first | "off" | "not called yet"}, `kernel_calls` {name: {impl: n}},
+        and how decode steps ran (CUDA-graph replays by captured size, eager steps)."""
+        runner = self.engine.runner
+        counts = runner.model.ops.counts()
+        graphs = runner.graphs
+        return {"kernels": KernelOps.summary(counts, self.args.kernel_list), "kernel_calls": counts,
+                "model_preset": self.args.model_preset,
+                "decode_steps": {"cuda_graph_replays": graphs.replays if graphs else 0,
+                                 "cuda_graph_sizes": list(graphs.sizes) if graphs else [],
+                                 "eager": runner.eager_steps}}
+
     def model_info(self) -> dict:
-        return {"model_path": "embedded:dsv4-tiny", "served_model_name": self.args.served_model_name,
+        return {"model_path": f"embedded:dsv4-{self.args.model_preset}", "served_model_name": self.args.served_model_name,
                 "is_generation": True, "reasoning_parser": None, "tool_call_parser": None,
                 "disaggregation_mode": self.role}
 
@@ -276,7 +288,8 @@ class WorkerServer:
         @app.get("/v1/models")
         async def models():
             return {"object": "list", "data": [{"id": self.args.served_model_name, "object": "model",
-                                                "created": 0, "owned_by": "dsv4-cluster", "root": "dsv4-tiny"}]}
+                                                "created": 0, "owned_by": "dsv4-cluster",
+                                                "root": f"dsv4-{self.args.model_preset}"}]}
 
         @app.get("/metrics", response_class=PlainTextResponse)
         async def metrics():

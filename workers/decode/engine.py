@@ -152,9 +152,14 @@ class DecodeEngine(Engine):
             logits = self.runner.decode([r.out[-1] for r in batch],
                                         [n + len(r.out) - 1 for n, r in zip(n_prompt, batch)],
                                         [r.pages for r in batch])
-        for req, row in zip(batch, logits if logits is not None else ()):
+        tokens: list[int] = []
+        if logits is not None:
+            with self.serving(*batch):
+                tokens = self.runner.sampler.sample_batch(logits, [r.params for r in batch],
+                                                          [len(r.out) for r in batch])
+        for req, token in zip(batch, tokens):
             with self.serving(req):
-                self._emit_token(req, self.runner.sampler.sample(row, req.params, len(req.out)))
+                self._emit_token(req, token)
         self._running = [r for r in self._running if r.state is ReqState.RUNNING]
         return True
 

@@ -1,0 +1,52 @@
+"""The indexer + top-k rule as whole-tensor torch ops (any device): which compressed entries each query attends.
+
+The kernels' CPU references loop over rows in Python; these score every row at once, with the same formula and
+tie rule (tests/test_prefill_batching.py checks they equal the references exactly). The model uses them for
+prefill chunks on every device and for decode wherever the indexer/top-k kernels are off.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def select_shared_table(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, table: torch.Tensor,
+                         live: torch.Tensor, k: int) -> torch.Tensor:
+    """`topk(indexer(...))` for rows of one request (one page table), as whole-tensor ops.
+
+    The kernels' CPU reference loops over rows in Python, which made a forward cost O(rows)
+    interpreter steps per layer; here all rows of a prompt chunk are scored at once. Same formula and
+    rule: score[t, e] = sum_h relu(q[t,h] . key_e) * w[t,h] for e < live[t], the k best by (descending
+    score, ascending index), -1 padded (tests/test_prefill_batching.py checks that the result equals
+    the kernels' reference exactly).
+    q [T, Hi, Di]; w [T, Hi]; keys [P, E, Di]; table [max_pages]; live [T] -> int32 [T, k].
+    """
+    n = int(live.max()) if live.numel() else 0
+    if n == 0:
+        return torch.full((q.shape[0], k), -1, dtype=torch.int32, device=q.device)
+    per_page = keys.shape[1]
+    kk = keys[table[: (n + per_page - 1) // per_page].long()].reshape(-1, keys.shape[-1])[:n].float()
+    return _top(torch.relu(q.float() @ kk.T), w, live, k)
+
+
+def select_rows(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, tables: torch.Tensor,
+                 live: torch.Tensor, k: int) -> torch.Tensor:
+    """`select_shared_table` for rows with a page table each (a decode batch): tables [T, max_pages]."""
+    n = int(live.max()) if live.numel() else 0
+    if n == 0:
+        return torch.full((q.shape[0], k), -1, dtype=torch.int32, device=q.device)
+    per_page = keys.shape[1]
+    pages = tables[:, : (n + per_page - 1) // per_page].clamp(min=0).long()
+    kk = keys[pages].reshape(q.shape[0], -1, keys.shape[-1])[:, :n].float()          # [T, n, Di]
+    return _top(torch.relu(q.float() @ kk.transpose(1, 2)), w, live, k)
+
+
+def _top(logits: torch.Tensor, w: torch.Tensor, live: torch.Tensor, k: int) -> torch.Tensor:
+    """relu'd logits [T, Hi, n] -> the k best live entries per row by the weighted head sum, -1 padded."""
+    scores = (logits * w.float()[:, :, None]).sum(1)                                  # [T, n]
+    n = scores.shape[1]
+    scores = scores.masked_fill(torch.arange(n, device=scores.device)[None, :] >= live[:, None], float("-inf"))
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k].to(torch.int32)
+    out = torch.full((scores.shape[0], k), -1, dtype=torch.int32, device=scores.device)
+    out[:, : order.shape[1]] = order.masked_fill(order >= live[:, None], -1)
+    return out
