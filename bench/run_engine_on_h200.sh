@@ -4,7 +4,9 @@
 # The image has torch and Triton but not NIXL, FastAPI, pydantic or uvicorn: carry their cp312 wheels in .whl/
 # (pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64
 #  nixl-cu13 fastapi starlette pydantic pydantic_core uvicorn httptools orjson annotated-types
-#  typing-inspection annotated-doc -d .whl). Env: TEST_TIMEOUT, BENCH_TIMEOUT (s), PYTEST_K, SKIP_TESTS, SKIP_BENCH.
+#  typing-inspection annotated-doc opentelemetry-api typing_extensions httpx httpcore h11 anyio idna certifi sniffio
+#  prometheus_client click -d .whl; FastAPI 0.165 imports opentelemetry). The tree plus wheels must stay under
+#  the device's 64 MiB: carry only the wheels (e.g. in an ignored .i17/.whl) and copy them into .whl/ there. Env: TEST_TIMEOUT, BENCH_TIMEOUT (s), PYTEST_K, SKIP_TESTS, SKIP_BENCH.
 set -uo pipefail
 source "$(dirname "$0")/h200_package.sh"  # sets $repo, cd /tmp, PYTHONPATH (the package, mapped)
 if ls "$repo"/.whl/*.whl >/dev/null 2>&1; then
