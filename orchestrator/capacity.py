@@ -51,13 +51,21 @@ def kv_predicted_cell(row: dict[str, Any]) -> str:
     return "-" if predicted is None else str(predicted)
 
 
-def embedded_bytes_per_token(page_size: int) -> float:
-    """Bytes of the embedded pool per token of capacity (float32, every layer, all three buffers)."""
-    from dsv4_cluster.workers.model import ModelConfig
+def embedded_bytes_per_token(page_size: int, preset: str = "tiny", device: str = "cpu") -> float:
+    """Bytes of the embedded pool per token of capacity (every layer, all three buffers) for the worker's model
+    preset, in the dtype the engine keeps KV in on that device (float32 on cpu, bfloat16 on cuda)."""
+    from dsv4_cluster.workers.presets import model_config
 
-    m = ModelConfig()
-    per_page = m.n_layers * 4 * (page_size * m.head_dim + (page_size // m.ratio) * (m.head_dim + m.index_dim))
+    m = model_config(preset)
+    element = 4 if device == "cpu" else 2
+    per_page = m.n_layers * element * (page_size * m.head_dim + (page_size // m.ratio) * (m.head_dim + m.index_dim))
     return per_page / page_size
+
+
+def _embedded_preset(worker: Any) -> str:
+    from dsv4_cluster.orchestrator.topology_rules import embedded_preset
+
+    return embedded_preset({"extra_args": _worker_args(worker)})
 
 
 def _worker_args(worker: Any) -> list[str]:
@@ -104,7 +112,8 @@ def predict(topology: Any, worker: Any) -> Capacity:
     engine, context = str(topology.engine), topology.model.context_length
     if engine == "embedded":
         tokens = worker.max_total_tokens // worker.page_size * worker.page_size
-        return Capacity(worker.name, engine, tokens, context, embedded_bytes_per_token(worker.page_size))
+        return Capacity(worker.name, engine, tokens, context,
+                        embedded_bytes_per_token(worker.page_size, _embedded_preset(worker), str(worker.device)))
     return predict_sglang(topology, worker)
 
 

@@ -114,6 +114,19 @@ def test_embedded_bytes_per_token_is_the_pools() -> None:
         assert embedded_bytes_per_token(page) == KVPool(layout).page_bytes / page
 
 
+def test_embedded_bytes_per_token_follow_the_preset_and_device() -> None:
+    """The flash preset's pool on cuda (bfloat16), as the engine allocates it (meta tensors: no memory)."""
+    import torch
+
+    from dsv4_cluster.workers.presets import model_config
+
+    flash = model_config("flash")
+    layout = RunnerConfig(model=flash, page_size=64, max_total_tokens=4 * 64, context_length=64).layout()
+    pool = KVPool(layout, device="meta", dtype=torch.bfloat16)
+    assert embedded_bytes_per_token(64, "flash", "cuda") == pool.page_bytes / 64
+    assert embedded_bytes_per_token(64, "flash", "cuda") != embedded_bytes_per_token(64)
+
+
 def test_embedded_prediction_equals_server_info(tmp_path: Path) -> None:
     """max_total_tokens 4100 with 16-token pages: 256 whole pages, 4096 tokens, as the worker reports."""
     port, boot = free_port(), free_port()
