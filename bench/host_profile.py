@@ -10,32 +10,21 @@ from __future__ import annotations
 import cProfile
 import pstats
 import sys
-import time
 
 import torch
 
 from dsv4_cluster.kernels.sglang_adapters import flash_mla_with_kvcache
+from dsv4_cluster.bench.sglang_decode import host_us
 from dsv4_cluster.tests.kernels.sglang_cases import decode_case
 
 CALLS = 500
-
-
-def per_call_us(fn, calls: int = CALLS) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
 
 
 def main(argv: list[str]) -> int:
     kind, b, h = (argv + ["c4", "8", "16"][len(argv):])[:3]
     args = decode_case(kind, int(b), int(h), seed=0)
     ours = lambda: flash_mla_with_kvcache(tile_scheduler_metadata=None, real_heads=int(h), **args)  # noqa: E731
-    print(f"{kind} B={b} real_heads={h}: adapter {per_call_us(ours):.1f} us of host per eager call")
+    print(f"{kind} B={b} real_heads={h}: adapter {host_us(ours, CALLS):.1f} us of host per eager call")
     try:
         import flash_mla
     except ImportError:
@@ -44,7 +33,7 @@ def main(argv: list[str]) -> int:
         meta = flash_mla.get_mla_metadata()[0]
         stock = lambda: flash_mla.flash_mla_with_kvcache(tile_scheduler_metadata=meta, use_legacy=True,  # noqa: E731
                                                          **args)
-        print(f"  FlashMLA as SGLang calls it: {per_call_us(stock):.1f} us")
+        print(f"  FlashMLA as SGLang calls it: {host_us(stock, CALLS):.1f} us")
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(CALLS):
