@@ -14,11 +14,13 @@ import uvicorn
 from pydantic import ValidationError
 
 from .app import build_app
+from .server_protocol import protocol_class
 from .settings import RouterSettings, SettingsError, load_settings
 
-# uvloop and httptools (both dependencies) make the event loop and the HTTP parsing native; no access log:
-# a line per request costs more than routing it (metrics count requests instead).
-LOOP, HTTP = "uvloop", "httptools"
+# uvloop and httptools (both dependencies) make the event loop and the HTTP parsing native (the protocol is
+# uvicorn's httptools one with request deadlines, server_protocol.py); no access log: a line per request costs
+# more than routing it (metrics count requests instead).
+LOOP = "uvloop"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -44,8 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as exc:
         print(f"error: bad --host/--port override: {exc}", file=sys.stderr)
         return 2
+    http = protocol_class(settings.request_head_timeout_s, settings.request_body_timeout_s)
     uvicorn.run(build_app(settings), host=settings.host, port=settings.port, log_level=args.log_level,
-                access_log=False, loop=LOOP, http=HTTP)
+                access_log=False, loop=LOOP, http=http)
     return 0
 
 

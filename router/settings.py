@@ -75,6 +75,10 @@ class RouterSettings(BaseModel):
     api_keys: list[str] = Field(default_factory=list, repr=False,
                                 description="if set, /v1/* and /generate need 'Authorization: Bearer <one of them>'")
     max_body_bytes: int = Field(default=32 * 2**20, ge=1024, description="larger request bodies get 413")
+    request_head_timeout_s: float = Field(default=10.0, gt=0, description="a request head not complete this long "
+                                          "after its first byte gets 408 and its connection closed (slowloris)")
+    request_body_timeout_s: float = Field(default=30.0, gt=0, description="a request body not complete this long "
+                                          "after its head gets 408 and its connection closed")
     migration_limit: int = Field(default=1, ge=0, description="times a stream whose decode died is continued on "
                                  "a fresh pair before it ends with an error event")
     prefill_policy: Policy = "round_robin"
