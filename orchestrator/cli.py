@@ -155,7 +155,7 @@ def _cmd_up(deployment: Any, args: argparse.Namespace) -> int:
     print(f"endpoint: {status['endpoint']}")
     if status.get("verification"):
         print(status["verification"])
-    print(render_table(status), flush=True)
+    print(render_table(deployment.with_predicted_capacity(status, args.file)), flush=True)
     if not options.foreground:
         return EXIT_OK
     lost = deployment.watch(FOREGROUND_CHECK_S)

@@ -86,6 +86,9 @@ def test_up_status_chat_down(tmp_path: Path) -> None:
         assert reply.json()["usage"]["completion_tokens"] == 4
 
         assert "verified: " in up.stdout and " tok/s" in up.stdout  # up ran verify, throughput probe included
+        up_rows = {line.split()[0]: line.split() for line in up.stdout.splitlines() if line.startswith(("prefill-0 ",
+                                                                                                        "decode-0 "))}
+        assert up_rows["prefill-0"][-1] == up_rows["decode-0"][-1] == "4096"  # up's table predicts too
         verify = _run(tmp_path, "verify")  # on demand: PD equivalence again, and vs up's stored throughput
         assert verify.returncode == 0 and verify.stdout.startswith("verified: "), verify.stdout + verify.stderr
         assert json.loads((topo.parent / "run" / "last-good-throughput.json").read_text())["tokens_per_s"] > 0
