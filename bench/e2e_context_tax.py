@@ -122,7 +122,7 @@ def run_setting(workdir: Path, context: int, kernels: bool, levels: tuple[int, .
         ready_s = time.monotonic() - started
         results = []
         for c in levels:
-            spec = LevelSpec(requests=max(c, args.min_requests), concurrency=c, max_tokens=args.max_tokens,
+            spec = LevelSpec(requests=max(c * args.waves, args.min_requests), concurrency=c, max_tokens=args.max_tokens,
                              prompt_chars=args.prompt_chars, model=stack.model)
             lv = asyncio.run(run_level(stack.url, spec)).to_dict()
             print(f"[context-tax] {label} c={c}: decode {lv['decode_tok_s']} tok/s, output {lv['output_tok_s']} "
@@ -183,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--logs", type=Path, help="copy every process's log here")
     p.add_argument("--prompt-chars", type=int, default=2040, help="prompt characters (byte tokens; + the template)")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--min-requests", type=int, default=8, help="requests per level: max(concurrency, this)")
+    p.add_argument("--waves", type=int, default=8, help="requests per level: concurrency x this (the first H200 run "
+                   "used 1 wave: 0.5-2.3 s per level, too short to trust a ratio)")
+    p.add_argument("--min-requests", type=int, default=8, help="requests per level: at least this many")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--graph-bs", type=int, default=64, help="largest decode batch replayed from a CUDA graph")
     p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
