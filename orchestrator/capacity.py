@@ -51,15 +51,13 @@ def kv_predicted_cell(row: dict[str, Any]) -> str:
     return "-" if predicted is None else str(predicted)
 
 
-def embedded_bytes_per_token(page_size: int, preset: str = "tiny", device: str = "cpu") -> float:
-    """Bytes of the embedded pool per token of capacity (every layer, all three buffers) for the worker's model
-    preset, in the dtype the engine keeps KV in on that device (float32 on cpu, bfloat16 on cuda)."""
-    from dsv4_cluster.workers.presets import model_config
+def embedded_bytes_per_token(preset: str = "tiny", device: str = "cpu") -> float:
+    """Bytes of the embedded pool per token of capacity for the worker's model preset, in the dtype the engine
+    keeps KV in on that device (float32 on cpu, bfloat16 on cuda). The pool's pages are whole multiples of the
+    compression ratio (kv_pool.py), so the per-token share is exact at every page size."""
+    from dsv4_cluster.workers.presets import kv_bytes_per_token, model_config
 
-    m = model_config(preset)
-    element = 4 if device == "cpu" else 2
-    per_page = m.n_layers * element * (page_size * m.head_dim + (page_size // m.ratio) * (m.head_dim + m.index_dim))
-    return per_page / page_size
+    return kv_bytes_per_token(model_config(preset), 4 if device == "cpu" else 2)
 
 
 def _embedded_preset(worker: Any) -> str:
@@ -113,7 +111,7 @@ def predict(topology: Any, worker: Any) -> Capacity:
     if engine == "embedded":
         tokens = worker.max_total_tokens // worker.page_size * worker.page_size
         return Capacity(worker.name, engine, tokens, context,
-                        embedded_bytes_per_token(worker.page_size, _embedded_preset(worker), str(worker.device)))
+                        embedded_bytes_per_token(_embedded_preset(worker), str(worker.device)))
     return predict_sglang(topology, worker)
 
 

@@ -111,7 +111,7 @@ def test_embedded_bytes_per_token_is_the_pools() -> None:
     for page in (4, 16, 64):
         layout = RunnerConfig(model=ModelConfig(), page_size=page, max_total_tokens=4 * page,
                               context_length=page).layout()
-        assert embedded_bytes_per_token(page) == KVPool(layout).page_bytes / page
+        assert embedded_bytes_per_token() == KVPool(layout).page_bytes / page
 
 
 def test_embedded_bytes_per_token_follow_the_preset_and_device() -> None:
@@ -123,8 +123,8 @@ def test_embedded_bytes_per_token_follow_the_preset_and_device() -> None:
     flash = model_config("flash")
     layout = RunnerConfig(model=flash, page_size=64, max_total_tokens=4 * 64, context_length=64).layout()
     pool = KVPool(layout, device="meta", dtype=torch.bfloat16)
-    assert embedded_bytes_per_token(64, "flash", "cuda") == pool.page_bytes / 64
-    assert embedded_bytes_per_token(64, "flash", "cuda") != embedded_bytes_per_token(64)
+    assert embedded_bytes_per_token("flash", "cuda") == pool.page_bytes / 64
+    assert embedded_bytes_per_token("flash", "cuda") != embedded_bytes_per_token()
 
 
 def test_embedded_prediction_equals_server_info(tmp_path: Path) -> None:
