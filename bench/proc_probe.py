@@ -11,7 +11,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsv4_cluster.orchestrator.port_owner import socket_owners
+from dsv4_cluster.orchestrator.port_owner import socket_owners, tcp_sockets
 
 LISTEN = "0A"
 
@@ -37,18 +37,12 @@ def _hex_address(field: str, v6: bool) -> tuple[str, int]:
 def listeners(ports: set[int]) -> list[Listener]:
     """Every TCP socket listening on one of `ports`, with its bound address and owning pid."""
     found: list[tuple[str, int, str]] = []
-    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
+    for cols, v6 in tcp_sockets():
+        if cols[3] != LISTEN:
             continue
-        for line in lines:
-            cols = line.split()
-            if cols[3] != LISTEN:
-                continue
-            address, port = _hex_address(cols[1], v6)
-            if port in ports:
-                found.append((address, port, cols[9]))
+        address, port = _hex_address(cols[1], v6)
+        if port in ports:
+            found.append((address, port, cols[9]))
     owners = socket_owners({inode for _, _, inode in found})
     return [Listener(address, port, owners.get(inode)) for address, port, inode in found]
 

@@ -7,23 +7,26 @@ skipped, so the answer can be incomplete; it is never a guess.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 CMDLINE_CHARS = 120
 
 
-def _socket_inodes(port: int) -> set[str]:
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+def tcp_sockets() -> Iterator[tuple[list[str], bool]]:
+    """Each row of /proc/net/tcp and tcp6 split into its columns (1: local address, 3: state, 9: inode), with
+    whether it is the IPv6 table; a table that cannot be read (absent: no IPv6) is skipped."""
+    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
         try:
             lines = Path(table).read_text().splitlines()[1:]
-        except FileNotFoundError:
+        except OSError:
             continue
         for line in lines:
-            fields = line.split()
-            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[9] != "0":
-                inodes.add(fields[9])
-    return inodes
+            yield line.split(), v6
+
+
+def _socket_inodes(port: int) -> set[str]:
+    return {cols[9] for cols, _ in tcp_sockets() if int(cols[1].rsplit(":", 1)[1], 16) == port and cols[9] != "0"}
 
 
 def _describe(pid: int) -> str:
