@@ -15,6 +15,7 @@ Non-CUDA tensors (the interpreter) and launch hooks (profilers) always take the 
 from __future__ import annotations
 
 import torch
+from triton import knobs
 
 _HANDLES: dict[tuple, object] = {}
 _CONSTEXPR: dict[object, tuple[tuple[str, ...], tuple[bool, ...]]] = {}
@@ -76,8 +77,6 @@ def _default(kernel, name: str):
 def _hooks_set() -> bool:
     """Is a launch hook (a profiler) installed? Triton 3.5+ keeps each hook as a `HookChain` that is never
     None (its `calls` list is empty when no hook is set); older releases keep a callable or None."""
-    from triton import knobs
-
     for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
         if hook is not None and getattr(hook, "calls", True):
             return True
