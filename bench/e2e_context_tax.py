@@ -10,9 +10,10 @@ ops on the GPU, eager), at concurrency 64. Decode tok/s (tokens after each first
 decoding) is reported as ratios from this one run: each context against 8K at the same concurrency, and
 kernels against reference ops. Every request of the same index has the same prompt in every setting.
 
-Each worker's pool holds max(context, 256K) tokens (a request reserves prompt + max_tokens, not the context),
-so what changes with the context is what the configuration changes: page-table widths of the captured graphs,
-the indexer's score buffers, the checks on request lengths. Writes OUT.json and OUT.md.
+Every setting's workers get the same pool (`--pool-tokens`, default the largest context: a request reserves
+prompt + max_tokens, not the context), so what changes between settings is only what the configured context
+changes: page-table widths of the captured graphs, the indexer's score buffers, the checks on request lengths.
+Writes OUT.json and OUT.md.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ from .loadgen import LevelSpec, run_level
 KERNELS = "sparse_mla_decode,indexer,topk"
 CONTEXTS = (8192, 131072, 1048576)
 CONCURRENCY = (1, 16, 64)
-POOL_MIN_TOKENS = 262144
 READY_TIMEOUT_S = 600.0
 
 
@@ -54,7 +54,7 @@ class Stack:
         self.model = f"dsv4-{args.preset}"
         common = ["--host", "127.0.0.1", "--device", args.device, "--model-preset", args.preset,
                   "--served-model-name", self.model, "--page-size", str(args.page_size), "--context-length", str(context),
-                  "--max-total-tokens", str(max(context, POOL_MIN_TOKENS)), "--log-level", "info"]
+                  "--max-total-tokens", str(args.pool_tokens), "--log-level", "info"]
         if kernels:
             common += ["--kernels", KERNELS]
         py = [sys.executable, "-m"]
@@ -192,8 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda", help="cuda (the benchmark); cpu only to try the harness")
     p.add_argument("--preset", default="flash", help="flash (the benchmark); tiny only to try the harness on cpu")
     p.add_argument("--reference-concurrency", default="64", help="levels of the kernels-off run at 8K ('' skips)")
+    p.add_argument("--pool-tokens", type=int, help="KV pool of every worker in tokens (default: the largest context; "
+                   "the same in every setting, so the pool's size is not what differs)")
     a = p.parse_args(argv)
     contexts = [int(x) for x in a.contexts.split(",") if x]
+    a.pool_tokens = a.pool_tokens or max(contexts, default=0)
     ref_levels = tuple(int(x) for x in a.reference_concurrency.split(",") if x)
     if not contexts:
         p.error("--contexts: give at least one, e.g. 8192,131072,1048576")
@@ -221,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def write_report(a: argparse.Namespace, settings: list[dict]) -> str:
     report = {"prompt_chars": a.prompt_chars, "max_tokens": a.max_tokens, "page_size": a.page_size,
+              "pool_tokens": a.pool_tokens,
               "settings": settings, "ratios": ratios([s for s in settings if not s.get("error")])}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
