@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--waves", type=int, default=8, help="requests per level: concurrency x this (the first H200 run "
                    "used 1 wave: 0.5-2.3 s per level, too short to trust a ratio)")
     p.add_argument("--min-requests", type=int, default=8, help="requests per level: at least this many")
-    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--page-size", type=int, default=256, help="SGLang's V4 pages (flash: a multiple of 128)")
     p.add_argument("--graph-bs", type=int, default=64, help="largest decode batch replayed from a CUDA graph")
     p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     p.add_argument("--device", default="cuda", help="cuda (the benchmark); cpu only to try the harness")

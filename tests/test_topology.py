@@ -136,8 +136,8 @@ def test_one_file_reports_every_problem_at_once() -> None:
         (line_of(text, "tp: 4"), "decode[0].tp"),
         (line_of(text, "bootstrap_port: 8998", 2), "decode[0].bootstrap_port"),
         (line_of(text, "bootstrap_port: 8998", 2), "decode[0].bootstrap_port"),
-        (line_of(text, "kv_cache_dtype: bf16"), "decode[0].kv_cache_dtype"),
-        (line_of(text, "kv_cache_dtype: bf16"), "decode[0].kv_cache_dtype"),
+        (line_of(text, "kv_cache_dtype: fp8_e4m3"), "decode[0].kv_cache_dtype"),
+        (line_of(text, "kv_cache_dtype: fp8_e4m3"), "decode[0].kv_cache_dtype"),
     ]
     lines = str(info.value).splitlines()
     assert len(lines) == len(got) and all(line.startswith(f"{path}:") and " — " in line for line in lines)

@@ -71,8 +71,12 @@ class PoolLayout:
         return [k for k in keys if getattr(self, k) != getattr(other, k)]
 
     def problems(self) -> list[str]:
-        out = [f"page_size {self.page_size} must be a multiple of the compression ratio {r} (layer {li})"
-               for li, r in enumerate(self.ratios) if self.page_size % r]
+        out = []
+        for r in sorted(set(self.ratios)):
+            if self.page_size % r:
+                hint = "; SGLang runs DeepSeek-V4 with 256-token pages" if r > self.ratio else ""
+                out.append(f"page_size {self.page_size} must be a multiple of the compression ratio {r} of layer "
+                           f"{self.ratios.index(r)}{hint}")
         if len(self.ratios) != self.n_layers:
             out.append(f"{len(self.ratios)} layer ratios for {self.n_layers} layers")
         if self.dtype == FP8:
