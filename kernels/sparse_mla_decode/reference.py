@@ -128,7 +128,8 @@ def sparse_mla_decode_paged_ref(q: torch.Tensor, window: tuple, extra: tuple | N
 
     window / extra: (cache uint8 [P, page_stride], PageGeometry, indices int32 [B, n] (slots, -1 invalid),
     lens int32 [B] or None). Only the selected slots are dequantised (exactly, as `gather_slots` reads them),
-    so the cost follows the rows read, not the caches' size; then `attend` as `sparse_mla_decode_ref`.
+    so the cost follows the rows read, not the caches' size (each distinct slot once: prefill rows share their
+    windows); then `attend` as `sparse_mla_decode_ref`.
     """
     b, h, d = checks.check_queries(q)
     rows, valid = [], []
@@ -138,7 +139,9 @@ def sparse_mla_decode_paged_ref(q: torch.Tensor, window: tuple, extra: tuple | N
         ok = idx >= 0
         if lens is not None:
             ok = ok & (torch.arange(idx.shape[1], device=idx.device)[None, :] < lens[:, None].long())
-        rows.append(gather_slots(cache, geometry, idx))
+        slots, where = torch.unique(torch.where(ok, idx, 0), return_inverse=True)   # each slot decoded once, none
+        # past the lens (a CUDA graph's lists hold stale indices there)
+        rows.append(gather_slots(cache, geometry, slots)[where])
         valid.append(ok)
     checks.check_sink(sink, h, q.device)
     return attend(q, torch.cat(rows, dim=1), torch.cat(valid, dim=1), sink, d**-0.5 if scale is None else float(scale))
