@@ -172,3 +172,34 @@ def test_pd_over_nixl_with_fp8_mixed_ratio_pages_equals_a_single_process():
         logits = decode.decode([out[-1]], [len(prompt) + len(out) - 1], [dst])[0]
         out.append(decode.sampler.sample(logits, GREEDY, len(out)))
     assert out == expected
+
+
+def test_graph_shaped_decode_equals_eager_decode(monkeypatch):
+    """DecodeGraphs' static inputs on the CPU (capture needs CUDA; a replay is stood in for by the forward it
+    would have captured): page tables and ratio-128 entry lists as wide as the configured context, holding an
+    earlier, longer request's values past each row's own pages, and padding rows, decode as eager steps do."""
+    from dsv4_cluster.workers.decode_graphs import DecodeGraphs
+
+    monkeypatch.setattr(DecodeGraphs, "_capture", lambda self: None)
+    runner = _runner(pages=24)
+    graphs = DecodeGraphs(runner.model, runner.pool, runner.max_pages, 4)
+    assert graphs.dense.shape == (4, runner.max_pages)              # 1 ratio-128 entry per 128-token page
+
+    class Replay:
+        def __init__(self, bs):
+            self.bs = bs
+
+        def replay(self):
+            graphs.logits[self.bs] = graphs._forward(self.bs)
+
+    graphs.graphs = {bs: Replay(bs) for bs in graphs.sizes}
+    prompts = [_prompt(n, salt=n) for n in (520, 270, 50)]
+    pages = [runner.pool.alloc(len(p) + 2) for p in prompts]
+    first = [runner.sampler.sample(runner.prefill(p, pg), GREEDY, 0) for p, pg in zip(prompts, pages)]
+    graphs.run(first[:1], [len(prompts[0])], pages[:1])              # leaves 5 pages' values in row 0
+    eager = runner.decode(first[1:], [len(p) for p in prompts[1:]], pages[1:])
+    got = graphs.run(first[1:], [len(p) for p in prompts[1:]], pages[1:])
+    assert torch.equal(graphs.dense[0, :3], torch.tensor(pages[1][:3], dtype=torch.int32))
+    assert (got - eager).abs().max() < 1e-4
+    three = graphs.run(first, [len(p) for p in prompts], pages)     # batch 3 replays size 4: one padding row
+    assert three.shape[0] == 3 and (three[1:] - eager).abs().max() < 1e-4
