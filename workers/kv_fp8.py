@@ -66,12 +66,7 @@ def write_rows(buf: torch.Tensor, rows_per_page: int, rows: torch.Tensor, values
     records, scales = _views(buf, rows_per_page)
     rows = rows.reshape(-1).long()
     page, off = rows // rows_per_page, rows % rows_per_page
-    rec, sc = quantize_records(values.reshape(-1, DIM))
-    if keep is not None:
-        rec = torch.where(keep[:, None], rec, records[page, off])
-        sc = torch.where(keep[:, None], sc, scales[page, off])
-    records[page, off] = rec
-    scales[page, off] = sc
+    _put(records, scales, page, off, *quantize_records(values.reshape(-1, DIM)), keep)
 
 
 def read_rows(buf: torch.Tensor, rows_per_page: int, rows: torch.Tensor) -> torch.Tensor:
@@ -88,7 +83,13 @@ def write_keys(buf: torch.Tensor, index_dim: int, rows: torch.Tensor, keys: torc
     rows = rows.reshape(-1).long()
     page, off = rows // entries, rows % entries
     packed = quantize_keys(keys.reshape(-1, 1, index_dim))           # [N, index_dim + 4]
-    val, sc = packed[:, :index_dim], packed[:, index_dim:]
+    _put(values, scales, page, off, packed[:, :index_dim], packed[:, index_dim:], keep)
+
+
+def _put(values: torch.Tensor, scales: torch.Tensor, page: torch.Tensor, off: torch.Tensor, val: torch.Tensor,
+         sc: torch.Tensor, keep: torch.Tensor | None) -> None:
+    """Bytes of rows (page, off) of a [pages, rows, bytes] values view and its scales view; with `keep`, the
+    old bytes back where it is false (a decode batch's rows that completed no group)."""
     if keep is not None:
         val = torch.where(keep[:, None], val, values[page, off])
         sc = torch.where(keep[:, None], sc, scales[page, off])
