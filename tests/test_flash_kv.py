@@ -203,3 +203,12 @@ def test_graph_shaped_decode_equals_eager_decode(monkeypatch):
     assert (got - eager).abs().max() < 1e-4
     three = graphs.run(first, [len(p) for p in prompts], pages)     # batch 3 replays size 4: one padding row
     assert three.shape[0] == 3 and (three[1:] - eager).abs().max() < 1e-4
+
+
+def test_pool_reads_equal_the_layouts_slot_reader():
+    from dsv4_cluster.kernels.sparse_mla_decode.fp8_layout import PageGeometry, gather_slots
+
+    buf = kv_fp8.rows_buffer(3, 4, "cpu")
+    kv_fp8.write_rows(buf, 4, torch.arange(12), torch.randn(12, 512, generator=torch.Generator().manual_seed(2)))
+    slots = torch.tensor([[11, 0, -1], [5, 4, 3]])
+    assert torch.equal(kv_fp8.read_rows(buf, 4, slots), gather_slots(buf, PageGeometry.packed(4), slots))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.indexer.fp8_keys import dequantize_keys, quantize_keys
-from ..kernels.sparse_mla_decode.fp8_layout import (DIM, RECORD_BYTES, SCALE_BYTES, PageGeometry, gather_slots,
+from ..kernels.sparse_mla_decode.fp8_layout import (DIM, RECORD_BYTES, SCALE_BYTES, PageGeometry, decode_records,
                                                      page_stride_for, quantize_records)
 
 KEY_SCALE_BYTES = 4
@@ -70,8 +70,12 @@ def write_rows(buf: torch.Tensor, rows_per_page: int, rows: torch.Tensor, values
 
 
 def read_rows(buf: torch.Tensor, rows_per_page: int, rows: torch.Tensor) -> torch.Tensor:
-    """The exact bf16 values [*rows.shape, 512] of slots `rows` (-1 reads as slot 0)."""
-    return gather_slots(buf, geometry(rows_per_page), rows)
+    """The exact bf16 values [*rows.shape, 512] of slots `rows` (-1 reads as slot 0), as `gather_slots` reads
+    them, through [page, row] views (one index per row, not per byte)."""
+    records, scales = _views(buf, rows_per_page)
+    flat = rows.reshape(-1).clamp_min(0).long()
+    page, off = flat // rows_per_page, flat % rows_per_page
+    return decode_records(records[page, off], scales[page, off]).view(*rows.shape, DIM)
 
 
 def write_keys(buf: torch.Tensor, index_dim: int, rows: torch.Tensor, keys: torch.Tensor,

@@ -130,7 +130,7 @@ def check_cache(cache: torch.Tensor, name: str, geometry: PageGeometry = DEFAULT
         raise SparseDecodeInputError(f"{name} must be contiguous; call .contiguous() on it")
 
 
-def _decode_records(records: torch.Tensor, scale_rows: torch.Tensor) -> torch.Tensor:
+def decode_records(records: torch.Tensor, scale_rows: torch.Tensor) -> torch.Tensor:
     """bf16 [n, 512] from n 576-B records and their n 8-B scale rows (both uint8)."""
     exponent = scale_rows[:, :NUM_TILES].float() - 127.0
     nope = records[:, :NOPE_DIMS].contiguous().view(torch.float8_e4m3fn).float()
@@ -146,7 +146,7 @@ def dequantize_kv_v4(cache: torch.Tensor, page_tokens: int = PAGE_TOKENS) -> tor
     pages, t = cache.shape[0], page_tokens
     records = cache[:, :geo.scales_offset].reshape(pages * t, RECORD_BYTES)
     scale_rows = cache[:, geo.scales_offset:geo.scales_offset + t * SCALE_BYTES].reshape(pages * t, SCALE_BYTES)
-    return _decode_records(records, scale_rows)
+    return decode_records(records, scale_rows)
 
 
 def gather_slots(pages: torch.Tensor, geometry: PageGeometry, slots: torch.Tensor) -> torch.Tensor:
@@ -156,7 +156,7 @@ def gather_slots(pages: torch.Tensor, geometry: PageGeometry, slots: torch.Tenso
     page, off = flat >> geometry.shift, flat & (geometry.page_tokens - 1)
     rec = (off * RECORD_BYTES)[:, None] + torch.arange(RECORD_BYTES, device=pages.device)
     sc = (geometry.scales_offset + off * SCALE_BYTES)[:, None] + torch.arange(SCALE_BYTES, device=pages.device)
-    rows = _decode_records(pages[page[:, None], rec], pages[page[:, None], sc])
+    rows = decode_records(pages[page[:, None], rec], pages[page[:, None], sc])
     return rows.view(*slots.shape, DIM)
 
 
