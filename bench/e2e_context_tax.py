@@ -265,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--graph-bs", type=int, default=64, help="largest decode batch replayed from a CUDA graph")
     p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
-    p.add_argument("--device", default="cuda", help="cuda (the benchmark); cpu only to try the harness")
+    p.add_argument("--device", default="cuda:0", help="cuda:N (the benchmark; both workers on GPU N); cpu only to try "
+                   "the harness")
     p.add_argument("--preset", default="flash", help="flash (the benchmark); tiny only to try the harness on cpu")
     p.add_argument("--reference-concurrency", default="64", help="levels of the kernels-off run at 8K ('' skips)")
     p.add_argument("--pool-tokens", type=int, help="KV pool of every worker in tokens (default: the largest context; "
