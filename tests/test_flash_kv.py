@@ -52,7 +52,8 @@ def test_fp8_pool_holds_sglangs_bytes_and_reads_them_back_exactly():
     pool.write_main(0, rows, values)
     assert torch.equal(pool.main[0][1], quantize_kv_v4(values, PAGE)[0])      # SGLang's page, byte for byte
     assert not pool.main[0][0].any() and not pool.main[0][2].any()
-    assert torch.equal(pool.read_main(0, rows[[5, 0, 127]]), dequantize_kv_v4(quantize_kv_v4(values, PAGE), PAGE)[[5, 0, 127]].float())
+    exact_rows = dequantize_kv_v4(quantize_kv_v4(values, PAGE), PAGE)[[5, 0, 127]].float()
+    assert torch.equal(pool.read_main(0, rows[[5, 0, 127]]), exact_rows)
     # a decode write without a host sync: only the rows whose group completed change
     entries = torch.tensor([0, 1, 2])                                         # ratio 128: one entry per page
     pool.write_comp(1, entries, values[:3], keep=torch.tensor([True, False, True]))

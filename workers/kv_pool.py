@@ -92,7 +92,8 @@ class PoolLayout:
         total = 0
         for li, r in enumerate(self.ratios):
             e = self.page_size // r
-            total += self.page_size * self.head_dim + e * self.head_dim + (e * self.index_dim if self.indexed(li) else 0)
+            keys = e * self.index_dim if self.indexed(li) else 0
+            total += self.page_size * self.head_dim + e * self.head_dim + keys
         return total * element_size
 
 

@@ -124,8 +124,9 @@ class TinyDSV4:
             pool.write_main(li, rows, kv)
             self._compress(li, p, batch, pool)
             if pool.layout.indexed(li):
-                out = self.ops.sparse_decode(q, pool.main[li], window, pool.comp[li], self._select(li, p, h, batch, pool),
-                                             p["sink"], geometry=_geometry(pool, li))
+                sel = self._select(li, p, h, batch, pool)
+                out = self.ops.sparse_decode(q, pool.main[li], window, pool.comp[li], sel, p["sink"],
+                                             geometry=_geometry(pool, li))
             else:
                 out = self._attend_dense(li, q, window, batch, pool, p["sink"])
             x = x + out.reshape(-1, c.n_heads * c.head_dim) @ p["wo"]
