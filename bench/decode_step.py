@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=2048)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--page-size", type=int, default=256, help="SGLang's V4 pages (flash: a multiple of 128)")
     p.add_argument("--preset", default="flash")
     p.add_argument("--pool-tokens", type=int, help="the pool of every setting (default: the largest context)")
     a = p.parse_args(argv)

@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                    "stack in turn (all stacks up at once), so ratios compare runs close in time")
     p.add_argument("--reference-waves", type=int, default=2, help="requests of the kernels-off level: concurrency x this")
     p.add_argument("--min-requests", type=int, default=8, help="requests per level: at least this many")
-    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--page-size", type=int, default=256, help="SGLang's V4 pages (flash: a multiple of 128)")
     p.add_argument("--graph-bs", type=int, default=64, help="largest decode batch replayed from a CUDA graph")
     p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     p.add_argument("--device", default="cuda:0", help="cuda:N (the benchmark; both workers on GPU N); cpu only to try "

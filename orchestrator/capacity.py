@@ -3,7 +3,7 @@
 Embedded engine: exact. Its pool holds `max_total_tokens // page_size` whole pages
 (workers/runner.py `RunnerConfig.layout`), so `max_total_num_tokens` in its `/server_info` is that
 times `page_size`; bytes per token follow from the pool layout (float32 rows: `main` per token,
-`comp` per ratio-4 entry, the indexer keys per entry, in every layer).
+`comp` per compressed entry at each layer's ratio, the indexer keys of ratio-4 layers; fp8 pages as SGLang pads them).
 
 SGLang: 0.5.23's DeepSeek-V4 pool sizing, followed in `sglang_capacity` (checked against SGLang's own
 configurator and pool classes in the tests), from the GPU inputs (`GpuInputs`: H200 and the
@@ -51,13 +51,16 @@ def kv_predicted_cell(row: dict[str, Any]) -> str:
     return "-" if predicted is None else str(predicted)
 
 
-def embedded_bytes_per_token(preset: str = "tiny", device: str = "cpu") -> float:
-    """Bytes of the embedded pool per token of capacity for the worker's model preset, in the dtype the engine
-    keeps KV in on that device (float32 on cpu, bfloat16 on cuda). The pool's pages are whole multiples of the
-    compression ratio (kv_pool.py), so the per-token share is exact at every page size."""
-    from dsv4_cluster.workers.presets import kv_bytes_per_token, model_config
+def embedded_bytes_per_token(preset: str = "tiny", device: str = "cpu", kv_cache_dtype: str = "auto",
+                             page_size: int = 16) -> float:
+    """Bytes of the embedded pool per token of capacity for the worker's model preset, in the layout its
+    --kv-cache-dtype gives on that device (auto: float32 on cpu; on cuda fp8 for flash, bf16 for tiny): one
+    page's bytes over every buffer (fp8 pages with their padding, each layer's compression ratio) over its
+    tokens, the pool's own formula (kv_pool.PoolLayout.page_bytes)."""
+    from dsv4_cluster.workers.presets import kv_bytes_per_token, kv_layout_dtype, model_config
 
-    return kv_bytes_per_token(model_config(preset), 4 if device == "cpu" else 2)
+    cfg = model_config(preset)
+    return kv_bytes_per_token(cfg, kv_layout_dtype(kv_cache_dtype, cfg, device), page_size)
 
 
 def _embedded_preset(worker: Any) -> str:
@@ -111,7 +114,8 @@ def predict(topology: Any, worker: Any) -> Capacity:
     if engine == "embedded":
         tokens = worker.max_total_tokens // worker.page_size * worker.page_size
         return Capacity(worker.name, engine, tokens, context,
-                        embedded_bytes_per_token(_embedded_preset(worker), str(worker.device)))
+                        embedded_bytes_per_token(_embedded_preset(worker), str(worker.device),
+                                                 str(worker.kv_cache_dtype), worker.page_size))
     return predict_sglang(topology, worker)
 
 

@@ -50,11 +50,13 @@ def single_process_tokens(topology: Any, prompt_ids: list[int]) -> list[int]:
     ctx = topology.model.context_length
     pages = -(-ctx // decode.page_size)
     device = str(getattr(decode.device, "value", decode.device))
-    # the decode worker's model, device and kernels; on CUDA one graph, of batch 1 (what it replays for this request)
+    # the decode worker's model, device, kernels and KV layout; on CUDA one graph, of batch 1 (what it replays for
+    # this request)
     runner = ModelRunner(RunnerConfig(
         model=model_config(embedded_preset({"extra_args": decode.extra_args}), seed=topology.model.seed),
         page_size=decode.page_size, max_total_tokens=pages * decode.page_size, context_length=ctx, device=device,
-        kernels=requested_kernels(topology) if device == "cuda" else (), cuda_graph_max_bs=1))
+        kernels=requested_kernels(topology) if device == "cuda" else (), cuda_graph_max_bs=1,
+        kv_dtype=str(decode.kv_cache_dtype)))
     tok = ByteTokenizer()
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     return generate_single_process(runner, prompt_ids, params, tok.eos_token_id)

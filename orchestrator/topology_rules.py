@@ -324,10 +324,31 @@ def _embedded_options(ctx: _Context) -> Iterator[Finding]:
             yield Finding(w.path + ("gpus",), f"{w.label} lists {len(gpus)} GPUs, but an embedded worker is one "
                           "process on one GPU (no tensor parallelism)",
                           "list one GPU (e.g. gpus: [1]); more workers take more GPUs (examples/gpu2.yaml)")
-    for w, dtype, path in _once(ctx, "kv_cache_dtype"):
-        if dtype in get_args(KvCacheDtype) and dtype != "auto":
-            yield Finding(path, f"kv_cache_dtype {dtype}: the embedded engine keeps KV in float32 ('auto'); "
-                          "bf16 and fp8 layouts are SGLang's", "set kv_cache_dtype: auto, or remove it")
+    yield from _embedded_kv_layout(ctx)
+
+
+def _embedded_kv_layout(ctx: _Context) -> Iterator[Finding]:
+    """kv_cache_dtype and page_size against each worker's preset, as the worker checks them (workers/args.py)."""
+    from dsv4_cluster.workers.presets import PRESETS, KVDtypeError, kv_layout_dtype, pool_layout
+
+    reported: set[Path_] = set()
+    for w in ctx.workers:
+        dtype, dtype_path = ctx.resolved(w, "kv_cache_dtype")
+        page, page_path = ctx.resolved(w, "page_size")
+        cfg = PRESETS.get(embedded_preset(w.raw))
+        if dtype not in get_args(KvCacheDtype) or _int(page) is None or page <= 0 or page % 4 or cfg is None:
+            continue
+        try:
+            layout = kv_layout_dtype(dtype, cfg, str(_get(w.raw, WorkerConfig, "device")))
+        except KVDtypeError as exc:
+            found = (dtype_path, str(exc), "set kv_cache_dtype: auto, or remove it")
+        else:
+            problems = pool_layout(cfg, layout, page, 1).problems()
+            found = (page_path, f"{w.label} ({embedded_preset(w.raw)} preset, KV {layout}): " + "; ".join(problems),
+                     "set page_size: 256") if problems else None
+        if found and found[0] not in reported:
+            reported.add(found[0])
+            yield Finding(*found)
 
 
 def embedded_preset(raw: dict) -> str:

@@ -1,6 +1,10 @@
 """The embedded engine on a GPU (skipped without CUDA): the flash preset on our kernels against the reference ops,
 eager and under CUDA graphs, the device-side call counters, and a prefill/decode pair on one GPU over NIXL.
 
+The preset as it runs: its ratio-4 and ratio-128 layers (4, 128, 4, 128) and SGLang's fp8 KV layout (the default
+on CUDA) at SGLang's 256-token pages. Kernels and reference ops read the same fp8 bytes (the reference dequantises
+exactly the rows it reads), so the fp8 rounding is common to both and the tolerance below is unchanged.
+
 Tolerance. Both runs hold the same bf16 weights and KV; what differs is arithmetic inside attention and the
 indexer (the kernels accumulate in fp32 in their own order, round P to bf16 before P.V, merge splits; the
 reference ops compute in fp32 from the same bf16 values). So logits differ by a little rounding, never by a
@@ -33,13 +37,15 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 KERNELS = ("sparse_mla_decode", "indexer", "topk")
 LOGIT_TOL = 0.08        # logits are ~N(0, 1) (rms-normed state @ lm_head of std d_model^-0.5)
 STEPS = 24
-PAGE = 64
+PAGE = 256          # SGLang's V4 pages: whole ratio-128 entries, the fp8 layout's power of two
 
 
 def _runner(kernels=KERNELS, graphs: int = 64, context: int = 16384) -> ModelRunner:
-    return ModelRunner(RunnerConfig(model=model_config("flash", seed=0), page_size=PAGE, max_total_tokens=65536,
-                                    context_length=context, device="cuda", kernels=kernels,
-                                    cuda_graph_max_bs=graphs))
+    runner = ModelRunner(RunnerConfig(model=model_config("flash", seed=0), page_size=PAGE, max_total_tokens=65536,
+                                      context_length=context, device="cuda", kernels=kernels,
+                                      cuda_graph_max_bs=graphs))
+    assert runner.pool.layout.dtype == "fp8_e4m3" and runner.pool.layout.ratios == (4, 128, 4, 128)
+    return runner
 
 
 def _prompts() -> list[list[int]]:
@@ -124,13 +130,22 @@ def test_kernels_match_reference_ops_on_the_flash_preset(reference, graphs):
     got = _teacher_forced(runner, prompts, tokens)
     _compare(f"kernels ({'graphs' if graphs else 'eager'}) vs reference", ref_logits, got)
     calls = runner.model.ops.counts()
-    n = runner.cfg.model.n_layers
+    ratios = runner.cfg.model.layer_ratios
+    n4, n128 = ratios.count(4), ratios.count(128)          # indexed layers; window + every entry
     decode_steps = STEPS - 1
     impl = runner.model.ops.impl
-    assert calls["indexer"].get("triton", 0) - before["indexer"].get("triton", 0) == n * decode_steps
-    assert calls["topk"].get("triton", 0) - before["topk"].get("triton", 0) == n * decode_steps
-    sd = impl["sparse_mla_decode"]
-    assert calls["sparse_mla_decode"][sd] - before["sparse_mla_decode"].get(sd, 0) == n * (decode_steps + len(prompts))
+    assert calls["indexer"].get("triton", 0) - before["indexer"].get("triton", 0) == n4 * decode_steps
+    assert calls["topk"].get("triton", 0) - before["topk"].get("triton", 0) == n4 * decode_steps
+
+    def delta(i: str) -> int:
+        return calls["sparse_mla_decode"].get(i, 0) - before["sparse_mla_decode"].get(i, 0)
+
+    forwards = decode_steps + len(prompts)                  # one prefill chunk per prompt
+    sd = impl["sparse_mla_decode"]                          # gluon on the H200; ratio-128 calls: triton
+    if sd == "gluon":
+        assert (delta("gluon"), delta("triton")) == (n4 * forwards, n128 * forwards)
+    else:
+        assert delta("triton") == (n4 + n128) * forwards
     if graphs:
         assert runner.graphs.replays == decode_steps and runner.eager_steps == 0
     else:
@@ -169,4 +184,5 @@ def test_pd_pair_on_one_gpu_equals_a_single_process(tmp_path):
                                                                          "decode_steps")}))
     assert d.json()["output_ids"] == expected
     assert info["kernels"]["indexer"] == "triton" and info["kernels"]["topk"] == "triton"
+    assert info["kv_cache_dtype"] == "fp8_e4m3" and info["page_size"] == PAGE
     assert info["decode_steps"]["cuda_graph_replays"] == 15

@@ -107,7 +107,15 @@ def test_worker_args_refuse_silent_fallbacks(capsys):
     assert "--model-preset 'huge': choose from tiny, flash" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse_args("decode", ["--kv-cache-dtype", "bfloat16"])
-    assert "'auto': float32 on cpu, bfloat16 on cuda" in capsys.readouterr().err
+    assert "on the CPU the engine keeps float32 rows (or fp8_e4m3); use auto" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args("decode", ["--kv-cache-dtype", "fp8_e4m3"])
+    assert "(the tiny preset): use --model-preset flash" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args("decode", ["--model-preset", "flash", "--page-size", "64"])
+    assert "multiple of the compression ratio 128 of layer 1; SGLang runs DeepSeek-V4 with 256" in capsys.readouterr().err
+    assert parse_args("decode", ["--model-preset", "flash", "--page-size", "256", "--kv-cache-dtype",
+                                 "fp8_e4m3"]).kv_cache_dtype == "fp8_e4m3"
     with pytest.raises(SystemExit):
         parse_args("prefill", [])
     assert "--disaggregation-bootstrap-port is required" in capsys.readouterr().err

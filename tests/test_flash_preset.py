@@ -28,8 +28,12 @@ def test_flash_preset_has_deepseek_v4_flash_attention_shapes():
     c = PRESETS["flash"]
     assert (c.n_heads, c.head_dim, c.rope_dim, c.head_dim - c.rope_dim) == (64, 512, 64, 448)
     assert (c.window, c.ratio, c.topk, c.index_heads, c.index_dim) == (128, 4, 512, 64, 128)
-    # bf16 KV of 4 layers: 1M tokens of configured context fit in a few GB of an H200's 141 GB
-    assert kv_bytes_per_token(c, 2) * 1024**2 < 8 * 1024**3
+    assert c.layer_ratios == (4, 128, 4, 128)        # V4-Flash's alternation (its config's compress_ratios[2:42])
+    # fp8 KV of 4 layers at SGLang's 256-token pages: per ratio-4 layer a 149,760-B token page, a 37,440-B page
+    # of 64 entries and 64 index keys of 132 B; per ratio-128 layer the token page and a 1,728-B page of 2 entries
+    assert kv_bytes_per_token(c, "fp8_e4m3", 256) == 2 * (149760 + 37440 + 64 * 132 + 149760 + 1728) / 256 == 2712
+    # 1M tokens of configured context fit in a few GB of an H200's 141 GB (bf16 rows too)
+    assert kv_bytes_per_token(c, "bfloat16", 256) * 1024**2 < 8 * 1024**3
     with pytest.raises(PresetError, match="choose from tiny, flash"):
         model_config("huge")
 

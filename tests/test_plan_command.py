@@ -104,7 +104,7 @@ def test_shipped_geometry_is_the_committed_deepseek_v4_flash_config() -> None:
 
 def test_plan_of_a_broken_file_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", str(REPO / "examples" / "invalid" / "many-problems.yaml")]) == 2
-    assert "9 problem(s)" in capsys.readouterr().err
+    assert "10 problem(s)" in capsys.readouterr().err
 
 
 def test_embedded_bytes_per_token_is_the_pools() -> None:
@@ -115,15 +115,21 @@ def test_embedded_bytes_per_token_is_the_pools() -> None:
 
 
 def test_embedded_bytes_per_token_follow_the_preset_and_device() -> None:
-    """The flash preset's pool on cuda (bfloat16), as the engine allocates it (meta tensors: no memory)."""
+    """The flash preset's pool on cuda (auto: SGLang's fp8 layout; bf16 rows), as the engine allocates it (meta
+    tensors: no memory), at SGLang's 256-token pages and at 128."""
     import torch
 
     from dsv4_cluster.workers.presets import model_config
 
     flash = model_config("flash")
-    layout = RunnerConfig(model=flash, page_size=64, max_total_tokens=4 * 64, context_length=64).layout()
-    pool = KVPool(layout, device="meta", dtype=torch.bfloat16)
-    assert embedded_bytes_per_token("flash", "cuda") == pool.page_bytes / 64
+    for page in (128, 256):
+        for dtype in ("auto", "bf16"):
+            layout = RunnerConfig(model=flash, page_size=page, max_total_tokens=4 * page, context_length=page,
+                                  device="cuda", kv_dtype=dtype).layout()
+            pool = KVPool(layout, device="meta", dtype=torch.bfloat16)
+            assert layout.dtype == ("fp8_e4m3" if dtype == "auto" else "bfloat16")
+            assert embedded_bytes_per_token("flash", "cuda", dtype, page) == pool.page_bytes / page
+    assert embedded_bytes_per_token("flash", "cuda", "auto", 256) == 2712     # 584-B rows + padding + keys
     assert embedded_bytes_per_token("flash", "cuda") != embedded_bytes_per_token()
 
 

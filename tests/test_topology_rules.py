@@ -127,7 +127,10 @@ def test_sglang_gpus_must_be_consecutive() -> None:
 
 def test_embedded_engine_options_are_checked_before_start() -> None:
     text = edit(BASE, "kv_cache_dtype: auto", "kv_cache_dtype: fp8_e4m3")
-    check(text, "defaults.kv_cache_dtype", line_of(text, "fp8_e4m3"), "keeps KV in float32", "kv_cache_dtype: auto")
+    check(text, "defaults.kv_cache_dtype", line_of(text, "fp8_e4m3"), "the tiny preset", "kv_cache_dtype: auto")
+    text = edit(BASE, "    device: cpu\n    port: 30200", '    device: cpu\n    port: 30200\n    extra_args: ["--model-preset", "flash"]')
+    check(text, "defaults.page_size", line_of(text, "page_size: 16"), "multiple of the compression ratio 128",
+          "page_size: 256")
     text = BASE + "transfer:\n  backend: tcp\n"
     check(text, "transfer.backend", line_of(text, "backend: tcp"), "NIXL only", "use backend: nixl")
     text = edit(BASE, "    device: cpu\n    port: 30200", "    device: cuda\n    gpus: [0]\n    port: 30200")

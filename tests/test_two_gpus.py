@@ -24,7 +24,7 @@ from dsv4_cluster.workers.tokenizer import EOS, PRINTABLE_IDS, ByteTokenizer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
 KERNELS = "sparse_mla_decode,indexer,topk"
-FLAGS = ["--model-preset", "flash", "--kernels", KERNELS, "--page-size", "64", "--max-total-tokens", "65536",
+FLAGS = ["--model-preset", "flash", "--kernels", KERNELS, "--page-size", "256", "--max-total-tokens", "65536",
          "--context-length", "16384", "--cuda-graph-max-bs", "8"]
 
 
@@ -52,7 +52,7 @@ def test_pd_pair_on_two_gpus_equals_a_single_process(tmp_path):
     finally:
         stop_pair(pair)
     assert info["device"] == "cuda:1" and info["kernels"]["indexer"] == "triton"
-    runner = ModelRunner(RunnerConfig(model=model_config("flash", seed=0), page_size=64, max_total_tokens=65536,
+    runner = ModelRunner(RunnerConfig(model=model_config("flash", seed=0), page_size=256, max_total_tokens=65536,
                                       context_length=16384, device="cuda:1", kernels=tuple(KERNELS.split(",")),
                                       cuda_graph_max_bs=8))
     expected = generate_single_process(runner, ByteTokenizer().encode(prompt),

@@ -60,6 +60,30 @@ def test_pair_matches_single_process_greedy_tokens(pair):
         assert d.json()["output_ids"][0] == p.json()["output_ids"][0]
 
 
+def test_flash_pair_with_fp8_mixed_ratio_kv_matches_single_process(tmp_path):
+    """The flash preset's layers (ratio 4, 128, 4, 128) and SGLang's fp8 pages, prefill -> NIXL -> decode in two
+    processes on the CPU, equal one process (the prompt spans a ratio-128 entry and two 256-token pages)."""
+    from dsv4_cluster.workers.presets import model_config
+
+    flags = ["--model-preset", "flash", "--page-size", "256", "--kv-cache-dtype", "fp8_e4m3", "--served-model-name",
+             "dsv4-flash", "--stall-timeout-s", "120"]   # a full-size forward on a loaded 2-core CPU
+    flash = start_pair(tmp_path, extra=flags, ready_timeout_s=120)
+    try:
+        text = "the ratio-128 entries of a long prompt " * 7
+        assert len(TOK.encode(text)) > 256
+        body = {"text": text, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+        p, d = asyncio.run(_both(flash, "/generate", body))
+        assert p.status_code == 200 and d.status_code == 200, (p.text, d.text)
+        info = httpx.get(flash.decode_url + "/server_info", timeout=30).json()
+    finally:
+        stop_pair(flash)
+    assert (info["kv_cache_dtype"], info["page_size"]) == ("fp8_e4m3", 256)
+    runner = ModelRunner(RunnerConfig(model=model_config("flash"), page_size=256, max_total_tokens=4096,
+                                      context_length=1024, kv_dtype="fp8_e4m3"))
+    expected = generate_single_process(runner, TOK.encode(text), SamplingParams(max_new_tokens=8, temperature=0), EOS)
+    assert d.json()["output_ids"] == expected
+
+
 def test_concurrent_requests_all_finish_and_free_their_pages(pair):
     async def run():
         bodies = [{"text": f"request {i}", "sampling_params": {"max_new_tokens": 16, "temperature": 0.7,

@@ -26,6 +26,8 @@ class WorkerArgs:
     # prompt tokens one prefill step computes, over one or more prompts (SGLang's flag of that name)
     chunked_prefill_size: int = 1024
     page_size: int = 16
+    # auto: float32 on cpu; on cuda SGLang's fp8 V4 layout for the flash preset, bf16 rows for tiny. fp8_e4m3
+    # (flash only), bf16 (cuda), float32 (cpu): presets.kv_layout_dtype
     kv_cache_dtype: str = "auto"
     max_total_tokens: int = 16384
     transfer_backend: str = "nixl"
@@ -78,9 +80,6 @@ def validate(args: WorkerArgs) -> list[str]:
     if args.transfer_backend != "nixl":
         problems.append(f"--transfer-backend {args.transfer_backend!r}: the embedded engine implements only "
                         "'nixl' (no silent fallback); use nixl")
-    if args.kv_cache_dtype != "auto" and args.kv_cache_dtype != ("float32" if args.device == "cpu" else "bfloat16"):
-        problems.append(f"--kv-cache-dtype {args.kv_cache_dtype!r}: the embedded engine keeps KV in its model's "
-                        "dtype ('auto': float32 on cpu, bfloat16 on cuda); the fp8 layout is for SGLang")
     problems += _device_problems(args)
     if args.page_size <= 0 or args.page_size % 4:
         problems.append(f"--page-size {args.page_size}: must be a positive multiple of 4 (the compression ratio)")
@@ -105,6 +104,7 @@ def _device_problems(args: WorkerArgs) -> list[str]:
     problems = []
     if args.model_preset not in PRESETS:
         problems.append(f"--model-preset {args.model_preset!r}: choose from {', '.join(PRESETS)}")
+    cfg = PRESETS.get(args.model_preset)
     kind, _, index = args.device.partition(":")
     if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
         problems.append(f"--device {args.device!r}: the embedded engine runs on cpu, cuda or cuda:N (GPU N of those "
@@ -117,11 +117,24 @@ def _device_problems(args: WorkerArgs) -> list[str]:
         elif index and int(index) >= torch.cuda.device_count():
             problems.append(f"--device {args.device}: this process sees {torch.cuda.device_count()} GPU(s) "
                             f"(0-{torch.cuda.device_count() - 1}); check the GPU index and CUDA_VISIBLE_DEVICES")
-        cfg = PRESETS.get(args.model_preset)
         if cfg is not None and args.kernel_list and (cfg.head_dim != 512 or cfg.n_heads not in (16, 32, 64)):
             problems.append(f"--device cuda --kernels: the {args.model_preset!r} preset's shapes ({cfg.n_heads} "
                             f"heads x {cfg.head_dim} dims) are not what the kernels take (512 dims, 16/32/64 "
                             "heads); use --model-preset flash, or no --kernels (reference ops on the GPU)")
+    if cfg is not None and args.page_size > 0:
+        problems += _kv_problems(args, cfg)
     if args.cuda_graph_max_bs < 0:
         problems.append(f"--cuda-graph-max-bs {args.cuda_graph_max_bs}: must be >= 0 (0: no graphs)")
     return problems
+
+
+def _kv_problems(args: WorkerArgs, cfg) -> list[str]:
+    """--kv-cache-dtype and --page-size against the preset's KV layout (kv_pool.PoolLayout.problems)."""
+    from .presets import KVDtypeError, kv_layout_dtype, pool_layout
+
+    try:
+        dtype = kv_layout_dtype(args.kv_cache_dtype, cfg, args.device)
+    except KVDtypeError as exc:
+        return [str(exc)]
+    return [f"--page-size {args.page_size} / --kv-cache-dtype {args.kv_cache_dtype} with the {args.model_preset!r} "
+            f"preset: {p}" for p in pool_layout(cfg, dtype, args.page_size, 1).problems()]

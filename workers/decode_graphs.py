@@ -6,7 +6,8 @@ under capture. A graph reads its inputs from static buffers: tokens [S], positio
 int32 with W the pages of a full-context request (graphs need fixed shapes). A step copies in only what it
 needs: its tokens and positions and, per row, the request's own pages; columns past a request's own pages keep
 whatever an earlier request left there, which no op reads (window, compression, indexer and top-k stay within
-the pages of positions <= the row's own). Padding rows decode token 0 at position 0 of the pad page, a page
+the pages of positions <= the row's own; a ratio-128 layer reads its entry rows up to its live count, rows this
+step writes from the request's own pages). Padding rows decode token 0 at position 0 of the pad page, a page
 the allocator never hands out.
 
 Only when every kernel is on: the reference ops read index values on the host (a sync), which a graph cannot
@@ -42,13 +43,19 @@ class DecodeGraphs:
         self.tokens = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
         self.pages = torch.full((self.max_bs, width), self.pad_page, dtype=torch.int32, device=dev)
+        # ratio-128 layers' entry rows, filled per step within each request's own pages (model.Batch.dense_entries)
+        dense = [pool.entries_per_page(li) for li, r in enumerate(pool.layout.ratios) if not pool.layout.indexed(li)]
+        self.dense_per_page = dense[0] if dense else 0
+        self.dense = (torch.zeros(self.max_bs, width * self.dense_per_page, dtype=torch.int32, device=dev)
+                      if dense else None)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.replays = 0
         self._capture()
 
     def _forward(self, bs: int) -> torch.Tensor:
-        batch = Batch(tokens=self.tokens[:bs], positions=self.positions[:bs], pages=self.pages[:bs])
+        batch = Batch(tokens=self.tokens[:bs], positions=self.positions[:bs], pages=self.pages[:bs],
+                      dense_entries=None if self.dense is None else self.dense[:bs])
         return self.model.forward(batch, self.pool)
 
     def _capture(self) -> None:
@@ -79,7 +86,12 @@ class DecodeGraphs:
         bs = self.size_for(b)
         if bs is None:
             raise ValueError(f"batch {b} is above the largest captured size {self.max_bs}; run it eagerly")
-        self.pages[:b, : max(len(p) for p in page_lists)].copy_(padded_table(page_lists, self.pad_page))
+        width = max(len(p) for p in page_lists)
+        self.pages[:b, :width].copy_(padded_table(page_lists, self.pad_page))
+        if self.dense is not None:   # entries of the live pages only: O(live), never the configured width
+            e = self.dense_per_page
+            live = self.pages[:b, :width].long()[:, :, None] * e + torch.arange(e, device=self.pages.device)
+            self.dense[:b, : width * e].copy_(live.reshape(b, -1))
         self.tokens[:b].copy_(torch.tensor(tokens, dtype=torch.int64))
         self.positions[:b].copy_(torch.tensor(positions, dtype=torch.int64))
         if bs > b:

@@ -9,24 +9,37 @@ never from the flag. `counts()` reads them (a host sync; the engine thread calls
 
 Prefill chunks select compressed entries with whole-tensor torch ops on any device (`selection.py`): the indexer
 and top-k kernels are decode kernels (one query row per request), and a chunk's rows share one page table.
+
+KV in SGLang's fp8 layout (`kv_pool.py`) goes to the fp8 kernels (`sparse_decode_paged`, `indexer_fp8_triton`),
+which read the pool's bytes; the reference ops dequantise exactly the rows they read (`sparse_mla_decode_paged_ref`),
+so kernels and reference see the same values. A ratio-128 layer's call (`dense=True`: window + every complete
+entry, an index list as wide as the configured context with per-row lengths) runs the Triton kernel with a split
+count fixed from the batch size and the ratio-4 layers' row count (`dense_config`): the Gluon kernel stages a
+query's whole index list in shared memory (1M / 128 = 8192 entries do not fit), and a split count chosen from the
+list's width would grow with the configured context, not with the rows a query really has.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from dsv4_cluster.core import KERNEL_NAMES
 
-from ..kernels.indexer.reference import indexer_ref
+from ..kernels.indexer.reference import indexer_fp8_ref, indexer_ref
 from ..kernels.sparse_mla_decode import sparse_mla_decode_ref
+from ..kernels.sparse_mla_decode.reference import sparse_mla_decode_paged_ref
 from ..kernels.topk.reference import topk_ref
 
 IMPLS = ("reference", "triton", "gluon")
 
 
 class KernelOps:
-    def __init__(self, device: str, requested: tuple[str, ...], n_heads: int, dtype: torch.dtype):
+    def __init__(self, device: str, requested: tuple[str, ...], n_heads: int, dtype: torch.dtype,
+                 nominal_rows: int = 640):
         self.device = torch.device(device)
+        self.nominal_rows = nominal_rows   # rows of a ratio-4 layer's query (window + top-k): dense_config
         self.kernel = {k: False for k in KERNEL_NAMES}
         self.impl = {k: "reference" for k in KERNEL_NAMES}
         self.calls = torch.zeros(len(KERNEL_NAMES), len(IMPLS), dtype=torch.int64, device=self.device)
@@ -56,22 +69,43 @@ class KernelOps:
         i, j = self._slot[name] if impl is None else (KERNEL_NAMES.index(name), IMPLS.index(impl))
         self.calls[i, j] += 1
 
-    def sparse_decode(self, q, kv, window_idx, extra_kv, extra_idx, sink) -> torch.Tensor:
-        self._count("sparse_mla_decode")
-        if self.kernel["sparse_mla_decode"]:
+    def sparse_decode(self, q, kv, window_idx, extra_kv, extra_idx, sink, *, geometry=None, extra_lens=None,
+                      dense: bool = False) -> torch.Tensor:
+        """Attention over each query's window rows of `kv` and its `extra_idx` rows of `extra_kv` (the first
+        extra_lens[b] of them when given). geometry: (main, extra) `PageGeometry` when the buffers are fp8
+        pages (slot indices), None for float rows. dense: a ratio-128 layer's call (see the module doc)."""
+        kernel = self.kernel["sparse_mla_decode"]
+        self._count("sparse_mla_decode", "triton" if kernel and dense else None)
+        if geometry is not None:
+            window, extra = (kv, geometry[0], window_idx, None), (extra_kv, geometry[1], extra_idx, extra_lens)
+            if kernel:
+                from ..kernels.sparse_mla_decode.launch import sparse_decode_paged
+
+                config = self.dense_config(q.shape[0]) if dense else None
+                return sparse_decode_paged(q, window, extra, sink, None, None, None, config=config)[0]
+            return sparse_mla_decode_paged_ref(q, window, extra, sink)[0]
+        if kernel:
             from ..kernels.sparse_mla_decode.launch import sparse_mla_decode_triton
 
-            return sparse_mla_decode_triton(q, kv, window_idx, extra_kv, extra_idx, sink)[0]
-        return sparse_mla_decode_ref(q, kv, window_idx, extra_kv, extra_idx, sink)[0]
+            config = self.dense_config(q.shape[0]) if dense else None
+            return sparse_mla_decode_triton(q, kv, window_idx, extra_kv, extra_idx, sink, None, None, extra_lens,
+                                            config=config)[0]
+        return sparse_mla_decode_ref(q, kv, window_idx, extra_kv, extra_idx, sink, None, None, extra_lens)[0]
+
+    def dense_config(self, batch: int):
+        """The Triton launch of a ratio-128 call: splits as for `nominal_rows` rows per query at this batch size
+        (shapes only, so graph-capturable, and the same at every configured context)."""
+        return _dense_config(self.device, batch, self.nominal_rows)
 
     def indexer(self, q_idx, weights, keys, pages, live) -> torch.Tensor:
         """Scores [T, max_pages * E] (the kernel writes only the live prefix of each row)."""
         self._count("indexer")
+        fp8 = keys.dtype == torch.uint8          # the fp8 key pages of kernels/indexer/fp8_keys.py
         if self.kernel["indexer"]:
-            from ..kernels.indexer.triton_indexer import indexer_triton
+            from ..kernels.indexer.triton_indexer import indexer_fp8_triton, indexer_triton
 
-            return indexer_triton(q_idx, weights, keys, pages, live)
-        return indexer_ref(q_idx, weights, keys, pages, live)
+            return (indexer_fp8_triton if fp8 else indexer_triton)(q_idx, weights, keys, pages, live)
+        return (indexer_fp8_ref if fp8 else indexer_ref)(q_idx, weights, keys, pages, live)
 
     def topk(self, scores, live, k: int) -> torch.Tensor:
         self._count("topk")
@@ -105,3 +139,12 @@ class KernelOps:
             else:
                 out[name] = "+".join(impl for impl, _ in ran) or "not called yet"
         return out
+
+
+@functools.lru_cache(maxsize=256)
+def _dense_config(device: torch.device, batch: int, nominal_rows: int):
+    from ..kernels.sparse_mla_decode.launch import DEFAULT_BLOCKS, LaunchConfig, _num_sms
+    from ..kernels.sparse_mla_decode.splits import choose_splits
+
+    block = DEFAULT_BLOCKS[("triton", True)][0]
+    return LaunchConfig(backend="triton", num_splits=choose_splits(batch, -(-nominal_rows // block), _num_sms(device)))

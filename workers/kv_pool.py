@@ -1,9 +1,20 @@
 """The paged KV pool: fixed capacity, page allocator, and the address math the model and NIXL use.
 
-Per layer there are three buffers, all page-major so that one page of a request is one contiguous
-byte range per buffer (what NIXL moves): `main` [num_pages * page_size, head_dim] (one row per
-token), `comp` [num_pages * entries_per_page, head_dim] (one row per ratio-4 compressed entry), and
-`index_keys` [num_pages, entries_per_page, index_dim] (the indexer's keys, paged as the kernel wants).
+Per layer there are up to three buffers, all page-major so that one page of a request is one contiguous byte
+range per buffer (what NIXL moves): `main` (one row per token), `comp` (one row per compressed entry of the
+layer's ratio: 4, or 128 on DeepSeek-V4's ratio-128 layers) and, on ratio-4 layers only, `index_keys` (the
+indexer's keys; ratio-128 layers have no indexer). Two layouts (`PoolLayout.dtype`):
+
+- float rows in the model's dtype (`float32`, `bfloat16`): `main` [num_pages * page_size, head_dim], `comp`
+  [num_pages * entries, head_dim], `index_keys` [num_pages, entries, index_dim];
+- `fp8_e4m3`, SGLang's DeepSeek-V4 layout (`kernels/sparse_mla_decode/fp8_layout.py`): `main` and `comp` uint8
+  [num_pages, page_stride] of 584-B token records (448 e4m3 + 64 bf16 RoPE dims, 7 ue8m0 scales + 1 pad byte),
+  the stride padded to a multiple of 576 B; `index_keys` uint8 [num_pages, entries * (index_dim + 4)]
+  (`kernels/indexer/fp8_keys.py`: e4m3 keys, then one fp32 scale per key). A row's index is its slot
+  (page * rows_per_page + offset), the numbering the kernels take.
+
+Writes go through `write_main` / `write_comp` / `write_keys` (quantising on fp8), reads of whole rows through
+`read_main` (dequantising exactly); the attention kernels and the reference ops read the buffers themselves.
 """
 
 from __future__ import annotations
@@ -13,9 +24,17 @@ from dataclasses import dataclass
 
 import torch
 
+from . import kv_fp8
+
+FP8 = "fp8_e4m3"
+
 
 class PoolExhausted(RuntimeError):
     """Not enough free pages right now (the caller queues the request and retries)."""
+
+
+class PoolLayoutError(ValueError):
+    """A pool layout that cannot hold this model's KV (the message says which flag to change)."""
 
 
 @dataclass(frozen=True)
@@ -27,32 +46,78 @@ class PoolLayout:
     n_layers: int
     head_dim: int
     index_dim: int
-    ratio: int
-    dtype: str
+    ratio: int                           # the indexed (top-k) layers' compression ratio
+    dtype: str                           # float32 | bfloat16 | fp8_e4m3
+    layer_ratios: tuple[int, ...] = ()   # each layer's ratio (() = every layer `ratio`)
+
+    def __post_init__(self):
+        object.__setattr__(self, "layer_ratios", tuple(self.layer_ratios))   # a list after a JSON round trip
+
+    @property
+    def ratios(self) -> tuple[int, ...]:
+        return self.layer_ratios or (self.ratio,) * self.n_layers
 
     @property
     def entries_per_page(self) -> int:
         return self.page_size // self.ratio
 
+    def indexed(self, layer: int) -> bool:
+        """Whether the layer picks its entries by indexer + top-k (else it attends to every entry)."""
+        return self.ratios[layer] == self.ratio
+
     def compatible(self, other: "PoolLayout") -> list[str]:
         """Names of the fields (all but capacity) on which two pools disagree."""
-        keys = ("page_size", "n_layers", "head_dim", "index_dim", "ratio", "dtype")
+        keys = ("page_size", "n_layers", "head_dim", "index_dim", "ratios", "dtype")
         return [k for k in keys if getattr(self, k) != getattr(other, k)]
+
+    def problems(self) -> list[str]:
+        out = []
+        for r in sorted(set(self.ratios)):
+            if self.page_size % r:
+                hint = "; SGLang runs DeepSeek-V4 with 256-token pages" if r > self.ratio else ""
+                out.append(f"page_size {self.page_size} must be a multiple of the compression ratio {r} of layer "
+                           f"{self.ratios.index(r)}{hint}")
+        if len(self.ratios) != self.n_layers:
+            out.append(f"{len(self.ratios)} layer ratios for {self.n_layers} layers")
+        if self.dtype == FP8:
+            out += kv_fp8.layout_problems(self.page_size, self.head_dim, self.index_dim)
+        return out
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes one page occupies across every buffer (`KVPool.page_bytes` measures the same on the tensors)."""
+        if self.dtype == FP8:
+            return kv_fp8.page_bytes(self.page_size, self.ratios, self.ratio, self.index_dim)
+        element_size = torch.empty(0, dtype=getattr(torch, self.dtype)).element_size()
+        total = 0
+        for li, r in enumerate(self.ratios):
+            e = self.page_size // r
+            keys = e * self.index_dim if self.indexed(li) else 0
+            total += self.page_size * self.head_dim + e * self.head_dim + keys
+        return total * element_size
 
 
 class KVPool:
     def __init__(self, layout: PoolLayout, device: str = "cpu", dtype: torch.dtype = torch.float32):
-        if layout.page_size % layout.ratio:
-            raise ValueError(f"page_size {layout.page_size} must be a multiple of the compression ratio {layout.ratio}")
-        self.layout = layout
-        n, ps, e = layout.num_pages, layout.page_size, layout.entries_per_page
-
-        def buf(*shape: int) -> torch.Tensor:
-            return torch.zeros(*shape, device=device, dtype=dtype)
-
-        self.main = [buf(n * ps, layout.head_dim) for _ in range(layout.n_layers)]
-        self.comp = [buf(n * e, layout.head_dim) for _ in range(layout.n_layers)]
-        self.index_keys = [buf(n, e, layout.index_dim) for _ in range(layout.n_layers)]
+        problems = layout.problems()
+        if problems:
+            raise PoolLayoutError("KV pool layout: " + "; ".join(problems))
+        self.layout, self.dtype, self.fp8 = layout, dtype, layout.dtype == FP8
+        n, ps = layout.num_pages, layout.page_size
+        self.main: list[torch.Tensor] = []
+        self.comp: list[torch.Tensor] = []
+        self.index_keys: list[torch.Tensor | None] = []
+        for li, r in enumerate(layout.ratios):
+            e = ps // r
+            if self.fp8:
+                self.main.append(kv_fp8.rows_buffer(n, ps, device))
+                self.comp.append(kv_fp8.rows_buffer(n, e, device))
+                keys = kv_fp8.keys_buffer(n, e, layout.index_dim, device)
+            else:
+                self.main.append(torch.zeros(n * ps, layout.head_dim, device=device, dtype=dtype))
+                self.comp.append(torch.zeros(n * e, layout.head_dim, device=device, dtype=dtype))
+                keys = torch.zeros(n, e, layout.index_dim, device=device, dtype=dtype)
+            self.index_keys.append(keys if layout.indexed(li) else None)
         self._free: deque[int] = deque(range(n))
         self._reserved = 0
 
@@ -92,15 +157,21 @@ class KVPool:
 
     def buffers(self) -> list[torch.Tensor]:
         """Every buffer, in a fixed order both sides share (the NIXL descriptor order)."""
-        return [b for layer in zip(self.main, self.comp, self.index_keys) for b in layer]
+        return [b for layer in zip(self.main, self.comp, self.index_keys) for b in layer if b is not None]
+
+    # --- rows: address math -------------------------------------------------------------------------------
+    def entries_per_page(self, layer: int) -> int:
+        return self.layout.page_size // self.layout.ratios[layer]
 
     def token_rows(self, pages: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rows of `main` for token `positions` ([T] or [T, W]) of requests with page tables `pages` [T, P]."""
         return self._rows(pages, positions, self.layout.page_size)
 
-    def entry_rows(self, pages: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
-        """Rows of `comp` (and of `index_keys` flattened) for compressed `entries` ([T] or [T, K])."""
-        return self._rows(pages, entries, self.layout.entries_per_page)
+    def entry_rows(self, pages: torch.Tensor, entries: torch.Tensor, layer: int | None = None) -> torch.Tensor:
+        """Rows of `comp` (and of `index_keys` flattened) for compressed `entries` ([T] or [T, K]) of `layer`
+        (None: an indexed, ratio-4 layer)."""
+        per_page = self.layout.entries_per_page if layer is None else self.entries_per_page(layer)
+        return self._rows(pages, entries, per_page)
 
     @staticmethod
     def _rows(pages: torch.Tensor, idx: torch.Tensor, per_page: int) -> torch.Tensor:
@@ -111,3 +182,37 @@ class KVPool:
         page = torch.gather(pages, 1, idx // per_page).long()   # gathers int32 tables too, never widens them
         rows = page * per_page + idx % per_page
         return rows[:, 0] if squeeze else rows
+
+    # --- rows: values ---------------------------------------------------------------------------------------
+    def write_main(self, layer: int, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """Token rows [N] <- values [N, head_dim]."""
+        if self.fp8:
+            kv_fp8.write_rows(self.main[layer], self.layout.page_size, rows, values)
+        else:
+            self.main[layer][rows] = values
+
+    def read_main(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        """Values [*rows.shape, head_dim] of token rows, in the model's dtype (fp8: dequantised exactly)."""
+        if self.fp8:
+            return kv_fp8.read_rows(self.main[layer], self.layout.page_size, rows).to(self.dtype)
+        return self.main[layer][rows]
+
+    def write_comp(self, layer: int, rows: torch.Tensor, values: torch.Tensor,
+                   keep: torch.Tensor | None = None) -> None:
+        """Entry rows [N] <- values [N, head_dim]; with `keep` [N] bool, only where it is true (no host sync)."""
+        if self.fp8:
+            kv_fp8.write_rows(self.comp[layer], self.entries_per_page(layer), rows, values, keep)
+        elif keep is None:
+            self.comp[layer][rows] = values
+        else:
+            self.comp[layer][rows] = torch.where(keep[:, None], values, self.comp[layer][rows])
+
+    def write_keys(self, layer: int, rows: torch.Tensor, keys: torch.Tensor,
+                   keep: torch.Tensor | None = None) -> None:
+        """Index keys of entry rows [N] <- keys [N, index_dim] (an indexed layer's), as `write_comp`."""
+        buf = self.index_keys[layer]
+        if self.fp8:
+            kv_fp8.write_keys(buf, self.layout.index_dim, rows, keys, keep)
+            return
+        flat = buf.view(-1, self.layout.index_dim)
+        flat[rows] = keys if keep is None else torch.where(keep[:, None], keys, flat[rows])

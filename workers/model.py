@@ -1,13 +1,17 @@
 """A tiny DeepSeek-V4-shaped model with seeded random weights: the embedded engine's compute.
 
 What it shares with DeepSeek-V4: one shared KV head (MQA) whose value is its key (V = K), RoPE on the
-last `rope_dim` dims, a sliding window of recent tokens, ratio-4 compressed entries of which an
-indexer (`score = Σ_h relu(q_h·k)·w_h`) picks the top-k, and a per-head attention sink. Attention
-goes through `kernel_ops.KernelOps` (reference ops on CPU; on CUDA our Triton/Gluon kernels for the
-kernels asked for), so the engine is also the kernels' end-to-end test bed. Shapes come from a preset
-(`presets.py`: `tiny` for the CPU, `flash` with DeepSeek-V4-Flash's attention shapes). What it leaves out:
-MoE, hyper-connections, multi-token prediction, the ratio-128 layers, fp8 KV. The weights are random: its
-text is meaningless by design.
+last `rope_dim` dims, a sliding window of recent tokens, compressed entries per layer at the layer's ratio
+(`ModelConfig.compress_ratios`, SGLang's config name), and a per-head attention sink. A ratio-4 layer's query
+attends to its window plus the top-k of its complete ratio-4 entries, picked by an indexer (`score = Σ_h
+relu(q_h·k)·w_h`); a ratio-128 layer's (SGLang 0.5.23: `Compressor` without `C4Indexer`; its c128 page indices
+are every entry below seq_len // 128) attends to its window plus every complete ratio-128 entry, no indexer. An
+entry here is the mean of its tokens' KV rows times a projection, a stand-in for V4's learned compressor. KV lives
+in float rows or SGLang's fp8 layout (`kv_pool.py`). Attention goes through `kernel_ops.KernelOps` (reference ops
+on CPU; on CUDA our Triton/Gluon kernels for the kernels asked for), so the engine is also the kernels' end-to-end
+test bed. Shapes come from a preset (`presets.py`: `tiny` for the CPU, `flash` with DeepSeek-V4-Flash's attention
+shapes). What it leaves out: MoE, hyper-connections, multi-token prediction, V4-Flash's two window-only (ratio 0)
+layers. The weights are random: its text is meaningless by design.
 
 A decode batch (`Batch.segments == ()`, one row per request) runs without a host sync when every kernel
 is on, so `decode_graphs.py` can capture it in a CUDA graph; prefill chunks may sync.
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import kv_fp8
 from .kernel_ops import KernelOps
 from .kv_pool import KVPool
 from .selection import select_rows, select_shared_table
@@ -41,6 +46,22 @@ class ModelConfig:
     ffn_dim: int = 256
     rope_theta: float = 10000.0
     seed: int = 0
+    # each layer's compression ratio, repeated over the layers when shorter (() = every layer `ratio`): `ratio`
+    # (indexer + top-k) or DENSE_RATIO (every entry attended)
+    compress_ratios: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        bad = sorted(set(self.compress_ratios) - {self.ratio, DENSE_RATIO})
+        if bad:
+            raise ValueError(f"compress_ratios {bad}: a layer's ratio is {self.ratio} (indexed) or {DENSE_RATIO}")
+
+    @property
+    def layer_ratios(self) -> tuple[int, ...]:
+        cycle = self.compress_ratios or (self.ratio,)
+        return tuple(cycle[i % len(cycle)] for i in range(self.n_layers))
+
+
+DENSE_RATIO = 128  # DeepSeek-V4's ratio-128 layers: every complete entry attended, no indexer
 
 
 @dataclass(frozen=True)
@@ -50,20 +71,23 @@ class Batch:
     tokens [T]; positions [T] (absolute position of each token in its request); pages [T, max_pages]
     (the owning request's page table, int32 or int64; columns past the request's own pages are never read). Prefill passes chunks of one or more prompts, each
     a run of consecutive rows named in `segments` ((start, end) row ranges that share one page table);
-    decode passes one new token for each running request (T = batch size, no segments).
+    decode passes one new token for each running request (T = batch size, no segments). `dense_entries`
+    [T, n] int32: rows of each request's ratio-128 entries 0..n-1, given by a caller whose page tables are wider
+    than the live pages (CUDA graphs fill it within the live width); None: built from `pages`.
     """
 
     tokens: torch.Tensor
     positions: torch.Tensor
     pages: torch.Tensor
     segments: tuple[tuple[int, int], ...] = ()
+    dense_entries: torch.Tensor | None = None
 
 
 class TinyDSV4:
     def __init__(self, cfg: ModelConfig, device: str = "cpu", dtype: torch.dtype = torch.float32,
                  kernels: tuple[str, ...] = ()):
         self.cfg, self.device, self.dtype = cfg, device, dtype
-        self.ops = KernelOps(device, kernels, cfg.n_heads, dtype)
+        self.ops = KernelOps(device, kernels, cfg.n_heads, dtype, nominal_rows=cfg.window + cfg.topk)
         gen = torch.Generator().manual_seed(cfg.seed)
 
         def w(*shape: int, scale: float | None = None) -> torch.Tensor:
@@ -72,22 +96,16 @@ class TinyDSV4:
 
         c = cfg
         self.embed = w(c.vocab_size, c.d_model, scale=1.0)
-        self.layers = [
-            dict(
-                wq=w(c.d_model, c.n_heads * c.head_dim),
-                wkv=w(c.d_model, c.head_dim),
-                wo=w(c.n_heads * c.head_dim, c.d_model),
-                sink=w(c.n_heads, scale=1.0).float(),
-                wc=w(c.head_dim, c.head_dim),
-                wq_idx=w(c.d_model, c.index_heads * c.index_dim),
-                w_idx=w(c.d_model, c.index_heads),
-                wk_idx=w(c.head_dim, c.index_dim),
-                w1=w(c.d_model, c.ffn_dim),
-                w3=w(c.d_model, c.ffn_dim),
-                w2=w(c.ffn_dim, c.d_model),
-            )
-            for _ in range(c.n_layers)
-        ]
+        self.layers = []
+        for r in c.layer_ratios:
+            layer = dict(wq=w(c.d_model, c.n_heads * c.head_dim), wkv=w(c.d_model, c.head_dim),
+                         wo=w(c.n_heads * c.head_dim, c.d_model), sink=w(c.n_heads, scale=1.0).float(),
+                         wc=w(c.head_dim, c.head_dim))
+            if r == c.ratio:   # the indexer's weights (ratio-128 layers have none)
+                layer.update(wq_idx=w(c.d_model, c.index_heads * c.index_dim), w_idx=w(c.d_model, c.index_heads),
+                             wk_idx=w(c.head_dim, c.index_dim))
+            layer.update(w1=w(c.d_model, c.ffn_dim), w3=w(c.d_model, c.ffn_dim), w2=w(c.ffn_dim, c.d_model))
+            self.layers.append(layer)
         self.lm_head = w(c.d_model, c.vocab_size)
         inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.rope_dim, 2, dtype=torch.float64) / c.rope_dim))
         self._inv_freq = inv.to(device)
@@ -98,14 +116,19 @@ class TinyDSV4:
         c = self.cfg
         x = self.embed[batch.tokens]
         rows = pool.token_rows(batch.pages, batch.positions)
+        window = self._window(batch, pool)
         for li, p in enumerate(self.layers):
             h = _rms_norm(x)
             q = self._rope((h @ p["wq"]).view(-1, c.n_heads, c.head_dim), batch.positions)
             kv = self._rope((h @ p["wkv"]).view(-1, 1, c.head_dim), batch.positions).view(-1, c.head_dim)
-            pool.main[li][rows] = kv
+            pool.write_main(li, rows, kv)
             self._compress(li, p, batch, pool)
-            sel = self._select(li, p, h, batch, pool)
-            out = self.ops.sparse_decode(q, pool.main[li], self._window(batch, pool), pool.comp[li], sel, p["sink"])
+            if pool.layout.indexed(li):
+                sel = self._select(li, p, h, batch, pool)
+                out = self.ops.sparse_decode(q, pool.main[li], window, pool.comp[li], sel, p["sink"],
+                                             geometry=_geometry(pool, li))
+            else:
+                out = self._attend_dense(li, q, window, batch, pool, p["sink"])
             x = x + out.reshape(-1, c.n_heads * c.head_dim) @ p["wo"]
             h = _rms_norm(x)
             x = x + (torch.nn.functional.silu(h @ p["w1"]) * (h @ p["w3"])) @ p["w2"]
@@ -131,8 +154,8 @@ class TinyDSV4:
         return torch.where(pos >= 0, rows, -1).to(torch.int32)
 
     def _compress(self, li: int, p: dict, batch: Batch, pool: KVPool) -> None:
-        """Fill the compressed entry of every group of `ratio` tokens that this batch completes."""
-        ratio = self.cfg.ratio
+        """Fill the compressed entry of every group of the layer's ratio of tokens that this batch completes."""
+        ratio = pool.layout.ratios[li]
         done = (batch.positions + 1) % ratio == 0
         if not batch.segments:
             self._compress_rows(li, p, batch, pool, done)
@@ -141,25 +164,46 @@ class TinyDSV4:
             return
         pos, pages = batch.positions[done], batch.pages[done]
         group_pos = pos[:, None] - torch.arange(ratio - 1, -1, -1, device=pos.device)[None, :]
-        src = pool.main[li][pool.token_rows(pages, group_pos)]            # [G, ratio, D]
-        mean = src.mean(dim=1)
-        entries = pool.entry_rows(pages, pos // ratio)
-        pool.comp[li][entries] = mean @ p["wc"]
-        pool.index_keys[li].view(-1, self.cfg.index_dim)[entries] = mean @ p["wk_idx"]
+        mean = pool.read_main(li, pool.token_rows(pages, group_pos)).mean(dim=1)      # [G, D]
+        entries = pool.entry_rows(pages, pos // ratio, li)
+        pool.write_comp(li, entries, mean @ p["wc"])
+        if "wk_idx" in p:
+            pool.write_keys(li, entries, mean @ p["wk_idx"])
 
     def _compress_rows(self, li: int, p: dict, batch: Batch, pool: KVPool, done: torch.Tensor) -> None:
         """`_compress` for a decode batch without a host sync: every row computes its group's entry and
         writes it only where its token completes the group (elsewhere the entry's old value back). Rows are
-        distinct requests, so no two rows write one entry (padding rows share the pad page: garbage there)."""
-        ratio = self.cfg.ratio
+        distinct requests, so no two rows write one entry (padding rows share the pad page: garbage there).
+        Reads `ratio` main rows per row: O(ratio), whatever the context."""
+        ratio = pool.layout.ratios[li]
         pos = batch.positions
         group_pos = (pos[:, None] - torch.arange(ratio - 1, -1, -1, device=pos.device)[None, :]).clamp(min=0)
-        mean = pool.main[li][pool.token_rows(batch.pages, group_pos)].mean(dim=1)
-        entries = pool.entry_rows(batch.pages, pos // ratio)
-        keys = pool.index_keys[li].view(-1, self.cfg.index_dim)
-        keep = done[:, None]
-        pool.comp[li][entries] = torch.where(keep, mean @ p["wc"], pool.comp[li][entries])
-        keys[entries] = torch.where(keep, mean @ p["wk_idx"], keys[entries])
+        mean = pool.read_main(li, pool.token_rows(batch.pages, group_pos)).mean(dim=1)
+        entries = pool.entry_rows(batch.pages, pos // ratio, li)
+        pool.write_comp(li, entries, mean @ p["wc"], keep=done)
+        if "wk_idx" in p:
+            pool.write_keys(li, entries, mean @ p["wk_idx"], keep=done)
+
+    def _attend_dense(self, li: int, q: torch.Tensor, window: torch.Tensor, batch: Batch, pool: KVPool,
+                      sink: torch.Tensor) -> torch.Tensor:
+        """A ratio-128 layer: window + entries 0 .. (pos + 1) // 128 - 1 of each query's request, all of them,
+        as the extra rows of the sparse decode op with extra_lens = that count (the op reads no index past it,
+        so its work follows the live length, not the index list's width)."""
+        ratio, geo = pool.layout.ratios[li], _geometry(pool, li)
+        live = ((batch.positions + 1) // ratio).to(torch.int32)
+        main, comp = pool.main[li], pool.comp[li]
+        if batch.segments:   # prefill: one call per chunk, its rows sharing one list of its request's entries
+            outs = []
+            for a, b in batch.segments:
+                n = max(int(live[b - 1]), 1)      # positions rise within a chunk: its last row sees the most
+                idx = _entry_table(batch.pages[a:a + 1], pool.entries_per_page(li))[:, :n].expand(b - a, n)
+                outs.append(self.ops.sparse_decode(q[a:b], main, window[a:b], comp, idx, sink, geometry=geo,
+                                                   extra_lens=live[a:b], dense=True))
+            return torch.cat(outs)
+        idx = batch.dense_entries
+        if idx is None:
+            idx = _entry_table(batch.pages, pool.entries_per_page(li))
+        return self.ops.sparse_decode(q, main, window, comp, idx, sink, geometry=geo, extra_lens=live, dense=True)
 
     def _select(self, li: int, p: dict, h: torch.Tensor, batch: Batch, pool: KVPool) -> torch.Tensor:
         """Indexer + top-k over each query's complete compressed entries -> [T, topk] rows (-1 pad)."""
@@ -179,9 +223,22 @@ class TinyDSV4:
         else:
             ops.count_reference("indexer", "topk")
             chosen = select_rows(q_idx, weights, pool.index_keys[li], batch.pages, live, c.topk).long()
-        rows = pool.entry_rows(batch.pages, chosen.clamp(min=0))
+        rows = pool.entry_rows(batch.pages, chosen.clamp(min=0), li)
         return torch.where(chosen >= 0, rows, -1).to(torch.int32)
 
 
 def _rms_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _entry_table(pages: torch.Tensor, per_page: int) -> torch.Tensor:
+    """int32 [T, P * per_page]: the rows of compressed entries 0 .. P * per_page - 1 of page tables [T, P]."""
+    offs = torch.arange(per_page, device=pages.device)
+    return (pages.long()[:, :, None] * per_page + offs).reshape(pages.shape[0], -1).to(torch.int32)
+
+
+def _geometry(pool: KVPool, li: int):
+    """(main, comp) page geometries of an fp8 pool's layer (the slot numbering the kernels read), else None."""
+    if not pool.fp8:
+        return None
+    return kv_fp8.geometry(pool.layout.page_size), kv_fp8.geometry(pool.entries_per_page(li))

@@ -12,6 +12,7 @@ import torch
 
 from .decode_graphs import DecodeGraphs, padded_table
 from .kv_pool import KVPool, PoolLayout
+from .presets import kv_layout_dtype, pool_layout
 from .model import Batch, ModelConfig, TinyDSV4
 from .request import Req
 from .sampling import Sampler, SamplingParams
@@ -35,6 +36,7 @@ class RunnerConfig:
     device: str = "cpu"
     kernels: tuple[str, ...] = ()      # on CUDA: the ops that run our kernels (the rest: reference ops)
     cuda_graph_max_bs: int = 64        # decode batches up to this size replay CUDA graphs (0: none)
+    kv_dtype: str = "auto"             # --kv-cache-dtype: presets.kv_layout_dtype (auto, fp8_e4m3, ...)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -43,9 +45,8 @@ class RunnerConfig:
 
     def layout(self) -> PoolLayout:
         m = self.model
-        return PoolLayout(page_size=self.page_size, num_pages=self.max_total_tokens // self.page_size,
-                          n_layers=m.n_layers, head_dim=m.head_dim, index_dim=m.index_dim,
-                          ratio=m.ratio, dtype=str(self.dtype).removeprefix("torch."))
+        return pool_layout(m, kv_layout_dtype(self.kv_dtype, m, self.device), self.page_size,
+                           self.max_total_tokens // self.page_size)
 
 
 class ModelRunner:

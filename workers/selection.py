@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .kv_fp8 import KEY_SCALE_BYTES, read_key_pages
+
 
 def select_shared_table(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, table: torch.Tensor,
                          live: torch.Tensor, k: int) -> torch.Tensor:
@@ -19,13 +21,15 @@ def select_shared_table(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, ta
     rule: score[t, e] = sum_h relu(q[t,h] . key_e) * w[t,h] for e < live[t], the k best by (descending
     score, ascending index), -1 padded (tests/test_prefill_batching.py checks that the result equals
     the kernels' reference exactly).
-    q [T, Hi, Di]; w [T, Hi]; keys [P, E, Di]; table [max_pages]; live [T] -> int32 [T, k].
+    q [T, Hi, Di]; w [T, Hi]; keys [P, E, Di] float, or the fp8 key pages uint8 [P, E * (Di + 4)] (only the
+    live pages are dequantised); table [max_pages]; live [T] -> int32 [T, k].
     """
     n = int(live.max()) if live.numel() else 0
     if n == 0:
         return torch.full((q.shape[0], k), -1, dtype=torch.int32, device=q.device)
-    per_page = keys.shape[1]
-    kk = keys[table[: (n + per_page - 1) // per_page].long()].reshape(-1, keys.shape[-1])[:n].float()
+    dim = q.shape[-1]
+    per_page = _per_page(keys, dim)
+    kk = _key_pages(keys, table[: (n + per_page - 1) // per_page], dim).reshape(-1, dim)[:n].float()
     return _top(torch.relu(q.float() @ kk.T), w, live, k)
 
 
@@ -35,9 +39,10 @@ def select_rows(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, tables: to
     n = int(live.max()) if live.numel() else 0
     if n == 0:
         return torch.full((q.shape[0], k), -1, dtype=torch.int32, device=q.device)
-    per_page = keys.shape[1]
+    dim = q.shape[-1]
+    per_page = _per_page(keys, dim)
     pages = tables[:, : (n + per_page - 1) // per_page].clamp(min=0).long()
-    kk = keys[pages].reshape(q.shape[0], -1, keys.shape[-1])[:, :n].float()          # [T, n, Di]
+    kk = _key_pages(keys, pages, dim).reshape(q.shape[0], -1, dim)[:, :n].float()      # [T, n, Di]
     return _top(torch.relu(q.float() @ kk.transpose(1, 2)), w, live, k)
 
 
@@ -50,3 +55,14 @@ def _top(logits: torch.Tensor, w: torch.Tensor, live: torch.Tensor, k: int) -> t
     out = torch.full((scores.shape[0], k), -1, dtype=torch.int32, device=scores.device)
     out[:, : order.shape[1]] = order.masked_fill(order >= live[:, None], -1)
     return out
+
+
+def _per_page(keys: torch.Tensor, dim: int) -> int:
+    return keys.shape[1] // (dim + KEY_SCALE_BYTES) if keys.dtype == torch.uint8 else keys.shape[1]
+
+
+def _key_pages(keys: torch.Tensor, pages: torch.Tensor, dim: int) -> torch.Tensor:
+    """Keys [*pages.shape, E, Di] of `pages`: float keys indexed, fp8 key pages dequantised (those pages only)."""
+    if keys.dtype == torch.uint8:
+        return read_key_pages(keys, dim, pages)
+    return keys[pages.long()]

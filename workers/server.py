@@ -60,7 +60,7 @@ class WorkerServer:
         a = self.args
         return RunnerConfig(model=model_config(a.model_preset, seed=a.seed), page_size=a.page_size,
                             max_total_tokens=a.max_total_tokens, context_length=a.context_length, device=a.device,
-                            kernels=a.kernel_list,
+                            kernels=a.kernel_list, kv_dtype=a.kv_cache_dtype,
                             cuda_graph_max_bs=0 if a.disable_cuda_graph or a.mode == "prefill" else a.cuda_graph_max_bs)
 
     def build_engine(self, runner: ModelRunner) -> Engine:
@@ -233,7 +233,7 @@ class WorkerServer:
             "model_path": f"embedded:dsv4-{a.model_preset}", "served_model_name": a.served_model_name, "tp_size": 1,
             "dp_size": 1, "disaggregation_mode": self.role, "disaggregation_transfer_backend": a.transfer_backend,
             "disaggregation_bootstrap_port": a.disaggregation_bootstrap_port, "context_length": a.context_length,
-            "page_size": a.page_size, "kv_cache_dtype": a.kv_cache_dtype, "device": a.device,
+            "page_size": a.page_size, "kv_cache_dtype": pool.layout.dtype, "device": a.device,
             "max_total_num_tokens": pool.capacity_tokens, "max_req_input_len": a.context_length - 1,
             "internal_states": [{"num_used_tokens": pool.used_tokens,
                                  "token_usage": pool.used_tokens / pool.capacity_tokens,

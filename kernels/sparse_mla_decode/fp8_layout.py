@@ -94,21 +94,29 @@ def quantize_kv_v4(kv: torch.Tensor, page_tokens: int = PAGE_TOKENS) -> torch.Te
     pages = num_pages_for(n, page_tokens)
     x = torch.zeros(pages * page_tokens, DIM, dtype=torch.float32, device=kv.device)
     x[:n] = kv.float()
-    nope = x[:, :NOPE_DIMS].view(-1, NUM_TILES, TILE)
-    amax = nope.abs().amax(dim=-1).clamp_min(AMAX_FLOOR)
-    exponent = torch.ceil(torch.log2(amax / E4M3_MAX))  # [T, 7]
-    scale = torch.exp2(exponent)
-    q8 = (nope / scale[..., None]).to(torch.float8_e4m3fn).view(torch.uint8).view(-1, NOPE_DIMS)
-    rope = x[:, NOPE_DIMS:].to(torch.bfloat16).contiguous().view(torch.uint8)  # [T, 128]
+    rec, sc = quantize_records(x)
 
     t = page_tokens
     cache = torch.zeros(pages, geo.page_stride, dtype=torch.uint8, device=kv.device)
-    records = cache[:, :geo.scales_offset].view(pages, t, RECORD_BYTES)
-    records[..., :NOPE_DIMS] = q8.view(pages, t, NOPE_DIMS)
-    records[..., NOPE_DIMS:] = rope.view(pages, t, 2 * ROPE_DIMS)
-    scales = cache[:, geo.scales_offset:geo.scales_offset + t * SCALE_BYTES].view(pages, t, SCALE_BYTES)
-    scales[..., :NUM_TILES] = (exponent + 127).to(torch.uint8).view(pages, t, NUM_TILES)
+    cache[:, :geo.scales_offset].view(pages, t, RECORD_BYTES).copy_(rec.view(pages, t, RECORD_BYTES))
+    cache[:, geo.scales_offset:geo.scales_offset + t * SCALE_BYTES].view(pages, t, SCALE_BYTES).copy_(
+        sc.view(pages, t, SCALE_BYTES))
     return cache
+
+
+def quantize_records(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows [N, 512] (float) -> their 576-B records uint8 [N, 576] and 8-B scale rows uint8 [N, 8] (the pad
+    byte 0): the bytes `quantize_kv_v4` lays out in pages, for a writer that places rows one by one."""
+    x = x.float()
+    nope = x[:, :NOPE_DIMS].reshape(-1, NUM_TILES, TILE)
+    amax = nope.abs().amax(dim=-1).clamp_min(AMAX_FLOOR)
+    exponent = torch.ceil(torch.log2(amax / E4M3_MAX))  # [N, 7]
+    scale = torch.exp2(exponent)
+    q8 = (nope / scale[..., None]).to(torch.float8_e4m3fn).view(torch.uint8).reshape(-1, NOPE_DIMS)
+    rope = x[:, NOPE_DIMS:].to(torch.bfloat16).contiguous().view(torch.uint8)  # [N, 128]
+    scales = torch.zeros(x.shape[0], SCALE_BYTES, dtype=torch.uint8, device=x.device)
+    scales[:, :NUM_TILES] = (exponent + 127).to(torch.uint8)
+    return torch.cat([q8, rope], dim=1), scales
 
 
 def check_cache(cache: torch.Tensor, name: str, geometry: PageGeometry = DEFAULT_GEOMETRY) -> None:
@@ -122,7 +130,7 @@ def check_cache(cache: torch.Tensor, name: str, geometry: PageGeometry = DEFAULT
         raise SparseDecodeInputError(f"{name} must be contiguous; call .contiguous() on it")
 
 
-def _decode_records(records: torch.Tensor, scale_rows: torch.Tensor) -> torch.Tensor:
+def decode_records(records: torch.Tensor, scale_rows: torch.Tensor) -> torch.Tensor:
     """bf16 [n, 512] from n 576-B records and their n 8-B scale rows (both uint8)."""
     exponent = scale_rows[:, :NUM_TILES].float() - 127.0
     nope = records[:, :NOPE_DIMS].contiguous().view(torch.float8_e4m3fn).float()
@@ -138,7 +146,7 @@ def dequantize_kv_v4(cache: torch.Tensor, page_tokens: int = PAGE_TOKENS) -> tor
     pages, t = cache.shape[0], page_tokens
     records = cache[:, :geo.scales_offset].reshape(pages * t, RECORD_BYTES)
     scale_rows = cache[:, geo.scales_offset:geo.scales_offset + t * SCALE_BYTES].reshape(pages * t, SCALE_BYTES)
-    return _decode_records(records, scale_rows)
+    return decode_records(records, scale_rows)
 
 
 def gather_slots(pages: torch.Tensor, geometry: PageGeometry, slots: torch.Tensor) -> torch.Tensor:
@@ -148,7 +156,7 @@ def gather_slots(pages: torch.Tensor, geometry: PageGeometry, slots: torch.Tenso
     page, off = flat >> geometry.shift, flat & (geometry.page_tokens - 1)
     rec = (off * RECORD_BYTES)[:, None] + torch.arange(RECORD_BYTES, device=pages.device)
     sc = (geometry.scales_offset + off * SCALE_BYTES)[:, None] + torch.arange(SCALE_BYTES, device=pages.device)
-    rows = _decode_records(pages[page[:, None], rec], pages[page[:, None], sc])
+    rows = decode_records(pages[page[:, None], rec], pages[page[:, None], sc])
     return rows.view(*slots.shape, DIM)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import checks
-from .fp8_layout import check_cache, dequantize_kv_v4
+from .fp8_layout import check_cache, dequantize_kv_v4, gather_slots
 
 
 def _gather(rows: torch.Tensor, idx: torch.Tensor, lens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,3 +119,29 @@ def sparse_mla_decode_fp8_ref(
         check_cache(extra_cache, "extra_cache")
         extra = dequantize_kv_v4(extra_cache)
     return sparse_mla_decode_ref(q, kv, window_idx, extra, extra_idx, sink, scale, window_lens, extra_lens)
+
+
+def sparse_mla_decode_paged_ref(q: torch.Tensor, window: tuple, extra: tuple | None = None,
+                                sink: torch.Tensor | None = None,
+                                scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of `launch.sparse_decode_paged`: V4 fp8 caches of any page geometry.
+
+    window / extra: (cache uint8 [P, page_stride], PageGeometry, indices int32 [B, n] (slots, -1 invalid),
+    lens int32 [B] or None). Only the selected slots are dequantised (exactly, as `gather_slots` reads them),
+    so the cost follows the rows read, not the caches' size (each distinct slot once: prefill rows share their
+    windows); then `attend` as `sparse_mla_decode_ref`.
+    """
+    b, h, d = checks.check_queries(q)
+    rows, valid = [], []
+    for cache, geometry, idx, lens in (window,) if extra is None else (window, extra):
+        checks.check_indices(idx, b, "window_idx" if not rows else "extra_idx", q.device)
+        checks.check_lens(lens, b, "window_lens" if not rows else "extra_lens", q.device)
+        ok = idx >= 0
+        if lens is not None:
+            ok = ok & (torch.arange(idx.shape[1], device=idx.device)[None, :] < lens[:, None].long())
+        slots, where = torch.unique(torch.where(ok, idx, 0), return_inverse=True)   # each slot decoded once, none
+        # past the lens (a CUDA graph's lists hold stale indices there)
+        rows.append(gather_slots(cache, geometry, slots)[where])
+        valid.append(ok)
+    checks.check_sink(sink, h, q.device)
+    return attend(q, torch.cat(rows, dim=1), torch.cat(valid, dim=1), sink, d**-0.5 if scale is None else float(scale))

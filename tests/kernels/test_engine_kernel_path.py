@@ -18,9 +18,11 @@ from dsv4_cluster.workers.runner import ModelRunner, RunnerConfig
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU interpreter run; GPUs run test_cuda_engine")
 
 
-def _runner(kernels: bool) -> ModelRunner:
-    cfg = model_config("flash", seed=0, n_layers=1, d_model=256, ffn_dim=256)
-    runner = ModelRunner(RunnerConfig(model=cfg, page_size=16, max_total_tokens=4096, context_length=4096))
+def _runner(kernels: bool, **kw) -> ModelRunner:
+    cfg = model_config("flash", seed=0, n_layers=kw.pop("layers", 1), d_model=256, ffn_dim=256,
+                       n_heads=kw.pop("heads", 64))
+    runner = ModelRunner(RunnerConfig(model=cfg, page_size=kw.pop("page", 16), max_total_tokens=4096,
+                                      context_length=4096, **kw))
     if kernels:
         runner.model.ops.route(KERNEL_NAMES, cfg.n_heads, torch.float32)
     return runner
@@ -45,3 +47,17 @@ def test_engine_on_the_kernels_equals_the_reference_ops():
     assert ker.model.ops.counts() == {"sparse_mla_decode": {"triton": 4}, "indexer": {"reference": 2, "triton": 2},
                                       "topk": {"reference": 2, "triton": 2}}
     assert ref.model.ops.counts()["sparse_mla_decode"] == {"reference": 4}
+
+
+def test_fp8_mixed_ratio_engine_on_the_kernels_equals_the_reference_ops():
+    """SGLang's fp8 pages (the kernels read the pool's bytes) and a ratio-128 layer (window + every complete
+    entry, extra_lens bounding the read) on top of a ratio-4 one."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(32, 127, (n,), generator=g).tolist() for n in (140, 20)]   # 1 and 0 ratio-128 entries
+    kw = dict(layers=2, heads=16, page=128, kv_dtype="fp8_e4m3")
+    ref, ker = _runner(False, **kw), _runner(True, **kw)
+    expected, got = _run(ref, prompts), _run(ker, prompts)
+    assert (expected - got).abs().max().item() < 1e-3
+    # per forward one ratio-4 call (triton) and one ratio-128 call (triton: the dense launch), 2 prefills + 2 steps
+    assert ker.model.ops.counts() == {"sparse_mla_decode": {"triton": 8}, "indexer": {"reference": 2, "triton": 2},
+                                      "topk": {"reference": 2, "triton": 2}}

@@ -59,7 +59,7 @@ class PrefillServer(WorkerServer):
                 return PlainTextResponse("Prefill server not fully registered yet", status_code=503)
             a = self.args
             return {"tp_size": 1, "dp_size": 1, "cp_size": 1, "pp_size": 1, "page_size": a.page_size,
-                    "kv_cache_dtype": a.kv_cache_dtype, "transfer_backend": a.transfer_backend,
+                    "kv_cache_dtype": self.engine.runner.pool.layout.dtype, "transfer_backend": a.transfer_backend,
                     "agent_name": self.engine.transfer.name}
 
         @app.post("/kv/register")

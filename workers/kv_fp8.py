@@ -1,0 +1,108 @@
+"""The KV pool's fp8 buffers: SGLang's DeepSeek-V4 layout, written row by row and read back exactly.
+
+Token and compressed rows live in `fp8_layout`'s pages (uint8 [num_pages, page_stride]: the page's 576-B records,
+then its 8-B scale rows, padded to a multiple of 576 B), one pool page per buffer page, so that the kernels read
+the pool's bytes as they read SGLang's cache and NIXL moves a page as one byte range. Index keys live in
+`fp8_keys`' pages (uint8 [num_pages, entries * (index_dim + 4)]). Writers quantise with the layouts' own
+quantisers; readers dequantise only the rows they ask for (never a whole buffer: the cost follows the rows).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels.indexer.fp8_keys import dequantize_keys, quantize_keys
+from ..kernels.sparse_mla_decode.fp8_layout import (DIM, RECORD_BYTES, SCALE_BYTES, PageGeometry, decode_records,
+                                                     page_stride_for, quantize_records)
+
+KEY_SCALE_BYTES = 4
+
+
+def layout_problems(page_size: int, head_dim: int, index_dim: int) -> list[str]:
+    out = []
+    if head_dim != DIM:
+        out.append(f"the fp8 KV layout holds {DIM}-dim rows (448 e4m3 + 64 bf16 RoPE dims), this model's are "
+                   f"{head_dim}: use --kv-cache-dtype auto, or the flash preset")
+    if page_size < 1 or page_size & (page_size - 1):
+        out.append(f"the fp8 KV layout's pages hold a power of two of tokens (SGLang: 256); got page_size {page_size}")
+    if index_dim % 4:
+        out.append(f"fp8 index keys need index_dim % 4 == 0; got {index_dim}")
+    return out
+
+
+def geometry(rows_per_page: int) -> PageGeometry:
+    """Where a slot's bytes lie in a buffer of `rows_per_page` rows per page."""
+    return PageGeometry.packed(rows_per_page)
+
+
+def page_bytes(page_size: int, ratios: tuple[int, ...], indexed_ratio: int, index_dim: int) -> int:
+    """Bytes of one pool page over every layer's buffers (padding included)."""
+    total = 0
+    for r in ratios:
+        e = page_size // r
+        total += page_stride_for(page_size) + page_stride_for(e)
+        if r == indexed_ratio:
+            total += e * (index_dim + KEY_SCALE_BYTES)
+    return total
+
+
+def rows_buffer(num_pages: int, rows_per_page: int, device) -> torch.Tensor:
+    return torch.zeros(num_pages, page_stride_for(rows_per_page), dtype=torch.uint8, device=device)
+
+
+def keys_buffer(num_pages: int, entries: int, index_dim: int, device) -> torch.Tensor:
+    return torch.zeros(num_pages, entries * (index_dim + KEY_SCALE_BYTES), dtype=torch.uint8, device=device)
+
+
+def _views(buf: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n = buf.shape[0]
+    return (buf[:, : t * RECORD_BYTES].view(n, t, RECORD_BYTES),
+            buf[:, t * RECORD_BYTES: t * (RECORD_BYTES + SCALE_BYTES)].view(n, t, SCALE_BYTES))
+
+
+def write_rows(buf: torch.Tensor, rows_per_page: int, rows: torch.Tensor, values: torch.Tensor,
+               keep: torch.Tensor | None = None) -> None:
+    """Quantise values [N, 512] into slots `rows` [N] (with `keep` [N]: only where true, no host sync)."""
+    records, scales = _views(buf, rows_per_page)
+    rows = rows.reshape(-1).long()
+    page, off = rows // rows_per_page, rows % rows_per_page
+    _put(records, scales, page, off, *quantize_records(values.reshape(-1, DIM)), keep)
+
+
+def read_rows(buf: torch.Tensor, rows_per_page: int, rows: torch.Tensor) -> torch.Tensor:
+    """The exact bf16 values [*rows.shape, 512] of slots `rows` (-1 reads as slot 0), as `gather_slots` reads
+    them, through [page, row] views (one index per row, not per byte)."""
+    records, scales = _views(buf, rows_per_page)
+    flat = rows.reshape(-1).clamp_min(0).long()
+    page, off = flat // rows_per_page, flat % rows_per_page
+    return decode_records(records[page, off], scales[page, off]).view(*rows.shape, DIM)
+
+
+def write_keys(buf: torch.Tensor, index_dim: int, rows: torch.Tensor, keys: torch.Tensor,
+               keep: torch.Tensor | None = None) -> None:
+    """Quantise index keys [N, index_dim] into entry rows `rows` [N] (page * entries + offset)."""
+    n, entries = buf.shape[0], buf.shape[1] // (index_dim + KEY_SCALE_BYTES)
+    values = buf[:, : entries * index_dim].view(n, entries, index_dim)
+    scales = buf[:, entries * index_dim:].view(n, entries, KEY_SCALE_BYTES)
+    rows = rows.reshape(-1).long()
+    page, off = rows // entries, rows % entries
+    packed = quantize_keys(keys.reshape(-1, 1, index_dim))           # [N, index_dim + 4]
+    _put(values, scales, page, off, packed[:, :index_dim], packed[:, index_dim:], keep)
+
+
+def _put(values: torch.Tensor, scales: torch.Tensor, page: torch.Tensor, off: torch.Tensor, val: torch.Tensor,
+         sc: torch.Tensor, keep: torch.Tensor | None) -> None:
+    """Bytes of rows (page, off) of a [pages, rows, bytes] values view and its scales view; with `keep`, the
+    old bytes back where it is false (a decode batch's rows that completed no group)."""
+    if keep is not None:
+        val = torch.where(keep[:, None], val, values[page, off])
+        sc = torch.where(keep[:, None], sc, scales[page, off])
+    values[page, off] = val
+    scales[page, off] = sc
+
+
+def read_key_pages(buf: torch.Tensor, index_dim: int, pages: torch.Tensor) -> torch.Tensor:
+    """Float32 keys [*pages.shape, entries, index_dim] of the given pages (only those are dequantised)."""
+    raw = buf[pages.reshape(-1).long()]
+    keys = dequantize_keys(raw, index_dim)
+    return keys.view(*pages.shape, *keys.shape[1:])
