@@ -37,7 +37,7 @@ def test_a_real_worker_is_found_on_its_gpu(tmp_path):
     from dsv4_cluster.tests.worker_procs import start_pair, stop_pair
 
     gpu = torch.cuda.device_count() - 1
-    pair = start_pair(tmp_path, extra=["--model-preset", "flash", "--page-size", "64", "--max-total-tokens", "8192",
+    pair = start_pair(tmp_path, extra=["--model-preset", "flash", "--page-size", "256", "--max-total-tokens", "8192",
                                        "--context-length", "4096"],
                       prefill_extra=["--device", "cuda:0"], decode_extra=["--device", f"cuda:{gpu}"],
                       ready_timeout_s=600)
