@@ -19,7 +19,7 @@ from pathlib import Path
 
 _PREFIX = re.compile(r"^\[[^\]]*\]\s*\[[^\]]*\]\s*")           # "[ts] [host:pid:tid]  "
 _TITLE = re.compile(r"^\|\s*(\S+) (self|intra-node|inter-node) cfg#(\d+)\s*\|$")
-_OP = re.compile(r"^\|\s*(.+?) from (\S+) memory to (\S+)\s*\|$")
+_OP = re.compile(r"^\|\s*(.+?) from (\S+) memory(?: to (\S+))?\s*\|$")
 _TRANSPORT = re.compile(r"\b([a-z][a-z0-9_]*)/([A-Za-z0-9_:.\-]+)")
 PUT = "remote memory write"
 
