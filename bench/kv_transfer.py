@@ -52,7 +52,8 @@ def run_sides(a: argparse.Namespace, workdir: Path) -> dict:
     common = ["--port", str(port), "--sizes", ",".join(map(str, a.sizes)), "--preset", a.preset,
               "--n-layers", str(a.n_layers), "--page-size", str(a.page_size),
               "--pool-pages", str(a.pool_pages or 2 * page_count), "--repeats", str(a.repeats),
-              "--warmup", str(a.warmup), *(["--ucx-tls", a.ucx_tls] if a.ucx_tls else [])]
+              "--warmup", str(a.warmup), *(["--ucx-tls", a.ucx_tls] if a.ucx_tls else []),
+              *(["--fragmented"] if a.fragmented else [])]
     mod = [sys.executable, "-m", "dsv4_cluster.bench.kv_transfer_sides"]
     cmds = {"decode": [*mod, "decode", "--device", a.decode_device, *common],
             "prefill": [*mod, "prefill", "--device", a.prefill_device, "--peer-device", a.decode_device,
@@ -92,7 +93,7 @@ def summarize(raw: dict) -> list[dict]:
     rows = []
     for size in raw["sizes"]:
         t, n = size["times_s"], size["bytes"]
-        row = {k: size[k] for k in ("tokens", "pages", "bytes", "descriptors", "src_pages", "dst_pages", "checks")}
+        row = {k: size[k] for k in ("tokens", "pages", "bytes", "descriptors", "page_runs", "checks")}
         row.update({m: stats(t[m], n) for m in METHODS})
         row["engine_done_only"] = stats(t["engine_done"], n)    # the prefill's view alone (engine stats)
         row["raw_done_only"] = stats(t["raw_done"], n)
@@ -113,7 +114,7 @@ def table(report: dict) -> str:
     head = (f"KV transfer, prefill {cfg['prefill_device']} -> decode {cfg['decode_device']}: preset {cfg['preset']} "
             f"({lay['n_layers']} layers x 3 buffers, page {lay['page_size']} tokens, {lay['dtype']}, "
             f"{pool['page_bytes']} B per page: {pool['layer_buffer_page_bytes']} B per layer's main/comp/index), "
-            f"{cfg['repeats']} repeats (+{cfg['warmup']} warmup), GB/s = bytes / p50 latency.\n\n"
+            f"pages: {cfg['pages']}, {cfg['repeats']} repeats (+{cfg['warmup']} warmup), GB/s = bytes / p50 latency.\n\n"
             f"UCX put transports (UCX_PROTO_INFO): engine {', '.join(ucx['engine']['put_transports']) or 'not logged'}"
             f"; raw NIXL {', '.join(ucx['raw']['put_transports']) or 'not logged'}.\n\n")
     rows = ["| tokens | MB | engine descs | engine GB/s | engine p50 / p99 ms | raw GB/s | raw p50 / p99 ms | copy GB/s "
@@ -156,7 +157,8 @@ def build_report(a: argparse.Namespace, raw: dict, logs: list[Path]) -> dict:
     big = [r["ratios"]["engine_vs_raw"] for r in rows if r["tokens"] >= TARGET_MIN_TOKENS]
     ucx = ucx_proto.summarize(logs, [PREFILL_AGENT, RAW_PREFILL_AGENT])
     return {"config": {"prefill_device": a.prefill_device, "decode_device": a.decode_device, "preset": a.preset,
-                       "repeats": a.repeats, "warmup": a.warmup, "ucx_tls": a.ucx_tls or os.environ.get("UCX_TLS")},
+                       "repeats": a.repeats, "warmup": a.warmup,
+                       "pages": "fragmented" if a.fragmented else "fresh pool", "ucx_tls": a.ucx_tls or os.environ.get("UCX_TLS")},
             "pool": raw["pool"], "sizes": rows,
             "ucx": {"engine": ucx[PREFILL_AGENT], "raw": ucx[RAW_PREFILL_AGENT]},
             "target": {"min_engine_vs_raw": min(big, default=None),
@@ -178,6 +180,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--ucx-tls", help="UCX_TLS for both sides, as the workers' --ucx-tls (default: UCX's choice)")
+    p.add_argument("--fragmented", action="store_true", help="both pools' free lists shuffled first: a request's "
+                   "pages are scattered (one descriptor per page per buffer) instead of one run (one per buffer)")
     p.add_argument("--timeout-s", type=float, default=540.0)
     a = p.parse_args(argv)
     a.sizes = [int(x) for x in a.sizes.split(",") if x and (not a.max_tokens or int(x) <= a.max_tokens)]

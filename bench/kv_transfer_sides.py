@@ -27,6 +27,7 @@ import argparse
 import base64
 import hashlib
 import json
+import random
 import select
 import socket
 import sys
@@ -42,7 +43,7 @@ from ..workers.nixl_loader import load_nixl_api
 from ..workers.prefill.engine import notif_message
 from ..workers.presets import model_config
 from ..workers.runner import RunnerConfig
-from ..workers.transfer import NixlTransfer, PeerInfo
+from ..workers.transfer import NixlTransfer, PeerInfo, page_runs
 
 PREFILL_AGENT, DECODE_AGENT = "kvx-prefill", "kvx-decode"
 RAW_PREFILL_AGENT, RAW_DECODE_AGENT = "kvx-raw-prefill", "kvx-raw-decode"
@@ -131,7 +132,12 @@ def build_pool(a: argparse.Namespace) -> KVPool:
     tokens = a.pool_pages * a.page_size
     cfg = RunnerConfig(model=model_config(a.preset, **overrides), page_size=a.page_size, max_total_tokens=tokens,
                        context_length=tokens, device=a.device)
-    return KVPool(cfg.layout(), device=a.device, dtype=cfg.dtype)
+    pool = KVPool(cfg.layout(), device=a.device, dtype=cfg.dtype)
+    if a.fragmented:       # a pool after churn: its free list in random order, so requests get scattered pages
+        pages = pool.alloc(pool.capacity_tokens)
+        random.Random(f"{a.seed}-{a.role}").shuffle(pages)
+        pool.release(pages)
+    return pool
 
 
 def max_bytes(pool: KVPool, sizes: list[int]) -> int:
@@ -288,13 +294,16 @@ class PrefillSide:
         dst = self.link.recv()["dst"]
         nbytes = len(src) * pool.page_bytes           # what PrefillEngine counts for the WRITE
         times: dict[str, list[float]] = {"engine": [], "engine_done": [], "raw": [], "raw_done": [], "copy": []}
+        trials = {"engine": lambda: self.engine_trial(src, dst), "raw": lambda: self.raw_trial(nbytes),
+                  "copy": lambda: (None, self.copy_trial(nbytes))}
+        order = list(trials)
         for i in range(a.warmup + a.repeats):
-            e_done, e = self.engine_trial(src, dst)
-            r_done, r = self.raw_trial(nbytes)
-            c = self.copy_trial(nbytes)
-            if i >= a.warmup:
-                for k, v in (("engine", e), ("engine_done", e_done), ("raw", r), ("raw_done", r_done), ("copy", c)):
-                    times[k].append(v)
+            for name in order[i % 3:] + order[: i % 3]:    # each method goes first, second, third in turn
+                done, t = trials[name]()
+                if i >= a.warmup:
+                    times[name].append(t)
+                    if done is not None:
+                        times[f"{name}_done"].append(done)
         self.link.send({"op": "check", "raw_bytes": nbytes})
         seen = self.link.recv()
         checks = {
@@ -307,8 +316,10 @@ class PrefillSide:
         }
         pool.release(src)
         return {"tokens": tokens, "pages": len(src), "bytes": nbytes,
-                "descriptors": {"engine": len(src) * len(pool.buffers()), "raw": 1},
-                "src_pages": _runs(src), "dst_pages": _runs(dst), "times_s": times, "checks": checks}
+                "descriptors": {"engine": len(page_runs(src, dst)) * len(pool.buffers()), "raw": 1},
+                "page_runs": {"src": len(page_runs(src, src)), "dst": len(page_runs(dst, dst)),
+                              "both": len(page_runs(src, dst))},
+                "times_s": times, "checks": checks}
 
     def layout(self) -> dict:
         pool, n = self.pool, self.pool.layout.num_pages
@@ -318,11 +329,6 @@ class PrefillSide:
     def close(self) -> None:
         self.link.send({"op": "stop"})
         self.link.recv()
-
-
-def _runs(pages: list[int]) -> int:
-    """How many runs of consecutive page numbers `pages` holds (1: one contiguous range)."""
-    return 1 + sum(1 for x, y in zip(pages, pages[1:]) if y != x + 1) if pages else 0
 
 
 def run_prefill(a: argparse.Namespace) -> int:
@@ -352,6 +358,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fragmented", action="store_true", help="shuffle the pool's free list first (scattered pages)")
     p.add_argument("--result", help="prefill only: write the measurements here (JSON)")
     return p.parse_args(argv)
 
