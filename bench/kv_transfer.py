@@ -111,7 +111,9 @@ def summarize(raw: dict) -> list[dict]:
 def table(report: dict) -> str:
     cfg, pool, ucx = report["config"], report["pool"], report["ucx"]
     lay = pool["layout"]
-    head = (f"KV transfer, prefill {cfg['prefill_device']} -> decode {cfg['decode_device']}: preset {cfg['preset']} "
+    head = (f"KV transfer, prefill {cfg['prefill_device']} -> decode {cfg['decode_device']} "
+            f"({' -> '.join(pool['device_names'])}; load average at start {cfg['host_load_avg_at_start'][0]}): "
+            f"preset {cfg['preset']} "
             f"({lay['n_layers']} layers x 3 buffers, page {lay['page_size']} tokens, {lay['dtype']}, "
             f"{pool['page_bytes']} B per page: {pool['layer_buffer_page_bytes']} B per layer's main/comp/index), "
             f"pages: {cfg['pages']}, {cfg['repeats']} repeats (+{cfg['warmup']} warmup), GB/s = bytes / p50 latency.\n\n"
@@ -152,13 +154,14 @@ def plot(report: dict, path: Path) -> str:
     return str(path.name)
 
 
-def build_report(a: argparse.Namespace, raw: dict, logs: list[Path]) -> dict:
+def build_report(a: argparse.Namespace, raw: dict, logs: list[Path], load: tuple[float, ...]) -> dict:
     rows = summarize(raw)
     big = [r["ratios"]["engine_vs_raw"] for r in rows if r["tokens"] >= TARGET_MIN_TOKENS]
     ucx = ucx_proto.summarize(logs, [PREFILL_AGENT, RAW_PREFILL_AGENT])
     return {"config": {"prefill_device": a.prefill_device, "decode_device": a.decode_device, "preset": a.preset,
                        "repeats": a.repeats, "warmup": a.warmup,
-                       "pages": "fragmented" if a.fragmented else "fresh pool", "ucx_tls": a.ucx_tls or os.environ.get("UCX_TLS")},
+                       "pages": "fragmented" if a.fragmented else "fresh pool",
+                       "host_load_avg_at_start": [round(x, 2) for x in load], "ucx_tls": a.ucx_tls or os.environ.get("UCX_TLS")},
             "pool": raw["pool"], "sizes": rows,
             "ucx": {"engine": ucx[PREFILL_AGENT], "raw": ucx[RAW_PREFILL_AGENT]},
             "target": {"min_engine_vs_raw": min(big, default=None),
@@ -200,9 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))   # the sides die in finally
     with tempfile.TemporaryDirectory(prefix="dsv4-kvx-") as tmp:
         work = Path(tmp)
+        load = os.getloadavg()        # this host may be shared: a loaded one makes CPU figures noisy
         try:
             raw = run_sides(a, work)
-            report = build_report(a, raw, [work / "prefill.log", work / "decode.log"])
+            report = build_report(a, raw, [work / "prefill.log", work / "decode.log"], load)
         finally:
             if a.logs:
                 shutil.copytree(tmp, a.logs, dirs_exist_ok=True)

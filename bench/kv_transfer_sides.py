@@ -27,6 +27,7 @@ import argparse
 import base64
 import hashlib
 import json
+import os
 import random
 import select
 import socket
@@ -166,6 +167,10 @@ def _pin(device: str) -> None:
         torch.cuda.set_device(torch.device(device))
 
 
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else f"cpu x{os.cpu_count()}"
+
+
 def _sync(*devices: str) -> None:
     for d in devices:
         if d.startswith("cuda"):
@@ -257,7 +262,7 @@ class PrefillSide:
         self.transfer = NixlTransfer(PREFILL_AGENT, self.pool, a.ucx_tls)
         nbytes = max_bytes(self.pool, a.sizes)
         self.raw = RawAgent(RAW_PREFILL_AGENT, nbytes, a.device)
-        self.raw.buf.copy_(torch.randint(1, 256, (nbytes,), dtype=torch.uint8))
+        self.raw.buf.copy_(torch.randint(1, 256, (nbytes,), dtype=torch.uint8, device=self.raw.buf.device))
         self.copy_dst = torch.empty(nbytes, dtype=torch.uint8, device=a.peer_device)
         self.link = _connect(a.port)
         hello = self.link.recv(CONNECT_TIMEOUT_S)
@@ -324,7 +329,8 @@ class PrefillSide:
     def layout(self) -> dict:
         pool, n = self.pool, self.pool.layout.num_pages
         return {"layout": asdict(pool.layout), "page_bytes": pool.page_bytes, "buffers": len(pool.buffers()),
-                "layer_buffer_page_bytes": [b.numel() * b.element_size() // n for b in pool.buffers()[:3]]}
+                "layer_buffer_page_bytes": [b.numel() * b.element_size() // n for b in pool.buffers()[:3]],
+                "device_names": [_device_name(d) for d in (self.a.device, self.a.peer_device)]}
 
     def close(self) -> None:
         self.link.send({"op": "stop"})
