@@ -28,10 +28,12 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from ..orchestrator.ports import free_ports
 from ..orchestrator.processes import death_signal_preexec, log_tail
+from ..workers.presets import PRESETS
 from . import ucx_proto
 from .kv_transfer_sides import PREFILL_AGENT, RAW_PREFILL_AGENT
 from .loadgen import percentile
@@ -65,11 +67,15 @@ def run_sides(a: argparse.Namespace, workdir: Path) -> dict:
             with (workdir / f"{name}.log").open("w") as log:
                 procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                                preexec_fn=death_signal_preexec(os.getpid()))
-        try:
-            rc = procs["prefill"].wait(a.timeout_s)
-        except subprocess.TimeoutExpired:
-            raise BenchError(f"the prefill side did not finish within {a.timeout_s:.0f}s (--timeout-s):\n"
-                             + log_tail(str(workdir / "prefill.log"))) from None
+        deadline = time.monotonic() + a.timeout_s
+        while (rc := procs["prefill"].poll()) is None:
+            if procs["decode"].poll() not in (None, 0):      # the prefill would wait for it until its timeout
+                raise BenchError(f"the decode side exited with {procs['decode'].returncode}:\n"
+                                 + log_tail(str(workdir / "decode.log")))
+            if time.monotonic() > deadline:
+                raise BenchError(f"the prefill side did not finish within {a.timeout_s:.0f}s (--timeout-s):\n"
+                                 + log_tail(str(workdir / "prefill.log")))
+            time.sleep(0.2)
         if rc != 0:
             raise BenchError(f"the prefill side exited with {rc}:\n{log_tail(str(workdir / 'prefill.log'))}\n"
                              f"decode side:\n{log_tail(str(workdir / 'decode.log'))}")
@@ -192,6 +198,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         p.error("--sizes/--max-tokens leave no request size to measure")
     if a.repeats < 1 or a.warmup < 0:
         p.error("--repeats must be >= 1 and --warmup >= 0")
+    if a.preset not in PRESETS:
+        p.error(f"--preset {a.preset!r}: choose from {', '.join(PRESETS)}")
+    if a.page_size <= 0 or a.page_size % PRESETS[a.preset].ratio:
+        p.error(f"--page-size {a.page_size}: must be a positive multiple of {PRESETS[a.preset].ratio} (the ratio)")
+    if a.pool_pages and a.pool_pages < max(-(-t // a.page_size) for t in a.sizes):
+        p.error(f"--pool-pages {a.pool_pages}: the largest request needs {-(-max(a.sizes) // a.page_size)} pages")
     for flag, dev in (("--prefill-device", a.prefill_device), ("--decode-device", a.decode_device)):
         if dev != "cpu" and not (dev.startswith("cuda:") and dev[5:].isdigit()):
             p.error(f"{flag} {dev!r}: give cpu or cuda:N")
@@ -207,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             raw = run_sides(a, work)
             report = build_report(a, raw, [work / "prefill.log", work / "decode.log"], load)
+        except BenchError as exc:
+            print(f"kv_transfer: {exc}", file=sys.stderr)
+            return 1
         finally:
             if a.logs:
                 shutil.copytree(tmp, a.logs, dirs_exist_ok=True)

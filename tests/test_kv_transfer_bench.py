@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -21,10 +22,17 @@ from dsv4_cluster.workers.presets import kv_bytes_per_token, model_config
 PAGE = 64
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        out += [int(x) for x in (task / "children").read_text().split()]
+def _children(pid: int) -> set[int]:
+    """Live processes whose parent is `pid` (from /proc/*/stat; zombies do not count)."""
+    out = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text() if entry.name.isdigit() else ""
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        if fields and fields[0] != "Z" and int(fields[1]) == pid:
+            out.add(int(entry.name))
     return out
 
 
@@ -32,11 +40,12 @@ def _children(pid: int) -> list[int]:
 @pytest.mark.parametrize("fragmented", [False, True])
 def test_the_benchmark_moves_the_pages_bytes_and_reports_every_ratio(tmp_path, fragmented):
     out = tmp_path / "kvx"
+    before = _children(os.getpid())
     rc = kv_transfer.main(["--out", str(out), "--logs", str(tmp_path / "logs"), "--sizes", "1024,2048",
                            "--repeats", "3", "--warmup", "1", "--page-size", str(PAGE), "--timeout-s", "90",
                            *(["--fragmented"] if fragmented else [])])
     assert rc == 0
-    assert _children(os.getpid()) == []                      # both sides exited (or were killed) with the run
+    assert _children(os.getpid()) - before == set()           # both sides exited (or were killed) with the run
     report = json.loads(out.with_suffix(".json").read_text())
     page_bytes = kv_bytes_per_token(model_config("flash"), 4) * PAGE   # float32 on the CPU
     assert report["pool"]["page_bytes"] == page_bytes
@@ -112,7 +121,27 @@ def test_a_size_whose_bytes_or_contents_differ_fails_its_checks(written, equal, 
     assert kv_transfer.summarize(_raw_result(written, equal))[0]["checks"]["ok"] is ok
 
 
-def test_a_device_that_is_neither_cpu_nor_cuda_n_is_refused(capsys):
+@pytest.mark.parametrize("argv,message", [
+    (["--prefill-device", "gpu1"], "--prefill-device 'gpu1': give cpu or cuda:N"),
+    (["--preset", "huge"], "--preset 'huge': choose from tiny, flash"),
+    (["--page-size", "6"], "--page-size 6: must be a positive multiple of 4"),
+    (["--sizes", "1024", "--pool-pages", "8"], "--pool-pages 8: the largest request needs 16 pages"),
+    (["--max-tokens", "512"], "leave no request size to measure"),
+])
+def test_bad_flags_are_refused_by_name(argv, message, capsys):
     with pytest.raises(SystemExit):
-        kv_transfer.parse(["--prefill-device", "gpu1"])
-    assert "--prefill-device 'gpu1': give cpu or cuda:N" in capsys.readouterr().err
+        kv_transfer.parse(argv)
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_a_side_that_fails_ends_the_run_with_its_log_and_leaves_no_process(tmp_path, capsys):
+    """UCX refuses a transport that does not exist: both sides fail to start their NIXL agents."""
+    before = _children(os.getpid())
+    rc = kv_transfer.main(["--out", str(tmp_path / "kvx"), "--sizes", "1024", "--repeats", "1",
+                           "--ucx-tls", "no_such_transport", "--timeout-s", "90"])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert re.search("the (prefill|decode) side exited with 1", err) and "no_such_transport" in err
+    assert _children(os.getpid()) - before == set()
+    assert not (tmp_path / "kvx.json").exists()
