@@ -123,8 +123,8 @@ def table(report: dict) -> str:
             f"({lay['n_layers']} layers x 3 buffers, page {lay['page_size']} tokens, {lay['dtype']}, "
             f"{pool['page_bytes']} B per page: {pool['layer_buffer_page_bytes']} B per layer's main/comp/index), "
             f"pages: {cfg['pages']}, {cfg['repeats']} repeats (+{cfg['warmup']} warmup), GB/s = bytes / p50 latency.\n\n"
-            f"UCX put transports (UCX_PROTO_INFO): engine {', '.join(ucx['engine']['put_transports']) or 'not logged'}"
-            f"; raw NIXL {', '.join(ucx['raw']['put_transports']) or 'not logged'}.\n\n")
+            f"UCX put transports (UCX_PROTO_INFO): engine {_transports(ucx['engine'])}; "
+            f"raw NIXL {_transports(ucx['raw'])}.\n\n")
     rows = ["| tokens | MB | engine descs | engine GB/s | engine p50 / p99 ms | raw GB/s | raw p50 / p99 ms | copy GB/s "
             "| copy p50 / p99 ms | engine / raw | engine / copy | checks |", "|" + " --- |" * 12]
     for r in report["sizes"]:
@@ -137,6 +137,12 @@ def table(report: dict) -> str:
     verdict = ("n/a (no size >= 8K)" if tgt["met"] is None else "met" if tgt["met"] else "not met")
     return (head + "\n".join(rows) + f"\n\nTarget (issue 20, meant for two GPUs): engine >= {TARGET_RATIO} x raw NIXL "
             f"for >= {TARGET_MIN_TOKENS} tokens: {verdict} (min {tgt['min_engine_vs_raw']}).\n")
+
+
+def _transports(agent: dict) -> str:
+    if agent["put_transports"]:
+        return ", ".join(agent["put_transports"])
+    return f"no put table logged (endpoint lanes: {'; '.join(agent['peer_lanes']) or 'none logged'})"
 
 
 def plot(report: dict, path: Path) -> str:
@@ -186,7 +192,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--n-layers", type=int, default=0, help="override the preset's layer count (0: keep it)")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--pool-pages", type=int, default=0, help="each side's pool (0: twice the largest request)")
-    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--ucx-tls", help="UCX_TLS for both sides, as the workers' --ucx-tls (default: UCX's choice)")
     p.add_argument("--fragmented", action="store_true", help="both pools' free lists shuffled first: a request's "

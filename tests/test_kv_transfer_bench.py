@@ -69,6 +69,7 @@ def test_the_benchmark_moves_the_pages_bytes_and_reports_every_ratio(tmp_path, f
             assert math.isfinite(r["ratios"][k]) and r["ratios"][k] > 0
         assert r["ratios"]["engine_vs_raw"] == pytest.approx(r["engine"]["gb_s"] / r["raw"]["gb_s"], rel=1e-2)
     assert report["ucx"]["engine"]["put_transports"] and report["ucx"]["raw"]["put_transports"]
+    assert report["ucx"]["engine"]["peer_lanes"]
     assert report["target"]["met"] is None                    # no size >= 8K measured
     md = out.with_suffix(".md").read_text()
     assert "| 2048 |" in md and "UCX put transports" in md and "FAILED" not in md
@@ -104,7 +105,9 @@ def test_ucx_tables_give_the_put_transports_towards_the_peer(tmp_path):
     assert ucx_proto.put_transports(tables, "kvx-prefill") == ["cuda_copy/cuda", "cuda_ipc/cuda", "rc_mlx5/mlx5_0:1"]
     log = tmp_path / "p.log"
     log.write_text(UCX_LOG)
-    assert ucx_proto.summarize([log], ["kvx-prefill", "kvx-raw-prefill"])["kvx-raw-prefill"]["put_transports"] == []
+    summary = ucx_proto.summarize([log], ["kvx-prefill", "kvx-raw-prefill"])
+    assert summary["kvx-raw-prefill"] == {"put_transports": [], "put_tables": [], "peer_lanes": []}
+    assert summary["kvx-prefill"]["peer_lanes"] == ["rma_am(tcp/lo)"]
 
 
 def _raw_result(written: int, equal: bool) -> dict:
