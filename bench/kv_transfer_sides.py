@@ -11,8 +11,9 @@ connection on loopback (JSON lines); the KV itself moves over NIXL/UCX.
 Per request size, interleaved trial by trial (so a load spike on the machine hits all three alike):
 - engine: `NixlTransfer.write_pages` of the pages the engine's allocator gives the prompt (`KVPool.alloc`) into the
   pages the decode pool's allocator gives, with `notif_message` as the notification; done when the prefill side's
-  `poll` says DONE and the decode side's `notifications()` returned it (both sides poll without sleeping; times
-  are CLOCK_MONOTONIC, one clock for every process of the host);
+  `poll` says DONE and the decode side's `notifications()` returned it (both sides poll without sleeping, where the
+  engine loops poll every 1 ms: this measures the transfer, not the loops' cadence; times are CLOCK_MONOTONIC, one
+  clock for every process of the host);
 - raw: one NIXL WRITE of one contiguous region of the same bytes, one descriptor, between two other agents, with
   a notification, timed the same way;
 - copy: `dst.copy_(src)` of the same bytes from the prefill device to the decode device (both synchronized).
@@ -267,14 +268,15 @@ class PrefillSide:
         self.link = _connect(a.port)
         hello = self.link.recv(CONNECT_TIMEOUT_S)
         self.peer = PeerInfo.from_json(hello["engine"])
-        self.transfer.add_peer(self.peer)             # what the bootstrap server's /kv/register does
+        self.incarnation = self.transfer.add_peer(self.peer)   # what the bootstrap server's /kv/register does
         self.raw.add_peer(hello["raw"])
         self.room = 0
 
     def engine_trial(self, src: list[int], dst: list[int]) -> tuple[float, float]:
         self.room += 1
         t0 = time.monotonic()
-        handle = self.transfer.write_pages(self.peer.agent_name, src, dst, notif_message(self.room, 0))
+        handle = self.transfer.write_pages(self.peer.agent_name, src, dst, notif_message(self.room, 0),
+                                           self.incarnation)
         done = _until_done(self.transfer.poll, handle, "engine")
         return done - t0, max(done, _wait_notif(self.link, "engine", self.room)) - t0
 
