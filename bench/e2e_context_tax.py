@@ -2,13 +2,17 @@
 
     python -m dsv4_cluster.bench.e2e_context_tax --out bench/results/e2e_context_tax --logs LOGDIR
 
-For each configured context (8K, 128K, 1M tokens) it starts a prefill and a decode worker on GPU 0 (the `flash`
-preset, our kernels, decode under CUDA graphs, KV moved GPU -> GPU over NIXL/UCX) and the router, then sends
-the same streamed chat requests (2K-token prompts, 128 output tokens, EOS ignored, greedy) through the router at
-concurrency 1, 16 and 64 (`loadgen.py`), and stops them. Then once more at 8K with the kernels off (reference
-ops on the GPU, eager), at concurrency 64. Decode tok/s (tokens after each first, over the span requests were
-decoding) is reported as ratios from this one run: each context against 8K at the same concurrency, and
-kernels against reference ops. Every request of the same index has the same prompt in every setting.
+For each configured context (8K, 128K, 1M tokens) it starts a stack: a prefill and a decode worker on GPU 0 (the
+`flash` preset, our kernels, decode under CUDA graphs, KV moved GPU -> GPU over NIXL/UCX) and the router; all
+stacks are up at once. Then, per concurrency level (1, 16, 64), `--rounds` rounds: each round sends the same
+streamed chat requests (2K-token prompts, 128 output tokens, EOS ignored, greedy; `loadgen.py`) through each
+stack's router in turn, the order rotating from round to round, so drift in time (GPU clocks, host load) falls on
+every context alike; an idle stack does no GPU work. Then, alone, a stack at 8K with the kernels off (reference
+ops on the GPU, eager) at concurrency 64. Decode tok/s (tokens after each first, over the span requests were
+decoding) is reported as ratios from this one run: each context against 8K at the same concurrency (the median
+of the per-round ratios, with their range; TPOT p50 likewise), and kernels against reference ops. Every request
+of the same index has the same prompt in every setting. (The first H200 runs, one setting after the other with
+one short level each, put 0.90-1.04 on the same configuration: drift, not the context.)
 
 Every setting's workers get the same pool (`--pool-tokens`, default the largest context: a request reserves
 prompt + max_tokens, not the context), so what changes between settings is only what the configured context
@@ -24,6 +28,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,15 +44,17 @@ KERNELS = "sparse_mla_decode,indexer,topk"
 CONTEXTS = (8192, 131072, 1048576)
 CONCURRENCY = (1, 16, 64)
 READY_TIMEOUT_S = 600.0
+_TAKEN: set[int] = set()
 
 
 class Stack:
     """A prefill worker, a decode worker and the router, as processes (GPU 0 for both workers)."""
 
     def __init__(self, workdir: Path, context: int, kernels: bool, args: argparse.Namespace):
-        self.workdir = workdir
+        self.workdir, self.context, self.kernels = workdir, context, kernels
         workdir.mkdir(parents=True, exist_ok=True)
-        pp, bp, dp, rp = free_ports(4)
+        pp, bp, dp, rp = ports = free_ports(4, exclude=frozenset(_TAKEN))   # stacks run side by side
+        _TAKEN.update(ports)
         self.url, self.decode_url = f"http://127.0.0.1:{rp}", f"http://127.0.0.1:{dp}"
         # the router answers /health as soon as it listens: the workers first
         self.ready_urls = [f"http://127.0.0.1:{pp}/health", f"{self.decode_url}/health", f"{self.url}/health"]
@@ -113,65 +120,132 @@ class Stack:
                 p.wait()
 
 
-def run_setting(workdir: Path, context: int, kernels: bool, levels: tuple[int, ...], args) -> dict:
-    label = f"{'kernels' if kernels else 'reference'}-ctx{context}"
-    stack = Stack(workdir / label, context, kernels, args)
-    started = time.monotonic()
+def start_stacks(workdir: Path, plan: list[tuple[int, bool]], args) -> dict[str, "Stack"]:
+    """Start every setting's stack at once and wait until all are ready (a stack that fails is stopped and
+    reported as an error; the others go on)."""
+    stacks: dict[str, Stack] = {}
+    for ctx, kernels in plan:
+        label = f"{'kernels' if kernels else 'reference'}-ctx{ctx}"
+        stacks[label] = Stack(workdir / label, ctx, kernels, args)
+    return stacks
+
+
+def run_interleaved(stacks: dict[str, Stack], levels: tuple[int, ...], args) -> dict[str, dict]:
+    """Every concurrency level, in `args.rounds` rounds; each round runs the level once on every stack, in an order
+    that rotates (and reverses every other round), so a drift in time (clocks, host load) falls on every setting
+    alike. Returns {label: {"levels": [summary per level], "rounds": {c: [LevelResult dicts]}}}."""
+    out: dict[str, dict] = {label: {"levels": [], "rounds": {}} for label in stacks}
+    labels = list(stacks)
+    for c in levels:
+        for r in range(args.rounds):
+            order = labels[r % len(labels):] + labels[: r % len(labels)]
+            order = order[::-1] if r % 2 else order
+            for label in order:
+                st = stacks[label]
+                spec = LevelSpec(requests=max(c * args.waves, args.min_requests), concurrency=c,
+                                 max_tokens=args.max_tokens, prompt_chars=args.prompt_chars, model=st.model)
+                lv = asyncio.run(run_level(st.url, spec)).to_dict()
+                print(f"[context-tax] {label} c={c} round {r + 1}/{args.rounds}: decode {lv['decode_tok_s']} tok/s, "
+                      f"TPOT p50 {lv['tpot_p50_s']}s, errors {lv['errors']}", file=sys.stderr, flush=True)
+                out[label]["rounds"].setdefault(c, []).append(lv)
+        for label in labels:
+            out[label]["levels"].append(combine(out[label]["rounds"][c]))
+    return out
+
+
+def combine(rounds: list[dict]) -> dict:
+    """One level's summary over its rounds: medians of the rates and latencies, sums of counts."""
+    med = lambda key: round(statistics.median(lv[key] for lv in rounds), 5)  # noqa: E731
+    errors: dict[str, int] = {}
+    for lv in rounds:
+        for k, v in (lv["errors_by_reason"] or {}).items():
+            errors[k] = errors.get(k, 0) + v
+    first = rounds[0]
+    return {"concurrency": first["concurrency"], "rounds": len(rounds), "requests": sum(lv["requests"] for lv in rounds),
+            "errors": sum(lv["errors"] for lv in rounds), "errors_by_reason": errors,
+            "decode_tok_s": round(med("decode_tok_s"), 1), "output_tok_s": round(med("output_tok_s"), 1),
+            "ttft_p50_s": med("ttft_p50_s"), "tpot_p50_s": med("tpot_p50_s"), "tpot_p99_s": med("tpot_p99_s"),
+            "decode_tok_s_rounds": [lv["decode_tok_s"] for lv in rounds],
+            "tpot_p50_s_rounds": [lv["tpot_p50_s"] for lv in rounds]}
+
+
+def run_settings(workdir: Path, plan: list[tuple[int, bool]], levels: tuple[int, ...], args) -> list[dict]:
+    stacks = start_stacks(workdir, plan, args)
+    settings: list[dict] = []
     try:
-        stack.wait_ready()
-        ready_s = time.monotonic() - started
-        results = []
-        for c in levels:
-            spec = LevelSpec(requests=max(c * args.waves, args.min_requests), concurrency=c, max_tokens=args.max_tokens,
-                             prompt_chars=args.prompt_chars, model=stack.model)
-            lv = asyncio.run(run_level(stack.url, spec)).to_dict()
-            print(f"[context-tax] {label} c={c}: decode {lv['decode_tok_s']} tok/s, output {lv['output_tok_s']} "
-                  f"tok/s, TPOT p50 {lv['tpot_p50_s']}s, errors {lv['errors']}", file=sys.stderr, flush=True)
-            results.append(lv)
-        return {"label": label, "context": context, "kernels": kernels, "ready_s": round(ready_s, 1),
-                "levels": results, "decode_server_info": stack.decode_info()}
+        ready: dict[str, float] = {}
+        started = time.monotonic()
+        for label, st in list(stacks.items()):
+            try:
+                st.wait_ready()
+                ready[label] = round(time.monotonic() - started, 1)
+            except (RuntimeError, TimeoutError, httpx.HTTPError) as e:    # one setting failed: say so, go on
+                print(f"[context-tax] {label} failed: {e}", file=sys.stderr, flush=True)
+                st.stop()
+                del stacks[label]
+                ctx, kernels = next((c, k) for c, k in plan if label.endswith(f"ctx{c}")
+                                    and label.startswith("kernels" if k else "reference"))
+                settings.append({"label": label, "context": ctx, "kernels": kernels, "error": str(e)[-3000:],
+                                 "levels": []})
+        results = run_interleaved(stacks, levels, args) if stacks else {}
+        for label, st in stacks.items():
+            settings.append({"label": label, "context": st.context, "kernels": st.kernels, "ready_s": ready[label],
+                             **results[label], "decode_server_info": st.decode_info()})
     finally:
-        stack.stop()
+        for st in stacks.values():
+            st.stop()
+    order = [f"{'kernels' if k else 'reference'}-ctx{c}" for c, k in plan]
+    return sorted(settings, key=lambda s: order.index(s["label"]))
 
 
 def ratios(settings: list[dict]) -> dict:
-    """Decode tok/s of each context over the first's (8K) at the same concurrency; kernels over reference there."""
-    def rate(label: str, c: int) -> float | None:
-        s = next((s for s in settings if s["label"] == label), None)
-        lv = next((lv for lv in s["levels"] if lv["concurrency"] == c), None) if s else None
-        return lv["decode_tok_s"] if lv and lv["errors"] == 0 else None
+    """Each context over the first (8K) at the same concurrency: the median over rounds of the per-round ratio of
+    decode tok/s (each round measures both close in time), with its min and max, and the same of TPOT p50 (8K over
+    the context: above 1 is slower); kernels over reference ops at the first context."""
+    def rounds(label: str, c: int) -> list[dict] | None:
+        s = next((s for s in settings if s["label"] == label and not s.get("error")), None)
+        got = s["rounds"].get(c) if s else None
+        return got if got and all(lv["errors"] == 0 for lv in got) else None
 
-    out: dict = {"context_vs_8k": {}, "kernels_vs_reference": {}}
+    def per_round(a: list[dict], b: list[dict], key: str, invert: bool = False) -> dict | None:
+        rs = [(y[key] / x[key] if invert else x[key] / y[key]) for x, y in zip(a, b) if x[key] and y[key]]
+        return {"median": round(statistics.median(rs), 3), "min": round(min(rs), 3), "max": round(max(rs), 3)} \
+            if rs else None
+
+    out: dict = {"context_vs_8k": {}, "tpot_8k_over_context": {}, "kernels_vs_reference": {}}
     contexts = [s["context"] for s in settings if s["kernels"]]
     if not contexts:
         return out
     base = contexts[0]
     for ctx in contexts[1:]:
         for c in CONCURRENCY:
-            a, b = rate(f"kernels-ctx{ctx}", c), rate(f"kernels-ctx{base}", c)
-            out["context_vs_8k"][f"ctx{ctx}_c{c}"] = round(a / b, 3) if a and b else None
+            a, b = rounds(f"kernels-ctx{ctx}", c), rounds(f"kernels-ctx{base}", c)
+            key = f"ctx{ctx}_c{c}"
+            out["context_vs_8k"][key] = per_round(a, b, "decode_tok_s") if a and b else None
+            out["tpot_8k_over_context"][key] = per_round(a, b, "tpot_p50_s", invert=True) if a and b else None
     for c in CONCURRENCY:
-        a, b = rate(f"kernels-ctx{base}", c), rate(f"reference-ctx{base}", c)
-        if b:
-            out["kernels_vs_reference"][f"ctx{base}_c{c}"] = round(a / b, 2) if a else None
+        a, b = rounds(f"kernels-ctx{base}", c), rounds(f"reference-ctx{base}", c)
+        if b and a:
+            ka = statistics.median(lv["decode_tok_s"] for lv in a)
+            kb = statistics.median(lv["decode_tok_s"] for lv in b)
+            out["kernels_vs_reference"][f"ctx{base}_c{c}"] = round(ka / kb, 2)
     return out
 
 
 def table(report: dict) -> str:
-    rows = ["| setting | concurrency | decode tok/s | x 8K | output tok/s | TTFT p50 s | TPOT p50 ms | TPOT p99 ms "
-            "| errors |", "|" + " --- |" * 9]
-    r = report["ratios"]["context_vs_8k"]
+    rows = ["| setting | concurrency | rounds | decode tok/s (median) | x 8K (median of rounds, min-max) | "
+            "TPOT p50 ms | 8K/ctx TPOT | TTFT p50 s | errors |", "|" + " --- |" * 9]
+    r, t = report["ratios"]["context_vs_8k"], report["ratios"]["tpot_8k_over_context"]
+    fmt = lambda x: f"{x['median']:.3f} ({x['min']:.3f}-{x['max']:.3f})" if x else "-"  # noqa: E731
     for s in report["settings"]:
         if s.get("error"):
-            rows.append(f"| {s['label']} | - | failed: {s['error'].splitlines()[0][:120]} | | | | | | |")
+            rows.append(f"| {s['label']} | - | - | failed: {s['error'].splitlines()[0][:120]} | | | | | |")
         for lv in s["levels"]:
-            c = lv["concurrency"]
-            key = "ctx{}_c{}".format(s["context"], c)
+            key = "ctx{}_c{}".format(s["context"], lv["concurrency"])
             first = s is report["settings"][0]
-            x = "1.000" if first else (str(r.get(key)) if s["kernels"] else "-")
-            rows.append(f"| {s['label']} | {c} | {lv['decode_tok_s']} | {x} | {lv['output_tok_s']} | "
-                        f"{lv['ttft_p50_s']} | {lv['tpot_p50_s'] * 1000:.2f} | {lv['tpot_p99_s'] * 1000:.2f} | "
-                        f"{lv['errors_by_reason'] or 0} |")
+            x, y = ("1.000", "1.000") if first else ((fmt(r.get(key)), fmt(t.get(key))) if s["kernels"] else ("-", "-"))
+            rows.append(f"| {s['label']} | {lv['concurrency']} | {lv['rounds']} | {lv['decode_tok_s']} | {x} | "
+                        f"{lv['tpot_p50_s'] * 1000:.2f} | {y} | {lv['ttft_p50_s']} | {lv['errors_by_reason'] or 0} |")
     kv = ", ".join(f"{k}: {v}x" for k, v in report["ratios"]["kernels_vs_reference"].items())
     return "\n".join(rows) + f"\n\nKernels vs reference ops (decode tok/s): {kv or 'not measured'}\n"
 
@@ -183,13 +257,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--logs", type=Path, help="copy every process's log here")
     p.add_argument("--prompt-chars", type=int, default=2040, help="prompt characters (byte tokens; + the template)")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--waves", type=int, default=8, help="requests per level: concurrency x this (the first H200 run "
-                   "used 1 wave: 0.5-2.3 s per level, too short to trust a ratio)")
+    p.add_argument("--waves", type=int, default=2, help="requests per level and round: concurrency x this")
+    p.add_argument("--rounds", type=int, default=4, help="rounds per level: each runs the level on every context's "
+                   "stack in turn (all stacks up at once), so ratios compare runs close in time")
+    p.add_argument("--reference-waves", type=int, default=2, help="requests of the kernels-off level: concurrency x this")
     p.add_argument("--min-requests", type=int, default=8, help="requests per level: at least this many")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--graph-bs", type=int, default=64, help="largest decode batch replayed from a CUDA graph")
     p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
-    p.add_argument("--device", default="cuda", help="cuda (the benchmark); cpu only to try the harness")
+    p.add_argument("--device", default="cuda:0", help="cuda:N (the benchmark; both workers on GPU N); cpu only to try "
+                   "the harness")
     p.add_argument("--preset", default="flash", help="flash (the benchmark); tiny only to try the harness on cpu")
     p.add_argument("--reference-concurrency", default="64", help="levels of the kernels-off run at 8K ('' skips)")
     p.add_argument("--pool-tokens", type=int, help="KV pool of every worker in tokens (default: the largest context; "
@@ -201,19 +278,14 @@ def main(argv: list[str] | None = None) -> int:
     if not contexts:
         p.error("--contexts: give at least one, e.g. 8192,131072,1048576")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))   # stop the stacks (finally)
-    plan = [(ctx, True, CONCURRENCY) for ctx in contexts] + ([(contexts[0], False, ref_levels)] if ref_levels else [])
     settings: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="dsv4-ctx-tax-") as tmp:
         try:
-            for ctx, kernels, levels in plan:
-                try:
-                    settings.append(run_setting(Path(tmp), ctx, kernels, levels, a))
-                except (RuntimeError, TimeoutError, httpx.HTTPError) as e:   # one setting failed: say so, go on
-                    label = f"{'kernels' if kernels else 'reference'}-ctx{ctx}"
-                    print(f"[context-tax] {label} failed: {e}", file=sys.stderr, flush=True)
-                    settings.append({"label": label, "context": ctx, "kernels": kernels, "error": str(e)[-3000:],
-                                     "levels": []})
-                write_report(a, settings)                 # after every setting: a later kill keeps what ran
+            settings += run_settings(Path(tmp), [(ctx, True) for ctx in contexts], CONCURRENCY, a)
+            write_report(a, settings)                     # before the reference run: a later kill keeps what ran
+            if ref_levels:
+                ref_args = argparse.Namespace(**{**vars(a), "rounds": 1, "waves": a.reference_waves})
+                settings += run_settings(Path(tmp), [(contexts[0], False)], ref_levels, ref_args)
         finally:
             if a.logs:
                 shutil.copytree(tmp, a.logs, dirs_exist_ok=True)
@@ -224,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def write_report(a: argparse.Namespace, settings: list[dict]) -> str:
     report = {"prompt_chars": a.prompt_chars, "max_tokens": a.max_tokens, "page_size": a.page_size,
-              "pool_tokens": a.pool_tokens,
+              "pool_tokens": a.pool_tokens, "rounds": a.rounds, "waves": a.waves,
               "settings": settings, "ratios": ratios([s for s in settings if not s.get("error")])}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")

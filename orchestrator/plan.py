@@ -84,11 +84,17 @@ def _worker_env(topology: Any, worker: Any) -> dict[str, str]:
     env = {"PYTHONUNBUFFERED": "1"}
     if _value(topology.engine) == "sglang":
         env.update(sglang_env(topology, worker, requested_kernels(topology)))
-    elif worker.gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in worker.gpus)
+    # embedded workers too keep every GPU visible and name theirs (--device cuda:N): UCX's cuda_ipc needs the
+    # peer's GPU visible to copy GPU to GPU (hidden, it stages through host memory or fails)
     if topology.transfer.ucx_tls:
         env["UCX_TLS"] = topology.transfer.ucx_tls
     return env
+
+
+def embedded_device(worker: Any) -> str:
+    """The worker's --device: cpu, or cuda:N for its one GPU N (the topology's index, all GPUs visible)."""
+    device = _value(worker.device)
+    return f"cuda:{worker.gpus[0]}" if device == "cuda" and worker.gpus else device
 
 
 def embedded_argv(topology: Any, worker: Any) -> list[str]:
@@ -110,7 +116,7 @@ def embedded_argv(topology: Any, worker: Any) -> list[str]:
         argv += ["--max-total-tokens", str(worker.max_total_tokens)]
     argv += [
         "--transfer-backend", _value(topology.transfer.backend),
-        "--device", _value(worker.device),
+        "--device", embedded_device(worker),
         "--node-address", topology.node(worker.node).address,
     ]
     if topology.transfer.ucx_tls:

@@ -319,6 +319,11 @@ def _embedded_options(ctx: _Context) -> Iterator[Finding]:
                           f"{', '.join(kernels)}, but its model preset is {embedded_preset(w.raw)!r}, whose shapes "
                           "the kernels do not take (they take 512 dims, 16/32/64 heads)",
                           'add extra_args: ["--model-preset", "flash"] (examples/gpu.yaml), or set the kernels off')
+        gpus = _get(w.raw, WorkerConfig, "gpus")
+        if _get(w.raw, WorkerConfig, "device") == "cuda" and isinstance(gpus, list) and len(gpus) > 1:
+            yield Finding(w.path + ("gpus",), f"{w.label} lists {len(gpus)} GPUs, but an embedded worker is one "
+                          "process on one GPU (no tensor parallelism)",
+                          "list one GPU (e.g. gpus: [1]); more workers take more GPUs (examples/gpu2.yaml)")
     for w, dtype, path in _once(ctx, "kv_cache_dtype"):
         if dtype in get_args(KvCacheDtype) and dtype != "auto":
             yield Finding(path, f"kv_cache_dtype {dtype}: the embedded engine keeps KV in float32 ('auto'); "

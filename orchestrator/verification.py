@@ -6,7 +6,8 @@
 2. Answers. SGLang: the shipped answer set through the router (serving_check.py), failing under its
    pass rate. Embedded: greedy tokens through the cluster equal a single-process run (pd_check.py).
 3. Kernels actually called. Around step 2's decode steps, every requested kernel's device counter
-   must rise on every rank of every decode worker (CUDA-graph replays included).
+   must rise on every rank of every decode worker (CUDA-graph replays included); embedded decode
+   workers' counters come from `/server_info.kernel_calls` (`embedded_calls.py`).
 4. Speed. A short throughput probe against the last good run stored beside the topology: a warning
    on a large drop; on SGLang also `sglang:cuda_graph_passes_total` of each decode worker.
 """
@@ -21,6 +22,7 @@ import httpx
 
 from dsv4_cluster.kernels.sglang_plugin.attestation import COUNTER_PERIOD_S
 from dsv4_cluster.kernels.sglang_plugin.settings import ATTEST_DIR_ENV, KERNELS_ENV
+from dsv4_cluster.orchestrator import embedded_calls
 from dsv4_cluster.orchestrator.kernel_verify import attestation_problems, counter_problems, read_counts
 from dsv4_cluster.orchestrator.pd_check import PDCheckError, check_pd_equivalence, router_url
 from dsv4_cluster.orchestrator.plan import LaunchPlan, cluster_plans, requested_kernels
@@ -106,6 +108,9 @@ def verify_cluster(topology: Any, pids: dict[str, int | None]) -> VerifyReport:
     report.problems += verify_kernels(tuple(workers), requested, pids)
     counted = [p for p in workers if p.role.value == "decode" and _attested(p) and requested]
     before = {p.name: read_counts(_attested(p), p.tp) for p in counted}
+    embedded = [p for p in workers if p.role.value == "decode" and not _attested(p) and requested
+                and str(topology.engine) == "embedded"]
+    calls_before = embedded_calls.snapshot(embedded)
     base = router_url(topology) + "/v1"
     if str(topology.engine) == "sglang":
         answers = check_answers(base, topology.model.name)
@@ -117,6 +122,12 @@ def verify_cluster(topology: Any, pids: dict[str, int | None]) -> VerifyReport:
             report.notes.append(check_pd_equivalence(topology).summary())
         except PDCheckError as e:
             report.problems.append(str(e))
+        else:
+            if embedded:
+                problems, notes = embedded_calls.call_problems(requested, calls_before,
+                                                               embedded_calls.snapshot(embedded))
+                report.problems += problems
+                report.notes += notes
     if counted:
         time.sleep(2 * COUNTER_PERIOD_S)  # let every rank publish the counts of the steps just taken
         rising = [problem for p in counted for problem in counter_problems(

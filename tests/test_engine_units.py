@@ -91,6 +91,14 @@ def test_worker_args_refuse_silent_fallbacks(capsys):
         with pytest.raises(SystemExit):
             parse_args("decode", ["--device", "cuda"])
         assert "no CUDA device torch can use; use --device cpu" in capsys.readouterr().err
+    for bad in ("cuda:x", "cpu:0", "gpu"):
+        with pytest.raises(SystemExit):
+            parse_args("decode", ["--device", bad])
+        assert f"--device {bad!r}: the embedded engine runs on cpu, cuda or cuda:N" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args("decode", ["--device", f"cuda:{torch.cuda.device_count()}"])   # one past the last GPU
+    err = capsys.readouterr().err
+    assert ("sees" if torch.cuda.is_available() else "no CUDA device") in err, err
     with pytest.raises(SystemExit):
         parse_args("decode", ["--device", "cuda", "--kernels", "sparse_mla_decode"])
     assert "the 'tiny' preset's shapes (8 heads x 64 dims) are not what the kernels take" in capsys.readouterr().err

@@ -91,6 +91,9 @@ def test_up_status_chat_down(tmp_path: Path) -> None:
         assert up_rows["prefill-0"][-1] == up_rows["decode-0"][-1] == "4096"  # up's table predicts too
         verify = _run(tmp_path, "verify")  # on demand: PD equivalence again, and vs up's stored throughput
         assert verify.returncode == 0 and verify.stdout.startswith("verified: "), verify.stdout + verify.stderr
+        # the decode worker's call counters rose during the check (CPU: the reference ops; embedded_calls.py)
+        assert ("decode-0 ran sparse_mla_decode, indexer, topk as the reference ops (CPU: no kernels) during the PD "
+                "check") in verify.stdout, verify.stdout
         assert json.loads((topo.parent / "run" / "last-good-throughput.json").read_text())["tokens_per_s"] > 0
 
         os.kill(rows["decode-0"]["pid"], signal.SIGKILL)  # a crash: the supervisor restarts it

@@ -17,6 +17,7 @@ from dsv4_cluster.orchestrator.processes import group_members, pid_alive
 from dsv4_cluster.orchestrator.record import (
     HOME_ENV, ClusterRecord, HeadProcess, RecordError, clear_record, read_record, write_record)
 from dsv4_cluster.orchestrator.table import COLUMNS, render_table
+from dsv4_cluster.orchestrator.embedded_calls import Calls, call_problems
 from dsv4_cluster.orchestrator.verification import kernel_problems
 
 
@@ -97,6 +98,28 @@ def test_kernel_problems_name_each_inactive_kernel() -> None:
         "p: kernel sparse_mla_decode was requested but is 'off' in the worker",
         "p: kernel topk was requested but is 'missing' in the worker"]
     assert "reports no kernels" in kernel_problems("p", requested, {})[0]
+
+
+def test_embedded_call_problems_judge_the_decode_worker_that_served() -> None:
+    requested = ("sparse_mla_decode", "indexer", "topk")
+    idle = Calls("cuda", {})
+    before = {"d0": idle, "d1": idle}
+    # d1 served the check on the GPU: every kernel rose as a kernel; d0 never ran -> not judged
+    ran = Calls("cuda", {"sparse_mla_decode": {"gluon": 64}, "indexer": {"triton": 64}, "topk": {"triton": 64}})
+    assert call_problems(requested, before, {"d0": idle, "d1": ran}) == (
+        [], ["d1 ran sparse_mla_decode, indexer, topk as our kernels during the PD check"])
+    # on the GPU a kernel that ran only as the reference op is a problem that says what ran
+    ref = Calls("cuda", {"sparse_mla_decode": {"gluon": 64}, "indexer": {"reference": 64}, "topk": {"triton": 64}})
+    problems, notes = call_problems(requested, before, {"d0": idle, "d1": ref})
+    assert problems == ["d1: kernel indexer was not called during the PD check's decode steps "
+                        "(calls 0 -> 0; what ran: {'reference': 64})"] and notes == []
+    # on the CPU the reference ops are what runs
+    cpu = Calls("cpu", {k: {"reference": 16} for k in requested})
+    assert call_problems(requested, {"d0": Calls("cpu", {})}, {"d0": cpu})[0] == []
+    # nothing rose anywhere, or a worker that cannot be read
+    assert call_problems(requested, before, before)[0] == [
+        "no decode worker's kernel counters rose during the PD check's decode steps"]
+    assert call_problems(requested, {"d0": "d0: cannot read"}, {"d0": idle})[0] == ["d0: cannot read"]
 
 
 def test_preflight_lists_every_machine_problem_of_the_production_layout(

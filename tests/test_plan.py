@@ -115,6 +115,14 @@ def _production(kernels: bool):
     return topo
 
 
+@pytest.mark.parametrize(("example", "devices"), [("gpu.yaml", ["cuda:0", "cuda:0"]), ("gpu2.yaml", ["cuda:0", "cuda:1"])])
+def test_embedded_cuda_workers_name_their_gpu_and_see_all(example: str, devices: list[str]) -> None:
+    (prefill, decode), _ = cluster_plans(load_topology(REPO / "examples" / example))
+    assert [_flag(p.argv, "--device") for p in (prefill, decode)] == devices
+    # every GPU visible, as for SGLang: UCX's cuda_ipc copies GPU to GPU only when the peer's GPU is visible
+    assert "CUDA_VISIBLE_DEVICES" not in prefill.env_dict and "CUDA_VISIBLE_DEVICES" not in decode.env_dict
+
+
 def test_sglang_argv_env_and_pinning() -> None:
     (prefill, decode), _ = cluster_plans(_production(kernels=True))
     assert prefill.argv[:3] == (sys.executable, "-m", "sglang.launch_server")  # no numactl stacked

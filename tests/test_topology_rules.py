@@ -144,6 +144,14 @@ def test_embedded_workers_on_cuda_may_share_a_gpu_with_the_flash_preset() -> Non
           line_of(text, "device: cuda", 2), "its model preset is 'tiny'", "--model-preset")
 
 
+def test_an_embedded_worker_takes_one_gpu() -> None:
+    text = Path(__file__).resolve().parents[1].joinpath("examples", "gpu2.yaml").read_text()
+    assert [w.gpus for w in parse_topology(text).workers] == [[0], [1]]
+    text = text.replace("gpus: [1]", "gpus: [1, 2]")
+    check(text, "decode[0].gpus", line_of(text, "gpus: [1, 2]"), "lists 2 GPUs, but an embedded worker is one process",
+          "list one GPU")
+
+
 def test_no_prefill_or_empty_decode() -> None:
     text = BASE.split("prefill:")[0] + "decode: []\n"
     found = problems(text)

@@ -105,13 +105,18 @@ def _device_problems(args: WorkerArgs) -> list[str]:
     problems = []
     if args.model_preset not in PRESETS:
         problems.append(f"--model-preset {args.model_preset!r}: choose from {', '.join(PRESETS)}")
-    if args.device not in ("cpu", "cuda"):
-        problems.append(f"--device {args.device!r}: the embedded engine runs on cpu or cuda")
-    if args.device == "cuda":
+    kind, _, index = args.device.partition(":")
+    if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
+        problems.append(f"--device {args.device!r}: the embedded engine runs on cpu, cuda or cuda:N (GPU N of those "
+                        "this process sees)")
+    elif kind == "cuda":
         import torch
 
         if not torch.cuda.is_available():
-            problems.append("--device cuda: this machine has no CUDA device torch can use; use --device cpu")
+            problems.append(f"--device {args.device}: this machine has no CUDA device torch can use; use --device cpu")
+        elif index and int(index) >= torch.cuda.device_count():
+            problems.append(f"--device {args.device}: this process sees {torch.cuda.device_count()} GPU(s) "
+                            f"(0-{torch.cuda.device_count() - 1}); check the GPU index and CUDA_VISIBLE_DEVICES")
         cfg = PRESETS.get(args.model_preset)
         if cfg is not None and args.kernel_list and (cfg.head_dim != 512 or cfg.n_heads not in (16, 32, 64)):
             problems.append(f"--device cuda --kernels: the {args.model_preset!r} preset's shapes ({cfg.n_heads} "

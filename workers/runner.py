@@ -53,6 +53,7 @@ class ModelRunner:
 
     def __init__(self, cfg: RunnerConfig):
         self.cfg = cfg
+        self.use_device()
         self.model = TinyDSV4(cfg.model, device=cfg.device, dtype=cfg.dtype, kernels=cfg.kernels)
         self.pool = KVPool(cfg.layout(), device=cfg.device, dtype=cfg.dtype)
         self.sampler = Sampler(cfg.model.vocab_size)
@@ -61,6 +62,13 @@ class ModelRunner:
         if cfg.device.startswith("cuda") and cfg.cuda_graph_max_bs > 0 and self.model.ops.all_kernels:
             self.graphs = DecodeGraphs(self.model, self.pool, self.max_pages, cfg.cuda_graph_max_bs)
         self.eager_steps = 0
+
+    def use_device(self) -> None:
+        """Make the runner's GPU this thread's current CUDA device (Triton launches, graph capture and streams
+        follow the current device, not the tensors'); a no-op on the CPU. Every thread that runs the model calls it."""
+        dev = torch.device(self.cfg.device)
+        if dev.type == "cuda" and dev.index is not None:    # plain "cuda" is the current device already
+            torch.cuda.set_device(dev)
 
     def prefill(self, token_ids: list[int], pages: list[int]) -> torch.Tensor:
         """Fill `pages` with the prompt's KV; return the last position's logits [vocab]."""
