@@ -35,7 +35,7 @@ from ..orchestrator.ports import free_ports
 from ..orchestrator.processes import death_signal_preexec, log_tail
 from ..workers.presets import PRESETS
 from . import ucx_proto
-from .kv_transfer_sides import PREFILL_AGENT, RAW_PREFILL_AGENT
+from .kv_transfer_sides import PREFILL_AGENT, RAW_PREFILL_AGENT, build_pool
 from .loadgen import percentile
 
 SIZES = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
@@ -120,8 +120,9 @@ def table(report: dict) -> str:
     head = (f"KV transfer, prefill {cfg['prefill_device']} -> decode {cfg['decode_device']} "
             f"({' -> '.join(pool['device_names'])}; load average at start {cfg['host_load_avg_at_start'][0]}): "
             f"preset {cfg['preset']} "
-            f"({lay['n_layers']} layers x 3 buffers, page {lay['page_size']} tokens, {lay['dtype']}, "
-            f"{pool['page_bytes']} B per page: {pool['layer_buffer_page_bytes']} B per layer's main/comp/index), "
+            f"({lay['n_layers']} layers, {pool['buffers']} buffers, page {lay['page_size']} tokens, {lay['dtype']}: "
+            f"{pool['page_bytes']} B per page, {min(pool['buffer_page_bytes'])}-{max(pool['buffer_page_bytes'])} B "
+            "per buffer), "
             f"pages: {cfg['pages']}, {cfg['repeats']} repeats (+{cfg['warmup']} warmup), GB/s = bytes / p50 latency.\n\n"
             f"UCX put transports (UCX_PROTO_INFO): engine {_transports(ucx['engine'])}; "
             f"raw NIXL {_transports(ucx['raw'])}.\n\n")
@@ -190,7 +191,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=0, help="drop sizes above this (e.g. 16384 on the CPU)")
     p.add_argument("--preset", default="flash", help="the pool layout of this preset (workers/presets.py)")
     p.add_argument("--n-layers", type=int, default=0, help="override the preset's layer count (0: keep it)")
-    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--page-size", type=int, default=256, help="tokens per page (SGLang's for DeepSeek-V4)")
     p.add_argument("--pool-pages", type=int, default=0, help="each side's pool (0: twice the largest request)")
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--warmup", type=int, default=2)
@@ -206,8 +207,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         p.error("--repeats must be >= 1 and --warmup >= 0")
     if a.preset not in PRESETS:
         p.error(f"--preset {a.preset!r}: choose from {', '.join(PRESETS)}")
-    if a.page_size <= 0 or a.page_size % PRESETS[a.preset].ratio:
-        p.error(f"--page-size {a.page_size}: must be a positive multiple of {PRESETS[a.preset].ratio} (the ratio)")
+    if a.page_size <= 0 or a.n_layers < 0:
+        p.error(f"--page-size {a.page_size} / --n-layers {a.n_layers}: give a positive page size, layers >= 0")
+    try:                       # the engine's own checks of the layout, on no memory
+        build_pool(a.preset, a.n_layers, a.page_size, 1, "meta")
+    except ValueError as exc:
+        p.error(f"--preset {a.preset} --page-size {a.page_size}: {exc}")
     if a.pool_pages and a.pool_pages < max(-(-t // a.page_size) for t in a.sizes):
         p.error(f"--pool-pages {a.pool_pages}: the largest request needs {-(-max(a.sizes) // a.page_size)} pages")
     for flag, dev in (("--prefill-device", a.prefill_device), ("--decode-device", a.decode_device)):

@@ -128,13 +128,18 @@ class RawAgent:
         return state
 
 
-def build_pool(a: argparse.Namespace) -> KVPool:
-    """The engine's pool for the preset, as ModelRunner builds it (layout, dtype, device)."""
-    overrides = {"n_layers": a.n_layers} if a.n_layers else {}
-    tokens = a.pool_pages * a.page_size
-    cfg = RunnerConfig(model=model_config(a.preset, **overrides), page_size=a.page_size, max_total_tokens=tokens,
-                       context_length=tokens, device=a.device)
-    pool = KVPool(cfg.layout(), device=a.device, dtype=cfg.dtype)
+def build_pool(preset: str, n_layers: int, page_size: int, pages: int, device: str) -> KVPool:
+    """The engine's pool for the preset, as ModelRunner builds it (layout, dtype, device); n_layers 0: the
+    preset's. A layout the engine refuses raises ValueError (KVPool's message)."""
+    overrides = {"n_layers": n_layers} if n_layers else {}
+    tokens = pages * page_size
+    cfg = RunnerConfig(model=model_config(preset, **overrides), page_size=page_size, max_total_tokens=tokens,
+                       context_length=tokens, device=device)
+    return KVPool(cfg.layout(), device=device, dtype=cfg.dtype)
+
+
+def side_pool(a: argparse.Namespace) -> KVPool:
+    pool = build_pool(a.preset, a.n_layers, a.page_size, a.pool_pages, a.device)
     if a.fragmented:       # a pool after churn: its free list in random order, so requests get scattered pages
         pages = pool.alloc(pool.capacity_tokens)
         random.Random(f"{a.seed}-{a.role}").shuffle(pages)
@@ -163,6 +168,13 @@ def nonzero_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(int(torch.count_nonzero(t)) * t.element_size() for t in tensors)
 
 
+def _nonzero_random(b: torch.Tensor) -> torch.Tensor:
+    """Random values, none of them zero: floats in [1, 2), bytes in 1..255 (fp8 pages are uint8)."""
+    if b.dtype.is_floating_point:
+        return torch.rand(b.shape, device=b.device, dtype=torch.float32) + 1
+    return torch.randint(1, 256, b.shape, device=b.device, dtype=torch.uint8)
+
+
 def _pin(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
@@ -182,7 +194,7 @@ def _sync(*devices: str) -> None:
 
 def run_decode(a: argparse.Namespace) -> int:
     _pin(a.device)
-    pool = build_pool(a)
+    pool = side_pool(a)
     transfer = NixlTransfer(DECODE_AGENT, pool, a.ucx_tls)
     raw = RawAgent(RAW_DECODE_AGENT, max_bytes(pool, a.sizes), a.device)
     server = socket.create_server(("127.0.0.1", a.port))
@@ -257,13 +269,13 @@ class PrefillSide:
         self.a = a
         _pin(a.device)
         torch.manual_seed(a.seed)
-        self.pool = build_pool(a)
-        for b in self.pool.buffers():                 # values in [1, 2): never zero, so written bytes are countable
-            b.copy_(torch.rand(b.shape, device=b.device, dtype=torch.float32) + 1)
+        self.pool = side_pool(a)
+        for b in self.pool.buffers():                 # never zero, so the bytes written are countable
+            b.copy_(_nonzero_random(b))
         self.transfer = NixlTransfer(PREFILL_AGENT, self.pool, a.ucx_tls)
         nbytes = max_bytes(self.pool, a.sizes)
         self.raw = RawAgent(RAW_PREFILL_AGENT, nbytes, a.device)
-        self.raw.buf.copy_(torch.randint(1, 256, (nbytes,), dtype=torch.uint8, device=self.raw.buf.device))
+        self.raw.buf.copy_(_nonzero_random(self.raw.buf))
         self.copy_dst = torch.empty(nbytes, dtype=torch.uint8, device=a.peer_device)
         self.link = _connect(a.port)
         hello = self.link.recv(CONNECT_TIMEOUT_S)
@@ -331,7 +343,8 @@ class PrefillSide:
     def layout(self) -> dict:
         pool, n = self.pool, self.pool.layout.num_pages
         return {"layout": asdict(pool.layout), "page_bytes": pool.page_bytes, "buffers": len(pool.buffers()),
-                "layer_buffer_page_bytes": [b.numel() * b.element_size() // n for b in pool.buffers()[:3]],
+                "buffer_page_bytes": [b.numel() * b.element_size() // n for b in pool.buffers()],
+                "buffer_dtypes": sorted({str(b.dtype).removeprefix("torch.") for b in pool.buffers()}),
                 "device_names": [_device_name(d) for d in (self.a.device, self.a.peer_device)]}
 
     def close(self) -> None:
@@ -360,7 +373,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], required=True)
     p.add_argument("--preset", default="flash")
     p.add_argument("--n-layers", type=int, default=0, help="override the preset's layers (0: the preset's)")
-    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--page-size", type=int, default=256)
     p.add_argument("--pool-pages", type=int, required=True)
     p.add_argument("--ucx-tls")
     p.add_argument("--repeats", type=int, default=20)

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from dsv4_cluster.bench import kv_transfer, ucx_proto
-from dsv4_cluster.workers.presets import kv_bytes_per_token, model_config
+from dsv4_cluster.workers.presets import model_config
 
-PAGE = 64
+PAGE = 256
 
 
 def _children(pid: int) -> set[int]:
@@ -47,9 +47,11 @@ def test_the_benchmark_moves_the_pages_bytes_and_reports_every_ratio(tmp_path, f
     assert rc == 0
     assert _children(os.getpid()) - before == set()           # both sides exited (or were killed) with the run
     report = json.loads(out.with_suffix(".json").read_text())
-    page_bytes = kv_bytes_per_token(model_config("flash"), 4) * PAGE   # float32 on the CPU
-    assert report["pool"]["page_bytes"] == page_bytes
-    assert report["pool"]["buffers"] == 3 * model_config("flash").n_layers
+    pool = report["pool"]
+    page_bytes = pool["page_bytes"]
+    assert pool["layout"]["page_size"] == PAGE and pool["buffer_dtypes"] == ["float32"]   # the CPU engine's rows
+    assert len(pool["buffer_page_bytes"]) == pool["buffers"] >= 2 * model_config("flash").n_layers  # main, comp (+ keys)
+    assert sum(pool["buffer_page_bytes"]) == page_bytes
     assert [r["tokens"] for r in report["sizes"]] == [1024, 2048]
     for r in report["sizes"]:
         assert r["pages"] == r["tokens"] // PAGE and r["bytes"] == r["pages"] * page_bytes
@@ -127,8 +129,8 @@ def test_a_size_whose_bytes_or_contents_differ_fails_its_checks(written, equal, 
 @pytest.mark.parametrize("argv,message", [
     (["--prefill-device", "gpu1"], "--prefill-device 'gpu1': give cpu or cuda:N"),
     (["--preset", "huge"], "--preset 'huge': choose from tiny, flash"),
-    (["--page-size", "6"], "--page-size 6: must be a positive multiple of 4"),
-    (["--sizes", "1024", "--pool-pages", "8"], "--pool-pages 8: the largest request needs 16 pages"),
+    (["--page-size", "6"], "page_size 6 must be a multiple of the compression ratio 4"),
+    (["--sizes", "1024", "--pool-pages", "2"], "--pool-pages 2: the largest request needs 4 pages"),
     (["--max-tokens", "512"], "leave no request size to measure"),
 ])
 def test_bad_flags_are_refused_by_name(argv, message, capsys):
