@@ -27,7 +27,7 @@ logs=/tmp/dsv4-logs; mkdir -p "$logs/tests" "$logs/bench"
 tests_rc=0 bench_rc=0
 if [ -z "${SKIP_TESTS:-}" ]; then
   DSV4_GPU_LOGS="$logs/tests" timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -x -s -p no:cacheprovider \
-    --import-mode=importlib --rootdir="$repo" "$repo"/tests/test_cuda_engine.py "$repo"/tests/test_two_gpus.py ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
+    --import-mode=importlib --rootdir="$repo" "$repo"/tests/test_cuda_engine.py "$repo"/tests/test_two_gpus.py "$repo"/tests/test_gpu_readback.py ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
     | tee "$OUT/tests.log"
   tests_rc=${PIPESTATUS[0]}
 fi

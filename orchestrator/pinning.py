@@ -3,8 +3,10 @@
 What a worker actually runs with, from /proc: the CPUs it may run on (`sched_getaffinity`), its
 NUMA memory policy (the policy of its heap mapping in `/proc/PID/numa_maps`, e.g. `bind:1`, and
 `Mems_allowed_list` from `/proc/PID/status`), and the GPUs it sees (`CUDA_VISIBLE_DEVICES` from
-`/proc/PID/environ`). The plan asks through `numactl --cpunodebind=N --membind=N` and that
-variable; every difference is listed as a mismatch, which `status` flags.
+`/proc/PID/environ`), and the GPUs it and its process group hold CUDA contexts on (the driver's answer,
+`gpu_readback.py`; every GPU stays visible to workers, so the environment does not say). The plan asks
+through `numactl --cpunodebind=N --membind=N`, that variable and the worker's GPUs; every difference is
+listed as a mismatch, which `status` flags.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from dsv4_cluster.orchestrator.gpu_readback import read_gpus_held
 from dsv4_cluster.orchestrator.plan import LaunchPlan
+from dsv4_cluster.orchestrator.processes import group_members
 
 
 def parse_cpu_list(text: str) -> set[int]:
@@ -57,6 +61,7 @@ class Pinning:
     numa_policy: str          # of its heap in numa_maps: "default", "bind:1", "interleave:0-1", ...
     mems_allowed: str         # Mems_allowed_list
     visible_gpus: str | None  # CUDA_VISIBLE_DEVICES, None when unset
+    gpus_held: list[int] | None = None  # GPUs with a CUDA context of the process or its group; None: unknown
 
 
 def _heap_policy(pid: int) -> str:
@@ -81,7 +86,8 @@ def read_pinning(pid: int) -> Pinning:
     """Raises OSError (ProcessLookupError, PermissionError, FileNotFoundError) if /proc says no."""
     return Pinning(cpus=format_cpu_list(os.sched_getaffinity(pid)), numa_policy=_heap_policy(pid),
                    mems_allowed=_status_field(pid, "Mems_allowed_list"),
-                   visible_gpus=_environ(pid).get("CUDA_VISIBLE_DEVICES"))
+                   visible_gpus=_environ(pid).get("CUDA_VISIBLE_DEVICES"),
+                   gpus_held=read_gpus_held({pid, *group_members(pid)}))
 
 
 def _numa_node(plan: LaunchPlan) -> int | None:
@@ -106,6 +112,8 @@ def mismatches(plan: LaunchPlan, pinning: Pinning) -> list[str]:
     gpus = plan.env_dict.get("CUDA_VISIBLE_DEVICES")
     if gpus is not None and pinning.visible_gpus != gpus:
         problems.append(f"sees GPUs {pinning.visible_gpus!r}, expected {gpus!r}")
+    if plan.gpus and pinning.gpus_held and set(pinning.gpus_held) != set(plan.gpus):   # [] = no context yet
+        problems.append(f"holds CUDA contexts on GPUs {pinning.gpus_held}, expected {list(plan.gpus)}")
     return problems
 
 

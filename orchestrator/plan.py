@@ -45,6 +45,7 @@ class LaunchPlan:
     ports: tuple[int, ...] = field(default=())
     files: tuple[tuple[str, str], ...] = ()  # (path, text) the supervisor writes before spawning
     tp: int = 1  # processes that serve it (SGLang: one per TP rank); each attests its kernels
+    gpus: tuple[int, ...] = ()  # the topology's GPU indices for it (status compares what it holds)
 
     @property
     def env_dict(self) -> dict[str, str]:
@@ -162,6 +163,7 @@ def worker_plan(topology: Any, worker: Any) -> LaunchPlan:
         metrics_url=f"{base}/metrics",
         ports=ports,
         tp=worker.tp,
+        gpus=tuple(worker.gpus or ()),
     )
 
 

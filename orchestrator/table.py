@@ -34,6 +34,9 @@ def render_table(status: dict[str, Any]) -> str:
         stranded = stranded_line(w)
         if stranded:
             lines.append(stranded)
+        held = (w.get("pinning") or {}).get("gpus_held")
+        if held:
+            lines.append(f"{w['name']}: holds GPU {', '.join(map(str, held))} (CUDA contexts, read from the NVIDIA driver)")
         mismatch = (w.get("pinning") or {}).get("mismatch")
         if mismatch:
             lines.append(f"{w['name']}: PINNING differs from the topology: {'; '.join(mismatch)}")

@@ -1,0 +1,56 @@
+"""Which GPUs a process actually holds, read back from the NVIDIA driver (not from what it was told).
+
+`nvidia-smi --query-compute-apps` lists every process with a CUDA context and the GPU (by UUID) it is on;
+`--query-gpu` maps UUIDs to indices. With every GPU visible to every worker (SGLang's `--base-gpu-id`, the
+embedded engine's `--device cuda:N`), the environment no longer says which GPU a worker uses: the driver does.
+None when there is no NVIDIA driver here (no `nvidia-smi`, or it fails): the caller shows "unknown".
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+SMI_TIMEOUT_S = 10.0
+
+
+def parse_gpus(text: str) -> dict[str, int]:
+    """`index, uuid` lines -> {uuid: index}."""
+    out = {}
+    for line in text.splitlines():
+        index, _, uuid = (part.strip() for part in line.partition(","))
+        if index.isdigit() and uuid:
+            out[uuid] = int(index)
+    return out
+
+
+def parse_apps(text: str) -> list[tuple[int, str]]:
+    """`pid, gpu_uuid` lines -> [(pid, uuid)]."""
+    out = []
+    for line in text.splitlines():
+        pid, _, uuid = (part.strip() for part in line.partition(","))
+        if pid.isdigit() and uuid:
+            out.append((int(pid), uuid))
+    return out
+
+
+def gpus_held(pids: set[int], gpus_csv: str, apps_csv: str) -> list[int]:
+    """Indices of the GPUs on which any of `pids` has a CUDA context, from nvidia-smi's two CSV answers."""
+    index = parse_gpus(gpus_csv)
+    return sorted({index[uuid] for pid, uuid in parse_apps(apps_csv) if pid in pids and uuid in index})
+
+
+def _smi(smi: str, query: str) -> str:
+    return subprocess.run([smi, query, "--format=csv,noheader"], capture_output=True, text=True, check=True,
+                          timeout=SMI_TIMEOUT_S).stdout
+
+
+def read_gpus_held(pids: set[int]) -> list[int] | None:
+    """The GPUs `pids` hold now, or None where the driver cannot be asked."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        return gpus_held(pids, _smi(smi, "--query-gpu=index,uuid"), _smi(smi, "--query-compute-apps=pid,gpu_uuid"))
+    except (OSError, subprocess.SubprocessError):
+        return None
