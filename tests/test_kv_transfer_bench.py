@@ -150,3 +150,23 @@ def test_a_side_that_fails_ends_the_run_with_its_log_and_leaves_no_process(tmp_p
     assert re.search("the (prefill|decode) side exited with 1", err) and "no_such_transport" in err
     assert _children(os.getpid()) - before == set()
     assert not (tmp_path / "kvx.json").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("decode_device", ["cuda:0", "cuda:1"])
+def test_on_gpus_the_pages_move_vram_to_vram_over_cuda_ipc(tmp_path, decode_device):
+    """Two processes on GPU 0 (or GPU 0 -> GPU 1): the checks hold and UCX's log names cuda_ipc for the engine's
+    WRITE (on the H200: `pytest tests/test_kv_transfer_bench.py -m gpu`)."""
+    import torch
+
+    if torch.cuda.device_count() < int(decode_device[-1]) + 1:
+        pytest.skip(f"needs {decode_device}")
+    out = tmp_path / "kvx"
+    rc = kv_transfer.main(["--out", str(out), "--sizes", "1024,8192", "--repeats", "5", "--timeout-s", "240",
+                           "--prefill-device", "cuda:0", "--decode-device", decode_device])
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert rc == 0 and all(r["checks"]["ok"] for r in report["sizes"])
+    assert report["pool"]["device_names"][0].startswith("NVIDIA")
+    engine_ucx = report["ucx"]["engine"]
+    assert "cuda_ipc" in json.dumps(engine_ucx["put_transports"] + engine_ucx["peer_lanes"]), engine_ucx
