@@ -104,7 +104,7 @@ def test_shipped_geometry_is_the_committed_deepseek_v4_flash_config() -> None:
 
 def test_plan_of_a_broken_file_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", str(REPO / "examples" / "invalid" / "many-problems.yaml")]) == 2
-    assert "9 problem(s)" in capsys.readouterr().err
+    assert "10 problem(s)" in capsys.readouterr().err
 
 
 def test_embedded_bytes_per_token_is_the_pools() -> None:

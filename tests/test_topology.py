@@ -133,6 +133,7 @@ def test_one_file_reports_every_problem_at_once() -> None:
         (line_of(text, "port: 30001", 2), "prefill[0].port"),
         (line_of(text, "page_sise"), "prefill[0].page_sise"),
         (line_of(text, "device: cuda"), "decode[0].device"),
+        (line_of(text, "gpus: [0, 1]"), "decode[0].gpus"),       # an embedded worker takes one GPU
         (line_of(text, "tp: 4"), "decode[0].tp"),
         (line_of(text, "bootstrap_port: 8998", 2), "decode[0].bootstrap_port"),
         (line_of(text, "bootstrap_port: 8998", 2), "decode[0].bootstrap_port"),
@@ -147,7 +148,7 @@ def test_one_file_reports_every_problem_at_once() -> None:
 def test_check_command_exits_2_listing_problems(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([str(REPO / "examples" / "invalid" / "many-problems.yaml")]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert len(err) == 10 and err[-1].endswith("9 problem(s) in " + str(REPO / "examples" / "invalid" / "many-problems.yaml")
+    assert len(err) == 11 and err[-1].endswith("10 problem(s) in " + str(REPO / "examples" / "invalid" / "many-problems.yaml")
                                               + "; nothing was started")
     assert main([str(REPO / "examples" / "local.yaml")]) == 0
     assert "ok — engine embedded, 1 prefill + 1 decode, router 0.0.0.0:30001" in capsys.readouterr().out
