@@ -102,7 +102,8 @@ class Engine:
     # -- engine thread ------------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            self.runner.use_device()            # the current CUDA device is per thread (cuda:N, N > 0)
+            if self.runner is not None:         # (unit tests' engines run no model)
+                self.runner.use_device()        # the current CUDA device is per thread (cuda:N, N > 0)
             while not self._stop.is_set():
                 drained = self._drain()
                 worked = self.step()
