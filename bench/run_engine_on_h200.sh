@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# On the lent H200 (repo root as cwd, $OUT set): the CUDA engine's GPU tests, then bench/e2e_context_tax.py.
-# Usage: bash bench/run_engine_on_h200.sh [e2e_context_tax args]. Logs, JSON and tables land in $OUT.
+# On the lent H200 (repo root as cwd, $OUT set): the CUDA engine's GPU tests, then bench/e2e_context_tax.py
+# (or, with BENCH=kv_transfer, bench/kv_transfer.py in its place: SKIP_TESTS=1 SKIP_STEP=1 BENCH=kv_transfer
+#  bash bench/run_engine_on_h200.sh --prefill-device cuda:0 --decode-device cuda:0 (two GPUs: --decode-device
+#  cuda:1; --fragmented for scattered pages); about a minute).
+# Usage: bash bench/run_engine_on_h200.sh [the benchmark's args]. Logs, JSON and tables land in $OUT.
 # The image has torch and Triton but not NIXL, FastAPI, pydantic or uvicorn: carry their cp312 wheels in .whl/
 # (pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64
 #  nixl-cu13 fastapi starlette pydantic pydantic_core uvicorn httptools orjson annotated-types
 #  typing-inspection annotated-doc opentelemetry-api typing_extensions httpx httpcore h11 anyio idna certifi sniffio
 #  prometheus_client click -d .whl; FastAPI 0.165 imports opentelemetry). The tree plus wheels must stay under
 #  the device's 64 MiB: carry only the wheels (e.g. in an ignored .i17/.whl) and copy them into .whl/ there.
-# Env: TEST_TIMEOUT, STEP_TIMEOUT, BENCH_TIMEOUT (s), PYTEST_K, SKIP_TESTS, SKIP_STEP, SKIP_BENCH.
+# Env: TEST_TIMEOUT, STEP_TIMEOUT, BENCH_TIMEOUT (s), PYTEST_K, SKIP_TESTS, SKIP_STEP, SKIP_BENCH, BENCH.
 set -uo pipefail
 source "$(dirname "$0")/h200_package.sh"  # sets $repo, cd /tmp, PYTHONPATH (the package, mapped)
 if ls "$repo"/.whl/*.whl >/dev/null 2>&1; then
@@ -33,8 +36,9 @@ if [ -z "${SKIP_STEP:-}" ]; then
     | tee -a "$OUT/bench.log"
   bench_rc=${PIPESTATUS[0]}
 fi
+bench=${BENCH:-e2e_context_tax}
 if [ -z "${SKIP_BENCH:-}" ]; then
-  timeout "${BENCH_TIMEOUT:-360}" python3 -m dsv4_cluster.bench.e2e_context_tax --out "$OUT/e2e_context_tax" \
+  timeout "${BENCH_TIMEOUT:-360}" python3 -m "dsv4_cluster.bench.$bench" --out "$OUT/$bench" \
     --logs "$logs/bench" "$@" 2>&1 | tee -a "$OUT/bench.log"
   bench_rc=$(( bench_rc || PIPESTATUS[0] ))
 fi

@@ -127,8 +127,9 @@ class NixlTransfer:
             if incarnation is not None and incarnation != self._incarnations[peer]:
                 raise TransferError(f"{peer} restarted after it reserved these pages; its new process "
                                     "does not expect this KV")
-            local = _descs(self._local, src_pages, self._device_id)
-            remote = _descs(info.buffers, dst_pages[: len(src_pages)], info.device_id)
+            runs = page_runs(src_pages, dst_pages[: len(src_pages)])
+            local = _descs(self._local, [(s, n) for s, _, n in runs], self._device_id)
+            remote = _descs(info.buffers, [(d, n) for _, d, n in runs], info.device_id)
             handle = None
             try:
                 handle = self._agent.initialize_xfer(
@@ -182,7 +183,21 @@ class NixlTransfer:
         return [msg for msgs in notifs.values() for msg in msgs]
 
 
-def _descs(buffers: list[tuple[int, int]], pages: list[int], device_id: int) -> np.ndarray:
-    """Nx3 (address, length, device) rows: every buffer's slice of every page, buffer-major."""
-    rows = [(base + p * size, size, device_id) for base, size in buffers for p in pages]
+def page_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """(first source page, first destination page, pages) of each stretch in which both sides' pages are
+    consecutive: one such stretch is one contiguous byte range per buffer on either side."""
+    runs: list[list[int]] = []
+    for s, d in zip(src, dst):
+        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([s, d, 1])
+    return [(s, d, n) for s, d, n in runs]
+
+
+def _descs(buffers: list[tuple[int, int]], runs: list[tuple[int, int]], device_id: int) -> np.ndarray:
+    """Nx3 (address, length, device) rows: every buffer's slice of every run of (first page, pages),
+    buffer-major. A run of consecutive pages is one row, not one per page (bench/kv_transfer.py measures
+    what per-page rows cost against one contiguous region)."""
+    rows = [(base + p * size, n * size, device_id) for base, size in buffers for p, n in runs]
     return np.array(rows, dtype=np.uint64).reshape(-1, 3)

@@ -1,0 +1,74 @@
+"""Which UCX transport carried the bytes, read from UCX's own log (`UCX_PROTO_INFO=y`, `UCX_LOG_LEVEL=info`).
+
+With those two variables UCX prints, for every endpoint configuration a worker sets up, one table per operation:
+
+    | kvx-prefill intra-node cfg#1                             |
+    | remote memory write by ucp_put* from host memory to host |
+    | Range  | Description |              Config               |
+    | 0..inf | zero-copy   | cma/memory                        |
+
+and, once per endpoint configuration, its lanes (`ucp_worker.c ... UCX INFO kvx-prefill intra-node cfg#1
+rma_am(tcp/lo) am(tcp/lo cma/memory) ...`; on GPUs e.g. `cuda_ipc/cuda`). The worker's name is the NIXL agent's. A NIXL WRITE is a `ucp_put*` (remote memory write), so the `Config` cells
+of an agent's put tables towards a peer (scope `intra-node` or `inter-node`, not `self`) name the transports
+(`cma/memory`, `cuda_ipc/cuda`, `rc_mlx5/mlx5_0:1`, ...) that carried its KV, per message size range.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+_PREFIX = re.compile(r"^\[[^\]]*\]\s*\[[^\]]*\]\s*")           # "[ts] [host:pid:tid]  "
+_TITLE = re.compile(r"^\|\s*(\S+) (self|intra-node|inter-node) cfg#(\d+)\s*\|$")
+_OP = re.compile(r"^\|\s*(.+?) from (\S+) memory(?: to (\S+))?\s*\|$")
+_LANES = re.compile(r"UCX\s+INFO\s+(\S+) (intra-node|inter-node) cfg#\d+ (.+)$")
+_TRANSPORT = re.compile(r"\b([a-z][a-z0-9_]*)/([A-Za-z0-9_:.\-]+)")
+PUT = "remote memory write"
+
+
+def parse_tables(text: str) -> list[dict]:
+    """Every protocol table in a UCX log: agent, scope, cfg, operation, memory types and its rows."""
+    tables: list[dict] = []
+    current: dict | None = None
+    for raw in text.splitlines():
+        line = _PREFIX.sub("", raw).strip()
+        if not line.startswith("|"):
+            continue
+        if m := _TITLE.match(line):
+            current = {"agent": m[1], "scope": m[2], "cfg": int(m[3]), "op": None, "rows": []}
+            tables.append(current)
+            continue
+        if current is None:
+            continue
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if current["op"] is None and len(cells) == 1 and (m := _OP.match(line)):
+            current.update(op=m[1], from_mem=m[2], to_mem=m[3])
+        elif current["op"] is not None and len(cells) == 3 and cells[0] != "Range":
+            current["rows"].append({"range": cells[0], "description": cells[1], "config": cells[2],
+                                    "transports": sorted({f"{a}/{b}" for a, b in _TRANSPORT.findall(cells[2])})})
+    return [t for t in tables if t["op"] is not None]
+
+
+def put_transports(tables: list[dict], agent: str) -> list[str]:
+    """The transports of `agent`'s remote-memory-write tables towards a peer (what a NIXL WRITE used)."""
+    return sorted({tr for t in tables if t["agent"] == agent and t["scope"] != "self" and t["op"].startswith(PUT)
+                   for row in t["rows"] for tr in row["transports"]})
+
+
+def peer_lanes(text: str, agent: str) -> list[str]:
+    """The lanes UCX logged for `agent`'s endpoint configurations towards a peer, as printed."""
+    return sorted({m[3].strip() for line in text.splitlines() if (m := _LANES.search(line)) and m[1] == agent})
+
+
+def summarize(logs: list[Path], agents: list[str]) -> dict:
+    """Per agent: the put transports towards its peer, those tables as UCX printed them (deduplicated), and
+    its endpoints' lanes."""
+    texts = [p.read_text(errors="replace") for p in logs if p.exists()]
+    tables = [t for text in texts for t in parse_tables(text)]
+    out: dict = {}
+    for agent in agents:
+        puts = [t for t in tables if t["agent"] == agent and t["scope"] != "self" and t["op"].startswith(PUT)]
+        unique = list({repr(t): t for t in puts}.values())
+        out[agent] = {"put_transports": put_transports(tables, agent), "put_tables": unique,
+                      "peer_lanes": sorted({lane for text in texts for lane in peer_lanes(text, agent)})}
+    return out
