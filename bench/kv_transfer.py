@@ -124,7 +124,7 @@ def table(report: dict) -> str:
             f"{pool['page_bytes']} B per page, {min(pool['buffer_page_bytes'])}-{max(pool['buffer_page_bytes'])} B "
             "per buffer), "
             f"pages: {cfg['pages']}, {cfg['repeats']} repeats (+{cfg['warmup']} warmup), GB/s = bytes / p50 latency.\n\n"
-            f"UCX put transports (UCX_PROTO_INFO): engine {_transports(ucx['engine'])}; "
+            f"UCX transports of the WRITEs (UCX_PROTO_INFO): engine {_transports(ucx['engine'])}; "
             f"raw NIXL {_transports(ucx['raw'])}.\n\n")
     rows = ["| tokens | MB | engine descs | engine GB/s | engine p50 / p99 ms | raw GB/s | raw p50 / p99 ms | copy GB/s "
             "| copy p50 / p99 ms | engine / raw | engine / copy | checks |", "|" + " --- |" * 12]
@@ -143,6 +143,8 @@ def table(report: dict) -> str:
 def _transports(agent: dict) -> str:
     if agent["put_transports"]:
         return ", ".join(agent["put_transports"])
+    if agent.get("carried_by"):
+        return ", ".join(agent["carried_by"]) + " (the endpoint's device lane; UCX prints no GPU -> GPU put table)"
     return f"no put table logged (endpoint lanes: {'; '.join(agent['peer_lanes']) or 'none logged'})"
 
 
@@ -170,7 +172,8 @@ def plot(report: dict, path: Path) -> str:
 def build_report(a: argparse.Namespace, raw: dict, logs: list[Path], load: tuple[float, ...]) -> dict:
     rows = summarize(raw)
     big = [r["ratios"]["engine_vs_raw"] for r in rows if r["tokens"] >= TARGET_MIN_TOKENS]
-    ucx = ucx_proto.summarize(logs, [PREFILL_AGENT, RAW_PREFILL_AGENT])
+    on_gpus = a.prefill_device.startswith("cuda") and a.decode_device.startswith("cuda")
+    ucx = ucx_proto.summarize(logs, [PREFILL_AGENT, RAW_PREFILL_AGENT], "cuda" if on_gpus else "host")
     return {"config": {"prefill_device": a.prefill_device, "decode_device": a.decode_device, "preset": a.preset,
                        "repeats": a.repeats, "warmup": a.warmup,
                        "pages": "fragmented" if a.fragmented else "fresh pool",

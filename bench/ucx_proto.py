@@ -49,10 +49,20 @@ def parse_tables(text: str) -> list[dict]:
     return [t for t in tables if t["op"] is not None]
 
 
-def put_transports(tables: list[dict], agent: str) -> list[str]:
-    """The transports of `agent`'s remote-memory-write tables towards a peer (what a NIXL WRITE used)."""
+def put_transports(tables: list[dict], agent: str, mem: str | None = None) -> list[str]:
+    """The transports of `agent`'s remote-memory-write tables towards a peer (what a NIXL WRITE used); with `mem`
+    ("host" or "cuda"), only the tables from and to that memory type (UCX also prints host -> cuda tables that a
+    VRAM -> VRAM WRITE never takes)."""
     return sorted({tr for t in tables if t["agent"] == agent and t["scope"] != "self" and t["op"].startswith(PUT)
+                   and (mem is None or (t["from_mem"] == mem and (t["to_mem"] or mem).startswith(mem)))
                    for row in t["rows"] for tr in row["transports"]})
+
+
+def device_lane_transports(lanes: list[str]) -> list[str]:
+    """The transports of the `device(...)` lane in UCX's endpoint lines: GPU memory to GPU memory, where UCX
+    prints no cuda -> cuda put table (seen with UCX 1.23 on one H200: `device(cuda_ipc/cuda)`)."""
+    return sorted({f"{a}/{b}" for lane in lanes for group in re.findall(r"\bdevice\(([^)]*)\)", lane)
+                   for a, b in _TRANSPORT.findall(group)})
 
 
 def peer_lanes(text: str, agent: str) -> list[str]:
@@ -60,15 +70,20 @@ def peer_lanes(text: str, agent: str) -> list[str]:
     return sorted({m[3].strip() for line in text.splitlines() if (m := _LANES.search(line)) and m[1] == agent})
 
 
-def summarize(logs: list[Path], agents: list[str]) -> dict:
-    """Per agent: the put transports towards its peer, those tables as UCX printed them (deduplicated), and
-    its endpoints' lanes."""
+def summarize(logs: list[Path], agents: list[str], mem: str | None = None) -> dict:
+    """Per agent: the put transports towards its peer (of `mem` -> `mem` tables when given), those tables as UCX
+    printed them (deduplicated), its endpoints' lanes, and the transports of their device lane; `carried_by`
+    names what carried the bytes: the put transports, else (GPU memory, no such table) the device lane's."""
     texts = [p.read_text(errors="replace") for p in logs if p.exists()]
     tables = [t for text in texts for t in parse_tables(text)]
     out: dict = {}
     for agent in agents:
         puts = [t for t in tables if t["agent"] == agent and t["scope"] != "self" and t["op"].startswith(PUT)]
         unique = list({repr(t): t for t in puts}.values())
-        out[agent] = {"put_transports": put_transports(tables, agent), "put_tables": unique,
-                      "peer_lanes": sorted({lane for text in texts for lane in peer_lanes(text, agent)})}
+        lanes = sorted({lane for text in texts for lane in peer_lanes(text, agent)})
+        puts_mem = put_transports(tables, agent, mem)
+        device = device_lane_transports(lanes)
+        out[agent] = {"put_transports": puts_mem, "put_tables": unique, "peer_lanes": lanes,
+                      "device_lane": device,
+                      "carried_by": puts_mem or (device if mem == "cuda" else [])}
     return out

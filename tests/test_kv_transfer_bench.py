@@ -74,7 +74,7 @@ def test_the_benchmark_moves_the_pages_bytes_and_reports_every_ratio(tmp_path, f
     assert report["ucx"]["engine"]["peer_lanes"]
     assert report["target"]["met"] is None                    # no size >= 8K measured
     md = out.with_suffix(".md").read_text()
-    assert "| 2048 |" in md and "UCX put transports" in md and "FAILED" not in md
+    assert "| 2048 |" in md and "UCX transports of the WRITEs" in md and "FAILED" not in md
     assert (tmp_path / "logs" / "prefill.log").exists() and (tmp_path / "logs" / "decode.log").exists()
 
 
@@ -108,8 +108,35 @@ def test_ucx_tables_give_the_put_transports_towards_the_peer(tmp_path):
     log = tmp_path / "p.log"
     log.write_text(UCX_LOG)
     summary = ucx_proto.summarize([log], ["kvx-prefill", "kvx-raw-prefill"])
-    assert summary["kvx-raw-prefill"] == {"put_transports": [], "put_tables": [], "peer_lanes": []}
+    assert summary["kvx-raw-prefill"] == {"put_transports": [], "put_tables": [], "peer_lanes": [],
+                                          "device_lane": [], "carried_by": []}
     assert summary["kvx-prefill"]["peer_lanes"] == ["rma_am(tcp/lo)"]
+    # per memory type: a VRAM -> VRAM WRITE takes the cuda -> cuda table, a DRAM one the host -> host table
+    assert ucx_proto.put_transports(tables, "kvx-prefill", "cuda") == ["cuda_copy/cuda", "cuda_ipc/cuda",
+                                                                      "rc_mlx5/mlx5_0:1"]
+    assert ucx_proto.put_transports(tables, "kvx-prefill", "host") == []
+
+
+def test_without_a_cuda_put_table_the_device_lane_says_what_carried_gpu_memory(tmp_path):
+    # what UCX 1.23 printed on the H200 (two processes on GPU 0): put tables host -> host and host -> cuda only
+    log = tmp_path / "p.log"
+    log.write_text("""\
+[1.0] [vm:594  :0]   | kvx-prefill intra-node cfg#2                             |
+[1.0] [vm:594  :0]   | remote memory write by ucp_put* from host memory to host |
+[1.0] [vm:594  :0]   | Range  | Description |              Config               |
+[1.0] [vm:594  :0]   | 0..inf | zero-copy   | cma/memory                        |
+[1.0] [vm:594  :0]   | kvx-prefill intra-node cfg#2                             |
+[1.0] [vm:594  :0]   | remote memory write by ucp_put* from host memory to cuda/dev[1] |
+[1.0] [vm:594  :0]   | Range  | Description |              Config               |
+[1.0] [vm:594  :0]   | 0..inf | software emulation | tcp/lo                     |
+[1.1] [vm:594  :0]      ucp_worker.c:1997 UCX  INFO    kvx-prefill intra-node cfg#2 rma_am(tcp/lo)  amo_am(tcp/lo)  \
+device(cuda_ipc/cuda)  am(tcp/lo cma/memory cuda_ipc/cuda)  ka(tcp/lo)
+""")
+    gpu = ucx_proto.summarize([log], ["kvx-prefill"], "cuda")["kvx-prefill"]
+    assert gpu["put_transports"] == [] and gpu["device_lane"] == ["cuda_ipc/cuda"]
+    assert gpu["carried_by"] == ["cuda_ipc/cuda"]
+    host = ucx_proto.summarize([log], ["kvx-prefill"], "host")["kvx-prefill"]
+    assert host["put_transports"] == host["carried_by"] == ["cma/memory"]
 
 
 def _raw_result(written: int, equal: bool) -> dict:
@@ -169,4 +196,4 @@ def test_on_gpus_the_pages_move_vram_to_vram_over_cuda_ipc(tmp_path, decode_devi
     assert rc == 0 and all(r["checks"]["ok"] for r in report["sizes"])
     assert report["pool"]["device_names"][0].startswith("NVIDIA")
     engine_ucx = report["ucx"]["engine"]
-    assert "cuda_ipc" in json.dumps(engine_ucx["put_transports"] + engine_ucx["peer_lanes"]), engine_ucx
+    assert "cuda_ipc/cuda" in engine_ucx["carried_by"], engine_ucx
