@@ -16,10 +16,8 @@ printed, as is the largest difference seen).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-import secrets
 from pathlib import Path
 
 import httpx
@@ -159,16 +157,7 @@ def test_pd_pair_on_one_gpu_equals_a_single_process(tmp_path):
     pair = start_pair(tmp_path, extra=flags, env=env, ready_timeout_s=600)
     try:
         prompt = "".join(chr(c) for c in _prompts()[2][:700])
-        body = {"text": prompt, "sampling_params": {"max_new_tokens": 16, "temperature": 0},
-                "bootstrap_host": "127.0.0.1", "bootstrap_port": pair.bootstrap_port,
-                "bootstrap_room": secrets.randbits(63), "rid": secrets.token_hex(8)}
-
-        async def both():
-            async with httpx.AsyncClient(timeout=300) as c:
-                return await asyncio.gather(c.post(pair.prefill_url + "/generate", json=body),
-                                            c.post(pair.decode_url + "/generate", json=body))
-
-        p, d = asyncio.run(both())
+        p, d = pair.generate(prompt, 16)
         assert p.status_code == 200 and d.status_code == 200, (p.text, d.text)
         info = httpx.get(pair.decode_url + "/server_info", timeout=30).json()
     finally:

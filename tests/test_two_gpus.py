@@ -7,10 +7,8 @@ peer to peer only when the peer's GPU is visible. Not yet run: only one-GPU mach
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
-import secrets
 
 import httpx
 import pytest
@@ -37,16 +35,7 @@ def test_pd_pair_on_two_gpus_equals_a_single_process(tmp_path):
     ids = torch.tensor(PRINTABLE_IDS[:-1])
     prompt = "".join(chr(c) for c in ids[torch.randint(len(ids), (1500,), generator=g)].tolist())
     try:
-        body = {"text": prompt, "sampling_params": {"max_new_tokens": 16, "temperature": 0},
-                "bootstrap_host": "127.0.0.1", "bootstrap_port": pair.bootstrap_port,
-                "bootstrap_room": secrets.randbits(63), "rid": secrets.token_hex(8)}
-
-        async def both():
-            async with httpx.AsyncClient(timeout=300) as c:
-                return await asyncio.gather(c.post(pair.prefill_url + "/generate", json=body),
-                                            c.post(pair.decode_url + "/generate", json=body))
-
-        p, d = asyncio.run(both())
+        p, d = pair.generate(prompt, 16)
         assert p.status_code == 200 and d.status_code == 200, (p.text, d.text)
         info = httpx.get(pair.decode_url + "/server_info", timeout=30).json()
     finally:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import secrets
 import subprocess
 import sys
 import time
@@ -25,6 +27,20 @@ class WorkerPair:
     def bootstrap(self, room: int, rid: str) -> dict:
         return {"bootstrap_host": "127.0.0.1", "bootstrap_port": self.bootstrap_port, "bootstrap_room": room,
                 "rid": rid}
+
+    def generate(self, prompt: str, max_new_tokens: int, timeout_s: float = 300.0) -> tuple[httpx.Response,
+                                                                                                httpx.Response]:
+        """One greedy request through the pair, as the router sends it: the same body to prefill and decode at
+        once (a fresh room and rid). Returns (prefill's response, decode's response)."""
+        body = {"text": prompt, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0},
+                **self.bootstrap(secrets.randbits(63), secrets.token_hex(8))}
+
+        async def both():
+            async with httpx.AsyncClient(timeout=timeout_s) as c:
+                return await asyncio.gather(c.post(self.prefill_url + "/generate", json=body),
+                                            c.post(self.decode_url + "/generate", json=body))
+
+        return asyncio.run(both())
 
 
 def _wait(url: str, procs: list[subprocess.Popen], logs: list[Path], timeout_s: float = 60.0) -> None:
