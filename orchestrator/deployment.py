@@ -89,6 +89,7 @@ def up(topology_path: str, options: UpOptions) -> dict[str, Any]:
     run_dir = topology.run_dir_path
     address = options.address or topology.cluster.address
     head = None
+    _INTERRUPTED.clear()
     _interrupt_on_sigterm()
     if address is None:
         address, head = ray_cluster.start_head(run_dir / "logs" / "ray-head.log", None,
@@ -98,8 +99,10 @@ def up(topology_path: str, options: UpOptions) -> dict[str, Any]:
                            run_dir=str(run_dir), head=head, admin_token=admin_token)
     controller = None
     try:
+        _check_interrupt()       # a signal while the head started: stop it (below)
         ray_cluster.connect(address, spec.namespace)
         _interrupt_on_sigterm()  # again: ray.init replaced it
+        _check_interrupt()
         _refuse_second_controller(spec.namespace)
         write_record(record)
         controller = ray.remote(ClusterController).options(
@@ -110,7 +113,10 @@ def up(topology_path: str, options: UpOptions) -> dict[str, Any]:
         except (RayTaskError, RayActorError) as e:
             cause = e.cause if isinstance(e, RayTaskError) and e.cause is not None else e
             raise ClusterStartError(str(cause)) from e
-        return {**started, "verification": _verify(topology, started)}
+        _check_interrupt()
+        verification = _verify(topology, started)
+        _check_interrupt()
+        return {**started, "verification": verification}
     except BaseException:
         if controller is not None:
             _abandon(controller, spec)
@@ -143,8 +149,20 @@ def verify() -> VerifyReport:
     return verify_cluster(load_topology(record.topology_path), _pids(status()))
 
 
+_INTERRUPTED: list[str] = []  # the signals that arrived during this `up`
+
+
 def _raise_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name} during up")
+    _INTERRUPTED.append(signal.Signals(signum).name)
+    raise KeyboardInterrupt(f"signal {_INTERRUPTED[-1]} during up")
+
+
+def _check_interrupt() -> None:
+    """Raise the interrupt again if the handler's raise was lost: Python ignores (prints and drops) an exception
+    raised in a weakref callback or __del__, and the signal can land there. Seen in CI: SIGTERM arrived inside
+    importlib's module-lock callback, `up` went on, brought the cluster up and exited 0."""
+    if _INTERRUPTED:
+        raise KeyboardInterrupt(f"signal {_INTERRUPTED[-1]} during up")
 
 
 def _interrupt_on_sigterm() -> None:
