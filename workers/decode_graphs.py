@@ -21,7 +21,7 @@ import logging
 import torch
 
 from .kv_pool import KVPool
-from .model import Batch, TinyDSV4
+from .model import Batch, TinyDSV4, entry_table
 
 log = logging.getLogger(__name__)
 WARMUP_RUNS = 2
@@ -89,9 +89,8 @@ class DecodeGraphs:
         width = max(len(p) for p in page_lists)
         self.pages[:b, :width].copy_(padded_table(page_lists, self.pad_page))
         if self.dense is not None:   # entries of the live pages only: O(live), never the configured width
-            e = self.dense_per_page
-            live = self.pages[:b, :width].long()[:, :, None] * e + torch.arange(e, device=self.pages.device)
-            self.dense[:b, : width * e].copy_(live.reshape(b, -1))
+            self.dense[:b, : width * self.dense_per_page].copy_(entry_table(self.pages[:b, :width],
+                                                                            self.dense_per_page))
         self.tokens[:b].copy_(torch.tensor(tokens, dtype=torch.int64))
         self.positions[:b].copy_(torch.tensor(positions, dtype=torch.int64))
         if bs > b:

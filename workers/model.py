@@ -196,13 +196,13 @@ class TinyDSV4:
             outs = []
             for a, b in batch.segments:
                 n = max(int(live[b - 1]), 1)      # positions rise within a chunk: its last row sees the most
-                idx = _entry_table(batch.pages[a:a + 1], pool.entries_per_page(li))[:, :n].expand(b - a, n)
+                idx = entry_table(batch.pages[a:a + 1], pool.entries_per_page(li))[:, :n].expand(b - a, n)
                 outs.append(self.ops.sparse_decode(q[a:b], main, window[a:b], comp, idx, sink, geometry=geo,
                                                    extra_lens=live[a:b], dense=True))
             return torch.cat(outs)
         idx = batch.dense_entries
         if idx is None:
-            idx = _entry_table(batch.pages, pool.entries_per_page(li))
+            idx = entry_table(batch.pages, pool.entries_per_page(li))
         return self.ops.sparse_decode(q, main, window, comp, idx, sink, geometry=geo, extra_lens=live, dense=True)
 
     def _select(self, li: int, p: dict, h: torch.Tensor, batch: Batch, pool: KVPool) -> torch.Tensor:
@@ -231,7 +231,7 @@ def _rms_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def _entry_table(pages: torch.Tensor, per_page: int) -> torch.Tensor:
+def entry_table(pages: torch.Tensor, per_page: int) -> torch.Tensor:
     """int32 [T, P * per_page]: the rows of compressed entries 0 .. P * per_page - 1 of page tables [T, P]."""
     offs = torch.arange(per_page, device=pages.device)
     return (pages.long()[:, :, None] * per_page + offs).reshape(pages.shape[0], -1).to(torch.int32)
