@@ -31,16 +31,23 @@ class Calls:
         return sum(n for impl, n in self.counts.get(kernel, {}).items() if not (kernels_only and impl == REFERENCE))
 
 
+def read_server_info(client: httpx.Client, plan: LaunchPlan) -> dict[str, Any] | str:
+    """The worker's /server_info, or why it cannot be read (the plan must have a server_info_url)."""
+    try:
+        r = client.get(plan.server_info_url)
+        r.raise_for_status()
+        return r.json()
+    except (httpx.HTTPError, ValueError) as e:
+        return f"{plan.name}: cannot read {plan.server_info_url}: {e}"
+
+
 def read_calls(client: httpx.Client, plan: LaunchPlan) -> Calls | str:
     """The worker's counters, or why they cannot be read."""
     if plan.server_info_url is None:
         return f"{plan.name}: no /server_info to read kernel calls from"
-    try:
-        r = client.get(plan.server_info_url)
-        r.raise_for_status()
-        info: dict[str, Any] = r.json()
-    except (httpx.HTTPError, ValueError) as e:
-        return f"{plan.name}: cannot read {plan.server_info_url}: {e}"
+    info = read_server_info(client, plan)
+    if isinstance(info, str):
+        return info
     counts = info.get("kernel_calls")
     if not isinstance(counts, dict):
         return f"{plan.name}: /server_info has no kernel_calls; the engine cannot say what ran"

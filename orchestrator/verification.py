@@ -62,14 +62,8 @@ def verify_kernels(plans: tuple[LaunchPlan, ...], requested: tuple[str, ...],
                 continue
             if plan.server_info_url is None:
                 continue
-            try:
-                r = client.get(plan.server_info_url)
-                r.raise_for_status()
-                info = r.json()
-            except (httpx.HTTPError, ValueError) as e:
-                problems.append(f"{plan.name}: cannot read {plan.server_info_url}: {e}")
-                continue
-            problems += kernel_problems(plan.name, requested, info)
+            info = embedded_calls.read_server_info(client, plan)
+            problems += [info] if isinstance(info, str) else kernel_problems(plan.name, requested, info)
     return problems
 
 
