@@ -8,6 +8,7 @@ None when there is no NVIDIA driver here (no `nvidia-smi`, or it fails): the cal
 
 from __future__ import annotations
 
+import functools
 import shutil
 import subprocess
 
@@ -36,7 +37,10 @@ def parse_apps(text: str) -> list[tuple[int, str]]:
 
 def gpus_held(pids: set[int], gpus_csv: str, apps_csv: str) -> list[int]:
     """Indices of the GPUs on which any of `pids` has a CUDA context, from nvidia-smi's two CSV answers."""
-    index = parse_gpus(gpus_csv)
+    return _held(pids, parse_gpus(gpus_csv), apps_csv)
+
+
+def _held(pids: set[int], index: dict[str, int], apps_csv: str) -> list[int]:
     return sorted({index[uuid] for pid, uuid in parse_apps(apps_csv) if pid in pids and uuid in index})
 
 
@@ -51,6 +55,15 @@ def read_gpus_held(pids: set[int]) -> list[int] | None:
     if smi is None:
         return None
     try:
-        return gpus_held(pids, _smi(smi, "--query-gpu=index,uuid"), _smi(smi, "--query-compute-apps=pid,gpu_uuid"))
+        return _held(pids, _gpu_index(smi), _smi(smi, "--query-compute-apps=pid,gpu_uuid"))
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+@functools.lru_cache(maxsize=4)
+def _gpu_index(smi: str) -> dict[str, int]:
+    """{uuid: index} of this machine's GPUs: asked once per process (a `status` asks per worker; the GPUs stay)."""
+    index = parse_gpus(_smi(smi, "--query-gpu=index,uuid"))
+    if not index:            # not cached: a driver that lists no GPU now may list them next time
+        raise subprocess.SubprocessError("nvidia-smi listed no GPU")
+    return index
