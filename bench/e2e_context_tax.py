@@ -120,40 +120,40 @@ class Stack:
                 p.wait()
 
 
+def label(ctx: int, kernels: bool) -> str:
+    return f"{'kernels' if kernels else 'reference'}-ctx{ctx}"
+
+
 def start_stacks(workdir: Path, plan: list[tuple[int, bool]], args) -> dict[str, "Stack"]:
-    """Start every setting's stack at once and wait until all are ready (a stack that fails is stopped and
-    reported as an error; the others go on)."""
-    stacks: dict[str, Stack] = {}
-    for ctx, kernels in plan:
-        label = f"{'kernels' if kernels else 'reference'}-ctx{ctx}"
-        stacks[label] = Stack(workdir / label, ctx, kernels, args)
-    return stacks
+    """Start every setting's stack at once (`run_settings` waits until they are ready), by label."""
+    return {label(ctx, kernels): Stack(workdir / label(ctx, kernels), ctx, kernels, args) for ctx, kernels in plan}
 
 
 def run_interleaved(stacks: dict[str, Stack], levels: tuple[int, ...], args) -> dict[str, dict]:
     """Every concurrency level, in `args.rounds` rounds; each round runs the level once on every stack, in an order
     that rotates (and reverses every other round), so a drift in time (clocks, host load) falls on every setting
     alike. Returns {label: {"levels": [summary per level], "rounds": {c: [LevelResult dicts]}}}."""
-    out: dict[str, dict] = {label: {"levels": [], "rounds": {}} for label in stacks}
+    out: dict[str, dict] = {name: {"levels": [], "rounds": {}} for name in stacks}
     labels = list(stacks)
+
+    def level(name: str, c: int, requests: int) -> dict:
+        st = stacks[name]
+        spec = LevelSpec(requests=requests, concurrency=c, max_tokens=args.max_tokens, prompt_chars=args.prompt_chars,
+                         model=st.model)
+        return asyncio.run(run_level(st.url, spec)).to_dict()
+
     for c in levels:
-        for label in labels:          # untimed: a level's first run on a stack pays one-time costs (seen: 0.58x)
-            st = stacks[label]
-            asyncio.run(run_level(st.url, LevelSpec(requests=c, concurrency=c, max_tokens=args.max_tokens,
-                                                    prompt_chars=args.prompt_chars, model=st.model)))
+        for name in labels:          # untimed: a level's first run on a stack pays one-time costs (seen: 0.58x)
+            level(name, c, c)
         for r in range(args.rounds):
             order = labels[r % len(labels):] + labels[: r % len(labels)]
-            order = order[::-1] if r % 2 else order
-            for label in order:
-                st = stacks[label]
-                spec = LevelSpec(requests=max(c * args.waves, args.min_requests), concurrency=c,
-                                 max_tokens=args.max_tokens, prompt_chars=args.prompt_chars, model=st.model)
-                lv = asyncio.run(run_level(st.url, spec)).to_dict()
-                print(f"[context-tax] {label} c={c} round {r + 1}/{args.rounds}: decode {lv['decode_tok_s']} tok/s, "
+            for name in order[::-1] if r % 2 else order:
+                lv = level(name, c, max(c * args.waves, args.min_requests))
+                print(f"[context-tax] {name} c={c} round {r + 1}/{args.rounds}: decode {lv['decode_tok_s']} tok/s, "
                       f"TPOT p50 {lv['tpot_p50_s']}s, errors {lv['errors']}", file=sys.stderr, flush=True)
-                out[label]["rounds"].setdefault(c, []).append(lv)
-        for label in labels:
-            out[label]["levels"].append(combine(out[label]["rounds"][c]))
+                out[name]["rounds"].setdefault(c, []).append(lv)
+        for name in labels:
+            out[name]["levels"].append(combine(out[name]["rounds"][c]))
     return out
 
 
@@ -179,26 +179,24 @@ def run_settings(workdir: Path, plan: list[tuple[int, bool]], levels: tuple[int,
     try:
         ready: dict[str, float] = {}
         started = time.monotonic()
-        for label, st in list(stacks.items()):
+        for name, st in list(stacks.items()):
             try:
                 st.wait_ready()
-                ready[label] = round(time.monotonic() - started, 1)
+                ready[name] = round(time.monotonic() - started, 1)
             except (RuntimeError, TimeoutError, httpx.HTTPError) as e:    # one setting failed: say so, go on
-                print(f"[context-tax] {label} failed: {e}", file=sys.stderr, flush=True)
+                print(f"[context-tax] {name} failed: {e}", file=sys.stderr, flush=True)
                 st.stop()
-                del stacks[label]
-                ctx, kernels = next((c, k) for c, k in plan if label.endswith(f"ctx{c}")
-                                    and label.startswith("kernels" if k else "reference"))
-                settings.append({"label": label, "context": ctx, "kernels": kernels, "error": str(e)[-3000:],
-                                 "levels": []})
+                del stacks[name]
+                settings.append({"label": name, "context": st.context, "kernels": st.kernels,
+                                 "error": str(e)[-3000:], "levels": []})
         results = run_interleaved(stacks, levels, args) if stacks else {}
-        for label, st in stacks.items():
-            settings.append({"label": label, "context": st.context, "kernels": st.kernels, "ready_s": ready[label],
-                             **results[label], "decode_server_info": st.decode_info()})
+        for name, st in stacks.items():
+            settings.append({"label": name, "context": st.context, "kernels": st.kernels, "ready_s": ready[name],
+                             **results[name], "decode_server_info": st.decode_info()})
     finally:
         for st in stacks.values():
             st.stop()
-    order = [f"{'kernels' if k else 'reference'}-ctx{c}" for c, k in plan]
+    order = [label(c, k) for c, k in plan]
     return sorted(settings, key=lambda s: order.index(s["label"]))
 
 
@@ -223,12 +221,12 @@ def ratios(settings: list[dict]) -> dict:
     base = contexts[0]
     for ctx in contexts[1:]:
         for c in CONCURRENCY:
-            a, b = rounds(f"kernels-ctx{ctx}", c), rounds(f"kernels-ctx{base}", c)
+            a, b = rounds(label(ctx, True), c), rounds(label(base, True), c)
             key = f"ctx{ctx}_c{c}"
             out["context_vs_8k"][key] = per_round(a, b, "decode_tok_s") if a and b else None
             out["tpot_8k_over_context"][key] = per_round(a, b, "tpot_p50_s", invert=True) if a and b else None
     for c in CONCURRENCY:
-        a, b = rounds(f"kernels-ctx{base}", c), rounds(f"reference-ctx{base}", c)
+        a, b = rounds(label(base, True), c), rounds(label(base, False), c)
         if b and a:
             ka = statistics.median(lv["decode_tok_s"] for lv in a)
             kb = statistics.median(lv["decode_tok_s"] for lv in b)
