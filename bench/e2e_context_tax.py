@@ -37,7 +37,7 @@ from pathlib import Path
 
 import httpx
 
-from ..orchestrator.ports import free_ports
+from dsv4_cluster.orchestrator.launch.ports import free_ports
 from .loadgen import LevelSpec, run_level
 
 KERNELS = "sparse_mla_decode,indexer,topk"

@@ -31,8 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..orchestrator.ports import free_ports
-from ..orchestrator.processes import death_signal_preexec, log_tail
+from dsv4_cluster.orchestrator.launch.ports import free_ports
+from dsv4_cluster.orchestrator.processes import death_signal_preexec, log_tail
 from ..workers.presets import PRESETS
 from . import ucx_proto
 from .kv_transfer_sides import PREFILL_AGENT, RAW_PREFILL_AGENT, build_pool

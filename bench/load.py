@@ -29,7 +29,7 @@ from pathlib import Path
 
 import yaml
 
-from ..orchestrator.ports import free_ports
+from dsv4_cluster.orchestrator.launch.ports import free_ports
 from .loadgen import LevelSpec, run_level
 
 CLI = [sys.executable, "-m", "dsv4_cluster.orchestrator"]

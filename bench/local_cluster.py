@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dsv4_cluster.orchestrator.ports import free_ports
+from dsv4_cluster.orchestrator.launch.ports import free_ports
 
 
 def embedded_topology(folder: Path, namespace: str, decodes: int = 1, context_length: int = 512,

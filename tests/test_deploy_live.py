@@ -18,7 +18,7 @@ import yaml
 
 from dsv4_cluster import metric_names as m
 from dsv4_cluster.deploy.grafana.dashboards import dashboards, panel_queries
-from dsv4_cluster.orchestrator.ports import free_ports
+from dsv4_cluster.orchestrator.launch.ports import free_ports
 
 from .cluster_cli import LocalCluster, write_topology
 from .deploy_tools import require_tool

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from dsv4_cluster.orchestrator.ray_env import prepare_ray_env
+from dsv4_cluster.orchestrator.cluster.ray_env import prepare_ray_env
 
 from .cluster_cli import write_topology
 

@@ -10,11 +10,11 @@ import httpx
 import pytest
 import yaml
 
-from dsv4_cluster.orchestrator import sglang_capacity as sg
-from dsv4_cluster.orchestrator.capacity import embedded_bytes_per_token, predict, predict_sglang
-from dsv4_cluster.orchestrator.cli import main
-from dsv4_cluster.orchestrator.plan import cluster_plans
-from dsv4_cluster.orchestrator.topology import load_topology, topology_from_data
+from dsv4_cluster.orchestrator.launch import sglang_capacity as sg
+from dsv4_cluster.orchestrator.launch.capacity import embedded_bytes_per_token, predict, predict_sglang
+from dsv4_cluster.orchestrator.cli.main import main
+from dsv4_cluster.orchestrator.launch.plan import cluster_plans
+from dsv4_cluster.orchestrator.topology.load import load_topology, topology_from_data
 from dsv4_cluster.tests.servers import free_port
 from dsv4_cluster.tests.worker_procs import _wait
 from dsv4_cluster.workers.kv_pool import KVPool
@@ -159,7 +159,7 @@ def test_embedded_prediction_equals_server_info(tmp_path: Path) -> None:
 
 
 def test_status_shows_predicted_capacity_and_flags_a_miss_over_5_percent() -> None:
-    from dsv4_cluster.orchestrator.deployment import with_predicted_capacity
+    from dsv4_cluster.orchestrator.cluster.deployment import with_predicted_capacity
 
     rows = [{"name": "prefill-0", "kv_capacity_tokens": 16384}, {"name": "decode-0", "kv_capacity_tokens": 15000},
             {"name": "router", "kv_capacity_tokens": None}]
