@@ -64,7 +64,7 @@ def embedded_bytes_per_token(preset: str = "tiny", device: str = "cpu", kv_cache
 
 
 def _embedded_preset(worker: Any) -> str:
-    from dsv4_cluster.orchestrator.topology.rules import embedded_preset
+    from dsv4_cluster.orchestrator.topology.engine_rules import embedded_preset
 
     return embedded_preset({"extra_args": _worker_args(worker)})
 

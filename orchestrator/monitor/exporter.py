@@ -158,7 +158,8 @@ class _Collector:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m dsv4_cluster.orchestrator.monitor.exporter", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m dsv4_cluster.orchestrator.monitor.exporter",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     args = p.parse_args(argv)

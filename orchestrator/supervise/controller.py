@@ -26,7 +26,8 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from dsv4_cluster.orchestrator.supervise.actor_record import ActorRecord, current_actor_id, record_path, write_actor_record
+from dsv4_cluster.orchestrator.supervise.actor_record import (
+    ActorRecord, current_actor_id, record_path, write_actor_record)
 from dsv4_cluster.orchestrator.errors import ClusterStartError, UnknownWorkerError
 from dsv4_cluster.core import Role
 from dsv4_cluster.orchestrator.verify.deep_probe import DeepProber

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import secrets
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +23,7 @@ from dsv4_cluster.core import WorkerState
 from dsv4_cluster.orchestrator.launch.plan import LaunchPlan
 
 TOKEN_BYTES = 32
+logger = logging.getLogger(__name__)
 
 
 class RouterAdminError(RuntimeError):
@@ -91,3 +95,28 @@ class RouterAdmin:
 
     def close(self) -> None:
         self._http.close()
+
+
+class StateReporter:
+    """Tells the router a worker's state unless it has it already; a failure waits for the next call
+    (the router may not be up yet, or be restarting)."""
+
+    def __init__(self, admin: RouterAdmin) -> None:
+        self._admin = admin
+        self._told: tuple[WorkerState, str | None] | None = None  # what the router acknowledged
+        self._lock = threading.Lock()
+
+    def report(self, name: str, read: Callable[[], tuple[WorkerState, str | None]], again: bool = False) -> None:
+        """Tell the router the state `read()` returns, read under this reporter's lock so two callers
+        never send out of order; `again`: even if the router has it, for a router that restarted and forgot."""
+        with self._lock:
+            state, error = read()
+            current = (state, (error or "").split("\n")[0][:300] or None)
+            if current == self._told and not again:
+                return
+            try:
+                self._admin.set_state(name, *current)
+            except RouterAdminError as e:
+                logger.debug("router not told of %s %s yet: %s", name, state.value, e)
+                return
+            self._told = current

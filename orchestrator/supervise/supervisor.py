@@ -33,29 +33,26 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
 
-from dsv4_cluster.core import KvUsage, Role, WorkerState, WorkerStatus
+from dsv4_cluster.core import Role, WorkerState
 from dsv4_cluster.orchestrator.supervise.actor_record import (
     ActorRecord, current_actor_id, read_actor_record, reap_worker, record_path, write_actor_record)
 from dsv4_cluster.orchestrator.launch.plan import LaunchPlan
-from dsv4_cluster.orchestrator.readback.pinning import pinning_report
 from dsv4_cluster.orchestrator.supervise.policy import CrashWindow, HealthPolicy, RestartPolicy
 from dsv4_cluster.orchestrator.processes import (
-    death_signal_preexec, group_members, log_tail, signal_group, start_time)
-from dsv4_cluster.orchestrator.verify.kernels import attested_kernels
-from dsv4_cluster.orchestrator.readback.probe import ProbeError, engine_info, first_unready
-from dsv4_cluster.orchestrator.supervise.router_admin import RouterAdmin, RouterAdminError, RouterLink
-from dsv4_cluster.orchestrator.readback.stranded import stranded_kv
+    group_members, log_tail, signal_group, start_time)
+from dsv4_cluster.orchestrator.readback.probe import first_unready
+from dsv4_cluster.orchestrator.supervise.router_admin import RouterAdmin, RouterLink, StateReporter
+from dsv4_cluster.orchestrator.supervise.spawn import spawn
+from dsv4_cluster.orchestrator.supervise.status_row import status_row
 
 __all__ = ["HealthPolicy", "RestartPolicy", "WorkerStartError", "WorkerSupervisor", "log_tail"]
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.2
-STATUS_TAIL_LINES = 10  # of a worker that is not READY, in `status`
 RETELL_EVERY_POLLS = 15  # the router hears the state again this often, in case it restarted
 RESUME_TIMEOUT_S = 300.0  # a resumed worker's start timeout when its record lacks one
 HISTORY_LENGTH = 20  # state changes kept for `status` (with the supervisor's own timestamps)
@@ -90,9 +87,7 @@ class WorkerSupervisor:
         self._error: str | None = None
         self._thread: threading.Thread | None = None
         self._http = httpx.Client(timeout=httpx.Timeout(health.timeout_s, connect=min(health.timeout_s, 1.0)))
-        self._admin = RouterAdmin(router) if router is not None else None
-        self._told: tuple[WorkerState, str | None] | None = None  # what the router acknowledged
-        self._tell_lock = threading.Lock()
+        self._reporter = StateReporter(RouterAdmin(router)) if router is not None else None
         self._history: deque[dict[str, Any]] = deque(maxlen=HISTORY_LENGTH)
         self._record_path = record_path(plan.cwd, f"supervisor-{plan.name}")
         self._actor_id = current_actor_id()
@@ -137,48 +132,19 @@ class WorkerSupervisor:
         self._tell_router()
 
     def _tell_router(self, again: bool = False) -> None:
-        """Report the current state to the router unless it has it already (`again`: even then, for
-        a router that restarted and forgot); failures wait for the next poll (the router may not
-        be up yet, or be restarting)."""
-        if self._admin is None:
-            return
-        with self._tell_lock:
-            with self._lock:
-                current = (self._state, (self._error or "").split("\n")[0][:300] or None)
-            if current == self._told and not again:
-                return
-            try:
-                self._admin.set_state(self._plan.name, *current)
-            except RouterAdminError as e:
-                logger.debug("router not told of %s %s yet: %s", self._plan.name, current[0].value, e)
-                return
-            self._told = current
+        """Report the current state to the router (`StateReporter`); `again`: even if it has it."""
+        if self._reporter is not None:
+            self._reporter.report(self._plan.name, self._current, again)
 
-    def _spawn(self) -> subprocess.Popen[bytes]:
-        plan = self._plan
-        Path(plan.log_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(plan.cwd).mkdir(parents=True, exist_ok=True)
-        for path, text in plan.files:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # the router's settings
-            os.fchmod(fd, 0o600)                                                # hold the admin token
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-        with open(plan.log_path, "ab") as log:
-            stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
-            log.write(f"=== {stamp} supervisor starts: {' '.join(plan.argv)}\n".encode())
-            log.flush()
-            return subprocess.Popen(
-                list(plan.argv), cwd=plan.cwd, env={**os.environ, **plan.env_dict},
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True, preexec_fn=death_signal_preexec(os.getpid()),
-            )
+    def _current(self) -> tuple[WorkerState, str | None]:
+        with self._lock:
+            return self._state, self._error
 
     def _launch(self, timeout_s: float) -> _Failure | None:
         """Spawn and wait until ready: None when READY, else why not (the process is dead)."""
         plan = self._plan
         try:
-            proc = self._spawn()
+            proc = spawn(self._plan)
         except OSError as e:
             return _Failure(f"could not spawn {plan.argv[0]!r}: {e}", retry=False)
         self._proc = proc
@@ -341,39 +307,11 @@ class WorkerSupervisor:
 
     def status(self) -> dict[str, Any]:
         """This worker's status row as a dict (see WorkerStatus)."""
-        plan = self._plan
         with self._lock:
             state, error, restarts, history = self._state, self._error, self._restarts, list(self._history)
         proc = self._proc
         pid = proc.pid if proc is not None and proc.returncode is None else None
-        kv: KvUsage | None = None
-        stranded: dict[str, int] | None = None
-        kernels: tuple[tuple[str, str], ...] = ()
-        if state is WorkerState.READY and plan.server_info_url is not None:
-            try:
-                info = engine_info(self._http, plan.server_info_url, plan.metrics_url)
-                kv, kernels = info.kv, info.kernels
-            except (httpx.HTTPError, ProbeError, ValueError) as e:
-                error = f"/server_info probe failed: {e}"
-            kernels = kernels or attested_kernels(plan, pid)  # SGLang: its ranks attest, not /server_info
-            stranded = self._stranded_kv()
-        troubled = state in (WorkerState.DEGRADED, WorkerState.RESTARTING, WorkerState.FAILED)
-        return WorkerStatus(
-            name=plan.name, role=plan.role, node=plan.node, state=state, pid=pid,
-            port=plan.port, restarts=restarts, kv=kv, log_path=plan.log_path, error=error,
-            kernels=kernels, log_tail=log_tail(plan.log_path, STATUS_TAIL_LINES) if troubled else None,
-            pinning=pinning_report(plan, pid) if pid is not None else None, stranded_kv=stranded, history=history,
-        ).to_dict()
-
-    def _stranded_kv(self) -> dict[str, int] | None:
-        """A prefill's stranded-KV numbers from its /metrics (None: not a prefill, or not exported)."""
-        if self._plan.role is not Role.PREFILL or self._plan.metrics_url is None:
-            return None
-        try:
-            return stranded_kv(self._http, self._plan.metrics_url)
-        except httpx.HTTPError as e:
-            logger.debug("%s: no stranded-KV numbers: %s", self._plan.name, e)
-            return None
+        return status_row(self._plan, self._http, state, error, restarts, history, pid)
 
     def ray_node(self) -> str | None:
         """The Ray node this supervisor (an actor) runs on; None outside Ray."""

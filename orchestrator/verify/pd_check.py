@@ -40,7 +40,7 @@ def router_url(topology: Any) -> str:
 
 def single_process_tokens(topology: Any, prompt_ids: list[int]) -> list[int]:
     from dsv4_cluster.orchestrator.launch.plan import requested_kernels
-    from dsv4_cluster.orchestrator.topology.rules import embedded_preset
+    from dsv4_cluster.orchestrator.topology.engine_rules import embedded_preset
     from dsv4_cluster.workers.presets import model_config
     from dsv4_cluster.workers.runner import ModelRunner, RunnerConfig, generate_single_process
     from dsv4_cluster.workers.sampling import SamplingParams
