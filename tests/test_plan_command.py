@@ -10,6 +10,7 @@ import httpx
 import pytest
 import yaml
 
+from dsv4_cluster.core import Role
 from dsv4_cluster.orchestrator.launch import sglang_capacity as sg
 from dsv4_cluster.orchestrator.launch.capacity import embedded_bytes_per_token, predict, predict_sglang
 from dsv4_cluster.orchestrator.cli.main import main
@@ -51,7 +52,7 @@ def test_plan_takes_the_gpu_inputs(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     used = [line.split()[:4] for line in out.splitlines() if line.startswith(("prefill-0 ", "decode-0 "))
             and "*" in line.split()[2]]
-    assert used[0][2] == f"{sg.default_mem_fraction(81559, 'prefill', 4):.3f}*"
+    assert used[0][2] == f"{sg.default_mem_fraction(81559, Role.PREFILL, 4):.3f}*"
     pool = sg.size_pool(sg.DSV4_FLASH, available=sg.available_bytes(78.5, 22.5, 0.8),
                         mem_fraction=0.8)
     assert ["decode-0", "sglang", "0.800", str(pool.max_total_num_tokens)] in \

@@ -12,6 +12,7 @@ import json
 
 import pytest
 
+from dsv4_cluster.core import Role
 from dsv4_cluster.orchestrator.launch import sglang_capacity as sg
 from dsv4_cluster.orchestrator.launch.plan import cluster_plans
 from dsv4_cluster.orchestrator.topology.load import load_topology
@@ -68,7 +69,7 @@ def sglang_sized() -> dict[str, dict]:
 def _ours(case: dict) -> tuple[float, sg.PoolSize]:
     o = case["ours"]
     fraction = o["fraction"] if o["fraction"] is not None else \
-        sg.default_mem_fraction(case["gpu_total_mib"], o["role"], o["tp"])
+        sg.default_mem_fraction(case["gpu_total_mib"], Role(o["role"]), o["tp"])
     available = sg.available_bytes(o["pre"], o["weights"], fraction)
     pool = sg.size_pool(sg.DSV4_FLASH, available=available, mem_fraction=fraction, max_total_tokens=o["max_total_tokens"],
                         pre_gib=o["pre"], weights_gib=o["weights"])

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from dsv4_cluster.core import Role
 from dsv4_cluster.orchestrator.launch import sglang_capacity as sg
 from dsv4_cluster.orchestrator.launch.sglang import KERNELS_NEED_KV_DTYPE, SGLANG_KV_DTYPE
 
@@ -83,7 +84,7 @@ def sglang_fractions(worker: Any, gpu: sg.GpuInputs) -> tuple[float, list[float]
     explicit, unmodelled = sg.sizing_flags(_worker_args(worker))
     if unmodelled:
         raise sg.SizingError(f"extra_args {', '.join(unmodelled)} change SGLang's sizing in ways not followed here")
-    role = str(getattr(worker.role, "value", worker.role))
+    role = Role(worker.role)
     used = explicit if explicit is not None else sg.default_mem_fraction(gpu.total_mib, role, worker.tp)
     return used, sorted({used, 0.80, 0.85, 0.88, 0.90, 0.92})
 

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dsv4_cluster.core import Role
+
 SIZING_VERSION = "0.5.23"
 GIB = 1 << 30
 CUDA_CONTEXT_GIB = 1.21  # nvidia-smi total minus free after CUDA init, measured on an H200 (GpuInputs)
@@ -170,7 +172,7 @@ def c128_state_bytes(g: DSV4Geometry, request_slots: int) -> int:
     return rows * 2 * g.attn_head_dim * STATE_DTYPE_BYTES * g.layers(128)
 
 
-def default_mem_fraction(total_mib: float, role: str, tp: int) -> float:
+def default_mem_fraction(total_mib: float, role: Role, tp: int) -> float:
     """SGLang's default `--mem-fraction-static` for a DeepSeek-V4 PD server (memory_hook.py): GPU memory
     minus a reserve for activations and CUDA graphs (prefill servers capture none, decode servers do).
     The decode activation estimate uses the graph batch size: `max_running_requests` is still unset when
@@ -184,7 +186,7 @@ def default_mem_fraction(total_mib: float, role: str, tp: int) -> float:
         chunked_prefill, decode_max_bs = 4096, (32 if tp < 4 else 160)
     else:
         chunked_prefill, decode_max_bs = 8192, (256 if tp < 4 else 512)
-    if role == "decode":
+    if role == Role.DECODE:
         reserved = 512 + max(decode_max_bs, 2048) * 1.5 + tp / 8 * 1024 + decode_max_bs * 2
     else:
         reserved = 512 + max(chunked_prefill, 2048) * 1.5 + tp / 8 * 1024

@@ -11,11 +11,10 @@ from typing import Any, get_args
 
 from pydantic import BaseModel
 
-from dsv4_cluster.core import KERNEL_NAMES
+from dsv4_cluster.core import KERNEL_NAMES, WORKER_ROLES, Role
 from .schema import ENGINE_DEFAULTS, EngineName, KernelsConfig, WorkerDefaults, default_nodes
 
 Path_ = tuple[Any, ...]
-ROLES = ("prefill", "decode")
 
 
 @dataclass(frozen=True)
@@ -27,18 +26,18 @@ class Finding:
 
 @dataclass(frozen=True)
 class WorkerEntry:
-    role: str
+    role: Role
     index: int
     raw: dict[Any, Any]
 
     @property
     def path(self) -> Path_:
-        return (self.role, self.index)
+        return (self.role.value, self.index)
 
     @property
     def label(self) -> str:
         name = self.raw.get("name")
-        where = f"{self.role}[{self.index}]"
+        where = f"{self.role.value}[{self.index}]"
         return f"{name} ({where})" if isinstance(name, str) else where
 
 
@@ -89,8 +88,8 @@ class RuleContext:
 
 def build_context(data: dict[Any, Any]) -> RuleContext:
     workers = []
-    for role in ROLES:
-        items = data.get(role)
+    for role in WORKER_ROLES:
+        items = data.get(role.value)
         if isinstance(items, list):
             workers += [WorkerEntry(role, i, w) for i, w in enumerate(items) if isinstance(w, dict)]
     raw_nodes = data.get("nodes")

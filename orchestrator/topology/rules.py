@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any, get_args
 
+from dsv4_cluster.core import Role
 from .errors import format_field
 from dsv4_cluster.orchestrator.launch.sglang import DSV4_PAGE_SIZE, SGLANG_KV_DTYPE
 from .engine_rules import engine_needs
@@ -26,7 +27,7 @@ def check_rules(data: dict[Any, Any]) -> list[Finding]:
 def _role_matches_list(ctx: RuleContext) -> Iterator[Finding]:
     for w in ctx.workers:
         if "role" in w.raw and w.raw["role"] != w.role:
-            yield Finding(w.path + ("role",), f"worker listed under {w.role} says role: {w.raw['role']!r}",
+            yield Finding(w.path + ("role",), f"worker listed under {w.role.value} says role: {w.raw['role']!r}",
                           "remove 'role': the list a worker is in sets it (move the worker to the other list "
                           "if that is what you meant)")
 
@@ -130,10 +131,10 @@ def _ports_distinct(ctx: RuleContext) -> Iterator[Finding]:
 def _bootstrap_ports(ctx: RuleContext) -> Iterator[Finding]:
     for w in ctx.workers:
         has = w.raw.get("bootstrap_port") is not None
-        if w.role == "prefill" and not has:
+        if w.role is Role.PREFILL and not has:
             yield Finding(w.path + ("bootstrap_port",), f"prefill worker {w.label} has no bootstrap_port",
                           "add bootstrap_port: <free port>, e.g. 8998 (decode workers fetch KV routes from it)")
-        if w.role == "decode" and has:
+        if w.role is Role.DECODE and has:
             yield Finding(w.path + ("bootstrap_port",), "decode workers run no bootstrap server",
                           "remove bootstrap_port from this decode worker")
 
@@ -161,7 +162,7 @@ def _kv_layout_agrees(ctx: RuleContext) -> Iterator[Finding]:
     """P and D copy KV pages as-is: page size and KV dtype must agree as the engine will run them."""
     valid = {"page_size": lambda v: as_int(v) is not None and v > 0,
              "kv_cache_dtype": lambda v: v in get_args(KvCacheDtype)}
-    prefills = [w for w in ctx.workers if w.role == "prefill"]
+    prefills = [w for w in ctx.workers if w.role is Role.PREFILL]
     if not prefills:
         return
     reference = prefills[0]

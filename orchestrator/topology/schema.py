@@ -17,13 +17,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
+from dsv4_cluster.core import WORKER_ROLES, Role
 from dsv4_cluster.orchestrator.launch.sglang import DSV4_PAGE_SIZE
 from .errors import UnknownNameError
 
 EngineName = Literal["embedded", "sglang"]
 KvCacheDtype = Literal["auto", "bf16", "fp8_e4m3"]
 Device = Literal["cpu", "cuda"]
-Role = Literal["prefill", "decode"]
 TransferBackend = Literal["nixl", "tcp"]
 
 _NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$"
@@ -140,10 +140,10 @@ class Topology(_Strict):
         data = dict(data)
         if "nodes" in data and data["nodes"] is None:
             del data["nodes"]
-        for role in ("prefill", "decode"):
-            workers = data.get(role)
+        for role in WORKER_ROLES:
+            workers = data.get(role.value)
             if isinstance(workers, list):
-                data[role] = [{**w, "role": role} if isinstance(w, dict) else w for w in workers]
+                data[role.value] = [{**w, "role": role} if isinstance(w, dict) else w for w in workers]
         return data
 
     @model_validator(mode="after")

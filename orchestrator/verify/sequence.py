@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from dsv4_cluster.core import Role
 from dsv4_cluster.kernels.sglang_plugin.attestation import COUNTER_PERIOD_S
 from dsv4_cluster.kernels.sglang_plugin.settings import ATTEST_DIR_ENV, KERNELS_ENV
 from dsv4_cluster.orchestrator.verify import embedded_calls
@@ -100,9 +101,9 @@ def verify_cluster(topology: Any, pids: dict[str, int | None]) -> VerifyReport:
     workers, _ = cluster_plans(topology)
     requested = requested_kernels(topology)
     report.problems += verify_kernels(tuple(workers), requested, pids)
-    counted = [p for p in workers if p.role.value == "decode" and _attested(p) and requested]
+    counted = [p for p in workers if p.role is Role.DECODE and _attested(p) and requested]
     before = {p.name: read_counts(_attested(p), p.tp) for p in counted}
-    embedded = [p for p in workers if p.role.value == "decode" and not _attested(p) and requested
+    embedded = [p for p in workers if p.role is Role.DECODE and not _attested(p) and requested
                 and str(topology.engine) == "embedded"]
     calls_before = embedded_calls.snapshot(embedded)
     base = router_url(topology) + "/v1"
@@ -139,7 +140,7 @@ def verify_cluster(topology: Any, pids: dict[str, int | None]) -> VerifyReport:
     if drop:
         report.warnings.append(drop)
     if str(topology.engine) == "sglang":
-        for p in (w for w in workers if w.role.value == "decode"):
+        for p in (w for w in workers if w.role is Role.DECODE):
             if not _graph_passes(p):
                 report.warnings.append(f"{p.name}: {CUDA_GRAPH_METRIC} is 0 or missing: decode may run eager")
     if report.ok and not drop:
