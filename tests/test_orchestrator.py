@@ -17,7 +17,7 @@ import pytest
 from dsv4_cluster.orchestrator.launch.ports import port_is_free
 from dsv4_cluster.orchestrator.processes import pid_alive
 
-from .cluster_cli import CLI, run_cli, write_topology
+from dsv4_cluster.bench.local_cluster import CLI, run_cli, write_topology
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@
     dsv4-cluster drain WORKER [--deadline S] | restart WORKER | logs NAME [-f] [-n N]
     dsv4-cluster install-service FILE [--dry-run]   (service.py)
     dsv4-cluster monitor up|down FILE                (monitor.py)
-    dsv4-cluster bench URL [--concurrency 1,4,16] ... (bench/sweep.py: load a router, tok/s, TTFT, TPOT)
+    dsv4-cluster bench URL [--concurrency 1,4,16] ... (load/sweep.py: load a router, tok/s, TTFT, TPOT)
 
 Exit codes: 0 success; 1 the cluster failed (to start, to answer, to stop cleanly); 2 nothing
 was started because the topology or this machine is not fit (every problem is printed).
@@ -28,7 +28,7 @@ from dsv4_cluster.orchestrator.cli.ops import (
     WATCH_INTERVAL_S, add_operation_commands, run_operation, watch_status)
 from dsv4_cluster.orchestrator.errors import (
     AlreadyUpError, ClusterStartError, NotUpError, PreflightError, RayClusterError)
-from dsv4_cluster.bench import sweep
+from dsv4_cluster.orchestrator.load import sweep
 from dsv4_cluster.orchestrator.cli import service
 from dsv4_cluster.orchestrator.monitor import stack as monitor
 from dsv4_cluster.orchestrator.cluster.options import DownOptions, UpOptions

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from .loadgen import LevelResult, LevelSpec, Progress, run_level
+from dsv4_cluster.orchestrator.load.loadgen import LevelResult, LevelSpec, Progress, run_level
 
 EXIT_OK, EXIT_UNREACHABLE, EXIT_ERRORS = 0, 1, 2
 
