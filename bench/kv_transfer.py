@@ -31,12 +31,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..orchestrator.ports import free_ports
-from ..orchestrator.processes import death_signal_preexec, log_tail
+from dsv4_cluster.orchestrator.launch.ports import free_ports
+from dsv4_cluster.orchestrator.processes import death_signal_preexec, log_tail
 from ..workers.presets import PRESETS
 from . import ucx_proto
 from .kv_transfer_sides import PREFILL_AGENT, RAW_PREFILL_AGENT, build_pool
-from .loadgen import percentile
+from dsv4_cluster.orchestrator.load.loadgen import percentile
 
 SIZES = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 TARGET_RATIO, TARGET_MIN_TOKENS = 0.8, 8192     # issue 20: engine >= 80% of raw NIXL for >= 8K tokens
