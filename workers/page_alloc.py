@@ -66,8 +66,10 @@ class PageAllocator:
 
     def release(self, pages: list[int]) -> None:
         """Give pages back; runs of consecutive pages merge with their free neighbours."""
-        for start, length in _runs(sorted(pages)):
+        runs = _runs(sorted(pages))
+        for start, length in runs:          # all checked before any is taken: a refused call changes nothing
             self._check_free(start, length)
+        for start, length in runs:
             self._insert(start, length)
             self._free += length
 
