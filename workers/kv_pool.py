@@ -145,6 +145,11 @@ class KVPool:
     def used_tokens(self) -> int:
         return (self.layout.num_pages - self._reserved - len(self._free)) * self.layout.page_size
 
+    @property
+    def free_runs(self) -> list[tuple[int, int]]:
+        """The free pages as runs of consecutive pages, (first page, pages) (what a request's pages come from)."""
+        return self._free.runs
+
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.layout.page_size)
 
