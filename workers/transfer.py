@@ -185,6 +185,17 @@ class NixlTransfer:
                 self._release(handle)
         return state
 
+    def abandon(self, handle) -> bool:
+        """Give up a WRITE still in flight: True if NIXL cancelled it (nothing more will be written or read),
+        False if NIXL refused, so the transfer may still move bytes (poll it until it ends)."""
+        with self._lock:
+            try:
+                self._agent.release_xfer_handle(handle)
+            except self._nixl_errors as exc:
+                log.warning("NIXL could not cancel a KV write past its deadline: %r", exc)
+                return False
+        return True
+
     def _release(self, handle) -> None:
         """Free a transfer handle; NIXL refusing (it could not cancel) leaves it to NIXL's teardown."""
         if handle is None:
