@@ -138,3 +138,19 @@ def test_pages_a_write_may_still_read_stay_out_of_the_pool_until_nixl_lets_go():
     assert runner.pool.used_tokens == 0 and not engine.pending()
     assert transfer.sent[-1][1]["room"] == 9 and "ended" in transfer.sent[-1][1]["failed"]
     assert engine.destinations.agent_of(9) is None
+
+
+def test_the_prefill_role_captures_no_decode_graphs_and_takes_the_write_deadline():
+    """A prefill never decodes: its runner is built without CUDA graphs (start-up time and GPU memory), whatever
+    --cuda-graph-max-bs says; a decode keeps them. The topology's write deadline reaches the prefill's engine."""
+    from dsv4_cluster.workers.args import parse_args
+    from dsv4_cluster.workers.decode.server import DecodeServer
+    from dsv4_cluster.workers.prefill.server import PrefillServer
+
+    argv = ["--device", "cpu", "--cuda-graph-max-bs", "32"]
+    boot = ["--disaggregation-bootstrap-port", "8998"]
+    prefill = PrefillServer(parse_args("prefill", [*argv, *boot, "--write-timeout-s", "7"]))
+    assert prefill.runner_config().cuda_graph_max_bs == 0 and prefill.args.write_timeout_s == 7.0
+    assert DecodeServer(parse_args("decode", argv)).runner_config().cuda_graph_max_bs == 32
+    with pytest.raises(SystemExit):
+        parse_args("prefill", [*boot, "--write-timeout-s", "0"])
