@@ -35,13 +35,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..orchestrator.ports import free_ports
-from ..orchestrator.processes import death_signal_preexec, log_tail
+from dsv4_cluster.orchestrator.launch.ports import free_ports
+from dsv4_cluster.orchestrator.processes import death_signal_preexec, log_tail
 from ..workers.presets import PRESETS
 from . import ucx_proto
 from .kv_transfer_parts import build_pool
 from .kv_transfer_sides import PREFILL_AGENT, PREPPED_PREFILL_AGENT, RAW_PREFILL_AGENT
-from .loadgen import percentile
+from dsv4_cluster.orchestrator.load.loadgen import percentile
 
 SIZES = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 # engine >= 80% of raw NIXL for requests >= 8K tokens, >= 50% at 1K

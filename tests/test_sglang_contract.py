@@ -19,8 +19,8 @@ import pytest
 from dsv4_cluster.kernels import sglang_adapters
 from dsv4_cluster.kernels.sglang_plugin.call_sites import CALL_SITES, check_call_site, module_source
 from dsv4_cluster.kernels.sglang_plugin.settings import ATTEST_DIR_ENV, KERNELS_ENV, SGLANG_VERSION
-from dsv4_cluster.orchestrator.plan import cluster_plans
-from dsv4_cluster.orchestrator.topology import load_topology
+from dsv4_cluster.orchestrator.launch.plan import cluster_plans
+from dsv4_cluster.orchestrator.topology.load import load_topology
 from dsv4_cluster.tests.sglang_support import REPO, require_sglang
 from dsv4_cluster.tests.sglang_support import child as _child
 from dsv4_cluster.tests.sglang_support import server_argv as _server_argv

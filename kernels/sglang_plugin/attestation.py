@@ -4,7 +4,7 @@
 rank, pid, GPU, SGLang and project versions, and per kernel the call sites that hold our function.
 `counters-rank{R}.json` is rewritten every `COUNTER_PERIOD_S` by a daemon thread with the device
 counters (copied on a side stream, so it never waits for the model's work). `dsv4-cluster verify`
-reads both (orchestrator/kernel_verify.py); the formats are this module's, both sides import it.
+reads both (orchestrator/verify/kernels.py); the formats are this module's, both sides import it.
 """
 
 from __future__ import annotations
