@@ -8,10 +8,12 @@ each holding the engine's own KV pool for the preset (`flash` by default: its 4 
 buffers; fp8 on CUDA, one page-major region) in the state `--pages` asks for (fresh; churned by thousands of
 allocate/free cycles of mixed sizes; scattered, the worst case), and the engine's own `NixlTransfer`. For each
 request size (1K ... 128K tokens) it times, interleaved, over `--repeats` trials:
-1. engine: `NixlTransfer.write_pages` of the pages the engine's allocator gave the request on each side (one
-   descriptor per region and run of pages, a new list per request), until the prefill's poll says DONE and the
-   decode side has the notification;
-2. prepped: the same through a descriptor list prepared once per peer (`descriptors="prepped"`);
+1. engine: `NixlTransfer.write_pages` of the pages the engine's allocator gave the request on each side, as the
+   engine sends them (descriptor lists prepared once per peer, per request only the pages' indices, which NIXL
+   merges into one descriptor per run of pages), until the prefill's poll says DONE and the decode side has the
+   notification;
+2. runs: the same through a new descriptor list per request, one descriptor per region and run of pages
+   (`descriptors="runs"`, the engine's previous way);
 3. raw NIXL: one WRITE of one contiguous region of the same bytes (one descriptor), to the same completion;
 4. copy: `tensor.copy_` of the same bytes from the prefill device to the decode device (a peer copy on two GPUs,
    a copy within the GPU when both are the same, a memcpy on the CPU).
@@ -40,13 +42,13 @@ from dsv4_cluster.orchestrator.processes import death_signal_preexec, log_tail
 from ..workers.presets import PRESETS
 from . import ucx_proto
 from .kv_transfer_parts import build_pool
-from .kv_transfer_sides import PREFILL_AGENT, PREPPED_PREFILL_AGENT, RAW_PREFILL_AGENT
+from .kv_transfer_sides import PREFILL_AGENT, RUNS_PREFILL_AGENT, RAW_PREFILL_AGENT
 from dsv4_cluster.orchestrator.load.loadgen import percentile
 
 SIZES = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 # engine >= 80% of raw NIXL for requests >= 8K tokens, >= 50% at 1K
 TARGET_RATIO, TARGET_MIN_TOKENS, SMALL_TARGET_RATIO, SMALL_TOKENS = 0.8, 8192, 0.5, 1024
-METHODS = ("engine", "prepped", "raw", "copy")
+METHODS = ("engine", "runs", "raw", "copy")
 
 
 class BenchError(RuntimeError):
@@ -108,10 +110,10 @@ def summarize(raw: dict) -> list[dict]:
         row = {k: size[k] for k in ("tokens", "pages", "bytes", "descriptors", "page_runs", "run_lengths", "checks")}
         row.update({m: stats(t[m], n) for m in METHODS})
         row["engine_done_only"] = stats(t["engine_done"], n)    # the prefill's view alone (engine stats)
-        row["prepped_done_only"] = stats(t["prepped_done"], n)
+        row["runs_done_only"] = stats(t["runs_done"], n)
         row["raw_done_only"] = stats(t["raw_done"], n)
         row["ratios"] = {"engine_vs_raw": round(row["engine"]["gb_s"] / row["raw"]["gb_s"], 3),
-                         "prepped_vs_raw": round(row["prepped"]["gb_s"] / row["raw"]["gb_s"], 3),
+                         "runs_vs_raw": round(row["runs"]["gb_s"] / row["raw"]["gb_s"], 3),
                          "engine_vs_copy": round(row["engine"]["gb_s"] / row["copy"]["gb_s"], 3)}
         c = row["checks"]
         c["engine_bytes_match"] = c["engine_written_bytes"] == n
@@ -134,22 +136,22 @@ def table(report: dict) -> str:
             "per buffer), "
             f"pages: {cfg['pages']}, {cfg['repeats']} repeats (+{cfg['warmup']} warmup), GB/s = bytes / p50 latency.\n\n"
             f"UCX transports of the WRITEs (UCX_PROTO_INFO): engine {_transports(ucx['engine'])}; "
-            f"prepped {_transports(ucx['prepped'])}; raw NIXL {_transports(ucx['raw'])}.\n\n")
+            f"runs {_transports(ucx['runs'])}; raw NIXL {_transports(ucx['raw'])}.\n\n")
     state = pool.get("state", {})
     if cfg["pages"] != "fresh":
         head += "Pools before the timed requests: " + "; ".join(
             f"{side} {st['held_pages']} pages held, {st['free_pages']} free in {st['free_runs']} runs (longest "
             f"{st['longest_free_run']})" for side, st in state.items()) + ".\n\n"
-    rows = ["| tokens | MB | descs | runs src / dst (max len) | engine GB/s | engine p50 / p99 ms | prepped GB/s | "
-            "raw GB/s | raw p50 / p99 ms | copy GB/s | engine / raw | prepped / raw | engine / copy | checks |",
+    rows = ["| tokens | MB | descs (runs) | page runs src / dst (max len) | engine GB/s | engine p50 / p99 ms | runs GB/s | "
+            "raw GB/s | raw p50 / p99 ms | copy GB/s | engine / raw | runs / raw | engine / copy | checks |",
             "|" + " --- |" * 14]
     for r in report["sizes"]:
-        e, pp, w, c = r["engine"], r["prepped"], r["raw"], r["copy"]
+        e, pp, w, c = r["engine"], r["runs"], r["raw"], r["copy"]
         rl = r["run_lengths"]
         rows.append(f"| {r['tokens']} | {r['bytes'] / 1e6:.1f} | {r['descriptors']['engine']} | "
                     f"{len(rl['src'])} / {len(rl['dst'])} ({max(rl['src'])} / {max(rl['dst'])}) | {e['gb_s']} | "
                     f"{e['p50_ms']} / {e['p99_ms']} | {pp['gb_s']} | {w['gb_s']} | {w['p50_ms']} / {w['p99_ms']} | "
-                    f"{c['gb_s']} | {r['ratios']['engine_vs_raw']} | {r['ratios']['prepped_vs_raw']} | "
+                    f"{c['gb_s']} | {r['ratios']['engine_vs_raw']} | {r['ratios']['runs_vs_raw']} | "
                     f"{r['ratios']['engine_vs_copy']} | {'ok' if r['checks']['ok'] else 'FAILED'} |")
     tgt = report["target"]
     verdict = {None: "n/a (size not measured)", True: "met", False: "not met"}
@@ -192,14 +194,14 @@ def build_report(a: argparse.Namespace, raw: dict, logs: list[Path], load: tuple
     big = [r["ratios"]["engine_vs_raw"] for r in rows if r["tokens"] >= TARGET_MIN_TOKENS]
     small = next((r["ratios"]["engine_vs_raw"] for r in rows if r["tokens"] == SMALL_TOKENS), None)
     on_gpus = a.prefill_device.startswith("cuda") and a.decode_device.startswith("cuda")
-    ucx = ucx_proto.summarize(logs, [PREFILL_AGENT, PREPPED_PREFILL_AGENT, RAW_PREFILL_AGENT],
+    ucx = ucx_proto.summarize(logs, [PREFILL_AGENT, RUNS_PREFILL_AGENT, RAW_PREFILL_AGENT],
                               "cuda" if on_gpus else "host")
     return {"config": {"prefill_device": a.prefill_device, "decode_device": a.decode_device, "preset": a.preset,
                        "repeats": a.repeats, "warmup": a.warmup,
                        "pages": a.pages, "churn_cycles": a.churn_cycles if a.pages == "churned" else 0,
                        "host_load_avg_at_start": [round(x, 2) for x in load], "ucx_tls": a.ucx_tls or os.environ.get("UCX_TLS")},
             "pool": raw["pool"], "sizes": rows,
-            "ucx": {"engine": ucx[PREFILL_AGENT], "prepped": ucx[PREPPED_PREFILL_AGENT], "raw": ucx[RAW_PREFILL_AGENT]},
+            "ucx": {"engine": ucx[PREFILL_AGENT], "runs": ucx[RUNS_PREFILL_AGENT], "raw": ucx[RAW_PREFILL_AGENT]},
             "target": {"min_engine_vs_raw": min(big, default=None),
                        "met": None if not big else min(big) >= TARGET_RATIO,
                        "small_engine_vs_raw": small,

@@ -15,8 +15,9 @@ Per request size, interleaved trial by trial (so a load spike on the machine hit
   side's `notifications()` returned it (both sides poll without sleeping, where the engine loops poll every 1 ms:
   this measures the transfer, not the loops' cadence; times are CLOCK_MONOTONIC, one clock for every process of
   the host);
-- prepped: the same pages through a second pair of agents whose descriptor lists were prepared once per peer
-  (`NixlTransfer(descriptors="prepped")`);
+- runs: the same pages through a second pair of agents that build a new descriptor list per request, one
+  descriptor per region and run of pages (`NixlTransfer(descriptors="runs")`); the engine's own agents use lists
+  prepared once per peer (its default);
 - raw: one NIXL WRITE of one contiguous region of the same bytes, one descriptor, between two other agents, with
   a notification, timed the same way;
 - copy: `dst.copy_(src)` of the same bytes from the prefill device to the decode device (both synchronized).
@@ -45,7 +46,7 @@ from .kv_transfer_parts import (RawAgent, SideError, max_bytes, nonzero_bytes, n
                                 side_pool)
 
 PREFILL_AGENT, DECODE_AGENT = "kvx-prefill", "kvx-decode"
-PREPPED_PREFILL_AGENT, PREPPED_DECODE_AGENT = "kvx-prepped-prefill", "kvx-prepped-decode"
+RUNS_PREFILL_AGENT, RUNS_DECODE_AGENT = "kvx-runs-prefill", "kvx-runs-decode"
 RAW_PREFILL_AGENT, RAW_DECODE_AGENT = "kvx-raw-prefill", "kvx-raw-decode"
 CONNECT_TIMEOUT_S = 120.0
 
@@ -106,18 +107,18 @@ def run_decode(a: argparse.Namespace) -> int:
     _pin(a.device)
     pool, state = side_pool(a)
     transfer = NixlTransfer(DECODE_AGENT, pool, a.ucx_tls)
-    prepped = NixlTransfer(PREPPED_DECODE_AGENT, pool, a.ucx_tls, descriptors="prepped")
+    runs = NixlTransfer(RUNS_DECODE_AGENT, pool, a.ucx_tls, descriptors="runs")
     raw = RawAgent(RAW_DECODE_AGENT, max_bytes(pool, a.sizes), a.device)
     server = socket.create_server(("127.0.0.1", a.port))
     server.settimeout(CONNECT_TIMEOUT_S)
     conn, _ = server.accept()
     server.close()
     link = Link(conn)
-    link.send({"engine": transfer.local_info().to_json(), "prepped": prepped.local_info().to_json(),
+    link.send({"engine": transfer.local_info().to_json(), "runs": runs.local_info().to_json(),
                "raw": raw.info(), "pool_state": state})
     dst: list[int] = []
     while True:
-        for kind, agent in (("engine", transfer), ("prepped", prepped)):
+        for kind, agent in (("engine", transfer), ("runs", runs)):
             for msg in agent.notifications():          # what DecodeEngine._receive reads
                 t = time.monotonic()
                 link.send({"ev": "notif", "kind": kind, "room": int(json.loads(msg)["room"]), "t": t})
@@ -186,7 +187,7 @@ class PrefillSide:
         for b in self.pool.buffers():                 # never zero, so the bytes written are countable
             b.copy_(nonzero_random(b))
         self.transfer = NixlTransfer(PREFILL_AGENT, self.pool, a.ucx_tls)
-        self.prepped = NixlTransfer(PREPPED_PREFILL_AGENT, self.pool, a.ucx_tls, descriptors="prepped")
+        self.runs = NixlTransfer(RUNS_PREFILL_AGENT, self.pool, a.ucx_tls, descriptors="runs")
         nbytes = max_bytes(self.pool, a.sizes)
         self.raw = RawAgent(RAW_PREFILL_AGENT, nbytes, a.device)
         self.raw.buf.copy_(nonzero_random(self.raw.buf))
@@ -195,15 +196,15 @@ class PrefillSide:
         hello = self.link.recv(CONNECT_TIMEOUT_S)
         self.peer = PeerInfo.from_json(hello["engine"])
         self.incarnation = self.transfer.add_peer(self.peer)   # what the bootstrap server's /kv/register does
-        self.prepped_peer = PeerInfo.from_json(hello["prepped"])
-        self.prepped.add_peer(self.prepped_peer)
+        self.runs_peer = PeerInfo.from_json(hello["runs"])
+        self.runs.add_peer(self.runs_peer)
         self.decode_pool_state = hello["pool_state"]
         self.raw.add_peer(hello["raw"])
         self.room = 0
 
     def engine_trial(self, src: list[int], dst: list[int], kind: str = "engine") -> tuple[float, float]:
         self.room += 1
-        agent, peer = (self.transfer, self.peer) if kind == "engine" else (self.prepped, self.prepped_peer)
+        agent, peer = (self.transfer, self.peer) if kind == "engine" else (self.runs, self.runs_peer)
         t0 = time.monotonic()
         handle = agent.write_pages(peer.agent_name, src, dst, notif_message(self.room, 0))
         done = _until_done(agent.poll, handle, kind)
@@ -229,10 +230,10 @@ class PrefillSide:
         self.link.send({"op": "prepare", "tokens": tokens})
         dst = self.link.recv()["dst"]
         nbytes = len(src) * pool.page_bytes           # what PrefillEngine counts for the WRITE
-        times: dict[str, list[float]] = {"engine": [], "engine_done": [], "prepped": [], "prepped_done": [],
+        times: dict[str, list[float]] = {"engine": [], "engine_done": [], "runs": [], "runs_done": [],
                                          "raw": [], "raw_done": [], "copy": []}
         trials = {"engine": lambda: self.engine_trial(src, dst),
-                  "prepped": lambda: self.engine_trial(src, dst, "prepped"),
+                  "runs": lambda: self.engine_trial(src, dst, "runs"),
                   "raw": lambda: self.raw_trial(nbytes), "copy": lambda: (None, self.copy_trial(nbytes))}
         order = list(trials)
         for i in range(a.warmup + a.repeats):

@@ -67,11 +67,11 @@ def test_the_benchmark_moves_the_pages_bytes_and_reports_every_ratio(tmp_path, p
             assert r["page_runs"] == {"src": 1, "dst": 1, "both": 1}
             assert r["run_lengths"] == {"src": [r["pages"]], "dst": [r["pages"]]}
         assert r["descriptors"] == {"engine": runs * report["pool"]["regions"], "raw": 1}
-        for m in ("engine", "prepped", "raw", "copy"):
+        for m in ("engine", "runs", "raw", "copy"):
             s = r[m]
             assert s["n"] == 3 and 0 < s["p50_ms"] <= s["p99_ms"]
             assert s["gb_s"] == pytest.approx(r["bytes"] / (s["p50_ms"] / 1e3) / 1e9, rel=1e-2)
-        for k in ("engine_vs_raw", "prepped_vs_raw", "engine_vs_copy"):
+        for k in ("engine_vs_raw", "runs_vs_raw", "engine_vs_copy"):
             assert math.isfinite(r["ratios"][k]) and r["ratios"][k] > 0
         assert r["ratios"]["engine_vs_raw"] == pytest.approx(r["engine"]["gb_s"] / r["raw"]["gb_s"], rel=1e-2)
     assert report["ucx"]["engine"]["put_transports"] and report["ucx"]["raw"]["put_transports"]
@@ -150,7 +150,7 @@ device(cuda_ipc/cuda)  am(tcp/lo cma/memory cuda_ipc/cuda)  ka(tcp/lo)
 
 
 def _raw_result(written: int, equal: bool) -> dict:
-    t = {k: [0.001, 0.002] for k in ("engine", "engine_done", "prepped", "prepped_done", "raw", "raw_done", "copy")}
+    t = {k: [0.001, 0.002] for k in ("engine", "engine_done", "runs", "runs_done", "raw", "raw_done", "copy")}
     checks = {"engine_written_bytes": written, "engine_contents_equal": equal, "raw_written_bytes": 1000,
               "raw_contents_equal": True, "copy_contents_equal": True}
     return {"sizes": [{"tokens": 64, "pages": 1, "bytes": 1000, "descriptors": {"engine": 12, "raw": 1},

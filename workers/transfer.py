@@ -70,7 +70,7 @@ class NixlTransfer:
       consecutive descriptors into one), as SGLang's NIXL connector does since its prepared-dlist change.
     """
 
-    def __init__(self, name: str, pool: KVPool, ucx_tls: str | None = None, descriptors: str = "runs"):
+    def __init__(self, name: str, pool: KVPool, ucx_tls: str | None = None, descriptors: str = "prepped"):
         if descriptors not in DESCRIPTOR_MODES:
             raise ValueError(f"descriptors {descriptors!r}: choose one of {', '.join(DESCRIPTOR_MODES)}")
         self.descriptors = descriptors
