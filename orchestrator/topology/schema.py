@@ -74,6 +74,9 @@ class TransferConfig(_Strict):
     stranded_kv_timeout_s: float = Field(
         default=30.0, gt=0, description="embedded: a prefill frees the KV of a prompt no decode reserved "
                                         "within this many seconds (stranded KV); SGLang has its own timeouts")
+    write_timeout_s: float = Field(
+        default=30.0, gt=0, description="embedded: a prefill cancels a KV write still in flight after this many "
+                                        "seconds (a decode that died or froze mid-write) and frees its pages")
 
 
 class KernelsConfig(_Strict):
