@@ -26,7 +26,7 @@ import torch
 from dsv4_cluster.bench.sglang_sm120_baselines import load
 from dsv4_cluster.kernels import dispatch
 from dsv4_cluster.kernels.sglang_adapters import flash_mla_with_kvcache_sm120, fp8_paged_mqa_logits, topk_transform_paged_v2
-from dsv4_cluster.tests.kernels.sglang_cases import decode_case, indexer_case
+from dsv4_cluster.kernels.sglang_cases import decode_case, indexer_case
 from dsv4_cluster.tests.kernels.test_sm120_path import _sglang_triton_args, sm120_call
 
 LIVE = 2048

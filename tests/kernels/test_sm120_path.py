@@ -17,7 +17,7 @@ import torch
 from dsv4_cluster.bench.sglang_sm120_baselines import load
 from dsv4_cluster.kernels import dispatch
 from dsv4_cluster.kernels.sglang_adapters import flash_mla_with_kvcache_sm120
-from dsv4_cluster.tests.kernels.sglang_cases import decode_case
+from dsv4_cluster.kernels.sglang_cases import decode_case
 from dsv4_cluster.tests.sglang_support import require_sglang
 
 FORCED = os.environ.get(dispatch.CLASS_ENV) == "sm_120"
@@ -85,7 +85,7 @@ def test_gpu_forced_sm120_kernels_fit_99_kb_and_never_gluon():
     from dsv4_cluster.kernels import fast_launch
     from dsv4_cluster.kernels.sglang_adapters import fp8_paged_mqa_logits, topk_transform_paged_v2
     from dsv4_cluster.kernels.sparse_mla_decode.config import LaunchConfig, choose_backend
-    from dsv4_cluster.tests.kernels.sglang_cases import indexer_case
+    from dsv4_cluster.kernels.sglang_cases import indexer_case
 
     dev = torch.device("cuda")
     for heads in (16, 32, 64):
