@@ -26,8 +26,7 @@ import torch
 from dsv4_cluster.bench.sglang_sm120_baselines import load
 from dsv4_cluster.kernels import dispatch
 from dsv4_cluster.kernels.sglang_adapters import flash_mla_with_kvcache_sm120, fp8_paged_mqa_logits, topk_transform_paged_v2
-from dsv4_cluster.tests.kernels.sglang_cases import decode_case, indexer_case
-from dsv4_cluster.tests.kernels.test_sm120_path import _sglang_triton_args, sm120_call
+from dsv4_cluster.kernels.sglang_cases import decode_case, indexer_case, sglang_sm120_args, sm120_call
 
 LIVE = 2048
 
@@ -74,7 +73,7 @@ def decode_rows(base) -> list[dict]:
             for b in (1, 8, 32, 64, 128):
                 args = decode_case("c4", b, real, seed=b, full=True) if layer == "c4" else _c128_case(b, ctx, b)
                 kw = sm120_call(args, real if b > 64 else None)
-                pos = _sglang_triton_args(kw)
+                pos = sglang_sm120_args(kw)
                 ours = flash_mla_with_kvcache_sm120(**kw)[0]
                 ref = base.triton_decode(*pos)[0]
                 err = (ours.float() - ref.float()).abs().max().item()

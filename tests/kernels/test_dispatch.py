@@ -4,6 +4,10 @@ figure for each is the compiled one."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from dsv4_cluster.kernels import dispatch
@@ -42,14 +46,26 @@ def test_unknown_gpu_and_bad_forced_class_are_refused_by_name():
 
 
 def _compiled_shared(heads: int, impl: dispatch.DecodeImpl, capability: int) -> int:
-    triton = pytest.importorskip("triton")
+    """Compiled in a fresh interpreter: once any test imported the kernel module under TRITON_INTERPRET=1 its
+    kernels are interpreter functions in this process, which `triton.compile` cannot take."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = (f"from dsv4_cluster.tests.kernels.test_dispatch import _compile_here; "
+            f"print(_compile_here({heads}, {impl.block_n}, {impl.num_stages}, {capability}))")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return int(done.stdout.split()[-1])
+
+
+def _compile_here(heads: int, block_n: int, num_stages: int, capability: int) -> int:
+    import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from dsv4_cluster.kernels.sparse_mla_decode import kernel as k
 
     fn = k._sparse_decode_kernel
-    const = dict(H=heads, D=512, BN=impl.block_n, SPLIT_OUT=True, IS_FP8=True, HAS_EXTRA=True, HAS_WLEN=True,
+    const = dict(H=heads, D=512, BN=block_n, SPLIT_OUT=True, IS_FP8=True, HAS_EXTRA=True, HAS_WLEN=True,
                  HAS_ELEN=True, HAS_SINK=True, DOT_F32=False, PREFETCH=False, W_SHIFT=8, W_PAGE=149_760, E_SHIFT=6,
                  E_PAGE=37_440)
     ptrs = {"q_ptr": "*bf16", "out_ptr": "*bf16", "kv_ptr": "*u8", "ekv_ptr": "*u8", "sink_ptr": "*fp32",
@@ -59,7 +75,7 @@ def _compiled_shared(heads: int, impl: dispatch.DecodeImpl, capability: int) -> 
            for n in fn.arg_names}
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in const.items()})
     compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32),
-                              options=dict(num_warps=8, num_stages=impl.num_stages))
+                              options=dict(num_warps=8, num_stages=num_stages))
     return compiled.metadata.shared
 
 

@@ -17,27 +17,10 @@ import torch
 from dsv4_cluster.bench.sglang_sm120_baselines import load
 from dsv4_cluster.kernels import dispatch
 from dsv4_cluster.kernels.sglang_adapters import flash_mla_with_kvcache_sm120
-from dsv4_cluster.tests.kernels.sglang_cases import decode_case
+from dsv4_cluster.kernels.sglang_cases import decode_case, sglang_sm120_args, sm120_call
 from dsv4_cluster.tests.sglang_support import require_sglang
 
 FORCED = os.environ.get(dispatch.CLASS_ENV) == "sm_120"
-SM120_KW = ("q", "k_cache", "head_dim_v", "softmax_scale", "indices", "topk_length", "attn_sink", "extra_k_cache",
-            "extra_indices_in_kvcache", "extra_topk_length")
-
-
-def sm120_call(args: dict, heads: int | None = None) -> dict:
-    """The keywords SGLang's sm_120 branch passes (q and sink sliced to `heads` as above 64 rows)."""
-    kw = {k: v for k, v in args.items() if k in SM120_KW}
-    if heads is not None:
-        kw["q"], kw["attn_sink"] = kw["q"][:, :, :heads].contiguous(), kw["attn_sink"][:heads]
-    return kw
-
-
-def _sglang_triton_args(kw: dict) -> tuple:
-    return (kw["q"], kw["k_cache"], kw["indices"], kw["topk_length"], kw["attn_sink"], kw["head_dim_v"],
-            kw["softmax_scale"], kw.get("extra_k_cache"), kw.get("extra_indices_in_kvcache"), kw.get("extra_topk_length"))
-
-
 @pytest.mark.parametrize("kind", ["window", "c4", "c128"])
 @pytest.mark.parametrize("heads", [None, 8])
 def test_cpu_adapter_equals_sglangs_torch_fallback(kind, heads):
@@ -45,7 +28,7 @@ def test_cpu_adapter_equals_sglangs_torch_fallback(kind, heads):
     base = load()
     kw = sm120_call(decode_case(kind, 3, device="cpu", window_tokens=1024, extra_tokens=512, seed=7), heads)
     ours = flash_mla_with_kvcache_sm120(**kw)[0].float()
-    theirs = base.torch_decode(*_sglang_triton_args(kw))[0].float()
+    theirs = base.torch_decode(*sglang_sm120_args(kw))[0].float()
     assert ours.shape == theirs.shape
     assert (ours - theirs).abs().max().item() <= theirs.abs().max().item() / 128  # both bf16 outputs of fp32 math
 
@@ -66,7 +49,7 @@ def test_gpu_forced_sm120_equals_sglangs_triton_and_flashmla_semantics(kind, b):
     args = decode_case(kind, b, 16, seed=b)
     kw = sm120_call(args, 16 if b > 64 else None)  # SGLang's convention: the pad sliced off above 64 rows
     ours = flash_mla_with_kvcache_sm120(**kw)[0].float()
-    theirs = base.triton_decode(*_sglang_triton_args(kw))[0].float()
+    theirs = base.triton_decode(*sglang_sm120_args(kw))[0].float()
     h = kw["q"].shape[2]
     window = (kw["k_cache"].view(torch.uint8), cache_geometry(kw["k_cache"], "k"), kw["indices"][:, 0], kw["topk_length"])
     extra = None
@@ -85,7 +68,7 @@ def test_gpu_forced_sm120_kernels_fit_99_kb_and_never_gluon():
     from dsv4_cluster.kernels import fast_launch
     from dsv4_cluster.kernels.sglang_adapters import fp8_paged_mqa_logits, topk_transform_paged_v2
     from dsv4_cluster.kernels.sparse_mla_decode.config import LaunchConfig, choose_backend
-    from dsv4_cluster.tests.kernels.sglang_cases import indexer_case
+    from dsv4_cluster.kernels.sglang_cases import indexer_case
 
     dev = torch.device("cuda")
     for heads in (16, 32, 64):
