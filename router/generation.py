@@ -30,6 +30,7 @@ from .attempt import Attempt
 from .errors import RouterError, error_response
 from .http_client import Interrupted, UpstreamError
 from .pairing import pair_request
+from .prefix_tree import prompt_text
 from .relay import relay
 from .state import RouterState
 from .worker import Worker
@@ -102,8 +103,9 @@ class Flight:
         """An attempt whose D answered with a status line; retries connection failures on fresh pairs.
         Workers in `avoid` are taken only when no other is eligible."""
         avoid = set(avoid or ())
+        prompt = prompt_text(self.path, body) if self.state.settings.prefill_policy == "prefix" else None
         while True:
-            pair = self.state.pool.pick(frozenset(avoid))
+            pair = self.state.pool.pick(frozenset(avoid), prompt)
             self.attempt = attempt = Attempt(self.state, pair_request(self.path, body, pair))
             if self.gone:
                 attempt.interrupt(CLIENT_GONE)
