@@ -141,7 +141,8 @@ def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
 
 def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
     type_ = "invalid_request_error" if exc.status_code < 500 else "internal_error"
-    return JSONResponse(error_body(str(exc.detail), type_, exc.status_code), status_code=exc.status_code)
+    return JSONResponse(error_body(str(exc.detail), type_, exc.status_code), status_code=exc.status_code,
+                        headers=getattr(exc, "headers", None))   # e.g. 405's Allow
 
 
 def _unexpected(request: Request, exc: Exception) -> JSONResponse:

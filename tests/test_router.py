@@ -150,6 +150,19 @@ def test_models_and_health(cluster: Cluster) -> None:
     assert health.json()["prefill"] == ["prefill-0"] and health.json()["decode"] == ["decode-0"]
 
 
+def test_one_model_by_id_and_wrong_methods(cluster: Cluster) -> None:
+    """OpenAI's retrieve-model through the official client; 405 (with Allow) for a known path's wrong method."""
+    model = client(cluster).models.retrieve("dsv4-tiny")
+    assert (model.id, model.object, model.owned_by) == ("dsv4-tiny", "model", "dsv4-cluster")
+    with pytest.raises(openai.NotFoundError) as missing:
+        client(cluster).models.retrieve("gpt-5")
+    assert "The model 'gpt-5' does not exist" in str(missing.value) and missing.value.code == "model_not_found"
+    for method, path in (("GET", "/v1/chat/completions"), ("PUT", "/generate"), ("POST", "/v1/models")):
+        r = httpx.request(method, cluster.router.url + path)
+        assert r.status_code == 405, (method, path, r.text)
+        assert r.json()["error"]["code"] == 405 and r.headers["allow"] in ("POST", "GET")
+
+
 @pytest.mark.parametrize("content, needle", [
     (b"{not json", "not valid JSON"),
     (b"[1, 2]", "must be a JSON object"),
