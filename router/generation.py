@@ -164,15 +164,15 @@ class Flight:
             attempt.abort_both()
             raise self.state.upstream.transport_error(worker, exc) from None
         attempt.finish()
-        if not decode.ok:
+        if not decode.ok:      # the client gets it in the OpenAI envelope: 4xx as is, a worker's failure as 502/503
             attempt.abort_prefill()
-        elif logprobs.wanted(self.path, attempt.req.body):
+            raise self.state.upstream.failed(worker, decode.status, content)
+        if logprobs.wanted(self.path, attempt.req.body):
             prefill = await attempt.prefill_answer()
             if prefill.ok:
                 content = logprobs.merge_body(prefill.content, content)
         self.status = decode.status
-        retry = {"Retry-After": "1"} if decode.status == 503 else None  # a worker out of capacity
-        await send_response(self.send, decode.status, content, decode.content_type or "application/json", retry)
+        await send_response(self.send, decode.status, content, decode.content_type or "application/json", None)
 
 
 def is_generation(scope: Scope) -> bool:
