@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from ..workers.prefill.engine import notif_message
+from ..workers.prefill.destinations import notif_message
 from ..workers.transfer import NixlTransfer, PeerInfo, page_runs
 from .kv_transfer_parts import (RawAgent, SideError, max_bytes, nonzero_bytes, nonzero_random, page_digest, region_digest,
                                 side_pool)

@@ -21,7 +21,7 @@ WORKER_GAUGES = (
 WORKER_COUNTERS = (
     "sglang:prompt_tokens_total", "sglang:generation_tokens_total", "sglang:num_requests_total",
     "sglang:num_aborted_requests_total", "sglang:num_bootstrap_failed_reqs_total",
-    "sglang:num_transfer_failed_reqs_total",
+    "sglang:num_transfer_failed_reqs_total", "sglang:cached_tokens_total",
 )
 WORKER_HISTOGRAMS = (
     "sglang:time_to_first_token_seconds", "sglang:inter_token_latency_seconds",

@@ -23,7 +23,7 @@ from .worker import Worker
 
 log = logging.getLogger(__name__)
 TOKEN_USAGE = re.compile(rb"^sglang:token_usage(?:\{[^}]*\})? ([0-9.eE+-]+)", re.M)
-LOAD_POLICIES = ("least_load", "power_of_two")
+LOAD_POLICIES = ("least_load", "power_of_two", "prefix")
 
 
 class HealthChecker:

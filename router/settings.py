@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .policies import Policy
+from .policies import PREFILL_ONLY, Policy
 
 
 class SettingsError(ValueError):
@@ -90,6 +90,13 @@ class RouterSettings(BaseModel):
     breaker_cooldown_s: float = Field(default=5.0, gt=0)
     upstream_keepalive_s: float = Field(default=2.0, gt=0, description="idle upstream connections are dropped after "
                                         "this; keep it below the workers' keep-alive (uvicorn: 5 s)")
+
+    @model_validator(mode="after")
+    def _decode_policy(self) -> RouterSettings:
+        if self.decode_policy in PREFILL_ONLY:
+            raise ValueError(f"decode_policy {self.decode_policy!r} is for prefill workers (a decode has no prompt "
+                             "cache to aim at); use least_load or power_of_two for decode")
+        return self
 
     @model_validator(mode="after")
     def _names_unique(self) -> RouterSettings:

@@ -39,6 +39,7 @@ class WorkerArgs:
     disable_cuda_graph: bool = False  # decode every batch eagerly (SGLang's flag)
     peer_timeout_s: float = 30.0
     transfer_timeout_s: float = 60.0
+    disable_radix_cache: bool = False  # prefill: no prefix cache (SGLang's flag); every prompt computed in full
     write_timeout_s: float = 30.0     # prefill: a KV WRITE still in flight this long is cancelled (transfer.write_timeout_s)
     # an engine loop that does not come round for this long fails its requests (503) and /health (liveness.py)
     stall_timeout_s: float = 5.0

@@ -20,6 +20,7 @@ Writes go through `write_main` / `write_comp` / `write_keys` (quantising on fp8)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -130,6 +131,7 @@ class KVPool:
             self.index_keys.append(keys if layout.indexed(li) else None)
         self._free = PageAllocator(n)
         self._reserved = 0
+        self.evictable_pages: Callable[[], int] = lambda: 0   # a prefix cache's unlocked pages (prefix_cache.py)
 
     @property
     def capacity_tokens(self) -> int:
@@ -142,8 +144,15 @@ class KVPool:
         return sum(per_page for _, per_page in self.regions())
 
     @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
     def used_tokens(self) -> int:
-        return (self.layout.num_pages - self._reserved - len(self._free)) * self.layout.page_size
+        """Tokens of pages in use: not free, not reserved, and not a prefix cache's evictable pages (SGLang counts
+        those as available too)."""
+        held = self.layout.num_pages - self._reserved - len(self._free) - self.evictable_pages()
+        return held * self.layout.page_size
 
     @property
     def free_runs(self) -> list[tuple[int, int]]:

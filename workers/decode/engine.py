@@ -119,6 +119,7 @@ class DecodeEngine(Engine):
                 msg = json.loads(raw)
                 room = int(msg["room"])
                 first = None if "failed" in msg else int(msg["first_token"])
+                cached = int(msg.get("cached_tokens") or 0)
             except (ValueError, KeyError, TypeError) as exc:
                 log.warning("ignored a malformed KV notification %r: %r", raw[:200], exc)
                 continue
@@ -140,6 +141,7 @@ class DecodeEngine(Engine):
                 log.warning("KV arrived for unknown bootstrap_room %s; ignored", room)
                 continue
             req.state = ReqState.RUNNING
+            req.cached_tokens = cached
             with self.serving(req):
                 self._emit_token(req, first)
             if req.state is ReqState.RUNNING:
@@ -173,6 +175,6 @@ class DecodeEngine(Engine):
         self.stats.generation_tokens += 1
         self.stats.generated.add(1, req.last_token_time)
         finish = req.finished(self.tokenizer.eos_token_id)
-        req.emit(Token(token, finish))
+        req.emit(Token(token, finish, req.cached_tokens if len(req.out) == 1 else None))
         if finish is not None:
             self.finish(req)

@@ -39,7 +39,7 @@ class PrefillServer(WorkerServer):
         a = self.args
         transfer = NixlTransfer(f"prefill-{a.node_address}-{a.port}", runner.pool, a.ucx_tls)
         return PrefillEngine(runner, transfer, peer_timeout_s=a.peer_timeout_s, chunk_tokens=a.chunked_prefill_size,
-                             write_timeout_s=a.write_timeout_s)
+                             write_timeout_s=a.write_timeout_s, prefix_cache=not a.disable_radix_cache)
 
     def check(self, spec: GenSpec) -> None:
         if spec.room is None:
