@@ -151,6 +151,12 @@ def build(wheel_dir: Path, out: Path) -> list[str]:
             rel = Path(file.split("/site-packages/", 1)[1])
             (site / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(file, site / rel)
+    for dist in {Path(f.split("/site-packages/", 1)[0] + "/site-packages") for n, f in mods.items()
+                 if n.split(".")[0] in PURE}:  # their dist-info: httpx2 reads its own version at import
+        for info in dist.glob("*.dist-info"):
+            if info.name.split("-")[0].lower().replace("_", "") in {p.replace("_", "") for p in PURE}:
+                (site / info.name).mkdir(exist_ok=True)
+                shutil.copy2(info / "METADATA", site / info.name / "METADATA")
     for package in ("pydantic",):  # lazily imports its submodules by name
         src = Path(__import__(package).__file__).parent
         shutil.copytree(src, site / package, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))

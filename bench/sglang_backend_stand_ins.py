@@ -35,7 +35,7 @@ STAND_INS = {
 # Imported at module level by SGLang modules on the decode path's import chain (server utilities, tokenizer
 # and OpenAI protocol, quantisation formats, JIT loader, notebook helpers), not on the H200 image, and never
 # called by the decode path: import-only stand-ins whose every use raises (install_import_stand_ins).
-IMPORT_ONLY = ("orjson", "pybase64", "starlette", "zmq", "IPython", "compressed_tensors", "gguf",
+IMPORT_ONLY = ("sgl_kernel", "orjson", "pybase64", "starlette", "zmq", "IPython", "compressed_tensors", "gguf",
                "partial_json_parser", "loguru")
 
 
