@@ -5,8 +5,8 @@
 For each configured context (8K, 128K, 1M tokens) it starts a stack: a prefill and a decode worker on GPU 0 (the
 `flash` preset, our kernels, decode under CUDA graphs, KV moved GPU -> GPU over NIXL/UCX) and the router; all
 stacks are up at once. Then, per concurrency level (1, 16, 64), `--rounds` rounds: each round sends the same
-streamed chat requests (2K-token prompts, 128 output tokens, EOS ignored, greedy; `loadgen.py`) through each
-stack's router in turn (after one untimed run of the level on each), the order rotating from round to round,
+streamed chat requests (2K-token prompts, 128 output tokens, EOS ignored, greedy;
+`orchestrator/load/loadgen.py`) through each stack's router in turn (after one untimed run of the level on each), the order rotating from round to round,
 so drift in time (GPU clocks, host load) falls on every context alike; an idle stack does no GPU work. Then, alone, a stack at 8K with the kernels off (reference
 ops on the GPU, eager) at concurrency 64. Decode tok/s (tokens after each first, over the span requests were
 decoding) is reported as ratios from this one run: each context against 8K at the same concurrency (the median
@@ -37,8 +37,8 @@ from pathlib import Path
 
 import httpx
 
-from ..orchestrator.ports import free_ports
-from .loadgen import LevelSpec, run_level
+from dsv4_cluster.orchestrator.launch.ports import free_ports
+from dsv4_cluster.orchestrator.load.loadgen import LevelSpec, run_level
 
 KERNELS = "sparse_mla_decode,indexer,topk"
 CONTEXTS = (8192, 131072, 1048576)

@@ -15,7 +15,7 @@ import torch
 
 from dsv4_cluster.kernels.sglang_adapters import flash_mla_with_kvcache
 from dsv4_cluster.bench.sglang_decode import host_us
-from dsv4_cluster.tests.kernels.sglang_cases import decode_case
+from dsv4_cluster.kernels.sglang_cases import decode_case
 
 CALLS = 500
 

@@ -10,8 +10,8 @@ error count and the machine's load average (the machine may be shared) as JSON. 
 measures each worker process's CPU (user + system, all threads) over `--idle-s` seconds of idleness. `--url` instead loads a
 router that is already up. The numbers are for comparing builds measured close together on one machine,
 not absolute speeds: the embedded model is a tiny random-weight model on the CPU. The requests and their
-timings are `loadgen.py`'s, shared with `dsv4-cluster bench URL` (`sweep.py`: a concurrency sweep against a
-cluster that is already up).
+timings are `orchestrator/load/loadgen.py`'s, shared with `dsv4-cluster bench URL` (`orchestrator/load/sweep.py`:
+a concurrency sweep against a cluster that is already up).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from pathlib import Path
 
 import yaml
 
-from ..orchestrator.ports import free_ports
-from .loadgen import LevelSpec, run_level
+from dsv4_cluster.orchestrator.launch.ports import free_ports
+from dsv4_cluster.orchestrator.load.loadgen import LevelSpec, run_level
 
 CLI = [sys.executable, "-m", "dsv4_cluster.orchestrator"]
 

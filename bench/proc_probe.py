@@ -11,7 +11,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsv4_cluster.orchestrator.port_owner import socket_owners, tcp_sockets
+from dsv4_cluster.orchestrator.launch.port_owner import socket_owners, tcp_sockets
 
 LISTEN = "0A"
 

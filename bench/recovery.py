@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 
 from dsv4_cluster.bench.local_cluster import embedded_topology
-from dsv4_cluster.orchestrator.ports import free_ports
+from dsv4_cluster.orchestrator.launch.ports import free_ports
 
 CLI = [sys.executable, "-m", "dsv4_cluster.orchestrator"]
 RESULTS = Path(__file__).resolve().parent / "results"

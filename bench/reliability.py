@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from . import proc_probe
+from .local_cluster import write_topology
 from .reliability_faults import Cluster, all_faults
 from .reliability_report import render
 
@@ -38,14 +39,7 @@ PARTS = ("faults", "input", "security", "soak")
 HOOKS = ", extra_args: [--test-hooks]"
 
 
-def _cluster_cli():
-    """The tests' cluster helper (`tests/cluster_cli.py`): the same up/down as the fault tests."""
-    from dsv4_cluster.tests.cluster_cli import write_topology
-    return write_topology
-
-
 def run(parts: set[str], args: argparse.Namespace, workdir: Path) -> dict:
-    write_topology = _cluster_cli()
     local = write_topology(workdir, context_length=512, extra_decode=HOOKS, extra_prefill=HOOKS)
     out: dict = {"machine": {"cpus": os.cpu_count(), "loadavg_before": list(os.getloadavg())}, "parts": sorted(parts)}
     started = time.monotonic()

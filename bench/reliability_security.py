@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from dsv4_cluster.orchestrator.ports import free_ports
+from dsv4_cluster.orchestrator.launch.ports import free_ports
 
 from . import proc_probe
 from .reliability_faults import Cluster
@@ -136,8 +136,8 @@ def _shell_calls() -> list[str]:
 
 
 def no_shell(folder: Path) -> dict:
-    from dsv4_cluster.orchestrator.plan import cluster_plans
-    from dsv4_cluster.orchestrator.topology import load_topology
+    from dsv4_cluster.orchestrator.launch.plan import cluster_plans
+    from dsv4_cluster.orchestrator.topology.load import load_topology
 
     evil = "$(touch pwned); `id` && echo 'x' | sh"
     path = folder / "evil.yaml"

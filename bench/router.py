@@ -29,7 +29,7 @@ from typing import Iterator
 
 import httpx
 
-from dsv4_cluster.orchestrator.ports import free_ports
+from dsv4_cluster.orchestrator.launch.ports import free_ports
 
 MODEL = "stub"
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 8}

@@ -22,6 +22,13 @@ class Role(str, Enum):
     DECODE = "decode"
     ROUTER = "router"
 
+    def __str__(self) -> str:
+        """The wire form ("prefill"), in f-strings and metric labels too, on every Python version."""
+        return self.value
+
+
+WORKER_ROLES = (Role.PREFILL, Role.DECODE)  # the roles a topology lists workers under and the router pairs
+
 
 class WorkerState(str, Enum):
     """Lifecycle of one supervised process.

@@ -33,6 +33,9 @@ STRANDED_KV_TOKENS = "dsv4_stranded_kv_tokens"  # gauge: KV tokens held now
 STRANDED_KV_ROOMS = "dsv4_stranded_kv_rooms"  # gauge: bootstrap rooms held now
 STRANDED_KV_FREED_TOKENS = "dsv4_stranded_kv_freed_tokens_total"  # counter: freed at the deadline
 STRANDED_KV_FREED_ROOMS = "dsv4_stranded_kv_freed_rooms_total"  # counter
+# KV writes an embedded prefill cancelled past `transfer.write_timeout_s` (workers/prefill/engine.py), counter,
+# labels model_name, engine_type (prefill only).
+KV_WRITE_TIMEOUTS = "dsv4_kv_write_timeouts_total"
 STRANDED_KV = (STRANDED_KV_TOKENS, STRANDED_KV_ROOMS, STRANDED_KV_FREED_TOKENS, STRANDED_KV_FREED_ROOMS)
 
 # Router (names as the router issue's code spells them).

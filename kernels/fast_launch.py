@@ -18,6 +18,10 @@ import torch
 from triton import knobs
 
 _HANDLES: dict[tuple, object] = {}
+
+
+class SharedMemoryError(RuntimeError):
+    """A kernel specialization needs more shared memory per block than its GPU class allows."""
 _CONSTEXPR: dict[object, tuple[tuple[str, ...], tuple[bool, ...]]] = {}
 
 
@@ -33,9 +37,13 @@ def _spec(value, is_constexpr: bool):
     return type(value)
 
 
-def launch(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
+def launch(kernel, grid: tuple, args: tuple, kwargs: dict, max_shared: int | None = None) -> None:
     """kernel[grid](*args, **kwargs), through the kept compiled handle after the first launch of a
-    specialization (see the module docstring). Same arguments and effect as the JIT launch."""
+    specialization (see the module docstring). Same arguments and effect as the JIT launch.
+
+    max_shared: the shared memory per block the caller's GPU class allows (`dispatch.SMEM_PER_BLOCK`); a
+    specialization compiled to need more raises `SharedMemoryError` at its first launch and is not kept (on the
+    class itself the driver would refuse it; where the class is forced on a larger GPU, this is the check)."""
     first = args[0]
     if not _on_cuda(first) or _hooks_set():
         kernel[grid](*args, **kwargs)
@@ -55,7 +63,11 @@ def launch(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
     handle = _HANDLES.get(key)
     if handle is None:
         kernel[grid](*args, **kwargs)
-        _HANDLES[key] = kernel.warmup(*args, grid=grid, **kwargs)
+        handle = kernel.warmup(*args, grid=grid, **kwargs)
+        if max_shared is not None and handle.metadata.shared > max_shared:
+            raise SharedMemoryError(f"{getattr(kernel, '__name__', kernel)} with {kwargs} needs {handle.metadata.shared} B "
+                                    f"of shared memory per block, over the {max_shared} B this GPU class allows")
+        _HANDLES[key] = handle
         return
     full = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in values]
     stream = torch._C._cuda_getCurrentRawStream(first.device.index)

@@ -2,7 +2,7 @@
 
 import sys
 
-from dsv4_cluster.orchestrator.cli import main
+from dsv4_cluster.orchestrator.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

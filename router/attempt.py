@@ -106,7 +106,7 @@ class Attempt:
         return self.decode
 
     def _send_abort(self, worker) -> None:
-        self._state.metrics.aborts.labels(worker.role).inc()
+        self._state.metrics.aborts.labels(worker.role.value).inc()
         self._state.tasks.spawn(self._state.upstream.abort(worker, self.req.rids),
                                 name=f"abort-{worker.name}-{self.req.rid}")
 

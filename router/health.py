@@ -13,6 +13,8 @@ import asyncio
 import logging
 import re
 
+from dsv4_cluster.core import Role
+
 from .http_client import Interrupted, UpstreamError
 from .pool import WorkerPool
 from .settings import RouterSettings
@@ -29,8 +31,8 @@ class HealthChecker:
 
     def __init__(self, pool: WorkerPool, upstream: Upstream, settings: RouterSettings) -> None:
         self._pool, self._upstream = pool, upstream
-        self._weighs_load = {"prefill": settings.prefill_policy in LOAD_POLICIES,
-                             "decode": settings.decode_policy in LOAD_POLICIES}
+        self._weighs_load = {Role.PREFILL: settings.prefill_policy in LOAD_POLICIES,
+                             Role.DECODE: settings.decode_policy in LOAD_POLICIES}
         self._interval_s = settings.health_check_interval_s
         self._timeout_s = settings.health_check_timeout_s
         self._threshold = settings.health_failures_to_unhealthy

@@ -30,9 +30,9 @@ class _PoolCollector(Collector):
         breaker = GaugeMetricFamily("dsv4_router_worker_breaker_open", "1 while the worker's circuit breaker is open",
                                     labels=labels)
         for w in self._pool.workers:
-            in_flight.add_metric([w.name, w.role], w.in_flight)
-            eligible.add_metric([w.name, w.role], float(w.eligible))
-            breaker.add_metric([w.name, w.role], float(w.breaker_open))
+            in_flight.add_metric([w.name, w.role.value], w.in_flight)
+            eligible.add_metric([w.name, w.role.value], float(w.eligible))
+            breaker.add_metric([w.name, w.role.value], float(w.breaker_open))
         yield from (in_flight, eligible, breaker)
 
 

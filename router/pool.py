@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dsv4_cluster.core import Role
+
 from .errors import NoWorkers, UnknownWorker
 from .policies import Chooser
 from .settings import RouterSettings
@@ -13,11 +15,11 @@ class WorkerPool:
 
     def __init__(self, settings: RouterSettings) -> None:
         breaker = {"breaker_failures": settings.breaker_failures, "breaker_cooldown_s": settings.breaker_cooldown_s}
-        self.prefill = tuple(Worker("prefill", p.name, p.url, p.bootstrap_host, p.bootstrap_port, **breaker)
+        self.prefill = tuple(Worker(Role.PREFILL, p.name, p.url, p.bootstrap_host, p.bootstrap_port, **breaker)
                              for p in settings.prefill)
-        self.decode = tuple(Worker("decode", d.name, d.url, **breaker) for d in settings.decode)
+        self.decode = tuple(Worker(Role.DECODE, d.name, d.url, **breaker) for d in settings.decode)
         self._by_name = {w.name: w for w in self.workers}
-        self._choosers = {"prefill": Chooser(settings.prefill_policy), "decode": Chooser(settings.decode_policy)}
+        self._choosers = {Role.PREFILL: Chooser(settings.prefill_policy), Role.DECODE: Chooser(settings.decode_policy)}
 
     @property
     def workers(self) -> tuple[Worker, ...]:
@@ -34,7 +36,7 @@ class WorkerPool:
         """At least one eligible prefill and one eligible decode: the router can serve."""
         return any(w.eligible for w in self.prefill) and any(w.eligible for w in self.decode)
 
-    def _choose(self, role: str, workers: tuple[Worker, ...], avoid: frozenset[Worker]) -> Worker:
+    def _choose(self, role: Role, workers: tuple[Worker, ...], avoid: frozenset[Worker]) -> Worker:
         if not workers:
             raise NoWorkers(f"the router has no {role} worker configured; add one under {role!r} in its settings")
         eligible = [w for w in workers if w.eligible]
@@ -47,4 +49,4 @@ class WorkerPool:
     def pick(self, avoid: frozenset[Worker] = frozenset()) -> Pair:
         """The next eligible pair, counted in flight until `release()`; NoWorkers if a pool has none.
         Workers in `avoid` (those of a failed attempt) are taken only when nothing else is eligible."""
-        return Pair(self._choose("prefill", self.prefill, avoid), self._choose("decode", self.decode, avoid))
+        return Pair(self._choose(Role.PREFILL, self.prefill, avoid), self._choose(Role.DECODE, self.decode, avoid))

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from dsv4_cluster.core import WorkerState
+from dsv4_cluster.core import Role, WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 class Worker:
     """One upstream server and its standing. `bootstrap_host` is set for prefill workers only."""
 
-    role: str
+    role: Role
     name: str
     url: str
     bootstrap_host: str | None = None
@@ -46,7 +46,7 @@ class Worker:
 
     def describe(self) -> str:
         """How client-facing messages name the worker: role and name, never its internal URL."""
-        return f"{self.role} worker {self.name!r}"
+        return f"{self.role.value} worker {self.name!r}"
 
     @property
     def breaker_open(self) -> bool:
@@ -90,7 +90,7 @@ class Worker:
 
     def entry(self) -> dict[str, Any]:
         """The admin API's view of the worker."""
-        return {"name": self.name, "role": self.role, "url": self.url, "state": self.state.value,
+        return {"name": self.name, "role": self.role.value, "url": self.url, "state": self.state.value,
                 "reason": self.reason, "drained": self.drained, "in_flight": self.in_flight,
                 "healthy": self.healthy, "breaker_open": self.breaker_open, "token_usage": self.token_usage,
                 "eligible": self.eligible}

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from dsv4_cluster.bench.load import relocated
-from dsv4_cluster.bench.loadgen import percentile
+from dsv4_cluster.orchestrator.load.loadgen import percentile
 
-from .cluster_cli import LocalCluster, run_cli
+from dsv4_cluster.bench.local_cluster import LocalCluster, run_cli
 
 pytestmark = pytest.mark.slow
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "local.yaml"
@@ -60,7 +60,7 @@ def test_bench_counts_refused_requests_by_reason(cluster):
 
 
 def test_bench_names_an_endpoint_that_does_not_answer(tmp_path):
-    from dsv4_cluster.orchestrator.ports import free_ports
+    from dsv4_cluster.orchestrator.launch.ports import free_ports
 
     r = run_cli(tmp_path, "bench", f"http://127.0.0.1:{free_ports(1)[0]}", "--requests", "1", timeout=60)
     assert r.returncode == 1

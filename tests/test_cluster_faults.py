@@ -15,7 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .cluster_cli import LocalCluster, next_20_succeed, write_topology
+from dsv4_cluster.bench.local_cluster import LocalCluster, write_topology
+from .cluster_cli import next_20_succeed
 
 pytestmark = pytest.mark.slow
 HOOKS = ", extra_args: [--test-hooks]"

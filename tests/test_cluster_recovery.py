@@ -22,7 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from dsv4_cluster import metric_names as m
 from dsv4_cluster.orchestrator.processes import pid_alive
 
-from .cluster_cli import LocalCluster, next_20_succeed, write_topology
+from dsv4_cluster.bench.local_cluster import LocalCluster, write_topology
+from .cluster_cli import next_20_succeed
 
 pytestmark = pytest.mark.slow
 STRANDED_TIMEOUT_S = 20  # topology transfer.stranded_kv_timeout_s; counted stranded after 5 s

@@ -18,9 +18,9 @@ import yaml
 
 from dsv4_cluster import metric_names as m
 from dsv4_cluster.deploy.grafana.dashboards import dashboards, panel_queries
-from dsv4_cluster.orchestrator.ports import free_ports
+from dsv4_cluster.orchestrator.launch.ports import free_ports
 
-from .cluster_cli import LocalCluster, write_topology
+from dsv4_cluster.bench.local_cluster import LocalCluster, write_topology
 from .deploy_tools import require_tool
 from .prometheus_api import Prometheus, known_metric_names, metric_names_in, wait_for
 

@@ -10,13 +10,13 @@ from pathlib import Path
 import yaml
 
 from dsv4_cluster.deploy import path as deploy_path
-from dsv4_cluster.orchestrator.controller import ClusterSpec
-from dsv4_cluster.orchestrator.plan import cluster_plans
-from dsv4_cluster.orchestrator.prometheus_config import rules_path, write_config
-from dsv4_cluster.orchestrator.prometheus_targets import record_targets, targets_dir
-from dsv4_cluster.orchestrator.topology import load_topology
+from dsv4_cluster.orchestrator.supervise.controller import ClusterSpec
+from dsv4_cluster.orchestrator.launch.plan import cluster_plans
+from dsv4_cluster.orchestrator.monitor.prometheus_config import rules_path, write_config
+from dsv4_cluster.orchestrator.monitor.targets import record_targets, targets_dir
+from dsv4_cluster.orchestrator.topology.load import load_topology
 
-from .cluster_cli import write_topology
+from dsv4_cluster.bench.local_cluster import write_topology
 from .deploy_tools import require_tool
 from .prometheus_api import known_metric_names, metric_names_in
 
@@ -89,7 +89,7 @@ def test_targets_follow_the_processes(tmp_path: Path) -> None:
 def test_exporter_reports_each_state_and_restarts() -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from dsv4_cluster.orchestrator.exporter import families
+    from dsv4_cluster.orchestrator.monitor.exporter import families
 
     class Rows:
         def __init__(self, rows: list[dict[str, object]] | None) -> None:
@@ -135,7 +135,7 @@ def test_worker_metric_names_are_sglangs_own() -> None:
 def test_monitor_up_refuses_a_busy_port_and_starts_nothing(tmp_path: Path) -> None:
     import socket
 
-    from .cluster_cli import run_cli
+    from dsv4_cluster.bench.local_cluster import run_cli
 
     require_tool("prometheus")
     cluster = write_topology(tmp_path)

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from dsv4_cluster.orchestrator.options import DownOptions
-from dsv4_cluster.orchestrator.service import stop_timeout_s
+from dsv4_cluster.orchestrator.cluster.options import DownOptions
+from dsv4_cluster.orchestrator.cli.service import stop_timeout_s
 
-from .cluster_cli import run_cli, write_topology
+from dsv4_cluster.bench.local_cluster import run_cli, write_topology
 from .deploy_tools import require_tool
 
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from dsv4_cluster.core import Role
-from dsv4_cluster.orchestrator.gpu_readback import gpus_held, read_gpus_held
-from dsv4_cluster.orchestrator.pinning import pinning_report
-from dsv4_cluster.orchestrator.plan import LaunchPlan
-from dsv4_cluster.orchestrator.table import render_table
+from dsv4_cluster.orchestrator.readback.gpus import gpus_held, read_gpus_held
+from dsv4_cluster.orchestrator.readback.pinning import pinning_report
+from dsv4_cluster.orchestrator.launch.plan import LaunchPlan
+from dsv4_cluster.orchestrator.cli.table import render_table
 
 GPUS = "0, GPU-aaaa\n1, GPU-bbbb\n2, GPU-cccc\n"
 APPS = "101, GPU-bbbb\n102, GPU-cccc\n103, GPU-aaaa\nNo running processes found\n"

@@ -12,9 +12,9 @@ import time
 import httpx
 import pytest
 
-from dsv4_cluster.orchestrator.ray_env import prepare_ray_env
+from dsv4_cluster.orchestrator.cluster.ray_env import prepare_ray_env
 
-from .cluster_cli import write_topology
+from dsv4_cluster.bench.local_cluster import write_topology
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 
-from .cluster_cli import CLI, LocalCluster, write_topology
+from dsv4_cluster.bench.local_cluster import CLI, LocalCluster, write_topology
 
 pytestmark = pytest.mark.slow
 

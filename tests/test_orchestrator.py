@@ -14,10 +14,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dsv4_cluster.orchestrator.ports import port_is_free
+from dsv4_cluster.orchestrator.launch.ports import port_is_free
 from dsv4_cluster.orchestrator.processes import pid_alive
 
-from .cluster_cli import CLI, run_cli, write_topology
+from dsv4_cluster.bench.local_cluster import CLI, run_cli, write_topology
 
 pytestmark = pytest.mark.slow
 
@@ -168,7 +168,7 @@ def test_a_worker_that_cannot_start_fails_up_and_leaves_nothing(tmp_path: Path) 
 
 
 def test_foreground_on_a_joined_cluster_stops_on_sigterm_and_leaves_the_head(tmp_path: Path) -> None:
-    from dsv4_cluster.orchestrator.ray_cluster import head_alive, start_head, stop_head
+    from dsv4_cluster.orchestrator.cluster.ray_cluster import head_alive, start_head, stop_head
 
     address, head = start_head(tmp_path / "head.log", num_cpus=1, timeout_s=60)
     try:

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 
 from dsv4_cluster.core import KvUsage, Role, WorkerState, WorkerStatus
-from dsv4_cluster.orchestrator.ports import free_ports, port_is_free
+from dsv4_cluster.orchestrator.launch.ports import free_ports, port_is_free
 from dsv4_cluster.orchestrator.processes import group_members, pid_alive
-from dsv4_cluster.orchestrator.record import (
+from dsv4_cluster.orchestrator.cluster.record import (
     HOME_ENV, ClusterRecord, HeadProcess, RecordError, clear_record, read_record, write_record)
-from dsv4_cluster.orchestrator.table import COLUMNS, render_table
-from dsv4_cluster.orchestrator.embedded_calls import Calls, call_problems
-from dsv4_cluster.orchestrator.verification import kernel_problems
+from dsv4_cluster.orchestrator.cli.table import COLUMNS, render_table
+from dsv4_cluster.orchestrator.verify.embedded_calls import Calls, call_problems
+from dsv4_cluster.orchestrator.verify.sequence import kernel_problems
 
 
 def _row(**kw: object) -> WorkerStatus:
@@ -124,8 +124,8 @@ def test_embedded_call_problems_judge_the_decode_worker_that_served() -> None:
 
 def test_preflight_lists_every_machine_problem_of_the_production_layout(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from dsv4_cluster.orchestrator import preflight
-    from dsv4_cluster.orchestrator.topology import load_topology
+    from dsv4_cluster.orchestrator.launch import preflight
+    from dsv4_cluster.orchestrator.topology.load import load_topology
 
     topo = load_topology(Path(__file__).resolve().parents[1] / "topology.yaml")
     monkeypatch.setattr(preflight, "_visible_gpus", lambda: 4)
@@ -139,7 +139,7 @@ def test_preflight_lists_every_machine_problem_of_the_production_layout(
 
 
 def test_only_a_loopback_cluster_keeps_ray_drivers_on_loopback() -> None:
-    from dsv4_cluster.orchestrator.ray_env import is_loopback
+    from dsv4_cluster.orchestrator.cluster.ray_env import is_loopback
 
     assert is_loopback(None) and is_loopback("127.0.0.1:6379") and is_loopback("localhost:1")
     assert not is_loopback("10.1.2.3:6379") and not is_loopback("head.example:6379")
@@ -149,8 +149,8 @@ def test_port_holders_name_the_process_on_the_port():
     import os
     import socket
 
-    from dsv4_cluster.orchestrator.port_owner import port_holders
-    from dsv4_cluster.orchestrator.ports import free_ports
+    from dsv4_cluster.orchestrator.launch.port_owner import port_holders
+    from dsv4_cluster.orchestrator.launch.ports import free_ports
 
     port = free_ports(1)[0]
     assert port_holders(port) == []
@@ -162,7 +162,7 @@ def test_port_holders_name_the_process_on_the_port():
 
 
 def test_stranded_kv_is_read_from_metrics_and_absent_when_not_exported() -> None:
-    from dsv4_cluster.orchestrator.stranded_status import parse_stranded_kv, stranded_line
+    from dsv4_cluster.orchestrator.readback.stranded import parse_stranded_kv, stranded_line
 
     page = ('dsv4_stranded_kv_tokens{engine_type="prefill"} 64.0\ndsv4_stranded_kv_rooms{engine_type="prefill"} 2.0\n'
             'dsv4_stranded_kv_freed_tokens_total{engine_type="prefill"} 128.0\n'
@@ -182,7 +182,7 @@ def test_a_sigterm_whose_raise_python_drops_still_interrupts_up() -> None:
     import signal
     import weakref
 
-    from dsv4_cluster.orchestrator import deployment
+    from dsv4_cluster.orchestrator.cluster import deployment
 
     class Obj:
         pass

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from dsv4_cluster.core import Role
-from dsv4_cluster.orchestrator.pinning import format_cpu_list, parse_cpu_list, pinning_report
-from dsv4_cluster.orchestrator.plan import LaunchPlan
+from dsv4_cluster.orchestrator.readback.pinning import format_cpu_list, parse_cpu_list, pinning_report
+from dsv4_cluster.orchestrator.launch.plan import LaunchPlan
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
 

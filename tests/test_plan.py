@@ -9,9 +9,9 @@ import pytest
 
 from dsv4_cluster.core import Role
 from dsv4_cluster.kernels.sglang_plugin.settings import ATTEST_DIR_ENV, KERNELS_ENV, WORKER_ENV
-from dsv4_cluster.orchestrator.plan import (
+from dsv4_cluster.orchestrator.launch.plan import (
     ROUTE_PROBE, PlanError, cluster_plans, endpoint, router_config)
-from dsv4_cluster.orchestrator.topology import load_topology, topology_from_data
+from dsv4_cluster.orchestrator.topology.load import load_topology, topology_from_data
 from dsv4_cluster.router.settings import load_settings
 
 REPO = Path(__file__).resolve().parents[1]

@@ -10,11 +10,12 @@ import httpx
 import pytest
 import yaml
 
-from dsv4_cluster.orchestrator import sglang_capacity as sg
-from dsv4_cluster.orchestrator.capacity import embedded_bytes_per_token, predict, predict_sglang
-from dsv4_cluster.orchestrator.cli import main
-from dsv4_cluster.orchestrator.plan import cluster_plans
-from dsv4_cluster.orchestrator.topology import load_topology, topology_from_data
+from dsv4_cluster.core import Role
+from dsv4_cluster.orchestrator.launch import sglang_capacity as sg
+from dsv4_cluster.orchestrator.launch.capacity import embedded_bytes_per_token, predict, predict_sglang
+from dsv4_cluster.orchestrator.cli.main import main
+from dsv4_cluster.orchestrator.launch.plan import cluster_plans
+from dsv4_cluster.orchestrator.topology.load import load_topology, topology_from_data
 from dsv4_cluster.tests.servers import free_port
 from dsv4_cluster.tests.worker_procs import _wait
 from dsv4_cluster.workers.kv_pool import KVPool
@@ -51,7 +52,7 @@ def test_plan_takes_the_gpu_inputs(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     used = [line.split()[:4] for line in out.splitlines() if line.startswith(("prefill-0 ", "decode-0 "))
             and "*" in line.split()[2]]
-    assert used[0][2] == f"{sg.default_mem_fraction(81559, 'prefill', 4):.3f}*"
+    assert used[0][2] == f"{sg.default_mem_fraction(81559, Role.PREFILL, 4):.3f}*"
     pool = sg.size_pool(sg.DSV4_FLASH, available=sg.available_bytes(78.5, 22.5, 0.8),
                         mem_fraction=0.8)
     assert ["decode-0", "sglang", "0.800", str(pool.max_total_num_tokens)] in \
@@ -159,7 +160,7 @@ def test_embedded_prediction_equals_server_info(tmp_path: Path) -> None:
 
 
 def test_status_shows_predicted_capacity_and_flags_a_miss_over_5_percent() -> None:
-    from dsv4_cluster.orchestrator.deployment import with_predicted_capacity
+    from dsv4_cluster.orchestrator.cluster.deployment import with_predicted_capacity
 
     rows = [{"name": "prefill-0", "kv_capacity_tokens": 16384}, {"name": "decode-0", "kv_capacity_tokens": 15000},
             {"name": "router", "kv_capacity_tokens": None}]

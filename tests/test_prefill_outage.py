@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from .cluster_cli import write_topology
+from dsv4_cluster.bench.local_cluster import write_topology
 
 pytestmark = pytest.mark.slow
 

@@ -7,9 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dsv4_cluster.orchestrator.record import HOME_ENV
-from dsv4_cluster.orchestrator.preflight import numa_mismatches, sglang_problems
-from dsv4_cluster.orchestrator.topology import load_topology
+from dsv4_cluster.orchestrator.cluster.record import HOME_ENV
+from dsv4_cluster.orchestrator.launch.preflight import numa_mismatches, sglang_problems
+from dsv4_cluster.orchestrator.topology.load import load_topology
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -14,7 +14,7 @@ from dsv4_cluster.bench.reliability_input import fuzz, malformed, oversized, slo
 from dsv4_cluster.bench.reliability_security import security_checks
 from dsv4_cluster.bench.reliability_soak import soak
 
-from .cluster_cli import write_topology
+from dsv4_cluster.bench.local_cluster import write_topology
 
 pytestmark = pytest.mark.slow
 HOOKS = ", extra_args: [--test-hooks]"

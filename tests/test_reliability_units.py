@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from dsv4_cluster.core import WorkerState
+from dsv4_cluster.core import Role, WorkerState
 from dsv4_cluster.router.worker import Pair, Worker
 from dsv4_cluster.workers.engine import Engine
 from dsv4_cluster.workers.liveness import Liveness
@@ -65,7 +65,8 @@ def test_liveness_sees_a_stalled_engine_loop_and_its_return():
 
 
 def test_a_lost_worker_ends_each_request_it_is_part_of_once():
-    p, d, other = Worker("prefill", "p", "http://p:1"), Worker("decode", "d", "http://d:1"), Worker("decode", "e", "x")
+    p, d = Worker(Role.PREFILL, "p", "http://p:1"), Worker(Role.DECODE, "d", "http://d:1")
+    other = Worker(Role.DECODE, "e", "x")
     ended: list[tuple[str, str]] = []
     pairs = [Pair(p, d), Pair(p, other)]
     for pair in pairs:

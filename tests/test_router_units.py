@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from dsv4_cluster.core import Role
 from dsv4_cluster.router.policies import Chooser
 from dsv4_cluster.router.worker import Worker
 
@@ -11,7 +12,7 @@ from dsv4_cluster.router.worker import Worker
 def workers(*loads: float) -> list[Worker]:
     out = []
     for i, load in enumerate(loads):
-        w = Worker("decode", f"decode-{i}", f"http://127.0.0.1:{20000 + i}")
+        w = Worker(Role.DECODE, f"decode-{i}", f"http://127.0.0.1:{20000 + i}")
         w.in_flight, w.token_usage = int(load), load - int(load)
         out.append(w)
     return out

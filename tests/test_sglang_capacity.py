@@ -1,4 +1,4 @@
-"""SGLang 0.5.23's DeepSeek-V4 KV pool sizing (`orchestrator/sglang_capacity.py`) against SGLang's own code.
+"""SGLang 0.5.23's DeepSeek-V4 KV pool sizing (`orchestrator/launch/sglang_capacity.py`) against SGLang's own code.
 
 The child process resolves each server's argv with SGLang, builds a real `KVCacheConfigurator` and its
 `DSV4PoolConfigurator`, runs `_resolve_memory_pool_config` with the measured inputs fed in (free GPU
@@ -12,9 +12,10 @@ import json
 
 import pytest
 
-from dsv4_cluster.orchestrator import sglang_capacity as sg
-from dsv4_cluster.orchestrator.plan import cluster_plans
-from dsv4_cluster.orchestrator.topology import load_topology
+from dsv4_cluster.core import Role
+from dsv4_cluster.orchestrator.launch import sglang_capacity as sg
+from dsv4_cluster.orchestrator.launch.plan import cluster_plans
+from dsv4_cluster.orchestrator.topology.load import load_topology
 from dsv4_cluster.tests.sglang_support import REPO, child, require_sglang, server_argv
 
 require_sglang()
@@ -68,7 +69,7 @@ def sglang_sized() -> dict[str, dict]:
 def _ours(case: dict) -> tuple[float, sg.PoolSize]:
     o = case["ours"]
     fraction = o["fraction"] if o["fraction"] is not None else \
-        sg.default_mem_fraction(case["gpu_total_mib"], o["role"], o["tp"])
+        sg.default_mem_fraction(case["gpu_total_mib"], Role(o["role"]), o["tp"])
     available = sg.available_bytes(o["pre"], o["weights"], fraction)
     pool = sg.size_pool(sg.DSV4_FLASH, available=available, mem_fraction=fraction, max_total_tokens=o["max_total_tokens"],
                         pre_gib=o["pre"], weights_gib=o["weights"])
@@ -107,10 +108,10 @@ def test_status_reads_sglangs_server_info_and_flags_a_miss_over_5_percent() -> N
     from fastapi import FastAPI
     from fastapi.responses import PlainTextResponse
 
-    from dsv4_cluster.orchestrator.capacity import predict
-    from dsv4_cluster.orchestrator.deployment import with_predicted_capacity
-    from dsv4_cluster.orchestrator.probe import engine_info
-    from dsv4_cluster.orchestrator.table import render_table
+    from dsv4_cluster.orchestrator.launch.capacity import predict
+    from dsv4_cluster.orchestrator.cluster.deployment import with_predicted_capacity
+    from dsv4_cluster.orchestrator.readback.probe import engine_info
+    from dsv4_cluster.orchestrator.cli.table import render_table
     from dsv4_cluster.tests.servers import UvicornThread
 
     topology = load_topology(REPO / "topology.yaml")

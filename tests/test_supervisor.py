@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from dsv4_cluster.core import Role, WorkerState
-from dsv4_cluster.orchestrator.plan import LaunchPlan
-from dsv4_cluster.orchestrator.ports import free_ports, port_is_free
-from dsv4_cluster.orchestrator.supervisor import (
+from dsv4_cluster.orchestrator.launch.plan import LaunchPlan
+from dsv4_cluster.orchestrator.launch.ports import free_ports, port_is_free
+from dsv4_cluster.orchestrator.supervise.supervisor import (
     HealthPolicy, RestartPolicy, WorkerStartError, WorkerSupervisor)
 
 STANDIN = textwrap.dedent('''
@@ -191,7 +191,7 @@ def test_a_killed_supervisor_takes_its_process_with_it(tmp_path: Path) -> None:
     plan = _plan(tmp_path)
     driver = textwrap.dedent(f"""
         import pickle, sys, threading
-        from dsv4_cluster.orchestrator.supervisor import WorkerSupervisor
+        from dsv4_cluster.orchestrator.supervise.supervisor import WorkerSupervisor
         sup = WorkerSupervisor(pickle.loads({pickle_bytes(plan)!r}))
         print(sup.start(timeout_s=30)["pid"], flush=True)
         threading.Event().wait()
@@ -246,7 +246,7 @@ def test_a_short_health_blip_is_degraded_and_back_without_a_restart(tmp_path: Pa
 
 def test_the_router_hears_every_state_change(tmp_path: Path) -> None:
     """The real router app (admin API) learns DEGRADED, RESTARTING, READY and STOPPED of a worker."""
-    from dsv4_cluster.orchestrator.router_admin import RouterAdmin, RouterLink
+    from dsv4_cluster.orchestrator.supervise.router_admin import RouterAdmin, RouterLink
     from dsv4_cluster.router.app import build_app
     from dsv4_cluster.router.settings import RouterSettings
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from dsv4_cluster.orchestrator.topology import (
+from dsv4_cluster.orchestrator.topology.load import (
     TopologyError,
     UnknownNameError,
     load_topology,
@@ -157,7 +157,7 @@ def test_check_command_exits_2_listing_problems(capsys: pytest.CaptureFixture[st
 def test_check_command_as_a_module(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text(edit(BASE, "engine: embedded", "engine: vllm"))
-    run = subprocess.run([sys.executable, "-m", "dsv4_cluster.orchestrator.topology", str(bad)],
+    run = subprocess.run([sys.executable, "-m", "dsv4_cluster.orchestrator.topology.load", str(bad)],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and f"{bad}:1: engine: unknown engine 'vllm'" in run.stderr
 

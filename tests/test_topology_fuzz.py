@@ -10,7 +10,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dsv4_cluster.orchestrator.topology import (TopologyError, format_field, parse_topology,
+from dsv4_cluster.orchestrator.topology.load import (TopologyError, format_field, parse_topology,
                                                  topology_from_data)
 
 BASE: dict[str, Any] = {

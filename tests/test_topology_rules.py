@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv4_cluster.orchestrator.topology import parse_topology
+from dsv4_cluster.orchestrator.topology.load import parse_topology
 
 from .topology_fixtures import BASE, SGLANG, check, edit, line_of, only, problems
 

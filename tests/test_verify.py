@@ -12,9 +12,9 @@ from fastapi import FastAPI
 
 from dsv4_cluster.kernels.sglang_plugin.attestation import Attestation, write_attestation
 from dsv4_cluster.kernels.sglang_plugin.settings import SGLANG_VERSION
-from dsv4_cluster.orchestrator.answer_set import ANSWERS
-from dsv4_cluster.orchestrator.kernel_verify import attestation_problems, counter_problems
-from dsv4_cluster.orchestrator.serving_check import (
+from dsv4_cluster.orchestrator.verify.answer_set import ANSWERS
+from dsv4_cluster.orchestrator.verify.kernels import attestation_problems, counter_problems
+from dsv4_cluster.orchestrator.verify.serving import (
     check_answers, compare_with_last_good, first_integer, store_last_good)
 from dsv4_cluster.tests.servers import UvicornThread
 
@@ -128,9 +128,9 @@ def test_throughput_drop_is_flagged_against_the_last_good_run(tmp_path: Path) ->
 
 def test_verify_kernels_of_the_production_plan_reads_every_ranks_attestation(tmp_path: Path, server_group) -> None:
     """What `up` and `verify` call: SGLang workers are judged by their ranks' attestations (tp 4 each)."""
-    from dsv4_cluster.orchestrator.plan import cluster_plans, requested_kernels
-    from dsv4_cluster.orchestrator.topology import load_topology
-    from dsv4_cluster.orchestrator.verification import verify_kernels
+    from dsv4_cluster.orchestrator.launch.plan import cluster_plans, requested_kernels
+    from dsv4_cluster.orchestrator.topology.load import load_topology
+    from dsv4_cluster.orchestrator.verify.sequence import verify_kernels
 
     topo = load_topology(Path(__file__).resolve().parents[1] / "topology.yaml")
     topo.cluster.run_dir = str(tmp_path)
@@ -146,9 +146,9 @@ def test_verify_kernels_of_the_production_plan_reads_every_ranks_attestation(tmp
 
 
 def test_status_reports_sglang_kernels_only_when_every_rank_attests(tmp_path: Path, server_group) -> None:
-    from dsv4_cluster.orchestrator.kernel_verify import attested_kernels
-    from dsv4_cluster.orchestrator.plan import cluster_plans
-    from dsv4_cluster.orchestrator.topology import load_topology
+    from dsv4_cluster.orchestrator.verify.kernels import attested_kernels
+    from dsv4_cluster.orchestrator.launch.plan import cluster_plans
+    from dsv4_cluster.orchestrator.topology.load import load_topology
 
     topo = load_topology(Path(__file__).resolve().parents[1] / "topology.yaml")
     topo.cluster.run_dir = str(tmp_path)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dsv4_cluster.orchestrator.topology import Problem, TopologyError, parse_topology
+from dsv4_cluster.orchestrator.topology.load import Problem, TopologyError, parse_topology
 
 BASE = """\
 engine: embedded

@@ -18,20 +18,20 @@ from typing import AsyncIterator
 
 import torch
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from .. import __version__
 from .args import WorkerArgs
-from .engine import Engine, EngineKilled
+from .engine import Engine
 from .liveness import Liveness
-from .openapi import route_doc
 from .metrics import WorkerMetrics
 from .kernel_ops import KernelOps
 from .presets import model_config
-from .protocol import AbortRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest
+from .protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from .request import Event, Failed, Req, Reserved, Token, loop_emitter
 from .responses import GenSpec, ResponseBuilder, error_body, sse
+from .routes import build_app, error_response
 from .runner import ModelRunner, RunnerConfig
 from .tokenizer import ByteTokenizer, ChatTemplateError
 
@@ -172,14 +172,14 @@ class WorkerServer:
 
     async def generate(self, kind: str, request: Request) -> Response:
         if not self.ready:
-            return _error(503, "the server is still starting; retry when /health answers 200")
+            return error_response(503, "the server is still starting; retry when /health answers 200")
         try:
             spec = self.parse(kind, await request.json())
             self.check(spec)
         except BadRequest as exc:
-            return _error(400, str(exc))
+            return error_response(400, str(exc))
         except ValueError as exc:   # JSON decoding
-            return _error(400, f"the body is not valid JSON: {exc}")
+            return error_response(400, f"the body is not valid JSON: {exc}")
         events = self.events(spec)
         if spec.stream:
             return StreamingResponse(self._stream(spec, events), media_type="text/event-stream")
@@ -194,14 +194,14 @@ class WorkerServer:
         async with contextlib.aclosing(events):
             async for ev in events:
                 if isinstance(ev, Failed):
-                    return _error(ev.status, ev.message)
+                    return error_response(ev.status, ev.message)
                 out.push(ev.token_id, ev.finish)
                 if len(out.ids) == 1:
                     self.metrics.ttft.observe(time.monotonic() - started)
                 if ev.finish_reason:
                     self.metrics.e2e.observe(time.monotonic() - started)
                     return JSONResponse(out.final(ev.finish_reason, prefill_only=self.role == "prefill"))
-        return _error(500, "the request ended without a result")
+        return error_response(500, "the request ended without a result")
 
     async def _stream(self, spec: GenSpec, events: AsyncIterator[Event]):
         out = ResponseBuilder(spec, self.tokenizer)
@@ -261,83 +261,7 @@ class WorkerServer:
                 "disaggregation_mode": self.role}
 
     def build_app(self) -> FastAPI:
-        app = FastAPI(title=f"dsv4-cluster embedded {self.role} worker", lifespan=self.lifespan)
-        app.state.exit_reason = lambda: self.exit_reason
-
-        def need_ready():
-            return None if self.ready else _error(503, "starting" if self.liveness is None else self.engine.fatal)
-
-        @app.get("/health", response_class=PlainTextResponse)
-        @app.get("/health_generate", response_class=PlainTextResponse)
-        async def health():
-            if (not_ready := need_ready()) is not None:
-                return not_ready
-            stall = await self.liveness.check()
-            return _error(503, stall) if stall else PlainTextResponse("OK")
-
-        @app.get("/server_info")
-        @app.get("/get_server_info")
-        async def server_info():
-            return need_ready() or self.server_info()
-
-        @app.get("/model_info")
-        @app.get("/get_model_info")
-        async def model_info():
-            return self.model_info()
-
-        @app.get("/v1/models")
-        async def models():
-            return {"object": "list", "data": [{"id": self.args.served_model_name, "object": "model",
-                                                "created": 0, "owned_by": "dsv4-cluster",
-                                                "root": f"dsv4-{self.args.model_preset}"}]}
-
-        @app.get("/metrics", response_class=PlainTextResponse)
-        async def metrics():
-            return need_ready() or Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
-
-        @app.post("/abort_request")
-        async def abort(body: AbortRequest):
-            if self.engine is not None:
-                self.engine.abort(body.rid, "aborted through /abort_request")
-            return {"success": True}
-
-        @app.post("/flush_cache")
-        async def flush_cache():
-            return {"success": True, "message": "the embedded engine keeps no prefix cache"}
-
-        if self.args.test_hooks:
-            @app.post("/debug/kill_engine")
-            async def kill_engine():
-                if self.engine is None:
-                    return _error(503, "starting")
-                self.engine.call(_kill_engine)
-                return {"success": True, "message": "the engine thread dies now (--test-hooks)"}
-
-            @app.post("/debug/stall_engine")
-            async def stall_engine(seconds: float = 20.0):
-                """The engine thread stops for `seconds` while HTTP goes on: a hung engine (--test-hooks)."""
-                if self.engine is None:
-                    return _error(503, "starting")
-                self.engine.call(lambda: time.sleep(seconds))
-                return {"success": True, "message": f"the engine thread stalls for {seconds:g} s (--test-hooks)"}
-
-        @app.post("/v1/chat/completions", openapi_extra=route_doc("/v1/chat/completions"))
-        async def chat(request: Request):
-            return await self.generate("chat", request)
-
-        @app.post("/v1/completions", openapi_extra=route_doc("/v1/completions"))
-        async def completions(request: Request):
-            return await self.generate("completion", request)
-
-        @app.post("/generate", openapi_extra=route_doc("/generate"))
-        async def generate(request: Request):
-            return await self.generate("generate", request)
-
-        return app
-
-
-def _kill_engine() -> None:
-    raise EngineKilled("killed through POST /debug/kill_engine (--test-hooks)")
+        return build_app(self)
 
 
 def _describe(error: dict, model: str) -> str:
@@ -347,7 +271,3 @@ def _describe(error: dict, model: str) -> str:
         return f"{where}: unknown field (SGLang 0.5.23's {model} has no such field); remove it"
     message = error["msg"].removeprefix("Value error, ")
     return f"{where}: {message}" if where else message
-
-
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse(error_body(status, message), status_code=status)

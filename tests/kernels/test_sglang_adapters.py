@@ -17,7 +17,7 @@ from dsv4_cluster.kernels.sglang_adapters import (
 )
 from dsv4_cluster.kernels.sparse_mla_decode import fp8_layout, sparse_mla_decode_ref
 from dsv4_cluster.kernels.topk.page_transform import page_transform, page_transform_ref
-from dsv4_cluster.tests.kernels.sglang_cases import LAYERS, decode_case, indexer_case
+from dsv4_cluster.kernels.sglang_cases import LAYERS, decode_case, indexer_case
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available()
 

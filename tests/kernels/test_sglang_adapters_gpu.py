@@ -9,7 +9,7 @@ import torch
 from dsv4_cluster.kernels.sglang_adapters import flash_mla_with_kvcache, fp8_paged_mqa_logits, topk_transform_paged_v2
 from dsv4_cluster.kernels.sglang_adapters.flash_mla import cache_geometry, reference_decode
 from dsv4_cluster.kernels.topk.reference import topk_ref
-from dsv4_cluster.tests.kernels.sglang_cases import LAYERS, decode_case, indexer_case
+from dsv4_cluster.kernels.sglang_cases import LAYERS, decode_case, indexer_case
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

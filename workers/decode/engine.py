@@ -8,7 +8,8 @@ Request lifecycle on the decode side:
    with the prefill's bootstrap server (once per prefill) and tells it the room's destination pages.
 3. Prefill WRITEs the KV pages and sends a notification with the room and the first output token.
    A request whose KV does not land within `transfer_timeout_s` fails with 500; one whose prefill
-   failed ends as soon as the prefill says so (a "failed" notification), its pages freed at once.
+   failed ends as soon as the prefill says so (a "failed" notification), its pages freed at once (or
+   quarantined, below, when the prefill cancelled a WRITE that NIXL could not stop: "may_land").
    Pages of a request that failed here while waiting (router abort, client gone) are quarantined
    until prefill confirms it will not write them (`on_quarantine` -> its /kv/cancel), the WRITE's
    notification arrives, or, as the last resort, the quarantine expires.
@@ -126,8 +127,11 @@ class DecodeEngine(Engine):
                 continue
             if "failed" in msg:
                 req = self._by_room.get(room)
-                if req is not None:    # prefill will not write: fail() frees the pages, no quarantine
-                    req.state = ReqState.WAITING_PAGES
+                if req is not None:
+                    if not msg.get("may_land"):   # prefill will not write: fail() frees the pages, no quarantine
+                        req.state = ReqState.WAITING_PAGES
+                    # else a cancelled WRITE may still land: fail() quarantines the pages (WAITING_PEER) until
+                    # prefill's next message for the room says it ended
                     self.stats.transfer_failed += 1
                     self.fail(req, 500, f"prefill failed: {msg['failed']}")
                 continue

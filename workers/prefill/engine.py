@@ -12,7 +12,10 @@ Request lifecycle on the prefill side:
 4. It WRITEs the prompt's pages into those pages with a notification carrying the room and the first
    token; that notification is how decode learns the KV has landed.
 5. Once the WRITE is DONE, the pages are freed and the handler answers the router with one token
-   and finish_reason length (PROTOCOL.md).
+   and finish_reason length (PROTOCOL.md). A WRITE still in flight after `write_timeout_s` (topology:
+   `transfer.write_timeout_s`; a decode that died or froze mid-write) is cancelled: the request fails, decode is
+   told (it frees the room's pages, or holds them while NIXL may still write), the pages come back here once
+   NIXL lets go of the transfer, and `dsv4_kv_write_timeouts_total` counts it.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from ..request import Finish, Req, ReqState, Token
 from ..runner import Chunk, ModelRunner
 from ..transfer import NixlTransfer, TransferError
 from .stranded import StrandedKV
+from ...metric_names import KV_WRITE_TIMEOUTS
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +81,11 @@ class Destinations:
                 self._taken[room] = dest.agent_name
             return dest
 
+    def agent_of(self, room: int) -> str | None:
+        """The decode agent of a room whose WRITE is in flight (it stays taken)."""
+        with self._lock:
+            return self._taken.get(room)
+
     def done(self, room: int) -> str | None:
         """The room's WRITE ended (or never started); returns the decode agent it was for."""
         with self._lock:
@@ -105,14 +114,15 @@ def notif_message(room: int, first_token: int) -> bytes:
     return json.dumps({"room": room, "first_token": first_token}).encode()
 
 
-def failed_message(room: int, reason: str) -> bytes:
-    """Tells decode that no KV will come for `room`, so it can free the room's pages now."""
-    return json.dumps({"room": room, "failed": reason}).encode()
+def failed_message(room: int, reason: str, may_land: bool = False) -> bytes:
+    """Tells decode that no KV will come for `room`: it frees the room's pages now, or, with `may_land` (a
+    cancelled WRITE NIXL could not stop), holds them until a later message for the room says it ended."""
+    return json.dumps({"room": room, "failed": reason, **({"may_land": True} if may_land else {})}).encode()
 
 
 class PrefillEngine(Engine):
     def __init__(self, runner: ModelRunner, transfer: NixlTransfer, peer_timeout_s: float = 30.0,
-                 chunk_tokens: int = 1024):
+                 chunk_tokens: int = 1024, write_timeout_s: float = 30.0):
         super().__init__(runner, "prefill-engine")
         self.chunk_tokens = chunk_tokens
         self.transfer = transfer
@@ -121,6 +131,8 @@ class PrefillEngine(Engine):
         self._bootstrap: deque[Req] = deque()
         self._waiting_peer: list[Req] = []
         self._inflight: list[tuple[Req, object, float, int]] = []
+        self.write_timeout_s = write_timeout_s
+        self._abandoned: list[tuple[int | None, object, list[int]]] = []   # (room, handle, pages) NIXL kept
         self.stranded = StrandedKV(peer_timeout_s, runner.pool.layout.page_size)
         self._ready_at: dict[str, float] = {}   # rid -> when its KV was ready (waiting for a decode)
 
@@ -136,8 +148,12 @@ class PrefillEngine(Engine):
         if req.room is not None and req.state is not ReqState.TRANSFERRING:
             self.destinations.discard(req.room)
 
+    def pending(self) -> bool:
+        return bool(self.reqs or self._abandoned)
+
     def step(self) -> bool:
         worked = self._poll_inflight()
+        worked |= self._poll_abandoned()
         worked |= self._send_ready()
         self._free_stranded()
         worked |= self._prefill_batch()
@@ -181,7 +197,9 @@ class PrefillEngine(Engine):
         return True
 
     def role_metrics(self) -> list[tuple[str, str, str, float]]:
-        return self.stranded.metrics()
+        return [*self.stranded.metrics(),
+                (KV_WRITE_TIMEOUTS, "counter", "KV writes cancelled past transfer.write_timeout_s",
+                 self.stats.write_timeouts)]
 
     def _free_stranded(self) -> None:
         """Recount stranded KV; fail the requests past their deadline, which frees their pages."""
@@ -218,13 +236,14 @@ class PrefillEngine(Engine):
             self._inflight.append((req, handle, self.now(), nbytes))
         return worked
 
-    def _tell_decode_failed(self, room: int, reason: str) -> None:
-        """Best effort: decode frees the room's pages at once instead of at its deadline."""
-        agent = self.destinations.done(room)
+    def _tell_decode_failed(self, room: int, reason: str, may_land: bool = False) -> None:
+        """Best effort: decode frees the room's pages at once instead of at its deadline (with `may_land` it
+        holds them, and the room stays taken, until `_poll_abandoned` says the WRITE ended)."""
+        agent = self.destinations.agent_of(room) if may_land else self.destinations.done(room)
         if agent is None:
             return
         try:
-            self.transfer.notify(agent, failed_message(room, reason))
+            self.transfer.notify(agent, failed_message(room, reason, may_land))
         except TransferError as exc:
             log.warning("could not tell %s that bootstrap_room %s failed: %s", agent, room, exc)
 
@@ -234,6 +253,9 @@ class PrefillEngine(Engine):
             req, handle, started, nbytes = item
             state = self.transfer.poll(handle)
             if state == "PROC":
+                if self.now() - started > self.write_timeout_s:
+                    self._expire(item)
+                    worked = True
                 continue
             worked = True
             self._inflight.remove(item)
@@ -257,4 +279,38 @@ class PrefillEngine(Engine):
                     self.finish(req)
                 else:
                     self.fail(req, 500, f"KV transfer of bootstrap_room {req.room} failed in NIXL")
+        return worked
+
+    def _expire(self, item: tuple[Req, object, float, int]) -> None:
+        """A WRITE past `write_timeout_s`: cancel it, tell decode, fail the request; pages NIXL may still read
+        stay out of the pool until it lets go of the transfer (`_poll_abandoned`)."""
+        req, handle, _, _ = item
+        self._inflight.remove(item)
+        self.stats.transfer_failed += 1
+        self.stats.write_timeouts += 1
+        cancelled = self.transfer.abandon(handle)
+        reason = (f"KV transfer of bootstrap_room {req.room} did not finish within {self.write_timeout_s:g}s "
+                  "(topology: transfer.write_timeout_s); is the decode server alive and reachable?")
+        self._tell_decode_failed(req.room, reason, may_land=not cancelled)
+        if not cancelled:
+            self._abandoned.append((req.room, handle, req.pages))
+            req.pages = []
+        was_aborted = req.state is ReqState.ABORTED
+        req.state = ReqState.WAITING_PEER      # the pages (if any left) are ours again: fail()/finish() free them
+        if was_aborted:
+            self.finish(req)
+        else:
+            self.fail(req, 500, reason)
+
+    def _poll_abandoned(self) -> bool:
+        """Pages of cancelled WRITEs that NIXL kept go back to the pool once it ends them; decode is told."""
+        worked = False
+        for item in list(self._abandoned):
+            room, handle, pages = item
+            if self.transfer.poll(handle) == "PROC":
+                continue
+            self._abandoned.remove(item)
+            self.runner.pool.release(pages)
+            self._tell_decode_failed(room, f"the cancelled KV transfer of bootstrap_room {room} ended")
+            worked = True
         return worked

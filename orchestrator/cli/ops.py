@@ -1,0 +1,95 @@
+"""The CLI's operations on a running cluster: `drain`, `restart`, `logs`, `status --watch`.
+
+Kept apart from `cli.py` (up/status/down). Ray is imported only inside the handlers, after
+`prepare_ray_env` ran (see ray_env).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from typing import Any
+
+from dsv4_cluster.orchestrator.errors import ClusterStartError, NotUpError, RayClusterError, UnknownWorkerError
+from dsv4_cluster.orchestrator.cluster.options import DownOptions, UpOptions
+from dsv4_cluster.orchestrator.cli.table import render_table
+
+EXIT_OK, EXIT_FAILED = 0, 1
+WATCH_INTERVAL_S = 2.0
+DRAIN_DEADLINE_S = 60.0
+LOG_LINES = 50
+CLEAR = "\x1b[H\x1b[2J"
+
+
+def add_operation_commands(sub: Any) -> None:
+    up_d, down_d = UpOptions(), DownOptions()
+    dr = sub.add_parser("drain", help="stop pairing WORKER, let its requests finish, then stop it")
+    dr.add_argument("worker")
+    dr.add_argument("--deadline", type=float, default=DRAIN_DEADLINE_S,
+                    help=f"seconds to wait for in-flight requests before stopping anyway "
+                         f"(default {DRAIN_DEADLINE_S:g})")
+    dr.add_argument("--timeout", type=float, default=down_d.timeout_s,
+                    help=f"seconds between SIGTERM and SIGKILL (default {down_d.timeout_s:g})")
+    rs = sub.add_parser("restart", help="stop WORKER, start it again, pair it again once READY")
+    rs.add_argument("worker")
+    rs.add_argument("--timeout", type=float, default=up_d.timeout_s,
+                    help=f"seconds it may take to become ready (default {up_d.timeout_s:g})")
+    lg = sub.add_parser("logs", help="print the log of a worker or of the router")
+    lg.add_argument("name")
+    lg.add_argument("-f", "--follow", action="store_true", help="keep printing what is appended")
+    lg.add_argument("-n", "--lines", type=int, default=LOG_LINES, help=f"last lines to print (default {LOG_LINES})")
+
+
+def _err(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _stop_on_signals() -> threading.Event:
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def run_operation(args: argparse.Namespace) -> int:
+    from dsv4_cluster.orchestrator.cluster import operations
+    from dsv4_cluster.orchestrator.supervise.router_admin import RouterAdminError
+
+    try:
+        if args.command == "drain":
+            out = operations.drain(args.worker, args.deadline, args.timeout)
+            how = (f"forced after {args.deadline:g}s with {out['in_flight_at_stop']} request(s) in flight"
+                   if out["forced"] else "no request in flight")
+            print(f"{args.worker} drained and stopped ({how}); `dsv4-cluster restart {args.worker}` "
+                  "brings it back", flush=True)
+            return EXIT_FAILED if out["forced"] else EXIT_OK
+        if args.command == "restart":
+            row = operations.restart(args.worker, args.timeout, DownOptions().timeout_s)
+            print(f"{args.worker} restarted: {row['state']}, pid {row['pid']}", flush=True)
+            return EXIT_OK
+        path = operations.log_path(args.name)
+        stop = _stop_on_signals()
+        for line in operations.read_log(path, args.lines, args.follow, stop.is_set):
+            sys.stdout.write(line)
+            sys.stdout.flush()
+        return EXIT_OK
+    except (UnknownWorkerError, NotUpError, RayClusterError, RouterAdminError, ClusterStartError) as e:
+        _err(str(e))
+        return EXIT_FAILED
+
+
+def watch_status(deployment: Any, interval_s: float) -> int:
+    """`status --watch`: the table, refreshed every interval until SIGINT/SIGTERM."""
+    stop = _stop_on_signals()
+    while not stop.is_set():
+        try:
+            text = render_table(deployment.status())
+        except (NotUpError, RayClusterError) as e:
+            _err(str(e))
+            return EXIT_FAILED
+        sys.stdout.write(f"{CLEAR}{text}\n(every {interval_s:g}s; Ctrl-C to stop)\n")
+        sys.stdout.flush()
+        stop.wait(interval_s)
+    return EXIT_OK

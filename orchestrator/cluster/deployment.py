@@ -1,0 +1,319 @@
+"""The deployment: the `up`, `status` and `down` sequences the CLI runs.
+
+`up`: validate -> plan -> preflight (all before anything starts) -> start or join Ray -> the
+detached controller -> it starts the supervisors and waits for READY -> record the cluster.
+`down`: stop the router and the workers through the controller, kill the controller, stop the
+Ray head only if `up` started it, check by pid that nothing is left, forget the record.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from dsv4_cluster.core import WorkerState
+from dsv4_cluster.orchestrator.cluster import ray_cluster
+from dsv4_cluster.orchestrator.supervise.controller import (
+    ACTOR_MAX_RESTARTS, CONTROLLER_NAME, READ_RETRIES, ClusterController, ClusterSpec, kill_supervisors)
+from dsv4_cluster.orchestrator.errors import (
+    AlreadyUpError, ClusterStartError, NotUpError, PreflightError, RayClusterError)
+from dsv4_cluster.orchestrator.cluster.options import DownOptions, UpOptions
+from dsv4_cluster.orchestrator.launch.plan import (
+    PlanError, cluster_plans, endpoint, requested_kernels)
+from dsv4_cluster.orchestrator.processes import group_members, pid_alive
+from dsv4_cluster.orchestrator.launch.preflight import machine_problems, preflight
+from dsv4_cluster.orchestrator.cluster.record import (
+    ClusterRecord, RecordError, clear_record, read_record, write_record)
+from dsv4_cluster.orchestrator.launch.capacity import CAPACITY_TOLERANCE, predict
+from dsv4_cluster.orchestrator.supervise.router_admin import new_admin_token, with_admin_token
+from dsv4_cluster.orchestrator.topology.load import TopologyError, load_topology
+from dsv4_cluster.orchestrator.topology.errors import UnknownNameError
+from dsv4_cluster.orchestrator.verify.sequence import VerifyReport, verify_cluster
+
+CONTROLLER_CONCURRENCY = 8
+logger = logging.getLogger(__name__)
+
+
+def _spec(topology: Any, admin_token: str) -> ClusterSpec:
+    try:
+        workers, router = cluster_plans(topology)
+    except PlanError as e:
+        raise PreflightError([str(e), *machine_problems(topology)]) from e
+    problems = preflight(topology, [*workers, router])
+    if problems:
+        raise PreflightError(problems)
+    return ClusterSpec(
+        namespace=topology.cluster.namespace, endpoint=endpoint(topology), workers=tuple(workers),
+        router=with_admin_token(router, admin_token),
+        node_addresses=tuple((n.name, n.address) for n in topology.nodes),
+        kernels=requested_kernels(topology), admin_token=admin_token,
+    )
+
+
+def _existing_cluster() -> ClusterRecord | None:
+    try:
+        record = read_record()
+    except RecordError:
+        return None
+    if record.head is not None and not ray_cluster.head_alive(record.head):
+        clear_record()  # its head is gone, and the processes died with it
+        return None
+    return record
+
+
+def up(topology_path: str, options: UpOptions) -> dict[str, Any]:
+    """Bring the cluster up; returns its status. Up again with the same topology file while it
+    runs starts nothing and returns its status with `already_up`. Raises TopologyError and
+    PreflightError before anything starts, ClusterStartError after cleaning up what it started."""
+    topology = load_topology(topology_path)
+    existing = _existing_cluster()
+    if existing is not None:
+        if existing.topology_path == str(Path(topology_path).absolute()):
+            try:
+                return {**status(), "already_up": True}  # `up` again is a no-op that reports
+            except NotUpError as e:
+                raise AlreadyUpError(f"a cluster from {topology_path} is recorded but does not answer "
+                                     f"({e}); run `dsv4-cluster down` first") from e
+        raise AlreadyUpError(f"a cluster is already up ({existing.topology_path}, "
+                             f"{existing.endpoint}); run `dsv4-cluster down` first")
+    admin_token = new_admin_token()
+    spec = _spec(topology, admin_token)
+    run_dir = topology.run_dir_path
+    address = options.address or topology.cluster.address
+    head = None
+    _INTERRUPTED.clear()
+    _interrupt_on_sigterm()
+    if address is None:
+        address, head = ray_cluster.start_head(run_dir / "logs" / "ray-head.log", None,
+                                               options.head_timeout_s)
+    record = ClusterRecord(address=address, namespace=spec.namespace, endpoint=spec.endpoint,
+                           topology_path=str(Path(topology_path).absolute()),
+                           run_dir=str(run_dir), head=head, admin_token=admin_token)
+    controller = None
+    try:
+        _check_interrupt()       # a signal while the head started: stop it (below)
+        ray_cluster.connect(address, spec.namespace)
+        _interrupt_on_sigterm()  # again: ray.init replaced it
+        _check_interrupt()
+        _refuse_second_controller(spec.namespace)
+        write_record(record)
+        controller = ray.remote(ClusterController).options(
+            name=CONTROLLER_NAME, namespace=spec.namespace, lifetime="detached", num_cpus=0,
+            max_concurrency=CONTROLLER_CONCURRENCY, max_restarts=ACTOR_MAX_RESTARTS).remote(spec)
+        try:
+            started = ray.get(controller.up.remote(options.timeout_s))
+        except (RayTaskError, RayActorError) as e:
+            cause = e.cause if isinstance(e, RayTaskError) and e.cause is not None else e
+            raise ClusterStartError(str(cause)) from e
+        _check_interrupt()
+        verification = _verify(topology, started)
+        _check_interrupt()
+        return {**started, "verification": verification}
+    except BaseException:
+        if controller is not None:
+            _abandon(controller, spec)
+        ray_cluster.disconnect()
+        if head is not None:
+            ray_cluster.stop_head(head, deadline_s=10.0)
+        clear_record()
+        raise
+    finally:
+        ray_cluster.disconnect()
+
+
+def _pids(status: dict[str, Any]) -> dict[str, int | None]:
+    return {row["name"]: row.get("pid") for row in status["workers"]}
+
+
+def _verify(topology: Any, status: dict[str, Any]) -> str:
+    """End-to-end check once everything is READY (verification.py); raises ClusterStartError on failure."""
+    report = verify_cluster(topology, _pids(status))
+    if not report.ok:
+        raise ClusterStartError(report.summary())
+    return report.summary()
+
+
+def verify() -> VerifyReport:
+    """`dsv4-cluster verify`: the same checks against the cluster that is up now."""
+    record = _existing_cluster()
+    if record is None:
+        raise NotUpError("no cluster is up (no record of one)")
+    return verify_cluster(load_topology(record.topology_path), _pids(status()))
+
+
+_INTERRUPTED: list[str] = []  # the signals that arrived during this `up`
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    _INTERRUPTED.append(signal.Signals(signum).name)
+    raise KeyboardInterrupt(f"signal {_INTERRUPTED[-1]} during up")
+
+
+def _check_interrupt() -> None:
+    """Raise the interrupt again if the handler's raise was lost: Python ignores (prints and drops) an exception
+    raised in a weakref callback or __del__, and the signal can land there. Seen in CI: SIGTERM arrived inside
+    importlib's module-lock callback, `up` went on, brought the cluster up and exited 0."""
+    if _INTERRUPTED:
+        raise KeyboardInterrupt(f"signal {_INTERRUPTED[-1]} during up")
+
+
+def _interrupt_on_sigterm() -> None:
+    """SIGTERM during `up` stops what `up` started (ray.init installed a handler that just dies)."""
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+
+
+def _abandon(controller: Any, spec: ClusterSpec) -> None:
+    """Stop whatever a failed or interrupted `up` left running, then the controller itself."""
+    try:
+        ray.get(controller.stop.remote(10.0), timeout=60)
+    except (RayTaskError, RayActorError, GetTimeoutError) as e:
+        # Killing the supervisors kills their processes (PR_SET_PDEATHSIG).
+        killed = kill_supervisors(spec.namespace, [p.name for p in (*spec.workers, spec.router)])
+        logger.warning("stopping the processes of a failed up: %s; killed the supervisors of %s", e, killed)
+    ray.kill(controller)
+
+
+def _refuse_second_controller(namespace: str) -> None:
+    try:
+        ray.get_actor(CONTROLLER_NAME, namespace=namespace)
+    except ValueError:
+        return
+    raise AlreadyUpError(f"Ray namespace {namespace!r} already has a controller; run "
+                         "`dsv4-cluster down` or pick another cluster.namespace")
+
+
+def find_controller(record: ClusterRecord) -> Any:
+    """The cluster's controller actor (connects to its Ray cluster; the caller disconnects)."""
+    ray_cluster.connect(record.address, record.namespace)
+    try:
+        return ray.get_actor(CONTROLLER_NAME, namespace=record.namespace)
+    except ValueError:
+        raise NotUpError(f"no controller in Ray namespace {record.namespace!r} at "
+                         f"{record.address}; the cluster is gone — run `dsv4-cluster down` "
+                         "to clean up") from None
+
+
+def status() -> dict[str, Any]:
+    """The recorded cluster's status: {"endpoint", "workers": [...]}."""
+    try:
+        record = read_record()
+    except RecordError as e:
+        raise NotUpError(str(e)) from e
+    try:
+        controller = find_controller(record)
+        return with_predicted_capacity(
+            ray.get(controller.status.options(max_task_retries=READ_RETRIES).remote(), timeout=60),
+            record.topology_path)
+    except (RayActorError, GetTimeoutError) as e:
+        raise NotUpError(f"the controller does not answer: {e}") from e
+    except RayClusterError as e:
+        raise NotUpError(f"the cluster from {record.topology_path} is gone ({e}); run "
+                         "`dsv4-cluster down` to clean up") from e
+    finally:
+        ray_cluster.disconnect()
+
+
+def with_predicted_capacity(status: dict[str, Any], topology_path: str) -> dict[str, Any]:
+    """Each worker row gets `kv_predicted_tokens` (capacity.py), and an error line past a 5% miss."""
+    try:
+        topology = load_topology(topology_path)
+    except TopologyError:
+        return status  # the file changed since up; the rows stand without a prediction
+    for row in status["workers"]:
+        try:
+            predicted = predict(topology, topology.worker(row["name"])).max_total_num_tokens
+        except UnknownNameError:
+            continue  # the router
+        row["kv_predicted_tokens"] = predicted
+        actual = row.get("kv_capacity_tokens")
+        if predicted and actual is not None and abs(actual - predicted) > CAPACITY_TOLERANCE * predicted:
+            note = (f"KV capacity {actual} tokens differs from the predicted {predicted} by "
+                    f"{abs(actual - predicted) / predicted:.0%} (over {CAPACITY_TOLERANCE:.0%})")
+            row["error"] = f"{row['error']}; {note}" if row.get("error") else note
+    return status
+
+
+def watch(interval_s: float) -> str | None:
+    """Block until SIGTERM/SIGINT (None), or until the controller stops answering or a worker is
+    FAILED (why)."""
+    record = read_record()
+    stop = threading.Event()
+    try:
+        try:
+            controller = find_controller(record)
+        except (NotUpError, RayClusterError) as e:
+            return str(e)
+        for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs its own
+            signal.signal(sig, lambda *_: stop.set())
+        while not stop.wait(interval_s):
+            try:
+                current = ray.get(controller.status.options(max_task_retries=READ_RETRIES).remote(), timeout=60)
+            except (RayActorError, GetTimeoutError) as e:
+                return f"the controller does not answer: {e}"
+            failed = [w for w in current["workers"] if w.get("state") == WorkerState.FAILED.value]
+            if failed:
+                return "; ".join(f"{w['name']} is FAILED: {(w.get('error') or '').splitlines()[0]}"
+                                 for w in failed)
+        return None
+    finally:
+        ray_cluster.disconnect()
+
+
+def _wait_gone(pids: list[int], deadline_s: float) -> list[int]:
+    end = time.monotonic() + deadline_s
+    while True:
+        alive = [p for p in pids if pid_alive(p)]
+        if not alive or time.monotonic() > end:
+            return alive
+        time.sleep(0.1)
+
+
+def _kill_orphaned_supervisors(record: ClusterRecord) -> list[str]:
+    """Supervisors outlive their controller (detached): kill those the topology names, if Ray answers."""
+    if not ray.is_initialized():
+        return []  # no Ray cluster to look in (its head is gone, and the actors with it)
+    try:
+        names = [w.name for w in load_topology(record.topology_path).workers] + ["router"]
+        killed = kill_supervisors(record.namespace, names)
+    except (TopologyError, RayClusterError, RayActorError) as e:
+        return [f"supervisors: not looked for ({e})"]
+    return [f"supervisors killed without their controller: {', '.join(killed)}"] if killed else []
+
+
+def down(options: DownOptions) -> dict[str, Any]:
+    """Stop everything `up` started; returns the processes' final status and what survived."""
+    try:
+        record = read_record()
+    except RecordError as e:
+        raise NotUpError(str(e)) from e
+    final: dict[str, Any] = {"endpoint": record.endpoint, "workers": []}
+    notes: list[str] = []
+    pids: list[int] = []
+    try:
+        controller = find_controller(record)
+        here = socket.gethostname()  # a remote node's supervisor checks its own process group
+        pids = [pid for host, pid in ray.get(controller.pids.remote(), timeout=60) if host == here]
+        final = ray.get(controller.stop.remote(options.timeout_s), timeout=options.timeout_s + 60)
+        ray.kill(controller)
+    except (NotUpError, RayClusterError, RayActorError, GetTimeoutError) as e:
+        notes.append(f"controller: {e}")
+        notes += _kill_orphaned_supervisors(record)
+    finally:
+        ray_cluster.disconnect()
+    if record.head is not None:
+        ray_cluster.stop_head(record.head, options.timeout_s)
+    survivors = _wait_gone(pids, options.timeout_s)
+    if record.head is not None:
+        survivors += group_members(record.head.pid)
+    clear_record()
+    final["survivors"] = survivors
+    final["notes"] = notes
+    return final

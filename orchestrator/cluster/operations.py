@@ -1,0 +1,87 @@
+"""Day-two operations on a running cluster: drain, restart, logs, a refreshing status.
+
+Each finds the cluster from its record and asks the controller, which asks the supervisor on the
+worker's node and the router's admin API (`docs/router_admin.md`).
+
+- `drain WORKER`: the router stops pairing it, its in-flight requests finish (up to a deadline),
+  then its process is stopped; the answer says whether the stop was forced.
+- `restart WORKER`: stop, start, wait for READY; the router pairs it again (also after a drain).
+- `logs WORKER [-f]`: the worker's log file (followed with -f), read on this machine.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from dsv4_cluster.orchestrator.cluster import deployment, ray_cluster
+from dsv4_cluster.orchestrator.errors import ClusterStartError, NotUpError, RayClusterError, UnknownWorkerError
+from dsv4_cluster.orchestrator.cluster.record import RecordError, read_record
+from dsv4_cluster.orchestrator.supervise.router_admin import RouterAdminError
+
+FOLLOW_POLL_S = 0.25
+_TYPED = (UnknownWorkerError, RouterAdminError, ClusterStartError)
+
+
+def _call(method: str, *args: Any, timeout_s: float) -> Any:
+    """controller.<method>(*args), with the controller's typed errors raised here as themselves."""
+    try:
+        record = read_record()
+    except RecordError as e:
+        raise NotUpError(str(e)) from e
+    try:
+        controller = deployment.find_controller(record)
+        return ray.get(getattr(controller, method).remote(*args), timeout=timeout_s)
+    except RayTaskError as e:
+        if isinstance(e.cause, _TYPED):
+            raise e.cause from None
+        raise
+    except (RayActorError, GetTimeoutError) as e:
+        raise NotUpError(f"the controller does not answer: {e}") from e
+    except RayClusterError as e:
+        raise NotUpError(f"the cluster from {record.topology_path} is gone ({e})") from e
+    finally:
+        ray_cluster.disconnect()
+
+
+def drain(name: str, deadline_s: float, stop_deadline_s: float) -> dict[str, Any]:
+    return _call("drain", name, deadline_s, stop_deadline_s, timeout_s=deadline_s + stop_deadline_s + 60)
+
+
+def restart(name: str, timeout_s: float, stop_deadline_s: float) -> dict[str, Any]:
+    return _call("restart", name, timeout_s, stop_deadline_s, timeout_s=timeout_s + stop_deadline_s + 60)
+
+
+def log_path(name: str) -> str:
+    """The log file of `name` (a worker or the router), from the cluster's status."""
+    rows = {w["name"]: w for w in deployment.status()["workers"] if "log_path" in w}
+    if name not in rows:
+        raise UnknownWorkerError(f"no process named {name!r}; this cluster has {sorted(rows)}")
+    return rows[name]["log_path"]
+
+
+def read_log(path: str, lines: int | None, follow: bool,
+             stop: Callable[[], bool] = lambda: False) -> Iterator[str]:
+    """The last `lines` lines of the file (None: all), then (with `follow`) what is appended, until
+    `stop()`; a file that is replaced (a restart appends, but rotation may replace) is reopened."""
+    p = Path(path)
+    if not p.exists():
+        raise NotUpError(f"{path} is not on this machine; run `logs` on the worker's node")
+    with p.open(errors="replace") as f:
+        existing = f.readlines()
+        yield from existing if lines is None else existing[len(existing) - min(lines, len(existing)):]
+        inode = os.fstat(f.fileno()).st_ino
+        while follow and not stop():
+            chunk = f.readline()
+            if chunk:
+                yield chunk
+                continue
+            if p.exists() and p.stat().st_ino != inode:
+                yield from read_log(path, None, follow, stop)
+                return
+            time.sleep(FOLLOW_POLL_S)

@@ -1,0 +1,133 @@
+"""The Ray cluster under the orchestrator: start a local head that outlives the CLI, or join one.
+
+A `ray.init()` inside the CLI would start a cluster that dies with the CLI, so `up` runs
+`ray start --head --block` as its own process group (stays on 127.0.0.1, no auth, no usage
+stats, every port chosen free below the ephemeral range so two clusters on one machine never
+collide) and `down` signals that group. `ray stop` is never used: it kills every Ray process
+on the machine, including clusters this tool did not start.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import ray
+
+from dsv4_cluster.orchestrator.errors import RayClusterError
+from dsv4_cluster.orchestrator.launch.ports import free_ports
+from dsv4_cluster.orchestrator.processes import group_members, signal_group
+from dsv4_cluster.orchestrator.cluster.ray_env import RAY_ENV
+from dsv4_cluster.orchestrator.cluster.record import HeadProcess
+from dsv4_cluster.orchestrator.supervise.supervisor import log_tail
+
+HEAD_HOST = "127.0.0.1"
+READY_LINE = "Ray runtime started"
+POLL_S = 0.2
+CONNECT_TIMEOUT_S = 5.0
+
+
+def _ray_executable() -> str:
+    beside = Path(sys.executable).parent / "ray"
+    found = str(beside) if beside.exists() else shutil.which("ray")
+    if found is None:
+        raise RayClusterError("the `ray` command is not installed; pip install 'ray[default]'")
+    return found
+
+
+def start_head(log_path: Path, num_cpus: int | None, timeout_s: float) -> tuple[str, HeadProcess]:
+    """Start a Ray head in its own process group; returns its address once it accepts drivers."""
+    gcs, client, agent, agent_grpc, metrics, env_agent = free_ports(6)
+    argv = [
+        _ray_executable(), "start", "--head", "--block",
+        "--node-ip-address", HEAD_HOST, "--port", str(gcs),
+        "--ray-client-server-port", str(client),
+        "--dashboard-agent-listen-port", str(agent), "--dashboard-agent-grpc-port", str(agent_grpc),
+        "--metrics-export-port", str(metrics), "--runtime-env-agent-port", str(env_agent),
+        "--include-dashboard=false", "--disable-usage-stats",
+    ]
+    if num_cpus is not None:
+        argv += ["--num-cpus", str(num_cpus)]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    offset = log_path.stat().st_size if log_path.exists() else 0
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, **RAY_ENV}, start_new_session=True)
+    head = HeadProcess(pid=proc.pid, log_path=str(log_path))
+    try:
+        _wait_started(proc, log_path, offset, timeout_s)
+    except BaseException:  # a timeout, or SIGTERM/SIGINT while waiting: no head left behind
+        stop_head(head, deadline_s=5.0)
+        raise
+    return f"{HEAD_HOST}:{gcs}", head
+
+
+def _wait_started(proc: subprocess.Popen[bytes], log_path: Path, offset: int,
+                  timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while READY_LINE not in _read_from(log_path, offset):
+        if proc.poll() is not None:
+            raise RayClusterError(f"`ray start --head` exited with code {proc.returncode}; "
+                                  f"{log_path}:\n{log_tail(str(log_path))}")
+        if time.monotonic() > deadline:
+            raise RayClusterError(f"the Ray head did not start within {timeout_s:.0f}s; "
+                                  f"{log_path}:\n{log_tail(str(log_path))}")
+        time.sleep(POLL_S)
+
+
+def _read_from(path: Path, offset: int) -> str:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read().decode(errors="replace")
+
+
+def stop_head(head: HeadProcess, deadline_s: float) -> None:
+    """SIGTERM the head's process group, SIGKILL what is left after `deadline_s`."""
+    signal_group(head.pid, signal.SIGTERM)
+    for sig in (signal.SIGKILL, None):
+        deadline = time.monotonic() + deadline_s
+        while group_members(head.pid) and time.monotonic() < deadline:
+            _reap(head.pid)
+            time.sleep(POLL_S)
+        _reap(head.pid)
+        if sig is None or not group_members(head.pid):
+            return
+        signal_group(head.pid, sig)
+
+
+def _reap(pid: int) -> None:
+    """Collect the head's exit status when this process started it (no zombie lingers)."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def connect(address: str, namespace: str) -> None:
+    """Attach this process to the Ray cluster at `address` as a driver in `namespace`."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except (OSError, ValueError) as e:
+        raise RayClusterError(f"no Ray cluster answers at {address} ({e}); start one, or fix "
+                              "--address / cluster.address") from e
+    try:
+        ray.init(address=address, namespace=namespace, log_to_driver=False,
+                 logging_level="ERROR", configure_logging=True)
+    except (ConnectionError, RuntimeError) as e:
+        raise RayClusterError(f"cannot reach the Ray cluster at {address}: {e}") from e
+
+
+def disconnect() -> None:
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def head_alive(head: HeadProcess) -> bool:
+    return bool(group_members(head.pid))

@@ -1,0 +1,220 @@
+"""Launch plans: the exact argv, env, log file and readiness probes of every supervised process.
+
+A plan is computed from the topology alone, before anything starts, so it can be printed,
+unit-tested flag by flag, and shipped to a supervisor actor as one frozen value. Two engines:
+the embedded engine (`python -m dsv4_cluster.workers.{prefill,decode}`) and SGLang
+(`python -m sglang.launch_server`, flags and env in `sglang_launch`, as SGLang 0.5.23 resolves them).
+The router is planned here too; its JSON settings travel in the plan (`files`), so the
+supervisor on the router's node writes them there.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsv4_cluster.core import KERNEL_NAMES, Role
+from dsv4_cluster.orchestrator.launch.sglang import sglang_argv, sglang_env
+
+ROUTE_PROBE = "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
+
+
+class PlanError(ValueError):
+    """The topology asks for something no launch plan can honour yet."""
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """How to start one process and how to know it is ready."""
+
+    name: str
+    role: Role
+    node: str
+    argv: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+    cwd: str
+    log_path: str
+    port: int
+    health_url: str
+    readiness_urls: tuple[str, ...] = ()
+    server_info_url: str | None = None
+    metrics_url: str | None = None
+    ports: tuple[int, ...] = field(default=())
+    files: tuple[tuple[str, str], ...] = ()  # (path, text) the supervisor writes before spawning
+    tp: int = 1  # processes that serve it (SGLang: one per TP rank); each attests its kernels
+    gpus: tuple[int, ...] = ()  # the topology's GPU indices for it (status compares what it holds)
+
+    @property
+    def env_dict(self) -> dict[str, str]:
+        return dict(self.env)
+
+    @property
+    def all_readiness_urls(self) -> tuple[str, ...]:
+        return (self.health_url, *self.readiness_urls)
+
+
+def _value(x: Any) -> str:
+    return str(getattr(x, "value", x))
+
+
+def requested_kernels(topology: Any) -> tuple[str, ...]:
+    return tuple(k for k in KERNEL_NAMES if getattr(topology.kernels, k))
+
+
+def _probe_host(address: str, bind_host: str) -> str:
+    """Where the orchestrator reaches a server that binds `bind_host` on a node at `address`."""
+    return address if bind_host in ("0.0.0.0", "::", "") else bind_host
+
+
+def _log_path(topology: Any, name: str) -> str:
+    return str(Path(topology.run_dir_path) / "logs" / f"{name}.log")
+
+
+def _numactl_prefix(topology: Any, worker: Any) -> list[str]:
+    """numactl for the embedded engine; SGLang binds its TP children itself (`--numa-node`)."""
+    if worker.numa_node is None or _value(topology.engine) == "sglang":
+        return []
+    n = str(worker.numa_node)
+    return ["numactl", f"--cpunodebind={n}", f"--membind={n}"]
+
+
+def _worker_env(topology: Any, worker: Any) -> dict[str, str]:
+    env = {"PYTHONUNBUFFERED": "1"}
+    if _value(topology.engine) == "sglang":
+        env.update(sglang_env(topology, worker, requested_kernels(topology)))
+    # embedded workers too keep every GPU visible and name theirs (--device cuda:N): UCX's cuda_ipc needs the
+    # peer's GPU visible to copy GPU to GPU (hidden, it stages through host memory or fails)
+    if topology.transfer.ucx_tls:
+        env["UCX_TLS"] = topology.transfer.ucx_tls
+    return env
+
+
+def embedded_device(worker: Any) -> str:
+    """The worker's --device: cpu, or cuda:N for its one GPU N (the topology's index, all GPUs visible)."""
+    device = _value(worker.device)
+    return f"cuda:{worker.gpus[0]}" if device == "cuda" and worker.gpus else device
+
+
+def embedded_argv(topology: Any, worker: Any) -> list[str]:
+    role = _value(worker.role)
+    # the node's own address (what peers and the router use), never 0.0.0.0: a worker has no auth of its own
+    argv = [sys.executable, "-m", f"dsv4_cluster.workers.{role}", "--host", topology.node(worker.node).address,
+            "--port", str(worker.port)]
+    if role == Role.PREFILL.value:
+        argv += ["--disaggregation-bootstrap-port", str(worker.bootstrap_port),
+                 "--peer-timeout-s", str(topology.transfer.stranded_kv_timeout_s),
+                 "--write-timeout-s", str(topology.transfer.write_timeout_s)]
+    argv += [
+        "--served-model-name", topology.model.name,
+        "--seed", str(topology.model.seed),
+        "--context-length", str(topology.model.context_length),
+        "--page-size", str(worker.page_size),
+        "--kv-cache-dtype", str(worker.kv_cache_dtype),
+    ]
+    if worker.max_total_tokens is not None:
+        argv += ["--max-total-tokens", str(worker.max_total_tokens)]
+    argv += [
+        "--transfer-backend", _value(topology.transfer.backend),
+        "--device", embedded_device(worker),
+        "--node-address", topology.node(worker.node).address,
+    ]
+    if topology.transfer.ucx_tls:
+        argv += ["--ucx-tls", topology.transfer.ucx_tls]
+    kernels = requested_kernels(topology)
+    if kernels:
+        argv += ["--kernels", ",".join(kernels)]
+    return argv + [str(a) for a in worker.extra_args]
+
+
+def worker_plan(topology: Any, worker: Any) -> LaunchPlan:
+    """The plan of one prefill or decode worker, for either engine."""
+    engine = _value(topology.engine)
+    if engine == "embedded":
+        argv = embedded_argv(topology, worker)
+    elif engine == "sglang":
+        argv = sglang_argv(topology, worker)
+    else:
+        raise PlanError(f"engine {engine!r} has no launch plan; use embedded or sglang")
+    role = Role(_value(worker.role))
+    host = topology.node(worker.node).address
+    base = f"http://{host}:{worker.port}"
+    readiness: tuple[str, ...] = ()
+    ports: tuple[int, ...] = (worker.port,)
+    if role is Role.PREFILL:
+        boot = f"http://{host}:{worker.bootstrap_port}"
+        readiness = (f"{boot}/health", f"{boot}{ROUTE_PROBE}")
+        ports += (worker.bootstrap_port,)
+    if worker.nccl_port is not None:
+        ports += (worker.nccl_port,)
+    return LaunchPlan(
+        name=worker.name,
+        role=role,
+        node=worker.node,
+        argv=tuple(_numactl_prefix(topology, worker) + argv),
+        env=tuple(sorted(_worker_env(topology, worker).items())),
+        cwd=str(topology.run_dir_path),
+        log_path=_log_path(topology, worker.name),
+        port=worker.port,
+        health_url=f"{base}/health",
+        readiness_urls=readiness,
+        server_info_url=f"{base}/server_info",
+        metrics_url=f"{base}/metrics",
+        ports=ports,
+        tp=worker.tp,
+        gpus=tuple(worker.gpus or ()),
+    )
+
+
+def router_config(topology: Any) -> dict[str, Any]:
+    """The router's JSON settings: every worker, reachable at its node's address."""
+    prefill, decode = [], []
+    for w in topology.prefill:
+        host = topology.node(w.node).address
+        prefill.append({"name": w.name, "url": f"http://{host}:{w.port}",
+                        "bootstrap_host": host, "bootstrap_port": w.bootstrap_port})
+    for w in topology.decode:
+        host = topology.node(w.node).address
+        decode.append({"name": w.name, "url": f"http://{host}:{w.port}"})
+    return {"host": topology.router.host, "port": topology.router.port,
+            "model_name": topology.model.name, "prefill": prefill, "decode": decode}
+
+
+def router_config_path(topology: Any) -> Path:
+    return Path(topology.run_dir_path) / "router.json"
+
+
+def router_plan(topology: Any) -> LaunchPlan:
+    """The router's plan, carrying its settings file."""
+    r = topology.router
+    host = _probe_host(topology.node(r.node).address, r.host)
+    config = str(router_config_path(topology))
+    return LaunchPlan(
+        name="router",
+        role=Role.ROUTER,
+        node=r.node,
+        argv=(sys.executable, "-m", "dsv4_cluster.router", "--config", config),
+        files=((config, json.dumps(router_config(topology), indent=2) + "\n"),),
+        env=(("PYTHONUNBUFFERED", "1"),),
+        cwd=str(topology.run_dir_path),
+        log_path=_log_path(topology, "router"),
+        port=r.port,
+        health_url=f"http://{host}:{r.port}/health",
+        ports=(r.port,),
+    )
+
+
+def endpoint(topology: Any) -> str:
+    r = topology.router
+    return f"http://{r.host}:{r.port}/v1"
+
+
+def cluster_plans(topology: Any) -> tuple[list[LaunchPlan], LaunchPlan]:
+    """Every worker's plan (prefill then decode) and the router's; raises PlanError."""
+    router = router_plan(topology)
+    if any(w.name == router.name for w in topology.workers):
+        raise PlanError(f"a worker is named {router.name!r}, the name of the router's own "
+                        "process; rename the worker")
+    return [worker_plan(topology, w) for w in topology.workers], router

@@ -1,0 +1,81 @@
+"""Prometheus `file_sd` targets: which processes of the running cluster Prometheus scrapes.
+
+The scrape config (`prometheus_config.py`) points each job at one JSON file under
+`<run_dir>/prometheus/targets/`; this module is the only writer of those files. The controller
+calls `record_targets` whenever it reads its workers' states: every process the cluster means to
+run is a target, whatever its state (a crashed or FAILED worker must stay a target, so that
+`up == 0` fires the worker-down alert); a process that was stopped on purpose (`down`, a drain)
+is not. Prometheus re-reads the files on change; writes are atomic (rename), and a file is only
+rewritten when its content changes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable
+from urllib.parse import urlsplit
+
+from dsv4_cluster.core import Role, WorkerState
+from dsv4_cluster.orchestrator.launch.plan import LaunchPlan
+
+TARGETS_SUBDIR = ("prometheus", "targets")
+logger = logging.getLogger(__name__)
+JOB_FILES = {"dsv4-router": "router.json", "dsv4-workers": "workers.json",
+             "dsv4-orchestrator": "orchestrator.json"}
+
+
+def targets_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir).joinpath(*TARGETS_SUBDIR)
+
+
+def _address(url: str) -> str:
+    """host:port of a URL, as a Prometheus target."""
+    parts = urlsplit(url)
+    if parts.hostname is None or parts.port is None:
+        raise ValueError(f"{url!r} has no host:port")
+    return f"{parts.hostname}:{parts.port}"
+
+
+def plan_target(plan: LaunchPlan) -> dict[str, Any]:
+    """One file_sd entry: the process's metrics address with its worker/role/node labels."""
+    url = plan.metrics_url or plan.health_url  # the router serves /metrics beside /health
+    return {"targets": [_address(url)],
+            "labels": {"worker": plan.name, "role": plan.role.value, "node": plan.node}}
+
+
+def write_job(run_dir: str | Path, job: str, entries: list[dict[str, Any]]) -> Path:
+    """Atomically replace one job's targets file (no write when unchanged)."""
+    path = targets_dir(run_dir) / JOB_FILES[job]
+    text = json.dumps(entries, indent=2, sort_keys=True) + "\n"
+    if path.exists() and path.read_text() == text:
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+    return path
+
+
+def write_plans(run_dir: str | Path, plans: Iterable[LaunchPlan], stopped: frozenset[str] = frozenset()) -> None:
+    """The router and worker files for these plans, leaving out the named stopped processes."""
+    live = [p for p in plans if p.name not in stopped]
+    write_job(run_dir, "dsv4-router", [plan_target(p) for p in live if p.role is Role.ROUTER])
+    write_job(run_dir, "dsv4-workers", [plan_target(p) for p in live if p.role is not Role.ROUTER])
+
+
+def record_targets(spec: Any, rows: list[dict[str, Any]]) -> None:
+    """The controller's call: `spec` a ClusterSpec, `rows` its processes' status dicts.
+    A process is left out only when its row says STOPPED. A targets file that cannot be written
+    is logged, never raised: monitoring must not break `status` or `down`."""
+    stopped = frozenset(r["name"] for r in rows
+                        if "name" in r and r.get("state") == WorkerState.STOPPED.value)
+    try:
+        write_plans(spec.router.cwd, (*spec.workers, spec.router), stopped)
+    except OSError as e:
+        logger.warning("cannot write the Prometheus targets under %s: %s", targets_dir(spec.router.cwd), e)

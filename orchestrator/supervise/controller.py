@@ -1,0 +1,275 @@
+"""The controller: one detached, named Ray actor that owns the cluster's supervisors.
+
+`up` creates it (`name="controller"` in the topology's namespace, `lifetime="detached"`) so it
+outlives the CLI; `status` and `down` find it again by name. It creates one supervisor actor per
+worker, placed on the worker's node, starts prefill and decode concurrently, and starts the
+router only once every worker is READY. Worker supervisors tell the router of every state change
+(admin API, with the cluster's admin token); once the router is up, a deep probe sends a real
+request through every prefill -> decode pair periodically.
+
+Both survive their own process dying. Supervisors are detached, named actors (`supervisor-<name>`)
+that Ray restarts (`max_restarts`); a restarted one starts its worker again (supervisor.py). The
+controller is restarted by Ray too (`up` creates it with `max_restarts`); its constructor finds the
+running supervisors by name and takes them over, and starts the deep probe again, so the workers
+keep serving through a controller restart. Since the supervisors no longer die with the
+controller, `stop` kills them by name, and `kill_supervisors` does so for a controller that is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+from dsv4_cluster.orchestrator.supervise.actor_record import (
+    ActorRecord, current_actor_id, record_path, write_actor_record)
+from dsv4_cluster.orchestrator.errors import ClusterStartError, UnknownWorkerError
+from dsv4_cluster.core import Role
+from dsv4_cluster.orchestrator.verify.deep_probe import DeepProber
+from dsv4_cluster.orchestrator.launch.plan import LaunchPlan
+from dsv4_cluster.orchestrator.monitor.targets import record_targets
+from dsv4_cluster.orchestrator.supervise.router_admin import RouterAdmin, RouterAdminError, RouterLink
+from dsv4_cluster.orchestrator.supervise.supervisor import WorkerSupervisor
+from dsv4_cluster.orchestrator.verify.sequence import verify_kernels
+
+CONTROLLER_NAME = "controller"
+NODE_RESOURCE_SHARE = 0.001  # a sliver of a node's placement resource pins an actor to it
+NODE_LABEL_PREFIX = "dsv4-node:"  # `ray start --resources '{"dsv4-node:<name>": 1}'` names a node
+SUPERVISOR_CONCURRENCY = 4  # start() blocks while status()/stop() must still answer
+DEEP_PROBE_INTERVAL_S = 30.0
+DRAIN_POLL_S = 0.2
+ACTOR_MAX_RESTARTS = -1  # Ray restarts a dead controller or supervisor for as long as the cluster is up
+READ_RETRIES = 2  # status/pids are safe to send again to an actor Ray restarted
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Everything the controller needs, computed by the CLI from the topology."""
+
+    namespace: str
+    endpoint: str
+    workers: tuple[LaunchPlan, ...]
+    router: LaunchPlan
+    node_addresses: tuple[tuple[str, str], ...]  # (node name, address)
+    kernels: tuple[str, ...] = ()  # requested; every worker must report each one active
+    admin_token: str | None = field(default=None, repr=False)  # the router's, for its admin API
+    probe_interval_s: float = DEEP_PROBE_INTERVAL_S
+
+
+def _cause(err: BaseException) -> str:
+    if isinstance(err, RayTaskError):
+        return str(err.cause) if err.cause is not None else str(err)
+    return str(err)
+
+
+class ClusterController:
+    """Creates, starts, reports on and stops every supervised process of one cluster."""
+
+    def __init__(self, spec: ClusterSpec) -> None:
+        self._spec = spec
+        self._supervisors: dict[str, Any] = {}
+        self._prober: DeepProber | None = None
+        write_actor_record(record_path(spec.router.cwd, CONTROLLER_NAME), ActorRecord(current_actor_id(), os.getpid()))
+        self._take_over()
+
+    def _take_over(self) -> None:
+        """After Ray restarted this controller: adopt the supervisors still running (by name), and
+        start the deep probe again once the router is among them. In a new cluster there are none."""
+        for plan in (*self._spec.workers, self._spec.router):
+            try:
+                self._supervisors[plan.name] = ray.get_actor(supervisor_name(plan.name),
+                                                             namespace=self._spec.namespace)
+            except ValueError:
+                continue
+        if self._spec.router.name in self._supervisors:
+            self._prober = DeepProber(self._spec.workers, self._spec.probe_interval_s)
+            self._prober.start()
+
+    def _node_resource(self, node: str) -> str:
+        """The Ray resource that places an actor on topology node `node`: `dsv4-node:<name>` when
+        the Ray cluster's nodes carry such labels (several Ray nodes may share an address, e.g. on
+        one machine), else Ray's built-in `node:<address>`."""
+        labelled = {r for n in ray.nodes() if n.get("Alive") for r in n.get("Resources", {})
+                    if r.startswith(NODE_LABEL_PREFIX)}
+        if labelled:
+            return NODE_LABEL_PREFIX + node
+        return f"node:{dict(self._spec.node_addresses)[node]}"
+
+    def _missing_nodes(self) -> list[str]:
+        """One line per process whose node is not (alive) in the Ray cluster."""
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        have = {r for n in alive for r in n.get("Resources", {})}
+        addresses = dict(self._spec.node_addresses)
+        problems = []
+        for p in (*self._spec.workers, self._spec.router):
+            resource = self._node_resource(p.node)
+            if resource in have:
+                continue
+            if resource.startswith(NODE_LABEL_PREFIX):
+                problems.append(f"{p.name}: node {p.node!r} is not in the Ray cluster (no Ray node has the "
+                                f"resource {resource!r}); on that machine run `ray start --address <head> "
+                                f"--resources '{{\"{resource}\": 1}}'`")
+            else:
+                problems.append(
+                    f"{p.name}: node {p.node!r} ({addresses[p.node]}) is not in the Ray cluster (its nodes: "
+                    f"{', '.join(sorted(n['NodeManagerAddress'] for n in alive))}); on that machine run "
+                    f"`ray start --address <head> --node-ip-address {addresses[p.node]}`, or fix nodes[].address")
+        return problems
+
+    def _supervisor(self, plan: LaunchPlan) -> Any:
+        link = None
+        if plan.role is not Role.ROUTER and self._spec.admin_token is not None:
+            link = RouterLink.for_router(self._spec.router, self._spec.admin_token)
+        actor = ray.remote(WorkerSupervisor).options(
+            name=supervisor_name(plan.name), namespace=self._spec.namespace, lifetime="detached",
+            max_restarts=ACTOR_MAX_RESTARTS, num_cpus=0, max_concurrency=SUPERVISOR_CONCURRENCY,
+            resources={self._node_resource(plan.node): NODE_RESOURCE_SHARE},
+        ).remote(plan, router=link)
+        self._supervisors[plan.name] = actor
+        return actor
+
+    def _start_all(self, plans: list[LaunchPlan], timeout_s: float) -> list[str]:
+        refs = {p.name: self._supervisor(p).start.remote(timeout_s) for p in plans}
+        failures = []
+        for name, ref in refs.items():
+            try:
+                ray.get(ref)
+            except (RayTaskError, RayActorError) as e:
+                failures.append(f"{name}: {_cause(e)}")
+        return failures
+
+    def up(self, timeout_s: float) -> dict[str, Any]:
+        """Start workers, verify them, then start the router; on any failure stop everything
+        and raise ClusterStartError listing every problem."""
+        failures = self._missing_nodes()
+        if not failures:
+            failures = self._start_all(list(self._spec.workers), timeout_s)
+        if not failures:
+            failures = verify_kernels(self._spec.workers, self._spec.kernels, self._pids())
+        if not failures:
+            failures = self._start_all([self._spec.router], timeout_s)
+        if failures:
+            self.stop(deadline_s=10.0)
+            raise ClusterStartError("the cluster did not come up:\n" + "\n".join(failures))
+        self._prober = DeepProber(self._spec.workers, self._spec.probe_interval_s)
+        self._prober.start()
+        return self.status()
+
+    def _pids(self) -> dict[str, int | None]:
+        """Each supervised process's pid (None when not running), for the kernel attestations."""
+        return {row["name"]: row.get("pid") for row in self.status()["workers"]}
+
+    def status(self) -> dict[str, Any]:
+        """{"endpoint": ..., "workers": [status dict per process, in start order]}."""
+        rows = []
+        names = [p.name for p in self._spec.workers] + [self._spec.router.name]
+        supervisors = dict(self._supervisors)
+        refs = {n: supervisors[n].status.options(max_task_retries=READ_RETRIES).remote()
+                for n in names if n in supervisors}
+        where = {n: supervisors[n].ray_node.options(max_task_retries=READ_RETRIES).remote()
+                 for n in names if n in supervisors}
+        for name in names:
+            if name not in refs:
+                continue
+            try:
+                rows.append({**ray.get(refs[name], timeout=30), "ray_node_id": ray.get(where[name], timeout=30)})
+            except (RayTaskError, RayActorError) as e:
+                rows.append({"name": name, "error": f"supervisor unreachable: {_cause(e)}"})
+        probes = self._prober.results() if self._prober is not None else []
+        record_targets(self._spec, rows)  # Prometheus file_sd follows the processes
+        return {"endpoint": self._spec.endpoint, "workers": rows, "probes": probes}
+
+    def _worker(self, name: str) -> tuple[LaunchPlan, Any]:
+        plans = {p.name: p for p in self._spec.workers}
+        if name not in plans or name not in self._supervisors:
+            raise UnknownWorkerError(f"no worker named {name!r}; this cluster has {sorted(plans)} "
+                                     f"(the router is not drained or restarted by name)")
+        return plans[name], self._supervisors[name]
+
+    def _admin(self) -> RouterAdmin:
+        if self._spec.admin_token is None:
+            raise RouterAdminError("this cluster was started without a router admin token")
+        return RouterAdmin(RouterLink.for_router(self._spec.router, self._spec.admin_token))
+
+    def drain(self, name: str, deadline_s: float, stop_deadline_s: float) -> dict[str, Any]:
+        """Stop pairing `name`, wait until its in-flight requests are done (at most `deadline_s`),
+        then stop it (SIGTERM, SIGKILL after `stop_deadline_s`). Raises RouterAdminError when the
+        router cannot be told (then nothing was stopped)."""
+        _, supervisor = self._worker(name)
+        admin = self._admin()
+        try:
+            entry = admin.drain(name)
+            end = time.monotonic() + deadline_s
+            while entry["in_flight"] > 0 and time.monotonic() < end:
+                time.sleep(DRAIN_POLL_S)
+                entry = admin.worker(name)
+        finally:
+            admin.close()
+        final = ray.get(supervisor.stop.remote(stop_deadline_s))
+        return {"worker": final, "forced": entry["in_flight"] > 0, "in_flight_at_stop": entry["in_flight"]}
+
+    def restart(self, name: str, timeout_s: float, stop_deadline_s: float) -> dict[str, Any]:
+        """Stop `name` (SIGTERM, SIGKILL after `stop_deadline_s`), start it again, wait for READY,
+        and let the router pair it again (a drained worker is resumed)."""
+        _, supervisor = self._worker(name)
+        try:
+            status = ray.get(supervisor.restart.remote(timeout_s, stop_deadline_s))
+        except RayTaskError as e:
+            raise ClusterStartError(f"{name} did not come back: {_cause(e)}") from None
+        admin = self._admin()
+        try:
+            admin.resume(name)
+        finally:
+            admin.close()
+        return status
+
+    def pids(self) -> list[tuple[str, int]]:
+        """(host, pid) of every process of this cluster: controller, supervisors, workers."""
+        refs = [a.pids.options(max_task_retries=READ_RETRIES).remote() for a in dict(self._supervisors).values()]
+        return [(socket.gethostname(), os.getpid())] + [p for r in refs for p in ray.get(r, timeout=30)]
+
+    def stop(self, deadline_s: float) -> dict[str, Any]:
+        """Router first, then every worker at once: SIGTERM, SIGKILL after `deadline_s`."""
+        if self._prober is not None:
+            self._prober.stop()
+            self._prober = None
+        final: list[dict[str, Any]] = []
+        router = self._supervisors.get(self._spec.router.name)
+        groups = [[router] if router is not None else [],
+                  [a for n, a in self._supervisors.items() if n != self._spec.router.name]]
+        for group in groups:
+            refs = [a.stop.remote(deadline_s) for a in group]
+            for ref in refs:
+                try:
+                    final.append(ray.get(ref))
+                except (RayTaskError, RayActorError) as e:
+                    final.append({"error": f"stop failed: {_cause(e)}"})
+        for actor in self._supervisors.values():
+            ray.kill(actor)
+        self._supervisors.clear()
+        record_targets(self._spec, final)
+        return {"endpoint": self._spec.endpoint, "workers": final}
+
+
+def supervisor_name(worker: str) -> str:
+    return f"supervisor-{worker}"
+
+
+def kill_supervisors(namespace: str, workers: list[str]) -> list[str]:
+    """Kill the named supervisor actors of `workers` (their processes die with them); for a controller
+    that is gone, whose `stop` cannot. Returns the names found."""
+    found = []
+    for worker in workers:
+        try:
+            actor = ray.get_actor(supervisor_name(worker), namespace=namespace)
+        except ValueError:
+            continue
+        ray.kill(actor)
+        found.append(worker)
+    return found
+

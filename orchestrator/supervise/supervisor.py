@@ -1,0 +1,325 @@
+"""The supervisor: owns one worker process from spawn to exit, on the worker's node.
+
+It runs as a Ray actor (created by the controller), one per worker and one for the router. The
+process gets its own process group (so `stop` reaches the children an engine spawns, e.g.
+SGLang's TP ranks) and PR_SET_PDEATHSIG=SIGKILL (so a dead supervisor never orphans it), and
+writes stdout+stderr to its own log file. `start` blocks until every readiness URL answers 200,
+failing fast with the log's tail if the process exits first.
+
+Liveness is more than the pid: a READY worker's `/health` is polled (`HealthPolicy`); a failed
+poll makes it DEGRADED, a run of them gets the process killed and restarted. A process that exits
+(at start or after READY) is restarted with exponential backoff as RESTARTING; after
+`RestartPolicy.max_restarts` crashes within `window_s` the supervisor gives up and the state stays
+FAILED, with the reason and the log's last lines in `status`. Every state change is told to the
+router's admin API (`RouterLink`), retried on each poll until the router has it.
+
+One dedicated thread spawns the process, waits for readiness, watches it and restarts it: the
+death signal follows the thread that forked, so that thread outlives every process it spawns.
+
+The supervisor survives its own process dying: Ray restarts the actor (`max_restarts`, controller.py),
+and the new one finds its record in the run folder (`actor_record.py`), kills what is left of the old
+worker's process group and starts the worker again, counted in `restarts`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from dsv4_cluster.core import Role, WorkerState
+from dsv4_cluster.orchestrator.supervise.actor_record import (
+    ActorRecord, current_actor_id, read_actor_record, reap_worker, record_path, write_actor_record)
+from dsv4_cluster.orchestrator.launch.plan import LaunchPlan
+from dsv4_cluster.orchestrator.supervise.policy import CrashWindow, HealthPolicy, RestartPolicy
+from dsv4_cluster.orchestrator.processes import (
+    group_members, log_tail, signal_group, start_time)
+from dsv4_cluster.orchestrator.readback.probe import first_unready
+from dsv4_cluster.orchestrator.supervise.router_admin import RouterAdmin, RouterLink, StateReporter
+from dsv4_cluster.orchestrator.supervise.spawn import spawn
+from dsv4_cluster.orchestrator.supervise.status_row import status_row
+
+__all__ = ["HealthPolicy", "RestartPolicy", "WorkerStartError", "WorkerSupervisor", "log_tail"]
+logger = logging.getLogger(__name__)
+
+POLL_INTERVAL_S = 0.2
+RETELL_EVERY_POLLS = 15  # the router hears the state again this often, in case it restarted
+RESUME_TIMEOUT_S = 300.0  # a resumed worker's start timeout when its record lacks one
+HISTORY_LENGTH = 20  # state changes kept for `status` (with the supervisor's own timestamps)
+
+
+class WorkerStartError(RuntimeError):
+    """The worker exited or timed out before it became ready."""
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """Why a process is gone or must go; `retry`: whether restarting it can help."""
+
+    reason: str
+    retry: bool = True
+
+
+class WorkerSupervisor:
+    """Spawns, watches, restarts and stops one process described by a LaunchPlan."""
+
+    def __init__(self, plan: LaunchPlan, policy: RestartPolicy = RestartPolicy(),
+                 health: HealthPolicy = HealthPolicy(), router: RouterLink | None = None) -> None:
+        self._plan, self._health = plan, health
+        self._lock = threading.Lock()
+        self._state = WorkerState.STOPPED
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._stop = threading.Event()
+        self._first_outcome = threading.Event()
+        self._start_error: str | None = None
+        self._restarts = 0
+        self._crashes = CrashWindow(policy)
+        self._error: str | None = None
+        self._thread: threading.Thread | None = None
+        self._http = httpx.Client(timeout=httpx.Timeout(health.timeout_s, connect=min(health.timeout_s, 1.0)))
+        self._reporter = StateReporter(RouterAdmin(router)) if router is not None else None
+        self._history: deque[dict[str, Any]] = deque(maxlen=HISTORY_LENGTH)
+        self._record_path = record_path(plan.cwd, f"supervisor-{plan.name}")
+        self._actor_id = current_actor_id()
+        self._start_timeout_s: float | None = None
+        self._resume()
+
+    # -- surviving its own process ------------------------------------------------------------
+
+    def _write_record(self, running: bool) -> None:
+        """Best effort: without its record a restarted supervisor starts nothing, and says so in its log."""
+        proc = self._proc
+        pid = proc.pid if proc is not None else None
+        try:
+            write_actor_record(self._record_path, ActorRecord(
+                self._actor_id, os.getpid(), pid, start_time(pid) if pid is not None else None,
+                self._restarts, self._start_timeout_s, running))
+        except OSError as e:
+            logger.error("%s: cannot write the supervisor record %s: %s", self._plan.name, self._record_path, e)
+
+    def _resume(self) -> None:
+        """In an actor Ray restarted after its process died (its worker died with it): kill what is
+        left of the old worker's group and start the worker again. Otherwise just record this process."""
+        old = read_actor_record(self._record_path)
+        if self._actor_id is None or old is None or old.actor_id != self._actor_id or not old.running:
+            self._write_record(running=False)
+            return
+        leftovers = reap_worker(old)
+        logger.warning("%s: supervisor restarted by Ray; killed %s left of the old worker; starting it again",
+                       self._plan.name, leftovers or "nothing")
+        self._restarts = old.restarts + 1
+        self._set(WorkerState.STARTING, "its supervisor's process died (the worker with it); Ray restarted "
+                                        "the supervisor, which starts the worker again")
+        self._begin(old.start_timeout_s or RESUME_TIMEOUT_S)
+
+    # -- the process thread ---------------------------------------------------------------
+
+    def _set(self, state: WorkerState, error: str | None = None) -> None:
+        with self._lock:
+            self._state, self._error = state, error
+            self._history.append({"at": time.time(), "event": "state", "state": state.value,
+                                  "reason": (error or "").split("\n")[0][:300] or None})
+        self._tell_router()
+
+    def _tell_router(self, again: bool = False) -> None:
+        """Report the current state to the router (`StateReporter`); `again`: even if it has it."""
+        if self._reporter is not None:
+            self._reporter.report(self._plan.name, self._current, again)
+
+    def _current(self) -> tuple[WorkerState, str | None]:
+        with self._lock:
+            return self._state, self._error
+
+    def _launch(self, timeout_s: float) -> _Failure | None:
+        """Spawn and wait until ready: None when READY, else why not (the process is dead)."""
+        plan = self._plan
+        try:
+            proc = spawn(self._plan)
+        except OSError as e:
+            return _Failure(f"could not spawn {plan.argv[0]!r}: {e}", retry=False)
+        self._proc = proc
+        with self._lock:
+            self._history.append({"at": time.time(), "event": "spawn", "pid": proc.pid})
+        self._write_record(running=not self._stop.is_set())
+        deadline = time.monotonic() + timeout_s
+        while True:
+            code = proc.poll()
+            if code is not None:
+                return _Failure(f"exited with code {code} before it was ready; last log lines:\n"
+                                f"{log_tail(plan.log_path)}")
+            if self._stop.is_set():
+                return _Failure("stopped while starting", retry=False)
+            pending = first_unready(self._http, plan.all_readiness_urls)
+            if pending is None:
+                self._set(WorkerState.READY)
+                return None
+            if time.monotonic() >= deadline:
+                signal_group(proc.pid, signal.SIGKILL)
+                proc.wait()
+                return _Failure(f"not ready after {timeout_s:.0f}s (still waiting on {pending}); "
+                                f"log {plan.log_path}, last lines:\n{log_tail(plan.log_path)}", retry=False)
+            self._stop.wait(POLL_INTERVAL_S)
+
+    def _restart_delay(self, failure: _Failure) -> float | None:
+        """Count a crash: the backoff before restarting, or None (FAILED: a crash loop, or a failure
+        a restart cannot mend)."""
+        delay = self._crashes.record() if failure.retry else None
+        if delay is None:
+            self._set(WorkerState.FAILED,
+                      self._crashes.giving_up(failure.reason) if failure.retry else failure.reason)
+            return None
+        with self._lock:
+            self._restarts += 1
+        self._set(WorkerState.RESTARTING, f"restarting in {delay:.1f}s; last crash: {failure.reason}")
+        return delay
+
+    def _run(self, timeout_s: float) -> None:
+        try:
+            failure = self._launch(timeout_s)
+            while failure is not None:   # a process that exits at start is retried like a crash
+                delay = self._restart_delay(failure)
+                if delay is None or self._stop.wait(delay):
+                    break
+                failure = self._launch(timeout_s)
+            if failure is not None:
+                self._start_error = self._error if self._state is WorkerState.FAILED else failure.reason
+            self._first_outcome.set()
+            if failure is None:
+                self._keep_running(timeout_s)
+        finally:
+            if self._proc is not None:
+                self._proc.wait()  # this thread must outlive its process (PR_SET_PDEATHSIG)
+
+    def _keep_running(self, timeout_s: float) -> None:
+        """Watch the READY process; after it dies or stops answering, restart it as the policy allows."""
+        while not self._stop.is_set():
+            failure = self._watch()
+            if failure is None:   # stopped
+                return
+            while failure is not None:
+                delay = self._restart_delay(failure)
+                if delay is None or self._stop.wait(delay):
+                    return
+                failure = self._launch(timeout_s)
+
+    def _liveness_problem(self) -> str | None:
+        """Why the running process does not look alive, or None. A worker is alive while its /health
+        answers 200; the router's /health follows its pool (503 without a usable pair), so the
+        router is alive while it answers at all."""
+        if self._plan.role is not Role.ROUTER:
+            return first_unready(self._http, (self._plan.health_url,))
+        try:
+            self._http.get(self._plan.health_url)
+        except httpx.HTTPError as e:
+            return f"{self._plan.health_url}: {type(e).__name__}"
+        return None
+
+    def _watch(self) -> _Failure | None:
+        """Poll the running process until it exits or fails its health checks (why), or stop (None)."""
+        proc, plan, failures = self._proc, self._plan, 0
+        assert proc is not None
+        for polls in itertools.count(1):
+            try:
+                code = proc.wait(timeout=self._health.interval_s)
+            except subprocess.TimeoutExpired:
+                code = None
+            if self._stop.is_set():
+                return None
+            if code is not None:
+                return _Failure(f"exited unexpectedly with code {code}; last log lines:\n"
+                                f"{log_tail(plan.log_path)}")
+            problem = self._liveness_problem()
+            if problem is None:
+                if failures:
+                    self._set(WorkerState.READY)
+                failures = 0
+            else:
+                failures += 1
+                if failures >= self._health.failures_to_restart:
+                    signal_group(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    return _Failure(f"failed {failures} health checks in a row (last: {problem}); killed; "
+                                    f"last log lines:\n{log_tail(plan.log_path)}")
+                self._set(WorkerState.DEGRADED, f"health check {failures}/{self._health.failures_to_restart} "
+                                                f"failed: {problem}")
+            self._tell_router(again=polls % RETELL_EVERY_POLLS == 0)
+        return None  # unreachable: the loop above only returns
+
+    # -- public API (actor methods) -------------------------------------------------------
+
+    def start(self, timeout_s: float) -> dict[str, Any]:
+        """Spawn the process and block until it is ready; raises WorkerStartError."""
+        with self._lock:
+            if self._thread is not None:
+                raise WorkerStartError(f"{self._plan.name} was started already ({self._state.value})")
+            self._state = WorkerState.STARTING
+        self._begin(timeout_s)
+        self._first_outcome.wait()
+        if self._start_error is not None:
+            raise WorkerStartError(f"{self._plan.name} never became ready: {self._start_error}")
+        return self.status()
+
+    def _begin(self, timeout_s: float) -> None:
+        self._start_timeout_s = timeout_s
+        self._thread = threading.Thread(target=self._run, args=(timeout_s,), daemon=True,
+                                        name=f"proc-{self._plan.name}")
+        self._thread.start()
+
+    def stop(self, deadline_s: float) -> dict[str, Any]:
+        """SIGTERM the process group, SIGKILL it after `deadline_s`; returns the final status."""
+        self._stop.set()
+        self._write_record(running=False)  # a supervisor that dies from here on does not start it again
+        with self._lock:
+            if self._state in (WorkerState.STARTING, WorkerState.READY):
+                self._state = WorkerState.DRAINING
+        proc, thread = self._proc, self._thread
+        if proc is not None:
+            signal_group(proc.pid, signal.SIGTERM)
+            end = time.monotonic() + deadline_s
+            while group_members(proc.pid) and time.monotonic() < end:
+                time.sleep(POLL_INTERVAL_S / 2)
+            if group_members(proc.pid):
+                signal_group(proc.pid, signal.SIGKILL)
+        if thread is not None:
+            thread.join(10.0)
+        self._set(WorkerState.STOPPED, None)
+        return self.status()
+
+    def restart(self, timeout_s: float, deadline_s: float) -> dict[str, Any]:
+        """An operator's restart: stop the process (as `stop`), then start it again (as `start`).
+        Counted in `restarts`, not as a crash."""
+        self.stop(deadline_s)
+        with self._lock:
+            self._thread, self._start_error = None, None
+            self._stop, self._first_outcome = threading.Event(), threading.Event()
+            self._restarts += 1
+        return self.start(timeout_s)
+
+    def status(self) -> dict[str, Any]:
+        """This worker's status row as a dict (see WorkerStatus)."""
+        with self._lock:
+            state, error, restarts, history = self._state, self._error, self._restarts, list(self._history)
+        proc = self._proc
+        pid = proc.pid if proc is not None and proc.returncode is None else None
+        return status_row(self._plan, self._http, state, error, restarts, history, pid)
+
+    def ray_node(self) -> str | None:
+        """The Ray node this supervisor (an actor) runs on; None outside Ray."""
+        import ray  # only ever called as an actor method, where Ray is initialised
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+
+    def pids(self) -> list[tuple[str, int]]:
+        """(host, pid) of this supervisor and of its process once spawned."""
+        host, proc = socket.gethostname(), self._proc
+        return [(host, os.getpid())] + ([(host, proc.pid)] if proc is not None else [])

@@ -1,0 +1,112 @@
+"""The deep probe: a real request through each prefill -> decode pair, run periodically.
+
+SGLang's `/health` never tests the P<->D link (its health generation uses a fake bootstrap host), and
+neither does the router's health check. The probe does what the router does for one request: the
+same 2-token greedy `/generate` body, with a fresh bootstrap room, POSTed to P and D at once. A pair
+whose KV cannot move (a NIXL peer gone stale, a bootstrap server that refuses) fails here first.
+Results are kept per pair and shown by `status`; the probe itself changes no state.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from dsv4_cluster.core import Role
+from dsv4_cluster.orchestrator.launch.plan import LaunchPlan
+
+logger = logging.getLogger(__name__)
+PROBE_BODY = {"text": "deep probe", "sampling_params": {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}}
+
+
+@dataclass(frozen=True)
+class PairEndpoints:
+    prefill: str
+    decode: str
+    prefill_url: str
+    bootstrap_host: str
+    bootstrap_port: int
+    decode_url: str
+
+    @classmethod
+    def of(cls, prefill: LaunchPlan, decode: LaunchPlan) -> PairEndpoints:
+        boot = urlsplit(prefill.readiness_urls[0])  # the bootstrap server's /health (plan.worker_plan)
+        return cls(prefill.name, decode.name, prefill.health_url.removesuffix("/health"),
+                   str(boot.hostname), int(boot.port or 8998), decode.health_url.removesuffix("/health"))
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    prefill: str
+    decode: str
+    ok: bool
+    seconds: float
+    at: float  # unix time
+    error: str | None = None
+
+
+def probe_pair(client: httpx.Client, pair: PairEndpoints) -> ProbeResult:
+    """One request through the pair; never raises."""
+    room = secrets.randbits(63)
+    body = {**PROBE_BODY, "bootstrap_host": pair.bootstrap_host, "bootstrap_port": pair.bootstrap_port,
+            "bootstrap_room": room, "rid": f"deep-probe-{room:x}"}
+    started, at = time.monotonic(), time.time()
+    with ThreadPoolExecutor(2) as pool:
+        legs = [pool.submit(client.post, url + "/generate", json=body) for url in (pair.prefill_url, pair.decode_url)]
+        errors = []
+        for name, leg in zip((pair.prefill, pair.decode), legs):
+            try:
+                r = leg.result()
+            except httpx.HTTPError as e:
+                errors.append(f"{name}: {type(e).__name__}")
+                continue
+            if r.status_code != 200:
+                errors.append(f"{name}: HTTP {r.status_code} {r.text[:200]}")
+    return ProbeResult(pair.prefill, pair.decode, not errors, time.monotonic() - started, at,
+                       "; ".join(errors) or None)
+
+
+class DeepProber:
+    """Probes every prefill x decode pair every `interval_s` on its own thread until `stop`."""
+
+    def __init__(self, workers: tuple[LaunchPlan, ...], interval_s: float, timeout_s: float = 30.0) -> None:
+        prefill = [w for w in workers if w.role is Role.PREFILL]
+        decode = [w for w in workers if w.role is Role.DECODE]
+        self._pairs = [PairEndpoints.of(p, d) for p in prefill for d in decode]
+        self._interval_s = interval_s
+        self._client = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=2.0), trust_env=False)
+        self._results: dict[tuple[str, str], ProbeResult] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="deep-probe", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for pair in self._pairs:
+                result = probe_pair(self._client, pair)
+                if not result.ok:
+                    logger.warning("deep probe %s -> %s failed: %s", result.prefill, result.decode, result.error)
+                with self._lock:
+                    self._results[(pair.prefill, pair.decode)] = result
+            self._stop.wait(self._interval_s)
+
+    def results(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [asdict(r) for r in self._results.values()]
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(60)
+        self._client.close()
