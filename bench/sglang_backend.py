@@ -93,7 +93,7 @@ def run_mode(mode: str, out: Path, contexts: list[int], batches: list[int], live
     rig.install_stand_ins(mode)
     factory = rig.load_plugins_and_check(mode)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    rows, eq = [], None
+    rows, eq = _earlier(out / f"{mode}.json", contexts)
     for context in contexts:
         t0 = time.time()
         r = rig.build(context, max(batches + [EQ_CASE["batch"]]), max(live, EQ_CASE["live"]), mode, "cuda",
@@ -116,11 +116,19 @@ def run_mode(mode: str, out: Path, contexts: list[int], batches: list[int], live
             rows.append({"context": context, "batch": batch, "eager_ms": eager, "graph_ms": graph_ms,
                          "graph_error": graph_error})
             print(json.dumps({"mode": mode, **rows[-1]}), flush=True)
+            _write(mode, out, factory, live, reps, layer_ids, eq, rows)  # what a timeout leaves is still reported
         print(f"context {context}: {time.time() - t0:.1f} s", flush=True)
-        _write(mode, out, factory, live, reps, layer_ids, eq, rows)  # what a timeout leaves is still reported
         r = None
         torch.cuda.empty_cache()
     return _write(mode, out, factory, live, reps, layer_ids, eq, rows)
+
+
+def _earlier(path: Path, contexts: list[int]) -> tuple[list, dict | None]:
+    """Rows (other contexts) and equality case an earlier process of this mode wrote to `path`."""
+    if not path.exists():
+        return [], None
+    old = json.loads(path.read_text())
+    return [x for x in old["rows"] if x["context"] not in contexts], old.get("equality")
 
 
 def _write(mode, out, factory, live, reps, layer_ids, eq, rows) -> dict:
@@ -174,12 +182,15 @@ def _ratio(rows: dict, key: str, batch: int, contexts: list[int]):
 
 
 def report(out: Path) -> dict:
-    stock, plugin = (json.loads((out / f"{m}.json").read_text()) for m in ("stock", "plugin"))
-    eq = compare(out)
+    stock, plugin = (json.loads((out / f"{m}.json").read_text()) if (out / f"{m}.json").exists()
+                     else {"rows": [], "device": "-", "torch": "-", "layers": "-", "live_tokens": "-", "reps": "-"}
+                     for m in ("stock", "plugin"))
+    have = all((out / f"{m}_outputs.pt").exists() for m in ("stock", "plugin"))
+    eq = compare(out) if have else {"not run": "the equality case (context 131072) did not complete in both modes"}
     s = {(x["context"], x["batch"]): x for x in stock["rows"]}
     p = {(x["context"], x["batch"]): x for x in plugin["rows"]}
-    contexts = sorted({c for c, _ in s})
-    batches = sorted({b for _, b in s})
+    contexts = sorted({c for c, _ in s} | {c for c, _ in p})
+    batches = sorted({b for _, b in s} | {b for _, b in p})
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     lines = ["# SGLang 0.5.23's DeepSeek-V4 decode attention backend: stock vs dsv4-cluster plugin (H200)", "",
              f"Device {stock['device']}, torch {stock['torch']}. One decode step of SGLang's attention backend over "

@@ -29,7 +29,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 WHOLE_DIRS = ("sglang/srt/layers/attention/dsv4/", "sglang/kernels/ops/attention/dsv4/",
               "sglang/srt/layers/attention/dsa/")
 JIT_SOURCES = ("sglang/kernels/jit/include/", "sglang/kernels/jit/csrc/")
-PURE = ("pydantic", "annotated_types", "typing_inspection", "dill", "openai", "httpx2")
+PURE = ("pydantic", "annotated_types", "typing_inspection", "dill", "openai", "httpx2", "sniffio")
 NATIVE = ("msgspec-0.23.0", "pydantic_core-2.46.4", "apache_tvm_ffi-0.1.11", "sgl_flash_mla-1.0.0")
 
 CHILD = """
@@ -38,7 +38,7 @@ from dsv4_cluster.tests.sglang_child import _install_torchvision_stand_in
 _install_torchvision_stand_in()
 from dsv4_cluster.bench import sglang_backend_rig as rig
 mode = sys.argv[1]
-rig.set_mode_env(mode)
+rig.set_mode_env(mode, "cpu")
 rig.install_cpu_stand_ins()
 import sglang.srt.layers.attention.deepseek_v4_backend
 rig.install_stand_ins(mode, "cpu")
@@ -164,6 +164,7 @@ def build(wheel_dir: Path, out: Path) -> list[str]:
     for stem in NATIVE:
         for w in list(wheel_dir.glob(f"{stem}-*.whl")):
             shutil.copy2(w, out / "wheels" / w.name)
+    (out / "modules.json").write_text(json.dumps(sorted(mods)))  # for sglang_backend_import_check
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "sglang_backend_files.txt").write_text(
         f"# SGLang 0.5.23 files carried to the H200, unmodified, from {wheel_path.name} (sha256, urlsafe base64 as "

@@ -42,12 +42,15 @@ MODE_ENV = {
 }
 TOPK_BACKEND = {"stock": "torch", "plugin": "sgl-kernel"}
 
-def set_mode_env(mode: str) -> None:
-    """The environment of one mode; call before SGLang is imported (its env switches are read at call time)."""
+def set_mode_env(mode: str, device: str = "cuda") -> None:
+    """The environment of one mode; call before SGLang is imported (its env switches are read at call time).
+    On the CPU the plugin is told the GPU class (sm_90, the H200's) it cannot read from a GPU there."""
     for env in MODE_ENV.values():
         for k in env:
             os.environ.pop(k, None)
     os.environ.update(MODE_ENV[mode])
+    if device == "cpu":
+        os.environ["DSV4_CLUSTER_GPU_CLASS"] = "sm_90"
     if mode == "plugin":
         os.environ.setdefault("DSV4_CLUSTER_ATTEST_DIR", os.environ.get("OUT", "/tmp") + "/attest")
 

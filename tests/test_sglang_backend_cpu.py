@@ -33,7 +33,7 @@ from dsv4_cluster.tests.sglang_child import _install_torchvision_stand_in
 _install_torchvision_stand_in()
 from dsv4_cluster.bench import sglang_backend_rig as rig
 mode = sys.argv[1]
-rig.set_mode_env(mode)
+rig.set_mode_env(mode, "cpu")
 rig.install_cpu_stand_ins()
 import sglang.srt.layers.attention.deepseek_v4_backend
 rig.install_stand_ins(mode, "cpu")
