@@ -48,6 +48,7 @@ ROUTER_ELIGIBLE = "dsv4_router_worker_eligible"  # labels worker, role; 1 while 
 ROUTER_BREAKER_OPEN = "dsv4_router_worker_breaker_open"  # labels worker, role
 ROUTER_RETRIES = "dsv4_router_retries_total"
 ROUTER_MIGRATIONS = "dsv4_router_migrations_total"
+ROUTER_STREAM_HOLDS = "dsv4_router_stream_hold_tries_total"  # fresh pairs tried while a stream waited for a decode
 ROUTER_ABORTS = "dsv4_router_aborts_total"  # label role
 ROUTER_PAIR_FAILURES = "dsv4_router_pair_failures_total"
 ROUTER_CONNECTION_ERRORS = "dsv4_router_upstream_connection_errors_total"  # label worker

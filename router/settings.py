@@ -79,6 +79,9 @@ class RouterSettings(BaseModel):
                                           "after its first byte gets 408 and its connection closed (slowloris)")
     request_body_timeout_s: float = Field(default=30.0, gt=0, description="a request body not complete this long "
                                           "after its head gets 408 and its connection closed")
+    stream_hold_s: float = Field(default=15.0, ge=0, description="a stream whose decode died, with no other decode "
+                                 "to continue on, is held this long for one (the supervisor restarts the dead one) "
+                                 "before it ends with an error event")
     migration_limit: int = Field(default=1, ge=0, description="times a stream whose decode died is continued on "
                                  "a fresh pair before it ends with an error event")
     prefill_policy: Policy = "round_robin"
