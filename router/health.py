@@ -44,9 +44,9 @@ class HealthChecker:
     async def _passes(self, worker: Worker) -> bool:
         try:
             status, _ = await self._upstream.probe(worker, "/health", self._timeout_s)
-            if status == 200 and self._reads_metrics[worker.role]:
-                status, text = await self._upstream.probe(worker, "/metrics", self._timeout_s)
-                found, queued = TOKEN_USAGE.search(text), QUEUED.search(text)
+            if status == 200 and self._reads_metrics[worker.role]:   # load and queue: what /metrics says, if it
+                metrics, text = await self._upstream.probe(worker, "/metrics", self._timeout_s)   # answers
+                found, queued = (TOKEN_USAGE.search(text), QUEUED.search(text)) if metrics == 200 else (None, None)
                 worker.token_usage = float(found.group(1)) if found else 0.0
                 worker.queued = int(float(queued.group(1))) if queued else 0
         except (UpstreamError, Interrupted, asyncio.TimeoutError):
