@@ -83,6 +83,17 @@ class NoWorkers(RouterError):
     headers = {"Retry-After": "1"}
 
 
+class Saturated(RouterError):
+    """A stage's every eligible worker has a full queue: refused before any worker sees it (backpressure.py)."""
+
+    status = 503
+    type_ = "service_unavailable"
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.headers = {"Retry-After": str(retry_after_s)}
+
+
 class UnknownWorker(RouterError):
     """An admin request names a worker the router does not have."""
 

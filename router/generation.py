@@ -29,6 +29,7 @@ from .admission import admit, read_body
 from .attempt import Attempt
 from .errors import RouterError, error_response
 from .http_client import Interrupted, UpstreamError
+from .backpressure import check_stages
 from .pairing import pair_request
 from .prefix_tree import prompt_text
 from .relay import relay
@@ -128,6 +129,7 @@ class Flight:
         try:
             raw = await read_body(self.receive, scope, state.settings.max_body_bytes)
             self.body, stream = admit(state, self.path, scope, raw)
+            check_stages(state)
             watch = asyncio.get_running_loop().create_task(self._watch())
             watch.add_done_callback(self.client_gone)
             attempt = await self.start(self.body)

@@ -79,6 +79,9 @@ class RouterSettings(BaseModel):
                                           "after its first byte gets 408 and its connection closed (slowloris)")
     request_body_timeout_s: float = Field(default=30.0, gt=0, description="a request body not complete this long "
                                           "after its head gets 408 and its connection closed")
+    max_queued_per_worker: int = Field(default=64, ge=0, description="a stage whose every eligible worker has this "
+                                       "many requests queued for KV pages is saturated: new requests get 503 + "
+                                       "Retry-After at once (backpressure.py); 0: off")
     stream_hold_s: float = Field(default=15.0, ge=0, description="a stream whose decode died, with no other decode "
                                  "to continue on, is held this long for one (the supervisor restarts the dead one) "
                                  "before it ends with an error event")
