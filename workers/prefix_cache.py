@@ -101,6 +101,11 @@ class PrefixCache:
     def owns(self, page: int) -> bool:
         return page in self._pages
 
+    def holders(self, page: int) -> int:
+        """How many requests hold a page of the tree locked (0 for a page the tree does not hold)."""
+        node = self._pages.get(page)
+        return node.refs if node is not None else 0
+
     @property
     def evictable_pages(self) -> int:
         return self._unlocked

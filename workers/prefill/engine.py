@@ -146,6 +146,12 @@ class PrefillEngine(Engine):
             self._free_pages(req.rid, req.pages)
             req.pages = []
 
+    def _freed_by(self, req: Req) -> list[int]:
+        """The pages releasing `req` would make available: its own ones, and cached ones only it holds."""
+        if self.cache is None:
+            return list(req.pages)
+        return [p for p in req.pages if not self.cache.owns(p) or self.cache.holders(p) == 1]
+
     def _free_pages(self, rid: str, pages: list[int]) -> None:
         if self.cache is None:
             self.runner.pool.release(pages)
@@ -166,7 +172,7 @@ class PrefillEngine(Engine):
         """Recount stranded KV; fail the requests past their deadline, which frees their pages."""
         for req in self.stranded.scan(self._waiting_peer, self.now(), self._ready_at):
             self.stats.bootstrap_failed += 1
-            self.stranded.freed(req)
+            self.stranded.freed(req, len(self._freed_by(req)))
             self.fail(req, 500, f"decode never reserved KV for bootstrap_room {req.room} within "
                                 f"{self.peer_timeout_s:g}s; its stranded KV is freed. Is the decode server "
                                 "reachable and alive? (topology: transfer.stranded_kv_timeout_s)")

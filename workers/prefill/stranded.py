@@ -39,21 +39,23 @@ class StrandedKV:
     def scan(self, waiting: Iterable[Req], now: float, ready_at: dict[str, float]) -> list[Req]:
         """Recount the stranded rooms among `waiting` (KV ready, no reservation yet; `ready_at` by rid);
         returns the requests whose deadline has passed (the caller frees them, then calls `freed`)."""
-        tokens = rooms = 0
+        pages: set[int] = set()                 # distinct: prompts sharing cached pages hold them once
+        rooms = 0
         expired = []
         for req in waiting:
             held = now - ready_at.get(req.rid, now)
             if held >= self.timeout_s:
                 expired.append(req)
             elif held >= self.detect_s:
-                tokens += len(req.pages) * self.page_size
+                pages.update(req.pages)
                 rooms += 1
-        self.tokens, self.rooms = tokens, rooms
+        self.tokens, self.rooms = len(pages) * self.page_size, rooms
         return expired
 
-    def freed(self, req: Req) -> None:
-        """`req`'s pages are about to go back to the pool because no decode came for them."""
-        self.freed_tokens += len(req.pages) * self.page_size
+    def freed(self, req: Req, pages: int) -> None:
+        """`req` is about to be failed because no decode came for it, which frees `pages` pages (those no other
+        request holds: a page of the prefix cache shared with another prompt stays)."""
+        self.freed_tokens += pages * self.page_size
         self.freed_rooms += 1
 
     def metrics(self) -> list[tuple[str, str, str, float]]:
