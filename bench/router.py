@@ -95,12 +95,12 @@ def wait_until(url: str, timeout_s: float, proc: subprocess.Popen) -> None:
 
 
 @contextmanager
-def process(argv: list[str], health_url: str, log: Path, timeout_s: float = 30.0) -> Iterator[None]:
+def process(argv: list[str], health_url: str, log: Path, timeout_s: float = 30.0) -> Iterator[subprocess.Popen]:
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_until(health_url, timeout_s, proc)
-        yield
+        yield proc
     finally:
         proc.terminate()
         try:
