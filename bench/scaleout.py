@@ -16,6 +16,9 @@ prompt) is played closed-loop at `--concurrency`. Per router and N:
 - router CPU per request: user + system time of the router's processes over the run / requests;
 - requests/s, errors, and checks that every request reached a prefill and a decode of one pair (`mispaired`).
 
+`floor` (`scaleout_floor.py`) is not a router but a yardstick: the least a PD relay can do (round robin, bootstrap
+fields, bytes relayed); its router-added latency is what the client, stubs and kernel cost on this machine.
+
 Every process listens on 127.0.0.1 only, inside a private network namespace whose loopback ACKs at once
 (`loopback_ns.py`); the Rust router runs with `--log-level warn` (no line per request, as ours). Writes
 `scaleout.json` and `scaleout.md` to `--out`, with the load average, because the machine is shared.
@@ -43,7 +46,7 @@ from dsv4_cluster.bench.scaleout_report import cell_row, markdown
 from dsv4_cluster.orchestrator.launch.ports import free_ports
 
 MODEL = "stub"
-ROUTERS = ("prefix", "round_robin", "cache_aware")
+ROUTERS = ("prefix", "round_robin", "cache_aware", "floor")
 
 
 def cpu_seconds(session_id: int) -> float:
@@ -71,6 +74,11 @@ def router_argv(name: str, port: int, prefills: list[str], boots: list[int], dec
         (tmp / "router.json").write_text(json.dumps(settings))
         return [sys.executable, "-m", "dsv4_cluster.router", "--config", str(tmp / "router.json"),
                 "--log-level", "warning"]
+    if name == "floor":
+        argv = [sys.executable, "-m", "dsv4_cluster.bench.scaleout_floor", "--port", str(port)]
+        for url, boot in zip(prefills, boots):
+            argv += ["--prefill", url, str(boot)]
+        return argv + [x for url in decodes for x in ("--decode", url)]
     argv = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--host", "127.0.0.1",
             "--port", str(port), "--prefill-policy", "cache_aware", "--decode-policy", "round_robin",
             "--log-level", "warn"]

@@ -1,5 +1,5 @@
 """The scale-out benchmark (bench/scaleout.py) at CI size: 2 prefill x 2 decode modeled stubs, a few sessions, our
-`prefix` and `round_robin` and SGLang's Rust router `cache_aware`: the numbers must be real and consistent (every
+`prefix` and `round_robin`, SGLang's Rust router `cache_aware` and the floor relay: the numbers must be real and consistent (every
 request served by one prefill and one decode of its pair, hit rates from the stubs' own counts, router-added latency
 inside the TTFT), never a timing threshold. Plus the stubs' prefix cache on its own."""
 
@@ -34,7 +34,7 @@ def test_scaleout_benchmark_at_ci_size(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((tmp_path / "scaleout.json").read_text())
     rows = {r["router"]: r for r in result["rows"]}
-    assert set(rows) == {"prefix", "round_robin", "cache_aware"}
+    assert set(rows) == {"prefix", "round_robin", "cache_aware", "floor"}
     for name, r in rows.items():
         assert r["n"] == 2 and r["errors"] == 0, (name, r["first_errors"], r["stub_errors"])
         assert r["requests"] == SESSIONS * TURNS
