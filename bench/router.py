@@ -7,8 +7,10 @@ router in turn starts it in front of the stubs, checks one streamed chat complet
 tokens, `[DONE]`; for PD routers the stubs must have seen both legs with bootstrap fields), and drives it
 with `wrk` (streamed `POST /v1/chat/completions`) at each concurrency: req/s, p50, p99, errors. "direct"
 sends the same load straight to the stub decode: the floor. Ratios are against the Rust router of the
-same run. Each measurement starts `SETTLE_S` after the previous load ended. Writes `router.json` and `router.md` to `--out`; records the machine's load average, because
-on a shared machine the absolute numbers move from run to run.
+same run. Each measurement starts `SETTLE_S` after the previous load ended. Writes `router.json` and `router.md`
+to `--out`; records the machine's load average, because on a shared machine the absolute numbers move from run to
+run. It runs itself in a private network namespace whose loopback ACKs at once (`loopback_ns.py`: without it the
+Rust router's own Nagle + the load generator's delayed ACK cost it 40 ms a request); `--plain-loopback` to skip.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Iterator
 
 import httpx
 
+from dsv4_cluster.bench import loopback_ns
 from dsv4_cluster.orchestrator.launch.ports import free_ports
 
 MODEL = "stub"
@@ -92,12 +95,12 @@ def wait_until(url: str, timeout_s: float, proc: subprocess.Popen) -> None:
 
 
 @contextmanager
-def process(argv: list[str], health_url: str, log: Path, timeout_s: float = 30.0) -> Iterator[None]:
+def process(argv: list[str], health_url: str, log: Path, timeout_s: float = 30.0) -> Iterator[subprocess.Popen]:
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_until(health_url, timeout_s, proc)
-        yield
+        yield proc
     finally:
         proc.terminate()
         try:
@@ -179,7 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=ROUTERS)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--plain-loopback", action="store_true",
+                        help="run on the machine's loopback (delayed ACKs: the Rust router stalls ~40 ms per request)")
     args = parser.parse_args(argv)
+    if not args.plain_loopback and not loopback_ns.inside():
+        return loopback_ns.reexec_in_quickack_netns("dsv4_cluster.bench.router", sys.argv[1:] if argv is None else argv)
     if shutil.which("wrk") is None:
         print("error: wrk is not installed (apt-get install -y wrk)", file=sys.stderr)
         return 2
@@ -204,14 +211,16 @@ def main(argv: list[str] | None = None) -> int:
                 with process(argv_, url + "/health", tmp / f"{name}.log", timeout_s=60):
                     rows += measure(name, url, args, script, (prefill, decode))
     load_after = os.getloadavg()
-    result = {"concurrency": args.concurrency, "duration_s": args.duration, "cpus": os.cpu_count(),
+    result = {"loopback": "plain" if args.plain_loopback else "private netns, quickack",
+              "concurrency": args.concurrency, "duration_s": args.duration, "cpus": os.cpu_count(),
               "load_average_before": load_before, "load_average_after": load_after,
               "body": BODY, "rows": [asdict(r) for r in rows]}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "router.json").write_text(json.dumps(result, indent=2) + "\n")
     text = table(rows, args.concurrency)
     note = (f"\n{os.cpu_count()} CPUs; 1-min load average {load_before[0]:.1f} before, {load_after[0]:.1f} after "
-            f"(other work shares this machine); {args.duration:g} s of wrk per cell, one run.\n")
+            f"(other work shares this machine); {args.duration:g} s of wrk per cell, one run; loopback: "
+            f"{result['loopback']} (bench/loopback_ns.py says why).\n")
     (args.out / "router.md").write_text("# Router benchmark\n\n`python -m dsv4_cluster.bench.router`\n\n"
                                         + text + note)
     print(text + note)

@@ -4,7 +4,7 @@
 what a router needs from SGLang's PD workers (PROTOCOL.md): the generation paths answer at once (prefill:
 one token and `finish_reason` length 0; decode: `TOKENS` content chunks, a stop chunk and `data: [DONE]`,
 chunked like SGLang's streams), plus `/health`, `/abort_request`, `/v1/models`, `/model_info`,
-`/server_info`. It is a raw asyncio protocol so that the stub, not the router under test, is never the
+`/server_info`. Every answer is one write on a TCP_NODELAY socket. It is a raw asyncio protocol so that the stub, not the router under test, is never the
 bottleneck. `GET /stats` returns how many generation requests it received and how many carried PD bootstrap
 fields, so the benchmark can check that a router really paired every request.
 
@@ -93,6 +93,9 @@ class StubProtocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:  # asyncio and uvloop set it already; said here because the benchmark relies on it
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
@@ -110,6 +113,9 @@ class StubProtocol(asyncio.Protocol):
                 return
             body = self.buffer[end + 4: end + 4 + length]
             self.buffer = self.buffer[end + 4 + length:]
+            if head.startswith(b"PRI * HTTP/2.0"):  # the Rust router tries HTTP/2 first; refuse, it falls back
+                self.transport.close()
+                return
             method, path = head.split(b" ", 2)[:2]
             path = path.split(b"?")[0]
             if self.fault and method == b"POST" and path in GENERATION_PATHS:

@@ -1,9 +1,12 @@
 """The `prefix` policy's memory: an approximate radix tree of the prompts each prefill worker has seen.
 
 The router does not tokenize, so, like SGLang's `cache_aware` router, it works on the prompt's text: the text is cut
-into blocks of `BLOCK_CHARS` characters and block i is named by a hash chained over blocks 0..i, so one set of
-names per worker is a radix tree of everything sent there (a name is in the set iff that whole prefix was). A
-worker's match for a prompt is how many of its leading blocks are in the worker's set. Each worker's set keeps its
+into blocks of `BLOCK_CHARS` characters and block i is named by a hash chained over blocks 0..i (Python's own
+64-bit hash: the names live in this process only), so one set of names per worker is a radix tree of everything
+sent there (a name is in the set iff that whole prefix was). A worker's match for a prompt is how many of its
+leading blocks are in the worker's set. One index, name -> workers holding it, finds the longest match over all
+workers with a binary search over the prompt's blocks (O(log blocks), not O(workers x log blocks): at 64 prefills
+and a 10k-character prompt that took 0.8 ms of the router's single thread per request). Each worker's set keeps its
 `capacity` most recently used names (LRU), as a prefill's own cache keeps its recently used pages; that is why it
 is approximate: the router forgets what the worker may still hold and may remember what it evicted.
 
@@ -19,7 +22,6 @@ The choice (`PrefixChooser.choose`), the rule stated once:
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 from collections import OrderedDict
 from typing import Any, Sequence
@@ -47,23 +49,25 @@ def prompt_text(path: str, body: dict[str, Any]) -> str:
     return prompt if isinstance(prompt, str) else ",".join(map(str, prompt or ()))
 
 
-def block_names(text: str) -> list[bytes]:
+def block_names(text: str) -> list[int]:
     """The chained names of the text's whole blocks (a last partial block is not named: it is rarely shared)."""
-    names, h = [], b""
+    names, h = [], 0
     for i in range(0, len(text) - BLOCK_CHARS + 1, BLOCK_CHARS):
-        h = hashlib.blake2b(h + text[i:i + BLOCK_CHARS].encode(), digest_size=8).digest()
+        h = hash((h, text[i:i + BLOCK_CHARS]))
         names.append(h)
     return names
 
 
 class WorkerPrefixes:
-    """One worker's set of block names, least recently used first out past `capacity`."""
+    """One worker's set of block names, least recently used first out past `capacity`; `holders` (name -> worker
+    names), when given, is kept in step with the set under the worker's `name`."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, holders: dict[int, set[str]] | None = None, name: str = "") -> None:
         self.capacity = capacity
-        self._names: OrderedDict[bytes, None] = OrderedDict()
+        self._names: OrderedDict[int, None] = OrderedDict()
+        self._holders, self._name = holders, name
 
-    def match(self, names: list[bytes]) -> int:
+    def match(self, names: list[int]) -> int:
         """How many of the leading names are in the set (a chain: once one is missing, the rest are too)."""
         lo, hi = 0, len(names)
         while lo < hi:                                     # the matched names are a prefix of `names`
@@ -74,12 +78,22 @@ class WorkerPrefixes:
                 hi = mid - 1
         return lo
 
-    def add(self, names: list[bytes]) -> None:
+    def add(self, names: list[int]) -> None:
+        own, holders = self._names, self._holders
         for n in names:
-            self._names[n] = None
-            self._names.move_to_end(n)
-        while len(self._names) > self.capacity:
-            self._names.popitem(last=False)
+            if n in own:
+                own.move_to_end(n)
+                continue
+            own[n] = None
+            if holders is not None:
+                holders.setdefault(n, set()).add(self._name)
+        while len(own) > self.capacity:
+            n = own.popitem(last=False)[0]
+            if holders is not None:
+                held = holders[n]
+                held.discard(self._name)
+                if not held:
+                    del holders[n]
 
     def __len__(self) -> int:
         return len(self._names)
@@ -91,22 +105,35 @@ class PrefixChooser:
     def __init__(self, threshold: float = 0.5, balance_abs: float = 8.0, capacity: int = 200_000) -> None:
         self.threshold, self.balance_abs, self.capacity = threshold, balance_abs, capacity
         self._trees: dict[str, WorkerPrefixes] = {}
+        self._holders: dict[int, set[str]] = {}     # block name -> the workers whose set holds it
         self._turn = itertools.count()
 
     def tree(self, worker: Worker) -> WorkerPrefixes:
         if worker.name not in self._trees:
-            self._trees[worker.name] = WorkerPrefixes(self.capacity)
+            self._trees[worker.name] = WorkerPrefixes(self.capacity, self._holders, worker.name)
         return self._trees[worker.name]
+
+    def longest(self, names: list[int], eligible: set[str]) -> int:
+        """The longest match among the `eligible` workers (a chain: who holds block i holds blocks 0..i-1)."""
+        lo, hi = 0, len(names)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            held = self._holders.get(names[mid - 1])
+            if held is not None and not held.isdisjoint(eligible):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def choose(self, eligible: Sequence[Worker], text: str | None) -> Worker:
         names = block_names(text or "")
         least = min(w.load for w in eligible)
         chosen = None
         if names:
-            matches = [(self.tree(w).match(names), w) for w in eligible]
-            best = max(m for m, _ in matches)
+            best = self.longest(names, {w.name for w in eligible})
             if best and best >= self.threshold * len(names):
-                top = [w for m, w in matches if m == best]
+                held = self._holders[names[best - 1]]
+                top = [w for w in eligible if w.name in held]
                 w = min(top, key=lambda x: x.load)
                 if w.load - least <= self.balance_abs:
                     chosen = w

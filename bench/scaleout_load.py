@@ -1,0 +1,174 @@
+"""The scale-out benchmark's workload and client: multi-turn chat sessions over a shared system prompt.
+
+A `Workload` is `sessions` chat sessions, each `turns` requests long, over one system prompt every session shares
+(`system_chars`). Turn 1 sends the system prompt and a first user message (`first_chars`); each later turn resends
+the whole history (the assistant's answers as the client received them, and a new user message of `turn_chars`):
+the prefix a prefill's cache can serve grows turn by turn. The text is random letters from a seeded generator, so
+two runs (and two routers) send the same bytes.
+
+`drive` runs it closed-loop: `concurrency` users, each takes the next session and plays its turns in order, one
+request in flight per user, reading each answer for a random 0..`think_ms` before the next turn (seeded; it also
+keeps equal-speed users from moving in lockstep, which would let round robin send a session's turns to one worker), over one keep-alive connection (raw HTTP/1.1 on asyncio: an HTTP library would cost
+the shared CPU more than the router under test). For each request it keeps the time it was written, the time the
+first content event arrived (TTFT), the end, the status, and the id naming it (`s<session>-t<turn>`), which ends
+the new user message as `[id:...]` (routers forward messages verbatim, not every other field) and keys the stubs'
+records too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass, field
+
+import orjson
+
+
+@dataclass(frozen=True)
+class Workload:
+    sessions: int = 128
+    turns: int = 4
+    system_chars: int = 4096
+    first_chars: int = 2048
+    turn_chars: int = 1024
+    max_tokens: int = 8
+    think_ms: float = 400.0
+    seed: int = 0
+
+    @property
+    def requests(self) -> int:
+        return self.sessions * self.turns
+
+
+def _text(rng: random.Random, chars: int) -> str:
+    words = []
+    while chars > 0:
+        n = min(chars, rng.randint(2, 9))
+        words.append("".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=n)))
+        chars -= n + 1
+    return " ".join(words)
+
+
+@dataclass
+class Result:
+    user: str
+    status: int = 0
+    sent: float = 0.0
+    first: float | None = None
+    end: float = 0.0
+    content: str = ""
+    error: str | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first is None else self.first - self.sent
+
+
+@dataclass
+class Session:
+    index: int
+    system: str
+    user_texts: list[str]
+    history: list[dict] = field(default_factory=list)
+
+
+def sessions(w: Workload) -> list[Session]:
+    rng = random.Random(w.seed)
+    system = _text(rng, w.system_chars)
+    return [Session(i, system, [_text(rng, w.first_chars)] + [_text(rng, w.turn_chars) for _ in range(w.turns - 1)])
+            for i in range(w.sessions)]
+
+
+class Connection:
+    """One keep-alive HTTP/1.1 connection to the router."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def post_stream(self, path: str, body: bytes, result: Result) -> None:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        head = (f"POST {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\ncontent-type: application/json\r\n"
+                f"content-length: {len(body)}\r\n\r\n").encode()
+        result.sent = time.monotonic()
+        self.writer.write(head + body)
+        reader = self.reader
+        status_line = await reader.readuntil(b"\r\n")
+        result.status = int(status_line.split(b" ", 2)[1])
+        headers = (await reader.readuntil(b"\r\n\r\n")).lower()
+        if b"transfer-encoding: chunked" not in headers:
+            at = headers.find(b"content-length:")
+            length = int(headers[at + 15:headers.find(b"\r\n", at)]) if at >= 0 else 0
+            payload = await reader.readexactly(length)
+            result.end = time.monotonic()
+            result.error = payload.decode(errors="replace")[:300]
+            return
+        buffer, parts = b"", []
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+            data = await reader.readexactly(size + 2)
+            if size == 0:
+                break
+            buffer += data[:-2]
+            while b"\n\n" in buffer:
+                event, buffer = buffer.split(b"\n\n", 1)
+                if not event.startswith(b"data: ") or event == b"data: [DONE]":
+                    continue
+                parsed = orjson.loads(event[6:])
+                if "error" in parsed:
+                    result.error = str(parsed["error"])[:300]
+                    continue
+                delta = parsed["choices"][0].get("delta") or {}
+                if delta.get("content"):
+                    if result.first is None:
+                        result.first = time.monotonic()
+                    parts.append(delta["content"])
+        result.end = time.monotonic()
+        result.content = "".join(parts)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.reader = self.writer = None
+
+
+async def _user(host: str, port: int, model: str, w: Workload, queue: asyncio.Queue, out: list[Result],
+                rng: random.Random) -> None:
+    conn = Connection(host, port)
+    try:
+        while not queue.empty():
+            session: Session = queue.get_nowait()
+            for turn, text in enumerate(session.user_texts):
+                result = Result(f"s{session.index}-t{turn}")
+                text = f"{text} [id:{result.user}]"
+                messages = [{"role": "system", "content": session.system}, *session.history,
+                            {"role": "user", "content": text}]
+                body = orjson.dumps({"model": model, "messages": messages, "stream": True,
+                                     "max_tokens": w.max_tokens})
+                try:
+                    await asyncio.wait_for(conn.post_stream("/v1/chat/completions", body, result), 120)
+                except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, ValueError) as exc:
+                    result.error, result.end = f"{type(exc).__name__}: {exc}", time.monotonic()
+                    conn.close()
+                out.append(result)
+                if result.error or result.status != 200:
+                    break       # the session cannot go on without its answer
+                session.history += [{"role": "user", "content": text},
+                                    {"role": "assistant", "content": result.content}]
+                await asyncio.sleep(rng.uniform(0, w.think_ms) / 1e3)
+    finally:
+        conn.close()
+
+
+async def drive(host: str, port: int, model: str, w: Workload, concurrency: int) -> list[Result]:
+    """Play every session of `w` against the router at host:port; one Result per request sent."""
+    queue: asyncio.Queue = asyncio.Queue()
+    for s in sessions(w):
+        queue.put_nowait(s)
+    out: list[Result] = []
+    await asyncio.gather(*(_user(host, port, model, w, queue, out, random.Random(w.seed * 1000 + i))
+                           for i in range(concurrency)))
+    return out
