@@ -71,6 +71,7 @@ class Attempt:
         elif task.result().error is not None:
             self.prefill_error = task.result().error
         else:
+            self.req.pair.prefill_finished()
             return
         if isinstance(self.prefill_error, UpstreamTimeout):
             self._send_abort(self.req.pair.prefill)

@@ -104,6 +104,7 @@ class Pair:
     prefill: Worker
     decode: Worker
     _released: bool = field(default=False, repr=False)
+    _prefill_counted: bool = field(default=True, repr=False)
     on_lost: Callable[[Worker, str], None] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -115,9 +116,18 @@ class Pair:
         if self.on_lost is not None and not self._released:
             self.on_lost(worker, why)
 
+    def prefill_finished(self) -> None:
+        """P answered: its share of the load ends now, while the stream goes on at D (a prefill's load is what it
+        still has to do, which the load-aware policies, `prefix` among them, compare)."""
+        if not self._released and self._prefill_counted:
+            self._prefill_counted = False
+            self.prefill.in_flight -= 1
+
     def release(self) -> None:
         if not self._released:
             self._released = True
+            if self._prefill_counted:
+                self.prefill.in_flight -= 1
+            self.decode.in_flight -= 1
             for worker in (self.prefill, self.decode):
-                worker.in_flight -= 1
                 worker.pairs.discard(self)

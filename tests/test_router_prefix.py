@@ -84,3 +84,22 @@ def test_prefix_is_a_prefill_policy_only():
     assert RouterSettings(**workers, prefill_policy="prefix").prefill_policy == "prefix"
     with pytest.raises(ValidationError, match="decode_policy 'prefix' is for prefill workers"):
         RouterSettings(**workers, decode_policy="prefix")
+
+
+def test_a_prefills_load_ends_when_its_leg_does():
+    """The stream goes on at the decode after P answered: P's in-flight count (its load for least_load, power_of_two
+    and prefix) drops then, the decode's at release; either way each count drops once."""
+    from dsv4_cluster.router.worker import Pair
+
+    p, d = _prefills(1)[0], Worker(Role.DECODE, "decode-0", "http://127.0.0.1:9100")
+    pair = Pair(p, d)
+    assert (p.in_flight, d.in_flight) == (1, 1)
+    pair.prefill_finished()
+    pair.prefill_finished()
+    assert (p.in_flight, d.in_flight) == (0, 1) and pair in p.pairs
+    pair.release()
+    pair.release()
+    assert (p.in_flight, d.in_flight) == (0, 0) and pair not in p.pairs
+    other = Pair(p, d)
+    other.release()                                   # P never answered (failed, aborted): counted down at release
+    assert (p.in_flight, d.in_flight) == (0, 0)
