@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,6 +75,11 @@ class ClusterController:
         self._spec = spec
         self._supervisors: dict[str, Any] = {}
         self._prober: DeepProber | None = None
+        # status() and stop() run concurrently (max_concurrency): the targets files are written under
+        # this lock, and never again by status() once stop() began, so a status read racing the stop
+        # (the monitor's exporter asks every scrape) cannot put stopped processes back as targets.
+        self._targets_lock = threading.Lock()
+        self._stopping = False
         write_actor_record(record_path(spec.router.cwd, CONTROLLER_NAME), ActorRecord(current_actor_id(), os.getpid()))
         self._take_over()
 
@@ -181,7 +187,9 @@ class ClusterController:
             except (RayTaskError, RayActorError) as e:
                 rows.append({"name": name, "error": f"supervisor unreachable: {_cause(e)}"})
         probes = self._prober.results() if self._prober is not None else []
-        record_targets(self._spec, rows)  # Prometheus file_sd follows the processes
+        with self._targets_lock:
+            if not self._stopping:
+                record_targets(self._spec, rows)  # Prometheus file_sd follows the processes
         return {"endpoint": self._spec.endpoint, "workers": rows, "probes": probes}
 
     def _worker(self, name: str) -> tuple[LaunchPlan, Any]:
@@ -235,6 +243,8 @@ class ClusterController:
 
     def stop(self, deadline_s: float) -> dict[str, Any]:
         """Router first, then every worker at once: SIGTERM, SIGKILL after `deadline_s`."""
+        with self._targets_lock:
+            self._stopping = True
         if self._prober is not None:
             self._prober.stop()
             self._prober = None
@@ -252,7 +262,8 @@ class ClusterController:
         for actor in self._supervisors.values():
             ray.kill(actor)
         self._supervisors.clear()
-        record_targets(self._spec, final)
+        with self._targets_lock:
+            record_targets(self._spec, None)  # stopped on purpose, even a process whose stop failed
         return {"endpoint": self._spec.endpoint, "workers": final}
 
 
