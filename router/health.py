@@ -16,6 +16,7 @@ import re
 from dsv4_cluster.core import Role
 
 from .http_client import Interrupted, UpstreamError
+from .policies import POLICIES
 from .pool import WorkerPool
 from .settings import RouterSettings
 from .upstream import Upstream
@@ -23,7 +24,6 @@ from .worker import Worker
 
 log = logging.getLogger(__name__)
 TOKEN_USAGE = re.compile(rb"^sglang:token_usage(?:\{[^}]*\})? ([0-9.eE+-]+)", re.M)
-LOAD_POLICIES = ("least_load", "power_of_two")
 
 
 class HealthChecker:
@@ -31,8 +31,8 @@ class HealthChecker:
 
     def __init__(self, pool: WorkerPool, upstream: Upstream, settings: RouterSettings) -> None:
         self._pool, self._upstream = pool, upstream
-        self._weighs_load = {Role.PREFILL: settings.prefill_policy in LOAD_POLICIES,
-                             Role.DECODE: settings.decode_policy in LOAD_POLICIES}
+        self._weighs_load = {Role.PREFILL: POLICIES[settings.prefill_policy].weighs_load,
+                             Role.DECODE: POLICIES[settings.decode_policy].weighs_load}
         self._interval_s = settings.health_check_interval_s
         self._timeout_s = settings.health_check_timeout_s
         self._threshold = settings.health_failures_to_unhealthy

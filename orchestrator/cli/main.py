@@ -90,6 +90,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     """Starts nothing and needs no Ray: what `up FILE` would run, and the KV pools it would get."""
     from dsv4_cluster.orchestrator.launch.capacity import capacity_rows, capacity_table, inputs_note
     from dsv4_cluster.orchestrator.launch.plan import PlanError, cluster_plans
+    from dsv4_cluster.router.settings import summary
 
     try:
         topology = load_topology(args.file)
@@ -103,6 +104,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     for plan in [*workers, router]:
         print(f"# {plan.name} ({plan.role.value}) on node {plan.node}, log {plan.log_path}")
         print(shlex.join(["env", *(f"{k}={v}" for k, v in plan.env), *plan.argv]))
+    if router.router_settings is not None:
+        print("\n".join(f"#   {line}" for line in summary(router.router_settings)))
     print()
     gpu = GpuInputs(args.gpu_mib, args.free_before_load_gib, args.checkpoint_gib)
     print(capacity_table(capacity_rows(topology, gpu)))
