@@ -5,7 +5,8 @@ outlives the CLI; `status` and `down` find it again by name. It creates one supe
 worker, placed on the worker's node, starts prefill and decode concurrently, and starts the
 router only once every worker is READY. Worker supervisors tell the router of every state change
 (admin API, with the cluster's admin token); once the router is up, a deep probe sends a real
-request through every prefill -> decode pair periodically.
+request through every prefill -> decode pair periodically. It answers `GET /status` on loopback
+(`status_endpoint.py`, URL in `<run_dir>/status_endpoint.json`): `dsv4-cluster status` asks there, without Ray.
 
 Both survive their own process dying. Supervisors are detached, named actors (`supervisor-<name>`)
 that Ray restarts (`max_restarts`); a restarted one starts its worker again (supervisor.py). The
@@ -33,6 +34,7 @@ from dsv4_cluster.orchestrator.errors import ClusterStartError, UnknownWorkerErr
 from dsv4_cluster.core import Role
 from dsv4_cluster.orchestrator.verify.deep_probe import DeepProber
 from dsv4_cluster.orchestrator.launch.plan import LaunchPlan
+from dsv4_cluster.orchestrator.supervise.status_endpoint import StatusServer, apply_predicted_capacity
 from dsv4_cluster.orchestrator.monitor.targets import record_targets
 from dsv4_cluster.orchestrator.supervise.router_admin import RouterAdmin, RouterAdminError, RouterLink
 from dsv4_cluster.orchestrator.supervise.supervisor import WorkerSupervisor
@@ -60,6 +62,7 @@ class ClusterSpec:
     kernels: tuple[str, ...] = ()  # requested; every worker must report each one active
     admin_token: str | None = field(default=None, repr=False)  # the router's, for its admin API
     probe_interval_s: float = DEEP_PROBE_INTERVAL_S
+    kv_predicted: tuple[tuple[str, int], ...] = ()  # (worker, predicted KV tokens), added to its status row
 
 
 def _cause(err: BaseException) -> str:
@@ -82,6 +85,8 @@ class ClusterController:
         self._stopping = False
         write_actor_record(record_path(spec.router.cwd, CONTROLLER_NAME), ActorRecord(current_actor_id(), os.getpid()))
         self._take_over()
+        self._status_server = StatusServer(self.status, spec.router.cwd)  # `dsv4-cluster status` asks it, no Ray
+        self._status_server.start()
 
     def _take_over(self) -> None:
         """After Ray restarted this controller: adopt the supervisors still running (by name), and
@@ -190,7 +195,8 @@ class ClusterController:
         with self._targets_lock:
             if not self._stopping:
                 record_targets(self._spec, rows)  # Prometheus file_sd follows the processes
-        return {"endpoint": self._spec.endpoint, "workers": rows, "probes": probes}
+        return apply_predicted_capacity({"endpoint": self._spec.endpoint, "workers": rows, "probes": probes},
+                                        dict(self._spec.kv_predicted))
 
     def _worker(self, name: str) -> tuple[LaunchPlan, Any]:
         plans = {p.name: p for p in self._spec.workers}
@@ -245,6 +251,7 @@ class ClusterController:
         """Router first, then every worker at once: SIGTERM, SIGKILL after `deadline_s`."""
         with self._targets_lock:
             self._stopping = True
+        self._status_server.stop()
         if self._prober is not None:
             self._prober.stop()
             self._prober = None
