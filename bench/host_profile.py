@@ -1,8 +1,11 @@
-"""Where the host time of an eager adapter call goes: cProfile over many eager calls, top functions.
+"""Host time of eager adapter calls against FlashMLA's: the whole table, or where one call's time goes.
 
-Run on the GPU machine: `python -m dsv4_cluster.bench.host_profile [layer] [B] [real_heads]` (defaults c4 8 16).
-Prints the per-call wall time of the adapter and of FlashMLA (when installed) and the 25 functions with the
-most own time per call. A diagnostic for bench/sglang_decode.py's host_us column; it writes no results file.
+Run on the GPU machine:
+- `python -m dsv4_cluster.bench.host_profile` (or `all [batches]`): per layer kind, B = 1 / 8 / 32 / 64 / 128 / 256
+  and 16 / 64 real heads, eager and graph-replay us, ours vs FlashMLA, and host us per eager call (the rows of
+  `bench/sglang_decode.py`, printed; no results file).
+- `python -m dsv4_cluster.bench.host_profile LAYER B REAL_HEADS` (e.g. c4 8 16): per-call wall time of the adapter
+  and of FlashMLA, Python function calls per adapter call, and the 25 functions with the most own time.
 """
 
 from __future__ import annotations
@@ -14,16 +17,24 @@ import sys
 import torch
 
 from dsv4_cluster.kernels.sglang_adapters import flash_mla_with_kvcache
-from dsv4_cluster.bench.sglang_decode import host_us
+from dsv4_cluster.bench.sglang_decode import BATCHES, decode_rows, host_us, plan_stats
+from dsv4_cluster.bench.kernels import copy_bandwidth_gbs, print_table
 from dsv4_cluster.kernels.sglang_cases import decode_case
 
 CALLS = 500
 
 
-def main(argv: list[str]) -> int:
-    kind, b, h = (argv + ["c4", "8", "16"][len(argv):])[:3]
-    args = decode_case(kind, int(b), int(h), seed=0)
-    ours = lambda: flash_mla_with_kvcache(tile_scheduler_metadata=None, real_heads=int(h), **args)  # noqa: E731
+def table(batches=BATCHES) -> int:
+    rows = decode_rows(copy_bandwidth_gbs(), batches)
+    print_table(rows, ["layer", "B", "real_heads", "impl", "us", "us_eager", "host_us", "eager_minus_flashmla",
+                       "speedup_vs_flashmla"])
+    print(plan_stats())
+    return 0
+
+
+def profile(kind: str, b: int, h: int) -> int:
+    args = decode_case(kind, b, h, seed=0)
+    ours = lambda: flash_mla_with_kvcache(tile_scheduler_metadata=None, **args)  # noqa: E731  (as the plugin calls)
     print(f"{kind} B={b} real_heads={h}: adapter {host_us(ours, CALLS):.1f} us of host per eager call")
     try:
         import flash_mla
@@ -40,8 +51,18 @@ def main(argv: list[str]) -> int:
         ours()
     profile.disable()
     torch.cuda.synchronize()
-    pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+    stats = pstats.Stats(profile)
+    print(f"  Python function calls per adapter call: {stats.total_calls / CALLS:.1f}")
+    stats.sort_stats("tottime").print_stats(25)
     return 0
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] == "all":
+        batches = tuple(int(x) for x in argv[1].split(",")) if len(argv) > 1 else BATCHES
+        return table(batches)
+    kind, b, h = (argv + ["c4", "8", "16"][len(argv):])[:3]
+    return profile(kind, int(b), int(h))
 
 
 if __name__ == "__main__":

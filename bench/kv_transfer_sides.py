@@ -8,12 +8,16 @@ layers, page size, dtype: bf16 on CUDA, float32 on the CPU) and the engine's own
 side hands the prefill side its `PeerInfo`, as the bootstrap server's `/kv/register` does. They talk over one TCP
 connection on loopback (JSON lines); the KV itself moves over NIXL/UCX.
 
-Per request size, interleaved trial by trial (so a load spike on the machine hits all three alike):
-- engine: `NixlTransfer.write_pages` of the pages the engine's allocator gives the prompt (`KVPool.alloc`) into the
-  pages the decode pool's allocator gives, with `notif_message` as the notification; done when the prefill side's
-  `poll` says DONE and the decode side's `notifications()` returned it (both sides poll without sleeping, where the
-  engine loops poll every 1 ms: this measures the transfer, not the loops' cadence; times are CLOCK_MONOTONIC, one
-  clock for every process of the host);
+Per request size, interleaved trial by trial (so a load spike on the machine hits all four alike):
+- engine: `NixlTransfer.write_pages` of the pages the engine's allocator gives the prompt (`KVPool.alloc`, on a
+  pool in the state `--pages` asks for: kv_transfer_parts.side_pool) into the pages the decode pool's allocator
+  gives, with `notif_message` as the notification; done when the prefill side's `poll` says DONE and the decode
+  side's `notifications()` returned it (both sides poll without sleeping, where the engine loops poll every 1 ms:
+  this measures the transfer, not the loops' cadence; times are CLOCK_MONOTONIC, one clock for every process of
+  the host);
+- runs: the same pages through a second pair of agents that build a new descriptor list per request, one
+  descriptor per region and run of pages (`NixlTransfer(descriptors="runs")`); the engine's own agents use lists
+  prepared once per peer (its default);
 - raw: one NIXL WRITE of one contiguous region of the same bytes, one descriptor, between two other agents, with
   a notification, timed the same way;
 - copy: `dst.copy_(src)` of the same bytes from the prefill device to the decode device (both synchronized).
@@ -25,11 +29,8 @@ destination pages equals that of the prefill's source pages (the raw region like
 from __future__ import annotations
 
 import argparse
-import base64
-import hashlib
 import json
 import os
-import random
 import select
 import socket
 import sys
@@ -37,23 +38,17 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from ..workers.kv_pool import KVPool
-from ..workers.nixl_loader import load_nixl_api
-from ..workers.prefill.engine import notif_message
-from ..workers.presets import model_config
-from ..workers.runner import RunnerConfig
+from ..workers.prefill.destinations import notif_message
 from ..workers.transfer import NixlTransfer, PeerInfo, page_runs
+from .kv_transfer_parts import (RawAgent, SideError, max_bytes, nonzero_bytes, nonzero_random, page_digest, region_digest,
+                                side_pool)
 
 PREFILL_AGENT, DECODE_AGENT = "kvx-prefill", "kvx-decode"
+RUNS_PREFILL_AGENT, RUNS_DECODE_AGENT = "kvx-runs-prefill", "kvx-runs-decode"
 RAW_PREFILL_AGENT, RAW_DECODE_AGENT = "kvx-raw-prefill", "kvx-raw-decode"
 CONNECT_TIMEOUT_S = 120.0
-
-
-class SideError(RuntimeError):
-    """The other side went away, answered out of protocol, or a transfer failed."""
 
 
 class Link:
@@ -91,90 +86,6 @@ class Link:
         return json.loads(line)
 
 
-class RawAgent:
-    """A NIXL agent (same config as the engine's: UCX, no progress thread) with one contiguous region."""
-
-    def __init__(self, name: str, nbytes: int, device: str):
-        api = load_nixl_api()
-        self.agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-        self.buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        self.agent.register_memory([self.buf])
-        self.mem = "VRAM" if self.buf.device.type == "cuda" else "DRAM"
-        self.dev = self.buf.device.index or 0
-        self.peer: dict | None = None
-
-    def info(self) -> dict:
-        return {"name": self.agent.name, "meta": base64.b64encode(self.agent.get_agent_metadata()).decode(),
-                "addr": self.buf.data_ptr(), "mem": self.mem, "dev": self.dev}
-
-    def add_peer(self, info: dict) -> None:
-        self.agent.add_remote_agent(base64.b64decode(info["meta"]))
-        self.peer = info
-
-    def write(self, nbytes: int, notif: bytes):
-        p = self.peer
-        local = np.array([[self.buf.data_ptr(), nbytes, self.dev]], dtype=np.uint64)
-        remote = np.array([[p["addr"], nbytes, p["dev"]]], dtype=np.uint64)
-        handle = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(local, self.mem),
-                                            self.agent.get_xfer_descs(remote, p["mem"]), p["name"], notif)
-        if self.agent.transfer(handle) == "ERR":
-            raise SideError(f"NIXL refused the raw WRITE of {nbytes} bytes")
-        return handle
-
-    def poll(self, handle) -> str:
-        state = self.agent.check_xfer_state(handle)
-        if state != "PROC":
-            self.agent.release_xfer_handle(handle)
-        return state
-
-
-def build_pool(preset: str, n_layers: int, page_size: int, pages: int, device: str) -> KVPool:
-    """The engine's pool for the preset, as ModelRunner builds it (layout, dtype, device); n_layers 0: the
-    preset's. A layout the engine refuses raises ValueError (KVPool's message)."""
-    overrides = {"n_layers": n_layers} if n_layers else {}
-    tokens = pages * page_size
-    cfg = RunnerConfig(model=model_config(preset, **overrides), page_size=page_size, max_total_tokens=tokens,
-                       context_length=tokens, device=device)
-    return KVPool(cfg.layout(), device=device, dtype=cfg.dtype)
-
-
-def side_pool(a: argparse.Namespace) -> KVPool:
-    pool = build_pool(a.preset, a.n_layers, a.page_size, a.pool_pages, a.device)
-    if a.fragmented:       # a pool after churn: its free list in random order, so requests get scattered pages
-        pages = pool.alloc(pool.capacity_tokens)
-        random.Random(f"{a.seed}-{a.role}").shuffle(pages)
-        pool.release(pages)
-    return pool
-
-
-def max_bytes(pool: KVPool, sizes: list[int]) -> int:
-    return max(pool.pages_for(t) for t in sizes) * pool.page_bytes
-
-
-def page_digest(pool: KVPool, pages: list[int]) -> str:
-    """SHA-256 of `pages`' bytes in every buffer, buffer-major (the descriptors' order)."""
-    h = hashlib.sha256()
-    idx = torch.tensor(pages, device=pool.main[0].device)
-    for b in pool.buffers():
-        h.update(b.view(pool.layout.num_pages, -1).index_select(0, idx).contiguous().view(torch.uint8).cpu().numpy())
-    return h.hexdigest()
-
-
-def region_digest(buf: torch.Tensor, nbytes: int) -> str:
-    return hashlib.sha256(buf[:nbytes].cpu().numpy()).hexdigest()
-
-
-def nonzero_bytes(tensors: list[torch.Tensor]) -> int:
-    return sum(int(torch.count_nonzero(t)) * t.element_size() for t in tensors)
-
-
-def _nonzero_random(b: torch.Tensor) -> torch.Tensor:
-    """Random values, none of them zero: floats in [1, 2), bytes in 1..255 (fp8 pages are uint8)."""
-    if b.dtype.is_floating_point:
-        return torch.rand(b.shape, device=b.device, dtype=torch.float32) + 1
-    return torch.randint(1, 256, b.shape, device=b.device, dtype=torch.uint8)
-
-
 def _pin(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
@@ -194,20 +105,23 @@ def _sync(*devices: str) -> None:
 
 def run_decode(a: argparse.Namespace) -> int:
     _pin(a.device)
-    pool = side_pool(a)
+    pool, state = side_pool(a)
     transfer = NixlTransfer(DECODE_AGENT, pool, a.ucx_tls)
+    runs = NixlTransfer(RUNS_DECODE_AGENT, pool, a.ucx_tls, descriptors="runs")
     raw = RawAgent(RAW_DECODE_AGENT, max_bytes(pool, a.sizes), a.device)
     server = socket.create_server(("127.0.0.1", a.port))
     server.settimeout(CONNECT_TIMEOUT_S)
     conn, _ = server.accept()
     server.close()
     link = Link(conn)
-    link.send({"engine": transfer.local_info().to_json(), "raw": raw.info()})
+    link.send({"engine": transfer.local_info().to_json(), "runs": runs.local_info().to_json(),
+               "raw": raw.info(), "pool_state": state})
     dst: list[int] = []
     while True:
-        for msg in transfer.notifications():          # what DecodeEngine._receive reads
-            t = time.monotonic()
-            link.send({"ev": "notif", "kind": "engine", "room": int(json.loads(msg)["room"]), "t": t})
+        for kind, agent in (("engine", transfer), ("runs", runs)):
+            for msg in agent.notifications():          # what DecodeEngine._receive reads
+                t = time.monotonic()
+                link.send({"ev": "notif", "kind": kind, "room": int(json.loads(msg)["room"]), "t": t})
         for msgs in raw.agent.get_new_notifs().values():
             t = time.monotonic()
             for msg in msgs:
@@ -269,28 +183,32 @@ class PrefillSide:
         self.a = a
         _pin(a.device)
         torch.manual_seed(a.seed)
-        self.pool = side_pool(a)
+        self.pool, self.pool_state = side_pool(a)
         for b in self.pool.buffers():                 # never zero, so the bytes written are countable
-            b.copy_(_nonzero_random(b))
+            b.copy_(nonzero_random(b))
         self.transfer = NixlTransfer(PREFILL_AGENT, self.pool, a.ucx_tls)
+        self.runs = NixlTransfer(RUNS_PREFILL_AGENT, self.pool, a.ucx_tls, descriptors="runs")
         nbytes = max_bytes(self.pool, a.sizes)
         self.raw = RawAgent(RAW_PREFILL_AGENT, nbytes, a.device)
-        self.raw.buf.copy_(_nonzero_random(self.raw.buf))
+        self.raw.buf.copy_(nonzero_random(self.raw.buf))
         self.copy_dst = torch.empty(nbytes, dtype=torch.uint8, device=a.peer_device)
         self.link = _connect(a.port)
         hello = self.link.recv(CONNECT_TIMEOUT_S)
         self.peer = PeerInfo.from_json(hello["engine"])
         self.incarnation = self.transfer.add_peer(self.peer)   # what the bootstrap server's /kv/register does
+        self.runs_peer = PeerInfo.from_json(hello["runs"])
+        self.runs.add_peer(self.runs_peer)
+        self.decode_pool_state = hello["pool_state"]
         self.raw.add_peer(hello["raw"])
         self.room = 0
 
-    def engine_trial(self, src: list[int], dst: list[int]) -> tuple[float, float]:
+    def engine_trial(self, src: list[int], dst: list[int], kind: str = "engine") -> tuple[float, float]:
         self.room += 1
+        agent, peer = (self.transfer, self.peer) if kind == "engine" else (self.runs, self.runs_peer)
         t0 = time.monotonic()
-        handle = self.transfer.write_pages(self.peer.agent_name, src, dst, notif_message(self.room, 0),
-                                           self.incarnation)
-        done = _until_done(self.transfer.poll, handle, "engine")
-        return done - t0, max(done, _wait_notif(self.link, "engine", self.room)) - t0
+        handle = agent.write_pages(peer.agent_name, src, dst, notif_message(self.room, 0))
+        done = _until_done(agent.poll, handle, kind)
+        return done - t0, max(done, _wait_notif(self.link, kind, self.room)) - t0
 
     def raw_trial(self, nbytes: int) -> tuple[float, float]:
         self.room += 1
@@ -312,12 +230,15 @@ class PrefillSide:
         self.link.send({"op": "prepare", "tokens": tokens})
         dst = self.link.recv()["dst"]
         nbytes = len(src) * pool.page_bytes           # what PrefillEngine counts for the WRITE
-        times: dict[str, list[float]] = {"engine": [], "engine_done": [], "raw": [], "raw_done": [], "copy": []}
-        trials = {"engine": lambda: self.engine_trial(src, dst), "raw": lambda: self.raw_trial(nbytes),
-                  "copy": lambda: (None, self.copy_trial(nbytes))}
+        times: dict[str, list[float]] = {"engine": [], "engine_done": [], "runs": [], "runs_done": [],
+                                         "raw": [], "raw_done": [], "copy": []}
+        trials = {"engine": lambda: self.engine_trial(src, dst),
+                  "runs": lambda: self.engine_trial(src, dst, "runs"),
+                  "raw": lambda: self.raw_trial(nbytes), "copy": lambda: (None, self.copy_trial(nbytes))}
         order = list(trials)
         for i in range(a.warmup + a.repeats):
-            for name in order[i % 3:] + order[: i % 3]:    # each method goes first, second, third in turn
+            k = i % len(order)
+            for name in order[k:] + order[:k]:    # each method goes first, second, ... in turn
                 done, t = trials[name]()
                 if i >= a.warmup:
                     times[name].append(t)
@@ -335,7 +256,9 @@ class PrefillSide:
         }
         pool.release(src)
         return {"tokens": tokens, "pages": len(src), "bytes": nbytes,
-                "descriptors": {"engine": len(page_runs(src, dst)) * len(pool.buffers()), "raw": 1},
+                "descriptors": {"engine": len(page_runs(src, dst)) * len(pool.regions()), "raw": 1},
+                "run_lengths": {"src": [n for _, _, n in page_runs(src, src)],
+                                "dst": [n for _, _, n in page_runs(dst, dst)]},
                 "page_runs": {"src": len(page_runs(src, src)), "dst": len(page_runs(dst, dst)),
                               "both": len(page_runs(src, dst))},
                 "times_s": times, "checks": checks}
@@ -343,6 +266,8 @@ class PrefillSide:
     def layout(self) -> dict:
         pool, n = self.pool, self.pool.layout.num_pages
         return {"layout": asdict(pool.layout), "page_bytes": pool.page_bytes, "buffers": len(pool.buffers()),
+                "regions": len(pool.regions()),
+                "state": {"prefill": self.pool_state, "decode": self.decode_pool_state},
                 "buffer_page_bytes": [b.numel() * b.element_size() // n for b in pool.buffers()],
                 "buffer_dtypes": sorted({str(b.dtype).removeprefix("torch.") for b in pool.buffers()}),
                 "device_names": [_device_name(d) for d in (self.a.device, self.a.peer_device)]}
@@ -379,7 +304,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--fragmented", action="store_true", help="shuffle the pool's free list first (scattered pages)")
+    p.add_argument("--pages", choices=("fresh", "churned", "scattered"), default="fresh",
+                   help="the pools' state before the timed requests (see side_pool)")
+    p.add_argument("--churn-cycles", type=int, default=5000)
     p.add_argument("--result", help="prefill only: write the measurements here (JSON)")
     return p.parse_args(argv)
 

@@ -34,7 +34,8 @@ def _graphed(fn):
 
 
 def _time(fn) -> tuple[float, float]:
-    return bench_us(_graphed(fn)), bench_us(fn)
+    """(graph replay us, eager us): medians over >= 100 ms of back-to-back calls, L2 flushed before each."""
+    return bench_us(_graphed(fn), 25, 100), bench_us(fn, 25, 100)
 
 
 def host_us(fn, calls: int = 200) -> float:
@@ -50,6 +51,9 @@ def host_us(fn, calls: int = 200) -> float:
 
 
 def decode_rows(copy_gbs: float, batches=BATCHES) -> list[dict]:
+    """Per layer kind and B: FlashMLA as SGLang calls it; the adapter as the plugin calls it (no real_heads: all
+    64 heads computed, the same call at 16 and at 64 real heads, so measured once); at 16 real heads also the
+    adapter told the real count (`real_heads=16`, backend by `heads_to_run`) and the 16-head Triton kernel."""
     import flash_mla
 
     rows = []
@@ -58,26 +62,36 @@ def decode_rows(copy_gbs: float, batches=BATCHES) -> list[dict]:
             for real in (64, 16):
                 args = decode_case(kind, b, real, seed=b, full=True, window_tokens=65536, extra_tokens=65536)
                 meta = flash_mla.get_mla_metadata()[0]
-                fm = lambda: flash_mla.flash_mla_with_kvcache(tile_scheduler_metadata=meta, use_legacy=True, **args)
                 nbytes = live_rows(args) * 584 + b * real * 512 * 4
-                impls = {"flashmla": fm,
-                         "adapter": lambda: flash_mla_with_kvcache(tile_scheduler_metadata=None, real_heads=real,
-                                                                   **args)}
-                impls[f"adapter_triton_h{real}"] = lambda: flash_mla_with_kvcache(
-                    tile_scheduler_metadata=None, real_heads=real, config=LaunchConfig(backend="triton"), **args)
-                if real < 64:  # the Gluon kernel computing the padded heads too
-                    impls["adapter_gluon_h64"] = lambda: flash_mla_with_kvcache(
-                        tile_scheduler_metadata=None, real_heads=real, config=LaunchConfig(backend="gluon"), **args)
-                base = None
+                if real == 64:
+                    impls = {"flashmla": lambda: flash_mla.flash_mla_with_kvcache(
+                                 tile_scheduler_metadata=meta, use_legacy=True, **args),
+                             "adapter": lambda: flash_mla_with_kvcache(tile_scheduler_metadata=None, **args)}
+                else:
+                    impls = {"adapter_h16": lambda: flash_mla_with_kvcache(tile_scheduler_metadata=None,
+                                                                           real_heads=real, **args),
+                             "adapter_triton_h16": lambda: flash_mla_with_kvcache(
+                                 tile_scheduler_metadata=None, real_heads=real, config=LaunchConfig(backend="triton"),
+                                 **args)}
                 for name, fn in impls.items():
                     us, eager = _time(fn)
-                    base = us if name == "flashmla" else base
+                    if name == "flashmla":
+                        base, base_eager = us, eager
                     gbs = nbytes / (us * 1e-6) / 1e9
                     rows.append(dict(bench="decode", layer=kind, B=b, real_heads=real, impl=name, us=us,
-                                     us_eager=eager, host_us=host_us(fn) if b <= 8 else None,
-                                     speedup_vs_flashmla=base / us, GBps=gbs, frac_copy=gbs / copy_gbs))
+                                     us_eager=eager, host_us=host_us(fn, 100), speedup_vs_flashmla=base / us,
+                                     eager_minus_flashmla=eager - base_eager, GBps=gbs, frac_copy=gbs / copy_gbs))
                     print(rows[-1], flush=True)
     return rows
+
+
+def plan_stats() -> dict:
+    """Per adapter: launch plans kept and why keys were not (launch_cache), after the runs above."""
+    from dsv4_cluster.kernels.sglang_adapters import flash_mla, indexer, topk
+
+    return {m._PLANS.name: dict(plans=len(m._PLANS.plans), replayable=sum(p.steps is not None for p in
+                                m._PLANS.plans.values()), uncached=dict(m._PLANS.uncached))
+            for m in (flash_mla, indexer, topk)}
 
 
 def _torch_stock(c, cap):
@@ -124,8 +138,8 @@ def indexer_rows(copy_gbs: float) -> list[dict]:
 
             us, eager = _time(step)
             per_cap[cap] = us
-            upcast_us = bench_us(_graphed(lambda c=c: _fused(c, fp8_dot=False)))
-            fp8_dot_us = bench_us(_graphed(lambda c=c: _fused(c, fp8_dot=True)))
+            upcast_us = bench_us(_graphed(lambda c=c: _fused(c, fp8_dot=False)), 25, 100)
+            fp8_dot_us = bench_us(_graphed(lambda c=c: _fused(c, fp8_dot=True)), 25, 100)
             gbs = 32 * length * 132 / (us * 1e-6) / 1e9
             rows.append(dict(bench="indexer_topk", L=context, entries=length, capacity=cap, impl="adapters", us=us,
                              us_eager=eager, host_us=host_us(step), eager_over_graph=eager / us, GBps_keys=gbs,
@@ -133,7 +147,7 @@ def indexer_rows(copy_gbs: float) -> list[dict]:
             print(rows[-1], flush=True)
         rows[-2]["cap1M_over_capL"] = per_cap[1 << 18] / per_cap[length]
         c = indexer_case(32, [length] * 32, capacity=1 << 18, seed=length)
-        us = bench_us(_torch_stock(c, 1 << 18))
+        us = bench_us(_torch_stock(c, 1 << 18), 25, 100)
         rows.append(dict(bench="indexer_topk", L=context, entries=length, capacity=1 << 18, impl="torch_score_topk",
                          us=us, speedup_of_adapters=us / rows[-2]["us"]))
         print(rows[-1], flush=True)
@@ -145,8 +159,10 @@ def markdown(rows: list[dict], copy_gbs: float, device: str) -> str:
              f"Device copy in the same run: {copy_gbs:.0f} GB/s. `us`: cold-L2 median of CUDA-graph replays; "
              "`us_eager`: of eager calls. FlashMLA: sgl-flash-mla 1.0.0 called as SGLang 0.5.23 calls it "
              "(use_legacy=True, 256-token window pages). Full lists (window 128, extra 512).", "",
-             "| layer | B | real_heads | impl | us | us_eager | host_us | x FlashMLA | GB/s | of copy |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "`adapter` is the call as the plugin makes it (no real head count: 64 heads computed, the same call at 16 "
+             "and 64 real heads); `adapter_h16` is told 16 real heads; `eager - FM`: us_eager minus FlashMLA's.", "",
+             "| layer | B | real_heads | impl | us | us_eager | host_us | x FlashMLA | eager - FM | GB/s | of copy |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def f(r, k, fmt):
         return format(r[k], fmt) if r.get(k) is not None else "-"
@@ -155,7 +171,7 @@ def markdown(rows: list[dict], copy_gbs: float, device: str) -> str:
         if r["bench"] == "decode":
             lines.append(f"| {r['layer']} | {r['B']} | {r['real_heads']} | {r['impl']} | {r['us']:.1f} | "
                          f"{r['us_eager']:.1f} | {f(r, 'host_us', '.1f')} | {r['speedup_vs_flashmla']:.2f} | "
-                         f"{r['GBps']:.0f} | {r['frac_copy']:.1%} |")
+                         f"{f(r, 'eager_minus_flashmla', '+.1f')} | {r['GBps']:.0f} | {r['frac_copy']:.1%} |")
     lines += ["", "Indexer + top-k (B = 32, fp8 keys, 132 B each; entries = L / 4; capacity in entries):", "",
               "| L | entries | capacity | impl | us | us_eager | host_us | eager/graph | 1M/L | key GB/s | of copy "
               "| stock/ours | fused, fp8 dot | fused, bf16 upcast |", "|" + "---|" * 14]
@@ -169,10 +185,33 @@ def markdown(rows: list[dict], copy_gbs: float, device: str) -> str:
                          f"{f(r, 'fused_bf16_upcast_us', '.1f')} |")
         elif r["bench"] == "indexer_topk_error":
             lines.append(f"\nIndexer + top-k failed: {r['error']}")
+    stats = [r for r in rows if r["bench"] == "plans"]
+    if stats:
+        lines += ["", "Launch plans after the run (`launch_cache`): " + "; ".join(
+            f"{name}: {s['plans']} kept ({s['replayable']} replayable), not kept: {s['uncached'] or 'none'}"
+            for name, s in stats[-1]["stats"].items())]
     return "\n".join(lines) + "\n"
 
 
+def ncu_case(kind: str, b: int) -> None:
+    """Two eager calls of ours (as the plugin calls it) and two of FlashMLA on one case: the target of
+    `NCU_CASE` in bench/run_sglang_on_h200.sh (Nsight Compute profiles the kernels these launch)."""
+    import flash_mla
+
+    args = decode_case(kind, b, 64, seed=b, full=True, window_tokens=65536, extra_tokens=65536)
+    for _ in range(2):
+        flash_mla_with_kvcache(tile_scheduler_metadata=None, **args)
+    for _ in range(2):
+        flash_mla.flash_mla_with_kvcache(tile_scheduler_metadata=flash_mla.get_mla_metadata()[0], use_legacy=True,
+                                         **args)
+    torch.cuda.synchronize()
+    print(f"ncu case {kind} B={b}: live rows {live_rows(args)} x 584 B = {live_rows(args) * 584 / 1e6:.1f} MB", flush=True)
+
+
 def run(argv: list[str]) -> int:
+    if argv[:1] == ["--ncu"]:
+        ncu_case(argv[1], int(argv[2]))
+        return 0
     copy_gbs = copy_bandwidth_gbs()
     print(f"copy bandwidth {copy_gbs:.0f} GB/s", flush=True)
     batches = tuple(int(x) for x in argv[0].split(",")) if argv else BATCHES
@@ -186,6 +225,7 @@ def run(argv: list[str]) -> int:
     except (RuntimeError, CompilationError) as exc:  # a kernel that fails to build or run: recorded, not hidden
         rows.append(dict(bench="indexer_topk_error", error=f"{type(exc).__name__}: {exc}"))
         print(rows[-1], flush=True)
+    rows.append(dict(bench="plans", stats=plan_stats()))
     write_results("sglang_decode", dict(device=device, copy_GBps=copy_gbs, rows=rows))
     (RESULTS / "sglang_decode.md").write_text(markdown(rows, copy_gbs, device))
     print_table([r for r in rows if r["bench"] == "decode"],

@@ -21,7 +21,7 @@ WORKER_GAUGES = (
 WORKER_COUNTERS = (
     "sglang:prompt_tokens_total", "sglang:generation_tokens_total", "sglang:num_requests_total",
     "sglang:num_aborted_requests_total", "sglang:num_bootstrap_failed_reqs_total",
-    "sglang:num_transfer_failed_reqs_total",
+    "sglang:num_transfer_failed_reqs_total", "sglang:cached_tokens_total",
 )
 WORKER_HISTOGRAMS = (
     "sglang:time_to_first_token_seconds", "sglang:inter_token_latency_seconds",
@@ -33,6 +33,9 @@ STRANDED_KV_TOKENS = "dsv4_stranded_kv_tokens"  # gauge: KV tokens held now
 STRANDED_KV_ROOMS = "dsv4_stranded_kv_rooms"  # gauge: bootstrap rooms held now
 STRANDED_KV_FREED_TOKENS = "dsv4_stranded_kv_freed_tokens_total"  # counter: freed at the deadline
 STRANDED_KV_FREED_ROOMS = "dsv4_stranded_kv_freed_rooms_total"  # counter
+# KV writes an embedded prefill cancelled past `transfer.write_timeout_s` (workers/prefill/engine.py), counter,
+# labels model_name, engine_type (prefill only).
+KV_WRITE_TIMEOUTS = "dsv4_kv_write_timeouts_total"
 STRANDED_KV = (STRANDED_KV_TOKENS, STRANDED_KV_ROOMS, STRANDED_KV_FREED_TOKENS, STRANDED_KV_FREED_ROOMS)
 
 # Router (names as the router issue's code spells them).
@@ -45,6 +48,7 @@ ROUTER_ELIGIBLE = "dsv4_router_worker_eligible"  # labels worker, role; 1 while 
 ROUTER_BREAKER_OPEN = "dsv4_router_worker_breaker_open"  # labels worker, role
 ROUTER_RETRIES = "dsv4_router_retries_total"
 ROUTER_MIGRATIONS = "dsv4_router_migrations_total"
+ROUTER_STREAM_HOLDS = "dsv4_router_stream_hold_tries_total"  # fresh pairs tried while a stream waited for a decode
 ROUTER_ABORTS = "dsv4_router_aborts_total"  # label role
 ROUTER_PAIR_FAILURES = "dsv4_router_pair_failures_total"
 ROUTER_CONNECTION_ERRORS = "dsv4_router_upstream_connection_errors_total"  # label worker

@@ -18,6 +18,11 @@ import torch
 from triton import knobs
 
 _HANDLES: dict[tuple, object] = {}
+_RECORDING: list = []  # launch_cache: the step lists being recorded (innermost last); empty = not recording
+
+
+class SharedMemoryError(RuntimeError):
+    """A kernel specialization needs more shared memory per block than its GPU class allows."""
 _CONSTEXPR: dict[object, tuple[tuple[str, ...], tuple[bool, ...]]] = {}
 
 
@@ -33,11 +38,20 @@ def _spec(value, is_constexpr: bool):
     return type(value)
 
 
-def launch(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
+def launch(kernel, grid: tuple, args: tuple, kwargs: dict, max_shared: int | None = None) -> None:
     """kernel[grid](*args, **kwargs), through the kept compiled handle after the first launch of a
-    specialization (see the module docstring). Same arguments and effect as the JIT launch."""
+    specialization (see the module docstring). Same arguments and effect as the JIT launch.
+
+    max_shared: the shared memory per block the caller's GPU class allows (`dispatch.SMEM_PER_BLOCK`); a
+    specialization compiled to need more raises `SharedMemoryError` at its first launch and is not kept (on the
+    class itself the driver would refuse it; where the class is forced on a larger GPU, this is the check)."""
     first = args[0]
     if not _on_cuda(first) or _hooks_set():
+        if _RECORDING:
+            _RECORDING[-1].append(("jit", kernel, grid, args, kwargs))
+            with _paused():
+                kernel[grid](*args, **kwargs)
+            return
         kernel[grid](*args, **kwargs)
         return
     layout = _CONSTEXPR.get(kernel)
@@ -54,13 +68,51 @@ def launch(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
     key = (kernel, first.device.index, grid, tuple(map(_spec, values, constexpr)), tuple(options.items()))
     handle = _HANDLES.get(key)
     if handle is None:
-        kernel[grid](*args, **kwargs)
-        _HANDLES[key] = kernel.warmup(*args, grid=grid, **kwargs)
+        with _paused() if _RECORDING else _NO_CONTEXT:
+            kernel[grid](*args, **kwargs)
+            handle = kernel.warmup(*args, grid=grid, **kwargs)
+        if max_shared is not None and handle.metadata.shared > max_shared:
+            raise SharedMemoryError(f"{getattr(kernel, '__name__', kernel)} with {kwargs} needs {handle.metadata.shared} B "
+                                    f"of shared memory per block, over the {max_shared} B this GPU class allows")
+        _HANDLES[key] = handle
+        if _RECORDING:
+            _RECORDING[-1].append(("handle", handle, grid, values, first.device.index))
         return
+    if _RECORDING:
+        _RECORDING[-1].append(("handle", handle, grid, values, first.device.index))
     full = [v.data_ptr() if isinstance(v, torch.Tensor) else v for v in values]
     stream = torch._C._cuda_getCurrentRawStream(first.device.index)
     g = grid + (1,) * (3 - len(grid))
     handle.run(g[0], g[1], g[2], stream, handle.function, handle.packed_metadata, None, None, None, *full)
+
+
+def start_recording(steps: list) -> int:
+    """From now on every launch also appends a step to `steps` (launch_cache): ("handle", compiled handle,
+    grid, argument values, device) on the kept-handle path, ("jit", kernel, grid, args, kwargs) otherwise.
+    Returns the token for `stop_recording`."""
+    _RECORDING.append(steps)
+    return len(_RECORDING)
+
+
+def stop_recording(token: int) -> None:
+    del _RECORDING[token - 1:]
+
+
+def _paused():
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
+class _Null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NO_CONTEXT = _Null()
 
 
 def _on_cuda(t) -> bool:

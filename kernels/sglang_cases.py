@@ -88,3 +88,22 @@ def indexer_case(b: int, lens: list[int], capacity: int, device="cuda", seed: in
     seq = torch.tensor(lens, dtype=torch.int32)
     return dict(q=q.to(device), kv=keys.view(pool, per_page, 1, dim + 4), weights=weights.to(device),
                 lens2d=seq[:, None].to(device), lens=seq.to(device), table=table.to(device), capacity=capacity)
+
+
+# SGLang's sm_120 branch: the keywords it passes `flash_mla_with_kvcache_sm120`
+SM120_KW = ("q", "k_cache", "head_dim_v", "softmax_scale", "indices", "topk_length", "attn_sink", "extra_k_cache",
+            "extra_indices_in_kvcache", "extra_topk_length")
+
+
+def sm120_call(args: dict, heads: int | None = None) -> dict:
+    """The keywords SGLang's sm_120 branch passes (q and sink sliced to `heads` as above 64 rows)."""
+    kw = {k: v for k, v in args.items() if k in SM120_KW}
+    if heads is not None:
+        kw["q"], kw["attn_sink"] = kw["q"][:, :, :heads].contiguous(), kw["attn_sink"][:heads]
+    return kw
+
+
+def sglang_sm120_args(kw: dict) -> tuple:
+    """The positional arguments of SGLang's sm_120 Triton kernel and PyTorch fallback for the same call."""
+    return (kw["q"], kw["k_cache"], kw["indices"], kw["topk_length"], kw["attn_sink"], kw["head_dim_v"],
+            kw["softmax_scale"], kw.get("extra_k_cache"), kw.get("extra_indices_in_kvcache"), kw.get("extra_topk_length"))

@@ -14,10 +14,11 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 
 from .admin_api import admin_router
-from .errors import install_error_handlers
-from .generation import is_generation, serve_generation
+from .errors import error_body, install_error_handlers
+from .generation import PATHS as GENERATION_PATHS, is_generation, serve_generation
 from .health import HealthChecker
 from .meta_api import meta_router
 from .metrics import RouterMetrics
@@ -40,6 +41,10 @@ class RouterApp:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http" and is_generation(scope):
             await serve_generation(self.api.state.router, scope, receive, send)
+        elif scope["type"] == "http" and scope["path"] in GENERATION_PATHS:     # a known path, another method
+            body = error_body(f"{scope['method']} is not allowed on {scope['path']}; use POST",
+                              "invalid_request_error", 405)
+            await JSONResponse(body, status_code=405, headers={"Allow": "POST"})(scope, receive, send)
         else:
             await self.api(scope, receive, send)
 

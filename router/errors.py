@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,6 +22,15 @@ log = logging.getLogger(__name__)
 def error_body(message: str, type_: str, code: int | str) -> dict:
     """The OpenAI error envelope."""
     return {"error": {"message": message, "type": type_, "code": code}}
+
+
+_WORKER = re.compile(r"\b(prefill|decode) worker '[^']*'")
+_ADDRESS = re.compile(r"\b(?:https?://)?(?:\d{1,3}(?:\.\d{1,3}){3}|localhost|\[[0-9a-fA-F:]+\])(?::\d+)?(?:/\S*)?")
+
+
+def public_message(message: str) -> str:
+    """A message fit for clients: "the decode worker" for "decode worker 'decode-0'", and no host, port or URL."""
+    return _ADDRESS.sub("(internal address)", _WORKER.sub(r"the \1 worker", message))
 
 
 class RouterError(Exception):
@@ -37,7 +47,8 @@ class RouterError(Exception):
         self.code = code
 
     def body(self) -> dict:
-        return error_body(self.message, self.type_, self.code or self.status)
+        """What the client sees: the message without worker names or internal addresses (the log keeps them)."""
+        return error_body(public_message(self.message), self.type_, self.code or self.status)
 
 
 class InvalidRequest(RouterError):
@@ -70,6 +81,17 @@ class NoWorkers(RouterError):
     status = 503
     type_ = "service_unavailable"
     headers = {"Retry-After": "1"}
+
+
+class Saturated(RouterError):
+    """A stage's every eligible worker has a full queue: refused before any worker sees it (backpressure.py)."""
+
+    status = 503
+    type_ = "service_unavailable"
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.headers = {"Retry-After": str(retry_after_s)}
 
 
 class UnknownWorker(RouterError):
@@ -109,13 +131,18 @@ class UpstreamTimeout(RouterError):
 
 
 class UpstreamFailed(RouterError):
-    """A worker answered with an error; the client gets that worker's status and message."""
+    """A worker answered with an error. A client error (4xx) reaches the client with the worker's status and
+    message; the worker's own failure reaches it as 502 (503 stays 503: capacity, retry later), never as a 500,
+    which would say the router failed."""
 
     type_ = "upstream_error"
 
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
-        self.status = status
+        self.upstream_status = status
+        self.status = status if status < 500 or status == 503 else 502
+        if status == 503:
+            self.headers = {"Retry-After": "1"}   # a worker out of capacity: soon again
         self.type_ = "invalid_request_error" if 400 <= status < 500 else "upstream_error"
 
 
@@ -141,7 +168,8 @@ def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
 
 def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
     type_ = "invalid_request_error" if exc.status_code < 500 else "internal_error"
-    return JSONResponse(error_body(str(exc.detail), type_, exc.status_code), status_code=exc.status_code)
+    return JSONResponse(error_body(str(exc.detail), type_, exc.status_code), status_code=exc.status_code,
+                        headers=getattr(exc, "headers", None))   # e.g. 405's Allow
 
 
 def _unexpected(request: Request, exc: Exception) -> JSONResponse:

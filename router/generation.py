@@ -29,7 +29,9 @@ from .admission import admit, read_body
 from .attempt import Attempt
 from .errors import RouterError, error_response
 from .http_client import Interrupted, UpstreamError
+from .backpressure import check_stages
 from .pairing import pair_request
+from .prefix_tree import prompt_text
 from .relay import relay
 from .state import RouterState
 from .worker import Worker
@@ -102,8 +104,9 @@ class Flight:
         """An attempt whose D answered with a status line; retries connection failures on fresh pairs.
         Workers in `avoid` are taken only when no other is eligible."""
         avoid = set(avoid or ())
+        prompt = prompt_text(self.path, body) if self.state.settings.prefill_policy == "prefix" else None
         while True:
-            pair = self.state.pool.pick(frozenset(avoid))
+            pair = self.state.pool.pick(frozenset(avoid), prompt)
             self.attempt = attempt = Attempt(self.state, pair_request(self.path, body, pair))
             if self.gone:
                 attempt.interrupt(CLIENT_GONE)
@@ -126,6 +129,7 @@ class Flight:
         try:
             raw = await read_body(self.receive, scope, state.settings.max_body_bytes)
             self.body, stream = admit(state, self.path, scope, raw)
+            check_stages(state)
             watch = asyncio.get_running_loop().create_task(self._watch())
             watch.add_done_callback(self.client_gone)
             attempt = await self.start(self.body)
@@ -162,15 +166,15 @@ class Flight:
             attempt.abort_both()
             raise self.state.upstream.transport_error(worker, exc) from None
         attempt.finish()
-        if not decode.ok:
+        if not decode.ok:      # the client gets it in the OpenAI envelope: 4xx as is, a worker's failure as 502/503
             attempt.abort_prefill()
-        elif logprobs.wanted(self.path, attempt.req.body):
+            raise self.state.upstream.failed(worker, decode.status, content)
+        if logprobs.wanted(self.path, attempt.req.body):
             prefill = await attempt.prefill_answer()
             if prefill.ok:
                 content = logprobs.merge_body(prefill.content, content)
         self.status = decode.status
-        retry = {"Retry-After": "1"} if decode.status == 503 else None  # a worker out of capacity
-        await send_response(self.send, decode.status, content, decode.content_type or "application/json", retry)
+        await send_response(self.send, decode.status, content, decode.content_type or "application/json", None)
 
 
 def is_generation(scope: Scope) -> bool:

@@ -3,8 +3,9 @@
 A worker leaves the pool after `health_failures_to_unhealthy` consecutive failed checks (no answer within
 `health_check_timeout_s`, or a status other than 200) and comes back on the first check that passes. The
 orchestrator reports state changes through the admin API as well; the two are independent (a worker is
-paired only when both agree, `worker.Worker.eligible`). When a role's policy weighs load, each check also
-reads the worker's KV token usage (`sglang:token_usage` from its `/metrics`).
+paired only when both agree, `worker.Worker.eligible`). When a role's policy weighs load or backpressure is on,
+each check also reads the worker's KV token usage and queue (`sglang:token_usage`, `sglang:num_queue_reqs` from its
+`/metrics`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from .worker import Worker
 
 log = logging.getLogger(__name__)
 TOKEN_USAGE = re.compile(rb"^sglang:token_usage(?:\{[^}]*\})? ([0-9.eE+-]+)", re.M)
+QUEUED = re.compile(rb"^sglang:num_queue_reqs(?:\{[^}]*\})? ([0-9.eE+-]+)", re.M)
 
 
 class HealthChecker:
@@ -31,8 +33,9 @@ class HealthChecker:
 
     def __init__(self, pool: WorkerPool, upstream: Upstream, settings: RouterSettings) -> None:
         self._pool, self._upstream = pool, upstream
-        self._weighs_load = {Role.PREFILL: POLICIES[settings.prefill_policy].weighs_load,
-                             Role.DECODE: POLICIES[settings.decode_policy].weighs_load}
+        queues = settings.max_queued_per_worker > 0      # backpressure reads the queues from /metrics too
+        self._reads_metrics = {Role.PREFILL: queues or POLICIES[settings.prefill_policy].weighs_load,
+                               Role.DECODE: queues or POLICIES[settings.decode_policy].weighs_load}
         self._interval_s = settings.health_check_interval_s
         self._timeout_s = settings.health_check_timeout_s
         self._threshold = settings.health_failures_to_unhealthy
@@ -41,10 +44,11 @@ class HealthChecker:
     async def _passes(self, worker: Worker) -> bool:
         try:
             status, _ = await self._upstream.probe(worker, "/health", self._timeout_s)
-            if status == 200 and self._weighs_load[worker.role]:
-                status, text = await self._upstream.probe(worker, "/metrics", self._timeout_s)
-                found = TOKEN_USAGE.search(text)
+            if status == 200 and self._reads_metrics[worker.role]:   # load and queue: what /metrics says, if it
+                metrics, text = await self._upstream.probe(worker, "/metrics", self._timeout_s)   # answers
+                found, queued = (TOKEN_USAGE.search(text), QUEUED.search(text)) if metrics == 200 else (None, None)
                 worker.token_usage = float(found.group(1)) if found else 0.0
+                worker.queued = int(float(queued.group(1))) if queued else 0
         except (UpstreamError, Interrupted, asyncio.TimeoutError):
             return False
         return status == 200

@@ -1,4 +1,4 @@
-"""Endpoints the router answers itself: `/health`, `/v1/models` (API key checked) and `/metrics`.
+"""Endpoints the router answers itself: `/health`, `/v1/models` and `/v1/models/{id}` (API key checked), `/metrics`.
 
 `/health` follows the pool: 200 while at least one prefill and one decode worker are eligible (READY,
 not drained, passing the router's health checks), else 503. It reads the pool's standing and probes
@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .admission import check_key
+from .errors import ModelNotFound
 
 from .state import RouterState
 
@@ -32,13 +33,24 @@ def meta_router() -> APIRouter:
         }
         return JSONResponse(body, status_code=200 if pool.ready else 503)
 
-    @api.get("/v1/models")
-    async def models(request: Request) -> JSONResponse:
+    def _models(request: Request) -> list[dict]:
         state: RouterState = request.app.state.router
         check_key(request.scope, state.settings.api_keys)
         names = [state.settings.model_name, *state.settings.model_aliases]
-        data = [{"id": n, "object": "model", "created": state.created, "owned_by": "dsv4-cluster"} for n in names]
-        return JSONResponse({"object": "list", "data": data})
+        return [{"id": n, "object": "model", "created": state.created, "owned_by": "dsv4-cluster"} for n in names]
+
+    @api.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": _models(request)})
+
+    @api.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> JSONResponse:
+        """OpenAI's retrieve-model: the model object, or 404 `model_not_found`."""
+        found = [m for m in _models(request) if m["id"] == model_id]
+        if not found:
+            raise ModelNotFound(f"The model {model_id!r} does not exist; this router serves "
+                                f"{[m['id'] for m in _models(request)]}")
+        return JSONResponse(found[0])
 
     @api.get("/metrics", response_class=PlainTextResponse)
     async def metrics(request: Request) -> Response:

@@ -11,6 +11,8 @@ interrupted by a decode's death equals the uninterrupted one (NVIDIA Dynamo's `-
 - `max_tokens` / `max_completion_tokens` / `max_new_tokens` shrink by the tokens already sent (counted
   as content-bearing events, one token each as SGLang and the embedded engine stream them); the final
   usage counts move those tokens from prompt back to completion, so usage stays right.
+- With no other decode eligible (the production topology has one), the stream is held up to `stream_hold_s` for
+  the restarted one, then continued there the same way.
 - At most `migration_limit` times per request; requests with several choices or prompts (n > 1, batches)
   are not migrated. Events are kept raw while the stream runs and parsed when a migration happens, or
   every `FOLD_AT` events (so a long stream holds a bounded number of them).
@@ -18,13 +20,14 @@ interrupted by a decode's death equals the uninterrupted one (NVIDIA Dynamo's `-
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 from typing import TYPE_CHECKING, Any, Callable
 
 from . import sse
 from .attempt import Attempt
-from .errors import RouterError
+from .errors import NoWorkers, RouterError
 
 if TYPE_CHECKING:
     from .generation import Flight
@@ -59,6 +62,7 @@ def _data(event: bytes) -> Any:
 
 
 Progress = tuple[str, list[int], int]
+HOLD_POLL_S = 0.25  # while a stream is held for a decode, how often a fresh pair is tried
 FOLD_AT = 256  # events kept raw before they are folded into the progress so far (bounds memory per stream)
 
 
@@ -134,6 +138,10 @@ def splice(path: str, text: str, ids: list[int], tokens: int) -> Callable[[bytes
         if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
             usage["prompt_tokens"] -= tokens
             usage["completion_tokens"] = usage.get("completion_tokens", 0) + tokens
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                # the continuation's prompt is the client's prompt + the tokens sent: of the client's, at most all
+                details["cached_tokens"] = min(details["cached_tokens"], usage["prompt_tokens"])
         return b"data: " + json.dumps(data).encode() + b"\n\n"
     return rewrite
 
@@ -159,6 +167,22 @@ class Migration:
                 self._folded, self.sent = progress(self.flight.path, self.sent, self._folded), []
         return b"".join(events)
 
+    async def _fresh_attempt(self, body: dict[str, Any], old: Attempt) -> Attempt:
+        """An attempt on a fresh pair. With no decode to take it (the only one died), wait up to `stream_hold_s`
+        for one to come back (the supervisor restarts it; the router hears of it through its admin API and
+        health checks), trying again every HOLD_POLL_S; the client's stream stays open meanwhile."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.flight.state.settings.stream_hold_s
+        while True:
+            try:
+                return await self.flight.start(body, avoid={old.req.pair.decode})
+            except RouterError as exc:
+                if not (exc.retryable or isinstance(exc, NoWorkers)) or self.flight.gone \
+                        or loop.time() + HOLD_POLL_S > deadline:
+                    raise
+                self.flight.state.metrics.stream_holds.inc()
+            await asyncio.sleep(HOLD_POLL_S)
+
     async def next_attempt(self) -> bool:
         """Continue on a fresh pair; False when this stream cannot (then it ends with the break's error)."""
         if not self.keep or self.left <= 0 or self.flight.gone:
@@ -171,7 +195,7 @@ class Migration:
         self.left -= 1
         old = self.attempt
         try:
-            attempt = await self.flight.start(body, avoid={old.req.pair.decode})
+            attempt = await self._fresh_attempt(body, old)
         except RouterError:
             return False
         finally:

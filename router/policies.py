@@ -7,10 +7,14 @@
   reported KV token usage (0..1, `sglang:token_usage` from its `/metrics`, polled with the health checks);
   ties go round robin.
 - `power_of_two`: two at random, the less loaded of them (load as above).
+- `prefix` (prefill only): the worker that has seen the longest prefix of this prompt, unless it is much busier
+  than the least loaded one (router/prefix_tree.py states the rule): multi-turn chat and shared system prompts find
+  their KV in that prefill's prefix cache.
 
-`POLICIES` is the one registry: a policy is a function of (chooser, eligible workers) and whether it reads
-the workers' reported load (then the health checks poll `/metrics` too). Adding one is one line there; the
-settings, the topology schema and their error messages read the names from it.
+`POLICIES` is the one registry: a policy is a function of (chooser, eligible workers, prompt), whether it reads
+the workers' reported load (then the health checks poll `/metrics` too), whether it is for prefill workers only,
+and the state it keeps per chooser. Adding one is one entry there; the settings, the topology schema and their
+error messages read the names from it.
 """
 
 from __future__ import annotations
@@ -18,49 +22,58 @@ from __future__ import annotations
 import itertools
 import random
 from dataclasses import dataclass
-from typing import Annotated, Callable, Sequence
+from typing import Annotated, Any, Callable, Sequence
 
 from pydantic import AfterValidator
 
+from .prefix_tree import PrefixChooser
 from .worker import Worker
 
 
 class Chooser:
-    """One role's policy with its own turn counter and random source."""
+    """One role's policy with its own turn counter, random source and the policy's own state."""
 
     def __init__(self, policy: str, seed: int | None = None) -> None:
         self.policy = POLICIES[policy]
         self.turn = itertools.count()
         self.rng = random.Random(seed)
+        self.state = self.policy.state() if self.policy.state is not None else None
 
-    def choose(self, eligible: Sequence[Worker]) -> Worker:
-        if len(eligible) == 1:
+    def choose(self, eligible: Sequence[Worker], prompt: str | None = None) -> Worker:
+        """One of `eligible` by the policy; `prompt`: the request's prompt text (the `prefix` policy's key)."""
+        if len(eligible) == 1 and self.state is None:  # a stateful policy still records what it saw
             return eligible[0]
-        return self.policy.choose(self, eligible)
+        return self.policy.choose(self, eligible, prompt)
 
 
-def _round_robin(c: Chooser, eligible: Sequence[Worker]) -> Worker:
+def _round_robin(c: Chooser, eligible: Sequence[Worker], prompt: str | None) -> Worker:
     return eligible[next(c.turn) % len(eligible)]
 
 
-def _random(c: Chooser, eligible: Sequence[Worker]) -> Worker:
+def _random(c: Chooser, eligible: Sequence[Worker], prompt: str | None) -> Worker:
     return c.rng.choice(eligible)
 
 
-def _least_load(c: Chooser, eligible: Sequence[Worker]) -> Worker:
+def _least_load(c: Chooser, eligible: Sequence[Worker], prompt: str | None) -> Worker:
     best = min(w.load for w in eligible)
-    return _round_robin(c, [w for w in eligible if w.load == best])
+    return _round_robin(c, [w for w in eligible if w.load == best], prompt)
 
 
-def _power_of_two(c: Chooser, eligible: Sequence[Worker]) -> Worker:
+def _power_of_two(c: Chooser, eligible: Sequence[Worker], prompt: str | None) -> Worker:
     a, b = c.rng.sample(eligible, 2)
     return a if a.load <= b.load else b
 
 
+def _prefix(c: Chooser, eligible: Sequence[Worker], prompt: str | None) -> Worker:
+    return c.state.choose(eligible, prompt)
+
+
 @dataclass(frozen=True)
 class PolicySpec:
-    choose: Callable[[Chooser, Sequence[Worker]], Worker]
+    choose: Callable[[Chooser, Sequence[Worker], str | None], Worker]
     weighs_load: bool  # reads the workers' reported KV usage (the health checks poll /metrics for it)
+    prefill_only: bool = False  # aims at a prompt cache, which a decode does not have
+    state: Callable[[], Any] | None = None  # what one chooser keeps between requests (made per chooser)
 
 
 POLICIES: dict[str, PolicySpec] = {
@@ -68,6 +81,7 @@ POLICIES: dict[str, PolicySpec] = {
     "random": PolicySpec(_random, weighs_load=False),
     "least_load": PolicySpec(_least_load, weighs_load=True),
     "power_of_two": PolicySpec(_power_of_two, weighs_load=True),
+    "prefix": PolicySpec(_prefix, weighs_load=True, prefill_only=True, state=PrefixChooser),
 }
 
 

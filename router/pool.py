@@ -36,7 +36,8 @@ class WorkerPool:
         """At least one eligible prefill and one eligible decode: the router can serve."""
         return any(w.eligible for w in self.prefill) and any(w.eligible for w in self.decode)
 
-    def _choose(self, role: Role, workers: tuple[Worker, ...], avoid: frozenset[Worker]) -> Worker:
+    def _choose(self, role: Role, workers: tuple[Worker, ...], avoid: frozenset[Worker],
+                prompt: str | None = None) -> Worker:
         if not workers:
             raise NoWorkers(f"the router has no {role} worker configured; add one under {role!r} in its settings")
         eligible = [w for w in workers if w.eligible]
@@ -44,9 +45,11 @@ class WorkerPool:
             raise NoWorkers(f"no {role} worker can take requests now "
                             f"({'; '.join(w.why_not() for w in workers)}); retry later")
         fresh = [w for w in eligible if w not in avoid]
-        return self._choosers[role].choose(fresh or eligible)
+        return self._choosers[role].choose(fresh or eligible, prompt)
 
-    def pick(self, avoid: frozenset[Worker] = frozenset()) -> Pair:
+    def pick(self, avoid: frozenset[Worker] = frozenset(), prompt: str | None = None) -> Pair:
         """The next eligible pair, counted in flight until `release()`; NoWorkers if a pool has none.
-        Workers in `avoid` (those of a failed attempt) are taken only when nothing else is eligible."""
-        return Pair(self._choose(Role.PREFILL, self.prefill, avoid), self._choose(Role.DECODE, self.decode, avoid))
+        Workers in `avoid` (those of a failed attempt) are taken only when nothing else is eligible; `prompt`
+        (the request's prompt text) is what the prefill's `prefix` policy matches."""
+        return Pair(self._choose(Role.PREFILL, self.prefill, avoid, prompt),
+                    self._choose(Role.DECODE, self.decode, avoid))

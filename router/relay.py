@@ -109,7 +109,7 @@ async def relay(flight: Flight, attempt: Attempt) -> None:
                         attempt = await flight.start(flight.body, avoid={migration.attempt.req.pair.decode})
                         migration.attempt = attempt
                         if not attempt.decode.ok or not attempt.decode.content_type.startswith("text/event-stream"):
-                            await flight.answer(attempt)  # D's error status and body, as for any first attempt
+                            await flight.answer(attempt)  # D's answer or error, as for any first attempt
                             return
                         continue
                 raise error from None

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .policies import Policy
+from .policies import POLICIES, Policy
 
 
 class SettingsError(ValueError):
@@ -84,6 +84,12 @@ class RouterSettings(BaseModel):
                                           "after its first byte gets 408 and its connection closed (slowloris)")
     request_body_timeout_s: float = Field(default=30.0, gt=0, description="a request body not complete this long "
                                           "after its head gets 408 and its connection closed")
+    max_queued_per_worker: int = Field(default=64, ge=0, description="a stage whose every eligible worker has this "
+                                       "many requests queued for KV pages is saturated: new requests get 503 + "
+                                       "Retry-After at once (backpressure.py); 0: off")
+    stream_hold_s: float = Field(default=15.0, ge=0, description="a stream whose decode died, with no other decode "
+                                 "to continue on, is held this long for one (the supervisor restarts the dead one) "
+                                 "before it ends with an error event")
     migration_limit: int = Field(default=1, ge=0, description="times a stream whose decode died is continued on "
                                  "a fresh pair before it ends with an error event")
     prefill_policy: Policy = "round_robin"
@@ -95,6 +101,13 @@ class RouterSettings(BaseModel):
     breaker_cooldown_s: float = Field(default=5.0, gt=0)
     upstream_keepalive_s: float = Field(default=2.0, gt=0, description="idle upstream connections are dropped after "
                                         "this; keep it below the workers' keep-alive (uvicorn: 5 s)")
+
+    @model_validator(mode="after")
+    def _decode_policy(self) -> RouterSettings:
+        if POLICIES[self.decode_policy].prefill_only:
+            raise ValueError(f"decode_policy {self.decode_policy!r} is for prefill workers (a decode has no prompt "
+                             "cache to aim at); use least_load or power_of_two for decode")
+        return self
 
     @model_validator(mode="after")
     def _names_unique(self) -> RouterSettings:

@@ -99,6 +99,10 @@ class Upstream:
         return transport_error(worker, exc, self.request_timeout_s)
 
     def failed(self, worker: Worker, status: int, content: bytes) -> UpstreamFailed:
+        """A worker's error answer: a 4xx is the request's fault, in the worker's own words; anything else is the
+        worker's, said as such (the client sees it as 502/503, with the worker named by role only)."""
+        if 400 <= status < 500:
+            return UpstreamFailed(upstream_message(content), status)
         return UpstreamFailed(f"{worker.describe()} answered {status}: {upstream_message(content)}", status)
 
     async def send(self, worker: Worker, path: str, body: bytes) -> Response:

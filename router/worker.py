@@ -34,6 +34,7 @@ class Worker:
     healthy: bool = True
     in_flight: int = 0
     token_usage: float = 0.0
+    queued: int = 0  # requests waiting for KV pages on the worker (`sglang:num_queue_reqs`, read by health checks)
     failures: int = 0  # consecutive connection-level failures (the breaker's count)
     open_until: float = 0.0  # monotonic time the breaker stays open until; 0: closed
     pairs: set[Pair] = field(default_factory=set, repr=False)  # the pairs it is part of, pick to release

@@ -121,10 +121,12 @@ def install(attest_dir: str) -> dict[str, Any]:
         return b
 
     out: dict[str, Any] = {}
-    for case, kernels, make in (("ok", ("sparse_mla_decode", "topk"), backend),
-                                ("indexer", ("sparse_mla_decode", "indexer", "topk"), backend),
-                                ("not_dsv4", ("sparse_mla_decode",), lambda: SimpleNamespace())):
-        settings = PluginSettings(kernels=kernels, attest_dir=f"{attest_dir}/{case}", worker="decode-0")
+    for case, kernels, make, gpu in (("ok", ("sparse_mla_decode", "topk"), backend, "sm_90"),
+                                     ("indexer", ("sparse_mla_decode", "indexer", "topk"), backend, "sm_90"),
+                                     ("not_dsv4", ("sparse_mla_decode",), lambda: SimpleNamespace(), "sm_90"),
+                                     ("sm120", ("sparse_mla_decode", "topk"), backend, "sm_120"),
+                                     ("no_class", ("sparse_mla_decode",), backend, None)):
+        settings = PluginSettings(kernels=kernels, attest_dir=f"{attest_dir}/{case}", worker="decode-0", gpu_class=gpu)
         factory = installing_factory(lambda runner, make=make: make(), settings)
         try:
             b = factory(SimpleNamespace(device="cpu", tp_rank=1, gpu_id=5))
@@ -132,11 +134,14 @@ def install(attest_dir: str) -> dict[str, Any]:
             out[case] = {"error": str(e)}
             continue
         partial = b._flash_mla_with_kvcache
+        from sglang.kernels.ops.attention import flash_mla_sm120
         from sglang.kernels.ops.attention.dsv4 import topk as topk_module
         from sglang.srt.layers.attention.dsv4 import indexer as indexer_module
 
         out[case] = {"flash_mla_keywords": partial.keywords,
-                     "flash_mla_adapter": partial.func.dsv4_adapter.__module__,
+                     "flash_mla_adapter": getattr(partial.func, "dsv4_adapter", partial.func).__module__,
+                     "sm120_adapter": getattr(flash_mla_sm120.flash_mla_with_kvcache_sm120, "dsv4_adapter",
+                                              flash_mla_sm120.flash_mla_with_kvcache_sm120).__module__,
                      "topk_adapters": [topk_module.topk_transform_paged_v2.dsv4_adapter.__module__,
                                        indexer_module.topk_transform_paged_v2.dsv4_adapter.__module__],
                      "attestation": read_json(Path(settings.attest_dir) / "rank1.json"),

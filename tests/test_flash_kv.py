@@ -209,7 +209,10 @@ def test_graph_shaped_decode_equals_eager_decode(monkeypatch):
 def test_pool_reads_equal_the_layouts_slot_reader():
     from dsv4_cluster.kernels.sparse_mla_decode.fp8_layout import PageGeometry, gather_slots
 
-    buf = kv_fp8.rows_buffer(3, 4, "cpu")
+    # a buffer of the pool's page-major region: its pages lie a region page apart, not a packed page apart
+    region, (other, buf) = kv_fp8.page_major(3, [96, kv_fp8.rows_page_bytes(4)], "cpu")
+    assert buf.stride(0) == region.stride(0) > PageGeometry.packed(4).page_stride
     kv_fp8.write_rows(buf, 4, torch.arange(12), torch.randn(12, 512, generator=torch.Generator().manual_seed(2)))
+    assert not other.any()                                           # the neighbouring buffer is untouched
     slots = torch.tensor([[11, 0, -1], [5, 4, 3]])
-    assert torch.equal(kv_fp8.read_rows(buf, 4, slots), gather_slots(buf, PageGeometry.packed(4), slots))
+    assert torch.equal(kv_fp8.read_rows(buf, 4, slots), gather_slots(buf, kv_fp8.geometry(buf, 4), slots))

@@ -37,13 +37,13 @@ def _children(pid: int) -> set[int]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("fragmented", [False, True])
-def test_the_benchmark_moves_the_pages_bytes_and_reports_every_ratio(tmp_path, fragmented):
+@pytest.mark.parametrize("pages", ["fresh", "churned", "scattered"])
+def test_the_benchmark_moves_the_pages_bytes_and_reports_every_ratio(tmp_path, pages):
     out = tmp_path / "kvx"
     before = _children(os.getpid())
     rc = kv_transfer.main(["--out", str(out), "--logs", str(tmp_path / "logs"), "--sizes", "1024,2048",
                            "--repeats", "3", "--warmup", "1", "--page-size", str(PAGE), "--timeout-s", "90",
-                           *(["--fragmented"] if fragmented else [])])
+                           "--pages", pages, "--churn-cycles", "300"])
     assert rc == 0
     assert _children(os.getpid()) - before == set()           # both sides exited (or were killed) with the run
     report = json.loads(out.with_suffix(".json").read_text())
@@ -58,21 +58,31 @@ def test_the_benchmark_moves_the_pages_bytes_and_reports_every_ratio(tmp_path, f
         c = r["checks"]
         assert c["engine_written_bytes"] == r["bytes"] == c["raw_written_bytes"]   # counted in the decode pool
         assert c["engine_contents_equal"] and c["raw_contents_equal"] and c["copy_contents_equal"] and c["ok"]
-        # a fresh pool's allocator gives consecutive pages: one run, one descriptor per buffer (transfer.page_runs);
-        # a fragmented pool's pages are scattered: a descriptor per run per buffer
+        # a fresh or churned pool's allocator gives one run (best fit over coalesced free runs): one descriptor
+        # per region (transfer.page_runs); a scattered pool's pages are one-page runs: a descriptor per page
         runs = r["page_runs"]["both"]
-        assert runs > 1 if fragmented else r["page_runs"] == {"src": 1, "dst": 1, "both": 1}
-        assert r["descriptors"] == {"engine": runs * report["pool"]["buffers"], "raw": 1}
-        for m in ("engine", "raw", "copy"):
+        if pages == "scattered":
+            assert runs == r["pages"] and r["run_lengths"] == {"src": [1] * runs, "dst": [1] * runs}
+        else:
+            assert r["page_runs"] == {"src": 1, "dst": 1, "both": 1}
+            assert r["run_lengths"] == {"src": [r["pages"]], "dst": [r["pages"]]}
+        assert r["descriptors"] == {"engine": runs * report["pool"]["regions"], "raw": 1}
+        for m in ("engine", "runs", "raw", "copy"):
             s = r[m]
             assert s["n"] == 3 and 0 < s["p50_ms"] <= s["p99_ms"]
             assert s["gb_s"] == pytest.approx(r["bytes"] / (s["p50_ms"] / 1e3) / 1e9, rel=1e-2)
-        for k in ("engine_vs_raw", "engine_vs_copy"):
+        for k in ("engine_vs_raw", "runs_vs_raw", "engine_vs_copy"):
             assert math.isfinite(r["ratios"][k]) and r["ratios"][k] > 0
         assert r["ratios"]["engine_vs_raw"] == pytest.approx(r["engine"]["gb_s"] / r["raw"]["gb_s"], rel=1e-2)
     assert report["ucx"]["engine"]["put_transports"] and report["ucx"]["raw"]["put_transports"]
     assert report["ucx"]["engine"]["peer_lanes"]
     assert report["target"]["met"] is None                    # no size >= 8K measured
+    first = report["sizes"][0]["ratios"]["engine_vs_raw"]          # the 1024-token row
+    assert report["target"]["small_engine_vs_raw"] == first and report["target"]["small_met"] == (first >= 0.5)
+    state = pool["state"]["prefill"]
+    assert state["pages"] == pages and state["free_pages"] + state["held_pages"] == pool["layout"]["num_pages"]
+    if pages == "churned":
+        assert state["churn_cycles"] == 300 and state["held_pages"] > 0
     md = out.with_suffix(".md").read_text()
     assert "| 2048 |" in md and "UCX transports of the WRITEs" in md and "FAILED" not in md
     assert (tmp_path / "logs" / "prefill.log").exists() and (tmp_path / "logs" / "decode.log").exists()
@@ -140,11 +150,12 @@ device(cuda_ipc/cuda)  am(tcp/lo cma/memory cuda_ipc/cuda)  ka(tcp/lo)
 
 
 def _raw_result(written: int, equal: bool) -> dict:
-    t = {k: [0.001, 0.002] for k in ("engine", "engine_done", "raw", "raw_done", "copy")}
+    t = {k: [0.001, 0.002] for k in ("engine", "engine_done", "runs", "runs_done", "raw", "raw_done", "copy")}
     checks = {"engine_written_bytes": written, "engine_contents_equal": equal, "raw_written_bytes": 1000,
               "raw_contents_equal": True, "copy_contents_equal": True}
     return {"sizes": [{"tokens": 64, "pages": 1, "bytes": 1000, "descriptors": {"engine": 12, "raw": 1},
-                       "page_runs": {"src": 1, "dst": 1, "both": 1}, "times_s": t, "checks": checks}]}
+                       "page_runs": {"src": 1, "dst": 1, "both": 1}, "run_lengths": {"src": [1], "dst": [1]},
+                       "times_s": t, "checks": checks}]}
 
 
 @pytest.mark.parametrize("written,equal,ok", [(1000, True, True), (999, True, False), (2000, True, False),

@@ -107,7 +107,9 @@ def test_prefill_failure_returns_its_error_and_aborts_decode(cluster: Cluster) -
     cluster.reset(prefill="fail", decode="slow")
     resp = chat(cluster.router.url)
     message = resp.json()["error"]["message"]
-    assert resp.status_code == 500 and "prefill worker 'prefill-0'" in message and "KV transfer failed" in message
+    # a worker's failure is the gateway's (502), named by role only: no worker name, no address
+    assert resp.status_code == 502 and "the prefill worker" in message and "KV transfer failed" in message
+    assert "prefill-0" not in message and resp.json()["error"]["type"] == "upstream_error"
     assert cluster.decode.aborted_soon(cluster.legs()[1]["body"]["rid"])
 
 
@@ -115,13 +117,16 @@ def test_prefill_failure_mid_stream_ends_stream_with_error(cluster: Cluster) -> 
     cluster.reset(prefill="fail_later", decode="slow")
     data = stream_lines(cluster.router.url)
     assert "tok0" in data[0] and data[-1] == "[DONE]"
-    assert "prefill worker 'prefill-0'" in json.loads(data[-2])["error"]["message"]
+    message = json.loads(data[-2])["error"]["message"]
+    assert "the prefill worker" in message and "prefill-0" not in message
     assert cluster.decode.aborted_soon(cluster.legs()[1]["body"]["rid"])
 
 
 def test_decode_error_is_passed_through_and_prefill_aborted(cluster: Cluster) -> None:
     cluster.reset(prefill="hold", decode="fail")
-    assert (resp := chat(cluster.router.url)).status_code == 503 and resp.json()["message"] == "no KV room"
+    resp = chat(cluster.router.url)                  # D's 503 in the OpenAI envelope, with Retry-After
+    assert resp.status_code == 503 and "no KV room" in resp.json()["error"]["message"]
+    assert resp.headers["retry-after"] == "1" and "decode-0" not in resp.text
     # D answers at once, without waiting for P: the router may abort P's leg before P's server has read it
     # (its abort goes by rid all the same), so the rid is D's copy, not P's.
     assert len(cluster.decode.received) == 1
@@ -154,6 +159,19 @@ def test_models_and_health(cluster: Cluster) -> None:
     assert health.json()["prefill"] == ["prefill-0"] and health.json()["decode"] == ["decode-0"]
 
 
+def test_one_model_by_id_and_wrong_methods(cluster: Cluster) -> None:
+    """OpenAI's retrieve-model through the official client; 405 (with Allow) for a known path's wrong method."""
+    model = client(cluster).models.retrieve("dsv4-tiny")
+    assert (model.id, model.object, model.owned_by) == ("dsv4-tiny", "model", "dsv4-cluster")
+    with pytest.raises(openai.NotFoundError) as missing:
+        client(cluster).models.retrieve("gpt-5")
+    assert "The model 'gpt-5' does not exist" in str(missing.value) and missing.value.code == "model_not_found"
+    for method, path in (("GET", "/v1/chat/completions"), ("PUT", "/generate"), ("POST", "/v1/models")):
+        r = httpx.request(method, cluster.router.url + path)
+        assert r.status_code == 405, (method, path, r.text)
+        assert r.json()["error"]["code"] == 405 and r.headers["allow"] in ("POST", "GET")
+
+
 @pytest.mark.parametrize("content, needle", [
     (b"{not json", "not valid JSON"),
     (b"[1, 2]", "must be a JSON object"),
@@ -172,7 +190,7 @@ def test_bad_requests_get_400(cluster: Cluster, content: bytes, needle: str) -> 
 
 
 @pytest.mark.parametrize("dead, status, needle", [
-    (True, 502, "cannot connect to decode worker 'decode-0'"),
+    (True, 502, "cannot connect to the decode worker"),
     (False, 504, "did not answer within 0.5 s (request_timeout_s)"),  # P holds, so D waits for KV
 ])
 def test_dead_or_slow_worker_gives_502_or_504_and_aborts_the_legs(cluster: Cluster, dead, status, needle) -> None:

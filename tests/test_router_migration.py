@@ -46,9 +46,10 @@ def workers(tmp_path_factory):
         stop_pair(pair)
 
 
-def stream(url: str, kill_after: int | None = None, victim: subprocess.Popen | None = None) -> tuple[str, dict, int]:
+def stream(url: str, kill_after: int | None = None, victim: subprocess.Popen | None = None,
+           after_kill=None) -> tuple[str, dict, int]:
     """The streamed text, the usage chunk, and how many content events arrived; SIGKILLs `victim` after
-    `kill_after` content events."""
+    `kill_after` content events (then calls `after_kill`)."""
     text, usage, events, done = "", {}, 0, False
     with httpx.stream("POST", url + "/v1/chat/completions", json=BODY, timeout=60) as resp:
         assert resp.status_code == 200
@@ -65,6 +66,8 @@ def stream(url: str, kill_after: int | None = None, victim: subprocess.Popen | N
                     events += 1
                     if events == kill_after:
                         os.kill(victim.pid, signal.SIGKILL)
+                        if after_kill is not None:
+                            after_kill()
         assert done
     return text, usage, events
 
@@ -87,3 +90,48 @@ def test_a_greedy_stream_survives_a_decode_sigkill(workers: tuple[WorkerPair, st
         assert migrated_usage == usage, "usage counts the migrated tokens as completion, not prompt"
         metrics = httpx.get(router.url + "/metrics").text
         assert "dsv4_router_migrations_total 1.0" in metrics
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    pair = start_pair(tmp_path_factory.mktemp("hold"))
+    try:
+        yield pair
+    finally:
+        stop_pair(pair)
+
+
+def test_with_the_only_decode_killed_the_stream_is_held_and_resumed_on_its_restart(single: WorkerPair) -> None:
+    """The production topology has one decode: kill -9 it mid-stream, start it again as its supervisor would
+    (same port, same NIXL agent name); the router holds the stream (stream_hold_s) and continues it there. The
+    client's greedy stream equals the uninterrupted one, token for token, usage included."""
+    import threading
+
+    from dsv4_cluster.tests.worker_procs import restart
+
+    settings = router_settings(single.prefill_url, single.decode_url, migration_limit=1, stream_hold_s=30,
+                               health_check_interval_s=0.2, health_check_timeout_s=10, breaker_cooldown_s=0.5)
+    settings = settings.model_copy(update={"prefill": [settings.prefill[0].model_copy(
+        update={"bootstrap_port": single.bootstrap_port})]})
+    with UvicornThread(build_app(settings)) as router:
+        baseline, usage, events = stream(router.url)
+        assert events == 40 and usage["completion_tokens"] == 40, (baseline, usage)
+        victim = single.procs[1]
+        restarter = threading.Thread(target=restart, args=(single, 1))   # waits for the death, starts it again
+        try:
+            held, held_usage, _ = stream(router.url, kill_after=12, victim=victim, after_kill=restarter.start)
+        finally:
+            if restarter.is_alive() or restarter.ident is not None:
+                restarter.join(120)
+        assert victim.poll() == -signal.SIGKILL and single.procs[1] is not victim
+        assert held == baseline, "the held stream, continued on the restarted decode, equals the uninterrupted one"
+        cached = held_usage.pop("prompt_tokens_details")["cached_tokens"]   # the continuation may hit the cache
+        assert {k: v for k, v in usage.items() if k != "prompt_tokens_details"} == held_usage
+        assert 0 <= cached <= held_usage["prompt_tokens"]
+        metrics = httpx.get(router.url + "/metrics").text
+        assert "dsv4_router_migrations_total 1.0" in metrics
+        holds = float(next(line.split()[-1] for line in metrics.splitlines()
+                           if line.startswith("dsv4_router_stream_hold_tries_total")))
+        assert holds >= 1, "the stream waited for the restart: no decode was there at first"
+        again, _, _ = stream(router.url)                      # and the restarted decode serves on
+        assert again == baseline

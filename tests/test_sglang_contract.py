@@ -87,15 +87,24 @@ def test_factory_installs_on_sglangs_backend_class_and_fails_closed(tmp_path: Pa
     assert ok["topk_adapters"] == ["dsv4_cluster.kernels.sglang_adapters.topk"] * 2
     att = ok["attestation"]
     assert (att["worker"], att["rank"], att["gpu"], att["sglang_version"]) == ("decode-0", 1, 5, SGLANG_VERSION)
-    assert att["call_sites"] == {
-        "sparse_mla_decode": ["DeepseekV4AttnBackend._flash_mla_with_kvcache"],
-        "topk": ["sglang.kernels.ops.attention.dsv4.topk.topk_transform_paged_v2",
-                 "sglang.srt.layers.attention.dsv4.indexer.topk_transform_paged_v2"]}
+    topk_sites = ["sglang.kernels.ops.attention.dsv4.topk.topk_transform_paged_v2",
+                  "sglang.srt.layers.attention.dsv4.indexer.topk_transform_paged_v2"]
+    assert att["call_sites"] == {"sparse_mla_decode": ["DeepseekV4AttnBackend._flash_mla_with_kvcache"], "topk": topk_sites}
+    assert (att["gpu_class"], att["kernels"]) == ("sm_90", {"sparse_mla_decode": "ours", "indexer": "stock", "topk": "ours"})
     assert ok["counters"]["counts"] == {"sparse_mla_decode": 0, "indexer": 0, "topk": 0}
     # no DeepGEMM on this machine: asking for the indexer must fail model init, naming it
     assert "indexer: cannot import deep_gemm" in got["indexer"]["error"]
     assert "sparse_mla_decode: the dsv4 factory built a SimpleNamespace" in got["not_dsv4"]["error"]
     assert not (tmp_path / "indexer" / "rank1.json").exists()  # nothing attested when install failed
+    # sm_120: SGLang's sm_120 entry holds our adapter; the FlashMLA partial (never called there) stays SGLang's
+    sm120 = got["sm120"]
+    assert sm120["sm120_adapter"] == "dsv4_cluster.kernels.sglang_adapters.flash_mla_sm120"
+    assert sm120["flash_mla_adapter"] != "dsv4_cluster.kernels.sglang_adapters.flash_mla"
+    assert sm120["attestation"]["gpu_class"] == "sm_120"
+    assert sm120["attestation"]["call_sites"] == {
+        "sparse_mla_decode": ["sglang.kernels.ops.attention.flash_mla_sm120.flash_mla_with_kvcache_sm120"],
+        "topk": topk_sites}
+    assert "no CUDA GPU visible" in got["no_class"]["error"]  # no GPU, no class forced: refused
 
 
 @pytest.mark.parametrize("site", CALL_SITES, ids=lambda s: f"{s.kernel}:{s.module}")
@@ -104,13 +113,20 @@ def test_every_replaced_call_site_exists_with_its_signature(site) -> None:
 
 
 def test_adapters_take_exactly_sglangs_parameters() -> None:
+    from dsv4_cluster.kernels.sglang_plugin.install import adapter_for
+
     for site in CALL_SITES:
         if site.params is None:
             continue
-        adapter = {"sparse_mla_decode": sglang_adapters.flash_mla_with_kvcache,
-                   "topk": sglang_adapters.topk_transform_paged_v2}[site.kernel]
-        params = inspect.signature(adapter).parameters.values()
-        ours = tuple(("*" if p.kind is p.KEYWORD_ONLY else "") + p.name for p in params)
+        params = inspect.signature(adapter_for(site)).parameters.values()
+        if site.kernel == "indexer":  # SGLang calls `fn(...)` with 8 positional arguments: the count is the contract
+            _, tree = module_source(site.branch.module)
+            calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "fn"]
+            assert calls and all(len(c.args) == len(site.params) and not c.keywords for c in calls)
+            assert len([p for p in params if p.default is p.empty]) <= len(site.params) <= len(params)
+            continue
+        ours = tuple(("*" if p.kind is p.KEYWORD_ONLY else "**" if p.kind is p.VAR_KEYWORD else "") + p.name
+                     for p in params)
         assert ours[:len(site.params)] == site.params, site
         assert all(p.default is not p.empty for p in list(params)[len(site.params):])  # extras are optional
 

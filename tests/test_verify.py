@@ -51,6 +51,24 @@ def test_every_rank_attests_from_the_live_server(tmp_path: Path, server_group) -
     assert attestation_problems("decode-0", tmp_path, 3, KERNELS, leader) == []
 
 
+def test_a_rank_installed_for_another_gpu_class_or_running_stock_is_named(tmp_path: Path, server_group) -> None:
+    """`verify` expects what the dispatch table says for the GPUs it finds: the class each rank installed for must
+    be its GPUs' class (else it replaced call sites SGLang does not call there), and every kernel ours."""
+    leader, pids = server_group
+    owners = dict.fromkeys(KERNELS, "ours")
+    for rank, pid in enumerate(pids):
+        write_attestation(tmp_path, Attestation(
+            worker="decode-0", rank=rank, pid=pid, gpu=rank, sglang_version=SGLANG_VERSION, project_version="0.1.0",
+            call_sites=SITES, gpu_class="sm_120" if rank == 1 else "sm_90",
+            kernels={**owners, "indexer": "stock"} if rank == 2 else owners))
+    assert attestation_problems("decode-0", tmp_path, 3, KERNELS, leader) == [
+        "decode-0: rank 2: kernel indexer runs stock on sm_90, where the dispatch table runs ours"]
+    assert attestation_problems("decode-0", tmp_path, 3, KERNELS, leader, "sm_90") == [
+        "decode-0: rank 1 installed for GPU class sm_120, but its GPUs are sm_90: the call sites it replaced are "
+        "not the ones SGLang calls there",
+        "decode-0: rank 2: kernel indexer runs stock on sm_90, where the dispatch table runs ours"]
+
+
 def test_a_missing_rank_is_named(tmp_path: Path, server_group) -> None:
     leader, pids = server_group
     _attest(tmp_path, 0, pids[0])

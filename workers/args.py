@@ -39,6 +39,8 @@ class WorkerArgs:
     disable_cuda_graph: bool = False  # decode every batch eagerly (SGLang's flag)
     peer_timeout_s: float = 30.0
     transfer_timeout_s: float = 60.0
+    disable_radix_cache: bool = False  # prefill: no prefix cache (SGLang's flag); every prompt computed in full
+    write_timeout_s: float = 30.0     # prefill: a KV WRITE still in flight this long is cancelled (transfer.write_timeout_s)
     # an engine loop that does not come round for this long fails its requests (503) and /health (liveness.py)
     stall_timeout_s: float = 5.0
     log_level: str = "info"
@@ -81,6 +83,8 @@ def validate(args: WorkerArgs) -> list[str]:
         problems.append(f"--page-size {args.page_size}: must be a positive multiple of 4 (the compression ratio)")
     if args.chunked_prefill_size < 1:
         problems.append(f"--chunked-prefill-size {args.chunked_prefill_size}: must be at least 1")
+    if args.write_timeout_s <= 0:
+        problems.append(f"--write-timeout-s {args.write_timeout_s}: must be positive")
     if args.stall_timeout_s <= 0:
         problems.append(f"--stall-timeout-s {args.stall_timeout_s}: must be positive")
     if args.default_max_tokens < 1:

@@ -40,6 +40,7 @@ class EngineStats:
     aborted: int = 0
     bootstrap_failed: int = 0
     transfer_failed: int = 0
+    write_timeouts: int = 0          # prefill: KV writes cancelled past their deadline (a subset of transfer_failed)
     internal_errors: int = 0
     # the last few seconds only, so the gauges read 0 once the engine is idle
     generated: Window = field(default_factory=Window)

@@ -1,7 +1,8 @@
 """The model's three kernel calls (sparse decode, indexer, top-k), dispatched and counted.
 
 On CUDA a kernel named in `--kernels` runs our Triton/Gluon kernel (the `*_triton` entry points of
-`dsv4_cluster.kernels`), any other runs the PyTorch reference op on the GPU; on CPU every op is the reference (the
+`dsv4_cluster.kernels`; which one, and its launch config, is the dispatch table's choice for the GPU class,
+`kernels/dispatch.py`), any other runs the PyTorch reference op on the GPU; on CPU every op is the reference (the
 oracle). Every call adds one
 to a counter on the model's device (`calls[kernel, impl] += 1`, a device-side add), so a CUDA-graph replay
 advances the counters exactly as the eager calls it captured: `/server_info` reports what ran from these counts,
@@ -40,6 +41,7 @@ class KernelOps:
                  nominal_rows: int = 640):
         self.device = torch.device(device)
         self.nominal_rows = nominal_rows   # rows of a ratio-4 layer's query (window + top-k): dense_config
+        self.n_heads, self.dtype = n_heads, dtype
         self.kernel = {k: False for k in KERNEL_NAMES}
         self.impl = {k: "reference" for k in KERNEL_NAMES}
         self.calls = torch.zeros(len(KERNEL_NAMES), len(IMPLS), dtype=torch.int64, device=self.device)
@@ -53,11 +55,11 @@ class KernelOps:
         (tests/kernels/test_engine_kernel_path.py routes them there)."""
         for k in names:
             self.kernel[k], self.impl[k] = True, "triton"
-        if "sparse_mla_decode" in names:
-            from ..kernels.sparse_mla_decode.launch import gluon_unavailable
+        if "sparse_mla_decode" in names and self.device.type == "cuda":
+            from ..kernels.sparse_mla_decode.config import LaunchConfig, choose_backend
 
-            probe = torch.empty(1, n_heads, 512, dtype=dtype, device=self.device)
-            self.impl["sparse_mla_decode"] = "triton" if gluon_unavailable(probe, False) else "gluon"
+            # the dispatch table's choice for this GPU class and head count (what the launches will pick)
+            self.impl["sparse_mla_decode"] = choose_backend(self.device, n_heads, dtype, False, LaunchConfig())[0]
         self._slot = {k: (i, IMPLS.index(self.impl[k])) for i, k in enumerate(KERNEL_NAMES)}
 
     @property
@@ -95,7 +97,7 @@ class KernelOps:
     def dense_config(self, batch: int):
         """The Triton launch of a ratio-128 call: splits as for `nominal_rows` rows per query at this batch size
         (shapes only, so graph-capturable, and the same at every configured context)."""
-        return _dense_config(self.device, batch, self.nominal_rows)
+        return _dense_config(self.device, batch, self.nominal_rows, self.n_heads, self.dtype)
 
     def indexer(self, q_idx, weights, keys, pages, live) -> torch.Tensor:
         """Scores [T, max_pages * E] (the kernel writes only the live prefix of each row)."""
@@ -142,9 +144,12 @@ class KernelOps:
 
 
 @functools.lru_cache(maxsize=256)
-def _dense_config(device: torch.device, batch: int, nominal_rows: int):
-    from ..kernels.sparse_mla_decode.launch import DEFAULT_BLOCKS, LaunchConfig, _num_sms
+def _dense_config(device: torch.device, batch: int, nominal_rows: int, heads: int, dtype: torch.dtype):
+    from ..kernels import dispatch
+    from ..kernels.sparse_mla_decode.config import LaunchConfig, _num_sms, choose_backend
     from ..kernels.sparse_mla_decode.splits import choose_splits
 
-    block = DEFAULT_BLOCKS[("triton", True)][0]
-    return LaunchConfig(backend="triton", num_splits=choose_splits(batch, -(-nominal_rows // block), _num_sms(device)))
+    triton = LaunchConfig(backend=dispatch.DENSE_DECODE_BACKEND)
+    block = choose_backend(device, heads, dtype, True, triton)[1].block_n  # the class's Triton block (dispatch table)
+    return LaunchConfig(backend=dispatch.DENSE_DECODE_BACKEND, block_n=block,
+                        num_splits=choose_splits(batch, -(-nominal_rows // block), _num_sms(device)))

@@ -16,6 +16,7 @@ from ..kernels.sparse_mla_decode.fp8_layout import (DIM, RECORD_BYTES, SCALE_BYT
                                                      page_stride_for, quantize_records)
 
 KEY_SCALE_BYTES = 4
+ALIGN = 16          # bytes: every buffer of a page starts on this boundary (vector loads, TMA)
 
 
 def layout_problems(page_size: int, head_dim: int, index_dim: int) -> list[str]:
@@ -30,9 +31,10 @@ def layout_problems(page_size: int, head_dim: int, index_dim: int) -> list[str]:
     return out
 
 
-def geometry(rows_per_page: int) -> PageGeometry:
-    """Where a slot's bytes lie in a buffer of `rows_per_page` rows per page."""
-    return PageGeometry.packed(rows_per_page)
+def geometry(buf: torch.Tensor, rows_per_page: int) -> PageGeometry:
+    """Where a slot's bytes lie in `buf`, a rows buffer of `rows_per_page` rows per page (its stride(0) is the
+    page stride: the pool's region page, see `page_major`)."""
+    return PageGeometry(rows_per_page, buf.stride(0))
 
 
 def page_bytes(page_size: int, ratios: tuple[int, ...], indexed_ratio: int, index_dim: int) -> int:
@@ -46,12 +48,29 @@ def page_bytes(page_size: int, ratios: tuple[int, ...], indexed_ratio: int, inde
     return total
 
 
-def rows_buffer(num_pages: int, rows_per_page: int, device) -> torch.Tensor:
-    return torch.zeros(num_pages, page_stride_for(rows_per_page), dtype=torch.uint8, device=device)
+def rows_page_bytes(rows_per_page: int) -> int:
+    """Bytes of one page of a rows buffer (records, scale rows, padding to a multiple of 576 B)."""
+    return page_stride_for(rows_per_page)
 
 
-def keys_buffer(num_pages: int, entries: int, index_dim: int, device) -> torch.Tensor:
-    return torch.zeros(num_pages, entries * (index_dim + KEY_SCALE_BYTES), dtype=torch.uint8, device=device)
+def keys_page_bytes(entries: int, index_dim: int) -> int:
+    """Bytes of one page of an index-keys buffer (e4m3 keys, then one fp32 scale per key)."""
+    return entries * (index_dim + KEY_SCALE_BYTES)
+
+
+def page_major(num_pages: int, sizes: list[int], device) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One uint8 region [num_pages, sum(sizes) rounded up to ALIGN] holding every buffer of a page side by side,
+    and each buffer as a view uint8 [num_pages, size] of it (stride(0) = the region's page bytes).
+
+    Why: a run of consecutive pages is then one byte range of the region for every layer at once, so NIXL moves
+    a request's KV as one descriptor per run instead of one per run and buffer (transfer.py). The kernels read
+    a buffer through its page stride (`geometry`), as they read SGLang's caches. Each buffer starts ALIGN-aligned."""
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += -(-size // ALIGN) * ALIGN
+    region = torch.zeros(num_pages, total, dtype=torch.uint8, device=device)
+    return region, [region[:, o: o + size] for o, size in zip(offsets, sizes)]
 
 
 def _views(buf: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:

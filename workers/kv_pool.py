@@ -19,12 +19,13 @@ Writes go through `write_main` / `write_comp` / `write_keys` (quantising on fp8)
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from . import kv_fp8
+from .page_alloc import PageAllocator
 
 FP8 = "fp8_e4m3"
 
@@ -107,19 +108,30 @@ class KVPool:
         self.main: list[torch.Tensor] = []
         self.comp: list[torch.Tensor] = []
         self.index_keys: list[torch.Tensor | None] = []
+        self.region: torch.Tensor | None = None   # fp8: every buffer of a page in one byte range (page_major)
+        if self.fp8:
+            sizes = []
+            for li, r in enumerate(layout.ratios):
+                e = ps // r
+                sizes += [kv_fp8.rows_page_bytes(ps), kv_fp8.rows_page_bytes(e)]
+                if layout.indexed(li):
+                    sizes.append(kv_fp8.keys_page_bytes(e, layout.index_dim))
+            self.region, views = kv_fp8.page_major(n, sizes, device)
+            views.reverse()
         for li, r in enumerate(layout.ratios):
             e = ps // r
             if self.fp8:
-                self.main.append(kv_fp8.rows_buffer(n, ps, device))
-                self.comp.append(kv_fp8.rows_buffer(n, e, device))
-                keys = kv_fp8.keys_buffer(n, e, layout.index_dim, device)
+                self.main.append(views.pop())
+                self.comp.append(views.pop())
+                keys = views.pop() if layout.indexed(li) else None
             else:
                 self.main.append(torch.zeros(n * ps, layout.head_dim, device=device, dtype=dtype))
                 self.comp.append(torch.zeros(n * e, layout.head_dim, device=device, dtype=dtype))
                 keys = torch.zeros(n, e, layout.index_dim, device=device, dtype=dtype)
             self.index_keys.append(keys if layout.indexed(li) else None)
-        self._free: deque[int] = deque(range(n))
+        self._free = PageAllocator(n)
         self._reserved = 0
+        self.evictable_pages: Callable[[], int] = lambda: 0   # a prefix cache's unlocked pages (prefix_cache.py)
 
     @property
     def capacity_tokens(self) -> int:
@@ -127,8 +139,9 @@ class KVPool:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes one page occupies across every buffer (what one page's transfer moves)."""
-        return sum(b.numel() * b.element_size() for b in self.buffers()) // self.layout.num_pages
+        """Bytes one page occupies across every buffer, alignment padding included (what one page's transfer
+        moves)."""
+        return sum(per_page for _, per_page in self.regions())
 
     @property
     def free_pages(self) -> int:
@@ -136,7 +149,15 @@ class KVPool:
 
     @property
     def used_tokens(self) -> int:
-        return (self.layout.num_pages - self._reserved - len(self._free)) * self.layout.page_size
+        """Tokens of pages in use: not free, not reserved, and not a prefix cache's evictable pages (SGLang counts
+        those as available too)."""
+        held = self.layout.num_pages - self._reserved - len(self._free) - self.evictable_pages()
+        return held * self.layout.page_size
+
+    @property
+    def free_runs(self) -> list[tuple[int, int]]:
+        """The free pages as runs of consecutive pages, (first page, pages) (what a request's pages come from)."""
+        return self._free.runs
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.layout.page_size)
@@ -144,20 +165,28 @@ class KVPool:
     def reserve_pad_page(self) -> int:
         """Take one page out of the allocator for good: padding rows of a CUDA-graph batch write there."""
         self._reserved += 1
-        return self._free.pop()
+        return self._free.take_last()
 
     def alloc(self, num_tokens: int) -> list[int]:
         need = self.pages_for(num_tokens)
         if need > len(self._free):
             raise PoolExhausted(f"{need} pages needed, {len(self._free)} free")
-        return [self._free.popleft() for _ in range(need)]
+        return self._free.alloc(need)
 
     def release(self, pages: list[int]) -> None:
-        self._free.extend(pages)
+        self._free.release(pages)
 
     def buffers(self) -> list[torch.Tensor]:
-        """Every buffer, in a fixed order both sides share (the NIXL descriptor order)."""
+        """Every buffer, in a fixed order both sides share: per layer main, comp, index keys."""
         return [b for layer in zip(self.main, self.comp, self.index_keys) for b in layer if b is not None]
+
+    def regions(self) -> list[tuple[torch.Tensor, int]]:
+        """What NIXL registers and moves, (tensor, bytes per page) in an order both sides share: the fp8 pool's
+        one page-major region (a run of pages is one byte range for all layers), else every buffer."""
+        if self.region is not None:
+            return [(self.region, self.region.stride(0))]
+        n = self.layout.num_pages
+        return [(b, b.numel() * b.element_size() // n) for b in self.buffers()]
 
     # --- rows: address math -------------------------------------------------------------------------------
     def entries_per_page(self, layer: int) -> int:

@@ -40,7 +40,13 @@ class _EngineCollector:
         yield g("sglang:kv_available_tokens", "KV tokens free", cap - used)
         yield g("sglang:max_total_num_tokens", "KV pool capacity in tokens", cap)
         yield g("sglang:gen_throughput", "Tokens generated per second over the last 5 s", s.last_gen_throughput)
-        yield g("sglang:cache_hit_rate", "Prefix cache hit rate (the embedded engine has no prefix cache)", 0.0)
+        cache = getattr(self.engine, "cache", None)          # the prefill's prefix cache (decode keeps none)
+        yield g("sglang:cache_hit_rate", "Prefix cache hit rate: cached / prompt tokens over the last 256 prompts",
+                cache.hit_rate if cache is not None else 0.0)
+        cached = CounterMetricFamily("sglang:cached_tokens", "Prompt tokens whose KV came from the prefix cache",
+                                     labels=[*self.labels, "cache_source"])
+        cached.add_metric([*self.labels.values(), "device"], cache.cached_tokens_total if cache is not None else 0)
+        yield cached
         yield g("sglang:context_len", "Maximum context length", self.context_length)
         yield g("sglang:page_size", "KV page size in tokens", pool.layout.page_size)
         yield g("sglang:num_prefill_bootstrap_queue_reqs", "Prefill requests waiting for pages",

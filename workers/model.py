@@ -241,4 +241,5 @@ def _geometry(pool: KVPool, li: int):
     """(main, comp) page geometries of an fp8 pool's layer (the slot numbering the kernels read), else None."""
     if not pool.fp8:
         return None
-    return kv_fp8.geometry(pool.layout.page_size), kv_fp8.geometry(pool.entries_per_page(li))
+    return (kv_fp8.geometry(pool.main[li], pool.layout.page_size),
+            kv_fp8.geometry(pool.comp[li], pool.entries_per_page(li)))

@@ -44,6 +44,7 @@ class Finish:
 class Token:
     token_id: int
     finish: Finish | None = None
+    cached_tokens: int | None = None   # on a request's first token: prompt tokens whose KV came from the prefix cache
 
     @property
     def finish_reason(self) -> str | None:
@@ -71,6 +72,7 @@ class Req:
     state: ReqState = ReqState.WAITING_PAGES
     pages: list[int] = field(default_factory=list)
     prefilled: int = 0                     # prompt tokens whose KV is computed (chunked prefill)
+    cached_tokens: int = 0                 # of those, taken from the prefix cache (prefix_cache.py)
     out: list[int] = field(default_factory=list)
     created: float = field(default_factory=time.monotonic)
     deadline: float | None = None

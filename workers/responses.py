@@ -68,10 +68,13 @@ class ResponseBuilder:
         self._finish: Finish | None = None
         self._decoder = IncrementalDecoder()
         self._trim = not spec.params.no_stop_trim
+        self.cached_tokens = 0         # prompt tokens whose KV came from the prefill's prefix cache
 
-    def push(self, token_id: int, finish: Finish | None = None) -> str:
+    def push(self, token_id: int, finish: Finish | None = None, cached_tokens: int | None = None) -> str:
         """Add one output token; returns the text the client may see now that it has not seen yet."""
         self.ids.append(token_id)
+        if cached_tokens is not None:
+            self.cached_tokens = cached_tokens
         self._finish = finish
         piece = self._decoder.push(token_id)
         if not (self._trim and finish is not None and isinstance(finish.matched, int)):
@@ -87,7 +90,8 @@ class ResponseBuilder:
 
     def _usage(self) -> dict:
         p, c = len(self.spec.prompt_ids), len(self.ids)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}   # OpenAI's and SGLang's field
 
     def _id(self) -> str:
         prefix = {"chat": "chatcmpl-", "completion": "cmpl-", "generate": ""}[self.spec.kind]
@@ -101,7 +105,7 @@ class ResponseBuilder:
         else:
             finish = {"type": "stop", "matched": self._finish.matched if self._finish else None}
         return {"id": self.spec.rid, "prompt_tokens": len(self.spec.prompt_ids),
-                "completion_tokens": len(self.ids), "finish_reason": finish}
+                "completion_tokens": len(self.ids), "cached_tokens": self.cached_tokens, "finish_reason": finish}
 
     def final(self, reason: str, prefill_only: bool = False) -> dict:
         s = self.spec

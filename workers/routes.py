@@ -3,6 +3,8 @@ server/model info, metrics, abort, the three generation routes, and the `--test-
 
 from __future__ import annotations
 
+import asyncio
+
 import time
 from typing import TYPE_CHECKING
 
@@ -64,7 +66,15 @@ def build_app(server: WorkerServer) -> FastAPI:
 
     @app.post("/flush_cache")
     async def flush_cache():
-        return {"success": True, "message": "the embedded engine keeps no prefix cache"}
+        """SGLang's: drop the prefix cache (here: every cached page no request holds; the prefill keeps the cache)."""
+        engine = server.engine
+        if engine is None or getattr(engine, "cache", None) is None:
+            return {"success": True, "message": f"this {server.role} worker keeps no prefix cache"}
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        engine.call(lambda: loop.call_soon_threadsafe(done.set_result, engine.flush_cache()))
+        freed = await asyncio.wait_for(done, 30)
+        return {"success": True, "message": f"freed {freed} cached pages", "freed_pages": freed}
 
     if server.args.test_hooks:
         @app.post("/debug/kill_engine")

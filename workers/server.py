@@ -195,7 +195,7 @@ class WorkerServer:
             async for ev in events:
                 if isinstance(ev, Failed):
                     return error_response(ev.status, ev.message)
-                out.push(ev.token_id, ev.finish)
+                out.push(ev.token_id, ev.finish, ev.cached_tokens)
                 if len(out.ids) == 1:
                     self.metrics.ttft.observe(time.monotonic() - started)
                 if ev.finish_reason:
@@ -211,7 +211,7 @@ class WorkerServer:
                 if isinstance(ev, Failed):
                     yield sse(error_body(ev.status, ev.message))
                     break
-                delta = out.push(ev.token_id, ev.finish)
+                delta = out.push(ev.token_id, ev.finish, ev.cached_tokens)
                 now = time.monotonic()
                 (self.metrics.ttft if len(out.ids) == 1 else self.metrics.itl).observe(now - last)
                 last = now

@@ -33,7 +33,7 @@ class PeerInfo:
     agent_name: str
     metadata_b64: str
     layout: dict
-    buffers: list[tuple[int, int]]   # (base address, bytes per page), in KVPool.buffers() order
+    buffers: list[tuple[int, int]]   # (base address, bytes per page) of each of KVPool.regions()
     mem_type: str
     device_id: int
 
@@ -56,10 +56,24 @@ def _load_nixl():
     return api.nixl_agent, api.nixl_agent_config, errors
 
 
-class NixlTransfer:
-    """One NIXL agent per worker process; thread-safe (HTTP handlers and the engine share it)."""
+DESCRIPTOR_MODES = ("runs", "prepped")
 
-    def __init__(self, name: str, pool: KVPool, ucx_tls: str | None = None):
+
+class NixlTransfer:
+    """One NIXL agent per worker process; thread-safe (HTTP handlers and the engine share it).
+
+    How a WRITE's descriptors are made (`descriptors`, bench/kv_transfer.py measures both):
+    - "runs": per request, one descriptor per region and run of pages consecutive on both sides (`page_runs`),
+      handed to NIXL as a new list (`initialize_xfer`);
+    - "prepped": once per peer, a strided descriptor list of every page of every region on each side
+      (`prep_xfer_dlist`), and per request only the pages' indices (`make_prepped_xfer`, which merges
+      consecutive descriptors into one), as SGLang's NIXL connector does since its prepared-dlist change.
+    """
+
+    def __init__(self, name: str, pool: KVPool, ucx_tls: str | None = None, descriptors: str = "prepped"):
+        if descriptors not in DESCRIPTOR_MODES:
+            raise ValueError(f"descriptors {descriptors!r}: choose one of {', '.join(DESCRIPTOR_MODES)}")
+        self.descriptors = descriptors
         if ucx_tls:
             os.environ["UCX_TLS"] = ucx_tls   # UCX reads it when the agent's backend starts
         nixl_agent, nixl_agent_config, self._nixl_errors = _load_nixl()
@@ -69,15 +83,20 @@ class NixlTransfer:
         # No progress thread: UCX's spins a core even while idle. The engine loop's polls
         # (poll/notifications) drive progress while a transfer is pending (engine.py).
         self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-        buffers = pool.buffers()
-        self._agent.register_memory(buffers)
-        dev = buffers[0].device
+        regions = pool.regions()
+        self._agent.register_memory([t for t, _ in regions])
+        dev = regions[0][0].device
         self._mem_type = "VRAM" if dev.type == "cuda" else "DRAM"
         self._device_id = dev.index or 0
-        n = pool.layout.num_pages
-        self._local = [(b.data_ptr(), b.numel() * b.element_size() // n) for b in buffers]
+        self._local = [(t.data_ptr(), per_page) for t, per_page in regions]
+        self._num_pages = pool.layout.num_pages
         self._peers: dict[str, PeerInfo] = {}
         self._incarnations: dict[str, int] = {}
+        self._prepped: dict[str, object] = {}     # peer -> its prepared descriptor list ("prepped" mode)
+        self._local_prepped = None
+        if descriptors == "prepped":
+            self._local_prepped = self._agent.prep_xfer_dlist(
+                "NIXL_INIT_AGENT", _strided(self._local, self._num_pages, self._device_id), self._mem_type)
 
     def local_info(self) -> PeerInfo:
         with self._lock:
@@ -101,8 +120,13 @@ class NixlTransfer:
             try:
                 if known is not None:   # the peer restarted: same name, new memory
                     self._peers.pop(name)
+                    if name in self._prepped:
+                        self._agent.release_dlist_handle(self._prepped.pop(name))
                     self._agent.remove_remote_agent(name)
                 self._agent.add_remote_agent(base64.b64decode(info.metadata_b64))
+                if self.descriptors == "prepped":
+                    self._prepped[name] = self._agent.prep_xfer_dlist(
+                        name, _strided(info.buffers, self._num_pages, info.device_id), info.mem_type)
             except self._nixl_errors as exc:
                 raise TransferError(f"NIXL could not load the agent of {name}: {exc!r}") from exc
             self._peers[name] = info
@@ -127,14 +151,20 @@ class NixlTransfer:
             if incarnation is not None and incarnation != self._incarnations[peer]:
                 raise TransferError(f"{peer} restarted after it reserved these pages; its new process "
                                     "does not expect this KV")
-            runs = page_runs(src_pages, dst_pages[: len(src_pages)])
-            local = _descs(self._local, [(s, n) for s, _, n in runs], self._device_id)
-            remote = _descs(info.buffers, [(d, n) for _, d, n in runs], info.device_id)
             handle = None
             try:
-                handle = self._agent.initialize_xfer(
-                    "WRITE", self._agent.get_xfer_descs(local, self._mem_type),
-                    self._agent.get_xfer_descs(remote, info.mem_type), peer, notif)
+                if self.descriptors == "prepped":
+                    handle = self._agent.make_prepped_xfer(
+                        "WRITE", self._local_prepped, _indices(src_pages, len(self._local), self._num_pages),
+                        self._prepped[peer], _indices(dst_pages[: len(src_pages)], len(info.buffers),
+                                                      self._num_pages), notif)
+                else:
+                    runs = page_runs(src_pages, dst_pages[: len(src_pages)])
+                    local = _descs(self._local, [(s, n) for s, _, n in runs], self._device_id)
+                    remote = _descs(info.buffers, [(d, n) for _, d, n in runs], info.device_id)
+                    handle = self._agent.initialize_xfer(
+                        "WRITE", self._agent.get_xfer_descs(local, self._mem_type),
+                        self._agent.get_xfer_descs(remote, info.mem_type), peer, notif)
                 state = self._agent.transfer(handle)
             except self._nixl_errors as exc:
                 self._release(handle)
@@ -154,6 +184,17 @@ class NixlTransfer:
             if state != "PROC":
                 self._release(handle)
         return state
+
+    def abandon(self, handle) -> bool:
+        """Give up a WRITE still in flight: True if NIXL cancelled it (nothing more will be written or read),
+        False if NIXL refused, so the transfer may still move bytes (poll it until it ends)."""
+        with self._lock:
+            try:
+                self._agent.release_xfer_handle(handle)
+            except self._nixl_errors as exc:
+                log.warning("NIXL could not cancel a KV write past its deadline: %r", exc)
+                return False
+        return True
 
     def _release(self, handle) -> None:
         """Free a transfer handle; NIXL refusing (it could not cancel) leaves it to NIXL's teardown."""
@@ -196,8 +237,23 @@ def page_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
 
 
 def _descs(buffers: list[tuple[int, int]], runs: list[tuple[int, int]], device_id: int) -> np.ndarray:
-    """Nx3 (address, length, device) rows: every buffer's slice of every run of (first page, pages),
-    buffer-major. A run of consecutive pages is one row, not one per page (bench/kv_transfer.py measures
-    what per-page rows cost against one contiguous region)."""
+    """Nx3 (address, length, device) rows: every region's slice of every run of (first page, pages),
+    region-major. A run of consecutive pages is one row, not one per page, and an fp8 pool has one region for
+    all its layers (KVPool.regions), so a request whose pages form one run on both sides is one row
+    (bench/kv_transfer.py measures what each row costs against one raw WRITE)."""
     rows = [(base + p * size, n * size, device_id) for base, size in buffers for p, n in runs]
     return np.array(rows, dtype=np.uint64).reshape(-1, 3)
+
+
+def _strided(buffers: list[tuple[int, int]], num_pages: int, device_id: int) -> np.ndarray:
+    """Nx5 (address, length, device, stride, count) rows: every page of every region, as NIXL's compressed
+    (strided) descriptor list; descriptor r * num_pages + p is page p of region r."""
+    rows = [(base, size, device_id, size, num_pages) for base, size in buffers]
+    return np.array(rows, dtype=np.uint64).reshape(-1, 5)
+
+
+def _indices(pages: list[int], regions: int, num_pages: int) -> np.ndarray:
+    """The prepared list's indices of `pages` in every region, region-major (so that consecutive pages are
+    consecutive descriptors, which NIXL merges)."""
+    p = np.asarray(pages, dtype=np.int64)
+    return (np.arange(regions, dtype=np.int64)[:, None] * num_pages + p[None, :]).ravel().astype(np.int32)

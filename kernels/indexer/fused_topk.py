@@ -17,7 +17,7 @@ import triton.language as tl
 
 from dsv4_cluster.kernels.fast_launch import launch as fast_launch
 from dsv4_cluster.kernels.indexer.shapes import IndexerInputError, check_indexer_inputs, check_lens_values
-from dsv4_cluster.kernels.indexer.triton_indexer import default_split, load_query, score_block
+from dsv4_cluster.kernels.indexer.triton_indexer import default_split, fp8_pages_ok, load_query, score_block
 from dsv4_cluster.kernels.topk.radix_passes import (
     gather,
     initial_state,
@@ -100,8 +100,9 @@ def indexer_topk_triton(
     batch, heads, dim = q.shape
     if not fp8 and k_cache.dtype != q.dtype:
         raise IndexerInputError(f"k_cache dtype {k_cache.dtype} must equal q's {q.dtype}; cast one of them")
-    if fp8 and (dim % 4 or not k_cache.is_contiguous()):
-        raise IndexerInputError(f"fp8 keys need Di % 4 == 0 (got {dim}) and a contiguous k_cache")
+    if fp8 and (dim % 4 or not fp8_pages_ok(k_cache)):
+        raise IndexerInputError(f"fp8 keys need Di % 4 == 0 (got {dim}) and k_cache pages of contiguous bytes 16-B "
+                                f"apart (got strides {k_cache.stride()})")
     if heads > 256 or dim > 256 or q.stride(2) != 1 or weights.stride(1) != 1:
         raise IndexerInputError("need Hi, Di <= 256 and q, weights contiguous along their last dim")
     if not isinstance(k, int) or k < 1:

@@ -135,14 +135,16 @@ def indexer_fp8_triton(
     num_warps: int = 4,
     num_stages: int = 3,
 ) -> torch.Tensor:
-    """`indexer_triton` on fp8 keys: k_cache_fp8 uint8 [P, E*(Di+4)], contiguous, layout of `fp8_keys`
+    """`indexer_triton` on fp8 keys: k_cache_fp8 uint8 [P, E*(Di+4)] (each page's bytes contiguous, pages
+    stride(0) bytes apart, a multiple of 16: the KV pool's page-major region), layout of `fp8_keys`
     (Di % 4 == 0). Keys are widened to q's dtype (exact for e4m3 into bf16) and each entry's dot
     products scaled by its fp32 scale before the relu. Other shapes as `indexer_triton`.
     """
     per_page = check_indexer_inputs(q, weights, k_cache_fp8, page_table, lens, key_kind="fp8")
     dim = q.shape[-1]
-    if dim % 4 or not k_cache_fp8.is_contiguous():
-        raise IndexerInputError(f"fp8 keys need Di % 4 == 0 (got {dim}) and a contiguous k_cache_fp8")
+    if dim % 4 or not fp8_pages_ok(k_cache_fp8):
+        raise IndexerInputError(f"fp8 keys need Di % 4 == 0 (got {dim}) and k_cache_fp8 pages of contiguous bytes "
+                                f"16-B apart (got strides {k_cache_fp8.stride()})")
     scales = k_cache_fp8.view(torch.float32)  # same bytes, one page = E*(Di+4)/4 floats
     scale_base = scales[:, per_page * dim // 4 :]
     return _launch(q, weights, k_cache_fp8, scale_base, page_table, lens, per_page, out, split, block_t, num_warps,
@@ -179,3 +181,9 @@ def _launch(q, weights, keys, scales, page_table, lens, per_page, out, split, bl
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
+
+
+def fp8_pages_ok(k_cache_fp8: torch.Tensor) -> bool:
+    """Each page's bytes contiguous and pages a multiple of 16 B apart (so the float32 scale view and vector
+    loads line up): a contiguous buffer, or one buffer of the KV pool's page-major region."""
+    return k_cache_fp8.dim() == 2 and k_cache_fp8.stride(1) == 1 and k_cache_fp8.stride(0) % 16 == 0

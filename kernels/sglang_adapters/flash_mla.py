@@ -10,6 +10,11 @@ is_fp8_kvcache=True; use_legacy=True. Indices are slots (page * page_tokens + of
 Only that call is computed: anything else (s_q > 1, dense decode, another cache format) raises
 `AdapterCallError` naming the argument. `real_heads` (keyword, not in SGLang's signature) computes only
 the first h heads and leaves the rest of the output unwritten, as the model slices them off anyway.
+
+Eager cost (`launch_cache`): per call, the shape-class key of every tensor argument (shape, strides, dtype,
+device), the scalars and the stream, 16-byte alignment, not capturing, no launch hook; then the recorded
+launches. Per key (its first call): every check below, the backend and split choice, the launch plan.
+block_table, cache_seqlens and tile_scheduler_metadata are ignored, so they are in no key.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import functools
 
 import torch
 
+from ..launch_cache import LaunchCache, signature
 from ..sparse_mla_decode import fp8_layout
 from ..sparse_mla_decode.fp8_layout import PageGeometry
 from ..sparse_mla_decode.reference import attend
@@ -63,20 +69,47 @@ def flash_mla_with_kvcache(
     the backend choice (`heads_to_run`) computes the padded heads too because that measured faster.
     config: a `launch.LaunchConfig` (backend, splits; benchmarks and tests), None = the default.
     """
+    tensors = (q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices_in_kvcache,
+               extra_topk_length)
+    key, ptrs = signature(tensors, (head_dim_v, softmax_scale, causal, is_fp8_kvcache, kv_format, use_legacy,
+                                    real_heads, config, num_splits is None and descale_q is None and descale_k is None))
+    plan = _PLANS.hit(key, ptrs)
+    if plan is not None:
+        out = q.new_empty(plan.extra["out"], dtype=torch.bfloat16)
+        lse = q.new_empty(plan.extra["lse"], dtype=torch.float32)
+        if plan.steps is None:
+            _compute(q, tensors, plan.extra["call"], plan.extra["h"], softmax_scale, out, lse, config)
+        else:
+            ptrs.append(out.data_ptr())
+            ptrs.append(lse.data_ptr())
+            plan.replay(ptrs, tensors + (out, lse))
+        return out, lse
     call = _check(q, k_cache, head_dim_v, num_splits, causal, descale_q, descale_k, is_fp8_kvcache, indices,
                   attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length, extra_topk_length, kv_format,
                   use_legacy, real_heads)
     b, _, heads, _ = q.shape
     h = heads_to_run(q, call["h"], config, extra_k_cache is not None)
-    scale = DIM**-0.5 if softmax_scale is None else float(softmax_scale)
     out = torch.empty(b, 1, heads, DIM, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(b, heads, 1, dtype=torch.float32, device=q.device)
+    extra = dict(call=call, h=h, out=tuple(out.shape), lse=tuple(lse.shape))
+    with _PLANS.recording(key, ptrs + [out.data_ptr(), lse.data_ptr()], tensors + (out, lse), extra, q.is_cuda):
+        _compute(q, tensors, call, h, softmax_scale, out, lse, config)
+    return out, lse
+
+
+# One launch plan per shape class of SGLang's call (`launch_cache`): checks once per key, then the launches.
+_PLANS = LaunchCache("flash_mla_with_kvcache")
+
+
+def _compute(q, tensors, call, h, softmax_scale, out, lse, config) -> None:
+    """The checked call's computation into out / lse: our kernels on CUDA, the reference on CPU."""
+    _, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices, extra_topk_length = tensors
+    scale = DIM**-0.5 if softmax_scale is None else float(softmax_scale)
     sink = attn_sink[:h] if attn_sink is not None else None
     window = (k_cache.view(torch.uint8), call["window_geo"], indices[:, 0], topk_length)
     extra = None
     if extra_k_cache is not None:
-        extra = (extra_k_cache.view(torch.uint8), call["extra_geo"], extra_indices_in_kvcache[:, 0],
-                 extra_topk_length)
+        extra = (extra_k_cache.view(torch.uint8), call["extra_geo"], extra_indices[:, 0], extra_topk_length)
     if q.is_cuda:
         from ..sparse_mla_decode.launch import sparse_decode_paged
 
@@ -85,7 +118,6 @@ def flash_mla_with_kvcache(
         o, l = reference_decode(q[:, 0, :h], window, extra, sink, scale)
         out[:, 0, :h] = o
         lse[:, :h, 0] = l
-    return out, lse
 
 
 _GLUON_READY: dict[int, bool] = {}

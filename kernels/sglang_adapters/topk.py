@@ -5,6 +5,10 @@ when there are fewer) and writes their pool slots through the page table, -1 pas
 out_raw_indices (optional) receives the positions themselves. The order within a row is unspecified
 (SGLang's consumers read the row as a set). When `scores` are the logits `fp8_paged_mqa_logits` just
 returned, its fused launch already selected them, and only the page-table map runs here.
+
+Eager cost (`launch_cache`): per call, the shape-class key of scores (fused: its rows only, with the fused
+top-k buffer in its place), seq_lens, page_tables, the outputs, page_size and the stream; then the launches.
+Per key: every check in `_check`.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .. import debug
+from ..launch_cache import LaunchCache, signature
 from ..workspace import scratch
 from .errors import fail
 from .indexer import fused_topk_for
@@ -27,7 +32,29 @@ def topk_transform_paged_v2(
     out_raw_indices: torch.Tensor | None = None,
 ) -> None:
     """Writes out_page_indices (and out_raw_indices); `metadata` (SGLang's top-k plan) is not needed."""
-    _check(scores, seq_lens, page_tables, out_page_indices, page_size, out_raw_indices)
+    k = out_page_indices.shape[1] if out_page_indices.dim() == 2 else 0
+    fused = fused_topk_for(scores, k) if scores.is_cuda else None
+    # Fused: the scores were ours and only their row count matters (the top-k is already in `fused`); the
+    # logits width, which moves with max_context_len every few steps, is then no part of the key.
+    head = (scores.shape[0], scores.dtype, scores.stride(-1)) if fused is not None else None
+    tensors = (scores if fused is None else fused, seq_lens, page_tables, out_page_indices, out_raw_indices)
+    key, ptrs = signature(tensors, (page_size, head))
+    plan = _PLANS.hit(key, ptrs)
+    if plan is not None and plan.steps is not None:
+        plan.replay(ptrs, tensors)
+        return
+    if plan is None:
+        _check(scores, seq_lens, page_tables, out_page_indices, page_size, out_raw_indices)
+    with _PLANS.recording(key, ptrs, tensors, {}, scores.is_cuda):
+        _compute(scores, seq_lens, page_tables, out_page_indices, page_size, out_raw_indices, fused)
+
+
+# One launch plan per shape class (`launch_cache`): checks once per key, then the launches.
+_PLANS = LaunchCache("topk_transform_paged_v2")
+
+
+def _compute(scores, seq_lens, page_tables, out_page_indices, page_size, out_raw_indices, idx) -> None:
+    """The checked call; idx: the fused indexer's top-k for these scores (None: select here)."""
     rows, k = out_page_indices.shape
     shift = page_size.bit_length() - 1
     if not scores.is_cuda:
@@ -42,7 +69,6 @@ def topk_transform_paged_v2(
     from ..topk.page_transform import page_transform
     from ..topk.radix_select import topk_triton, workspace_size
 
-    idx = fused_topk_for(scores, k)
     if idx is None:
         idx = scratch("topk.idx", rows * k, torch.int32, scores.device).view(rows, k)
         ws = scratch("topk.ws", workspace_size(rows), torch.int32, scores.device)

@@ -21,6 +21,7 @@ from .attestation import Attestation, CounterPublisher, write_attestation
 from .call_sites import REGISTRY_KEY, REGISTRY_MODULE
 from .install import (
     Counters, PluginInstallError, holds_adapter, install_module_sites, install_on_backend, preconditions)
+from .sites import gpu_class_of_runner, kernel_owners, verify_identity
 from .settings import KERNELS_ENV, PluginSettings, PluginSettingsError, settings_from_env
 
 logger = logging.getLogger(__name__)
@@ -48,47 +49,37 @@ def installing_factory(stock: Callable[[Any], Any], settings: PluginSettings) ->
     state: dict[str, Any] = {}
 
     def create_dsv4_backend_with_dsv4_cluster_kernels(runner: Any) -> Any:
-        problems = preconditions(settings)
+        gpu = gpu_class_of_runner(runner, settings)
+        problems = preconditions(settings, gpu)
         if problems:
-            raise PluginInstallError("dsv4-cluster kernels requested but not installable: " + "; ".join(problems))
+            raise PluginInstallError(f"dsv4-cluster kernels requested but not installable on {gpu}: "
+                                     + "; ".join(problems))
         backend = stock(runner)
         if "counters" not in state:
             state["counters"] = Counters(getattr(runner, "device", "cpu"))
-            state["module_sites"] = install_module_sites(settings, state["counters"])
+            state["module_sites"] = install_module_sites(settings, state["counters"], gpu)
         counters = state["counters"]
         sites = {k: list(v) for k, v in state["module_sites"].items()}
-        backend_sites = install_on_backend(backend, settings, counters)
+        backend_sites = install_on_backend(backend, settings, counters, gpu)
         if backend_sites:
             sites["sparse_mla_decode"] = backend_sites
-        _verify_identity(backend, settings)
+        verify_identity(backend, settings, gpu)
         missing = [k for k in settings.kernels if not sites.get(k)]
         if missing:
             raise PluginInstallError(f"kernels {', '.join(missing)} were requested but no call site holds them")
         rank = _rank(runner)
         write_attestation(settings.attest_dir, Attestation(
             worker=settings.worker, rank=rank, pid=os.getpid(), gpu=getattr(runner, "gpu_id", None),
-            sglang_version=_version("sglang"), project_version=_version("dsv4-cluster"), call_sites=sites))
+            sglang_version=_version("sglang"), project_version=_version("dsv4-cluster"), call_sites=sites,
+            gpu_class=gpu, kernels=kernel_owners(sites)))
         if "publisher" not in state:
             state["publisher"] = CounterPublisher(settings.attest_dir, rank, counters).start()
             _publishers.append(state["publisher"])
-        logger.info("dsv4-cluster kernels installed on rank %d: %s", rank, sites)
+        logger.info("dsv4-cluster kernels installed on rank %d (%s): %s", rank, gpu, sites)
         return backend
 
     create_dsv4_backend_with_dsv4_cluster_kernels.dsv4_stock = stock  # type: ignore[attr-defined]
     return create_dsv4_backend_with_dsv4_cluster_kernels
-
-
-def _verify_identity(backend: Any, settings: PluginSettings) -> None:
-    from .call_sites import BACKEND_ATTR, CALL_SITES
-
-    if "sparse_mla_decode" in settings.kernels and not holds_adapter(getattr(backend, BACKEND_ATTR),
-                                                                     "sparse_mla_decode"):
-        raise PluginInstallError(f"sparse_mla_decode: {BACKEND_ATTR} does not hold the adapter after install")
-    for site in CALL_SITES:
-        if site.kernel in settings.kernels and site.kernel != "sparse_mla_decode":
-            module = importlib.import_module(site.module)
-            if not holds_adapter(getattr(module, site.attr), site.kernel):
-                raise PluginInstallError(f"{site.kernel}: {site.module}.{site.attr} does not hold the adapter")
 
 
 def _failing_factory(error: Exception) -> Callable[[Any], Any]:

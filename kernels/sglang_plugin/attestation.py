@@ -1,7 +1,8 @@
 """Per-rank proof that the kernels are installed and running, as files under the worker's run folder.
 
 `rank{R}.json` is written by each TP process once its backend holds the adapters (identity-checked):
-rank, pid, GPU, SGLang and project versions, and per kernel the call sites that hold our function.
+rank, pid, GPU, its class (sm_90 / sm_100 / sm_120), SGLang and project versions, per kernel the call sites
+that hold our function and whether the kernel is ours or stock.
 `counters-rank{R}.json` is rewritten every `COUNTER_PERIOD_S` by a daemon thread with the device
 counters (copied on a side stream, so it never waits for the model's work). `dsv4-cluster verify`
 reads both (orchestrator/verify/kernels.py); the formats are this module's, both sides import it.
@@ -31,12 +32,15 @@ class Attestation:
     sglang_version: str
     project_version: str
     call_sites: dict[str, list[str]] = field(default_factory=dict)  # kernel -> sites holding our function
+    gpu_class: str | None = None  # sm_90 / sm_100 / sm_120 (absent in attestations written before it was added)
+    kernels: dict[str, str] = field(default_factory=dict)  # kernel -> "ours" | "stock"
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Attestation:
         return cls(worker=data.get("worker"), rank=int(data["rank"]), pid=int(data["pid"]), gpu=data.get("gpu"),
                    sglang_version=str(data["sglang_version"]), project_version=str(data["project_version"]),
-                   call_sites={k: list(v) for k, v in dict(data.get("call_sites") or {}).items()})
+                   call_sites={k: list(v) for k, v in dict(data.get("call_sites") or {}).items()},
+                   gpu_class=data.get("gpu_class"), kernels=dict(data.get("kernels") or {}))
 
 
 def attestation_path(folder: str | Path, rank: int) -> Path:

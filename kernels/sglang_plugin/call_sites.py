@@ -1,18 +1,24 @@
-"""The SGLang 0.5.23 call sites our kernels replace, and the signatures they must still have.
+"""The SGLang 0.5.23 call sites our kernels replace, per GPU class, and what must still hold there.
 
-One table serves the plugin (it refuses to install over a call site that moved or changed shape:
-fail closed) and the contract test in CI (so a new SGLang release fails a test, not a deployment).
-Signatures are compared from source (`ast`), so the check runs where the CUDA-only modules behind
-them (FlashMLA, DeepGEMM) cannot be imported.
+One table serves the plugin (it refuses to install over a call site that moved or changed shape: fail
+closed), the contract tests in CI (signature and dispatch condition of every entry, read in SGLang's own
+source with `ast`, so a new release fails a test, not a deployment) and the docs (docs/sglang.md). Sources
+are parsed, not imported, so the checks run where FlashMLA / DeepGEMM / FlashInfer cannot be imported.
 
-- sparse_mla_decode: each `DeepseekV4AttnBackend` binds `functools.partial(flash_mla_interface.
-  flash_mla_with_kvcache, use_legacy=...)` to `self._flash_mla_with_kvcache` in `__init__`, so it is
-  replaced per backend instance, right after the `dsv4` factory built it.
-- indexer: `dsv4/indexer.py` does `from deep_gemm import fp8_paged_mqa_logits as fn` at call time,
-  so it is replaced on the `deep_gemm` module.
-- topk: `dsv4/indexer.py` imported `topk_transform_paged_v2` at module load (replaced there) and
-  `dsa_topk_backend.py` imports it from `kernels/ops/attention/dsv4/topk.py` at call time (replaced
-  there too).
+Where DeepSeek-V4-Flash's decode goes, by SGLang's GPU class (`get_platform().is_sm90 / is_sm100 / is_sm120`):
+- sparse decode, sm_90 and sm_100: `DeepseekV4AttnBackend._forward_attention`'s else branch of `is_sm120` calls
+  `self._flash_mla_with_kvcache`, a `functools.partial(flash_mla_interface.flash_mla_with_kvcache,
+  use_legacy=...)` bound in `__init__`: replaced per backend instance, right after the factory built it.
+- sparse decode, sm_120: the `is_sm120` branch imports `flash_mla_with_kvcache_sm120` from `flash_mla_sm120` at
+  call time and calls it with keywords (it picks FlashInfer / SGLang's Triton / PyTorch inside): replaced on
+  that module. Above `SM120_DECODE_MAX_TOKENS` rows SGLang first slices q and the sink to the real heads; the
+  adapter takes any head count (pads 8 to 16).
+- indexer, every class: `from deep_gemm import fp8_paged_mqa_logits as fn` at call time: replaced on `deep_gemm`;
+  on sm_120 under `SGLANG_FP8_PAGED_MQA_LOGITS_TORCH` SGLang calls `fp8_paged_mqa_logits_torch_sm120` (a name of
+  `dsv4/indexer.py` looked up at call time): replaced there instead.
+- top-k, every class: `topk_transform_paged_v2` (the `should_use_topk_v2()` branch, SGLang's default), imported by
+  `dsv4/indexer.py` at load (replaced there) and by `dsa_topk_backend.py` from `dsv4/topk.py` (replaced there too).
+What stays stock, and why, is `STOCK`.
 """
 
 from __future__ import annotations
@@ -33,22 +39,119 @@ TOPK_V2_PARAMS = ("scores", "seq_lens", "page_tables", "out_page_indices", "page
 INDEXER_CALL_MODULE = "sglang.srt.layers.attention.dsv4.indexer"
 
 
+BACKEND_MODULE = "sglang.srt.layers.attention.deepseek_v4_backend"
+SM120_MODULE = "sglang.kernels.ops.attention.flash_mla_sm120"
+SM120_PARAMS = ("**kwargs",)
+TORCH_SM120_PARAMS = ("q_fp8", "kvcache_fp8", "weight", "seq_lens", "page_table", "deep_gemm_metadata", "max_seq_len",
+                      "clean_logits")
+TORCH_INDEXER_ENV = "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH"
+ALL_CLASSES = ("sm_90", "sm_100", "sm_120")
+
+
+@dataclass(frozen=True)
+class Branch:
+    """A dispatch condition in SGLang's source: in `function` of `module`, an `if` whose test reads `test` (or
+    starts with it, `prefix`) reaches `name` (called, assigned or imported) in its body (`orelse`: its else)."""
+
+    module: str
+    function: str
+    test: str
+    name: str
+    orelse: bool = False
+    prefix: bool = False
+
+    def holds(self) -> bool:
+        _, tree = module_source(self.module)
+        for fn in ast.walk(tree):
+            if not (isinstance(fn, ast.FunctionDef) and fn.name == self.function):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.If) and _matches(ast.unparse(node.test), self.test, self.prefix):
+                    if _reaches(node.orelse if self.orelse else node.body, self.name):
+                        return True
+        return False
+
+    def describe(self) -> str:
+        return (f"{self.module}.{self.function}: {'else of ' if self.orelse else ''}`if {self.test}"
+                f"{' ...' if self.prefix else ''}` reaches {self.name}")
+
+
+def _matches(found: str, test: str, prefix: bool) -> bool:
+    return found.startswith(test) if prefix else found == test
+
+
+def _reaches(body: list, name: str) -> bool:
+    for stmt in body:
+        for n in ast.walk(stmt):
+            if isinstance(n, ast.Call) and (getattr(n.func, "id", None) == name or getattr(n.func, "attr", None) == name):
+                return True
+            if isinstance(n, ast.ImportFrom) and any(a.name == name for a in n.names):
+                return True
+            if isinstance(n, ast.Assign) and ast.unparse(n.value) in (name, f"self.{name}"):
+                return True
+    return False
+
+
 @dataclass(frozen=True)
 class CallSite:
     kernel: str
     module: str  # where the name SGLang calls lives
     attr: str
-    params: tuple[str, ...] | None  # expected parameter names ("*x": keyword-only); None: compiled
+    params: tuple[str, ...] | None  # expected parameter names ("*x": keyword-only; "**x": var-keyword); None: compiled
+    classes: tuple[str, ...] = ALL_CLASSES  # GPU classes whose decode calls it
+    branch: Branch | None = None  # SGLang's dispatch condition that routes the call here
+    env: str | None = None  # an SGLang env switch that routes the call here (absent: the default route)
+    on_backend: bool = False  # replaced per backend instance (the FlashMLA partial), not on the module
 
 
+BACKEND_FN = "_forward_attention"
+INDEXER_FN = "forward_c4_indexer"
 CALL_SITES = (
     CallSite("sparse_mla_decode", "sglang.kernels.ops.attention.flash_mla_interface", "flash_mla_with_kvcache",
-             FLASH_MLA_PARAMS),
-    CallSite("indexer", "deep_gemm", "fp8_paged_mqa_logits", None),
-    CallSite("topk", "sglang.kernels.ops.attention.dsv4.topk", "topk_transform_paged_v2", TOPK_V2_PARAMS),
-    CallSite("topk", "sglang.srt.layers.attention.dsv4.indexer", "topk_transform_paged_v2", TOPK_V2_PARAMS),
+             FLASH_MLA_PARAMS, ("sm_90", "sm_100"),
+             Branch(BACKEND_MODULE, BACKEND_FN, "get_platform().is_sm120", "_flash_mla_with_kvcache", orelse=True),
+             on_backend=True),
+    CallSite("sparse_mla_decode", SM120_MODULE, "flash_mla_with_kvcache_sm120", SM120_PARAMS, ("sm_120",),
+             Branch(BACKEND_MODULE, BACKEND_FN, "get_platform().is_sm120", "flash_mla_with_kvcache_sm120")),
+    CallSite("indexer", "deep_gemm", "fp8_paged_mqa_logits", None, ALL_CLASSES,
+             Branch(INDEXER_CALL_MODULE, INDEXER_FN, "is_xpu()", "fp8_paged_mqa_logits", orelse=True)),
+    CallSite("indexer", INDEXER_CALL_MODULE, "fp8_paged_mqa_logits_torch_sm120", TORCH_SM120_PARAMS, ("sm_120",),
+             Branch(INDEXER_CALL_MODULE, INDEXER_FN, "get_platform().is_sm120", "fp8_paged_mqa_logits_torch_sm120"),
+             env=TORCH_INDEXER_ENV),
+    CallSite("topk", "sglang.kernels.ops.attention.dsv4.topk", "topk_transform_paged_v2", TOPK_V2_PARAMS, ALL_CLASSES,
+             Branch(INDEXER_CALL_MODULE, INDEXER_FN, "self.dsa_topk_backend.should_use_topk_v2()",
+                    "topk_transform_paged_v2")),
+    CallSite("topk", INDEXER_CALL_MODULE, "topk_transform_paged_v2", TOPK_V2_PARAMS, ALL_CLASSES,
+             Branch(INDEXER_CALL_MODULE, INDEXER_FN, "self.dsa_topk_backend.should_use_topk_v2()",
+                    "topk_transform_paged_v2")),
 )
-BACKEND_MODULE = "sglang.srt.layers.attention.deepseek_v4_backend"
+
+
+@dataclass(frozen=True)
+class StockSite:
+    """A call SGLang makes on a class that the plugin leaves stock, why, and what the plugin does about it."""
+
+    kernel: str
+    classes: tuple[str, ...]
+    what: str
+    why: str
+    branch: Branch
+
+
+STOCK = (
+    StockSite("sparse_mla_decode", ("sm_100",), "decode_attention_sm100.swapab_attention",
+              "taken only by DeepSeek-V4.1 checkpoints (`self.is_dsv41`); DeepSeek-V4-Flash never reaches it",
+              Branch(BACKEND_MODULE, BACKEND_FN, "self.is_dsv41 and get_platform().is_sm100", "swapab_attention",
+                     prefix=True)),
+    StockSite("sparse_mla_decode", ("sm_100",), "DeepseekV4TrtllmAttnBackend._forward_trtllm",
+              "opt-in `--dsv4-attn-backend trtllm` reads a uniform-FP8 pool our kernel does not: the plugin refuses "
+              "to install (model init fails, naming it)",
+              Branch(BACKEND_MODULE, BACKEND_FN, "self.trtllm_attn", "_forward_trtllm")),
+    StockSite("indexer", ALL_CLASSES, "deep_gemm.fp8_fp4_paged_mqa_logits",
+              "opt-in `--enable-deepseek-v4-fp4-indexer` scores FP4 keys: the plugin refuses the indexer there",
+              Branch(INDEXER_CALL_MODULE, INDEXER_FN, "use_fp4_indexer and (not use_aiter_fp4)",
+                     "fp8_fp4_paged_mqa_logits")),
+)
 BACKEND_CLASS = "DeepseekV4AttnBackend"
 BACKEND_ATTR = "_flash_mla_with_kvcache"
 REGISTRY_MODULE = "sglang.srt.layers.attention.attention_registry"
@@ -70,7 +173,8 @@ def module_source(module: str) -> tuple[Path, ast.Module]:
 
 def _params(fn: ast.FunctionDef) -> tuple[str, ...]:
     a = fn.args
-    return tuple(p.arg for p in [*a.posonlyargs, *a.args]) + tuple(f"*{p.arg}" for p in a.kwonlyargs)
+    kwargs = (f"**{a.kwarg.arg}",) if a.kwarg is not None else ()
+    return tuple(p.arg for p in [*a.posonlyargs, *a.args]) + tuple(f"*{p.arg}" for p in a.kwonlyargs) + kwargs
 
 
 def source_params(module: str, attr: str) -> tuple[str, ...]:
@@ -90,13 +194,34 @@ def imports_name(module: str, name: str, from_module: str) -> bool:
 
 
 def check_call_site(site: CallSite) -> None:
-    """Raise CallSiteError unless `site` still has the signature the adapter was written for."""
+    """Raise CallSiteError unless `site` still has the signature the adapter was written for and SGLang's
+    dispatch condition still routes the call there."""
+    if site.branch is not None and not site.branch.holds():
+        raise CallSiteError(f"SGLang's dispatch changed: {site.branch.describe()} no longer holds; the "
+                            f"{site.kernel} adapter at {site.module}.{site.attr} would never be called")
+    _check_signature(site)
+
+
+def sites_for(gpu: str, kernel: str | None = None, env: dict | None = None) -> tuple[CallSite, ...]:
+    """The call sites SGLang calls on class `gpu` under `env` (an env-routed site replaces the default one of
+    its kernel on that class when its switch is on)."""
+    env = env or {}
+    on = {s.kernel for s in CALL_SITES if gpu in s.classes and s.env and _truthy(env.get(s.env))}
+    return tuple(s for s in CALL_SITES if gpu in s.classes and (kernel is None or s.kernel == kernel)
+                 and ((s.env is not None and _truthy(env.get(s.env))) or (s.env is None and s.kernel not in on)))
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _check_signature(site: CallSite) -> None:
     if site.params is None:
         if not imports_name(INDEXER_CALL_MODULE, site.attr, site.module):
             raise CallSiteError(f"{INDEXER_CALL_MODULE} no longer imports {site.attr} from {site.module}; "
                                 f"the {site.kernel} adapter would never be called")
         return
-    if site.module == INDEXER_CALL_MODULE:
+    if site.module == INDEXER_CALL_MODULE and site.kernel == "topk":
         if not imports_name(site.module, site.attr, "sglang.kernels.ops.attention.dsv4"):
             raise CallSiteError(f"{site.module} no longer imports {site.attr}; the {site.kernel} adapter "
                                 "would never be called")

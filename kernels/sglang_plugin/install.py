@@ -23,12 +23,16 @@ from typing import Any
 from dsv4_cluster.core import KERNEL_NAMES
 
 from .call_sites import (
-    BACKEND_ATTR, BACKEND_CLASS, BACKEND_MODULE, CALL_SITES, CallSiteError, check_call_site)
+    BACKEND_ATTR, BACKEND_CLASS, BACKEND_MODULE, CallSite, CallSiteError, check_call_site, sites_for)
 from .settings import SGLANG_VERSION, PluginSettings
 
-# SGLang env switches that route the DeepSeek-V4 indexer away from deep_gemm.fp8_paged_mqa_logits.
-INDEXER_DETOURS = ("SGLANG_OPT_USE_TILELANG_INDEXER", "SGLANG_OPT_USE_AITER_INDEXER",
-                   "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH")
+# SGLang env switches that route the DeepSeek-V4 indexer away from every site the plugin replaces (per class:
+# on sm_120 the torch switch routes it to fp8_paged_mqa_logits_torch_sm120, which the plugin replaces).
+INDEXER_DETOURS = {"sm_90": ("SGLANG_OPT_USE_TILELANG_INDEXER", "SGLANG_OPT_USE_AITER_INDEXER",
+                             "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH"),
+                   "sm_100": ("SGLANG_OPT_USE_TILELANG_INDEXER", "SGLANG_OPT_USE_AITER_INDEXER",
+                              "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH"),
+                   "sm_120": ("SGLANG_OPT_USE_TILELANG_INDEXER", "SGLANG_OPT_USE_AITER_INDEXER")}
 
 
 class PluginInstallError(RuntimeError):
@@ -39,8 +43,8 @@ def _truthy(value: str | None) -> bool:
     return (value or "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def preconditions(settings: PluginSettings) -> list[str]:
-    """Why the requested kernels cannot be installed in this process; empty when they can."""
+def preconditions(settings: PluginSettings, gpu: str) -> list[str]:
+    """Why the requested kernels cannot be installed in this process on GPU class `gpu`; empty when they can."""
     problems = []
     try:
         found = importlib.metadata.version("sglang")
@@ -49,14 +53,14 @@ def preconditions(settings: PluginSettings) -> list[str]:
     if found != SGLANG_VERSION:
         problems.append(f"SGLang {found} is not {SGLANG_VERSION}, the release whose call sites the plugin knows")
         return problems
-    for site in CALL_SITES:
+    for site in sites_for(gpu, env=os.environ):
         if site.kernel in settings.kernels:
             try:
                 check_call_site(site)
             except CallSiteError as e:
                 problems.append(f"{site.kernel}: {e}")
     if "indexer" in settings.kernels:
-        detours = [name for name in INDEXER_DETOURS if _truthy(os.environ.get(name))]
+        detours = [name for name in INDEXER_DETOURS[gpu] if _truthy(os.environ.get(name))]
         if detours:
             problems.append(f"indexer: {', '.join(detours)} routes SGLang's indexer away from "
                             "deep_gemm.fp8_paged_mqa_logits; unset it")
@@ -85,50 +89,73 @@ class Counters:
         return call
 
 
-def _adapters() -> dict[str, Callable[..., Any]]:
+def adapter_for(site: CallSite) -> Callable[..., Any]:
+    """Our drop-in for one SGLang call site."""
     try:
         from dsv4_cluster.kernels import sglang_adapters as a
     except ImportError as e:
         raise PluginInstallError(f"the kernel adapters do not import: {e}") from e
-    return {"sparse_mla_decode": a.flash_mla_with_kvcache, "indexer": a.fp8_paged_mqa_logits,
-            "topk": a.topk_transform_paged_v2}
+    if site.kernel == "sparse_mla_decode":
+        return a.flash_mla_with_kvcache if site.on_backend else a.flash_mla_with_kvcache_sm120
+    return a.fp8_paged_mqa_logits if site.kernel == "indexer" else a.topk_transform_paged_v2
 
 
-def install_module_sites(settings: PluginSettings, counters: Counters) -> dict[str, list[str]]:
-    """Replace the module-level call sites (indexer, top-k) once per process; returns where, per kernel."""
-    adapters, placed = _adapters(), {}
-    for site in CALL_SITES:
-        if site.kernel not in settings.kernels or site.kernel == "sparse_mla_decode":
+def install_module_sites(settings: PluginSettings, counters: Counters, gpu: str) -> dict[str, list[str]]:
+    """Replace the module-level call sites of class `gpu` once per process; returns where, per kernel."""
+    placed: dict[str, list[str]] = {}
+    for site in sites_for(gpu, env=os.environ):
+        if site.kernel not in settings.kernels or site.on_backend:
             continue
         try:
             module = importlib.import_module(site.module)
         except ImportError as e:
             raise PluginInstallError(f"{site.kernel}: cannot import {site.module} to replace {site.attr}: {e}") from e
-        current = getattr(module, site.attr, None)
-        if getattr(current, "dsv4_adapter", None) is not adapters[site.kernel]:
-            setattr(module, site.attr, counters.counted(site.kernel, adapters[site.kernel]))
+        current, adapter = getattr(module, site.attr, None), adapter_for(site)
+        if getattr(current, "dsv4_adapter", None) is not adapter:
+            setattr(module, site.attr, counters.counted(site.kernel, adapter))
         placed.setdefault(site.kernel, []).append(f"{site.module}.{site.attr}")
     return placed
 
 
-def install_on_backend(backend: Any, settings: PluginSettings, counters: Counters) -> list[str]:
-    """Replace the per-instance FlashMLA call of one DeepSeek-V4 backend; returns where."""
-    if "sparse_mla_decode" not in settings.kernels:
-        return []
+def check_backend(backend: Any, settings: PluginSettings) -> None:
+    """Refuse a backend whose calls go around the replaced sites (see call_sites.STOCK)."""
     module = importlib.import_module(BACKEND_MODULE)
-    if not isinstance(backend, getattr(module, BACKEND_CLASS)):
-        raise PluginInstallError(f"sparse_mla_decode: the dsv4 factory built a {type(backend).__name__}, not a "
-                                 f"{BACKEND_CLASS}; its decode does not go through {BACKEND_ATTR}")
+    if "sparse_mla_decode" in settings.kernels:
+        if not isinstance(backend, getattr(module, BACKEND_CLASS)):
+            raise PluginInstallError(f"sparse_mla_decode: the dsv4 factory built a {type(backend).__name__}, not a "
+                                     f"{BACKEND_CLASS}; its decode does not go through {BACKEND_ATTR}")
+        if getattr(backend, "trtllm_attn", False):
+            raise PluginInstallError("sparse_mla_decode: --dsv4-attn-backend trtllm decodes with trtllm-gen on its own "
+                                     "pool layout; drop the flag or the kernel")
+    if "indexer" in settings.kernels and getattr(backend, "enable_deepseek_v4_fp4_indexer", False):
+        raise PluginInstallError("indexer: --enable-deepseek-v4-fp4-indexer scores FP4 keys with "
+                                 "deep_gemm.fp8_fp4_paged_mqa_logits, which the plugin does not replace; drop one")
+    topk_backend = getattr(backend, "dsa_topk_backend", None)
+    if "topk" in settings.kernels and topk_backend is not None and not topk_backend.should_use_topk_v2():
+        raise PluginInstallError(f"topk: --dsa-topk-backend {topk_backend.value} / SGLANG_OPT_USE_TOPK_V2 routes "
+                                 "the top-k away from topk_transform_paged_v2; use sgl-kernel with v2")
+
+
+def install_on_backend(backend: Any, settings: PluginSettings, counters: Counters, gpu: str) -> list[str]:
+    """Replace the per-instance FlashMLA call of one DeepSeek-V4 backend (sm_90 / sm_100); returns where."""
+    check_backend(backend, settings)
+    sites = [s for s in sites_for(gpu, "sparse_mla_decode") if s.on_backend]
+    if "sparse_mla_decode" not in settings.kernels or not sites:
+        return []
     stock = getattr(backend, BACKEND_ATTR, None)
     if not isinstance(stock, functools.partial) or "use_legacy" not in stock.keywords:
         raise PluginInstallError(f"sparse_mla_decode: {type(backend).__name__}.{BACKEND_ATTR} is {stock!r}, not the "
                                  "functools.partial(flash_mla_with_kvcache, use_legacy=...) of SGLang 0.5.23")
-    adapter = _adapters()["sparse_mla_decode"]
+    adapter = adapter_for(sites[0])
     setattr(backend, BACKEND_ATTR, functools.partial(counters.counted("sparse_mla_decode", adapter), **stock.keywords))
     return [f"{type(backend).__name__}.{BACKEND_ATTR}"]
 
 
-def holds_adapter(target: Any, kernel: str) -> bool:
-    """Identity check: does this call site hold our (counted) adapter for `kernel`?"""
+def holds_adapter(target: Any, kernel: str, site: CallSite | None = None) -> bool:
+    """Identity check: does this call site hold our (counted) adapter for `kernel` (at `site`; default: the
+    kernel's first site, FlashMLA's for the decode)?"""
+    from .call_sites import CALL_SITES
+
+    site = site or next(s for s in CALL_SITES if s.kernel == kernel)
     fn = target.func if isinstance(target, functools.partial) else target
-    return getattr(fn, "dsv4_adapter", None) is _adapters()[kernel]
+    return getattr(fn, "dsv4_adapter", None) is adapter_for(site)

@@ -11,10 +11,12 @@ import os
 from dataclasses import dataclass
 
 from dsv4_cluster.core import KERNEL_NAMES
+from dsv4_cluster.kernels.dispatch import CLASS_ENV, DispatchError, forced_class
 
 KERNELS_ENV = "DSV4_CLUSTER_KERNELS"  # comma-separated kernel names; unset or empty: inert
 ATTEST_DIR_ENV = "DSV4_CLUSTER_ATTEST_DIR"  # folder where each TP rank writes its attestation
 WORKER_ENV = "DSV4_CLUSTER_WORKER"  # the worker's name, written into every attestation
+# CLASS_ENV (kernels/dispatch.py): force the GPU class whose call sites are replaced
 SGLANG_VERSION = "0.5.23"  # the release whose call sites the plugin knows; any other fails closed
 
 
@@ -27,6 +29,7 @@ class PluginSettings:
     kernels: tuple[str, ...]
     attest_dir: str | None
     worker: str | None
+    gpu_class: str | None = None  # forced by CLASS_ENV (tests, stand-ins); None: read from the GPU
 
     @property
     def active(self) -> bool:
@@ -45,4 +48,8 @@ def settings_from_env(env: dict[str, str] | None = None) -> PluginSettings:
     if names and attest is None:
         raise PluginSettingsError(f"{KERNELS_ENV} is set but {ATTEST_DIR_ENV} is not: the plugin "
                                   "must write each rank's attestation somewhere")
-    return PluginSettings(kernels=names, attest_dir=attest, worker=env.get(WORKER_ENV) or None)
+    try:
+        gpu = forced_class(env)
+    except DispatchError as e:
+        raise PluginSettingsError(str(e)) from e
+    return PluginSettings(kernels=names, attest_dir=attest, worker=env.get(WORKER_ENV) or None, gpu_class=gpu)

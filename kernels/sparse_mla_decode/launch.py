@@ -1,4 +1,6 @@
-"""Host side of the Triton sparse MLA decode: argument checks, split choice, grid, workspace.
+"""Host side of the sparse MLA decode: argument checks, split choice, grid, workspace, the launches.
+
+The backend and launch config of a call come from `config.choose_backend` (the dispatch table).
 
 Everything here depends on tensor shapes only (never on index or length values), so a call is
 CUDA-graph capturable: the split count, the grid and the workspace size are fixed for fixed shapes,
@@ -9,48 +11,29 @@ On CPU tensors the same kernels run under TRITON_INTERPRET=1 (the tests do this)
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
 
 import torch
 
+from .. import dispatch
 from . import checks
 from .fp8_layout import DEFAULT_GEOMETRY, PageGeometry, check_cache
 from ..fast_launch import launch as fast_launch
 from ..workspace import scratch
 from . import kernel as _kernels
+from .config import (  # noqa: F401  (re-exported: tests and benches read them here)
+    BACKENDS, DEFAULT_BLOCKS, DIM, GLUON_TRITON_RELEASES, PV_REGS, SMEM_LIMIT, LaunchConfig, _num_sms, choose_backend,
+    gluon_api_unavailable, gluon_index_blocks, gluon_smem_bytes, gluon_unavailable, resolved, triton_next_pow2)
 from .splits import choose_splits, fuses_merge, gluon_splits
 
-DIM = 512
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_DEFAULT_CONFIG = LaunchConfig()
 
 
-@dataclass(frozen=True)
-class LaunchConfig:
-    """How the work is cut: rows per block, splits per query (0 = choose from B), warps, stages, and
-    whether block j + 1 is loaded before block j is computed (register prefetch)."""
-
-    block_n: int = 0  # 0: the backend's default (see `resolved`)
-    num_splits: int = 0
-    num_warps: int = 8
-    num_stages: int = 0  # 0: the backend's default; Gluon: shared-memory stages of block_n rows
-    prefetch: bool = False
-    backend: str = "auto"  # "auto": the warp-specialised Gluon kernel where it applies (sm_90, H = 64), else "triton"
-    # Gluon: registers per loader thread (0: see `resolved`); the S warpgroup gets what the loader and
-    # the P V warpgroup (PV_REGS) leave
-    loader_regs: int = 0
-    # Gluon: merge the splits inside the kernel (a cooperative launch; only when B x splits CTAs fit on the
-    # SMs at once), else with the merge kernel after it. None: fused from splits.FUSED_MERGE_MIN_SPLITS on
-    fused_merge: bool | None = None
-    # Gluon: stage the index table and Q before the per-query lengths are loaded (None: on bf16 rows with
-    # the fused merge, i.e. at small B. On fp8 it measured slower at every B, e.g. B = 8 20.4 vs 19.9 us,
-    # B = 32 29.3 vs 28.1, B = 64 37.9 vs 36.2; bf16 gains up to 0.3 us at B <= 32)
-    early_table: bool | None = None
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+@functools.lru_cache(maxsize=16)
+def smem_cap(device: torch.device) -> int | None:
+    """Shared memory per block the device's GPU class allows (dispatch table); None on CPU."""
+    gpu = dispatch.class_of_device(device)
+    return None if gpu is None else dispatch.SMEM_PER_BLOCK[gpu]
 
 
 def _check_common(q, window_idx, extra_idx, sink, window_lens, extra_lens, has_extra):
@@ -78,88 +61,11 @@ def _check_common(q, window_idx, extra_idx, sink, window_lens, extra_lens, has_e
     return b, h, w, k
 
 
-BACKENDS = ("auto", "triton", "gluon")
-# (block_n, stages) when the config leaves them 0: the H200 sweep's most frequent winners
-# (bench/results/sparse_decode.md).
-DEFAULT_BLOCKS = {("triton", False): (64, 2), ("triton", True): (64, 2),
-                  ("gluon", False): (64, 2), ("gluon", True): (64, 2)}
-PV_REGS = 160  # registers per thread of the Gluon P V-only warpgroup (a 64 x 256 fp32 accumulator and little else)
 _PROBE = 0  # bench/probe_sparse_decode.py only: drop a stage of the Gluon kernel to time the rest (wrong results)
 # bench/trace_sparse_decode.py only: an int64 CUDA tensor of >= B x splits x gluon_loaders.TRACE_SLOTS elements;
 # while set, Gluon launches write their CTAs' phase timestamps into it
 _TRACE: torch.Tensor | None = None
-SMEM_LIMIT = 226 * 1024  # the 227 KB a block may opt into, less a margin for what the estimate leaves out
 
-
-def resolved(config: LaunchConfig | None, backend: str, is_fp8: bool) -> LaunchConfig:
-    """`config` with its 0 (= default) block size and stage count filled in for this backend."""
-    config = config or LaunchConfig()
-    bn, stages = DEFAULT_BLOCKS[(backend, is_fp8)]
-    bn = config.block_n or bn
-    # Loader registers: the fp8 loader holds two 32-row rounds of records at once (128 leaves it
-    # spill-free); the bf16 gather holds 16 row addresses per thread at block_n 64 (80 leaves it
-    # spill-free), 8 at block_n 32.
-    regs = config.loader_regs or (128 if is_fp8 else 80 if bn == 64 else 40)
-    return replace(config, block_n=bn, num_stages=config.num_stages or stages, backend=backend, loader_regs=regs)
-
-
-def gluon_index_blocks(w: int, k: int, block_n: int) -> int:
-    """Rows of the Gluon kernel's index table: the live blocks of a query, rounded up to a power of two."""
-    return triton_next_pow2(-(-w // block_n) + -(-k // block_n))
-
-
-def gluon_smem_bytes(block_n: int, stages: int, w: int = 128, k: int = 512) -> int:
-    """Shared memory of the Gluon kernel: Q, the bf16 row stages, the index table, two P buffers and
-    the softmax rows handed between the compute warpgroups, barriers (w, k: window and extra lists per
-    query). The same for bf16 and fp8: fp8 records are dequantised from registers."""
-    table = gluon_index_blocks(w, k, block_n) * block_n * 4
-    handoff = 2 * 64 * block_n * 2 + 4 * 64 * 4
-    return 64 * DIM * 2 + stages * block_n * DIM * 2 + table + handoff + 8 * (2 * stages + 6)
-
-
-def gluon_unavailable(q: torch.Tensor, is_fp8: bool) -> str | None:
-    """Why the warp-specialised Gluon kernel cannot take this call (None: it can)."""
-    if not q.is_cuda:
-        return "it runs on CUDA tensors only"
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
-        return f"it is written for sm_90 (Hopper); this GPU is sm_{''.join(map(str, torch.cuda.get_device_capability(q.device)))}"
-    if q.shape[1] != 64:
-        return f"it takes all 64 heads as the wgmma M; got H={q.shape[1]}"
-    if q.dtype != torch.bfloat16:
-        return f"it takes bf16 queries; got {q.dtype}"
-    return gluon_api_unavailable()
-
-
-# Gluon is experimental and its API moves between Triton releases (3.9 renamed the cp.async entry point
-# this kernel uses), so the kernel runs only on the releases it was built and tested with on the H200.
-GLUON_TRITON_RELEASES = ("3.6",)
-
-
-def gluon_api_unavailable() -> str | None:
-    """Why this Triton cannot build the Gluon kernel (None: it can)."""
-    import triton
-
-    release = ".".join(triton.__version__.split(".")[:2])
-    if release not in GLUON_TRITON_RELEASES:
-        return (f"it is written against Triton {'/'.join(GLUON_TRITON_RELEASES)}'s Gluon API; this is Triton "
-                f"{triton.__version__} (port the gluon_*.py kernel files, then add the release to "
-                "GLUON_TRITON_RELEASES)")
-    try:
-        from . import gluon_kernel  # noqa: F401
-    except ImportError as exc:  # a build without Gluon's Hopper API
-        return f"Gluon does not import ({exc})"
-    return None
-
-
-def _pick_backend(q, is_fp8, config) -> str:
-    if config.backend not in BACKENDS:
-        raise checks.SparseDecodeInputError(f"LaunchConfig.backend must be one of {BACKENDS}, got {config.backend!r}")
-    why = gluon_unavailable(q, is_fp8)
-    if config.backend == "gluon" and why:
-        raise checks.SparseDecodeInputError(f"the Gluon kernel cannot run this call: {why}; use backend='triton'")
-    if config.backend == "auto":
-        return "triton" if why else "gluon"
-    return config.backend
 
 
 def _outputs(q, splits, out=None, lse=None):
@@ -207,8 +113,7 @@ def _launch(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, si
             window_lens, extra_lens, w, k, is_fp8, config, geos=(DEFAULT_GEOMETRY, DEFAULT_GEOMETRY),
             out=None, lse=None):
     b, h, _ = q.shape
-    config = config or _DEFAULT_CONFIG
-    backend, config = _backend(q.device, h, q.dtype, is_fp8, config)
+    backend, config = choose_backend(q.device, h, q.dtype, is_fp8, config or _DEFAULT_CONFIG)
     if backend == "gluon":
         return _launch_gluon(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, sink, scale,
                              window_lens, extra_lens, w, k, is_fp8, config, geos, out, lse)
@@ -224,28 +129,12 @@ def _launch(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, si
         )
     fast_launch(_kernels._sparse_decode_kernel, (b, splits),
                 _kernel_args(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, sink, scale,
-                             window_lens, extra_lens, w, k, out, lse, part_o, part_lse, splits), kwargs)
+                             window_lens, extra_lens, w, k, out, lse, part_o, part_lse, splits), kwargs,
+                max_shared=smem_cap(q.device))
     if splits > 1:
         _combine(part_o, part_lse, sink, out, lse, b, h, splits)
     return out, lse
 
-
-_DEFAULT_CONFIG = LaunchConfig()
-
-
-@functools.lru_cache(maxsize=256)
-def _backend(device: torch.device, h: int, dtype: torch.dtype, is_fp8: bool, config: LaunchConfig):
-    """(backend, config resolved for it) of a call: shapes and device only, so cached (an eager call
-    pays for none of the capability queries, imports and dataclass copies behind it)."""
-    backend = _pick_backend(_Probe(device, h, dtype), is_fp8, config)
-    return backend, resolved(config, backend, is_fp8)
-
-
-class _Probe:
-    """What `gluon_unavailable` reads of q (device, head count, dtype), without a tensor."""
-
-    def __init__(self, device, h, dtype):
-        self.device, self.shape, self.dtype, self.is_cuda = device, (0, h, DIM), dtype, device.type == "cuda"
 
 
 @functools.lru_cache(maxsize=1024)
@@ -349,17 +238,14 @@ def _combine(part_o, part_lse, sink, out, lse, b, h, splits):
         fast_launch(_kernels._combine_stream_kernel, (b, h // hb),
                     (part_o, part_lse, sink if sink is not None else lse,
                      out, out.stride(0), out.stride(1), lse, lse.stride(0), splits),
-                    dict(H=h, D=DIM, HB=hb, SP=sp, HAS_SINK=sink is not None, num_warps=4))
+                    dict(H=h, D=DIM, HB=hb, SP=sp, HAS_SINK=sink is not None, num_warps=4), max_shared=smem_cap(out.device))
         return
     hb = max(1, min(8, h, 8192 // (sp * 64)))
     fast_launch(_kernels._combine_kernel, (b, h // hb, DIM // 64),
                 (part_o, part_lse, sink if sink is not None else lse,
                  out, out.stride(0), out.stride(1), lse, lse.stride(0), splits),
-                dict(H=h, D=DIM, HB=hb, DC=64, SP=sp, HAS_SINK=sink is not None, num_warps=4))
+                dict(H=h, D=DIM, HB=hb, DC=64, SP=sp, HAS_SINK=sink is not None, num_warps=4), max_shared=smem_cap(out.device))
 
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << (max(n, 1) - 1).bit_length()
 
 
 def sparse_mla_decode_triton(q, kv, window_idx, extra_kv=None, extra_idx=None, sink=None, scale=None,

@@ -34,6 +34,7 @@ from dsv4_cluster.orchestrator.cluster.options import DownOptions, UpOptions
 from dsv4_cluster.orchestrator.cluster.ray_env import prepare_ray_env
 from dsv4_cluster.orchestrator.launch.sglang_capacity import GpuInputs
 from dsv4_cluster.orchestrator.cli.table import render_table
+from dsv4_cluster.kernels.dispatch import GPU_CLASSES, DispatchError
 from dsv4_cluster.orchestrator.cli.status_view import endpoint_status, print_status
 from dsv4_cluster.orchestrator.cluster.record import RecordError, read_record
 from dsv4_cluster.orchestrator.topology.load import TopologyError, load_topology
@@ -81,6 +82,9 @@ def _add_plan_parser(sub: Any) -> None:
     pl.add_argument("--free-before-load-gib", type=float, default=None,
                     help="SGLang: free GPU memory once CUDA and NCCL are up, as its log's 'Memory baseline' shows "
                          "(default: GPU memory minus the 1.21 GiB CUDA context measured on an H200)")
+    pl.add_argument("--gpu-class", choices=GPU_CLASSES, default=None,
+                    help="the GPUs' class for the kernels table (default: read from this machine's GPUs; "
+                         "sm_90 when it has none)")
     pl.add_argument("--checkpoint-gib", type=float, default=gpu.checkpoint_gib,
                     help=f"SGLang: checkpoint size, split evenly over TP (default {gpu.checkpoint_gib:g}, "
                          "DeepSeek-V4-Flash)")
@@ -107,10 +111,31 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if router.router_settings is not None:
         print("\n".join(f"#   {line}" for line in summary(router.router_settings)))
     print()
+    table = _kernels_table(topology, args.gpu_class)
+    if table:
+        print(table + "\n")
     gpu = GpuInputs(args.gpu_mib, args.free_before_load_gib, args.checkpoint_gib)
     print(capacity_table(capacity_rows(topology, gpu)))
     print(inputs_note(topology, gpu), flush=True)
     return EXIT_OK
+
+
+def _kernels_table(topology: Any, forced: str | None) -> str:
+    """What runs per GPU worker and requested kernel, by the class `forced`, or read from this machine's GPUs."""
+    from dsv4_cluster.orchestrator.launch import gpu_classes as gc
+
+    found = None if forced else gc.detect_classes()
+    if forced:
+        source, of = f"--gpu-class {forced}", (lambda w: forced)
+    elif found:
+        source = "read from this machine's GPUs"
+        of = (lambda w: gc.worker_class(w, found) or "unknown")
+    else:
+        source, of = "no GPU here: sm_90 assumed, pass --gpu-class", (lambda w: "sm_90")
+    try:
+        return gc.rows_text(gc.kernel_rows(topology, of), source)
+    except (gc.GpuClassError, DispatchError) as e:
+        return f"Kernels by GPU class: {e}"
 
 
 def _add_verify_parser(sub: Any) -> None:

@@ -111,7 +111,8 @@ def embedded_argv(topology: Topology, worker: WorkerConfig) -> list[str]:
             "--port", str(worker.port)]
     if role == Role.PREFILL.value:
         argv += ["--disaggregation-bootstrap-port", str(worker.bootstrap_port),
-                 "--peer-timeout-s", str(topology.transfer.stranded_kv_timeout_s)]
+                 "--peer-timeout-s", str(topology.transfer.stranded_kv_timeout_s),
+                 "--write-timeout-s", str(topology.transfer.write_timeout_s)]
     argv += [
         "--served-model-name", topology.model.name,
         "--seed", str(topology.model.seed),

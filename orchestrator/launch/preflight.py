@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv4_cluster.kernels.sglang_plugin.settings import SGLANG_VERSION
+from dsv4_cluster.orchestrator.launch.gpu_classes import detect_classes, gpu_workers, kernel_problems
 from dsv4_cluster.orchestrator.launch.plan import LaunchPlan, requested_kernels
 from dsv4_cluster.orchestrator.launch.port_owner import port_holders
 from dsv4_cluster.orchestrator.launch.ports import port_is_free
@@ -145,6 +146,15 @@ def machine_problems(topology: Any) -> list[str]:
     return problems
 
 
+def kernel_class_problems(topology: Any) -> list[str]:
+    """Requested kernels that this machine's GPUs' class cannot take (gpu_classes.py: fail closed before start)."""
+    local = [w for w in gpu_workers(topology) if w.gpus and _is_local(topology.node(w.node).address)]
+    if not local:
+        return []
+    classes = detect_classes()
+    return [] if classes is None else kernel_problems(topology, classes, local)   # no driver: hardware_problems
+
+
 def preflight(topology: Any, plans: list[LaunchPlan]) -> list[str]:
     """Every problem that would stop the cluster from starting here; empty when none."""
-    return machine_problems(topology) + port_problems(topology, plans)
+    return machine_problems(topology) + kernel_class_problems(topology) + port_problems(topology, plans)

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from dsv4_cluster.core import WORKER_ROLES, Role
 from dsv4_cluster.orchestrator.launch.sglang import DSV4_PAGE_SIZE
-from dsv4_cluster.router.policies import Policy
+from dsv4_cluster.router.policies import POLICIES, Policy
 from dsv4_cluster.router.settings import RouterSettings
 from .errors import UnknownNameError
 
@@ -75,6 +75,13 @@ class RouterPolicyConfig(_Strict):
     prefill: Policy = _router_default("prefill_policy")
     decode: Policy = _router_default("decode_policy")
 
+    @model_validator(mode="after")
+    def _decode_policy(self) -> RouterPolicyConfig:
+        if POLICIES[self.decode].prefill_only:
+            raise ValueError(f"decode: {self.decode!r} is for prefill workers (a decode has no prompt cache to aim "
+                             "at); use least_load or power_of_two for decode")
+        return self
+
 
 class ApiKeysConfig(_Strict):
     """Where the router's API keys are: never in the topology itself. Read by the router at its start."""
@@ -111,6 +118,9 @@ class TransferConfig(_Strict):
     stranded_kv_timeout_s: float = Field(
         default=30.0, gt=0, description="embedded: a prefill frees the KV of a prompt no decode reserved "
                                         "within this many seconds (stranded KV); SGLang has its own timeouts")
+    write_timeout_s: float = Field(
+        default=30.0, gt=0, description="embedded: a prefill cancels a KV write still in flight after this many "
+                                        "seconds (a decode that died or froze mid-write) and frees its pages")
 
 
 class KernelsConfig(_Strict):

@@ -28,8 +28,10 @@ Counts = dict[int, dict[str, int]]  # rank -> kernel -> calls
 
 
 def attestation_problems(worker: str, folder: str | Path, tp: int, requested: tuple[str, ...],
-                         server_pid: int | None) -> list[str]:
-    """Why the attestations under `folder` do not prove `requested` in all `tp` ranks; empty when they do."""
+                         server_pid: int | None, gpu_class: str | None = None) -> list[str]:
+    """Why the attestations under `folder` do not prove `requested` in all `tp` ranks; empty when they do.
+    `gpu_class`: the class of the worker's GPUs as read here (None: unknown, not checked); each rank must name
+    it, and hold ours for every requested kernel, as the dispatch table has it for every class."""
     if not requested:
         return []
     if server_pid is None:
@@ -53,9 +55,15 @@ def attestation_problems(worker: str, folder: str | Path, tp: int, requested: tu
             continue
         if att.sglang_version != SGLANG_VERSION:
             problems.append(f"{worker}: rank {rank} runs SGLang {att.sglang_version}, not {SGLANG_VERSION}")
+        if gpu_class is not None and att.gpu_class != gpu_class:
+            problems.append(f"{worker}: rank {rank} installed for GPU class {att.gpu_class or '(none named)'}, but its "
+                            f"GPUs are {gpu_class}: the call sites it replaced are not the ones SGLang calls there")
         for kernel in requested:
             if not att.call_sites.get(kernel):
                 problems.append(f"{worker}: rank {rank}: kernel {kernel} was requested but no call site holds it")
+            elif att.kernels and att.kernels.get(kernel) != "ours":
+                problems.append(f"{worker}: rank {rank}: kernel {kernel} runs {att.kernels.get(kernel, 'unknown')} "
+                                f"on {att.gpu_class}, where the dispatch table runs ours")
     return problems
 
 

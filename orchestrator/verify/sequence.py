@@ -24,6 +24,7 @@ from dsv4_cluster.core import Role
 from dsv4_cluster.kernels.sglang_plugin.attestation import COUNTER_PERIOD_S
 from dsv4_cluster.kernels.sglang_plugin.settings import ATTEST_DIR_ENV, KERNELS_ENV
 from dsv4_cluster.orchestrator.verify import embedded_calls
+from dsv4_cluster.orchestrator.launch.gpu_classes import detect_classes
 from dsv4_cluster.orchestrator.verify.kernels import attestation_problems, counter_problems, read_counts
 from dsv4_cluster.orchestrator.verify.pd_check import PDCheckError, check_pd_equivalence, router_url
 from dsv4_cluster.orchestrator.launch.plan import LaunchPlan, cluster_plans, requested_kernels
@@ -55,11 +56,14 @@ def verify_kernels(plans: tuple[LaunchPlan, ...], requested: tuple[str, ...],
     if not requested:
         return []
     problems = []
+    classes = detect_classes() if any(_attested(p) for p in plans) else None   # this host's GPUs (one host)
     with httpx.Client(timeout=10.0) as client:
         for plan in plans:
             folder = _attested(plan)
             if folder is not None:
-                problems += attestation_problems(plan.name, folder, plan.tp, requested, (pids or {}).get(plan.name))
+                gpu = {classes.get(g) for g in plan.gpus} if classes and plan.gpus else set()
+                problems += attestation_problems(plan.name, folder, plan.tp, requested, (pids or {}).get(plan.name),
+                                                 gpu.pop() if len(gpu) == 1 else None)
                 continue
             if plan.server_info_url is None:
                 continue

@@ -146,3 +146,56 @@ def test_indexer_and_topk_graph_replay_at_many_lengths():
         graph.replay()
         torch.cuda.synchronize()
         _check_indexer_topk(c, logits, out, raw)
+
+
+def _kept(module):
+    return [p for p in module._PLANS.plans.values() if p.steps is not None]
+
+
+@pytest.mark.parametrize("kind", sorted(LAYERS))
+@pytest.mark.parametrize("b", [1, 64, 256])
+def test_replayed_launch_plan_equals_the_checked_path(kind, b):
+    """Eager calls of one shape class replay the launch plan their first call recorded (launch_cache): on new
+    tensors it writes exactly what the checked path writes."""
+    from dsv4_cluster.kernels.sglang_adapters import flash_mla as module
+
+    first, second = decode_case(kind, b, 64, seed=3), decode_case(kind, b, 64, seed=4)
+    module._PLANS.plans.clear()
+    for _ in range(2):  # a first call may allocate device buffers (not kept); the second records
+        flash_mla_with_kvcache(tile_scheduler_metadata=None, **first)
+    assert _kept(module), module._PLANS.uncached
+    out, lse = flash_mla_with_kvcache(tile_scheduler_metadata=None, **second)
+    module._PLANS.plans.clear()
+    ref_out, ref_lse = flash_mla_with_kvcache(tile_scheduler_metadata=None, **second)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
+def test_replayed_indexer_and_topk_plans_equal_the_checked_path():
+    from dsv4_cluster.kernels.sglang_adapters import indexer as imod
+    from dsv4_cluster.kernels.sglang_adapters import topk as tmod
+
+    lens = [0, 1, 100, 511, 513, 5000, 9000, 16384]
+    cap = 1 << 14
+
+    def step(c, max_len=cap):  # max_context_len below the capacity: the same shape class (logits cap wide)
+        logits = fp8_paged_mqa_logits(c["q"], c["kv"], c["weights"], c["lens2d"], c["table"], None, max_len, False)
+        out = torch.empty(len(lens), 512, dtype=torch.int32, device="cuda")
+        raw = torch.empty_like(out)
+        topk_transform_paged_v2(logits, c["lens"], c["table"], out, 64, None, raw)
+        return logits, out, raw
+
+    imod._PLANS.plans.clear()
+    tmod._PLANS.plans.clear()
+    for seed in (1, 1):
+        step(indexer_case(len(lens), lens, capacity=cap, seed=seed), cap - 7)
+    assert _kept(imod) and _kept(tmod), (imod._PLANS.uncached, tmod._PLANS.uncached)
+    c = indexer_case(len(lens), lens, capacity=cap, seed=2)
+    logits, out, raw = step(c)
+    _check_indexer_topk(c, logits, out, raw)
+    imod._PLANS.plans.clear()
+    tmod._PLANS.plans.clear()
+    ref_logits, ref_out, ref_raw = step(c)
+    for r, n in enumerate(lens):
+        assert torch.equal(logits[r, :n], ref_logits[r, :n])
+        assert torch.equal(out[r].sort().values, ref_out[r].sort().values)
+        assert torch.equal(raw[r].sort().values, ref_raw[r].sort().values)

@@ -8,7 +8,8 @@ Request lifecycle on the decode side:
    with the prefill's bootstrap server (once per prefill) and tells it the room's destination pages.
 3. Prefill WRITEs the KV pages and sends a notification with the room and the first output token.
    A request whose KV does not land within `transfer_timeout_s` fails with 500; one whose prefill
-   failed ends as soon as the prefill says so (a "failed" notification), its pages freed at once.
+   failed ends as soon as the prefill says so (a "failed" notification), its pages freed at once (or
+   quarantined, below, when the prefill cancelled a WRITE that NIXL could not stop: "may_land").
    Pages of a request that failed here while waiting (router abort, client gone) are quarantined
    until prefill confirms it will not write them (`on_quarantine` -> its /kv/cancel), the WRITE's
    notification arrives, or, as the last resort, the quarantine expires.
@@ -118,6 +119,7 @@ class DecodeEngine(Engine):
                 msg = json.loads(raw)
                 room = int(msg["room"])
                 first = None if "failed" in msg else int(msg["first_token"])
+                cached = int(msg.get("cached_tokens") or 0)
             except (ValueError, KeyError, TypeError) as exc:
                 log.warning("ignored a malformed KV notification %r: %r", raw[:200], exc)
                 continue
@@ -126,8 +128,11 @@ class DecodeEngine(Engine):
                 continue
             if "failed" in msg:
                 req = self._by_room.get(room)
-                if req is not None:    # prefill will not write: fail() frees the pages, no quarantine
-                    req.state = ReqState.WAITING_PAGES
+                if req is not None:
+                    if not msg.get("may_land"):   # prefill will not write: fail() frees the pages, no quarantine
+                        req.state = ReqState.WAITING_PAGES
+                    # else a cancelled WRITE may still land: fail() quarantines the pages (WAITING_PEER) until
+                    # prefill's next message for the room says it ended
                     self.stats.transfer_failed += 1
                     self.fail(req, 500, f"prefill failed: {msg['failed']}")
                 continue
@@ -136,6 +141,7 @@ class DecodeEngine(Engine):
                 log.warning("KV arrived for unknown bootstrap_room %s; ignored", room)
                 continue
             req.state = ReqState.RUNNING
+            req.cached_tokens = cached
             with self.serving(req):
                 self._emit_token(req, first)
             if req.state is ReqState.RUNNING:
@@ -169,6 +175,6 @@ class DecodeEngine(Engine):
         self.stats.generation_tokens += 1
         self.stats.generated.add(1, req.last_token_time)
         finish = req.finished(self.tokenizer.eos_token_id)
-        req.emit(Token(token, finish))
+        req.emit(Token(token, finish, req.cached_tokens if len(req.out) == 1 else None))
         if finish is not None:
             self.finish(req)

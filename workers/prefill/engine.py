@@ -3,116 +3,45 @@
 Request lifecycle on the prefill side:
 1. The router's POST arrives (same body as decode's, with bootstrap_room); the handler tokenizes
    and submits a `Req` here. It waits in the bootstrap queue until the pool has pages for the prompt.
-2. Each step runs one forward over chunks of the queue's first prompts, up to `chunk_tokens` tokens
-   in all (batched, chunked prefill, as SGLang's --chunked-prefill-size); a prompt longer than what
-   is left goes on in the next step. Once a prompt is done the engine samples its first output token.
+2. Its pages: the longest whole-page prefix already in the prefix cache (prefix_cache.py; shared, locked, not
+   computed again), then new pages for the rest (evicting unlocked cached pages, least recently used first, when
+   the pool is short). Each step runs one forward over chunks of the queue's first prompts, up to `chunk_tokens`
+   tokens in all (batched, chunked prefill, as SGLang's --chunked-prefill-size); a prompt longer than what is left
+   goes on in the next step. Once a prompt is done the engine samples its first output token and puts the
+   prompt's whole pages in the cache.
 3. It waits until the decode side has reserved pages for this room (`Destinations`, fed by the
    bootstrap server), for at most `peer_timeout_s` (topology: `transfer.stranded_kv_timeout_s`); a room
    unreserved past the detection time is stranded KV (stranded.py), freed at that deadline.
 4. It WRITEs the prompt's pages into those pages with a notification carrying the room and the first
    token; that notification is how decode learns the KV has landed.
 5. Once the WRITE is DONE, the pages are freed and the handler answers the router with one token
-   and finish_reason length (PROTOCOL.md).
+   and finish_reason length (PROTOCOL.md). A WRITE still in flight after `write_timeout_s` (topology:
+   `transfer.write_timeout_s`; a decode that died or froze mid-write) is cancelled: the request fails, decode is
+   told (it frees the room's pages, or holds them while NIXL may still write), the pages come back here once
+   NIXL lets go of the transfer, and `dsv4_kv_write_timeouts_total` counts it.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import threading
-import time
 from collections import deque
-from dataclasses import dataclass
 
 from ..engine import Engine
 from ..kv_pool import PoolExhausted
+from ..prefix_cache import PrefixCache, RadixNode
 from ..request import Finish, Req, ReqState, Token
 from ..runner import Chunk, ModelRunner
 from ..transfer import NixlTransfer, TransferError
+from .destinations import Destinations, failed_message, notif_message
 from .stranded import StrandedKV
+from ...metric_names import KV_WRITE_TIMEOUTS
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Destination:
-    agent_name: str
-    pages: list[int]
-    arrived: float
-    incarnation: int | None = None   # of the decode process that reserved `pages` (NixlTransfer)
-
-
-class Destinations:
-    """Rooms -> where decode reserved KV. Written by the bootstrap server, read by the engine.
-
-    A room goes put (decode reserved) -> taken (the engine starts its WRITE) -> done (the WRITE ended).
-    Decode may `cancel` a room it gave up: if no WRITE was taken for it, none ever will be (later puts
-    are refused and a waiting request fails at once), so decode can free the pages right away.
-    """
-
-    def __init__(self, ttl_s: float):
-        self._lock = threading.Lock()
-        self._by_room: dict[int, Destination] = {}
-        self._taken: dict[int, str] = {}            # room -> decode agent, WRITE in flight
-        self._cancelled: dict[int, float] = {}      # room -> when decode gave it up
-        self._ttl_s = ttl_s
-
-    def put(self, room: int, agent_name: str, pages: list[int], incarnation: int | None = None) -> bool:
-        """Record decode's pages for `room` (reserved by decode process `incarnation`); False if decode
-        already cancelled it."""
-        with self._lock:
-            now = time.monotonic()
-            self._by_room = {r: d for r, d in self._by_room.items() if now - d.arrived < self._ttl_s}
-            self._cancelled = {r: t for r, t in self._cancelled.items() if now - t < self._ttl_s}
-            if room in self._cancelled:
-                return False
-            self._by_room[room] = Destination(agent_name, pages, now, incarnation)
-            return True
-
-    def take(self, room: int) -> Destination | None:
-        """The engine is about to WRITE into the room's pages (until `done`)."""
-        with self._lock:
-            dest = self._by_room.pop(room, None)
-            if dest is not None:
-                self._taken[room] = dest.agent_name
-            return dest
-
-    def done(self, room: int) -> str | None:
-        """The room's WRITE ended (or never started); returns the decode agent it was for."""
-        with self._lock:
-            return self._taken.pop(room, None)
-
-    def cancelled(self, room: int) -> bool:
-        with self._lock:
-            return room in self._cancelled
-
-    def discard(self, room: int) -> None:
-        """Prefill gave the room up itself (its request failed before any WRITE)."""
-        with self._lock:
-            self._by_room.pop(room, None)
-
-    def cancel(self, room: int) -> bool:
-        """Decode gave the room up. True if a WRITE into its pages may still be in flight."""
-        with self._lock:
-            if room in self._taken:
-                return True
-            self._by_room.pop(room, None)
-            self._cancelled[room] = time.monotonic()
-            return False
-
-
-def notif_message(room: int, first_token: int) -> bytes:
-    return json.dumps({"room": room, "first_token": first_token}).encode()
-
-
-def failed_message(room: int, reason: str) -> bytes:
-    """Tells decode that no KV will come for `room`, so it can free the room's pages now."""
-    return json.dumps({"room": room, "failed": reason}).encode()
-
-
 class PrefillEngine(Engine):
     def __init__(self, runner: ModelRunner, transfer: NixlTransfer, peer_timeout_s: float = 30.0,
-                 chunk_tokens: int = 1024):
+                 chunk_tokens: int = 1024, write_timeout_s: float = 30.0, prefix_cache: bool = True):
         super().__init__(runner, "prefill-engine")
         self.chunk_tokens = chunk_tokens
         self.transfer = transfer
@@ -121,6 +50,10 @@ class PrefillEngine(Engine):
         self._bootstrap: deque[Req] = deque()
         self._waiting_peer: list[Req] = []
         self._inflight: list[tuple[Req, object, float, int]] = []
+        self.write_timeout_s = write_timeout_s
+        self._abandoned: list[tuple[int | None, object, str, list[int]]] = []   # (room, handle, rid, pages) NIXL kept
+        self.cache = PrefixCache(runner.pool) if prefix_cache else None
+        self._locks: dict[str, list[RadixNode]] = {}      # rid -> the cache nodes its pages include (locked)
         self.stranded = StrandedKV(peer_timeout_s, runner.pool.layout.page_size)
         self._ready_at: dict[str, float] = {}   # rid -> when its KV was ready (waiting for a decode)
 
@@ -136,8 +69,12 @@ class PrefillEngine(Engine):
         if req.room is not None and req.state is not ReqState.TRANSFERRING:
             self.destinations.discard(req.room)
 
+    def pending(self) -> bool:
+        return bool(self.reqs or self._abandoned)
+
     def step(self) -> bool:
         worked = self._poll_inflight()
+        worked |= self._poll_abandoned()
         worked |= self._send_ready()
         self._free_stranded()
         worked |= self._prefill_batch()
@@ -153,7 +90,7 @@ class PrefillEngine(Engine):
                 break
             if not req.pages:
                 try:
-                    req.pages = self.runner.pool.alloc(len(req.prompt_ids))
+                    self._allocate(req)
                 except PoolExhausted:
                     break
             n = min(len(req.prompt_ids) - req.prefilled, budget)
@@ -175,13 +112,55 @@ class PrefillEngine(Engine):
             if req.state is ReqState.ABORTED:   # sampling failed just above
                 continue
             self.stats.prompt_tokens += len(req.prompt_ids)
+            if self.cache is not None:
+                self._locks[req.rid] = self.cache.insert(req.prompt_ids, req.pages, self._locks.get(req.rid, []))
             req.state = ReqState.WAITING_PEER
             self._ready_at[req.rid] = self.now()
             self._waiting_peer.append(req)
         return True
 
+    def _allocate(self, req: Req) -> None:
+        """The request's pages: its cached prefix (locked), then new ones; PoolExhausted (nothing held) if short."""
+        pool, nodes, cached = self.runner.pool, [], []
+        if self.cache is not None:
+            cached, nodes = self.cache.match(req.prompt_ids)
+        rest = len(req.prompt_ids) - len(cached) * pool.layout.page_size
+        short = pool.pages_for(rest) - pool.free_pages
+        if short > 0 and self.cache is not None:
+            self.cache.evict(short)
+        try:
+            own = pool.alloc(rest)
+        except PoolExhausted:
+            if self.cache is not None:
+                self.cache.unlock(nodes)
+            raise
+        req.pages, req.prefilled = cached + own, len(cached) * pool.layout.page_size
+        req.cached_tokens = req.prefilled
+        if self.cache is not None:
+            self.cache.record(len(req.prompt_ids), req.cached_tokens)
+            self._locks[req.rid] = nodes
+
+    def release(self, req: Req) -> None:
+        """Unlock the request's cached pages; its own pages that the cache does not hold go back to the pool."""
+        if req.pages and req.state is not ReqState.TRANSFERRING:
+            self._free_pages(req.rid, req.pages)
+            req.pages = []
+
+    def _free_pages(self, rid: str, pages: list[int]) -> None:
+        if self.cache is None:
+            self.runner.pool.release(pages)
+            return
+        self.cache.unlock(self._locks.pop(rid, []))
+        self.runner.pool.release([p for p in pages if not self.cache.owns(p)])
+
+    def flush_cache(self) -> int:
+        """Evict every unlocked cached page (engine thread); returns how many."""
+        return self.cache.flush() if self.cache is not None else 0
+
     def role_metrics(self) -> list[tuple[str, str, str, float]]:
-        return self.stranded.metrics()
+        return [*self.stranded.metrics(),
+                (KV_WRITE_TIMEOUTS, "counter", "KV writes cancelled past transfer.write_timeout_s",
+                 self.stats.write_timeouts)]
 
     def _free_stranded(self) -> None:
         """Recount stranded KV; fail the requests past their deadline, which frees their pages."""
@@ -206,7 +185,8 @@ class PrefillEngine(Engine):
             with self.serving(req):
                 try:
                     handle = self.transfer.write_pages(dest.agent_name, req.pages, dest.pages,
-                                                       notif_message(req.room, req.out[0]), dest.incarnation)
+                                                       notif_message(req.room, req.out[0], req.cached_tokens),
+                                                       dest.incarnation)
                 except TransferError as exc:
                     self.stats.transfer_failed += 1
                     self._tell_decode_failed(req.room, f"KV transfer failed: {exc}")
@@ -218,13 +198,14 @@ class PrefillEngine(Engine):
             self._inflight.append((req, handle, self.now(), nbytes))
         return worked
 
-    def _tell_decode_failed(self, room: int, reason: str) -> None:
-        """Best effort: decode frees the room's pages at once instead of at its deadline."""
-        agent = self.destinations.done(room)
+    def _tell_decode_failed(self, room: int, reason: str, may_land: bool = False) -> None:
+        """Best effort: decode frees the room's pages at once instead of at its deadline (with `may_land` it
+        holds them, and the room stays taken, until `_poll_abandoned` says the WRITE ended)."""
+        agent = self.destinations.agent_of(room) if may_land else self.destinations.done(room)
         if agent is None:
             return
         try:
-            self.transfer.notify(agent, failed_message(room, reason))
+            self.transfer.notify(agent, failed_message(room, reason, may_land))
         except TransferError as exc:
             log.warning("could not tell %s that bootstrap_room %s failed: %s", agent, room, exc)
 
@@ -234,6 +215,9 @@ class PrefillEngine(Engine):
             req, handle, started, nbytes = item
             state = self.transfer.poll(handle)
             if state == "PROC":
+                if self.now() - started > self.write_timeout_s:
+                    self._expire(item)
+                    worked = True
                 continue
             worked = True
             self._inflight.remove(item)
@@ -248,7 +232,7 @@ class PrefillEngine(Engine):
                 self.stats.transfer_ms.add(secs * 1e3)
                 self.stats.transfer_gb_s.add(nbytes / secs / 1e9)
                 if not was_aborted:
-                    req.emit(Token(req.out[0], Finish("length")))
+                    req.emit(Token(req.out[0], Finish("length"), req.cached_tokens))
                 self.finish(req)
             else:
                 self.stats.transfer_failed += 1
@@ -257,4 +241,38 @@ class PrefillEngine(Engine):
                     self.finish(req)
                 else:
                     self.fail(req, 500, f"KV transfer of bootstrap_room {req.room} failed in NIXL")
+        return worked
+
+    def _expire(self, item: tuple[Req, object, float, int]) -> None:
+        """A WRITE past `write_timeout_s`: cancel it, tell decode, fail the request; pages NIXL may still read
+        stay out of the pool until it lets go of the transfer (`_poll_abandoned`)."""
+        req, handle, _, _ = item
+        self._inflight.remove(item)
+        self.stats.transfer_failed += 1
+        self.stats.write_timeouts += 1
+        cancelled = self.transfer.abandon(handle)
+        reason = (f"KV transfer of bootstrap_room {req.room} did not finish within {self.write_timeout_s:g}s "
+                  "(topology: transfer.write_timeout_s); is the decode server alive and reachable?")
+        self._tell_decode_failed(req.room, reason, may_land=not cancelled)
+        if not cancelled:
+            self._abandoned.append((req.room, handle, req.rid, req.pages))
+            req.pages = []
+        was_aborted = req.state is ReqState.ABORTED
+        req.state = ReqState.WAITING_PEER      # the pages (if any left) are ours again: fail()/finish() free them
+        if was_aborted:
+            self.finish(req)
+        else:
+            self.fail(req, 500, reason)
+
+    def _poll_abandoned(self) -> bool:
+        """Pages of cancelled WRITEs that NIXL kept go back to the pool once it ends them; decode is told."""
+        worked = False
+        for item in list(self._abandoned):
+            room, handle, rid, pages = item
+            if self.transfer.poll(handle) == "PROC":
+                continue
+            self._abandoned.remove(item)
+            self._free_pages(rid, pages)
+            self._tell_decode_failed(room, f"the cancelled KV transfer of bootstrap_room {room} ended")
+            worked = True
         return worked

@@ -38,7 +38,8 @@ class PrefillServer(WorkerServer):
     def build_engine(self, runner: ModelRunner) -> PrefillEngine:
         a = self.args
         transfer = NixlTransfer(f"prefill-{a.node_address}-{a.port}", runner.pool, a.ucx_tls)
-        return PrefillEngine(runner, transfer, peer_timeout_s=a.peer_timeout_s, chunk_tokens=a.chunked_prefill_size)
+        return PrefillEngine(runner, transfer, peer_timeout_s=a.peer_timeout_s, chunk_tokens=a.chunked_prefill_size,
+                             write_timeout_s=a.write_timeout_s, prefix_cache=not a.disable_radix_cache)
 
     def check(self, spec: GenSpec) -> None:
         if spec.room is None:

@@ -1,0 +1,143 @@
+"""The stand-ins of bench/sglang_backend_rig.py: each thing that is not SGLang's own code there, and why.
+
+Nothing here computes anything the comparison measures: each stand-in is an import the decode path never
+calls, or a call whose result only a kernel the plugin replaced (or the compressor, which is not run) reads.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+STAND_INS = {
+    "deep_gemm (plugin mode only)": "DeepGEMM's wheel does not load beside the device's torch 2.11. A module of that "
+    "name holds the plugin's replacement target fp8_paged_mqa_logits (raises if ever called unreplaced), "
+    "get_num_sms (torch's SM count) and get_paged_mqa_logits_metadata (an empty int32 schedule: DeepGEMM's "
+    "schedule is read only by DeepGEMM's kernel, which the plugin replaced; our adapter ignores it).",
+    "sglang.kernels.ops.attention.dsv4.plan_topk_v2 (plugin mode only)": "a JIT C++ kernel (tvm-ffi + nvcc build); "
+    "its plan is read only by the top-k v2 kernel, which the plugin replaced; the stand-in returns the plan "
+    "buffer shape uninitialised.",
+    "create_paged_compressor_data (both modes)": "the compressor's decode plan is a JIT C++ planner; it is read only "
+    "by the compressor, which the rig does not run (the KV compression step is the model's, identical in both "
+    "modes, and not a call the plugin replaces). The metadata's c4/c128 compress plans are None.",
+    "the model's C4Indexer module (IndexerInputs)": "its projections (wq_b, weights_proj, RoPE + Hadamard + fp8 "
+    "quantisation) need model weights; the rig hands forward_c4_indexer the projected fp8 q [B, 64, 128] and "
+    "float32 weights [B, 64, 1] its compute_q returns, and skip_compressor=True (see the compressor above).",
+    "flash_mla and the backend's FlashMLA binding (CPU only)": "FlashMLA is CUDA-only and SGLang's __init__ binds "
+    "its partial only on CUDA; on the CPU a flash_mla module whose get_mla_metadata returns an empty schedule "
+    "object, and the partial(use_legacy=True) bound to a function that raises (the plugin replaces it). The "
+    "device runs the real FlashMLA.",
+    "torchvision (CPU only)": "no build loads beside the CPU torch; SGLang's config package imports it for vision "
+    "models (tests/sglang_child.py). The device has a real one.",
+}
+
+
+# Imported at module level by SGLang modules on the decode path's import chain (server utilities, tokenizer
+# and OpenAI protocol, quantisation formats, JIT loader, notebook helpers), not on the H200 image, and never
+# called by the decode path: import-only stand-ins whose every use raises (install_import_stand_ins).
+IMPORT_ONLY = ("sgl_kernel", "orjson", "pybase64", "starlette", "zmq", "IPython", "compressed_tensors", "gguf",
+               "partial_json_parser", "loguru")
+
+
+def install_import_stand_ins(names=IMPORT_ONLY, force: bool = False) -> list[str]:
+    """Stand-ins for `names` that are not installed (a real package wins unless `force`, which tests use to
+    check the H200's import chain here); returns those stood in."""
+    import importlib.util
+
+    from dsv4_cluster.tests.sglang_child import _TorchvisionStandIn
+
+    missing = [n for n in names if force or importlib.util.find_spec(n) is None]
+
+    class StandIns(_TorchvisionStandIn):
+        def find_spec(self, name, path, target=None):
+            if name.split(".")[0] in missing:
+                return importlib.machinery.ModuleSpec(name, self, is_package=True)
+            return None
+
+        def exec_module(self, module):
+            module.__version__ = "0.0"
+
+    if missing:
+        import importlib.machinery
+
+        sys.meta_path.insert(0, StandIns())
+    return missing
+
+
+def install_cpu_stand_ins() -> None:
+    """CPU only, before SGLang imports: the flash_mla module (see STAND_INS)."""
+    if "flash_mla" in sys.modules:
+        return
+    module, sub = types.ModuleType("flash_mla"), types.ModuleType("flash_mla.flash_mla_interface")
+    sub.FlashMLASchedMeta = type("FlashMLASchedMeta", (), {})
+    module.flash_mla_interface = sub
+    module.get_mla_metadata = lambda *a, **k: (sub.FlashMLASchedMeta(), None)
+
+    def unusable(*args, **kwargs):
+        raise RuntimeError("flash_mla stand-in (CPU): FlashMLA cannot run here")
+
+    module.fused_norm_rope_attn_rope_cast = module.flash_mla_with_kvcache = unusable
+    sys.modules["flash_mla"], sys.modules["flash_mla.flash_mla_interface"] = module, sub
+
+
+def install_stand_ins(mode: str, device: str = "cuda") -> None:
+    """Put the stand-ins listed in STAND_INS in place (after SGLang's modules import, before load_plugins)."""
+    import functools
+
+    import torch
+
+    from sglang.srt.layers.attention import deepseek_v4_backend as backend_module
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+
+    backend_module.create_paged_compressor_data = _no_compressor_plan
+    if device == "cpu":
+        stock = ATTENTION_BACKENDS["dsv4"]
+
+        def create_dsv4_backend_cpu(runner):
+            backend = stock(runner)
+            backend._flash_mla_with_kvcache = functools.partial(sys.modules["flash_mla"].flash_mla_with_kvcache,
+                                                                use_legacy=True)
+            return backend
+
+        ATTENTION_BACKENDS["dsv4"] = create_dsv4_backend_cpu
+    if mode != "plugin":
+        return
+    import sglang.kernels.ops.attention.dsv4 as dsv4_ops
+    from sglang.kernels.ops.attention.dsv4 import topk as topk_module
+
+    width = topk_module._PLAN_METADATA_INTS_PER_BATCH
+
+    def plan_topk_v2(seq_lens, static_threshold=-1, *, out=None):
+        return seq_lens.new_empty(seq_lens.shape[0] + 1, width) if out is None else out
+
+    dsv4_ops.plan_topk_v2 = plan_topk_v2
+    if "deep_gemm" not in sys.modules:
+        try:
+            import deep_gemm  # noqa: F401  (a real, loadable DeepGEMM wins)
+        except Exception:
+            sys.modules["deep_gemm"] = _deep_gemm_stand_in(torch)
+
+
+def _no_compressor_plan(compress_ratio, **_):
+    return None
+
+
+def _deep_gemm_stand_in(torch):
+    module = types.ModuleType("deep_gemm")
+    module.__file__ = "<dsv4-cluster rig stand-in>"
+
+    def fp8_paged_mqa_logits(*args, **kwargs):
+        raise RuntimeError("deep_gemm stand-in: fp8_paged_mqa_logits must have been replaced by the plugin")
+
+    def get_num_sms():
+        return torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 1
+
+    def get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms):
+        return torch.empty(num_sms + 1, 2, dtype=torch.int32, device=context_lens.device)
+
+    module.fp8_paged_mqa_logits = fp8_paged_mqa_logits
+    module.get_num_sms = get_num_sms
+    module.get_paged_mqa_logits_metadata = get_paged_mqa_logits_metadata
+    return module
+
+

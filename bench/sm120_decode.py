@@ -1,0 +1,135 @@
+"""sm_120 on an H200 stand-in: our kernels with the sm_120 dispatch forced vs SGLang 0.5.23's own sm_120 paths.
+
+Run on the GPU machine with `DSV4_CLUSTER_GPU_CLASS=sm_120 DISABLE_MMA_V3=1` (the dispatch table's sm_120 rows,
+tl.dot compiled to mma.sync as on sm_120): `python -m dsv4_cluster.bench.sm120_decode OUT_DIR`.
+
+Decode, in SGLang's sm_120 calling convention (q padded to 64 heads up to 64 rows, sliced to the real heads above),
+SGLang's 256-token window pages and 64 / 2-token compressed pages: ours (`flash_mla_with_kvcache_sm120` adapter)
+vs SGLang's Triton `flash_mla_sparse_decode_triton` and its PyTorch fallback `_sm120_sparse_decode_fwd`
+(bench/sglang_sm120_baselines.py), 16 and 64 real heads, B = 1 / 8 / 32 / 64 / 128; layers: C4 (window 128 +
+top-512) and C128 at configured 8K and 1M (an index list as wide as configured context / 128, 2K live tokens).
+Indexer: ours (fused scores + top-512) vs `fp8_paged_mqa_logits_torch_sm120` at configured 8K / 128K / 1M, 2K live.
+Each figure: CUDA-graph replay (10 calls per graph) and eager, median of 5, microseconds per call.
+FlashInfer's sm_120 CUDA kernel, SGLang's default on sm_120 when importable, cannot run on an H200: not measured.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dsv4_cluster.bench.sglang_sm120_baselines import load
+from dsv4_cluster.kernels import dispatch
+from dsv4_cluster.kernels.sglang_adapters import flash_mla_with_kvcache_sm120, fp8_paged_mqa_logits, topk_transform_paged_v2
+from dsv4_cluster.kernels.sglang_cases import decode_case, indexer_case, sglang_sm120_args, sm120_call
+
+LIVE = 2048
+
+
+def _time(fn, graph: bool, calls: int = 10, reps: int = 5) -> float:
+    fn()
+    torch.cuda.synchronize()
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(calls):
+                fn()
+        run = g.replay
+    else:
+        def run():
+            for _ in range(calls):
+                fn()
+    run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) / calls * 1e6)
+    return statistics.median(times)
+
+
+def _c128_case(b: int, ctx: int, seed: int) -> dict:
+    width = max(512, ctx // 128)
+    args = decode_case("c128", b, seed=seed, full=True, extra_tokens=max(8192, width))
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.full((b, 1, width), -1, dtype=torch.int32)
+    idx[:, :, :LIVE // 128] = torch.randint(0, max(8192, width), (b, 1, LIVE // 128), generator=gen, dtype=torch.int32)
+    args["extra_indices_in_kvcache"] = idx.cuda()
+    args["extra_topk_length"] = torch.full((b,), LIVE // 128, dtype=torch.int32, device="cuda")
+    return args
+
+
+def decode_rows(base) -> list[dict]:
+    rows = []
+    for layer, ctx in (("c4", None), ("c128", 8192), ("c128", 1 << 20)):
+        for real in (16, 64):
+            for b in (1, 8, 32, 64, 128):
+                args = decode_case("c4", b, real, seed=b, full=True) if layer == "c4" else _c128_case(b, ctx, b)
+                kw = sm120_call(args, real if b > 64 else None)
+                pos = sglang_sm120_args(kw)
+                ours = flash_mla_with_kvcache_sm120(**kw)[0]
+                ref = base.triton_decode(*pos)[0]
+                err = (ours.float() - ref.float()).abs().max().item()
+                row = dict(layer=layer, configured=ctx, real_heads=real, heads=kw["q"].shape[2], B=b, max_abs_diff=err)
+                for name, fn in (("ours", lambda: flash_mla_with_kvcache_sm120(**kw)),
+                                 ("sglang_triton", lambda: base.triton_decode(*pos)),
+                                 ("sglang_torch", lambda: base.torch_decode(*pos))):
+                    for graph in (True, False):
+                        try:
+                            row[f"{name}_{'graph' if graph else 'eager'}_us"] = _time(fn, graph)
+                        except torch.OutOfMemoryError:
+                            row[f"{name}_{'graph' if graph else 'eager'}_us"] = None
+                            torch.cuda.empty_cache()
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
+
+
+def indexer_rows(base) -> list[dict]:
+    rows = []
+    for ctx in (8192, 128 * 1024, 1 << 20):
+        cap = ctx // 4
+        for b in (1, 8, 32):
+            c = indexer_case(b, [LIVE // 4] * b, capacity=cap, seed=b)
+            out = torch.empty(b, 512, dtype=torch.int32, device="cuda")
+            raw = torch.empty_like(out)
+
+            def ours():
+                logits = fp8_paged_mqa_logits(c["q"], c["kv"], c["weights"], c["lens2d"], c["table"], None, cap, False)
+                topk_transform_paged_v2(logits, c["lens"], c["table"], out, 64, None, raw)
+
+            def theirs():
+                return base.torch_indexer(c["q"], c["kv"], c["weights"], c["lens"], c["table"], None, cap, False)
+
+            row = dict(configured=ctx, live=LIVE, B=b)
+            for name, fn in (("ours_indexer_topk", ours), ("sglang_torch_indexer", theirs)):
+                for graph in (True, False):
+                    row[f"{name}_{'graph' if graph else 'eager'}_us"] = _time(fn, graph)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    out = Path(argv[0] if argv else ".")
+    gpu = dispatch.class_of_device(torch.device("cuda"))
+    if gpu != "sm_120":
+        raise SystemExit(f"run with {dispatch.CLASS_ENV}=sm_120 {dispatch.MMA_V2_ENV}=1 (this run is {gpu})")
+    base = load()
+    result = {"device": torch.cuda.get_device_name(), "forced_class": gpu, "sglang_src": base.root,
+              "flashinfer_sm120": "not run: FlashInfer's sm_120 CUDA kernel cannot run on an H200",
+              "decode": decode_rows(base), "indexer": indexer_rows(base)}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sm120_decode.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

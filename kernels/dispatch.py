@@ -1,0 +1,172 @@
+"""The one kernel dispatch table: GPU class x call x shape -> implementation, as data.
+
+The plugin (which SGLang call site a kernel replaces and with what), the embedded engine (`workers/kernel_ops.py`)
+and the benchmarks read it; nothing else decides Gluon vs Triton or a launch config.
+
+GPU classes are SGLang's (`get_platform().is_sm90 / is_sm100 / is_sm120`: compute capability major 9, 10, 12).
+Per class and call the table names the implementation and, for the sparse decode, its launch config with the
+shared memory one block of it needs as compiled for that class. A config never needs more than the class allows
+a block (`SMEM_PER_BLOCK`: 227 KB on sm_90/sm_100, 99 KB on sm_120): `decode_impl` refuses a row that breaks it, and the tests
+compile every sm_120 config for sm_120 (ptxas from Triton's wheel, no GPU needed) to check the figures.
+
+The Gluon kernel (warp-specialised, wgmma) is written for sm_90 alone: no row of another
+class names it, and `decode_impl` refuses it there.
+
+Forcing a class (`CLASS_ENV`, benches and GPU tests only): an H200 stands in for sm_120 with
+`DSV4_CLUSTER_GPU_CLASS=sm_120 DISABLE_MMA_V3=1`. The second variable makes Triton compile `tl.dot` to mma.sync,
+the instruction sm_120 has (it has no wgmma); a kernel so compiled needs the same shared memory as compiled for
+sm_120 (seen: 98,304 / 81,920 B for both, 64 / 16 heads), so the 99 KB cap is tested on the H200.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+from dsv4_cluster.core import KERNEL_NAMES
+
+GPU_CLASSES = ("sm_90", "sm_100", "sm_120")
+CLASS_OF_MAJOR = {9: "sm_90", 10: "sm_100", 12: "sm_120"}
+# Shared memory a block may opt into (cudaDevAttrMaxSharedMemoryPerBlockOptin): 227 KB on Hopper and datacenter
+# Blackwell, 99 KB on RTX Blackwell (RTX PRO 6000, RTX 50xx).
+SMEM_PER_BLOCK = {"sm_90": 227 * 1024, "sm_100": 227 * 1024, "sm_120": 99 * 1024}
+CLASS_ENV = "DSV4_CLUSTER_GPU_CLASS"
+MMA_V2_ENV = "DISABLE_MMA_V3"  # Triton: compile tl.dot to mma.sync (sm_120's MMA) on an sm_90 GPU
+EXAMPLE_GPUS = {"sm_90": "H100 / H200 / H20", "sm_100": "B200 / B300", "sm_120": "RTX PRO 6000 Blackwell"}
+
+
+class DispatchError(ValueError):
+    """A GPU, class or shape the table has no implementation for (the message says which and why)."""
+
+
+@dataclass(frozen=True)
+class DecodeImpl:
+    """One sparse-decode launch: kernel backend, rows per block, pipeline stages, and the shared memory one
+    block needs as compiled for its class (bytes; `metadata.shared` of the compiled kernel, see the tests)."""
+
+    backend: str  # "gluon" | "triton"
+    block_n: int
+    num_stages: int
+    smem: int
+
+
+# (class, heads computed) -> implementation. Heads: what the call computes (16 / 32 / 64).
+# sm_90: Gluon takes all 64 heads as its wgmma M (H200 sweeps, bench/results/sparse_decode.md); fewer heads run on
+# the Triton kernel (block 64, 2 stages: the sweep's most frequent winner). sm_100: the same Triton configs (Triton
+# compiles them to tcgen05 there; Gluon's kernel is Hopper-only). sm_120: the configs under 99 KB as compiled for
+# sm_120 — the fp32 dequantised [block_n, 512] tile is what costs (2 KB per row): block 16 at 64 and 32 heads,
+# block 32 at 16 heads; one stage (the loads are gathers, nothing for a second stage to pipeline).
+SPARSE_DECODE: dict[tuple[str, int], DecodeImpl] = {
+    ("sm_90", 64): DecodeImpl("gluon", 64, 2, 218_192),
+    ("sm_90", 32): DecodeImpl("triton", 64, 2, 164_096),
+    ("sm_90", 16): DecodeImpl("triton", 64, 2, 147_712),
+    ("sm_100", 64): DecodeImpl("triton", 64, 2, 135_440),
+    ("sm_100", 32): DecodeImpl("triton", 64, 2, 164_096),
+    ("sm_100", 16): DecodeImpl("triton", 64, 2, 147_712),
+    ("sm_120", 64): DecodeImpl("triton", 16, 1, 98_304),
+    ("sm_120", 32): DecodeImpl("triton", 16, 1, 65_536),
+    ("sm_120", 16): DecodeImpl("triton", 32, 1, 81_920),
+}
+# The Triton config a ratio-128 (dense) call of the embedded engine uses: its index list is as wide as the
+# configured context, which the Gluon kernel's shared-memory index table cannot hold.
+DENSE_DECODE_BACKEND = "triton"
+# Indexer (fused scores + top-512) and top-k: the same Triton kernels on every class (no tl.dot wider than
+# what mma.sync takes; the forced-sm_120 GPU test checks every compiled kernel against the 99 KB cap).
+INDEXER = {c: "triton" for c in GPU_CLASSES}
+TOPK = {c: "triton" for c in GPU_CLASSES}
+
+
+def class_of_capability(capability: tuple[int, int]) -> str:
+    """SGLang's GPU class of a compute capability; DispatchError for one SGLang's DeepSeek-V4 path has no class for."""
+    major = capability[0]
+    if major not in CLASS_OF_MAJOR:
+        raise DispatchError(
+            f"compute capability {capability[0]}.{capability[1]} is none of the GPU classes the kernels are built "
+            f"for ({', '.join(f'{c}: {EXAMPLE_GPUS[c]}' for c in GPU_CLASSES)})")
+    return CLASS_OF_MAJOR[major]
+
+
+def forced_class(env: dict[str, str] | None = None) -> str | None:
+    """The class `CLASS_ENV` forces (benches and GPU tests), None when unset; DispatchError for a bad value."""
+    env = os.environ if env is None else env
+    value = (env.get(CLASS_ENV) or "").strip()
+    if not value:
+        return None
+    if value not in GPU_CLASSES:
+        raise DispatchError(f"{CLASS_ENV}={value!r} is not a GPU class; use one of {', '.join(GPU_CLASSES)}")
+    return value
+
+
+@functools.lru_cache(maxsize=16)
+def gpu_class(device_index: int) -> str:
+    """The class of CUDA device `device_index`, or the forced one. Forcing sm_120 on a GPU with wgmma needs
+    `DISABLE_MMA_V3=1` (else Triton compiles wgmma code whose shared memory is not sm_120's): refused without."""
+    import torch
+
+    actual = class_of_capability(torch.cuda.get_device_capability(device_index))
+    forced = forced_class()
+    if forced is None or forced == actual:
+        return actual
+    if forced == "sm_120" and os.environ.get(MMA_V2_ENV) != "1":
+        raise DispatchError(f"{CLASS_ENV}=sm_120 on an {actual} GPU needs {MMA_V2_ENV}=1 set before Triton compiles "
+                            "anything, so tl.dot compiles to mma.sync as on sm_120")
+    return forced
+
+
+def class_of_device(device) -> str | None:
+    """The class of a torch device (None for CPU: the references / the interpreter run there)."""
+    if getattr(device, "type", "cpu") != "cuda":
+        return None
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return gpu_class(index)
+
+
+def decode_impl(gpu: str, heads: int) -> DecodeImpl:
+    """The sparse-decode implementation for `heads` computed heads on class `gpu`."""
+    impl = SPARSE_DECODE.get((gpu, heads))
+    if impl is None:
+        raise DispatchError(f"no sparse-decode implementation for {heads} heads on {gpu}: the kernels compute 16, "
+                            f"32 or 64 heads on {', '.join(GPU_CLASSES)}")
+    if impl.smem > SMEM_PER_BLOCK[gpu] or (impl.backend == "gluon" and gpu != "sm_90"):
+        raise DispatchError(f"the table's sparse-decode row for {gpu} at {heads} heads breaks its class's limits: "
+                            + "; ".join(check_table()))
+    return impl
+
+
+def allows_gluon(gpu: str | None) -> bool:
+    """Whether class `gpu` may run the Gluon kernel (sm_90 alone; None = CPU: never)."""
+    return gpu is not None and any(impl.backend == "gluon" for (c, _), impl in SPARSE_DECODE.items() if c == gpu)
+
+
+def implementation(gpu: str, kernel: str, heads: int = 64) -> str:
+    """What runs for `kernel` on class `gpu` ("gluon" / "triton"): the name the engine and benches report."""
+    if kernel == "sparse_mla_decode":
+        return decode_impl(gpu, heads).backend
+    if kernel == "indexer":
+        return INDEXER[gpu]
+    if kernel == "topk":
+        return TOPK[gpu]
+    raise DispatchError(f"unknown kernel {kernel!r}; known: {', '.join(KERNEL_NAMES)}")
+
+
+def check_table() -> list[str]:
+    """Every row's problems (empty when the table is sound): a config over its class's shared memory, Gluon off
+    sm_90, a class or kernel without a row."""
+    problems = []
+    for (gpu, heads), impl in SPARSE_DECODE.items():
+        if impl.smem > SMEM_PER_BLOCK[gpu]:
+            problems.append(f"sparse decode on {gpu} at {heads} heads needs {impl.smem} B of shared memory per block, "
+                            f"over the {SMEM_PER_BLOCK[gpu]} B the class allows")
+        if impl.backend == "gluon" and gpu != "sm_90":
+            problems.append(f"sparse decode on {gpu} names the Gluon kernel, which is written for sm_90 alone")
+    for gpu in GPU_CLASSES:
+        for heads in (16, 32, 64):
+            if (gpu, heads) not in SPARSE_DECODE:
+                problems.append(f"no sparse decode row for {gpu} at {heads} heads")
+        if gpu not in INDEXER or gpu not in TOPK:
+            problems.append(f"no indexer / top-k row for {gpu}")
+    return problems
+

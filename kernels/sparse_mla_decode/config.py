@@ -1,0 +1,156 @@
+"""How a sparse-decode launch is configured: `LaunchConfig`, the defaults that fill it, the backend a call gets.
+
+The backend and block config come from the dispatch table (`kernels/dispatch.py`: GPU class x heads ->
+implementation); this module resolves a `LaunchConfig` against it and says why the Gluon kernel cannot take a
+call. Shapes and device only (never tensor values), so every answer is cached and graph-capturable.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+import torch
+
+from .. import dispatch
+from . import checks
+
+DIM = 512
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How the work is cut: rows per block, splits per query (0 = choose from B), warps, stages, and
+    whether block j + 1 is loaded before block j is computed (register prefetch)."""
+
+    block_n: int = 0  # 0: the backend's default (see `resolved`)
+    num_splits: int = 0
+    num_warps: int = 8
+    num_stages: int = 0  # 0: the backend's default; Gluon: shared-memory stages of block_n rows
+    prefetch: bool = False
+    backend: str = "auto"  # "auto": the warp-specialised Gluon kernel where it applies (sm_90, H = 64), else "triton"
+    # Gluon: registers per loader thread (0: see `resolved`); the S warpgroup gets what the loader and
+    # the P V warpgroup (PV_REGS) leave
+    loader_regs: int = 0
+    # Gluon: merge the splits inside the kernel (a cooperative launch; only when B x splits CTAs fit on the
+    # SMs at once), else with the merge kernel after it. None: fused from splits.FUSED_MERGE_MIN_SPLITS on
+    fused_merge: bool | None = None
+    # Gluon: stage the index table and Q before the per-query lengths are loaded (None: on bf16 rows with
+    # the fused merge, i.e. at small B. On fp8 it measured slower at every B, e.g. B = 8 20.4 vs 19.9 us,
+    # B = 32 29.3 vs 28.1, B = 64 37.9 vs 36.2; bf16 gains up to 0.3 us at B <= 32)
+    early_table: bool | None = None
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+
+BACKENDS = ("auto", "triton", "gluon")
+# (block_n, stages) when the config leaves them 0: the H200 sweep's most frequent winners
+# (bench/results/sparse_decode.md).
+DEFAULT_BLOCKS = {("triton", False): (64, 2), ("triton", True): (64, 2),
+                  ("gluon", False): (64, 2), ("gluon", True): (64, 2)}
+PV_REGS = 160  # registers per thread of the Gluon P V-only warpgroup (a 64 x 256 fp32 accumulator and little else)
+SMEM_LIMIT = 226 * 1024  # the 227 KB a block may opt into, less a margin for what the estimate leaves out
+
+
+def resolved(config: LaunchConfig | None, backend: str, is_fp8: bool) -> LaunchConfig:
+    """`config` with its 0 (= default) block size and stage count filled in for this backend."""
+    config = config or LaunchConfig()
+    bn, stages = DEFAULT_BLOCKS[(backend, is_fp8)]
+    bn = config.block_n or bn
+    # Loader registers: the fp8 loader holds two 32-row rounds of records at once (128 leaves it
+    # spill-free); the bf16 gather holds 16 row addresses per thread at block_n 64 (80 leaves it
+    # spill-free), 8 at block_n 32.
+    regs = config.loader_regs or (128 if is_fp8 else 80 if bn == 64 else 40)
+    return replace(config, block_n=bn, num_stages=config.num_stages or stages, backend=backend, loader_regs=regs)
+
+
+def gluon_index_blocks(w: int, k: int, block_n: int) -> int:
+    """Rows of the Gluon kernel's index table: the live blocks of a query, rounded up to a power of two."""
+    return triton_next_pow2(-(-w // block_n) + -(-k // block_n))
+
+
+def gluon_smem_bytes(block_n: int, stages: int, w: int = 128, k: int = 512) -> int:
+    """Shared memory of the Gluon kernel: Q, the bf16 row stages, the index table, two P buffers and
+    the softmax rows handed between the compute warpgroups, barriers (w, k: window and extra lists per
+    query). The same for bf16 and fp8: fp8 records are dequantised from registers."""
+    table = gluon_index_blocks(w, k, block_n) * block_n * 4
+    handoff = 2 * 64 * block_n * 2 + 4 * 64 * 4
+    return 64 * DIM * 2 + stages * block_n * DIM * 2 + table + handoff + 8 * (2 * stages + 6)
+
+
+def gluon_unavailable(q: torch.Tensor, is_fp8: bool) -> str | None:
+    """Why the warp-specialised Gluon kernel cannot take this call (None: it can): the dispatch table gives it
+    to sm_90 alone (a forced class counts), at 64 heads, on bf16 queries, on the Triton releases it was built for."""
+    gpu = dispatch.class_of_device(q.device) if q.is_cuda else None
+    return _gluon_unavailable(q.device, gpu, q.shape[1], q.dtype)
+
+
+# Gluon is experimental and its API moves between Triton releases (3.9 renamed the cp.async entry point
+# this kernel uses), so the kernel runs only on the releases it was built and tested with on the H200.
+GLUON_TRITON_RELEASES = ("3.6",)
+
+
+def gluon_api_unavailable() -> str | None:
+    """Why this Triton cannot build the Gluon kernel (None: it can)."""
+    import triton
+
+    release = ".".join(triton.__version__.split(".")[:2])
+    if release not in GLUON_TRITON_RELEASES:
+        return (f"it is written against Triton {'/'.join(GLUON_TRITON_RELEASES)}'s Gluon API; this is Triton "
+                f"{triton.__version__} (port the gluon_*.py kernel files, then add the release to "
+                "GLUON_TRITON_RELEASES)")
+    try:
+        from . import gluon_kernel  # noqa: F401
+    except ImportError as exc:  # a build without Gluon's Hopper API
+        return f"Gluon does not import ({exc})"
+    return None
+
+
+
+
+def choose_backend(device: torch.device, h: int, dtype: torch.dtype, is_fp8: bool, config: LaunchConfig):
+    """(backend, config resolved for it) of a call, from the dispatch table for the device's GPU class.
+
+    "auto": the table's row for (class, h); the Gluon row falls back to the Triton kernel where Gluon cannot take
+    the call on this build (non-bf16 q, a Triton release it was not written for). "gluon" is refused off sm_90.
+    A block size or stage count left 0 comes from the class's row (sm_120: its <= 99 KB config)."""
+    if config.backend not in BACKENDS:
+        raise checks.SparseDecodeInputError(f"LaunchConfig.backend must be one of {BACKENDS}, got {config.backend!r}")
+    return _choose(device, h, dtype, is_fp8, config)
+
+
+@functools.lru_cache(maxsize=256)
+def _choose(device, h, dtype, is_fp8, config):
+    gpu = dispatch.class_of_device(device)
+    row = dispatch.decode_impl(gpu, h) if gpu is not None and h in (16, 32, 64) else None
+    why = _gluon_unavailable(device, gpu, h, dtype)
+    if config.backend == "gluon" and why:
+        raise checks.SparseDecodeInputError(f"the Gluon kernel cannot run this call: {why}; use backend='triton'")
+    backend = config.backend
+    if backend == "auto":
+        backend = "gluon" if row is not None and row.backend == "gluon" and not why else "triton"
+    if row is not None and row.backend == backend:
+        config = replace(config, block_n=config.block_n or row.block_n, num_stages=config.num_stages or row.num_stages)
+    return backend, resolved(config, backend, is_fp8)
+
+
+def _gluon_unavailable(device, gpu, h, dtype) -> str | None:
+    if device.type != "cuda":
+        return "it runs on CUDA tensors only"
+    if not dispatch.allows_gluon(gpu):
+        return f"it is written for sm_90 (Hopper); this GPU runs as {gpu}"
+    if h != 64:
+        return f"it takes all 64 heads as the wgmma M; got H={h}"
+    if dtype != torch.bfloat16:
+        return f"it takes bf16 queries; got {dtype}"
+    return gluon_api_unavailable()
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (max(n, 1) - 1).bit_length()
+

@@ -1,0 +1,87 @@
+"""The dispatch table (CI): every class has a row per call, Gluon on sm_90 alone, every sm_120 config within
+99 KB of shared memory as compiled for sm_120 (Triton's own compiler and ptxas, no GPU needed), and the table's
+figure for each is the compiled one."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dsv4_cluster.kernels import dispatch
+
+
+def test_table_is_sound_and_gluon_is_sm90_only():
+    assert dispatch.check_table() == []
+    assert [dispatch.allows_gluon(c) for c in dispatch.GPU_CLASSES] == [True, False, False]
+    assert dispatch.allows_gluon(None) is False
+    assert {dispatch.implementation("sm_120", k, h) for k in ("sparse_mla_decode", "indexer", "topk")
+            for h in (16, 32, 64)} == {"triton"}
+    assert max(dispatch.decode_impl("sm_120", h).smem for h in (16, 32, 64)) <= 99 * 1024
+
+
+def test_a_row_over_its_class_limit_is_refused(monkeypatch):
+    monkeypatch.setitem(dispatch.SPARSE_DECODE, ("sm_120", 64), dispatch.DecodeImpl("triton", 64, 2, 196_864))
+    assert "over the 101376 B" in " ".join(dispatch.check_table())
+    with pytest.raises(dispatch.DispatchError, match="breaks its class's limits"):
+        dispatch.decode_impl("sm_120", 64)
+    monkeypatch.setitem(dispatch.SPARSE_DECODE, ("sm_120", 64), dispatch.DecodeImpl("gluon", 64, 2, 90_000))
+    with pytest.raises(dispatch.DispatchError, match="Gluon kernel"):
+        dispatch.decode_impl("sm_120", 64)
+
+
+@pytest.mark.parametrize("cap, cls", [((9, 0), "sm_90"), ((10, 0), "sm_100"), ((12, 0), "sm_120")])
+def test_classes_of_capabilities(cap, cls):
+    assert dispatch.class_of_capability(cap) == cls
+
+
+def test_unknown_gpu_and_bad_forced_class_are_refused_by_name():
+    with pytest.raises(dispatch.DispatchError, match="compute capability 8.0"):
+        dispatch.class_of_capability((8, 0))
+    with pytest.raises(dispatch.DispatchError, match="sm_121"):
+        dispatch.forced_class({dispatch.CLASS_ENV: "sm_121"})
+    assert dispatch.forced_class({}) is None
+
+
+def _compiled_shared(heads: int, impl: dispatch.DecodeImpl, capability: int) -> int:
+    """Compiled in a fresh interpreter: once any test imported the kernel module under TRITON_INTERPRET=1 its
+    kernels are interpreter functions in this process, which `triton.compile` cannot take."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = (f"from dsv4_cluster.tests.kernels.test_dispatch import _compile_here; "
+            f"print(_compile_here({heads}, {impl.block_n}, {impl.num_stages}, {capability}))")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return int(done.stdout.split()[-1])
+
+
+def _compile_here(heads: int, block_n: int, num_stages: int, capability: int) -> int:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from dsv4_cluster.kernels.sparse_mla_decode import kernel as k
+
+    fn = k._sparse_decode_kernel
+    const = dict(H=heads, D=512, BN=block_n, SPLIT_OUT=True, IS_FP8=True, HAS_EXTRA=True, HAS_WLEN=True,
+                 HAS_ELEN=True, HAS_SINK=True, DOT_F32=False, PREFETCH=False, W_SHIFT=8, W_PAGE=149_760, E_SHIFT=6,
+                 E_PAGE=37_440)
+    ptrs = {"q_ptr": "*bf16", "out_ptr": "*bf16", "kv_ptr": "*u8", "ekv_ptr": "*u8", "sink_ptr": "*fp32",
+            "lse_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+    sig = {n: "constexpr" if n in const else ptrs.get(n, "*i32" if n.endswith("_ptr") else
+                                                        "fp32" if n == "qk_scale_log2" else "i32")
+           for n in fn.arg_names}
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in const.items()})
+    compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32),
+                              options=dict(num_warps=8, num_stages=num_stages))
+    return compiled.metadata.shared
+
+
+@pytest.mark.parametrize("heads", [16, 32, 64])
+def test_sm120_configs_compiled_for_sm120_fit_99_kb(heads, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    impl = dispatch.decode_impl("sm_120", heads)
+    shared = _compiled_shared(heads, impl, 120)
+    assert shared == impl.smem and shared <= dispatch.SMEM_PER_BLOCK["sm_120"]

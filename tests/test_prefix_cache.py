@@ -1,0 +1,169 @@
+"""The embedded prefill's prefix cache (workers/prefix_cache.py): the radix tree's rules on a real pool, the prefill
+engine reusing pages across prompts, and a real prefill -> NIXL -> decode pair whose cache hits change nothing in
+the greedy output and show in usage and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import secrets
+
+import httpx
+import pytest
+
+from dsv4_cluster.workers.kv_pool import KVPool, PoolLayout
+from dsv4_cluster.workers.model import ModelConfig
+from dsv4_cluster.workers.prefix_cache import PrefixCache
+from dsv4_cluster.workers.runner import ModelRunner, RunnerConfig, generate_single_process
+from dsv4_cluster.workers.sampling import SamplingParams
+from dsv4_cluster.workers.tokenizer import EOS, ByteTokenizer
+
+from .worker_procs import start_pair, stop_pair
+
+P = 4
+TOK = ByteTokenizer()
+
+
+def _pool(pages: int = 16) -> KVPool:
+    return KVPool(PoolLayout(page_size=P, num_pages=pages, n_layers=1, head_dim=8, index_dim=4, ratio=4,
+                             dtype="float32"))
+
+
+def _prompt_pages(cache: PrefixCache, tokens: list[int]) -> tuple[list[int], list]:
+    """What the prefill engine does for one prompt: match, own pages for the rest, insert once computed."""
+    cached, locked = cache.match(tokens)
+    own = cache.pool.alloc(len(tokens) - len(cached) * P)
+    return cached + own, cache.insert(tokens, cached + own, locked)
+
+
+def test_match_takes_whole_pages_and_always_leaves_the_last_token_to_compute():
+    pool = _pool()
+    cache = PrefixCache(pool)
+    a = list(range(10, 22))                                  # 12 tokens: 3 whole pages
+    pages, path = _prompt_pages(cache, a)
+    assert cache.cached_pages == 3 and [n.page for n in path] == pages[:3]
+    assert cache.match(a + [99])[0] == pages[:3]             # 13 tokens: all 3 pages
+    assert cache.match(a)[0] == pages[:2]                    # 12 tokens: the last page would leave nothing to compute
+    assert cache.match(a[:6] + [0, 0, 0])[0] == pages[:1]    # diverges inside page 2
+    assert cache.match([5] + a)[0] == []                     # a prefix, not a substring
+
+
+def test_locked_pages_are_never_evicted_and_unlocked_ones_go_least_recently_used_first():
+    pool = _pool(pages=8)
+    cache = PrefixCache(pool)
+    pages_a, lock_a = _prompt_pages(cache, list(range(0, 8)))        # 2 pages
+    pages_b, lock_b = _prompt_pages(cache, list(range(100, 108)))    # 2 pages
+    assert pool.free_pages == 4 and cache.evictable_pages == 0 and pool.used_tokens == 16
+    cache.unlock(lock_a)
+    assert cache.evictable_pages == 2 and pool.used_tokens == 8      # evictable pages count as available
+    assert cache.evict(5) == 2 and pool.free_pages == 6              # only A's: B is locked
+    assert cache.match(list(range(0, 9)))[0] == []
+    cache.unlock(lock_b)
+    pages_c, lock_c = _prompt_pages(cache, list(range(200, 205)))    # 1 whole page + 1 token
+    cache.unlock(lock_c)
+    _, relock = cache.match(list(range(100, 109)))                   # B used again: now the most recent
+    cache.unlock(relock)
+    assert cache.evict(1) == 1                                       # C's page: the least recently used leaf
+    assert cache.match(list(range(200, 205)))[0] == []
+    b, lock = cache.match(list(range(100, 109)))
+    assert b == pages_b[:2]
+    cache.unlock(lock)
+    assert cache.flush() == 2 and cache.cached_pages == 0 and cache.evictable_pages == 0
+    pool.release(pages_c[1:])                                        # C's own partial page
+    assert pool.free_pages == 8 and pool.used_tokens == 0
+
+
+def test_a_page_the_tree_has_under_another_page_stays_the_requests_own():
+    pool = _pool()
+    cache = PrefixCache(pool)
+    t = list(range(30, 39))
+    first_cached, lock1 = cache.match(t)
+    second_cached, lock2 = cache.match(t)                             # both missed: computed concurrently
+    p1 = pool.alloc(len(t))
+    p2 = pool.alloc(len(t))
+    path1 = cache.insert(t, p1, lock1)
+    path2 = cache.insert(t, p2, lock2)
+    assert [n.page for n in path2] == p1[:2]                          # the tree keeps the first request's pages
+    assert not any(cache.owns(p) for p in p2)                         # the second's go back to the pool at its end
+    cache.unlock(path1)
+    cache.unlock(path2)
+    pool.release([p for p in p1 + p2 if not cache.owns(p)])
+    assert pool.used_tokens == 0 and cache.cached_pages == 2
+
+
+def test_the_prefill_engine_reuses_a_shared_prefix_and_computes_the_same_first_token():
+    from dsv4_cluster.workers.prefill.engine import PrefillEngine
+    from dsv4_cluster.workers.request import Req
+
+    runner = ModelRunner(RunnerConfig(model=ModelConfig(), page_size=16, max_total_tokens=2048, context_length=1024))
+    engine = PrefillEngine(runner, transfer=None, write_timeout_s=5)
+    system = TOK.encode("You are a helpful assistant. " * 6)               # shared system prompt, > 8 pages
+    prompts = [system + TOK.encode(q) for q in ("What is 2+2?", "Name a colour.", "What is 2+2?")]
+    got = []
+    for i, ids in enumerate(prompts):
+        req = Req(rid=f"r{i}", prompt_ids=ids, params=SamplingParams(max_new_tokens=4, temperature=0),
+                  budget=len(ids) + 4, emit=lambda e: None, room=i)
+        engine.on_submit(req)
+        engine.reqs[req.rid] = req
+        while engine._bootstrap:
+            engine._prefill_batch()
+        got.append((req.cached_tokens, req.out[0]))
+        engine.finish(req)                                             # as after its KV went out
+    assert got[0][0] == 0
+    common = next(i for i, (x, y) in enumerate(zip(prompts[0], prompts[1])) if x != y)   # system prompt and more
+    assert common >= len(system) and got[1][0] == common // 16 * 16
+    assert got[2][0] == (len(prompts[2]) - 1) // 16 * 16                 # all of a repeated prompt but its last page
+    plain = ModelRunner(RunnerConfig(model=ModelConfig(), page_size=16, max_total_tokens=2048, context_length=1024))
+    for (cached, first), ids in zip(got, prompts):
+        assert first == generate_single_process(plain, ids, SamplingParams(max_new_tokens=1, temperature=0), EOS)[0]
+    assert runner.pool.used_tokens == 0 and engine.cache.cached_pages > 0   # cached, but all evictable
+    assert engine.cache.hit_rate == pytest.approx((got[1][0] + got[2][0]) / sum(map(len, prompts)))
+    held = engine.cache.cached_pages
+    assert engine.flush_cache() == held and engine.cache.cached_pages == 0 and runner.pool.free_pages == 2048 // 16
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    on = start_pair(tmp_path_factory.mktemp("cache-on"))
+    off = start_pair(tmp_path_factory.mktemp("cache-off"), prefill_extra=["--disable-radix-cache"])
+    yield on, off
+    stop_pair(on)
+    stop_pair(off)
+
+
+async def _chat(pair, messages: list[dict]) -> dict:
+    body = {"model": "dsv4-tiny", "messages": messages, "max_tokens": 16, "temperature": 0,
+            **pair.bootstrap(secrets.randbits(63), secrets.token_hex(8))}
+    async with httpx.AsyncClient(timeout=60) as c:
+        p, d = await asyncio.gather(c.post(pair.prefill_url + "/v1/chat/completions", json=body),
+                                    c.post(pair.decode_url + "/v1/chat/completions", json=body))
+    assert p.status_code == 200 and d.status_code == 200, (p.text, d.text)
+    return d.json()
+
+
+def _metric(pair, name: str) -> float:
+    text = httpx.get(pair.prefill_url + "/metrics").text
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M))
+
+
+def test_a_multi_turn_chat_hits_the_cache_and_answers_exactly_as_without_it(pairs):
+    """Sessions that resend a growing history with a shared system prompt: from the second turn on the prefill
+    reuses the history's pages (usage and metrics say how many); every answer equals the cache-off pair's."""
+    on, off = pairs
+    system = {"role": "system", "content": "You answer in one short sentence. " * 4}
+    history, cached = [system], []
+    for turn in ("Hello there", "What is a page of KV?", "And a radix tree?"):
+        history.append({"role": "user", "content": turn})
+        a, b = asyncio.run(_chat(on, history)), asyncio.run(_chat(off, history))
+        assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+        assert a["usage"]["prompt_tokens"] == b["usage"]["prompt_tokens"]
+        assert b["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        cached.append(a["usage"]["prompt_tokens_details"]["cached_tokens"])
+        history.append({"role": "assistant", "content": a["choices"][0]["message"]["content"]})
+    assert cached[0] == 0 and 0 < cached[1] < cached[2]                 # the history grows, so do the hits
+    assert _metric(on, "sglang:cached_tokens_total") == sum(cached)
+    assert _metric(on, "sglang:cache_hit_rate") > 0 and _metric(off, "sglang:cache_hit_rate") == 0
+    flushed = httpx.post(on.prefill_url + "/flush_cache").json()
+    assert flushed["success"] and flushed["freed_pages"] > 0
+    again = asyncio.run(_chat(on, history[:2]))
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0   # nothing left after the flush

@@ -1,0 +1,127 @@
+"""The KV pool's page allocator: free pages kept as runs of consecutive pages, handed out as few runs as possible.
+
+Why runs: a request's KV moves prefill -> decode as one NIXL descriptor per run of pages consecutive on both
+sides (`transfer.page_runs`), and each descriptor costs a fixed few microseconds in UCX whatever its length. A
+free list in arrival order (a deque) scatters under churn, so that a long-running pool hands a 128K-token request
+hundreds of one-page runs. Here free pages are runs (start -> length), adjacent runs merge when pages come back,
+and `alloc(n)`:
+1. takes the first n pages of the shortest free run that holds all n (best fit: long runs stay long), else
+2. takes whole runs, longest first, until n pages are reached (the fewest runs that hold n), the last one cut.
+Pages of one request come back in ascending order within each run; `release` accepts any order and merges.
+Every operation is O(free runs) (a sorted list of run starts); runs stay few because freed pages coalesce.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+
+class PageAllocatorError(ValueError):
+    """A page released twice, or one outside the pool: a bug in the caller, never a client's doing."""
+
+
+class PageAllocator:
+    def __init__(self, num_pages: int):
+        self.num_pages = num_pages
+        self._starts: list[int] = [0] if num_pages else []   # sorted starts of the free runs
+        self._length: dict[int, int] = {0: num_pages} if num_pages else {}
+        self._free = num_pages
+
+    def __len__(self) -> int:
+        """Free pages."""
+        return self._free
+
+    @property
+    def runs(self) -> list[tuple[int, int]]:
+        """The free runs, (first page, pages), in page order."""
+        return [(s, self._length[s]) for s in self._starts]
+
+    def alloc(self, n: int) -> list[int]:
+        """n pages as few runs as the free runs allow (the caller checked `len(self) >= n`)."""
+        if n > self._free:
+            raise PageAllocatorError(f"{n} pages asked, {self._free} free (check len() first)")
+        if n <= 0:
+            return []
+        fits = [s for s in self._starts if self._length[s] >= n]
+        if fits:
+            return self._take(min(fits, key=lambda s: (self._length[s], s)), n)
+        pages: list[int] = []
+        for start in sorted(self._starts, key=lambda s: (-self._length[s], s)):
+            pages += self._take(start, min(n - len(pages), self._length[start]))
+            if len(pages) == n:
+                break
+        return pages
+
+    def take_last(self) -> int:
+        """One page from the end of the last free run (kept out of the pool by the caller for good)."""
+        if not self._free:
+            raise PageAllocatorError("no free page")
+        start = self._starts[-1]
+        page = start + self._length[start] - 1
+        self._remove(start)
+        if page > start:
+            self._add(start, page - start)
+        self._free -= 1
+        return page
+
+    def release(self, pages: list[int]) -> None:
+        """Give pages back; runs of consecutive pages merge with their free neighbours."""
+        runs = _runs(sorted(pages))
+        for start, length in runs:          # all checked before any is taken: a refused call changes nothing
+            self._check_free(start, length)
+        for start, length in runs:
+            self._insert(start, length)
+            self._free += length
+
+    def _take(self, start: int, n: int) -> list[int]:
+        length = self._length[start]
+        self._remove(start)
+        if length > n:
+            self._add(start + n, length - n)
+        self._free -= n
+        return list(range(start, start + n))
+
+    def _check_free(self, start: int, length: int) -> None:
+        if start < 0 or start + length > self.num_pages:
+            raise PageAllocatorError(f"pages {start}..{start + length - 1} lie outside the pool of "
+                                     f"{self.num_pages} pages")
+        i = bisect.bisect_right(self._starts, start + length - 1) - 1
+        if i >= 0:
+            s = self._starts[i]
+            if s + self._length[s] > start:
+                raise PageAllocatorError(f"page {max(s, start)} released while it was free (released twice?)")
+
+    def _insert(self, start: int, length: int) -> None:
+        i = bisect.bisect_left(self._starts, start)
+        if i > 0:                                         # merge with the run just before
+            prev = self._starts[i - 1]
+            if prev + self._length[prev] == start:
+                length += self._length[prev]
+                self._remove(prev)
+                start = prev
+        nxt = start + length
+        if nxt in self._length:                           # merge with the run just after
+            length += self._length[nxt]
+            self._remove(nxt)
+        self._add(start, length)
+
+    def _add(self, start: int, length: int) -> None:
+        bisect.insort(self._starts, start)
+        self._length[start] = length
+
+    def _remove(self, start: int) -> None:
+        del self._starts[bisect.bisect_left(self._starts, start)]
+        del self._length[start]
+
+
+def _runs(pages: list[int]) -> list[tuple[int, int]]:
+    """Sorted pages -> (first, length) of each stretch of consecutive pages; a repeated page is an error."""
+    out: list[list[int]] = []
+    for p in pages:
+        if out and p == out[-1][0] + out[-1][1]:
+            out[-1][1] += 1
+        elif out and p < out[-1][0] + out[-1][1]:
+            raise PageAllocatorError(f"page {p} released twice in one call")
+        else:
+            out.append([p, 1])
+    return [(s, n) for s, n in out]

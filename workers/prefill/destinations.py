@@ -1,0 +1,91 @@
+"""Where decode reserved KV for each bootstrap room (written by the bootstrap server, read by the prefill engine),
+and the NIXL notifications prefill sends decode about a room."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Destination:
+    agent_name: str
+    pages: list[int]
+    arrived: float
+    incarnation: int | None = None   # of the decode process that reserved `pages` (NixlTransfer)
+
+
+class Destinations:
+    """Rooms -> where decode reserved KV. Written by the bootstrap server, read by the engine.
+
+    A room goes put (decode reserved) -> taken (the engine starts its WRITE) -> done (the WRITE ended).
+    Decode may `cancel` a room it gave up: if no WRITE was taken for it, none ever will be (later puts
+    are refused and a waiting request fails at once), so decode can free the pages right away.
+    """
+
+    def __init__(self, ttl_s: float):
+        self._lock = threading.Lock()
+        self._by_room: dict[int, Destination] = {}
+        self._taken: dict[int, str] = {}            # room -> decode agent, WRITE in flight
+        self._cancelled: dict[int, float] = {}      # room -> when decode gave it up
+        self._ttl_s = ttl_s
+
+    def put(self, room: int, agent_name: str, pages: list[int], incarnation: int | None = None) -> bool:
+        """Record decode's pages for `room` (reserved by decode process `incarnation`); False if decode
+        already cancelled it."""
+        with self._lock:
+            now = time.monotonic()
+            self._by_room = {r: d for r, d in self._by_room.items() if now - d.arrived < self._ttl_s}
+            self._cancelled = {r: t for r, t in self._cancelled.items() if now - t < self._ttl_s}
+            if room in self._cancelled:
+                return False
+            self._by_room[room] = Destination(agent_name, pages, now, incarnation)
+            return True
+
+    def take(self, room: int) -> Destination | None:
+        """The engine is about to WRITE into the room's pages (until `done`)."""
+        with self._lock:
+            dest = self._by_room.pop(room, None)
+            if dest is not None:
+                self._taken[room] = dest.agent_name
+            return dest
+
+    def agent_of(self, room: int) -> str | None:
+        """The decode agent of a room whose WRITE is in flight (it stays taken)."""
+        with self._lock:
+            return self._taken.get(room)
+
+    def done(self, room: int) -> str | None:
+        """The room's WRITE ended (or never started); returns the decode agent it was for."""
+        with self._lock:
+            return self._taken.pop(room, None)
+
+    def cancelled(self, room: int) -> bool:
+        with self._lock:
+            return room in self._cancelled
+
+    def discard(self, room: int) -> None:
+        """Prefill gave the room up itself (its request failed before any WRITE)."""
+        with self._lock:
+            self._by_room.pop(room, None)
+
+    def cancel(self, room: int) -> bool:
+        """Decode gave the room up. True if a WRITE into its pages may still be in flight."""
+        with self._lock:
+            if room in self._taken:
+                return True
+            self._by_room.pop(room, None)
+            self._cancelled[room] = time.monotonic()
+            return False
+
+
+def notif_message(room: int, first_token: int, cached_tokens: int = 0) -> bytes:
+    return json.dumps({"room": room, "first_token": first_token, "cached_tokens": cached_tokens}).encode()
+
+
+def failed_message(room: int, reason: str, may_land: bool = False) -> bytes:
+    """Tells decode that no KV will come for `room`: it frees the room's pages now, or, with `may_land` (a
+    cancelled WRITE NIXL could not stop), holds them until a later message for the room says it ended."""
+    return json.dumps({"room": room, "failed": reason, **({"may_land": True} if may_land else {})}).encode()
