@@ -144,3 +144,22 @@ def test_failing_health_checks_take_a_worker_out_and_back(pools: Pools) -> None:
     for _ in range(4):
         assert chat(pools.url).status_code == 200
     assert pools.decode_hits() == [2, 2]
+
+
+def test_a_worker_reported_ready_again_is_paired_at_once_not_after_the_next_health_check() -> None:
+    """The supervisor reports READY after its own readiness probes passed (the worker's /health among them): the
+    router takes that as a passed check, so `status` saying READY means the router pairs it."""
+    meet = Rendezvous()
+    prefill, decode = FakeWorker("prefill", meet), FakeWorker("decode", meet, mode="unhealthy")
+    with UvicornThread(prefill.app()) as p, UvicornThread(decode.app()) as d:
+        settings = router_settings(p.url, d.url, admin_token=TOKEN, health_check_interval_s=3600,
+                                   health_failures_to_unhealthy=1)  # one round at start, then none for an hour
+        with UvicornThread(build_app(settings)) as router:
+            pools = Pools(prefill, (decode, decode), router.url)
+            assert wait_for(lambda: not pools.entry("decode-0")["healthy"], SOON_S, "the startup check fails it")
+            decode.mode = "ok"  # restarted; no health check will run for an hour
+            pools.admin("POST", "/workers/decode-0/state", {"state": "RESTARTING", "reason": "exited"})
+            assert chat(router.url).status_code == 503
+            entry = pools.admin("POST", "/workers/decode-0/state", {"state": "READY"}).json()
+            assert entry["healthy"] and entry["eligible"]
+            assert chat(router.url).status_code == 200
