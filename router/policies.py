@@ -24,7 +24,7 @@ import random
 from dataclasses import dataclass
 from typing import Annotated, Any, Callable, Sequence
 
-from pydantic import AfterValidator
+from pydantic import AfterValidator, ValidationInfo
 
 from .prefix_tree import PrefixChooser
 from .worker import Worker
@@ -91,4 +91,12 @@ def _known(name: str) -> str:
     return name
 
 
+def _for_decode(name: str, info: ValidationInfo) -> str:
+    if POLICIES[name].prefill_only:
+        raise ValueError(f"{info.field_name} {name!r} is for prefill workers (a decode has no prompt cache to aim "
+                         "at); use least_load or power_of_two for decode")
+    return name
+
+
 Policy = Annotated[str, AfterValidator(_known)]
+DecodePolicy = Annotated[str, AfterValidator(_known), AfterValidator(_for_decode)]

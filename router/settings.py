@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .policies import POLICIES, Policy
+from .policies import DecodePolicy, Policy
 
 
 class SettingsError(ValueError):
@@ -93,7 +93,7 @@ class RouterSettings(BaseModel):
     migration_limit: int = Field(default=1, ge=0, description="times a stream whose decode died is continued on "
                                  "a fresh pair before it ends with an error event")
     prefill_policy: Policy = "round_robin"
-    decode_policy: Policy = "round_robin"
+    decode_policy: DecodePolicy = "round_robin"
     max_retries: int = Field(default=2, ge=0, description="fresh pairs tried after a connection-level failure that "
                              "happened before the first byte reached the client")
     breaker_failures: int = Field(default=5, ge=1, description="connection failures in a row that open a worker's "
@@ -101,13 +101,6 @@ class RouterSettings(BaseModel):
     breaker_cooldown_s: float = Field(default=5.0, gt=0)
     upstream_keepalive_s: float = Field(default=2.0, gt=0, description="idle upstream connections are dropped after "
                                         "this; keep it below the workers' keep-alive (uvicorn: 5 s)")
-
-    @model_validator(mode="after")
-    def _decode_policy(self) -> RouterSettings:
-        if POLICIES[self.decode_policy].prefill_only:
-            raise ValueError(f"decode_policy {self.decode_policy!r} is for prefill workers (a decode has no prompt "
-                             "cache to aim at); use least_load or power_of_two for decode")
-        return self
 
     @model_validator(mode="after")
     def _names_unique(self) -> RouterSettings:

@@ -62,7 +62,9 @@ def test_kv_stranded_by_a_dead_decode_is_counted_then_freed_and_requests_succeed
     # Both legs of 3 requests, as a router sends them, while the decode is frozen: it never reserves.
     os.kill(dead["pid"], signal.SIGSTOP)
     try:
-        body = {str(i): {"text": "stranded " * 20, "sampling_params": {"max_new_tokens": 4},
+        # three different prompts: the prefill's prefix cache shares the pages of equal ones, and held == stranded
+        # below counts each request's own pages
+        body = {str(i): {"text": f"{i} stranded " * 20, "sampling_params": {"max_new_tokens": 4},
                          "bootstrap_host": "127.0.0.1", "bootstrap_port": cluster.ports["bootstrap"],
                          "bootstrap_room": secrets.randbits(63), "rid": secrets.token_hex(8)} for i in range(3)}
         sent = time.monotonic()

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from dsv4_cluster.core import WORKER_ROLES, Role
 from dsv4_cluster.orchestrator.launch.sglang import DSV4_PAGE_SIZE
-from dsv4_cluster.router.policies import POLICIES, Policy
+from dsv4_cluster.router.policies import DecodePolicy, Policy
 from dsv4_cluster.router.settings import RouterSettings
 from .errors import UnknownNameError
 
@@ -73,14 +73,7 @@ class RouterPolicyConfig(_Strict):
     """Each role's choice of worker (`router/policies.py`'s registry names them)."""
 
     prefill: Policy = _router_default("prefill_policy")
-    decode: Policy = _router_default("decode_policy")
-
-    @model_validator(mode="after")
-    def _decode_policy(self) -> RouterPolicyConfig:
-        if POLICIES[self.decode].prefill_only:
-            raise ValueError(f"decode: {self.decode!r} is for prefill workers (a decode has no prompt cache to aim "
-                             "at); use least_load or power_of_two for decode")
-        return self
+    decode: DecodePolicy = _router_default("decode_policy")
 
 
 class ApiKeysConfig(_Strict):
