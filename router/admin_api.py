@@ -57,6 +57,8 @@ def admin_router() -> APIRouter:
         if worker.state is not change.state:
             log.info("admin: %s state %s -> %s (%s)", worker.describe(), worker.state.value, change.state.value,
                      change.reason or "no reason given")
+        if change.state is WorkerState.READY and worker.state is not WorkerState.READY:
+            worker.ready_again()  # restarted and probed by its supervisor: pair it now (Worker.ready_again)
         worker.state, worker.reason = change.state, change.reason
         return worker.entry()
 

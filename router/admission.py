@@ -2,9 +2,9 @@
 
 1. Size: a body over `max_body_bytes` gets 413 (from its Content-Length, before reading it, or while reading).
 2. Access: with `api_keys` configured, `Authorization: Bearer <key>` must carry one of them (401).
-3. Shape: the OpenAI schema (SGLang's for `/generate`) with the value ranges OpenAI enforces: wrong types,
-   NaN or out-of-range sampling values, missing prompts -> 400 naming the field. Fields the schema does
-   not know pass through to the workers (SGLang takes many extensions).
+3. Shape: the OpenAI schema (SGLang's for `/generate`) with the value ranges of `dsv4_cluster.request_schema`
+   (the workers' too): wrong types, NaN or out-of-range sampling values, missing prompts -> 400 naming the
+   field. Fields the schema does not know pass through to the workers (SGLang takes many extensions).
 4. Model: a `model` that is neither the served name nor one of its aliases -> 404 `model_not_found`, as
    OpenAI answers. A missing `model` means the served one.
 Keys are compared in constant time and never logged.
@@ -14,19 +14,16 @@ from __future__ import annotations
 
 import hmac
 import json
-from typing import Annotated, Any, Union
+from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+
+from dsv4_cluster import request_schema as rs
 
 from .errors import BodyTooLarge, InvalidRequest, ModelNotFound, Unauthorized
 from .pairing import check_body
 
-Number = Annotated[Union[StrictInt, Annotated[float, Field(strict=True)]], Field(allow_inf_nan=False)]
 Stop = Union[StrictStr, list[StrictStr], None]
-
-
-def _range(lo: float | None = None, hi: float | None = None, **kw: Any) -> Any:
-    return Field(default=None, ge=lo, le=hi, allow_inf_nan=False, **kw)
 
 
 class _Open(BaseModel):
@@ -46,22 +43,22 @@ class _Sampling(_Open):
     model: StrictStr | None = None
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
-    temperature: float | None = _range(0.0, 2.0)
-    top_p: float | None = _range(0.0, 1.0)
-    presence_penalty: float | None = _range(-2.0, 2.0)
-    frequency_penalty: float | None = _range(-2.0, 2.0)
-    max_tokens: StrictInt | None = _range(1)
-    n: StrictInt | None = _range(1, 128)
-    seed: StrictInt | None = None
+    temperature: rs.OpenAITemperature | None = None
+    top_p: rs.TopP | None = None
+    presence_penalty: rs.Penalty | None = None
+    frequency_penalty: rs.Penalty | None = None
+    max_tokens: rs.MaxTokens | None = None
+    n: rs.N | None = None
+    seed: rs.Seed | None = None
     stop: Stop = None
     logprobs: Union[StrictBool, StrictInt, None] = None
-    top_logprobs: StrictInt | None = _range(0, 20)
+    top_logprobs: rs.TopLogprobs | None = None
     user: StrictStr | None = None
 
 
 class ChatBody(_Sampling):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = _range(1)
+    max_completion_tokens: rs.MaxTokens | None = None
 
 
 class CompletionBody(_Sampling):
@@ -69,12 +66,15 @@ class CompletionBody(_Sampling):
 
 
 class GenerateSampling(_Open):
-    temperature: float | None = _range(0.0)
-    top_p: float | None = _range(0.0, 1.0)
+    temperature: rs.Temperature | None = None
+    top_p: rs.TopP | None = None
     top_k: StrictInt | None = None
-    min_p: float | None = _range(0.0, 1.0)
-    max_new_tokens: StrictInt | None = _range(0)
-    n: StrictInt | None = _range(1, 128)
+    min_p: rs.MinP | None = None
+    presence_penalty: rs.Penalty | None = None
+    frequency_penalty: rs.Penalty | None = None
+    max_new_tokens: rs.MaxNewTokens | None = None
+    n: rs.N | None = None
+    sampling_seed: rs.Seed | None = None
     stop: Stop = None
 
 

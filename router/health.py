@@ -3,9 +3,10 @@
 A worker leaves the pool after `health_failures_to_unhealthy` consecutive failed checks (no answer within
 `health_check_timeout_s`, or a status other than 200) and comes back on the first check that passes. The
 orchestrator reports state changes through the admin API as well; the two are independent (a worker is
-paired only when both agree, `worker.Worker.eligible`). When a role's policy weighs load or backpressure is on,
-each check also reads the worker's KV token usage and queue (`sglang:token_usage`, `sglang:num_queue_reqs` from its
-`/metrics`).
+paired only when both agree, `worker.Worker.eligible`), except that a READY report after another state counts
+as a passed check: the supervisor's readiness probes just passed (`Worker.ready_again`). When a role's policy
+weighs load or backpressure is on, each check also reads the worker's KV token usage and queue
+(`sglang:token_usage`, `sglang:num_queue_reqs` from its `/metrics`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import re
 from dsv4_cluster.core import Role
 
 from .http_client import Interrupted, UpstreamError
+from .policies import POLICIES
 from .pool import WorkerPool
 from .settings import RouterSettings
 from .upstream import Upstream
@@ -25,7 +27,6 @@ from .worker import Worker
 log = logging.getLogger(__name__)
 TOKEN_USAGE = re.compile(rb"^sglang:token_usage(?:\{[^}]*\})? ([0-9.eE+-]+)", re.M)
 QUEUED = re.compile(rb"^sglang:num_queue_reqs(?:\{[^}]*\})? ([0-9.eE+-]+)", re.M)
-LOAD_POLICIES = ("least_load", "power_of_two", "prefix")
 
 
 class HealthChecker:
@@ -34,12 +35,11 @@ class HealthChecker:
     def __init__(self, pool: WorkerPool, upstream: Upstream, settings: RouterSettings) -> None:
         self._pool, self._upstream = pool, upstream
         queues = settings.max_queued_per_worker > 0      # backpressure reads the queues from /metrics too
-        self._reads_metrics = {Role.PREFILL: queues or settings.prefill_policy in LOAD_POLICIES,
-                               Role.DECODE: queues or settings.decode_policy in LOAD_POLICIES}
+        self._reads_metrics = {Role.PREFILL: queues or POLICIES[settings.prefill_policy].weighs_load,
+                               Role.DECODE: queues or POLICIES[settings.decode_policy].weighs_load}
         self._interval_s = settings.health_check_interval_s
         self._timeout_s = settings.health_check_timeout_s
         self._threshold = settings.health_failures_to_unhealthy
-        self._failures = {w.name: 0 for w in pool.workers}
 
     async def _passes(self, worker: Worker) -> bool:
         try:
@@ -58,16 +58,16 @@ class HealthChecker:
         if await self._passes(worker):
             if not worker.healthy:
                 log.warning("%s at %s passes its health check again; back in the pool", worker.describe(), worker.url)
-            self._failures[worker.name] = 0
+            worker.health_failures = 0
             worker.healthy = True
             return
-        self._failures[worker.name] += 1
-        if worker.healthy and self._failures[worker.name] >= self._threshold:
+        worker.health_failures += 1
+        if worker.healthy and worker.health_failures >= self._threshold:
             worker.healthy = False
             log.warning("%s at %s failed %d health checks in a row; out of the pool until it passes; "
                         "ending the %d requests it is part of", worker.describe(), worker.url,
-                        self._failures[worker.name], len(worker.pairs))
-            worker.lost(f"failed {self._failures[worker.name]} health checks in a row")
+                        worker.health_failures, len(worker.pairs))
+            worker.lost(f"failed {worker.health_failures} health checks in a row")
 
     async def run(self) -> None:
         """A round every `health_check_interval_s`, however long the last one waited on a timeout: a hung worker

@@ -7,12 +7,13 @@ with the field's path in the message, not at the first request. The CLI takes it
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .policies import PREFILL_ONLY, Policy
+from .policies import DecodePolicy, Policy
 
 
 class SettingsError(ValueError):
@@ -74,6 +75,10 @@ class RouterSettings(BaseModel):
     model_aliases: list[str] = Field(default_factory=list, description="other names clients may use for the model")
     api_keys: list[str] = Field(default_factory=list, repr=False,
                                 description="if set, /v1/* and /generate need 'Authorization: Bearer <one of them>'")
+    api_keys_file: str | None = Field(default=None, description="a file of API keys, one per line ('#' comments), "
+                                      "added to api_keys when the settings are loaded")
+    api_keys_env: str | None = Field(default=None, description="an environment variable holding API keys, "
+                                     "comma-separated, added to api_keys when the settings are loaded")
     max_body_bytes: int = Field(default=32 * 2**20, ge=1024, description="larger request bodies get 413")
     request_head_timeout_s: float = Field(default=10.0, gt=0, description="a request head not complete this long "
                                           "after its first byte gets 408 and its connection closed (slowloris)")
@@ -88,7 +93,7 @@ class RouterSettings(BaseModel):
     migration_limit: int = Field(default=1, ge=0, description="times a stream whose decode died is continued on "
                                  "a fresh pair before it ends with an error event")
     prefill_policy: Policy = "round_robin"
-    decode_policy: Policy = "round_robin"
+    decode_policy: DecodePolicy = "round_robin"
     max_retries: int = Field(default=2, ge=0, description="fresh pairs tried after a connection-level failure that "
                              "happened before the first byte reached the client")
     breaker_failures: int = Field(default=5, ge=1, description="connection failures in a row that open a worker's "
@@ -96,13 +101,6 @@ class RouterSettings(BaseModel):
     breaker_cooldown_s: float = Field(default=5.0, gt=0)
     upstream_keepalive_s: float = Field(default=2.0, gt=0, description="idle upstream connections are dropped after "
                                         "this; keep it below the workers' keep-alive (uvicorn: 5 s)")
-
-    @model_validator(mode="after")
-    def _decode_policy(self) -> RouterSettings:
-        if self.decode_policy in PREFILL_ONLY:
-            raise ValueError(f"decode_policy {self.decode_policy!r} is for prefill workers (a decode has no prompt "
-                             "cache to aim at); use least_load or power_of_two for decode")
-        return self
 
     @model_validator(mode="after")
     def _names_unique(self) -> RouterSettings:
@@ -113,6 +111,19 @@ class RouterSettings(BaseModel):
         return self
 
 
+def summary(settings: RouterSettings) -> list[str]:
+    """What an operator checks before `up`: where the router listens, and its settings (never a key)."""
+    keys = ("file " + settings.api_keys_file if settings.api_keys_file else
+            "env " + settings.api_keys_env if settings.api_keys_env else
+            f"{len(settings.api_keys)} inline" if settings.api_keys else "none (no key asked for)")
+    return [f"listens on http://{settings.host}:{settings.port} (model {settings.model_name!r}; "
+            f"prefill {[w.name for w in settings.prefill]}, decode {[w.name for w in settings.decode]})",
+            f"policy: prefill {settings.prefill_policy}, decode {settings.decode_policy}; API keys: {keys}",
+            f"admission: bodies up to {settings.max_body_bytes} bytes; timeouts: request "
+            f"{settings.request_timeout_s:g} s, connect {settings.connect_timeout_s:g} s, request head "
+            f"{settings.request_head_timeout_s:g} s, request body {settings.request_body_timeout_s:g} s"]
+
+
 def _describe(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
@@ -121,8 +132,34 @@ def _describe(err: ValidationError) -> str:
     return "\n".join(lines)
 
 
+def with_api_keys(settings: RouterSettings) -> RouterSettings:
+    """`settings` with the keys of `api_keys_file` / `api_keys_env` added to `api_keys` (read now, in this
+    process); SettingsError naming the file or variable when it cannot be read or holds no key."""
+    keys, sources = list(settings.api_keys), []
+    if settings.api_keys_file is not None:
+        try:
+            lines = Path(settings.api_keys_file).read_text().splitlines()
+        except OSError as exc:
+            raise SettingsError(f"cannot read the API keys file {settings.api_keys_file} (api_keys_file): "
+                                f"{exc.strerror}") from exc
+        sources.append((f"the API keys file {settings.api_keys_file}",
+                        [s for line in lines if (s := line.split("#", 1)[0].strip())]))
+    if settings.api_keys_env is not None:
+        if settings.api_keys_env not in os.environ:
+            raise SettingsError(f"the environment variable {settings.api_keys_env} (api_keys_env) is not set in the "
+                                "router's environment; set it where the cluster is started")
+        sources.append((f"the environment variable {settings.api_keys_env}",
+                        [s for k in os.environ[settings.api_keys_env].split(",") if (s := k.strip())]))
+    for where, found in sources:
+        if not found:
+            raise SettingsError(f"{where} holds no API key; put at least one there or drop the setting")
+        keys += found
+    return settings.model_copy(update={"api_keys": keys}) if sources else settings
+
+
 def load_settings(path: str | Path) -> RouterSettings:
-    """Read and validate a settings JSON file; raise SettingsError naming the file and the bad fields."""
+    """Read and validate a settings JSON file, API keys from their file or variable added; raise SettingsError
+    naming the file and the bad fields."""
     path = Path(path)
     try:
         raw = json.loads(path.read_text())
@@ -131,6 +168,7 @@ def load_settings(path: str | Path) -> RouterSettings:
     except json.JSONDecodeError as exc:
         raise SettingsError(f"router settings {path} is not valid JSON: {exc}") from exc
     try:
-        return RouterSettings.model_validate(raw)
+        settings = RouterSettings.model_validate(raw)
     except ValidationError as exc:
         raise SettingsError(f"router settings {path} are invalid:\n{_describe(exc)}") from exc
+    return with_api_keys(settings)

@@ -32,6 +32,7 @@ class Worker:
     reason: str | None = None
     drained: bool = False
     healthy: bool = True
+    health_failures: int = 0  # consecutive failed health checks (health.py)
     in_flight: int = 0
     token_usage: float = 0.0
     queued: int = 0  # requests waiting for KV pages on the worker (`sglang:num_queue_reqs`, read by health checks)
@@ -44,6 +45,14 @@ class Worker:
         waits on a hung process until `request_timeout_s` (each request's attempt decides how, attempt.py)."""
         for pair in list(self.pairs):
             pair.lost(self, why)
+
+    def ready_again(self) -> None:
+        """Its supervisor reports it READY after a restart: its readiness probes (its `/health` among them) just
+        passed, so it counts as a passed health check, and the breaker's count of the old process's refused
+        connections is dropped. Without this a worker `status` shows READY could wait a health-check interval
+        (or a breaker cooldown) before it is paired; the next failed checks take it out again as usual."""
+        self.healthy, self.health_failures = True, 0
+        self.failures, self.open_until = 0, 0.0
 
     def describe(self) -> str:
         """How client-facing messages name the worker: role and name, never its internal URL."""

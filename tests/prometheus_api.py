@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import re
-import time
-from typing import Any, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import httpx
+import yaml
 
 from dsv4_cluster import metric_names
 
@@ -66,13 +68,36 @@ def known_metric_names() -> set[str]:
     return names
 
 
-def wait_for(what: str, check: Callable[[], Any], timeout_s: float, interval_s: float = 0.25) -> Any:
-    """Poll `check` until it returns something truthy; fail naming `what` after `timeout_s`."""
-    end = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(interval_s)
+# Prometheus (2.x) hands discovered targets on through two fixed 5 s throttles: the discovery manager's
+# update tick and the scrape manager's reload tick.
+PROMETHEUS_SD_THROTTLES_S = 5.0 + 5.0
+LOADED_MACHINE = 3.0  # a loaded 2-core CI machine runs Prometheus' timers late; a ceiling, not a delay
+
+
+def _seconds(duration: str) -> float:
+    """A Prometheus duration as this project writes them ("1s", "500ms", "2m")."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|m)", duration)
+    assert match, f"unexpected Prometheus duration {duration!r}"
+    return float(match[1]) * {"ms": 0.001, "s": 1.0, "m": 60.0}[match[2]]
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """How often the running Prometheus acts, read from the prometheus.yml it was started with."""
+
+    scrape_s: float
+    evaluation_s: float
+    file_sd_refresh_s: float
+
+    @classmethod
+    def of(cls, config_path: Path) -> Cadence:
+        config = yaml.safe_load(config_path.read_text())
+        refresh = {c["refresh_interval"] for job in config["scrape_configs"] for c in job["file_sd_configs"]}
+        assert len(refresh) == 1, refresh
+        return cls(_seconds(config["global"]["scrape_interval"]), _seconds(config["global"]["evaluation_interval"]),
+                   _seconds(refresh.pop()))
+
+    def targets_follow_files_s(self) -> float:
+        """The most a targets-file change takes to show in /api/v1/targets: the file re-read (inotify at once;
+        the refresh interval if its event is missed), the two throttles, one scrape; on a loaded machine."""
+        return LOADED_MACHINE * (self.file_sd_refresh_s + PROMETHEUS_SD_THROTTLES_S + self.scrape_s)

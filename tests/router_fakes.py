@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from dsv4_cluster.router.settings import RouterSettings
 from dsv4_cluster.router.sse import DONE
+from dsv4_cluster.tests.helpers import SOON_S, wait_for
 from dsv4_cluster.tests.servers import UvicornThread
 
 WAIT_S = 5.0
@@ -70,11 +71,9 @@ class FakeWorker:
         self.mode, self.received, self.aborted = mode, [], []
 
     def aborted_soon(self, rid: str | None = None) -> bool:
-        """Whether `rid` (None: any rid) is aborted within WAIT_S."""
-        deadline = time.monotonic() + WAIT_S
-        while not (rid in self.aborted if rid else self.aborted) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return bool(rid in self.aborted if rid else self.aborted)
+        """True once `rid` (None: any rid) is aborted; an AssertionError after SOON_S."""
+        return wait_for(lambda: rid in self.aborted if rid else bool(self.aborted), SOON_S,
+                        f"{self.role} to be aborted ({rid or 'any rid'})")
 
     async def wait(self, what: str, rid: Any, timeout_s: float = WAIT_S) -> bool:
         """Wait for the other leg's `what` unless this leg gets aborted."""

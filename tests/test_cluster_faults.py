@@ -17,6 +17,7 @@ import pytest
 
 from dsv4_cluster.bench.local_cluster import LocalCluster, write_topology
 from .cluster_cli import next_20_succeed
+from .helpers import cluster_status, status_rows, wait_ready
 
 pytestmark = pytest.mark.slow
 HOOKS = ", extra_args: [--test-hooks]"
@@ -28,26 +29,6 @@ def cluster(tmp_path_factory) -> LocalCluster:
     c = write_topology(tmp, extra_decode=HOOKS, extra_prefill=HOOKS)
     with c.running():
         yield c
-
-
-def _status(c: LocalCluster) -> dict:
-    st = c.cli("status", "--json")
-    assert st.returncode == 0, st.stderr
-    return json.loads(st.stdout)
-
-
-def _row(c: LocalCluster, name: str) -> dict:
-    return next(w for w in _status(c)["workers"] if w["name"] == name)
-
-
-def _wait_ready(c: LocalCluster, name: str, restarts: int, timeout_s: float) -> dict:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        row = _row(c, name)
-        if row["state"] == "READY" and row["restarts"] == restarts:
-            return row
-        time.sleep(0.3)
-    return row
 
 
 async def _load(c: LocalCluster, stop: asyncio.Event, out: list[int | str]) -> None:
@@ -78,7 +59,7 @@ def _admin_entry(c: LocalCluster, name: str) -> dict:
 
 @pytest.mark.parametrize("name", ["decode-0", "prefill-0"])
 def test_sigkill_under_load_then_ready_restarts_1_and_the_next_20_succeed(cluster, name):
-    before = _row(cluster, name)
+    before = status_rows(cluster)[name]
     assert before["state"] == "READY"
 
     async def load_and_kill() -> tuple[list[int | str], dict]:
@@ -88,7 +69,7 @@ def test_sigkill_under_load_then_ready_restarts_1_and_the_next_20_succeed(cluste
         while results.count(200) < 3 and time.monotonic() < end:
             await asyncio.sleep(0.1)
         os.kill(before["pid"], signal.SIGKILL)
-        row = await asyncio.to_thread(_wait_ready, cluster, name, before["restarts"] + 1, 60)
+        row = await asyncio.to_thread(wait_ready, cluster, name, before["restarts"] + 1, 60)
         stop.set()
         await load
         return results, row
@@ -103,7 +84,7 @@ def test_sigkill_under_load_then_ready_restarts_1_and_the_next_20_succeed(cluste
 
 
 def test_a_poison_request_gets_a_400_and_the_engine_keeps_serving(cluster):
-    restarts = {w["name"]: w["restarts"] for w in _status(cluster)["workers"]}
+    restarts = {w["name"]: w["restarts"] for w in cluster_status(cluster)["workers"]}
     # json.dumps writes NaN/Infinity literals, as a careless client would.
     for bad in ({"temperature": -1}, {"temperature": float("nan")}, {"temperature": float("inf")},
                 {"top_p": 0}, {"top_p": 1.5}):
@@ -117,7 +98,7 @@ def test_a_poison_request_gets_a_400_and_the_engine_keeps_serving(cluster):
         "model": "dsv4-tiny", "max_tokens": 4, "temperature": 1e-40,
         "messages": [{"role": "user", "content": "tiny temperature is greedy"}]})
     assert tiny.status_code == 200, tiny.text
-    after = {w["name"]: (w["state"], w["restarts"]) for w in _status(cluster)["workers"]}
+    after = {w["name"]: (w["state"], w["restarts"]) for w in cluster_status(cluster)["workers"]}
     assert after == {name: ("READY", n) for name, n in restarts.items()}
     next_20_succeed(cluster)
 
@@ -126,11 +107,11 @@ def test_a_dead_engine_is_detected_and_restarted_within_15s(cluster):
     """The 15 s bound is on what supervision controls, timed by the supervisor's own clock: from the
     kill to the supervisor noticing the dead worker (RESTARTING) and spawning it again after its
     backoff. The worker's own start (spawn to READY) depends on the machine's load: reported."""
-    before = _row(cluster, "decode-0")
+    before = status_rows(cluster)["decode-0"]
     killed_at = time.time()
     r = httpx.post(f"http://127.0.0.1:{cluster.ports['decode']}/debug/kill_engine", timeout=10)
     assert r.status_code == 200, r.text
-    row = _wait_ready(cluster, "decode-0", before["restarts"] + 1, timeout_s=120)
+    row = wait_ready(cluster, "decode-0", before["restarts"] + 1, timeout_s=120)
     assert (row["state"], row["restarts"]) == ("READY", before["restarts"] + 1), row
     changes = [h for h in row["history"] if h["at"] >= killed_at]
     detected = next(h for h in changes if h.get("state") == "RESTARTING")

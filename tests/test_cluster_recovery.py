@@ -24,6 +24,7 @@ from dsv4_cluster.orchestrator.processes import pid_alive
 
 from dsv4_cluster.bench.local_cluster import LocalCluster, write_topology
 from .cluster_cli import next_20_succeed
+from .helpers import kv_used, status_rows, wait_ready
 
 pytestmark = pytest.mark.slow
 STRANDED_TIMEOUT_S = 20  # topology transfer.stranded_kv_timeout_s; counted stranded after 5 s
@@ -37,21 +38,6 @@ def cluster(tmp_path_factory) -> LocalCluster:
         yield c
 
 
-def _rows(c: LocalCluster, *extra: str) -> dict[str, dict]:
-    st = c.cli("status", "--json", *extra)
-    assert st.returncode == 0, st.stderr
-    return {w["name"]: w for w in json.loads(st.stdout)["workers"]}
-
-
-def _wait_ready(c: LocalCluster, name: str, restarts: int, timeout_s: float) -> dict:
-    end = time.monotonic() + timeout_s
-    while True:
-        row = _rows(c)[name]
-        if (row["state"], row["restarts"]) == ("READY", restarts) or time.monotonic() > end:
-            return row
-        time.sleep(0.5)
-
-
 def _stranded(url: str) -> dict[str, float]:
     """The prefill's stranded-KV samples, parsed by Prometheus' own text parser."""
     text = httpx.get(url + "/metrics", timeout=10).text
@@ -59,16 +45,12 @@ def _stranded(url: str) -> dict[str, float]:
             if s.name in m.STRANDED_KV}
 
 
-def _used(url: str) -> int:
-    return httpx.get(url + "/server_info", timeout=10).json()["internal_states"][0]["num_used_tokens"]
-
-
 def test_kv_stranded_by_a_dead_decode_is_counted_then_freed_and_requests_succeed(cluster):
     prefill = f"http://127.0.0.1:{cluster.ports['prefill']}"
     decode = f"http://127.0.0.1:{cluster.ports['decode']}"
-    idle_used, before = _used(prefill), _stranded(prefill)
+    idle_used, before = kv_used(prefill), _stranded(prefill)
     assert before[m.STRANDED_KV_TOKENS] == 0 and before[m.STRANDED_KV_ROOMS] == 0, before
-    dead = _rows(cluster)["decode-0"]
+    dead = status_rows(cluster)["decode-0"]
     results: dict[str, object] = {}
 
     def leg(url: str, key: str) -> None:
@@ -80,7 +62,9 @@ def test_kv_stranded_by_a_dead_decode_is_counted_then_freed_and_requests_succeed
     # Both legs of 3 requests, as a router sends them, while the decode is frozen: it never reserves.
     os.kill(dead["pid"], signal.SIGSTOP)
     try:
-        body = {str(i): {"text": "stranded " * 20, "sampling_params": {"max_new_tokens": 4},
+        # three different prompts: the prefill's prefix cache shares the pages of equal ones, and held == stranded
+        # below counts each request's own pages
+        body = {str(i): {"text": f"{i} stranded " * 20, "sampling_params": {"max_new_tokens": 4},
                          "bootstrap_host": "127.0.0.1", "bootstrap_port": cluster.ports["bootstrap"],
                          "bootstrap_room": secrets.randbits(63), "rid": secrets.token_hex(8)} for i in range(3)}
         sent = time.monotonic()
@@ -94,8 +78,8 @@ def test_kv_stranded_by_a_dead_decode_is_counted_then_freed_and_requests_succeed
     finally:
         with contextlib.suppress(ProcessLookupError):  # (its supervisor may have killed it already)
             os.kill(dead["pid"], signal.SIGKILL)  # the decode dies before any transfer
-    held = _used(prefill) - idle_used
-    rows = _rows(cluster)
+    held = kv_used(prefill) - idle_used
+    rows = status_rows(cluster)
     table = cluster.cli("status").stdout
     assert now[m.STRANDED_KV_ROOMS] == 3, now
     assert now[m.STRANDED_KV_TOKENS] == held > 0, (now, held)
@@ -116,10 +100,10 @@ def test_kv_stranded_by_a_dead_decode_is_counted_then_freed_and_requests_succeed
     assert after[m.STRANDED_KV_TOKENS] == 0 and after[m.STRANDED_KV_ROOMS] == 0, after
     assert after[m.STRANDED_KV_FREED_TOKENS] == before[m.STRANDED_KV_FREED_TOKENS] + held, after
     assert after[m.STRANDED_KV_FREED_ROOMS] == before[m.STRANDED_KV_FREED_ROOMS] + 3, after
-    assert _used(prefill) == idle_used
-    assert _rows(cluster)["prefill-0"]["stranded_kv"]["freed_rooms"] == after[m.STRANDED_KV_FREED_ROOMS]
+    assert kv_used(prefill) == idle_used
+    assert status_rows(cluster)["prefill-0"]["stranded_kv"]["freed_rooms"] == after[m.STRANDED_KV_FREED_ROOMS]
 
-    row = _wait_ready(cluster, "decode-0", dead["restarts"] + 1, timeout_s=90)
+    row = wait_ready(cluster, "decode-0", dead["restarts"] + 1, timeout_s=90)
     assert (row["state"], row["restarts"]) == ("READY", dead["restarts"] + 1), row
     next_20_succeed(cluster)
 
@@ -143,11 +127,11 @@ def _worker_pids(role: str, port: int) -> list[int]:
 
 
 def test_a_killed_supervisor_actor_is_restarted_and_starts_its_worker_again(cluster):
-    before = _rows(cluster)["decode-0"]
+    before = status_rows(cluster)["decode-0"]
     old = _actor_record(cluster, "supervisor-decode-0")
     assert (old["worker_pid"], old["running"]) == (before["pid"], True) and old["pid"] != before["pid"], old
     os.kill(old["pid"], signal.SIGKILL)
-    row = _wait_ready(cluster, "decode-0", before["restarts"] + 1, timeout_s=120)
+    row = wait_ready(cluster, "decode-0", before["restarts"] + 1, timeout_s=120)
     assert (row["state"], row["restarts"]) == ("READY", before["restarts"] + 1), row
     new = _actor_record(cluster, "supervisor-decode-0")
     assert new["pid"] != old["pid"] and pid_alive(new["pid"]) and not pid_alive(old["pid"]), (old, new)
@@ -157,7 +141,7 @@ def test_a_killed_supervisor_actor_is_restarted_and_starts_its_worker_again(clus
 
 
 def test_a_killed_controller_is_restarted_and_the_workers_serve_throughout(cluster):
-    before = {n: (r["state"], r["pid"], r["restarts"]) for n, r in _rows(cluster).items()}
+    before = {n: (r["state"], r["pid"], r["restarts"]) for n, r in status_rows(cluster).items()}
     old = _actor_record(cluster, "controller")
     os.kill(old["pid"], signal.SIGKILL)
     next_20_succeed(cluster)  # supervisors, workers and router do not depend on the controller
@@ -166,7 +150,7 @@ def test_a_killed_controller_is_restarted_and_the_workers_serve_throughout(clust
         time.sleep(0.5)
     new = _actor_record(cluster, "controller")
     assert new["pid"] != old["pid"] and pid_alive(new["pid"]) and not pid_alive(old["pid"]), (old, new)
-    after = {n: (r["state"], r["pid"], r["restarts"]) for n, r in _rows(cluster).items()}
+    after = {n: (r["state"], r["pid"], r["restarts"]) for n, r in status_rows(cluster).items()}
     assert after == before  # the restarted controller found every supervisor, each with its worker
     assert _worker_pids("prefill", cluster.ports["prefill"]) == [before["prefill-0"][1]]
     assert _worker_pids("decode", cluster.ports["decode"]) == [before["decode-0"][1]]

@@ -22,7 +22,9 @@ from dsv4_cluster.orchestrator.launch.ports import free_ports
 
 from dsv4_cluster.bench.local_cluster import LocalCluster, write_topology
 from .deploy_tools import require_tool
-from .prometheus_api import Prometheus, known_metric_names, metric_names_in, wait_for
+from dsv4_cluster.orchestrator.monitor.targets import JOB_FILES, targets_dir
+from .helpers import wait_for
+from .prometheus_api import Cadence, Prometheus, known_metric_names, metric_names_in
 
 pytestmark = pytest.mark.slow
 
@@ -102,21 +104,21 @@ def test_targets_rules_and_every_panel_query_against_the_live_cluster(live: Live
     assert 400 <= bad.status_code < 500, bad.text
 
     # The decode has counted the 4 requests (plus the startup check), and Prometheus has scraped it since.
-    wait_for("the decode's requests in Prometheus", lambda: prom.query(
-        'sglang:num_requests_total{engine_type="decode"} >= 5'), timeout_s=30)
+    wait_for(lambda: prom.query('sglang:num_requests_total{engine_type="decode"} >= 5'), 30,
+             "the decode's requests in Prometheus")
     # ... and every series has the 2+ samples since then that rate() and increase() need.
-    wait_for("3 scrapes of every target after the requests", lambda: prom.query(
-        'min(count_over_time(sglang:num_requests_total[3s])) >= 3'), timeout_s=30)
+    wait_for(lambda: prom.query('min(count_over_time(sglang:num_requests_total[3s])) >= 3'), 30,
+             "3 scrapes of every target after the requests")
     expected = {("dsv4-workers", "prefill-0"), ("dsv4-workers", "decode-0"), ("dsv4-orchestrator", "orchestrator"),
                 ("dsv4-router", "router")}
-    targets = wait_for("every target up", lambda: (
-        ts if all(t["health"] == "up" for t in ts) else None) if (ts := prom.targets()) else None, timeout_s=30)
+    targets = wait_for(lambda: (ts if all(t["health"] == "up" for t in ts) else None)
+                       if (ts := prom.targets()) else None, 30, "every target up")
     assert {(t["labels"]["job"], t["labels"]["worker"]) for t in targets} == expected
     ups = {r["metric"]["worker"]: r["value"][1] for r in prom.query('up{job=~"dsv4-.*"}')}
     assert ups == {"prefill-0": "1", "decode-0": "1", "orchestrator": "1", "router": "1"}
 
-    rules = wait_for("every rule evaluated", lambda: (
-        rs if all(r["lastEvaluation"] > "2000" for r in rs) else None) if (rs := prom.rules()) else None, 30)
+    rules = wait_for(lambda: (rs if all(r["lastEvaluation"] > "2000" for r in rs) else None)
+                     if (rs := prom.rules()) else None, 30, "every rule evaluated")
     assert len(rules) == 9
     for rule in rules:
         assert rule["health"] == "ok" and not rule.get("lastError"), rule
@@ -160,17 +162,17 @@ def test_killed_worker_goes_pending_then_serves_again(live: Live) -> None:
         return any(a["labels"]["alertname"] == "DSV4WorkerDown" and a["labels"].get("worker") == "prefill-0"
                    and a["state"] == "pending" for a in prom.alerts())
 
-    wait_for("DSV4WorkerDown pending for prefill-0", pending, timeout_s=20, interval_s=0.1)
-    wait_for("prefill-0 READY after its restart", lambda: (
+    wait_for(pending, 20, "DSV4WorkerDown pending for prefill-0", interval_s=0.1)
+    wait_for(lambda: (
         (row := live.status()["prefill-0"])["state"] == "READY" and row["restarts"] == before["restarts"] + 1),
-        timeout_s=90, interval_s=1.0)
+        90, "prefill-0 READY after its restart", interval_s=1.0)
     for _ in range(5):  # the fault is over only when requests succeed again
         reply = live.chat()
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["completion_tokens"] == 6
-    wait_for("DSV4WorkerDown cleared", lambda: not pending(), timeout_s=20)
-    restarts = wait_for("the restart in Prometheus", lambda: prom.query(
-        f'{m.CLUSTER_WORKER_RESTARTS}{{worker="prefill-0"}} >= 1'), timeout_s=20)
+    wait_for(lambda: not pending(), 20, "DSV4WorkerDown cleared")
+    restarts = wait_for(lambda: prom.query(f'{m.CLUSTER_WORKER_RESTARTS}{{worker="prefill-0"}} >= 1'), 20,
+                        "the restart in Prometheus")
     assert restarts[0]["value"][1] == str(before["restarts"] + 1)
 
 
@@ -178,9 +180,15 @@ def test_down_empties_the_targets_and_the_exporter_says_no_cluster(live: Live) -
     """Last in this module: takes the cluster down under the running monitor."""
     down = live.cluster.cli("down", timeout=240)
     assert down.returncode == 0, down.stderr
-    jobs = wait_for("Prometheus dropping the router and worker targets", lambda: (
+    # `down` returns after the controller emptied the files (nothing may refill them: a status call racing
+    # the stop once did); Prometheus follows within its own cadence, read from the config it runs.
+    run_dir = live.cluster.topology.parent / "run"
+    for job in ("dsv4-router", "dsv4-workers"):
+        assert json.loads((targets_dir(run_dir) / JOB_FILES[job]).read_text()) == [], job
+    cadence = Cadence.of(run_dir / "prometheus" / "prometheus.yml")
+    jobs = wait_for(lambda: (
         js if (js := [t["labels"]["job"] for t in live.prometheus.targets()]) == ["dsv4-orchestrator"] else None),
-        timeout_s=30)
+        cadence.targets_follow_files_s(), "Prometheus dropping the router and worker targets")
     assert jobs == ["dsv4-orchestrator"]  # a stopped cluster fires no worker-down alert
     metrics = httpx.get(f"http://127.0.0.1:{live.exporter_port}/metrics", timeout=60).text
     assert "dsv4_cluster_controller_up 0.0" in metrics

@@ -84,6 +84,10 @@ def test_targets_follow_the_processes(tmp_path: Path) -> None:
     record_targets(spec, rows(prefill_0="STOPPED", decode_0="STOPPED", router="STOPPED"))  # down
     assert json.loads((tdir / "workers.json").read_text()) == []
     assert json.loads((tdir / "router.json").read_text()) == []
+    record_targets(spec, rows())
+    record_targets(spec, None)  # the controller's stop: every process, even one whose stop failed (no row)
+    assert json.loads((tdir / "workers.json").read_text()) == []
+    assert json.loads((tdir / "router.json").read_text()) == []
 
 
 def test_exporter_reports_each_state_and_restarts() -> None:

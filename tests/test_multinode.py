@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import httpx
 import pytest
 
 from dsv4_cluster.orchestrator.cluster.ray_env import prepare_ray_env
 
+from .helpers import gone
 from dsv4_cluster.bench.local_cluster import write_topology
 
 pytestmark = pytest.mark.slow
@@ -42,14 +42,6 @@ def _two_node_topology(tmp_path, extra_nodes: str = "", decode_node: str = "b"):
     return c
 
 
-def _gone(pids: list[int], timeout_s: float = 30) -> list[int]:
-    from dsv4_cluster.orchestrator.processes import pid_alive
-
-    end = time.monotonic() + timeout_s
-    while any(pid_alive(p) for p in pids) and time.monotonic() < end:
-        time.sleep(0.1)
-    return [p for p in pids if pid_alive(p)]
-
 
 def test_workers_land_on_their_named_ray_nodes_and_down_stops_them(ray_nodes, tmp_path):
     address, node_ids = ray_nodes
@@ -70,7 +62,7 @@ def test_workers_land_on_their_named_ray_nodes_and_down_stops_them(ray_nodes, tm
     finally:
         down = c.cli("down", "--timeout", "10")
     assert down.returncode == 0, down.stderr + down.stdout
-    assert pids and _gone(pids) == []
+    assert pids and gone(pids) == []
 
 
 def test_a_topology_naming_an_absent_node_fails_before_anything_starts(ray_nodes, tmp_path):

@@ -19,6 +19,7 @@ import pytest
 
 
 from dsv4_cluster.bench.local_cluster import CLI, LocalCluster, write_topology
+from .helpers import status_rows
 
 pytestmark = pytest.mark.slow
 
@@ -30,12 +31,6 @@ def cluster(tmp_path_factory) -> LocalCluster:
         yield c
 
 
-def _rows(c: LocalCluster) -> dict[str, dict]:
-    st = c.cli("status", "--json")
-    assert st.returncode == 0, st.stderr
-    return {w["name"]: w for w in json.loads(st.stdout)["workers"]}
-
-
 def _admin(c: LocalCluster, name: str) -> dict:
     token = json.loads((c.home / "current.json").read_text())["admin_token"]
     r = httpx.get(c.router_url + "/admin/workers", headers={"Authorization": f"Bearer {token}"})
@@ -44,11 +39,11 @@ def _admin(c: LocalCluster, name: str) -> dict:
 
 
 def test_up_again_reports_the_running_cluster_and_starts_nothing(cluster):
-    pids = {n: r["pid"] for n, r in _rows(cluster).items()}
+    pids = {n: r["pid"] for n, r in status_rows(cluster).items()}
     again = cluster.cli("up", str(cluster.topology))
     assert again.returncode == 0, again.stderr
     assert "already up" in again.stdout and "nothing was started" in again.stdout
-    assert {n: r["pid"] for n, r in _rows(cluster).items()} == pids
+    assert {n: r["pid"] for n, r in status_rows(cluster).items()} == pids
     assert (cluster.home / "current.json").stat().st_mode & 0o077 == 0   # it holds the admin token
 
 
@@ -88,7 +83,7 @@ def test_drain_under_steady_load_loses_no_request_and_restart_brings_it_back(clu
     assert "decode-1 drained and stopped (no request in flight)" in drained.stdout
     assert restarted.returncode == 0, restarted.stderr + restarted.stdout
     assert out and all(r == 16 for r in out), out   # every request of the steady load completed
-    rows = _rows(cluster)
+    rows = status_rows(cluster)
     assert rows["decode-1"]["state"] == "READY" and rows["decode-1"]["restarts"] == 1
     entry = _admin(cluster, "decode-1")
     assert (entry["state"], entry["drained"], entry["eligible"]) == ("READY", False, True)

@@ -17,6 +17,7 @@ import pytest
 from dsv4_cluster.orchestrator.launch.ports import port_is_free
 from dsv4_cluster.orchestrator.processes import pid_alive
 
+from .helpers import gone
 from dsv4_cluster.bench.local_cluster import CLI, run_cli, write_topology
 
 pytestmark = pytest.mark.slow
@@ -29,13 +30,6 @@ def _topology(tmp_path: Path, extra_decode: str = "", kernels: bool = False) -> 
 
 def _run(tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     return run_cli(tmp_path / "home", *args, timeout=timeout)
-
-
-def _gone(pids: list[int], timeout_s: float = 15) -> list[int]:
-    end = time.monotonic() + timeout_s
-    while any(pid_alive(p) for p in pids) and time.monotonic() < end:
-        time.sleep(0.1)
-    return [p for p in pids if pid_alive(p)]
 
 
 def _head_pid(tmp_path: Path) -> int:
@@ -109,7 +103,7 @@ def test_up_status_chat_down(tmp_path: Path) -> None:
     finally:
         down = _run(tmp_path, "down", "--timeout", "10")
     assert down.returncode == 0, down.stderr + down.stdout
-    assert _gone([row["pid"] for row in rows.values()] + [head]) == []
+    assert gone([row["pid"] for row in rows.values()] + [head]) == []
     assert port_is_free(ports["router"])
     assert not (tmp_path / "home" / "current.json").exists()
     after = _run(tmp_path, "status")
@@ -192,7 +186,7 @@ def test_foreground_on_a_joined_cluster_stops_on_sigterm_and_leaves_the_head(tmp
             proc.kill()
         assert proc.returncode == 0, err
         assert "no process left" in out
-        assert _gone(pids) == []
+        assert gone(pids) == []
         assert all(port_is_free(p) for p in ports.values())
         assert head_alive(head), "down stopped a Ray head that up did not start"
     finally:
@@ -217,7 +211,7 @@ def test_sigterm_during_up_stops_what_up_started(tmp_path: Path) -> None:
         proc.kill()
     assert proc.returncode == 143, err
     assert "everything it started was stopped" in err
-    assert _gone([head]) == [] and not record.exists()
+    assert gone([head]) == [] and not record.exists()
     assert all(port_is_free(p) for p in ports.values())
 
 
@@ -228,7 +222,7 @@ def test_a_killed_ray_head_takes_every_process_with_it_and_down_cleans_up(tmp_pa
     pids = [w["pid"] for w in json.loads(_run(tmp_path, "status", "--json").stdout)["workers"]]
     head = _head_pid(tmp_path)
     os.killpg(head, signal.SIGKILL)
-    assert _gone(pids + [head], timeout_s=30) == []  # supervisors die, PR_SET_PDEATHSIG does the rest
+    assert gone(pids + [head], timeout_s=30) == []  # supervisors die, PR_SET_PDEATHSIG does the rest
     st = _run(tmp_path, "status")
     assert st.returncode == 1 and "is gone" in st.stderr and "dsv4-cluster down" in st.stderr
     down = _run(tmp_path, "down")

@@ -10,9 +10,10 @@ import pytest
 from dsv4_cluster.core import Role
 from dsv4_cluster.kernels.sglang_plugin.settings import ATTEST_DIR_ENV, KERNELS_ENV, WORKER_ENV
 from dsv4_cluster.orchestrator.launch.plan import (
-    ROUTE_PROBE, PlanError, cluster_plans, endpoint, router_config)
+    ROUTE_PROBE, PlanError, cluster_plans, endpoint, router_settings)
 from dsv4_cluster.orchestrator.topology.load import load_topology, topology_from_data
-from dsv4_cluster.router.settings import load_settings
+from dsv4_cluster.orchestrator.supervise.router_admin import with_admin_token
+from dsv4_cluster.router.settings import SettingsError, load_settings
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -104,7 +105,39 @@ def test_router_config_is_accepted_by_the_router(tmp_path: Path) -> None:
     assert [(d.name, d.url) for d in settings.decode] == [("decode-0", "http://127.0.0.1:21200")]
     assert path == str(tmp_path / "router.json")
     assert router.argv == (sys.executable, "-m", "dsv4_cluster.router", "--config", path)
-    assert router_config(topo)["host"] == "0.0.0.0"
+    assert router_settings(topo).host == "0.0.0.0"
+
+
+def test_the_topology_router_section_reaches_the_router_typed_and_keys_come_from_their_source(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "keys.txt").write_text("# the operators' keys\nkey-one\n\nkey-two  # ci\n")
+    router = {"host": "127.0.0.1", "port": 21001, "policy": {"decode": "least_load"},
+              "api_keys": {"file": "keys.txt"}, "max_body_bytes": 4096, "request_timeout_s": 30.5}
+    topo = topology_from_data(_local(router=router).model_dump(mode="json", exclude={"nodes"}) | {
+        "cluster": {"run_dir": str(tmp_path)}}, source=tmp_path / "topology.yaml")
+    _, plan = cluster_plans(topo)
+    settings = plan.router_settings
+    assert (settings.prefill_policy, settings.decode_policy) == ("round_robin", "least_load")
+    assert (settings.max_body_bytes, settings.request_timeout_s) == (4096, 30.5)
+    assert settings.api_keys == [] and settings.api_keys_file == str(tmp_path / "keys.txt")
+    ((path, text),) = with_admin_token(plan, "t" * 20).files
+    Path(path).write_text(text)
+    loaded = load_settings(path)  # what the router reads: the same settings, the keys read from their file
+    assert loaded.api_keys == ["key-one", "key-two"] and loaded.admin_token == "t" * 20
+    assert loaded.model_copy(update={"api_keys": [], "admin_token": None}) == settings
+
+    router["api_keys"] = {"env": "DSV4_TEST_KEYS"}
+    topo = topology_from_data(topo.model_dump(mode="json", exclude={"nodes"}) | {"router": router},
+                              source=tmp_path / "topology.yaml")
+    _, plan = cluster_plans(topo)
+    ((path, text),) = plan.files
+    assert "DSV4_TEST_KEYS" in text
+    Path(path).write_text(text)
+    monkeypatch.delenv("DSV4_TEST_KEYS", raising=False)
+    with pytest.raises(SettingsError, match="DSV4_TEST_KEYS .* not set"):
+        load_settings(path)
+    monkeypatch.setenv("DSV4_TEST_KEYS", "a-key, another")
+    assert load_settings(path).api_keys == ["a-key", "another"]
 
 
 def _production(kernels: bool):

@@ -160,11 +160,12 @@ def test_embedded_prediction_equals_server_info(tmp_path: Path) -> None:
 
 
 def test_status_shows_predicted_capacity_and_flags_a_miss_over_5_percent() -> None:
-    from dsv4_cluster.orchestrator.cluster.deployment import with_predicted_capacity
+    from dsv4_cluster.orchestrator.supervise.status_endpoint import apply_predicted_capacity, predicted_capacity
 
     rows = [{"name": "prefill-0", "kv_capacity_tokens": 16384}, {"name": "decode-0", "kv_capacity_tokens": 15000},
             {"name": "router", "kv_capacity_tokens": None}]
-    status = with_predicted_capacity({"workers": rows}, str(REPO / "examples" / "local.yaml"))
+    status = apply_predicted_capacity({"workers": rows},
+                                      predicted_capacity(load_topology(REPO / "examples" / "local.yaml")))
     prefill, decode, router = status["workers"]
     assert (prefill["kv_predicted_tokens"], "error" in prefill) == (16384, False)
     assert decode["error"] == "KV capacity 15000 tokens differs from the predicted 16384 by 8% (over 5%)"

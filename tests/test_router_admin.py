@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 import httpx
@@ -11,6 +10,7 @@ import pytest
 
 from dsv4_cluster.router.app import build_app
 from dsv4_cluster.tests.router_fakes import WAIT_S, FakeWorker, Rendezvous, chat, router_settings
+from dsv4_cluster.tests.helpers import SOON_S, wait_for
 from dsv4_cluster.tests.servers import UvicornThread
 
 TOKEN = "admin-token-0123456789abcdef"
@@ -46,13 +46,6 @@ def pools():
         settings = router_settings(p.url, d0.url, d1.url, admin_token=TOKEN, health_check_interval_s=0.1)
         with UvicornThread(build_app(settings)) as router:
             yield Pools(prefill, decodes, router.url)
-
-
-def wait_for(predicate, timeout_s: float = WAIT_S) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return predicate()
 
 
 def test_admin_api_needs_the_token_and_never_logs_it(pools: Pools, caplog) -> None:
@@ -120,8 +113,9 @@ def test_in_flight_counts_a_running_stream(pools: Pools) -> None:
         busy = [pools.entry(n)["in_flight"] for n in ("prefill-0", "decode-0", "decode-1")]
         assert sorted(busy[1:]) == [0, 1], busy                 # the decode streaming it
         # the prefill answered (its KV went out): its share ended while the stream goes on
-        assert wait_for(lambda: pools.entry("prefill-0")["in_flight"] == 0)
-    assert wait_for(lambda: all(pools.entry(n)["in_flight"] == 0 for n in ("prefill-0", "decode-0", "decode-1")))
+        assert wait_for(lambda: pools.entry("prefill-0")["in_flight"] == 0, SOON_S, "the prefill's share ended")
+    assert wait_for(lambda: all(pools.entry(n)["in_flight"] == 0 for n in ("prefill-0", "decode-0", "decode-1")),
+                    SOON_S, "nothing in flight")
 
 
 def test_admin_errors_name_what_is_wrong(pools: Pools) -> None:
@@ -136,18 +130,38 @@ def test_admin_errors_name_what_is_wrong(pools: Pools) -> None:
 def test_failing_health_checks_take_a_worker_out_and_back(pools: Pools) -> None:
     pools.reset()
     pools.decodes[0].mode = "unhealthy"
-    assert wait_for(lambda: not pools.entry("decode-0")["healthy"]), "two failed checks at 0.1 s take it out"
+    assert wait_for(lambda: not pools.entry("decode-0")["healthy"], SOON_S,
+                    "two failed checks at 0.1 s take it out")
     pools.reset()  # mode "ok" again, counts cleared
     pools.decodes[0].mode = "unhealthy"
     for _ in range(3):
         assert chat(pools.url).status_code == 200
     assert pools.decode_hits() == [0, 3]
     pools.decodes[1].mode = "unhealthy"
-    assert wait_for(lambda: httpx.get(pools.url + "/health").status_code == 503), "no healthy decode: 503"
+    assert wait_for(lambda: httpx.get(pools.url + "/health").status_code == 503, SOON_S, "no healthy decode: 503")
     assert chat(pools.url).status_code == 503
     pools.decodes[0].mode = pools.decodes[1].mode = "ok"
-    assert wait_for(lambda: pools.entry("decode-0")["healthy"])
+    assert wait_for(lambda: pools.entry("decode-0")["healthy"], SOON_S, "decode-0 healthy again")
     pools.reset()
     for _ in range(4):
         assert chat(pools.url).status_code == 200
     assert pools.decode_hits() == [2, 2]
+
+
+def test_a_worker_reported_ready_again_is_paired_at_once_not_after_the_next_health_check() -> None:
+    """The supervisor reports READY after its own readiness probes passed (the worker's /health among them): the
+    router takes that as a passed check, so `status` saying READY means the router pairs it."""
+    meet = Rendezvous()
+    prefill, decode = FakeWorker("prefill", meet), FakeWorker("decode", meet, mode="unhealthy")
+    with UvicornThread(prefill.app()) as p, UvicornThread(decode.app()) as d:
+        settings = router_settings(p.url, d.url, admin_token=TOKEN, health_check_interval_s=3600,
+                                   health_failures_to_unhealthy=1)  # one round at start, then none for an hour
+        with UvicornThread(build_app(settings)) as router:
+            pools = Pools(prefill, (decode, decode), router.url)
+            assert wait_for(lambda: not pools.entry("decode-0")["healthy"], SOON_S, "the startup check fails it")
+            decode.mode = "ok"  # restarted; no health check will run for an hour
+            pools.admin("POST", "/workers/decode-0/state", {"state": "RESTARTING", "reason": "exited"})
+            assert chat(router.url).status_code == 503
+            entry = pools.admin("POST", "/workers/decode-0/state", {"state": "READY"}).json()
+            assert entry["healthy"] and entry["eligible"]
+            assert chat(router.url).status_code == 200

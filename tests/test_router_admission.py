@@ -83,6 +83,7 @@ def test_an_unknown_model_gets_404_model_not_found(router: Router) -> None:
     ({"temperature": -0.5}, "temperature"),
     ({"temperature": "hot"}, "temperature"),
     ({"top_p": 1.5}, "top_p"),
+    ({"top_p": 0}, "top_p"),  # SGLang's (0, 1], as the workers: the router once admitted 0
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": "8"}, "max_tokens"),
     ({"n": 0}, "n"),

@@ -4,7 +4,6 @@ on purpose (`bench/router_stubs.py`: real sockets; the counts are what each stub
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import pytest
@@ -14,6 +13,7 @@ from dsv4_cluster.router.app import build_app
 from dsv4_cluster.router.settings import RouterSettings
 from dsv4_cluster.tests.router_fakes import MESSAGES, WAIT_S, router_settings
 from dsv4_cluster.tests.servers import UvicornThread, bound_socket
+from dsv4_cluster.tests.helpers import SOON_S, wait_for
 
 TOKENS = "".join(f"t{i} " for i in range(8))
 
@@ -113,9 +113,7 @@ def test_least_load_avoids_the_worker_whose_kv_is_full() -> None:
                 workers = httpx.get(router.url + "/admin/workers", headers={"Authorization": f"Bearer {token}"}).json()
                 return next(w["token_usage"] for w in workers["workers"] if w["name"] == "decode-0")
 
-            deadline = time.monotonic() + WAIT_S
-            while usage() != 0.9 and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_for(lambda: usage() == 0.9, SOON_S, "the health checks to read decode-0's KV usage")
             assert usage() == 0.9, "the health checks read the worker's reported KV usage"
             for _ in range(4):
                 assert post(router.url, stream=False)[0] == 200

@@ -109,7 +109,7 @@ def test_status_reads_sglangs_server_info_and_flags_a_miss_over_5_percent() -> N
     from fastapi.responses import PlainTextResponse
 
     from dsv4_cluster.orchestrator.launch.capacity import predict
-    from dsv4_cluster.orchestrator.cluster.deployment import with_predicted_capacity
+    from dsv4_cluster.orchestrator.supervise.status_endpoint import apply_predicted_capacity, predicted_capacity
     from dsv4_cluster.orchestrator.readback.probe import engine_info
     from dsv4_cluster.orchestrator.cli.table import render_table
     from dsv4_cluster.tests.servers import UvicornThread
@@ -132,7 +132,7 @@ def test_status_reads_sglangs_server_info_and_flags_a_miss_over_5_percent() -> N
             info = engine_info(client, f"{server.url}/server_info", f"{server.url}/metrics")
         rows.append({"name": name, "role": name.split("-")[0], "kv_capacity_tokens": info.kv.capacity_tokens,
                      "kv_used_tokens": info.kv.used_tokens})
-    status = with_predicted_capacity({"endpoint": "e", "workers": rows}, str(REPO / "topology.yaml"))
+    status = apply_predicted_capacity({"endpoint": "e", "workers": rows}, predicted_capacity(topology))
     prefill, decode = status["workers"]
     assert (prefill["kv_capacity_tokens"], prefill["kv_predicted_tokens"], prefill.get("error")) == \
         (actual["prefill-0"], predicted["prefill-0"], None)

@@ -21,6 +21,7 @@ from dsv4_cluster.workers.sampling import SamplingParams
 from dsv4_cluster.workers.serving import QuietPolls
 from dsv4_cluster.workers.tokenizer import EOS, ByteTokenizer
 
+from .helpers import SOON_S, kv_used, wait_for
 from .worker_procs import restart, start_pair, stop_pair
 
 TOK = ByteTokenizer()
@@ -87,10 +88,6 @@ async def _kill_while_running(pair, index: int) -> list[tuple[object, object]]:
         return await asyncio.gather(*tasks)
 
 
-def _used(url: str) -> int:
-    return httpx.get(url + "/server_info").json()["internal_states"][0]["num_used_tokens"]
-
-
 @pytest.mark.parametrize("index", [1, 0], ids=["decode", "prefill"])
 def test_a_worker_killed_under_load_and_started_again_serves_the_next_20(pair, expected, index):
     _serves(pair, expected, count=4)
@@ -104,7 +101,7 @@ def test_a_worker_killed_under_load_and_started_again_serves_the_next_20(pair, e
     assert any(r.status_code != 200 for r in answered), "the kill hit no request"
     restart(pair, index)
     _serves(pair, expected)
-    assert _used(pair.prefill_url) == 0
+    assert kv_used(pair.prefill_url) == 0
 
 
 @pytest.mark.parametrize("field, value, words", [
@@ -219,9 +216,7 @@ def test_one_failing_request_fails_alone_and_the_engine_goes_on():
             events[rid] = []
             engine.submit(Req(rid=rid, prompt_ids=ids, params=SamplingParams(), budget=8,
                               emit=events[rid].append))
-        deadline = time.monotonic() + 5
-        while not (events["bad"] and events["good"]) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for(lambda: events["bad"] and events["good"], SOON_S, "both requests answered")
         assert isinstance(events["bad"][0], Failed) and events["bad"][0].status == 500
         assert "sampling on NaN" in events["bad"][0].message
         assert events["good"] == [Token(7, "length")]

@@ -18,6 +18,7 @@ from dsv4_cluster.workers.runner import ModelRunner, RunnerConfig, generate_sing
 from dsv4_cluster.workers.sampling import SamplingParams
 from dsv4_cluster.workers.tokenizer import EOS, ByteTokenizer
 
+from .helpers import kv_used, wait_for
 from .servers import free_port
 from .worker_procs import _wait, start_pair, stop_pair
 
@@ -133,12 +134,8 @@ def test_prefill_fails_cleanly_when_decode_never_reserves(pair):
     assert httpx.get(pair.prefill_url + "/server_info").json()["internal_states"][0]["num_used_tokens"] == 0
 
 
-def _used(url: str) -> int:
-    return httpx.get(url + "/server_info").json()["internal_states"][0]["num_used_tokens"]
-
-
 def test_abort_ends_a_running_stream_and_frees_its_pages(pair):
-    before = _used(pair.decode_url)   # pages of earlier failed requests may still sit in quarantine
+    before = kv_used(pair.decode_url)   # pages of earlier failed requests may still sit in quarantine
 
     async def run():
         body = {"text": "abort me", "stream": True, "sampling_params": {"max_new_tokens": 900, "ignore_eos": True},
@@ -159,7 +156,7 @@ def test_abort_ends_a_running_stream_and_frees_its_pages(pair):
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[-2][6:])["error"]["message"] == "aborted through /abort_request"
     assert len(lines) < 100
-    assert _used(pair.decode_url) <= before
+    assert kv_used(pair.decode_url) <= before
 
 
 def test_metrics_use_sglang_names(pair):
@@ -193,23 +190,22 @@ def test_mismatched_page_size_is_refused_with_a_reason(pair, tmp_path):
 def test_decode_frees_a_given_up_room_at_once_when_prefill_never_wrote_it(pair):
     """Only the decode leg is sent and aborted: prefill confirms (/kv/cancel) that it never writes the room,
     so the pages come back at once, not at the quarantine's expiry (4 x the transfer timeout)."""
-    before = _used(pair.decode_url)
+    before = kv_used(pair.decode_url)
 
     async def run():
         body = {"text": "given up", "sampling_params": {"max_new_tokens": 400},
                 **pair.bootstrap(secrets.randbits(63), "gu1")}
         async with httpx.AsyncClient(timeout=30) as c:
             d = asyncio.create_task(c.post(pair.decode_url + "/generate", json=body))
-            while _used(pair.decode_url) == before:
+            while kv_used(pair.decode_url) == before:
                 await asyncio.sleep(0.05)
             await c.post(pair.decode_url + "/abort_request", json={"rid": "gu1"})
             return await d
 
     assert asyncio.run(run()).status_code == 499
-    deadline = time.monotonic() + 2.0
-    while _used(pair.decode_url) > before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _used(pair.decode_url) == before
+    # at once: well before the quarantine's expiry (4 x the pair's --transfer-timeout-s 3 = 12 s)
+    assert wait_for(lambda: kv_used(pair.decode_url) <= before, 6.0, "the given-up room's pages freed")
+    assert kv_used(pair.decode_url) == before
 
 
 def _greedy(pair, path: str, body: dict) -> dict:

@@ -51,10 +51,6 @@ class WorkerArgs:
         return tuple(k for k in self.kernels.split(",") if k)
 
 
-class ArgsError(ValueError):
-    """A worker flag with a value the embedded engine cannot serve."""
-
-
 def parse_args(mode: str, argv: list[str] | None = None) -> WorkerArgs:
     parser = argparse.ArgumentParser(prog=f"python -m dsv4_cluster.workers.{mode}",
                                      description=f"Embedded DeepSeek-V4-shaped {mode} worker")

@@ -3,7 +3,8 @@
 Every field of SGLang 0.5.23's `GenerateReqInput` (with its `sampling_params`), `ChatCompletionRequest` and
 `CompletionRequest` is accepted: the fields declared here are honoured; the others are checked against
 `fields.py` (accepted when they cannot change the output, refused with a 400 naming them otherwise).
-A field SGLang does not know is refused with a 400 that names it.
+A field SGLang does not know is refused with a 400 that names it. Value ranges and the one rename of
+`max_tokens` (to SGLang's `max_new_tokens`) are `dsv4_cluster.request_schema`'s, shared with the router.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+from dsv4_cluster import request_schema as rs
 
 from . import fields
 from .sampling import SamplingParams
@@ -40,10 +43,6 @@ class Bootstrap(_SGLangBody):
     bootstrap_room: int | None = Field(default=None, ge=0, le=2**63 - 1)
     rid: str | None = None
 
-    @property
-    def has_bootstrap(self) -> bool:
-        return self.bootstrap_host is not None and self.bootstrap_room is not None
-
 
 class StreamOptions(_Body):
     include_usage: bool = False
@@ -64,10 +63,10 @@ def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
 
 
 class _OpenAISampling(Bootstrap):
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = None
+    max_tokens: rs.MaxTokens | None = None
+    temperature: rs.OpenAITemperature | None = None
+    top_p: rs.TopP | None = None
+    seed: rs.Seed | None = None
     stop: Stop = None
     stop_token_ids: list[int] | None = None
     no_stop_trim: bool = False
@@ -76,7 +75,8 @@ class _OpenAISampling(Bootstrap):
     ignore_eos: bool = False
 
     def sampling(self, default_max: int) -> SamplingParams:
-        return SamplingParams(max_new_tokens=self.max_tokens or default_max,
+        asked = rs.max_new_tokens(getattr(self, "max_completion_tokens", None), self.max_tokens)
+        return SamplingParams(max_new_tokens=default_max if asked is None else asked,
                               temperature=1.0 if self.temperature is None else self.temperature,
                               top_p=1.0 if self.top_p is None else self.top_p, seed=self.seed,
                               stop=_stops(self.stop), stop_token_ids=tuple(self.stop_token_ids or ()),
@@ -102,40 +102,35 @@ class ChatCompletionRequest(_OpenAISampling):
     RULES: ClassVar = fields.CHAT
     SGLANG: ClassVar = "ChatCompletionRequest"
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: rs.MaxTokens | None = None
     continue_final_message: bool = False  # continue a final assistant message (the router's stream migration)
     input_ids: list[int] | None = Field(default=None, min_length=1)
-
-    def sampling(self, default_max: int) -> SamplingParams:
-        params = super().sampling(default_max)
-        if self.max_completion_tokens:   # OpenAI's current name wins, as in SGLang
-            params = SamplingParams(**{**params.__dict__, "max_new_tokens": self.max_completion_tokens})
-        return params
 
 
 class CompletionRequest(_OpenAISampling):
     RULES: ClassVar = fields.COMPLETION
     SGLANG: ClassVar = "CompletionRequest"
     prompt: str | list[int] = Field(min_length=1)
-    max_tokens: int = Field(default=16, ge=1)     # SGLang's and OpenAI's default for completions
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    max_tokens: rs.MaxTokens = 16     # SGLang's and OpenAI's default for completions
+    temperature: rs.OpenAITemperature = 1.0
+    top_p: rs.TopP = 1.0
 
 
 class GenerateSampling(_SGLangBody):
     RULES: ClassVar = fields.SAMPLING
     SGLANG: ClassVar = "SamplingParams"
-    max_new_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    sampling_seed: int | None = None
+    max_new_tokens: rs.MaxNewTokens | None = None
+    temperature: rs.Temperature = 1.0
+    top_p: rs.TopP = 1.0
+    sampling_seed: rs.Seed | None = None
     stop: Stop = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     no_stop_trim: bool = False
 
     def params(self, default_max: int) -> SamplingParams:
-        return SamplingParams(self.max_new_tokens or default_max, self.temperature, self.top_p, self.sampling_seed,
+        asked = default_max if self.max_new_tokens is None else self.max_new_tokens
+        return SamplingParams(asked, self.temperature, self.top_p, self.sampling_seed,
                               _stops(self.stop), tuple(self.stop_token_ids or ()), self.ignore_eos,
                               self.no_stop_trim)
 

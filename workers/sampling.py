@@ -1,17 +1,20 @@
 """Sampling parameters and next-token selection.
 
-Values follow SGLang 0.5.23's `SamplingParams` (sglang/srt/sampling/sampling_params.py): temperature
-must be finite and >= 0, top_p in (0, 1]; a temperature below `SAMPLING_EPS` (1e-6) means greedy,
-as SGLang turns it into top_k=1 (dividing logits by 1e-40 would give NaN probabilities). Invalid
-values raise ValueError naming the field, which the server answers with a 400.
+Values are checked against `dsv4_cluster.request_schema` (SGLang 0.5.23's `SamplingParams.verify`: temperature
+finite and >= 0, top_p in (0, 1]), the ranges the request bodies declare, for parameters built outside a
+body (the PD check, tests); a temperature below `SAMPLING_EPS` (1e-6) means greedy, as SGLang turns it into
+top_k=1 (dividing logits by 1e-40 would give NaN probabilities). Invalid values raise ValueError naming the
+field, which the server answers with a 400. `max_new_tokens` 0 (SGLang: prefill only, no output) is within
+the schema but not something this engine does: it is refused with a 400 saying so.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
+
+from dsv4_cluster import request_schema
 
 from .tokenizer import PRINTABLE_IDS
 
@@ -30,14 +33,14 @@ class SamplingParams:
     no_stop_trim: bool = False      # keep a matched stop string / stop token in the text
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0.0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
-        if not 0.0 < self.top_p <= 1.0:   # also false for NaN
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"sampling_seed must be an integer, got {self.seed!r}")
+        request_schema.check("max_new_tokens", self.max_new_tokens)
+        if self.max_new_tokens == 0:
+            raise ValueError("max_new_tokens 0 (a prompt-only request, no output) is not supported by the embedded "
+                             "engine (SGLang's workers take it); ask for at least 1 token")
+        request_schema.check("temperature", float(self.temperature))
+        request_schema.check("top_p", float(self.top_p))
+        if self.seed is not None:
+            request_schema.check("sampling_seed", self.seed)
 
     @property
     def greedy(self) -> bool:

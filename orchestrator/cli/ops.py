@@ -10,7 +10,7 @@ import argparse
 import signal
 import sys
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from dsv4_cluster.orchestrator.errors import ClusterStartError, NotUpError, RayClusterError, UnknownWorkerError
 from dsv4_cluster.orchestrator.cluster.options import DownOptions, UpOptions
@@ -80,12 +80,12 @@ def run_operation(args: argparse.Namespace) -> int:
         return EXIT_FAILED
 
 
-def watch_status(deployment: Any, interval_s: float) -> int:
-    """`status --watch`: the table, refreshed every interval until SIGINT/SIGTERM."""
+def watch_status(read_status: Callable[[], dict[str, Any]], interval_s: float) -> int:
+    """`status --watch`: the table of `read_status()`, refreshed every interval until SIGINT/SIGTERM."""
     stop = _stop_on_signals()
     while not stop.is_set():
         try:
-            text = render_table(deployment.status())
+            text = render_table(read_status())
         except (NotUpError, RayClusterError) as e:
             _err(str(e))
             return EXIT_FAILED

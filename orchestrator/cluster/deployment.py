@@ -32,10 +32,9 @@ from dsv4_cluster.orchestrator.processes import group_members, pid_alive
 from dsv4_cluster.orchestrator.launch.preflight import machine_problems, preflight
 from dsv4_cluster.orchestrator.cluster.record import (
     ClusterRecord, RecordError, clear_record, read_record, write_record)
-from dsv4_cluster.orchestrator.launch.capacity import CAPACITY_TOLERANCE, predict
 from dsv4_cluster.orchestrator.supervise.router_admin import new_admin_token, with_admin_token
 from dsv4_cluster.orchestrator.topology.load import TopologyError, load_topology
-from dsv4_cluster.orchestrator.topology.errors import UnknownNameError
+from dsv4_cluster.orchestrator.supervise.status_endpoint import predicted_capacity
 from dsv4_cluster.orchestrator.verify.sequence import VerifyReport, verify_cluster
 
 CONTROLLER_CONCURRENCY = 8
@@ -55,6 +54,7 @@ def _spec(topology: Any, admin_token: str) -> ClusterSpec:
         router=with_admin_token(router, admin_token),
         node_addresses=tuple((n.name, n.address) for n in topology.nodes),
         kernels=requested_kernels(topology), admin_token=admin_token,
+        kv_predicted=tuple(predicted_capacity(topology).items()),
     )
 
 
@@ -209,9 +209,7 @@ def status() -> dict[str, Any]:
         raise NotUpError(str(e)) from e
     try:
         controller = find_controller(record)
-        return with_predicted_capacity(
-            ray.get(controller.status.options(max_task_retries=READ_RETRIES).remote(), timeout=60),
-            record.topology_path)
+        return ray.get(controller.status.options(max_task_retries=READ_RETRIES).remote(), timeout=60)
     except (RayActorError, GetTimeoutError) as e:
         raise NotUpError(f"the controller does not answer: {e}") from e
     except RayClusterError as e:
@@ -219,26 +217,6 @@ def status() -> dict[str, Any]:
                          "`dsv4-cluster down` to clean up") from e
     finally:
         ray_cluster.disconnect()
-
-
-def with_predicted_capacity(status: dict[str, Any], topology_path: str) -> dict[str, Any]:
-    """Each worker row gets `kv_predicted_tokens` (capacity.py), and an error line past a 5% miss."""
-    try:
-        topology = load_topology(topology_path)
-    except TopologyError:
-        return status  # the file changed since up; the rows stand without a prediction
-    for row in status["workers"]:
-        try:
-            predicted = predict(topology, topology.worker(row["name"])).max_total_num_tokens
-        except UnknownNameError:
-            continue  # the router
-        row["kv_predicted_tokens"] = predicted
-        actual = row.get("kv_capacity_tokens")
-        if predicted and actual is not None and abs(actual - predicted) > CAPACITY_TOLERANCE * predicted:
-            note = (f"KV capacity {actual} tokens differs from the predicted {predicted} by "
-                    f"{abs(actual - predicted) / predicted:.0%} (over {CAPACITY_TOLERANCE:.0%})")
-            row["error"] = f"{row['error']}; {note}" if row.get("error") else note
-    return status
 
 
 def watch(interval_s: float) -> str | None:

@@ -4,20 +4,25 @@ A plan is computed from the topology alone, before anything starts, so it can be
 unit-tested flag by flag, and shipped to a supervisor actor as one frozen value. Two engines:
 the embedded engine (`python -m dsv4_cluster.workers.{prefill,decode}`) and SGLang
 (`python -m sglang.launch_server`, flags and env in `sglang_launch`, as SGLang 0.5.23 resolves them).
-The router is planned here too; its JSON settings travel in the plan (`files`), so the
-supervisor on the router's node writes them there.
+The router is planned here too: its settings are built once, typed (`RouterSettings`, from the
+topology's `router:` section), and travel in the plan (`router_settings`, rendered into `files`), so the
+supervisor on the router's node writes them there and nothing parses them back.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dsv4_cluster.core import KERNEL_NAMES, Role
 from dsv4_cluster.orchestrator.launch.sglang import sglang_argv, sglang_env
+from dsv4_cluster.router.settings import DecodeEndpoint, PrefillEndpoint, RouterSettings
+
+if TYPE_CHECKING:
+    from dsv4_cluster.orchestrator.topology.schema import Topology, WorkerConfig
 
 ROUTE_PROBE = "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
 
@@ -46,6 +51,7 @@ class LaunchPlan:
     files: tuple[tuple[str, str], ...] = ()  # (path, text) the supervisor writes before spawning
     tp: int = 1  # processes that serve it (SGLang: one per TP rank); each attests its kernels
     gpus: tuple[int, ...] = ()  # the topology's GPU indices for it (status compares what it holds)
+    router_settings: RouterSettings | None = None  # the router's: what its `files` entry renders
 
     @property
     def env_dict(self) -> dict[str, str]:
@@ -60,7 +66,7 @@ def _value(x: Any) -> str:
     return str(getattr(x, "value", x))
 
 
-def requested_kernels(topology: Any) -> tuple[str, ...]:
+def requested_kernels(topology: Topology) -> tuple[str, ...]:
     return tuple(k for k in KERNEL_NAMES if getattr(topology.kernels, k))
 
 
@@ -69,11 +75,11 @@ def _probe_host(address: str, bind_host: str) -> str:
     return address if bind_host in ("0.0.0.0", "::", "") else bind_host
 
 
-def _log_path(topology: Any, name: str) -> str:
+def _log_path(topology: Topology, name: str) -> str:
     return str(Path(topology.run_dir_path) / "logs" / f"{name}.log")
 
 
-def _numactl_prefix(topology: Any, worker: Any) -> list[str]:
+def _numactl_prefix(topology: Topology, worker: WorkerConfig) -> list[str]:
     """numactl for the embedded engine; SGLang binds its TP children itself (`--numa-node`)."""
     if worker.numa_node is None or _value(topology.engine) == "sglang":
         return []
@@ -81,7 +87,7 @@ def _numactl_prefix(topology: Any, worker: Any) -> list[str]:
     return ["numactl", f"--cpunodebind={n}", f"--membind={n}"]
 
 
-def _worker_env(topology: Any, worker: Any) -> dict[str, str]:
+def _worker_env(topology: Topology, worker: WorkerConfig) -> dict[str, str]:
     env = {"PYTHONUNBUFFERED": "1"}
     if _value(topology.engine) == "sglang":
         env.update(sglang_env(topology, worker, requested_kernels(topology)))
@@ -92,13 +98,13 @@ def _worker_env(topology: Any, worker: Any) -> dict[str, str]:
     return env
 
 
-def embedded_device(worker: Any) -> str:
+def embedded_device(worker: WorkerConfig) -> str:
     """The worker's --device: cpu, or cuda:N for its one GPU N (the topology's index, all GPUs visible)."""
     device = _value(worker.device)
     return f"cuda:{worker.gpus[0]}" if device == "cuda" and worker.gpus else device
 
 
-def embedded_argv(topology: Any, worker: Any) -> list[str]:
+def embedded_argv(topology: Topology, worker: WorkerConfig) -> list[str]:
     role = _value(worker.role)
     # the node's own address (what peers and the router use), never 0.0.0.0: a worker has no auth of its own
     argv = [sys.executable, "-m", f"dsv4_cluster.workers.{role}", "--host", topology.node(worker.node).address,
@@ -129,7 +135,7 @@ def embedded_argv(topology: Any, worker: Any) -> list[str]:
     return argv + [str(a) for a in worker.extra_args]
 
 
-def worker_plan(topology: Any, worker: Any) -> LaunchPlan:
+def worker_plan(topology: Topology, worker: WorkerConfig) -> LaunchPlan:
     """The plan of one prefill or decode worker, for either engine."""
     engine = _value(topology.engine)
     if engine == "embedded":
@@ -168,35 +174,54 @@ def worker_plan(topology: Any, worker: Any) -> LaunchPlan:
     )
 
 
-def router_config(topology: Any) -> dict[str, Any]:
-    """The router's JSON settings: every worker, reachable at its node's address."""
-    prefill, decode = [], []
-    for w in topology.prefill:
-        host = topology.node(w.node).address
-        prefill.append({"name": w.name, "url": f"http://{host}:{w.port}",
-                        "bootstrap_host": host, "bootstrap_port": w.bootstrap_port})
-    for w in topology.decode:
-        host = topology.node(w.node).address
-        decode.append({"name": w.name, "url": f"http://{host}:{w.port}"})
-    return {"host": topology.router.host, "port": topology.router.port,
-            "model_name": topology.model.name, "prefill": prefill, "decode": decode}
+def router_settings(topology: Topology) -> RouterSettings:
+    """The router's settings: the topology's `router:` section, and every worker at its node's address."""
+    r = topology.router
+    prefill = [PrefillEndpoint(name=w.name, url=f"http://{topology.node(w.node).address}:{w.port}",
+                               bootstrap_host=topology.node(w.node).address, bootstrap_port=w.bootstrap_port)
+               for w in topology.prefill]
+    decode = [DecodeEndpoint(name=w.name, url=f"http://{topology.node(w.node).address}:{w.port}")
+              for w in topology.decode]
+    keys: dict[str, Any] = {}
+    if r.api_keys is not None and r.api_keys.file is not None:
+        keys["api_keys_file"] = str(_beside(topology, r.api_keys.file))
+    elif r.api_keys is not None:
+        keys["api_keys_env"] = r.api_keys.env
+    return RouterSettings(
+        host=r.host, port=r.port, model_name=topology.model.name, prefill=prefill, decode=decode,
+        prefill_policy=r.policy.prefill, decode_policy=r.policy.decode, max_body_bytes=r.max_body_bytes,
+        request_timeout_s=r.request_timeout_s, connect_timeout_s=r.connect_timeout_s,
+        request_head_timeout_s=r.request_head_timeout_s, request_body_timeout_s=r.request_body_timeout_s, **keys)
 
 
-def router_config_path(topology: Any) -> Path:
+def _beside(topology: Topology, path: str) -> Path:
+    """A path of the topology made absolute against the topology file's folder (else the cwd)."""
+    p = Path(path).expanduser()
+    base = topology.source.parent if topology.source is not None else Path.cwd()
+    return p if p.is_absolute() else (base / p).resolve()
+
+
+def router_config_path(topology: Topology) -> Path:
     return Path(topology.run_dir_path) / "router.json"
 
 
-def router_plan(topology: Any) -> LaunchPlan:
-    """The router's plan, carrying its settings file."""
+def with_router_settings(router: LaunchPlan, settings: RouterSettings) -> LaunchPlan:
+    """The router's plan carrying `settings`, rendered into the settings file it writes (argv's --config)."""
+    config = router.argv[-1]
+    return dataclasses.replace(router, router_settings=settings,
+                               files=((config, settings.model_dump_json(indent=2) + "\n"),))
+
+
+def router_plan(topology: Topology) -> LaunchPlan:
+    """The router's plan, carrying its settings."""
     r = topology.router
     host = _probe_host(topology.node(r.node).address, r.host)
     config = str(router_config_path(topology))
-    return LaunchPlan(
+    plan = LaunchPlan(
         name="router",
         role=Role.ROUTER,
         node=r.node,
         argv=(sys.executable, "-m", "dsv4_cluster.router", "--config", config),
-        files=((config, json.dumps(router_config(topology), indent=2) + "\n"),),
         env=(("PYTHONUNBUFFERED", "1"),),
         cwd=str(topology.run_dir_path),
         log_path=_log_path(topology, "router"),
@@ -204,14 +229,15 @@ def router_plan(topology: Any) -> LaunchPlan:
         health_url=f"http://{host}:{r.port}/health",
         ports=(r.port,),
     )
+    return with_router_settings(plan, router_settings(topology))
 
 
-def endpoint(topology: Any) -> str:
+def endpoint(topology: Topology) -> str:
     r = topology.router
     return f"http://{r.host}:{r.port}/v1"
 
 
-def cluster_plans(topology: Any) -> tuple[list[LaunchPlan], LaunchPlan]:
+def cluster_plans(topology: Topology) -> tuple[list[LaunchPlan], LaunchPlan]:
     """Every worker's plan (prefill then decode) and the router's; raises PlanError."""
     router = router_plan(topology)
     if any(w.name == router.name for w in topology.workers):

@@ -27,10 +27,13 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dsv4_cluster.core import Role
 from dsv4_cluster.kernels.sglang_plugin.settings import ATTEST_DIR_ENV, KERNELS_ENV, SGLANG_VERSION, WORKER_ENV
+
+if TYPE_CHECKING:
+    from dsv4_cluster.orchestrator.topology.schema import Topology, WorkerConfig
 
 # SGLang 0.5.23 registers these parser names for DeepSeek-V4 (reasoning_parser_names.py and
 # function_call/parser_names.py in its wheel).
@@ -46,19 +49,19 @@ def _value(x: Any) -> str:
     return str(getattr(x, "value", x))
 
 
-def attest_dir(topology: Any, worker: Any) -> Path:
+def attest_dir(topology: Topology, worker: WorkerConfig) -> Path:
     """Where the TP ranks of `worker` write their attestations (under the run folder)."""
     return Path(topology.run_dir_path) / "attest" / worker.name
 
 
-def numa_node_list(worker: Any) -> list[str]:
+def numa_node_list(worker: WorkerConfig) -> list[str]:
     """`--numa-node` as SGLang indexes it: by GPU id, so it covers ids 0..max(gpus)."""
     if worker.numa_node is None or not worker.gpus:
         return []
     return [str(worker.numa_node)] * (max(worker.gpus) + 1)
 
 
-def sglang_argv(topology: Any, worker: Any) -> list[str]:
+def sglang_argv(topology: Topology, worker: WorkerConfig) -> list[str]:
     """SGLang 0.5.23 `launch_server` argv (the kernels travel in the env); parsed by SGLang in tests."""
     role = _value(worker.role)
     argv = [
@@ -96,7 +99,7 @@ def sglang_argv(topology: Any, worker: Any) -> list[str]:
     return argv + [str(a) for a in worker.extra_args]
 
 
-def sglang_env(topology: Any, worker: Any, kernels: tuple[str, ...]) -> dict[str, str]:
+def sglang_env(topology: Topology, worker: WorkerConfig, kernels: tuple[str, ...]) -> dict[str, str]:
     """The environment an SGLang worker needs beyond the common one (no CUDA_VISIBLE_DEVICES)."""
     env = {"SGLANG_HOST_IP": topology.node(worker.node).address}
     if kernels:

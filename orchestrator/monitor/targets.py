@@ -69,13 +69,18 @@ def write_plans(run_dir: str | Path, plans: Iterable[LaunchPlan], stopped: froze
     write_job(run_dir, "dsv4-workers", [plan_target(p) for p in live if p.role is not Role.ROUTER])
 
 
-def record_targets(spec: Any, rows: list[dict[str, Any]]) -> None:
-    """The controller's call: `spec` a ClusterSpec, `rows` its processes' status dicts.
-    A process is left out only when its row says STOPPED. A targets file that cannot be written
-    is logged, never raised: monitoring must not break `status` or `down`."""
-    stopped = frozenset(r["name"] for r in rows
-                        if "name" in r and r.get("state") == WorkerState.STOPPED.value)
+def record_targets(spec: Any, rows: list[dict[str, Any]] | None) -> None:
+    """The controller's call: `spec` a ClusterSpec, `rows` its processes' status dicts (None: the
+    whole cluster was stopped on purpose, no process is a target). A process is left out only when
+    its row says STOPPED. A targets file that cannot be written is logged, never raised: monitoring
+    must not break `status` or `down`."""
+    plans = (*spec.workers, spec.router)
+    if rows is None:
+        stopped = frozenset(p.name for p in plans)
+    else:
+        stopped = frozenset(r["name"] for r in rows
+                            if "name" in r and r.get("state") == WorkerState.STOPPED.value)
     try:
-        write_plans(spec.router.cwd, (*spec.workers, spec.router), stopped)
+        write_plans(spec.router.cwd, plans, stopped)
     except OSError as e:
         logger.warning("cannot write the Prometheus targets under %s: %s", targets_dir(spec.router.cwd), e)

@@ -7,10 +7,12 @@ Only the embedded prefill exports them (`workers/prefill/stranded.py`); for a wo
 from __future__ import annotations
 
 import re
-
-import httpx
+from typing import TYPE_CHECKING
 
 from dsv4_cluster import metric_names as m
+
+if TYPE_CHECKING:
+    import httpx  # the caller's client: the status table imports this module without it
 
 _FIELDS = {m.STRANDED_KV_TOKENS: "tokens", m.STRANDED_KV_ROOMS: "rooms",
            m.STRANDED_KV_FREED_TOKENS: "freed_tokens", m.STRANDED_KV_FREED_ROOMS: "freed_rooms"}

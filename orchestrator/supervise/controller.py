@@ -5,7 +5,8 @@ outlives the CLI; `status` and `down` find it again by name. It creates one supe
 worker, placed on the worker's node, starts prefill and decode concurrently, and starts the
 router only once every worker is READY. Worker supervisors tell the router of every state change
 (admin API, with the cluster's admin token); once the router is up, a deep probe sends a real
-request through every prefill -> decode pair periodically.
+request through every prefill -> decode pair periodically. It answers `GET /status` on loopback
+(`status_endpoint.py`, URL in `<run_dir>/status_endpoint.json`): `dsv4-cluster status` asks there, without Ray.
 
 Both survive their own process dying. Supervisors are detached, named actors (`supervisor-<name>`)
 that Ray restarts (`max_restarts`); a restarted one starts its worker again (supervisor.py). The
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +34,7 @@ from dsv4_cluster.orchestrator.errors import ClusterStartError, UnknownWorkerErr
 from dsv4_cluster.core import Role
 from dsv4_cluster.orchestrator.verify.deep_probe import DeepProber
 from dsv4_cluster.orchestrator.launch.plan import LaunchPlan
+from dsv4_cluster.orchestrator.supervise.status_endpoint import StatusServer, apply_predicted_capacity
 from dsv4_cluster.orchestrator.monitor.targets import record_targets
 from dsv4_cluster.orchestrator.supervise.router_admin import RouterAdmin, RouterAdminError, RouterLink
 from dsv4_cluster.orchestrator.supervise.supervisor import WorkerSupervisor
@@ -59,6 +62,7 @@ class ClusterSpec:
     kernels: tuple[str, ...] = ()  # requested; every worker must report each one active
     admin_token: str | None = field(default=None, repr=False)  # the router's, for its admin API
     probe_interval_s: float = DEEP_PROBE_INTERVAL_S
+    kv_predicted: tuple[tuple[str, int], ...] = ()  # (worker, predicted KV tokens), added to its status row
 
 
 def _cause(err: BaseException) -> str:
@@ -74,8 +78,15 @@ class ClusterController:
         self._spec = spec
         self._supervisors: dict[str, Any] = {}
         self._prober: DeepProber | None = None
+        # status() and stop() run concurrently (max_concurrency): the targets files are written under
+        # this lock, and never again by status() once stop() began, so a status read racing the stop
+        # (the monitor's exporter asks every scrape) cannot put stopped processes back as targets.
+        self._targets_lock = threading.Lock()
+        self._stopping = False
         write_actor_record(record_path(spec.router.cwd, CONTROLLER_NAME), ActorRecord(current_actor_id(), os.getpid()))
         self._take_over()
+        self._status_server = StatusServer(self.status, spec.router.cwd)  # `dsv4-cluster status` asks it, no Ray
+        self._status_server.start()
 
     def _take_over(self) -> None:
         """After Ray restarted this controller: adopt the supervisors still running (by name), and
@@ -181,8 +192,11 @@ class ClusterController:
             except (RayTaskError, RayActorError) as e:
                 rows.append({"name": name, "error": f"supervisor unreachable: {_cause(e)}"})
         probes = self._prober.results() if self._prober is not None else []
-        record_targets(self._spec, rows)  # Prometheus file_sd follows the processes
-        return {"endpoint": self._spec.endpoint, "workers": rows, "probes": probes}
+        with self._targets_lock:
+            if not self._stopping:
+                record_targets(self._spec, rows)  # Prometheus file_sd follows the processes
+        return apply_predicted_capacity({"endpoint": self._spec.endpoint, "workers": rows, "probes": probes},
+                                        dict(self._spec.kv_predicted))
 
     def _worker(self, name: str) -> tuple[LaunchPlan, Any]:
         plans = {p.name: p for p in self._spec.workers}
@@ -235,6 +249,9 @@ class ClusterController:
 
     def stop(self, deadline_s: float) -> dict[str, Any]:
         """Router first, then every worker at once: SIGTERM, SIGKILL after `deadline_s`."""
+        with self._targets_lock:
+            self._stopping = True
+        self._status_server.stop()
         if self._prober is not None:
             self._prober.stop()
             self._prober = None
@@ -252,7 +269,8 @@ class ClusterController:
         for actor in self._supervisors.values():
             ray.kill(actor)
         self._supervisors.clear()
-        record_targets(self._spec, final)
+        with self._targets_lock:
+            record_targets(self._spec, None)  # stopped on purpose, even a process whose stop failed
         return {"endpoint": self._spec.endpoint, "workers": final}
 
 

@@ -9,7 +9,6 @@ on the entry's `in_flight`. The token never appears in a message or a log line.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import secrets
 import threading
@@ -20,7 +19,7 @@ from typing import Any
 import httpx
 
 from dsv4_cluster.core import WorkerState
-from dsv4_cluster.orchestrator.launch.plan import LaunchPlan
+from dsv4_cluster.orchestrator.launch.plan import LaunchPlan, with_router_settings
 
 TOKEN_BYTES = 32
 logger = logging.getLogger(__name__)
@@ -35,13 +34,10 @@ def new_admin_token() -> str:
 
 
 def with_admin_token(router: LaunchPlan, token: str) -> LaunchPlan:
-    """The router's plan with `admin_token` added to the settings file it carries."""
-    files = []
-    for path, text in router.files:
-        if path.endswith(".json"):
-            text = json.dumps({**json.loads(text), "admin_token": token}, indent=2) + "\n"
-        files.append((path, text))
-    return dataclasses.replace(router, files=tuple(files))
+    """The router's plan with `admin_token` in the settings it carries."""
+    if router.router_settings is None:
+        raise ValueError(f"{router.name} is not the router's plan: it carries no router settings")
+    return with_router_settings(router, router.router_settings.model_copy(update={"admin_token": token}))
 
 
 @dataclass(frozen=True)

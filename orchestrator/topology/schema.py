@@ -19,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from dsv4_cluster.core import WORKER_ROLES, Role
 from dsv4_cluster.orchestrator.launch.sglang import DSV4_PAGE_SIZE
+from dsv4_cluster.router.policies import DecodePolicy, Policy
+from dsv4_cluster.router.settings import RouterSettings
 from .errors import UnknownNameError
 
 EngineName = Literal["embedded", "sglang"]
@@ -62,10 +64,45 @@ def default_nodes() -> list[NodeConfig]:
     return [NodeConfig(name="local", address="127.0.0.1")]
 
 
+def _router_default(name: str) -> Any:
+    """A router setting's default, as `RouterSettings` (the router's own model) has it: never retyped here."""
+    return RouterSettings.model_fields[name].default
+
+
+class RouterPolicyConfig(_Strict):
+    """Each role's choice of worker (`router/policies.py`'s registry names them)."""
+
+    prefill: Policy = _router_default("prefill_policy")
+    decode: DecodePolicy = _router_default("decode_policy")
+
+
+class ApiKeysConfig(_Strict):
+    """Where the router's API keys are: never in the topology itself. Read by the router at its start."""
+
+    file: str | None = Field(default=None, min_length=1, description="one key per line ('#' comments); relative "
+                                                                      "to the topology file's folder")
+    env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+                            description="an environment variable of the router's process holding the keys, "
+                                        "comma-separated (the environment `up` runs in, when it starts Ray)")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ApiKeysConfig:
+        if (self.file is None) == (self.env is None):
+            raise ValueError("give exactly one of api_keys.file or api_keys.env (keys are never written inline)")
+        return self
+
+
 class RouterConfig(_Strict):
-    host: str = Field(default="0.0.0.0", min_length=1)
-    port: int = Field(default=30001, ge=1, le=65535)
+    host: str = Field(default=_router_default("host"), min_length=1)
+    port: int = Field(default=_router_default("port"), ge=1, le=65535)
     node: str | None = Field(default=None, description="null → the first node; resolved after load")
+    policy: RouterPolicyConfig = Field(default_factory=RouterPolicyConfig)
+    api_keys: ApiKeysConfig | None = Field(default=None, description="without it, no API key is asked for")
+    max_body_bytes: int = Field(default=_router_default("max_body_bytes"), ge=1024)
+    request_timeout_s: float = Field(default=_router_default("request_timeout_s"), gt=0)
+    connect_timeout_s: float = Field(default=_router_default("connect_timeout_s"), gt=0)
+    request_head_timeout_s: float = Field(default=_router_default("request_head_timeout_s"), gt=0)
+    request_body_timeout_s: float = Field(default=_router_default("request_body_timeout_s"), gt=0)
 
 
 class TransferConfig(_Strict):

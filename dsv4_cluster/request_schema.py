@@ -1,0 +1,45 @@
+"""The request schema's shared facts: every sampling value's range, and the one rename of `max_tokens`.
+
+The router's admission (`router/admission.py`, open models: SGLang's extensions pass through) and the
+embedded workers' bodies (`workers/protocol.py`, closed models) declare their fields with these types, so a
+value the router admits is one a worker takes and the other way round. The ranges are SGLang 0.5.23's
+(`SamplingParams.verify` in `sglang/srt/sampling/sampling_params.py`, `CompletionRequest`'s
+`validate_max_tokens_positive` in `sglang/srt/entrypoints/openai/protocol.py`) and, on the OpenAI routes,
+OpenAI's (temperature at most 2, `max_tokens` at least 1, `n` and `top_logprobs` bounded).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import Field, TypeAdapter, ValidationError
+
+# SGLang's SamplingParams.verify, on every route.
+Temperature = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]           # finite, >= 0 (0: greedy)
+TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]           # (0, 1]
+MinP = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]           # [0, 1]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]       # presence/frequency: [-2, 2]
+MaxNewTokens = Annotated[int, Field(ge=0)]                                     # 0: prefill only, no output
+Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]                        # sampling_seed / seed
+# OpenAI's ranges on /v1/chat/completions and /v1/completions.
+OpenAITemperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
+MaxTokens = Annotated[int, Field(ge=1)]                                        # max_tokens, max_completion_tokens
+N = Annotated[int, Field(ge=1, le=128)]
+TopLogprobs = Annotated[int, Field(ge=0, le=20)]
+
+_CHECKS = {"temperature": TypeAdapter(Temperature), "top_p": TypeAdapter(TopP),
+           "max_new_tokens": TypeAdapter(MaxNewTokens), "sampling_seed": TypeAdapter(Seed)}
+
+
+def check(field: str, value: Any) -> None:
+    """ValueError naming `field` when `value` is out of its range (for values built outside a request body)."""
+    try:
+        _CHECKS[field].validate_python(value, strict=True)
+    except ValidationError as e:
+        raise ValueError(f"{field}: {e.errors(include_url=False)[0]['msg']}, got {value!r}") from None
+
+
+def max_new_tokens(max_completion_tokens: int | None, max_tokens: int | None) -> int | None:
+    """An OpenAI body's output budget under SGLang's name: OpenAI's current `max_completion_tokens` wins over
+    the deprecated `max_tokens`, as SGLang's `ChatCompletionRequest.to_sampling_params` does. None: not given."""
+    return max_completion_tokens if max_completion_tokens is not None else max_tokens

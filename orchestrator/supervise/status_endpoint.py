@@ -1,0 +1,133 @@
+"""The status endpoint: the controller answers `GET /status` on loopback, so that `dsv4-cluster status`
+reads the cluster's status without becoming a Ray driver (connecting one costs seconds; an HTTP call on
+loopback does not).
+
+The controller's `StatusServer` binds 127.0.0.1 on a free port and records its URL in
+`<run_dir>/status_endpoint.json`; each request is answered with the controller's `status()` read at that
+moment (nothing cached, so nothing is stale). The CLI reads the URL from the run folder and asks; when the file
+is missing or the endpoint does not answer (a controller that is down or restarting, or one on another node),
+it falls back to asking the controller through Ray and says why. Loopback only: what Ray's own port already
+shows any local user, no more. This module imports no Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+from urllib.error import URLError
+from urllib.request import urlopen
+
+if TYPE_CHECKING:
+    from dsv4_cluster.orchestrator.topology.schema import Topology
+
+ENDPOINT_FILE = "status_endpoint.json"
+CONNECT_TIMEOUT_S = 30.0  # the controller's status() waits on every supervisor (each read bounded at 30 s)
+log = logging.getLogger(__name__)
+
+
+class EndpointUnavailable(RuntimeError):
+    """No status endpoint recorded, or it did not answer (the message says which)."""
+
+
+def endpoint_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / ENDPOINT_FILE
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def read_status(run_dir: str | Path, timeout_s: float = CONNECT_TIMEOUT_S) -> dict[str, Any]:
+    """The controller's status now, through its endpoint; EndpointUnavailable saying why not."""
+    try:
+        url = json.loads(endpoint_path(run_dir).read_text())["url"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise EndpointUnavailable("no status endpoint recorded") from None
+    try:
+        with urlopen(url, timeout=timeout_s) as reply:  # noqa: S310 - a loopback http URL the controller wrote
+            return json.loads(reply.read())
+    except (URLError, OSError, ValueError) as e:
+        raise EndpointUnavailable(f"the status endpoint {url} does not answer ({e})") from None
+
+
+class StatusServer:
+    """The controller's loopback HTTP server: `GET /status` -> `read()` as JSON."""
+
+    def __init__(self, read: Callable[[], dict[str, Any]], run_dir: str | Path) -> None:
+        self._run_dir = Path(run_dir)
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                if self.path != "/status":
+                    self.send_error(404, "only /status is served here")
+                    return
+                try:
+                    body, code = json.dumps(read()).encode(), 200
+                except Exception as e:  # noqa: BLE001 - the CLI falls back to Ray and shows this
+                    body, code = json.dumps({"error": f"status failed: {e}"}).encode(), 500
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:  # one line per status call is noise in the actor's log
+                return
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, name="status-endpoint", daemon=True)
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}/status"
+
+    def start(self) -> None:
+        self._thread.start()
+        endpoint_path(self._run_dir).parent.mkdir(parents=True, exist_ok=True)
+        _write_atomically(endpoint_path(self._run_dir), json.dumps({"url": self.url, "pid": os.getpid()}))
+
+    def stop(self) -> None:
+        """Stop serving and remove the record: a stopped cluster has no status to give."""
+        try:
+            if json.loads(endpoint_path(self._run_dir).read_text()).get("url") == self.url:
+                endpoint_path(self._run_dir).unlink()
+        except (OSError, ValueError):
+            pass  # already gone, or another controller's: not ours to remove
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def predicted_capacity(topology: Topology) -> dict[str, int]:
+    """Each worker's predicted KV capacity in tokens (capacity.py), computed where the topology is loaded
+    (`up`): the controller adds it to every status row, so a status reader needs neither the topology nor
+    the model code that sizes it."""
+    from dsv4_cluster.orchestrator.launch.capacity import predict
+
+    return {w.name: predict(topology, w).max_total_num_tokens for w in topology.workers}
+
+
+def apply_predicted_capacity(status: dict[str, Any], predicted: dict[str, int]) -> dict[str, Any]:
+    """Each worker row gets `kv_predicted_tokens`, and an error line past a 5% miss."""
+    from dsv4_cluster.orchestrator.launch.capacity import CAPACITY_TOLERANCE
+
+    for row in status["workers"]:
+        if row.get("name") not in predicted:
+            continue  # the router
+        row["kv_predicted_tokens"] = p = predicted[row["name"]]
+        actual = row.get("kv_capacity_tokens")
+        if p and actual is not None and abs(actual - p) > CAPACITY_TOLERANCE * p:
+            note = (f"KV capacity {actual} tokens differs from the predicted {p} by "
+                    f"{abs(actual - p) / p:.0%} (over {CAPACITY_TOLERANCE:.0%})")
+            row["error"] = f"{row['error']}; {note}" if row.get("error") else note
+    return status

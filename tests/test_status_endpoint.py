@@ -1,0 +1,49 @@
+"""The status endpoint: what the controller serves on loopback and `dsv4-cluster status` reads without Ray."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dsv4_cluster.orchestrator.supervise import status_endpoint as se
+
+STATUS = {"endpoint": "http://127.0.0.1:30001/v1", "workers": [{"name": "decode-0", "state": "READY"}]}
+
+
+def test_status_is_read_at_each_request_and_the_record_goes_with_the_server(tmp_path: Path) -> None:
+    with pytest.raises(se.EndpointUnavailable, match="no status endpoint recorded"):
+        se.read_status(tmp_path)
+    calls: list[int] = []
+
+    def read() -> dict:
+        calls.append(1)
+        return {**STATUS, "call": len(calls)}
+
+    server = se.StatusServer(read, tmp_path)
+    server.start()
+    try:
+        record = json.loads(se.endpoint_path(tmp_path).read_text())
+        assert record["url"] == server.url and server.url.startswith("http://127.0.0.1:")
+        assert se.read_status(tmp_path) == {**STATUS, "call": 1}
+        assert se.read_status(tmp_path)["call"] == 2  # read now, at every request: never a stale copy
+    finally:
+        server.stop()
+    assert not se.endpoint_path(tmp_path).exists()
+    se.endpoint_path(tmp_path).write_text(json.dumps(record))  # a record left by a controller that died
+    with pytest.raises(se.EndpointUnavailable, match="does not answer"):
+        se.read_status(tmp_path, timeout_s=5)
+
+
+def test_a_failing_status_read_is_a_500_the_cli_falls_back_on(tmp_path: Path) -> None:
+    def read() -> dict:
+        raise RuntimeError("a supervisor is gone")
+
+    server = se.StatusServer(read, tmp_path)
+    server.start()
+    try:
+        with pytest.raises(se.EndpointUnavailable, match="500"):
+            se.read_status(tmp_path)
+    finally:
+        server.stop()
