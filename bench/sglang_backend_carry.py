@@ -34,8 +34,8 @@ NATIVE = ("msgspec-0.23.0", "pydantic_core-2.46.4", "apache_tvm_ffi-0.1.11", "sg
 
 CHILD = """
 import json, os, sys
-from dsv4_cluster.tests.sglang_child import _install_torchvision_stand_in
-_install_torchvision_stand_in()
+from dsv4_cluster.bench.torchvision_stand_in import install_torchvision_stand_in
+install_torchvision_stand_in()
 from dsv4_cluster.bench import sglang_backend_rig as rig
 mode = sys.argv[1]
 rig.set_mode_env(mode, "cpu")

@@ -104,8 +104,8 @@ for k, v in dict(is_available=lambda: True, device_count=lambda: 1, current_devi
                  get_device_properties=lambda *a: props, is_initialized=lambda: True,
                  mem_get_info=lambda *a: (140 << 30, 143 << 30)).items():
     setattr(torch.cuda, k, v)
-from dsv4_cluster.tests.sglang_child import _install_torchvision_stand_in
-_install_torchvision_stand_in()  # the H200 has torchvision; no build of it loads beside the CPU torch here
+from dsv4_cluster.bench.torchvision_stand_in import install_torchvision_stand_in
+install_torchvision_stand_in()  # the H200 has torchvision; no build of it loads beside the CPU torch here
 from dsv4_cluster.bench import sglang_backend_rig as rig
 stood_in = rig.install_import_stand_ins()
 rig.set_mode_env(mode)

@@ -15,61 +15,17 @@ that is not SGLang's own code, and it is not what is under test.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import json
 import sys
-import types
 from pathlib import Path
 from typing import Any
+
+from dsv4_cluster.bench.torchvision_stand_in import install_torchvision_stand_in as _install_torchvision_stand_in
 
 RESOLVED_FIELDS = ("page_size", "kv_cache_dtype", "attention_backend", "context_length", "tp_size",
                    "disaggregation_mode", "disaggregation_transfer_backend", "disaggregation_bootstrap_port",
                    "base_gpu_id", "gpu_id_step", "numa_node", "port", "nccl_port", "served_model_name",
                    "reasoning_parser", "tool_call_parser", "enable_metrics", "random_seed")
-
-
-class _Unusable:
-    def __init__(self, name: str) -> None:
-        self._name = name
-
-    def __getattr__(self, attr: str) -> Any:
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        return _Unusable(f"{self._name}.{attr}")
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(f"{self._name}: torchvision is a stand-in in this test child; nothing may use it")
-
-
-class _TorchvisionStandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if name == "torchvision" or name.startswith("torchvision."):
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        module = types.ModuleType(spec.name)
-        module.__path__ = []
-
-        def attr(name: str, _prefix: str = spec.name) -> Any:
-            if name.startswith("__"):
-                raise AttributeError(name)
-            return _Unusable(f"{_prefix}.{name}")
-
-        module.__getattr__ = attr  # type: ignore[method-assign]
-        return module
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        module.__version__ = "0.0"  # older than any real release: transformers skips its vision paths
-
-
-def _install_torchvision_stand_in() -> None:
-    try:
-        import torchvision  # noqa: F401  (a real, loadable torchvision wins)
-    except (ImportError, RuntimeError):
-        sys.modules.pop("torchvision", None)
-        sys.meta_path.append(_TorchvisionStandIn())
 
 
 def resolve(argv: list[str]) -> dict[str, Any]:

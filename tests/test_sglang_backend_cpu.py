@@ -29,8 +29,8 @@ LIVE, BATCH = 4096, 2
 TOPK_SWAPS = 4  # of 512 (see the top-k test)
 CHILD = f"""
 import json, sys, torch
-from dsv4_cluster.tests.sglang_child import _install_torchvision_stand_in
-_install_torchvision_stand_in()
+from dsv4_cluster.bench.torchvision_stand_in import install_torchvision_stand_in
+install_torchvision_stand_in()
 from dsv4_cluster.bench import sglang_backend_rig as rig
 mode = sys.argv[1]
 rig.set_mode_env(mode, "cpu")
