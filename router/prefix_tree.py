@@ -102,7 +102,7 @@ class WorkerPrefixes:
 class PrefixChooser:
     """The `prefix` policy for prefill workers (see the module docstring for the rule)."""
 
-    def __init__(self, threshold: float = 0.5, balance_abs: float = 8.0, capacity: int = 200_000) -> None:
+    def __init__(self, threshold: float = 0.5, balance_abs: float = 2.0, capacity: int = 200_000) -> None:
         self.threshold, self.balance_abs, self.capacity = threshold, balance_abs, capacity
         self._trees: dict[str, WorkerPrefixes] = {}
         self._holders: dict[int, set[str]] = {}     # block name -> the workers whose set holds it
