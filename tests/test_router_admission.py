@@ -12,6 +12,7 @@ import pytest
 
 from dsv4_cluster.bench.router_stubs import StubThread
 from dsv4_cluster.router.app import build_app
+from dsv4_cluster.tests.helpers import wait_for
 from dsv4_cluster.tests.router_fakes import MESSAGES, WAIT_S, router_settings
 from dsv4_cluster.tests.servers import UvicornThread, bound_socket
 
@@ -45,6 +46,11 @@ def router():
 
 @pytest.fixture(autouse=True)
 def reset_counts(router: Router) -> None:
+    # Every accepted request reaches both stubs, but its prefill leg may land after the client had its answer (the
+    # router sends both legs at once; a loaded machine can run the prefill task last): wait until the last test's
+    # legs all arrived before counting from zero, so a late leg is never taken for a rejected request's.
+    wait_for(lambda: router.prefill.stats.generations == router.decode.stats.generations, WAIT_S,
+             "every accepted request's legs reached both stubs")
     for stub in (router.prefill, router.decode):
         stub.stats.generations = stub.stats.paired = 0
 

@@ -138,4 +138,7 @@ def test_a_prefill_failing_after_the_decodes_headers_is_retried_before_the_first
             status, data = post(router.url, stream=True)
             assert status == 502, "nothing was streamed yet: a plain error response, not a 200 with an error event"
             assert "the prefill worker" in data["error"]["message"] and "prefill-0" not in data["error"]["message"]
-            assert (dying.stats.generations, d.stats.generations) == (3, 4), "two requests, the second retried once"
+            assert dying.stats.generations == 3, "two requests, the second retried once"
+            # each attempt's decode leg goes out beside its prefill leg; one whose prefill failed first (the stub
+            # closes at once) may be interrupted before it is sent, so the decode saw between none and both
+            assert 2 <= d.stats.generations <= 4
