@@ -44,7 +44,8 @@ def test_scaleout_benchmark_at_ci_size(tmp_path):
         assert r["hit_rate"] == round(r["cached_tokens"] / r["prompt_tokens"], 4)
         assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"]
         assert 0 <= r["added_p50_ms"] <= r["ttft_p50_ms"] and r["added_p50_ms"] <= r["added_p99_ms"]
-        assert r["cpu_ms_per_request"] > 0 and r["requests_per_s"] > 0
+        # /proc counts CPU in clock ticks (10 ms): at CI size a cell's router may use less than one tick
+        assert r["cpu_ms_per_request"] >= 0 and r["requests_per_s"] > 0
     # the prefix policy keeps each session on the prefill that holds its history: every later turn finds at least
     # the whole pages of the turn before (the first turn of each session pays in full, minus the system prompt)
     assert rows["prefix"]["hit_rate"] >= rows["round_robin"]["hit_rate"]
