@@ -189,21 +189,20 @@ class NixlTransfer:
         """Give up a WRITE still in flight: True if NIXL cancelled it (nothing more will be written or read),
         False if NIXL refused, so the transfer may still move bytes (poll it until it ends)."""
         with self._lock:
-            try:
-                self._agent.release_xfer_handle(handle)
-            except self._nixl_errors as exc:
-                log.warning("NIXL could not cancel a KV write past its deadline: %r", exc)
-                return False
-        return True
+            return self._release(handle)
 
-    def _release(self, handle) -> None:
-        """Free a transfer handle; NIXL refusing (it could not cancel) leaves it to NIXL's teardown."""
+    def _release(self, handle) -> bool:
+        """Free a transfer handle (cancelling it if it is in flight); False when NIXL refused, which leaves it to
+        NIXL (and to `poll` until it ends)."""
         if handle is None:
-            return
+            return True
         try:
             self._agent.release_xfer_handle(handle)
         except self._nixl_errors as exc:
-            log.warning("NIXL kept a transfer handle it could not release: %r", exc)
+            log.warning("NIXL kept a transfer handle it could not release (or cancel): %r", exc)
+            return False
+        return True
+
     def notify(self, peer: str, message: bytes) -> None:
         """Send `message` to a registered peer as a NIXL notification (no data moves)."""
         with self._lock:
