@@ -196,3 +196,31 @@ def test_a_sigterm_whose_raise_python_drops_still_interrupts_up() -> None:
     with pytest.raises(KeyboardInterrupt, match="signal SIGTERM during up"):
         deployment._check_interrupt()
     deployment._INTERRUPTED.clear()
+
+
+def test_status_watch_ctrl_c_ends_a_read_under_way() -> None:
+    """One read may wait 30 s on the endpoint and then on Ray; Ctrl-C during it exits at once with 0."""
+    import os
+    import signal
+    import threading
+
+    from dsv4_cluster.orchestrator.cli.ops import watch_status
+
+    started = threading.Event()
+
+    def slow_read() -> dict:
+        started.set()
+        time.sleep(60)
+        raise AssertionError("the read was not interrupted")
+
+    old = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    killer = threading.Thread(target=lambda: started.wait(10) and os.kill(os.getpid(), signal.SIGINT))
+    killer.start()
+    try:
+        t0 = time.monotonic()
+        assert watch_status(slow_read, 0.5) == 0
+        assert time.monotonic() - t0 < 10
+    finally:
+        killer.join()
+        for sig, handler in old.items():
+            signal.signal(sig, handler)

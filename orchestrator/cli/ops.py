@@ -81,15 +81,33 @@ def run_operation(args: argparse.Namespace) -> int:
 
 
 def watch_status(read_status: Callable[[], dict[str, Any]], interval_s: float) -> int:
-    """`status --watch`: the table of `read_status()`, refreshed every interval until SIGINT/SIGTERM."""
-    stop = _stop_on_signals()
+    """`status --watch`: the table of `read_status()`, refreshed every interval until SIGINT/SIGTERM.
+
+    A signal that arrives while a read is under way ends the read too: one read may wait up to the
+    endpoint's 30 s (and then on Ray), and Ctrl-C must not wait for it.
+    """
+    stop = threading.Event()
+    reading = False
+
+    def on_signal(*_: Any) -> None:
+        stop.set()
+        if reading:
+            raise KeyboardInterrupt
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
     while not stop.is_set():
         try:
-            text = render_table(read_status())
+            reading = True
+            status = read_status()
+        except KeyboardInterrupt:
+            return EXIT_OK
         except (NotUpError, RayClusterError) as e:
             _err(str(e))
             return EXIT_FAILED
-        sys.stdout.write(f"{CLEAR}{text}\n(every {interval_s:g}s; Ctrl-C to stop)\n")
+        finally:
+            reading = False
+        sys.stdout.write(f"{CLEAR}{render_table(status)}\n(every {interval_s:g}s; Ctrl-C to stop)\n")
         sys.stdout.flush()
         stop.wait(interval_s)
     return EXIT_OK
