@@ -25,11 +25,11 @@ if [ "${SKIP_TEST:-0}" != 1 ]; then
 fi
 for ctx in ${CONTEXTS:-8192 1048576 131072}; do
   for mode in stock plugin; do
-    timeout "${CTX_TIMEOUT:-60}" python3 -m dsv4_cluster.bench.sglang_backend mode $mode /tmp/bench --contexts $ctx "$@" \
+    timeout "${CTX_TIMEOUT:-60}" python3 -m bench.sglang_backend mode $mode /tmp/bench --contexts $ctx "$@" \
       >> "$OUT/bench.log" 2>&1
     echo "$mode $ctx rc=$?" | tee -a "$OUT/bench.log"
   done
-  timeout 30 python3 -m dsv4_cluster.bench.sglang_backend report /tmp/bench > "$OUT/report.log" 2>&1
+  timeout 30 python3 -m bench.sglang_backend report /tmp/bench > "$OUT/report.log" 2>&1
   cp "$repo"/bench/results/sglang_backend.md "$repo"/bench/results/sglang_backend.json "$OUT/" 2>/dev/null
 done
 tail -40 "$OUT/report.log"; grep -v '^{' "$OUT/bench.log" | tail -30

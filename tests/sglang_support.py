@@ -38,7 +38,7 @@ def require_sglang() -> None:
 
 def child(*args: str, env: dict[str, str] | None = None) -> Any:
     """Run `tests/sglang_child.py` in a fresh interpreter; its RESULT line, parsed."""
-    proc = subprocess.run([sys.executable, "-m", "dsv4_cluster.tests.sglang_child", *args], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "tests.sglang_child", *args], capture_output=True,
                           text=True, timeout=240, env={**os.environ, **(env or {})}, cwd=REPO)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"child failed ({proc.returncode}):\n{proc.stderr[-4000:]}"

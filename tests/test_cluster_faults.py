@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dsv4_cluster.bench.local_cluster import LocalCluster, write_topology
+from bench.local_cluster import LocalCluster, write_topology
 from .cluster_cli import next_20_succeed
 from .helpers import cluster_status, status_rows, wait_ready
 

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from dsv4_cluster import metric_names as m
 from dsv4_cluster.orchestrator.processes import pid_alive
 
-from dsv4_cluster.bench.local_cluster import LocalCluster, write_topology
+from bench.local_cluster import LocalCluster, write_topology
 from .cluster_cli import next_20_succeed
 from .helpers import kv_used, status_rows, wait_ready
 

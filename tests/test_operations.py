@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 
-from dsv4_cluster.bench.local_cluster import CLI, LocalCluster, write_topology
+from bench.local_cluster import CLI, LocalCluster, write_topology
 from .helpers import status_rows
 
 pytestmark = pytest.mark.slow

@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from dsv4_cluster.bench.local_cluster import write_topology
+from bench.local_cluster import write_topology
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ from dsv4_cluster.core import Role
 from dsv4_cluster.orchestrator.launch import sglang_capacity as sg
 from dsv4_cluster.orchestrator.launch.plan import cluster_plans
 from dsv4_cluster.orchestrator.topology.load import load_topology
-from dsv4_cluster.tests.sglang_support import REPO, child, require_sglang, server_argv
+from tests.sglang_support import REPO, child, require_sglang, server_argv
 
 require_sglang()
 
@@ -112,7 +112,7 @@ def test_status_reads_sglangs_server_info_and_flags_a_miss_over_5_percent() -> N
     from dsv4_cluster.orchestrator.supervise.status_endpoint import apply_predicted_capacity, predicted_capacity
     from dsv4_cluster.orchestrator.readback.probe import engine_info
     from dsv4_cluster.orchestrator.cli.table import render_table
-    from dsv4_cluster.tests.servers import UvicornThread
+    from tests.servers import UvicornThread
 
     topology = load_topology(REPO / "topology.yaml")
     workers, _ = cluster_plans(topology)

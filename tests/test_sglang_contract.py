@@ -21,9 +21,9 @@ from dsv4_cluster.kernels.sglang_plugin.call_sites import CALL_SITES, check_call
 from dsv4_cluster.kernels.sglang_plugin.settings import ATTEST_DIR_ENV, KERNELS_ENV, SGLANG_VERSION
 from dsv4_cluster.orchestrator.launch.plan import cluster_plans
 from dsv4_cluster.orchestrator.topology.load import load_topology
-from dsv4_cluster.tests.sglang_support import REPO, require_sglang
-from dsv4_cluster.tests.sglang_support import child as _child
-from dsv4_cluster.tests.sglang_support import server_argv as _server_argv
+from tests.sglang_support import REPO, require_sglang
+from tests.sglang_support import child as _child
+from tests.sglang_support import server_argv as _server_argv
 
 require_sglang()
 
