@@ -1,4 +1,4 @@
-"""What the SGLang contract tests share: the version guard (never a skip in CI), the child process, argv.
+"""What the SGLang contract tests share: the version guard (never a skip in CI), the child processes, argv.
 
 SGLang 0.5.23 is installed by `.ci/install`; on a developer machine without it the modules skip, in CI
 (`CI=true`) they fail at import so the contract is never silently not checked.
@@ -69,11 +69,6 @@ def child_result(c: Child) -> Any:
     lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
     assert c.proc.returncode == 0 and lines, f"child failed ({c.proc.returncode}):\n{stderr[-4000:]}"
     return json.loads(lines[-1][len("RESULT "):])
-
-
-def child(*args: str, env: dict[str, str] | None = None) -> Any:
-    """Run `tests/sglang_child.py` in a fresh interpreter; its RESULT line, parsed."""
-    return child_result(start_child(*args, env=env))
 
 
 def server_argv(plan: Any) -> list[str]:
