@@ -76,8 +76,10 @@ def test_the_plugin_was_installed_by_load_plugins_and_stock_was_not(runs):
 
 @pytest.mark.parametrize("kind", ["window", "ratio4", "ratio128"])
 def test_outputs_equal_within_flashmla_tolerance(runs, kind):
+    """Every row of the window and ratio-128 layers; the ratio-4 rows whose top-512 sets are equal (a row
+    with a swapped tie attends over another entry: `compare` lists it with its error)."""
     _, eq = runs
-    assert eq[kind]["rel_error"] < 0.01, eq[kind]
+    assert eq[kind]["ok"] and eq[kind]["rows"] >= BATCH // 2 and eq[kind]["rel_error"] < 0.01, eq[kind]
 
 
 def test_topk_sets_equal(runs):
