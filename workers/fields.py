@@ -76,7 +76,8 @@ _SHARED: dict[str, Rule] = {
     "routed_experts_start_len": _zero(_INTERNALS), "return_cached_tokens_details": _off(_EXTRA),
     "return_spec_tokens_details": _off(_EXTRA), "return_token_ids": _off(_EXTRA),
     "return_prompt_token_ids": _off(_EXTRA), "return_sampling_mask": _off(_LOGPROBS),
-    "sampling_logprobs_mode": _off(_LOGPROBS), "return_flat_raw_output_top_logprobs": _off(_LOGPROBS),
+    "sampling_logprobs_mode": _off(_LOGPROBS, "selected"),   # "selected", SGLang's default, is what is returned
+    "return_flat_raw_output_top_logprobs": _off(_LOGPROBS),
     "lora_path": _off(_LORA), "session_params": _off(_SESSION), "custom_logit_processor": _off(_CUSTOM),
     "custom_params": _off(_CUSTOM), "watermark": _off(_CUSTOM), "images_config": _off(_TEXT_ONLY),
     "mm_processor_kwargs": _off(_TEXT_ONLY), "video_config": _off(_TEXT_ONLY),
