@@ -102,7 +102,7 @@ def run_mode(mode: str, out: Path, contexts: list[int], batches: list[int], live
         rig.fill(r)
         r.backend.init_cuda_graph_state(max(batches), max(batches))
         if context == EQ_CASE["context"]:
-            eq = _equality_case(r, out / f"{mode}_outputs.pt")
+            eq = _equality_case(r, out / f"{mode}_outputs.pt", mode)
         for batch in batches:
             fb, inputs = rig.decode_batch(r, batch, live), rig.layer_inputs(r, batch)
             eager_step(r, fb, inputs)
@@ -144,19 +144,65 @@ def _write(mode, out, factory, live, reps, layer_ids, eq, rows) -> dict:
     return result
 
 
-def _equality_case(r: rig.Rig, path: Path) -> dict:
-    """One window, one ratio-4 and one ratio-128 layer's outputs and the ratio-4 top-k, saved for `report`."""
+def _equality_case(r: rig.Rig, path: Path, mode: str) -> dict:
+    """One window, one ratio-4 and one ratio-128 layer's outputs and the ratio-4 top-k, saved for `report`.
+    In plugin mode on CUDA also FlashMLA itself on the very arguments SGLang handed our kernel, per layer
+    (`_beside_flashmla`): equality that no top-k tie can touch."""
     import torch
 
     fb = rig.decode_batch(r, EQ_CASE["batch"], EQ_CASE["live"])
     inputs = rig.layer_inputs(r, EQ_CASE["batch"], seed=7)
     keep: list = []
-    outs = eager_step(r, fb, inputs, keep)
+    same_inputs = None
+    if mode == "plugin" and torch.cuda.is_available():
+        outs, same_inputs = _beside_flashmla(r, lambda: eager_step(r, fb, inputs, keep))
+    else:
+        outs = eager_step(r, fb, inputs, keep)
     kinds = {}
     for (layer, ratio), o in zip(r.layers, outs):
         kinds.setdefault({0: "window", 4: "ratio4", 128: "ratio128"}[ratio], o.float().cpu())
     torch.save({"outputs": kinds, "topk": keep[0].cpu()}, path)
-    return {**EQ_CASE, "saved": path.name}
+    return {**EQ_CASE, "saved": path.name, **({"flashmla_same_inputs": same_inputs} if same_inputs else {})}
+
+
+def _beside_flashmla(r: rig.Rig, step) -> tuple[list, dict]:
+    """Runs `step` with the backend's decode call wrapped: our kernel (what the plugin installed), then SGLang's
+    own FlashMLA partial (`flash_mla_interface.flash_mla_with_kvcache`, the plugin's keywords) on the same
+    arguments; per layer kind the relative error of ours against FlashMLA over the 16 real heads, every row."""
+    import functools
+
+    from sglang.kernels.ops.attention import flash_mla_interface
+
+    backend = r.backend
+    ours = backend._flash_mla_with_kvcache
+    stock = functools.partial(flash_mla_interface.flash_mla_with_kvcache, **ours.keywords)
+    pairs: list = []
+
+    def both(*args, **kwargs):
+        got = ours(*args, **kwargs)
+        try:
+            pairs.append((got, stock(*args, **kwargs)))
+        except Exception as e:  # reported in the JSON, never hidden
+            pairs.append((got, f"{type(e).__name__}: {e}"[:300]))
+        return got
+
+    backend._flash_mla_with_kvcache = both
+    try:
+        outs = step()
+    finally:
+        backend._flash_mla_with_kvcache = ours
+    first = lambda x: x[0] if isinstance(x, tuple) else x  # noqa: E731  (out, lse)
+    if len(pairs) != len(r.layers):
+        return outs, {"error": f"{len(pairs)} decode calls for {len(r.layers)} layers: not one per layer"}
+    result = {}
+    for ((_, ratio), (got, ref)) in zip(r.layers, pairs):
+        kind = {0: "window", 4: "ratio4", 128: "ratio128"}[ratio]
+        if isinstance(ref, str):
+            result.setdefault(kind, {"error": ref})
+            continue
+        a, b = first(got)[..., : rig.REAL_HEADS, :].float(), first(ref)[..., : rig.REAL_HEADS, :].float()
+        result.setdefault(kind, {"rel_error": ((a - b).norm() / b.norm()).item(), "shape": list(first(got).shape)})
+    return outs, result
 
 
 def compare(out: Path) -> dict:

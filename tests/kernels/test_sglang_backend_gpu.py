@@ -82,6 +82,14 @@ def test_outputs_equal_within_flashmla_tolerance(runs, kind):
     assert eq[kind]["ok"] and eq[kind]["rows"] >= BATCH // 2 and eq[kind]["rel_error"] < 0.01, eq[kind]
 
 
+@pytest.mark.parametrize("kind", ["window", "ratio4", "ratio128"])
+def test_our_decode_equals_flashmla_on_the_arguments_sglang_passed(runs, kind):
+    """In the plugin process, FlashMLA on the very arguments SGLang handed our kernel (every row, ties or not)."""
+    results, _ = runs
+    same = results["plugin"]["equality"]["flashmla_same_inputs"]
+    assert same[kind]["rel_error"] < 0.01, same
+
+
 def test_topk_sets_equal(runs):
     _, eq = runs
     assert eq["topk"]["rows"] == 8 and eq["topk"]["ok"], eq["topk"]
