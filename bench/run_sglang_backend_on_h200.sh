@@ -3,9 +3,11 @@
 # Needs the folder bench/sglang_backend_carry.py wrote, as $CARRY (site/ + wheels/); check it first on the CPU
 # with bench/sglang_backend_import_check.py. Nothing is pip-installed system-wide: the wheels go to /tmp/site,
 # our package is mapped by h200_package.sh, and a dist-info with our entry point is written under /tmp/p so
-# SGLang's load_plugins() finds it. Each part has its own timeout and writes to $OUT as it goes: the GPU test
-# (TEST_TIMEOUT), then per context (8K, 1M, 128K: the 1M / 8K ratio first) stock then plugin (CTX_TIMEOUT each),
-# the report after each context. Extra arguments go to the bench (e.g. --reps 3 --layer-ids 0,2,3).
+# SGLang's load_plugins() finds it. One bench process per mode (stock, then plugin; MODE_TIMEOUT each) over
+# every context in CONTEXTS (default 128K, which holds the equality case the GPU test checks, then 8K and 1M),
+# rows written as they come; then the report, then the GPU test on those two mode results (SGLANG_BACKEND_RUNS:
+# no second SGLang import and JIT compile per mode). Extra arguments go to the bench (e.g. --reps 3
+# --layer-ids 0,2,3 --batches 1,8,64).
 set -uo pipefail
 : "${CARRY:?CARRY must name the folder bench/sglang_backend_carry.py wrote}"
 carry=$(cd "$CARRY" && pwd)
@@ -15,21 +17,21 @@ mkdir -p /tmp/p/dsv4_cluster-0.0.dist-info
 printf 'Metadata-Version: 2.1\nName: dsv4-cluster\nVersion: 0.0\n' > /tmp/p/dsv4_cluster-0.0.dist-info/METADATA
 printf '[sglang.srt.plugins]\ndsv4_cluster = dsv4_cluster.kernels.sglang_plugin:register\n' \
   > /tmp/p/dsv4_cluster-0.0.dist-info/entry_points.txt
-export PYTHONPATH=/tmp/p:/tmp/site:$carry/site DSV4_CLUSTER_ATTEST_DIR=/tmp/attest  # $OUT returns 8 files at most
+export PYTHONPATH=/tmp/p:/tmp/site:$carry/site DSV4_CLUSTER_ATTEST_DIR=/tmp/attest
 python3 -c 'import importlib.metadata as m, torch, flash_mla; print("sglang", m.version("sglang"), "torch", torch.__version__)' \
-  2>&1 | tee "$OUT/env.txt"
+  2>&1 | tee "$OUT/bench.log"  # $OUT returns 8 files at most: logs go to bench.log and tests.log
+contexts=${CONTEXTS:-131072,8192,1048576}
+for mode in stock plugin; do
+  timeout "${MODE_TIMEOUT:-120}" python3 -m bench.sglang_backend mode $mode /tmp/bench \
+    --contexts "$contexts" "$@" >> "$OUT/bench.log" 2>&1
+  echo "$mode rc=$?" | tee -a "$OUT/bench.log"
+  cp /tmp/bench/$mode.json "$OUT/" 2>/dev/null
+done
+timeout 30 python3 -m bench.sglang_backend report /tmp/bench >> "$OUT/bench.log" 2>&1
+cp "$repo"/bench/results/sglang_backend.md "$repo"/bench/results/sglang_backend.json "$OUT/" 2>/dev/null
 if [ "${SKIP_TEST:-0}" != 1 ]; then
-  timeout "${TEST_TIMEOUT:-120}" python3 -m pytest -q -x -p no:cacheprovider --import-mode=importlib --rootdir="$repo" \
-    "$repo"/tests/kernels/test_sglang_backend_gpu.py > "$OUT/tests.log" 2>&1
+  SGLANG_BACKEND_RUNS=/tmp/bench timeout "${TEST_TIMEOUT:-120}" python3 -m pytest -q -x -p no:cacheprovider \
+    --import-mode=importlib --rootdir="$repo" "$repo"/tests/kernels/test_sglang_backend_gpu.py > "$OUT/tests.log" 2>&1
   echo "gpu test rc=$?" | tee -a "$OUT/tests.log"; tail -15 "$OUT/tests.log"
 fi
-for ctx in ${CONTEXTS:-8192 1048576 131072}; do
-  for mode in stock plugin; do
-    timeout "${CTX_TIMEOUT:-60}" python3 -m bench.sglang_backend mode $mode /tmp/bench --contexts $ctx "$@" \
-      >> "$OUT/bench.log" 2>&1
-    echo "$mode $ctx rc=$?" | tee -a "$OUT/bench.log"
-  done
-  timeout 30 python3 -m bench.sglang_backend report /tmp/bench > "$OUT/report.log" 2>&1
-  cp "$repo"/bench/results/sglang_backend.md "$repo"/bench/results/sglang_backend.json "$OUT/" 2>/dev/null
-done
-tail -40 "$OUT/report.log"; grep -v '^{' "$OUT/bench.log" | tail -30
+grep -v '^{' "$OUT/bench.log" | tail -60

@@ -17,6 +17,7 @@ It also saves the outputs of one equality case (report compares stock and plugin
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -101,7 +102,7 @@ def run_mode(mode: str, out: Path, contexts: list[int], batches: list[int], live
         rig.fill(r)
         r.backend.init_cuda_graph_state(max(batches), max(batches))
         if context == EQ_CASE["context"]:
-            eq = _equality_case(r, out / f"{mode}_outputs.pt")
+            eq = _equality_case(r, out / f"{mode}_outputs.pt", mode)
         for batch in batches:
             fb, inputs = rig.decode_batch(r, batch, live), rig.layer_inputs(r, batch)
             eager_step(r, fb, inputs)
@@ -110,15 +111,16 @@ def run_mode(mode: str, out: Path, contexts: list[int], batches: list[int], live
             try:
                 graph, _, replay = capture(r, fb, inputs)
                 graph_ms, graph_error = _timed(replay, reps, flush), None
-                del graph
             except Exception as e:  # reported in the table, never hidden
                 graph_ms, graph_error = None, f"{type(e).__name__}: {e}"[:300]
             rows.append({"context": context, "batch": batch, "eager_ms": eager, "graph_ms": graph_ms,
                          "graph_error": graph_error})
             print(json.dumps({"mode": mode, **rows[-1]}), flush=True)
             _write(mode, out, factory, live, reps, layer_ids, eq, rows)  # what a timeout leaves is still reported
+            graph = replay = fb = inputs = None  # the replay closure holds the backend, hence the whole pool
         print(f"context {context}: {time.time() - t0:.1f} s", flush=True)
-        r = None
+        del r
+        gc.collect()  # the next context's pool must not meet this one's (the first device run ran out of memory)
         torch.cuda.empty_cache()
     return _write(mode, out, factory, live, reps, layer_ids, eq, rows)
 
@@ -142,41 +144,101 @@ def _write(mode, out, factory, live, reps, layer_ids, eq, rows) -> dict:
     return result
 
 
-def _equality_case(r: rig.Rig, path: Path) -> dict:
-    """One window, one ratio-4 and one ratio-128 layer's outputs and the ratio-4 top-k, saved for `report`."""
+def _equality_case(r: rig.Rig, path: Path, mode: str) -> dict:
+    """One window, one ratio-4 and one ratio-128 layer's outputs and the ratio-4 top-k, saved for `report`.
+    In plugin mode on CUDA also FlashMLA itself on the very arguments SGLang handed our kernel, per layer
+    (`_beside_flashmla`): equality that no top-k tie can touch."""
     import torch
 
     fb = rig.decode_batch(r, EQ_CASE["batch"], EQ_CASE["live"])
     inputs = rig.layer_inputs(r, EQ_CASE["batch"], seed=7)
     keep: list = []
-    outs = eager_step(r, fb, inputs, keep)
+    same_inputs = None
+    if mode == "plugin" and torch.cuda.is_available():
+        outs, same_inputs = _beside_flashmla(r, lambda: eager_step(r, fb, inputs, keep))
+    else:
+        outs = eager_step(r, fb, inputs, keep)
     kinds = {}
     for (layer, ratio), o in zip(r.layers, outs):
         kinds.setdefault({0: "window", 4: "ratio4", 128: "ratio128"}[ratio], o.float().cpu())
     torch.save({"outputs": kinds, "topk": keep[0].cpu()}, path)
-    return {**EQ_CASE, "saved": path.name}
+    return {**EQ_CASE, "saved": path.name, **({"flashmla_same_inputs": same_inputs} if same_inputs else {})}
+
+
+def _beside_flashmla(r: rig.Rig, step) -> tuple[list, dict]:
+    """Runs `step` with the backend's decode call wrapped: our kernel (what the plugin installed), then SGLang's
+    own FlashMLA partial (`flash_mla_interface.flash_mla_with_kvcache`, the plugin's keywords) on the same
+    arguments; per layer kind the relative error of ours against FlashMLA over the 16 real heads, every row."""
+    import functools
+
+    from sglang.kernels.ops.attention import flash_mla_interface
+
+    backend = r.backend
+    ours = backend._flash_mla_with_kvcache
+    stock = functools.partial(flash_mla_interface.flash_mla_with_kvcache, **ours.keywords)
+    pairs: list = []
+
+    def both(*args, **kwargs):
+        got = ours(*args, **kwargs)
+        try:
+            pairs.append((got, stock(*args, **kwargs)))
+        except Exception as e:  # reported in the JSON, never hidden
+            pairs.append((got, f"{type(e).__name__}: {e}"[:300]))
+        return got
+
+    backend._flash_mla_with_kvcache = both
+    try:
+        outs = step()
+    finally:
+        backend._flash_mla_with_kvcache = ours
+    first = lambda x: x[0] if isinstance(x, tuple) else x  # noqa: E731  (out, lse)
+    if len(pairs) != len(r.layers):
+        return outs, {"error": f"{len(pairs)} decode calls for {len(r.layers)} layers: not one per layer"}
+    result = {}
+    for ((_, ratio), (got, ref)) in zip(r.layers, pairs):
+        kind = {0: "window", 4: "ratio4", 128: "ratio128"}[ratio]
+        if isinstance(ref, str):
+            result.setdefault(kind, {"error": ref})
+            continue
+        a, b = first(got)[..., : rig.REAL_HEADS, :].float(), first(ref)[..., : rig.REAL_HEADS, :].float()
+        result.setdefault(kind, {"rel_error": ((a - b).norm() / b.norm()).item(), "shape": list(first(got).shape)})
+    return outs, result
 
 
 def compare(out: Path) -> dict:
-    """Stock vs plugin on the equality case: FlashMLA's tolerance per layer kind, top-k sets per row."""
+    """Stock vs plugin on the equality case: FlashMLA's tolerance per layer kind, top-k sets per row.
+
+    The ratio-4 layer attends over each mode's own top-512. SGLang's torch indexer fallback scores in bf16, ours
+    in fp32, so a row may select one entry either side of a tie at the 512th score (TOPK_SWAPS bounds them); such
+    a row attends over a different set and its output differs by that entry's weight (4-5 % was seen). So the
+    ratio-4 output is judged on the rows whose sets are equal, and the swapped rows are listed with their error.
+    """
     import torch
 
     a, b = torch.load(out / "stock_outputs.pt"), torch.load(out / "plugin_outputs.pt")
+    sets = [(set(x.tolist()) - {-1}, set(y.tolist()) - {-1}) for x, y in zip(a["topk"], b["topk"])]
+    diff = [len(x - y) for x, y in sets]
+    same = [i for i, d in enumerate(diff) if d == 0]
     result = {}
     for kind, ref in a["outputs"].items():
         got = b["outputs"][kind]
-        err = ((got - ref).norm() / ref.norm()).item()
-        result[kind] = {"rel_error": err, "max_abs": (got - ref).abs().max().item(), "ok": err < 0.01}
-    rows = [(set(x.tolist()) - {-1}, set(y.tolist()) - {-1}) for x, y in zip(a["topk"], b["topk"])]
-    diff = [len(x - y) for x, y in rows]
-    # SGLang's torch fallback scores in bf16, ours in fp32: entries tied within bf16 rounding at the 512th
-    # score may swap; TOPK_SWAPS bounds the swapped entries per row.
-    result["topk"] = {"rows": len(rows), "rows_equal": sum(d == 0 for d in diff), "max_swapped": max(diff),
-                      "sizes": sorted({len(x) for x, _ in rows}), "ok": max(diff) <= TOPK_SWAPS}
+        rows = same if kind == "ratio4" else list(range(ref.shape[0]))
+        err = ((got[rows] - ref[rows]).norm() / ref[rows].norm()).item() if rows else float("nan")
+        result[kind] = {"rel_error": err, "max_abs": (got[rows] - ref[rows]).abs().max().item() if rows else None,
+                        "rows": len(rows), "ok": bool(rows) and err < 0.01}
+        if kind == "ratio4":
+            result[kind]["swapped_rows"] = {
+                str(i): round(((got[i] - ref[i]).norm() / ref[i].norm()).item(), 5) for i, d in enumerate(diff) if d}
+    # At least half the rows must agree exactly: a systematic difference would swap many entries in every row.
+    result["topk"] = {"rows": len(sets), "rows_equal": len(same), "max_swapped": max(diff),
+                      "sizes": sorted({len(x) for x, _ in sets}),
+                      "ok": max(diff) <= TOPK_SWAPS and 2 * len(same) >= len(sets)}
     return result
 
 
 def _ratio(rows: dict, key: str, batch: int, contexts: list[int]):
+    if len(contexts) < 2:
+        return None  # one context measured: no ratio
     lo, hi = rows.get((contexts[0], batch), {}).get(key), rows.get((contexts[-1], batch), {}).get(key)
     return None if lo is None or hi is None else hi / lo
 

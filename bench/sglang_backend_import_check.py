@@ -268,7 +268,7 @@ def failed(report: dict) -> list[str]:
 
 
 if __name__ == "__main__":
-    result = check(Path(sys.argv[1]))
+    result = check(Path(sys.argv[1]).resolve())  # the children run elsewhere
     print(json.dumps(result, indent=1))
     problems = failed(result)
     print("\n".join(problems) or "import chain: OK")

@@ -109,6 +109,8 @@ def build(context_len: int, max_reqs: int, tokens_per_req: int, mode: str, devic
 
     mc = resolve_model_config(context_len, mode, device)
     ratios = list(mc.compress_ratios)[: mc.num_hidden_layers]
+    if layer_ids is not None:  # a subset: the pool holds layers 0..max(id) only (43 would hold ~70 GB at batch 128)
+        ratios = ratios[: max(layer_ids) + 1]
     pages_per_req = -(-(tokens_per_req + 1) // PAGE)
     full = (max_reqs * pages_per_req + 1) * PAGE  # page 0 stays the pad page
     pool = DeepSeekV4TokenToKVPool(

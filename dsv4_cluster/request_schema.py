@@ -6,6 +6,10 @@ value the router admits is one a worker takes and the other way round. The range
 (`SamplingParams.verify` in `sglang/srt/sampling/sampling_params.py`, `CompletionRequest`'s
 `validate_max_tokens_positive` in `sglang/srt/entrypoints/openai/protocol.py`) and, on the OpenAI routes,
 OpenAI's (temperature at most 2, `max_tokens` at least 1, `n` and `top_logprobs` bounded).
+
+Logprob alternatives (`top_logprobs` on chat, the integer `logprobs` of legacy completions, `top_logprobs_num` on
+`/generate`) are bounded by OpenAI's chat limit, `MAX_TOP_LOGPROBS` (20), on every route (OpenAI's legacy
+completions stop at 5; 6..20 are taken here as SGLang takes them).
 """
 
 from __future__ import annotations
@@ -25,10 +29,12 @@ Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]                        #
 OpenAITemperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
 MaxTokens = Annotated[int, Field(ge=1)]                                        # max_tokens, max_completion_tokens
 N = Annotated[int, Field(ge=1, le=128)]
-TopLogprobs = Annotated[int, Field(ge=0, le=20)]
+MAX_TOP_LOGPROBS = 20                                                          # OpenAI's limit on chat
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]                # alternatives per output token
 
 _CHECKS = {"temperature": TypeAdapter(Temperature), "top_p": TypeAdapter(TopP),
-           "max_new_tokens": TypeAdapter(MaxNewTokens), "sampling_seed": TypeAdapter(Seed)}
+           "max_new_tokens": TypeAdapter(MaxNewTokens), "sampling_seed": TypeAdapter(Seed),
+           "top_logprobs": TypeAdapter(TopLogprobs)}
 
 
 def check(field: str, value: Any) -> None:
@@ -43,3 +49,10 @@ def max_new_tokens(max_completion_tokens: int | None, max_tokens: int | None) ->
     """An OpenAI body's output budget under SGLang's name: OpenAI's current `max_completion_tokens` wins over
     the deprecated `max_tokens`, as SGLang's `ChatCompletionRequest.to_sampling_params` does. None: not given."""
     return max_completion_tokens if max_completion_tokens is not None else max_tokens
+
+
+def chat_logprobs(logprobs: bool | None, top_logprobs: int | None) -> None:
+    """OpenAI's rule on chat: `top_logprobs` (alternatives per token) needs `logprobs: true` (ValueError otherwise)."""
+    if top_logprobs and not logprobs:
+        raise ValueError(f"top_logprobs {top_logprobs} needs logprobs: true (OpenAI's rule); send logprobs: true "
+                         "or drop top_logprobs")

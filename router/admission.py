@@ -16,7 +16,7 @@ import hmac
 import json
 from typing import Any, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
 
 from dsv4_cluster import request_schema as rs
 
@@ -51,18 +51,24 @@ class _Sampling(_Open):
     n: rs.N | None = None
     seed: rs.Seed | None = None
     stop: Stop = None
-    logprobs: Union[StrictBool, StrictInt, None] = None
-    top_logprobs: rs.TopLogprobs | None = None
     user: StrictStr | None = None
 
 
 class ChatBody(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: rs.MaxTokens | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: rs.TopLogprobs | None = None
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        rs.chat_logprobs(self.logprobs, self.top_logprobs)
+        return self
 
 
 class CompletionBody(_Sampling):
     prompt: Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
+    logprobs: rs.TopLogprobs | None = None     # legacy completions: alternatives per token
 
 
 class GenerateSampling(_Open):
@@ -86,6 +92,8 @@ class GenerateBody(_Open):
     sampling_params: Union[GenerateSampling, list[GenerateSampling], None] = None
     stream: StrictBool | None = None
     return_logprob: Union[StrictBool, list[StrictBool], None] = None
+    top_logprobs_num: Union[rs.TopLogprobs, list[rs.TopLogprobs], None] = None
+    return_text_in_logprobs: StrictBool | None = None
 
 
 SCHEMAS: dict[str, type[BaseModel]] = {"/v1/chat/completions": ChatBody, "/v1/completions": CompletionBody,
@@ -145,7 +153,7 @@ def _field_errors(err: ValidationError) -> str:
     """'field.path: problem' for each error; for a union, the branch that got furthest (the others are noise)."""
     found = []
     for e in err.errors(include_url=False, include_input=False):
-        found.append((tuple(str(p) for p in e["loc"] if _is_field(p)), e["msg"]))
+        found.append((tuple(str(p) for p in e["loc"] if _is_field(p)), e["msg"].removeprefix("Value error, ")))
     kept = [(loc, msg) for loc, msg in found
             if not any(len(other) > len(loc) and other[:len(loc)] == loc for other, _ in found)]
     return "; ".join(dict.fromkeys(f"{'.'.join(loc) or '(body)'}: {msg}" for loc, msg in kept))

@@ -7,7 +7,8 @@ interrupted by a decode's death equals the uninterrupted one (NVIDIA Dynamo's `-
 - chat: the text sent so far is appended as the final assistant message with `continue_final_message`
   (SGLang's and the embedded engine's way to continue a reply); `/v1/completions`: appended to `prompt`;
   `/generate`: appended to `text`, or the output ids to `input_ids`, and the new events' cumulative
-  `text` / `output_ids` are prefixed with the old ones.
+  `text` / `output_ids` (and output logprobs) are prefixed with the old ones; legacy completions' `text_offset`s
+  are shifted by the text sent (chat logprobs are per chunk: nothing to splice).
 - `max_tokens` / `max_completion_tokens` / `max_new_tokens` shrink by the tokens already sent (counted
   as content-bearing events, one token each as SGLang and the embedded engine stream them); the final
   usage counts move those tokens from prompt back to completion, so usage stays right.
@@ -61,28 +62,32 @@ def _data(event: bytes) -> Any:
         return None
 
 
-Progress = tuple[str, list[int], int]
+Progress = tuple[str, list[int], int, dict[str, list]]   # text, output ids, tokens, /generate's logprob lists
+LOGPROB_LISTS = ("output_token_logprobs", "output_top_logprobs")   # cumulative in /generate's meta_info
 HOLD_POLL_S = 0.25  # while a stream is held for a decode, how often a fresh pair is tried
 FOLD_AT = 256  # events kept raw before they are folded into the progress so far (bounds memory per stream)
 
 
-def progress(path: str, events: list[bytes], start: Progress = ("", [], 0)) -> Progress:
-    """What the client already has, after `start`: its text, output ids (`/generate`), and how many tokens."""
-    text, ids, tokens = start
+def progress(path: str, events: list[bytes], start: Progress = ("", [], 0, {})) -> Progress:
+    """What the client already has, after `start`: its text, output ids and output logprobs (`/generate`), and how
+    many tokens."""
+    text, ids, tokens, logprobs = start
     for event in events:
         data = _data(event)
         if not isinstance(data, dict):
             continue
         if path == "/generate":
             text, ids = data.get("text", text), data.get("output_ids", ids)
-            tokens = data.get("meta_info", {}).get("completion_tokens", len(ids))
+            meta = data.get("meta_info", {})
+            tokens = meta.get("completion_tokens", len(ids))
+            logprobs = {k: meta[k] for k in LOGPROB_LISTS if isinstance(meta.get(k), list)} or logprobs
             continue
         for choice in data.get("choices") or ():
             piece = (choice.get("delta") or {}).get("content") if path == "/v1/chat/completions" else choice.get("text")
             if piece:
                 text += piece
                 tokens += 1
-    return text, ids, tokens
+    return text, ids, tokens, logprobs
 
 
 def continuation(path: str, body: dict[str, Any], text: str, ids: list[int], tokens: int) -> dict | None:
@@ -118,14 +123,18 @@ def continuation(path: str, body: dict[str, Any], text: str, ids: list[int], tok
     return new
 
 
-def splice(path: str, text: str, ids: list[int], tokens: int) -> Callable[[bytes], bytes]:
+def splice(path: str, text: str, ids: list[int], tokens: int, logprobs: dict[str, list]) -> Callable[[bytes], bytes]:
     """Rewrites a continuation's events so that they read as the rest of the first stream."""
     def rewrite(event: bytes) -> bytes:
-        if path != "/generate" and b'"usage"' not in event:
+        if path != "/generate" and b'"usage"' not in event and b'"text_offset"' not in event:
             return event
         data = _data(event)
         if not isinstance(data, dict):
             return event
+        for choice in data.get("choices") or ():   # legacy completions: offsets in the whole output text
+            offsets = (choice.get("logprobs") or {}).get("text_offset")
+            if isinstance(offsets, list):
+                choice["logprobs"]["text_offset"] = [o + len(text) for o in offsets]
         if path == "/generate":
             data["text"] = text + data.get("text", "")
             if "output_ids" in data:
@@ -134,6 +143,11 @@ def splice(path: str, text: str, ids: list[int], tokens: int) -> Callable[[bytes
             if isinstance(meta, dict):
                 meta["completion_tokens"] = meta.get("completion_tokens", 0) + tokens
                 meta["prompt_tokens"] = meta.get("prompt_tokens", tokens) - tokens
+                for key, before in logprobs.items():
+                    if isinstance(meta.get(key), list):
+                        meta[key] = before + meta[key]
+                if "output_token_logprobs_length" in meta and "output_token_logprobs" in meta:
+                    meta["output_token_logprobs_length"] = len(meta["output_token_logprobs"])
         usage = data.get("usage")
         if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
             usage["prompt_tokens"] -= tokens
@@ -154,7 +168,7 @@ class Migration:
         self.left = flight.state.settings.migration_limit
         self.keep = self.left > 0 and migratable(flight.path, flight.body)
         self.sent: list[bytes] = []
-        self._folded: Progress = ("", [], 0)
+        self._folded: Progress = ("", [], 0, {})
         self._rewrite: Callable[[bytes], bytes] | None = None
 
     def outgoing(self, events: list[bytes]) -> bytes:
@@ -188,7 +202,7 @@ class Migration:
         if not self.keep or self.left <= 0 or self.flight.gone:
             return False
         path = self.flight.path
-        text, ids, tokens = progress(path, self.sent, self._folded)
+        text, ids, tokens, logprobs = progress(path, self.sent, self._folded)
         body = continuation(path, self.flight.body, text, ids, tokens)
         if body is None:
             return False
@@ -206,5 +220,5 @@ class Migration:
             return False
         self.flight.state.metrics.migrations.inc()
         self.attempt = attempt
-        self._rewrite = splice(path, text, ids, tokens)
+        self._rewrite = splice(path, text, ids, tokens, logprobs)
         return True

@@ -118,7 +118,7 @@ def test_what_openai_clients_send_by_default_is_accepted():
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"n": 2}, "n"),
-    ({"logprobs": True}, "logprobs"),
+    ({"sampling_logprobs_mode": "support"}, "sampling_logprobs_mode"),   # logprobs themselves are served
     ({"reasoning_effort": "high"}, "reasoning_effort"),
     ({"tool_choice": "required"}, "tool_choice"),
 ])

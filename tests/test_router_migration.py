@@ -19,7 +19,8 @@ from tests.worker_procs import WorkerPair, _wait, start_pair, stop_pair
 
 ARGS = ["--host", "127.0.0.1", "--max-total-tokens", "4096", "--context-length", "1024"]
 BODY = {"model": "dsv4-tiny", "messages": [{"role": "user", "content": "x"}],
-        "stream": True, "temperature": 0, "max_tokens": 40, "stream_options": {"include_usage": True}}
+        "stream": True, "temperature": 0, "max_tokens": 40, "logprobs": True, "top_logprobs": 2,
+        "stream_options": {"include_usage": True}}
 # No ignore_eos: an EOS in mid-stream would stream as no text, and text is what a continuation is built from.
 # The seeded tiny model answers this prompt with 40 printable tokens and no EOS.
 
@@ -49,8 +50,9 @@ def workers(tmp_path_factory):
 def stream(url: str, kill_after: int | None = None, victim: subprocess.Popen | None = None,
            after_kill=None) -> tuple[str, dict, int]:
     """The streamed text, the usage chunk, and how many content events arrived; SIGKILLs `victim` after
-    `kill_after` content events (then calls `after_kill`)."""
+    `kill_after` content events (then calls `after_kill`). Each token's logprob entry goes to LOGPROBS[url]."""
     text, usage, events, done = "", {}, 0, False
+    entries = LOGPROBS[url] = []
     with httpx.stream("POST", url + "/v1/chat/completions", json=BODY, timeout=60) as resp:
         assert resp.status_code == 200
         for line in resp.iter_lines():
@@ -61,6 +63,7 @@ def stream(url: str, kill_after: int | None = None, victim: subprocess.Popen | N
             assert "error" not in chunk, chunk
             usage = chunk.get("usage") or usage
             for choice in chunk.get("choices", []):
+                entries += (choice.get("logprobs") or {}).get("content") or []
                 if choice["delta"].get("content"):
                     text += choice["delta"]["content"]
                     events += 1
@@ -72,6 +75,18 @@ def stream(url: str, kill_after: int | None = None, victim: subprocess.Popen | N
     return text, usage, events
 
 
+LOGPROBS: dict[str, list] = {}
+
+
+def assert_same_logprobs(got: list, want: list) -> None:
+    """Token for token the same tokens and alternatives, logprobs equal within the float32 rounding a prefix
+    cache hit may change (tests/test_logprobs.py)."""
+    assert len(got) == len(want) == 40
+    for g, w in zip(got, want):
+        assert g["token"] == w["token"] and abs(g["logprob"] - w["logprob"]) < 1e-4, (g, w)
+        assert [t["token"] for t in g["top_logprobs"]] == [t["token"] for t in w["top_logprobs"]], (g, w)
+
+
 def test_a_greedy_stream_survives_a_decode_sigkill(workers: tuple[WorkerPair, str]) -> None:
     pair, second = workers
     settings = router_settings(pair.prefill_url, pair.decode_url, second, migration_limit=1,
@@ -81,12 +96,14 @@ def test_a_greedy_stream_survives_a_decode_sigkill(workers: tuple[WorkerPair, st
     with UvicornThread(build_app(settings)) as router:
         baseline, usage, events = stream(router.url)  # round robin: decode-0
         assert events == 40 and usage["completion_tokens"] == 40, (baseline, usage)
+        want = LOGPROBS[router.url]
         again, _, _ = stream(router.url)  # decode-1 gives the same greedy text
         assert again == baseline
         victim = pair.procs[1]  # decode-0, serving the next stream
         migrated, migrated_usage, _ = stream(router.url, kill_after=12, victim=victim)
         assert victim.wait(10) == -signal.SIGKILL
         assert migrated == baseline, "the continued stream equals the uninterrupted one, token for token"
+        assert_same_logprobs(LOGPROBS[router.url], want)  # the spliced stream's logprobs too
         assert migrated_usage == usage, "usage counts the migrated tokens as completion, not prompt"
         metrics = httpx.get(router.url + "/metrics").text
         assert "dsv4_router_migrations_total 1.0" in metrics
@@ -116,6 +133,7 @@ def test_with_the_only_decode_killed_the_stream_is_held_and_resumed_on_its_resta
     with UvicornThread(build_app(settings)) as router:
         baseline, usage, events = stream(router.url)
         assert events == 40 and usage["completion_tokens"] == 40, (baseline, usage)
+        want = LOGPROBS[router.url]
         victim = single.procs[1]
         restarter = threading.Thread(target=restart, args=(single, 1))   # waits for the death, starts it again
         try:
@@ -125,6 +143,7 @@ def test_with_the_only_decode_killed_the_stream_is_held_and_resumed_on_its_resta
                 restarter.join(120)
         assert victim.poll() == -signal.SIGKILL and single.procs[1] is not victim
         assert held == baseline, "the held stream, continued on the restarted decode, equals the uninterrupted one"
+        assert_same_logprobs(LOGPROBS[router.url], want)
         cached = held_usage.pop("prompt_tokens_details")["cached_tokens"]   # the continuation may hit the cache
         assert {k: v for k, v in usage.items() if k != "prompt_tokens_details"} == held_usage
         assert 0 <= cached <= held_usage["prompt_tokens"]

@@ -47,7 +47,30 @@ def test_migration_progress_folds_long_streams_the_same_as_whole() -> None:
 
     events = [b'data: {"choices": [{"delta": {"content": "t%d "}}]}\n\n' % i for i in range(600)]
     whole = progress("/v1/chat/completions", events)
-    folded = ("", [], 0)
+    folded = ("", [], 0, {})
     for at in range(0, 600, 256):
         folded = progress("/v1/chat/completions", events[at:at + 256], folded)
     assert folded == whole and whole[2] == 600 and whole[0].startswith("t0 t1 ")
+
+
+def test_migration_splices_logprobs_onto_what_was_sent() -> None:
+    import json
+
+    from dsv4_cluster.router.migration import progress, splice
+
+    def event(data: dict) -> bytes:
+        return b"data: " + json.dumps(data).encode() + b"\n\n"
+
+    sent = [event({"text": "ab", "output_ids": [97, 98], "meta_info": {
+        "completion_tokens": 2, "prompt_tokens": 5, "output_token_logprobs": [[-0.1, 97, None], [-0.2, 98, None]],
+        "output_top_logprobs": [[[-0.1, 97, None]], [[-0.2, 98, None]]], "output_token_logprobs_length": 2}})]
+    text, ids, tokens, logprobs = progress("/generate", sent)
+    rest = json.loads(splice("/generate", text, ids, tokens, logprobs)(event({"text": "c", "output_ids": [99],
+        "meta_info": {"completion_tokens": 1, "prompt_tokens": 7, "output_token_logprobs": [[-0.3, 99, None]],
+                      "output_top_logprobs": [[[-0.3, 99, None]]], "output_token_logprobs_length": 1}}))[6:])
+    meta = rest["meta_info"]
+    assert [t[1] for t in meta["output_token_logprobs"]] == rest["output_ids"] == [97, 98, 99]
+    assert len(meta["output_top_logprobs"]) == meta["output_token_logprobs_length"] == 3
+    chunk = event({"choices": [{"index": 0, "text": "xy", "logprobs": {"tokens": ["x", "y"], "text_offset": [0, 1]}}]})
+    shifted = json.loads(splice("/v1/completions", "hello", [], 5, {})(chunk)[6:])
+    assert shifted["choices"][0]["logprobs"]["text_offset"] == [5, 6]   # offsets in the whole output text

@@ -44,8 +44,11 @@ fb = rig.decode_batch(r, {BATCH}, {LIVE})
 inputs = rig.layer_inputs(r, {BATCH})
 r.backend.init_forward_metadata(fb)
 keep, outs = [], []
+same = None
 if mode == "plugin":
-    outs = rig.run_layers(r, fb, inputs, keep)
+    from bench.sglang_backend import _beside_flashmla
+    outs, same = _beside_flashmla(r, lambda: rig.run_layers(r, fb, inputs, keep))
+    same["restored"] = r.backend._flash_mla_with_kvcache.func.__name__
 else:
     x = inputs[0]["q"][:, :1, :1]
     r.backend.forward_c4_indexer(x=x, q_lora=x, c4_indexer=inputs[1]["indexer"], forward_batch=fb, skip_compressor=True)
@@ -57,7 +60,8 @@ out = dict(factory=factory, ratios=[ratio for _, ratio in r.layers], topk=keep[0
            else m.sparse_page_indices(128).tolist(), c128_len=m.sparse_topk_lengths(128).tolist(),
            outs=[dict(shape=list(o.shape), finite=bool(torch.isfinite(o.float()).all()),
                       mean_abs=o.float().abs().mean().item()) for o in outs],
-           req_slots=[r.req_to_token_pool.req_to_token[i + 1, :{LIVE}].tolist() for i in range({BATCH})])
+           req_slots=[r.req_to_token_pool.req_to_token[i + 1, :{LIVE}].tolist() for i in range({BATCH})],
+           same=same)
 print("RESULT " + json.dumps(out))
 """
 
@@ -101,6 +105,17 @@ def test_topk_sets_of_plugin_equal_sglang_fallback_up_to_boundary_ties(runs):
         stock = set(runs["stock"]["topk"][r]) - {-1}
         plugin = set(runs["plugin"]["topk"][r]) - {-1}
         assert len(stock) == len(plugin) == 512 and len(stock - plugin) <= TOPK_SWAPS, (r, len(stock - plugin))
+
+
+def test_the_flashmla_cross_check_wraps_one_decode_call_per_layer(runs):
+    """The device bench runs FlashMLA beside our kernel on SGLang's arguments (bench/sglang_backend.py
+    `_beside_flashmla`); here FlashMLA cannot run, so each layer kind records that error, and the backend holds
+    the plugin's call again afterwards."""
+    same = runs["plugin"]["same"]
+    assert set(same) == {"window", "ratio4", "ratio128", "restored"}, same
+    for kind in ("window", "ratio4", "ratio128"):
+        assert "FlashMLA cannot run here" in same[kind]["error"], same
+    assert same["restored"] != "both", same
 
 
 def test_plugin_outputs_are_finite(runs):

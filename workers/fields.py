@@ -38,7 +38,8 @@ ANY = "any"
 Rule = Neutral | str
 
 _TEXT_ONLY = "the embedded engine is text-only"
-_LOGPROBS = "the embedded engine returns no logprobs"
+_LOGPROBS = ("the embedded engine returns the logprobs of output tokens and their top alternatives only (no prompt "
+             "logprobs, chosen-token-id logprobs, sampling masks or flat/raw forms)")
 _INTERNALS = "the embedded engine does not expose hidden states, routed experts or indexer picks"
 _LORA = "the embedded engine has no LoRA adapters"
 _GRAMMAR = "the embedded engine has no constrained decoding (regex, EBNF, JSON schema, structural tags)"
@@ -75,7 +76,8 @@ _SHARED: dict[str, Rule] = {
     "routed_experts_start_len": _zero(_INTERNALS), "return_cached_tokens_details": _off(_EXTRA),
     "return_spec_tokens_details": _off(_EXTRA), "return_token_ids": _off(_EXTRA),
     "return_prompt_token_ids": _off(_EXTRA), "return_sampling_mask": _off(_LOGPROBS),
-    "sampling_logprobs_mode": _off(_LOGPROBS), "return_flat_raw_output_top_logprobs": _off(_LOGPROBS),
+    "sampling_logprobs_mode": _off(_LOGPROBS, "selected"),   # "selected", SGLang's default, is what is returned
+    "return_flat_raw_output_top_logprobs": _off(_LOGPROBS),
     "lora_path": _off(_LORA), "session_params": _off(_SESSION), "custom_logit_processor": _off(_CUSTOM),
     "custom_params": _off(_CUSTOM), "watermark": _off(_CUSTOM), "images_config": _off(_TEXT_ONLY),
     "mm_processor_kwargs": _off(_TEXT_ONLY), "video_config": _off(_TEXT_ONLY),
@@ -87,14 +89,13 @@ _SHARED: dict[str, Rule] = {
     "regex": _off(_GRAMMAR), "ebnf": _off(_GRAMMAR), "json_schema": _off(_GRAMMAR),
     "stop_regex": _off("the embedded engine matches stop strings and stop token ids, not regexes"),
     "response_format": _off(_GRAMMAR + "; response_format {'type': 'text'} is accepted", {"type": "text"}),
-    "n": Neutral((None, 1), _ONE), "logprobs": _off(_LOGPROBS),
+    "n": Neutral((None, 1), _ONE),
     "skip_special_tokens": Neutral((True, None), "the embedded engine always leaves special tokens out of "
                                                  "the text"),
 }
 
 CHAT: dict[str, Rule] = {
     **{k: v for k, v in _SHARED.items() if k not in ("custom_labels", "json_schema")},
-    "top_logprobs": _zero(_LOGPROBS),
     "tools": _off(_TOOLS), "parallel_tool_calls": ANY,
     "tool_choice": Neutral(("none", "auto", None), _TOOLS + "; tool_choice 'required' or a named tool "
                                                     "cannot be honoured"),
@@ -126,8 +127,7 @@ GENERATE: dict[str, Rule] = {
     **_mm("input_embeds image_data video_data audio_data mm_hashes mm_content_hashes modalities "
           "image_max_dynamic_patch video_max_dynamic_patch need_wait_for_mm_inputs num_items_assigned "
           "encoder_urls positional_embed_overrides multi_item_delimiter_indices token_indices_to_pool"),
-    "return_logprob": _off(_LOGPROBS), "logprob_start_len": Neutral((None, -1), _LOGPROBS), "top_logprobs_num": _zero(_LOGPROBS),
-    "token_ids_logprob": _off(_LOGPROBS), "return_text_in_logprobs": ANY,
+    "logprob_start_len": Neutral((None, -1), _LOGPROBS), "token_ids_logprob": _off(_LOGPROBS),
     "return_flat_raw_top_logprobs": _off(_LOGPROBS), "return_flat_raw_top_logprobs_b64": _off(_LOGPROBS),
     "return_indexer_topk": _off(_INTERNALS), "lora_id": _off(_LORA),
     "bootstrap_pair_key": ANY, "decode_tp_size": ANY, "routing_key": ANY, "conversation_id": ANY,

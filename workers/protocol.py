@@ -3,6 +3,8 @@
 Every field of SGLang 0.5.23's `GenerateReqInput` (with its `sampling_params`), `ChatCompletionRequest` and
 `CompletionRequest` is accepted: the fields declared here are honoured; the others are checked against
 `fields.py` (accepted when they cannot change the output, refused with a 400 naming them otherwise).
+Output-token logprobs are honoured on every route (chat `logprobs`/`top_logprobs`, completions `logprobs`,
+`/generate` `return_logprob`/`top_logprobs_num`/`return_text_in_logprobs`; at most `rs.MAX_TOP_LOGPROBS` alternatives).
 A field SGLang does not know is refused with a 400 that names it. Value ranges and the one rename of
 `max_tokens` (to SGLang's `max_new_tokens`) are `dsv4_cluster.request_schema`'s, shared with the router.
 """
@@ -74,13 +76,19 @@ class _OpenAISampling(Bootstrap):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
 
+    def logprobs_asked(self) -> tuple[bool, int]:
+        """(report logprobs, alternatives per token): each route spells them its own way."""
+        raise NotImplementedError
+
     def sampling(self, default_max: int) -> SamplingParams:
         asked = rs.max_new_tokens(getattr(self, "max_completion_tokens", None), self.max_tokens)
+        logprobs, top = self.logprobs_asked()
         return SamplingParams(max_new_tokens=default_max if asked is None else asked,
                               temperature=1.0 if self.temperature is None else self.temperature,
                               top_p=1.0 if self.top_p is None else self.top_p, seed=self.seed,
                               stop=_stops(self.stop), stop_token_ids=tuple(self.stop_token_ids or ()),
-                              ignore_eos=self.ignore_eos, no_stop_trim=self.no_stop_trim)
+                              ignore_eos=self.ignore_eos, no_stop_trim=self.no_stop_trim, logprobs=logprobs,
+                              top_logprobs=top)
 
 
 class ChatMessage(_Body):
@@ -105,6 +113,16 @@ class ChatCompletionRequest(_OpenAISampling):
     max_completion_tokens: rs.MaxTokens | None = None
     continue_final_message: bool = False  # continue a final assistant message (the router's stream migration)
     input_ids: list[int] | None = Field(default=None, min_length=1)
+    logprobs: bool | None = False
+    top_logprobs: rs.TopLogprobs | None = None
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        rs.chat_logprobs(self.logprobs, self.top_logprobs)
+        return self
+
+    def logprobs_asked(self) -> tuple[bool, int]:
+        return bool(self.logprobs), self.top_logprobs or 0
 
 
 class CompletionRequest(_OpenAISampling):
@@ -114,6 +132,10 @@ class CompletionRequest(_OpenAISampling):
     max_tokens: rs.MaxTokens = 16     # SGLang's and OpenAI's default for completions
     temperature: rs.OpenAITemperature = 1.0
     top_p: rs.TopP = 1.0
+    logprobs: rs.TopLogprobs | None = None   # legacy completions: an int, the alternatives per token (0: none)
+
+    def logprobs_asked(self) -> tuple[bool, int]:
+        return self.logprobs is not None, self.logprobs or 0
 
 
 class GenerateSampling(_SGLangBody):
@@ -128,11 +150,11 @@ class GenerateSampling(_SGLangBody):
     ignore_eos: bool = False
     no_stop_trim: bool = False
 
-    def params(self, default_max: int) -> SamplingParams:
+    def params(self, default_max: int, logprobs: bool = False, top_logprobs: int = 0) -> SamplingParams:
         asked = default_max if self.max_new_tokens is None else self.max_new_tokens
         return SamplingParams(asked, self.temperature, self.top_p, self.sampling_seed,
                               _stops(self.stop), tuple(self.stop_token_ids or ()), self.ignore_eos,
-                              self.no_stop_trim)
+                              self.no_stop_trim, logprobs, top_logprobs)
 
 
 class GenerateRequest(Bootstrap):
@@ -142,6 +164,12 @@ class GenerateRequest(Bootstrap):
     input_ids: list[int] | None = None
     sampling_params: GenerateSampling = Field(default_factory=GenerateSampling)
     stream: bool = False
+    return_logprob: bool | None = False
+    top_logprobs_num: rs.TopLogprobs | None = None
+    return_text_in_logprobs: bool | None = False
+
+    def sampling(self, default_max: int) -> SamplingParams:
+        return self.sampling_params.params(default_max, bool(self.return_logprob), self.top_logprobs_num or 0)
 
     @model_validator(mode="after")
     def _one_prompt(self):

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .sampling import SamplingParams
+from .sampling import SamplingParams, TokenLogprob
 
 
 class ReqState(enum.Enum):
@@ -45,6 +45,7 @@ class Token:
     token_id: int
     finish: Finish | None = None
     cached_tokens: int | None = None   # on a request's first token: prompt tokens whose KV came from the prefix cache
+    logprob: TokenLogprob | None = None   # when the request asked for logprobs
 
     @property
     def finish_reason(self) -> str | None:
@@ -74,6 +75,7 @@ class Req:
     prefilled: int = 0                     # prompt tokens whose KV is computed (chunked prefill)
     cached_tokens: int = 0                 # of those, taken from the prefix cache (prefix_cache.py)
     out: list[int] = field(default_factory=list)
+    first_logprob: TokenLogprob | None = None   # prefill: the first output token's, carried to decode with it
     created: float = field(default_factory=time.monotonic)
     deadline: float | None = None
     last_token_time: float | None = None

@@ -12,8 +12,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
+from . import logprob_format
+from .logprob_format import Entry
 from .request import Finish
-from .sampling import SamplingParams
+from .sampling import SamplingParams, TokenLogprob
 from .tokenizer import ByteTokenizer, IncrementalDecoder
 
 Kind = Literal["chat", "completion", "generate"]
@@ -33,6 +35,7 @@ class GenSpec:
     room: int | None = None
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
+    logprob_text: bool = True          # /generate's return_text_in_logprobs (the OpenAI routes always show text)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -69,10 +72,17 @@ class ResponseBuilder:
         self._decoder = IncrementalDecoder()
         self._trim = not spec.params.no_stop_trim
         self.cached_tokens = 0         # prompt tokens whose KV came from the prefill's prefix cache
+        self.logprobs: list[Entry] = []
+        self._logprobs_sent = 0        # entries already streamed
 
-    def push(self, token_id: int, finish: Finish | None = None, cached_tokens: int | None = None) -> str:
+    def push(self, token_id: int, finish: Finish | None = None, cached_tokens: int | None = None,
+             logprob: TokenLogprob | None = None) -> str:
         """Add one output token; returns the text the client may see now that it has not seen yet."""
         self.ids.append(token_id)
+        if self.spec.params.logprobs:
+            if logprob is None:
+                raise RuntimeError(f"output token {len(self.ids)} came without the logprob this request asked for")
+            self.logprobs.append(Entry(token_id, logprob, len(self._raw)))
         if cached_tokens is not None:
             self.cached_tokens = cached_tokens
         self._finish = finish
@@ -104,8 +114,22 @@ class ResponseBuilder:
             finish = {"type": "length", "length": 0 if prefill_only else len(self.ids)}
         else:
             finish = {"type": "stop", "matched": self._finish.matched if self._finish else None}
-        return {"id": self.spec.rid, "prompt_tokens": len(self.spec.prompt_ids),
+        meta = {"id": self.spec.rid, "prompt_tokens": len(self.spec.prompt_ids),
                 "completion_tokens": len(self.ids), "cached_tokens": self.cached_tokens, "finish_reason": finish}
+        if self.spec.params.logprobs:
+            meta.update(logprob_format.generate_meta(self.logprobs, self.tok, self.spec.params.top_logprobs,
+                                                     self.spec.logprob_text))
+        return meta
+
+    def _choice_logprobs(self, entries: list[Entry]) -> dict | None:
+        if not self.spec.params.logprobs:
+            return None
+        shape = logprob_format.chat if self.spec.kind == "chat" else logprob_format.completion
+        return shape(entries, self.tok)
+
+    def _unsent_logprobs(self) -> list[Entry]:
+        entries, self._logprobs_sent = self.logprobs[self._logprobs_sent:], len(self.logprobs)
+        return entries
 
     def final(self, reason: str, prefill_only: bool = False) -> dict:
         s = self.spec
@@ -114,9 +138,10 @@ class ResponseBuilder:
         base = {"id": self._id(), "created": s.created, "model": s.model, "usage": self._usage()}
         if s.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": self.text},
-                      "finish_reason": reason, "logprobs": None}
+                      "finish_reason": reason, "logprobs": self._choice_logprobs(self.logprobs)}
             return {**base, "object": "chat.completion", "choices": [choice]}
-        choice = {"index": 0, "text": self.text, "finish_reason": reason, "logprobs": None}
+        choice = {"index": 0, "text": self.text, "finish_reason": reason,
+                  "logprobs": self._choice_logprobs(self.logprobs)}
         return {**base, "object": "text_completion", "choices": [choice]}
 
     def chunk(self, delta: str, reason: str | None, first: bool = False, prefill_only: bool = False) -> dict:
@@ -126,9 +151,11 @@ class ResponseBuilder:
         base = {"id": self._id(), "created": s.created, "model": s.model}
         if s.kind == "chat":
             d = {"role": "assistant", "content": delta} if first else {"content": delta}
-            choice = {"index": 0, "delta": d, "finish_reason": reason, "logprobs": None}
+            choice = {"index": 0, "delta": d, "finish_reason": reason,
+                      "logprobs": self._choice_logprobs(self._unsent_logprobs())}
             return {**base, "object": "chat.completion.chunk", "choices": [choice]}
-        choice = {"index": 0, "text": delta, "finish_reason": reason, "logprobs": None}
+        choice = {"index": 0, "text": delta, "finish_reason": reason,
+                  "logprobs": self._choice_logprobs(self._unsent_logprobs())}
         return {**base, "object": "text_completion", "choices": [choice]}
 
     def usage_chunk(self) -> dict | None:

@@ -6,6 +6,11 @@ body (the PD check, tests); a temperature below `SAMPLING_EPS` (1e-6) means gree
 top_k=1 (dividing logits by 1e-40 would give NaN probabilities). Invalid values raise ValueError naming the
 field, which the server answers with a 400. `max_new_tokens` 0 (SGLang: prefill only, no output) is within
 the schema but not something this engine does: it is refused with a 400 saying so.
+
+Logprobs (`Sampler.logprobs`): the log-softmax of the logits the token was drawn from, as SGLang 0.5.23's sampler
+reports them by default (`sglang/srt/layers/sampler.py`, `SGLANG_RETURN_ORIGINAL_LOGPROB` unset): after the vocabulary
+mask and the temperature (greedy: the logits as they are), before top-p, which only restricts the draw. The top-N
+alternatives are that distribution's N most likely tokens, most likely first, ties to the lower id (as greedy's).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     no_stop_trim: bool = False      # keep a matched stop string / stop token in the text
+    logprobs: bool = False          # report each output token's logprob (and `top_logprobs` alternatives)
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         request_schema.check("max_new_tokens", self.max_new_tokens)
@@ -41,10 +48,29 @@ class SamplingParams:
         request_schema.check("top_p", float(self.top_p))
         if self.seed is not None:
             request_schema.check("sampling_seed", self.seed)
+        request_schema.check("top_logprobs", self.top_logprobs)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An output token's logprob and the `top_logprobs` most likely (token id, logprob), most likely first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+    def to_wire(self) -> list:
+        """JSON-ready [logprob, [[id, logprob], ...]] (prefill -> decode in the KV notification)."""
+        return [self.logprob, [list(t) for t in self.top]]
+
+    @classmethod
+    def from_wire(cls, value: object) -> TokenLogprob:
+        """`to_wire`'s value back; ValueError or TypeError when malformed."""
+        logprob, top = value
+        return cls(float(logprob), tuple((int(i), float(lp)) for i, lp in top))
 
 
 class Sampler:
@@ -83,3 +109,20 @@ class Sampler:
         else:
             gen.manual_seed((params.seed * 1_000_003 + step) % (2**63))
         return int(torch.multinomial(probs, 1, generator=gen))
+
+    def logprobs(self, logits: torch.Tensor, params: SamplingParams, token: int) -> TokenLogprob:
+        """logits [vocab] the token was drawn from (as `sample` got them) -> its logprob and the top alternatives."""
+        scaled = logits.double().cpu() + self._mask
+        if not params.greedy:
+            scaled = scaled / params.temperature
+        logp = torch.log_softmax(scaled, dim=-1)
+        top = ()
+        if params.top_logprobs:
+            values, ids = torch.sort(logp, descending=True, stable=True)
+            top = tuple(zip(ids[:params.top_logprobs].tolist(), values[:params.top_logprobs].tolist()))
+        return TokenLogprob(float(logp[token]), top)
+
+    def logprobs_batch(self, logits: torch.Tensor, params: list[SamplingParams],
+                       tokens: list[int]) -> list[TokenLogprob | None]:
+        """`logprobs` for the rows whose request asked for them (None for the others)."""
+        return [self.logprobs(row, p, t) if p.logprobs else None for row, p, t in zip(logits, params, tokens)]

@@ -121,16 +121,14 @@ class WorkerServer:
             raise BadRequest(f"the prompt has {len(ids)} tokens; this server's context_length is "
                              f"{a.context_length} (prompt + output); shorten the prompt")
         try:
-            if kind == "generate":
-                params, stream, usage = req.sampling_params.params(a.default_max_tokens), req.stream, False
-            else:
-                params = req.sampling(default_max=a.default_max_tokens)
-                stream, usage = req.stream, bool(req.stream_options and req.stream_options.include_usage)
+            params = req.sampling(default_max=a.default_max_tokens)
         except ValueError as exc:   # SamplingParams names the field
             raise BadRequest(str(exc)) from None
-        return GenSpec(kind=kind, rid=req.rid or uuid.uuid4().hex, prompt_ids=ids, params=params, stream=stream,
+        usage = kind != "generate" and bool(req.stream_options and req.stream_options.include_usage)
+        return GenSpec(kind=kind, rid=req.rid or uuid.uuid4().hex, prompt_ids=ids, params=params, stream=req.stream,
                        include_usage=usage, model=a.served_model_name, room=req.bootstrap_room,
-                       bootstrap_host=req.bootstrap_host, bootstrap_port=req.bootstrap_port)
+                       bootstrap_host=req.bootstrap_host, bootstrap_port=req.bootstrap_port,
+                       logprob_text=kind != "generate" or bool(req.return_text_in_logprobs))
 
     def budget(self, spec: GenSpec) -> int:
         return min(len(spec.prompt_ids) + spec.params.max_new_tokens, self.args.context_length)
@@ -195,7 +193,7 @@ class WorkerServer:
             async for ev in events:
                 if isinstance(ev, Failed):
                     return error_response(ev.status, ev.message)
-                out.push(ev.token_id, ev.finish, ev.cached_tokens)
+                out.push(ev.token_id, ev.finish, ev.cached_tokens, ev.logprob)
                 if len(out.ids) == 1:
                     self.metrics.ttft.observe(time.monotonic() - started)
                 if ev.finish_reason:
@@ -211,7 +209,7 @@ class WorkerServer:
                 if isinstance(ev, Failed):
                     yield sse(error_body(ev.status, ev.message))
                     break
-                delta = out.push(ev.token_id, ev.finish, ev.cached_tokens)
+                delta = out.push(ev.token_id, ev.finish, ev.cached_tokens, ev.logprob)
                 now = time.monotonic()
                 (self.metrics.ttft if len(out.ids) == 1 else self.metrics.itl).observe(now - last)
                 last = now

@@ -35,6 +35,14 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's bytes: its byte, or a special token's name (as a detokenizer that keeps specials shows it)."""
+        return bytes([token_id]) if token_id < 256 else SPECIAL_NAMES.get(token_id, "").encode()
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text as logprobs show it (a byte that is not UTF-8 on its own shows as U+FFFD)."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
     def apply_chat_template(self, messages: list[dict], continue_final: bool = False) -> list[int]:
         """<bos> then, per message, <|role|> content <|end|>; then <|assistant|> to prompt a reply.
 

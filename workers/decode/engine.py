@@ -6,7 +6,8 @@ Request lifecycle on the decode side:
    has pages for prompt + max output (so a running request never runs out of KV).
 2. With pages reserved, the engine emits `Reserved`; the handler registers this worker's NIXL agent
    with the prefill's bootstrap server (once per prefill) and tells it the room's destination pages.
-3. Prefill WRITEs the KV pages and sends a notification with the room and the first output token.
+3. Prefill WRITEs the KV pages and sends a notification with the room and the first output token (and, when the
+   request asked for logprobs, that token's logprob and alternatives, computed where it was sampled).
    A request whose KV does not land within `transfer_timeout_s` fails with 500; one whose prefill
    failed ends as soon as the prefill says so (a "failed" notification), its pages freed at once (or
    quarantined, below, when the prefill cancelled a WRITE that NIXL could not stop: "may_land").
@@ -29,6 +30,7 @@ from ..engine import Engine
 from ..kv_pool import PoolExhausted
 from ..request import Req, ReqState, Reserved, Token
 from ..runner import ModelRunner
+from ..sampling import TokenLogprob
 from ..tokenizer import ByteTokenizer
 from ..transfer import NixlTransfer
 
@@ -120,6 +122,7 @@ class DecodeEngine(Engine):
                 room = int(msg["room"])
                 first = None if "failed" in msg else int(msg["first_token"])
                 cached = int(msg.get("cached_tokens") or 0)
+                first_logprob = TokenLogprob.from_wire(msg["first_logprob"]) if "first_logprob" in msg else None
             except (ValueError, KeyError, TypeError) as exc:
                 log.warning("ignored a malformed KV notification %r: %r", raw[:200], exc)
                 continue
@@ -142,8 +145,12 @@ class DecodeEngine(Engine):
                 continue
             req.state = ReqState.RUNNING
             req.cached_tokens = cached
+            if req.params.logprobs and first_logprob is None:
+                self.fail(req, 500, f"prefill sent the first token of bootstrap_room {room} without its logprob, "
+                                    "which this request asked for; is the prefill worker an older version?")
+                continue
             with self.serving(req):
-                self._emit_token(req, first)
+                self._emit_token(req, first, first_logprob)
             if req.state is ReqState.RUNNING:
                 self._running.append(req)
         return bool(notifs)
@@ -159,22 +166,24 @@ class DecodeEngine(Engine):
                                         [n + len(r.out) - 1 for n, r in zip(n_prompt, batch)],
                                         [r.pages for r in batch])
         tokens: list[int] = []
+        logprobs: list = []
         if logits is not None:
             with self.serving(*batch):
-                tokens = self.runner.sampler.sample_batch(logits, [r.params for r in batch],
-                                                          [len(r.out) for r in batch])
-        for req, token in zip(batch, tokens):
+                params = [r.params for r in batch]
+                tokens = self.runner.sampler.sample_batch(logits, params, [len(r.out) for r in batch])
+                logprobs = self.runner.sampler.logprobs_batch(logits, params, tokens)
+        for req, token, logprob in zip(batch, tokens, logprobs):
             with self.serving(req):
-                self._emit_token(req, token)
+                self._emit_token(req, token, logprob)
         self._running = [r for r in self._running if r.state is ReqState.RUNNING]
         return True
 
-    def _emit_token(self, req: Req, token: int) -> None:
+    def _emit_token(self, req: Req, token: int, logprob: TokenLogprob | None = None) -> None:
         req.out.append(token)
         req.last_token_time = time.monotonic()
         self.stats.generation_tokens += 1
         self.stats.generated.add(1, req.last_token_time)
         finish = req.finished(self.tokenizer.eos_token_id)
-        req.emit(Token(token, finish, req.cached_tokens if len(req.out) == 1 else None))
+        req.emit(Token(token, finish, req.cached_tokens if len(req.out) == 1 else None, logprob))
         if finish is not None:
             self.finish(req)

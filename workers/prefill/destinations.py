@@ -8,6 +8,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from ..sampling import TokenLogprob
+
 
 @dataclass(frozen=True)
 class Destination:
@@ -81,8 +83,14 @@ class Destinations:
             return False
 
 
-def notif_message(room: int, first_token: int, cached_tokens: int = 0) -> bytes:
-    return json.dumps({"room": room, "first_token": first_token, "cached_tokens": cached_tokens}).encode()
+def notif_message(room: int, first_token: int, cached_tokens: int = 0, logprob: TokenLogprob | None = None) -> bytes:
+    """The KV-landed notification: the room, the first output token (sampled here) and, when the request asked for
+    logprobs, that token's logprob and alternatives (`first_logprob`: [logprob, [[id, logprob], ...]]), so decode
+    reports the prefill's true values, as SGLang's decode reads them from the prefill's metadata buffers."""
+    msg = {"room": room, "first_token": first_token, "cached_tokens": cached_tokens}
+    if logprob is not None:
+        msg["first_logprob"] = logprob.to_wire()
+    return json.dumps(msg).encode()
 
 
 def failed_message(room: int, reason: str, may_land: bool = False) -> bytes:

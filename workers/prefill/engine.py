@@ -13,7 +13,7 @@ Request lifecycle on the prefill side:
    bootstrap server), for at most `peer_timeout_s` (topology: `transfer.stranded_kv_timeout_s`); a room
    unreserved past the detection time is stranded KV (stranded.py), freed at that deadline.
 4. It WRITEs the prompt's pages into those pages with a notification carrying the room and the first
-   token; that notification is how decode learns the KV has landed.
+   token (with its logprob when asked); that notification is how decode learns the KV has landed.
 5. Once the WRITE is DONE, the pages are freed and the handler answers the router with one token
    and finish_reason length (PROTOCOL.md). A WRITE still in flight after `write_timeout_s` (topology:
    `transfer.write_timeout_s`; a decode that died or froze mid-write) is cancelled: the request fails, decode is
@@ -109,6 +109,8 @@ class PrefillEngine(Engine):
             self._bootstrap.remove(req)
             with self.serving(req):
                 req.out.append(self.runner.sampler.sample(row, req.params, 0))
+                if req.params.logprobs:
+                    req.first_logprob = self.runner.sampler.logprobs(row, req.params, req.out[0])
             if req.state is ReqState.ABORTED:   # sampling failed just above
                 continue
             self.stats.prompt_tokens += len(req.prompt_ids)
@@ -191,7 +193,8 @@ class PrefillEngine(Engine):
             with self.serving(req):
                 try:
                     handle = self.transfer.write_pages(dest.agent_name, req.pages, dest.pages,
-                                                       notif_message(req.room, req.out[0], req.cached_tokens),
+                                                       notif_message(req.room, req.out[0], req.cached_tokens,
+                                                                     req.first_logprob),
                                                        dest.incarnation)
                 except TransferError as exc:
                     self.stats.transfer_failed += 1
@@ -238,7 +241,7 @@ class PrefillEngine(Engine):
                 self.stats.transfer_ms.add(secs * 1e3)
                 self.stats.transfer_gb_s.add(nbytes / secs / 1e9)
                 if not was_aborted:
-                    req.emit(Token(req.out[0], Finish("length"), req.cached_tokens))
+                    req.emit(Token(req.out[0], Finish("length"), req.cached_tokens, req.first_logprob))
                 self.finish(req)
             else:
                 self.stats.transfer_failed += 1
