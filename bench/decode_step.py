@@ -1,7 +1,7 @@
 """Decode step time of the embedded engine against the configured context, in one process (no HTTP, no prefill
 competing for the GPU): what `e2e_context_tax.py` measures end to end, with the engine alone.
 
-    python -m dsv4_cluster.bench.decode_step --out bench/results/decode_step
+    python -m bench.decode_step --out bench/results/decode_step
 
 For each configured context (8K, 128K, 1M) it builds the decode side's `ModelRunner` as a decode worker does (the
 `flash` preset, our kernels, CUDA graphs up to batch 64, the same pool size in every setting), prefills B requests
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from ..workers.presets import model_config
-from ..workers.runner import ModelRunner, RunnerConfig
+from dsv4_cluster.workers.presets import model_config
+from dsv4_cluster.workers.runner import ModelRunner, RunnerConfig
 
 KERNELS = ("sparse_mla_decode", "indexer", "topk")
 

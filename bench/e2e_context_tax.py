@@ -1,6 +1,6 @@
 """Does decode speed depend on the configured context? End to end on one GPU, one command.
 
-    python -m dsv4_cluster.bench.e2e_context_tax --out bench/results/e2e_context_tax --logs LOGDIR
+    python -m bench.e2e_context_tax --out bench/results/e2e_context_tax --logs LOGDIR
 
 For each configured context (8K, 128K, 1M tokens) it starts a stack: a prefill and a decode worker on GPU 0 (the
 `flash` preset, our kernels, decode under CUDA graphs, KV moved GPU -> GPU over NIXL/UCX) and the router; all

@@ -1,10 +1,10 @@
 """Host time of eager adapter calls against FlashMLA's: the whole table, or where one call's time goes.
 
 Run on the GPU machine:
-- `python -m dsv4_cluster.bench.host_profile` (or `all [batches]`): per layer kind, B = 1 / 8 / 32 / 64 / 128 / 256
+- `python -m bench.host_profile` (or `all [batches]`): per layer kind, B = 1 / 8 / 32 / 64 / 128 / 256
   and 16 / 64 real heads, eager and graph-replay us, ours vs FlashMLA, and host us per eager call (the rows of
   `bench/sglang_decode.py`, printed; no results file).
-- `python -m dsv4_cluster.bench.host_profile LAYER B REAL_HEADS` (e.g. c4 8 16): per-call wall time of the adapter
+- `python -m bench.host_profile LAYER B REAL_HEADS` (e.g. c4 8 16): per-call wall time of the adapter
   and of FlashMLA, Python function calls per adapter call, and the 25 functions with the most own time.
 """
 
@@ -17,8 +17,8 @@ import sys
 import torch
 
 from dsv4_cluster.kernels.sglang_adapters import flash_mla_with_kvcache
-from dsv4_cluster.bench.sglang_decode import BATCHES, decode_rows, host_us, plan_stats
-from dsv4_cluster.bench.kernels import copy_bandwidth_gbs, print_table
+from bench.sglang_decode import BATCHES, decode_rows, host_us, plan_stats
+from bench.kernels import copy_bandwidth_gbs, print_table
 from dsv4_cluster.kernels.sglang_cases import decode_case
 
 CALLS = 500

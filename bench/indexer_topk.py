@@ -21,7 +21,7 @@ import argparse
 import torch
 import triton
 
-from dsv4_cluster.bench.kernels import bench_us, copy_bandwidth_gbs, print_table, write_results
+from bench.kernels import bench_us, copy_bandwidth_gbs, print_table, write_results
 from dsv4_cluster.kernels.indexer.fp8_keys import quantize_keys
 from dsv4_cluster.kernels.indexer.fused_topk import indexer_topk_triton
 from dsv4_cluster.kernels.indexer.reference import indexer_fp8_ref, indexer_ref

@@ -1,4 +1,4 @@
-"""Kernel benchmarks on one GPU: `python -m dsv4_cluster.bench.kernels {sparse_decode,indexer_topk}`.
+"""Kernel benchmarks on one GPU: `python -m bench.kernels {sparse_decode,indexer_topk}`.
 
 Every run measures its own ceiling (device-to-device copy bandwidth) so that results are reported as
 fractions of a number seen in the same run, never against a datasheet. Results go to
@@ -14,9 +14,9 @@ import pathlib
 import sys
 
 BENCHES = {
-    "sparse_decode": "dsv4_cluster.bench.sparse_decode",
-    "indexer_topk": "dsv4_cluster.bench.indexer_topk",
-    "sglang_decode": "dsv4_cluster.bench.sglang_decode",
+    "sparse_decode": "bench.sparse_decode",
+    "indexer_topk": "bench.indexer_topk",
+    "sglang_decode": "bench.sglang_decode",
 }
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 

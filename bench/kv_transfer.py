@@ -1,6 +1,6 @@
 """KV transfer per request size through the engine, against raw NIXL and a device copy, measured in one run.
 
-    python -m dsv4_cluster.bench.kv_transfer --out bench/results/kv_transfer \
+    python -m bench.kv_transfer --out bench/results/kv_transfer \
         [--prefill-device cuda:0 --decode-device cuda:1] [--pages fresh|churned|scattered] [--max-tokens 16384]
 
 Two processes on this host (`kv_transfer_sides.py`): a prefill side and a decode side, each pinned to its device,
@@ -39,7 +39,7 @@ from pathlib import Path
 
 from dsv4_cluster.orchestrator.launch.ports import free_ports
 from dsv4_cluster.orchestrator.processes import death_signal_preexec, log_tail
-from ..workers.presets import PRESETS
+from dsv4_cluster.workers.presets import PRESETS
 from . import ucx_proto
 from .kv_transfer_parts import build_pool
 from .kv_transfer_sides import PREFILL_AGENT, RUNS_PREFILL_AGENT, RAW_PREFILL_AGENT
@@ -64,7 +64,7 @@ def run_sides(a: argparse.Namespace, workdir: Path) -> dict:
               "--pool-pages", str(a.pool_pages or (2 if a.pages == "fresh" else 4) * page_count), "--repeats", str(a.repeats),
               "--warmup", str(a.warmup), *(["--ucx-tls", a.ucx_tls] if a.ucx_tls else []),
               "--pages", a.pages, "--churn-cycles", str(a.churn_cycles)]
-    mod = [sys.executable, "-m", "dsv4_cluster.bench.kv_transfer_sides"]
+    mod = [sys.executable, "-m", "bench.kv_transfer_sides"]
     cmds = {"decode": [*mod, "decode", "--device", a.decode_device, *common],
             "prefill": [*mod, "prefill", "--device", a.prefill_device, "--peer-device", a.decode_device,
                         "--result", str(workdir / "result.json"), *common]}

@@ -12,10 +12,10 @@ import random
 import numpy as np
 import torch
 
-from ..workers.kv_pool import KVPool
-from ..workers.nixl_loader import load_nixl_api
-from ..workers.presets import model_config
-from ..workers.runner import RunnerConfig
+from dsv4_cluster.workers.kv_pool import KVPool
+from dsv4_cluster.workers.nixl_loader import load_nixl_api
+from dsv4_cluster.workers.presets import model_config
+from dsv4_cluster.workers.runner import RunnerConfig
 
 
 def build_pool(preset: str, n_layers: int, page_size: int, pages: int, device: str) -> KVPool:

@@ -1,7 +1,7 @@
 """The two processes of `bench/kv_transfer.py`: the prefill side (it drives and times) and the decode side.
 
-    python -m dsv4_cluster.bench.kv_transfer_sides decode  --port P --device cuda:1 ...
-    python -m dsv4_cluster.bench.kv_transfer_sides prefill --port P --device cuda:0 --peer-device cuda:1 --result F
+    python -m bench.kv_transfer_sides decode  --port P --device cuda:1 ...
+    python -m bench.kv_transfer_sides prefill --port P --device cuda:0 --peer-device cuda:1 --result F
 
 Both sides build the engine's own pool (`RunnerConfig.layout()` -> `KVPool`, as `ModelRunner` does: the preset's
 layers, page size, dtype: bf16 on CUDA, float32 on the CPU) and the engine's own `NixlTransfer` on it; the decode
@@ -40,8 +40,8 @@ from pathlib import Path
 
 import torch
 
-from ..workers.prefill.destinations import notif_message
-from ..workers.transfer import NixlTransfer, PeerInfo, page_runs
+from dsv4_cluster.workers.prefill.destinations import notif_message
+from dsv4_cluster.workers.transfer import NixlTransfer, PeerInfo, page_runs
 from .kv_transfer_parts import (RawAgent, SideError, max_bytes, nonzero_bytes, nonzero_random, page_digest, region_digest,
                                 side_pool)
 

@@ -1,6 +1,6 @@
 """End-to-end load on an embedded cluster: N streamed chat requests at concurrency C through the router.
 
-    python -m dsv4_cluster.bench.load examples/local.yaml --requests 200 --concurrency 16 \
+    python -m bench.load examples/local.yaml --requests 200 --concurrency 16 \
         --out bench/results/load.json
 
 brings the topology up with `dsv4-cluster up` (its ports and Ray namespace swapped for free ones, so it

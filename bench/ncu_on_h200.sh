@@ -9,7 +9,7 @@ timeout 400 ncu --clock-control none --kernel-name regex:sparse_decode --launch-
   --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \
   --section LaunchStats --section MemoryWorkloadAnalysis \
   --export "$OUT/ncu_sparse_decode" --force-overwrite \
-  python3 -m dsv4_cluster.bench.kernels sparse_decode --profile --batches "${1:-128}" > "$OUT/ncu_run.log" 2>&1
+  python3 -m bench.kernels sparse_decode --profile --batches "${1:-128}" > "$OUT/ncu_run.log" 2>&1
 rc=$?
 ncu --import "$OUT/ncu_sparse_decode.ncu-rep" --page details > "$OUT/ncu_details.txt" 2>&1
 tail -5 "$OUT/ncu_run.log"

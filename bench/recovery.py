@@ -1,7 +1,7 @@
 """Recovery benchmark: seconds from SIGKILL of a worker (or of its supervisor actor's process) to the
 first successful request after it.
 
-    python -m dsv4_cluster.bench.recovery [--repeats 3] [--out bench/results/recovery]
+    python -m bench.recovery [--repeats 3] [--out bench/results/recovery]
 
 Brings up a copy of the embedded cluster (1 prefill + 1 decode, free loopback ports) with the real
 CLI, then for each worker and repeat: SIGKILL its pid (from `status`), send a 2-token chat request
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from dsv4_cluster.bench.local_cluster import embedded_topology
+from bench.local_cluster import embedded_topology
 from dsv4_cluster.orchestrator.launch.ports import free_ports
 
 CLI = [sys.executable, "-m", "dsv4_cluster.orchestrator"]
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     text = table(rows)
     out.with_suffix(".md").write_text(
         "# Recovery: SIGKILL of a worker or its supervisor -> first successful request through the router\n\n"
-        f"`python -m dsv4_cluster.bench.recovery --repeats {args.repeats}`; {os.cpu_count()} CPUs, load average "
+        f"`python -m bench.recovery --repeats {args.repeats}`; {os.cpu_count()} CPUs, load average "
         f"after the run {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f} (other work on the machine slows every start).\n"
         "Baseline: the cold start of a fresh process of the same role, measured in the same run.\n\n"
         + text + "\n")

@@ -1,7 +1,7 @@
 """Reliability bench: faults under in-flight requests, bad input, security checks and a load soak, on a real
 embedded cluster (Ray, supervisors, NIXL, router; loopback only), in one command.
 
-    python -m dsv4_cluster.bench.reliability [--only faults,input,security,soak] [--soak-requests 2000] \
+    python -m bench.reliability [--only faults,input,security,soak] [--soak-requests 2000] \
         [--fuzz-cases 500] [--out bench/results/reliability]
 
 Brings up one cluster (1 prefill + 1 decode with `--test-hooks`, free ports) with the real CLI, runs the
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--only: unknown part(s) {sorted(unknown)}; choose from {PARTS}")
     with tempfile.TemporaryDirectory(prefix="dsv4-reliability-") as tmp:
         out = run(parts, a, Path(tmp))
-    out["command"] = "python -m dsv4_cluster.bench.reliability " + " ".join(argv if argv is not None else sys.argv[1:])
+    out["command"] = "python -m bench.reliability " + " ".join(argv if argv is not None else sys.argv[1:])
     out["passed"] = passed(out)
     text = render(out)
     a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """Router benchmark: direct vs ours vs SGLang's Rust router vs mini_lb, on the same stub PD servers, one run.
 
-    python -m dsv4_cluster.bench.router [--duration 5] [--concurrency 1 16 64] [--out bench/results]
+    python -m bench.router [--duration 5] [--concurrency 1 16 64] [--out bench/results]
 
 Starts a stub prefill and a stub decode (`router_stubs.py`: the PD protocol, no compute), then for each
 router in turn starts it in front of the stubs, checks one streamed chat completion end to end (eight
@@ -31,7 +31,7 @@ from typing import Iterator
 
 import httpx
 
-from dsv4_cluster.bench import loopback_ns
+from bench import loopback_ns
 from dsv4_cluster.orchestrator.launch.ports import free_ports
 
 MODEL = "stub"
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="run on the machine's loopback (delayed ACKs: the Rust router stalls ~40 ms per request)")
     args = parser.parse_args(argv)
     if not args.plain_loopback and not loopback_ns.inside():
-        return loopback_ns.reexec_in_quickack_netns("dsv4_cluster.bench.router", sys.argv[1:] if argv is None else argv)
+        return loopback_ns.reexec_in_quickack_netns("bench.router", sys.argv[1:] if argv is None else argv)
     if shutil.which("wrk") is None:
         print("error: wrk is not installed (apt-get install -y wrk)", file=sys.stderr)
         return 2
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"wrk.body = {json.dumps(json.dumps(BODY))}\n")
         prefill_port, bootstrap, decode_port, router_port = free_ports(4)
         prefill, decode = f"http://127.0.0.1:{prefill_port}", f"http://127.0.0.1:{decode_port}"
-        stub = [sys.executable, "-m", "dsv4_cluster.bench.router_stubs", "--port"]
+        stub = [sys.executable, "-m", "bench.router_stubs", "--port"]
         with process(stub + [str(prefill_port), "--role", "prefill"], prefill + "/health", tmp / "prefill.log"), \
                 process(stub + [str(decode_port), "--role", "decode"], decode + "/health", tmp / "decode.log"):
             for name in args.routers:
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     note = (f"\n{os.cpu_count()} CPUs; 1-min load average {load_before[0]:.1f} before, {load_after[0]:.1f} after "
             f"(other work shares this machine); {args.duration:g} s of wrk per cell, one run; loopback: "
             f"{result['loopback']} (bench/loopback_ns.py says why).\n")
-    (args.out / "router.md").write_text("# Router benchmark\n\n`python -m dsv4_cluster.bench.router`\n\n"
+    (args.out / "router.md").write_text("# Router benchmark\n\n`python -m bench.router`\n\n"
                                         + text + note)
     print(text + note)
     return 0

@@ -1,6 +1,6 @@
 """Stub prefill/decode servers for the router benchmark: the PD protocol's shape, no compute.
 
-`python -m dsv4_cluster.bench.router_stubs --role prefill|decode --port P` serves, over HTTP/1.1 keep-alive,
+`python -m bench.router_stubs --role prefill|decode --port P` serves, over HTTP/1.1 keep-alive,
 what a router needs from SGLang's PD workers (PROTOCOL.md): the generation paths answer at once (prefill:
 one token and `finish_reason` length 0; decode: `TOKENS` content chunks, a stop chunk and `data: [DONE]`,
 chunked like SGLang's streams), plus `/health`, `/abort_request`, `/v1/models`, `/model_info`,

@@ -32,13 +32,13 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   tests_rc=${PIPESTATUS[0]}
 fi
 if [ -z "${SKIP_STEP:-}" ]; then
-  timeout "${STEP_TIMEOUT:-240}" python3 -m dsv4_cluster.bench.decode_step --out "$OUT/decode_step" 2>&1 \
+  timeout "${STEP_TIMEOUT:-240}" python3 -m bench.decode_step --out "$OUT/decode_step" 2>&1 \
     | tee -a "$OUT/bench.log"
   bench_rc=${PIPESTATUS[0]}
 fi
 bench=${BENCH:-e2e_context_tax}
 if [ -z "${SKIP_BENCH:-}" ]; then
-  timeout "${BENCH_TIMEOUT:-360}" python3 -m "dsv4_cluster.bench.$bench" --out "$OUT/$bench" \
+  timeout "${BENCH_TIMEOUT:-360}" python3 -m "bench.$bench" --out "$OUT/$bench" \
     --logs "$logs/bench" "$@" 2>&1 | tee -a "$OUT/bench.log"
   bench_rc=$(( bench_rc || PIPESTATUS[0] ))
 fi

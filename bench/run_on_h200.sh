@@ -16,7 +16,7 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -x -p no:cacheprovider --import-mode=importlib --rootdir="$repo" \
   "$repo"/tests/kernels/test_sparse_mla_decode*.py ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}
-timeout "${BENCH_TIMEOUT:-300}" python3 -m dsv4_cluster.bench.kernels sparse_decode "$@" 2>&1 | tee "$OUT/bench.log"
+timeout "${BENCH_TIMEOUT:-300}" python3 -m bench.kernels sparse_decode "$@" 2>&1 | tee "$OUT/bench.log"
 bench_rc=${PIPESTATUS[0]}
 cp "$repo"/bench/results/sparse_decode.* "$OUT/" 2>/dev/null
 echo "tests rc=$tests_rc bench rc=$bench_rc"

@@ -22,12 +22,12 @@ python3 -c 'import importlib.metadata as m, torch, flash_mla; print("sglang", m.
   2>&1 | tee "$OUT/bench.log"  # $OUT returns 8 files at most: logs go to bench.log and tests.log
 contexts=${CONTEXTS:-131072,8192,1048576}
 for mode in stock plugin; do
-  timeout "${MODE_TIMEOUT:-120}" python3 -m dsv4_cluster.bench.sglang_backend mode $mode /tmp/bench \
+  timeout "${MODE_TIMEOUT:-120}" python3 -m bench.sglang_backend mode $mode /tmp/bench \
     --contexts "$contexts" "$@" >> "$OUT/bench.log" 2>&1
   echo "$mode rc=$?" | tee -a "$OUT/bench.log"
   cp /tmp/bench/$mode.json "$OUT/" 2>/dev/null
 done
-timeout 30 python3 -m dsv4_cluster.bench.sglang_backend report /tmp/bench >> "$OUT/bench.log" 2>&1
+timeout 30 python3 -m bench.sglang_backend report /tmp/bench >> "$OUT/bench.log" 2>&1
 cp "$repo"/bench/results/sglang_backend.md "$repo"/bench/results/sglang_backend.json "$OUT/" 2>/dev/null
 if [ "${SKIP_TEST:-0}" != 1 ]; then
   SGLANG_BACKEND_RUNS=/tmp/bench timeout "${TEST_TIMEOUT:-120}" python3 -m pytest -q -x -p no:cacheprovider \

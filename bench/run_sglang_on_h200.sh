@@ -10,16 +10,16 @@ timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider --import
   "$repo"/tests/kernels/test_sglang_adapters_gpu.py "$repo"/tests/kernels/test_launch_cache.py "$repo"/tests/kernels/test_sparse_mla_decode.py \
   "$repo"/tests/kernels/test_sparse_mla_decode_gluon.py "$repo"/tests/kernels/test_indexer.py "$repo"/tests/kernels/test_topk.py \
   ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tail -60 | tee "$OUT/tests.log"
-timeout "${BENCH_TIMEOUT:-280}" python3 -m dsv4_cluster.bench.kernels sglang_decode "$@" 2>&1 | tee "$OUT/bench.log"
+timeout "${BENCH_TIMEOUT:-280}" python3 -m bench.kernels sglang_decode "$@" 2>&1 | tee "$OUT/bench.log"
 cp "$repo"/bench/results/sglang_decode.* "$OUT/" 2>/dev/null
 if [ -n "${NCU_CASE:-}" ]; then  # e.g. "c4 128": Nsight Compute on ours and FlashMLA at that case (--clock-control none)
   timeout "${NCU_TIMEOUT:-60}" ncu --clock-control none --kernel-name regex:'sparse|flash|mla' --launch-count 8 \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
     --section LaunchStats --section SchedulerStats --export /tmp/ncu_sglang --force-overwrite \
-    python3 -m dsv4_cluster.bench.kernels sglang_decode --ncu $NCU_CASE > "$OUT/ncu_run.log" 2>&1
+    python3 -m bench.kernels sglang_decode --ncu $NCU_CASE > "$OUT/ncu_run.log" 2>&1
   ncu --import /tmp/ncu_sglang.ncu-rep --page details > "$OUT/ncu_details.txt" 2>&1
   grep -E "^  [a-zA-Z_]|Duration|DRAM Throughput|Memory Throughput|L2 Hit|L1/TEX Hit|Compute \(SM\) Throughput|Achieved Occupancy|Theoretical Occ|No Eligible|Issued Warp|Registers Per|Grid Size|Block Size|Dynamic Shared|Mem Busy|Max Bandwidth" "$OUT/ncu_details.txt" | head -90
 fi
 if [ -n "${HOST_PROFILE:-}" ]; then  # e.g. "c4 8 16": where the host time of one eager call goes
-  timeout 40 python3 -m dsv4_cluster.bench.host_profile $HOST_PROFILE 2>&1 | head -45 | tee "$OUT/host_profile.txt"
+  timeout 40 python3 -m bench.host_profile $HOST_PROFILE 2>&1 | head -45 | tee "$OUT/host_profile.txt"
 fi

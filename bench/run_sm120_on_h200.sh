@@ -11,6 +11,6 @@ sm90_rc=${PIPESTATUS[0]}
 export DSV4_CLUSTER_GPU_CLASS=sm_120 DISABLE_MMA_V3=1
 run_tests "${TEST_TIMEOUT:-150}" -s "$repo"/tests/kernels/test_sm120_path.py 2>&1 | tee "$OUT/sm120_tests.log"
 tests_rc=${PIPESTATUS[0]}
-timeout "${BENCH_TIMEOUT:-240}" python3 -m dsv4_cluster.bench.sm120_decode "$OUT" 2>&1 | tee "$OUT/bench.log"
+timeout "${BENCH_TIMEOUT:-240}" python3 -m bench.sm120_decode "$OUT" 2>&1 | tee "$OUT/bench.log"
 bench_rc=${PIPESTATUS[0]}
 echo "sm90 rc=$sm90_rc sm120 tests rc=$tests_rc bench rc=$bench_rc"

@@ -1,7 +1,7 @@
 """Scale-out benchmark: N prefill x N decode SGLang-modeled stubs, multi-turn chat, our `prefix` vs our `round_robin`
 vs SGLang's Rust router `cache_aware`, on the same stubs and load, one run.
 
-    python -m dsv4_cluster.bench.scaleout [--n 1 8 64] [--concurrency 64] [--out bench/results]
+    python -m bench.scaleout [--n 1 8 64] [--concurrency 64] [--out bench/results]
 
 For each N: one stub process serves N prefills and N decodes (`scaleout_stubs.py`: prefill time linear in uncached
 tokens on a FIFO, a per-prefill prefix cache of fixed size with LRU, decode a fixed time per token, the PD
@@ -38,11 +38,11 @@ from pathlib import Path
 
 import httpx
 
-from dsv4_cluster.bench import loopback_ns
-from dsv4_cluster.bench.router import process
-from dsv4_cluster.bench.scaleout_load import Workload, drive
-from dsv4_cluster.bench.scaleout_stubs import Model
-from dsv4_cluster.bench.scaleout_report import cell_row, markdown
+from bench import loopback_ns
+from bench.router import process
+from bench.scaleout_load import Workload, drive
+from bench.scaleout_stubs import Model
+from bench.scaleout_report import cell_row, markdown
 from dsv4_cluster.orchestrator.launch.ports import free_ports
 
 MODEL = "stub"
@@ -75,7 +75,7 @@ def router_argv(name: str, port: int, prefills: list[str], boots: list[int], dec
         return [sys.executable, "-m", "dsv4_cluster.router", "--config", str(tmp / "router.json"),
                 "--log-level", "warning"]
     if name == "floor":
-        argv = [sys.executable, "-m", "dsv4_cluster.bench.scaleout_floor", "--port", str(port)]
+        argv = [sys.executable, "-m", "bench.scaleout_floor", "--port", str(port)]
         for url, boot in zip(prefills, boots):
             argv += ["--prefill", url, str(boot)]
         return argv + [x for url in decodes for x in ("--decode", url)]
@@ -119,7 +119,7 @@ def run_n(n: int, args: argparse.Namespace, tmp: Path) -> list[dict]:
     prefills = [f"http://127.0.0.1:{p}" for p in prefill_ports]
     decodes = [f"http://127.0.0.1:{p}" for p in decode_ports]
     model = args.model
-    stub = [sys.executable, "-m", "dsv4_cluster.bench.scaleout_stubs", "--prefill-ports", *map(str, prefill_ports),
+    stub = [sys.executable, "-m", "bench.scaleout_stubs", "--prefill-ports", *map(str, prefill_ports),
             "--bootstrap-ports", *map(str, boots), "--decode-ports", *map(str, decode_ports)]
     stub += [x for k, v in asdict(model).items() for x in ("--" + k.replace("_", "-"), str(v))]
     rows = []
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(n < 1 or n > 128 for n in args.n):
         parser.error("--n takes worker counts from 1 to 128")
     if not args.plain_loopback and not loopback_ns.inside():
-        return loopback_ns.reexec_in_quickack_netns("dsv4_cluster.bench.scaleout",
+        return loopback_ns.reexec_in_quickack_netns("bench.scaleout",
                                                      sys.argv[1:] if argv is None else argv)
     args.workload = Workload(sessions=args.sessions, turns=args.turns, think_ms=args.think_ms)
     args.model = Model()

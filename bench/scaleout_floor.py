@@ -1,6 +1,6 @@
 """The scale-out benchmark's floor: the least a PD router can do, to calibrate "router-added latency" on this machine.
 
-`python -m dsv4_cluster.bench.scaleout_floor --port P --prefill URL BOOTSTRAP_PORT ... --decode URL ...` serves
+`python -m bench.scaleout_floor --port P --prefill URL BOOTSTRAP_PORT ... --decode URL ...` serves
 `/health` and streamed generation POSTs (HTTP/1.1 keep-alive, raw asyncio, uvloop): it parses the JSON body, adds
 `bootstrap_host` / `bootstrap_port` / `bootstrap_room` for a round-robin prefill, sends the body to that prefill and
 a round-robin decode at once, drains the prefill's answer in the background and relays the decode's chunked answer

@@ -75,7 +75,7 @@ def _targets(rows: list[dict]) -> list[str]:
 def markdown(result: dict) -> str:
     rows = result["rows"]
     w, m = result["workload"], result["model"]
-    out = ["# Scale-out benchmark", "", "`python -m dsv4_cluster.bench.scaleout`", "",
+    out = ["# Scale-out benchmark", "", "`python -m bench.scaleout`", "",
            f"N prefill x N decode SGLang-modeled stubs (one process); {w['sessions']} sessions x {w['turns']} turns, "
            f"a {w['system_chars']}-char system prompt shared by all, {w['first_chars']} chars of first user message, "
            f"{w['turn_chars']} more per turn, {w['max_tokens']} tokens out; concurrency {result['concurrency']} "

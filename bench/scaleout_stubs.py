@@ -1,6 +1,6 @@
 """Stub PD workers that model SGLang's timing, for the scale-out benchmark: N prefills and N decodes in one process.
 
-`python -m dsv4_cluster.bench.scaleout_stubs --prefill-ports P1 P2 .. --decode-ports D1 D2 .. --bootstrap-ports B1 ..`
+`python -m bench.scaleout_stubs --prefill-ports P1 P2 .. --decode-ports D1 D2 .. --bootstrap-ports B1 ..`
 serves every worker from one asyncio loop (128 servers on a 2-core machine cannot be 128 processes). Each speaks
 the PD protocol as `router_stubs.py` does (same health/info/model routes; the Rust router's HTTP/2 probe refused),
 with SGLang's cost model on the generation paths:

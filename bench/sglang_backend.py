@@ -1,7 +1,7 @@
 """SGLang 0.5.23's own DeepSeek-V4 decode attention backend on the H200: stock vs our plugin, one mode per process.
 
-    python -m dsv4_cluster.bench.sglang_backend mode stock|plugin OUTDIR [--contexts ..] [--batches ..] [--live N]
-    python -m dsv4_cluster.bench.sglang_backend report OUTDIR      # -> bench/results/sglang_backend.{json,md}
+    python -m bench.sglang_backend mode stock|plugin OUTDIR [--contexts ..] [--batches ..] [--live N]
+    python -m bench.sglang_backend report OUTDIR      # -> bench/results/sglang_backend.{json,md}
 
 A mode process stands SGLang's backend up (bench/sglang_backend_rig.py: what is SGLang's, what is a stand-in and
 why, how the modes differ), then per configured context (SGLang's --context-length, i.e. its req_to_token width)

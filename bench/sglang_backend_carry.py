@@ -1,6 +1,6 @@
 """What travels to the H200 for bench/sglang_backend.py: SGLang's files from its released wheel, unmodified.
 
-    python -m dsv4_cluster.bench.sglang_backend_carry WHEEL_DIR OUT_DIR
+    python -m bench.sglang_backend_carry WHEEL_DIR OUT_DIR
 
 Runs the rig's decode path on the CPU in both modes (a child per mode, TRITON_INTERPRET=1), records every
 `sglang` module it imported, and writes to OUT_DIR/site: those files extracted from the cp312 wheel
@@ -34,9 +34,9 @@ NATIVE = ("msgspec-0.23.0", "pydantic_core-2.46.4", "apache_tvm_ffi-0.1.11", "sg
 
 CHILD = """
 import json, os, sys
-from dsv4_cluster.bench.torchvision_stand_in import install_torchvision_stand_in
+from bench.torchvision_stand_in import install_torchvision_stand_in
 install_torchvision_stand_in()
-from dsv4_cluster.bench import sglang_backend_rig as rig
+from bench import sglang_backend_rig as rig
 mode = sys.argv[1]
 rig.set_mode_env(mode, "cpu")
 rig.install_cpu_stand_ins()

@@ -1,6 +1,6 @@
 """Will the carry folder import on the H200? Checked here, on the CPU, before a device run is spent on it.
 
-    python -m dsv4_cluster.bench.sglang_backend_import_check CARRY_DIR
+    python -m bench.sglang_backend_import_check CARRY_DIR
 
 CARRY_DIR is what bench/sglang_backend_carry.py wrote (site/ + wheels/). Per mode, a fresh interpreter that
 looks like the H200's as far as an import can tell:
@@ -104,9 +104,9 @@ for k, v in dict(is_available=lambda: True, device_count=lambda: 1, current_devi
                  get_device_properties=lambda *a: props, is_initialized=lambda: True,
                  mem_get_info=lambda *a: (140 << 30, 143 << 30)).items():
     setattr(torch.cuda, k, v)
-from dsv4_cluster.bench.torchvision_stand_in import install_torchvision_stand_in
+from bench.torchvision_stand_in import install_torchvision_stand_in
 install_torchvision_stand_in()  # the H200 has torchvision; no build of it loads beside the CPU torch here
-from dsv4_cluster.bench import sglang_backend_rig as rig
+from bench import sglang_backend_rig as rig
 stood_in = rig.install_import_stand_ins()
 rig.set_mode_env(mode)
 rig.install_cpu_stand_ins()  # flash_mla: the real wheel needs a GPU to load (the H200 loads it)
@@ -169,8 +169,10 @@ def device_path(carry: Path, linked: Path) -> None:
     repo = Path(__file__).resolve().parents[1]
     pkg = linked / "dsv4_cluster"
     pkg.mkdir()
-    for d in ("kernels", "bench", "tests", "orchestrator", "router", "workers", "deploy"):
+    for d in ("kernels", "orchestrator", "router", "workers", "deploy"):
         (pkg / d).symlink_to(repo / d)
+    for d in ("tests", "bench"):
+        (linked / d).symlink_to(repo / d)
     for f in (repo / "dsv4_cluster").glob("*.py"):
         (pkg / f.name).symlink_to(f)
     info = linked / "dsv4_cluster-0.0.dist-info"

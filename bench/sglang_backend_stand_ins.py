@@ -44,7 +44,7 @@ def install_import_stand_ins(names=IMPORT_ONLY, force: bool = False) -> list[str
     check the H200's import chain here); returns those stood in."""
     import importlib.util
 
-    from dsv4_cluster.bench.torchvision_stand_in import TorchvisionStandIn as _TorchvisionStandIn
+    from bench.torchvision_stand_in import TorchvisionStandIn as _TorchvisionStandIn
 
     missing = [n for n in names if force or importlib.util.find_spec(n) is None]
 

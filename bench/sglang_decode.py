@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from dsv4_cluster.bench.kernels import RESULTS, bench_us, copy_bandwidth_gbs, print_table, write_results
+from bench.kernels import RESULTS, bench_us, copy_bandwidth_gbs, print_table, write_results
 from dsv4_cluster.kernels.sglang_adapters import flash_mla_with_kvcache, fp8_paged_mqa_logits, topk_transform_paged_v2
 from dsv4_cluster.kernels.sparse_mla_decode.launch import LaunchConfig
 from dsv4_cluster.kernels.sglang_cases import LAYERS, decode_case, indexer_case, live_rows

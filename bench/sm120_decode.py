@@ -1,7 +1,7 @@
 """sm_120 on an H200 stand-in: our kernels with the sm_120 dispatch forced vs SGLang 0.5.23's own sm_120 paths.
 
 Run on the GPU machine with `DSV4_CLUSTER_GPU_CLASS=sm_120 DISABLE_MMA_V3=1` (the dispatch table's sm_120 rows,
-tl.dot compiled to mma.sync as on sm_120): `python -m dsv4_cluster.bench.sm120_decode OUT_DIR`.
+tl.dot compiled to mma.sync as on sm_120): `python -m bench.sm120_decode OUT_DIR`.
 
 Decode, in SGLang's sm_120 calling convention (q padded to 64 heads up to 64 rows, sliced to the real heads above),
 SGLang's 256-token window pages and 64 / 2-token compressed pages: ours (`flash_mla_with_kvcache_sm120` adapter)
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from dsv4_cluster.bench.sglang_sm120_baselines import load
+from bench.sglang_sm120_baselines import load
 from dsv4_cluster.kernels import dispatch
 from dsv4_cluster.kernels.sglang_adapters import flash_mla_with_kvcache_sm120, fp8_paged_mqa_logits, topk_transform_paged_v2
 from dsv4_cluster.kernels.sglang_cases import decode_case, indexer_case, sglang_sm120_args, sm120_call

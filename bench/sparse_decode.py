@@ -1,4 +1,4 @@
-"""Benchmark of sparse MLA decode on one GPU: `python -m dsv4_cluster.bench.kernels sparse_decode`.
+"""Benchmark of sparse MLA decode on one GPU: `python -m bench.kernels sparse_decode`.
 
 DeepSeek-V4 CSA-layer shapes: 64 heads, D = 512, a 128-row window + top-512 compressed entries per
 query, every query over its own region of a large cache (so rows come from HBM, not L2). Reported
@@ -19,7 +19,7 @@ import traceback
 import torch
 from triton.runtime.errors import OutOfResources
 
-from dsv4_cluster.bench.kernels import bench_us, copy_bandwidth_gbs, print_table, write_results
+from bench.kernels import bench_us, copy_bandwidth_gbs, print_table, write_results
 from dsv4_cluster.kernels.sparse_mla_decode import fp8_layout, quantize_kv_v4, sparse_mla_decode_ref
 from dsv4_cluster.kernels.sparse_mla_decode.reference import attend, gather_rows
 from dsv4_cluster.kernels.sparse_mla_decode.splits import choose_splits, fuses_merge, gluon_splits

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import openai
 
-from dsv4_cluster.bench.local_cluster import LocalCluster
+from bench.local_cluster import LocalCluster
 
 
 def next_20_succeed(c: LocalCluster) -> None:

@@ -15,7 +15,7 @@ import httpx
 from dsv4_cluster.orchestrator.processes import pid_alive
 
 if TYPE_CHECKING:
-    from dsv4_cluster.bench.local_cluster import LocalCluster
+    from bench.local_cluster import LocalCluster
 
 SOON_S = 30.0  # ceiling on what the system does at once (an abort, a freed page, a health check's verdict)
 

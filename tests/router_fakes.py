@@ -21,8 +21,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from dsv4_cluster.router.settings import RouterSettings
 from dsv4_cluster.router.sse import DONE
-from dsv4_cluster.tests.helpers import SOON_S, wait_for
-from dsv4_cluster.tests.servers import UvicornThread
+from tests.helpers import SOON_S, wait_for
+from tests.servers import UvicornThread
 
 WAIT_S = 5.0
 

@@ -1,10 +1,10 @@
 """Child process for the SGLang contract tests: SGLang's own code, run where it cannot pollute pytest.
 
-    python -m dsv4_cluster.tests.sglang_child resolve '<argvs as JSON>'  -> resolved fields per argv, JSON
-    python -m dsv4_cluster.tests.sglang_child plugin                     -> what load_plugins() did, as JSON
-    python -m dsv4_cluster.tests.sglang_child install DIR                -> our factory on SGLang's classes
-    python -m dsv4_cluster.tests.sglang_child capacity '<cases as JSON>' -> SGLang's own DeepSeek-V4 pool sizing
-    python -m dsv4_cluster.tests.sglang_child server_info '[[argv, N]...]' -> /server_info's bodies, by SGLang
+    python -m tests.sglang_child resolve '<argvs as JSON>'  -> resolved fields per argv, JSON
+    python -m tests.sglang_child plugin                     -> what load_plugins() did, as JSON
+    python -m tests.sglang_child install DIR                -> our factory on SGLang's classes
+    python -m tests.sglang_child capacity '<cases as JSON>' -> SGLang's own DeepSeek-V4 pool sizing
+    python -m tests.sglang_child server_info '[[argv, N]...]' -> /server_info's bodies, by SGLang
 
 torchvision: SGLang's config package imports `torchvision.transforms` at module level (for vision
 models' preprocessing), and no torchvision build loads beside the CPU torch 2.13 (every registry build
@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dsv4_cluster.bench.torchvision_stand_in import install_torchvision_stand_in as _install_torchvision_stand_in
+from bench.torchvision_stand_in import install_torchvision_stand_in as _install_torchvision_stand_in
 
 RESOLVED_FIELDS = ("page_size", "kv_cache_dtype", "attention_backend", "context_length", "tp_size",
                    "disaggregation_mode", "disaggregation_transfer_backend", "disaggregation_bootstrap_port",

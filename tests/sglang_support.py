@@ -1,4 +1,4 @@
-"""What the SGLang contract tests share: the version guard (never a skip in CI), the child process, argv.
+"""What the SGLang contract tests share: the version guard (never a skip in CI), the child processes, argv.
 
 SGLang 0.5.23 is installed by `.ci/install`; on a developer machine without it the modules skip, in CI
 (`CI=true`) they fail at import so the contract is never silently not checked.
@@ -11,8 +11,10 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pytest
 
@@ -36,12 +38,36 @@ def require_sglang() -> None:
     pytest.skip(f"sglang=={SGLANG_VERSION} is not installed (bash .ci/install)", allow_module_level=True)
 
 
-def child(*args: str, env: dict[str, str] | None = None) -> Any:
-    """Run `tests/sglang_child.py` in a fresh interpreter; its RESULT line, parsed."""
-    proc = subprocess.run([sys.executable, "-m", "dsv4_cluster.tests.sglang_child", *args], capture_output=True,
-                          text=True, timeout=240, env={**os.environ, **(env or {})}, cwd=REPO)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"child failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+@dataclass(frozen=True)
+class Child:
+    proc: subprocess.Popen
+    out: IO[bytes]
+    err: IO[bytes]
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def start_child(*args: str, env: dict[str, str] | None = None) -> Child:
+    """Start `tests/sglang_child.py` in a fresh interpreter (its output into files: children started together
+    never wait on a full pipe); `child_result` reads it. Each imports SGLang, seconds of one core: a module
+    whose children are independent starts them together."""
+    out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+    proc = subprocess.Popen([sys.executable, "-m", "tests.sglang_child", *args], stdout=out, stderr=err,
+                            env={**os.environ, **(env or {})}, cwd=REPO)
+    return Child(proc, out, err)
+
+
+def child_result(c: Child) -> Any:
+    """A started child's RESULT line, parsed, once it has exited (an AssertionError with its stderr if it failed)."""
+    try:
+        c.proc.wait(240)
+    finally:
+        c.kill()
+    stdout, stderr = (f.seek(0) or f.read().decode(errors="replace") for f in (c.out, c.err))
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    assert c.proc.returncode == 0 and lines, f"child failed ({c.proc.returncode}):\n{stderr[-4000:]}"
     return json.loads(lines[-1][len("RESULT "):])
 
 

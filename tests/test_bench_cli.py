@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from dsv4_cluster.bench.load import relocated
+from bench.load import relocated
 from dsv4_cluster.orchestrator.load.loadgen import percentile
 
-from dsv4_cluster.bench.local_cluster import LocalCluster, run_cli
+from bench.local_cluster import LocalCluster, run_cli
 
 pytestmark = pytest.mark.slow
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "local.yaml"

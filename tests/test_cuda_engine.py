@@ -29,7 +29,7 @@ from dsv4_cluster.workers.runner import ModelRunner, RunnerConfig, generate_sing
 from dsv4_cluster.workers.sampling import SamplingParams
 from dsv4_cluster.workers.tokenizer import EOS, PRINTABLE_IDS, ByteTokenizer
 
-from dsv4_cluster.tests.worker_procs import start_pair, stop_pair
+from tests.worker_procs import start_pair, stop_pair
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 KERNELS = ("sparse_mla_decode", "indexer", "topk")

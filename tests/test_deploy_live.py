@@ -20,7 +20,7 @@ from dsv4_cluster import metric_names as m
 from dsv4_cluster.deploy.grafana.dashboards import dashboards, panel_queries
 from dsv4_cluster.orchestrator.launch.ports import free_ports
 
-from dsv4_cluster.bench.local_cluster import LocalCluster, write_topology
+from bench.local_cluster import LocalCluster, write_topology
 from .deploy_tools import require_tool
 from dsv4_cluster.orchestrator.monitor.targets import JOB_FILES, targets_dir
 from .helpers import wait_for

@@ -16,7 +16,7 @@ from dsv4_cluster.orchestrator.monitor.prometheus_config import rules_path, writ
 from dsv4_cluster.orchestrator.monitor.targets import record_targets, targets_dir
 from dsv4_cluster.orchestrator.topology.load import load_topology
 
-from dsv4_cluster.bench.local_cluster import write_topology
+from bench.local_cluster import write_topology
 from .deploy_tools import require_tool
 from .prometheus_api import known_metric_names, metric_names_in
 
@@ -139,7 +139,7 @@ def test_worker_metric_names_are_sglangs_own() -> None:
 def test_monitor_up_refuses_a_busy_port_and_starts_nothing(tmp_path: Path) -> None:
     import socket
 
-    from dsv4_cluster.bench.local_cluster import run_cli
+    from bench.local_cluster import run_cli
 
     require_tool("prometheus")
     cluster = write_topology(tmp_path)

@@ -14,7 +14,7 @@ import pytest
 from dsv4_cluster.orchestrator.cluster.options import DownOptions
 from dsv4_cluster.orchestrator.cli.service import stop_timeout_s
 
-from dsv4_cluster.bench.local_cluster import run_cli, write_topology
+from bench.local_cluster import run_cli, write_topology
 from .deploy_tools import require_tool
 
 

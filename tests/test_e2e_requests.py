@@ -17,7 +17,7 @@ from dsv4_cluster.workers.runner import ModelRunner, RunnerConfig, generate_sing
 from dsv4_cluster.workers.sampling import SamplingParams
 from dsv4_cluster.workers.tokenizer import EOS, ByteTokenizer
 
-from dsv4_cluster.bench.local_cluster import write_topology
+from bench.local_cluster import write_topology
 
 pytestmark = pytest.mark.slow
 TOK = ByteTokenizer()

@@ -34,7 +34,7 @@ def test_the_table_shows_what_is_held_and_a_mismatch():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_real_worker_is_found_on_its_gpu(tmp_path):
-    from dsv4_cluster.tests.worker_procs import start_pair, stop_pair
+    from tests.worker_procs import start_pair, stop_pair
 
     gpu = torch.cuda.device_count() - 1
     pair = start_pair(tmp_path, extra=["--model-preset", "flash", "--page-size", "256", "--max-total-tokens", "8192",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv4_cluster.bench import kv_transfer, ucx_proto
+from bench import kv_transfer, ucx_proto
 from dsv4_cluster.workers.presets import model_config
 
 PAGE = 256

@@ -17,8 +17,8 @@ from pydantic import ValidationError
 from dsv4_cluster.request_schema import MAX_TOP_LOGPROBS
 from dsv4_cluster.router.app import build_app
 from dsv4_cluster.router.settings import RouterSettings
-from dsv4_cluster.tests.servers import UvicornThread
-from dsv4_cluster.tests.worker_procs import start_pair, stop_pair
+from tests.servers import UvicornThread
+from tests.worker_procs import start_pair, stop_pair
 from dsv4_cluster.workers.model import ModelConfig
 from dsv4_cluster.workers.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from dsv4_cluster.workers.runner import ModelRunner, RunnerConfig

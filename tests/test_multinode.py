@@ -14,7 +14,7 @@ import pytest
 from dsv4_cluster.orchestrator.cluster.ray_env import prepare_ray_env
 
 from .helpers import gone
-from dsv4_cluster.bench.local_cluster import write_topology
+from bench.local_cluster import write_topology
 
 pytestmark = pytest.mark.slow
 

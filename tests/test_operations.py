@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 
-from dsv4_cluster.bench.local_cluster import CLI, LocalCluster, write_topology
+from bench.local_cluster import CLI, LocalCluster, write_topology
 from .helpers import status_rows
 
 pytestmark = pytest.mark.slow
@@ -66,13 +66,19 @@ def test_drain_under_steady_load_loses_no_request_and_restart_brings_it_back(clu
     async def run() -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess, list]:
         stop, out = asyncio.Event(), []
         load = asyncio.ensure_future(_steady_load(cluster, stop, out))
-        while len(out) < 4:
-            await asyncio.sleep(0.1)
+
+        async def answered(n: int) -> None:  # until the steady load has had n answers in all
+            end = time.monotonic() + 120
+            while len(out) < n:
+                assert time.monotonic() < end, f"the steady load stalled at {len(out)} answers: {out}"
+                await asyncio.sleep(0.05)
+
+        await answered(4)
         drained = await asyncio.to_thread(cluster.cli, "drain", "decode-1", "--deadline", "60")
         served_while_drained = len(out)
-        await asyncio.sleep(2)
+        await answered(served_while_drained + 3)  # decode-0 alone serves on
         restarted = await asyncio.to_thread(cluster.cli, "restart", "decode-1", "--timeout", "120")
-        await asyncio.sleep(1)
+        await answered(len(out) + 3)  # and with decode-1 back
         stop.set()
         await load
         assert len(out) > served_while_drained

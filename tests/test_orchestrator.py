@@ -18,7 +18,7 @@ from dsv4_cluster.orchestrator.launch.ports import port_is_free
 from dsv4_cluster.orchestrator.processes import pid_alive
 
 from .helpers import gone
-from dsv4_cluster.bench.local_cluster import CLI, run_cli, write_topology
+from bench.local_cluster import CLI, run_cli, write_topology
 
 pytestmark = pytest.mark.slow
 

@@ -16,8 +16,8 @@ from dsv4_cluster.orchestrator.launch.capacity import embedded_bytes_per_token, 
 from dsv4_cluster.orchestrator.cli.main import main
 from dsv4_cluster.orchestrator.launch.plan import cluster_plans
 from dsv4_cluster.orchestrator.topology.load import load_topology, topology_from_data
-from dsv4_cluster.tests.servers import free_port
-from dsv4_cluster.tests.worker_procs import _wait
+from tests.servers import free_port
+from tests.worker_procs import _wait
 from dsv4_cluster.workers.kv_pool import KVPool
 from dsv4_cluster.workers.model import ModelConfig
 from dsv4_cluster.workers.runner import RunnerConfig

@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from dsv4_cluster.bench.local_cluster import write_topology
+from bench.local_cluster import write_topology
 
 pytestmark = pytest.mark.slow
 
@@ -63,7 +63,14 @@ def test_a_prefill_outage_under_load_leaves_decode_kv_at_baseline_soon_after_pre
         async def scenario() -> tuple[list[int], float, float]:
             stop, results = asyncio.Event(), []
             load = asyncio.create_task(_load(cluster.router_url, stop, results))
-            await asyncio.sleep(3.0)
+
+            async def served(n: int) -> None:  # until n requests of the load got a 200
+                end = time.monotonic() + 120
+                while results.count(200) < n:
+                    assert time.monotonic() < end, f"the load got {results.count(200)} 200s: {results}"
+                    await asyncio.sleep(0.05)
+
+            await served(8)  # the load flows on every lane before the kill
             os.kill(_prefill_pid(cluster), signal.SIGKILL)
             killed = time.monotonic()
             async with httpx.AsyncClient(timeout=2) as c:
@@ -77,7 +84,7 @@ def test_a_prefill_outage_under_load_leaves_decode_kv_at_baseline_soon_after_pre
                     assert time.monotonic() - killed < 90, "the prefill was not restarted"
                     await asyncio.sleep(0.1)
             back = time.monotonic()
-            await asyncio.sleep(2.0)          # load goes on against the restarted prefill
+            await served(results.count(200) + 4)  # load goes on against the restarted prefill
             stop.set()
             await load
             return results, back - killed, back

@@ -13,8 +13,8 @@ import pytest
 
 from dsv4_cluster.router.app import build_app
 from dsv4_cluster.router.settings import RouterSettings
-from dsv4_cluster.tests.servers import UvicornThread
-from dsv4_cluster.tests.worker_procs import start_pair, stop_pair
+from tests.servers import UvicornThread
+from tests.worker_procs import start_pair, stop_pair
 from dsv4_cluster.workers.model import ModelConfig
 from dsv4_cluster.workers.runner import ModelRunner, RunnerConfig, generate_single_process
 from dsv4_cluster.workers.sampling import SamplingParams

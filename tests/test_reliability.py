@@ -9,12 +9,12 @@ import asyncio
 
 import pytest
 
-from dsv4_cluster.bench import reliability_faults as rf
-from dsv4_cluster.bench.reliability_input import fuzz, malformed, oversized, slowloris
-from dsv4_cluster.bench.reliability_security import security_checks
-from dsv4_cluster.bench.reliability_soak import soak
+from bench import reliability_faults as rf
+from bench.reliability_input import fuzz, malformed, oversized, slowloris
+from bench.reliability_security import security_checks
+from bench.reliability_soak import soak
 
-from dsv4_cluster.bench.local_cluster import write_topology
+from bench.local_cluster import write_topology
 
 pytestmark = pytest.mark.slow
 HOOKS = ", extra_args: [--test-hooks]"

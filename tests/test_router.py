@@ -17,10 +17,10 @@ from dsv4_cluster.router.app import build_app
 from dsv4_cluster.router.pairing import ROOM_LIMIT
 from dsv4_cluster.router.settings import RouterSettings
 from dsv4_cluster.router.sse import DONE, Framer
-from dsv4_cluster.tests.router_fakes import (LOGPROBS, MESSAGES, SSE, WAIT_S, Cluster, FakeWorker, Rendezvous, chat,
+from tests.router_fakes import (LOGPROBS, MESSAGES, SSE, WAIT_S, Cluster, FakeWorker, Rendezvous, chat,
                                              router_settings)
-from dsv4_cluster.tests.helpers import SOON_S, wait_for
-from dsv4_cluster.tests.servers import UvicornThread, free_port
+from tests.helpers import SOON_S, wait_for
+from tests.servers import UvicornThread, free_port
 
 
 @pytest.fixture(scope="module")

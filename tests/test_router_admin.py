@@ -9,9 +9,9 @@ import httpx
 import pytest
 
 from dsv4_cluster.router.app import build_app
-from dsv4_cluster.tests.router_fakes import WAIT_S, FakeWorker, Rendezvous, chat, router_settings
-from dsv4_cluster.tests.helpers import SOON_S, wait_for
-from dsv4_cluster.tests.servers import UvicornThread
+from tests.router_fakes import WAIT_S, FakeWorker, Rendezvous, chat, router_settings
+from tests.helpers import SOON_S, wait_for
+from tests.servers import UvicornThread
 
 TOKEN = "admin-token-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dsv4_cluster.tests.servers import free_port
+from tests.servers import free_port
 
 DEADLINE_S = 1.0
 

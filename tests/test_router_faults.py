@@ -8,12 +8,12 @@ import json
 import httpx
 import pytest
 
-from dsv4_cluster.bench.router_stubs import StubThread
+from bench.router_stubs import StubThread
 from dsv4_cluster.router.app import build_app
 from dsv4_cluster.router.settings import RouterSettings
-from dsv4_cluster.tests.router_fakes import MESSAGES, WAIT_S, router_settings
-from dsv4_cluster.tests.servers import UvicornThread, bound_socket
-from dsv4_cluster.tests.helpers import SOON_S, wait_for
+from tests.router_fakes import MESSAGES, WAIT_S, router_settings
+from tests.servers import UvicornThread, bound_socket
+from tests.helpers import SOON_S, wait_for
 
 TOKENS = "".join(f"t{i} " for i in range(8))
 

@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from dsv4_cluster.router.app import build_app
-from dsv4_cluster.tests.router_fakes import router_settings
-from dsv4_cluster.tests.servers import UvicornThread, free_port
-from dsv4_cluster.tests.worker_procs import WorkerPair, _wait, start_pair, stop_pair
+from tests.router_fakes import router_settings
+from tests.servers import UvicornThread, free_port
+from tests.worker_procs import WorkerPair, _wait, start_pair, stop_pair
 
 ARGS = ["--host", "127.0.0.1", "--max-total-tokens", "4096", "--context-length", "1024"]
 BODY = {"model": "dsv4-tiny", "messages": [{"role": "user", "content": "x"}],
@@ -124,7 +124,7 @@ def test_with_the_only_decode_killed_the_stream_is_held_and_resumed_on_its_resta
     client's greedy stream equals the uninterrupted one, token for token, usage included."""
     import threading
 
-    from dsv4_cluster.tests.worker_procs import restart
+    from tests.worker_procs import restart
 
     settings = router_settings(single.prefill_url, single.decode_url, migration_limit=1, stream_hold_s=30,
                                health_check_interval_s=0.2, health_check_timeout_s=10, breaker_cooldown_s=0.5)

@@ -8,10 +8,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
-from dsv4_cluster.bench.scaleout_stubs import PAGE_CHARS, PAGE_TOKENS, PrefixCache, page_names
+from bench.scaleout_stubs import PAGE_CHARS, PAGE_TOKENS, PrefixCache, page_names
 
 SESSIONS, TURNS = 4, 3
+REPO = Path(__file__).resolve().parents[1]  # `python -m bench.scaleout` runs from a checkout's root
 
 
 def test_the_stub_prefix_cache_matches_whole_leading_pages_and_evicts_leaves_first():
@@ -28,9 +30,9 @@ def test_the_stub_prefix_cache_matches_whole_leading_pages_and_evicts_leaves_fir
 
 
 def test_scaleout_benchmark_at_ci_size(tmp_path):
-    cmd = [sys.executable, "-m", "dsv4_cluster.bench.scaleout", "--n", "2", "--concurrency", "2", "--sessions",
+    cmd = [sys.executable, "-m", "bench.scaleout", "--n", "2", "--concurrency", "2", "--sessions",
            str(SESSIONS), "--turns", str(TURNS), "--think-ms", "0", "--plain-loopback", "--out", str(tmp_path)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((tmp_path / "scaleout.json").read_text())
     rows = {r["router"]: r for r in result["rows"]}

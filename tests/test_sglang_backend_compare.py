@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4_cluster.bench.sglang_backend import compare
+from bench.sglang_backend import compare
 
 
 def _save(path, outputs, topk):

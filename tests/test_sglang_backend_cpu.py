@@ -29,9 +29,9 @@ LIVE, BATCH = 4096, 2
 TOPK_SWAPS = 4  # of 512 (see the top-k test)
 CHILD = f"""
 import json, sys, torch
-from dsv4_cluster.bench.torchvision_stand_in import install_torchvision_stand_in
+from bench.torchvision_stand_in import install_torchvision_stand_in
 install_torchvision_stand_in()
-from dsv4_cluster.bench import sglang_backend_rig as rig
+from bench import sglang_backend_rig as rig
 mode = sys.argv[1]
 rig.set_mode_env(mode, "cpu")
 rig.install_cpu_stand_ins()
@@ -46,7 +46,7 @@ r.backend.init_forward_metadata(fb)
 keep, outs = [], []
 same = None
 if mode == "plugin":
-    from dsv4_cluster.bench.sglang_backend import _beside_flashmla
+    from bench.sglang_backend import _beside_flashmla
     outs, same = _beside_flashmla(r, lambda: rig.run_layers(r, fb, inputs, keep))
     same["restored"] = r.backend._flash_mla_with_kvcache.func.__name__
 else:

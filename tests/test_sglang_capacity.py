@@ -9,6 +9,7 @@ memory is measured at start; here it is an input), and builds `DeepSeekV4TokenTo
 from __future__ import annotations
 
 import json
+from typing import Iterator
 
 import pytest
 
@@ -16,7 +17,8 @@ from dsv4_cluster.core import Role
 from dsv4_cluster.orchestrator.launch import sglang_capacity as sg
 from dsv4_cluster.orchestrator.launch.plan import cluster_plans
 from dsv4_cluster.orchestrator.topology.load import load_topology
-from dsv4_cluster.tests.sglang_support import REPO, child, require_sglang, server_argv
+from dsv4_cluster.orchestrator.launch.capacity import predict
+from tests.sglang_support import REPO, Child, child_result, require_sglang, server_argv, start_child
 
 require_sglang()
 
@@ -59,11 +61,31 @@ CASES = {
 }
 
 
+TOPOLOGY = load_topology(REPO / "topology.yaml")
+WORKERS, _ = cluster_plans(TOPOLOGY)
+PREDICTED = {p.name: predict(TOPOLOGY, TOPOLOGY.worker(p.name)).max_total_num_tokens for p in WORKERS}
+# what SGLang's /server_info says: the prefill within 5% of the prediction, the decode 8% under it
+ACTUAL = {"prefill-0": PREDICTED["prefill-0"] - 256, "decode-0": int(PREDICTED["decode-0"] * 0.92)}
+
+
 @pytest.fixture(scope="module")
-def sglang_sized() -> dict[str, dict]:
-    """Every case sized by SGLang's own classes, in one child (SGLang imports take ~20 s)."""
-    results = child("capacity", json.dumps([{k: v for k, v in c.items() if k != "ours"} for c in CASES.values()]))
-    return dict(zip(CASES, results))
+def children() -> Iterator[dict[str, Child]]:
+    """The module's two SGLang children (SGLang imports take ~20 s of one core each), started together:
+    every case sized by SGLang's own classes; the /server_info bodies SGLang builds for ACTUAL."""
+    procs = {"capacity": start_child("capacity", json.dumps([{k: v for k, v in c.items() if k != "ours"}
+                                                             for c in CASES.values()])),
+             "server_info": start_child("server_info", json.dumps([[server_argv(p), ACTUAL[p.name]] for p in WORKERS]))}
+    try:
+        yield procs
+    finally:
+        for c in procs.values():
+            c.kill()
+
+
+@pytest.fixture(scope="module")
+def sglang_sized(children: dict[str, Child]) -> dict[str, dict]:
+    """Every case sized by SGLang's own classes, in one child."""
+    return dict(zip(CASES, child_result(children["capacity"])))
 
 
 def _ours(case: dict) -> tuple[float, sg.PoolSize]:
@@ -101,26 +123,22 @@ def test_the_cap_and_the_default_fractions_are_what_sglang_chose(sglang_sized: d
     assert len(defaults) == 3
 
 
-def test_status_reads_sglangs_server_info_and_flags_a_miss_over_5_percent() -> None:
+def test_status_reads_sglangs_server_info_and_flags_a_miss_over_5_percent(children: dict[str, Child]) -> None:
     """`status`'s SGLang branch: the capacity comes from a /server_info body built by SGLang 0.5.23's own
     functions (the child), read by the supervisor's probe over HTTP; the prediction is the plan's."""
     import httpx
     from fastapi import FastAPI
     from fastapi.responses import PlainTextResponse
 
-    from dsv4_cluster.orchestrator.launch.capacity import predict
     from dsv4_cluster.orchestrator.supervise.status_endpoint import apply_predicted_capacity, predicted_capacity
     from dsv4_cluster.orchestrator.readback.probe import engine_info
     from dsv4_cluster.orchestrator.cli.table import render_table
-    from dsv4_cluster.tests.servers import UvicornThread
+    from tests.servers import UvicornThread
 
-    topology = load_topology(REPO / "topology.yaml")
-    workers, _ = cluster_plans(topology)
-    predicted = {p.name: predict(topology, topology.worker(p.name)).max_total_num_tokens for p in workers}
+    topology, predicted, actual = TOPOLOGY, PREDICTED, ACTUAL
     assert predicted == {"prefill-0": 13100800, "decode-0": 13564928}  # H200, SGLang's default fractions
-    actual = {"prefill-0": predicted["prefill-0"] - 256, "decode-0": int(predicted["decode-0"] * 0.92)}
-    answers = child("server_info", json.dumps([[server_argv(p), actual[p.name]] for p in workers]))
-    bodies = {p.name: body for p, body in zip(workers, answers)}
+    answers = child_result(children["server_info"])
+    bodies = {p.name: body for p, body in zip(WORKERS, answers)}
     rows = []
     for name, body in bodies.items():
         assert body["version"] == "0.5.23" and body["internal_states"][0]["memory_usage"]["token_capacity"] \

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ast
 import inspect
 import json
-from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 
@@ -21,20 +21,40 @@ from dsv4_cluster.kernels.sglang_plugin.call_sites import CALL_SITES, check_call
 from dsv4_cluster.kernels.sglang_plugin.settings import ATTEST_DIR_ENV, KERNELS_ENV, SGLANG_VERSION
 from dsv4_cluster.orchestrator.launch.plan import cluster_plans
 from dsv4_cluster.orchestrator.topology.load import load_topology
-from dsv4_cluster.tests.sglang_support import REPO, require_sglang
-from dsv4_cluster.tests.sglang_support import child as _child
-from dsv4_cluster.tests.sglang_support import server_argv as _server_argv
+from tests.sglang_support import REPO, child_result, require_sglang, start_child
+from tests.sglang_support import server_argv as _server_argv
 
 require_sglang()
+WORKERS, _ = cluster_plans(load_topology(REPO / "topology.yaml"))
 
 
 @pytest.fixture(scope="module")
-def resolved() -> dict[str, dict]:
-    """Both planned servers, and the decode argv with --page-size 64, resolved by one SGLang child."""
-    workers, _ = cluster_plans(load_topology(REPO / "topology.yaml"))
-    page_64 = _server_argv(workers[1])
+def children(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """Every SGLang child of this module, started together (each a fresh interpreter: SGLang's plugins load
+    once per process); each test reads its own with `child_result`. `*_dir`: the folders they were given."""
+    page_64 = _server_argv(WORKERS[1])
     page_64[page_64.index("--page-size") + 1] = "64"
-    results = _child("resolve", json.dumps([*(_server_argv(p) for p in workers), page_64]))
+    attest_dir, install_dir = tmp_path_factory.mktemp("attest"), tmp_path_factory.mktemp("install")
+    procs = {
+        "resolve": start_child("resolve", json.dumps([*(_server_argv(p) for p in WORKERS), page_64])),
+        "inert": start_child("plugin", env={KERNELS_ENV: "", ATTEST_DIR_ENV: ""}),
+        "wraps": start_child("plugin", env={KERNELS_ENV: "sparse_mla_decode,topk", ATTEST_DIR_ENV: str(attest_dir)}),
+        "misconfigured": start_child("plugin", env={KERNELS_ENV: "sparse_mla_decode,flashy",
+                                                    ATTEST_DIR_ENV: "/nonexistent"}),
+        "install": start_child("install", str(install_dir)),
+    }
+    try:
+        yield {**procs, "install_dir": install_dir}
+    finally:
+        for c in procs.values():
+            c.kill()
+
+
+@pytest.fixture(scope="module")
+def resolved(children: dict[str, Any]) -> dict[str, dict]:
+    """Both planned servers, and the decode argv with --page-size 64, resolved by one SGLang child."""
+    workers = WORKERS
+    results = child_result(children["resolve"])
     out = {plan.name: {"plan": plan, **r} for plan, r in zip(workers, results)}
     out["page-64"] = results[-1]
     return out
@@ -62,25 +82,24 @@ def test_sglang_would_override_any_other_page_size(resolved: dict[str, dict]) ->
     assert (got["parsed"]["page_size"], got["resolved"]["page_size"]) == (64, 256)
 
 
-def test_plugin_is_inert_without_kernels_env() -> None:
-    env = {KERNELS_ENV: "", ATTEST_DIR_ENV: ""}
-    got = _child("plugin", env=env)
+def test_plugin_is_inert_without_kernels_env(children: dict[str, Any]) -> None:
+    got = child_result(children["inert"])  # KERNELS_ENV and ATTEST_DIR_ENV empty
     assert got["replaced"] is False and got["name"] == got["stock_name"] == "create_dsv4_backend"
 
 
-def test_real_load_plugins_discovers_and_wraps_the_dsv4_factory(tmp_path: Path) -> None:
-    got = _child("plugin", env={KERNELS_ENV: "sparse_mla_decode,topk", ATTEST_DIR_ENV: str(tmp_path)})
+def test_real_load_plugins_discovers_and_wraps_the_dsv4_factory(children: dict[str, Any]) -> None:
+    got = child_result(children["wraps"])  # KERNELS_ENV sparse_mla_decode,topk
     assert got["replaced"] and got["wraps_stock"]
     assert got["name"] == "create_dsv4_backend_with_dsv4_cluster_kernels"
 
 
-def test_misconfigured_plugin_env_fails_closed_from_the_factory() -> None:
-    got = _child("plugin", env={KERNELS_ENV: "sparse_mla_decode,flashy", ATTEST_DIR_ENV: "/nonexistent"})
+def test_misconfigured_plugin_env_fails_closed_from_the_factory(children: dict[str, Any]) -> None:
+    got = child_result(children["misconfigured"])  # KERNELS_ENV sparse_mla_decode,flashy; no attest dir
     assert got["replaced"] and got["name"] == "refuse"  # the factory raises; register() itself never does
 
 
-def test_factory_installs_on_sglangs_backend_class_and_fails_closed(tmp_path: Path) -> None:
-    got = _child("install", str(tmp_path))
+def test_factory_installs_on_sglangs_backend_class_and_fails_closed(children: dict[str, Any]) -> None:
+    got, tmp_path = child_result(children["install"]), children["install_dir"]
     ok = got["ok"]
     assert ok["flash_mla_keywords"] == {"use_legacy": True}  # SGLang's own binding kept
     assert ok["flash_mla_adapter"] == "dsv4_cluster.kernels.sglang_adapters.flash_mla"

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from dsv4_cluster.tests.worker_procs import start_pair, stop_pair
+from tests.worker_procs import start_pair, stop_pair
 from dsv4_cluster.workers.presets import model_config
 from dsv4_cluster.workers.runner import ModelRunner, RunnerConfig, generate_single_process
 from dsv4_cluster.workers.sampling import SamplingParams

@@ -16,7 +16,7 @@ from dsv4_cluster.orchestrator.verify.answer_set import ANSWERS
 from dsv4_cluster.orchestrator.verify.kernels import attestation_problems, counter_problems
 from dsv4_cluster.orchestrator.verify.serving import (
     check_answers, compare_with_last_good, first_integer, store_last_good)
-from dsv4_cluster.tests.servers import UvicornThread
+from tests.servers import UvicornThread
 
 KERNELS = ("sparse_mla_decode", "indexer", "topk")
 SITES = {"sparse_mla_decode": ["DeepseekV4AttnBackend._flash_mla_with_kvcache"],

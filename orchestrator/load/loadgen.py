@@ -7,7 +7,7 @@ counted under a short reason (`HTTP 503`, `stream error: ...`, `connect: ...`, `
 tok/s counts the tokens after each request's first over the span in which requests were decoding. While a
 level runs, `progress` gets a `Progress` every `progress_s` seconds (and once at the end).
 
-Used by `dsv4-cluster bench URL` (sweep.py) and by `python -m dsv4_cluster.bench.load`.
+Used by `dsv4-cluster bench URL` (sweep.py) and by `python -m bench.load`.
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ def _compiled_shared(heads: int, impl: dispatch.DecodeImpl, capability: int) -> 
     kernels are interpreter functions in this process, which `triton.compile` cannot take."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = (f"from dsv4_cluster.tests.kernels.test_dispatch import _compile_here; "
+    code = (f"from tests.kernels.test_dispatch import _compile_here; "
             f"print(_compile_here({heads}, {impl.block_n}, {impl.num_stages}, {capability}))")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -88,7 +88,7 @@ def _abs_products(cpu: dict, r: int, n: int) -> torch.Tensor:
 
 
 def _check_indexer_topk(c, logits, out, raw):
-    from dsv4_cluster.tests.kernels.test_sglang_adapters import _stock_logits
+    from tests.kernels.test_sglang_adapters import _stock_logits
 
     cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in c.items()}
     expect = _stock_logits(cpu)

@@ -1,6 +1,6 @@
 """SGLang 0.5.23's own DeepSeek-V4 decode attention backend on a GPU: stock vs our kernels via load_plugins().
 
-Each mode runs in its own interpreter (`python -m dsv4_cluster.bench.sglang_backend mode ...`: the plugin's
+Each mode runs in its own interpreter (`python -m bench.sglang_backend mode ...`: the plugin's
 replacements are process-wide), on SGLang's backend, pool and decode metadata, for one window-only, one ratio-4
 (indexer + top-512) and one ratio-128 layer at TP4 (16 heads padded to 64), batch 8, 4,096 live tokens per
 request (1,024 C4 entries, so the top-512 is a real selection), configured context 128K. Eager and CUDA graph.
@@ -54,13 +54,13 @@ def runs(tmp_path_factory):
     else:
         out = tmp_path_factory.mktemp("sglang_backend")
         for mode in ("stock", "plugin"):
-            proc = subprocess.run([sys.executable, "-m", "dsv4_cluster.bench.sglang_backend", "mode", mode, str(out),
+            proc = subprocess.run([sys.executable, "-m", "bench.sglang_backend", "mode", mode, str(out),
                                    "--contexts", str(CONTEXT), "--batches", str(BATCH), "--reps", "1",
                                    "--layer-ids", LAYERS],
                                   capture_output=True, text=True, timeout=300, env=dict(os.environ))
             assert proc.returncode == 0, f"{mode} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     results = {mode: json.loads((out / f"{mode}.json").read_text()) for mode in ("stock", "plugin")}
-    from dsv4_cluster.bench.sglang_backend import compare
+    from bench.sglang_backend import compare
 
     eq = compare(out)
     if os.environ.get("OUT"):  # the device run's returned folder: the figures, whatever the asserts say

@@ -14,11 +14,11 @@ import os
 import pytest
 import torch
 
-from dsv4_cluster.bench.sglang_sm120_baselines import load
+from bench.sglang_sm120_baselines import load
 from dsv4_cluster.kernels import dispatch
 from dsv4_cluster.kernels.sglang_adapters import flash_mla_with_kvcache_sm120
 from dsv4_cluster.kernels.sglang_cases import decode_case, sglang_sm120_args, sm120_call
-from dsv4_cluster.tests.sglang_support import require_sglang
+from tests.sglang_support import require_sglang
 
 FORCED = os.environ.get(dispatch.CLASS_ENV) == "sm_120"
 @pytest.mark.parametrize("kind", ["window", "c4", "c128"])

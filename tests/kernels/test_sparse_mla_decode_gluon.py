@@ -18,7 +18,7 @@ from dsv4_cluster.kernels.sparse_mla_decode.launch import (
     sparse_mla_decode_fp8_triton,
     sparse_mla_decode_triton,
 )
-from dsv4_cluster.tests.kernels.sparse_decode_cases import HAS_CUDA, V4, assert_close, make_case, moved, reference64
+from tests.kernels.sparse_decode_cases import HAS_CUDA, V4, assert_close, make_case, moved, reference64
 
 
 def gluon_ready():
@@ -220,7 +220,7 @@ import time
 import torch
 from dsv4_cluster.kernels.sparse_mla_decode import launch
 from dsv4_cluster.kernels.sparse_mla_decode.launch import LaunchConfig, sparse_mla_decode_triton
-from dsv4_cluster.tests.kernels.sparse_decode_cases import V4, make_case
+from tests.kernels.sparse_decode_cases import V4, make_case
 c = make_case(2, **V4, device="cuda", seed=81)
 cfg = LaunchConfig(num_splits=5, backend="gluon", fused_merge=True)
 sparse_mla_decode_triton(**c, config=cfg)
