@@ -126,6 +126,17 @@ def test_exit_during_start_fails_fast_with_log_tail(tmp_path: Path) -> None:
     assert sup.status()["state"] == WorkerState.FAILED.value
 
 
+def test_a_usage_error_at_start_fails_at_once_without_restarts(tmp_path: Path) -> None:
+    """Exit status 2 before READY (argparse refusing a flag): no crash loop, the refusal in the error."""
+    sup = WorkerSupervisor(_plan(tmp_path, "--no-such-flag"), RestartPolicy(max_restarts=5, backoff_s=1.0))
+    with pytest.raises(WorkerStartError) as err:
+        sup.start(timeout_s=60)
+    assert "code 2 (a usage error" in str(err.value) and "--no-such-flag" in str(err.value)
+    status = sup.status()
+    assert (status["state"], status["restarts"]) == (WorkerState.FAILED.value, 0)
+    assert Path(status["log_path"]).read_text().count("supervisor starts") == 1
+
+
 def test_spawn_failure_names_the_command(tmp_path: Path) -> None:
     plan = _plan(tmp_path)
     bad = LaunchPlan(**{**plan.__dict__, "argv": ("/nonexistent/engine", "--port", "1")})

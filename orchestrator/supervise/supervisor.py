@@ -8,8 +8,8 @@ failing fast with the log's tail if the process exits first.
 
 Liveness is more than the pid: a READY worker's `/health` is polled (`HealthPolicy`); a failed
 poll makes it DEGRADED, a run of them gets the process killed and restarted. A process that exits
-(at start or after READY) is restarted with exponential backoff as RESTARTING; after
-`RestartPolicy.max_restarts` crashes within `window_s` the supervisor gives up and the state stays
+(at start or after READY) is restarted with exponential backoff as RESTARTING, but for exit status 2 at start
+(a usage error: FAILED at once); after `RestartPolicy.max_restarts` crashes within `window_s` the supervisor gives up and the state stays
 FAILED, with the reason and the log's last lines in `status`. Every state change is told to the
 router's admin API (`RouterLink`), retried on each poll until the router has it.
 
@@ -53,6 +53,10 @@ __all__ = ["HealthPolicy", "RestartPolicy", "WorkerStartError", "WorkerSuperviso
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.2
+# Exit status 2 before READY is a usage error (argparse's, SGLang's launch_server's, python's own for a missing
+# file): the command line itself was refused, and a crash-loop of restarts only delays the error by ~20 s.
+USAGE_EXIT_CODE = 2
+USAGE_NOTE = " (a usage error: the command line was refused, which a restart cannot mend)"
 RETELL_EVERY_POLLS = 15  # the router hears the state again this often, in case it restarted
 RESUME_TIMEOUT_S = 300.0  # a resumed worker's start timeout when its record lacks one
 HISTORY_LENGTH = 20  # state changes kept for `status` (with the supervisor's own timestamps)
@@ -155,8 +159,9 @@ class WorkerSupervisor:
         while True:
             code = proc.poll()
             if code is not None:
-                return _Failure(f"exited with code {code} before it was ready; last log lines:\n"
-                                f"{log_tail(plan.log_path)}")
+                usage = code == USAGE_EXIT_CODE
+                return _Failure(f"exited with code {code}{USAGE_NOTE if usage else ''} before it was ready; "
+                                f"last log lines:\n{log_tail(plan.log_path)}", retry=not usage)
             if self._stop.is_set():
                 return _Failure("stopped while starting", retry=False)
             pending = first_unready(self._http, plan.all_readiness_urls)
