@@ -66,17 +66,27 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def _child(mode: str) -> dict:
-    proc = subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True, timeout=600, cwd=REPO,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"{mode} child failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+def _start(mode: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", CHILD, mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=REPO, env={**os.environ, "TRITON_INTERPRET": "1"})
+
+
+def _result(mode: str, proc: subprocess.Popen) -> dict:
+    try:
+        out, err = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"{mode} child failed ({proc.returncode}):\n{err[-4000:]}"
     return json.loads(lines[-1][len("RESULT "):])
 
 
 @pytest.fixture(scope="module")
 def runs():
-    return {mode: _child(mode) for mode in ("stock", "plugin")}
+    """Both modes' children run side by side (each a fresh interpreter: the plugin's replacements are
+    process-wide)."""
+    procs = {mode: _start(mode) for mode in ("stock", "plugin")}
+    return {mode: _result(mode, proc) for mode, proc in procs.items()}
 
 
 def test_load_plugins_wraps_the_dsv4_factory_only_in_plugin_mode(runs):
