@@ -200,7 +200,6 @@ def test_a_sigterm_whose_raise_python_drops_still_interrupts_up() -> None:
 
 def test_status_watch_ctrl_c_ends_a_read_under_way() -> None:
     """One read may wait 30 s on the endpoint and then on Ray; Ctrl-C during it exits at once with 0."""
-    import os
     import signal
     import threading
 
@@ -214,7 +213,11 @@ def test_status_watch_ctrl_c_ends_a_read_under_way() -> None:
         raise AssertionError("the read was not interrupted")
 
     old = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    killer = threading.Thread(target=lambda: started.wait(10) and os.kill(os.getpid(), signal.SIGINT))
+    # Aimed at the main thread, as a terminal's Ctrl-C lands: os.kill() from this thread may hand the
+    # signal to another thread, and then the main thread's sleep is not interrupted (CPython runs the
+    # handler only when the main thread next executes bytecode).
+    main = threading.main_thread().ident
+    killer = threading.Thread(target=lambda: started.wait(10) and signal.pthread_kill(main, signal.SIGINT))
     killer.start()
     try:
         t0 = time.monotonic()
