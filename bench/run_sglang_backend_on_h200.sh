@@ -21,16 +21,17 @@ export PYTHONPATH=/tmp/p:/tmp/site:$carry/site DSV4_CLUSTER_ATTEST_DIR=/tmp/atte
 python3 -c 'import importlib.metadata as m, torch, flash_mla; print("sglang", m.version("sglang"), "torch", torch.__version__)' \
   2>&1 | tee "$OUT/bench.log"  # $OUT returns 8 files at most: logs go to bench.log and tests.log
 contexts=${CONTEXTS:-131072,8192,1048576}
+bench_dir=${BENCH_DIR:-/tmp/bench}  # the mode results; a second run in the same call wants its own
 for mode in stock plugin; do
-  timeout "${MODE_TIMEOUT:-120}" python3 -m bench.sglang_backend mode $mode /tmp/bench \
+  timeout "${MODE_TIMEOUT:-120}" python3 -m bench.sglang_backend mode $mode $bench_dir \
     --contexts "$contexts" "$@" >> "$OUT/bench.log" 2>&1
   echo "$mode rc=$?" | tee -a "$OUT/bench.log"
-  cp /tmp/bench/$mode.json "$OUT/" 2>/dev/null
+  cp $bench_dir/$mode.json "$OUT/" 2>/dev/null
 done
-timeout 30 python3 -m bench.sglang_backend report /tmp/bench >> "$OUT/bench.log" 2>&1
+timeout 30 python3 -m bench.sglang_backend report $bench_dir >> "$OUT/bench.log" 2>&1
 cp "$repo"/bench/results/sglang_backend.md "$repo"/bench/results/sglang_backend.json "$OUT/" 2>/dev/null
 if [ "${SKIP_TEST:-0}" != 1 ]; then
-  SGLANG_BACKEND_RUNS=/tmp/bench timeout "${TEST_TIMEOUT:-120}" python3 -m pytest -q -x -p no:cacheprovider \
+  SGLANG_BACKEND_RUNS=$bench_dir timeout "${TEST_TIMEOUT:-120}" python3 -m pytest -q -x -p no:cacheprovider \
     --import-mode=importlib --rootdir="$repo" "$repo"/tests/kernels/test_sglang_backend_gpu.py > "$OUT/tests.log" 2>&1
   echo "gpu test rc=$?" | tee -a "$OUT/tests.log"; tail -15 "$OUT/tests.log"
 fi

@@ -139,6 +139,20 @@ def _choose(device, h, dtype, is_fp8, config):
     return backend, resolved(config, backend, is_fp8)
 
 
+@functools.lru_cache(maxsize=1024)
+def choose_backend_for(device: torch.device, h: int, dtype: torch.dtype, is_fp8: bool, config: LaunchConfig,
+                       w: int, k: int):
+    """`choose_backend` for a call with w window and k extra indices per query. The Gluon kernel stages a
+    query's whole index table in shared memory; where that table does not fit (SGLang hands ratio-128 layers
+    max_context / 128 extra indices: 8,192 at a configured 1M), an "auto" call goes to the Triton kernel,
+    which streams its indices. A call that asked for "gluon" keeps it (and its launch says why it cannot)."""
+    backend, resolved_config = choose_backend(device, h, dtype, is_fp8, config)
+    if (backend == "gluon" and config.backend == "auto"
+            and gluon_smem_bytes(resolved_config.block_n, resolved_config.num_stages, w, k) > SMEM_LIMIT):
+        return choose_backend(device, h, dtype, is_fp8, replace(config, backend="triton"))
+    return backend, resolved_config
+
+
 def _gluon_unavailable(device, gpu, h, dtype) -> str | None:
     if device.type != "cuda":
         return "it runs on CUDA tensors only"

@@ -22,6 +22,7 @@ from ..workspace import scratch
 from . import kernel as _kernels
 from .config import (  # noqa: F401  (re-exported: tests and benches read them here)
     BACKENDS, DEFAULT_BLOCKS, DIM, GLUON_TRITON_RELEASES, PV_REGS, SMEM_LIMIT, LaunchConfig, _num_sms, choose_backend,
+    choose_backend_for,
     gluon_api_unavailable, gluon_index_blocks, gluon_smem_bytes, gluon_unavailable, resolved, triton_next_pow2)
 from .splits import choose_splits, fuses_merge, gluon_splits
 
@@ -113,7 +114,7 @@ def _launch(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, si
             window_lens, extra_lens, w, k, is_fp8, config, geos=(DEFAULT_GEOMETRY, DEFAULT_GEOMETRY),
             out=None, lse=None):
     b, h, _ = q.shape
-    backend, config = choose_backend(q.device, h, q.dtype, is_fp8, config or _DEFAULT_CONFIG)
+    backend, config = choose_backend_for(q.device, h, q.dtype, is_fp8, config or _DEFAULT_CONFIG, w, k)
     if backend == "gluon":
         return _launch_gluon(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, sink, scale,
                              window_lens, extra_lens, w, k, is_fp8, config, geos, out, lse)

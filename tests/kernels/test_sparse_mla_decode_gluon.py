@@ -60,6 +60,41 @@ def test_gpu_auto_backend_is_gluon_for_v4_bf16():
 
 @gluon_gpu
 @pytest.mark.gpu
+def test_gpu_auto_backend_takes_an_index_table_too_wide_for_gluon():
+    """SGLang hands ratio-128 layers max_context / 128 extra indices: 8,192 at a configured 1M, a table the
+    Gluon kernel cannot stage. auto runs it (on Triton) and equals the reference; forced Gluon says why not."""
+    c = make_case(3, 64, 128, 8192, 8192, 16384, device="cuda", seed=11)
+    out, lse = sparse_mla_decode(**c)
+    ref_out, ref_lse = reference64(c)
+    assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
+    with pytest.raises(SparseDecodeInputError, match="shared memory"):
+        sparse_mla_decode_triton(**c, config=LaunchConfig(backend="gluon"))
+
+
+def test_auto_goes_to_triton_only_where_the_gluon_index_table_does_not_fit(monkeypatch):
+    from dsv4_cluster.kernels.sparse_mla_decode import config as cfg_mod
+
+    def table_row(device, h, dtype, is_fp8, config):  # what the dispatch table gives an sm_90 H200 at 64 heads
+        backend = "triton" if config.backend == "triton" else "gluon"
+        return backend, cfg_mod.resolved(config, backend, is_fp8)
+
+    monkeypatch.setattr(cfg_mod, "choose_backend", table_row)
+    cfg_mod.choose_backend_for.cache_clear()
+    try:
+        dev, bf16 = torch.device("cpu"), torch.bfloat16
+        for k in (512, 2048):        # ratio 4's top-512; ratio 128 at a configured 256K
+            assert cfg_mod.choose_backend_for(dev, 64, bf16, True, LaunchConfig(), 128, k)[0] == "gluon"
+        assert cfg_mod.gluon_smem_bytes(64, 2, 128, 8192) > cfg_mod.SMEM_LIMIT
+        backend, resolved = cfg_mod.choose_backend_for(dev, 64, bf16, True, LaunchConfig(), 128, 8192)
+        assert (backend, resolved.backend) == ("triton", "triton")
+        forced = cfg_mod.choose_backend_for(dev, 64, bf16, True, LaunchConfig(backend="gluon"), 128, 8192)
+        assert forced[0] == "gluon"  # asked for by name: its launch refuses it with the reason
+    finally:
+        cfg_mod.choose_backend_for.cache_clear()
+
+
+@gluon_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("block_n, stages, loader_regs", [(64, 2, 0), (64, 2, 96), (32, 3, 0), (32, 2, 80)])
 @pytest.mark.parametrize("b, splits", [(1, 0), (8, 0), (64, 3), (130, 0)])
 def test_gpu_gluon_fp8_matches_reference(block_n, stages, loader_regs, b, splits):
