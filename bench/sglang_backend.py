@@ -90,10 +90,6 @@ def run_mode(mode: str, out: Path, contexts: list[int], batches: list[int], live
     import torch
 
     import sglang.srt.layers.attention.deepseek_v4_backend  # noqa: F401
-    # Imported here, not first inside rig.build: SGLang keeps the ImportError of flashinfer (absent here) in a
-    # module global (`_flashinfer_import_error`), and its traceback would hold build's frame, hence the first
-    # context's whole pool (the 43-layer device run ran out of memory at its second context).
-    import sglang.srt.layers.attention.deepseek_v4_trtllm_backend  # noqa: F401
 
     rig.install_stand_ins(mode)
     factory = rig.load_plugins_and_check(mode)

@@ -61,6 +61,11 @@ def load_plugins_and_check(mode: str) -> list[str]:
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
+    # Imported here, not first inside `build`: SGLang keeps flashinfer's ImportError (flashinfer is absent here)
+    # in a module global (`_flashinfer_import_error`), and its traceback would hold build's frame, hence that
+    # rig's whole pool, for the life of the process (the 43-layer device run ran out of memory at its second
+    # context).
+    import sglang.srt.layers.attention.deepseek_v4_trtllm_backend  # noqa: F401
     factory = ATTENTION_BACKENDS["dsv4"]
     wrapped = getattr(factory, "dsv4_stock", None) is not None
     if wrapped != (mode == "plugin"):

@@ -62,6 +62,11 @@ out = dict(factory=factory, ratios=[ratio for _, ratio in r.layers], topk=keep[0
                       mean_abs=o.float().abs().mean().item()) for o in outs],
            req_slots=[r.req_to_token_pool.req_to_token[i + 1, :{LIVE}].tolist() for i in range({BATCH})],
            same=same)
+import gc, weakref
+pool = weakref.ref(r.pool)
+del r, fb, inputs, m
+gc.collect()
+out["rig_freed"] = pool() is None
 print("RESULT " + json.dumps(out))
 """
 
@@ -126,6 +131,12 @@ def test_the_flashmla_cross_check_wraps_one_decode_call_per_layer(runs):
     for kind in ("window", "ratio4", "ratio128"):
         assert "FlashMLA cannot run here" in same[kind]["error"], same
     assert same["restored"] != "both", same
+
+
+def test_a_dropped_rig_frees_its_pool(runs):
+    """The device bench builds one rig per configured context in one process: a rig nothing references
+    must be freed (SGLang's module-level ImportError once held the first rig's frame and pool)."""
+    assert runs["stock"]["rig_freed"] and runs["plugin"]["rig_freed"]
 
 
 def test_plugin_outputs_are_finite(runs):
