@@ -28,6 +28,8 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 WHOLE_DIRS = ("sglang/srt/layers/attention/dsv4/", "sglang/kernels/ops/attention/dsv4/",
               "sglang/srt/layers/attention/dsa/")
+# read as source by the forced-sm_120 tests and bench (bench/sglang_sm120_baselines.py), never imported on sm_90
+SM120_FILES = ("sglang/kernels/ops/attention/flash_mla_sm120.py", "sglang/kernels/ops/attention/flash_mla_sm120_triton.py")
 JIT_SOURCES = ("sglang/kernels/jit/include/", "sglang/kernels/jit/csrc/")
 PURE = ("pydantic", "annotated_types", "typing_inspection", "dill", "openai", "httpx2", "sniffio")
 NATIVE = ("msgspec-0.23.0", "pydantic_core-2.46.4", "apache_tvm_ffi-0.1.11", "sgl_flash_mla-1.0.0")
@@ -133,6 +135,7 @@ def build(wheel_dir: Path, out: Path) -> list[str]:
                 if rel in names:
                     wanted.add(rel)
         wanted |= {n for n in names if n.endswith(".py") and n.startswith(WHOLE_DIRS)}
+        wanted |= set(SM120_FILES) & names
         wanted = module_level_closure(wheel, names, wanted)
         wanted |= {n for n in names if n.endswith("dist-info/METADATA") or n.endswith("dist-info/RECORD")}
         wanted |= {n for n in names if n.startswith(JIT_SOURCES) and not n.endswith("/")}  # its loader asserts they exist at import
