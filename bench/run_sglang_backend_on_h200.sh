@@ -7,7 +7,7 @@
 # every context in CONTEXTS (default 128K, which holds the equality case the GPU test checks, then 8K and 1M),
 # rows written as they come; then the report, then the GPU test on those two mode results (SGLANG_BACKEND_RUNS:
 # no second SGLang import and JIT compile per mode). Extra arguments go to the bench (e.g. --reps 3
-# --layer-ids 0,2,3 --batches 1,8,64).
+# --layer-ids 0,2,3 --batches 1,8,64). MODES (default "stock plugin") picks the modes.
 set -uo pipefail
 : "${CARRY:?CARRY must name the folder bench/sglang_backend_carry.py wrote}"
 carry=$(cd "$CARRY" && pwd)
@@ -22,7 +22,7 @@ python3 -c 'import importlib.metadata as m, torch, flash_mla; print("sglang", m.
   2>&1 | tee "$OUT/bench.log"  # $OUT returns 8 files at most: logs go to bench.log and tests.log
 contexts=${CONTEXTS:-131072,8192,1048576}
 bench_dir=${BENCH_DIR:-/tmp/bench}  # the mode results; a second run in the same call wants its own
-for mode in stock plugin; do
+for mode in ${MODES:-stock plugin}; do
   timeout "${MODE_TIMEOUT:-120}" python3 -m bench.sglang_backend mode $mode $bench_dir \
     --contexts "$contexts" "$@" >> "$OUT/bench.log" 2>&1
   echo "$mode rc=$?" | tee -a "$OUT/bench.log"

@@ -83,6 +83,9 @@ def capture(r: rig.Rig, fb, inputs):
     return graph, outs, replay
 
 
+KIND_LAYERS = (0, 2, 3)  # V4-Flash's first window-only, ratio-4 and ratio-128 layers
+
+
 def run_mode(mode: str, out: Path, contexts: list[int], batches: list[int], live: int, reps: int,
              layer_ids: list[int] | None = None) -> dict:
     rig.install_import_stand_ins()
@@ -304,14 +307,21 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--live", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--layer-ids", default=None, help="comma-separated layer ids (default: all 43)")
+    ap.add_argument("--then-each-kind", action="store_true",
+                    help="after the run, one per layer kind (ids 0 window, 2 ratio 4, 3 ratio 128) in this process, "
+                         "into OUT/kind_<id>/: where the step's time goes, without a fresh import per kind")
     a = ap.parse_args(argv)
     if a.what == "report":
         report(Path(a.args[0]))
         return 0
     mode, out = a.args
     Path(out).mkdir(parents=True, exist_ok=True)
-    run_mode(mode, Path(out), [int(x) for x in a.contexts.split(",")], [int(x) for x in a.batches.split(",")],
-             a.live, a.reps, None if a.layer_ids is None else [int(x) for x in a.layer_ids.split(",")])
+    contexts, batches = [int(x) for x in a.contexts.split(",")], [int(x) for x in a.batches.split(",")]
+    run_mode(mode, Path(out), contexts, batches, a.live, a.reps,
+             None if a.layer_ids is None else [int(x) for x in a.layer_ids.split(",")])
+    for layer in (KIND_LAYERS if a.then_each_kind else ()):
+        (Path(out) / f"kind_{layer}").mkdir(exist_ok=True)
+        run_mode(mode, Path(out) / f"kind_{layer}", contexts, batches, a.live, a.reps, [layer])
     return 0
 
 

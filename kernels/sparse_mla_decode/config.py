@@ -143,14 +143,18 @@ def _choose(device, h, dtype, is_fp8, config):
 def choose_backend_for(device: torch.device, h: int, dtype: torch.dtype, is_fp8: bool, config: LaunchConfig,
                        w: int, k: int):
     """`choose_backend` for a call with w window and k extra indices per query. The Gluon kernel stages a
-    query's whole index table in shared memory; where that table does not fit (SGLang hands ratio-128 layers
-    max_context / 128 extra indices: 8,192 at a configured 1M), an "auto" call goes to the Triton kernel,
-    which streams its indices. A call that asked for "gluon" keeps it (and its launch says why it cannot)."""
+    query's whole index table in shared memory; where the table and the row stages do not fit (SGLang hands
+    ratio-128 layers max_context / 128 extra indices: 8,192 at a configured 1M), an "auto" call whose block size
+    was left to the table takes block_n 32 (half the row stages' bytes; the table is the same), and where that
+    does not fit either, the Triton kernel, which streams its indices. A call that asked for "gluon" or for a
+    block size keeps them (and its launch says why it cannot)."""
     backend, resolved_config = choose_backend(device, h, dtype, is_fp8, config)
-    if (backend == "gluon" and config.backend == "auto"
-            and gluon_smem_bytes(resolved_config.block_n, resolved_config.num_stages, w, k) > SMEM_LIMIT):
-        return choose_backend(device, h, dtype, is_fp8, replace(config, backend="triton"))
-    return backend, resolved_config
+    if (backend != "gluon" or config.backend != "auto"
+            or gluon_smem_bytes(resolved_config.block_n, resolved_config.num_stages, w, k) <= SMEM_LIMIT):
+        return backend, resolved_config
+    if config.block_n == 0 and gluon_smem_bytes(32, resolved_config.num_stages, w, k) <= SMEM_LIMIT:
+        return "gluon", resolved(replace(config, block_n=32, num_stages=resolved_config.num_stages), "gluon", is_fp8)
+    return choose_backend(device, h, dtype, is_fp8, replace(config, backend="triton"))
 
 
 def _gluon_unavailable(device, gpu, h, dtype) -> str | None:

@@ -60,18 +60,22 @@ def test_gpu_auto_backend_is_gluon_for_v4_bf16():
 
 @gluon_gpu
 @pytest.mark.gpu
-def test_gpu_auto_backend_takes_an_index_table_too_wide_for_gluon():
-    """SGLang hands ratio-128 layers max_context / 128 extra indices: 8,192 at a configured 1M, a table the
-    Gluon kernel cannot stage. auto runs it (on Triton) and equals the reference; forced Gluon says why not."""
-    c = make_case(3, 64, 128, 8192, 8192, 16384, device="cuda", seed=11)
-    out, lse = sparse_mla_decode(**c)
-    ref_out, ref_lse = reference64(c)
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("k", [8192, 16384])
+def test_gpu_auto_backend_takes_an_index_table_too_wide_for_the_default_gluon_block(fp8, k):
+    """SGLang hands ratio-128 layers max_context / 128 extra indices: 8,192 at a configured 1M (Gluon at
+    block_n 32), 16,384 at 2M (Triton). auto runs both and equals the reference; forced Gluon at block_n 64
+    says why not."""
+    c = make_case(3, 64, 128, k, 8192, 16384, device="cuda", seed=11 + k + fp8)
+    run, (ref_out, ref_lse) = _v4_call(c, fp8, LaunchConfig())
+    out, lse = run()
     assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
+    run, _ = _v4_call(c, fp8, LaunchConfig(backend="gluon", block_n=64))
     with pytest.raises(SparseDecodeInputError, match="shared memory"):
-        sparse_mla_decode_triton(**c, config=LaunchConfig(backend="gluon"))
+        run()
 
 
-def test_auto_goes_to_triton_only_where_the_gluon_index_table_does_not_fit(monkeypatch):
+def test_auto_takes_a_smaller_gluon_block_then_triton_where_the_index_table_does_not_fit(monkeypatch):
     from dsv4_cluster.kernels.sparse_mla_decode import config as cfg_mod
 
     def table_row(device, h, dtype, is_fp8, config):  # what the dispatch table gives an sm_90 H200 at 64 heads
@@ -82,13 +86,21 @@ def test_auto_goes_to_triton_only_where_the_gluon_index_table_does_not_fit(monke
     cfg_mod.choose_backend_for.cache_clear()
     try:
         dev, bf16 = torch.device("cpu"), torch.bfloat16
+
+        def choice(config, k):
+            backend, resolved = cfg_mod.choose_backend_for(dev, 64, bf16, True, config, 128, k)
+            assert resolved.backend == backend
+            return backend, resolved.block_n
+
         for k in (512, 2048):        # ratio 4's top-512; ratio 128 at a configured 256K
-            assert cfg_mod.choose_backend_for(dev, 64, bf16, True, LaunchConfig(), 128, k)[0] == "gluon"
+            assert choice(LaunchConfig(), k) == ("gluon", 64)
         assert cfg_mod.gluon_smem_bytes(64, 2, 128, 8192) > cfg_mod.SMEM_LIMIT
-        backend, resolved = cfg_mod.choose_backend_for(dev, 64, bf16, True, LaunchConfig(), 128, 8192)
-        assert (backend, resolved.backend) == ("triton", "triton")
-        forced = cfg_mod.choose_backend_for(dev, 64, bf16, True, LaunchConfig(backend="gluon"), 128, 8192)
-        assert forced[0] == "gluon"  # asked for by name: its launch refuses it with the reason
+        assert choice(LaunchConfig(), 8192) == ("gluon", 32)       # ratio 128 at a configured 1M
+        assert cfg_mod.gluon_smem_bytes(32, 2, 128, 16384) > cfg_mod.SMEM_LIMIT
+        assert choice(LaunchConfig(), 16384) == ("triton", 64)     # at 2M
+        # asked for by name or block size: kept, and its launch refuses it with the reason
+        assert choice(LaunchConfig(backend="gluon"), 16384) == ("gluon", 64)
+        assert choice(LaunchConfig(block_n=64), 8192) == ("triton", 64)
     finally:
         cfg_mod.choose_backend_for.cache_clear()
 
