@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -43,3 +44,29 @@ def test_counted_adapter_bumps_its_counter_and_is_recognised(tmp_path: Path) -> 
     publisher = CounterPublisher(tmp_path, 3, counters)
     publisher.publish()
     assert read_json(tmp_path / "counters-rank3.json")["counts"] == {"sparse_mla_decode": 0, "indexer": 1, "topk": 2}
+
+
+def test_counter_publisher_keeps_publishing_after_a_failed_snapshot(tmp_path: Path, monkeypatch) -> None:
+    from dsv4_cluster.kernels.sglang_plugin import attestation
+
+    monkeypatch.setattr(attestation, "COUNTER_PERIOD_S", 0.05)
+    counters = Counters("cpu")
+    publisher = CounterPublisher(tmp_path, 0, counters)
+    calls = {"n": 0}
+    real = publisher.snapshot
+
+    def flaky() -> list[int]:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        return real()
+
+    monkeypatch.setattr(publisher, "snapshot", flaky)
+    publisher.start()
+    counters.bump("indexer")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and calls["n"] < 4:
+        time.sleep(0.02)
+    publisher.stop()
+    assert calls["n"] >= 4 and publisher.last_error and "capturing" in publisher.last_error
+    assert read_json(tmp_path / "counters-rank0.json")["counts"]["indexer"] == 1

@@ -71,6 +71,23 @@ def read_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
+CU_STREAM_CAPTURE_MODE_RELAXED = 2  # CUstreamCaptureMode (cuda.h)
+
+
+def relax_capture_mode() -> bool:
+    """Put the calling thread in CUDA's relaxed stream-capture mode (cuThreadExchangeStreamCaptureMode): its
+    own calls stay legal, and harmless, while another thread captures a CUDA graph in global mode. False
+    where the driver cannot be reached (no GPU)."""
+    import ctypes
+
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    mode = ctypes.c_int(CU_STREAM_CAPTURE_MODE_RELAXED)
+    return driver.cuThreadExchangeStreamCaptureMode(ctypes.byref(mode)) == 0
+
+
 class CounterPublisher:
     """Copies the device counters to a file every period, from a daemon thread it keeps."""
 
@@ -78,6 +95,10 @@ class CounterPublisher:
         self.path = counters_path(folder, rank)
         self.counters = counters
         self._stop = threading.Event()
+        self._stream: Any = None
+        self._host: Any = None
+        self.relaxed: bool | None = None  # whether the thread runs in CUDA's relaxed capture mode (None: not started)
+        self.last_error: str | None = None
         self.thread = threading.Thread(target=self._run, name=f"dsv4-counters-rank{rank}", daemon=True)
 
     def start(self) -> CounterPublisher:
@@ -91,19 +112,29 @@ class CounterPublisher:
         values = self.counters.values
         if values.device.type != "cuda":
             return [int(v) for v in values.tolist()]
-        stream = torch.cuda.Stream(device=values.device)
-        with torch.cuda.stream(stream):
-            host = values.to("cpu", non_blocking=True)
-        stream.synchronize()
-        return [int(v) for v in host.tolist()]
+        if self._stream is None:  # made once, by the first caller (start(): the thread that installed us)
+            self._stream = torch.cuda.Stream(device=values.device)
+            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        with torch.cuda.stream(self._stream):
+            self._host.copy_(values, non_blocking=True)
+        self._stream.synchronize()
+        return [int(v) for v in self._host.tolist()]
 
     def publish(self) -> None:
         counts = dict(zip(KERNEL_NAMES, self.snapshot()))
         _write_json(self.path, {"pid": os.getpid(), "time": time.time(), "counts": counts})
 
     def _run(self) -> None:
+        # SGLang captures its decode graphs in the default (global) capture mode, in which a copy from any other
+        # thread of a thread in that mode invalidates the capture (seen on the H200: "operation not permitted
+        # when stream is capturing" here, the capture of SGLang's backend failed). This thread only copies on
+        # its own stream, which is safe beside a capture: it declares so (relaxed mode, per thread).
+        self.relaxed = relax_capture_mode()
         while not self._stop.wait(COUNTER_PERIOD_S):
-            self.publish()
+            try:
+                self.publish()
+            except Exception as e:  # a snapshot that fails once must not end the publishing for good
+                self.last_error = f"{type(e).__name__}: {e}"
 
     def stop(self) -> None:
         self._stop.set()
