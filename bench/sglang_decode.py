@@ -17,6 +17,7 @@ import time
 import torch
 
 from bench.kernels import RESULTS, bench_us, copy_bandwidth_gbs, print_table, write_results
+from bench.sparse_decode import graphed
 from dsv4_cluster.kernels.sglang_adapters import flash_mla_with_kvcache, fp8_paged_mqa_logits, topk_transform_paged_v2
 from dsv4_cluster.kernels.sparse_mla_decode.launch import LaunchConfig
 from dsv4_cluster.kernels.sglang_cases import LAYERS, decode_case, indexer_case, live_rows
@@ -24,18 +25,11 @@ from dsv4_cluster.kernels.sglang_cases import LAYERS, decode_case, indexer_case,
 BATCHES = (1, 8, 32, 64, 128, 256)
 
 
-def _graphed(fn):
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def _time(fn) -> tuple[float, float]:
     """(graph replay us, eager us): medians over >= 100 ms of back-to-back calls, L2 flushed before each."""
-    return bench_us(_graphed(fn), 25, 100), bench_us(fn, 25, 100)
+    return bench_us(graphed(fn), 25, 100), bench_us(fn, 25, 100)
 
 
 def host_us(fn, calls: int = 200) -> float:
@@ -138,8 +132,8 @@ def indexer_rows(copy_gbs: float) -> list[dict]:
 
             us, eager = _time(step)
             per_cap[cap] = us
-            upcast_us = bench_us(_graphed(lambda c=c: _fused(c, fp8_dot=False)), 25, 100)
-            fp8_dot_us = bench_us(_graphed(lambda c=c: _fused(c, fp8_dot=True)), 25, 100)
+            upcast_us = bench_us(graphed(lambda c=c: _fused(c, fp8_dot=False)), 25, 100)
+            fp8_dot_us = bench_us(graphed(lambda c=c: _fused(c, fp8_dot=True)), 25, 100)
             gbs = 32 * length * 132 / (us * 1e-6) / 1e9
             rows.append(dict(bench="indexer_topk", L=context, entries=length, capacity=cap, impl="adapters", us=us,
                              us_eager=eager, host_us=host_us(step), eager_over_graph=eager / us, GBps_keys=gbs,

@@ -20,9 +20,7 @@ from dsv4_cluster.kernels.indexer.shapes import IndexerInputError, check_indexer
 from dsv4_cluster.kernels.indexer.triton_indexer import default_split, fp8_pages_ok, load_query, score_block
 from dsv4_cluster.kernels.topk.radix_passes import (
     gather,
-    initial_state,
-    local_histogram,
-    publish_and_advance,
+    select_passes,
     sortable_key,
 )
 from dsv4_cluster.kernels.topk.radix_select import capped_split, workspace_size
@@ -49,15 +47,8 @@ def _indexer_topk_kernel(
                             stride_sp, dim, PER_PAGE, BLOCK_D, FP8, IEEE, MASK_D)
         tl.store(row_ptr + t, score, mask=t < n)
         acc += tl.histogram((sortable_key(score) >> 24).to(tl.int32), 256, mask=t < n)
-    needed, prefix, nbits, ties, done = initial_state(n, k)
-    if done == 0:
-        needed, prefix, nbits, ties, done = publish_and_advance(acc, hist_ptr, bar_ptr, 0, b, batch, split,
-                                                                needed, prefix, nbits, ties, done)
-    for p in tl.static_range(1, 4):
-        if done == 0:
-            acc = local_histogram(row_ptr, n, pid, split, prefix, p, BLOCK)
-            needed, prefix, nbits, ties, done = publish_and_advance(acc, hist_ptr, bar_ptr, p, b, batch, split,
-                                                                    needed, prefix, nbits, ties, done)
+    needed, prefix, nbits, ties, done = select_passes(row_ptr, n, k, pid, split, hist_ptr, bar_ptr, b, batch, acc,
+                                                      True, BLOCK)
     gather(row_ptr, out_ptr + b * stride_ob, count_ptr + b, n, k, pid, split, needed, prefix, nbits, ties,
            BLOCK, K_BLOCK)
 

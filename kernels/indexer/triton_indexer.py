@@ -10,6 +10,8 @@ the score buffer past lens[b] are never touched.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -118,27 +120,18 @@ def indexer_triton(
     per_page = check_indexer_inputs(q, weights, k_cache, page_table, lens, key_kind="float")
     if k_cache.dtype != q.dtype:
         raise IndexerInputError(f"k_cache dtype {k_cache.dtype} must equal q's {q.dtype}; cast one of them")
-    return _launch(q, weights, k_cache, None, page_table, lens, per_page, out, split, block_t, num_warps, num_stages,
-                   stride_kp=k_cache.stride(0), stride_ke=k_cache.stride(1), stride_sp=0, kdim_stride=k_cache.stride(2))
+    return _launch(q, weights, k_cache, None, page_table, lens, per_page, out=out, split=split, block_t=block_t,
+                   num_warps=num_warps, num_stages=num_stages, stride_kp=k_cache.stride(0),
+                   stride_ke=k_cache.stride(1), stride_sp=0, kdim_stride=k_cache.stride(2))
 
 
-def indexer_fp8_triton(
-    q: torch.Tensor,
-    weights: torch.Tensor,
-    k_cache_fp8: torch.Tensor,
-    page_table: torch.Tensor,
-    lens: torch.Tensor,
-    *,
-    out: torch.Tensor | None = None,
-    split: int | None = None,
-    block_t: int = 128,
-    num_warps: int = 4,
-    num_stages: int = 3,
-) -> torch.Tensor:
+def indexer_fp8_triton(q: torch.Tensor, weights: torch.Tensor, k_cache_fp8: torch.Tensor, page_table: torch.Tensor,
+                       lens: torch.Tensor, **options: Any) -> torch.Tensor:
     """`indexer_triton` on fp8 keys: k_cache_fp8 uint8 [P, E*(Di+4)] (each page's bytes contiguous, pages
     stride(0) bytes apart, a multiple of 16: the KV pool's page-major region), layout of `fp8_keys`
     (Di % 4 == 0). Keys are widened to q's dtype (exact for e4m3 into bf16) and each entry's dot
-    products scaled by its fp32 scale before the relu. Other shapes as `indexer_triton`.
+    products scaled by its fp32 scale before the relu. Other shapes and the options (out, split, block_t,
+    num_warps, num_stages) as `indexer_triton`.
     """
     per_page = check_indexer_inputs(q, weights, k_cache_fp8, page_table, lens, key_kind="fp8")
     dim = q.shape[-1]
@@ -147,13 +140,12 @@ def indexer_fp8_triton(
                                 f"16-B apart (got strides {k_cache_fp8.stride()})")
     scales = k_cache_fp8.view(torch.float32)  # same bytes, one page = E*(Di+4)/4 floats
     scale_base = scales[:, per_page * dim // 4 :]
-    return _launch(q, weights, k_cache_fp8, scale_base, page_table, lens, per_page, out, split, block_t, num_warps,
-                   num_stages,
+    return _launch(q, weights, k_cache_fp8, scale_base, page_table, lens, per_page, **options,
                    stride_kp=k_cache_fp8.stride(0), stride_ke=dim, stride_sp=scales.stride(0), kdim_stride=1)
 
 
-def _launch(q, weights, keys, scales, page_table, lens, per_page, out, split, block_t, num_warps, num_stages,
-            *, stride_kp, stride_ke, stride_sp, kdim_stride):
+def _launch(q, weights, keys, scales, page_table, lens, per_page, *, stride_kp, stride_ke, stride_sp, kdim_stride,
+            out=None, split=None, block_t=128, num_warps=4, num_stages=3):
     batch, heads, dim = q.shape
     if heads > 256 or dim > 256:
         raise IndexerInputError(f"indexer_triton supports Hi, Di <= 256; got Hi={heads}, Di={dim}")

@@ -41,8 +41,8 @@ def sparse_mla_decode_fp8(q: torch.Tensor, kv_cache: torch.Tensor, window_idx: t
 
         return sparse_mla_decode_fp8_triton(q, kv_cache, window_idx, extra_cache, extra_idx, sink, scale,
                                             window_lens, extra_lens)
-    return sparse_mla_decode_fp8_ref(q, kv_cache, window_idx, extra_cache, extra_idx, sink, scale,
-                                     window_lens, extra_lens)
+    return sparse_mla_decode_fp8_ref(q, kv_cache, window_idx, extra_cache, extra_idx, sink=sink, scale=scale,
+                                     window_lens=window_lens, extra_lens=extra_lens)
 
 
 __all__ = [

@@ -97,6 +97,20 @@ def stage_q_and_indices(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_p
 
 
 @gluon.jit
+def _table_ready(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_ptr, stride_eb, b, nbw, wlen, elen,
+                 q_smem, idx_all, t_bar, q_bar, MAXB: gl.constexpr, BN: gl.constexpr, EARLY_TABLE: gl.constexpr,
+                 trace_row, TRACE: gl.constexpr):
+    """A loader's start: stage Q and the index table (unless the early-table path already did), then wait
+    until the table has landed, since the loader reads it next (Q is the compute warpgroups' to wait for)."""
+    if not EARLY_TABLE:
+        stage_q_and_indices(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_ptr, stride_eb, b, nbw, wlen,
+                            elen, q_smem, idx_all, t_bar, q_bar, MAXB, BN)
+    mbarrier.wait(t_bar, 0)
+    if TRACE:
+        _stamp(trace_row, 2)
+
+
+@gluon.jit
 def _loader(q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
             widx_ptr, stride_wb, eidx_ptr, stride_eb,
             b, lo, hi, nbw, nbw_t, wlen, elen,
@@ -106,12 +120,8 @@ def _loader(q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
             trace_row, TRACE: gl.constexpr):
     NW: gl.constexpr = gl.num_warps()
     rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
-    if not EARLY_TABLE:
-        stage_q_and_indices(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_ptr, stride_eb, b, nbw, wlen,
-                            elen, q_smem, idx_all, t_bar, q_bar, MAXB, BN)
-    mbarrier.wait(t_bar, 0)  # the table is read below (Q is the compute warpgroups' to wait for)
-    if TRACE:
-        _stamp(trace_row, 2)
+    _table_ready(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_ptr, stride_eb, b, nbw, wlen, elen,
+                 q_smem, idx_all, t_bar, q_bar, MAXB, BN, EARLY_TABLE, trace_row, TRACE)
 
     offs_d = gl.arange(0, D_ALL, layout=gl.SliceLayout(0, rows_l))
     for j in range(lo, hi):
@@ -251,12 +261,8 @@ def _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr,
     RPB: gl.constexpr = BN // R
     # The bf16 stage seen as int32 words: the same bytes and 128-byte swizzle (32 words = 64 dims per line).
     words_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-    if not EARLY_TABLE:
-        stage_q_and_indices(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_ptr, stride_eb, b, nbw, wlen,
-                            elen, q_smem, idx_all, t_bar, q_bar, MAXB, BN)
-    mbarrier.wait(t_bar, 0)  # the table is read below (Q is the compute warpgroups' to wait for)
-    if TRACE:
-        _stamp(trace_row, 2)
+    _table_ready(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_ptr, stride_eb, b, nbw, wlen, elen,
+                 q_smem, idx_all, t_bar, q_bar, MAXB, BN, EARLY_TABLE, trace_row, TRACE)
     j0 = gl.where(PROBE == 2, hi, lo)
     n4, s4, n2, s2, n1, s1, rp = _load_round(idx_all, j0, hi, nbw, nbw_t, wlen, elen, kv_ptr, ekv_ptr, 0, R, MAXB, BN,
                                              W_SHIFT, W_PAGE, E_SHIFT, E_PAGE)

@@ -8,6 +8,8 @@ There is one KV head and V = K (all D dims). Math is done in float32 (float64 fo
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from . import checks
@@ -102,15 +104,13 @@ def sparse_mla_decode_fp8_ref(
     window_idx: torch.Tensor,
     extra_cache: torch.Tensor | None = None,
     extra_idx: torch.Tensor | None = None,
-    sink: torch.Tensor | None = None,
-    scale: float | None = None,
-    window_lens: torch.Tensor | None = None,
-    extra_lens: torch.Tensor | None = None,
+    **options: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference for the V4 fp8 layout: dequantise the caches (exactly), then `sparse_mla_decode_ref`.
 
     kv_cache / extra_cache: uint8 [pages, 37440] (see fp8_layout); indices are slots page * 64 + offset.
-    Every other argument and both outputs are as in `sparse_mla_decode_ref`, with D = 512.
+    options (sink, scale, window_lens, extra_lens), the other arguments and both outputs are as in
+    `sparse_mla_decode_ref`, with D = 512.
     """
     check_cache(kv_cache, "kv_cache")
     kv = dequantize_kv_v4(kv_cache)
@@ -118,7 +118,7 @@ def sparse_mla_decode_fp8_ref(
     if extra_cache is not None:
         check_cache(extra_cache, "extra_cache")
         extra = dequantize_kv_v4(extra_cache)
-    return sparse_mla_decode_ref(q, kv, window_idx, extra, extra_idx, sink, scale, window_lens, extra_lens)
+    return sparse_mla_decode_ref(q, kv, window_idx, extra, extra_idx, **options)
 
 
 def sparse_mla_decode_paged_ref(q: torch.Tensor, window: tuple, extra: tuple | None = None,

@@ -80,6 +80,23 @@ def local_histogram(row_ptr, n, pid, split, prefix, PASS: tl.constexpr, BLOCK: t
 
 
 @triton.jit
+def select_passes(row_ptr, n, k, pid, split, hist_ptr, bar_ptr, b, batch, first_hist,
+                  HAS_FIRST: tl.constexpr, BLOCK: tl.constexpr):
+    """One row's radix passes (up to four, meeting the row's other programs after each): the state `gather`
+    takes. HAS_FIRST: pass 0's local histogram is `first_hist` (the fused indexer counts it while scoring);
+    otherwise every pass reads the row (`first_hist` is then only a placeholder of its type)."""
+    needed, prefix, nbits, ties, done = initial_state(n, k)
+    acc = first_hist
+    for p in tl.static_range(4):
+        if done == 0:
+            if p > 0 or not HAS_FIRST:
+                acc = local_histogram(row_ptr, n, pid, split, prefix, p, BLOCK)
+            needed, prefix, nbits, ties, done = publish_and_advance(acc, hist_ptr, bar_ptr, p, b, batch, split,
+                                                                    needed, prefix, nbits, ties, done)
+    return needed, prefix, nbits, ties, done
+
+
+@triton.jit
 def gather(row_ptr, out_row_ptr, count_ptr, n, k, pid, split, needed, prefix, nbits, ties,
            BLOCK: tl.constexpr, K_BLOCK: tl.constexpr):
     """Write the winners' indices: entries above the pivot key (and pivot-key entries when all of

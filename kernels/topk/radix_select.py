@@ -25,7 +25,7 @@ from dsv4_cluster.kernels.topk.radix_passes import (
     gather,
     initial_state,
     local_histogram,
-    publish_and_advance,
+    select_passes,
 )
 from dsv4_cluster.kernels.topk.reference import TopkInputError, check_lens_in_range, check_topk_inputs
 
@@ -45,12 +45,8 @@ def _topk_one_launch_kernel(scores_ptr, stride_sb, lens_ptr, hist_ptr, bar_ptr, 
     b = tl.program_id(1)
     n = tl.minimum(tl.maximum(tl.load(lens_ptr + b).to(tl.int32), 0), width)
     row_ptr = scores_ptr + b.to(tl.int64) * stride_sb
-    needed, prefix, nbits, ties, done = initial_state(n, k)
-    for p in tl.static_range(4):
-        if done == 0:
-            acc = local_histogram(row_ptr, n, pid, split, prefix, p, BLOCK)
-            needed, prefix, nbits, ties, done = publish_and_advance(acc, hist_ptr, bar_ptr, p, b, batch, split,
-                                                                    needed, prefix, nbits, ties, done)
+    needed, prefix, nbits, ties, done = select_passes(row_ptr, n, k, pid, split, hist_ptr, bar_ptr, b, batch,
+                                                      tl.zeros([NUM_BINS], dtype=tl.int32), False, BLOCK)
     gather(row_ptr, out_ptr + b * stride_ob, count_ptr + b, n, k, pid, split, needed, prefix, nbits, ties,
            BLOCK, K_BLOCK)
 
