@@ -46,7 +46,7 @@ def _topk_one_launch_kernel(scores_ptr, stride_sb, lens_ptr, hist_ptr, bar_ptr, 
     n = tl.minimum(tl.maximum(tl.load(lens_ptr + b).to(tl.int32), 0), width)
     row_ptr = scores_ptr + b.to(tl.int64) * stride_sb
     needed, prefix, nbits, ties, done = select_passes(row_ptr, n, k, pid, split, hist_ptr, bar_ptr, b, batch,
-                                                      tl.zeros([NUM_BINS], dtype=tl.int32), False, BLOCK)
+                                                      tl.zeros([256], dtype=tl.int32), False, BLOCK)
     gather(row_ptr, out_ptr + b * stride_ob, count_ptr + b, n, k, pid, split, needed, prefix, nbits, ties,
            BLOCK, K_BLOCK)
 

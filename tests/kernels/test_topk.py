@@ -124,3 +124,31 @@ def test_gpu_graph_captured_at_max_width_replays_at_many_lengths():
         n.copy_(torch.tensor(lens, dtype=torch.int32))
         graph.replay()
         assert_same_sets(out.cpu(), topk_ref(s, n, k).cpu(), lens)
+
+
+COMPILE_SM90 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from dsv4_cluster.kernels.topk.radix_select import _topk_one_launch_kernel
+sig = {"scores_ptr": "*fp32", "stride_sb": "i32", "lens_ptr": "*i32", "hist_ptr": "*i32", "bar_ptr": "*i32",
+       "count_ptr": "*i32", "out_ptr": "*i32", "stride_ob": "i32", "k": "i32", "width": "i32", "batch": "i32",
+       "split": "i32", "BLOCK": "constexpr", "K_BLOCK": "constexpr"}
+src = ASTSource(_topk_one_launch_kernel, sig, constexprs={"BLOCK": 1024, "K_BLOCK": 512})
+compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+print("COMPILED", sorted(k for k, v in compiled.asm.items() if v))
+"""
+
+
+def test_one_launch_kernel_compiles_for_sm90_without_a_gpu():
+    """The one-launch kernel (a per-row barrier) runs on GPUs only, never in the interpreter: compile it for
+    sm_90 here, to cubin, in a child without TRITON_INTERPRET, so a frontend error (a non-constexpr global read
+    in a @jit function once broke it on the H200 alone) fails in CI."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", COMPILE_SM90], capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "'cubin'" in done.stdout and "'ptx'" in done.stdout, done.stdout
