@@ -215,7 +215,12 @@ class _Connection(asyncio.Protocol):
         self.requests += 1
         self._got_bytes = False
         self.response = Response(self)
-        self.transport.write(head + body)
+        try:
+            self.transport.write(head + body)
+        except RuntimeError as exc:  # uvloop: the transport closed under us (the worker went away while idle)
+            self.alive = False
+            self._fail(ConnectionLost(f"connection to {self._origin.name} lost before answering ({exc})",
+                                      before_response=True, reused=self.requests > 1))
         return self.response
 
     def pause(self) -> None:
@@ -267,7 +272,10 @@ class Origin:
         limit = time.monotonic() - self._keepalive_s
         while self._idle:
             conn = self._idle.pop()
-            if conn.alive and conn.idle_since > limit:
+            # is_closing: closed but not yet told (connection_lost runs on a later loop turn), or the worker's
+            # close went unnoticed while reading was paused: writing to it would fail (a decode killed and
+            # restarted while this connection sat idle)
+            if conn.alive and conn.idle_since > limit and not conn.transport.is_closing():
                 return conn
             conn.alive = False
             conn.transport.close()

@@ -1,0 +1,89 @@
+"""The router's upstream HTTP client against a real loopback server, under uvloop as the router runs: a pooled
+connection whose transport closed while it sat idle is never written to (a decode worker killed and restarted
+under a held stream once crashed the router's ASGI app here: "unable to perform operation on TCPTransport
+closed=True")."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from dsv4_cluster.router.http_client import ConnectionLost, Origin
+
+uvloop = pytest.importorskip("uvloop")
+
+ANSWER = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
+
+
+async def _server() -> tuple[asyncio.AbstractServer, int, list[int]]:
+    served: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                                  if line.lower().startswith(b"content-length")))
+                await reader.readexactly(length)
+                served.append(1)
+                writer.write(ANSWER)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):  # the client closed its connection
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1], served
+
+
+async def _request(origin: Origin) -> int:
+    response = await origin.request("POST", "/generate", b"{}")
+    await response.wait_head(5)
+    status = response.status
+    response.close()
+    return status
+
+
+def _run(coro) -> None:
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(coro)
+
+
+def test_an_idle_connection_closed_under_the_pool_is_skipped_not_written_to() -> None:
+    async def main() -> None:
+        server, port, served = await _server()
+        origin = Origin("decode worker 'decode-0'", f"http://127.0.0.1:{port}", 2.0, 30.0, 8)
+        try:
+            assert await _request(origin) == 200
+            idle = origin._idle[-1]
+            idle.transport.close()          # closed, connection_lost not yet delivered: still "alive"
+            assert idle.alive and idle.transport.is_closing()
+            assert await _request(origin) == 200   # on a fresh connection
+            assert len(served) == 2
+        finally:
+            origin.close()
+            server.close()
+            await server.wait_closed()
+
+    _run(main())
+
+
+def test_a_write_to_a_closed_transport_fails_the_request_as_lost_before_answering() -> None:
+    async def main() -> None:
+        server, port, _ = await _server()
+        origin = Origin("decode worker 'decode-0'", f"http://127.0.0.1:{port}", 2.0, 30.0, 8)
+        try:
+            assert await _request(origin) == 200
+            conn = origin._idle.pop()
+            conn.transport.close()
+            await asyncio.sleep(0)
+            response = conn.send(b"POST /generate HTTP/1.1\r\ncontent-length: 2\r\n\r\n", b"{}")
+            with pytest.raises(ConnectionLost) as lost:
+                await response.wait_head(5)
+            assert lost.value.before_response and lost.value.reused
+        finally:
+            origin.close()
+            server.close()
+            await server.wait_closed()
+
+    _run(main())
