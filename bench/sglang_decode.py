@@ -25,8 +25,6 @@ from dsv4_cluster.kernels.sglang_cases import LAYERS, decode_case, indexer_case,
 BATCHES = (1, 8, 32, 64, 128, 256)
 
 
-
-
 def _time(fn) -> tuple[float, float]:
     """(graph replay us, eager us): medians over >= 100 ms of back-to-back calls, L2 flushed before each."""
     return bench_us(graphed(fn), 25, 100), bench_us(fn, 25, 100)

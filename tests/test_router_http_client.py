@@ -6,6 +6,7 @@ closed=True")."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -16,7 +17,10 @@ uvloop = pytest.importorskip("uvloop")
 ANSWER = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
 
 
-async def _server() -> tuple[asyncio.AbstractServer, int, list[int]]:
+@contextlib.asynccontextmanager
+async def _origin_and_server():
+    """(Origin, served): the router's client for a loopback worker that answers every request 200 `{}` on
+    keep-alive connections (`served` counts the requests it answered)."""
     served: list[int] = []
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -33,7 +37,13 @@ async def _server() -> tuple[asyncio.AbstractServer, int, list[int]]:
             writer.close()
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    return server, server.sockets[0].getsockname()[1], served
+    origin = Origin("decode worker 'decode-0'", f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", 2.0, 30.0, 8)
+    try:
+        yield origin, served
+    finally:
+        origin.close()
+        server.close()
+        await server.wait_closed()
 
 
 async def _request(origin: Origin) -> int:
@@ -51,28 +61,20 @@ def _run(coro) -> None:
 
 def test_an_idle_connection_closed_under_the_pool_is_skipped_not_written_to() -> None:
     async def main() -> None:
-        server, port, served = await _server()
-        origin = Origin("decode worker 'decode-0'", f"http://127.0.0.1:{port}", 2.0, 30.0, 8)
-        try:
+        async with _origin_and_server() as (origin, served):
             assert await _request(origin) == 200
             idle = origin._idle[-1]
             idle.transport.close()          # closed, connection_lost not yet delivered: still "alive"
             assert idle.alive and idle.transport.is_closing()
             assert await _request(origin) == 200   # on a fresh connection
             assert len(served) == 2
-        finally:
-            origin.close()
-            server.close()
-            await server.wait_closed()
 
     _run(main())
 
 
 def test_a_write_to_a_closed_transport_fails_the_request_as_lost_before_answering() -> None:
     async def main() -> None:
-        server, port, _ = await _server()
-        origin = Origin("decode worker 'decode-0'", f"http://127.0.0.1:{port}", 2.0, 30.0, 8)
-        try:
+        async with _origin_and_server() as (origin, _):
             assert await _request(origin) == 200
             conn = origin._idle.pop()
             conn.transport.close()
@@ -81,9 +83,5 @@ def test_a_write_to_a_closed_transport_fails_the_request_as_lost_before_answerin
             with pytest.raises(ConnectionLost) as lost:
                 await response.wait_head(5)
             assert lost.value.before_response and lost.value.reused
-        finally:
-            origin.close()
-            server.close()
-            await server.wait_closed()
 
     _run(main())

@@ -92,19 +92,8 @@ def default_split(batch: int, device: torch.device) -> int:
     return max(1, 2 * sms // max(batch, 1))
 
 
-def indexer_triton(
-    q: torch.Tensor,
-    weights: torch.Tensor,
-    k_cache: torch.Tensor,
-    page_table: torch.Tensor,
-    lens: torch.Tensor,
-    *,
-    out: torch.Tensor | None = None,
-    split: int | None = None,
-    block_t: int = 128,
-    num_warps: int = 4,
-    num_stages: int = 3,
-) -> torch.Tensor:
+def indexer_triton(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, page_table: torch.Tensor,
+                   lens: torch.Tensor, **options: Any) -> torch.Tensor:
     """Indexer scores with Triton; same inputs and formula as `reference.indexer_ref`.
 
     Shapes: q [B, Hi, Di] (bf16, fp16 or fp32, last dim contiguous); weights [B, Hi] float;
@@ -116,12 +105,13 @@ def indexer_triton(
     fp32 inputs use IEEE fp32 dot products; bf16/fp16 accumulate in fp32.
     Under CUDA-graph capture, lens values are not checked (that would sync); the kernel clamps
     them to [0, max_pages*E].
+    options (keyword only; defaults in `_launch`): out; split, programs per request (None: `default_split`);
+    block_t, keys per program step (128); num_warps (4); num_stages (3).
     """
     per_page = check_indexer_inputs(q, weights, k_cache, page_table, lens, key_kind="float")
     if k_cache.dtype != q.dtype:
         raise IndexerInputError(f"k_cache dtype {k_cache.dtype} must equal q's {q.dtype}; cast one of them")
-    return _launch(q, weights, k_cache, None, page_table, lens, per_page, out=out, split=split, block_t=block_t,
-                   num_warps=num_warps, num_stages=num_stages, stride_kp=k_cache.stride(0),
+    return _launch(q, weights, k_cache, None, page_table, lens, per_page, **options, stride_kp=k_cache.stride(0),
                    stride_ke=k_cache.stride(1), stride_sp=0, kdim_stride=k_cache.stride(2))
 
 
