@@ -39,8 +39,24 @@ def bench_us(fn, warmup_ms: int = 50, rep_ms: int = 300) -> float:
     return 1e3 * triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
+def versions() -> dict:
+    """torch, Triton and the GPU of this run: every results file records them."""
+    import torch
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return dict(torch=torch.__version__, triton=triton_version, gpu=gpu)
+
+
 def write_results(name: str, payload: dict) -> pathlib.Path:
+    """bench/results/<name>.json: the payload with the run's versions (`versions`) beside it."""
     RESULTS.mkdir(parents=True, exist_ok=True)
+    payload = dict(payload, versions=payload.get("versions") or versions())
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path

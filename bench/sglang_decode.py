@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from bench.kernels import RESULTS, bench_us, copy_bandwidth_gbs, print_table, write_results
+from bench.kernels import RESULTS, bench_us, copy_bandwidth_gbs, print_table, versions, write_results
 from bench.sparse_decode import graphed
 from dsv4_cluster.kernels.sglang_adapters import flash_mla_with_kvcache, fp8_paged_mqa_logits, topk_transform_paged_v2
 from dsv4_cluster.kernels.sparse_mla_decode.launch import LaunchConfig
@@ -147,7 +147,8 @@ def indexer_rows(copy_gbs: float) -> list[dict]:
 
 
 def markdown(rows: list[dict], copy_gbs: float, device: str) -> str:
-    lines = [f"# sglang_decode on {device}", "",
+    v = versions()
+    lines = [f"# sglang_decode on {device}", "", f"torch {v['torch']}, Triton {v['triton']}.", "",
              f"Device copy in the same run: {copy_gbs:.0f} GB/s. `us`: cold-L2 median of CUDA-graph replays; "
              "`us_eager`: of eager calls. FlashMLA: sgl-flash-mla 1.0.0 called as SGLang 0.5.23 calls it "
              "(use_legacy=True, 256-token window pages). Full lists (window 128, extra 512).", "",

@@ -92,7 +92,7 @@ def gluon_unavailable(q: torch.Tensor, is_fp8: bool) -> str | None:
 
 # Gluon is experimental and its API moves between Triton releases (3.9 renamed the cp.async entry point
 # this kernel uses), so the kernel runs only on the releases it was built and tested with on the H200.
-GLUON_TRITON_RELEASES = ("3.6",)
+GLUON_TRITON_RELEASES = ("3.8",)
 
 
 def gluon_api_unavailable() -> str | None:

@@ -24,7 +24,7 @@ def _store_rows(tile, buf, base, stride_row):
     EPT: gl.constexpr = 128 // tile.dtype.primitive_bitwidth  # elements per 16-byte store
     RC: gl.constexpr = 16  # rows per pass (32 registers a thread)
     buf.store(tile)
-    gl.thread_barrier()
+    gl.barrier()
     l: gl.constexpr = gl.BlockedLayout([1, EPT], [1, 32], [NW, 1], [1, 0])
     offs_d = gl.arange(0, DH, layout=gl.SliceLayout(0, l))
     for r in gl.static_range(H_ALL // RC):
@@ -188,11 +188,12 @@ def _merge_splits(b, split, num_splits, counter_ptr, part_o_ptr, part_lse_ptr, s
 
 
 @gluon.jit
-def _out_buf(smem):
-    """A [64, 256] bf16 view of the start of `smem` (>= 32 KB), for `_store_rows`."""
+def _out_buf(smem, TILES: gl.constexpr):
+    """A [64, 256] bf16 view of the start of `smem`, for `_store_rows`. `smem` holds exactly TILES such tiles:
+    a reinterpretation keeps the buffer's whole size (Triton 3.8 refuses a smaller view), then the first."""
     DH: gl.constexpr = D_ALL // 2
-    return smem._reinterpret(gl.bfloat16, [H_ALL, DH],
-                             gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+    return smem._reinterpret(gl.bfloat16, [TILES, H_ALL, DH],
+                             gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)).index(0)
 
 
 @gluon.jit

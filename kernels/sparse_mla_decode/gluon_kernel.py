@@ -131,7 +131,7 @@ def _compute_s(b, split, num_splits, lo, hi, nbw, nbw_t, wlen, elen, qk_scale_lo
             p_op = gl.convert_layout(p, p_l)
             row_smem.index(pb).store(alpha)
             fence_async_shared()  # P is read by warpgroup 1's wgmma (async proxy)
-            gl.thread_barrier()
+            gl.barrier()
             mbarrier.arrive(pready.index(pb))
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             acc = warpgroup_mma(p_op, k.slice(0, DH, dim=1), acc, is_async=True)
@@ -141,11 +141,11 @@ def _compute_s(b, split, num_splits, lo, hi, nbw, nbw_t, wlen, elen, qk_scale_lo
         _stamp(trace_row, 6)
     row_smem.index(2).store(m_i)
     row_smem.index(3).store(l_i)
-    gl.thread_barrier()
+    gl.barrier()
     mbarrier.arrive(lready)
     # Q is read no more (the last S is done): its 64 KB stage this warpgroup's half of O
     _epilogue(acc, m_i, l_i, sink, b, split, num_splits, sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
-              part_o_ptr, part_lse_ptr, counter_ptr, _out_buf(q_smem), o_l, row_s, 0, SPLIT_OUT, HAS_SINK, FUSE_MERGE,
+              part_o_ptr, part_lse_ptr, counter_ptr, _out_buf(q_smem, 2), o_l, row_s, 0, SPLIT_OUT, HAS_SINK, FUSE_MERGE,
               SP, MHT, MDC)
     if TRACE:
         _stamp(trace_row, 7)
@@ -184,7 +184,7 @@ def _compute_pv(b, split, num_splits, lo, hi, sink_ptr, out_ptr, stride_ob, stri
     # lready: warpgroup 0 is past its last S, and this one past its last P V, so no block is read any more
     # and the loader has nothing in flight: the row stages stage this warpgroup's half of O
     _epilogue(acc, m_i, l_i, sink, b, split, num_splits, sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
-              part_o_ptr, part_lse_ptr, counter_ptr, _out_buf(k_smem), o_l, row_s, 1, SPLIT_OUT, HAS_SINK, FUSE_MERGE,
+              part_o_ptr, part_lse_ptr, counter_ptr, _out_buf(k_smem, NS * BN // 32), o_l, row_s, 1, SPLIT_OUT, HAS_SINK, FUSE_MERGE,
               SP, MHT, MDC)
     if TRACE:
         _stamp(trace_row, 8)
@@ -253,7 +253,7 @@ def _sparse_decode_ws_kernel(
         # Q and the index table (laid out by W and K: window block r in row r, extra block r in row
         # ceil(W / BN) + r) go out first, from these 4 warps, so that their round trip overlaps the load
         # of the per-query lengths below, which the table would otherwise wait for.
-        gl.thread_barrier()  # the barriers' inits are seen by every thread that arrives on them
+        gl.barrier()  # the barriers' inits are seen by every thread that arrives on them
         stage_q_and_indices(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_ptr, stride_eb, b,
                             (W + BN - 1) // BN, W, K, q_smem, idx_all, t_bar, q_bar, MAXB, BN)
         lo, hi, nbw, wlen, elen = _block_range(b, split, num_splits, W, K, wlen_ptr, elen_ptr, BN,

@@ -294,7 +294,7 @@ def _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr,
                 _store_dequant(k_words, c1, d1, r * R, R, 6, 1)
                 k_words.slice(r * R, R, dim=0).slice(224, 32, dim=1).store(cr)
         fence_async_shared()  # the generic-proxy stores above are read by wgmma (async proxy)
-        gl.thread_barrier()  # every loader thread's stores are in before the one arrive
+        gl.barrier()  # every loader thread's stores are in before the one arrive
         mbarrier.arrive(full.index(s))
     if TRACE:
         _stamp(trace_row, 3)

@@ -383,6 +383,6 @@ def test_gluon_is_refused_with_the_reason_on_an_untested_triton(monkeypatch):
     import triton
 
     monkeypatch.setattr(triton, "__version__", "3.9.0")
-    assert "Triton 3.6" in launch.gluon_api_unavailable()
-    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    assert "Triton 3.8" in launch.gluon_api_unavailable()
+    monkeypatch.setattr(triton, "__version__", "3.8.0")
     assert launch.gluon_api_unavailable() is None
