@@ -69,7 +69,7 @@ def install(attest_dir: str) -> dict[str, Any]:
     from dsv4_cluster.kernels.sglang_plugin.settings import PluginSettings
 
     def stock_flash_mla(*args: Any, **kwargs: Any) -> Any:
-        raise AssertionError("the stock FlashMLA call must have been replaced")
+        return "stock FlashMLA", sorted(kwargs)  # what the route table leaves stock reaches SGLang's own partial
 
     def backend() -> Any:
         b = DeepseekV4AttnBackend.__new__(DeepseekV4AttnBackend)
@@ -89,19 +89,25 @@ def install(attest_dir: str) -> dict[str, Any]:
         except PluginInstallError as e:
             out[case] = {"error": str(e)}
             continue
-        partial = b._flash_mla_with_kvcache
+        routed = b._flash_mla_with_kvcache
+        partial = getattr(routed, "dsv4_stock", routed)
+        import torch
+
+        q = torch.zeros(1, 1, 64, 512, dtype=torch.bfloat16)  # B = 1, window-only: stock on sm_90 (decode_routes)
         from sglang.kernels.ops.attention import flash_mla_sm120
         from sglang.kernels.ops.attention.dsv4 import topk as topk_module
         from sglang.srt.layers.attention.dsv4 import indexer as indexer_module
 
         out[case] = {"flash_mla_keywords": partial.keywords,
-                     "flash_mla_adapter": getattr(partial.func, "dsv4_adapter", partial.func).__module__,
+                     "flash_mla_adapter": getattr(routed, "dsv4_adapter", partial.func).__module__,
+                     "hooked": getattr(DeepseekV4AttnBackend, "dsv4_cluster_hooked", False),
                      "sm120_adapter": getattr(flash_mla_sm120.flash_mla_with_kvcache_sm120, "dsv4_adapter",
                                               flash_mla_sm120.flash_mla_with_kvcache_sm120).__module__,
                      "topk_adapters": [topk_module.topk_transform_paged_v2.dsv4_adapter.__module__,
                                        indexer_module.topk_transform_paged_v2.dsv4_adapter.__module__],
                      "attestation": read_json(Path(settings.attest_dir) / "rank1.json"),
                      "counters": read_json(Path(settings.attest_dir) / "counters-rank1.json")}
+        out[case]["stock_call"] = routed(q=q, k_cache=None) if gpu == "sm_90" else None
     return out
 
 

@@ -36,10 +36,11 @@ def test_detect_asks_nvidia_smi_and_reads_no_driver_as_unknown():
 
 
 @pytest.mark.parametrize("gpu,decode,site", [
-    ("sm_90", "ours: gluon, 64 heads (16 real at TP4)", "flash_mla_interface.flash_mla_with_kvcache"),
-    ("sm_100", "ours: triton, 64 heads (16 real at TP4)", "flash_mla_interface.flash_mla_with_kvcache; not ours: "
+    ("sm_90", "routed (16 real heads at TP4): ours at window B=64,128,256; c4 B=1,64; c128 B=1,64; else stock",
+     "flash_mla_interface.flash_mla_with_kvcache"),
+    ("sm_100", "routed (16 real heads at TP4): stock on every call", "flash_mla_interface.flash_mla_with_kvcache; not ours: "
                "decode_attention_sm100.swapab_attention, DeepseekV4TrtllmAttnBackend._forward_trtllm (opt-in)"),
-    ("sm_120", "ours: triton, 64 heads (16 real at TP4)", "flash_mla_sm120.flash_mla_with_kvcache_sm120"),
+    ("sm_120", "routed (16 real heads at TP4): ours on every call", "flash_mla_sm120.flash_mla_with_kvcache_sm120"),
 ])
 def test_the_production_topologys_kernels_by_class(gpu, decode, site):
     rows = gc.kernel_rows(load_topology(ROOT / "topology.yaml"), lambda w: gpu)

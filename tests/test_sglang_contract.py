@@ -110,7 +110,12 @@ def test_factory_installs_on_sglangs_backend_class_and_fails_closed(children: di
                   "sglang.srt.layers.attention.dsv4.indexer.topk_transform_paged_v2"]
     assert att["call_sites"] == {"sparse_mla_decode": ["DeepseekV4AttnBackend._flash_mla_with_kvcache"], "topk": topk_sites}
     assert (att["gpu_class"], att["kernels"]) == ("sm_90", {"sparse_mla_decode": "ours", "indexer": "stock", "topk": "ours"})
-    assert ok["counters"]["counts"] == {"sparse_mla_decode": 0, "indexer": 0, "topk": 0}
+    # the route table leaves a B = 1 window-only call on sm_90 to SGLang's own partial, with its keywords
+    assert ok["stock_call"] == ["stock FlashMLA", ["k_cache", "q", "use_legacy"]]
+    assert ok["hooked"] is True  # every DeepseekV4AttnBackend from now on (draft step backends too) is routed
+    assert att["decode_routes"]["c4 / 64 heads"].startswith("ours at B = 64; stock elsewhere")
+    assert ok["counters"]["counts"] == {"sparse_mla_decode": 0, "indexer": 0, "topk": 0,
+                                        "sparse_mla_decode_stock": 0}
     # no DeepGEMM on this machine: asking for the indexer must fail model init, naming it
     assert "indexer: cannot import deep_gemm" in got["indexer"]["error"]
     assert "sparse_mla_decode: the dsv4 factory built a SimpleNamespace" in got["not_dsv4"]["error"]

@@ -10,6 +10,7 @@ a requested kernel from being installed raises from the factory, so model init f
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import logging
@@ -18,9 +19,11 @@ from collections.abc import Callable
 from typing import Any
 
 from .attestation import Attestation, CounterPublisher, write_attestation
-from .call_sites import REGISTRY_KEY, REGISTRY_MODULE
+from .. import decode_routes
+from .call_sites import BACKEND_ATTR, BACKEND_CLASS, BACKEND_MODULE, REGISTRY_KEY, REGISTRY_MODULE
 from .install import (
     Counters, PluginInstallError, holds_adapter, install_module_sites, install_on_backend, preconditions)
+from .routing import hook_backend_class
 from .sites import gpu_class_of_runner, kernel_owners, verify_identity
 from .settings import KERNELS_ENV, PluginSettings, PluginSettingsError, settings_from_env
 
@@ -58,6 +61,7 @@ def installing_factory(stock: Callable[[Any], Any], settings: PluginSettings) ->
         if "counters" not in state:
             state["counters"] = Counters(getattr(runner, "device", "cpu"))
             state["module_sites"] = install_module_sites(settings, state["counters"], gpu)
+            hook_backend_class(_backend_class(), functools.partial(_route_instance, settings, state["counters"], gpu))
         counters = state["counters"]
         sites = {k: list(v) for k, v in state["module_sites"].items()}
         backend_sites = install_on_backend(backend, settings, counters, gpu)
@@ -71,7 +75,8 @@ def installing_factory(stock: Callable[[Any], Any], settings: PluginSettings) ->
         write_attestation(settings.attest_dir, Attestation(
             worker=settings.worker, rank=rank, pid=os.getpid(), gpu=getattr(runner, "gpu_id", None),
             sglang_version=_version("sglang"), project_version=_version("dsv4-cluster"), call_sites=sites,
-            gpu_class=gpu, kernels=kernel_owners(sites)))
+            gpu_class=gpu, kernels=kernel_owners(sites),
+            decode_routes=decode_routes.describe(gpu) if "sparse_mla_decode" in settings.kernels else {}))
         if "publisher" not in state:
             state["publisher"] = CounterPublisher(settings.attest_dir, rank, counters).start()
             _publishers.append(state["publisher"])
@@ -80,6 +85,19 @@ def installing_factory(stock: Callable[[Any], Any], settings: PluginSettings) ->
 
     create_dsv4_backend_with_dsv4_cluster_kernels.dsv4_stock = stock  # type: ignore[attr-defined]
     return create_dsv4_backend_with_dsv4_cluster_kernels
+
+
+def _route_instance(settings: PluginSettings, counters: Counters, gpu: str, backend: Any) -> None:
+    """The class hook's install on one more backend instance; one whose decode is not SGLang's FlashMLA partial
+    (trtllm-gen) is left alone, as the registry's backend of that kind is refused by `check_backend`."""
+    if isinstance(getattr(backend, BACKEND_ATTR, None), functools.partial):
+        install_on_backend(backend, settings, counters, gpu, check=False)
+
+
+def _backend_class() -> type:
+    """SGLang's DeepseekV4AttnBackend: every instance of it (and of its subclasses, the speculative draft's per-step
+    backends included) gets the routed decode from its `__init__` on (`routing.hook_backend_class`)."""
+    return getattr(importlib.import_module(BACKEND_MODULE), BACKEND_CLASS)
 
 
 def _failing_factory(error: Exception) -> Callable[[Any], Any]:

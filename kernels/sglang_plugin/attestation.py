@@ -18,9 +18,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsv4_cluster.core import KERNEL_NAMES
 
 COUNTER_PERIOD_S = 1.0
+# the counter of decode calls the route table left on SGLang's stock kernel (kernels/decode_routes.py)
+STOCK_DECODE = "sparse_mla_decode_stock"
 
 
 @dataclass(frozen=True)
@@ -34,13 +35,16 @@ class Attestation:
     call_sites: dict[str, list[str]] = field(default_factory=dict)  # kernel -> sites holding our function
     gpu_class: str | None = None  # sm_90 / sm_100 / sm_120 (absent in attestations written before it was added)
     kernels: dict[str, str] = field(default_factory=dict)  # kernel -> "ours" | "stock"
+    # sparse decode per call (layer kind / real heads): where ours runs, where stock does, and why (decode_routes)
+    decode_routes: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Attestation:
         return cls(worker=data.get("worker"), rank=int(data["rank"]), pid=int(data["pid"]), gpu=data.get("gpu"),
                    sglang_version=str(data["sglang_version"]), project_version=str(data["project_version"]),
                    call_sites={k: list(v) for k, v in dict(data.get("call_sites") or {}).items()},
-                   gpu_class=data.get("gpu_class"), kernels=dict(data.get("kernels") or {}))
+                   gpu_class=data.get("gpu_class"), kernels=dict(data.get("kernels") or {}),
+                   decode_routes=dict(data.get("decode_routes") or {}))
 
 
 def attestation_path(folder: str | Path, rank: int) -> Path:
@@ -121,7 +125,7 @@ class CounterPublisher:
         return [int(v) for v in self._host.tolist()]
 
     def publish(self) -> None:
-        counts = dict(zip(KERNEL_NAMES, self.snapshot()))
+        counts = dict(zip(self.counters.NAMES, self.snapshot()))
         _write_json(self.path, {"pid": os.getpid(), "time": time.time(), "counts": counts})
 
     def _run(self) -> None:

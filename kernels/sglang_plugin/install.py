@@ -22,6 +22,7 @@ from typing import Any
 
 from dsv4_cluster.core import KERNEL_NAMES
 
+from .attestation import STOCK_DECODE
 from .call_sites import (
     BACKEND_ATTR, BACKEND_CLASS, BACKEND_MODULE, CallSite, CallSiteError, check_call_site, sites_for)
 from .settings import SGLANG_VERSION, PluginSettings
@@ -68,15 +69,19 @@ def preconditions(settings: PluginSettings, gpu: str) -> list[str]:
 
 
 class Counters:
-    """One int64 per kernel on the model's device; `bump` is an in-place device add (graph-captured)."""
+    """One int64 per kernel on the model's device, and one for the decode calls the route table left on SGLang's
+    stock kernel (`STOCK_DECODE`); `bump` is an in-place device add (graph-captured)."""
+
+    STOCK_DECODE = STOCK_DECODE
+    NAMES = (*KERNEL_NAMES, STOCK_DECODE)
 
     def __init__(self, device: Any) -> None:
         import torch
 
-        self.values = torch.zeros(len(KERNEL_NAMES), dtype=torch.int64, device=device)
+        self.values = torch.zeros(len(self.NAMES), dtype=torch.int64, device=device)
 
     def bump(self, kernel: str) -> None:
-        i = KERNEL_NAMES.index(kernel)
+        i = self.NAMES.index(kernel)
         self.values[i:i + 1].add_(1)
 
     def counted(self, kernel: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -136,18 +141,25 @@ def check_backend(backend: Any, settings: PluginSettings) -> None:
                                  "the top-k away from topk_transform_paged_v2; use sgl-kernel with v2")
 
 
-def install_on_backend(backend: Any, settings: PluginSettings, counters: Counters, gpu: str) -> list[str]:
-    """Replace the per-instance FlashMLA call of one DeepSeek-V4 backend (sm_90 / sm_100); returns where."""
-    check_backend(backend, settings)
+def install_on_backend(backend: Any, settings: PluginSettings, counters: Counters, gpu: str,
+                       check: bool = True) -> list[str]:
+    """Bind the routed decode (`routing.routed_decode`: ours where the route table says so, else the stock partial
+    SGLang bound) on one DeepSeek-V4 backend instance (sm_90 / sm_100); returns where. `check`: refuse a backend
+    whose decode goes around it (the registry's backend; the per-step draft backends are hooked unchecked)."""
+    from .routing import routed_decode
+
+    if check:
+        check_backend(backend, settings)
     sites = [s for s in sites_for(gpu, "sparse_mla_decode") if s.on_backend]
     if "sparse_mla_decode" not in settings.kernels or not sites:
         return []
     stock = getattr(backend, BACKEND_ATTR, None)
+    if getattr(stock, "dsv4_stock", None) is not None:
+        return [f"{type(backend).__name__}.{BACKEND_ATTR}"]  # routed already (the class hook ran first)
     if not isinstance(stock, functools.partial) or "use_legacy" not in stock.keywords:
         raise PluginInstallError(f"sparse_mla_decode: {type(backend).__name__}.{BACKEND_ATTR} is {stock!r}, not the "
                                  "functools.partial(flash_mla_with_kvcache, use_legacy=...) of SGLang 0.5.23")
-    adapter = adapter_for(sites[0])
-    setattr(backend, BACKEND_ATTR, functools.partial(counters.counted("sparse_mla_decode", adapter), **stock.keywords))
+    setattr(backend, BACKEND_ATTR, routed_decode(stock, adapter_for(sites[0]), gpu, counters))
     return [f"{type(backend).__name__}.{BACKEND_ATTR}"]
 
 

@@ -17,11 +17,10 @@ import subprocess
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from dsv4_cluster.kernels import dispatch
+from dsv4_cluster.kernels import decode_routes, dispatch
 from dsv4_cluster.kernels.sglang_plugin.call_sites import STOCK, sites_for
 
 MODEL_HEADS = 64                 # DeepSeek-V4-Flash's query heads; a TP-t rank has 64 / t of them
-SGLANG_PADDED_HEADS = 64         # SGLang pads q to 64 heads for the decode call (sm_120: up to its row limit)
 
 
 class GpuClassError(RuntimeError):
@@ -98,8 +97,7 @@ def _what_runs(topology: Any, worker: Any, gpu: str, kernel: str) -> str:
         return f"ours: {dispatch.implementation(gpu, kernel)}"
     if topology.engine == "sglang":   # SGLang hands the adapter q padded to 64 heads, TP's real heads in front
         real = MODEL_HEADS // worker.tp
-        impl = dispatch.decode_impl(gpu, SGLANG_PADDED_HEADS)
-        return f"ours: {impl.backend}, {SGLANG_PADDED_HEADS} heads ({real} real at TP{worker.tp})"
+        return f"routed ({real} real heads at TP{worker.tp}): {decode_routes.summary(gpu, real)}"
     return f"ours: {dispatch.decode_impl(gpu, MODEL_HEADS).backend}, {MODEL_HEADS} heads"
 
 

@@ -1,0 +1,116 @@
+"""Which of SGLang's sparse-decode calls the plugin runs on our kernels, and which it leaves on SGLang's own call.
+
+The rule: never slower. Per GPU class, layer kind (window-only, ratio-4, ratio-128), real head count and batch, the
+plugin runs ours only where ours measured >= 1.0x the stock call on the toolchain users install; every other call
+goes to the stock function SGLang bound (FlashMLA on sm_90), which the plugin keeps. The table is data, derived
+from a committed benchmark (`routes_from_results` over bench/results/sglang_decode.json; a CI test checks that the
+two agree), and what it says is what runs: the routed call reads it per call, from shapes only (graph-capturable:
+a captured graph holds whichever kernel its shapes chose).
+
+Routes: "ours" (our kernel told the real head count; `heads_to_run` picks the kernel), "ours_all_heads" (our kernel
+computing all 64 heads: at 16 real heads on sm_90 the 64-head Gluon kernel can beat the 16-head Triton one),
+"stock". Between two measured batch sizes a call takes ours only when both neighbours are ours (the same route);
+past the largest measured batch, the largest's route; a batch in no measured class, stock.
+
+sm_120: ours everywhere, measured against SGLang's sm_120 Triton kernel (its fallback when FlashInfer does not
+import) on an H200 standing in (bench/results/sm120_decode.json): FlashInfer's sm_120 CUDA kernel cannot run there.
+sm_100: not measured, so stock.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+KINDS = ("window", "c4", "c128")
+EXTRA_PAGE_KIND = {64: "c4", 2: "c128"}  # tokens per page of the extra cache SGLang passes -> layer kind
+MEASURED_ON = {"sm_90": "H200, Triton 3.8.0, torch 2.11, CUDA-graph replay, cold L2, vs FlashMLA (sgl-flash-mla 1.0.0) "
+                        "as SGLang 0.5.23 calls it: bench/results/sglang_decode.json",
+               "sm_100": "not measured: stock",
+               "sm_120": "H200 standing in for sm_120 (mma.sync, 99 KB), vs SGLang's sm_120 Triton kernel: "
+                         "bench/results/sm120_decode.json; FlashInfer's sm_120 kernel not measurable there"}
+
+# (class, layer kind, real heads) -> ((batch, route), ...) over the measured batches.
+ROUTES: dict[tuple[str, str, int], tuple[tuple[int, str], ...]] = {
+    ("sm_90", "window", 64): ((1, "stock"), (8, "stock"), (32, "stock"), (64, "ours"), (128, "ours"), (256, "ours")),
+    ("sm_90", "window", 16): ((1, "stock"), (8, "stock"), (32, "stock"), (64, "ours_all_heads"),
+                              (128, "ours_all_heads"), (256, "ours_all_heads")),
+    ("sm_90", "c4", 64): ((1, "stock"), (8, "stock"), (32, "stock"), (64, "ours"), (128, "stock"), (256, "stock")),
+    ("sm_90", "c4", 16): ((1, "ours"), (8, "stock"), (32, "stock"), (64, "ours"), (128, "stock"), (256, "stock")),
+    ("sm_90", "c128", 64): ((1, "stock"), (8, "stock"), (32, "stock"), (64, "ours"), (128, "stock"), (256, "stock")),
+    ("sm_90", "c128", 16): ((1, "ours"), (8, "stock"), (32, "stock"), (64, "ours"), (128, "stock"), (256, "stock")),
+}
+ALWAYS = {"sm_120": "ours", "sm_100": "stock"}
+
+
+def layer_kind(extra_k_cache) -> str:
+    """The layer kind of a decode call from its extra cache: none = window-only; 64-token pages = ratio 4;
+    2-token pages = ratio 128 (SGLang 0.5.23's page sizes)."""
+    if extra_k_cache is None:
+        return "window"
+    return EXTRA_PAGE_KIND.get(int(extra_k_cache.shape[1]), "c4")
+
+
+def route(gpu: str, kind: str, real_heads: int, batch: int) -> str:
+    """"ours", "ours_all_heads" or "stock" for one call (see the module docstring)."""
+    if gpu in ALWAYS:
+        return ALWAYS[gpu]
+    points = ROUTES.get((gpu, kind, 64 if real_heads > 16 else 16))
+    if not points:
+        return "stock"
+    batches = [b for b, _ in points]
+    i = bisect.bisect_left(batches, batch)
+    if i == len(points):
+        return points[-1][1]
+    if batches[i] == batch or i == 0:
+        return points[i][1] if batches[i] == batch else "stock"
+    below, above = points[i - 1][1], points[i][1]
+    return below if below == above else "stock"
+
+
+def describe(gpu: str) -> dict[str, str]:
+    """Per call (layer kind / real heads) of class `gpu`: where ours runs and where stock does, and why."""
+    if gpu in ALWAYS:
+        return {"all calls": f"{ALWAYS[gpu]} ({MEASURED_ON[gpu]})"}
+    out = {}
+    for (g, kind, heads), points in ROUTES.items():
+        if g != gpu:
+            continue
+        ours = [f"{b}" + (" (all 64 heads)" if r == "ours_all_heads" else "") for b, r in points if r != "stock"]
+        out[f"{kind} / {heads} heads"] = (f"ours at B = {', '.join(ours)}; " if ours else "") + \
+            f"stock elsewhere (ours measured < 1.0x or not measured; {MEASURED_ON[gpu]})"
+    return out
+
+
+def summary(gpu: str, real_heads: int) -> str:
+    """One line for `plan` / `status`: where ours runs at `real_heads` on class `gpu` (the rest: SGLang's stock)."""
+    if gpu in ALWAYS:
+        return f"{ALWAYS[gpu]} on every call"
+    parts = []
+    for kind in KINDS:
+        points = ROUTES.get((gpu, kind, 64 if real_heads > 16 else 16), ())
+        ours = [str(b) for b, r in points if r != "stock"]
+        parts.append(f"{kind} B={','.join(ours)}" if ours else f"{kind} -")
+    return "ours at " + "; ".join(parts) + "; else stock"
+
+
+def routes_from_results(rows: list[dict], gpu: str = "sm_90") -> dict[tuple[str, str, int], tuple[tuple[int, str], ...]]:
+    """The ROUTES rows a benchmark run gives (bench/sglang_decode.py rows): per kind, real heads and B, "ours" where
+    our call at the real head count is >= 1.0x FlashMLA, else "ours_all_heads" where the all-heads call is (16 real
+    heads), else "stock"."""
+    speed = {(r["layer"], r["real_heads"], r["B"], r["impl"]): r["speedup_vs_flashmla"]
+             for r in rows if r.get("bench") == "decode"}
+    table = {}
+    for kind in KINDS:
+        for heads, told in ((64, "adapter"), (16, "adapter_h16")):
+            batches = sorted({b for (k, h, b, _) in speed if k == kind and h == heads})
+            points = []
+            for b in batches:
+                if speed.get((kind, heads, b, told), 0.0) >= 1.0:
+                    points.append((b, "ours"))
+                elif heads == 16 and speed.get((kind, 64, b, "adapter"), 0.0) >= 1.0:
+                    points.append((b, "ours_all_heads"))
+                else:
+                    points.append((b, "stock"))
+            if points:
+                table[(gpu, kind, heads)] = tuple(points)
+    return table
