@@ -49,14 +49,16 @@ class DecodeImpl:
     block_n: int
     num_stages: int
     smem: int
+    head_group: int = 0  # heads per program (0: all); `smem` is one such program's
 
 
 # (class, heads computed) -> implementation. Heads: what the call computes (16 / 32 / 64).
 # sm_90: Gluon takes all 64 heads as its wgmma M (H200 sweeps, bench/results/sparse_decode.md); fewer heads run on
 # the Triton kernel (block 64, 2 stages: the sweep's most frequent winner). sm_100: the same Triton configs (Triton
 # compiles them to tcgen05 there; Gluon's kernel is Hopper-only). sm_120: the configs under 99 KB as compiled for
-# sm_120 — the fp32 dequantised [block_n, 512] tile is what costs (2 KB per row): block 16 at 64 and 32 heads,
-# block 32 at 16 heads; one stage (the loads are gathers, nothing for a second stage to pipeline).
+# sm_120 — mma.sync keeps the [heads, 512] fp32 accumulator in registers: at 64 heads (and 32) a program spills
+# ~4 KB (400 B) a thread (ptxas for sm_120a), at 16 none; so every call runs in programs of 16 heads (head groups
+# reading the same rows), block 32, one stage (the loads are gathers, nothing for a second stage to pipeline).
 SPARSE_DECODE: dict[tuple[str, int], DecodeImpl] = {
     ("sm_90", 64): DecodeImpl("gluon", 64, 2, 218_192),
     ("sm_90", 32): DecodeImpl("triton", 64, 2, 164_096),
@@ -64,8 +66,8 @@ SPARSE_DECODE: dict[tuple[str, int], DecodeImpl] = {
     ("sm_100", 64): DecodeImpl("triton", 64, 2, 135_440),
     ("sm_100", 32): DecodeImpl("triton", 64, 2, 164_096),
     ("sm_100", 16): DecodeImpl("triton", 64, 2, 147_712),
-    ("sm_120", 64): DecodeImpl("triton", 16, 1, 98_304),
-    ("sm_120", 32): DecodeImpl("triton", 16, 1, 65_536),
+    ("sm_120", 64): DecodeImpl("triton", 32, 1, 81_920, head_group=16),
+    ("sm_120", 32): DecodeImpl("triton", 32, 1, 81_920, head_group=16),
     ("sm_120", 16): DecodeImpl("triton", 32, 1, 81_920),
 }
 # The Triton config a ratio-128 (dense) call of the embedded engine uses: its index list is as wide as the

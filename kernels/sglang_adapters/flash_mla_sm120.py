@@ -5,7 +5,9 @@ cache view [pages, 256, 1, 584], indices [B, 1, W], topk_length, attn_sink [H] f
 the extra cache, extra_indices_in_kvcache, extra_topk_length; head_dim_v and softmax_scale. H is 64 (the pad) at
 most `SM120_DECODE_MAX_TOKENS` rows, or where FlashInfer takes the real head count; above, SGLang has already
 sliced q and the sink to the real heads (16 at TP4, 8 at TP8). Every such call is ours: a head count the kernel
-does not compute (8) is padded with zero heads to 16, computed, and sliced back.
+does not compute (8) is padded with zero heads to 16, computed, and sliced back. Where the plugin's class hook
+knows the layer's real head count (`routing.real_heads`, from `layer.tp_q_head_num`), only those heads of a
+padded q are computed; the pad's rows are left unwritten (SGLang slices them off).
 
 Returns (out [B, 1, H, 512] bf16, softmax_lse [B, H, 1] float32) as FlashMLA does (SGLang reads only out; its
 Triton path returns the sink-merged lse, FlashInfer's None).
@@ -14,6 +16,7 @@ Triton path returns the sink-merged lse, FlashInfer's None).
 from __future__ import annotations
 
 
+from ..sglang_plugin.routing import real_heads
 from .errors import fail
 from .flash_mla import DIM, KERNEL_HEADS, flash_mla_with_kvcache
 
@@ -30,6 +33,8 @@ def flash_mla_with_kvcache_sm120(**kwargs):
     if q.dim() != 4:
         fail(f"q must be [B, 1, H, {DIM}]; got shape {list(q.shape)}")
     heads = q.shape[2]
+    real = real_heads()
+    told = real if real in KERNEL_HEADS and real < heads else None
     padded = next((h for h in KERNEL_HEADS if h >= heads), None)
     if padded is None:
         fail(f"q has {heads} heads; the kernel computes at most {KERNEL_HEADS[-1]}")
@@ -46,7 +51,7 @@ def flash_mla_with_kvcache_sm120(**kwargs):
         tile_scheduler_metadata=None, softmax_scale=kwargs.get("softmax_scale"), is_fp8_kvcache=True,
         indices=kwargs["indices"], attn_sink=sink, extra_k_cache=kwargs.get("extra_k_cache"),
         extra_indices_in_kvcache=kwargs.get("extra_indices_in_kvcache"), topk_length=kwargs.get("topk_length"),
-        extra_topk_length=kwargs.get("extra_topk_length"), use_legacy=True)
+        extra_topk_length=kwargs.get("extra_topk_length"), use_legacy=True, real_heads=told)
     if padded != heads:
         return out[:, :, :heads], lse[:, :heads]
     return out, lse

@@ -39,6 +39,9 @@ class LaunchConfig:
     # the fused merge, i.e. at small B. On fp8 it measured slower at every B, e.g. B = 8 20.4 vs 19.9 us,
     # B = 32 29.3 vs 28.1, B = 64 37.9 vs 36.2; bf16 gains up to 0.3 us at B <= 32)
     early_table: bool | None = None
+    # Triton: heads per program (0: all of the call's heads in one program); the rest go to more programs on
+    # grid axis 2, each reading the same rows. The dispatch table sets it where a wide accumulator spills (sm_120).
+    head_group: int = 0
 
 
 def _num_sms(device: torch.device) -> int:
@@ -135,7 +138,8 @@ def _choose(device, h, dtype, is_fp8, config):
     if backend == "auto":
         backend = "gluon" if row is not None and row.backend == "gluon" and not why else "triton"
     if row is not None and row.backend == backend:
-        config = replace(config, block_n=config.block_n or row.block_n, num_stages=config.num_stages or row.num_stages)
+        config = replace(config, block_n=config.block_n or row.block_n, num_stages=config.num_stages or row.num_stages,
+                         head_group=config.head_group or row.head_group)
     return backend, resolved(config, backend, is_fp8)
 
 

@@ -86,6 +86,14 @@ def _sparse_decode_kernel(
 ):
     b = tl.program_id(0)
     split = tl.program_id(1)
+    # Head groups (grid axis 2, launch.head_group): this program computes heads [g * H, + H) of the query; the
+    # groups read the same rows (the later ones mostly from L2). On sm_120 (mma.sync, the accumulator in
+    # registers) a 64-head program spills ~4 KB a thread; a 16-head one spills nothing.
+    g = tl.program_id(2)
+    q_ptr += g * H * stride_qh
+    out_ptr += g * H * stride_oh
+    lse_ptr += g * H
+    sink_ptr += g * H
     offs_h = tl.arange(0, H)
     offs_d = tl.arange(0, D)
 
@@ -153,7 +161,7 @@ def _sparse_decode_kernel(
         _store_result(o, lse, b, offs_h, offs_d, sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
                       True, HAS_SINK)
     else:
-        row = (b * num_splits + split).to(tl.int64) * H
+        row = ((b * num_splits + split) * tl.num_programs(2) + g).to(tl.int64) * H  # [B, splits, groups * H]
         tl.store(part_o_ptr + (row + offs_h[:, None]) * D + offs_d[None, :], o)
         tl.store(part_lse_ptr + row + offs_h, lse)
 

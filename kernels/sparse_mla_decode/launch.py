@@ -120,7 +120,8 @@ def _launch(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, si
                              window_lens, extra_lens, w, k, is_fp8, config, geos, out, lse)
     flags = (extra is not None, window_lens is not None, extra is not None and extra_lens is not None,
              sink is not None)
-    splits, kwargs = _triton_plan(b, h, w, k, is_fp8, config, _num_sms(q.device), flags, geos,
+    groups = h // config.head_group if config.head_group and h > config.head_group else 1
+    splits, kwargs = _triton_plan(b, h // groups, w, k, is_fp8, config, _num_sms(q.device), flags, geos,
                                   q.dtype == torch.float32 or not q.is_cuda)
     out, lse, part_o, part_lse = _outputs(q, splits, out, lse)
     if not q.is_cuda and type(_kernels._sparse_decode_kernel).__name__ != "InterpretedFunction":
@@ -128,7 +129,7 @@ def _launch(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, si
             "the Triton kernel runs on CPU tensors only under TRITON_INTERPRET=1 (set before import); "
             "on CPU call sparse_mla_decode_ref, or sparse_mla_decode, which picks it"
         )
-    fast_launch(_kernels._sparse_decode_kernel, (b, splits),
+    fast_launch(_kernels._sparse_decode_kernel, (b, splits, groups),
                 _kernel_args(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, sink, scale,
                              window_lens, extra_lens, w, k, out, lse, part_o, part_lse, splits), kwargs,
                 max_shared=smem_cap(q.device))

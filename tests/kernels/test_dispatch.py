@@ -45,19 +45,21 @@ def test_unknown_gpu_and_bad_forced_class_are_refused_by_name():
     assert dispatch.forced_class({}) is None
 
 
-def _compiled_shared(heads: int, impl: dispatch.DecodeImpl, capability: int) -> int:
+def _compiled(heads: int, impl: dispatch.DecodeImpl, capability: int) -> tuple[int, int]:
     """Compiled in a fresh interpreter: once any test imported the kernel module under TRITON_INTERPRET=1 its
-    kernels are interpreter functions in this process, which `triton.compile` cannot take."""
+    kernels are interpreter functions in this process, which `triton.compile` cannot take. Returns (shared memory
+    per program, spill-store bytes per thread)."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = (f"from tests.kernels.test_dispatch import _compile_here; "
-            f"print(_compile_here({heads}, {impl.block_n}, {impl.num_stages}, {capability}))")
+            f"print(_compile_here({impl.head_group or heads}, {impl.block_n}, {impl.num_stages}, {capability}))")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    return int(done.stdout.split()[-1])
+    shared, spills = done.stdout.split()[-2:]
+    return int(shared), int(spills)
 
 
-def _compile_here(heads: int, block_n: int, num_stages: int, capability: int) -> int:
+def _compile_here(heads: int, block_n: int, num_stages: int, capability: int) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -76,12 +78,32 @@ def _compile_here(heads: int, block_n: int, num_stages: int, capability: int) ->
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in const.items()})
     compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32),
                               options=dict(num_warps=8, num_stages=num_stages))
-    return compiled.metadata.shared
+    return f"{compiled.metadata.shared} {_spill_bytes(compiled.asm['ptx'], capability)}"
+
+
+def _spill_bytes(ptx: str, capability: int) -> int:
+    """Spill stores of the kernel as ptxas (Triton's own, for this target) reports them."""
+    import re
+    import tempfile
+    from pathlib import Path
+
+    import triton
+
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    ptxas = bin_dir / ("ptxas-blackwell" if capability >= 100 else "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        done = subprocess.run([str(ptxas), "-v", f"--gpu-name=sm_{capability}a", str(src), "-o", str(src) + ".o"],
+                              capture_output=True, text=True, check=True)
+    found = re.search(r"(\d+) bytes spill stores", done.stdout + done.stderr)
+    return int(found.group(1)) if found else 0
 
 
 @pytest.mark.parametrize("heads", [16, 32, 64])
 def test_sm120_configs_compiled_for_sm120_fit_99_kb(heads, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     impl = dispatch.decode_impl("sm_120", heads)
-    shared = _compiled_shared(heads, impl, 120)
+    shared, spills = _compiled(heads, impl, 120)
     assert shared == impl.smem and shared <= dispatch.SMEM_PER_BLOCK["sm_120"]
+    assert spills == 0  # a 64-head program spilled ~4 KB a thread on sm_120: hence the head groups
