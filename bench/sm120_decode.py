@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from bench.kernels import versions
 from bench.sglang_sm120_baselines import load
 from dsv4_cluster.kernels import dispatch
 from dsv4_cluster.kernels.sglang_adapters import flash_mla_with_kvcache_sm120, fp8_paged_mqa_logits, topk_transform_paged_v2
@@ -126,9 +127,43 @@ def main(argv: list[str]) -> int:
     result = {"device": torch.cuda.get_device_name(), "forced_class": gpu, "sglang_src": base.root,
               "flashinfer_sm120": "not run: FlashInfer's sm_120 CUDA kernel cannot run on an H200",
               "decode": decode_rows(base), "indexer": indexer_rows(base)}
+    result["versions"] = versions()
     out.mkdir(parents=True, exist_ok=True)
     (out / "sm120_decode.json").write_text(json.dumps(result, indent=1))
+    (out / "sm120_decode.md").write_text(markdown(result))
     return 0
+
+
+RTX_PRO_6000_GBPS = 1790  # GDDR7, datasheet: the floor column of the table
+
+
+def live_rows(r: dict) -> int:
+    """Rows a decode call must read per query: the 128-row window plus 512 (c4) or 2K / 128 live entries (c128)."""
+    return 128 + (512 if r["layer"] == "c4" else LIVE // 128)
+
+
+def markdown(result: dict) -> str:
+    """The decode and indexer tables, with the RTX PRO 6000 floor (bytes / 1.79 TB/s) beside each decode row."""
+    v = result.get("versions") or {}
+    lines = ["# sm_120 on an H200 stand-in (bench/sm120_decode.py, one run)", "",
+             f"Device: {result['device']}, dispatch forced to {result['forced_class']} (mma.sync, the 99 KB configs); "
+             f"torch {v.get('torch')}, Triton {v.get('triton')}. {result['flashinfer_sm120']}.", "",
+             "What the stand-in cannot show: sm_120's occupancy (188 SMs of 99 KB; the H200 has 132 of 227 KB), "
+             "GDDR7's latency and 1.79 TB/s (the H200 reads at ~4.3 TB/s). `floor`: the call's bytes (live rows x "
+             "584 B) over 1.79 TB/s, the RTX PRO 6000's bound. Microseconds, CUDA-graph replay (eager in brackets).",
+             "", "| layer | configured | real heads | heads computed | B | ours | SGLang Triton | SGLang torch | "
+             "Triton / ours | floor (RTX PRO 6000) | max diff |", "|" + "---|" * 11]
+    for r in result["decode"]:
+        floor = r["B"] * live_rows(r) * 584 / (RTX_PRO_6000_GBPS * 1e3)
+        lines.append(f"| {r['layer']} | {r['configured'] or '-'} | {r['real_heads']} | {r['heads']} | {r['B']} | "
+                     f"{r['ours_graph_us']:.0f} ({r['ours_eager_us']:.0f}) | {r['sglang_triton_graph_us']:.0f} | "
+                     f"{r['sglang_torch_graph_us']:.0f} | {r['sglang_triton_graph_us'] / r['ours_graph_us']:.1f}x | "
+                     f"{floor:.1f} | {r['max_abs_diff']:.4f} |")
+    lines += ["", "| indexer: configured | live | B | ours (indexer + top-k) | SGLang torch indexer |", "|---|---|---|---|---|"]
+    for r in result["indexer"]:
+        lines.append(f"| {r['configured']} | {r['live']} | {r['B']} | {r['ours_indexer_topk_graph_us']:.1f} | "
+                     f"{r['sglang_torch_indexer_graph_us']:.1f} |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
