@@ -12,7 +12,9 @@ arguments) and each memset, and refuses to keep a plan when anything else ran (a
 view or an allocation, a tensor argument it cannot trace to one input). A kernel's tensor argument is traced
 to the input whose storage and extent hold it (an offset from that input's address: the views the adapter
 takes) or, when it belongs to no input, kept as is (scratch and workspace: the plan holds it alive, so
-its memory stays valid; calls on one stream run in order, as with `workspace.scratch`). Later calls of the
+its memory stays valid; calls on one stream run in order, as with `workspace.scratch`). A plan holds only that
+scratch, never a tensor of the call that recorded it (its inputs and outputs are addresses filled per replay), so
+eager batch churn and graph warm-ups pin no caller memory. Later calls of the
 key skip the checks and replay the launches with the new addresses: the C launcher, nothing per argument
 in Python but one add per tensor argument.
 
@@ -201,7 +203,7 @@ def _compile(steps, tensors, ptrs):
             continue
         if kind == "handle":
             _, handle, grid, values, device = step
-            template, slots = [], []
+            template, slots, held = [], [], []
             for pos, v in enumerate(values):
                 if isinstance(v, torch.Tensor):
                     src = _trace(v, tensors, ptrs)
@@ -209,11 +211,13 @@ def _compile(steps, tensors, ptrs):
                         return None, src
                     if src is not None:
                         slots.append((pos, src[0], src[1]))
-                    template.append(v.data_ptr())
+                        template.append(0)  # filled from the call's own addresses at each replay
+                    else:
+                        template.append(v.data_ptr())
+                        held.append(v)  # scratch: the plan keeps it alive, and nothing of the caller's
                 else:
                     template.append(v)
             g = tuple(grid) + (1,) * (3 - len(grid))
-            held = [v for v in values if isinstance(v, torch.Tensor)]  # keeps scratch alive
             out.append(_handle_step(handle, g, template, tuple(slots), held))
             continue
         _, kernel, grid, args, kwargs = step  # "jit": the interpreter (CPU tensors)
@@ -227,8 +231,15 @@ def _compile(steps, tensors, ptrs):
                         return None, src
                     if src is not None:
                         subst[(where, pos)] = (src[0], src[1], v.dtype, tuple(v.shape), v.stride())
-        out.append(_jit_step(kernel, grid, args, kwargs, subst))
+        out.append(_jit_step(kernel, grid, _unheld(args, subst, "a"), dict(zip(kwargs, _unheld(
+            kwargs.values(), subst, "k"))), subst))
     return out, None
+
+
+def _unheld(values, subst, where):
+    """`values` with the tensors traced to the call's inputs replaced by None (each replay substitutes its own):
+    a plan holds scratch, never the caller's tensors."""
+    return [None if (where, n) in subst else v for n, v in enumerate(values)]
 
 
 def _handle_step(handle, g, template, slots, held):

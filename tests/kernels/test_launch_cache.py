@@ -73,6 +73,29 @@ def test_a_recorded_plan_replays_launch_and_memset_with_new_addresses():
     assert torch.equal(x, torch.arange(12, dtype=torch.float32, device=DEV))  # the first call's tensors untouched
 
 
+def test_a_plan_holds_its_scratch_but_none_of_the_recording_calls_tensors():
+    """Eager batch churn: every shape class records a plan; the caller's tensors of that call (here 64 KB inputs
+    and outputs each) must be freed when the caller drops them, or plans pin them until the cache resets."""
+    import gc
+    import weakref
+
+    cache = LaunchCache("test")
+    refs = []
+    for n in range(16, 32):  # 16 shape classes, as batch sizes churn
+        x, out = torch.arange(n * 1024, dtype=torch.float32, device=DEV), torch.empty(8, device=DEV)
+        _record(cache, x, out)
+        refs += [weakref.ref(x), weakref.ref(out)]
+        del x, out
+    gc.collect()
+    pinned = sum(r() is not None for r in refs)
+    assert len(cache.plans) == 16 and pinned == 0, f"{pinned} of the callers' tensors still held by plans"
+    for plan in cache.plans.values():  # and every plan still replays into new tensors
+        x2, out2 = torch.ones(12, device=DEV), torch.empty(8, device=DEV)
+        _, ptrs = signature((x2, out2), ("axpy",))
+        plan.replay(ptrs, (x2, out2))
+        assert torch.equal(out2, torch.full((8,), 2.0, device=DEV))
+
+
 def test_work_other_than_launches_and_memsets_is_not_cached():
     cache = LaunchCache("test")
 
