@@ -93,6 +93,33 @@ def decode_rows(base) -> list[dict]:
     return rows
 
 
+PREFILL_ROWS = (1024, 4096, 16384)
+
+
+def prefill_rows(base) -> list[dict]:
+    """The prefill / extend rows SGLang sends the same sm_120 entry (its sparse prefill is off on sm_120): q sliced
+    to the 16 real heads (TP4), one row per token with its window and top-512 (c4) lists; ours vs SGLang's Triton
+    path, equality against its PyTorch path."""
+    rows = []
+    for rows_n in PREFILL_ROWS:
+        kw = sm120_call(decode_case("c4", rows_n, 16, seed=rows_n, full=True), 16)
+        pos = sglang_sm120_args(kw)
+        row = dict(layer="c4", rows=rows_n, real_heads=16, max_abs_diff_vs_torch=None, torch_max_abs=None)
+        if rows_n <= 4096:  # SGLang's PyTorch path gathers every row's lists in fp32: equality up to 4K rows
+            ours = flash_mla_with_kvcache_sm120(**kw)[0].float()
+            theirs = base.torch_decode(*pos)[0].float()
+            row.update(max_abs_diff_vs_torch=(ours - theirs).abs().max().item(), torch_max_abs=theirs.abs().max().item())
+            del ours, theirs
+        for name, fn in (("ours", lambda: flash_mla_with_kvcache_sm120(**kw)),
+                         ("sglang_triton", lambda: base.triton_decode(*pos))):
+            row[f"{name}_graph_us"] = _time(fn, True, calls=2, reps=3)
+        row["triton_over_ours"] = row["sglang_triton_graph_us"] / row["ours_graph_us"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        torch.cuda.empty_cache()
+    return rows
+
+
 def indexer_rows(base) -> list[dict]:
     rows = []
     for ctx in (8192, 128 * 1024, 1 << 20):
@@ -126,7 +153,7 @@ def main(argv: list[str]) -> int:
     base = load()
     result = {"device": torch.cuda.get_device_name(), "forced_class": gpu, "sglang_src": base.root,
               "flashinfer_sm120": "not run: FlashInfer's sm_120 CUDA kernel cannot run on an H200",
-              "decode": decode_rows(base), "indexer": indexer_rows(base)}
+              "prefill_rows": prefill_rows(base), "decode": decode_rows(base), "indexer": indexer_rows(base)}
     result["versions"] = versions()
     out.mkdir(parents=True, exist_ok=True)
     (out / "sm120_decode.json").write_text(json.dumps(result, indent=1))
@@ -159,6 +186,15 @@ def markdown(result: dict) -> str:
                      f"{r['ours_graph_us']:.0f} ({r['ours_eager_us']:.0f}) | {r['sglang_triton_graph_us']:.0f} | "
                      f"{r['sglang_torch_graph_us']:.0f} | {r['sglang_triton_graph_us'] / r['ours_graph_us']:.1f}x | "
                      f"{floor:.1f} | {r['max_abs_diff']:.4f} |")
+    lines += ["", "Prefill / extend rows (c4, 16 real heads, q sliced as SGLang does above 64 rows), graph replay, us:", "",
+              "| rows | ours | SGLang Triton | Triton / ours | floor (RTX PRO 6000) | max diff vs SGLang torch (of max) |",
+              "|---|---|---|---|---|---|"]
+    for r in result.get("prefill_rows", []):
+        floor = r["rows"] * 640 * 584 / (RTX_PRO_6000_GBPS * 1e3)
+        lines.append(f"| {r['rows']} | {r['ours_graph_us']:.0f} | {r['sglang_triton_graph_us']:.0f} | "
+                     f"{r['triton_over_ours']:.1f}x | {floor:.0f} | " + (
+                         f"{r['max_abs_diff_vs_torch']:.4f} ({r['torch_max_abs']:.2f}) |"
+                         if r["max_abs_diff_vs_torch"] is not None else "not compared |"))
     lines += ["", "| indexer: configured | live | B | ours (indexer + top-k) | SGLang torch indexer |", "|---|---|---|---|---|"]
     for r in result["indexer"]:
         lines.append(f"| {r['configured']} | {r['live']} | {r['B']} | {r['ours_indexer_topk_graph_us']:.1f} | "
