@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The Debian packages the deploy tests run: systemd (systemd-analyze verify) and prometheus
-# (the server and promtool). Idempotent: installs only what is missing; needs root for apt-get.
+# The Debian packages the tests run: systemd (systemd-analyze verify), prometheus (the server and promtool)
+# and numactl (the pinning tests start workers under it, as production does). Idempotent: installs only what is missing; needs root for apt-get.
 #   bash deploy/install-test-deps.sh
 set -euo pipefail
 
-declare -A tool_package=([systemd-analyze]=systemd [promtool]=prometheus [prometheus]=prometheus)
+declare -A tool_package=([systemd-analyze]=systemd [promtool]=prometheus [prometheus]=prometheus [numactl]=numactl)
 missing=()
 for tool in "${!tool_package[@]}"; do
     if ! command -v "$tool" >/dev/null 2>&1; then
@@ -12,7 +12,7 @@ for tool in "${!tool_package[@]}"; do
     fi
 done
 if [ ${#missing[@]} -eq 0 ]; then
-    echo "install-test-deps: systemd-analyze, promtool and prometheus are present"
+    echo "install-test-deps: systemd-analyze, promtool, prometheus and numactl are present"
     exit 0
 fi
 packages=$(printf '%s\n' "${missing[@]}" | sort -u | tr '\n' ' ')
