@@ -8,7 +8,6 @@ prepared descriptor lists once got wrong: every such WRITE failed).
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 
 import httpx
@@ -20,6 +19,8 @@ from dsv4_cluster.workers.sampling import SamplingParams
 from dsv4_cluster.workers.tokenizer import EOS, ByteTokenizer
 
 from bench.local_cluster import write_topology
+
+from .helpers import kv_used
 
 pytestmark = pytest.mark.slow
 TOK = ByteTokenizer()
@@ -34,18 +35,16 @@ def _prompt(i: int) -> str:
     return text
 
 
-async def _kv_used_peak(url: str, stop: asyncio.Event) -> float:
-    """The highest `sglang:kv_used_tokens` the decode reports while the load runs."""
-    peak = 0.0
-    async with httpx.AsyncClient(timeout=10) as c:
-        while not stop.is_set():
-            text = (await c.get(url + "/metrics")).text
-            peak = max([peak, *(float(v) for v in re.findall(r"^sglang:kv_used_tokens\{[^}]*\} (\S+)$", text, re.M))])
-            await asyncio.sleep(0.2)
+async def _kv_used_peak(url: str, stop: asyncio.Event) -> int:
+    """The most KV tokens the decode held at once while the load ran."""
+    peak = 0
+    while not stop.is_set():
+        peak = max(peak, await asyncio.to_thread(kv_used, url))
+        await asyncio.sleep(0.1)
     return peak
 
 
-async def _load(router: str, decode: str) -> tuple[list[httpx.Response], float]:
+async def _load(router: str, decode: str) -> tuple[list[httpx.Response], int]:
     stop = asyncio.Event()
     watcher = asyncio.create_task(_kv_used_peak(decode, stop))
     async with httpx.AsyncClient(timeout=600) as c:
@@ -76,6 +75,6 @@ def test_a_decode_pool_8x_the_prefills_serves_24_concurrent_requests_exactly(tmp
         assert body["output_ids"] == expected[i % DISTINCT], f"request {i} differs from a single-process run"
         assert body["text"].encode() == TOK.decode(expected[i % DISTINCT]).encode()
     # more tokens held at once than the prefill's pool has: some of the decode's pages lie above its page count
-    assert peak > PREFILL_TOKENS, f"the decode never held more than {peak:.0f} tokens; the test proves nothing"
+    assert peak > PREFILL_TOKENS, f"the decode never held more than {peak} tokens; the test proves nothing"
     print(f"{CONCURRENCY} requests x ({PROMPT} + {OUTPUT}) tokens in {took:.1f}s, 0 errors; decode KV peak "
-          f"{peak:.0f} tokens (prefill pool {PREFILL_TOKENS})")
+          f"{peak} tokens (prefill pool {PREFILL_TOKENS})")
