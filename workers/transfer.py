@@ -220,6 +220,13 @@ class NixlTransfer:
             except Exception as exc:    # nixl raises its own error types, none exported
                 raise TransferError(f"NIXL could not notify {peer}: {exc}") from exc
 
+    def progress(self) -> None:
+        """Drive the agent's progress (it has no progress thread): what a notification it sent needs to leave
+        before any transfer connected the two agents. Only a decode receives notifications: a prefill calls this."""
+        dropped = self.notifications()
+        if dropped:
+            log.warning("%s ignored %d notifications it does not expect", self.name, len(dropped))
+
     def notifications(self) -> list[bytes]:
         with self._lock:
             try:

@@ -37,6 +37,7 @@ from .stranded import StrandedKV
 from ...metric_names import KV_WRITE_TIMEOUTS
 
 log = logging.getLogger(__name__)
+NOTIFY_PROGRESS_S = 2.0   # how long the loop drives NIXL after a notification (seen here: the first one took 50 ms)
 
 
 class PrefillEngine(Engine):
@@ -56,6 +57,7 @@ class PrefillEngine(Engine):
         self._locks: dict[str, list[RadixNode]] = {}      # rid -> the cache nodes its pages include (locked)
         self.stranded = StrandedKV(peer_timeout_s, runner.pool.layout.page_size)
         self._ready_at: dict[str, float] = {}   # rid -> when its KV was ready (waiting for a decode)
+        self._progress_until = 0.0              # NIXL progress is driven until then: a notification is on its way
 
     def on_submit(self, req: Req) -> None:
         self._bootstrap.append(req)
@@ -70,9 +72,11 @@ class PrefillEngine(Engine):
             self.destinations.discard(req.room)
 
     def pending(self) -> bool:
-        return bool(self.reqs or self._abandoned)
+        return bool(self.reqs or self._abandoned) or self.now() < self._progress_until
 
     def step(self) -> bool:
+        if self.now() < self._progress_until:
+            self.transfer.progress()
         worked = self._poll_inflight()
         worked |= self._poll_abandoned()
         worked |= self._send_ready()
@@ -211,12 +215,19 @@ class PrefillEngine(Engine):
         """Best effort: decode frees the room's pages at once instead of at its deadline (with `may_land` it
         holds them, and the room stays taken, until `_poll_abandoned` says the WRITE ended)."""
         agent = self.destinations.agent_of(room) if may_land else self.destinations.done(room)
-        if agent is None:
-            return
+        if agent is not None:
+            self.tell_decode(agent, failed_message(room, reason, may_land))
+
+    def tell_decode(self, agent: str, message: bytes) -> None:
+        """Send a decode agent a notification (engine thread). No progress thread runs and a notification is not
+        a transfer the loop polls: to a decode this agent never wrote to (no connection yet) it would not leave
+        unless the loop drives NIXL, so it does for `NOTIFY_PROGRESS_S`."""
         try:
-            self.transfer.notify(agent, failed_message(room, reason, may_land))
+            self.transfer.notify(agent, message)
         except TransferError as exc:
-            log.warning("could not tell %s that bootstrap_room %s failed: %s", agent, room, exc)
+            log.warning("could not tell %s %s: %s", agent, message[:200], exc)
+            return
+        self._progress_until = self.now() + NOTIFY_PROGRESS_S
 
     def _poll_inflight(self) -> bool:
         worked = False
