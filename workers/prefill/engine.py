@@ -31,7 +31,7 @@ from ..kv_pool import PoolExhausted
 from ..prefix_cache import PrefixCache, RadixNode
 from ..request import Finish, Req, ReqState, Token
 from ..runner import Chunk, ModelRunner
-from ..transfer import NixlTransfer, TransferError
+from ..transfer import NixlTransfer, TransferError, page_runs
 from .destinations import Destinations, failed_message, notif_message
 from .stranded import StrandedKV
 from ...metric_names import KV_WRITE_TIMEOUTS
@@ -127,24 +127,20 @@ class PrefillEngine(Engine):
 
     def _allocate(self, req: Req) -> None:
         """The request's pages: its cached prefix (locked), then new ones; PoolExhausted (nothing held) if short."""
-        pool, nodes, cached = self.runner.pool, [], []
-        if self.cache is not None:
-            cached, nodes = self.cache.match(req.prompt_ids)
-        rest = len(req.prompt_ids) - len(cached) * pool.layout.page_size
-        short = pool.pages_for(rest) - pool.free_pages
-        if short > 0 and self.cache is not None:
-            self.cache.evict(short)
-        try:
-            own = pool.alloc(rest)
-        except PoolExhausted:
-            if self.cache is not None:
-                self.cache.unlock(nodes)
-            raise
-        req.pages, req.prefilled = cached + own, len(cached) * pool.layout.page_size
+        pool = self.runner.pool
+        if self.cache is None:
+            pages = own = pool.alloc(len(req.prompt_ids))
+        else:
+            got = self.cache.allocate(req.prompt_ids)
+            if got is None:
+                raise PoolExhausted(f"{pool.pages_for(len(req.prompt_ids))} pages needed, {pool.free_pages} free "
+                                    "and nothing left to evict")
+            pages, own, self._locks[req.rid] = got
+        req.pages, req.prefilled = pages, (len(pages) - len(own)) * pool.layout.page_size
         req.cached_tokens = req.prefilled
+        self.stats.alloc_runs.observe(len(page_runs(own, own)))
         if self.cache is not None:
             self.cache.record(len(req.prompt_ids), req.cached_tokens)
-            self._locks[req.rid] = nodes
 
     def release(self, req: Req) -> None:
         """Unlock the request's cached pages; its own pages that the cache does not hold go back to the pool."""
