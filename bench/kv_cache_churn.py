@@ -44,7 +44,7 @@ class Workload:
 
 def run(w: Workload, pool: KVPool | None = None) -> tuple[PrefixCache, dict]:
     """Drive the workload through a prefix cache on `pool` (default: a small float pool of `w.pages`); returns the
-    cache, its pages still held as the workload left them, and the figures."""
+    cache (every request ended, the tree holding their pages) and the figures."""
     pool = pool or KVPool(PoolLayout(page_size=w.page_size, num_pages=w.pages, n_layers=1, head_dim=4, index_dim=4,
                                      ratio=4, dtype="float32"))
     cache, rng = PrefixCache(pool), random.Random(w.seed)
@@ -59,6 +59,8 @@ def run(w: Workload, pool: KVPool | None = None) -> tuple[PrefixCache, dict]:
         histories[s] += [rng.randrange(256) for _ in range(rng.randint(*w.turn_tokens))]   # the user's message
         prompt = system + histories[s]
         while len(flight) >= w.in_flight or (got := cache.allocate(prompt)) is None:
+            if not flight:
+                raise ValueError(f"a prompt of {len(prompt)} tokens does not fit {w.pages} pages: lower max_context")
             _end(cache, *flight.popleft())
         pages, own, nodes = got
         histories[s] += [rng.randrange(256) for _ in range(rng.randint(*w.turn_tokens))]   # the answer
@@ -68,6 +70,8 @@ def run(w: Workload, pool: KVPool | None = None) -> tuple[PrefixCache, dict]:
             prompt_tokens += len(prompt)
             cached_tokens += (len(pages) - len(own)) * w.page_size
         flight.append((prompt, pages, cache.insert(prompt, pages, nodes)))
+    while flight:                                  # the last requests end too: the tree keeps their pages
+        _end(cache, *flight.popleft())
     s = sorted(runs)
     figures = {"workload": w.__dict__, "requests_measured": len(s),
                "runs_p50": percentile(s, 50), "runs_p90": percentile(s, 90), "runs_p99": percentile(s, 99),
