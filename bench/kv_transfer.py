@@ -1,27 +1,31 @@
 """KV transfer per request size through the engine, against raw NIXL and a device copy, measured in one run.
 
     python -m bench.kv_transfer --out bench/results/kv_transfer \
-        [--prefill-device cuda:0 --decode-device cuda:1] [--pages fresh|churned|scattered] [--max-tokens 16384]
+        [--prefill-device cuda:0 --decode-device cuda:1] [--pages fresh,churned,cache] [--max-tokens 16384]
 
 Two processes on this host (`kv_transfer_sides.py`): a prefill side and a decode side, each pinned to its device,
 each holding the engine's own KV pool for the preset (`flash` by default: its 4 layers' main, compressed and index
-buffers; fp8 on CUDA, one page-major region) in the state `--pages` asks for (fresh; churned by thousands of
-allocate/free cycles of mixed sizes; scattered, the worst case), and the engine's own `NixlTransfer`. For each
+buffers; fp8 on CUDA, one page-major region) in the state `--pages` asks for, and the engine's own `NixlTransfer`:
+one agent per side, as in a worker. States (a comma-separated list runs each in turn, one pair of sides each):
+fresh; churned (thousands of allocate/free cycles of arbitrary sizes, held at `--occupancy`, 90% by default);
+scattered (every free run one page, the worst case); cache (the prefill's pool full of a prefix cache after
+multi-turn chat, `kv_cache_churn.py`, its allocation making room for each request; the decode's churned). For each
 request size (1K ... 128K tokens) it times, interleaved, over `--repeats` trials:
 1. engine: `NixlTransfer.write_pages` of the pages the engine's allocator gave the request on each side, as the
    engine sends them (descriptor lists prepared once per peer, per request only the pages' indices, which NIXL
    merges into one descriptor per run of pages), until the prefill's poll says DONE and the decode side has the
    notification;
-2. runs: the same through a new descriptor list per request, one descriptor per region and run of pages
-   (`descriptors="runs"`, the engine's previous way);
+2. runs (with `--runs` only): the same through a new descriptor list per request, one descriptor per region and run
+   of pages (`descriptors="runs"`), through a second pair of agents registering the same pools;
 3. raw NIXL: one WRITE of one contiguous region of the same bytes (one descriptor), to the same completion;
 4. copy: `tensor.copy_` of the same bytes from the prefill device to the decode device (a peer copy on two GPUs,
    a copy within the GPU when both are the same, a memcpy on the CPU).
 Throughput is bytes / p50 latency (GB = 1e9 B); the ratios come from this one run. Every size is checked: the
 bytes written into the decode pool equal the request's pages' bytes, its destination pages hold exactly the
 prefill's source bytes. The table gives each request's descriptors and run lengths on both sides, and the pools'
-free runs after churn. Which UCX transport carried the bytes is read from UCX's own log (`UCX_PROTO_INFO=y`,
-`bench/ucx_proto.py`). Writes OUT.json, OUT.md (and OUT.png when matplotlib is installed).
+free runs and occupancy before the timed requests. Which UCX transport carried the bytes is read from UCX's own log
+(`UCX_PROTO_INFO=y`, `bench/ucx_proto.py`). Writes OUT.json (one state: its report; several: reports by state),
+OUT.md (a table per state) and, for one state, OUT.png when matplotlib is installed.
 """
 
 from __future__ import annotations
@@ -41,29 +45,41 @@ from dsv4_cluster.orchestrator.launch.ports import free_ports
 from dsv4_cluster.orchestrator.processes import death_signal_preexec, log_tail
 from dsv4_cluster.workers.presets import PRESETS
 from . import ucx_proto
-from .kv_transfer_parts import build_pool
+from .kv_transfer_parts import PAGE_STATES, build_pool
 from .kv_transfer_sides import PREFILL_AGENT, RUNS_PREFILL_AGENT, RAW_PREFILL_AGENT
 from dsv4_cluster.orchestrator.load.loadgen import percentile
 
 SIZES = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 # engine >= 80% of raw NIXL for requests >= 8K tokens, >= 50% at 1K
 TARGET_RATIO, TARGET_MIN_TOKENS, SMALL_TARGET_RATIO, SMALL_TOKENS = 0.8, 8192, 0.5, 1024
-METHODS = ("engine", "runs", "raw", "copy")
+METHODS = ("engine", "runs", "raw", "copy")   # runs: only with --runs (a second pair of agents on the pools)
 
 
 class BenchError(RuntimeError):
     """A side failed or did not finish in time; the message carries its log's tail."""
 
 
-def run_sides(a: argparse.Namespace, workdir: Path) -> dict:
-    """Start the decode and the prefill side, wait for the prefill's result; neither outlives this call."""
+def pool_pages(a: argparse.Namespace, pages: str) -> int:
+    """Each side's pool: twice the largest request fresh; churned (or cache) room for the largest request in what
+    `--occupancy` leaves free, and half as much again (the churn leaves its free pages in a few runs)."""
+    largest = max(-(-t // a.page_size) for t in a.sizes)
+    if a.pool_pages:
+        return a.pool_pages
+    if pages in ("churned", "cache"):
+        return int(largest / (1 - a.occupancy) * 1.5) + 1
+    return 2 * largest
+
+
+def run_sides(a: argparse.Namespace, pages: str, workdir: Path) -> dict:
+    """Start the decode and the prefill side with pools in state `pages`, wait for the prefill's result; neither
+    outlives this call."""
     port = free_ports(1)[0]
-    page_count = max(-(-t // a.page_size) for t in a.sizes)
     common = ["--port", str(port), "--sizes", ",".join(map(str, a.sizes)), "--preset", a.preset,
               "--n-layers", str(a.n_layers), "--page-size", str(a.page_size),
-              "--pool-pages", str(a.pool_pages or (2 if a.pages == "fresh" else 4) * page_count), "--repeats", str(a.repeats),
+              "--pool-pages", str(pool_pages(a, pages)), "--repeats", str(a.repeats),
               "--warmup", str(a.warmup), *(["--ucx-tls", a.ucx_tls] if a.ucx_tls else []),
-              "--pages", a.pages, "--churn-cycles", str(a.churn_cycles)]
+              "--pages", pages, "--churn-cycles", str(a.churn_cycles), "--occupancy", str(a.occupancy),
+              *(["--runs"] if a.runs else [])]
     mod = [sys.executable, "-m", "bench.kv_transfer_sides"]
     cmds = {"decode": [*mod, "decode", "--device", a.decode_device, *common],
             "prefill": [*mod, "prefill", "--device", a.prefill_device, "--peer-device", a.decode_device,
@@ -103,18 +119,22 @@ def stats(times: list[float], nbytes: int) -> dict:
             "mean_ms": round(sum(s) / len(s) * 1e3, 4), "gb_s": round(nbytes / p50 / 1e9, 3), "n": len(s)}
 
 
+def methods(raw: dict) -> list[str]:
+    return [m for m in METHODS if raw["sizes"][0]["times_s"][m]]
+
+
 def summarize(raw: dict) -> list[dict]:
-    rows = []
+    rows, timed = [], methods(raw)
     for size in raw["sizes"]:
         t, n = size["times_s"], size["bytes"]
         row = {k: size[k] for k in ("tokens", "pages", "bytes", "descriptors", "page_runs", "run_lengths", "checks")}
-        row.update({m: stats(t[m], n) for m in METHODS})
-        row["engine_done_only"] = stats(t["engine_done"], n)    # the prefill's view alone (engine stats)
-        row["runs_done_only"] = stats(t["runs_done"], n)
-        row["raw_done_only"] = stats(t["raw_done"], n)
-        row["ratios"] = {"engine_vs_raw": round(row["engine"]["gb_s"] / row["raw"]["gb_s"], 3),
-                         "runs_vs_raw": round(row["runs"]["gb_s"] / row["raw"]["gb_s"], 3),
-                         "engine_vs_copy": round(row["engine"]["gb_s"] / row["copy"]["gb_s"], 3)}
+        row.update({m: stats(t[m], n) for m in timed})
+        for m in ("engine", "runs", "raw"):
+            if m in timed:
+                row[f"{m}_done_only"] = stats(t[f"{m}_done"], n)    # the prefill's view alone (engine stats)
+        row["ratios"] = {f"{m}_vs_raw": round(row[m]["gb_s"] / row["raw"]["gb_s"], 3) for m in ("engine", "runs")
+                         if m in timed}
+        row["ratios"]["engine_vs_copy"] = round(row["engine"]["gb_s"] / row["copy"]["gb_s"], 3)
         c = row["checks"]
         c["engine_bytes_match"] = c["engine_written_bytes"] == n
         c["raw_bytes_match"] = c["raw_written_bytes"] == n
@@ -136,22 +156,23 @@ def table(report: dict) -> str:
             "per buffer), "
             f"pages: {cfg['pages']}, {cfg['repeats']} repeats (+{cfg['warmup']} warmup), GB/s = bytes / p50 latency.\n\n"
             f"UCX transports of the WRITEs (UCX_PROTO_INFO): engine {_transports(ucx['engine'])}; "
-            f"runs {_transports(ucx['runs'])}; raw NIXL {_transports(ucx['raw'])}.\n\n")
+            + (f"runs {_transports(ucx['runs'])}; " if "runs" in ucx else "")
+            + f"raw NIXL {_transports(ucx['raw'])}.\n\n")
     state = pool.get("state", {})
     if cfg["pages"] != "fresh":
         head += "Pools before the timed requests: " + "; ".join(
-            f"{side} {st['held_pages']} pages held, {st['free_pages']} free in {st['free_runs']} runs (longest "
-            f"{st['longest_free_run']})" for side, st in state.items()) + ".\n\n"
+            f"{side} {st['held_pages']} pages held ({st.get('occupancy', '?')} of the pool), {st['free_pages']} free "
+            f"in {st['free_runs']} runs (longest {st['longest_free_run']})" for side, st in state.items()) + ".\n\n"
     rows = ["| tokens | MB | descs (runs) | page runs src / dst (max len) | engine GB/s | engine p50 / p99 ms | runs GB/s | "
             "raw GB/s | raw p50 / p99 ms | copy GB/s | engine / raw | runs / raw | engine / copy | checks |",
             "|" + " --- |" * 14]
     for r in report["sizes"]:
-        e, pp, w, c = r["engine"], r["runs"], r["raw"], r["copy"]
+        e, pp, w, c = r["engine"], r.get("runs", {"gb_s": "-"}), r["raw"], r["copy"]
         rl = r["run_lengths"]
         rows.append(f"| {r['tokens']} | {r['bytes'] / 1e6:.1f} | {r['descriptors']['engine']} | "
                     f"{len(rl['src'])} / {len(rl['dst'])} ({max(rl['src'])} / {max(rl['dst'])}) | {e['gb_s']} | "
                     f"{e['p50_ms']} / {e['p99_ms']} | {pp['gb_s']} | {w['gb_s']} | {w['p50_ms']} / {w['p99_ms']} | "
-                    f"{c['gb_s']} | {r['ratios']['engine_vs_raw']} | {r['ratios']['runs_vs_raw']} | "
+                    f"{c['gb_s']} | {r['ratios']['engine_vs_raw']} | {r['ratios'].get('runs_vs_raw', '-')} | "
                     f"{r['ratios']['engine_vs_copy']} | {'ok' if r['checks']['ok'] else 'FAILED'} |")
     tgt = report["target"]
     verdict = {None: "n/a (size not measured)", True: "met", False: "not met"}
@@ -178,7 +199,7 @@ def plot(report: dict, path: Path) -> str:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     tokens = [r["tokens"] for r in report["sizes"]]
-    for m in METHODS:
+    for m in (m for m in METHODS if m in report["sizes"][0]):
         ax.plot(tokens, [r[m]["gb_s"] for r in report["sizes"]], marker="o", label=m)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("request tokens")
@@ -189,19 +210,21 @@ def plot(report: dict, path: Path) -> str:
     return str(path.name)
 
 
-def build_report(a: argparse.Namespace, raw: dict, logs: list[Path], load: tuple[float, ...]) -> dict:
+def build_report(a: argparse.Namespace, pages: str, raw: dict, logs: list[Path], load: tuple[float, ...]) -> dict:
     rows = summarize(raw)
     big = [r["ratios"]["engine_vs_raw"] for r in rows if r["tokens"] >= TARGET_MIN_TOKENS]
     small = next((r["ratios"]["engine_vs_raw"] for r in rows if r["tokens"] == SMALL_TOKENS), None)
     on_gpus = a.prefill_device.startswith("cuda") and a.decode_device.startswith("cuda")
-    ucx = ucx_proto.summarize(logs, [PREFILL_AGENT, RUNS_PREFILL_AGENT, RAW_PREFILL_AGENT],
-                              "cuda" if on_gpus else "host")
+    agents = {"engine": PREFILL_AGENT, **({"runs": RUNS_PREFILL_AGENT} if a.runs else {}), "raw": RAW_PREFILL_AGENT}
+    ucx = ucx_proto.summarize(logs, list(agents.values()), "cuda" if on_gpus else "host")
     return {"config": {"prefill_device": a.prefill_device, "decode_device": a.decode_device, "preset": a.preset,
                        "repeats": a.repeats, "warmup": a.warmup,
-                       "pages": a.pages, "churn_cycles": a.churn_cycles if a.pages == "churned" else 0,
+                       "pages": pages, "churn_cycles": a.churn_cycles if pages != "fresh" else 0,
+                       "occupancy": a.occupancy if pages in ("churned", "cache") else None,
+                       "agents_per_side": 2 if a.runs else 1,
                        "host_load_avg_at_start": [round(x, 2) for x in load], "ucx_tls": a.ucx_tls or os.environ.get("UCX_TLS")},
             "pool": raw["pool"], "sizes": rows,
-            "ucx": {"engine": ucx[PREFILL_AGENT], "runs": ucx[RUNS_PREFILL_AGENT], "raw": ucx[RAW_PREFILL_AGENT]},
+            "ucx": {kind: ucx[agent] for kind, agent in agents.items()},
             "target": {"min_engine_vs_raw": min(big, default=None),
                        "met": None if not big else min(big) >= TARGET_RATIO,
                        "small_engine_vs_raw": small,
@@ -219,18 +242,29 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--preset", default="flash", help="the pool layout of this preset (workers/presets.py)")
     p.add_argument("--n-layers", type=int, default=0, help="override the preset's layer count (0: keep it)")
     p.add_argument("--page-size", type=int, default=256, help="tokens per page (SGLang's for DeepSeek-V4)")
-    p.add_argument("--pool-pages", type=int, default=0, help="each side's pool (0: twice the largest request)")
+    p.add_argument("--pool-pages", type=int, default=0, help="each side's pool (0: twice the largest request; "
+                   "churned and cache: the largest fits 1.5 times in what --occupancy leaves free)")
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--ucx-tls", help="UCX_TLS for both sides, as the workers' --ucx-tls (default: UCX's choice)")
-    p.add_argument("--pages", choices=("fresh", "churned", "scattered"), default="fresh",
-                   help="both pools before the timed requests: fresh; churned (--churn-cycles allocate/free cycles "
-                   "of mixed sizes, then half of what is held freed); scattered (every other page held: every free "
-                   "run one page, the worst case)")
-    p.add_argument("--churn-cycles", type=int, default=5000, help="allocate/free cycles of --pages churned")
+    p.add_argument("--pages", default="fresh",
+                   help="both pools before the timed requests, one run each of a comma-separated list: fresh; "
+                   "churned (--churn-cycles allocate/free cycles of arbitrary sizes, held at --occupancy); scattered "
+                   "(every other page held: every free run one page, the worst case); cache (the prefill's pool full "
+                   "of a prefix cache after --churn-cycles turns of multi-turn chat, bench/kv_cache_churn.py, its "
+                   "allocation making room for each request; the decode's churned)")
+    p.add_argument("--occupancy", type=float, default=0.9, help="share of each churned pool held (default 0.9)")
+    p.add_argument("--churn-cycles", type=int, default=5000, help="allocate/free cycles (cache: chat turns)")
+    p.add_argument("--runs", action="store_true", help="also time descriptor lists built per request, through a "
+                   "second pair of agents registering the same pools (two agents per side)")
     p.add_argument("--timeout-s", type=float, default=540.0)
     a = p.parse_args(argv)
     a.sizes = [int(x) for x in a.sizes.split(",") if x and (not a.max_tokens or int(x) <= a.max_tokens)]
+    a.pages = [x for x in a.pages.split(",") if x]
+    if not a.pages or set(a.pages) - set(PAGE_STATES):
+        p.error(f"--pages {','.join(a.pages)}: choose from {', '.join(PAGE_STATES)}")
+    if not 0 < a.occupancy < 1:
+        p.error(f"--occupancy {a.occupancy}: give a share of the pool in (0, 1)")
     if not a.sizes:
         p.error("--sizes/--max-tokens leave no request size to measure")
     if a.repeats < 1 or a.warmup < 0:
@@ -251,28 +285,38 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return a
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = parse(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))   # the sides die in finally
+def measure(a: argparse.Namespace, pages: str) -> dict:
+    """One run of both sides with pools in state `pages`; raises BenchError."""
     with tempfile.TemporaryDirectory(prefix="dsv4-kvx-") as tmp:
         work = Path(tmp)
         load = os.getloadavg()        # this host may be shared: a loaded one makes CPU figures noisy
         try:
-            raw = run_sides(a, work)
-            report = build_report(a, raw, [work / "prefill.log", work / "decode.log"], load)
-        except BenchError as exc:
-            print(f"kv_transfer: {exc}", file=sys.stderr)
-            return 1
+            raw = run_sides(a, pages, work)
+            return build_report(a, pages, raw, [work / "prefill.log", work / "decode.log"], load)
         finally:
             if a.logs:
-                shutil.copytree(tmp, a.logs, dirs_exist_ok=True)
+                shutil.copytree(tmp, a.logs / pages, dirs_exist_ok=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))   # the sides die in finally
+    reports, md = {}, ""
+    for pages in a.pages:
+        try:
+            reports[pages] = measure(a, pages)
+        except BenchError as exc:
+            print(f"kv_transfer ({pages}): {exc}", file=sys.stderr)
+            return 1
+        md += table(reports[pages]) + "\n"
+        print(table(reports[pages]), flush=True)
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    report["plot"] = plot(report, a.out.with_suffix(".png"))
-    a.out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
-    md = table(report)
+    if len(reports) == 1:
+        (report,) = reports.values()
+        report["plot"] = plot(report, a.out.with_suffix(".png"))
+    a.out.with_suffix(".json").write_text(json.dumps(report if len(reports) == 1 else reports, indent=1) + "\n")
     a.out.with_suffix(".md").write_text(md)
-    print(md, end="")
-    return 0 if all(r["checks"]["ok"] for r in report["sizes"]) else 2
+    return 0 if all(r["checks"]["ok"] for rep in reports.values() for r in rep["sizes"]) else 2
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """What both sides of `bench/kv_transfer.py` build: the engine's own pool in the state `--pages` asks for (fresh,
-churned, scattered), the raw NIXL agent it is compared with, and the byte checks (digests of pages, bytes
+churned, scattered, cache), the raw NIXL agent it is compared with, and the byte checks (digests of pages, bytes
 written)."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import random
 import numpy as np
 import torch
 
-from dsv4_cluster.workers.kv_pool import KVPool
+from dsv4_cluster.workers.kv_pool import KVPool, PoolLayout
 from dsv4_cluster.workers.nixl_loader import load_nixl_api
+from dsv4_cluster.workers.prefix_cache import PrefixCache
 from dsv4_cluster.workers.presets import model_config
 from dsv4_cluster.workers.runner import RunnerConfig
 
@@ -28,39 +29,89 @@ def build_pool(preset: str, n_layers: int, page_size: int, pages: int, device: s
     return KVPool(cfg.layout(), device=device, dtype=cfg.dtype)
 
 
-# mixed request sizes of the churn (those of at most a quarter of the pool)
-CHURN_SIZES_TOKENS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+PAGE_STATES = ("fresh", "churned", "scattered", "cache")
 
 
-def side_pool(a: argparse.Namespace) -> tuple[KVPool, dict]:
-    """This side's pool in the state `--pages` asks for, and what that state is (free runs, pages held):
+def side_pool(a: argparse.Namespace) -> tuple[KVPool, dict, PrefixCache | None]:
+    """This side's pool in the state `--pages` asks for, what that state is (free runs, pages held), and, in cache
+    mode on the prefill side, the prefix cache whose `allocate` gives the timed requests their pages:
     - fresh: nothing allocated yet;
-    - churned: `--churn-cycles` allocate/free cycles of mixed sizes (the engine's own allocator, this side's
-      seed), then half of what is still held freed: a long-running pool, with room for the timed requests;
+    - churned: `--churn-cycles` allocate/free cycles of arbitrary sizes (1 page to 1/8 of the pool; the engine's
+      own allocator, this side's seed) around `--occupancy` of the pool, left at that occupancy;
     - scattered: every other page held, so every free run is one page (the worst case: what the deque free list
-      handed out after churn)."""
+      handed out after churn);
+    - cache: the prefill side's pool full of a prefix cache's pages after multi-turn chat (`kv_cache_churn.py`,
+      the engine's own `PrefixCache`, which makes room for each timed request); the decode side churned."""
     pool = build_pool(a.preset, a.n_layers, a.page_size, a.pool_pages, a.device)
     held: list[list[int]] = []
-    if a.pages == "churned":
-        rng = random.Random(f"{a.seed}-{a.role}")
-        sizes = [t for t in CHURN_SIZES_TOKENS if pool.pages_for(t) * 4 <= a.pool_pages] or [a.page_size]
-        for _ in range(a.churn_cycles):
-            tokens = rng.choice(sizes)
-            if held and (rng.random() < 0.45 or pool.pages_for(tokens) * 2 > sum(n for _, n in pool.free_runs)):
-                pool.release(held.pop(rng.randrange(len(held))))
-            else:
-                held.append(pool.alloc(tokens))
-        for _ in range(len(held) // 2):
-            pool.release(held.pop(rng.randrange(len(held))))
+    cache = None
+    if a.pages == "cache" and a.role == "prefill":
+        cache = prefix_cache_state(pool, a.churn_cycles, a.seed)
+    elif a.pages in ("churned", "cache"):
+        held = churn(pool, a.churn_cycles, a.occupancy, random.Random(f"{a.seed}-{a.role}"))
     elif a.pages == "scattered":
         pages = pool.alloc(pool.capacity_tokens)
         pool.release(pages[::2])
         held.append(pages[1::2])
     runs = pool.free_runs
-    state = {"pages": a.pages, "churn_cycles": a.churn_cycles if a.pages == "churned" else 0,
-             "held_pages": sum(map(len, held)), "free_pages": sum(n for _, n in runs), "free_runs": len(runs),
+    free = sum(n for _, n in runs)
+    state = {"pages": a.pages, "churn_cycles": a.churn_cycles if a.pages != "fresh" else 0,
+             "held_pages": pool.layout.num_pages - free, "free_pages": free, "free_runs": len(runs),
+             "occupancy": round(1 - free / pool.layout.num_pages, 3),
              "longest_free_run": max((n for _, n in runs), default=0)}
-    return pool, state
+    return pool, state, cache
+
+
+def churn(pool: KVPool, cycles: int, occupancy: float, rng: random.Random) -> list[list[int]]:
+    """Allocate and free requests of arbitrary sizes (1 page to 1/8 of the pool) around `occupancy`, then free or
+    allocate until the pool is held at `occupancy` or just under; returns the pages held, per request."""
+    n, ps = pool.layout.num_pages, pool.layout.page_size
+    target, held = int(n * occupancy), []
+
+    def used() -> int:
+        return n - pool.free_pages
+
+    for _ in range(cycles):
+        pages = rng.randint(1, max(1, n // 8))
+        if held and (used() + pages > target or rng.random() < 0.3):
+            pool.release(held.pop(rng.randrange(len(held))))
+        else:
+            held.append(pool.alloc(pages * ps))
+    while used() > target:
+        pool.release(held.pop(rng.randrange(len(held))))
+    if target > used():
+        held.append(pool.alloc((target - used()) * ps))
+    return held
+
+
+def prefix_cache_state(pool: KVPool, requests: int, seed: int) -> PrefixCache:
+    """The pool full of a prefix cache's pages after `requests` turns of multi-turn chat. The workload runs on a
+    16-token-page copy of the pool's allocator (token lists of 256-token pages would cost minutes of Python; what
+    the cache does is the same per page), which the pool then uses: the timed requests' pages come from it."""
+    from .kv_cache_churn import Workload, run
+
+    shadow = KVPool(PoolLayout(page_size=CACHE_PAGE, num_pages=pool.layout.num_pages, n_layers=1, head_dim=4,
+                               index_dim=4, ratio=4, dtype="float32"), device="meta")
+    tokens = pool.layout.num_pages * CACHE_PAGE       # the default workload's sizes, cut to fit a small pool
+    w = Workload(pages=pool.layout.num_pages, requests=requests, warmup=0, seed=seed,
+                 system_tokens=min(1000, tokens // 16), turn_tokens=(20, max(40, min(600, tokens // 16))),
+                 max_context=min(8192, tokens // 4))
+    cache, _ = run(w, shadow)
+    pool._free = shadow._free    # one allocator: the cache's pages are the pool's (page indices are what matter)
+    return cache
+
+
+CACHE_PAGE = 16
+
+
+def cache_alloc(cache: PrefixCache, pages: int, rng: random.Random) -> list[int]:
+    """A timed request's `pages` through the prefix cache: a new prompt (nothing cached) of that many pages, room
+    made as the prefill engine makes it; they go back with `pool.release` (never inserted). Its tokens lie above
+    the workload's (0-255), so none of it is ever in the tree."""
+    got = cache.allocate([256 + rng.randrange(1 << 20) for _ in range(pages * CACHE_PAGE)])
+    if got is None:
+        raise SideError(f"the prefix cache could not make room for {pages} pages")
+    return got[1]
 
 
 def max_bytes(pool: KVPool, sizes: list[int]) -> int:

@@ -9,15 +9,16 @@ side hands the prefill side its `PeerInfo`, as the bootstrap server's `/kv/regis
 connection on loopback (JSON lines); the KV itself moves over NIXL/UCX.
 
 Per request size, interleaved trial by trial (so a load spike on the machine hits all four alike):
-- engine: `NixlTransfer.write_pages` of the pages the engine's allocator gives the prompt (`KVPool.alloc`, on a
-  pool in the state `--pages` asks for: kv_transfer_parts.side_pool) into the pages the decode pool's allocator
-  gives, with `notif_message` as the notification; done when the prefill side's `poll` says DONE and the decode
+- engine: `NixlTransfer.write_pages` of the pages the engine's allocator gives the prompt (`KVPool.alloc`, or in
+  cache mode `PrefixCache.allocate`, on a pool in the state `--pages` asks for: kv_transfer_parts.side_pool) into
+  the pages the decode pool's allocator gives, with `notif_message` as the notification; done when the prefill side's `poll` says DONE and the decode
   side's `notifications()` returned it (both sides poll without sleeping, where the engine loops poll every 1 ms:
   this measures the transfer, not the loops' cadence; times are CLOCK_MONOTONIC, one clock for every process of
   the host);
-- runs: the same pages through a second pair of agents that build a new descriptor list per request, one
-  descriptor per region and run of pages (`NixlTransfer(descriptors="runs")`); the engine's own agents use lists
-  prepared once per peer (its default);
+- runs (`--runs` only): the same pages through a second pair of agents that build a new descriptor list per
+  request, one descriptor per region and run of pages (`NixlTransfer(descriptors="runs")`); the engine's own agents
+  use lists prepared once per peer (its default). Without it each side registers its pool in one agent, as a worker
+  does;
 - raw: one NIXL WRITE of one contiguous region of the same bytes, one descriptor, between two other agents, with
   a notification, timed the same way;
 - copy: `dst.copy_(src)` of the same bytes from the prefill device to the decode device (both synchronized).
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import select
 import socket
 import sys
@@ -42,8 +44,8 @@ import torch
 
 from dsv4_cluster.workers.prefill.destinations import notif_message
 from dsv4_cluster.workers.transfer import NixlTransfer, PeerInfo, page_runs
-from .kv_transfer_parts import (RawAgent, SideError, max_bytes, nonzero_bytes, nonzero_random, page_digest, region_digest,
-                                side_pool)
+from .kv_transfer_parts import (PAGE_STATES, RawAgent, SideError, cache_alloc, max_bytes, nonzero_bytes, nonzero_random,
+                                page_digest, region_digest, side_pool)
 
 PREFILL_AGENT, DECODE_AGENT = "kvx-prefill", "kvx-decode"
 RUNS_PREFILL_AGENT, RUNS_DECODE_AGENT = "kvx-runs-prefill", "kvx-runs-decode"
@@ -105,20 +107,20 @@ def _sync(*devices: str) -> None:
 
 def run_decode(a: argparse.Namespace) -> int:
     _pin(a.device)
-    pool, state = side_pool(a)
+    pool, state, _ = side_pool(a)
     transfer = NixlTransfer(DECODE_AGENT, pool, a.ucx_tls)
-    runs = NixlTransfer(RUNS_DECODE_AGENT, pool, a.ucx_tls, descriptors="runs")
+    runs = NixlTransfer(RUNS_DECODE_AGENT, pool, a.ucx_tls, descriptors="runs") if a.runs else None
     raw = RawAgent(RAW_DECODE_AGENT, max_bytes(pool, a.sizes), a.device)
     server = socket.create_server(("127.0.0.1", a.port))
     server.settimeout(CONNECT_TIMEOUT_S)
     conn, _ = server.accept()
     server.close()
     link = Link(conn)
-    link.send({"engine": transfer.local_info().to_json(), "runs": runs.local_info().to_json(),
+    link.send({"engine": transfer.local_info().to_json(), "runs": runs.local_info().to_json() if runs else None,
                "raw": raw.info(), "pool_state": state})
     dst: list[int] = []
     while True:
-        for kind, agent in (("engine", transfer), ("runs", runs)):
+        for kind, agent in (("engine", transfer), *((("runs", runs),) if runs else ())):
             for msg in agent.notifications():          # what DecodeEngine._receive reads
                 t = time.monotonic()
                 link.send({"ev": "notif", "kind": kind, "room": int(json.loads(msg)["room"]), "t": t})
@@ -183,11 +185,12 @@ class PrefillSide:
         self.a = a
         _pin(a.device)
         torch.manual_seed(a.seed)
-        self.pool, self.pool_state = side_pool(a)
+        self.pool, self.pool_state, self.cache = side_pool(a)
+        self.rng = random.Random(a.seed)
         for b in self.pool.buffers():                 # never zero, so the bytes written are countable
             b.copy_(nonzero_random(b))
         self.transfer = NixlTransfer(PREFILL_AGENT, self.pool, a.ucx_tls)
-        self.runs = NixlTransfer(RUNS_PREFILL_AGENT, self.pool, a.ucx_tls, descriptors="runs")
+        self.runs = NixlTransfer(RUNS_PREFILL_AGENT, self.pool, a.ucx_tls, descriptors="runs") if a.runs else None
         nbytes = max_bytes(self.pool, a.sizes)
         self.raw = RawAgent(RAW_PREFILL_AGENT, nbytes, a.device)
         self.raw.buf.copy_(nonzero_random(self.raw.buf))
@@ -196,8 +199,9 @@ class PrefillSide:
         hello = self.link.recv(CONNECT_TIMEOUT_S)
         self.peer = PeerInfo.from_json(hello["engine"])
         self.incarnation = self.transfer.add_peer(self.peer)   # what the bootstrap server's /kv/register does
-        self.runs_peer = PeerInfo.from_json(hello["runs"])
-        self.runs.add_peer(self.runs_peer)
+        self.runs_peer = PeerInfo.from_json(hello["runs"]) if a.runs else None
+        if self.runs:
+            self.runs.add_peer(self.runs_peer)
         self.decode_pool_state = hello["pool_state"]
         self.raw.add_peer(hello["raw"])
         self.room = 0
@@ -226,14 +230,15 @@ class PrefillSide:
 
     def measure(self, tokens: int) -> dict:
         a, pool = self.a, self.pool
-        src = pool.alloc(tokens)                      # the prefill engine's allocator
+        # the prefill engine's allocator (in cache mode through its prefix cache, which makes room first)
+        src = cache_alloc(self.cache, pool.pages_for(tokens), self.rng) if self.cache else pool.alloc(tokens)
         self.link.send({"op": "prepare", "tokens": tokens})
         dst = self.link.recv()["dst"]
         nbytes = len(src) * pool.page_bytes           # what PrefillEngine counts for the WRITE
         times: dict[str, list[float]] = {"engine": [], "engine_done": [], "runs": [], "runs_done": [],
                                          "raw": [], "raw_done": [], "copy": []}
         trials = {"engine": lambda: self.engine_trial(src, dst),
-                  "runs": lambda: self.engine_trial(src, dst, "runs"),
+                  **({"runs": lambda: self.engine_trial(src, dst, "runs")} if self.runs else {}),
                   "raw": lambda: self.raw_trial(nbytes), "copy": lambda: (None, self.copy_trial(nbytes))}
         order = list(trials)
         for i in range(a.warmup + a.repeats):
@@ -304,8 +309,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--pages", choices=("fresh", "churned", "scattered"), default="fresh",
+    p.add_argument("--pages", choices=PAGE_STATES, default="fresh",
                    help="the pools' state before the timed requests (see side_pool)")
+    p.add_argument("--occupancy", type=float, default=0.9, help="churned pools: the share of pages held")
+    p.add_argument("--runs", action="store_true", help="also time the runs agents (two agents per side)")
     p.add_argument("--churn-cycles", type=int, default=5000)
     p.add_argument("--result", help="prefill only: write the measurements here (JSON)")
     return p.parse_args(argv)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On the lent H200 (repo root as cwd, $OUT set): the CUDA engine's GPU tests, then bench/e2e_context_tax.py
 # (or, with BENCH=kv_transfer, bench/kv_transfer.py in its place: SKIP_TESTS=1 SKIP_STEP=1 BENCH=kv_transfer
-#  bash bench/run_engine_on_h200.sh --prefill-device cuda:0 --decode-device cuda:0 (two GPUs: --decode-device
-#  cuda:1; --fragmented for scattered pages); about a minute).
+#  bash bench/run_engine_on_h200.sh --prefill-device cuda:0 --decode-device cuda:0 --pages fresh,churned,cache
+#  --sizes 1024,8192,32768,131072 --repeats 30 (two GPUs: --decode-device cuda:1); a few minutes).
 # Usage: bash bench/run_engine_on_h200.sh [the benchmark's args]. Logs, JSON and tables land in $OUT.
 # The image has torch and Triton but not NIXL, FastAPI, pydantic or uvicorn: carry their cp312 wheels in .whl/
 # (pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64

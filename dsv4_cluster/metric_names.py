@@ -36,6 +36,10 @@ STRANDED_KV_FREED_ROOMS = "dsv4_stranded_kv_freed_rooms_total"  # counter
 # KV writes an embedded prefill cancelled past `transfer.write_timeout_s` (workers/prefill/engine.py), counter,
 # labels model_name, engine_type (prefill only).
 KV_WRITE_TIMEOUTS = "dsv4_kv_write_timeouts_total"
+# Histogram: in how many runs of consecutive pages the allocator handed a request its new KV pages (prefill: the
+# pages it computes, its cached prefix aside; decode: its reservation); one NIXL descriptor per run on both sides.
+# Labels model_name, engine_type (both roles of the embedded engine).
+KV_ALLOC_RUNS = "dsv4_kv_alloc_page_runs"
 STRANDED_KV = (STRANDED_KV_TOKENS, STRANDED_KV_ROOMS, STRANDED_KV_FREED_TOKENS, STRANDED_KV_FREED_ROOMS)
 
 # Router (names as the router issue's code spells them).

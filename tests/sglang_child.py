@@ -25,7 +25,7 @@ from bench.torchvision_stand_in import install_torchvision_stand_in as _install_
 RESOLVED_FIELDS = ("page_size", "kv_cache_dtype", "attention_backend", "context_length", "tp_size",
                    "disaggregation_mode", "disaggregation_transfer_backend", "disaggregation_bootstrap_port",
                    "base_gpu_id", "gpu_id_step", "numa_node", "port", "nccl_port", "served_model_name",
-                   "reasoning_parser", "tool_call_parser", "enable_metrics", "random_seed")
+                   "reasoning_parser", "tool_call_parser", "enable_metrics", "enable_cache_report", "random_seed")
 
 
 def resolve(argv: list[str]) -> dict[str, Any]:

@@ -133,6 +133,10 @@ def test_targets_rules_and_every_panel_query_against_the_live_cluster(live: Live
         series = prom.query(f'count by (worker) ({name})')
         assert {r["metric"]["worker"] for r in series} == {"prefill-0"}, name
 
+    # The allocator's runs per request: the embedded engine's own histogram, both roles.
+    series = prom.query(f"count by (worker) ({m.KV_ALLOC_RUNS}_count)")
+    assert {r["metric"]["worker"] for r in series} == {"prefill-0", "decode-0"}, m.KV_ALLOC_RUNS
+
     # The exporter measures the supervisors' states (READY: 1, every other state 0).
     states = {r["metric"]["worker"]: r["metric"]["state"] for r in prom.query(f"{m.CLUSTER_WORKER_STATE} == 1")}
     assert states == {"prefill-0": "READY", "decode-0": "READY", "router": "READY"}

@@ -37,13 +37,14 @@ def _children(pid: int) -> set[int]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("pages", ["fresh", "churned", "scattered"])
+@pytest.mark.parametrize("pages", ["fresh", "churned", "scattered", "cache"])
 def test_the_benchmark_moves_the_pages_bytes_and_reports_every_ratio(tmp_path, pages):
     out = tmp_path / "kvx"
     before = _children(os.getpid())
+    runs = ["--runs"] if pages == "fresh" else []   # the per-request descriptor lists: a second pair of agents
     rc = kv_transfer.main(["--out", str(out), "--logs", str(tmp_path / "logs"), "--sizes", "1024,2048",
                            "--repeats", "3", "--warmup", "1", "--page-size", str(PAGE), "--timeout-s", "90",
-                           "--pages", pages, "--churn-cycles", "300"])
+                           "--pages", pages, "--churn-cycles", "300", *runs])
     assert rc == 0
     assert _children(os.getpid()) - before == set()           # both sides exited (or were killed) with the run
     report = json.loads(out.with_suffix(".json").read_text())
@@ -58,20 +59,23 @@ def test_the_benchmark_moves_the_pages_bytes_and_reports_every_ratio(tmp_path, p
         c = r["checks"]
         assert c["engine_written_bytes"] == r["bytes"] == c["raw_written_bytes"]   # counted in the decode pool
         assert c["engine_contents_equal"] and c["raw_contents_equal"] and c["copy_contents_equal"] and c["ok"]
-        # a fresh or churned pool's allocator gives one run (best fit over coalesced free runs): one descriptor
-        # per region (transfer.page_runs); a scattered pool's pages are one-page runs: a descriptor per page
-        runs = r["page_runs"]["both"]
+        # a fresh pool's allocator gives one run: one descriptor per region (transfer.page_runs); a scattered
+        # pool's pages are one-page runs: a descriptor per page; a churned (or cache) pool's, a few
+        both = r["page_runs"]["both"]
         if pages == "scattered":
-            assert runs == r["pages"] and r["run_lengths"] == {"src": [1] * runs, "dst": [1] * runs}
-        else:
+            assert both == r["pages"] and r["run_lengths"] == {"src": [1] * both, "dst": [1] * both}
+        elif pages == "fresh":
             assert r["page_runs"] == {"src": 1, "dst": 1, "both": 1}
             assert r["run_lengths"] == {"src": [r["pages"]], "dst": [r["pages"]]}
-        assert r["descriptors"] == {"engine": runs * report["pool"]["regions"], "raw": 1}
-        for m in ("engine", "runs", "raw", "copy"):
+        else:
+            assert sum(r["run_lengths"]["src"]) == sum(r["run_lengths"]["dst"]) == r["pages"]
+        assert r["descriptors"] == {"engine": both * report["pool"]["regions"], "raw": 1}
+        assert ("runs" in r) == bool(runs) and report["config"]["agents_per_side"] == (2 if runs else 1)
+        for m in ("engine", "runs", "raw", "copy") if runs else ("engine", "raw", "copy"):
             s = r[m]
             assert s["n"] == 3 and 0 < s["p50_ms"] <= s["p99_ms"]
             assert s["gb_s"] == pytest.approx(r["bytes"] / (s["p50_ms"] / 1e3) / 1e9, rel=1e-2)
-        for k in ("engine_vs_raw", "runs_vs_raw", "engine_vs_copy"):
+        for k in ("engine_vs_raw", *(("runs_vs_raw",) if runs else ()), "engine_vs_copy"):
             assert math.isfinite(r["ratios"][k]) and r["ratios"][k] > 0
         assert r["ratios"]["engine_vs_raw"] == pytest.approx(r["engine"]["gb_s"] / r["raw"]["gb_s"], rel=1e-2)
     assert report["ucx"]["engine"]["put_transports"] and report["ucx"]["raw"]["put_transports"]
@@ -81,11 +85,13 @@ def test_the_benchmark_moves_the_pages_bytes_and_reports_every_ratio(tmp_path, p
     assert report["target"]["small_engine_vs_raw"] == first and report["target"]["small_met"] == (first >= 0.5)
     state = pool["state"]["prefill"]
     assert state["pages"] == pages and state["free_pages"] + state["held_pages"] == pool["layout"]["num_pages"]
-    if pages == "churned":
-        assert state["churn_cycles"] == 300 and state["held_pages"] > 0
+    if pages in ("churned", "cache"):      # held at --occupancy (0.9), or a prefix cache's pages after 300 turns
+        assert state["churn_cycles"] == 300 and 0.8 <= state["occupancy"] <= 0.95, state
+        decode = pool["state"]["decode"]
+        assert decode["pages"] == pages and 0.85 <= decode["occupancy"] <= 0.9, decode
     md = out.with_suffix(".md").read_text()
     assert "| 2048 |" in md and "UCX transports of the WRITEs" in md and "FAILED" not in md
-    assert (tmp_path / "logs" / "prefill.log").exists() and (tmp_path / "logs" / "decode.log").exists()
+    assert (tmp_path / "logs" / pages / "prefill.log").exists() and (tmp_path / "logs" / pages / "decode.log").exists()
 
 
 UCX_LOG = """\
@@ -170,11 +176,28 @@ def test_a_size_whose_bytes_or_contents_differ_fails_its_checks(written, equal, 
     (["--page-size", "6"], "page_size 6 must be a multiple of the compression ratio 4"),
     (["--sizes", "1024", "--pool-pages", "2"], "--pool-pages 2: the largest request needs 4 pages"),
     (["--max-tokens", "512"], "leave no request size to measure"),
+    (["--pages", "fresh,hot"], "--pages fresh,hot: choose from fresh, churned, scattered, cache"),
+    (["--occupancy", "1"], "--occupancy 1.0: give a share of the pool in (0, 1)"),
 ])
 def test_bad_flags_are_refused_by_name(argv, message, capsys):
     with pytest.raises(SystemExit):
         kv_transfer.parse(argv)
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.timeout(180)
+def test_several_page_states_in_one_command_write_one_report_per_state(tmp_path):
+    """What the GPU run uses: one command, one pair of sides per state, one JSON keyed by state, one table each."""
+    out = tmp_path / "kvx"
+    rc = kv_transfer.main(["--out", str(out), "--sizes", "1024", "--repeats", "1", "--warmup", "0",
+                           "--pages", "fresh,cache", "--churn-cycles", "100", "--timeout-s", "90"])
+    assert rc == 0
+    reports = json.loads(out.with_suffix(".json").read_text())
+    assert list(reports) == ["fresh", "cache"]
+    assert [r["config"]["pages"] for r in reports.values()] == ["fresh", "cache"]
+    assert all(r["checks"]["ok"] for rep in reports.values() for r in rep["sizes"])
+    md = out.with_suffix(".md").read_text()
+    assert md.count("UCX transports of the WRITEs") == 2 and "pages: cache" in md
 
 
 @pytest.mark.timeout(120)

@@ -24,7 +24,7 @@ SGLANG_0_5_23_FLAGS = {
     "--model-path", "--served-model-name", "--tp-size", "--host", "--port", "--nccl-port",
     "--disaggregation-mode", "--disaggregation-transfer-backend", "--disaggregation-bootstrap-port",
     "--page-size", "--kv-cache-dtype", "--context-length", "--random-seed", "--max-total-tokens",
-    "--enable-metrics", "--trust-remote-code", "--reasoning-parser", "--tool-call-parser",
+    "--enable-metrics", "--enable-cache-report", "--trust-remote-code", "--reasoning-parser", "--tool-call-parser",
     "--base-gpu-id", "--gpu-id-step", "--numa-node",
 }
 
@@ -173,6 +173,7 @@ def test_sglang_argv_env_and_pinning() -> None:
         ("deepseek-ai/DeepSeek-V4-Flash", "256", "fp8_e4m3")
     assert (_flag(a, "--reasoning-parser"), _flag(a, "--tool-call-parser")) == ("deepseek-v4", "deepseekv4")
     assert "--enable-metrics" in a and "--trust-remote-code" in a
+    assert "--enable-cache-report" in a and "--enable-cache-report" in decode.argv   # usage's cached tokens
     assert _flag(decode.argv, "--disaggregation-mode") == "decode"
     assert "--disaggregation-bootstrap-port" not in decode.argv
     assert "--max-total-tokens" not in a  # null: SGLang sizes the pool from free memory

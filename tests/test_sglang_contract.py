@@ -73,6 +73,7 @@ def test_sglang_resolves_both_servers_as_planned(resolved: dict[str, dict]) -> N
         assert r["numa_node"][first_gpu:first_gpu + 4] == [numa] * 4  # SGLang reads numa_node[gpu_id]
         assert (r["reasoning_parser"], r["tool_call_parser"]) == ("deepseek-v4", "deepseekv4")
         assert r["enable_metrics"] is True and r["served_model_name"] == "DeepSeek-V4-Flash"
+        assert r["enable_cache_report"] is True   # else SGLang's usage carries no prompt_tokens_details
     assert resolved["prefill-0"]["resolved"]["disaggregation_bootstrap_port"] == 8998
 
 

@@ -5,12 +5,14 @@ are those where both sides' pages are consecutive, and a WRITE of mixed runs lan
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 import torch
 
 from dsv4_cluster.workers.kv_pool import KVPool, PoolLayout
-from dsv4_cluster.workers.transfer import DESCRIPTOR_MODES, NixlTransfer, _descs, _indices, page_runs
+from dsv4_cluster.workers.transfer import (DESCRIPTOR_MODES, NixlTransfer, TransferError, _descs, _indices,
+                                           page_runs)
 
 
 def test_runs_break_where_either_side_stops_being_consecutive():
@@ -46,27 +48,56 @@ def test_prepped_indices_are_region_major_so_consecutive_pages_are_consecutive_d
     assert _indices([3, 4, 9], regions=2, num_pages=12).tolist() == [3, 4, 9, 15, 16, 21]
 
 
-@pytest.mark.parametrize("descriptors", DESCRIPTOR_MODES)
-@pytest.mark.parametrize("layout", [FLOAT, FP8], ids=["float32", "fp8"])
-def test_a_write_of_mixed_runs_lands_every_page_in_place(layout, descriptors):
-    src, dst = KVPool(layout), KVPool(layout)
+def _write_and_compare(src_layout: PoolLayout, dst_layout: PoolLayout, descriptors: str, name: str,
+                       src_pages: list[int], dst_pages: list[int]) -> None:
+    """WRITE `src_pages` of a random prefill pool into `dst_pages` of a zeroed decode pool over real NIXL agents;
+    every destination page must hold its source page's bytes, every other decode page stay zero."""
+    src, dst = KVPool(src_layout), KVPool(dst_layout)
     for b in src.buffers():
         b.copy_(torch.rand(b.shape) + 1 if b.dtype.is_floating_point else torch.randint(1, 256, b.shape,
                                                                                         dtype=torch.uint8))
-    name = f"{layout.dtype}-{descriptors}"
     prefill = NixlTransfer(f"p-{name}", src, descriptors=descriptors)
     decode = NixlTransfer(f"d-{name}", dst, descriptors=descriptors)
     prefill.add_peer(decode.local_info())
-    src_pages, dst_pages = [0, 1, 2, 5, 6, 9], [3, 4, 7, 8, 9, 1, 11]   # decode reserved one page more
     handle = prefill.write_pages(f"d-{name}", src_pages, dst_pages, b"room")
     deadline = time.monotonic() + 10
     while (state := prefill.poll(handle)) == "PROC" and time.monotonic() < deadline:
         decode.notifications()
     assert state == "DONE"
-    n = layout.num_pages
     for s_buf, d_buf in zip(src.buffers(), dst.buffers()):
-        s_pages, d_pages = s_buf.reshape(n, -1), d_buf.reshape(n, -1)
+        s_pages, d_pages = s_buf.reshape(src_layout.num_pages, -1), d_buf.reshape(dst_layout.num_pages, -1)
         for s, d in zip(src_pages, dst_pages):
-            assert torch.equal(d_pages[d], s_pages[s])
-        untouched = [p for p in range(n) if p not in dst_pages[: len(src_pages)]]
+            assert torch.equal(d_pages[d], s_pages[s]), f"decode page {d} does not hold prefill page {s}"
+        untouched = [p for p in range(dst_layout.num_pages) if p not in dst_pages[: len(src_pages)]]
         assert d_pages[untouched].eq(0).all()
+
+
+@pytest.mark.parametrize("descriptors", DESCRIPTOR_MODES)
+@pytest.mark.parametrize("layout", [FLOAT, FP8], ids=["float32", "fp8"])
+def test_a_write_of_mixed_runs_lands_every_page_in_place(layout, descriptors):
+    _write_and_compare(layout, layout, descriptors, f"{layout.dtype}-{descriptors}",
+                       [0, 1, 2, 5, 6, 9], [3, 4, 7, 8, 9, 1, 11])   # decode reserved one page more
+
+
+@pytest.mark.parametrize("descriptors", DESCRIPTOR_MODES)
+@pytest.mark.parametrize("layout", [FLOAT, FP8], ids=["float32", "fp8"])
+@pytest.mark.parametrize("decode_pages", [36, 8], ids=["decode-3x", "decode-smaller"])
+def test_a_decode_pool_of_another_size_gets_every_page_in_place(layout, descriptors, decode_pages):
+    """Pools differ in capacity only (decode usually holds more: every running request's KV). The descriptors of
+    the decode side come from its own page count: pages above the prefill's pool size land where they belong."""
+    dst_layout = replace(layout, num_pages=decode_pages)
+    dst_pages = [2, 20, 21, 30, 31, 35] if decode_pages > layout.num_pages else [7, 0, 1, 4, 5, 3]
+    _write_and_compare(layout, dst_layout, descriptors, f"{layout.dtype}-{descriptors}-{decode_pages}",
+                       [0, 1, 2, 5, 6, 11], dst_pages)
+
+
+@pytest.mark.parametrize("descriptors", DESCRIPTOR_MODES)
+def test_a_destination_page_outside_the_decode_pool_is_refused_before_nixl_sees_it(descriptors):
+    src, dst = KVPool(FLOAT), KVPool(replace(FLOAT, num_pages=20))
+    prefill = NixlTransfer(f"p-oob-{descriptors}", src, descriptors=descriptors)
+    decode = NixlTransfer(f"d-oob-{descriptors}", dst, descriptors=descriptors)
+    prefill.add_peer(decode.local_info())
+    with pytest.raises(TransferError, match="page 20 .* 20 pages"):
+        prefill.write_pages(decode.name, [0, 1], [19, 20], b"room")
+    with pytest.raises(TransferError, match="page 12 .* 12 pages"):
+        prefill.write_pages(decode.name, [11, 12], [0, 1], b"room")

@@ -18,6 +18,7 @@ import pytest
 
 from dsv4_cluster.metric_names import KV_WRITE_TIMEOUTS
 from dsv4_cluster.workers.model import ModelConfig
+from dsv4_cluster.workers.prefill import engine as prefill_engine
 from dsv4_cluster.workers.prefill.engine import PrefillEngine
 from dsv4_cluster.workers.request import Failed, Req, Token
 from dsv4_cluster.workers.runner import ModelRunner, RunnerConfig
@@ -112,8 +113,12 @@ class _StuckTransfer:
     def notify(self, peer, message):
         self.sent.append((peer, json.loads(message)))
 
+    def progress(self):
+        pass
 
-def test_pages_a_write_may_still_read_stay_out_of_the_pool_until_nixl_lets_go():
+
+def test_pages_a_write_may_still_read_stay_out_of_the_pool_until_nixl_lets_go(monkeypatch):
+    monkeypatch.setattr(prefill_engine, "NOTIFY_PROGRESS_S", 0.0)   # pending() then means the abandoned write
     runner = _runner()
     transfer = _StuckTransfer()
     engine = PrefillEngine(runner, transfer, write_timeout_s=0.2)

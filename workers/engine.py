@@ -11,6 +11,7 @@ non-zero, so its supervisor sees a dead process instead of a live one answering 
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import queue
@@ -19,11 +20,39 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+from prometheus_client.utils import floatToGoString
+
 from .request import Failed, Outbox, Req, ReqState
 from .runner import ModelRunner
 from .window import Window
 
 log = logging.getLogger(__name__)
+
+
+RUN_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
+
+
+@dataclass
+class Buckets:
+    """Observations counted under upper bounds (Prometheus histogram buckets, read at scrape time)."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)   # per bound, then past the last one (+Inf)
+    total: float = 0.0
+
+    def __post_init__(self):
+        self.counts = self.counts or [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        out, n = [], 0
+        for bound, count in zip([*(floatToGoString(b) for b in self.bounds), "+Inf"], self.counts):
+            n += count
+            out.append((bound, n))
+        return out
 
 
 @dataclass
@@ -46,6 +75,7 @@ class EngineStats:
     generated: Window = field(default_factory=Window)
     transfer_gb_s: Window = field(default_factory=Window)
     transfer_ms: Window = field(default_factory=Window)
+    alloc_runs: Buckets = field(default_factory=lambda: Buckets(RUN_BUCKETS))   # runs per request's new pages
 
     @property
     def last_gen_throughput(self) -> float:

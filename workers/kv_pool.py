@@ -159,6 +159,10 @@ class KVPool:
         """The free pages as runs of consecutive pages, (first page, pages) (what a request's pages come from)."""
         return self._free.runs
 
+    def runs_for(self, num_tokens: int) -> int:
+        """How many runs of consecutive pages `alloc(num_tokens)` would hand out now."""
+        return self._free.runs_for(self.pages_for(num_tokens))
+
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.layout.page_size)
 

@@ -7,9 +7,10 @@ no second copy of the numbers); latency histograms are observed by the HTTP hand
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from .engine import Engine
+from ..metric_names import KV_ALLOC_RUNS
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -67,6 +68,10 @@ class _EngineCollector:
         yield c("sglang:num_aborted_requests", "Requests aborted", s.aborted)
         yield c("sglang:num_bootstrap_failed_reqs", "Requests whose bootstrap failed", s.bootstrap_failed)
         yield c("sglang:num_transfer_failed_reqs", "Requests whose KV transfer failed", s.transfer_failed)
+        runs = HistogramMetricFamily(KV_ALLOC_RUNS, "Runs of consecutive pages a request's new KV pages came in "
+                                     "(one NIXL descriptor each)", labels=list(self.labels))
+        runs.add_metric(list(self.labels.values()), s.alloc_runs.cumulative(), s.alloc_runs.total)
+        yield runs
         for kind, name, doc, value in self.engine.role_metrics():
             yield (g if kind == "gauge" else c)(name, doc, value)
 

@@ -52,6 +52,15 @@ class PageAllocator:
                 break
         return pages
 
+    def runs_for(self, n: int) -> int:
+        """How many runs `alloc(n)` would hand out now (0 for n <= 0; the caller checked `len(self) >= n`)."""
+        got = 0
+        for i, length in enumerate(sorted((self._length[s] for s in self._starts), reverse=True)):
+            got += length
+            if got >= n:
+                return i + 1 if n > 0 else 0
+        return len(self._starts)
+
     def take_last(self) -> int:
         """One page from the end of the last free run (kept out of the pool by the caller for good)."""
         if not self._free:

@@ -37,6 +37,11 @@ class PeerInfo:
     mem_type: str
     device_id: int
 
+    @property
+    def num_pages(self) -> int:
+        """The peer pool's page count: its descriptors and page indices (pools may differ in capacity only)."""
+        return int(self.layout["num_pages"])
+
     def to_json(self) -> dict:
         return asdict(self)
 
@@ -124,9 +129,9 @@ class NixlTransfer:
                         self._agent.release_dlist_handle(self._prepped.pop(name))
                     self._agent.remove_remote_agent(name)
                 self._agent.add_remote_agent(base64.b64decode(info.metadata_b64))
-                if self.descriptors == "prepped":
+                if self.descriptors == "prepped":   # the peer's pool may hold more or fewer pages than this one
                     self._prepped[name] = self._agent.prep_xfer_dlist(
-                        name, _strided(info.buffers, self._num_pages, info.device_id), info.mem_type)
+                        name, _strided(info.buffers, info.num_pages, info.device_id), info.mem_type)
             except self._nixl_errors as exc:
                 raise TransferError(f"NIXL could not load the agent of {name}: {exc!r}") from exc
             self._peers[name] = info
@@ -144,10 +149,13 @@ class NixlTransfer:
         `incarnation` (None: whichever is current); returns a handle for `poll`."""
         if len(src_pages) > len(dst_pages):
             raise TransferError(f"{len(src_pages)} pages to send but {peer} reserved only {len(dst_pages)}")
+        dst_pages = dst_pages[: len(src_pages)]
         with self._lock:
             info = self._peers.get(peer)
             if info is None:
                 raise TransferError(f"unknown decode agent {peer!r}: it never registered with this prefill")
+            _check_pages(src_pages, self._num_pages, self.name)
+            _check_pages(dst_pages, info.num_pages, peer)
             if incarnation is not None and incarnation != self._incarnations[peer]:
                 raise TransferError(f"{peer} restarted after it reserved these pages; its new process "
                                     "does not expect this KV")
@@ -156,10 +164,9 @@ class NixlTransfer:
                 if self.descriptors == "prepped":
                     handle = self._agent.make_prepped_xfer(
                         "WRITE", self._local_prepped, _indices(src_pages, len(self._local), self._num_pages),
-                        self._prepped[peer], _indices(dst_pages[: len(src_pages)], len(info.buffers),
-                                                      self._num_pages), notif)
+                        self._prepped[peer], _indices(dst_pages, len(info.buffers), info.num_pages), notif)
                 else:
-                    runs = page_runs(src_pages, dst_pages[: len(src_pages)])
+                    runs = page_runs(src_pages, dst_pages)
                     local = _descs(self._local, [(s, n) for s, _, n in runs], self._device_id)
                     remote = _descs(info.buffers, [(d, n) for _, d, n in runs], info.device_id)
                     handle = self._agent.initialize_xfer(
@@ -213,6 +220,13 @@ class NixlTransfer:
             except Exception as exc:    # nixl raises its own error types, none exported
                 raise TransferError(f"NIXL could not notify {peer}: {exc}") from exc
 
+    def progress(self) -> None:
+        """Drive the agent's progress (it has no progress thread): what a notification it sent needs to leave
+        before any transfer connected the two agents. Only a decode receives notifications: a prefill calls this."""
+        dropped = self.notifications()
+        if dropped:
+            log.warning("%s ignored %d notifications it does not expect", self.name, len(dropped))
+
     def notifications(self) -> list[bytes]:
         with self._lock:
             try:
@@ -233,6 +247,13 @@ def page_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
         else:
             runs.append([s, d, 1])
     return [(s, d, n) for s, d, n in runs]
+
+
+def _check_pages(pages: list[int], num_pages: int, owner: str) -> None:
+    """A page outside a pool would be a WRITE outside its registered memory (or NIXL's refusal): refuse it here."""
+    bad = next((p for p in pages if not 0 <= p < num_pages), None)
+    if bad is not None:
+        raise TransferError(f"page {bad} lies outside the pool of {owner}, which has {num_pages} pages")
 
 
 def _descs(buffers: list[tuple[int, int]], runs: list[tuple[int, int]], device_id: int) -> np.ndarray:

@@ -89,6 +89,9 @@ KV_CACHE_ROWS = (
             _q(f"increase(sglang:num_transfer_failed_reqs_total[{RATE}])", "{{worker}} transfer"),
             _q(f"increase(sglang:num_bootstrap_failed_reqs_total[{RATE}])", "{{worker}} bootstrap")),
         _ts("Stranded KV (held for rooms no decode will read)", "none", _q(m.STRANDED_KV_TOKENS)),
+        _ts("KV page runs per request (one NIXL descriptor each)", "none", *_quantiles(m.KV_ALLOC_RUNS, by="worker"),
+            description="In how many runs of consecutive pages the allocator handed a request its new KV pages "
+                        "(prefill: its own pages; decode: its reservation); a rising p99 means scattered pools."),
     )),
     RowSpec("Latency and throughput", (
         _ts("Time to first token (router)", "s", *_quantiles(m.ROUTER_TTFT)),

@@ -19,6 +19,12 @@ follows it instead of fighting it:
   the child, node `--numa-node[gpu_id]`, else its GPU's node from sysfs). The plan passes the
   topology's `numa_node` as `--numa-node`, indexed by GPU id as SGLang reads it, and no numactl of
   its own: one binding, the one the topology names.
+- Cached tokens. SGLang fills `usage.prompt_tokens_details` only under `--enable-cache-report`. A PD decode
+  reports the prefill's prefix-cache hit: the prefill writes it into the metadata buffers that travel with the KV
+  (`disaggregation/utils.py` `set_buf`, slot 0), the decode copies it into the request
+  (`disaggregation/decode.py` `_commit_transfer_to_req`) and adds only its own reuse beyond it. The plan sets the
+  flag on both roles (the client reads the decode's usage), so a cluster's usage says what the prefill reused, as
+  the embedded engine's does.
 - Kernels. The plugin (`dsv4_cluster.kernels.sglang_plugin`) is inert unless `DSV4_CLUSTER_KERNELS`
   names kernels; each TP rank writes its attestation under `DSV4_CLUSTER_ATTEST_DIR`.
 """
@@ -92,6 +98,7 @@ def sglang_argv(topology: Topology, worker: WorkerConfig) -> list[str]:
         argv += ["--numa-node", *numa]
     argv += [
         "--enable-metrics",
+        "--enable-cache-report",   # usage.prompt_tokens_details.cached_tokens (the prefill's hit, on a decode)
         "--trust-remote-code",
         "--reasoning-parser", SGLANG_REASONING_PARSER,
         "--tool-call-parser", SGLANG_TOOL_CALL_PARSER,

@@ -32,7 +32,7 @@ from ..request import Req, ReqState, Reserved, Token
 from ..runner import ModelRunner
 from ..sampling import TokenLogprob
 from ..tokenizer import ByteTokenizer
-from ..transfer import NixlTransfer
+from ..transfer import NixlTransfer, page_runs
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,7 @@ class DecodeEngine(Engine):
             except PoolExhausted:
                 break
             self._prealloc.popleft()
+            self.stats.alloc_runs.observe(len(page_runs(req.pages, req.pages)))
             req.state = ReqState.WAITING_PEER
             req.deadline = self.now() + self.transfer_timeout_s
             self._by_room[req.room] = req

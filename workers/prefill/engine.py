@@ -31,12 +31,13 @@ from ..kv_pool import PoolExhausted
 from ..prefix_cache import PrefixCache, RadixNode
 from ..request import Finish, Req, ReqState, Token
 from ..runner import Chunk, ModelRunner
-from ..transfer import NixlTransfer, TransferError
+from ..transfer import NixlTransfer, TransferError, page_runs
 from .destinations import Destinations, failed_message, notif_message
 from .stranded import StrandedKV
 from ...metric_names import KV_WRITE_TIMEOUTS
 
 log = logging.getLogger(__name__)
+NOTIFY_PROGRESS_S = 2.0   # how long the loop drives NIXL after a notification (seen here: the first one took 50 ms)
 
 
 class PrefillEngine(Engine):
@@ -56,6 +57,7 @@ class PrefillEngine(Engine):
         self._locks: dict[str, list[RadixNode]] = {}      # rid -> the cache nodes its pages include (locked)
         self.stranded = StrandedKV(peer_timeout_s, runner.pool.layout.page_size)
         self._ready_at: dict[str, float] = {}   # rid -> when its KV was ready (waiting for a decode)
+        self._progress_until = 0.0              # NIXL progress is driven until then: a notification is on its way
 
     def on_submit(self, req: Req) -> None:
         self._bootstrap.append(req)
@@ -70,9 +72,11 @@ class PrefillEngine(Engine):
             self.destinations.discard(req.room)
 
     def pending(self) -> bool:
-        return bool(self.reqs or self._abandoned)
+        return bool(self.reqs or self._abandoned) or self.now() < self._progress_until
 
     def step(self) -> bool:
+        if self.now() < self._progress_until:
+            self.transfer.progress()
         worked = self._poll_inflight()
         worked |= self._poll_abandoned()
         worked |= self._send_ready()
@@ -123,24 +127,20 @@ class PrefillEngine(Engine):
 
     def _allocate(self, req: Req) -> None:
         """The request's pages: its cached prefix (locked), then new ones; PoolExhausted (nothing held) if short."""
-        pool, nodes, cached = self.runner.pool, [], []
-        if self.cache is not None:
-            cached, nodes = self.cache.match(req.prompt_ids)
-        rest = len(req.prompt_ids) - len(cached) * pool.layout.page_size
-        short = pool.pages_for(rest) - pool.free_pages
-        if short > 0 and self.cache is not None:
-            self.cache.evict(short)
-        try:
-            own = pool.alloc(rest)
-        except PoolExhausted:
-            if self.cache is not None:
-                self.cache.unlock(nodes)
-            raise
-        req.pages, req.prefilled = cached + own, len(cached) * pool.layout.page_size
+        pool = self.runner.pool
+        if self.cache is None:
+            pages = own = pool.alloc(len(req.prompt_ids))
+        else:
+            got = self.cache.allocate(req.prompt_ids)
+            if got is None:
+                raise PoolExhausted(f"{pool.pages_for(len(req.prompt_ids))} pages needed, {pool.free_pages} free "
+                                    "and nothing left to evict")
+            pages, own, self._locks[req.rid] = got
+        req.pages, req.prefilled = pages, (len(pages) - len(own)) * pool.layout.page_size
         req.cached_tokens = req.prefilled
+        self.stats.alloc_runs.observe(len(page_runs(own, own)))
         if self.cache is not None:
             self.cache.record(len(req.prompt_ids), req.cached_tokens)
-            self._locks[req.rid] = nodes
 
     def release(self, req: Req) -> None:
         """Unlock the request's cached pages; its own pages that the cache does not hold go back to the pool."""
@@ -211,12 +211,19 @@ class PrefillEngine(Engine):
         """Best effort: decode frees the room's pages at once instead of at its deadline (with `may_land` it
         holds them, and the room stays taken, until `_poll_abandoned` says the WRITE ended)."""
         agent = self.destinations.agent_of(room) if may_land else self.destinations.done(room)
-        if agent is None:
-            return
+        if agent is not None:
+            self.tell_decode(agent, failed_message(room, reason, may_land))
+
+    def tell_decode(self, agent: str, message: bytes) -> None:
+        """Send a decode agent a notification (engine thread). No progress thread runs and a notification is not
+        a transfer the loop polls: to a decode this agent never wrote to (no connection yet) it would not leave
+        unless the loop drives NIXL, so it does for `NOTIFY_PROGRESS_S`."""
         try:
-            self.transfer.notify(agent, failed_message(room, reason, may_land))
+            self.transfer.notify(agent, message)
         except TransferError as exc:
-            log.warning("could not tell %s that bootstrap_room %s failed: %s", agent, room, exc)
+            log.warning("could not tell %s %s: %s", agent, message[:200], exc)
+            return
+        self._progress_until = self.now() + NOTIFY_PROGRESS_S
 
     def _poll_inflight(self) -> bool:
         worked = False
