@@ -1,7 +1,7 @@
 """Stub prefill/decode servers for the router benchmark: the PD protocol's shape, no compute.
 
 `python -m bench.router_stubs --role prefill|decode --port P` serves, over HTTP/1.1 keep-alive,
-what a router needs from SGLang's PD workers (PROTOCOL.md): the generation paths answer at once (prefill:
+what a router needs from SGLang's PD workers (docs/protocol.md): the generation paths answer at once (prefill:
 one token and `finish_reason` length 0; decode: `TOKENS` content chunks, a stop chunk and `data: [DONE]`,
 chunked like SGLang's streams), plus `/health`, `/abort_request`, `/v1/models`, `/model_info`,
 `/server_info`. Every answer is one write on a TCP_NODELAY socket. It is a raw asyncio protocol so that the stub, not the router under test, is never the

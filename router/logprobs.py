@@ -1,7 +1,7 @@
 """`/generate` with `return_logprob`: the prefill computed the prompt's logprobs, the decode did not.
 
-PROTOCOL.md step 5: P's `meta_info.input_token_logprobs` go in front of D's, for whole answers and
-for each streamed event alike (SGLang's own routers do the same).
+docs/protocol.md, "One request", step 5: P's `meta_info.input_token_logprobs` go in front of D's, for whole
+answers and for each streamed event alike (SGLang's own routers do the same).
 """
 
 from __future__ import annotations

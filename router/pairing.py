@@ -1,4 +1,4 @@
-"""Turn one client body into the body both legs of a PD pair receive (PROTOCOL.md, "Router → workers").
+"""Turn one client body into the body both legs of a PD pair receive (docs/protocol.md, "One request").
 
 The copy carries the prefill's `bootstrap_host`/`bootstrap_port`, a random 63-bit `bootstrap_room` and
 the router's own `rid`, so the decode server can find the prefill's KV and the router can abort both

@@ -14,7 +14,7 @@ DONE = b"data: [DONE]\n\n"
 
 
 def error_event(body: dict[str, Any]) -> bytes:
-    """An SSE event carrying an OpenAI error body (PROTOCOL.md, "Errors")."""
+    """An SSE event carrying an OpenAI error body (docs/protocol.md, "Errors and aborts")."""
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 

@@ -38,7 +38,7 @@ class _SGLangBody(_Body):
 
 
 class Bootstrap(_SGLangBody):
-    """Fields the router adds (PROTOCOL.md, router -> workers)."""
+    """Fields the router adds (docs/protocol.md, "One request")."""
 
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None

@@ -15,7 +15,7 @@ Request lifecycle on the prefill side:
 4. It WRITEs the prompt's pages into those pages with a notification carrying the room and the first
    token (with its logprob when asked); that notification is how decode learns the KV has landed.
 5. Once the WRITE is DONE, the pages are freed and the handler answers the router with one token
-   and finish_reason length (PROTOCOL.md). A WRITE still in flight after `write_timeout_s` (topology:
+   and finish_reason length (docs/protocol.md). A WRITE still in flight after `write_timeout_s` (topology:
    `transfer.write_timeout_s`; a decode that died or froze mid-write) is cancelled: the request fails, decode is
    told (it frees the room's pages, or holds them while NIXL may still write), the pages come back here once
    NIXL lets go of the transfer, and `dsv4_kv_write_timeouts_total` counts it.
