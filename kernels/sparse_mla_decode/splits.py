@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .launch import LaunchConfig
+    from .config import LaunchConfig
 
 FUSED_MERGE_MIN_SPLITS = 4  # below, the merge kernel measured faster (H200: 2 splits at B = 8, 32, 64)
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from dsv4_cluster.core import Role
 from dsv4_cluster.orchestrator.launch import sglang_capacity as sg
-from dsv4_cluster.orchestrator.launch.sglang import KERNELS_NEED_KV_DTYPE, SGLANG_KV_DTYPE
+from dsv4_cluster.orchestrator.launch.sglang_facts import KERNELS_NEED_KV_DTYPE, SGLANG_KV_DTYPE
 
 CAPACITY_TOLERANCE = 0.05  # `status` flags a server whose actual capacity misses the prediction by more
 PREDICTED_COLUMN = "KV_PREDICTED"  # status: beside KV_CAPACITY (what /server_info says), what plan predicted

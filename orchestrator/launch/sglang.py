@@ -41,14 +41,8 @@ from dsv4_cluster.kernels.sglang_plugin.settings import ATTEST_DIR_ENV, KERNELS_
 if TYPE_CHECKING:
     from dsv4_cluster.orchestrator.topology.schema import Topology, WorkerConfig
 
-# SGLang 0.5.23 registers these parser names for DeepSeek-V4 (reasoning_parser_names.py and
-# function_call/parser_names.py in its wheel).
-SGLANG_REASONING_PARSER = "deepseek-v4"
-SGLANG_TOOL_CALL_PARSER = "deepseekv4"
-DSV4_PAGE_SIZE = 256  # model_overrides/deepseek_v4.py: forced on CUDA whatever --page-size says
-SGLANG_DSV4_KV_DTYPES = ("fp8_e4m3", "bfloat16")  # overrides.py _deepseek_v4_kv_cache_dtype asserts these
-SGLANG_KV_DTYPE = {"auto": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "bf16": "bfloat16"}
-KERNELS_NEED_KV_DTYPE = "fp8_e4m3"  # the adapters read SGLang's 584-byte fp8 rows only
+from dsv4_cluster.orchestrator.launch.sglang_facts import (
+    SGLANG_KV_DTYPE, SGLANG_REASONING_PARSER, SGLANG_TOOL_CALL_PARSER)
 
 
 def _value(x: Any) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, get_args
 
-from dsv4_cluster.orchestrator.launch.sglang import DSV4_PAGE_SIZE, KERNELS_NEED_KV_DTYPE, SGLANG_KV_DTYPE
+from dsv4_cluster.orchestrator.launch.sglang_facts import DSV4_PAGE_SIZE, KERNELS_NEED_KV_DTYPE, SGLANG_KV_DTYPE
 from .rule_context import Finding, Path_, RuleContext, WorkerEntry, as_int, field_value
 from .schema import KernelsConfig, KvCacheDtype, WorkerConfig
 

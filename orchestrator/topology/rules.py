@@ -12,7 +12,7 @@ from typing import Any, get_args
 
 from dsv4_cluster.core import Role
 from .errors import format_field
-from dsv4_cluster.orchestrator.launch.sglang import DSV4_PAGE_SIZE, SGLANG_KV_DTYPE
+from dsv4_cluster.orchestrator.launch.sglang_facts import DSV4_PAGE_SIZE, SGLANG_KV_DTYPE
 from .engine_rules import engine_needs
 from .rule_context import Finding, Path_, RuleContext, WorkerEntry, as_int, build_context, field_value
 from .schema import Device, KvCacheDtype, RouterConfig, WorkerConfig

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from dsv4_cluster.core import WORKER_ROLES, Role
-from dsv4_cluster.orchestrator.launch.sglang import DSV4_PAGE_SIZE
+from dsv4_cluster.orchestrator.launch.sglang_facts import DSV4_PAGE_SIZE
 from dsv4_cluster.router.policies import DecodePolicy, Policy
 from dsv4_cluster.router.settings import RouterSettings
 from .errors import UnknownNameError
