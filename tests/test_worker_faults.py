@@ -144,9 +144,10 @@ def test_a_dead_engine_thread_ends_the_process_non_zero(pair, expected):
 def test_test_hooks_are_off_unless_asked_for():
     from dsv4_cluster.workers.args import parse_args
     from dsv4_cluster.workers.decode.server import DecodeServer
+    from dsv4_cluster.workers.routes import build_app
 
     def paths(argv: list[str]) -> set[str]:
-        return {r.path for r in DecodeServer(parse_args("decode", argv)).build_app().routes}
+        return {r.path for r in build_app(DecodeServer(parse_args("decode", argv))).routes}
 
     assert "/debug/kill_engine" not in paths([])
     assert "/debug/kill_engine" in paths(["--test-hooks"])

@@ -170,3 +170,10 @@ class ResponseBuilder:
 def error_body(status: int, message: str) -> dict:
     kind = "invalid_request_error" if status < 500 else "server_error"
     return {"error": {"message": message, "type": kind, "code": status}}
+
+
+def error_response(status: int, message: str):
+    """The error body as a JSON response with its status (the routes' and the generation path's one form)."""
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(error_body(status, message), status_code=status)

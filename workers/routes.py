@@ -9,12 +9,12 @@ import time
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import PlainTextResponse, Response
 
 from .engine import EngineKilled
 from .openapi import route_doc
 from .protocol import AbortRequest
-from .responses import error_body
+from .responses import error_response
 
 if TYPE_CHECKING:
     from .server import WorkerServer
@@ -110,6 +110,3 @@ def build_app(server: WorkerServer) -> FastAPI:
 def _kill_engine() -> None:
     raise EngineKilled("killed through POST /debug/kill_engine (--test-hooks)")
 
-
-def error_response(status: int, message: str) -> JSONResponse:
-    return JSONResponse(error_body(status, message), status_code=status)

@@ -30,8 +30,7 @@ from .kernel_ops import KernelOps
 from .presets import model_config
 from .protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from .request import Event, Failed, Req, Reserved, Token, loop_emitter
-from .responses import GenSpec, ResponseBuilder, error_body, sse
-from .routes import build_app, error_response
+from .responses import GenSpec, ResponseBuilder, error_body, error_response, sse
 from .runner import ModelRunner, RunnerConfig
 from .tokenizer import ByteTokenizer, ChatTemplateError
 
@@ -258,8 +257,6 @@ class WorkerServer:
                 "is_generation": True, "reasoning_parser": None, "tool_call_parser": None,
                 "disaggregation_mode": self.role}
 
-    def build_app(self) -> FastAPI:
-        return build_app(self)
 
 
 def _describe(error: dict, model: str) -> str:

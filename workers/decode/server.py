@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from ..args import WorkerArgs
 from ..request import Failed, Req, Reserved
 from ..responses import GenSpec
+from ..routes import build_app
 from ..runner import ModelRunner
 from ..server import BadRequest, WorkerServer
 from ..transfer import NixlTransfer
@@ -120,4 +121,4 @@ class DecodeServer(WorkerServer):
 
 
 def make_apps(args: WorkerArgs) -> list[tuple[FastAPI, str, int]]:
-    return [(DecodeServer(args).build_app(), args.host, args.port)]
+    return [(build_app(DecodeServer(args)), args.host, args.port)]

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict
 from ..args import WorkerArgs
 from ..responses import GenSpec
 from ..runner import ModelRunner
+from ..routes import build_app
 from ..server import BadRequest, WorkerServer
 from ..transfer import NixlTransfer, PeerInfo, TransferError
 from .engine import PrefillEngine
@@ -101,5 +102,5 @@ class PrefillServer(WorkerServer):
 
 def make_apps(args: WorkerArgs) -> list[tuple[FastAPI, str, int]]:
     server = PrefillServer(args)
-    return [(server.build_app(), args.host, args.port),
+    return [(build_app(server), args.host, args.port),
             (server.bootstrap_app(), args.host, args.disaggregation_bootstrap_port)]
