@@ -76,8 +76,13 @@ def install(attest_dir: str) -> dict[str, Any]:
         b._flash_mla_with_kvcache = functools.partial(stock_flash_mla, use_legacy=True)
         return b
 
+    def backend_v41() -> Any:
+        b = backend()
+        b.is_dsv41 = True  # what SGLang's __init__ sets for a config.json model_type deepseek_v41
+        return b
+
     out: dict[str, Any] = {}
-    for case, kernels, make, gpu in (("ok", ("sparse_mla_decode", "topk"), backend, "sm_90"),
+    for case, kernels, make, gpu in (("v41", ("sparse_mla_decode",), backend_v41, "sm_90"),("ok", ("sparse_mla_decode", "topk"), backend, "sm_90"),
                                      ("indexer", ("sparse_mla_decode", "indexer", "topk"), backend, "sm_90"),
                                      ("not_dsv4", ("sparse_mla_decode",), lambda: SimpleNamespace(), "sm_90"),
                                      ("sm120", ("sparse_mla_decode", "topk"), backend, "sm_120"),

@@ -27,6 +27,19 @@ def test_the_plugin_is_installed_where_sglang_looks() -> None:
     assert sglang_problems(load_topology(REPO / "topology.yaml")) == []
 
 
+def test_a_deepseek_v41_checkpoint_with_the_decode_kernel_is_refused_at_preflight(tmp_path: Path) -> None:
+    """V4.1's KV rows (528 / 288 bytes) are not the 584-byte rows the decode kernel reads: refused before anything
+    starts, not at the first decode call after the attestation."""
+    (tmp_path / "config.json").write_text('{"model_type": "deepseek_v41", "architectures": ["DeepseekV4ForCausalLM"]}')
+    topo = load_topology(REPO / "topology.yaml")
+    v41 = topo.model_copy(update={"model": topo.model.model_copy(update={"path": str(tmp_path)})})
+    problems = sglang_problems(v41)
+    assert len(problems) == 1 and "is DeepSeek-V4.1 (config.json model_type deepseek_v41)" in problems[0]
+    assert "set kernels.sparse_mla_decode: false" in problems[0]
+    no_decode = v41.model_copy(update={"kernels": v41.kernels.model_copy(update={"sparse_mla_decode": False})})
+    assert sglang_problems(no_decode) == []
+
+
 def test_up_production_topology_stops_at_preflight_with_this_machines_problems(tmp_path: Path) -> None:
     """No 'not implemented': planning passes; what stops it is what this CPU machine lacks."""
     env = {**os.environ, HOME_ENV: str(tmp_path)}  # no other cluster's record in the way

@@ -120,6 +120,7 @@ def test_factory_installs_on_sglangs_backend_class_and_fails_closed(children: di
     # no DeepGEMM on this machine: asking for the indexer must fail model init, naming it
     assert "indexer: cannot import deep_gemm" in got["indexer"]["error"]
     assert "sparse_mla_decode: the dsv4 factory built a SimpleNamespace" in got["not_dsv4"]["error"]
+    assert "DeepSeek-V4.1 checkpoint keeps 528 / 288-byte KV rows" in got["v41"]["error"]
     assert not (tmp_path / "indexer" / "rank1.json").exists()  # nothing attested when install failed
     # sm_120: SGLang's sm_120 entry holds our adapter; the FlashMLA partial (never called there) stays SGLang's
     sm120 = got["sm120"]

@@ -61,13 +61,14 @@ def installing_factory(stock: Callable[[Any], Any], settings: PluginSettings) ->
         if "counters" not in state:
             state["counters"] = Counters(getattr(runner, "device", "cpu"))
             state["module_sites"] = install_module_sites(settings, state["counters"], gpu)
-            hook_backend_class(_backend_class(), functools.partial(_route_instance, settings, state["counters"], gpu))
         counters = state["counters"]
         sites = {k: list(v) for k, v in state["module_sites"].items()}
         backend_sites = install_on_backend(backend, settings, counters, gpu)
         if backend_sites:
             sites["sparse_mla_decode"] = backend_sites
         verify_identity(backend, settings, gpu)
+        # from now on every instance (the speculative draft's per-step backends too) gets the routed decode
+        hook_backend_class(_backend_class(), functools.partial(_route_instance, settings, counters, gpu))
         missing = [k for k in settings.kernels if not sites.get(k)]
         if missing:
             raise PluginInstallError(f"kernels {', '.join(missing)} were requested but no call site holds them")

@@ -129,6 +129,9 @@ def check_backend(backend: Any, settings: PluginSettings) -> None:
         if not isinstance(backend, getattr(module, BACKEND_CLASS)):
             raise PluginInstallError(f"sparse_mla_decode: the dsv4 factory built a {type(backend).__name__}, not a "
                                      f"{BACKEND_CLASS}; its decode does not go through {BACKEND_ATTR}")
+        if getattr(backend, "is_dsv41", False):
+            raise PluginInstallError("sparse_mla_decode: a DeepSeek-V4.1 checkpoint keeps 528 / 288-byte KV rows; the "
+                                     "decode kernel reads V4's 584-byte rows: set kernels.sparse_mla_decode: false")
         if getattr(backend, "trtllm_attn", False):
             raise PluginInstallError("sparse_mla_decode: --dsv4-attn-backend trtllm decodes with trtllm-gen on its own "
                                      "pool layout; drop the flag or the kernel")

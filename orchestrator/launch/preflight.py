@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import json
 import shutil
 import socket
 from pathlib import Path
@@ -117,10 +118,26 @@ def sglang_problems(topology: Any) -> list[str]:
     if kernels and PLUGIN_ENTRY_POINT not in plugins:
         problems.append(f"kernels {', '.join(kernels)} requested but SGLang will not find the dsv4-cluster plugin "
                         "(entry point group sglang.srt.plugins) — reinstall this project (pip install -e .)")
+    if "sparse_mla_decode" in kernels and model_type(topology.model.path) == DSV41_MODEL_TYPE:
+        problems.append(f"kernels.sparse_mla_decode: the checkpoint at {topology.model.path} is DeepSeek-V4.1 "
+                        f"(config.json model_type {DSV41_MODEL_TYPE}), whose KV rows (528 / 288 bytes) are not the "
+                        "584-byte V4 rows the decode kernel reads — set kernels.sparse_mla_decode: false")
     local = [w for w in topology.workers if _is_local(topology.node(w.node).address) and w.device == "cuda"]
     if any(w.numa_node is not None for w in local) and _visible_gpus() > max(g for w in local for g in w.gpus):
         problems += numa_mismatches(local, gpu_numa_node)
     return problems
+
+
+DSV41_MODEL_TYPE = "deepseek_v41"  # SGLang 0.5.23: models/deepseek_v4.py sets is_dsv41 from it
+
+
+def model_type(model_path: Any) -> str | None:
+    """`model_type` of a local checkpoint folder's config.json (None: no such file, e.g. a hub name)."""
+    config = Path(str(model_path)) / "config.json"
+    try:
+        return json.loads(config.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def machine_problems(topology: Any) -> list[str]:
