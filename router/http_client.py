@@ -61,7 +61,7 @@ PAUSE_AT = 64  # buffered body chunks before the connection stops reading (the c
 
 
 class Response:
-    """One response: status and headers once they arrived, then the body chunk by chunk."""
+    """One response: status and headers once they arrived, then the body as it comes (`next_data`)."""
 
     def __init__(self, conn: _Connection) -> None:
         self._conn = conn
@@ -124,9 +124,11 @@ class Response:
             if not await self._sleep(timeout_s):
                 raise ReadTimeout(f"no response within {timeout_s:g} s")
 
-    async def next_chunk(self, timeout_s: float) -> bytes | None:
-        """The next body chunk, or None at the end of the body."""
-        while not self._chunks:
+    async def next_data(self, timeout_s: float) -> bytes | None:
+        """Every body byte that arrived since the last call, as one piece (one wake-up, one piece: a worker that
+        wrote a whole stream at once is read in one call, not event by event), or None at the end of the body."""
+        chunks = self._chunks
+        while not chunks:
             if self._error is not None:
                 raise self._error
             if self.complete:
@@ -135,15 +137,15 @@ class Response:
                 raise ReadTimeout(f"no data for {timeout_s:g} s")
         if self._error is not None and isinstance(self._error, Interrupted):
             raise self._error
-        chunk = self._chunks.popleft()
-        if len(self._chunks) < PAUSE_AT // 2:
-            self._conn.resume()
-        return chunk
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self._conn.resume()
+        return data
 
     async def read(self, timeout_s: float) -> bytes:
         parts = []
-        while (chunk := await self.next_chunk(timeout_s)) is not None:
-            parts.append(chunk)
+        while (data := await self.next_data(timeout_s)) is not None:
+            parts.append(data)
         return b"".join(parts)
 
     def close(self) -> None:
