@@ -75,3 +75,40 @@ def test_a_stream_cut_anywhere_reaches_the_client_whole_on_event_boundaries():
     observed = _count(metrics, "dsv4_router_time_to_first_token_seconds") + _count(
         metrics, "dsv4_router_inter_token_latency_seconds")
     assert observed == len(bodies)                                          # one timing observation per send
+
+
+def test_a_response_head_leaves_in_one_write_with_its_first_body_piece():
+    import asyncio
+
+    from dsv4_cluster.router.server_protocol import HeadWithBody
+
+    class Transport:                                   # records what reaches the socket, write by write
+        def __init__(self):
+            self.writes, self.closed = [], False
+
+        def write(self, data):
+            self.writes.append(data)
+
+        def is_closing(self):
+            return self.closed
+
+        def close(self):
+            self.closed = True
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        joined, alone, closing = Transport(), Transport(), Transport()
+        conn = HeadWithBody(joined, loop)
+        conn.write(b"HEAD")
+        conn.write(b"body")
+        conn.write(b"more")
+        lone = HeadWithBody(alone, loop)
+        lone.write(b"HEAD")                            # a head with no body this loop turn
+        early = HeadWithBody(closing, loop)
+        early.write(b"HEAD")
+        early.close()
+        await asyncio.sleep(0)
+        return joined.writes, alone.writes, closing.writes, closing.closed
+
+    joined, alone, closing, closed = asyncio.run(scenario())
+    assert joined == [b"HEADbody", b"more"] and alone == [b"HEAD"] and closing == [b"HEAD"] and closed
