@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .policies import DecodePolicy, Policy
+from .prefix_policy import PrefixPolicy
 
 
 class SettingsError(ValueError):
@@ -94,6 +95,7 @@ class RouterSettings(BaseModel):
                                  "a fresh pair before it ends with an error event")
     prefill_policy: Policy = "round_robin"
     decode_policy: DecodePolicy = "round_robin"
+    prefix: PrefixPolicy = Field(default_factory=PrefixPolicy, description="the prefill `prefix` policy's knobs")
     max_retries: int = Field(default=2, ge=0, description="fresh pairs tried after a connection-level failure that "
                              "happened before the first byte reached the client")
     breaker_failures: int = Field(default=5, ge=1, description="connection failures in a row that open a worker's "
