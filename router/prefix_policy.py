@@ -73,22 +73,23 @@ class PrefixChooser:
         return sum(len(t) for t in self._trees.values())
 
     def choose(self, eligible: Sequence[Worker], text: str | None) -> Worker:
-        p = self.policy
+        p, bits = self.policy, self._bits
         names = block_names(text or "", p.block_chars)
-        least = min(w.load for w in eligible)
+        loads = [w.load for w in eligible]
+        least = min(loads)
         chosen = None
         if names:
             mask = 0
             for w in eligible:
-                mask |= self.bit(w)
+                mask |= bits.get(w.name) or self.bit(w)
             best = self.index.longest(names, mask)
             if best and best >= p.threshold * len(names) and self.index.extends_a_leaf(names, best):
                 held = self.index.holders(names[best - 1]) & mask
-                w = min((w for w in eligible if self.bit(w) & held), key=lambda x: x.load)
-                if w.load - least <= p.balance_abs:
-                    chosen = w
+                load, at = min((load, i) for i, (w, load) in enumerate(zip(eligible, loads)) if bits[w.name] & held)
+                if load - least <= p.balance_abs:
+                    chosen = eligible[at]
         if chosen is None:
-            tied = [w for w in eligible if w.load == least]
+            tied = [w for w, load in zip(eligible, loads) if load == least]
             chosen = tied[next(self._turn) % len(tied)]
         if names:
             self.tree(chosen).add(names)
