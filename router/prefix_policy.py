@@ -5,10 +5,12 @@ The choice (`PrefixChooser.choose`), the rule stated once:
 2. It is this prompt's *history* when it ends where no other prompt went on (a session's previous turn ends there:
    `PrefixIndex.extends_a_leaf`) and covers at least `threshold` of the prompt's blocks. A match that ends where
    other prompts branched off is a prefix they share (a system prompt every session starts with): it does not pull
-   the request to the few prefills that hold it; every prefill soon holds it anyway.
+   the request to the few prefills that hold it, past less loaded ones (step 4).
 3. History whose least loaded holder is within `balance_abs` of the least loaded eligible worker (load: requests in
    flight through this router + KV usage, as `least_load` counts it) goes there: that prefill has it in its cache.
-4. Otherwise the least loaded worker takes it (ties round robin): a new session, or a holder that much busier.
+4. Otherwise the least loaded worker takes it: a new session, or a holder that much busier. A prefix shared with
+   other prompts only breaks ties there: among the least loaded, one that holds the longest part of the prompt and
+   can take the rest without evicting (else any of them), round robin.
 5. Either way the chosen worker now holds the whole prompt: its names are added to that worker's set, whose size
    follows the worker's KV capacity (`/server_info`'s `max_total_num_tokens`, read by the health checks).
 """
@@ -72,6 +74,20 @@ class PrefixChooser:
         """Blocks remembered over all workers (a name two workers hold counts twice)."""
         return sum(len(t) for t in self._trees.values())
 
+    def _warmest(self, tied: list[Worker], names: list[int]) -> list[Worker]:
+        """Of equally loaded workers, those holding the longest part of the prompt (a prefix it shares with others)
+        that can take the rest of it without evicting; all of them when none can."""
+        mask = 0
+        for w in tied:
+            mask |= self._bits[w.name]
+        k = self.index.longest(names, mask)
+        if not k:
+            return tied
+        held = self.index.holders(names[k - 1]) & mask
+        room = [w for w in tied if self._bits[w.name] & held
+                and len(tree := self.tree(w)) + len(names) - k <= tree.capacity]
+        return room or tied
+
     def choose(self, eligible: Sequence[Worker], text: str | None) -> Worker:
         p, bits = self.policy, self._bits
         names = block_names(text or "", p.block_chars)
@@ -90,6 +106,8 @@ class PrefixChooser:
                     chosen = eligible[at]
         if chosen is None:
             tied = [w for w, load in zip(eligible, loads) if load == least]
+            if names and len(tied) > 1:
+                tied = self._warmest(tied, names)
             chosen = tied[next(self._turn) % len(tied)]
         if names:
             self.tree(chosen).add(names)
