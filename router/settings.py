@@ -101,8 +101,9 @@ class RouterSettings(BaseModel):
     breaker_failures: int = Field(default=5, ge=1, description="connection failures in a row that open a worker's "
                                   "circuit breaker")
     breaker_cooldown_s: float = Field(default=5.0, gt=0)
-    upstream_keepalive_s: float = Field(default=2.0, gt=0, description="idle upstream connections are dropped after "
-                                        "this; keep it below the workers' keep-alive (uvicorn: 5 s)")
+    upstream_keepalive_s: float = Field(default=4.5, gt=0, description="idle upstream connections are dropped after "
+                                        "this; keep it below the workers' keep-alive (uvicorn: 5 s). Shorter costs "
+                                        "a connect per request to workers that are seldom picked (many workers)")
 
     @model_validator(mode="after")
     def _names_unique(self) -> RouterSettings:
