@@ -4,13 +4,15 @@ The choice (`PrefixChooser.choose`), the rule stated once:
 1. Among the eligible prefills, find the longest match of the prompt's blocks (`prefix_tree.py`).
 2. It is this prompt's *history* when it ends where no other prompt went on (a session's previous turn ends there:
    `PrefixIndex.extends_a_leaf`) and covers at least `threshold` of the prompt's blocks. A match that ends where
-   other prompts branched off is a prefix they share (a system prompt every session starts with): it does not pull
-   the request to the few prefills that hold it, past less loaded ones (step 4).
+   other prompts branched off is a prefix they share (a system prompt every session starts with): it draws the
+   request only within the tighter `shared_balance_abs` (step 4), so that the few prefills holding it do not take
+   every new session.
 3. History whose least loaded holder is within `balance_abs` of the least loaded eligible worker (load: requests in
    flight through this router + KV usage, as `least_load` counts it) goes there: that prefill has it in its cache.
-4. Otherwise the least loaded worker takes it: a new session, or a holder that much busier. A prefix shared with
-   other prompts only breaks ties there: among the least loaded, one that holds the longest part of the prompt and
-   can take the rest without evicting (else any of them), round robin.
+4. Otherwise (a new session, or a holder that much busier) the prompt goes by the prefix it shares with others:
+   among the prefills within `shared_balance_abs` of the least loaded, those holding the longest part of it (at
+   least `threshold` of the prompt) that can take the rest without evicting (else all of them), the least loaded of
+   these, ties round robin.
 5. Either way the chosen worker now holds the whole prompt: its names are added to that worker's set, whose size
    follows the worker's KV capacity (`/server_info`'s `max_total_num_tokens`, read by the health checks).
 """
@@ -35,6 +37,9 @@ class PrefixPolicy(BaseModel):
                              "its history must cover for the request to follow it")
     balance_abs: float = Field(default=2.0, ge=0, description="how much busier (requests in flight + KV usage) "
                                "than the least loaded prefill the holder of a history may be and still get it")
+    shared_balance_abs: float = Field(default=1.0, ge=0, description="how much busier than the least loaded "
+                                      "prefill one holding a prefix other prompts share (a system prompt) may be and "
+                                      "still get a new prompt that starts with it")
     block_chars: int = Field(default=64, ge=8, description="characters per named block of a prompt")
     chars_per_token: float = Field(default=4.0, gt=0, description="characters per token, to size each prefill's "
                                    "memory from its KV capacity in tokens")
@@ -75,13 +80,13 @@ class PrefixChooser:
         return sum(len(t) for t in self._trees.values())
 
     def _warmest(self, tied: list[Worker], names: list[int]) -> list[Worker]:
-        """Of equally loaded workers, those holding the longest part of the prompt (a prefix it shares with others)
-        that can take the rest of it without evicting; all of them when none can."""
+        """Of these workers, those holding the longest part of the prompt (a prefix it shares with others, at least
+        `threshold` of it) that can take the rest of it without evicting; all of them when none can."""
         mask = 0
         for w in tied:
             mask |= self._bits[w.name]
         k = self.index.longest(names, mask)
-        if not k:
+        if not k or k < self.policy.threshold * len(names):
             return tied
         held = self.index.holders(names[k - 1]) & mask
         room = [w for w in tied if self._bits[w.name] & held
@@ -105,9 +110,10 @@ class PrefixChooser:
                 if load - least <= p.balance_abs:
                     chosen = eligible[at]
         if chosen is None:
-            tied = [w for w, load in zip(eligible, loads) if load == least]
+            tied = [w for w, load in zip(eligible, loads) if load <= least + p.shared_balance_abs]
             if names and len(tied) > 1:
                 tied = self._warmest(tied, names)
+            tied = [w for w in tied if w.load == min(x.load for x in tied)]
             chosen = tied[next(self._turn) % len(tied)]
         if names:
             self.tree(chosen).add(names)

@@ -69,18 +69,21 @@ def test_new_prompts_spread_over_the_least_loaded_and_a_busy_owner_is_passed_ove
     assert chooser.choose(workers, "z" * 20) in workers           # shorter than a block: least loaded, not remembered
 
 
-def test_a_shared_system_prompt_does_not_pull_new_sessions_past_idler_prefills():
-    workers, chooser = _prefills(4), Chooser("prefix")
-    first = chooser.choose(workers, SYSTEM + "<user>session 0: " + "my own question " * 12)
-    assert chooser.choose(workers, SYSTEM + "<user>session 1: " + "my own question " * 12) is first   # idle: warmest
-    first.in_flight = 1                                            # busier by one, well within balance_abs
-    spread = []
-    for s in (2, 3, 4):                                            # each new session stays in flight
-        spread.append(chooser.choose(workers, SYSTEM + f"<user>session {s}: " + "my own question " * 12))
-        spread[-1].in_flight += 1
-    assert first not in spread and len({w.name for w in spread}) == 3   # a shared prefix only breaks ties
-    again = SYSTEM + "<user>session 0: " + "my own question " * 12 + "<assistant>an answer<user>more " * 4
-    assert chooser.choose(workers, again) is first                 # a history follows its holder, busier or not
+def test_a_shared_system_prompt_draws_new_sessions_only_within_its_tighter_balance():
+    workers, chooser = _prefills(4), Chooser("prefix")           # balance_abs 2, shared_balance_abs 1
+
+    def session(s: int) -> str:
+        return SYSTEM + f"<user>session {s}: " + "my own question " * 12
+
+    first = chooser.choose(workers, session(0))
+    assert chooser.choose(workers, session(1)) is first           # all idle: the one that holds the system prompt
+    first.in_flight = 2                                            # past shared_balance_abs, within balance_abs
+    new = chooser.choose(workers, session(2))
+    assert new is not first and new.load == 0                      # the shared prefix does not queue it behind
+    new.in_flight = 1
+    assert chooser.choose(workers, session(3)) is new             # warm and within 1: before an idle cold one
+    again = session(0) + "<assistant>an answer<user>more " * 4
+    assert chooser.choose(workers, again) is first                 # a history follows its holder within balance_abs
 
 
 def test_a_small_shared_part_is_below_the_threshold():

@@ -76,7 +76,8 @@ class RouterPolicyConfig(_Strict):
     prefill: Policy = _router_default("prefill_policy")
     decode: DecodePolicy = _router_default("decode_policy")
     prefix: PrefixPolicy = Field(default_factory=PrefixPolicy, description="the prefill `prefix` policy's knobs: "
-                                 "threshold, balance_abs, block_chars, chars_per_token, max_names_per_worker")
+                                 "threshold, balance_abs, shared_balance_abs, block_chars, chars_per_token, "
+                                 "max_names_per_worker")
 
 
 class ApiKeysConfig(_Strict):
