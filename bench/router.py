@@ -162,22 +162,12 @@ def measure(name: str, url: str, args: argparse.Namespace, script: Path, stubs: 
     run_wrk(url, max(args.concurrency), 1.0, script)  # warm-up: connections, caches
     for c in args.concurrency:
         time.sleep(SETTLE_S)
-        spy = None
-        if args.profile and name == "ours" and c == max(args.concurrency):
-            spy = router_profile.start(pid, max(1.0, args.duration - 1), args.out / "router_profile.raw")
-            if spy is None:
-                raise RuntimeError("--profile needs py-spy on PATH (pip install py-spy)")
         rps, p50, p99, n, errors = run_wrk(url, c, args.duration, script)
-        if spy is not None:
-            spy.wait(timeout=60)
-            raw = args.out / "router_profile.raw"
-            (args.out / "router_profile.txt").write_text(
-                f"# Our router under `python -m bench.router --profile`, c={c}: {rps:,.0f} req/s in the same run\n\n"
-                + router_profile.tables(raw.read_text()))
-            raw.unlink()
         rows.append(Row(name, c, round(rps, 1), round(p50, 3), round(p99, 3), n, errors))
         print(f"{name:8s} c={c:3d}: {rps:9.1f} req/s  p50 {p50:8.3f} ms  p99 {p99:8.3f} ms  errors {errors}",
               flush=True)
+    if args.profile and name == "ours":
+        profile(url, args, script, pid)
     if name != "direct":
         prefill, decode = (stub_counts(s) for s in stubs)
         served = decode["generations"] - before[1]["generations"]
@@ -185,6 +175,22 @@ def measure(name: str, url: str, args: argparse.Namespace, script: Path, stubs: 
         if paired < served:
             raise RuntimeError(f"{name}: only {paired} of {served} decode requests were paired with a prefill")
     return rows
+
+
+def profile(url: str, args: argparse.Namespace, script: Path, pid: int) -> None:
+    """py-spy on our router under one more run at the highest concurrency, after the measured ones (sampling takes
+    CPU from the machine: the measured runs go without it); router_profile.txt beside the numbers."""
+    c, raw = max(args.concurrency), args.out / "router_profile.raw"
+    time.sleep(SETTLE_S)
+    spy = router_profile.start(pid, max(1.0, args.duration - 1), raw)
+    if spy is None:
+        raise RuntimeError("--profile needs py-spy on PATH (pip install py-spy)")
+    rps = run_wrk(url, c, args.duration, script)[0]
+    spy.wait(timeout=60)
+    (args.out / "router_profile.txt").write_text(
+        f"# Our router under `python -m bench.router --profile`: c={c}, {rps:,.0f} req/s while sampled (an extra "
+        "run after the measured ones)\n\n" + router_profile.tables(raw.read_text()))
+    raw.unlink()
 
 
 def table(rows: list[Row], concurrency: list[int]) -> str:

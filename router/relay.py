@@ -86,7 +86,7 @@ async def forward(flight: Flight, attempt: Attempt, migration: Migration, run: b
         for event in sse.events(out):
             if sse.error_in(event) is not None:
                 attempt.abort_prefill()
-            done = done or sse.is_done(event)
+            done = done or (b"[DONE]" in event and sse.is_done(event))
     if flight.status == 0:
         flight.status = 200
         await flight.send({"type": "http.response.start", "status": 200, "headers": HEADERS})
