@@ -3,6 +3,9 @@ and the markdown table with the ratios and the issue's targets, all from one run
 
 from __future__ import annotations
 
+from dsv4_cluster.router.prefix_policy import PrefixPolicy
+from dsv4_cluster.router.prefix_tree import BYTES_PER_NAME
+
 from .scaleout_load import Result
 
 
@@ -54,10 +57,11 @@ def _met(ok: bool) -> str:
     return "met" if ok else "missed"
 
 
-def _targets(rows: list[dict]) -> list[str]:
+def _targets(rows: list[dict], cache_tokens: int) -> list[str]:
     """The acceptance figures of this run: against each anchor whose sanity probe passed, our `prefix` hit rate >= its
     and TTFT p50 <= its; our TTFT p99 <= round robin's; router-added p50 <= 1 ms at N >= 64; an anchor that failed
-    its probe is named with why, and not compared."""
+    its probe is named with why, and not compared; at N >= 64 the router's RSS after the workload against its bound:
+    the RSS at the start + the prefix memory's (docs/router.md)."""
     by = {(r["n"], r["router"]): r for r in rows}
     lines = []
     for n in sorted({r["n"] for r in rows}):
@@ -85,7 +89,11 @@ def _targets(rows: list[dict]) -> list[str]:
             floor = by.get((n, "floor"))
             parts.append(f"router-added p50 {p['added_p50_ms']:.3f} ms (target <= 1 ms: {_met(p['added_p50_ms'] <= 1.0)}"
                          + (f"; the floor relay's {floor['added_p50_ms']:.3f} ms" if floor else "") + ")")
-            parts.append(f"router RSS {p['rss_mb_before']:.0f} -> {p['rss_mb_after']:.0f} MB")
+            names = PrefixPolicy().names_for(cache_tokens)
+            bound = p["rss_mb_before"] + BYTES_PER_NAME * n * names / 2**20
+            parts.append(f"router RSS {p['rss_mb_before']:.0f} -> {p['rss_mb_after']:.0f} MB (bound {bound:.0f} MB: "
+                         f"the start's + {BYTES_PER_NAME} B x {n} prefills x {names:,} names; "
+                         f"{_met(p['rss_mb_after'] <= bound)})")
         lines.append(f"- N = {n}: " + "; ".join(parts))
     return lines
 
@@ -125,7 +133,7 @@ def markdown(result: dict) -> str:
                    f"{r['prefills_used']} ({r['busiest_prefill_share']:.2f}) | {r.get('evicted_pages', 0):,} | {rss} | "
                    f"{r['errors']} | "
                    f"{r['load_average_1m']:.1f} |")
-    out += ["", "The targets (same run):", "", *_targets(rows), "",
+    out += ["", "The targets (same run):", "", *_targets(rows, m["cache_tokens"]), "",
             f"{result['cpus']} CPUs shared with other work; 1-min load average {result['load_average_before'][0]:.1f} "
             f"before, {result['load_average_after'][0]:.1f} after; loopback: {result['loopback']}. Router-added: "
             "client TTFT minus the stubs' part (first leg's arrival to the decode's first token). Hit rate: cached "
