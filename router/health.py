@@ -60,11 +60,13 @@ class HealthChecker:
 
     async def _kv_capacity(self, worker: Worker) -> int | None:
         """`max_total_num_tokens` from the worker's `/server_info` (SGLang's and the embedded engine's); None if it
-        does not say (then it is asked again at the next check)."""
-        status, text = await self._upstream.probe(worker, "/server_info", self._timeout_s)
+        does not say, or does not answer (then it is asked again at the next check; the worker's health is
+        `/health`'s alone)."""
         try:
+            status, text = await self._upstream.probe(worker, "/server_info", self._timeout_s)
             value = json.loads(text).get("max_total_num_tokens") if status == 200 else None
-        except (json.JSONDecodeError, AttributeError):
+        except (UpstreamError, Interrupted, asyncio.TimeoutError, json.JSONDecodeError, UnicodeDecodeError,
+                AttributeError):
             return None
         return value if isinstance(value, int) and value > 0 else None
 

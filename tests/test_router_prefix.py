@@ -182,3 +182,35 @@ def test_the_health_checks_read_each_prefills_kv_capacity_for_the_prefix_policy(
             chooser = state.pool.chooser(Role.PREFILL).state
             assert chooser.tree(state.pool.prefill[0]).capacity == min(
                 settings.prefix.max_names_per_worker, (1 << 20) * 4 // 64)
+
+
+def test_a_prefill_whose_server_info_hangs_stays_healthy_and_the_memory_keeps_its_cap():
+    import asyncio
+    import time
+
+    from fastapi import FastAPI
+
+    from dsv4_cluster.router.app import build_app
+    from tests.servers import UvicornThread
+
+    bare = FastAPI()                                   # /health answers, /server_info outlasts the check's timeout
+    bare.get("/health")(lambda: {})
+
+    @bare.get("/server_info")
+    async def server_info():
+        await asyncio.sleep(1)
+        return {"max_total_num_tokens": 4096}
+
+    with UvicornThread(bare) as worker:
+        settings = RouterSettings(model_name="stub", prefill_policy="prefix", health_check_interval_s=0.1,
+                                  health_check_timeout_s=0.2, health_failures_to_unhealthy=1,
+                                  prefill=[{"name": "p", "url": worker.url, "bootstrap_host": "127.0.0.1"}],
+                                  decode=[{"name": "d", "url": worker.url}])
+        app = build_app(settings)
+        with UvicornThread(app):
+            state = app.api.state.router
+            prefill = state.pool.prefill[0]
+            time.sleep(1.0)                            # several rounds, each asking /server_info again
+            assert prefill.healthy and prefill.health_failures == 0 and prefill.kv_tokens is None
+            assert state.pool.chooser(Role.PREFILL).state.tree(prefill).capacity == \
+                settings.prefix.max_names_per_worker
