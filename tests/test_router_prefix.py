@@ -214,3 +214,37 @@ def test_a_prefill_whose_server_info_hangs_stays_healthy_and_the_memory_keeps_it
             assert prefill.healthy and prefill.health_failures == 0 and prefill.kv_tokens is None
             assert state.pool.chooser(Role.PREFILL).state.tree(prefill).capacity == \
                 settings.prefix.max_names_per_worker
+
+
+def test_the_memory_stays_a_consistent_radix_tree_under_random_prompts():
+    """Many workers, small capacities, prompts that share prefixes at random depths: every set stays prefix-closed
+    and within its capacity, and the index's holders and child counts are exactly what the sets hold."""
+    import random
+
+    from dsv4_cluster.router.prefix_tree import PrefixIndex
+
+    rng = random.Random(7)
+    index = PrefixIndex()
+    trees = [WorkerPrefixes(capacity, index, 1 << i) for i, capacity in enumerate((5, 9, 17, 40))]
+    stems = ["".join(rng.choices("ab", k=BLOCK_CHARS * 4)) for _ in range(3)]
+    for _ in range(400):
+        text = rng.choice(stems)[:BLOCK_CHARS * rng.randint(0, 4)] + "".join(rng.choices("abc", k=BLOCK_CHARS * 6))
+        names = block_names(text[:BLOCK_CHARS * rng.randint(1, 10)])
+        rng.choice(trees).add(names)
+        for tree in trees:
+            own = tree._own
+            assert len(own) <= tree.capacity
+            for name, (_, kids, parent) in own.items():
+                assert parent is None or parent in own                       # prefix-closed
+                assert kids == sum(1 for e in own.values() if e[2] == name)  # its children here
+        held = {}
+        for tree in trees:
+            for name in tree._own:
+                held[name] = held.get(name, 0) | tree._bit
+        assert {n: node[0] for n, node in index.nodes.items()} == held
+        parents = {}
+        for tree in trees:
+            for name, (_, _, parent) in tree._own.items():
+                parents[name] = parent
+        for name, node in index.nodes.items():                               # distinct children over all sets
+            assert node[1] == sum(1 for child, parent in parents.items() if parent == name)
