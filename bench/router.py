@@ -1,13 +1,15 @@
-"""Router benchmark: direct vs ours vs SGLang's Rust router vs mini_lb, on the same stub PD servers, one run.
+"""Router benchmark: direct vs ours vs SGLang's gateway (sglang-router 0.3.2 and smg 1.13.0) vs mini_lb, on the same
+stub PD servers, one run.
 
-    python -m bench.router [--duration 5] [--concurrency 1 16 64] [--out bench/results]
+    python -m bench.router [--duration 5] [--concurrency 1 16 64] [--out bench/results] [--profile]
 
 Starts a stub prefill and a stub decode (`router_stubs.py`: the PD protocol, no compute), then for each
 router in turn starts it in front of the stubs, checks one streamed chat completion end to end (eight
 tokens, `[DONE]`; for PD routers the stubs must have seen both legs with bootstrap fields), and drives it
 with `wrk` (streamed `POST /v1/chat/completions`) at each concurrency: req/s, p50, p99, errors. "direct"
-sends the same load straight to the stub decode: the floor. Ratios are against the Rust router of the
-same run. Each measurement starts `SETTLE_S` after the previous load ended. Writes `router.json` and `router.md`
+sends the same load straight to the stub decode: the floor. Every router routes round robin (one prefill, one
+decode: no policy has a choice to make). Ratios are against the faster of the two gateways at each concurrency, in
+the same run; `--profile` also samples our router at the highest concurrency (`router_profile.py`). Each measurement starts `SETTLE_S` after the previous load ended. Writes `router.json` and `router.md`
 to `--out`; records the machine's load average, because on a shared machine the absolute numbers move from run to
 run. It runs itself in a private network namespace whose loopback ACKs at once (`loopback_ns.py`: without it the
 Rust router's own Nagle + the load generator's delayed ACK cost it 40 ms a request); `--plain-loopback` to skip.
@@ -31,18 +33,20 @@ from typing import Iterator
 
 import httpx
 
-from bench import loopback_ns
+from bench import loopback_ns, router_profile
 from dsv4_cluster.orchestrator.launch.ports import free_ports
 
 MODEL = "stub"
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 8}
-ROUTERS = ("direct", "ours", "rust", "mini_lb")
+ROUTERS = ("direct", "ours", "rust", "smg", "mini_lb")
+ANCHORS = ("rust", "smg")  # SGLang's gateway: sglang-router 0.3.2 (its last release under that name) and smg 1.13.0
 # Pause before each measurement, for every router alike: the previous wrk closed its connections with requests
 # in flight, and the aborts and closes that follow (router, stubs, kernel) gave our router p99s over 1 s when
 # the next wrk started at once (seen here: 1.0 s without the pause, 0.21 s with it, same run otherwise).
 SETTLE_S = 2.0
 LABELS = {"direct": "direct to the stub decode (floor)", "ours": "ours (dsv4_cluster.router)",
-          "rust": "SGLang Rust router (sglang-router, PD mode)", "mini_lb": "SGLang Python mini_lb"}
+          "rust": "SGLang Rust router (sglang-router 0.3.2, PD mode)",
+          "smg": "SGLang Model Gateway (smg 1.13.0, PD mode)", "mini_lb": "SGLang Python mini_lb"}
 
 
 @dataclass
@@ -133,12 +137,25 @@ def router_argv(name: str, port: int, prefill: str, bootstrap: int, decode: str,
                     "decode": [{"name": "decode-0", "url": decode}]}
         (tmp / "router.json").write_text(json.dumps(settings))
         return [sys.executable, "-m", "dsv4_cluster.router", "--config", str(tmp / "router.json")]
-    argv = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill", prefill,
-            str(bootstrap), "--decode", decode, "--host", "127.0.0.1", "--port", str(port)]
-    return argv + (["--mini-lb"] if name == "mini_lb" else [])
+    return anchor_argv(name, port, [(prefill, bootstrap)], [decode]) + (["--mini-lb"] if name == "mini_lb" else [])
 
 
-def measure(name: str, url: str, args: argparse.Namespace, script: Path, stubs: tuple[str, str]) -> list[Row]:
+def anchor_argv(name: str, port: int, prefills: list[tuple[str, int]], decodes: list[str],
+                policy: str = "round_robin") -> list[str]:
+    """SGLang's gateway in PD mode on 127.0.0.1:port: sglang-router 0.3.2 (`rust`, `mini_lb`) or smg 1.13.0 (`smg`,
+    the same flags under `smg launch`); `policy` for prefill and decode alike, warnings only in its log."""
+    launcher = ["smg", "launch"] if name == "smg" else [sys.executable, "-m", "sglang_router.launch_router"]
+    argv = launcher + ["--pd-disaggregation", "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
+                       "--log-level", "warn"]
+    for url, boot in prefills:
+        argv += ["--prefill", url, str(boot)]
+    for url in decodes:
+        argv += ["--decode", url]
+    return argv
+
+
+def measure(name: str, url: str, args: argparse.Namespace, script: Path, stubs: tuple[str, str],
+            pid: int | None = None) -> list[Row]:
     check_stream(url)
     before = [stub_counts(s) for s in stubs]
     rows = []
@@ -149,6 +166,8 @@ def measure(name: str, url: str, args: argparse.Namespace, script: Path, stubs: 
         rows.append(Row(name, c, round(rps, 1), round(p50, 3), round(p99, 3), n, errors))
         print(f"{name:8s} c={c:3d}: {rps:9.1f} req/s  p50 {p50:8.3f} ms  p99 {p99:8.3f} ms  errors {errors}",
               flush=True)
+    if args.profile and name == "ours":
+        profile(url, args, script, pid)
     if name != "direct":
         prefill, decode = (stub_counts(s) for s in stubs)
         served = decode["generations"] - before[1]["generations"]
@@ -158,10 +177,30 @@ def measure(name: str, url: str, args: argparse.Namespace, script: Path, stubs: 
     return rows
 
 
+def profile(url: str, args: argparse.Namespace, script: Path, pid: int) -> None:
+    """py-spy on our router under one more run at the highest concurrency, after the measured ones (sampling takes
+    CPU from the machine: the measured runs go without it); router_profile.txt beside the numbers."""
+    c, raw = max(args.concurrency), args.out / "router_profile.raw"
+    time.sleep(SETTLE_S)
+    spy = router_profile.start(pid, max(1.0, args.duration - 1), raw)
+    if spy is None:
+        raise RuntimeError("--profile needs py-spy on PATH (pip install py-spy)")
+    rps = run_wrk(url, c, args.duration, script)[0]
+    spy.wait(timeout=60)
+    (args.out / "router_profile.txt").write_text(
+        f"# Our router under `python -m bench.router --profile`: c={c}, {rps:,.0f} req/s while sampled (an extra "
+        "run after the measured ones)\n\n" + router_profile.tables(raw.read_text()))
+    raw.unlink()
+
+
 def table(rows: list[Row], concurrency: list[int]) -> str:
-    rust = {r.concurrency: r for r in rows if r.router == "rust"}
+    """req/s and latency per router and concurrency; ratios against the faster anchor of the same run at each c."""
+    best: dict[int, Row] = {}
+    for r in rows:
+        if r.router in ANCHORS and (r.concurrency not in best or r.requests_per_s > best[r.concurrency].requests_per_s):
+            best[r.concurrency] = r
     head = "| router | " + " | ".join(f"req/s c={c}" for c in concurrency)
-    head += " | " + " | ".join(f"p50 / p99 ms c={c}" for c in concurrency) + " | req/s vs Rust |\n"
+    head += " | " + " | ".join(f"p50 / p99 ms c={c}" for c in concurrency) + " | req/s vs the faster anchor |\n"
     head += "|---" * (2 * len(concurrency) + 2) + "|\n"
     lines = []
     for name in ROUTERS:
@@ -170,10 +209,27 @@ def table(rows: list[Row], concurrency: list[int]) -> str:
             continue
         rps = " | ".join(f"{mine[c].requests_per_s:,.0f}" for c in concurrency)
         lat = " | ".join(f"{mine[c].p50_ms:.2f} / {mine[c].p99_ms:.2f}" for c in concurrency)
-        ratio = " ".join(f"{mine[c].requests_per_s / rust[c].requests_per_s:.2f}x" if c in rust else "-"
+        ratio = " ".join(f"{mine[c].requests_per_s / best[c].requests_per_s:.2f}x" if c in best else "-"
                          for c in concurrency)
         lines.append(f"| {LABELS[name]} | {rps} | {lat} | {ratio} |")
-    return head + "\n".join(lines) + "\n"
+    return head + "\n".join(lines) + "\n" + verdict(rows, best)
+
+
+def verdict(rows: list[Row], best: dict[int, Row]) -> str:
+    """The targets, from this run: at the highest c req/s >= 1.2x the faster anchor and p99 <= its; at c = 1 p50 <=
+    its."""
+    ours = {r.concurrency: r for r in rows if r.router == "ours"}
+    lines = []
+    for c in sorted(set(ours) & set(best)):
+        o, a = ours[c], best[c]
+        if c == 1:
+            lines.append(f"- c = 1: p50 {o.p50_ms:.2f} ms vs {a.router}'s {a.p50_ms:.2f} ms "
+                         f"({'met' if o.p50_ms <= a.p50_ms else 'missed'})")
+        elif c == max(best):
+            ratio = o.requests_per_s / a.requests_per_s
+            lines.append(f"- c = {c}: {ratio:.2f}x {a.router}'s req/s (target >= 1.2x: {'met' if ratio >= 1.2 else 'missed'}); "
+                         f"p99 {o.p99_ms:.2f} vs {a.p99_ms:.2f} ms ({'met' if o.p99_ms <= a.p99_ms else 'missed'})")
+    return ("\nAgainst the faster anchor at each concurrency:\n\n" + "\n".join(lines) + "\n") if lines else ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,11 +238,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=ROUTERS)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--profile", action="store_true", help="sample our router with py-spy at the highest "
+                        "concurrency and write router_profile.txt (bench/router_profile.py)")
     parser.add_argument("--plain-loopback", action="store_true",
                         help="run on the machine's loopback (delayed ACKs: the Rust router stalls ~40 ms per request)")
     args = parser.parse_args(argv)
     if not args.plain_loopback and not loopback_ns.inside():
         return loopback_ns.reexec_in_quickack_netns("bench.router", sys.argv[1:] if argv is None else argv)
+    args.out.mkdir(parents=True, exist_ok=True)
     if shutil.which("wrk") is None:
         print("error: wrk is not installed (apt-get install -y wrk)", file=sys.stderr)
         return 2
@@ -208,14 +267,13 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 url = f"http://127.0.0.1:{router_port}"
                 argv_ = router_argv(name, router_port, prefill, bootstrap, decode, tmp)
-                with process(argv_, url + "/health", tmp / f"{name}.log", timeout_s=60):
-                    rows += measure(name, url, args, script, (prefill, decode))
+                with process(argv_, url + "/health", tmp / f"{name}.log", timeout_s=60) as proc:
+                    rows += measure(name, url, args, script, (prefill, decode), proc.pid)
     load_after = os.getloadavg()
     result = {"loopback": "plain" if args.plain_loopback else "private netns, quickack",
               "concurrency": args.concurrency, "duration_s": args.duration, "cpus": os.cpu_count(),
               "load_average_before": load_before, "load_average_after": load_after,
               "body": BODY, "rows": [asdict(r) for r in rows]}
-    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "router.json").write_text(json.dumps(result, indent=2) + "\n")
     text = table(rows, args.concurrency)
     note = (f"\n{os.cpu_count()} CPUs; 1-min load average {load_before[0]:.1f} before, {load_after[0]:.1f} after "

@@ -13,7 +13,9 @@ request and closes the connection without a byte of answer (a worker dying befor
 `close_reused` answers the first request of each connection and closes on the second without answering
 (a keep-alive connection closed just as a request went out on it); `break` sends the status line and two
 events, then closes (a decode dying mid-stream); `reject` answers 400; `headers_first` sends a stream's status
-line at once and its events 0.3 s later (as SGLang's decode does while it waits for the KV). `StubThread` serves one in a thread.
+line at once and its events 0.3 s later (as SGLang's decode does while it waits for the KV); `trickle` writes a
+stream in `TRICKLE_BYTES`-byte pieces 5 ms apart, cutting events (and chunk headers) anywhere. `StubThread` serves
+one in a thread.
 """
 
 from __future__ import annotations
@@ -71,7 +73,8 @@ BROKEN_STREAM = DECODE_STREAM[:DECODE_STREAM.index(b"\r\n\r\n") + 4] + b"".join(
     _chunk(_event(_choice({"role": "assistant", "content": f"t{i} "}, None))) for i in range(2))
 REJECT = _json_response({"error": {"message": "bad field", "type": "invalid_request_error", "code": 400}},
                         b"400 Bad Request")
-FAULTS = ("close", "close_reused", "break", "reject", "headers_first")
+FAULTS = ("close", "close_reused", "break", "reject", "headers_first", "trickle")
+TRICKLE_BYTES = 37
 STREAM_HEAD_END = DECODE_STREAM.index(b"\r\n\r\n") + 4
 
 
@@ -144,11 +147,16 @@ class StubProtocol(asyncio.Protocol):
             self.stats.generations += 1
             asyncio.get_running_loop().call_later(0.3, self._write_rest)
             return DECODE_STREAM[:STREAM_HEAD_END], False
+        if self.fault == "trickle" and b'"stream":true' in body.replace(b" ", b""):
+            self.stats.generations += 1
+            for i, at in enumerate(range(0, len(DECODE_STREAM), TRICKLE_BYTES)):
+                asyncio.get_running_loop().call_later(0.005 * i, self._write_rest, at, at + TRICKLE_BYTES)
+            return b"", False
         return self.answer(b"POST", GENERATION_PATHS[0], body), False
 
-    def _write_rest(self) -> None:
+    def _write_rest(self, start: int = STREAM_HEAD_END, end: int | None = None) -> None:
         if not self.transport.is_closing():
-            self.transport.write(DECODE_STREAM[STREAM_HEAD_END:])
+            self.transport.write(DECODE_STREAM[start:end])
 
     def answer(self, method: bytes, path: bytes, body: bytes) -> bytes:
         if method == b"POST" and path in GENERATION_PATHS:

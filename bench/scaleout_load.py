@@ -1,7 +1,8 @@
 """The scale-out benchmark's workload and client: multi-turn chat sessions over a shared system prompt.
 
 A `Workload` is `sessions` chat sessions, each `turns` requests long, over one system prompt every session shares
-(`system_chars`). Turn 1 sends the system prompt and a first user message (`first_chars`); each later turn resends
+(`system_chars`), sent as chat (`messages`) or as `/v1/completions` with the whole history rendered into `prompt`
+(`api`). Turn 1 sends the system prompt and a first user message (`first_chars`); each later turn resends
 the whole history (the assistant's answers as the client received them, and a new user message of `turn_chars`):
 the prefix a prefill's cache can serve grows turn by turn. The text is random letters from a seeded generator, so
 two runs (and two routers) send the same bytes.
@@ -35,10 +36,25 @@ class Workload:
     max_tokens: int = 8
     think_ms: float = 400.0
     seed: int = 0
+    api: str = "chat"          # or "completions": the same sessions, the whole history rendered into `prompt`
 
     @property
     def requests(self) -> int:
         return self.sessions * self.turns
+
+
+def completion_prompt(messages: list[dict]) -> str:
+    """A whole chat history as one `/v1/completions` prompt (the client's own layout), ending where the answer goes."""
+    return "".join(f"### {m['role']}\n{m['content']}\n\n" for m in messages) + "### assistant\n"
+
+
+def request_body(w: Workload, model: str, messages: list[dict]) -> tuple[str, bytes]:
+    """The path and body of one turn: chat with its messages, or completions with the history as its prompt."""
+    if w.api == "completions":
+        return "/v1/completions", orjson.dumps({"model": model, "prompt": completion_prompt(messages), "stream": True,
+                                                "max_tokens": w.max_tokens})
+    return "/v1/chat/completions", orjson.dumps({"model": model, "messages": messages, "stream": True,
+                                                 "max_tokens": w.max_tokens})
 
 
 def _text(rng: random.Random, chars: int) -> str:
@@ -121,11 +137,12 @@ class Connection:
                 if "error" in parsed:
                     result.error = str(parsed["error"])[:300]
                     continue
-                delta = parsed["choices"][0].get("delta") or {}
-                if delta.get("content"):
+                choice = parsed["choices"][0]
+                piece = (choice.get("delta") or {}).get("content") or choice.get("text")
+                if piece:
                     if result.first is None:
                         result.first = time.monotonic()
-                    parts.append(delta["content"])
+                    parts.append(piece)
         result.end = time.monotonic()
         result.content = "".join(parts)
 
@@ -146,10 +163,9 @@ async def _user(host: str, port: int, model: str, w: Workload, queue: asyncio.Qu
                 text = f"{text} [id:{result.user}]"
                 messages = [{"role": "system", "content": session.system}, *session.history,
                             {"role": "user", "content": text}]
-                body = orjson.dumps({"model": model, "messages": messages, "stream": True,
-                                     "max_tokens": w.max_tokens})
+                path, body = request_body(w, model, messages)
                 try:
-                    await asyncio.wait_for(conn.post_stream("/v1/chat/completions", body, result), 120)
+                    await asyncio.wait_for(conn.post_stream(path, body, result), 120)
                 except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, ValueError) as exc:
                     result.error, result.end = f"{type(exc).__name__}: {exc}", time.monotonic()
                     conn.close()
@@ -171,4 +187,25 @@ async def drive(host: str, port: int, model: str, w: Workload, concurrency: int)
     out: list[Result] = []
     await asyncio.gather(*(_user(host, port, model, w, queue, out, random.Random(w.seed * 1000 + i))
                            for i in range(concurrency)))
+    return out
+
+
+async def alone(host: str, port: int, model: str, w: Workload, repeats: int = 2) -> list[Result]:
+    """The sanity probe of a prefix-aware router: one session of `w`'s shape played alone, turn after turn, then its
+    last turn sent `repeats` times more (ids `sanity-t<turn>`, `sanity-r<i>`); a router that routes by prefix sends
+    them all to one prefill."""
+    session = Session(-1, sessions(w)[0].system, sessions(Workload(**{**w.__dict__, "seed": w.seed + 1}))[0].user_texts)
+    conn, out = Connection(host, port), []
+    try:
+        for turn, text in enumerate(session.user_texts + [session.user_texts[-1]] * repeats):
+            user = f"sanity-t{turn}" if turn < len(session.user_texts) else f"sanity-r{turn - len(session.user_texts)}"
+            result = Result(user)
+            messages = [{"role": "system", "content": session.system}, *session.history,
+                        {"role": "user", "content": f"{text} [id:{user}]"}]
+            await asyncio.wait_for(conn.post_stream(*request_body(w, model, messages), result), 60)
+            out.append(result)
+            if turn < len(session.user_texts) - 1:
+                session.history += [messages[-1], {"role": "assistant", "content": result.content}]
+    finally:
+        conn.close()
     return out

@@ -5,9 +5,10 @@ serves every worker from one asyncio loop (128 servers on a 2-core machine canno
 the PD protocol as `router_stubs.py` does (same health/info/model routes; the Rust router's HTTP/2 probe refused),
 with SGLang's cost model on the generation paths:
 
-- A prefill tokenizes the prompt (chat: `<role>content` per message, as a template would lay it out) into
-  `TOKEN_CHARS`-character tokens, looks its pages (`PAGE_TOKENS` tokens, each named by a hash chained over the
-  pages before it, so a set of names is a radix tree) up in its own prefix cache, and prefills the uncached
+- A prefill renders the prompt (chat: through a chat template of its own, `<|role|>` markers; completions: the
+  prompt as sent), tokenizes it (words in pieces of up to 6 letters, every other character a token: not the
+  router's fixed-width character blocks), looks its pages (`PAGE_TOKENS` tokens, each named by a hash chained over
+  the pages before it, so a set of names is a radix tree) up in its own prefix cache, and prefills the uncached
   tokens: `base_ms + per_token_us * uncached` on one FIFO queue (one forward at a time, as one SGLang scheduler).
   Its cache holds `cache_tokens` tokens of pages, least recently used out first; a prompt's pages are touched
   leaf first so that parents outlive their children, as a radix tree evicts leaves. It answers when the prefill
@@ -18,8 +19,8 @@ with SGLang's cost model on the generation paths:
   came from the prefill with the KV, as in SGLang's PD), one event every `token_ms` after it (it batches: no
   queue), a stop event and `data: [DONE]`.
 
-Every request is recorded by the id that ends its last message (`[id:s3-t1]`, set by the load generator: both
-routers forward messages verbatim): arrival at each leg, prefill start/end, first token written, prompt and cached tokens, the worker.
+Every request is recorded by the last id its prompt carries (`[id:s3-t1]`, set by the load generator at the end of
+each user message: routers forward prompts verbatim): arrival at each leg, prefill start/end, first token written, prompt and cached tokens, the worker.
 `GET /scaleout/records` on any port returns them and the per-worker counters, `POST /scaleout/reset` clears them
 and every cache (between two routers' runs). Times are `time.monotonic()`, one clock for every process here.
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -35,35 +37,44 @@ import orjson
 
 from .router_stubs import GENERATION_PATHS, StubProtocol, _chunk, _json_response, _choice, _event
 
-TOKEN_CHARS = 4
 PAGE_TOKENS = 16
-PAGE_CHARS = TOKEN_CHARS * PAGE_TOKENS
 KV_WAIT_S = 30.0
 SSE_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
             b"transfer-encoding: chunked\r\n\r\n")
+TOKEN = re.compile(r"[A-Za-z]{1,6}|\d|\s|[^A-Za-z\d\s]")   # a word in pieces of up to 6 letters, or one character
 
 
 @dataclass
 class Model:
-    """SGLang's cost model; the defaults are what `scaleout.py` runs."""
+    """SGLang's cost model; the defaults are what `scaleout.py` runs. `cache_tokens` is small enough that the
+    workload evicts (the stubs report it as `max_total_num_tokens`)."""
 
     base_ms: float = 2.0
     per_token_us: float = 50.0
-    cache_tokens: int = 32_768
+    cache_tokens: int = 16_384
     token_ms: float = 20.0
 
 
 def prompt_of(body: dict) -> str:
+    """The prompt as the model sees it: chat messages through a chat template (not the router's `<role>content`),
+    completions' prompt as is."""
     if "messages" in body:
-        return "".join(f"<{m.get('role')}>{m.get('content')}" for m in body["messages"] if isinstance(m, dict))
+        turns = "".join(f"<|{m.get('role')}|>\n{m.get('content')}<|end|>\n" for m in body["messages"]
+                        if isinstance(m, dict))
+        return "<|begin|>" + turns + "<|assistant|>\n"
     prompt = body.get("prompt", body.get("text", ""))
     return prompt if isinstance(prompt, str) else str(prompt)
 
 
-def page_names(text: str) -> list[int]:
+def tokens_of(text: str) -> list[str]:
+    return TOKEN.findall(text)
+
+
+def page_names(tokens: list[str]) -> list[int]:
+    """One name per whole page of `PAGE_TOKENS` tokens, chained over the pages before it (a radix tree's path)."""
     names, h = [], 0
-    for i in range(0, len(text) - PAGE_CHARS + 1, PAGE_CHARS):
-        h = hash((h, text[i:i + PAGE_CHARS]))
+    for i in range(0, len(tokens) - PAGE_TOKENS + 1, PAGE_TOKENS):
+        h = hash((h, *tokens[i:i + PAGE_TOKENS]))
         names.append(h)
     return names
 
@@ -74,6 +85,7 @@ class PrefixCache:
     def __init__(self, capacity_pages: int) -> None:
         self.capacity = capacity_pages
         self.pages: dict[int, None] = {}
+        self.evicted = 0
 
     def match(self, names: list[int]) -> int:
         n = 0
@@ -90,6 +102,7 @@ class PrefixCache:
             pages[name] = None
         while len(pages) > self.capacity:
             del pages[next(iter(pages))]
+            self.evicted += 1
 
 
 @dataclass
@@ -116,11 +129,10 @@ class Farm:
     errors: list[str] = field(default_factory=list)
 
     def record(self, body: dict) -> dict:
-        """The record of the request whose last message ends with `[id:...]` (scaleout_load.py puts it there)."""
-        messages = body.get("messages") or [{}]
-        content = str(messages[-1].get("content", "")) if isinstance(messages[-1], dict) else ""
-        at = content.rfind("[id:")
-        return self.records.setdefault(content[at + 4:-1] if at >= 0 else "", {})
+        """The record of the request whose prompt's last `[id:...]` names it (scaleout_load.py puts it there)."""
+        text = prompt_of(body)
+        at = text.rfind("[id:")
+        return self.records.setdefault(text[at + 4:text.find("]", at)] if at >= 0 else "", {})
 
     def room(self, room: int) -> asyncio.Future:
         fut = self.kv.get(room)
@@ -140,7 +152,8 @@ class Farm:
     def report(self) -> dict:
         return {"records": self.records, "mispaired": self.mispaired, "errors": self.errors[:20],
                 "prefill": [{"index": p.index, "requests": p.requests, "prompt_tokens": p.prompt_tokens,
-                             "cached_tokens": p.cached_tokens} for p in self.prefills.values()],
+                             "cached_tokens": p.cached_tokens, "evicted_pages": p.cache.evicted}
+                            for p in self.prefills.values()],
                 "decode_requests": self.decode_requests}
 
 
@@ -157,6 +170,9 @@ class WorkerProtocol(StubProtocol):
         if path == b"/scaleout/reset":
             self.farm.reset()
             return _json_response({})
+        if path in (b"/server_info", b"/get_server_info"):
+            return _json_response({"disaggregation_mode": self.role, "tp_size": 1, "dp_size": 1, "page_size": PAGE_TOKENS,
+                                   "max_total_num_tokens": self.farm.model.cache_tokens})
         if method != b"POST" or path not in GENERATION_PATHS:
             return super().answer(method, path, body)
         parsed = orjson.loads(body)
@@ -170,9 +186,9 @@ class WorkerProtocol(StubProtocol):
         farm, now = self.farm, time.monotonic()
         worker = farm.prefills[self.bootstrap_port]
         rec = farm.record(body)
-        text = prompt_of(body)
-        names = page_names(text)
-        tokens = len(text) // TOKEN_CHARS
+        pieces = tokens_of(prompt_of(body))
+        names = page_names(pieces)
+        tokens = len(pieces)
         cached = worker.cache.match(names) * PAGE_TOKENS
         worker.cache.insert(names)
         worker.requests += 1
@@ -217,14 +233,17 @@ class WorkerProtocol(StubProtocol):
         if port != body.get("bootstrap_port"):
             farm.mispaired += 1
         tokens, token_s = int(body.get("max_tokens") or 8), farm.model.token_ms / 1e3
-        tag = str(body.get("bootstrap_room"))[-6:]
+        tag, chat = str(body.get("bootstrap_room"))[-6:], "messages" in body
         first = True
         for i in range(tokens):   # the first token came from the prefill with the KV: it goes out at once
             if i:
                 await asyncio.sleep(token_s)
             if self.transport.is_closing():
                 return
-            data = _chunk(_event(_choice({"role": "assistant", "content": f"r{i}-{tag} "}, None)))
+            piece = f"r{i}-{tag} "
+            data = _chunk(_event(_choice({"role": "assistant", "content": piece}, None) if chat else
+                                 {"id": "stub", "object": "text_completion", "created": 0, "model": "stub",
+                                  "choices": [{"index": 0, "text": piece, "finish_reason": None}]}))
             if first:
                 rec["first_token"] = time.monotonic()
                 data, first = SSE_HEAD + data, False

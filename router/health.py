@@ -6,12 +6,14 @@ orchestrator reports state changes through the admin API as well; the two are in
 paired only when both agree, `worker.Worker.eligible`), except that a READY report after another state counts
 as a passed check: the supervisor's readiness probes just passed (`Worker.ready_again`). When a role's policy
 weighs load or backpressure is on, each check also reads the worker's KV token usage and queue
-(`sglang:token_usage`, `sglang:num_queue_reqs` from its `/metrics`).
+(`sglang:token_usage`, `sglang:num_queue_reqs` from its `/metrics`). Under the prefill `prefix` policy each
+prefill's KV capacity is read once from its `/server_info` (again after a restart): it sizes the policy's memory.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 
@@ -37,6 +39,7 @@ class HealthChecker:
         queues = settings.max_queued_per_worker > 0      # backpressure reads the queues from /metrics too
         self._reads_metrics = {Role.PREFILL: queues or POLICIES[settings.prefill_policy].weighs_load,
                                Role.DECODE: queues or POLICIES[settings.decode_policy].weighs_load}
+        self._reads_capacity = settings.prefill_policy == "prefix"   # sizes its memory of each prefill
         self._interval_s = settings.health_check_interval_s
         self._timeout_s = settings.health_check_timeout_s
         self._threshold = settings.health_failures_to_unhealthy
@@ -49,9 +52,23 @@ class HealthChecker:
                 found, queued = (TOKEN_USAGE.search(text), QUEUED.search(text)) if metrics == 200 else (None, None)
                 worker.token_usage = float(found.group(1)) if found else 0.0
                 worker.queued = int(float(queued.group(1))) if queued else 0
+            if status == 200 and worker.kv_tokens is None and worker.role is Role.PREFILL and self._reads_capacity:
+                worker.kv_tokens = await self._kv_capacity(worker)
         except (UpstreamError, Interrupted, asyncio.TimeoutError):
             return False
         return status == 200
+
+    async def _kv_capacity(self, worker: Worker) -> int | None:
+        """`max_total_num_tokens` from the worker's `/server_info` (SGLang's and the embedded engine's); None if it
+        does not say, or does not answer (then it is asked again at the next check; the worker's health is
+        `/health`'s alone)."""
+        try:
+            status, text = await self._upstream.probe(worker, "/server_info", self._timeout_s)
+            value = json.loads(text).get("max_total_num_tokens") if status == 200 else None
+        except (UpstreamError, Interrupted, asyncio.TimeoutError, json.JSONDecodeError, UnicodeDecodeError,
+                AttributeError):
+            return None
+        return value if isinstance(value, int) and value > 0 else None
 
     async def check(self, worker: Worker) -> None:
         """One check of one worker, and the transition it causes."""

@@ -61,7 +61,7 @@ PAUSE_AT = 64  # buffered body chunks before the connection stops reading (the c
 
 
 class Response:
-    """One response: status and headers once they arrived, then the body chunk by chunk."""
+    """One response: status and headers once they arrived, then the body as it comes (`next_data`)."""
 
     def __init__(self, conn: _Connection) -> None:
         self._conn = conn
@@ -69,6 +69,8 @@ class Response:
         self.headers: dict[bytes, bytes] = {}
         self._chunks: deque[bytes] = deque()
         self._waiter: asyncio.Future[bool] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._expires = 0.0          # loop time the current wait gives up at
         self._error: BaseException | None = None
         self.complete = False
         self.closed = False
@@ -93,21 +95,42 @@ class Response:
             self._error = error
         self.complete = self.complete or error is None
         self._wake()
+        self._stop_timer()
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(True)
 
     async def _sleep(self, timeout_s: float) -> bool:
-        """Until the connection has news (True) or `timeout_s` passed (False); a timer, not a task per wait."""
+        """Until the connection has news (True) or `timeout_s` passed (False). One timer per response, not one per
+        wait: a wait with a later deadline moves only the deadline, and the timer, when it fires before it, is set
+        again for the rest; a wait with an earlier deadline sets the timer anew."""
         loop = asyncio.get_running_loop()
         self._waiter = waiter = loop.create_future()
-        timer = loop.call_later(timeout_s, _expire, waiter)
+        self._expires = loop.time() + timeout_s
+        if self._timer is None or self._timer.when() > self._expires:      # none, or set for a later deadline
+            self._stop_timer()
+            self._timer = loop.call_at(self._expires, self._on_timer)
         try:
             return await waiter
         finally:
-            timer.cancel()
             self._waiter = None
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return                                   # nobody waits now: the next wait sets it again
+        loop = waiter.get_loop()
+        if loop.time() < self._expires:              # this wait began after the timer was set
+            self._timer = loop.call_at(self._expires, self._on_timer)
+        else:
+            _expire(waiter)
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     # -- used by the router
     def interrupt(self, reason: object) -> None:
@@ -124,9 +147,11 @@ class Response:
             if not await self._sleep(timeout_s):
                 raise ReadTimeout(f"no response within {timeout_s:g} s")
 
-    async def next_chunk(self, timeout_s: float) -> bytes | None:
-        """The next body chunk, or None at the end of the body."""
-        while not self._chunks:
+    async def next_data(self, timeout_s: float) -> bytes | None:
+        """Every body byte that arrived since the last call, as one piece (one wake-up, one piece: a worker that
+        wrote a whole stream at once is read in one call, not event by event), or None at the end of the body."""
+        chunks = self._chunks
+        while not chunks:
             if self._error is not None:
                 raise self._error
             if self.complete:
@@ -135,15 +160,15 @@ class Response:
                 raise ReadTimeout(f"no data for {timeout_s:g} s")
         if self._error is not None and isinstance(self._error, Interrupted):
             raise self._error
-        chunk = self._chunks.popleft()
-        if len(self._chunks) < PAUSE_AT // 2:
-            self._conn.resume()
-        return chunk
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self._conn.resume()
+        return data
 
     async def read(self, timeout_s: float) -> bytes:
         parts = []
-        while (chunk := await self.next_chunk(timeout_s)) is not None:
-            parts.append(chunk)
+        while (data := await self.next_data(timeout_s)) is not None:
+            parts.append(data)
         return b"".join(parts)
 
     def close(self) -> None:
@@ -151,6 +176,7 @@ class Response:
         if self.closed:
             return
         self.closed = True
+        self._stop_timer()
         self._conn.done_with(self, reusable=self.complete and self._error is None)
 
 

@@ -15,8 +15,8 @@ interrupted by a decode's death equals the uninterrupted one (NVIDIA Dynamo's `-
 - With no other decode eligible (the production topology has one), the stream is held up to `stream_hold_s` for
   the restarted one, then continued there the same way.
 - At most `migration_limit` times per request; requests with several choices or prompts (n > 1, batches)
-  are not migrated. Events are kept raw while the stream runs and parsed when a migration happens, or
-  every `FOLD_AT` events (so a long stream holds a bounded number of them).
+  are not migrated. Events are kept raw (as the runs relayed) while the stream runs and parsed when a migration
+  happens, or every `FOLD_AT` runs (so a long stream holds a bounded number of them).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def _data(event: bytes) -> Any:
 Progress = tuple[str, list[int], int, dict[str, list]]   # text, output ids, tokens, /generate's logprob lists
 LOGPROB_LISTS = ("output_token_logprobs", "output_top_logprobs")   # cumulative in /generate's meta_info
 HOLD_POLL_S = 0.25  # while a stream is held for a decode, how often a fresh pair is tried
-FOLD_AT = 256  # events kept raw before they are folded into the progress so far (bounds memory per stream)
+FOLD_AT = 256  # runs of events kept raw before they are folded into the progress so far (bounds memory per stream)
 
 
 def progress(path: str, events: list[bytes], start: Progress = ("", [], 0, {})) -> Progress:
@@ -167,19 +167,23 @@ class Migration:
         self.flight, self.attempt = flight, attempt
         self.left = flight.state.settings.migration_limit
         self.keep = self.left > 0 and migratable(flight.path, flight.body)
-        self.sent: list[bytes] = []
+        self.sent: list[bytes] = []   # runs of events sent since the last fold
         self._folded: Progress = ("", [], 0, {})
         self._rewrite: Callable[[bytes], bytes] | None = None
 
-    def outgoing(self, events: list[bytes]) -> bytes:
-        """The bytes to send for `events` (spliced after a migration), remembered while migration is possible."""
+    def outgoing(self, run: bytes) -> bytes:
+        """The bytes to send for a run of complete events (spliced after a migration), remembered while migration is
+        possible (as runs: split into events only when a migration or a fold reads them)."""
         if self._rewrite is not None:
-            events = [self._rewrite(e) for e in events]
+            run = b"".join(self._rewrite(e) for e in sse.events(run))
         if self.keep:
-            self.sent.extend(events)
+            self.sent.append(run)
             if len(self.sent) >= FOLD_AT:
-                self._folded, self.sent = progress(self.flight.path, self.sent, self._folded), []
-        return b"".join(events)
+                self._folded, self.sent = progress(self.flight.path, self._sent_events(), self._folded), []
+        return run
+
+    def _sent_events(self) -> list[bytes]:
+        return sse.events(b"".join(self.sent))
 
     async def _fresh_attempt(self, body: dict[str, Any], old: Attempt) -> Attempt:
         """An attempt on a fresh pair. With no decode to take it (the only one died), wait up to `stream_hold_s`
@@ -202,7 +206,7 @@ class Migration:
         if not self.keep or self.left <= 0 or self.flight.gone:
             return False
         path = self.flight.path
-        text, ids, tokens, logprobs = progress(path, self.sent, self._folded)
+        text, ids, tokens, logprobs = progress(path, self._sent_events(), self._folded)
         body = continuation(path, self.flight.body, text, ids, tokens)
         if body is None:
             return False

@@ -8,8 +8,8 @@
   ties go round robin.
 - `power_of_two`: two at random, the less loaded of them (load as above).
 - `prefix` (prefill only): the worker that has seen the longest prefix of this prompt, unless it is much busier
-  than the least loaded one (router/prefix_tree.py states the rule): multi-turn chat and shared system prompts find
-  their KV in that prefill's prefix cache.
+  than the least loaded one (router/prefix_policy.py states the rule; its knobs are the settings' `prefix`):
+  multi-turn chat finds its history's KV in that prefill's prefix cache.
 
 `POLICIES` is the one registry: a policy is a function of (chooser, eligible workers, prompt), whether it reads
 the workers' reported load (then the health checks poll `/metrics` too), whether it is for prefill workers only,
@@ -26,18 +26,18 @@ from typing import Annotated, Any, Callable, Sequence
 
 from pydantic import AfterValidator, ValidationInfo
 
-from .prefix_tree import PrefixChooser
+from .prefix_policy import PrefixChooser, PrefixPolicy
 from .worker import Worker
 
 
 class Chooser:
     """One role's policy with its own turn counter, random source and the policy's own state."""
 
-    def __init__(self, policy: str, seed: int | None = None) -> None:
+    def __init__(self, policy: str, seed: int | None = None, prefix: PrefixPolicy | None = None) -> None:
         self.policy = POLICIES[policy]
         self.turn = itertools.count()
         self.rng = random.Random(seed)
-        self.state = self.policy.state() if self.policy.state is not None else None
+        self.state = self.policy.state(prefix or PrefixPolicy()) if self.policy.state is not None else None
 
     def choose(self, eligible: Sequence[Worker], prompt: str | None = None) -> Worker:
         """One of `eligible` by the policy; `prompt`: the request's prompt text (the `prefix` policy's key)."""
@@ -73,7 +73,7 @@ class PolicySpec:
     choose: Callable[[Chooser, Sequence[Worker], str | None], Worker]
     weighs_load: bool  # reads the workers' reported KV usage (the health checks poll /metrics for it)
     prefill_only: bool = False  # aims at a prompt cache, which a decode does not have
-    state: Callable[[], Any] | None = None  # what one chooser keeps between requests (made per chooser)
+    state: Callable[[PrefixPolicy], Any] | None = None  # what one chooser keeps between requests (made per chooser)
 
 
 POLICIES: dict[str, PolicySpec] = {

@@ -19,7 +19,8 @@ class WorkerPool:
                              for p in settings.prefill)
         self.decode = tuple(Worker(Role.DECODE, d.name, d.url, **breaker) for d in settings.decode)
         self._by_name = {w.name: w for w in self.workers}
-        self._choosers = {Role.PREFILL: Chooser(settings.prefill_policy), Role.DECODE: Chooser(settings.decode_policy)}
+        self._choosers = {Role.PREFILL: Chooser(settings.prefill_policy, prefix=settings.prefix),
+                          Role.DECODE: Chooser(settings.decode_policy)}
 
     @property
     def workers(self) -> tuple[Worker, ...]:
@@ -30,6 +31,10 @@ class WorkerPool:
             return self._by_name[name]
         except KeyError:
             raise UnknownWorker(f"the router has no worker named {name!r}; it has {sorted(self._by_name)}") from None
+
+    def chooser(self, role: Role) -> Chooser:
+        """The role's policy and its state (the `prefix` policy's memory, for inspection)."""
+        return self._choosers[role]
 
     @property
     def ready(self) -> bool:

@@ -1,6 +1,7 @@
 """One streaming answer: D's SSE events relayed to the client as they arrive, on event boundaries.
 
-  1. The client gets a 200 and D's complete events, batched per chunk read, from D's first event on. Until
+  1. The client gets a 200 and D's complete events from D's first event on: what one wake-up brought, framed
+     in one pass and sent in one write (`forward`). Until
      then nothing was sent: a retryable failure (P's, or D breaking) moves the request to a fresh pair
      (`Flight.may_retry`), any other failure answers with its status and error body.
   2. D's `[DONE]` (or an error event D streamed, then its end) ends the stream; an error event aborts P.
@@ -47,7 +48,7 @@ def _error_of(exc: BaseException) -> RouterError | None:
 async def pump(flight: Flight, attempt: Attempt, migration: Migration) -> None:
     """Relay D's events until `[DONE]`, whose batch also ends the client's body (one write fewer);
     raises StreamBroke, Interrupted, or RouterError (timeout)."""
-    state, send = flight.state, flight.send
+    state = flight.state
     decode, worker = attempt.decode, attempt.req.pair.decode
     timeout_s = state.upstream.request_timeout_s
     framer = sse.Framer()
@@ -60,31 +61,38 @@ async def pump(flight: Flight, attempt: Attempt, migration: Migration) -> None:
     done = False
     while not done:
         try:
-            chunk = await decode.next_chunk(timeout_s)
+            data = await decode.next_data(timeout_s)
         except UpstreamError as exc:
             error = state.upstream.transport_error(worker, exc)
             if isinstance(error, UpstreamUnreachable):
                 raise StreamBroke(error) from None
             raise error from None
-        if chunk is None:
+        if data is None:
             raise StreamBroke(UpstreamUnreachable(f"{worker.describe()} ended its stream without 'data: [DONE]'"))
-        events = framer.feed(chunk)
-        if not events:
-            continue
-        if merge is not None:
-            events = [logprobs.merge_event(merge, e) for e in events]
-        out = migration.outgoing(events)
-        if b"[DONE]" in out or b'"error"' in out:
-            for event in events:
-                if sse.error_in(event) is not None:
-                    attempt.abort_prefill()
-                done = done or sse.is_done(event)
-        if out or done:
-            if flight.status == 0:
-                flight.status = 200
-                await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
-            flight.token_sent()
-            await send({"type": "http.response.body", "body": out, "more_body": not done})
+        done = await forward(flight, attempt, migration, framer.feed(data), merge)
+
+
+async def forward(flight: Flight, attempt: Attempt, migration: Migration, run: bytes, merge: object) -> bool:
+    """Send one run of complete events (all that one wake-up brought) to the client in one write, with one timing
+    observation; True when it held `[DONE]` (the write also ended the body). Events are split out only when the run
+    may hold `[DONE]` or an error, or logprobs must be merged."""
+    if not run:
+        return False
+    if merge is not None:
+        run = b"".join(logprobs.merge_event(merge, e) for e in sse.events(run))
+    out = migration.outgoing(run)
+    done = False
+    if b"[DONE]" in out or b'"error"' in out:
+        for event in sse.events(out):
+            if sse.error_in(event) is not None:
+                attempt.abort_prefill()
+            done = done or (b"[DONE]" in event and sse.is_done(event))
+    if flight.status == 0:
+        flight.status = 200
+        await flight.send({"type": "http.response.start", "status": 200, "headers": HEADERS})
+    flight.token_sent()
+    await flight.send({"type": "http.response.body", "body": out, "more_body": not done})
+    return done
 
 
 async def relay(flight: Flight, attempt: Attempt) -> None:

@@ -5,6 +5,9 @@ byte at a time (slowloris) holds a connection for as long as it likes. Here a re
 `head_timeout_s` of its first byte (or of the connection), and its body within `body_timeout_s` of the head;
 past either the router answers 408 (when no response has started) and closes the connection. Both come from
 `RouterSettings` (`request_head_timeout_s`, `request_body_timeout_s`).
+
+Each response's head also leaves in the same write as its first body piece (`HeadWithBody`): uvicorn writes them
+apart, two system calls where one does, and on a short stream that write was a fifth of the router's time.
 """
 
 from __future__ import annotations
@@ -16,6 +19,42 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 TIMEOUT_408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
                b"content-length: %d\r\n\r\n%s")
+
+
+class HeadWithBody:
+    """A response's view of its connection: its first write (the head) is held until the next write of the same loop
+    turn (the first body piece) and both go out as one; a held head goes out alone on the next loop turn, or before
+    the connection closes. Everything else is the transport's."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport, self._loop = transport, loop
+        self._held: bytes | None = None
+        self._flush: asyncio.Handle | None = None
+        self._first = True
+
+    def write(self, data: bytes) -> None:
+        if self._first:
+            self._first = False
+            self._held, self._flush = data, self._loop.call_soon(self.flush)
+            return
+        if self._held is not None:
+            data, self._held = self._held + data, None
+            self._flush.cancel()
+        self._transport.write(data)
+
+    def flush(self) -> None:
+        if self._held is not None:
+            held, self._held = self._held, None
+            self._flush.cancel()
+            if not self._transport.is_closing():
+                self._transport.write(held)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 class DeadlineProtocol(HttpToolsProtocol):
@@ -57,7 +96,10 @@ class DeadlineProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._arm(self.body_timeout_s, "body")
+        before = self.cycle
         super().on_headers_complete()
+        if self.cycle is not before and self.cycle is not None:     # a new request's response (not an upgrade)
+            self.cycle.transport = HeadWithBody(self.transport, self.loop)
 
     def on_message_complete(self) -> None:
         self._disarm()

@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .policies import DecodePolicy, Policy
+from .prefix_policy import PrefixPolicy
 
 
 class SettingsError(ValueError):
@@ -94,13 +95,15 @@ class RouterSettings(BaseModel):
                                  "a fresh pair before it ends with an error event")
     prefill_policy: Policy = "round_robin"
     decode_policy: DecodePolicy = "round_robin"
+    prefix: PrefixPolicy = Field(default_factory=PrefixPolicy, description="the prefill `prefix` policy's knobs")
     max_retries: int = Field(default=2, ge=0, description="fresh pairs tried after a connection-level failure that "
                              "happened before the first byte reached the client")
     breaker_failures: int = Field(default=5, ge=1, description="connection failures in a row that open a worker's "
                                   "circuit breaker")
     breaker_cooldown_s: float = Field(default=5.0, gt=0)
-    upstream_keepalive_s: float = Field(default=2.0, gt=0, description="idle upstream connections are dropped after "
-                                        "this; keep it below the workers' keep-alive (uvicorn: 5 s)")
+    upstream_keepalive_s: float = Field(default=4.5, gt=0, description="idle upstream connections are dropped after "
+                                        "this; keep it below the workers' keep-alive (uvicorn: 5 s). Shorter costs "
+                                        "a connect per request to workers that are seldom picked (many workers)")
 
     @model_validator(mode="after")
     def _names_unique(self) -> RouterSettings:

@@ -1,8 +1,9 @@
 """Server-sent events as SGLang streams them: `data: <json>` events, ended by `data: [DONE]`.
 
-The router relays decode's stream event by event (never a partial event), so that it can end a
+The router relays decode's stream on event boundaries (never a partial event), so that it can end a
 stream with an error event on a clean boundary and can see the `[DONE]` and `error` events that
-tell it how a leg ended.
+tell it how a leg ended; what arrived together is relayed together (one search for the last boundary, one
+write), and split into events only where one must be read (`[DONE]`, an error, logprobs, a migration).
 """
 
 from __future__ import annotations
@@ -19,24 +20,30 @@ def error_event(body: dict[str, Any]) -> bytes:
 
 
 class Framer:
-    """Cuts a byte stream into complete events (each ending in a blank line), chunk by chunk. A partial event
-    left when the stream breaks is never relayed: the client's stream ends on an event boundary."""
+    """Cuts a byte stream into runs of complete events (each event ending in a blank line), chunk by chunk: `feed`
+    returns everything up to the last event boundary it has as one piece (one search per chunk, however many events
+    it holds), and keeps the rest. A partial event left when the stream breaks is never relayed: the client's
+    stream ends on an event boundary."""
 
     def __init__(self) -> None:
         self._buffer = b""
 
-    def feed(self, chunk: bytes) -> list[bytes]:
-        buffer = self._buffer + chunk
+    def feed(self, chunk: bytes) -> bytes:
+        buffer = self._buffer + chunk if self._buffer else chunk
         if b"\r" in buffer:
             buffer = buffer.replace(b"\r\n", b"\n")
-        out = []
-        start = 0
-        while (end := buffer.find(b"\n\n", start)) >= 0:
-            if buffer[start:end].strip():
-                out.append(buffer[start:end + 2])
-            start = end + 2
-        self._buffer = buffer[start:]
-        return out
+        end = buffer.rfind(b"\n\n") + 2
+        if end < 2:
+            self._buffer = buffer
+            return b""
+        self._buffer = buffer[end:]
+        return b"" if buffer[:end].isspace() else buffer[:end]
+
+
+def events(run: bytes) -> list[bytes]:
+    """The events of a run of complete events (as `Framer.feed` returns), each with its blank line; blank ones
+    dropped."""
+    return [e + b"\n\n" for e in run.split(b"\n\n") if e.strip()]
 
 
 def data_of(event: bytes) -> str:

@@ -36,6 +36,7 @@ class Worker:
     in_flight: int = 0
     token_usage: float = 0.0
     queued: int = 0  # requests waiting for KV pages on the worker (`sglang:num_queue_reqs`, read by health checks)
+    kv_tokens: int | None = None  # its KV capacity (`/server_info` max_total_num_tokens; read for the prefix policy)
     failures: int = 0  # consecutive connection-level failures (the breaker's count)
     open_until: float = 0.0  # monotonic time the breaker stays open until; 0: closed
     pairs: set[Pair] = field(default_factory=set, repr=False)  # the pairs it is part of, pick to release
@@ -53,6 +54,7 @@ class Worker:
         (or a breaker cooldown) before it is paired; the next failed checks take it out again as usual."""
         self.healthy, self.health_failures = True, 0
         self.failures, self.open_until = 0, 0.0
+        self.kv_tokens = None                       # a restart may change it: read it again
 
     def describe(self) -> str:
         """How client-facing messages name the worker: role and name, never its internal URL."""

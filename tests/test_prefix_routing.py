@@ -24,6 +24,8 @@ pytestmark = pytest.mark.slow
 TOK = ByteTokenizer()
 SYSTEM = {"role": "system", "content": "You are the tiny test model; answer briefly. " * 3}
 TURNS = ("Hello", "Tell me about pages", "And about caches")
+FILLER = "I would like a short answer about the tiny model, please, and about its pages. "   # whole blocks per turn
+PAGE = 16                                       # the embedded workers' page size (their default)
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +40,10 @@ def pairs(tmp_path_factory):
             stop_pair(p)
 
 
-def _settings(pairs) -> RouterSettings:
+def _settings(pairs, policy: str = "prefix") -> RouterSettings:
     return RouterSettings(
-        host="127.0.0.1", port=1, model_name="dsv4-tiny", prefill_policy="prefix", decode_policy="least_load",
-        request_timeout_s=60, health_check_interval_s=0.5,
+        host="127.0.0.1", port=1, model_name="dsv4-tiny", prefill_policy=policy, decode_policy="least_load",
+        request_timeout_s=60, health_check_interval_s=0.5, prefix={"chars_per_token": 1},   # a byte tokenizer
         prefill=[{"name": f"prefill-{i}", "url": p.prefill_url, "bootstrap_host": "127.0.0.1",
                   "bootstrap_port": p.bootstrap_port} for i, p in enumerate(pairs)],
         decode=[{"name": f"decode-{i}", "url": p.decode_url} for i, p in enumerate(pairs)])
@@ -53,14 +55,17 @@ def _cached_total(url: str) -> float:
 
 
 def test_sessions_stay_on_their_prefill_and_hit_its_cache(pairs):
-    plain = ModelRunner(RunnerConfig(model=ModelConfig(), page_size=16, max_total_tokens=4096, context_length=1024))
+    """Each turn after the first finds the whole previous turn in its prefill's cache (all its whole pages), which
+    only the prefill that served that turn has: under round robin the sessions change prefill every turn here and
+    find the system prompt at most."""
+    plain = ModelRunner(RunnerConfig(model=ModelConfig(), page_size=PAGE, max_total_tokens=4096, context_length=1024))
     with UvicornThread(build_app(_settings(pairs))) as router:
         client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        cached = []
+        cached, prompts = [], []
         histories = [[SYSTEM] for _ in range(3)]
         for turn in TURNS:                          # the sessions interleave, turn by turn
             for s, history in enumerate(histories):
-                history.append({"role": "user", "content": f"session {s}: {turn}"})
+                history.append({"role": "user", "content": f"session {s}: {turn}. " + FILLER})
                 reply = client.chat.completions.create(model="dsv4-tiny", messages=history, max_tokens=12,
                                                        temperature=0)
                 expected = generate_single_process(plain, TOK.apply_chat_template(history),
@@ -68,9 +73,9 @@ def test_sessions_stay_on_their_prefill_and_hit_its_cache(pairs):
                 assert reply.choices[0].message.content == TOK.decode(
                     [t for t in expected if t != EOS]), "the cache changes no answer"
                 cached.append(reply.usage.prompt_tokens_details.cached_tokens)
+                prompts.append(reply.usage.prompt_tokens)
                 history.append({"role": "assistant", "content": reply.choices[0].message.content})
-        first, later = cached[:3], cached[3:]
-        assert all(c > 0 for c in later), cached    # every later turn found its history on its prefill
-        # the first turns share the system prompt: the session sent after another to the same prefill hits it too
-        assert sum(first) + sum(later) == sum(_cached_total(p.prefill_url) for p in pairs)
-        assert sum(later) > sum(first)
+        sessions = len(histories)
+        for i in range(sessions, len(cached)):      # the session's previous turn: every whole page of its prompt
+            assert cached[i] >= prompts[i - sessions] // PAGE * PAGE - PAGE, (i, cached, prompts)
+        assert sum(cached) == sum(_cached_total(p.prefill_url) for p in pairs)

@@ -16,7 +16,7 @@ from dsv4_cluster.router.__main__ import main as router_main
 from dsv4_cluster.router.app import build_app
 from dsv4_cluster.router.pairing import ROOM_LIMIT
 from dsv4_cluster.router.settings import RouterSettings
-from dsv4_cluster.router.sse import DONE, Framer
+from dsv4_cluster.router.sse import DONE, Framer, events
 from tests.router_fakes import (LOGPROBS, MESSAGES, SSE, WAIT_S, Cluster, FakeWorker, Rendezvous, chat,
                                              router_settings)
 from tests.helpers import SOON_S, wait_for
@@ -218,8 +218,11 @@ def test_router_without_workers_is_unhealthy_and_refuses() -> None:
 
 def test_sse_events_are_reframed_across_chunk_boundaries() -> None:
     framer = Framer()
-    got = [e for piece in (b'data: {"a"', b": 1}\r", b"\n\r\ndata: [DO", b"NE]\n\n") for e in framer.feed(piece)]
-    assert got == [b'data: {"a": 1}\n\n', DONE] and framer.feed(b"data: cut") == []
+    got = [framer.feed(piece) for piece in (b'data: {"a"', b": 1}\r", b"\n\r\ndata: [DO", b"NE]\n\n")]
+    assert got == [b"", b"", b'data: {"a": 1}\n\n', DONE] and framer.feed(b"data: cut") == b""
+    run = framer.feed(b" off\n\ndata: 2\n\n\n\ndata: 3\n")     # everything up to the last boundary, as one run
+    assert run == b"data: cut off\n\ndata: 2\n\n\n\n" and events(run) == [b"data: cut off\n\n", b"data: 2\n\n"]
+    assert framer.feed(b"\n") == b"data: 3\n\n" and framer.feed(b"\n\n") == b""
 
 
 def test_cli_rejects_bad_settings_with_exit_2(tmp_path, capsys) -> None:

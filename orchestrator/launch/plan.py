@@ -189,7 +189,8 @@ def router_settings(topology: Topology) -> RouterSettings:
         keys["api_keys_env"] = r.api_keys.env
     return RouterSettings(
         host=r.host, port=r.port, model_name=topology.model.name, prefill=prefill, decode=decode,
-        prefill_policy=r.policy.prefill, decode_policy=r.policy.decode, max_body_bytes=r.max_body_bytes,
+        prefill_policy=r.policy.prefill, decode_policy=r.policy.decode, prefix=r.policy.prefix,
+        max_body_bytes=r.max_body_bytes,
         request_timeout_s=r.request_timeout_s, connect_timeout_s=r.connect_timeout_s,
         request_head_timeout_s=r.request_head_timeout_s, request_body_timeout_s=r.request_body_timeout_s, **keys)
 

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from dsv4_cluster.core import WORKER_ROLES, Role
 from dsv4_cluster.orchestrator.launch.sglang_facts import DSV4_PAGE_SIZE
 from dsv4_cluster.router.policies import DecodePolicy, Policy
+from dsv4_cluster.router.prefix_policy import PrefixPolicy
 from dsv4_cluster.router.settings import RouterSettings
 from .errors import UnknownNameError
 
@@ -74,6 +75,9 @@ class RouterPolicyConfig(_Strict):
 
     prefill: Policy = _router_default("prefill_policy")
     decode: DecodePolicy = _router_default("decode_policy")
+    prefix: PrefixPolicy = Field(default_factory=PrefixPolicy, description="the prefill `prefix` policy's knobs: "
+                                 "threshold, balance_abs, shared_balance_abs, block_chars, chars_per_token, "
+                                 "max_names_per_worker")
 
 
 class ApiKeysConfig(_Strict):
