@@ -16,18 +16,21 @@ Lifecycle of one request (a `Flight`):
      the same way, and a failure before the first event gets a plain error response, not a 200.
   4. Not streaming: D's status and body (P's error if P failed first). Streaming: `relay.py`.
   5. The client leaves at any point: both legs are aborted; nothing is sent.
+  6. Anything unexpected (a router bug) is caught here (`Flight.fail`): a 500 in the OpenAI envelope with a request
+     id, or, once a stream started, an error event and `[DONE]`; the exception goes to the log under that id.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any, Awaitable, Callable
 
-from . import logprobs
+from . import logprobs, sse
 from .admission import admit, read_body
 from .attempt import Attempt
-from .errors import RouterError, error_response
+from .errors import RouterError, error_response, unexpected
 from .http_client import Interrupted, UpstreamError
 from .backpressure import check_stages
 from .pairing import pair_request
@@ -36,6 +39,7 @@ from .relay import relay
 from .state import RouterState
 from .worker import Worker
 
+log = logging.getLogger(__name__)
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -144,13 +148,26 @@ class Flight:
         except Interrupted:
             self.status = 499  # the client left: nobody to answer
         except RouterError as exc:
-            self.status = exc.status
-            await send_response(self.send, *error_response(exc))
+            await self.fail(exc)
+        except Exception as exc:   # the catch-all: never uvicorn's plain-text 500, never a stream cut short
+            await self.fail(unexpected(self.path, exc))
         finally:
             if watch is not None:
                 watch.remove_done_callback(self.client_gone)
                 watch.cancel()
             state.metrics.finished(self.path, self.status, time.perf_counter() - self.started)
+
+    async def fail(self, error: RouterError) -> None:
+        """`error` to the client: its status and body while nothing was sent, else an error event and `[DONE]`."""
+        if self.status == 0:
+            self.status = error.status
+            await send_response(self.send, *error_response(error))
+            return
+        try:
+            await self.send({"type": "http.response.body", "body": sse.error_event(error.body()) + sse.DONE,
+                             "more_body": False})
+        except Exception:   # the response was already complete, or the client went away: nothing left to tell
+            log.warning("could not end the stream with %s", error.message)
 
     async def answer(self, attempt: Attempt) -> None:
         """D's whole answer (or its error status and body) to the client."""

@@ -3,7 +3,10 @@
   1. The client gets a 200 and D's complete events, batched per chunk read, from D's first event on. Until
      then nothing was sent: a retryable failure (P's, or D breaking) moves the request to a fresh pair
      (`Flight.may_retry`), any other failure answers with its status and error body.
-  2. D's `[DONE]` (or an error event D streamed, then its end) ends the stream; an error event aborts P.
+  2. D's `[DONE]` ends the stream. An error event D streams before anything reached the client is a failed
+     attempt (`_worker_errors`): retried on a fresh pair when retryable (the worker's 5xx), else answered with its
+     status in the OpenAI envelope (502/503, 4xx as is). An error event after that is rewritten (a 502-class code,
+     the role's public text; the worker's words go to the log), P is aborted and the stream ends with `[DONE]`.
   3. D's stream breaks or ends without `[DONE]` (the decode died): with migrations left
      (`migration_limit`), `migration.py` continues the stream on a fresh pair from the tokens already sent;
      otherwise P is aborted and the stream ends with an error event and `data: [DONE]`.
@@ -13,6 +16,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from . import logprobs, sse
@@ -20,10 +24,13 @@ from .attempt import Attempt
 from .errors import RouterError, UpstreamUnreachable
 from .http_client import Interrupted, UpstreamError
 from .migration import Migration
+from .public import worker_text
+from .upstream import event_status, worker_failed
 
 if TYPE_CHECKING:
     from .generation import Flight
 
+log = logging.getLogger(__name__)
 HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
 
@@ -42,6 +49,23 @@ def _error_of(exc: BaseException) -> RouterError | None:
     if isinstance(exc, Interrupted):
         return exc.reason if isinstance(exc.reason, RouterError) else None
     return exc if isinstance(exc, RouterError) else None
+
+
+def _worker_errors(flight: Flight, attempt: Attempt, events: list[bytes]) -> tuple[list[bytes], bool]:
+    """Step 2 for error events among `events`: raises the worker's error while nothing was sent, else returns the
+    events up to the first error, that error rewritten for the client, and `[DONE]` (True: the stream is over)."""
+    for i, event in enumerate(events):
+        error = sse.error_in(event) if b'"error"' in event else None
+        if error is None:
+            continue
+        failure = worker_failed(attempt.req.pair.decode, event_status(error), str(error.get("message", error)),
+                                flight.state.upstream.redact)
+        if flight.status == 0:
+            raise failure
+        log.warning("rid %s: %s (mid-stream; the stream ends)", attempt.req.rid, failure.message)
+        attempt.abort_prefill()
+        return events[:i] + [sse.error_event(failure.body()), sse.DONE], True
+    return events, sse.is_done(events[-1])
 
 
 async def pump(flight: Flight, attempt: Attempt, migration: Migration) -> None:
@@ -67,18 +91,15 @@ async def pump(flight: Flight, attempt: Attempt, migration: Migration) -> None:
                 raise StreamBroke(error) from None
             raise error from None
         if chunk is None:
-            raise StreamBroke(UpstreamUnreachable(f"{worker.describe()} ended its stream without 'data: [DONE]'"))
+            raise StreamBroke(UpstreamUnreachable(f"{worker.describe()} ended its stream without 'data: [DONE]'",
+                                                  public=worker_text(worker.role, "ended its stream early")))
         events = framer.feed(chunk)
         if not events:
             continue
         if merge is not None:
             events = [logprobs.merge_event(merge, e) for e in events]
+        events, done = _worker_errors(flight, attempt, events)
         out = migration.outgoing(events)
-        if b"[DONE]" in out or b'"error"' in out:
-            for event in events:
-                if sse.error_in(event) is not None:
-                    attempt.abort_prefill()
-                done = done or sse.is_done(event)
         if out or done:
             if flight.status == 0:
                 flight.status = 200

@@ -85,17 +85,22 @@ class Worker:
                             self.describe(), self.failures, self.breaker_cooldown_s)
             self.open_until = time.monotonic() + self.breaker_cooldown_s
 
-    def why_not(self) -> str:
-        """Why an ineligible worker is skipped, for the 503 a client sees when nothing is eligible."""
-        why = []
-        if self.state is not WorkerState.READY:
-            why.append(self.state.value + (f" ({self.reason})" if self.reason else ""))
+    def why_not_reasons(self) -> list[str]:
+        """Why an ineligible worker is skipped, in fixed words (the client's 503 counts them, `pool.why_none`)."""
+        why = [self.state.value] if self.state is not WorkerState.READY else []
         if self.drained:
             why.append("drained")
         if not self.healthy:
             why.append("failing health checks")
         if self.breaker_open:
             why.append("circuit breaker open")
+        return why
+
+    def why_not(self) -> str:
+        """Why an ineligible worker is skipped, with its name and the orchestrator's reason: for the log."""
+        why = self.why_not_reasons()
+        if self.reason and self.state is not WorkerState.READY:
+            why[0] += f" ({self.reason})"
         return f"{self.name}: {', '.join(why)}"
 
     def entry(self) -> dict[str, Any]:

@@ -99,7 +99,7 @@ def test_the_circuit_breaker_takes_a_refusing_worker_out() -> None:
             assert metric(router.url, "dsv4_router_upstream_connection_errors_total") == 2, \
                 "after two refusals the breaker keeps requests away from it"
             assert good.stats.generations == 6
-            assert httpx.get(router.url + "/health").json()["decode"] == ["decode-1"]
+            assert httpx.get(router.url + "/health").json()["decode"] == {"eligible": 1, "configured": 2}
 
 
 def test_least_load_avoids_the_worker_whose_kv_is_full() -> None:
