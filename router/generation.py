@@ -30,7 +30,7 @@ from typing import Any, Awaitable, Callable
 from . import logprobs, sse
 from .admission import admit, read_body
 from .attempt import Attempt
-from .errors import RouterError, error_response, unexpected
+from .errors import NoWorkers, RouterError, error_response, unexpected
 from .http_client import Interrupted, UpstreamError
 from .backpressure import check_stages
 from .pairing import pair_request
@@ -44,6 +44,8 @@ Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 PATHS = ("/v1/chat/completions", "/v1/completions", "/generate")
+HOLD_POLL_S = 0.1  # while a request is held for a worker's restart, how often the pool is looked at (no legs sent)
+HOLD_TRY_S = 1.0  # and at most one try (one prefill leg) per held request per this long
 
 
 class ClientGone:
@@ -104,13 +106,32 @@ class Flight:
         self.state.metrics.retries.inc()
         return True
 
-    async def start(self, body: dict[str, Any], avoid: set[Worker] | None = None) -> Attempt:
-        """An attempt whose D answered with a status line; retries connection failures on fresh pairs.
-        Workers in `avoid` are taken only when no other is eligible."""
+    async def start(self, body: dict[str, Any], avoid: set[Worker] | None = None, failed: RouterError | None = None,
+                    counted: bool = True) -> Attempt:
+        """An attempt whose D answered with a status line. Workers in `avoid` are taken only when no other is
+        eligible. A failure another pair may take (retryable; `failed`: one the caller saw) is tried again at once
+        while an eligible pair answers (`max_retries`, counted unless `counted` is False: a migration), else the
+        request is held for the worker's restart (`hold`); once a request failed in flight, no eligible worker
+        holds it too, while a new request gets its 503 at once."""
         avoid = set(avoid or ())
         prompt = prompt_text(self.path, body) if self.state.settings.prefill_policy == "prefix" else None
+        deadline: float | None = None
         while True:
-            pair = self.state.pool.pick(frozenset(avoid), prompt)
+            if failed is not None:
+                if not (failed.retryable or isinstance(failed, NoWorkers)):
+                    raise failed
+                if not self.state.pool.answering_pair():
+                    deadline = await self.hold(failed, deadline)
+                elif counted and not self.may_retry(failed):
+                    raise failed
+            counted = True
+            try:
+                pair = self.state.pool.pick(frozenset(avoid), prompt)
+            except NoWorkers as exc:
+                if failed is None:
+                    raise
+                failed = exc
+                continue
             self.attempt = attempt = Attempt(self.state, pair_request(self.path, body, pair))
             if self.gone:
                 attempt.interrupt(CLIENT_GONE)
@@ -120,12 +141,27 @@ class Flight:
             except RouterError as exc:
                 pair.release()
                 self.state.metrics.pair_failures.inc()
-                if not self.may_retry(exc):
-                    raise
                 avoid |= {pair.prefill, pair.decode}
+                failed = exc
             except BaseException:
                 pair.release()
                 raise
+
+    async def hold(self, error: RouterError, deadline: float | None) -> float:
+        """Wait for an eligible pair that answers (the restarted worker: its supervisor's READY report or a passed
+        health check), looking every HOLD_POLL_S without sending anything, and at most one try (one prefill leg)
+        per HOLD_TRY_S; raises `error` at the deadline (`stream_hold_s` after the hold began) or when the client
+        left. Returns the deadline."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        deadline = now + self.state.settings.stream_hold_s if deadline is None else deadline
+        next_try = now + HOLD_TRY_S
+        while loop.time() < next_try or not self.state.pool.answering_pair():
+            if self.gone or loop.time() + HOLD_POLL_S > deadline:
+                raise error
+            await asyncio.sleep(HOLD_POLL_S)
+        self.state.metrics.stream_holds.inc()
+        return deadline
 
     async def run(self, scope: Scope) -> None:
         state = self.state

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 
 from dsv4_cluster.core import Role
 
@@ -60,6 +61,7 @@ class HealthChecker:
                 log.warning("%s at %s passes its health check again; back in the pool", worker.describe(), worker.url)
             worker.health_failures = 0
             worker.healthy = True
+            worker.last_ok = time.monotonic()
             return
         worker.health_failures += 1
         if worker.healthy and worker.health_failures >= self._threshold:

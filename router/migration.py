@@ -21,14 +21,13 @@ interrupted by a decode's death equals the uninterrupted one (NVIDIA Dynamo's `-
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import json
 from typing import TYPE_CHECKING, Any, Callable
 
 from . import sse
 from .attempt import Attempt
-from .errors import NoWorkers, RouterError
+from .errors import RouterError
 
 if TYPE_CHECKING:
     from .generation import Flight
@@ -64,7 +63,6 @@ def _data(event: bytes) -> Any:
 
 Progress = tuple[str, list[int], int, dict[str, list]]   # text, output ids, tokens, /generate's logprob lists
 LOGPROB_LISTS = ("output_token_logprobs", "output_top_logprobs")   # cumulative in /generate's meta_info
-HOLD_POLL_S = 0.25  # while a stream is held for a decode, how often a fresh pair is tried
 FOLD_AT = 256  # events kept raw before they are folded into the progress so far (bounds memory per stream)
 
 
@@ -181,23 +179,7 @@ class Migration:
                 self._folded, self.sent = progress(self.flight.path, self.sent, self._folded), []
         return b"".join(events)
 
-    async def _fresh_attempt(self, body: dict[str, Any], old: Attempt) -> Attempt:
-        """An attempt on a fresh pair. With no decode to take it (the only one died), wait up to `stream_hold_s`
-        for one to come back (the supervisor restarts it; the router hears of it through its admin API and
-        health checks), trying again every HOLD_POLL_S; the client's stream stays open meanwhile."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.flight.state.settings.stream_hold_s
-        while True:
-            try:
-                return await self.flight.start(body, avoid={old.req.pair.decode})
-            except RouterError as exc:
-                if not (exc.retryable or isinstance(exc, NoWorkers)) or self.flight.gone \
-                        or loop.time() + HOLD_POLL_S > deadline:
-                    raise
-                self.flight.state.metrics.stream_holds.inc()
-            await asyncio.sleep(HOLD_POLL_S)
-
-    async def next_attempt(self) -> bool:
+    async def next_attempt(self, broke: RouterError) -> bool:
         """Continue on a fresh pair; False when this stream cannot (then it ends with the break's error)."""
         if not self.keep or self.left <= 0 or self.flight.gone:
             return False
@@ -209,7 +191,8 @@ class Migration:
         self.left -= 1
         old = self.attempt
         try:
-            attempt = await self._fresh_attempt(body, old)
+            # with no decode that answers (the only one died), held up to `stream_hold_s` for its restart
+            attempt = await self.flight.start(body, avoid={old.req.pair.decode}, failed=broke, counted=False)
         except RouterError:
             return False
         finally:

@@ -45,6 +45,11 @@ class WorkerPool:
         """At least one eligible prefill and one eligible decode: the router can serve."""
         return any(w.eligible for w in self.prefill) and any(w.eligible for w in self.decode)
 
+    def answering_pair(self) -> bool:
+        """An eligible prefill and decode that both answer (no connection failure since they last did)."""
+        return any(w.eligible and w.answering for w in self.prefill) and \
+            any(w.eligible and w.answering for w in self.decode)
+
     def _choose(self, role: Role, workers: tuple[Worker, ...], avoid: frozenset[Worker],
                 prompt: str | None = None) -> Worker:
         if not workers:

@@ -88,9 +88,11 @@ async def pump(flight: Flight, attempt: Attempt, migration: Migration) -> None:
         except UpstreamError as exc:
             error = state.upstream.transport_error(worker, exc)
             if isinstance(error, UpstreamUnreachable):
+                worker.record(ok=False)   # a held stream waits for its restart (Worker.answering)
                 raise StreamBroke(error) from None
             raise error from None
         if chunk is None:
+            worker.record(ok=False)
             raise StreamBroke(UpstreamUnreachable(f"{worker.describe()} ended its stream without 'data: [DONE]'",
                                                   public=worker_text(worker.role, "ended its stream early")))
         events = framer.feed(chunk)
@@ -121,20 +123,20 @@ async def relay(flight: Flight, attempt: Attempt) -> None:
             error = _error_of(exc)
             if error is None:
                 raise  # the client left
+            if isinstance(exc, StreamBroke):
+                error.retryable = True   # a broken stream can go on elsewhere: tried again, or continued
             if flight.status == 0:  # nothing sent yet
                 flight.state.metrics.pair_failures.inc()
-                if error.retryable or isinstance(exc, StreamBroke):
-                    error.retryable = True
-                    if flight.may_retry(error):
-                        migration.attempt.req.pair.release()
-                        attempt = await flight.start(flight.body, avoid={migration.attempt.req.pair.decode})
-                        migration.attempt = attempt
-                        if not attempt.decode.ok or not attempt.decode.content_type.startswith("text/event-stream"):
-                            await flight.answer(attempt)  # D's answer or error, as for any first attempt
-                            return
-                        continue
-                raise error from None
-            if isinstance(exc, StreamBroke) and await migration.next_attempt():
+                if not error.retryable or flight.gone:
+                    raise error from None
+                migration.attempt.req.pair.release()
+                attempt = await flight.start(flight.body, avoid={migration.attempt.req.pair.decode}, failed=error)
+                migration.attempt = attempt
+                if not attempt.decode.ok or not attempt.decode.content_type.startswith("text/event-stream"):
+                    await flight.answer(attempt)  # D's answer or error, as for any first attempt
+                    return
+                continue
+            if isinstance(exc, StreamBroke) and await migration.next_attempt(error):
                 continue
             await flight.send({"type": "http.response.body", "body": sse.error_event(error.body()) + sse.DONE,
                                "more_body": False})

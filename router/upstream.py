@@ -115,7 +115,7 @@ class Upstream:
     def _record(self, worker: Worker, exc: UpstreamError) -> None:
         """A connection-level failure counts for the worker's breaker and the metrics; a timeout does not."""
         if isinstance(exc, (ConnectFailed, ConnectionLost)):
-            worker.record(ok=False)
+            worker.record(ok=False, gone=not (isinstance(exc, ConnectionLost) and exc.reused))
             self._metrics.connect_errors.labels(worker.name).inc()
 
     def transport_error(self, worker: Worker, exc: UpstreamError) -> RouterError:

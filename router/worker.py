@@ -37,6 +37,8 @@ class Worker:
     token_usage: float = 0.0
     queued: int = 0  # requests waiting for KV pages on the worker (`sglang:num_queue_reqs`, read by health checks)
     failures: int = 0  # consecutive connection-level failures (the breaker's count)
+    last_failure: float = 0.0  # monotonic time of its last connection-level failure (a held request waits past it)
+    last_ok: float = 0.0  # ... of its last sign of life: an answer, a passed health check, a READY report
     open_until: float = 0.0  # monotonic time the breaker stays open until; 0: closed
     pairs: set[Pair] = field(default_factory=set, repr=False)  # the pairs it is part of, pick to release
 
@@ -53,6 +55,7 @@ class Worker:
         (or a breaker cooldown) before it is paired; the next failed checks take it out again as usual."""
         self.healthy, self.health_failures = True, 0
         self.failures, self.open_until = 0, 0.0
+        self.last_ok = time.monotonic()
 
     def describe(self) -> str:
         """How client-facing messages name the worker: role and name, never its internal URL."""
@@ -67,18 +70,27 @@ class Worker:
         return self.state is WorkerState.READY and not self.drained and self.healthy and not self.breaker_open
 
     @property
+    def answering(self) -> bool:
+        """No connection-level failure since its last sign of life: a held request tries it (`Flight.hold`)."""
+        return self.last_failure <= self.last_ok
+
+    @property
     def load(self) -> float:
         return self.in_flight + self.token_usage
 
-    def record(self, ok: bool) -> None:
+    def record(self, ok: bool, gone: bool = True) -> None:
         """The breaker hears how a connection to this worker went: `breaker_failures` failures in a row open it
-        for `breaker_cooldown_s`; after that one request may try again (one more failure opens it again)."""
+        for `breaker_cooldown_s`; after that one request may try again (one more failure opens it again).
+        `gone`: the failure says the process may be gone (not the keep-alive race on a reused connection)."""
         if ok:
+            self.last_ok = time.monotonic()
             if self.open_until:
                 log.warning("%s answers again; circuit breaker closed", self.describe())
             self.failures, self.open_until = 0, 0.0
             return
         self.failures += 1
+        if gone:
+            self.last_failure = time.monotonic()
         if self.failures >= self.breaker_failures:
             if not self.breaker_open:
                 log.warning("%s: %d connection failures in a row; circuit breaker open for %g s",

@@ -200,8 +200,8 @@ def test_bad_requests_get_400(cluster: Cluster, content: bytes, needle: str) -> 
 ])
 def test_dead_or_slow_worker_gives_502_or_504_and_aborts_the_legs(cluster: Cluster, dead, status, needle) -> None:
     decode = f"http://127.0.0.1:{free_port()}" if dead else cluster.settings.decode[0].url
-    settings = router_settings(cluster.settings.prefill[0].url, decode, request_timeout_s=0.5,
-                               breaker_failures=100)  # the breaker has its own test
+    settings = router_settings(cluster.settings.prefill[0].url, decode, request_timeout_s=0.5, stream_hold_s=1,
+                               breaker_failures=100)  # the breaker has its own test; held 1 s for a restart
     with UvicornThread(build_app(settings)) as router:
         for stream in (False, True):
             cluster.reset(prefill="hold")

@@ -133,7 +133,8 @@ def test_a_prefill_failing_after_the_decodes_headers_is_retried_before_the_first
             assert status == 200 and content(data) == TOKENS and data[-1] == "[DONE]"
             assert (dying.stats.generations, good.stats.generations, d.stats.generations) == (1, 1, 2)
             assert metric(router.url, "dsv4_router_retries_total") == 1
-        settings = settings.model_copy(update={"prefill": settings.prefill[:1], "max_retries": 1})
+        # stream_hold_s 0: no hold for the prefill's restart (it never comes: the stub passes its health checks)
+        settings = settings.model_copy(update={"prefill": settings.prefill[:1], "max_retries": 1, "stream_hold_s": 0})
         with UvicornThread(build_app(settings)) as router:
             status, data = post(router.url, stream=True)
             assert status == 502, "nothing was streamed yet: a plain error response, not a 200 with an error event"

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -78,6 +79,11 @@ def stream(url: str, kill_after: int | None = None, victim: subprocess.Popen | N
 LOGPROBS: dict[str, list] = {}
 
 
+def prefill_requests(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=5).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("sglang:num_requests_total"))
+
+
 def assert_same_logprobs(got: list, want: list) -> None:
     """Token for token the same tokens and alternatives, logprobs equal within the float32 rounding a prefix
     cache hit may change (tests/test_logprobs.py)."""
@@ -136,6 +142,8 @@ def test_with_the_only_decode_killed_the_stream_is_held_and_resumed_on_its_resta
         want = LOGPROBS[router.url]
         victim = single.procs[1]
         restarter = threading.Thread(target=restart, args=(single, 1))   # waits for the death, starts it again
+        legs = prefill_requests(single.prefill_url)
+        began = time.monotonic()
         try:
             held, held_usage, _ = stream(router.url, kill_after=12, victim=victim, after_kill=restarter.start)
         finally:
@@ -152,5 +160,7 @@ def test_with_the_only_decode_killed_the_stream_is_held_and_resumed_on_its_resta
         holds = float(next(line.split()[-1] for line in metrics.splitlines()
                            if line.startswith("dsv4_router_stream_hold_tries_total")))
         assert holds >= 1, "the stream waited for the restart: no decode was there at first"
+        legs = prefill_requests(single.prefill_url) - legs - 1   # the prefill legs the held stream's tries sent
+        assert legs == holds <= time.monotonic() - began, "at most one try (one prefill leg) a second while held"
         again, _, _ = stream(router.url)                      # and the restarted decode serves on
         assert again == baseline
