@@ -35,7 +35,7 @@ class Worker:
     health_failures: int = 0  # consecutive failed health checks (health.py)
     in_flight: int = 0
     token_usage: float = 0.0
-    queued: int = 0  # requests waiting for KV pages on the worker (`sglang:num_queue_reqs`, read by health checks)
+    queued: int = 0  # its backlog: SGLang's queue gauges for its role (`health.QUEUE_GAUGES`, read by health checks)
     failures: int = 0  # consecutive connection-level failures (the breaker's count)
     last_failure: float = 0.0  # monotonic time of its last connection-level failure (a held request waits past it)
     last_ok: float = 0.0  # ... of its last sign of life: an answer, a passed health check, a READY report
