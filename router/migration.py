@@ -11,7 +11,10 @@ interrupted by a decode's death equals the uninterrupted one (NVIDIA Dynamo's `-
   are shifted by the text sent (chat logprobs are per chunk: nothing to splice).
 - `max_tokens` / `max_completion_tokens` / `max_new_tokens` shrink by the tokens already sent (counted
   as content-bearing events, one token each as SGLang and the embedded engine stream them); the final
-  usage counts move those tokens from prompt back to completion, so usage stays right.
+  usage counts move those tokens from prompt back to completion, so usage stays right, and `cached_tokens` is the
+  first attempt's (its prefill's report), not the continuation's (whose prompt the first attempt just cached).
+- The seam does not show: the continuation's events carry the first stream's `id` and `created` (`/generate`:
+  `meta_info.id`), and no second `delta.role` (`Seam`).
 - With no other decode eligible (the production topology has one), the stream is held up to `stream_hold_s` for
   the restarted one, then continued there the same way.
 - At most `migration_limit` times per request; requests with several choices or prompts (n > 1, batches)
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from . import sse
@@ -121,14 +125,66 @@ def continuation(path: str, body: dict[str, Any], text: str, ids: list[int], tok
     return new
 
 
-def splice(path: str, text: str, ids: list[int], tokens: int, logprobs: dict[str, list]) -> Callable[[bytes], bytes]:
+@dataclass(frozen=True)
+class Seam:
+    """What the client's stream already said about itself, which a continuation's events take over: its id and
+    created time, and the first attempt's cached prompt tokens (None: not known)."""
+
+    id: str | None = None
+    created: int | None = None
+    cached_tokens: int | None = None
+
+
+def identity(path: str, event: bytes) -> tuple[str | None, int | None]:
+    """The stream's id and created time, as its first event states them."""
+    data = _data(event)
+    if not isinstance(data, dict):
+        return None, None
+    if path == "/generate":
+        meta = data.get("meta_info")
+        return (meta.get("id") if isinstance(meta, dict) else None), None
+    return data.get("id"), data.get("created")
+
+
+def first_cached(path: str, content: bytes) -> int | None:
+    """The cached prompt tokens the first attempt's prefill reported (its usage, or /generate's meta_info), from
+    its whole answer (JSON, or SSE events); None when it did not say."""
+    docs = [_data(e) for e in content.split(b"\n\n")] if b"data:" in content else [_data(b"data: " + content)]
+    for data in docs:
+        if not isinstance(data, dict):
+            continue
+        if path == "/generate":
+            cached = (data.get("meta_info") or {}).get("cached_tokens")
+        else:
+            cached = ((data.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+        if isinstance(cached, int):
+            return cached
+    return None
+
+
+def _take_over(path: str, data: dict[str, Any], seam: Seam) -> None:
+    """The continuation's event `data` speaks as the first stream: its id, created, and one role chunk."""
+    if path == "/generate":
+        if seam.id is not None and isinstance(data.get("meta_info"), dict):
+            data["meta_info"]["id"] = seam.id
+        return
+    if seam.id is not None and "id" in data:
+        data["id"] = seam.id
+    if seam.created is not None and "created" in data:
+        data["created"] = seam.created
+    for choice in data.get("choices") or ():
+        if isinstance(choice.get("delta"), dict):
+            choice["delta"].pop("role", None)
+
+
+def splice(path: str, text: str, ids: list[int], tokens: int, logprobs: dict[str, list],
+           seam: Seam = Seam()) -> Callable[[bytes], bytes]:
     """Rewrites a continuation's events so that they read as the rest of the first stream."""
     def rewrite(event: bytes) -> bytes:
-        if path != "/generate" and b'"usage"' not in event and b'"text_offset"' not in event:
-            return event
         data = _data(event)
         if not isinstance(data, dict):
             return event
+        _take_over(path, data, seam)
         for choice in data.get("choices") or ():   # legacy completions: offsets in the whole output text
             offsets = (choice.get("logprobs") or {}).get("text_offset")
             if isinstance(offsets, list):
@@ -141,6 +197,8 @@ def splice(path: str, text: str, ids: list[int], tokens: int, logprobs: dict[str
             if isinstance(meta, dict):
                 meta["completion_tokens"] = meta.get("completion_tokens", 0) + tokens
                 meta["prompt_tokens"] = meta.get("prompt_tokens", tokens) - tokens
+                if seam.cached_tokens is not None and "cached_tokens" in meta:
+                    meta["cached_tokens"] = seam.cached_tokens
                 for key, before in logprobs.items():
                     if isinstance(meta.get(key), list):
                         meta[key] = before + meta[key]
@@ -152,9 +210,10 @@ def splice(path: str, text: str, ids: list[int], tokens: int, logprobs: dict[str
             usage["completion_tokens"] = usage.get("completion_tokens", 0) + tokens
             details = usage.get("prompt_tokens_details")
             if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
-                # the continuation's prompt is the client's prompt + the tokens sent: of the client's, at most all
-                details["cached_tokens"] = min(details["cached_tokens"], usage["prompt_tokens"])
-        return b"data: " + json.dumps(data).encode() + b"\n\n"
+                # the first attempt's count; else, of the client's prompt, at most all
+                details["cached_tokens"] = seam.cached_tokens if seam.cached_tokens is not None else \
+                    min(details["cached_tokens"], usage["prompt_tokens"])
+        return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
     return rewrite
 
 
@@ -168,11 +227,14 @@ class Migration:
         self.sent: list[bytes] = []
         self._folded: Progress = ("", [], 0, {})
         self._rewrite: Callable[[bytes], bytes] | None = None
+        self._identity: tuple[str | None, int | None] | None = None   # the stream's id and created, from its start
 
     def outgoing(self, events: list[bytes]) -> bytes:
         """The bytes to send for `events` (spliced after a migration), remembered while migration is possible."""
         if self._rewrite is not None:
             events = [self._rewrite(e) for e in events]
+        elif self.keep and self._identity is None and events:
+            self._identity = identity(self.flight.path, events[0])
         if self.keep:
             self.sent.extend(events)
             if len(self.sent) >= FOLD_AT:
@@ -203,5 +265,9 @@ class Migration:
             return False
         self.flight.state.metrics.migrations.inc()
         self.attempt = attempt
-        self._rewrite = splice(path, text, ids, tokens, logprobs)
+        first = old.prefill.result() if old.prefill.done() and not old.prefill.cancelled() \
+            and old.prefill.exception() is None else None
+        seam = Seam(*(self._identity or (None, None)),
+                    cached_tokens=first_cached(path, first.content) if first is not None and first.ok else None)
+        self._rewrite = splice(path, text, ids, tokens, logprobs, seam)
         return True
