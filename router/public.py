@@ -20,15 +20,15 @@ from urllib.parse import urlsplit
 
 INTERNAL = "(internal)"
 ROLE_WORDS = frozenset({"prefill", "decode", "router", "worker", "the"})
-_TOKEN = r"[\w.:/@\[\]%~+-]*"   # the characters of a URL, an address or an agent name around a known identifier
+_TOKEN = re.compile(r"[\w.:/@\[\]%~+-]+")   # a URL, an address or an agent name: what a known identifier taints
 _WORKER = re.compile(r"\b(prefill|decode) worker '[^']*'")
 _GENERIC = re.compile("|".join((
-    r"\b[a-zA-Z][a-zA-Z0-9+.-]*://\S+",                                  # any URL
+    r"(?<![a-zA-Z0-9+.-])[a-zA-Z][a-zA-Z0-9+.-]*://\S+",                 # any URL
     r"\[[0-9a-fA-F:.]+\](?::\d+)?",                                       # bracketed IPv6 (+ port)
     r"(?<![\w:])(?:[0-9a-fA-F]{0,4}:){2,7}[0-9a-fA-F]{0,4}(?![\w:])",      # bare IPv6
     r"\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b",                              # IPv4 (+ port)
     r"\blocalhost(?::\d+)?\b",
-    r"\b[\w.-]+:\d{2,5}\b",                                               # host:port
+    r"(?<![\w.-])[\w.-]+:\d{2,5}\b",                                        # host:port
     r"\bport\s+\d{2,5}\b",
 )))
 
@@ -51,10 +51,14 @@ class Redactor:
     def __init__(self, names: Iterable[str], urls: Iterable[str], hosts: Iterable[str | None]) -> None:
         found = {n for n in names} | {urlsplit(u).hostname or "" for u in urls} | {h or "" for h in hosts}
         found = sorted((f for f in found if len(f) >= 2 and f.lower() not in ROLE_WORDS), key=len, reverse=True)
-        self._known = (re.compile(_TOKEN + r"(?<![A-Za-z0-9])(?:" + "|".join(map(re.escape, found)) +
-                                  r")(?![A-Za-z0-9])" + _TOKEN, re.IGNORECASE) if found else None)
+        self._known = (re.compile(r"(?<![A-Za-z0-9])(?:" + "|".join(map(re.escape, found)) + r")(?![A-Za-z0-9])",
+                                  re.IGNORECASE) if found else None)
+
+    def _taint(self, token: re.Match[str]) -> str:
+        return INTERNAL if self._known.search(token.group()) else token.group()
 
     def scrub(self, text: str) -> str:
+        """Linear in the text (it may echo a client's input): tokens first, then a search within each."""
         if self._known is not None:
-            text = self._known.sub(INTERNAL, text)
+            text = _TOKEN.sub(self._taint, text)
         return scrub(text)
