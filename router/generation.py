@@ -30,7 +30,7 @@ from typing import Any, Awaitable, Callable
 from . import logprobs, sse
 from .admission import admit, read_body
 from .attempt import Attempt
-from .errors import NoWorkers, RouterError, error_response, unexpected
+from .errors import NoWorkers, RouterError, UpstreamFailed, error_response, unexpected
 from .http_client import Interrupted, UpstreamError
 from .backpressure import check_stages
 from .pairing import pair_request
@@ -206,6 +206,18 @@ class Flight:
             log.warning("could not end the stream with %s", error.message)
 
     async def answer(self, attempt: Attempt) -> None:
+        """D's whole answer to the client. A plain request whose D failed (a retryable 5xx: nothing was sent) is a
+        failed attempt, tried again like one (`start`); anything else raises its error."""
+        while True:
+            try:
+                return await self._answer(attempt)
+            except UpstreamFailed as exc:
+                if not exc.retryable or self.status or self.body.get("stream"):
+                    raise
+                attempt.req.pair.release()
+                attempt = await self.start(self.body, avoid={attempt.req.pair.decode}, failed=exc)
+
+    async def _answer(self, attempt: Attempt) -> None:
         """D's whole answer (or its error status and body) to the client."""
         decode, worker = attempt.decode, attempt.req.pair.decode
         try:

@@ -75,12 +75,13 @@ def transport_error(worker: Worker, exc: UpstreamError, timeout_s: float) -> Rou
 def worker_failed(worker: Worker, status: int, message: str, redact: Redactor) -> UpstreamFailed:
     """A worker's error answer or error event: a 4xx is the request's fault, in the worker's own words (scrubbed);
     anything else is the worker's, said by role and status (the client sees 502/503; the log has its words).
-    Retryable when the worker failed (5xx): it answered nothing else, so another pair may take the request."""
+    Retryable when the worker failed (5xx other than 503, which says "no room": the client gets it with
+    Retry-After): nothing reached the client, so another pair may take the request."""
     if 400 <= status < 500:
         return UpstreamFailed(message, status, public=redact.scrub(message))
     what = "cannot take this request now; retry later" if status == 503 else f"failed this request ({status})"
     return UpstreamFailed(f"{worker.describe()} answered {status}: {message}", status,
-                          public=worker_text(worker.role, what), retryable=status >= 500)
+                          public=worker_text(worker.role, what), retryable=status >= 500 and status != 503)
 
 
 def event_status(error: dict) -> int:

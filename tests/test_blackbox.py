@@ -152,16 +152,29 @@ def _back(c: LocalCluster, name: str, restarts: int) -> None:
              f"{name} READY again")
 
 
+def _prefill_legs(c: LocalCluster) -> float:
+    text = httpx.get(f"http://127.0.0.1:{c.ports['prefill']}/metrics", timeout=5).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("sglang:num_requests_total"))
+
+
 def test_decode_killed_under_8_streams(cluster: LocalCluster) -> None:
+    """The streams are held across the decode's restart and continued there; while held, each starts at most one
+    prefill leg a second (none while the decode does not answer)."""
     before = status_rows(cluster)["decode-0"]["restarts"]
+    killed: list[tuple[float, float]] = []
 
     async def kill(started: list[int]) -> None:
         await asyncio.to_thread(wait_for, lambda: len(started) >= 8, 60, "8 streams under way")
+        legs = _prefill_legs(cluster)
         os.kill(_pid(cluster, "decode-0"), signal.SIGKILL)
+        killed.append((time.monotonic(), legs))
 
     seen = asyncio.run(_load(cluster, 8, 0, 160, kill))
+    held_s, legs = time.monotonic() - killed[0][0], _prefill_legs(cluster) - killed[0][1]
     scan(cluster, seen)
-    assert [s.status for s in seen] == [200] * 8
+    assert [s.status for s in seen] == [200] * 8, [s.raw[-400:] for s in seen if s.status != 200]
+    print(f"decode kill: {legs:.0f} prefill legs for 8 streams in the {held_s:.1f} s after it")
+    assert 8 <= legs <= 8 * max(1.0, held_s), "at most one prefill leg per held stream per second"
     _back(cluster, "decode-0", before + 1)
 
 
@@ -176,7 +189,7 @@ def test_prefill_killed_under_8_plain_requests(cluster: LocalCluster) -> None:
 
     seen = asyncio.run(_load(cluster, 0, 8, 8, kill))
     scan(cluster, seen)
-    assert [s.status for s in seen] == [200] * 8, "held across the prefill's restart"
+    assert [s.status for s in seen] == [200] * 8, ("held across the prefill's restart", [s.raw[-400:] for s in seen if s.status != 200])
     _back(cluster, "prefill-0", before + 1)
 
 
@@ -217,4 +230,4 @@ def test_poison_requests(cluster: LocalCluster) -> None:
     good = httpx.post(cluster.router_url + "/v1/chat/completions", json=chat(0, False, 4), timeout=60)
     assert good.status_code == 200, good.text
     assert all(r["state"] == "READY" for r in status_rows(cluster).values())
-    print("poison statuses:", [s.status for s in seen], f"({time.monotonic():.0f})")
+    print("poison statuses:", [s.status for s in seen])

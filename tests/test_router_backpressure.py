@@ -99,9 +99,17 @@ def test_a_decode_whose_metrics_report_a_full_queue_gets_503_with_retry_after_un
         def chat_now() -> httpx.Response:
             return httpx.post(router.url + "/v1/chat/completions", json=body, timeout=120)
 
+        def refused_now() -> httpx.Response | None:
+            """A 503 at once, or None (admitted: it would queue, so the probe leaves after a moment)."""
+            try:
+                r = httpx.post(router.url + "/v1/chat/completions", json=body, timeout=0.5)
+            except httpx.TimeoutException:
+                return None
+            return r if r.status_code == 503 else None
+
         with ThreadPoolExecutor(6) as pool:
             load = [pool.submit(chat_now) for _ in range(6)]      # 2 run, 4 wait for pages
-            refused = wait_for(lambda: (r := chat_now()).status_code == 503 and r, 30, "a 503 while queued")
+            refused = wait_for(refused_now, 30, "a 503 while queued")
             assert int(refused.headers["retry-after"]) >= 1
             assert "every decode worker has" in refused.json()["error"]["message"]
             assert [f.result().status_code for f in load] == [200] * 6
