@@ -4,8 +4,8 @@
      then nothing was sent: a retryable failure (P's, or D breaking) moves the request to a fresh pair
      (`Flight.may_retry`), any other failure answers with its status and error body.
   2. D's `[DONE]` ends the stream. An error event D streams before anything reached the client is a failed
-     attempt (`_worker_errors`): retried on a fresh pair when retryable (the worker's 5xx), else answered with its
-     status in the OpenAI envelope (502/503, 4xx as is). An error event after that is rewritten (a 502-class code,
+     attempt (`_worker_errors`): retried on a fresh pair when retryable (a 5xx other than 503), else answered with
+     its status in the OpenAI envelope (502/503, 4xx as is). An error event after that is rewritten (a 502-class code,
      the role's public text; the worker's words go to the log), P is aborted and the stream ends with `[DONE]`.
   3. D's stream breaks or ends without `[DONE]` (the decode died): with migrations left
      (`migration_limit`), `migration.py` continues the stream on a fresh pair from the tokens already sent;

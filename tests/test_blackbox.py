@@ -152,14 +152,20 @@ def _back(c: LocalCluster, name: str, restarts: int) -> None:
              f"{name} READY again")
 
 
-def _prefill_legs(c: LocalCluster) -> float:
+def _prefill_metric(c: LocalCluster, name: str) -> float:
     text = httpx.get(f"http://127.0.0.1:{c.ports['prefill']}/metrics", timeout=5).text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("sglang:num_requests_total"))
+    assert f"\n{name}" in text, f"the prefill exports no {name}"
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+def _prefill_legs(c: LocalCluster) -> float:
+    return _prefill_metric(c, "sglang:num_requests_total")
 
 
 def test_decode_killed_under_8_streams(cluster: LocalCluster) -> None:
     """The streams are held across the decode's restart and continued there; while held, each starts at most one
-    prefill leg a second (none while the decode does not answer)."""
+    prefill leg a second (none while the decode does not answer), and no attempt leaves KV stranded on the prefill
+    (a room no decode came for is counted 5 s after its KV was ready)."""
     before = status_rows(cluster)["decode-0"]["restarts"]
     killed: list[tuple[float, float]] = []
 
@@ -175,6 +181,8 @@ def test_decode_killed_under_8_streams(cluster: LocalCluster) -> None:
     assert [s.status for s in seen] == [200] * 8, [s.raw[-400:] for s in seen if s.status != 200]
     print(f"decode kill: {legs:.0f} prefill legs for 8 streams in the {held_s:.1f} s after it")
     assert 8 <= legs <= 8 * max(1.0, held_s), "at most one prefill leg per held stream per second"
+    time.sleep(max(0.0, killed[0][0] + 6.0 - time.monotonic()))
+    assert _prefill_metric(cluster, "dsv4_stranded_kv_rooms") == 0, "an attempt's KV stranded on the prefill"
     _back(cluster, "decode-0", before + 1)
 
 
