@@ -65,7 +65,7 @@ def _worker_errors(flight: Flight, attempt: Attempt, events: list[bytes]) -> tup
         log.warning("rid %s: %s (mid-stream; the stream ends)", attempt.req.rid, failure.message)
         attempt.abort_prefill()
         return events[:i] + [sse.error_event(failure.body()), sse.DONE], True
-    return events, sse.is_done(events[-1])
+    return events, b"[DONE]" in events[-1] and sse.is_done(events[-1])
 
 
 async def pump(flight: Flight, attempt: Attempt, migration: Migration) -> None:
