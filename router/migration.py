@@ -9,8 +9,12 @@ interrupted by a decode's death equals the uninterrupted one (NVIDIA Dynamo's `-
   `/generate`: appended to `text`, or the output ids to `input_ids`, and the new events' cumulative
   `text` / `output_ids` (and output logprobs) are prefixed with the old ones; legacy completions' `text_offset`s
   are shifted by the text sent (chat logprobs are per chunk: nothing to splice).
-- `max_tokens` / `max_completion_tokens` / `max_new_tokens` shrink by the tokens already sent (counted
-  as content-bearing events, one token each as SGLang and the embedded engine stream them); the final
+- `max_tokens` / `max_completion_tokens` / `max_new_tokens` shrink by the tokens already sent, as the worker reports
+  them (`/generate`: `meta_info.completion_tokens`; OpenAI routes: per-chunk usage when the client asked for
+  continuous usage stats, else each event's logprob entries, else one token per event, empty ones included:
+  `event_tokens`). The continuation goes on from the text the client has (`input_ids` only for a `/generate`
+  request given as ids): a token without text (an EOS with `ignore_eos`) or text still held back when the decode
+  died is not in it, so such a stream can differ from the uninterrupted one from the seam on. The final
   usage counts move those tokens from prompt back to completion, so usage stays right, and `cached_tokens` is the
   first attempt's (its prefill's report), not the continuation's (whose prompt the first attempt just cached).
 - The seam does not show: the continuation's events carry the first stream's `id` and `created` (`/generate`:
@@ -84,12 +88,24 @@ def progress(path: str, events: list[bytes], start: Progress = ("", [], 0, {})) 
             tokens = meta.get("completion_tokens", len(ids))
             logprobs = {k: meta[k] for k in LOGPROB_LISTS if isinstance(meta.get(k), list)} or logprobs
             continue
+        usage = data.get("usage")
         for choice in data.get("choices") or ():
             piece = (choice.get("delta") or {}).get("content") if path == "/v1/chat/completions" else choice.get("text")
-            if piece:
-                text += piece
-                tokens += 1
+            text += piece or ""
+            tokens += event_tokens(path, choice)
+        if data.get("choices") and isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            tokens = usage["completion_tokens"]   # continuous usage stats: the worker's own count so far
     return text, ids, tokens, logprobs
+
+
+def event_tokens(path: str, choice: dict[str, Any]) -> int:
+    """The tokens one streamed choice carries, as the worker reports them: one logprob entry each when logprobs
+    were asked (SGLang's multi-token events, `stream_interval` > 1), else one per event, empty ones included (text
+    held back for a stop string, or the first bytes of a character, come out with a later token's event)."""
+    logprobs = choice.get("logprobs")
+    entries = logprobs.get("content" if path == "/v1/chat/completions" else "tokens") \
+        if isinstance(logprobs, dict) else None
+    return len(entries) if isinstance(entries, list) else 1
 
 
 def continuation(path: str, body: dict[str, Any], text: str, ids: list[int], tokens: int) -> dict | None:
