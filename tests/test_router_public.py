@@ -117,3 +117,14 @@ def test_scrubbing_is_linear_in_what_a_worker_echoes_of_the_request() -> None:
         began = time.monotonic()
         redact.scrub(echo)
         assert time.monotonic() - began < 1.0
+
+
+def test_a_bug_behind_any_other_route_is_a_500_envelope_without_the_exception(cluster: Cluster, monkeypatch) -> None:
+    from dsv4_cluster.router import meta_api
+
+    def boom(*_):
+        raise RuntimeError("secret state at http://127.0.0.1:8998")
+    monkeypatch.setattr(meta_api, "generate_latest", boom)
+    resp = httpx.get(cluster.router.url + "/metrics", timeout=WAIT_S)
+    assert resp.status_code == 500 and b"secret" not in resp.content and b"RuntimeError" not in resp.content
+    assert "request id" in resp.json()["error"]["message"]
