@@ -8,7 +8,7 @@ Brings up one cluster (1 prefill + 1 decode with `--test-hooks`, free ports) wit
 parts, brings it down and checks that no process of it is left (/proc). Parts:
   faults    `reliability_faults.py`: kill -9 decode mid-stream, kill -9 prefill during the KV transfer,
             kill -9 router, SIGSTOP decode 20 s then SIGCONT, a decode engine that stalls while its HTTP
-            server answers. Per fault: in flight, completed, errored explicitly, reset, hung, lost,
+            server answers. Per fault: in flight, completed, errored explicitly, held (then completed), reset, hung, lost,
             recovery time, requests after recovery, KV back to baseline, orphans.
   input     `reliability_input.py`: schemathesis against the router's and a worker's OpenAPI schema,
             413 past the body limit, malformed bodies, slowloris.

@@ -5,7 +5,8 @@ One fault run (`run_fault`):
   2. `clients` chat requests through the router, half streaming, each long enough to be in flight;
   3. the fault, once the requests are where the fault should hit them (mid-stream, or waiting for KV);
   4. every client's outcome (`reliability_clients.py`) and how long after the fault it ended: `hung` past
-     `deadline_s` (10 s) counts even when the client got an answer later;
+     `deadline_s` (10 s) counts even when the client got an answer later, except a whole answer within
+     `HELD_DEADLINE_S`: `held` (the router held it for its only prefill or decode to come back, `stream_hold_s`);
   5. recovery: a small request every 0.25 s until one succeeds (seconds from the fault), then `after` requests,
      mixed streaming and plain, that must all complete;
   6. KV usage of every worker back to its baseline (bounded wait), and no orphaned or duplicate process (/proc).
@@ -27,6 +28,7 @@ from . import proc_probe
 from .reliability_clients import Outcome, chat
 
 DEADLINE_S = 10.0
+HELD_DEADLINE_S = DEADLINE_S + 15.0 + 5.0   # + the router's default stream_hold_s + the rest of the answer
 
 
 @dataclass
@@ -35,6 +37,7 @@ class FaultResult:
     in_flight: int
     completed: int = 0
     errored: int = 0
+    held: int = 0   # completed after DEADLINE_S, within HELD_DEADLINE_S: held for the worker's return
     reset: int = 0
     hung: int = 0
     lost: int = 0
@@ -124,11 +127,13 @@ def _tally(result: FaultResult, outcomes: list[Outcome], fault_at: float) -> Non
     for o in outcomes:
         kind = o.kind
         if kind in ("completed", "errored", "reset") and o.ended - fault_at > DEADLINE_S:
-            kind = "hung"   # it ended, but later than the fault's deadline
+            held = kind == "completed" and o.ended - fault_at <= HELD_DEADLINE_S
+            kind = "held" if held else "hung"   # it ended later than the fault's deadline
         setattr(result, kind, getattr(result, kind) + 1)
         if kind != "completed" and len(result.samples) < 4:
             result.samples.append(f"{kind} {o.ended - fault_at:+.1f}s: {o.detail}"[:240])
-    ends = [o.ended - fault_at for o in outcomes]
+    ends = [o.ended - fault_at for o in outcomes if not (o.kind == "completed" and
+                                                          DEADLINE_S < o.ended - fault_at <= HELD_DEADLINE_S)]
     result.latest_end_after_fault_s = round(max(ends), 2) if ends else None
 
 

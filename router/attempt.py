@@ -19,9 +19,10 @@ import logging
 
 import orjson
 
-from .errors import RouterError, UpstreamTimeout, UpstreamUnreachable
+from .errors import RouterError, UpstreamTimeout, UpstreamUnreachable, unexpected
 from .http_client import Interrupted, Response
 from .pairing import PairedRequest
+from .public import worker_text
 from .state import RouterState
 from .upstream import LegResult
 
@@ -56,7 +57,8 @@ class Attempt:
         with an explicit error (an error event once streaming) instead of waiting on it; aborts go by rid.
         Retryable: before the first byte, a fresh pair may take the request."""
         error = UpstreamUnreachable(f"{worker.describe()} {why} while serving this request; it was ended so "
-                                    "that it does not hang", retryable=True)
+                                    "that it does not hang", retryable=True,
+                                    public=worker_text(worker.role, "stopped answering while serving this request"))
         if self.decode_over:
             self.abort_prefill()
         else:
@@ -67,7 +69,7 @@ class Attempt:
             return
         error = task.exception()
         if error is not None:
-            self.prefill_error = RouterError(f"router failed on the prefill leg of rid {self.req.rid}: {error!r}")
+            self.prefill_error = unexpected(f"the prefill leg of rid {self.req.rid}", error)
         elif task.result().error is not None:
             self.prefill_error = task.result().error
         else:

@@ -1,7 +1,8 @@
 """Per-stage backpressure: admission refuses a request that no worker of a stage could start soon.
 
-Each health check also reads the worker's queue (`sglang:num_queue_reqs`: requests waiting for KV pages, on both
-engines). A stage (prefill or decode) is saturated when every eligible worker of it has at least
+Each health check also reads the worker's backlog from SGLang's own queue gauges for its role (`health.py`,
+`QUEUE_GAUGES`: a PD decode's prealloc + transfer + waiting queues, a PD prefill's bootstrap + waiting queues; the
+embedded engine exports the same names). A stage (prefill or decode) is saturated when every eligible worker of it has at least
 `max_queued_per_worker` queued; then a new request would only wait in a queue (and hold the other stage's KV
 meanwhile), so the router answers 503 at once, before touching any worker, with Retry-After from the worse stage:
     retry_after_s = clamp(ceil(health_check_interval_s x min_queued / max_queued_per_worker), 1, 30)

@@ -2,19 +2,23 @@
 
 Every failure a client can see leaves the router as `{"error": {"message", "type", "code"}}` with a
 status that says whose fault it was: 400 the request, 502/503/504 an upstream worker, 500 the router.
-Streams that already sent their 200 carry the same body as an SSE event (see `relay.py`).
+Streams that already sent their 200 carry the same body as an SSE event (see `relay.py`). A RouterError has
+two texts: `message` for the log (worker names, addresses, the worker's own words) and `public` for the client
+(`public.py`: roles only); a client sees `public`, or `message` scrubbed when no public text was given.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import re
+import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+
+from .public import scrub
 
 log = logging.getLogger(__name__)
 
@@ -24,15 +28,6 @@ def error_body(message: str, type_: str, code: int | str) -> dict:
     return {"error": {"message": message, "type": type_, "code": code}}
 
 
-_WORKER = re.compile(r"\b(prefill|decode) worker '[^']*'")
-_ADDRESS = re.compile(r"\b(?:https?://)?(?:\d{1,3}(?:\.\d{1,3}){3}|localhost|\[[0-9a-fA-F:]+\])(?::\d+)?(?:/\S*)?")
-
-
-def public_message(message: str) -> str:
-    """A message fit for clients: "the decode worker" for "decode worker 'decode-0'", and no host, port or URL."""
-    return _ADDRESS.sub("(internal address)", _WORKER.sub(r"the \1 worker", message))
-
-
 class RouterError(Exception):
     """Base of every error the router reports to a client."""
 
@@ -40,15 +35,17 @@ class RouterError(Exception):
     type_: str = "internal_error"
     headers: dict[str, str] | None = None
 
-    def __init__(self, message: str, retryable: bool = False, code: str | None = None) -> None:
+    def __init__(self, message: str, retryable: bool = False, code: str | None = None,
+                 public: str | None = None) -> None:
         super().__init__(message)
         self.message = message
+        self.public = public  # the client's text (public.py); None: `message`, scrubbed
         self.retryable = retryable  # the worker cannot have started the request: another pair may take it
         self.code = code
 
     def body(self) -> dict:
-        """What the client sees: the message without worker names or internal addresses (the log keeps them)."""
-        return error_body(public_message(self.message), self.type_, self.code or self.status)
+        """What the client sees: the public text, never worker names or internal addresses (the log keeps them)."""
+        return error_body(scrub(self.public or self.message), self.type_, self.code or self.status)
 
 
 class InvalidRequest(RouterError):
@@ -137,8 +134,8 @@ class UpstreamFailed(RouterError):
 
     type_ = "upstream_error"
 
-    def __init__(self, message: str, status: int) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, status: int, public: str | None = None, retryable: bool = False) -> None:
+        super().__init__(message, retryable=retryable, public=public)
         self.upstream_status = status
         self.status = status if status < 500 or status == 503 else 502
         if status == 503:
@@ -172,10 +169,18 @@ def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
                         headers=getattr(exc, "headers", None))   # e.g. 405's Allow
 
 
+def unexpected(where: str, exc: BaseException) -> RouterError:
+    """The catch-all: a router bug becomes a 500 in the OpenAI envelope with a request id; the exception and its
+    traceback go to the log under that id, never to the client."""
+    request_id = uuid.uuid4().hex[:16]
+    log.error("unexpected error serving %s (request id %s)", where, request_id, exc_info=exc)
+    return RouterError(f"unexpected {type(exc).__name__} serving {where} (request id {request_id})",
+                       public=f"internal router error (request id {request_id}); the router's log has the details")
+
+
 def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-    log.exception("unexpected error serving %s %s", request.method, request.url.path, exc_info=exc)
-    body = error_body(f"internal router error: {type(exc).__name__}: {exc}", "internal_error", 500)
-    return JSONResponse(body, status_code=500)
+    error = unexpected(f"{request.method} {request.url.path}", exc)
+    return JSONResponse(error.body(), status_code=500)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -16,18 +16,21 @@ Lifecycle of one request (a `Flight`):
      the same way, and a failure before the first event gets a plain error response, not a 200.
   4. Not streaming: D's status and body (P's error if P failed first). Streaming: `relay.py`.
   5. The client leaves at any point: both legs are aborted; nothing is sent.
+  6. Anything unexpected (a router bug) is caught here (`Flight.fail`): a 500 in the OpenAI envelope with a request
+     id, or, once a stream started, an error event and `[DONE]`; the exception goes to the log under that id.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any, Awaitable, Callable
 
-from . import logprobs
+from . import logprobs, sse
 from .admission import admit, read_body
 from .attempt import Attempt
-from .errors import RouterError, error_response
+from .errors import NoWorkers, RouterError, UpstreamFailed, error_response, unexpected
 from .http_client import Interrupted, UpstreamError
 from .backpressure import check_stages
 from .pairing import pair_request
@@ -36,10 +39,13 @@ from .relay import relay
 from .state import RouterState
 from .worker import Worker
 
+log = logging.getLogger(__name__)
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 PATHS = ("/v1/chat/completions", "/v1/completions", "/generate")
+HOLD_POLL_S = 0.1  # while a request is held for a worker's restart, how often the pool is looked at (no legs sent)
+HOLD_TRY_S = 1.0  # and at most one try (one prefill leg) per held request per this long
 
 
 class ClientGone:
@@ -100,13 +106,32 @@ class Flight:
         self.state.metrics.retries.inc()
         return True
 
-    async def start(self, body: dict[str, Any], avoid: set[Worker] | None = None) -> Attempt:
-        """An attempt whose D answered with a status line; retries connection failures on fresh pairs.
-        Workers in `avoid` are taken only when no other is eligible."""
+    async def start(self, body: dict[str, Any], avoid: set[Worker] | None = None, failed: RouterError | None = None,
+                    counted: bool = True) -> Attempt:
+        """An attempt whose D answered with a status line. Workers in `avoid` are taken only when no other is
+        eligible. A failure another pair may take (retryable; `failed`: one the caller saw) is tried again at once
+        while an eligible pair answers (`max_retries`, counted unless `counted` is False: a migration), else the
+        request is held for the worker's restart (`hold`); once a request failed in flight, no eligible worker
+        holds it too, while a new request gets its 503 at once."""
         avoid = set(avoid or ())
         prompt = prompt_text(self.path, body) if self.state.settings.prefill_policy == "prefix" else None
+        deadline: float | None = None
         while True:
-            pair = self.state.pool.pick(frozenset(avoid), prompt)
+            if failed is not None:
+                if not (failed.retryable or isinstance(failed, NoWorkers)):
+                    raise failed
+                if not self.state.pool.answering_pair():
+                    deadline = await self.hold(failed, deadline)
+                elif counted and not self.may_retry(failed):
+                    raise failed
+            counted = True
+            try:
+                pair = self.state.pool.pick(frozenset(avoid), prompt)
+            except NoWorkers as exc:
+                if failed is None:
+                    raise
+                failed = exc
+                continue
             self.attempt = attempt = Attempt(self.state, pair_request(self.path, body, pair))
             if self.gone:
                 attempt.interrupt(CLIENT_GONE)
@@ -116,12 +141,27 @@ class Flight:
             except RouterError as exc:
                 pair.release()
                 self.state.metrics.pair_failures.inc()
-                if not self.may_retry(exc):
-                    raise
                 avoid |= {pair.prefill, pair.decode}
+                failed = exc
             except BaseException:
                 pair.release()
                 raise
+
+    async def hold(self, error: RouterError, deadline: float | None) -> float:
+        """Wait for an eligible pair that answers (the restarted worker: its supervisor's READY report or a passed
+        health check), looking every HOLD_POLL_S without sending anything, and at most one try (one prefill leg)
+        per HOLD_TRY_S; raises `error` at the deadline (`stream_hold_s` after the hold began) or when the client
+        left. Returns the deadline."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        deadline = now + self.state.settings.stream_hold_s if deadline is None else deadline
+        next_try = now + HOLD_TRY_S
+        while loop.time() < next_try or not self.state.pool.answering_pair():
+            if self.gone or loop.time() + HOLD_POLL_S > deadline:
+                raise error
+            await asyncio.sleep(HOLD_POLL_S)
+        self.state.metrics.stream_holds.inc()
+        return deadline
 
     async def run(self, scope: Scope) -> None:
         state = self.state
@@ -144,15 +184,40 @@ class Flight:
         except Interrupted:
             self.status = 499  # the client left: nobody to answer
         except RouterError as exc:
-            self.status = exc.status
-            await send_response(self.send, *error_response(exc))
+            await self.fail(exc)
+        except Exception as exc:   # the catch-all: never uvicorn's plain-text 500, never a stream cut short
+            await self.fail(unexpected(self.path, exc))
         finally:
             if watch is not None:
                 watch.remove_done_callback(self.client_gone)
                 watch.cancel()
             state.metrics.finished(self.path, self.status, time.perf_counter() - self.started)
 
+    async def fail(self, error: RouterError) -> None:
+        """`error` to the client: its status and body while nothing was sent, else an error event and `[DONE]`."""
+        if self.status == 0:
+            self.status = error.status
+            await send_response(self.send, *error_response(error))
+            return
+        try:
+            await self.send({"type": "http.response.body", "body": sse.error_event(error.body()) + sse.DONE,
+                             "more_body": False})
+        except Exception:   # the response was already complete, or the client went away: nothing left to tell
+            log.warning("could not end the stream with %s", error.message)
+
     async def answer(self, attempt: Attempt) -> None:
+        """D's whole answer to the client. A plain request whose D failed (a retryable 5xx: nothing was sent) is a
+        failed attempt, tried again like one (`start`); anything else raises its error."""
+        while True:
+            try:
+                return await self._answer(attempt)
+            except UpstreamFailed as exc:
+                if not exc.retryable or self.status or self.body.get("stream"):
+                    raise
+                attempt.req.pair.release()
+                attempt = await self.start(self.body, avoid={attempt.req.pair.decode}, failed=exc)
+
+    async def _answer(self, attempt: Attempt) -> None:
         """D's whole answer (or its error status and body) to the client."""
         decode, worker = attempt.decode, attempt.req.pair.decode
         try:

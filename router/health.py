@@ -5,9 +5,12 @@ A worker leaves the pool after `health_failures_to_unhealthy` consecutive failed
 orchestrator reports state changes through the admin API as well; the two are independent (a worker is
 paired only when both agree, `worker.Worker.eligible`), except that a READY report after another state counts
 as a passed check: the supervisor's readiness probes just passed (`Worker.ready_again`). When a role's policy
-weighs load or backpressure is on, each check also reads the worker's KV token usage and queue
-(`sglang:token_usage`, `sglang:num_queue_reqs` from its `/metrics`). Under the prefill `prefix` policy each
-prefill's KV capacity is read once from its `/server_info` (again after a restart): it sizes the policy's memory.
+weighs load or backpressure is on, each check also reads the worker's KV token usage (`sglang:token_usage`) and
+its backlog from SGLang's own queue gauges for its role (`QUEUE_GAUGES`, every sample summed): on a PD decode the
+requests waiting for KV pages (prealloc), for their KV to arrive (transfer) and to join the batch (waiting); on a
+PD prefill those waiting for the decode's bootstrap and to be computed (waiting).
+Under the prefill `prefix` policy each prefill's KV capacity is read once from its `/server_info` (again after a
+restart): it sizes the policy's memory.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import asyncio
 import json
 import logging
 import re
+import time
 
 from dsv4_cluster.core import Role
 
@@ -28,7 +32,16 @@ from .worker import Worker
 
 log = logging.getLogger(__name__)
 TOKEN_USAGE = re.compile(rb"^sglang:token_usage(?:\{[^}]*\})? ([0-9.eE+-]+)", re.M)
-QUEUED = re.compile(rb"^sglang:num_queue_reqs(?:\{[^}]*\})? ([0-9.eE+-]+)", re.M)
+QUEUE_GAUGES = {Role.PREFILL: ("sglang:num_prefill_bootstrap_queue_reqs", "sglang:num_queue_reqs"),
+                Role.DECODE: ("sglang:num_decode_prealloc_queue_reqs", "sglang:num_decode_transfer_queue_reqs",
+                              "sglang:num_queue_reqs")}
+_QUEUES = {role: re.compile(rb"^(?:" + b"|".join(re.escape(n.encode()) for n in names) +
+                            rb")(?:\{[^}]*\})? ([0-9.eE+-]+)", re.M) for role, names in QUEUE_GAUGES.items()}
+
+
+def queued(role: Role, metrics: bytes) -> int:
+    """A worker's backlog from its `/metrics` text: every sample of its role's queue gauges, summed."""
+    return int(sum(float(value) for value in _QUEUES[role].findall(metrics)))
 
 
 class HealthChecker:
@@ -49,9 +62,9 @@ class HealthChecker:
             status, _ = await self._upstream.probe(worker, "/health", self._timeout_s)
             if status == 200 and self._reads_metrics[worker.role]:   # load and queue: what /metrics says, if it
                 metrics, text = await self._upstream.probe(worker, "/metrics", self._timeout_s)   # answers
-                found, queued = (TOKEN_USAGE.search(text), QUEUED.search(text)) if metrics == 200 else (None, None)
+                found = TOKEN_USAGE.search(text) if metrics == 200 else None
                 worker.token_usage = float(found.group(1)) if found else 0.0
-                worker.queued = int(float(queued.group(1))) if queued else 0
+                worker.queued = queued(worker.role, text) if metrics == 200 else 0
             if status == 200 and worker.kv_tokens is None and worker.role is Role.PREFILL and self._reads_capacity:
                 worker.kv_tokens = await self._kv_capacity(worker)
         except (UpstreamError, Interrupted, asyncio.TimeoutError):
@@ -77,6 +90,7 @@ class HealthChecker:
                 log.warning("%s at %s passes its health check again; back in the pool", worker.describe(), worker.url)
             worker.health_failures = 0
             worker.healthy = True
+            worker.last_ok = time.monotonic()
             return
         worker.health_failures += 1
         if worker.healthy and worker.health_failures >= self._threshold:

@@ -2,7 +2,8 @@
 
 `/health` follows the pool: 200 while at least one prefill and one decode worker are eligible (READY,
 not drained, passing the router's health checks), else 503. It reads the pool's standing and probes
-nothing itself, so a load balancer polling it never adds load to the workers.
+nothing itself, so a load balancer polling it never adds load to the workers. It is unauthenticated, so it
+shows counts per role, never worker names (those are on the admin API).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ def meta_router() -> APIRouter:
         body = {
             "status": "ok" if pool.ready else "no_workers",
             "model": state.settings.model_name,
-            "prefill": [w.name for w in pool.prefill if w.eligible],
-            "decode": [w.name for w in pool.decode if w.eligible],
+            "prefill": {"eligible": sum(w.eligible for w in pool.prefill), "configured": len(pool.prefill)},
+            "decode": {"eligible": sum(w.eligible for w in pool.decode), "configured": len(pool.decode)},
             "background_tasks": len(state.tasks),
         }
         return JSONResponse(body, status_code=200 if pool.ready else 503)

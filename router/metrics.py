@@ -53,8 +53,8 @@ class RouterMetrics:
                                registry=r)
         self.migrations = Counter("dsv4_router_migrations", "Streams continued on a fresh pair after a decode broke",
                                   registry=r)
-        self.stream_holds = Counter("dsv4_router_stream_hold_tries", "Fresh pairs tried in vain while a stream "
-                                    "whose decode died waited for one (stream_hold_s)", registry=r)
+        self.stream_holds = Counter("dsv4_router_stream_hold_tries", "Fresh pairs tried by requests held for the "
+                                    "restart of a worker that died under them (stream_hold_s)", registry=r)
         self.aborts = Counter("dsv4_router_aborts", "Legs aborted by rid", ["role"], registry=r)
         self.pair_failures = Counter("dsv4_router_pair_failures", "Attempts that failed before the first byte",
                                      registry=r)

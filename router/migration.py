@@ -9,9 +9,16 @@ interrupted by a decode's death equals the uninterrupted one (NVIDIA Dynamo's `-
   `/generate`: appended to `text`, or the output ids to `input_ids`, and the new events' cumulative
   `text` / `output_ids` (and output logprobs) are prefixed with the old ones; legacy completions' `text_offset`s
   are shifted by the text sent (chat logprobs are per chunk: nothing to splice).
-- `max_tokens` / `max_completion_tokens` / `max_new_tokens` shrink by the tokens already sent (counted
-  as content-bearing events, one token each as SGLang and the embedded engine stream them); the final
-  usage counts move those tokens from prompt back to completion, so usage stays right.
+- `max_tokens` / `max_completion_tokens` / `max_new_tokens` shrink by the tokens already sent, as the worker reports
+  them (`/generate`: `meta_info.completion_tokens`; OpenAI routes: per-chunk usage when the client asked for
+  continuous usage stats, else each event's logprob entries, else one token per event, empty ones included:
+  `event_tokens`). The continuation goes on from the text the client has (`input_ids` only for a `/generate`
+  request given as ids): a token without text (an EOS with `ignore_eos`) or text still held back when the decode
+  died is not in it, so such a stream can differ from the uninterrupted one from the seam on. The final
+  usage counts move those tokens from prompt back to completion, so usage stays right, and `cached_tokens` is the
+  first attempt's (its prefill's report), not the continuation's (whose prompt the first attempt just cached).
+- The seam does not show: the continuation's events carry the first stream's `id` and `created` (`/generate`:
+  `meta_info.id`), and no second `delta.role` (`Seam`).
 - With no other decode eligible (the production topology has one), the stream is held up to `stream_hold_s` for
   the restarted one, then continued there the same way.
 - At most `migration_limit` times per request; requests with several choices or prompts (n > 1, batches)
@@ -21,14 +28,14 @@ interrupted by a decode's death equals the uninterrupted one (NVIDIA Dynamo's `-
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import json
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from . import sse
 from .attempt import Attempt
-from .errors import NoWorkers, RouterError
+from .errors import RouterError
 
 if TYPE_CHECKING:
     from .generation import Flight
@@ -64,7 +71,6 @@ def _data(event: bytes) -> Any:
 
 Progress = tuple[str, list[int], int, dict[str, list]]   # text, output ids, tokens, /generate's logprob lists
 LOGPROB_LISTS = ("output_token_logprobs", "output_top_logprobs")   # cumulative in /generate's meta_info
-HOLD_POLL_S = 0.25  # while a stream is held for a decode, how often a fresh pair is tried
 FOLD_AT = 256  # runs of events kept raw before they are folded into the progress so far (bounds memory per stream)
 
 
@@ -82,12 +88,24 @@ def progress(path: str, events: list[bytes], start: Progress = ("", [], 0, {})) 
             tokens = meta.get("completion_tokens", len(ids))
             logprobs = {k: meta[k] for k in LOGPROB_LISTS if isinstance(meta.get(k), list)} or logprobs
             continue
+        usage = data.get("usage")
         for choice in data.get("choices") or ():
             piece = (choice.get("delta") or {}).get("content") if path == "/v1/chat/completions" else choice.get("text")
-            if piece:
-                text += piece
-                tokens += 1
+            text += piece or ""
+            tokens += event_tokens(path, choice)
+        if data.get("choices") and isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            tokens = usage["completion_tokens"]   # continuous usage stats: the worker's own count so far
     return text, ids, tokens, logprobs
+
+
+def event_tokens(path: str, choice: dict[str, Any]) -> int:
+    """The tokens one streamed choice carries, as the worker reports them: one logprob entry each when logprobs
+    were asked (SGLang's multi-token events, `stream_interval` > 1), else one per event, empty ones included (text
+    held back for a stop string, or the first bytes of a character, come out with a later token's event)."""
+    logprobs = choice.get("logprobs")
+    entries = logprobs.get("content" if path == "/v1/chat/completions" else "tokens") \
+        if isinstance(logprobs, dict) else None
+    return len(entries) if isinstance(entries, list) else 1
 
 
 def continuation(path: str, body: dict[str, Any], text: str, ids: list[int], tokens: int) -> dict | None:
@@ -123,14 +141,66 @@ def continuation(path: str, body: dict[str, Any], text: str, ids: list[int], tok
     return new
 
 
-def splice(path: str, text: str, ids: list[int], tokens: int, logprobs: dict[str, list]) -> Callable[[bytes], bytes]:
+@dataclass(frozen=True)
+class Seam:
+    """What the client's stream already said about itself, which a continuation's events take over: its id and
+    created time, and the first attempt's cached prompt tokens (None: not known)."""
+
+    id: str | None = None
+    created: int | None = None
+    cached_tokens: int | None = None
+
+
+def identity(path: str, event: bytes) -> tuple[str | None, int | None]:
+    """The stream's id and created time, as its first event states them."""
+    data = _data(event)
+    if not isinstance(data, dict):
+        return None, None
+    if path == "/generate":
+        meta = data.get("meta_info")
+        return (meta.get("id") if isinstance(meta, dict) else None), None
+    return data.get("id"), data.get("created")
+
+
+def first_cached(path: str, content: bytes) -> int | None:
+    """The cached prompt tokens the first attempt's prefill reported (its usage, or /generate's meta_info), from
+    its whole answer (JSON, or SSE events); None when it did not say."""
+    docs = [_data(e) for e in content.split(b"\n\n")] if b"data:" in content else [_data(b"data: " + content)]
+    for data in docs:
+        if not isinstance(data, dict):
+            continue
+        if path == "/generate":
+            cached = (data.get("meta_info") or {}).get("cached_tokens")
+        else:
+            cached = ((data.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+        if isinstance(cached, int):
+            return cached
+    return None
+
+
+def _take_over(path: str, data: dict[str, Any], seam: Seam) -> None:
+    """The continuation's event `data` speaks as the first stream: its id, created, and one role chunk."""
+    if path == "/generate":
+        if seam.id is not None and isinstance(data.get("meta_info"), dict):
+            data["meta_info"]["id"] = seam.id
+        return
+    if seam.id is not None and "id" in data:
+        data["id"] = seam.id
+    if seam.created is not None and "created" in data:
+        data["created"] = seam.created
+    for choice in data.get("choices") or ():
+        if isinstance(choice.get("delta"), dict):
+            choice["delta"].pop("role", None)
+
+
+def splice(path: str, text: str, ids: list[int], tokens: int, logprobs: dict[str, list],
+           seam: Seam = Seam()) -> Callable[[bytes], bytes]:
     """Rewrites a continuation's events so that they read as the rest of the first stream."""
     def rewrite(event: bytes) -> bytes:
-        if path != "/generate" and b'"usage"' not in event and b'"text_offset"' not in event:
-            return event
         data = _data(event)
         if not isinstance(data, dict):
             return event
+        _take_over(path, data, seam)
         for choice in data.get("choices") or ():   # legacy completions: offsets in the whole output text
             offsets = (choice.get("logprobs") or {}).get("text_offset")
             if isinstance(offsets, list):
@@ -143,6 +213,8 @@ def splice(path: str, text: str, ids: list[int], tokens: int, logprobs: dict[str
             if isinstance(meta, dict):
                 meta["completion_tokens"] = meta.get("completion_tokens", 0) + tokens
                 meta["prompt_tokens"] = meta.get("prompt_tokens", tokens) - tokens
+                if seam.cached_tokens is not None and "cached_tokens" in meta:
+                    meta["cached_tokens"] = seam.cached_tokens
                 for key, before in logprobs.items():
                     if isinstance(meta.get(key), list):
                         meta[key] = before + meta[key]
@@ -154,9 +226,10 @@ def splice(path: str, text: str, ids: list[int], tokens: int, logprobs: dict[str
             usage["completion_tokens"] = usage.get("completion_tokens", 0) + tokens
             details = usage.get("prompt_tokens_details")
             if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
-                # the continuation's prompt is the client's prompt + the tokens sent: of the client's, at most all
-                details["cached_tokens"] = min(details["cached_tokens"], usage["prompt_tokens"])
-        return b"data: " + json.dumps(data).encode() + b"\n\n"
+                # the first attempt's count; else, of the client's prompt, at most all
+                details["cached_tokens"] = seam.cached_tokens if seam.cached_tokens is not None else \
+                    min(details["cached_tokens"], usage["prompt_tokens"])
+        return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
     return rewrite
 
 
@@ -170,12 +243,15 @@ class Migration:
         self.sent: list[bytes] = []   # runs of events sent since the last fold
         self._folded: Progress = ("", [], 0, {})
         self._rewrite: Callable[[bytes], bytes] | None = None
+        self._identity: tuple[str | None, int | None] | None = None   # the stream's id and created, from its start
 
     def outgoing(self, run: bytes) -> bytes:
         """The bytes to send for a run of complete events (spliced after a migration), remembered while migration is
         possible (as runs: split into events only when a migration or a fold reads them)."""
         if self._rewrite is not None:
             run = b"".join(self._rewrite(e) for e in sse.events(run))
+        elif self.keep and self._identity is None and run:
+            self._identity = identity(self.flight.path, sse.events(run)[0])
         if self.keep:
             self.sent.append(run)
             if len(self.sent) >= FOLD_AT:
@@ -185,23 +261,7 @@ class Migration:
     def _sent_events(self) -> list[bytes]:
         return sse.events(b"".join(self.sent))
 
-    async def _fresh_attempt(self, body: dict[str, Any], old: Attempt) -> Attempt:
-        """An attempt on a fresh pair. With no decode to take it (the only one died), wait up to `stream_hold_s`
-        for one to come back (the supervisor restarts it; the router hears of it through its admin API and
-        health checks), trying again every HOLD_POLL_S; the client's stream stays open meanwhile."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.flight.state.settings.stream_hold_s
-        while True:
-            try:
-                return await self.flight.start(body, avoid={old.req.pair.decode})
-            except RouterError as exc:
-                if not (exc.retryable or isinstance(exc, NoWorkers)) or self.flight.gone \
-                        or loop.time() + HOLD_POLL_S > deadline:
-                    raise
-                self.flight.state.metrics.stream_holds.inc()
-            await asyncio.sleep(HOLD_POLL_S)
-
-    async def next_attempt(self) -> bool:
+    async def next_attempt(self, broke: RouterError) -> bool:
         """Continue on a fresh pair; False when this stream cannot (then it ends with the break's error)."""
         if not self.keep or self.left <= 0 or self.flight.gone:
             return False
@@ -213,7 +273,8 @@ class Migration:
         self.left -= 1
         old = self.attempt
         try:
-            attempt = await self._fresh_attempt(body, old)
+            # with no decode that answers (the only one died), held up to `stream_hold_s` for its restart
+            attempt = await self.flight.start(body, avoid={old.req.pair.decode}, failed=broke, counted=False)
         except RouterError:
             return False
         finally:
@@ -224,5 +285,9 @@ class Migration:
             return False
         self.flight.state.metrics.migrations.inc()
         self.attempt = attempt
-        self._rewrite = splice(path, text, ids, tokens, logprobs)
+        first = old.prefill.result() if old.prefill.done() and not old.prefill.cancelled() \
+            and old.prefill.exception() is None else None
+        seam = Seam(*(self._identity or (None, None)),
+                    cached_tokens=first_cached(path, first.content) if first is not None and first.ok else None)
+        self._rewrite = splice(path, text, ids, tokens, logprobs, seam)
         return True

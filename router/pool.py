@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from dsv4_cluster.core import Role
 
 from .errors import NoWorkers, UnknownWorker
 from .policies import Chooser
 from .settings import RouterSettings
 from .worker import Pair, Worker
+
+
+def why_none(workers: tuple[Worker, ...]) -> str:
+    """Why a role has no eligible worker, in counts ("1 of 1 RESTARTING"): the client's half of the 503, which
+    names no worker and carries none of the orchestrator's free text (the log has both)."""
+    reasons = Counter(r for w in workers for r in w.why_not_reasons())
+    return ", ".join(f"{n} of {len(workers)} {reason}" for reason, n in sorted(reasons.items()))
 
 
 class WorkerPool:
@@ -41,14 +50,19 @@ class WorkerPool:
         """At least one eligible prefill and one eligible decode: the router can serve."""
         return any(w.eligible for w in self.prefill) and any(w.eligible for w in self.decode)
 
+    def answering_pair(self) -> bool:
+        """An eligible prefill and decode that both answer (no connection failure since they last did)."""
+        return any(w.eligible and w.answering for w in self.prefill) and \
+            any(w.eligible and w.answering for w in self.decode)
+
     def _choose(self, role: Role, workers: tuple[Worker, ...], avoid: frozenset[Worker],
                 prompt: str | None = None) -> Worker:
         if not workers:
             raise NoWorkers(f"the router has no {role} worker configured; add one under {role!r} in its settings")
         eligible = [w for w in workers if w.eligible]
         if not eligible:
-            raise NoWorkers(f"no {role} worker can take requests now "
-                            f"({'; '.join(w.why_not() for w in workers)}); retry later")
+            raise NoWorkers(f"no {role} worker can take requests now ({'; '.join(w.why_not() for w in workers)})",
+                            public=f"no {role} worker can take requests now ({why_none(workers)}); retry later")
         fresh = [w for w in eligible if w not in avoid]
         return self._choosers[role].choose(fresh or eligible, prompt)
 

@@ -4,7 +4,10 @@
      in one pass and sent in one write (`forward`). Until
      then nothing was sent: a retryable failure (P's, or D breaking) moves the request to a fresh pair
      (`Flight.may_retry`), any other failure answers with its status and error body.
-  2. D's `[DONE]` (or an error event D streamed, then its end) ends the stream; an error event aborts P.
+  2. D's `[DONE]` ends the stream. An error event D streams before anything reached the client is a failed
+     attempt (`_worker_errors`): retried on a fresh pair when retryable (a 5xx other than 503), else answered with
+     its status in the OpenAI envelope (502/503, 4xx as is). An error event after that is rewritten (a 502-class code,
+     the role's public text; the worker's words go to the log), P is aborted and the stream ends with `[DONE]`.
   3. D's stream breaks or ends without `[DONE]` (the decode died): with migrations left
      (`migration_limit`), `migration.py` continues the stream on a fresh pair from the tokens already sent;
      otherwise P is aborted and the stream ends with an error event and `data: [DONE]`.
@@ -14,6 +17,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from . import logprobs, sse
@@ -21,10 +25,13 @@ from .attempt import Attempt
 from .errors import RouterError, UpstreamUnreachable
 from .http_client import Interrupted, UpstreamError
 from .migration import Migration
+from .public import worker_text
+from .upstream import event_status, worker_failed
 
 if TYPE_CHECKING:
     from .generation import Flight
 
+log = logging.getLogger(__name__)
 HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
 
@@ -43,6 +50,23 @@ def _error_of(exc: BaseException) -> RouterError | None:
     if isinstance(exc, Interrupted):
         return exc.reason if isinstance(exc.reason, RouterError) else None
     return exc if isinstance(exc, RouterError) else None
+
+
+def _worker_errors(flight: Flight, attempt: Attempt, events: list[bytes]) -> tuple[list[bytes], bool]:
+    """Step 2 for error events among `events`: raises the worker's error while nothing was sent, else returns the
+    events up to the first error, that error rewritten for the client, and `[DONE]` (True: the stream is over)."""
+    for i, event in enumerate(events):
+        error = sse.error_in(event) if b'"error"' in event else None
+        if error is None:
+            continue
+        failure = worker_failed(attempt.req.pair.decode, event_status(error), str(error.get("message", error)),
+                                flight.state.upstream.redact)
+        if flight.status == 0:
+            raise failure
+        log.warning("rid %s: %s (mid-stream; the stream ends)", attempt.req.rid, failure.message)
+        attempt.abort_prefill()
+        return events[:i] + [sse.error_event(failure.body()), sse.DONE], True
+    return events, b"[DONE]" in events[-1] and sse.is_done(events[-1])
 
 
 async def pump(flight: Flight, attempt: Attempt, migration: Migration) -> None:
@@ -65,28 +89,29 @@ async def pump(flight: Flight, attempt: Attempt, migration: Migration) -> None:
         except UpstreamError as exc:
             error = state.upstream.transport_error(worker, exc)
             if isinstance(error, UpstreamUnreachable):
+                worker.record(ok=False)   # a held stream waits for its restart (Worker.answering)
                 raise StreamBroke(error) from None
             raise error from None
         if data is None:
-            raise StreamBroke(UpstreamUnreachable(f"{worker.describe()} ended its stream without 'data: [DONE]'"))
+            worker.record(ok=False)
+            raise StreamBroke(UpstreamUnreachable(f"{worker.describe()} ended its stream without 'data: [DONE]'",
+                                                  public=worker_text(worker.role, "ended its stream early")))
         done = await forward(flight, attempt, migration, framer.feed(data), merge)
 
 
 async def forward(flight: Flight, attempt: Attempt, migration: Migration, run: bytes, merge: object) -> bool:
     """Send one run of complete events (all that one wake-up brought) to the client in one write, with one timing
     observation; True when it held `[DONE]` (the write also ended the body). Events are split out only when the run
-    may hold `[DONE]` or an error, or logprobs must be merged."""
+    may hold `[DONE]` or an error (step 2: `_worker_errors`), or logprobs must be merged."""
     if not run:
         return False
     if merge is not None:
         run = b"".join(logprobs.merge_event(merge, e) for e in sse.events(run))
-    out = migration.outgoing(run)
     done = False
-    if b"[DONE]" in out or b'"error"' in out:
-        for event in sse.events(out):
-            if sse.error_in(event) is not None:
-                attempt.abort_prefill()
-            done = done or (b"[DONE]" in event and sse.is_done(event))
+    if b"[DONE]" in run or b'"error"' in run:
+        events, done = _worker_errors(flight, attempt, sse.events(run))
+        run = b"".join(events)
+    out = migration.outgoing(run)
     if flight.status == 0:
         flight.status = 200
         await flight.send({"type": "http.response.start", "status": 200, "headers": HEADERS})
@@ -108,20 +133,20 @@ async def relay(flight: Flight, attempt: Attempt) -> None:
             error = _error_of(exc)
             if error is None:
                 raise  # the client left
+            if isinstance(exc, StreamBroke):
+                error.retryable = True   # a broken stream can go on elsewhere: tried again, or continued
             if flight.status == 0:  # nothing sent yet
                 flight.state.metrics.pair_failures.inc()
-                if error.retryable or isinstance(exc, StreamBroke):
-                    error.retryable = True
-                    if flight.may_retry(error):
-                        migration.attempt.req.pair.release()
-                        attempt = await flight.start(flight.body, avoid={migration.attempt.req.pair.decode})
-                        migration.attempt = attempt
-                        if not attempt.decode.ok or not attempt.decode.content_type.startswith("text/event-stream"):
-                            await flight.answer(attempt)  # D's answer or error, as for any first attempt
-                            return
-                        continue
-                raise error from None
-            if isinstance(exc, StreamBroke) and await migration.next_attempt():
+                if not error.retryable or flight.gone:
+                    raise error from None
+                migration.attempt.req.pair.release()
+                attempt = await flight.start(flight.body, avoid={migration.attempt.req.pair.decode}, failed=error)
+                migration.attempt = attempt
+                if not attempt.decode.ok or not attempt.decode.content_type.startswith("text/event-stream"):
+                    await flight.answer(attempt)  # D's answer or error, as for any first attempt
+                    return
+                continue
+            if isinstance(exc, StreamBroke) and await migration.next_attempt(error):
                 continue
             await flight.send({"type": "http.response.body", "body": sse.error_event(error.body()) + sse.DONE,
                                "more_body": False})

@@ -88,9 +88,9 @@ class RouterSettings(BaseModel):
     max_queued_per_worker: int = Field(default=64, ge=0, description="a stage whose every eligible worker has this "
                                        "many requests queued for KV pages is saturated: new requests get 503 + "
                                        "Retry-After at once (backpressure.py); 0: off")
-    stream_hold_s: float = Field(default=15.0, ge=0, description="a stream whose decode died, with no other decode "
-                                 "to continue on, is held this long for one (the supervisor restarts the dead one) "
-                                 "before it ends with an error event")
+    stream_hold_s: float = Field(default=15.0, ge=0, description="a request whose prefill or decode died under it, "
+                                 "with no other worker of that role that answers, is held this long for one (the "
+                                 "supervisor restarts the dead one), tried at most once a second; 0: not held")
     migration_limit: int = Field(default=1, ge=0, description="times a stream whose decode died is continued on "
                                  "a fresh pair before it ends with an error event")
     prefill_policy: Policy = "round_robin"

@@ -1,8 +1,10 @@
 """Calls to the workers: a whole answer, an opened stream, an abort by rid, a health probe.
 
-Every transport failure becomes a typed RouterError whose message names the worker by role and name
-(never its internal URL) and says whether the request may be retried on another pair: only when the
-worker cannot have started it (refused connection; a connection lost before any byte of an answer).
+Every transport failure becomes a typed RouterError whose log message names the worker (role, name, what the
+transport said) and whose public text names its role only (`public.py`), and says whether the request may be
+retried on another pair: only when the worker cannot have started it (refused connection; a connection lost
+before any byte of an answer). A worker's 5xx reaches the client as the role and the status; its 4xx (the
+request's fault) in its own words, scrubbed of this router's worker names, hosts and ports.
 The per-worker circuit breaker (`Worker.record`) hears of every such failure and every success.
 """
 
@@ -18,6 +20,7 @@ from .errors import RouterError, UpstreamFailed, UpstreamTimeout, UpstreamUnreac
 from .http_client import ConnectFailed, ConnectionLost, Interrupted, Origin, ReadTimeout, Response, UpstreamError
 from .pool import Worker, WorkerPool
 from .metrics import RouterMetrics
+from .public import Redactor, worker_text
 from .settings import RouterSettings
 
 log = logging.getLogger(__name__)
@@ -56,26 +59,45 @@ def upstream_message(content: bytes) -> str:
 
 def transport_error(worker: Worker, exc: UpstreamError, timeout_s: float) -> RouterError:
     """Map a client failure to the error the client sees; `retryable` when the worker started nothing."""
-    where = worker.describe()
+    where, role = worker.describe(), worker.role
     if isinstance(exc, ConnectFailed):
-        return UpstreamUnreachable(str(exc), retryable=True)
+        return UpstreamUnreachable(str(exc), retryable=True, public=worker_text(role, "could not be reached"))
     if isinstance(exc, ReadTimeout):
-        return UpstreamTimeout(f"{where} did not answer within {timeout_s:g} s (request_timeout_s)")
+        return UpstreamTimeout(f"{where} did not answer within {timeout_s:g} s (request_timeout_s)",
+                               public=worker_text(role, f"did not answer within {timeout_s:g} s"))
     if isinstance(exc, ConnectionLost):
-        return UpstreamUnreachable(str(exc), retryable=exc.before_response)
-    return UpstreamUnreachable(f"{where} failed mid-request: {type(exc).__name__}: {exc}")
+        return UpstreamUnreachable(str(exc), retryable=exc.before_response,
+                                   public=worker_text(role, "dropped the connection"))
+    return UpstreamUnreachable(f"{where} failed mid-request: {type(exc).__name__}: {exc}",
+                               public=worker_text(role, "failed mid-request"))
 
 
-def stream_error(result_worker: Worker, content: bytes) -> UpstreamFailed | None:
+def worker_failed(worker: Worker, status: int, message: str, redact: Redactor) -> UpstreamFailed:
+    """A worker's error answer or error event: a 4xx is the request's fault, in the worker's own words (scrubbed);
+    anything else is the worker's, said by role and status (the client sees 502/503; the log has its words).
+    Retryable when the worker failed (5xx other than 503, which says "no room": the client gets it with
+    Retry-After): nothing reached the client, so another pair may take the request."""
+    if 400 <= status < 500:
+        return UpstreamFailed(message, status, public=redact.scrub(message))
+    what = "cannot take this request now; retry later" if status == 503 else f"failed this request ({status})"
+    return UpstreamFailed(f"{worker.describe()} answered {status}: {message}", status,
+                          public=worker_text(worker.role, what), retryable=status >= 500 and status != 503)
+
+
+def event_status(error: dict) -> int:
+    """The status an error event stands for: its integer `code` when it is an HTTP error status, else 500."""
+    code = error.get("code")
+    return code if isinstance(code, int) and 400 <= code < 600 else 500
+
+
+def stream_error(worker: Worker, content: bytes, redact: Redactor) -> UpstreamFailed | None:
     """A drained SSE answer fails if it carries an error event (streams keep HTTP 200)."""
     if b'"error"' not in content:
         return None
     for chunk in content.replace(b"\r\n", b"\n").split(b"\n\n"):
         error = sse.error_in(chunk)
         if error is not None:
-            status = error.get("code") if isinstance(error.get("code"), int) else 500
-            return UpstreamFailed(f"{result_worker.describe()} streamed an error: {error.get('message', error)}",
-                                  status)
+            return worker_failed(worker, event_status(error), str(error.get("message", error)), redact)
     return None
 
 
@@ -86,24 +108,23 @@ class Upstream:
         self._metrics = metrics
         self.request_timeout_s = settings.request_timeout_s
         self.abort_timeout_s = settings.connect_timeout_s
+        self.redact = Redactor([w.name for w in pool.workers], [w.url for w in pool.workers],
+                               [w.bootstrap_host for w in pool.workers])
         self._origins = {w.name: Origin(w.describe(), w.url, settings.connect_timeout_s, settings.upstream_keepalive_s,
                                         max_idle=256) for w in pool.workers}
 
     def _record(self, worker: Worker, exc: UpstreamError) -> None:
         """A connection-level failure counts for the worker's breaker and the metrics; a timeout does not."""
         if isinstance(exc, (ConnectFailed, ConnectionLost)):
-            worker.record(ok=False)
+            worker.record(ok=False, gone=not (isinstance(exc, ConnectionLost) and exc.reused))
             self._metrics.connect_errors.labels(worker.name).inc()
 
     def transport_error(self, worker: Worker, exc: UpstreamError) -> RouterError:
         return transport_error(worker, exc, self.request_timeout_s)
 
     def failed(self, worker: Worker, status: int, content: bytes) -> UpstreamFailed:
-        """A worker's error answer: a 4xx is the request's fault, in the worker's own words; anything else is the
-        worker's, said as such (the client sees it as 502/503, with the worker named by role only)."""
-        if 400 <= status < 500:
-            return UpstreamFailed(upstream_message(content), status)
-        return UpstreamFailed(f"{worker.describe()} answered {status}: {upstream_message(content)}", status)
+        """A worker's error answer (`worker_failed`)."""
+        return worker_failed(worker, status, upstream_message(content), self.redact)
 
     async def send(self, worker: Worker, path: str, body: bytes) -> Response:
         """POST, returning once the request is written (connecting first if no idle connection is left)."""
@@ -141,7 +162,8 @@ class Upstream:
         try:
             content = await response.read(self.request_timeout_s)
         except Interrupted as exc:
-            return LegResult(worker, 0, b"", "", RouterError(f"{worker.describe()}: {exc}"))
+            return LegResult(worker, 0, b"", "", RouterError(f"{worker.describe()}: {exc}",
+                                                             public=worker_text(worker.role, "was interrupted")))
         except UpstreamError as exc:
             return LegResult(worker, 0, b"", "", transport_error(worker, exc, self.request_timeout_s))
         finally:
@@ -151,7 +173,7 @@ class Upstream:
             return LegResult(worker, response.status, content, content_type,
                              self.failed(worker, response.status, content))
         if content_type.startswith("text/event-stream"):
-            error = stream_error(worker, content)
+            error = stream_error(worker, content, self.redact)
             if error is not None:
                 return LegResult(worker, response.status, content, content_type, error)
         return LegResult(worker, response.status, content, content_type)

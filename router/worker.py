@@ -35,9 +35,11 @@ class Worker:
     health_failures: int = 0  # consecutive failed health checks (health.py)
     in_flight: int = 0
     token_usage: float = 0.0
-    queued: int = 0  # requests waiting for KV pages on the worker (`sglang:num_queue_reqs`, read by health checks)
+    queued: int = 0  # its backlog: SGLang's queue gauges for its role (`health.QUEUE_GAUGES`, read by health checks)
     kv_tokens: int | None = None  # its KV capacity (`/server_info` max_total_num_tokens; read for the prefix policy)
     failures: int = 0  # consecutive connection-level failures (the breaker's count)
+    last_failure: float = 0.0  # monotonic time of its last connection-level failure (a held request waits past it)
+    last_ok: float = 0.0  # ... of its last sign of life: an answer, a passed health check, a READY report
     open_until: float = 0.0  # monotonic time the breaker stays open until; 0: closed
     pairs: set[Pair] = field(default_factory=set, repr=False)  # the pairs it is part of, pick to release
 
@@ -55,6 +57,7 @@ class Worker:
         self.healthy, self.health_failures = True, 0
         self.failures, self.open_until = 0, 0.0
         self.kv_tokens = None                       # a restart may change it: read it again
+        self.last_ok = time.monotonic()
 
     def describe(self) -> str:
         """How client-facing messages name the worker: role and name, never its internal URL."""
@@ -69,35 +72,49 @@ class Worker:
         return self.state is WorkerState.READY and not self.drained and self.healthy and not self.breaker_open
 
     @property
+    def answering(self) -> bool:
+        """No connection-level failure since its last sign of life: a held request tries it (`Flight.hold`)."""
+        return self.last_failure <= self.last_ok
+
+    @property
     def load(self) -> float:
         return self.in_flight + self.token_usage
 
-    def record(self, ok: bool) -> None:
+    def record(self, ok: bool, gone: bool = True) -> None:
         """The breaker hears how a connection to this worker went: `breaker_failures` failures in a row open it
-        for `breaker_cooldown_s`; after that one request may try again (one more failure opens it again)."""
+        for `breaker_cooldown_s`; after that one request may try again (one more failure opens it again).
+        `gone`: the failure says the process may be gone (not the keep-alive race on a reused connection)."""
         if ok:
+            self.last_ok = time.monotonic()
             if self.open_until:
                 log.warning("%s answers again; circuit breaker closed", self.describe())
             self.failures, self.open_until = 0, 0.0
             return
         self.failures += 1
+        if gone:
+            self.last_failure = time.monotonic()
         if self.failures >= self.breaker_failures:
             if not self.breaker_open:
                 log.warning("%s: %d connection failures in a row; circuit breaker open for %g s",
                             self.describe(), self.failures, self.breaker_cooldown_s)
             self.open_until = time.monotonic() + self.breaker_cooldown_s
 
-    def why_not(self) -> str:
-        """Why an ineligible worker is skipped, for the 503 a client sees when nothing is eligible."""
-        why = []
-        if self.state is not WorkerState.READY:
-            why.append(self.state.value + (f" ({self.reason})" if self.reason else ""))
+    def why_not_reasons(self) -> list[str]:
+        """Why an ineligible worker is skipped, in fixed words (the client's 503 counts them, `pool.why_none`)."""
+        why = [self.state.value] if self.state is not WorkerState.READY else []
         if self.drained:
             why.append("drained")
         if not self.healthy:
             why.append("failing health checks")
         if self.breaker_open:
             why.append("circuit breaker open")
+        return why
+
+    def why_not(self) -> str:
+        """Why an ineligible worker is skipped, with its name and the orchestrator's reason: for the log."""
+        why = self.why_not_reasons()
+        if self.reason and self.state is not WorkerState.READY:
+            why[0] += f" ({self.reason})"
         return f"{self.name}: {', '.join(why)}"
 
     def entry(self) -> dict[str, Any]:

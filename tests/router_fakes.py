@@ -39,6 +39,9 @@ class Rendezvous:
             return self.events.setdefault(what + json.dumps(rid), threading.Event())
 
 
+# what the embedded decode streams when the prefill's bootstrap server is gone: internal URL, host, agent name
+LEAKY = {"error": {"message": "KV bootstrap failed: prefill bootstrap http://gpu-node-7:8998 unreachable: "
+                              "ConnectError; agent decode-gpu-node-7-30001", "type": "internal", "code": 500}}
 LOGPROBS = {"prefill": [[-0.5, 7, None]], "decode": [[-0.1, 8, None]]}  # meta_info.input_token_logprobs
 SSE = "text/event-stream"
 
@@ -113,12 +116,20 @@ class FakeWorker:
         if not stream:
             return answer("decode", "hello world", "stop", stream=False)
 
+        if self.mode.startswith("error_first"):   # "error_first_once": the next request streams as usual
+            self.mode = "ok" if self.mode == "error_first_once" else self.mode
+            return StreamingResponse(iter([event(LEAKY), DONE]), media_type=SSE)
+
         async def tokens() -> Any:
             for i in range(100 if slow else 2):
                 if rid in self.aborted:
                     break
                 yield answer("decode", f"tok{i} ")
                 await asyncio.sleep(0.05 if slow else 0)
+            if self.mode == "error_mid":
+                yield event(LEAKY)
+                yield DONE
+                return
             yield answer("decode", None, "abort" if rid in self.aborted else "stop")
             yield DONE
 

@@ -1,8 +1,9 @@
 """A prefill outage under load: decode's KV reservations come back as soon as the failures are known.
 
 The prefill process is killed while chat requests stream through the router; its supervisor restarts
-it after its backoff (an outage of a few seconds). Requests caught by the outage fail, the router aborts
-their decode legs, and decode asks the (restarted) prefill whether any KV can still land in their pages;
+it after its backoff (an outage of a few seconds). Requests caught by the outage are held across the restart
+(new ones get 503 + Retry-After while no prefill is eligible); the router aborts their first decode legs, and
+decode asks the (restarted) prefill whether any KV can still land in their pages;
 none can, so the pages are freed at once instead of after the quarantine (4 x the transfer timeout).
 """
 
@@ -91,7 +92,7 @@ def test_a_prefill_outage_under_load_leaves_decode_kv_at_baseline_soon_after_pre
 
         results, outage_s, back = asyncio.run(scenario())
         assert outage_s >= 3.0, outage_s
-        assert results.count(200) > 0 and any(s != 200 for s in results), results
+        assert results.count(200) > 0 and set(results) <= {200, 503}, results   # held, or refused: never a 502
         while _decode_used(cluster) > baseline and time.monotonic() - back < 10.0:
             time.sleep(0.2)
         assert _decode_used(cluster) == baseline, f"decode still holds KV {time.monotonic() - back:.1f}s after"

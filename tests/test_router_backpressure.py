@@ -4,6 +4,7 @@ open its breaker."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import httpx
@@ -11,9 +12,16 @@ import pytest
 
 from dsv4_cluster.router.backpressure import check_stages
 from dsv4_cluster.router.errors import Saturated
-from dsv4_cluster.router.health import QUEUED, TOKEN_USAGE
+from dsv4_cluster.core import Role
+from dsv4_cluster.router.health import TOKEN_USAGE, queued
 from dsv4_cluster.router.pool import WorkerPool
 from dsv4_cluster.router.settings import RouterSettings
+
+from tests.router_fakes import router_settings
+from tests.helpers import wait_for
+from tests.servers import UvicornThread
+from tests.worker_procs import start_pair, stop_pair
+from dsv4_cluster.router.app import build_app
 
 from .test_router import Cluster, chat, cluster  # noqa: F401 (the module's fake-worker cluster fixture)
 
@@ -48,10 +56,18 @@ def test_a_stage_is_saturated_only_when_every_eligible_worker_is_at_its_limit():
     check_stages(_state(max_queued_per_worker=0))             # off
 
 
-def test_health_checks_read_the_queue_from_sglangs_metric_names():
-    text = (b'sglang:num_queue_reqs{model_name="m",engine_type="decode"} 7.0\n'
+def test_health_checks_read_each_roles_backlog_from_sglangs_queue_gauges():
+    """A PD decode's backlog is prealloc + transfer + waiting (SGLang 0.5.23's names), a prefill's bootstrap +
+    waiting: reading `num_queue_reqs` alone saw none of a decode's prealloc queue."""
+    text = (b'sglang:num_queue_reqs{model_name="m",engine_type="decode"} 1.0\n'
+            b'sglang:num_decode_prealloc_queue_reqs{model_name="m",engine_type="decode",dp_rank="0"} 5.0\n'
+            b'sglang:num_decode_prealloc_queue_reqs{model_name="m",engine_type="decode",dp_rank="1"} 2.0\n'
+            b'sglang:num_decode_transfer_queue_reqs{model_name="m",engine_type="decode"} 3.0\n'
+            b'sglang:num_prefill_bootstrap_queue_reqs{model_name="m",engine_type="prefill"} 4.0\n'
+            b'sglang:num_prefill_inflight_queue_reqs{model_name="m",engine_type="prefill"} 9.0\n'
             b'sglang:token_usage{model_name="m",engine_type="decode"} 0.25\n')
-    assert float(QUEUED.search(text).group(1)) == 7 and float(TOKEN_USAGE.search(text).group(1)) == 0.25
+    assert queued(Role.DECODE, text) == 1 + 5 + 2 + 3 and queued(Role.PREFILL, text) == 4 + 1
+    assert float(TOKEN_USAGE.search(text).group(1)) == 0.25
 
 
 def test_a_workers_own_503s_never_open_its_breaker(cluster: Cluster) -> None:  # noqa: F811
@@ -59,4 +75,42 @@ def test_a_workers_own_503s_never_open_its_breaker(cluster: Cluster) -> None:  #
         cluster.reset(prefill="hold", decode="fail")          # the decode answers 503 "no KV room"
         assert chat(cluster.router.url).status_code == 503
     health = httpx.get(cluster.router.url + "/health").json()
-    assert health["decode"] == ["decode-0"], "still paired: pushback is not a failure of the connection"
+    assert health["decode"]["eligible"] == 1, "still paired: pushback is not a failure of the connection"
+
+
+@pytest.fixture(scope="module")
+def small_pair(tmp_path_factory):
+    """A real embedded pair whose KV pools hold two 200-token requests: the rest wait in the decode's prealloc queue."""
+    pair = start_pair(tmp_path_factory.mktemp("backpressure"), extra=["--max-total-tokens", "512", "--context-length", "512"])
+    try:
+        yield pair
+    finally:
+        stop_pair(pair)
+
+
+def test_a_decode_whose_metrics_report_a_full_queue_gets_503_with_retry_after_until_it_drains(small_pair) -> None:
+    settings = router_settings(small_pair.prefill_url, small_pair.decode_url, max_queued_per_worker=2,
+                               health_check_interval_s=0.2, request_timeout_s=120)
+    settings = settings.model_copy(update={"prefill": [settings.prefill[0].model_copy(
+        update={"bootstrap_port": small_pair.bootstrap_port})]})
+    body = {"model": "dsv4-tiny", "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "fill the queue"}]}
+    with UvicornThread(build_app(settings)) as router:
+        def chat_now() -> httpx.Response:
+            return httpx.post(router.url + "/v1/chat/completions", json=body, timeout=120)
+
+        def refused_now() -> httpx.Response | None:
+            """A 503 at once, or None (admitted: it would queue, so the probe leaves after a moment)."""
+            try:
+                r = httpx.post(router.url + "/v1/chat/completions", json=body, timeout=0.5)
+            except httpx.TimeoutException:
+                return None
+            return r if r.status_code == 503 else None
+
+        with ThreadPoolExecutor(6) as pool:
+            load = [pool.submit(chat_now) for _ in range(6)]      # 2 run, 4 wait for pages
+            refused = wait_for(refused_now, 30, "a 503 while queued")
+            assert int(refused.headers["retry-after"]) >= 1
+            assert "every decode worker has" in refused.json()["error"]["message"]
+            assert [f.result().status_code for f in load] == [200] * 6
+        wait_for(lambda: chat_now().status_code == 200, 30, "admitted again once the queue drained")

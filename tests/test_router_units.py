@@ -53,6 +53,25 @@ def test_migration_progress_folds_long_streams_the_same_as_whole() -> None:
     assert folded == whole and whole[2] == 600 and whole[0].startswith("t0 t1 ")
 
 
+def test_migration_counts_the_tokens_each_event_carries_not_the_events_with_text() -> None:
+    """Held-back text (a stop string's start) comes out with a later token: the empty events are tokens too; with
+    logprobs an event's tokens are its entries (SGLang's stream_interval > 1); continuous usage is the worker's own
+    count. Counting content-bearing events undercounted all three, and a resumed stream then overran max_tokens."""
+    import json
+
+    from dsv4_cluster.router.migration import progress
+
+    def chunk(content: str, entries: int | None = None, usage: int | None = None) -> bytes:
+        choice = {"delta": {"content": content},
+                  "logprobs": None if entries is None else {"content": [{"token": "t"}] * entries}}
+        return b"data: " + json.dumps({"choices": [choice], "usage": usage and {"completion_tokens": usage}}).encode()
+
+    held = [chunk("a"), chunk(""), chunk(""), chunk("xyz")]           # "xy" held back, released with "z"
+    assert progress("/v1/chat/completions", held)[:3:2] == ("axyz", 4)
+    assert progress("/v1/chat/completions", [chunk("abcd", entries=4), chunk("ef", entries=2)])[2] == 6
+    assert progress("/v1/chat/completions", [chunk("ab", usage=2), chunk("", usage=3)])[2] == 3
+
+
 def test_migration_splices_logprobs_onto_what_was_sent() -> None:
     import json
 

@@ -34,7 +34,11 @@ class _EngineCollector:
         cap, used = pool.capacity_tokens, pool.used_tokens
         g, c = self._gauge, self._counter
         yield g("sglang:num_running_reqs", "Requests in the running batch", s.num_running)
-        yield g("sglang:num_queue_reqs", "Requests waiting for KV pages", s.num_queued)
+        # SGLang's meaning on a PD worker: the waiting queue beside the PD queues below (a decode's requests whose KV
+        # arrived, a prefill's bootstrapped ones); here every such request runs at once, so the backlog is all in
+        # the PD queues (counting it here as well would count it twice)
+        pd = self.labels["engine_type"] in ("prefill", "decode")
+        yield g("sglang:num_queue_reqs", "Requests waiting to run (besides the PD queues)", 0 if pd else s.num_queued)
         yield g("sglang:token_usage", "Fraction of the KV pool in use", used / cap if cap else 0.0)
         yield g("sglang:num_used_tokens", "KV tokens in use", used)
         yield g("sglang:kv_used_tokens", "KV tokens in use", used)

@@ -10,7 +10,6 @@ on the machine, including clusters this tool did not start.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -33,19 +32,18 @@ POLL_S = 0.2
 CONNECT_TIMEOUT_S = 5.0
 
 
-def _ray_executable() -> str:
-    beside = Path(sys.executable).parent / "ray"
-    found = str(beside) if beside.exists() else shutil.which("ray")
-    if found is None:
-        raise RayClusterError("the `ray` command is not installed; pip install 'ray[default]'")
-    return found
+def _ray_command() -> list[str]:
+    """`ray` run by this Python: Ray starts its workers (our actors) with the head's interpreter, so a `ray` found
+    on PATH for another Python (a virtualenv over system site-packages) would run the actors on another copy of
+    this package (seen: a test's cluster ran the actors, the workers and the router from another checkout)."""
+    return [sys.executable, "-m", "ray.scripts.scripts"]
 
 
 def start_head(log_path: Path, num_cpus: int | None, timeout_s: float) -> tuple[str, HeadProcess]:
     """Start a Ray head in its own process group; returns its address once it accepts drivers."""
     gcs, client, agent, agent_grpc, metrics, env_agent = free_ports(6)
     argv = [
-        _ray_executable(), "start", "--head", "--block",
+        *_ray_command(), "start", "--head", "--block",
         "--node-ip-address", HEAD_HOST, "--port", str(gcs),
         "--ray-client-server-port", str(client),
         "--dashboard-agent-listen-port", str(agent), "--dashboard-agent-grpc-port", str(agent_grpc),

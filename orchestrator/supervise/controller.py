@@ -18,6 +18,7 @@ controller, `stop` kills them by name, and `kill_supervisors` does so for a cont
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 import threading
@@ -48,6 +49,20 @@ DEEP_PROBE_INTERVAL_S = 30.0
 DRAIN_POLL_S = 0.2
 ACTOR_MAX_RESTARTS = -1  # Ray restarts a dead controller or supervisor for as long as the cluster is up
 READ_RETRIES = 2  # status/pids are safe to send again to an actor Ray restarted
+
+
+def ray_node_ip(address: str) -> str:
+    """The IP Ray knows a node at `address` by: the address itself when it is an IP (or does not resolve here:
+    `up` then names the node as missing), else what the hostname resolves to."""
+    try:
+        ipaddress.ip_address(address)
+        return address
+    except ValueError:
+        pass
+    try:
+        return socket.gethostbyname(address)
+    except OSError:
+        return address
 
 
 @dataclass(frozen=True)
@@ -104,12 +119,13 @@ class ClusterController:
     def _node_resource(self, node: str) -> str:
         """The Ray resource that places an actor on topology node `node`: `dsv4-node:<name>` when
         the Ray cluster's nodes carry such labels (several Ray nodes may share an address, e.g. on
-        one machine), else Ray's built-in `node:<address>`."""
+        one machine), else Ray's built-in `node:<ip>` of the node's address (a hostname resolved: Ray names its
+        nodes by IP)."""
         labelled = {r for n in ray.nodes() if n.get("Alive") for r in n.get("Resources", {})
                     if r.startswith(NODE_LABEL_PREFIX)}
         if labelled:
             return NODE_LABEL_PREFIX + node
-        return f"node:{dict(self._spec.node_addresses)[node]}"
+        return f"node:{ray_node_ip(dict(self._spec.node_addresses)[node])}"
 
     def _missing_nodes(self) -> list[str]:
         """One line per process whose node is not (alive) in the Ray cluster."""

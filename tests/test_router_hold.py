@@ -1,0 +1,64 @@
+"""Requests held across the restart of the only prefill (router/generation.py, `Flight.hold`), on the embedded
+engine: real prefill and decode processes, the prefill SIGKILLed while 8 plain requests wait on it and started
+again as its supervisor would (same ports, same NIXL agent name)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from dsv4_cluster.router.app import build_app
+from tests.helpers import wait_for
+from tests.router_fakes import router_settings
+from tests.servers import UvicornThread
+from tests.worker_procs import WorkerPair, restart, start_pair, stop_pair
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    pair = start_pair(tmp_path_factory.mktemp("hold"), prefill_extra=["--test-hooks"])
+    try:
+        yield pair
+    finally:
+        stop_pair(pair)
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=5).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_plain_requests_on_the_only_prefill_are_held_across_its_restart(pair: WorkerPair) -> None:
+    settings = router_settings(pair.prefill_url, pair.decode_url, stream_hold_s=30, health_check_interval_s=0.2)
+    settings = settings.model_copy(update={"prefill": [settings.prefill[0].model_copy(
+        update={"bootstrap_port": pair.bootstrap_port})]})
+    with UvicornThread(build_app(settings)) as router:
+        httpx.post(pair.prefill_url + "/debug/stall_engine?seconds=3", timeout=5)   # the 8 wait on the prefill
+
+        async def eight() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=120) as client:
+                return await asyncio.gather(*(client.post(router.url + "/v1/chat/completions", json={
+                    "model": "dsv4-tiny", "messages": [{"role": "user", "content": f"held {i}"}], "max_tokens": 8,
+                    "temperature": 0, "ignore_eos": True}) for i in range(8)))
+
+        async def scenario() -> tuple[list[httpx.Response], float]:
+            load = asyncio.create_task(eight())
+            in_flight = 'dsv4_router_worker_in_flight{role="prefill"'   # until the prefill answers
+            await asyncio.to_thread(wait_for, lambda: metric(router.url, in_flight) == 8, 10,
+                                    "the 8 requests to be in flight on the stalled prefill")
+            os.kill(pair.procs[0].pid, signal.SIGKILL)
+            killed = time.monotonic()
+            await asyncio.to_thread(restart, pair, 0)
+            return await load, time.monotonic() - killed
+
+        answers, outage_s = asyncio.run(scenario())
+        assert [r.status_code for r in answers] == [200] * 8, [r.text for r in answers]
+        assert all(r.json()["usage"]["completion_tokens"] == 8 for r in answers)
+        assert outage_s > 1.0, "the prefill was down for its restart, and the requests waited through it"
+        tries = metric(router.url, "dsv4_router_stream_hold_tries_total")
+        assert 8 <= tries <= 8 * outage_s, "each held request tried again, at most once a second"
