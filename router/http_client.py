@@ -22,6 +22,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+TIMER_SLACK_S = 0.002  # a timer that fires this close to its deadline counts as on time
+
 
 class UpstreamError(Exception):
     """A transport-level failure talking to a worker."""
@@ -122,7 +124,9 @@ class Response:
         if waiter is None or waiter.done():
             return                                   # nobody waits now: the next wait sets it again
         loop = waiter.get_loop()
-        if loop.time() < self._expires:              # this wait began after the timer was set
+        # this wait began after the timer was set: set it again for the rest. Within the loop's clock resolution of
+        # the deadline it has expired (asyncio runs a timer up to that early; re-arming there spun ~80 timers)
+        if loop.time() + TIMER_SLACK_S < self._expires:
             self._timer = loop.call_at(self._expires, self._on_timer)
         else:
             _expire(waiter)

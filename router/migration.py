@@ -38,7 +38,7 @@ from .attempt import Attempt
 from .errors import RouterError
 
 if TYPE_CHECKING:
-    from .generation import Flight
+    from .stream import StreamOwner
 
 MAX_KEYS = {"/v1/chat/completions": ("max_completion_tokens", "max_tokens"), "/v1/completions": ("max_tokens",)}
 
@@ -236,7 +236,7 @@ def splice(path: str, text: str, ids: list[int], tokens: int, logprobs: dict[str
 class Migration:
     """The stream's current attempt, the events it sent, and the move to a fresh pair."""
 
-    def __init__(self, flight: Flight, attempt: Attempt) -> None:
+    def __init__(self, flight: StreamOwner, attempt: Attempt) -> None:
         self.flight, self.attempt = flight, attempt
         self.left = flight.state.settings.migration_limit
         self.keep = self.left > 0 and migratable(flight.path, flight.body)

@@ -29,7 +29,7 @@ from .public import worker_text
 from .upstream import event_status, worker_failed
 
 if TYPE_CHECKING:
-    from .generation import Flight
+    from .stream import StreamOwner
 
 log = logging.getLogger(__name__)
 HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
@@ -52,7 +52,7 @@ def _error_of(exc: BaseException) -> RouterError | None:
     return exc if isinstance(exc, RouterError) else None
 
 
-def _worker_errors(flight: Flight, attempt: Attempt, events: list[bytes]) -> tuple[list[bytes], bool]:
+def _worker_errors(flight: StreamOwner, attempt: Attempt, events: list[bytes]) -> tuple[list[bytes], bool]:
     """Step 2 for error events among `events`: raises the worker's error while nothing was sent, else returns the
     events up to the first error, that error rewritten for the client, and `[DONE]` (True: the stream is over)."""
     for i, event in enumerate(events):
@@ -69,7 +69,7 @@ def _worker_errors(flight: Flight, attempt: Attempt, events: list[bytes]) -> tup
     return events, b"[DONE]" in events[-1] and sse.is_done(events[-1])
 
 
-async def pump(flight: Flight, attempt: Attempt, migration: Migration) -> None:
+async def pump(flight: StreamOwner, attempt: Attempt, migration: Migration) -> None:
     """Relay D's events until `[DONE]`, whose batch also ends the client's body (one write fewer);
     raises StreamBroke, Interrupted, or RouterError (timeout)."""
     state = flight.state
@@ -99,7 +99,7 @@ async def pump(flight: Flight, attempt: Attempt, migration: Migration) -> None:
         done = await forward(flight, attempt, migration, framer.feed(data), merge)
 
 
-async def forward(flight: Flight, attempt: Attempt, migration: Migration, run: bytes, merge: object) -> bool:
+async def forward(flight: StreamOwner, attempt: Attempt, migration: Migration, run: bytes, merge: object) -> bool:
     """Send one run of complete events (all that one wake-up brought) to the client in one write, with one timing
     observation; True when it held `[DONE]` (the write also ended the body). Events are split out only when the run
     may hold `[DONE]` or an error (step 2: `_worker_errors`), or logprobs must be merged."""
@@ -120,7 +120,7 @@ async def forward(flight: Flight, attempt: Attempt, migration: Migration, run: b
     return done
 
 
-async def relay(flight: Flight, attempt: Attempt) -> None:
+async def relay(flight: StreamOwner, attempt: Attempt) -> None:
     """Steps 1-5 above; the pair of each attempt is released by its owner."""
     migration = Migration(flight, attempt)
     while True:

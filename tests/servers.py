@@ -1,7 +1,7 @@
 """Test helper: real HTTP servers on loopback, for tests that need a socket and not a mock transport.
 
 `free_port()` gives a port below 32768 (ports in the ephemeral range linger in TIME_WAIT after load and
-make servers fail with "address already in use"; DESIGN.md, "Ports"). `UvicornThread` serves an ASGI
+make servers fail with "address already in use"). `UvicornThread` serves an ASGI
 app from a background thread on a socket it binds itself (SO_REUSEADDR), waits until it accepts, and
 stops it cleanly.
 """

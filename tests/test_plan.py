@@ -84,7 +84,9 @@ def test_readiness_probes_and_log_paths() -> None:
     assert router.health_url == "http://127.0.0.1:21001/health"  # 0.0.0.0 is probed via the node
     assert decode.log_path == str(topo.run_dir_path / "logs" / "decode-0.log")
     assert (prefill.role, decode.role, router.role) == (Role.PREFILL, Role.DECODE, Role.ROUTER)
-    assert endpoint(topo) == "http://0.0.0.0:21001/v1"
+    assert endpoint(topo) == "http://localhost:21001/v1"  # a bind-all router: the URL a client here can use
+    assert endpoint(topo.model_copy(update={"router": topo.router.model_copy(update={"host": "::1"})})) == \
+        "http://[::1]:21001/v1"
 
 
 def test_no_kernels_no_kernel_flag() -> None:

@@ -234,8 +234,11 @@ def router_plan(topology: Topology) -> LaunchPlan:
 
 
 def endpoint(topology: Topology) -> str:
+    """The URL a client on this machine uses: the router's bind address, or localhost where it binds every address
+    (0.0.0.0 / ::), which no client can connect to by that name."""
     r = topology.router
-    return f"http://{r.host}:{r.port}/v1"
+    host = "localhost" if str(r.host) in ("0.0.0.0", "::", "") else str(r.host)
+    return f"http://{f'[{host}]' if ':' in host else host}:{r.port}/v1"
 
 
 def cluster_plans(topology: Topology) -> tuple[list[LaunchPlan], LaunchPlan]:
