@@ -169,7 +169,8 @@ def _equality_case(r: rig.Rig, path: Path, mode: str) -> dict:
 
 
 def _beside_flashmla(r: rig.Rig, step) -> tuple[list, dict]:
-    """Runs `step` with the backend's decode call wrapped: our kernel (what the plugin installed), then SGLang's
+    """Runs `step` with the backend's decode call wrapped: our kernel (the plugin's adapter, on every call whatever
+    the route table would pick), then SGLang's
     own FlashMLA partial (`flash_mla_interface.flash_mla_with_kvcache`, the plugin's keywords) on the same
     arguments; per layer kind the relative error of ours against FlashMLA over the 16 real heads, every row."""
     import functools
@@ -177,8 +178,10 @@ def _beside_flashmla(r: rig.Rig, step) -> tuple[list, dict]:
     from sglang.kernels.ops.attention import flash_mla_interface
 
     backend = r.backend
-    ours = backend._flash_mla_with_kvcache
-    stock = functools.partial(flash_mla_interface.flash_mla_with_kvcache, **ours.keywords)
+    routed = backend._flash_mla_with_kvcache  # the plugin's routed call: ours or SGLang's partial per the route table
+    keywords = routed.dsv4_stock.keywords
+    ours = functools.partial(routed.dsv4_adapter, **keywords)  # our kernel on every call, whatever the route
+    stock = functools.partial(flash_mla_interface.flash_mla_with_kvcache, **keywords)
     pairs: list = []
 
     def both(*args, **kwargs):
@@ -193,7 +196,7 @@ def _beside_flashmla(r: rig.Rig, step) -> tuple[list, dict]:
     try:
         outs = step()
     finally:
-        backend._flash_mla_with_kvcache = ours
+        backend._flash_mla_with_kvcache = routed
     first = lambda x: x[0] if isinstance(x, tuple) else x  # noqa: E731  (out, lse)
     if len(pairs) != len(r.layers):
         return outs, {"error": f"{len(pairs)} decode calls for {len(r.layers)} layers: not one per layer"}

@@ -61,7 +61,7 @@ def _worker_errors(flight: StreamOwner, attempt: Attempt, events: list[bytes]) -
             continue
         failure = worker_failed(attempt.req.pair.decode, event_status(error), str(error.get("message", error)),
                                 flight.state.upstream.redact)
-        if flight.status == 0:
+        if flight.status == 0 and i == 0:   # nothing reached the client, and nothing of this run goes before it
             raise failure
         log.warning("rid %s: %s (mid-stream; the stream ends)", attempt.req.rid, failure.message)
         attempt.abort_prefill()
