@@ -54,17 +54,30 @@ def route(gpu: str, kind: str, real_heads: int, batch: int) -> str:
     """"ours", "ours_all_heads" or "stock" for one call (see the module docstring)."""
     if gpu in ALWAYS:
         return ALWAYS[gpu]
-    points = ROUTES.get((gpu, kind, 64 if real_heads > 16 else 16))
+    points = _points(gpu, kind, real_heads)
     if not points:
         return "stock"
     batches = [b for b, _ in points]
     i = bisect.bisect_left(batches, batch)
-    if i == len(points):
+    if i < len(points) and batches[i] == batch:  # a measured batch
+        return points[i][1]
+    if i == len(points):  # past the largest
         return points[-1][1]
-    if batches[i] == batch or i == 0:
-        return points[i][1] if batches[i] == batch else "stock"
+    if i == 0:  # below the smallest
+        return "stock"
     below, above = points[i - 1][1], points[i][1]
     return below if below == above else "stock"
+
+
+def _points(gpu: str, kind: str, real_heads: int) -> tuple[tuple[int, str], ...]:
+    """The measured (batch, route) points of a call: the table's 64-head row above 16 real heads, else its 16."""
+    return ROUTES.get((gpu, kind, 64 if real_heads > 16 else 16), ())
+
+
+def _ours_at(points, mark_all_heads: bool = False) -> list[str]:
+    """The measured batches of `points` where ours runs (marked where it computes all 64 heads)."""
+    return [f"{b}" + (" (all 64 heads)" if mark_all_heads and r == "ours_all_heads" else "")
+            for b, r in points if r != "stock"]
 
 
 def describe(gpu: str) -> dict[str, str]:
@@ -75,7 +88,7 @@ def describe(gpu: str) -> dict[str, str]:
     for (g, kind, heads), points in ROUTES.items():
         if g != gpu:
             continue
-        ours = [f"{b}" + (" (all 64 heads)" if r == "ours_all_heads" else "") for b, r in points if r != "stock"]
+        ours = _ours_at(points, mark_all_heads=True)
         out[f"{kind} / {heads} heads"] = (f"ours at B = {', '.join(ours)}; " if ours else "") + \
             f"stock elsewhere (ours measured < 1.0x or not measured; {MEASURED_ON[gpu]})"
     return out
@@ -87,8 +100,7 @@ def summary(gpu: str, real_heads: int) -> str:
         return f"{ALWAYS[gpu]} on every call"
     parts = []
     for kind in KINDS:
-        points = ROUTES.get((gpu, kind, 64 if real_heads > 16 else 16), ())
-        ours = [str(b) for b, r in points if r != "stock"]
+        ours = _ours_at(_points(gpu, kind, real_heads))
         parts.append(f"{kind} B={','.join(ours)}" if ours else f"{kind} -")
     return "ours at " + "; ".join(parts) + "; else stock"
 

@@ -72,7 +72,6 @@ class Counters:
     """One int64 per kernel on the model's device, and one for the decode calls the route table left on SGLang's
     stock kernel (`STOCK_DECODE`); `bump` is an in-place device add (graph-captured)."""
 
-    STOCK_DECODE = STOCK_DECODE
     NAMES = (*KERNEL_NAMES, STOCK_DECODE)
 
     def __init__(self, device: Any) -> None:

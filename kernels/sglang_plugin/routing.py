@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import decode_routes
+from .attestation import STOCK_DECODE
 
 _REAL_HEADS: contextvars.ContextVar[int | None] = contextvars.ContextVar("dsv4_real_heads", default=None)
 HOOKED = "dsv4_cluster_hooked"
@@ -41,7 +42,7 @@ def routed_decode(stock: functools.partial, adapter: Callable[..., Any], gpu: st
         real = min(real_heads() or heads, heads)
         choice = decode_routes.route(gpu, decode_routes.layer_kind(kwargs.get("extra_k_cache")), real, q.shape[0])
         if choice == "stock":
-            counters.bump(counters.STOCK_DECODE)
+            counters.bump(STOCK_DECODE)
             return stock(*args, **kwargs)
         counters.bump("sparse_mla_decode")
         told = real if choice == "ours" and real < heads else None

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import json
 import shutil
 import socket
 from pathlib import Path
@@ -24,6 +23,7 @@ from dsv4_cluster.orchestrator.launch.gpu_classes import detect_classes, gpu_wor
 from dsv4_cluster.orchestrator.launch.plan import LaunchPlan, requested_kernels
 from dsv4_cluster.orchestrator.launch.port_owner import port_holders
 from dsv4_cluster.orchestrator.launch.ports import port_is_free
+from dsv4_cluster.orchestrator.launch.sglang_capacity import checkpoint_config
 from dsv4_cluster.workers.nixl_loader import INSTALL_HINT as NIXL_INSTALL_HINT, nixl_package
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "0.0.0.0", "::1")
@@ -132,12 +132,13 @@ DSV41_MODEL_TYPE = "deepseek_v41"  # SGLang 0.5.23: models/deepseek_v4.py sets i
 
 
 def model_type(model_path: Any) -> str | None:
-    """`model_type` of a local checkpoint folder's config.json (None: no such file, e.g. a hub name)."""
-    config = Path(str(model_path)) / "config.json"
+    """`model_type` of a local checkpoint folder's config.json (None: no such file, e.g. a hub name, or one that
+    is not a JSON object: the capacity planner names that error)."""
     try:
-        return json.loads(config.read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
+        config = checkpoint_config(model_path)
+    except (OSError, ValueError):
         return None
+    return config.get("model_type") if isinstance(config, dict) else None
 
 
 def machine_problems(topology: Any) -> list[str]:

@@ -87,12 +87,16 @@ class DSV4Geometry:
 DSV4_FLASH = DSV4Geometry(448, 64, 128, 128, (0, 0) + (4, 128) * 20 + (4,))
 
 
+def checkpoint_config(model_path: str) -> dict | None:
+    """A local checkpoint folder's config.json (None: no such file, e.g. a hub name); ValueError if it is not JSON."""
+    config = Path(str(model_path)) / "config.json"
+    return json.loads(config.read_text()) if config.is_file() else None
+
+
 def geometry_for(model_path: str) -> DSV4Geometry:
     """The geometry of a local checkpoint folder's config.json, else DeepSeek-V4-Flash's."""
-    config = Path(model_path) / "config.json"
-    if config.is_file():
-        return DSV4Geometry.from_config(json.loads(config.read_text()))
-    return DSV4_FLASH
+    config = checkpoint_config(model_path)
+    return DSV4Geometry.from_config(config) if config is not None else DSV4_FLASH
 
 
 @dataclass(frozen=True)
