@@ -74,14 +74,17 @@ def test_a_prefill_outage_under_load_leaves_decode_kv_at_baseline_soon_after_pre
             await served(8)  # the load flows on every lane before the kill
             os.kill(_prefill_pid(cluster), signal.SIGKILL)
             killed = time.monotonic()
+            down_seen = False  # the kill made an outage: /health failed at least once before it came back
             async with httpx.AsyncClient(timeout=2) as c:
-                await asyncio.sleep(1.0)
                 while True:
                     try:
-                        if (await c.get(prefill_health)).status_code == 200:
-                            break
+                        healthy = (await c.get(prefill_health)).status_code == 200
                     except httpx.HTTPError:
-                        pass
+                        healthy = False
+                    if not healthy:
+                        down_seen = True
+                    elif down_seen:
+                        break
                     assert time.monotonic() - killed < 90, "the prefill was not restarted"
                     await asyncio.sleep(0.1)
             back = time.monotonic()
@@ -91,11 +94,10 @@ def test_a_prefill_outage_under_load_leaves_decode_kv_at_baseline_soon_after_pre
             return results, back - killed, back
 
         results, outage_s, back = asyncio.run(scenario())
-        assert outage_s >= 3.0, outage_s
         assert results.count(200) > 0 and set(results) <= {200, 503}, results   # held, or refused: never a 502
         while _decode_used(cluster) > baseline and time.monotonic() - back < 10.0:
             time.sleep(0.2)
-        assert _decode_used(cluster) == baseline, f"decode still holds KV {time.monotonic() - back:.1f}s after"
+        assert _decode_used(cluster) == baseline, f"decode still holds KV {time.monotonic() - back:.1f}s after a {outage_s:.1f}s outage"
         # requests after the fault are served and checked
         for i in range(3):
             r = httpx.post(cluster.router_url + "/v1/chat/completions", timeout=60, json={
