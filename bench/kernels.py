@@ -13,6 +13,8 @@ import json
 import pathlib
 import sys
 
+from bench.common import versions
+
 BENCHES = {
     "sparse_decode": "bench.sparse_decode",
     "indexer_topk": "bench.indexer_topk",
@@ -37,20 +39,6 @@ def bench_us(fn, warmup_ms: int = 50, rep_ms: int = 300) -> float:
     import triton.testing
 
     return 1e3 * triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
-
-
-def versions() -> dict:
-    """torch, Triton and the GPU of this run: every results file records them."""
-    import torch
-
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    return dict(torch=torch.__version__, triton=triton_version, gpu=gpu)
 
 
 def write_results(name: str, payload: dict) -> pathlib.Path:

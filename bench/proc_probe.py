@@ -98,13 +98,3 @@ def orphans(ports: set[int], worker_ports: set[int]) -> list[str]:
         if stale:
             problems.append(f"port {port}: worker process(es) {stale} not listening (left behind)")
     return problems
-
-
-def rss_bytes(pid: int) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None

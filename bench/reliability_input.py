@@ -18,6 +18,7 @@ import time
 import httpx
 
 from . import proc_probe
+from .common import rss_bytes
 from .reliability_faults import Cluster
 
 LENGTH_FIELDS = ("max_tokens", "max_new_tokens", "max_completion_tokens")
@@ -196,7 +197,7 @@ def slowloris(port: int, pid: int, connections: int = 64, hold_s: float = 20.0,
     """`connections` clients that send a request head one byte a second and never finish; meanwhile the router
     must answer others at once and its RSS must stay bounded; when the hold outlasts the router's
     `request_head_timeout_s` (default 10 s) by 3 s, the router must have answered 408 and closed every one."""
-    rss_before = proc_probe.rss_bytes(pid) or 0
+    rss_before = rss_bytes(pid) or 0
     socks = []
     for _ in range(connections):
         s = socket.create_connection(("127.0.0.1", port), timeout=5)
@@ -229,7 +230,7 @@ def slowloris(port: int, pid: int, connections: int = 64, hold_s: float = 20.0,
             c.get(f"http://127.0.0.1:{port}/health")
             worst = max(worst, time.monotonic() - started)
             time.sleep(1.0)
-    rss_after = proc_probe.rss_bytes(pid) or 0
+    rss_after = rss_bytes(pid) or 0
     for s in socks:
         s.close()
     growth = (rss_after - rss_before) / 2**20

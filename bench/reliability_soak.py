@@ -18,6 +18,7 @@ import httpx
 from dsv4_cluster.workers.tokenizer import ByteTokenizer
 
 from . import proc_probe
+from .common import rss_bytes
 from .reliability_clients import Outcome, chat, pct
 from .reliability_faults import Cluster, kv_back_to
 
@@ -44,7 +45,7 @@ def plan(n: int, seed: int = 0) -> list[tuple[int, int, bool, int | None]]:
 
 
 def _rss(pids: dict[str, int]) -> dict[str, int]:
-    return {name: proc_probe.rss_bytes(pid) or 0 for name, pid in pids.items()}
+    return {name: rss_bytes(pid) or 0 for name, pid in pids.items()}
 
 
 async def soak(cluster: Cluster, requests: int, concurrency: int = 32) -> dict:

@@ -1,36 +1,20 @@
-"""Scale-out benchmark: N prefill x N decode SGLang-modeled stubs, multi-turn sessions, our `prefix` policy (and its
-ablations) vs round robin vs SGLang's gateway's `cache_aware` (sglang-router 0.3.2 and smg 1.13.0), on the same stubs
-and load, one run.
+"""Scale-out benchmark: N prefill x N decode SGLang-modelled stubs, multi-turn sessions; our `prefix` policy (and its
+ablations) vs round robin vs SGLang's gateway's `cache_aware` (sglang-router 0.3.2, smg 1.13.0), one run.
 
     python -m bench.scaleout [--n 8 64] [--concurrency 64] [--api chat|completions] [--out bench/results]
 
-For each N: one stub process serves N prefills and N decodes (`scaleout_stubs.py`: prefill time linear in uncached
-tokens on a FIFO, a per-prefill prefix cache of token pages small enough to evict, decode a fixed time per token,
-the PD protocol's bootstrap fields). Then each router in turn is started fresh in front of them, the stubs' caches
-and records are reset, and the workload (`scaleout_load.py`: sessions resending a growing history over a shared
-system prompt, as chat or as `/v1/completions` with the whole history) is played closed-loop at `--concurrency`.
-Routers: ours with `prefill_policy` `prefix`, `round_robin`, `least_load` (no prefix memory) and `prefix_noload`
-(`prefix` with no load term), SGLang's gateways with `--prefill-policy cache_aware --decode-policy round_robin`
-(`rust`: sglang-router 0.3.2, `smg`: smg 1.13.0). Per router and N:
-
-- sanity (prefix-aware routers): before the workload one session is played alone, then its last turn twice more;
-  a router that routes by prefix sends all of them to one prefill. A row whose probe fails is marked invalid and
-  its comparisons are not reported;
-- TTFT p50 / p99: at the client, request written to first content event;
-- cache hit rate: cached / prompt tokens over every prefill, as the stubs count them;
-- router-added latency: the client's TTFT minus the stubs' own share of it (first leg arriving at a stub to the
-  decode writing the first token), per request: forwarding the request and relaying the first token;
-- router CPU per request: user + system time of the router's processes over the run / requests; the router
-  process's RSS before and after the workload;
-- requests/s, errors, and checks that every request reached a prefill and a decode of one pair (`mispaired`).
-
-`floor` (`scaleout_floor.py`) is not a router but a yardstick: the least a PD relay can do (round robin, bootstrap
-fields, bytes relayed); its router-added latency is what the client, stubs and kernel cost on this machine.
-
-Every process listens on 127.0.0.1 only, inside a private network namespace whose loopback ACKs at once
-(`loopback_ns.py`); the gateways run with `--log-level warn` (no line per request, as ours). Writes
-`scaleout.json` / `.md` (chat) or `scaleout_completions.json` / `.md` to `--out`, with the load average, because
-the machine is shared.
+Per N one process serves the stubs (`stubs.py`: prefill time linear in uncached tokens on a FIFO, a prefix cache
+per prefill small enough to evict, decode a fixed time per token). Each router in turn is started fresh in front of
+them, the stubs reset, and the workload (`scaleout_load.py`: sessions resending a growing history over a shared
+system prompt, as chat or as `/v1/completions`) played closed-loop. Routers: ours with `prefill_policy` `prefix`,
+`round_robin`, `least_load` (no prefix memory), `prefix_noload` (no load term); the gateways with `cache_aware`
+prefill and round-robin decode (`rust`, `smg`); `floor` (`scaleout_floor.py`), the least a PD relay can do: its
+router-added latency is what client, stubs and kernel cost here. Per router and N: a sanity probe for the prefix-aware
+(one session alone, then its last turn twice more, must reach one prefill; a row that fails is invalid and not
+compared), TTFT p50 / p99 at the client, the hit rate the stubs count, router-added latency (client TTFT minus the
+stubs' part), router CPU per request, its RSS before and after, requests/s, errors, mispaired requests. Everything
+listens on 127.0.0.1 in a private network namespace whose loopback ACKs at once (`loopback_ns.py`). Writes
+`scaleout.{json,md}` (chat) or `scaleout_completions.{json,md}`, with the load average (the machine is shared).
 """
 
 from __future__ import annotations
@@ -48,65 +32,37 @@ from pathlib import Path
 import httpx
 
 from bench import loopback_ns
-from bench.router import anchor_argv, process
-from bench.scaleout_load import Workload, alone, drive
-from bench.scaleout_stubs import Model
-from bench.scaleout_report import cell_row, markdown
+from bench.common import RESULTS, cpu_seconds, machine, md_table, pct, process, rss_bytes, write
+from bench.router import anchor_argv, ours_argv
+from bench.scaleout_load import Result, Workload, alone, drive
+from bench.stubs import Model
 from dsv4_cluster.orchestrator.launch.ports import free_ports
+from dsv4_cluster.router.prefix_policy import PrefixPolicy
+from dsv4_cluster.router.prefix_tree import BYTES_PER_NAME
 
 MODEL = "stub"
 ROUTERS = ("prefix", "round_robin", "least_load", "prefix_noload", "rust", "smg", "floor")
 OURS = {"prefix": ("prefix", {}), "round_robin": ("round_robin", {}), "least_load": ("least_load", {}),
-        "prefix_noload": ("prefix", {"balance_abs": 1e9})}      # ablations: no prefix memory; no load term
-PREFIX_AWARE = ("prefix", "prefix_noload", "rust", "smg")       # the rows a sanity probe must pass
+        "prefix_noload": ("prefix", {"balance_abs": 1e9})}
+PREFIX_AWARE = ("prefix", "prefix_noload", "rust", "smg")
+ANCHORS = ("rust", "smg")
 
 
-def cpu_seconds(session_id: int) -> float:
-    """User + system CPU seconds of every live process in the session `session_id` (the router and its children)."""
-    total, tick = 0.0, os.sysconf("SC_CLK_TCK")
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[3]) == session_id:   # field 6 of stat: the session id
-            total += (int(fields[11]) + int(fields[12])) / tick
-    return total
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def router_argv(name: str, port: int, prefills: list[str], boots: list[int], decodes: list[str], tmp: Path) -> list[str]:
+def router_argv(name: str, port: int, prefills: list[tuple[str, int]], decodes: list[str], tmp: Path) -> list[str]:
     if name in OURS:
         policy, knobs = OURS[name]
-        settings = {"host": "127.0.0.1", "port": port, "model_name": MODEL, "prefill_policy": policy,
-                    "decode_policy": "round_robin", "prefix": knobs,
-                    "prefill": [{"name": f"prefill-{i}", "url": u, "bootstrap_host": "127.0.0.1", "bootstrap_port": b}
-                                for i, (u, b) in enumerate(zip(prefills, boots))],
-                    "decode": [{"name": f"decode-{i}", "url": u} for i, u in enumerate(decodes)]}
-        (tmp / "router.json").write_text(json.dumps(settings))
-        return [sys.executable, "-m", "dsv4_cluster.router", "--config", str(tmp / "router.json"),
-                "--log-level", "warning"]
+        return ours_argv(port, prefills, decodes, tmp, "warning", prefill_policy=policy, decode_policy="round_robin",
+                         prefix=knobs)
     if name == "floor":
-        argv = [sys.executable, "-m", "bench.scaleout_floor", "--port", str(port)]
-        for url, boot in zip(prefills, boots):
-            argv += ["--prefill", url, str(boot)]
-        return argv + [x for url in decodes for x in ("--decode", url)]
-    return anchor_argv(name, port, list(zip(prefills, boots)), decodes, "cache_aware") + ["--decode-policy",
-                                                                                          "round_robin"]
+        return [sys.executable, "-m", "bench.scaleout_floor", "--port", str(port),
+                *(x for url, boot in prefills for x in ("--prefill", url, str(boot))),
+                *(x for url in decodes for x in ("--decode", url))]
+    return anchor_argv(name, port, prefills, decodes, "cache_aware") + ["--decode-policy", "round_robin"]
 
 
-def sanity(port: int, control: str, args: argparse.Namespace) -> dict:
-    """One session alone, then its last turn again (scaleout_load.alone): which prefills took them, from the stubs'
-    records. Passes when one prefill took them all; the caches are reset after it."""
-    results = asyncio.run(alone("127.0.0.1", port, MODEL, args.workload))
+def sanity(port: int, control: str, w: Workload) -> dict:
+    """One session alone, then its last turn again: which prefills took them (the stubs' records, reset after)."""
+    results = asyncio.run(alone("127.0.0.1", port, MODEL, w))
     records = httpx.get(control + "/scaleout/records", timeout=30).json()["records"]
     httpx.post(control + "/scaleout/reset", timeout=10).raise_for_status()
     used = [records.get(r.user, {}).get("prefill") for r in results]
@@ -114,89 +70,159 @@ def sanity(port: int, control: str, args: argparse.Namespace) -> dict:
     return {"passed": ok and len(set(used)) == 1, "prefills": used}
 
 
-def run_cell(name: str, n: int, urls: tuple[list[str], list[int], list[str]], port: int, args: argparse.Namespace,
-             tmp: Path) -> dict:
-    prefills, boots, decodes = urls
-    control = prefills[0]
-    url = f"http://127.0.0.1:{port}"
-    argv = router_argv(name, port, prefills, boots, decodes, tmp)
-    log = tmp / f"{name}-{n}.log"
-    with process(argv, url + "/health", log, timeout_s=180) as proc:
+def cell_row(name: str, n: int, concurrency: int, results: list[Result], stubs: dict, wall_s: float,
+             cpu_s: float) -> dict:
+    """One router at one N: latency at the client, hit rate at the stubs, router-added latency per request."""
+    ok = [r for r in results if r.status == 200 and r.error is None and r.first is not None]
+    ok_ids = {id(r) for r in ok}
+    records, ttft, added = stubs["records"], [r.ttft_s * 1e3 for r in ok], []
+    for r in ok:
+        rec = records.get(r.user, {})
+        if {"prefill_arrival", "decode_arrival", "first_token"} <= rec.keys():
+            added.append((r.ttft_s - rec["first_token"] + min(rec["prefill_arrival"], rec["decode_arrival"])) * 1e3)
+    prompt, cached = (sum(p[k] for p in stubs["prefill"]) for k in ("prompt_tokens", "cached_tokens"))
+    served = [p["requests"] for p in stubs["prefill"]]
+    return {
+        "router": name, "n": n, "concurrency": concurrency, "requests": len(results), "errors": len(results) - len(ok),
+        "first_errors": sorted({r.error or f"status {r.status}" for r in results if id(r) not in ok_ids})[:3],
+        "wall_s": round(wall_s, 3), "requests_per_s": round(len(results) / wall_s, 1),
+        "ttft_p50_ms": round(pct(ttft, 50), 3), "ttft_p99_ms": round(pct(ttft, 99), 3),
+        "hit_rate": round(cached / prompt, 4) if prompt else 0.0, "prompt_tokens": prompt, "cached_tokens": cached,
+        "evicted_pages": sum(p.get("evicted_pages", 0) for p in stubs["prefill"]),
+        "added_p50_ms": round(pct(added, 50), 3), "added_p99_ms": round(pct(added, 99), 3),
+        "cpu_ms_per_request": round(cpu_s * 1e3 / max(1, len(results)), 3),
+        "prefill_requests": sum(served), "decode_requests": sum(stubs["decode_requests"].values()),
+        "prefills_used": sum(1 for s in served if s), "busiest_prefill_share": round(max(served) / max(1, sum(served)), 3),
+        "unrecorded": len(ok) - len(added), "mispaired": stubs["mispaired"], "stub_errors": stubs["errors"],
+    }
+
+
+def run_cell(name: str, n: int, urls: tuple[list, list[str]], port: int, a: argparse.Namespace, tmp: Path) -> dict:
+    prefills, decodes = urls
+    control, url = prefills[0][0], f"http://127.0.0.1:{port}"
+    with process(router_argv(name, port, prefills, decodes, tmp), url + "/health", tmp / f"{name}-{n}.log",
+                 timeout_s=180) as proc:
         time.sleep(1.0)     # a health round: ours reads each prefill's KV capacity (/server_info) there
         httpx.post(control + "/scaleout/reset", timeout=10).raise_for_status()
-        check = sanity(port, control, args) if name in PREFIX_AWARE else None
-        rss0 = rss_mb(proc.pid)
-        cpu0, load0 = cpu_seconds(proc.pid), os.getloadavg()[0]
+        check = sanity(port, control, a.workload) if name in PREFIX_AWARE else None
+        rss0, cpu0, load0 = rss_bytes(proc.pid), cpu_seconds(proc.pid, session=True), os.getloadavg()[0]
         started = time.monotonic()
-        results = asyncio.run(drive("127.0.0.1", port, MODEL, args.workload, args.concurrency))
-        wall = time.monotonic() - started
-        cpu = cpu_seconds(proc.pid) - cpu0
-        rss1 = rss_mb(proc.pid)
-        stubs = httpx.get(control + "/scaleout/records", timeout=30).json()
-    row = cell_row(name, n, args.concurrency, results, stubs, wall, cpu)
-    row.update(load_average_1m=round(load0, 2), sanity=check, rss_mb_before=round(rss0, 1), rss_mb_after=round(rss1, 1))
+        results = asyncio.run(drive("127.0.0.1", port, MODEL, a.workload, a.concurrency))
+        wall, cpu = time.monotonic() - started, cpu_seconds(proc.pid, session=True) - cpu0
+        rss1, stubs = rss_bytes(proc.pid), httpx.get(control + "/scaleout/records", timeout=30).json()
+    row = cell_row(name, n, a.concurrency, results, stubs, wall, cpu)
+    row.update(load_average_1m=round(load0, 2), sanity=check, rss_mb_before=round(rss0 / 2**20, 1),
+               rss_mb_after=round(rss1 / 2**20, 1))
     if check is not None and not check["passed"]:
         row["invalid"] = f"sanity failed: one session alone went to prefills {check['prefills']}"
     print(f"N={n:3d} {name:12s} {row['requests']:5d} req {row['requests_per_s']:7.1f} req/s  TTFT p50 "
           f"{row['ttft_p50_ms']:7.2f} p99 {row['ttft_p99_ms']:7.2f} ms  hit {row['hit_rate']:.3f}  added p50 "
-          f"{row['added_p50_ms']:.3f} ms  cpu {row['cpu_ms_per_request']:.3f} ms/req  errors {row['errors']}",
-          flush=True)
+          f"{row['added_p50_ms']:.3f} ms  cpu {row['cpu_ms_per_request']:.3f} ms/req  errors {row['errors']}", flush=True)
     return row
 
 
-def run_n(n: int, args: argparse.Namespace, tmp: Path) -> list[dict]:
-    ports = free_ports(3 * n + 1)
-    prefill_ports, boots, decode_ports, router_port = ports[:n], ports[n:2 * n], ports[2 * n:3 * n], ports[-1]
-    prefills = [f"http://127.0.0.1:{p}" for p in prefill_ports]
-    decodes = [f"http://127.0.0.1:{p}" for p in decode_ports]
-    model = args.model
-    stub = [sys.executable, "-m", "bench.scaleout_stubs", "--prefill-ports", *map(str, prefill_ports),
-            "--bootstrap-ports", *map(str, boots), "--decode-ports", *map(str, decode_ports)]
-    stub += [x for k, v in asdict(model).items() for x in ("--" + k.replace("_", "-"), str(v))]
-    rows = []
-    with process(stub, decodes[-1] + "/health", tmp / f"stubs-{n}.log"):
-        for name in args.routers:
-            rows.append(run_cell(name, n, (prefills, boots, decodes), router_port, args, tmp))
-    return rows
+def targets(rows: list[dict], cache_tokens: int) -> list[str]:
+    """Against each anchor whose probe passed: our `prefix` hit rate >= its and TTFT p50 <= its; TTFT p99 <= round
+    robin's; at N >= 64 router-added p50 <= 1 ms, and the router's RSS within the start's + the prefix memory's bound
+    (docs/router.md)."""
+    by, lines, met = {(r["n"], r["router"]): r for r in rows}, [], lambda ok: "met" if ok else "missed"
+    for n in sorted({r["n"] for r in rows}):
+        p, rr, parts = by.get((n, "prefix")), by.get((n, "round_robin")), []
+        if p is None:
+            continue
+        if p.get("invalid"):
+            parts.append(f"our prefix row is invalid ({p['invalid']})")
+        for a in (by.get((n, name)) for name in ANCHORS):
+            if a is not None and a.get("invalid"):
+                parts.append(f"{a['router']} cache_aware not compared ({a['invalid']})")
+            elif a is not None:
+                parts.append(f"hit rate {p['hit_rate']:.3f} vs {a['router']} {a['hit_rate']:.3f} "
+                             f"({met(p['hit_rate'] >= a['hit_rate'])}); TTFT p50 {p['ttft_p50_ms']:.1f} vs "
+                             f"{a['ttft_p50_ms']:.1f} ms ({met(p['ttft_p50_ms'] <= a['ttft_p50_ms'])})")
+        if rr is not None:
+            parts.append(f"hit rate vs round robin {p['hit_rate']:.3f} / {rr['hit_rate']:.3f}; TTFT p99 "
+                         f"{p['ttft_p99_ms']:.1f} vs round robin {rr['ttft_p99_ms']:.1f} ms "
+                         f"({met(p['ttft_p99_ms'] <= rr['ttft_p99_ms'])})")
+        if n >= 64:
+            floor, names = by.get((n, "floor")), PrefixPolicy().names_for(cache_tokens)
+            parts.append(f"router-added p50 {p['added_p50_ms']:.3f} ms (target <= 1 ms: {met(p['added_p50_ms'] <= 1.0)}"
+                         + (f"; the floor relay's {floor['added_p50_ms']:.3f} ms" if floor else "") + ")")
+            bound = p["rss_mb_before"] + BYTES_PER_NAME * n * names / 2**20
+            parts.append(f"router RSS {p['rss_mb_before']:.0f} -> {p['rss_mb_after']:.0f} MB (bound {bound:.0f} MB: "
+                         f"the start's + {BYTES_PER_NAME} B x {n} prefills x {names:,} names; "
+                         f"{met(p['rss_mb_after'] <= bound)})")
+        lines.append(f"- N = {n}: " + "; ".join(parts))
+    return lines
+
+
+def markdown(result: dict) -> str:
+    w, m, api = result["workload"], result["model"], result["workload"].get("api", "chat")
+    sanity_cell = lambda c: "-" if c is None else "passed" if c["passed"] else f"FAILED (prefills {c['prefills']})"  # noqa: E731
+    rows = [[r["n"], r["router"] + (" (invalid)" if r.get("invalid") else ""), sanity_cell(r.get("sanity")),
+             r["requests"], f"{r['requests_per_s']:,.1f}", f"{r['ttft_p50_ms']:.1f} / {r['ttft_p99_ms']:.1f}",
+             f"{r['hit_rate']:.3f}", f"{r['added_p50_ms']:.2f} / {r['added_p99_ms']:.2f}",
+             f"{r['cpu_ms_per_request']:.2f}", f"{r['prefills_used']} ({r['busiest_prefill_share']:.2f})",
+             f"{r.get('evicted_pages', 0):,}", f"{r['rss_mb_before']:.0f} / {r['rss_mb_after']:.0f}", r["errors"],
+             f"{r['load_average_1m']:.1f}"] for r in result["rows"]]
+    return "\n".join([
+        "# Scale-out benchmark" + ("" if api == "chat" else " (completions)"), "", f"`python -m bench.scaleout --api {api}`",
+        "", f"N prefill x N decode SGLang-modeled stubs (one process); {w['sessions']} sessions x {w['turns']} turns "
+        f"({'chat' if api == 'chat' else '/v1/completions with the whole history as the prompt'}), a "
+        f"{w['system_chars']}-char system prompt shared by all, {w['first_chars']} chars of first user message, "
+        f"{w['turn_chars']} more per turn, {w['max_tokens']} tokens out; concurrency {result['concurrency']} (closed "
+        f"loop). Prefill {m['base_ms']:g} ms + {m['per_token_us']:g} us per uncached token, FIFO; prefix cache "
+        f"{m['cache_tokens']:,} tokens per prefill (16-token pages of the stubs' own tokens, leaf-first LRU; reported "
+        f"as max_total_num_tokens); decode {m['token_ms']:g} ms per token. Routers: ours with `prefill_policy` prefix, "
+        "round_robin, least_load (no prefix memory), prefix_noload (no load term), decode round_robin; SGLang's "
+        "gateway `--prefill-policy cache_aware --decode-policy round_robin`: rust = sglang-router 0.3.2, smg = smg "
+        "1.13.0. Sanity: one session alone, then its last turn twice more, must all reach one prefill; a row that "
+        "fails it is invalid and not compared.", "",
+        *md_table(["N", "router", "sanity", "requests", "req/s", "TTFT p50 / p99 ms", "hit rate",
+                   "router-added p50 / p99 ms", "router CPU ms/req", "prefills used (busiest share)", "pages evicted",
+                   "RSS MB before / after", "errors", "load 1m"], rows),
+        "", "The targets (same run):", "", *targets(result["rows"], m["cache_tokens"]), "",
+        f"{result['cpus']} CPUs shared with other work; 1-min load average {result['load_average_before'][0]:.1f} "
+        f"before, {result['load_average_after'][0]:.1f} after; loopback: {result['loopback']}. Router-added: client "
+        "TTFT minus the stubs' part (first leg's arrival to the decode's first token). Hit rate: cached / prompt "
+        "tokens over all prefills, as the stubs count them. Router CPU includes its health checks.", ""])
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--n", type=int, nargs="+", default=[8, 64], help="prefill (and decode) workers")
-    parser.add_argument("--concurrency", type=int, default=64)
-    parser.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=ROUTERS)
-    parser.add_argument("--sessions", type=int, default=Workload.sessions)
-    parser.add_argument("--turns", type=int, default=Workload.turns)
-    parser.add_argument("--think-ms", type=float, default=Workload.think_ms, help="a user's pause between turns, "
-                        "uniform from 0 to this")
-    parser.add_argument("--api", choices=["chat", "completions"], default=Workload.api,
-                        help="chat messages, or /v1/completions with the whole history as the prompt")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    parser.add_argument("--plain-loopback", action="store_true",
-                        help="run on the machine's loopback (delayed ACKs stall the Rust router ~40 ms a request)")
-    args = parser.parse_args(argv)
-    if any(n < 1 or n > 128 for n in args.n):
-        parser.error("--n takes worker counts from 1 to 128")
-    if not args.plain_loopback and not loopback_ns.inside():
-        return loopback_ns.reexec_in_quickack_netns("bench.scaleout",
-                                                     sys.argv[1:] if argv is None else argv)
-    args.workload = Workload(sessions=args.sessions, turns=args.turns, think_ms=args.think_ms, api=args.api)
-    args.model = Model()
-    load_before = os.getloadavg()
-    rows: list[dict] = []
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n", type=int, nargs="+", default=[8, 64], help="prefill (and decode) workers")
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=ROUTERS)
+    p.add_argument("--sessions", type=int, default=Workload.sessions)
+    p.add_argument("--turns", type=int, default=Workload.turns)
+    p.add_argument("--think-ms", type=float, default=Workload.think_ms, help="a user's pause between turns, "
+                   "uniform from 0 to this")
+    p.add_argument("--api", choices=["chat", "completions"], default=Workload.api,
+                   help="chat messages, or /v1/completions with the whole history as the prompt")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--plain-loopback", action="store_true",
+                   help="run on the machine's loopback (delayed ACKs stall the Rust router ~40 ms a request)")
+    a = p.parse_args(argv)
+    if any(n < 1 or n > 128 for n in a.n):
+        p.error("--n takes worker counts from 1 to 128")
+    if not a.plain_loopback and not loopback_ns.inside():
+        return loopback_ns.reexec_in_quickack_netns("bench.scaleout", sys.argv[1:] if argv is None else argv)
+    a.workload = Workload(sessions=a.sessions, turns=a.turns, think_ms=a.think_ms, api=a.api)
+    model, before, rows = Model(), machine(), []
     with tempfile.TemporaryDirectory(prefix="scaleout-bench-") as tmp_name:
-        for n in args.n:
-            rows += run_n(n, args, Path(tmp_name))
-    load_after = os.getloadavg()
-    result = {"loopback": "plain" if args.plain_loopback else "private netns, quickack", "cpus": os.cpu_count(),
-              "load_average_before": load_before, "load_average_after": load_after,
-              "concurrency": args.concurrency, "workload": asdict(args.workload), "model": asdict(args.model),
-              "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = "scaleout" if args.api == "chat" else "scaleout_completions"
-    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+        for n in a.n:
+            ports = free_ports(3 * n + 1)
+            prefills = [(f"http://127.0.0.1:{port}", boot) for port, boot in zip(ports[:n], ports[n:2 * n])]
+            decodes = [f"http://127.0.0.1:{port}" for port in ports[2 * n:3 * n]]
+            farm = {"prefill": list(zip(ports[:n], ports[n:2 * n])), "decode": ports[2 * n:3 * n], "model": asdict(model)}
+            with process([sys.executable, "-m", "bench.stubs", "--farm", json.dumps(farm)], decodes[-1] + "/health",
+                         Path(tmp_name) / f"stubs-{n}.log"):
+                rows += [run_cell(name, n, (prefills, decodes), ports[-1], a, Path(tmp_name)) for name in a.routers]
+    after = machine()
+    result = {"loopback": "plain" if a.plain_loopback else "private netns, quickack", "cpus": after["cpus"],
+              "load_average_before": before["loadavg"], "load_average_after": after["loadavg"],
+              "concurrency": a.concurrency, "workload": asdict(a.workload), "model": asdict(model), "rows": rows}
     text = markdown(result)
-    (args.out / f"{stem}.md").write_text(text)
+    write(a.out / ("scaleout" if a.api == "chat" else "scaleout_completions"), result, text)
     print(text)
     return 0
 

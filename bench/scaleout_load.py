@@ -1,19 +1,13 @@
 """The scale-out benchmark's workload and client: multi-turn chat sessions over a shared system prompt.
 
-A `Workload` is `sessions` chat sessions, each `turns` requests long, over one system prompt every session shares
-(`system_chars`), sent as chat (`messages`) or as `/v1/completions` with the whole history rendered into `prompt`
-(`api`). Turn 1 sends the system prompt and a first user message (`first_chars`); each later turn resends
-the whole history (the assistant's answers as the client received them, and a new user message of `turn_chars`):
-the prefix a prefill's cache can serve grows turn by turn. The text is random letters from a seeded generator, so
-two runs (and two routers) send the same bytes.
-
-`drive` runs it closed-loop: `concurrency` users, each takes the next session and plays its turns in order, one
-request in flight per user, reading each answer for a random 0..`think_ms` before the next turn (seeded; it also
-keeps equal-speed users from moving in lockstep, which would let round robin send a session's turns to one worker), over one keep-alive connection (raw HTTP/1.1 on asyncio: an HTTP library would cost
-the shared CPU more than the router under test). For each request it keeps the time it was written, the time the
-first content event arrived (TTFT), the end, the status, and the id naming it (`s<session>-t<turn>`), which ends
-the new user message as `[id:...]` (routers forward messages verbatim, not every other field) and keys the stubs'
-records too.
+`sessions` sessions of `turns` requests over one shared system prompt, as chat or as `/v1/completions` with the
+whole history in `prompt` (`api`): each turn resends the history (the answers as received, a new user message), so
+the prefix a prefill can serve grows turn by turn. Seeded random letters: two routers get the same bytes. `drive`
+plays it closed-loop: `concurrency` users each take the next session, one request in flight, a random 0..`think_ms`
+pause between turns (which also keeps equal-speed users out of lockstep, where round robin would keep a session on
+one worker), over one keep-alive connection of raw HTTP/1.1 (a client library would cost the shared CPU more than
+the router under test). Per request: written, first content event (TTFT), end, status, and the id
+(`s<session>-t<turn>`) that ends the new user message as `[id:...]` and keys the stubs' records.
 """
 
 from __future__ import annotations
@@ -37,10 +31,6 @@ class Workload:
     think_ms: float = 400.0
     seed: int = 0
     api: str = "chat"          # or "completions": the same sessions, the whole history rendered into `prompt`
-
-    @property
-    def requests(self) -> int:
-        return self.sessions * self.turns
 
 
 def completion_prompt(messages: list[dict]) -> str:

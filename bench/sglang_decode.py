@@ -16,7 +16,8 @@ import time
 
 import torch
 
-from bench.kernels import RESULTS, bench_us, copy_bandwidth_gbs, print_table, versions, write_results
+from bench.common import versions
+from bench.kernels import RESULTS, bench_us, copy_bandwidth_gbs, print_table, write_results
 from bench.sparse_decode import graphed
 from dsv4_cluster.kernels.sglang_adapters import flash_mla_with_kvcache, fp8_paged_mqa_logits, topk_transform_paged_v2
 from dsv4_cluster.kernels.sparse_mla_decode.launch import LaunchConfig

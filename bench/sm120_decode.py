@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from bench.kernels import versions
+from bench.common import versions
 from bench.sglang_sm120_baselines import load
 from dsv4_cluster.kernels import dispatch
 from dsv4_cluster.kernels.sglang_adapters import flash_mla_with_kvcache_sm120, fp8_paged_mqa_logits, topk_transform_paged_v2

@@ -3,11 +3,12 @@
 `free_port()` gives a port below 32768 (ports in the ephemeral range linger in TIME_WAIT after load and
 make servers fail with "address already in use"). `UvicornThread` serves an ASGI
 app from a background thread on a socket it binds itself (SO_REUSEADDR), waits until it accepts, and
-stops it cleanly.
+stops it cleanly. `StubThread` does the same for a stub PD worker of bench/stubs.py.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
 import socket
 import threading
@@ -15,6 +16,8 @@ import time
 from typing import Any
 
 import uvicorn
+
+from bench.stubs import Stats, StubProtocol
 
 PORT_RANGE = (10000, 32767)
 
@@ -104,3 +107,39 @@ class UvicornThread:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class StubThread:
+    """A stub worker (bench/stubs.py's `StubProtocol`) served from a thread on its own event loop; `url`,
+    `stats`, and `fault` to change."""
+
+    def __init__(self, role: str, sock: socket.socket, fault: str | None = None) -> None:
+        self.role, self.fault, self.stats = role, fault, Stats()
+        self._sock = sock
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"stub-{role}-{self.port}", daemon=True)
+
+    def _protocol(self) -> StubProtocol:
+        return StubProtocol(self.role, self.port, self.stats, self.fault)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._server = self._loop.run_until_complete(self._loop.create_server(self._protocol, sock=self._sock))
+        self._ready.set()
+        self._loop.run_forever()
+        self._server.close()
+        self._loop.run_until_complete(self._server.wait_closed())
+        self._loop.close()
+
+    def __enter__(self) -> StubThread:
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise RuntimeError(f"stub {self.role} did not start")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)

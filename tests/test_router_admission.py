@@ -10,11 +10,10 @@ import httpx
 import openai
 import pytest
 
-from bench.router_stubs import StubThread
 from dsv4_cluster.router.app import build_app
 from tests.helpers import wait_for
 from tests.router_fakes import MESSAGES, WAIT_S, router_settings
-from tests.servers import UvicornThread, bound_socket
+from tests.servers import StubThread, UvicornThread, bound_socket
 
 KEY = "sk-test-0123456789"
 TOKENS = "".join(f"t{i} " for i in range(8))

@@ -1,5 +1,5 @@
 """Retries, the keep-alive race, the circuit breaker and the no-retry rules, against stub workers that misbehave
-on purpose (`bench/router_stubs.py`: real sockets; the counts are what each stub received)."""
+on purpose (`bench/stubs.py`: real sockets; the counts are what each stub received)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,10 @@ import json
 import httpx
 import pytest
 
-from bench.router_stubs import StubThread
 from dsv4_cluster.router.app import build_app
 from dsv4_cluster.router.settings import RouterSettings
 from tests.router_fakes import MESSAGES, WAIT_S, router_settings
-from tests.servers import UvicornThread, bound_socket
+from tests.servers import StubThread, UvicornThread, bound_socket
 from tests.helpers import SOON_S, wait_for
 
 TOKENS = "".join(f"t{i} " for i in range(8))

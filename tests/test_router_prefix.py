@@ -165,10 +165,9 @@ def test_a_prefills_load_ends_when_its_leg_does():
 
 
 def test_the_health_checks_read_each_prefills_kv_capacity_for_the_prefix_policy():
-    from bench.router_stubs import StubThread
     from dsv4_cluster.router.app import build_app
     from tests.helpers import wait_for
-    from tests.servers import UvicornThread, bound_socket
+    from tests.servers import StubThread, UvicornThread, bound_socket
 
     with StubThread("prefill", bound_socket()) as p, StubThread("decode", bound_socket()) as d:
         settings = RouterSettings(model_name="stub", prefill_policy="prefix", health_check_interval_s=0.1,

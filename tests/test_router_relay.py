@@ -1,4 +1,4 @@
-"""The streaming relay (router/relay.py) against stub workers on real sockets (`bench/router_stubs.py`): what one
+"""The streaming relay (router/relay.py) against stub workers on real sockets (`bench/stubs.py`): what one
 wake-up brings is framed once and written to the client in one ASGI send with one timing observation, and the
 client's stream is cut on event boundaries however the decode's bytes were split."""
 
@@ -8,10 +8,10 @@ import re
 
 import httpx
 
-from bench.router_stubs import DECODE_STREAM, StubThread
+from bench.stubs import DECODE_STREAM
 from dsv4_cluster.router.app import build_app
 from dsv4_cluster.router.settings import RouterSettings
-from tests.servers import UvicornThread, bound_socket
+from tests.servers import StubThread, UvicornThread, bound_socket
 
 BODY = {"model": "stub", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 8}
 

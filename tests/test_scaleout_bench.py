@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.scaleout_stubs import PAGE_TOKENS, PrefixCache, page_names, prompt_of, tokens_of
+from bench.stubs import PAGE_TOKENS, Prefill, page_names, prompt_of, tokens_of
 
 SESSIONS, TURNS = 4, 3
 ROUTERS = ("prefix", "round_robin", "rust", "smg", "floor")
@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]  # `python -m bench.scaleout` runs fr
 def test_the_stub_prefix_cache_matches_whole_leading_pages_and_evicts_leaves_first():
     a = page_names(["a"] * 3 * PAGE_TOKENS + ["tail"])     # 3 whole pages, the partial tail is not a page
     assert len(a) == 3 and page_names(["a"] * 2 * PAGE_TOKENS) == a[:2]
-    cache = PrefixCache(capacity_pages=4)
+    cache = Prefill(0, capacity=4)
     assert cache.match(a) == 0
     cache.insert(a)
     assert cache.match(a) == 3 and cache.match(page_names(["a"] * 2 * PAGE_TOKENS + ["b"] * PAGE_TOKENS)) == 2
