@@ -1,17 +1,12 @@
-"""Benchmark: indexer + top-512 at live length L against buffers sized for a larger configured maximum.
+"""Indexer + top-512 at live length L against buffers sized for a larger configured maximum:
+`python -m bench.kernels indexer_topk [--batch 32] [--lives 4096,65536,262144] [--maxima L,131072,1048576]`.
 
-Why: the cost of decode must follow the live length, not `--context-length`. For B = 32 requests of
-L tokens (L/4 compressed entries, 64 per page) and a configured maximum M (page table and score
-buffer sized for M), this times, cold L2, median:
-  ours      the fused Triton indexer + radix-select top-k (one launch) as a replayed CUDA graph
-            (the production pattern; eager calls add host-side input checks that sync); also
-            indexer and top-k as two launches, and each alone;
-  torch     PyTorch scoring + torch.topk over the full buffer width (the O(max) pattern; at M = L
-            it is the exact-width version), eager, keys contiguous per request or gathered
-            through the page table first;
-  deep_gemm fp8_paged_mqa_logits + torch.topk, when the sgl-deep-gemm wheel loads (else why not).
-GB/s counts the key bytes the indexer must read (B * L/4 * 256 B bf16, 132 B fp8), against the
-device copy bandwidth measured in the same run. Correctness is checked before anything is timed.
+Decode's cost must follow the live length, not `--context-length`. For B requests of L tokens (L/4 compressed
+entries, 64 per page) and a maximum M (page table and score buffer sized for M), cold L2, median: ours (the fused
+Triton indexer + radix-select top-k, one launch, as a replayed CUDA graph; also indexer and top-k as two launches,
+and each alone); torch (scoring + torch.topk over the whole buffer, eager, keys contiguous or gathered through the
+page table); DeepGEMM's fp8_paged_mqa_logits + torch.topk when its wheel loads (else why not). GB/s counts the key
+bytes the indexer must read, against the copy bandwidth of the same run. Correctness is checked first.
 """
 
 from __future__ import annotations
@@ -21,7 +16,8 @@ import argparse
 import torch
 import triton
 
-from bench.kernels import bench_us, copy_bandwidth_gbs, print_table, write_results
+from bench.common import ints
+from bench.kernels import bench_us, copy_bandwidth_gbs, graphed, print_table, write_results
 from dsv4_cluster.kernels.indexer.fp8_keys import quantize_keys
 from dsv4_cluster.kernels.indexer.fused_topk import indexer_topk_triton
 from dsv4_cluster.kernels.indexer.reference import indexer_fp8_ref, indexer_ref
@@ -73,11 +69,8 @@ def torch_scores_topk(x: dict, keys: torch.Tensor | None = None) -> torch.Tensor
 class Ours:
     """Indexer + top-k with every buffer allocated once (scores sized for the maximum), graph-capturable."""
 
-    def __init__(self, x: dict, fp8: bool, indexer_options: dict | None = None, topk_options: dict | None = None,
-                 fused_options: dict | None = None):
+    def __init__(self, x: dict, fp8: bool):
         self.x, self.fp8 = x, fp8
-        self.indexer_options, self.topk_options = indexer_options or {}, topk_options or {}
-        self.fused_options = fused_options or {}
         batch, max_pages = x["table"].shape
         self.keys = quantize_keys(x["keys"]) if fp8 else x["keys"]
         self.scores = torch.empty(batch, max_pages * PER_PAGE, device="cuda")
@@ -86,15 +79,14 @@ class Ours:
 
     def fused(self) -> None:
         indexer_topk_triton(self.x["q"], self.x["w"], self.keys, self.x["table"], self.x["lens"], K, fp8=self.fp8,
-                            scores=self.scores, out=self.idx, workspace=self.workspace, **self.fused_options)
+                            scores=self.scores, out=self.idx, workspace=self.workspace)
 
     def indexer(self) -> None:
         fn = indexer_fp8_triton if self.fp8 else indexer_triton
-        fn(self.x["q"], self.x["w"], self.keys, self.x["table"], self.x["lens"], out=self.scores,
-           **self.indexer_options)
+        fn(self.x["q"], self.x["w"], self.keys, self.x["table"], self.x["lens"], out=self.scores)
 
     def topk(self) -> None:
-        topk_triton(self.scores, self.x["lens"], K, out=self.idx, workspace=self.workspace, **self.topk_options)
+        topk_triton(self.scores, self.x["lens"], K, out=self.idx, workspace=self.workspace)
 
     def __call__(self) -> None:
         self.indexer()
@@ -102,15 +94,7 @@ class Ours:
 
     def graph_us(self, fn=None) -> float:
         """Median time of one replay of a CUDA graph of `fn` (default: the fused launch), cold L2."""
-        fn = fn or self.fused
-        fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        us = bench_us(graph.replay)
-        del graph
-        return us
+        return bench_us(graphed(fn or self.fused))
 
 
 def check(ours: Ours) -> dict:
@@ -159,13 +143,12 @@ def deep_gemm_attempt(x: dict) -> dict:
 def run(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="indexer_topk")
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--lives", default="4096,65536,262144", help="live lengths L in tokens")
+    parser.add_argument("--lives", type=ints, default=[4096, 65536, 262144], help="live lengths L in tokens")
     parser.add_argument("--maxima", default="L,131072,1048576", help="configured maxima in tokens ('L' = L)")
-    parser.add_argument("--sweep", action="store_true", help="also time launch variants at L = 64K, maximum = L")
     args = parser.parse_args(argv)
     copy_gbs = copy_bandwidth_gbs()
-    rows, checks, variants = [], {}, []
-    for live in (int(v) for v in args.lives.split(",")):
+    rows, checks = [], {}
+    for live in args.lives:
         maxima = sorted({live if m == "L" else int(m) for m in args.maxima.split(",")})
         for maximum in (m for m in maxima if m >= live):
             x = make_inputs(args.batch, live, maximum)
@@ -188,50 +171,22 @@ def run(argv: list[str]) -> int:
                     del contiguous
                 rows.append(row)
                 del ours
-            if args.sweep and live == 65536 and maximum == live:
-                variants += sweep(x, args.batch, copy_gbs)
             del x
             torch.cuda.empty_cache()
     derived = derive(rows)
     payload = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "copy_gbs": copy_gbs, "batch": args.batch, "k": K, "timing": "CUDA graph replay, cold L2, median",
-               "checks": checks, "rows": rows, "derived": derived, "variants": variants,
+               "checks": checks, "rows": rows, "derived": derived,
                "deep_gemm": deep_gemm_attempt(make_inputs(args.batch, 65536, 65536))}
     path = write_results("indexer_topk", payload)
     path.with_suffix(".md").write_text(markdown(payload))
     print_table(rows, ["L", "max", "keys", "ours_us", "ours_us_again", "separate_us", "indexer_us", "topk_us", "indexer_gbs", "indexer_frac_copy",
                        "torch_contig_us", "torch_paged_us"])
-    if variants:
-        print_table(variants, ["L", "variant", "us", "gbs", "frac_copy"])
     print_table(derived, list(derived[0]) if derived else ["L"])
     print(f"copy {copy_gbs:.0f} GB/s; checks {checks}; deep_gemm {payload['deep_gemm']}; wrote {path}")
     ok = all(c[f"{m}_topk_sets_equal"] and c[f"{m}_score_rel_err"] < 2e-3 for c in checks.values()
              for m in ("separate", "fused"))
     return 0 if ok else 1
-
-
-def sweep(x: dict, batch: int, copy_gbs: float) -> list[dict]:
-    """Launch variants at one live length (bf16 keys, maximum = L), graph-timed."""
-    out, live = [], int(x["lens"][0])
-    key_bytes = batch * live * 2 * DIM
-    label = f"{live * 4 // KI}K"
-    s = 2 * torch.cuda.get_device_properties(0).multi_processor_count // batch
-    for bt, nw, sp, st in ((128, 4, s, 3), (128, 8, s, 3), (64, 4, s, 3), (128, 4, s, 4), (256, 8, s, 3),
-                           (64, 4, 2 * s, 4), (128, 4, 2 * s, 3)):
-        ours = Ours(x, False, indexer_options=dict(block_t=bt, num_warps=nw, split=sp, num_stages=st))
-        us = ours.graph_us(ours.indexer)
-        out.append({"L": label, "variant": f"indexer bt{bt} w{nw} s{sp} st{st}", "us": us,
-                    "gbs": key_bytes / us / 1e3, "frac_copy": key_bytes / us / 1e3 / copy_gbs})
-    for bt, nw, blk in ((128, 4, 2048), (128, 8, 2048), (64, 4, 2048), (128, 8, 4096), (128, 4, 1024)):
-        ours = Ours(x, False, fused_options=dict(block_t=bt, num_warps=nw, block=blk))
-        out.append({"L": label, "variant": f"fused bt{bt} w{nw} b{blk}", "us": ours.graph_us()})
-    ours = Ours(x, False)
-    ours.indexer()
-    for one, blk, nw in ((True, 2048, 8), (True, 4096, 8), (False, 2048, 8)):
-        ours.topk_options = dict(one_launch=one, block=blk, num_warps=nw)
-        out.append({"L": label, "variant": f"topk {'one' if one else 'per-pass'} b{blk} w{nw}",
-                    "us": ours.graph_us(ours.topk)})
-    return out
 
 
 def derive(rows: list[dict]) -> list[dict]:

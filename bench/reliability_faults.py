@@ -1,15 +1,17 @@
-"""The faults of the reliability bench, each injected under in-flight requests on a real embedded cluster.
+"""The faults of the reliability bench, each injected under in-flight requests, and the client that classifies how
+every request ended: `completed` (200 and a whole answer, a stream with a finish_reason and `[DONE]`), `errored`
+(an error status with the OpenAI envelope's message, or an error event then `[DONE]`), `reset` (the connection
+refused or closed: only acceptable when the router itself was killed), `left` (the client hung up on purpose),
+`hung` (no end within the deadline), `lost` (anything else).
 
 One fault run (`run_fault`):
-  1. the idle KV usage of every worker (the baseline), from each worker's `/server_info`;
-  2. `clients` chat requests through the router, half streaming, each long enough to be in flight;
-  3. the fault, once the requests are where the fault should hit them (mid-stream, or waiting for KV);
-  4. every client's outcome (`reliability_clients.py`) and how long after the fault it ended: `hung` past
-     `deadline_s` (10 s) counts even when the client got an answer later, except a whole answer within
-     `HELD_DEADLINE_S`: `held` (the router held it for its only prefill or decode to come back, `stream_hold_s`);
-  5. recovery: a small request every 0.25 s until one succeeds (seconds from the fault), then `after` requests,
-     mixed streaming and plain, that must all complete;
-  6. KV usage of every worker back to its baseline (bounded wait), and no orphaned or duplicate process (/proc).
+  1. every worker's idle KV usage (`/server_info`), the baseline;
+  2. `clients` chat requests through the router, half streaming, long enough to be in flight;
+  3. the fault, once the requests are where it should hit them (mid-stream, or waiting for KV);
+  4. every outcome and when it ended: past `DEADLINE_S` it is `hung`, except a whole answer within
+     `HELD_DEADLINE_S`, `held` (the router held it for its only prefill or decode to come back, `stream_hold_s`);
+  5. recovery: a small request every 0.25 s until one succeeds, then `after` requests that must all complete;
+  6. KV usage back to its baseline, and no orphaned or duplicate process (/proc).
 """
 
 from __future__ import annotations
@@ -25,10 +27,107 @@ from typing import Awaitable, Callable
 import httpx
 
 from . import proc_probe
-from .reliability_clients import Outcome, chat
 
+MODEL = "dsv4-tiny"
 DEADLINE_S = 10.0
 HELD_DEADLINE_S = DEADLINE_S + 15.0 + 5.0   # + the router's default stream_hold_s + the rest of the answer
+
+
+@dataclass(frozen=True)
+class Outcome:
+    kind: str
+    ended: float          # monotonic time the request ended (or was given up on)
+    started: float
+    detail: str = ""
+    tokens: int = 0
+
+    @property
+    def latency_s(self) -> float:
+        return self.ended - self.started
+
+
+def _error_status(status: int, raw: bytes) -> tuple[str, str]:
+    try:
+        message = json.loads(raw)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return "lost", f"HTTP {status} without an error message: {raw[:120]!r}"
+    return ("errored", f"HTTP {status}: {message}"[:300]) if message else ("lost", f"HTTP {status}, empty message")
+
+
+def _plain(status: int, raw: bytes) -> tuple[str, str, int]:
+    if status != 200:
+        return (*_error_status(status, raw), 0)
+    try:
+        answer = json.loads(raw)
+        choice = answer["choices"][0]
+        finished = choice["finish_reason"] is not None and isinstance(choice["message"]["content"], str)
+        tokens = answer["usage"]["completion_tokens"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return "lost", f"200 with a malformed body: {raw[:120]!r}", 0
+    return ("completed", "", tokens) if finished else ("lost", "200 without a finish_reason", tokens)
+
+
+class StreamState:
+    """What one SSE stream carried so far."""
+
+    def __init__(self) -> None:
+        self.tokens, self.finished, self.error, self.done, self.malformed = 0, False, None, False, None
+
+    def feed(self, line: str) -> None:
+        if not line.startswith("data: ") or (data := line[6:]) == "[DONE]":
+            self.done = self.done or line == "data: [DONE]"
+            return
+        try:
+            event = json.loads(data)
+        except ValueError:
+            self.malformed = data[:120]
+            return
+        if "error" in event:
+            self.error = str(event["error"].get("message", event["error"]))[:300]
+        for choice in event.get("choices", []):
+            self.tokens += bool(choice.get("delta", {}).get("content"))
+            self.finished = self.finished or bool(choice.get("finish_reason"))
+
+    def outcome(self) -> tuple[str, str]:
+        if self.malformed is not None:
+            return "lost", f"malformed event: {self.malformed!r}"
+        if self.error is not None:
+            return ("errored", f"error event: {self.error}") if self.done else ("lost", "error event without [DONE]")
+        if self.done and self.finished:
+            return "completed", ""
+        return "lost", f"stream ended without {'a finish_reason' if self.done else '[DONE]'} ({self.tokens} tokens)"
+
+
+async def chat(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int, stream: bool,
+               leave_after: int | None = None, on_token=None) -> Outcome:
+    """One chat request through `url` (a router), classified. `leave_after`: hang up after that many tokens;
+    `on_token()` is called at each streamed token (the fault runner waits for requests to be mid-stream)."""
+    started = time.monotonic()
+    end = lambda kind, detail="", tokens=0: Outcome(kind, time.monotonic(), started, detail, tokens)  # noqa: E731
+    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": stream,
+            **({"stream_options": {"include_usage": True}} if stream else {})}
+    try:
+        if not stream:
+            r = await client.post(url + "/v1/chat/completions", json=body)
+            return end(*_plain(r.status_code, r.content))
+        state = StreamState()
+        async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                return end(*_error_status(r.status_code, await r.aread()))
+            async for line in r.aiter_lines():
+                before = state.tokens
+                state.feed(line)
+                if state.tokens > before:
+                    if on_token is not None:
+                        on_token()
+                    if leave_after is not None and state.tokens >= leave_after:
+                        return end("left", f"hung up after {state.tokens} tokens", state.tokens)
+        return end(*state.outcome(), state.tokens)
+    except httpx.TimeoutException as exc:
+        return end("hung", f"{type(exc).__name__}: no end within the client's timeout")
+    except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+        return end("reset", f"{type(exc).__name__}: {exc}"[:300])
 
 
 @dataclass
@@ -53,16 +152,15 @@ class FaultResult:
 
     @property
     def ok(self) -> bool:
-        return (self.hung == 0 and self.lost == 0 and (self.resets_allowed or self.reset == 0)
-                and self.recovery_s is not None and self.after_ok == self.after_total
-                and self.kv_after == self.kv_baseline and not self.orphans)
+        return (self.hung == self.lost == 0 and (self.resets_allowed or self.reset == 0) and self.recovery_s is not None
+                and self.after_ok == self.after_total and self.kv_after == self.kv_baseline and not self.orphans)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "ok": self.ok}
 
 
 class Cluster:
-    """What a fault needs of a running cluster: URLs, pids from `status`, the admin token."""
+    """What a check needs of a running cluster: URLs, the `status` rows (pids, logs), its home."""
 
     def __init__(self, cli: Callable[..., object], router_url: str, ports: dict[str, int], home) -> None:
         self._cli, self.router_url, self.ports, self.home = cli, router_url, ports, home
@@ -76,64 +174,47 @@ class Cluster:
     def url(self, role: str) -> str:
         return f"http://127.0.0.1:{self.ports[role]}"
 
-    @property
-    def worker_ports(self) -> set[int]:
-        return {self.ports["prefill"], self.ports["decode"]}
-
-    @property
-    def all_ports(self) -> set[int]:
-        return set(self.ports.values())
-
-
-async def _used_tokens(client: httpx.AsyncClient, url: str) -> int | None:
-    try:
-        r = await client.get(url + "/server_info", timeout=3)
-        return r.json()["internal_states"][0]["num_used_tokens"] if r.status_code == 200 else None
-    except (httpx.HTTPError, ValueError, KeyError):
-        return None
-
 
 async def kv_usage(cluster: Cluster) -> dict[str, int | None]:
+    async def used(client: httpx.AsyncClient, url: str) -> int | None:
+        try:
+            r = await client.get(url + "/server_info", timeout=3)
+            return r.json()["internal_states"][0]["num_used_tokens"] if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, KeyError):
+            return None
+
     async with httpx.AsyncClient() as client:
-        return {role: await _used_tokens(client, cluster.url(role)) for role in ("prefill", "decode")}
+        return {role: await used(client, cluster.url(role)) for role in ("prefill", "decode")}
 
 
 async def kv_back_to(cluster: Cluster, baseline: dict[str, int], limit_s: float = 30.0) -> dict[str, int | None]:
     end = time.monotonic() + limit_s
-    while True:
-        now = await kv_usage(cluster)
-        if now == baseline or time.monotonic() > end:
-            return now
+    while (now := await kv_usage(cluster)) != baseline and time.monotonic() < end:
         await asyncio.sleep(0.5)
+    return now
 
 
 async def recover(router_url: str, since: float, limit_s: float = 120.0) -> float | None:
     """Seconds from `since` to the first 200 of a small request through the router (None: never)."""
     async with httpx.AsyncClient(timeout=10) as client:
         while time.monotonic() - since < limit_s:
-            outcome = await chat(client, router_url, "are you back?", 2, stream=False)
-            if outcome.kind == "completed":
-                return time.monotonic() - since
+            if (await chat(client, router_url, "are you back?", 2, stream=False)).kind == "completed":
+                return round(time.monotonic() - since, 2)
             await asyncio.sleep(0.25)
     return None
 
 
-async def after_requests(router_url: str, count: int) -> list[Outcome]:
-    async with httpx.AsyncClient(timeout=60) as client:
-        return [await chat(client, router_url, f"after the fault {i}", 6, stream=i % 2 == 0) for i in range(count)]
-
-
 def _tally(result: FaultResult, outcomes: list[Outcome], fault_at: float) -> None:
+    ends = []
     for o in outcomes:
-        kind = o.kind
-        if kind in ("completed", "errored", "reset") and o.ended - fault_at > DEADLINE_S:
-            held = kind == "completed" and o.ended - fault_at <= HELD_DEADLINE_S
-            kind = "held" if held else "hung"   # it ended later than the fault's deadline
+        kind, after = o.kind, o.ended - fault_at
+        if kind in ("completed", "errored", "reset") and after > DEADLINE_S:
+            kind = "held" if kind == "completed" and after <= HELD_DEADLINE_S else "hung"
         setattr(result, kind, getattr(result, kind) + 1)
+        if kind != "held":
+            ends.append(after)
         if kind != "completed" and len(result.samples) < 4:
-            result.samples.append(f"{kind} {o.ended - fault_at:+.1f}s: {o.detail}"[:240])
-    ends = [o.ended - fault_at for o in outcomes if not (o.kind == "completed" and
-                                                          DEADLINE_S < o.ended - fault_at <= HELD_DEADLINE_S)]
+            result.samples.append(f"{kind} {after:+.1f}s: {o.detail}"[:240])
     result.latest_end_after_fault_s = round(max(ends), 2) if ends else None
 
 
@@ -154,31 +235,26 @@ async def run_fault(cluster: Cluster, name: str, arm: Arm, ready: Ready, clients
     timeout = httpx.Timeout(DEADLINE_S + 20, connect=5)
     async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=clients + 4)) as client:
         tasks = [asyncio.ensure_future(chat(client, cluster.router_url, f"{i}: {prompt}", max_tokens,
-                                            stream=i % 2 == 0, on_token=first_token.set))
-                 for i in range(clients)]
+                                            stream=i % 2 == 0, on_token=first_token.set)) for i in range(clients)]
         try:
             await asyncio.wait_for(ready(first_token), 60)
         except asyncio.TimeoutError:
             result.samples.append("the requests never reached the point the fault should strike; struck anyway")
-        result.in_flight = sum(not t.done() for t in tasks)
-        fault_at = time.monotonic()
+        result.in_flight, fault_at = sum(not t.done() for t in tasks), time.monotonic()
         await inject()
-        outcomes = await asyncio.gather(*tasks)
-    _tally(result, outcomes, fault_at)
+        _tally(result, await asyncio.gather(*tasks), fault_at)
     result.recovery_s = await recover(cluster.router_url, fault_at)
-    if result.recovery_s is not None:
-        result.recovery_s = round(result.recovery_s, 2)
     if settle is not None:
         await settle()
-    done = await after_requests(cluster.router_url, after)
+    async with httpx.AsyncClient(timeout=60) as client:
+        done = [await chat(client, cluster.router_url, f"after the fault {i}", 6, stream=i % 2 == 0)
+                for i in range(after)]
     result.after_total, result.after_ok = after, sum(o.kind == "completed" for o in done)
     result.samples += [f"after: {o.kind}: {o.detail}"[:240] for o in done if o.kind != "completed"][:3]
     result.kv_after = await kv_back_to(cluster, baseline)
-    result.orphans = proc_probe.orphans(cluster.all_ports, cluster.worker_ports)
+    result.orphans = proc_probe.orphans(set(cluster.ports.values()), {cluster.ports["prefill"], cluster.ports["decode"]})
     return result
 
-
-# -- the faults ---------------------------------------------------------------------------------------------
 
 async def mid_stream(first_token: asyncio.Event) -> None:
     await first_token.wait()
@@ -194,53 +270,44 @@ def waiting_for_kv(cluster: Cluster) -> Ready:
                     text = (await client.get(cluster.url("decode") + "/metrics")).text
                 except httpx.HTTPError:
                     text = ""
-                for line in text.splitlines():
-                    if line.startswith("sglang:num_decode_transfer_queue_reqs{") and float(line.split()[-1]) > 0:
-                        return
+                if any(line.startswith("sglang:num_decode_transfer_queue_reqs{") and float(line.split()[-1]) > 0
+                       for line in text.splitlines()):
+                    return
                 await asyncio.sleep(0.01)
     return ready
 
 
-async def _pid(cluster: Cluster, name: str) -> int:
-    return (await asyncio.to_thread(cluster.rows))[name]["pid"]
-
-
-def kill(cluster: Cluster, name: str) -> Arm:
+def kill(cluster: Cluster, name: str, sig: int = signal.SIGKILL, cont_after_s: float | None = None,
+         held: list | None = None) -> Arm:
+    """`sig` to `name`'s process; with `cont_after_s`, SIGCONT that long after (kept in `held`; its supervisor may
+    have replaced the process by then)."""
     async def arm() -> Inject:
-        pid = await _pid(cluster, name)
+        pid = (await asyncio.to_thread(cluster.rows))[name]["pid"]
+
+        async def resume() -> None:
+            await asyncio.sleep(cont_after_s)
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass   # its supervisor killed and replaced it meanwhile
 
         async def inject() -> None:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, sig)
+            if cont_after_s is not None:
+                held.append(asyncio.ensure_future(resume()))
         return inject
     return arm
 
 
 def stop_then_continue(cluster: Cluster, name: str, stopped_s: float, held: list) -> Arm:
-    """SIGSTOP now and SIGCONT after `stopped_s` (kept in `held`; its supervisor may have replaced it by then)."""
-    async def arm() -> Inject:
-        pid = await _pid(cluster, name)
-        return lambda: _stop(pid, stopped_s, held)
-    return arm
-
-
-async def _stop(pid: int, stopped_s: float, held: list) -> None:
-    os.kill(pid, signal.SIGSTOP)
-
-    async def resume() -> None:
-        await asyncio.sleep(stopped_s)
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass   # its supervisor killed and replaced it meanwhile
-    held.append(asyncio.ensure_future(resume()))
+    return kill(cluster, name, signal.SIGSTOP, stopped_s, held)
 
 
 def stall_engine(cluster: Cluster, role: str, seconds: float) -> Arm:
     """The `--test-hooks` endpoint: the engine thread stops, HTTP (and so /health's socket) goes on."""
     async def inject() -> None:
         async with httpx.AsyncClient(timeout=5) as client:
-            r = await client.post(cluster.url(role) + "/debug/stall_engine", params={"seconds": seconds})
-            r.raise_for_status()
+            (await client.post(cluster.url(role) + "/debug/stall_engine", params={"seconds": seconds})).raise_for_status()
 
     async def arm() -> Inject:
         return inject
@@ -254,25 +321,18 @@ async def all_faults(cluster: Cluster, stop_s: float = 20.0, stall_s: float = 20
     async def resumed() -> None:
         await asyncio.gather(*held)
 
-    runs: list[tuple[str, Callable[[], Awaitable[FaultResult]]]] = [
-        ("kill -9 decode mid-stream", lambda: run_fault(cluster, "kill -9 decode mid-stream",
-                                                        kill(cluster, "decode-0"), mid_stream)),
-        ("kill -9 prefill during KV transfer", lambda: run_fault(
-            cluster, "kill -9 prefill during KV transfer", kill(cluster, "prefill-0"), waiting_for_kv(cluster),
-            prompt_chars=380, max_tokens=100)),
-        ("kill -9 router", lambda: run_fault(cluster, "kill -9 router", kill(cluster, "router"), mid_stream,
-                                             resets_allowed=True)),
-        (f"SIGSTOP decode {stop_s:g} s", lambda: run_fault(
-            cluster, f"SIGSTOP decode {stop_s:g} s", stop_then_continue(cluster, "decode-0", stop_s, held),
-            mid_stream, settle=resumed)),
-        (f"decode engine stalls {stall_s:g} s (health socket answers)", lambda: run_fault(
-            cluster, f"decode engine stalls {stall_s:g} s (health socket answers)",
-            stall_engine(cluster, "decode", stall_s), mid_stream)),
-    ]
+    runs = {"kill -9 decode mid-stream": dict(arm=kill(cluster, "decode-0"), ready=mid_stream),
+            "kill -9 prefill during KV transfer": dict(arm=kill(cluster, "prefill-0"), ready=waiting_for_kv(cluster),
+                                                       prompt_chars=380, max_tokens=100),
+            "kill -9 router": dict(arm=kill(cluster, "router"), ready=mid_stream, resets_allowed=True),
+            f"SIGSTOP decode {stop_s:g} s": dict(arm=stop_then_continue(cluster, "decode-0", stop_s, held),
+                                                 ready=mid_stream, settle=resumed),
+            f"decode engine stalls {stall_s:g} s (health socket answers)": dict(
+                arm=stall_engine(cluster, "decode", stall_s), ready=mid_stream)}
     results = []
-    for name, run in runs:
+    for name, kwargs in runs.items():
         if only is None or any(key in name for key in only):
-            results.append(await run())
+            results.append(await run_fault(cluster, name, **kwargs))
             await wait_all_ready(cluster)
     return results
 
@@ -280,9 +340,10 @@ async def all_faults(cluster: Cluster, stop_s: float = 20.0, stall_s: float = 20
 async def wait_all_ready(cluster: Cluster, limit_s: float = 120.0) -> None:
     """Until `status` shows every process READY (the next fault starts from a whole cluster)."""
     end = time.monotonic() + limit_s
-    while time.monotonic() < end:
+    while True:
         rows = await asyncio.to_thread(cluster.rows)
         if all(r["state"] == "READY" for r in rows.values()):
             return
+        if time.monotonic() > end:
+            raise RuntimeError(f"the cluster is not READY {limit_s:g} s after a fault: {rows}")
         await asyncio.sleep(0.5)
-    raise RuntimeError(f"the cluster is not READY {limit_s:g} s after a fault: {rows}")

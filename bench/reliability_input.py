@@ -1,12 +1,10 @@
-"""Bad input against a running cluster (`reliability.py`): schemathesis on the router's and a worker's OpenAPI
-document, oversized and malformed bodies, slowloris. Each check counts its cases, 5xx answers and failures.
+"""Bad input against a running cluster (`reliability.py`): schemathesis, oversized and malformed bodies, slowloris.
 
-Schemathesis draws positive (schema-valid) and negative cases for every operation of `/openapi.json` and checks
-each answer: not a 5xx, a status and body the document declares (`response_schema_conformance`: the error
-envelope for errors), a declared content type. Generation lengths are clamped to 8 tokens (`max_tokens`,
-`max_new_tokens`, `max_completion_tokens`; `n` <= 2) so that hundreds of cases fit the bench's minutes; the
-shapes and values of everything else are the fuzzer's. The worker's fuzz leaves out the fields the router sets
-(`bootstrap_*`, `rid`): with them a worker waits for its peer, which the router's fuzz covers (it refuses them).
+Bad input: schemathesis draws positive and negative cases for every operation of the router's and a worker's
+`/openapi.json` and checks each answer (no 5xx; a status and body the document declares, the error envelope for
+errors; a declared content type), with generation lengths clamped to 8 tokens (and `n` <= 2) so hundreds of cases
+fit in minutes; the worker's fuzz leaves out the fields the router sets (`bootstrap_*`, `rid`: with them a worker
+waits for its peer). Then bodies past the size limit (413), malformed bodies (a 4xx naming the problem), slowloris.
 """
 
 from __future__ import annotations
@@ -17,34 +15,20 @@ import time
 
 import httpx
 
-from . import proc_probe
 from .common import rss_bytes
 from .reliability_faults import Cluster
 
-LENGTH_FIELDS = ("max_tokens", "max_new_tokens", "max_completion_tokens")
+CLAMPS = {"max_tokens": 8, "max_new_tokens": 8, "max_completion_tokens": 8, "n": 2}
 ROUTER_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "rid")
 SKIP_WORKER = ("/debug/", "/abort_request")   # test hooks; an abort by a made-up rid is a no-op by design
 
 
-def _clamp(body: object) -> object:
+def _clamp(body: object) -> None:
     if isinstance(body, dict):
-        for key in LENGTH_FIELDS:
-            if isinstance(body.get(key), int) and not isinstance(body.get(key), bool) and body[key] > 8:
-                body[key] = 8
-        if isinstance(body.get("n"), int) and not isinstance(body["n"], bool) and body["n"] > 2:
-            body["n"] = 2
-        if isinstance(body.get("sampling_params"), dict):
-            _clamp(body["sampling_params"])
-    return body
-
-
-def _without_router_fields(doc: dict) -> dict:
-    for item in doc["paths"].values():
-        for op in item.values():
-            schema = op.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema", {})
-            for field in ROUTER_FIELDS:
-                schema.get("properties", {}).pop(field, None)
-    return doc
+        for key, cap in CLAMPS.items():
+            if isinstance(body.get(key), int) and not isinstance(body[key], bool) and body[key] > cap:
+                body[key] = cap
+        _clamp(body.get("sampling_params"))
 
 
 def fuzz(name: str, base_url: str, cases: int, skip: tuple[str, ...] = (), strip_router_fields: bool = False,
@@ -53,15 +37,13 @@ def fuzz(name: str, base_url: str, cases: int, skip: tuple[str, ...] = (), strip
     import schemathesis
 
     doc = httpx.get(base_url + "/openapi.json", timeout=30).json()
-    if strip_router_fields:
-        doc = _without_router_fields(doc)
-    schema = schemathesis.openapi.from_dict(doc)
-    ops = [r.ok() for r in schema.get_all_operations()]
+    for op in (op for item in doc["paths"].values() for op in item.values() if strip_router_fields):
+        schema = op.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema", {})
+        for name in ROUTER_FIELDS:
+            schema.get("properties", {}).pop(name, None)
+    ops = [r.ok() for r in schemathesis.openapi.from_dict(doc).get_all_operations()]
     ops = [op for op in ops if not any(s in op.path for s in skip)]
-    counts = {"cases": 0, "server_errors": 0, "schema_breaking": 0}
-    failures: list[str] = []
-    statuses: dict[int, int] = {}
-    skipped: list[str] = []
+    counts, statuses, failures, skipped = {"cases": 0, "server_errors": 0, "schema_breaking": 0}, {}, [], []
     started = time.monotonic()
     for round_ in range(6):   # rounds with fresh seeds until `cases` were sent (cheap operations run dry)
         missing = cases - counts["cases"]
@@ -205,26 +187,22 @@ def slowloris(port: int, pid: int, connections: int = 64, hold_s: float = 20.0,
         s.setblocking(False)
         socks.append(s)
     closed: dict[int, float] = {}
-    worst = 0.0
-    start = time.monotonic()
+    worst, start = 0.0, time.monotonic()
     end = start + hold_s
     with httpx.Client(timeout=10) as c:
         while time.monotonic() < end:
             for i, s in enumerate(socks):
-                if i in closed:
-                    continue
-                try:
-                    if s.recv(4096) == b"":
-                        closed[i] = time.monotonic() - start
-                        continue
+                try:   # the router closed it (recv b""), or it refuses the next byte
+                    gone = i in closed or s.recv(4096) == b""
                 except BlockingIOError:
-                    pass
+                    gone = False
                 except OSError:
-                    closed[i] = time.monotonic() - start
-                    continue
+                    gone = True
                 try:
-                    s.sendall(b"X")
+                    gone or s.sendall(b"X")
                 except OSError:
+                    gone = True
+                if gone and i not in closed:
                     closed[i] = time.monotonic() - start
             started = time.monotonic()
             c.get(f"http://127.0.0.1:{port}/health")

@@ -28,7 +28,7 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 WHOLE_DIRS = ("sglang/srt/layers/attention/dsv4/", "sglang/kernels/ops/attention/dsv4/",
               "sglang/srt/layers/attention/dsa/")
-# read as source by the forced-sm_120 tests and bench (bench/sglang_sm120_baselines.py), never imported on sm_90
+# read as source by the forced-sm_120 tests and bench (bench/sm120_decode.py), never imported on sm_90
 SM120_FILES = ("sglang/kernels/ops/attention/flash_mla_sm120.py", "sglang/kernels/ops/attention/flash_mla_sm120_triton.py")
 JIT_SOURCES = ("sglang/kernels/jit/include/", "sglang/kernels/jit/csrc/")
 PURE = ("pydantic", "annotated_types", "typing_inspection", "dill", "openai", "httpx2", "sniffio")
@@ -36,7 +36,7 @@ NATIVE = ("msgspec-0.23.0", "pydantic_core-2.46.4", "apache_tvm_ffi-0.1.11", "sg
 
 CHILD = """
 import json, os, sys
-from bench.torchvision_stand_in import install_torchvision_stand_in
+from bench.sglang_stand_ins import install_torchvision_stand_in
 install_torchvision_stand_in()
 from bench import sglang_backend_rig as rig
 mode = sys.argv[1]
@@ -167,7 +167,7 @@ def build(wheel_dir: Path, out: Path) -> list[str]:
     for stem in NATIVE:
         for w in list(wheel_dir.glob(f"{stem}-*.whl")):
             shutil.copy2(w, out / "wheels" / w.name)
-    (out / "modules.json").write_text(json.dumps(sorted(mods)))  # for sglang_backend_import_check
+    (out / "modules.json").write_text(json.dumps(sorted(mods)))
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "sglang_backend_files.txt").write_text(
         f"# SGLang 0.5.23 files carried to the H200, unmodified, from {wheel_path.name} (sha256, urlsafe base64 as "

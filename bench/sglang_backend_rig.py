@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .sglang_backend_stand_ins import (  # noqa: F401  (the rig's API)
+from .sglang_stand_ins import (  # noqa: F401  (the rig's API)
     IMPORT_ONLY, STAND_INS, install_cpu_stand_ins, install_import_stand_ins, install_stand_ins)
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,24 +1,26 @@
 """SGLang's DeepSeek-V4 decode calls: our adapters against what SGLang runs today, on the same tensors.
 
-Sparse decode per layer kind (window; window + ratio-4 top-512; window + ratio-128) and B, at 64 real heads
-and at TP4 (16 of 64 real): FlashMLA called as SGLang calls it vs the adapter (default backend choice, and the
-Triton kernel at 16 heads), cold-L2 median of CUDA-graph replays (`us`) and of eager calls (`us_eager`).
-Indexer + top-k on fp8 keys at B = 32 and context L in {4K, 64K, 256K} (L / 4 compressed entries per row,
-as the ratio-4 indexer sees them): the adapters with capacity for 1M context (256K entries), with capacity
-= L, and PyTorch scoring + torch.topk over the capacity (a stock path). `host_us`: host time per eager call
-(calls issued back to back without a sync; equal to the GPU time when the GPU is the slower). The copy
-bandwidth is measured in the same run. JSON + a markdown table in bench/results/sglang_decode.*.
+    python -m bench.kernels sglang_decode [BATCHES]       # bench/results/sglang_decode.{json,md}
+    python -m bench.kernels sglang_decode --ncu KIND B    # two calls of ours and FlashMLA's: an Nsight Compute target
+    python -m bench.kernels sglang_decode --host KIND B H # where the host time of one eager adapter call goes
+
+Sparse decode per layer kind (window; + ratio-4 top-512; + ratio-128) and B, at 64 real heads and at TP4 (16 of 64):
+FlashMLA as SGLang calls it vs the adapter (and, at 16 heads, told so and the Triton kernel), cold-L2 median of
+CUDA-graph replays (`us`) and eager calls (`us_eager`). Indexer + top-k on fp8 keys at B = 32, L in {4K, 64K, 256K}:
+the adapters with capacity for 1M context and for L, and PyTorch scoring + torch.topk (a stock path). `host_us`:
+host time per eager call (issued back to back, one sync). The copy bandwidth is measured in the same run.
 """
 
 from __future__ import annotations
 
+import cProfile
+import pstats
 import time
 
 import torch
 
-from bench.common import versions
-from bench.kernels import RESULTS, bench_us, copy_bandwidth_gbs, print_table, write_results
-from bench.sparse_decode import graphed
+from bench.common import RESULTS, versions
+from bench.kernels import bench_us, copy_bandwidth_gbs, graphed, print_table, write_results
 from dsv4_cluster.kernels.sglang_adapters import flash_mla_with_kvcache, fp8_paged_mqa_logits, topk_transform_paged_v2
 from dsv4_cluster.kernels.sparse_mla_decode.launch import LaunchConfig
 from dsv4_cluster.kernels.sglang_cases import LAYERS, decode_case, indexer_case, live_rows
@@ -202,9 +204,35 @@ def ncu_case(kind: str, b: int) -> None:
     print(f"ncu case {kind} B={b}: live rows {live_rows(args)} x 584 B = {live_rows(args) * 584 / 1e6:.1f} MB", flush=True)
 
 
+def host_profile(kind: str, b: int, h: int, calls: int = 500) -> None:
+    """Per-call host time of the adapter (as the plugin calls it) and of FlashMLA, Python calls per adapter call, and
+    the 25 functions with the most own time."""
+    args = decode_case(kind, b, h, seed=0)
+    ours = lambda: flash_mla_with_kvcache(tile_scheduler_metadata=None, **args)  # noqa: E731
+    print(f"{kind} B={b} real_heads={h}: adapter {host_us(ours, calls):.1f} us of host per eager call")
+    try:
+        import flash_mla
+    except ImportError:
+        pass
+    else:
+        meta = flash_mla.get_mla_metadata()[0]
+        stock = lambda: flash_mla.flash_mla_with_kvcache(tile_scheduler_metadata=meta, use_legacy=True, **args)  # noqa: E731
+        print(f"  FlashMLA as SGLang calls it: {host_us(stock, calls):.1f} us")
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(calls):
+        ours()
+    profile.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(profile)
+    print(f"  Python function calls per adapter call: {stats.total_calls / calls:.1f}")
+    stats.sort_stats("tottime").print_stats(25)
+
+
 def run(argv: list[str]) -> int:
-    if argv[:1] == ["--ncu"]:
-        ncu_case(argv[1], int(argv[2]))
+    if argv[:1] in (["--ncu"], ["--host"]):
+        kind, b, h = (argv[1:] + ["c4", "8", "16"][len(argv) - 1:])[:3]
+        ncu_case(kind, int(b)) if argv[0] == "--ncu" else host_profile(kind, int(b), int(h))
         return 0
     copy_gbs = copy_bandwidth_gbs()
     print(f"copy bandwidth {copy_gbs:.0f} GB/s", flush=True)

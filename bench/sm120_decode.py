@@ -1,35 +1,81 @@
 """sm_120 on an H200 stand-in: our kernels with the sm_120 dispatch forced vs SGLang 0.5.23's own sm_120 paths.
 
-Run on the GPU machine with `DSV4_CLUSTER_GPU_CLASS=sm_120 DISABLE_MMA_V3=1` (the dispatch table's sm_120 rows,
-tl.dot compiled to mma.sync as on sm_120): `python -m bench.sm120_decode OUT_DIR`.
+    DSV4_CLUSTER_GPU_CLASS=sm_120 DISABLE_MMA_V3=1 python -m bench.kernels sm120_decode OUT_DIR
 
-Decode, in SGLang's sm_120 calling convention (q padded to 64 heads up to 64 rows, sliced to the real heads above),
-SGLang's 256-token window pages and 64 / 2-token compressed pages: ours (`flash_mla_with_kvcache_sm120` adapter)
-vs SGLang's Triton `flash_mla_sparse_decode_triton` and its PyTorch fallback `_sm120_sparse_decode_fwd`
-(bench/sglang_sm120_baselines.py), 16 and 64 real heads, B = 1 / 8 / 32 / 64 / 128; layers: C4 (window 128 +
-top-512) and C128 at configured 8K and 1M (an index list as wide as configured context / 128, 2K live tokens).
-Indexer: ours (fused scores + top-512) vs `fp8_paged_mqa_logits_torch_sm120` at configured 8K / 128K / 1M, 2K live.
-Each figure: CUDA-graph replay (10 calls per graph) and eager, median of 5, microseconds per call.
-FlashInfer's sm_120 CUDA kernel, SGLang's default on sm_120 when importable, cannot run on an H200: not measured.
+(the dispatch table's sm_120 rows, tl.dot compiled to mma.sync as on sm_120). Decode in SGLang's sm_120 calling
+convention (q padded to 64 heads up to 64 rows, sliced to the real heads above; 256-token window pages, 64 / 2-token
+compressed pages): ours vs SGLang's Triton `flash_mla_sparse_decode_triton` and its PyTorch `_sm120_sparse_decode_fwd`,
+16 and 64 real heads, B = 1 .. 128, C4 and C128 at configured 8K and 1M (2K live tokens); the prefill / extend rows
+SGLang sends the same entry; the indexer vs `fp8_paged_mqa_logits_torch_sm120`. CUDA-graph replay and eager, median
+of 5, us per call. SGLang's functions are loaded unmodified from its source (`SGLANG_SRC`, default the installed
+sglang's): the Triton module whole; the PyTorch ones, whose modules import SGLang's runtime (which does not load
+beside the H200's torch), by their source (`ast`), run with the module-level names they read. FlashInfer's sm_120
+kernel (SGLang's default there) is built for sm_120 only: not measured.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import json
+import os
 import statistics
-import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from bench.common import versions
-from bench.sglang_sm120_baselines import load
 from dsv4_cluster.kernels import dispatch
 from dsv4_cluster.kernels.sglang_adapters import flash_mla_with_kvcache_sm120, fp8_paged_mqa_logits, topk_transform_paged_v2
 from dsv4_cluster.kernels.sglang_cases import decode_case, indexer_case, sglang_sm120_args, sm120_call
 
 LIVE = 2048
+
+
+DECODE_CONSTANTS = ("_NOPE_DIM", "_ROPE_DIM", "_NOPE_ROPE_STRIDE", "_TILE_SIZE", "_NUM_TILES", "_SCALE_STRIDE", "_D")
+
+
+def sglang_root() -> Path:
+    if os.environ.get("SGLANG_SRC"):
+        return Path(os.environ["SGLANG_SRC"])
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("SGLang's source is needed: install sglang==0.5.23 or set SGLANG_SRC to its package folder")
+    return Path(spec.origin).parent
+
+
+def _functions(path: Path, names: tuple[str, ...], constants: tuple[str, ...], namespace: dict) -> dict:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    picked = [n for n in tree.body if (isinstance(n, ast.FunctionDef) and n.name in names) or
+              (isinstance(n, ast.Assign) and any(getattr(t, "id", None) in constants for t in n.targets))]
+    missing = set(names) - {n.name for n in picked if isinstance(n, ast.FunctionDef)}
+    if missing:
+        raise RuntimeError(f"{path} no longer defines {', '.join(sorted(missing))}")
+    exec(compile(ast.Module(body=picked, type_ignores=[]), str(path), "exec"), namespace)
+    return namespace
+
+
+def load() -> SimpleNamespace:
+    """SGLang's sm_120 baselines: triton_decode, torch_decode, torch_indexer (their SGLang signatures)."""
+    from typing import Any
+
+    import torch.nn.functional as F
+
+    root = sglang_root()
+    ops = root / "kernels" / "ops" / "attention"
+    spec = importlib.util.spec_from_file_location("sglang_sm120_triton", ops / "flash_mla_sm120_triton.py")
+    triton_mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(triton_mod)
+    dec = _functions(ops / "flash_mla_sm120.py", ("_gather_and_dequant", "_sm120_sparse_decode_fwd"), DECODE_CONSTANTS,
+                     {"torch": torch})
+    idx = _functions(root / "srt" / "layers" / "attention" / "dsv4" / "indexer.py",
+                     ("fp8_paged_mqa_logits_torch_sm120",), (),
+                     {"torch": torch, "F": F, "Any": Any, "FP8_DTYPE": torch.float8_e4m3fn})
+    return SimpleNamespace(triton_decode=triton_mod.flash_mla_sparse_decode_triton,
+                           torch_decode=dec["_sm120_sparse_decode_fwd"],
+                           torch_indexer=idx["fp8_paged_mqa_logits_torch_sm120"], root=str(root))
 
 
 def _time(fn, graph: bool, calls: int = 10, reps: int = 5) -> float:
@@ -145,7 +191,7 @@ def indexer_rows(base) -> list[dict]:
     return rows
 
 
-def main(argv: list[str]) -> int:
+def run(argv: list[str]) -> int:
     out = Path(argv[0] if argv else ".")
     gpu = dispatch.class_of_device(torch.device("cuda"))
     if gpu != "sm_120":
@@ -200,7 +246,3 @@ def markdown(result: dict) -> str:
         lines.append(f"| {r['configured']} | {r['live']} | {r['B']} | {r['ours_indexer_topk_graph_us']:.1f} | "
                      f"{r['sglang_torch_indexer_graph_us']:.1f} |")
     return "\n".join(lines) + "\n"
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.torchvision_stand_in import install_torchvision_stand_in as _install_torchvision_stand_in
+from bench.sglang_stand_ins import install_torchvision_stand_in as _install_torchvision_stand_in
 
 RESOLVED_FIELDS = ("page_size", "kv_cache_dtype", "attention_backend", "context_length", "tp_size",
                    "disaggregation_mode", "disaggregation_transfer_backend", "disaggregation_bootstrap_port",

@@ -11,11 +11,9 @@ import httpx
 import pytest
 
 from bench import reliability_faults as rf
-from bench.reliability_input import fuzz, malformed, oversized, slowloris
-from bench.reliability_security import security_checks
-from bench.reliability_soak import soak
-
 from bench.local_cluster import write_topology
+from bench.reliability import security_checks, soak
+from bench.reliability_input import fuzz, malformed, oversized, slowloris
 
 pytestmark = pytest.mark.slow
 HOOKS = ", extra_args: [--test-hooks]"

@@ -29,7 +29,7 @@ LIVE, BATCH = 4096, 2
 TOPK_SWAPS = 4  # of 512 (see the top-k test)
 CHILD = f"""
 import json, sys, torch
-from bench.torchvision_stand_in import install_torchvision_stand_in
+from bench.sglang_stand_ins import install_torchvision_stand_in
 install_torchvision_stand_in()
 from bench import sglang_backend_rig as rig
 mode = sys.argv[1]

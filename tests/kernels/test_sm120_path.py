@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from bench.sglang_sm120_baselines import load
+from bench.sm120_decode import load
 from dsv4_cluster.kernels import dispatch
 from dsv4_cluster.kernels.sglang_adapters import flash_mla_with_kvcache_sm120
 from dsv4_cluster.kernels.sglang_cases import decode_case, sglang_sm120_args, sm120_call

@@ -1,13 +1,65 @@
-"""The stand-ins of bench/sglang_backend_rig.py: each thing that is not SGLang's own code there, and why.
+"""What stands in for packages and calls that cannot load or run here, beside SGLang's own code: each, and why.
 
-Nothing here computes anything the comparison measures: each stand-in is an import the decode path never
-calls, or a call whose result only a kernel the plugin replaced (or the compressor, which is not run) reads.
+- torchvision: SGLang's config package imports `torchvision.transforms` at module level (vision models); no build
+  loads beside the CPU torch, and text models never call it. The SGLang contract tests' child
+  (tests/sglang_child.py) and the SGLang-backend rig put an import-only module in its place: any *use* raises. A
+  real, loadable torchvision always wins.
+- the rig of bench/sglang_backend_rig.py (`STAND_INS`): nothing here computes anything its comparison measures;
+  each is an import the decode path never calls, or a call whose result only a kernel the plugin replaced (or the
+  compressor, which is not run) reads.
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import sys
 import types
+from typing import Any
+
+class _Unusable:
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Unusable(f"{self._name}.{attr}")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"{self._name}: torchvision is an import-only stand-in here; nothing may use it")
+
+
+class TorchvisionStandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if name == "torchvision" or name.startswith("torchvision."):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        module = types.ModuleType(spec.name)
+        module.__path__ = []
+
+        def attr(name: str, _prefix: str = spec.name) -> Any:
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return _Unusable(f"{_prefix}.{name}")
+
+        module.__getattr__ = attr  # type: ignore[method-assign]
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        module.__version__ = "0.0"  # older than any real release: transformers skips its vision paths
+
+
+def install_torchvision_stand_in() -> None:
+    try:
+        import torchvision  # noqa: F401  (a real, loadable torchvision wins)
+    except (ImportError, RuntimeError):
+        sys.modules.pop("torchvision", None)
+        sys.meta_path.append(TorchvisionStandIn())
+
 
 STAND_INS = {
     "deep_gemm (plugin mode only)": "DeepGEMM's wheel does not load beside the device's torch 2.11. A module of that "
@@ -42,13 +94,9 @@ IMPORT_ONLY = ("sgl_kernel", "orjson", "pybase64", "starlette", "zmq", "IPython"
 def install_import_stand_ins(names=IMPORT_ONLY, force: bool = False) -> list[str]:
     """Stand-ins for `names` that are not installed (a real package wins unless `force`, which tests use to
     check the H200's import chain here); returns those stood in."""
-    import importlib.util
-
-    from bench.torchvision_stand_in import TorchvisionStandIn as _TorchvisionStandIn
-
     missing = [n for n in names if force or importlib.util.find_spec(n) is None]
 
-    class StandIns(_TorchvisionStandIn):
+    class StandIns(TorchvisionStandIn):
         def find_spec(self, name, path, target=None):
             if name.split(".")[0] in missing:
                 return importlib.machinery.ModuleSpec(name, self, is_package=True)
@@ -58,8 +106,6 @@ def install_import_stand_ins(names=IMPORT_ONLY, force: bool = False) -> list[str
             module.__version__ = "0.0"
 
     if missing:
-        import importlib.machinery
-
         sys.meta_path.insert(0, StandIns())
     return missing
 
@@ -135,9 +181,6 @@ def _deep_gemm_stand_in(torch):
     def get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms):
         return torch.empty(num_sms + 1, 2, dtype=torch.int32, device=context_lens.device)
 
-    module.fp8_paged_mqa_logits = fp8_paged_mqa_logits
-    module.get_num_sms = get_num_sms
+    module.fp8_paged_mqa_logits, module.get_num_sms = fp8_paged_mqa_logits, get_num_sms
     module.get_paged_mqa_logits_metadata = get_paged_mqa_logits_metadata
     return module
-
-
