@@ -191,7 +191,7 @@ def markdown(rows: list[dict], copy_gbs: float, device: str) -> str:
 
 def ncu_case(kind: str, b: int) -> None:
     """Two eager calls of ours (as the plugin calls it) and two of FlashMLA on one case: the target of
-    `NCU_CASE` in bench/run_sglang_on_h200.sh (Nsight Compute profiles the kernels these launch)."""
+    `NCU_CASE` of `bash bench/gpu.sh sglang_decode` (Nsight Compute profiles the kernels these launch)."""
     import flash_mla
 
     args = decode_case(kind, b, 64, seed=b, full=True, window_tokens=65536, extra_tokens=65536)

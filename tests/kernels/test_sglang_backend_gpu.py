@@ -11,7 +11,7 @@ JIT decode plan (the compressor is not run), the model's C4Indexer projections (
 weights), and import-only modules the decode path never calls. Stock uses SGLang's own fallbacks where its
 kernels cannot load beside torch 2.11: `fp8_paged_mqa_logits_torch` and `topk_transform_pytorch_vectorized`.
 With SGLANG_BACKEND_RUNS naming the folder where the bench's two mode processes of the same device run wrote
-this case (bench/run_sglang_backend_on_h200.sh does), the test checks those results instead of running the
+this case (`bash bench/gpu.sh sglang_backend` does), the test checks those results instead of running the
 modes again. Skips without CUDA (never in CI: CI has no GPU; the CPU side is tests/test_sglang_backend_cpu.py).
 """
 
