@@ -3,29 +3,16 @@
     python -m bench.kv_transfer --out bench/results/kv_transfer \
         [--prefill-device cuda:0 --decode-device cuda:1] [--pages fresh,churned,cache] [--max-tokens 16384]
 
-Two processes on this host (`kv_transfer_sides.py`): a prefill side and a decode side, each pinned to its device,
-each holding the engine's own KV pool for the preset (`flash` by default: its 4 layers' main, compressed and index
-buffers; fp8 on CUDA, one page-major region) in the state `--pages` asks for, and the engine's own `NixlTransfer`:
-one agent per side, as in a worker. States (a comma-separated list runs each in turn, one pair of sides each):
-fresh; churned (thousands of allocate/free cycles of arbitrary sizes, held at `--occupancy`, 90% by default);
-scattered (every free run one page, the worst case); cache (the prefill's pool full of a prefix cache after
-multi-turn chat, `kv_cache_churn.py`, its allocation making room for each request; the decode's churned). For each
-request size (1K ... 128K tokens) it times, interleaved, over `--repeats` trials:
-1. engine: `NixlTransfer.write_pages` of the pages the engine's allocator gave the request on each side, as the
-   engine sends them (descriptor lists prepared once per peer, per request only the pages' indices, which NIXL
-   merges into one descriptor per run of pages), until the prefill's poll says DONE and the decode side has the
-   notification;
-2. runs (with `--runs` only): the same through a new descriptor list per request, one descriptor per region and run
-   of pages (`descriptors="runs"`), through a second pair of agents registering the same pools;
-3. raw NIXL: one WRITE of one contiguous region of the same bytes (one descriptor), to the same completion;
-4. copy: `tensor.copy_` of the same bytes from the prefill device to the decode device (a peer copy on two GPUs,
-   a copy within the GPU when both are the same, a memcpy on the CPU).
-Throughput is bytes / p50 latency (GB = 1e9 B); the ratios come from this one run. Every size is checked: the
-bytes written into the decode pool equal the request's pages' bytes, its destination pages hold exactly the
-prefill's source bytes. The table gives each request's descriptors and run lengths on both sides, and the pools'
-free runs and occupancy before the timed requests. Which UCX transport carried the bytes is read from UCX's own log
-(`UCX_PROTO_INFO=y`, `bench/ucx_proto.py`). Writes OUT.json (one state: its report; several: reports by state),
-OUT.md (a table per state) and, for one state, OUT.png when matplotlib is installed.
+Two processes (`kv_transfer_sides.py`), each pinned to its device with the engine's own KV pool for the preset
+(`flash` by default; fp8 on CUDA, one page-major region) in the state `--pages` asks for (a list runs each in turn:
+fresh; churned, thousands of allocate/free cycles held at `--occupancy`; scattered, every free run one page; cache,
+the prefill's pool full of a prefix cache after multi-turn chat, `kv_cache_churn.py`) and the engine's own
+`NixlTransfer`, one agent per side as in a worker. Per request size (1K ... 128K tokens), interleaved over
+`--repeats` trials: the engine's `write_pages` of the pages its allocators gave, one raw NIXL WRITE of one region of
+the same bytes, and a device copy. Throughput is bytes / p50 latency; ratios from this one run; every size is
+checked byte for byte. The table gives each request's descriptors and page runs and the pools' state; which UCX
+transport carried the bytes is read from UCX's own log (`ucx_proto.py`). Writes OUT.json (one state: its report;
+several: reports by state) and OUT.md (a table per state).
 """
 
 from __future__ import annotations
@@ -45,14 +32,14 @@ from dsv4_cluster.orchestrator.launch.ports import free_ports
 from dsv4_cluster.orchestrator.processes import death_signal_preexec, log_tail
 from dsv4_cluster.workers.presets import PRESETS
 from . import ucx_proto
+from .common import md_table, pct, write
 from .kv_transfer_parts import PAGE_STATES, build_pool
-from .kv_transfer_sides import PREFILL_AGENT, RUNS_PREFILL_AGENT, RAW_PREFILL_AGENT
-from dsv4_cluster.orchestrator.load.loadgen import percentile
+from .kv_transfer_sides import PREFILL_AGENT, RAW_PREFILL_AGENT
 
 SIZES = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 # engine >= 80% of raw NIXL for requests >= 8K tokens, >= 50% at 1K
 TARGET_RATIO, TARGET_MIN_TOKENS, SMALL_TARGET_RATIO, SMALL_TOKENS = 0.8, 8192, 0.5, 1024
-METHODS = ("engine", "runs", "raw", "copy")   # runs: only with --runs (a second pair of agents on the pools)
+METHODS = ("engine", "raw", "copy")
 
 
 class BenchError(RuntimeError):
@@ -78,8 +65,7 @@ def run_sides(a: argparse.Namespace, pages: str, workdir: Path) -> dict:
               "--n-layers", str(a.n_layers), "--page-size", str(a.page_size),
               "--pool-pages", str(pool_pages(a, pages)), "--repeats", str(a.repeats),
               "--warmup", str(a.warmup), *(["--ucx-tls", a.ucx_tls] if a.ucx_tls else []),
-              "--pages", pages, "--churn-cycles", str(a.churn_cycles), "--occupancy", str(a.occupancy),
-              *(["--runs"] if a.runs else [])]
+              "--pages", pages, "--churn-cycles", str(a.churn_cycles), "--occupancy", str(a.occupancy)]
     mod = [sys.executable, "-m", "bench.kv_transfer_sides"]
     cmds = {"decode": [*mod, "decode", "--device", a.decode_device, *common],
             "prefill": [*mod, "prefill", "--device", a.prefill_device, "--peer-device", a.decode_device,
@@ -113,28 +99,20 @@ def run_sides(a: argparse.Namespace, pages: str, workdir: Path) -> dict:
 
 
 def stats(times: list[float], nbytes: int) -> dict:
-    s = sorted(times)
-    p50 = percentile(s, 50)
-    return {"p50_ms": round(p50 * 1e3, 4), "p99_ms": round(percentile(s, 99) * 1e3, 4),
-            "mean_ms": round(sum(s) / len(s) * 1e3, 4), "gb_s": round(nbytes / p50 / 1e9, 3), "n": len(s)}
-
-
-def methods(raw: dict) -> list[str]:
-    return [m for m in METHODS if raw["sizes"][0]["times_s"][m]]
+    p50 = pct(times, 50)
+    return {"p50_ms": round(p50 * 1e3, 4), "p99_ms": round(pct(times, 99) * 1e3, 4),
+            "mean_ms": round(sum(times) / len(times) * 1e3, 4), "gb_s": round(nbytes / p50 / 1e9, 3), "n": len(times)}
 
 
 def summarize(raw: dict) -> list[dict]:
-    rows, timed = [], methods(raw)
+    rows = []
     for size in raw["sizes"]:
         t, n = size["times_s"], size["bytes"]
         row = {k: size[k] for k in ("tokens", "pages", "bytes", "descriptors", "page_runs", "run_lengths", "checks")}
-        row.update({m: stats(t[m], n) for m in timed})
-        for m in ("engine", "runs", "raw"):
-            if m in timed:
-                row[f"{m}_done_only"] = stats(t[f"{m}_done"], n)    # the prefill's view alone (engine stats)
-        row["ratios"] = {f"{m}_vs_raw": round(row[m]["gb_s"] / row["raw"]["gb_s"], 3) for m in ("engine", "runs")
-                         if m in timed}
-        row["ratios"]["engine_vs_copy"] = round(row["engine"]["gb_s"] / row["copy"]["gb_s"], 3)
+        row.update({m: stats(t[m], n) for m in METHODS})
+        row.update({f"{m}_done_only": stats(t[f"{m}_done"], n) for m in ("engine", "raw")})  # the prefill's view alone
+        row["ratios"] = {"engine_vs_raw": round(row["engine"]["gb_s"] / row["raw"]["gb_s"], 3),
+                         "engine_vs_copy": round(row["engine"]["gb_s"] / row["copy"]["gb_s"], 3)}
         c = row["checks"]
         c["engine_bytes_match"] = c["engine_written_bytes"] == n
         c["raw_bytes_match"] = c["raw_written_bytes"] == n
@@ -156,24 +134,21 @@ def table(report: dict) -> str:
             "per buffer), "
             f"pages: {cfg['pages']}, {cfg['repeats']} repeats (+{cfg['warmup']} warmup), GB/s = bytes / p50 latency.\n\n"
             f"UCX transports of the WRITEs (UCX_PROTO_INFO): engine {_transports(ucx['engine'])}; "
-            + (f"runs {_transports(ucx['runs'])}; " if "runs" in ucx else "")
-            + f"raw NIXL {_transports(ucx['raw'])}.\n\n")
+            f"raw NIXL {_transports(ucx['raw'])}.\n\n")
     state = pool.get("state", {})
     if cfg["pages"] != "fresh":
         head += "Pools before the timed requests: " + "; ".join(
             f"{side} {st['held_pages']} pages held ({st.get('occupancy', '?')} of the pool), {st['free_pages']} free "
             f"in {st['free_runs']} runs (longest {st['longest_free_run']})" for side, st in state.items()) + ".\n\n"
-    rows = ["| tokens | MB | descs (runs) | page runs src / dst (max len) | engine GB/s | engine p50 / p99 ms | runs GB/s | "
-            "raw GB/s | raw p50 / p99 ms | copy GB/s | engine / raw | runs / raw | engine / copy | checks |",
-            "|" + " --- |" * 14]
-    for r in report["sizes"]:
-        e, pp, w, c = r["engine"], r.get("runs", {"gb_s": "-"}), r["raw"], r["copy"]
-        rl = r["run_lengths"]
-        rows.append(f"| {r['tokens']} | {r['bytes'] / 1e6:.1f} | {r['descriptors']['engine']} | "
-                    f"{len(rl['src'])} / {len(rl['dst'])} ({max(rl['src'])} / {max(rl['dst'])}) | {e['gb_s']} | "
-                    f"{e['p50_ms']} / {e['p99_ms']} | {pp['gb_s']} | {w['gb_s']} | {w['p50_ms']} / {w['p99_ms']} | "
-                    f"{c['gb_s']} | {r['ratios']['engine_vs_raw']} | {r['ratios'].get('runs_vs_raw', '-')} | "
-                    f"{r['ratios']['engine_vs_copy']} | {'ok' if r['checks']['ok'] else 'FAILED'} |")
+    rows = md_table(["tokens", "MB", "descs (runs)", "page runs src / dst (max len)", "engine GB/s",
+                     "engine p50 / p99 ms", "raw GB/s", "raw p50 / p99 ms", "copy GB/s", "engine / raw", "engine / copy",
+                     "checks"],
+                    [[r["tokens"], f"{r['bytes'] / 1e6:.1f}", r["descriptors"]["engine"],
+                      f"{len(rl['src'])} / {len(rl['dst'])} ({max(rl['src'])} / {max(rl['dst'])})", str(e["gb_s"]),
+                      f"{e['p50_ms']} / {e['p99_ms']}", str(w["gb_s"]), f"{w['p50_ms']} / {w['p99_ms']}",
+                      str(r["copy"]["gb_s"]), str(r["ratios"]["engine_vs_raw"]), str(r["ratios"]["engine_vs_copy"]),
+                      "ok" if r["checks"]["ok"] else "FAILED"]
+                     for r in report["sizes"] for e, w, rl in [(r["engine"], r["raw"], r["run_lengths"])]])
     tgt = report["target"]
     verdict = {None: "n/a (size not measured)", True: "met", False: "not met"}
     return (head + "\n".join(rows) + f"\n\nTargets: engine >= {TARGET_RATIO} x raw NIXL for >= {TARGET_MIN_TOKENS} "
@@ -189,39 +164,17 @@ def _transports(agent: dict) -> str:
     return f"no put table logged (endpoint lanes: {'; '.join(agent['peer_lanes']) or 'none logged'})"
 
 
-def plot(report: dict, path: Path) -> str:
-    try:
-        import matplotlib
-    except ImportError:
-        return "skipped: matplotlib is not installed"
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    tokens = [r["tokens"] for r in report["sizes"]]
-    for m in (m for m in METHODS if m in report["sizes"][0]):
-        ax.plot(tokens, [r[m]["gb_s"] for r in report["sizes"]], marker="o", label=m)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("request tokens")
-    ax.set_ylabel("GB/s (bytes / p50)")
-    ax.set_title(f"KV transfer {report['config']['prefill_device']} -> {report['config']['decode_device']}")
-    ax.legend()
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    return str(path.name)
-
-
 def build_report(a: argparse.Namespace, pages: str, raw: dict, logs: list[Path], load: tuple[float, ...]) -> dict:
     rows = summarize(raw)
     big = [r["ratios"]["engine_vs_raw"] for r in rows if r["tokens"] >= TARGET_MIN_TOKENS]
     small = next((r["ratios"]["engine_vs_raw"] for r in rows if r["tokens"] == SMALL_TOKENS), None)
     on_gpus = a.prefill_device.startswith("cuda") and a.decode_device.startswith("cuda")
-    agents = {"engine": PREFILL_AGENT, **({"runs": RUNS_PREFILL_AGENT} if a.runs else {}), "raw": RAW_PREFILL_AGENT}
+    agents = {"engine": PREFILL_AGENT, "raw": RAW_PREFILL_AGENT}
     ucx = ucx_proto.summarize(logs, list(agents.values()), "cuda" if on_gpus else "host")
     return {"config": {"prefill_device": a.prefill_device, "decode_device": a.decode_device, "preset": a.preset,
                        "repeats": a.repeats, "warmup": a.warmup,
                        "pages": pages, "churn_cycles": a.churn_cycles if pages != "fresh" else 0,
                        "occupancy": a.occupancy if pages in ("churned", "cache") else None,
-                       "agents_per_side": 2 if a.runs else 1,
                        "host_load_avg_at_start": [round(x, 2) for x in load], "ucx_tls": a.ucx_tls or os.environ.get("UCX_TLS")},
             "pool": raw["pool"], "sizes": rows,
             "ucx": {kind: ucx[agent] for kind, agent in agents.items()},
@@ -255,8 +208,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    "allocation making room for each request; the decode's churned)")
     p.add_argument("--occupancy", type=float, default=0.9, help="share of each churned pool held (default 0.9)")
     p.add_argument("--churn-cycles", type=int, default=5000, help="allocate/free cycles (cache: chat turns)")
-    p.add_argument("--runs", action="store_true", help="also time descriptor lists built per request, through a "
-                   "second pair of agents registering the same pools (two agents per side)")
     p.add_argument("--timeout-s", type=float, default=540.0)
     a = p.parse_args(argv)
     a.sizes = [int(x) for x in a.sizes.split(",") if x and (not a.max_tokens or int(x) <= a.max_tokens)]
@@ -310,12 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         md += table(reports[pages]) + "\n"
         print(table(reports[pages]), flush=True)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    if len(reports) == 1:
-        (report,) = reports.values()
-        report["plot"] = plot(report, a.out.with_suffix(".png"))
-    a.out.with_suffix(".json").write_text(json.dumps(report if len(reports) == 1 else reports, indent=1) + "\n")
-    a.out.with_suffix(".md").write_text(md)
+    write(a.out, next(iter(reports.values())) if len(reports) == 1 else reports, md)
     return 0 if all(r["checks"]["ok"] for rep in reports.values() for r in rep["sizes"]) else 2
 
 

@@ -33,15 +33,10 @@ PAGE_STATES = ("fresh", "churned", "scattered", "cache")
 
 
 def side_pool(a: argparse.Namespace) -> tuple[KVPool, dict, PrefixCache | None]:
-    """This side's pool in the state `--pages` asks for, what that state is (free runs, pages held), and, in cache
-    mode on the prefill side, the prefix cache whose `allocate` gives the timed requests their pages:
-    - fresh: nothing allocated yet;
-    - churned: `--churn-cycles` allocate/free cycles of arbitrary sizes (1 page to 1/8 of the pool; the engine's
-      own allocator, this side's seed) around `--occupancy` of the pool, left at that occupancy;
-    - scattered: every other page held, so every free run is one page (the worst case: what the deque free list
-      handed out after churn);
-    - cache: the prefill side's pool full of a prefix cache's pages after multi-turn chat (`kv_cache_churn.py`,
-      the engine's own `PrefixCache`, which makes room for each timed request); the decode side churned."""
+    """This side's pool in the state `--pages` asks for (fresh; churned: `churn`, left at `--occupancy`; scattered:
+    every other page held, every free run one page; cache: the prefill's pool full of a prefix cache after multi-turn
+    chat, the decode's churned), what that state is, and in cache mode on the prefill side the prefix cache whose
+    `allocate` gives the timed requests their pages."""
     pool = build_pool(a.preset, a.n_layers, a.page_size, a.pool_pages, a.device)
     held: list[list[int]] = []
     cache = None
@@ -55,11 +50,10 @@ def side_pool(a: argparse.Namespace) -> tuple[KVPool, dict, PrefixCache | None]:
         held.append(pages[1::2])
     runs = pool.free_runs
     free = sum(n for _, n in runs)
-    state = {"pages": a.pages, "churn_cycles": a.churn_cycles if a.pages != "fresh" else 0,
+    return pool, {"pages": a.pages, "churn_cycles": a.churn_cycles if a.pages != "fresh" else 0,
              "held_pages": pool.layout.num_pages - free, "free_pages": free, "free_runs": len(runs),
              "occupancy": round(1 - free / pool.layout.num_pages, 3),
-             "longest_free_run": max((n for _, n in runs), default=0)}
-    return pool, state, cache
+             "longest_free_run": max((n for _, n in runs), default=0)}, cache
 
 
 def churn(pool: KVPool, cycles: int, occupancy: float, rng: random.Random) -> list[list[int]]:
@@ -114,7 +108,7 @@ def cache_alloc(cache: PrefixCache, pages: int, rng: random.Random) -> list[int]
     return got[1]
 
 
-def max_bytes(pool: KVPool, sizes: list[int]) -> int:
+def max_bytes(pool: KVPool, sizes: list[int]) -> int:  # the raw region and the copy: the largest request's bytes
     return max(pool.pages_for(t) for t in sizes) * pool.page_bytes
 
 

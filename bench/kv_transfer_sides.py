@@ -1,30 +1,16 @@
 """The two processes of `bench/kv_transfer.py`: the prefill side (it drives and times) and the decode side.
 
-    python -m bench.kv_transfer_sides decode  --port P --device cuda:1 ...
-    python -m bench.kv_transfer_sides prefill --port P --device cuda:0 --peer-device cuda:1 --result F
+    python -m bench.kv_transfer_sides decode|prefill --port P --device cuda:N ... (started by bench/kv_transfer.py)
 
-Both sides build the engine's own pool (`RunnerConfig.layout()` -> `KVPool`, as `ModelRunner` does: the preset's
-layers, page size, dtype: bf16 on CUDA, float32 on the CPU) and the engine's own `NixlTransfer` on it; the decode
-side hands the prefill side its `PeerInfo`, as the bootstrap server's `/kv/register` does. They talk over one TCP
-connection on loopback (JSON lines); the KV itself moves over NIXL/UCX.
-
-Per request size, interleaved trial by trial (so a load spike on the machine hits all four alike):
-- engine: `NixlTransfer.write_pages` of the pages the engine's allocator gives the prompt (`KVPool.alloc`, or in
-  cache mode `PrefixCache.allocate`, on a pool in the state `--pages` asks for: kv_transfer_parts.side_pool) into
-  the pages the decode pool's allocator gives, with `notif_message` as the notification; done when the prefill side's `poll` says DONE and the decode
-  side's `notifications()` returned it (both sides poll without sleeping, where the engine loops poll every 1 ms:
-  this measures the transfer, not the loops' cadence; times are CLOCK_MONOTONIC, one clock for every process of
-  the host);
-- runs (`--runs` only): the same pages through a second pair of agents that build a new descriptor list per
-  request, one descriptor per region and run of pages (`NixlTransfer(descriptors="runs")`); the engine's own agents
-  use lists prepared once per peer (its default). Without it each side registers its pool in one agent, as a worker
-  does;
-- raw: one NIXL WRITE of one contiguous region of the same bytes, one descriptor, between two other agents, with
-  a notification, timed the same way;
-- copy: `dst.copy_(src)` of the same bytes from the prefill device to the decode device (both synchronized).
-Checks per size: the decode side zeroes its whole pool and raw region first (the prefill's values are never
-zero); afterwards the non-zero bytes of its pool equal the request's pages' bytes and the SHA-256 of its
-destination pages equals that of the prefill's source pages (the raw region likewise; the copy compared).
+Each builds the engine's own pool and `NixlTransfer` on it (kv_transfer_parts.side_pool); the decode side hands the
+prefill side its `PeerInfo`, as the bootstrap server's `/kv/register` does. They talk over one loopback connection
+(multiprocessing.connection); the KV moves over NIXL/UCX. Per request size, trial by trial in rotating order (a load
+spike hits every method alike): engine (`write_pages` of the pages each side's allocator gave, with
+`notif_message`, done when the prefill's `poll` says DONE and the decode's `notifications()` returned it; both
+sides poll without sleeping: this times the transfer, not an engine loop's cadence), raw (one NIXL WRITE of one
+contiguous region of the same bytes, with a notification), copy (`copy_` of the same bytes to the decode device).
+Checks: the decode side zeroes its pool and raw region first (the prefill's values are never zero); afterwards its
+pool's non-zero bytes equal the request's bytes and the SHA-256 of its destination pages equals the source pages'.
 """
 
 from __future__ import annotations
@@ -33,11 +19,10 @@ import argparse
 import json
 import os
 import random
-import select
-import socket
 import sys
 import time
 from dataclasses import asdict
+from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 
 import torch
@@ -48,53 +33,8 @@ from .kv_transfer_parts import (PAGE_STATES, RawAgent, SideError, cache_alloc, m
                                 page_digest, region_digest, side_pool)
 
 PREFILL_AGENT, DECODE_AGENT = "kvx-prefill", "kvx-decode"
-RUNS_PREFILL_AGENT, RUNS_DECODE_AGENT = "kvx-runs-prefill", "kvx-runs-decode"
 RAW_PREFILL_AGENT, RAW_DECODE_AGENT = "kvx-raw-prefill", "kvx-raw-decode"
-CONNECT_TIMEOUT_S = 120.0
-
-
-class Link:
-    """JSON lines over one TCP connection."""
-
-    def __init__(self, sock: socket.socket):
-        self.sock = sock
-        self._buf = b""
-
-    def send(self, obj: dict) -> None:
-        self.sock.sendall(json.dumps(obj).encode() + b"\n")
-
-    def _lines(self) -> list[dict]:
-        *lines, self._buf = self._buf.split(b"\n")
-        return [json.loads(x) for x in lines if x]
-
-    def poll(self) -> list[dict] | None:
-        """Messages that have arrived, without blocking; None once the peer closed."""
-        if not select.select([self.sock], [], [], 0)[0]:
-            return []
-        data = self.sock.recv(1 << 16)
-        if not data:
-            return None
-        self._buf += data
-        return self._lines()
-
-    def recv(self, timeout_s: float = 600.0) -> dict:
-        self.sock.settimeout(timeout_s)
-        while b"\n" not in self._buf:
-            data = self.sock.recv(1 << 16)
-            if not data:
-                raise SideError("the decode side closed the connection (see its log)")
-            self._buf += data
-        line, self._buf = self._buf.split(b"\n", 1)
-        return json.loads(line)
-
-
-def _pin(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
-
-
-def _device_name(device: str) -> str:
-    return torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else f"cpu x{os.cpu_count()}"
+CONNECT_TIMEOUT_S, AUTH = 120.0, b"kvx"
 
 
 def _sync(*devices: str) -> None:
@@ -103,198 +43,151 @@ def _sync(*devices: str) -> None:
             torch.cuda.synchronize(torch.device(d))
 
 
-# ----------------------------------------------------------------------------------------------- decode side
-
 def run_decode(a: argparse.Namespace) -> int:
-    _pin(a.device)
+    if a.device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(a.device))
     pool, state, _ = side_pool(a)
     transfer = NixlTransfer(DECODE_AGENT, pool, a.ucx_tls)
-    runs = NixlTransfer(RUNS_DECODE_AGENT, pool, a.ucx_tls, descriptors="runs") if a.runs else None
     raw = RawAgent(RAW_DECODE_AGENT, max_bytes(pool, a.sizes), a.device)
-    server = socket.create_server(("127.0.0.1", a.port))
-    server.settimeout(CONNECT_TIMEOUT_S)
-    conn, _ = server.accept()
-    server.close()
-    link = Link(conn)
-    link.send({"engine": transfer.local_info().to_json(), "runs": runs.local_info().to_json() if runs else None,
-               "raw": raw.info(), "pool_state": state})
+    with Listener(("127.0.0.1", a.port), authkey=AUTH) as listener:
+        link = listener.accept()
+    link.send({"engine": transfer.local_info().to_json(), "raw": raw.info(), "pool_state": state})
     dst: list[int] = []
     while True:
-        for kind, agent in (("engine", transfer), *((("runs", runs),) if runs else ())):
-            for msg in agent.notifications():          # what DecodeEngine._receive reads
-                t = time.monotonic()
-                link.send({"ev": "notif", "kind": kind, "room": int(json.loads(msg)["room"]), "t": t})
+        for msg in transfer.notifications():          # what DecodeEngine._receive reads
+            link.send({"ev": "notif", "kind": "engine", "room": int(json.loads(msg)["room"]), "t": time.monotonic()})
         for msgs in raw.agent.get_new_notifs().values():
             t = time.monotonic()
             for msg in msgs:
                 link.send({"ev": "notif", "kind": "raw", "room": int(msg), "t": t})
-        cmds = link.poll()
-        if cmds is None:
-            return 0
-        for cmd in cmds:
-            op = cmd["op"]
-            if op == "stop":
-                link.send({"ev": "stopped"})
-                return 0
-            if op == "prepare":                       # the decode engine's allocator picks the pages
-                dst = pool.alloc(cmd["tokens"])
-                for b in pool.buffers():
-                    b.zero_()
-                raw.buf.zero_()
-                _sync(a.device)
-                link.send({"ev": "prepared", "dst": dst})
-            elif op == "check":
-                link.send({"ev": "checked", "digest": page_digest(pool, dst),
-                           "written_bytes": nonzero_bytes(pool.buffers()),
-                           "raw_digest": region_digest(raw.buf, cmd["raw_bytes"]),
-                           "raw_written_bytes": nonzero_bytes([raw.buf])})
-                pool.release(dst)
-                dst = []
-
-
-# ---------------------------------------------------------------------------------------------- prefill side
-
-def _connect(port: int) -> Link:
-    deadline = time.monotonic() + CONNECT_TIMEOUT_S
-    while True:
         try:
-            return Link(socket.create_connection(("127.0.0.1", port), timeout=5))
-        except OSError:
-            if time.monotonic() > deadline:
-                raise SideError(f"the decode side never listened on 127.0.0.1:{port} (see its log)") from None
-            time.sleep(0.2)
+            cmd = link.recv() if link.poll(0) else None
+        except EOFError:
+            return 0
+        if cmd is None:
+            continue
+        if cmd["op"] == "stop":
+            link.send({"ev": "stopped"})
+            return 0
+        if cmd["op"] == "prepare":                       # the decode engine's allocator picks the pages
+            dst = pool.alloc(cmd["tokens"])
+            for b in [*pool.buffers(), raw.buf]:
+                b.zero_()
+            _sync(a.device)
+            link.send({"ev": "prepared", "dst": dst})
+        elif cmd["op"] == "check":
+            link.send({"ev": "checked", "digest": page_digest(pool, dst), "written_bytes": nonzero_bytes(pool.buffers()),
+                       "raw_digest": region_digest(raw.buf, cmd["raw_bytes"]), "raw_written_bytes": nonzero_bytes([raw.buf])})
+            pool.release(dst)
+            dst = []
 
 
-def _wait_notif(link: Link, kind: str, room: int) -> float:
-    msg = link.recv()
-    if msg.get("ev") != "notif" or msg.get("kind") != kind or msg.get("room") != room:
-        raise SideError(f"expected the {kind} notification of room {room}, got {msg}")
-    return msg["t"]
-
-
-def _until_done(poll, handle, what: str) -> float:
-    while (state := poll(handle)) == "PROC":
-        pass
-    if state != "DONE":
-        raise SideError(f"the {what} WRITE ended {state}")
-    return time.monotonic()
+def _recv(link: Connection, timeout_s: float = 600.0) -> dict:
+    if not link.poll(timeout_s):
+        raise SideError(f"the decode side said nothing for {timeout_s:g} s (see its log)")
+    try:
+        return link.recv()
+    except EOFError:
+        raise SideError("the decode side closed the connection (see its log)") from None
 
 
 class PrefillSide:
     def __init__(self, a: argparse.Namespace):
         self.a = a
-        _pin(a.device)
+        if a.device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(a.device))
         torch.manual_seed(a.seed)
         self.pool, self.pool_state, self.cache = side_pool(a)
-        self.rng = random.Random(a.seed)
+        self.rng, self.room = random.Random(a.seed), 0
         for b in self.pool.buffers():                 # never zero, so the bytes written are countable
             b.copy_(nonzero_random(b))
         self.transfer = NixlTransfer(PREFILL_AGENT, self.pool, a.ucx_tls)
-        self.runs = NixlTransfer(RUNS_PREFILL_AGENT, self.pool, a.ucx_tls, descriptors="runs") if a.runs else None
         nbytes = max_bytes(self.pool, a.sizes)
         self.raw = RawAgent(RAW_PREFILL_AGENT, nbytes, a.device)
         self.raw.buf.copy_(nonzero_random(self.raw.buf))
         self.copy_dst = torch.empty(nbytes, dtype=torch.uint8, device=a.peer_device)
-        self.link = _connect(a.port)
-        hello = self.link.recv(CONNECT_TIMEOUT_S)
+        deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        while True:
+            try:
+                self.link = Client(("127.0.0.1", a.port), authkey=AUTH)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise SideError(f"the decode side never listened on 127.0.0.1:{a.port} (see its log)") from None
+                time.sleep(0.2)
+        hello = _recv(self.link, CONNECT_TIMEOUT_S)
         self.peer = PeerInfo.from_json(hello["engine"])
-        self.incarnation = self.transfer.add_peer(self.peer)   # what the bootstrap server's /kv/register does
-        self.runs_peer = PeerInfo.from_json(hello["runs"]) if a.runs else None
-        if self.runs:
-            self.runs.add_peer(self.runs_peer)
+        self.transfer.add_peer(self.peer)   # what the bootstrap server's /kv/register does
         self.decode_pool_state = hello["pool_state"]
         self.raw.add_peer(hello["raw"])
-        self.room = 0
 
-    def engine_trial(self, src: list[int], dst: list[int], kind: str = "engine") -> tuple[float, float]:
-        self.room += 1
-        agent, peer = (self.transfer, self.peer) if kind == "engine" else (self.runs, self.runs_peer)
-        t0 = time.monotonic()
-        handle = agent.write_pages(peer.agent_name, src, dst, notif_message(self.room, 0))
-        done = _until_done(agent.poll, handle, kind)
-        return done - t0, max(done, _wait_notif(self.link, kind, self.room)) - t0
-
-    def raw_trial(self, nbytes: int) -> tuple[float, float]:
+    def _trial(self, start, poll, kind: str) -> tuple[float, float]:
+        """(until the prefill's poll said DONE, until the decode side also had the notification), from the start."""
         self.room += 1
         t0 = time.monotonic()
-        handle = self.raw.write(nbytes, str(self.room).encode())
-        done = _until_done(self.raw.poll, handle, "raw")
-        return done - t0, max(done, _wait_notif(self.link, "raw", self.room)) - t0
+        handle = start(self.room)
+        while (state := poll(handle)) == "PROC":
+            pass
+        if state != "DONE":
+            raise SideError(f"the {kind} WRITE ended {state}")
+        done, msg = time.monotonic(), _recv(self.link)
+        if msg.get("ev") != "notif" or msg.get("kind") != kind or msg.get("room") != self.room:
+            raise SideError(f"expected the {kind} notification of room {self.room}, got {msg}")
+        return done - t0, max(done, msg["t"]) - t0
 
-    def copy_trial(self, nbytes: int) -> float:
+    def copy_trial(self, nbytes: int) -> tuple[None, float]:
         _sync(self.a.device, self.a.peer_device)
         t0 = time.monotonic()
         self.copy_dst[:nbytes].copy_(self.raw.buf[:nbytes])
         _sync(self.a.device, self.a.peer_device)
-        return time.monotonic() - t0
+        return None, time.monotonic() - t0
 
     def measure(self, tokens: int) -> dict:
-        a, pool = self.a, self.pool
+        a, pool, transfer = self.a, self.pool, self.transfer
         # the prefill engine's allocator (in cache mode through its prefix cache, which makes room first)
         src = cache_alloc(self.cache, pool.pages_for(tokens), self.rng) if self.cache else pool.alloc(tokens)
         self.link.send({"op": "prepare", "tokens": tokens})
-        dst = self.link.recv()["dst"]
-        nbytes = len(src) * pool.page_bytes           # what PrefillEngine counts for the WRITE
-        times: dict[str, list[float]] = {"engine": [], "engine_done": [], "runs": [], "runs_done": [],
-                                         "raw": [], "raw_done": [], "copy": []}
-        trials = {"engine": lambda: self.engine_trial(src, dst),
-                  **({"runs": lambda: self.engine_trial(src, dst, "runs")} if self.runs else {}),
-                  "raw": lambda: self.raw_trial(nbytes), "copy": lambda: (None, self.copy_trial(nbytes))}
+        dst, nbytes = _recv(self.link)["dst"], len(src) * pool.page_bytes   # what PrefillEngine counts for the WRITE
+        trials = {"engine": lambda: self._trial(lambda room: transfer.write_pages(
+                      self.peer.agent_name, src, dst, notif_message(room, 0)), transfer.poll, "engine"),
+                  "raw": lambda: self._trial(lambda room: self.raw.write(nbytes, str(room).encode()), self.raw.poll,
+                                             "raw"),
+                  "copy": lambda: self.copy_trial(nbytes)}
+        times: dict[str, list[float]] = {k: [] for k in ("engine", "engine_done", "raw", "raw_done", "copy")}
         order = list(trials)
         for i in range(a.warmup + a.repeats):
-            k = i % len(order)
-            for name in order[k:] + order[:k]:    # each method goes first, second, ... in turn
+            for name in order[i % 3:] + order[:i % 3]:    # each method goes first, second, ... in turn
                 done, t = trials[name]()
                 if i >= a.warmup:
                     times[name].append(t)
                     if done is not None:
                         times[f"{name}_done"].append(done)
         self.link.send({"op": "check", "raw_bytes": nbytes})
-        seen = self.link.recv()
-        checks = {
-            "engine_written_bytes": seen["written_bytes"],
-            "engine_contents_equal": seen["digest"] == page_digest(pool, src),
-            "raw_written_bytes": seen["raw_written_bytes"],
-            "raw_contents_equal": seen["raw_digest"] == region_digest(self.raw.buf, nbytes),
-            "copy_contents_equal": bool(torch.equal(self.copy_dst[:nbytes].to(self.raw.buf.device),
-                                                    self.raw.buf[:nbytes])),
-        }
+        seen = _recv(self.link)
+        checks = {"engine_written_bytes": seen["written_bytes"],
+                  "engine_contents_equal": seen["digest"] == page_digest(pool, src),
+                  "raw_written_bytes": seen["raw_written_bytes"],
+                  "raw_contents_equal": seen["raw_digest"] == region_digest(self.raw.buf, nbytes),
+                  "copy_contents_equal": bool(torch.equal(self.copy_dst[:nbytes].to(self.raw.buf.device),
+                                                          self.raw.buf[:nbytes]))}
         pool.release(src)
         return {"tokens": tokens, "pages": len(src), "bytes": nbytes,
                 "descriptors": {"engine": len(page_runs(src, dst)) * len(pool.regions()), "raw": 1},
-                "run_lengths": {"src": [n for _, _, n in page_runs(src, src)],
-                                "dst": [n for _, _, n in page_runs(dst, dst)]},
+                "run_lengths": {"src": [n for _, _, n in page_runs(src, src)], "dst": [n for _, _, n in page_runs(dst, dst)]},
                 "page_runs": {"src": len(page_runs(src, src)), "dst": len(page_runs(dst, dst)),
-                              "both": len(page_runs(src, dst))},
-                "times_s": times, "checks": checks}
+                              "both": len(page_runs(src, dst))}, "times_s": times, "checks": checks}
 
     def layout(self) -> dict:
         pool, n = self.pool, self.pool.layout.num_pages
+        name = lambda d: torch.cuda.get_device_name(torch.device(d)) if d.startswith("cuda") else f"cpu x{os.cpu_count()}"  # noqa: E731
         return {"layout": asdict(pool.layout), "page_bytes": pool.page_bytes, "buffers": len(pool.buffers()),
-                "regions": len(pool.regions()),
-                "state": {"prefill": self.pool_state, "decode": self.decode_pool_state},
+                "regions": len(pool.regions()), "state": {"prefill": self.pool_state, "decode": self.decode_pool_state},
                 "buffer_page_bytes": [b.numel() * b.element_size() // n for b in pool.buffers()],
                 "buffer_dtypes": sorted({str(b.dtype).removeprefix("torch.") for b in pool.buffers()}),
-                "device_names": [_device_name(d) for d in (self.a.device, self.a.peer_device)]}
-
-    def close(self) -> None:
-        self.link.send({"op": "stop"})
-        self.link.recv()
+                "device_names": [name(d) for d in (self.a.device, self.a.peer_device)]}
 
 
-def run_prefill(a: argparse.Namespace) -> int:
-    side = PrefillSide(a)
-    sizes = []
-    for tokens in a.sizes:
-        sizes.append(side.measure(tokens))
-        print(f"[kv_transfer] {tokens} tokens measured", file=sys.stderr, flush=True)
-    result = {"pool": side.layout(), "sizes": sizes}
-    side.close()
-    Path(a.result).write_text(json.dumps(result))
-    return 0
-
-
-def parse(argv: list[str] | None = None) -> argparse.Namespace:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="one side of bench/kv_transfer.py (started by it)")
     p.add_argument("role", choices=("prefill", "decode"))
     p.add_argument("--port", type=int, required=True, help="the decode side listens here (loopback)")
@@ -309,18 +202,22 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--pages", choices=PAGE_STATES, default="fresh",
-                   help="the pools' state before the timed requests (see side_pool)")
+    p.add_argument("--pages", choices=PAGE_STATES, default="fresh", help="the pools' state (see side_pool)")
     p.add_argument("--occupancy", type=float, default=0.9, help="churned pools: the share of pages held")
-    p.add_argument("--runs", action="store_true", help="also time the runs agents (two agents per side)")
     p.add_argument("--churn-cycles", type=int, default=5000)
     p.add_argument("--result", help="prefill only: write the measurements here (JSON)")
-    return p.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    a = parse(argv)
-    return run_decode(a) if a.role == "decode" else run_prefill(a)
+    a = p.parse_args(argv)
+    if a.role == "decode":
+        return run_decode(a)
+    side = PrefillSide(a)
+    sizes = []
+    for tokens in a.sizes:
+        sizes.append(side.measure(tokens))
+        print(f"[kv_transfer] {tokens} tokens measured", file=sys.stderr, flush=True)
+    side.link.send({"op": "stop"})
+    _recv(side.link)
+    Path(a.result).write_text(json.dumps({"pool": side.layout(), "sizes": sizes}))
+    return 0
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ import orjson
 
 TOKENS, TRICKLE_BYTES = 8, 37
 GENERATION_PATHS = (b"/v1/chat/completions", b"/v1/completions", b"/generate")
-# no answer; the second request of a connection unanswered; a stream broken after two events; a 400; a stream's
-# head 0.3 s before its events (SGLang's decode waiting for KV); a stream in TRICKLE_BYTES pieces 5 ms apart
+# no answer; a connection's second request unanswered; a stream broken after two events; a 400; a stream's head
+# 0.3 s before its events (as SGLang's decode waiting for KV); a stream in TRICKLE_BYTES pieces 5 ms apart
 FAULTS = ("close", "close_reused", "break", "reject", "headers_first", "trickle")
 SSE_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
             b"transfer-encoding: chunked\r\n\r\n")
@@ -47,10 +47,9 @@ def json_response(body: object, status: bytes = b"200 OK", kind: bytes = b"appli
 
 
 def answer_json(content: str, finish: object) -> bytes:
-    return json_response({"id": "stub", "object": "chat.completion", "created": 0, "model": "stub",
-                          "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
-                                       "finish_reason": finish}],
-                          "usage": {"prompt_tokens": 4, "completion_tokens": TOKENS, "total_tokens": 4 + TOKENS}})
+    return json_response({"id": "stub", "object": "chat.completion", "created": 0, "model": "stub", "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish}],
+        "usage": {"prompt_tokens": 4, "completion_tokens": TOKENS, "total_tokens": 4 + TOKENS}})
 
 
 PREFILLED = {"type": "length", "length": 0}
@@ -59,8 +58,7 @@ DECODE_STREAM = SSE_HEAD + b"".join(event(choice({"role": "assistant", "content"
 PREFILL_STREAM = SSE_HEAD + event(choice({"role": "assistant", "content": "t"}, PREFILLED)) + event(b"[DONE]") + END
 DECODE_JSON, PREFILL_JSON = answer_json("".join(f"t{i} " for i in range(TOKENS)), "stop"), answer_json("t", PREFILLED)
 BROKEN_STREAM = DECODE_STREAM[:len(SSE_HEAD) + len(event(choice({"role": "assistant", "content": "t0 "}, None))) * 2]
-REJECT = json_response({"error": {"message": "bad field", "type": "invalid_request_error", "code": 400}},
-                       b"400 Bad Request")
+REJECT = json_response({"error": {"message": "bad field", "type": "invalid_request_error"}}, b"400 Bad Request")
 
 
 def is_stream(body: bytes) -> bool:
@@ -84,9 +82,8 @@ class StubProtocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        sock = transport.get_extra_info("socket")
-        if sock is not None:  # asyncio and uvloop set it already; said here because the benchmarks rely on it
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if (sock := transport.get_extra_info("socket")) is not None:  # asyncio and uvloop set it already: said here
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # because the benchmarks rely on it
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
@@ -142,15 +139,12 @@ class StubProtocol(asyncio.Protocol):
         if path == b"/metrics":
             return json_response(b'sglang:token_usage{model_name="stub",engine_type="%s"} %.2f\n'
                                  % (self.role.encode(), self.stats.token_usage), kind=b"text/plain")
-        if path == b"/stats":
-            return json_response({"generations": self.stats.generations, "paired": self.stats.paired})
         body = {b"/health": {}, b"/health_generate": {}, b"/abort_request": {},
+                b"/stats": {"generations": self.stats.generations, "paired": self.stats.paired},
                 b"/v1/models": {"object": "list", "data": [{"id": "stub", "object": "model"}]}}.get(path)
-        if path.endswith(b"model_info"):
+        if path.endswith(b"model_info") or path.endswith(b"server_info"):
             body = {"model_path": "stub", "served_model_name": "stub", "is_generation": True,
-                    "disaggregation_mode": self.role}
-        elif path.endswith(b"server_info"):
-            body = self.server_info()
+                    "disaggregation_mode": self.role} if path.endswith(b"model_info") else self.server_info()
         if body is None:
             return json_response({"error": {"message": f"no route {path.decode()}"}}, b"404 Not Found")
         return json_response(body)
@@ -163,8 +157,7 @@ class StubProtocol(asyncio.Protocol):
 
 # -- the SGLang-modelled workers of the scale-out benchmark -------------------------------------------------------
 
-PAGE_TOKENS = 16
-KV_WAIT_S = 30.0
+PAGE_TOKENS, KV_WAIT_S = 16, 30.0
 TOKEN = re.compile(r"[A-Za-z]{1,6}|\d|\s|[^A-Za-z\d\s]")
 
 
@@ -220,8 +213,7 @@ class Prefill:
 
 
 class Farm:
-    """What the stubs of one process share: the model, the prefills (by bootstrap port), the KV hand-off by
-    `bootstrap_room`, the records."""
+    """What the stubs of one process share: the prefills (by bootstrap port), the KV by `bootstrap_room`, records."""
 
     def __init__(self, model: Model, prefills: list[int], decodes: int) -> None:
         self.model, self.decodes = model, decodes
@@ -283,8 +275,7 @@ class WorkerProtocol(StubProtocol):
         names = page_names(pieces)
         cached = worker.match(names) * PAGE_TOKENS
         worker.insert(names)
-        worker.requests += 1
-        worker.prompt_tokens += len(pieces)
+        worker.requests, worker.prompt_tokens = worker.requests + 1, worker.prompt_tokens + len(pieces)
         worker.cached_tokens += cached
         start = max(now, worker.busy_until)
         worker.busy_until = end = start + (model.base_ms + model.per_token_us * (len(pieces) - cached) / 1e3) / 1e3
@@ -345,16 +336,14 @@ def main() -> None:
                     for i, port in enumerate(a.farm["decode"])]
     import uvloop
 
-    uvloop.run(serve(servers))
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        started = [await loop.create_server(factory, "127.0.0.1", port, backlog=1024, reuse_address=True)
+                   for port, factory in servers]
+        print(f"stubs ready on {[port for port, _ in servers]}", flush=True)
+        await asyncio.gather(*(s.serve_forever() for s in started))
 
-
-async def serve(servers: list) -> None:
-    """Serve every (port, protocol factory) on 127.0.0.1 from this loop until cancelled."""
-    loop = asyncio.get_running_loop()
-    started = [await loop.create_server(factory, "127.0.0.1", port, backlog=1024, reuse_address=True)
-               for port, factory in servers]
-    print(f"stubs ready on {[port for port, _ in servers]}", flush=True)
-    await asyncio.gather(*(s.serve_forever() for s in started))
+    uvloop.run(serve())
 
 
 if __name__ == "__main__":

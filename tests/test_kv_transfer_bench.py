@@ -41,10 +41,9 @@ def _children(pid: int) -> set[int]:
 def test_the_benchmark_moves_the_pages_bytes_and_reports_every_ratio(tmp_path, pages):
     out = tmp_path / "kvx"
     before = _children(os.getpid())
-    runs = ["--runs"] if pages == "fresh" else []   # the per-request descriptor lists: a second pair of agents
     rc = kv_transfer.main(["--out", str(out), "--logs", str(tmp_path / "logs"), "--sizes", "1024,2048",
                            "--repeats", "3", "--warmup", "1", "--page-size", str(PAGE), "--timeout-s", "90",
-                           "--pages", pages, "--churn-cycles", "300", *runs])
+                           "--pages", pages, "--churn-cycles", "300"])
     assert rc == 0
     assert _children(os.getpid()) - before == set()           # both sides exited (or were killed) with the run
     report = json.loads(out.with_suffix(".json").read_text())
@@ -70,12 +69,11 @@ def test_the_benchmark_moves_the_pages_bytes_and_reports_every_ratio(tmp_path, p
         else:
             assert sum(r["run_lengths"]["src"]) == sum(r["run_lengths"]["dst"]) == r["pages"]
         assert r["descriptors"] == {"engine": both * report["pool"]["regions"], "raw": 1}
-        assert ("runs" in r) == bool(runs) and report["config"]["agents_per_side"] == (2 if runs else 1)
-        for m in ("engine", "runs", "raw", "copy") if runs else ("engine", "raw", "copy"):
+        for m in ("engine", "raw", "copy"):
             s = r[m]
             assert s["n"] == 3 and 0 < s["p50_ms"] <= s["p99_ms"]
             assert s["gb_s"] == pytest.approx(r["bytes"] / (s["p50_ms"] / 1e3) / 1e9, rel=1e-2)
-        for k in ("engine_vs_raw", *(("runs_vs_raw",) if runs else ()), "engine_vs_copy"):
+        for k in ("engine_vs_raw", "engine_vs_copy"):
             assert math.isfinite(r["ratios"][k]) and r["ratios"][k] > 0
         assert r["ratios"]["engine_vs_raw"] == pytest.approx(r["engine"]["gb_s"] / r["raw"]["gb_s"], rel=1e-2)
     assert report["ucx"]["engine"]["put_transports"] and report["ucx"]["raw"]["put_transports"]
@@ -156,7 +154,7 @@ device(cuda_ipc/cuda)  am(tcp/lo cma/memory cuda_ipc/cuda)  ka(tcp/lo)
 
 
 def _raw_result(written: int, equal: bool) -> dict:
-    t = {k: [0.001, 0.002] for k in ("engine", "engine_done", "runs", "runs_done", "raw", "raw_done", "copy")}
+    t = {k: [0.001, 0.002] for k in ("engine", "engine_done", "raw", "raw_done", "copy")}
     checks = {"engine_written_bytes": written, "engine_contents_equal": equal, "raw_written_bytes": 1000,
               "raw_contents_equal": True, "copy_contents_equal": True}
     return {"sizes": [{"tokens": 64, "pages": 1, "bytes": 1000, "descriptors": {"engine": 12, "raw": 1},
