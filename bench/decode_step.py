@@ -3,19 +3,16 @@ competing for the GPU): what `e2e_context_tax.py` measures end to end, with the 
 
     python -m bench.decode_step --out bench/results/decode_step
 
-For each configured context (8K, 128K, 1M) it builds the decode side's `ModelRunner` as a decode worker does (the
-`flash` preset, our kernels, CUDA graphs up to batch 64, the same pool size in every setting), prefills B requests
-of 2K random tokens, then times `runner.decode` (what the engine thread calls per step: host table building, graph
-replay, logits back to the host) over STEPS steps at each batch size, and separately the bare graph replay
-(CUDA events, the device time). Ratios against the first context at the same batch size, measured in one run.
-Writes OUT.json and OUT.md.
+Per configured context (8K, 128K, 1M) the decode side's `ModelRunner` as a decode worker builds it (`flash`, our
+kernels, CUDA graphs up to batch 64, the same pool in every setting), B requests of 2K random tokens prefilled, then
+`runner.decode` (what the engine thread calls per step) timed over STEPS steps per batch size, and the bare graph
+replay (CUDA events). Ratios against the first context at the same batch size, from one run. Writes OUT.json/.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 import time
@@ -23,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from bench.common import ints, md_table, write
 from dsv4_cluster.workers.presets import model_config
 from dsv4_cluster.workers.runner import ModelRunner, RunnerConfig
 
@@ -79,22 +77,19 @@ def measure(context: int, batches: tuple[int, ...], a: argparse.Namespace) -> di
 
 def table(report: dict) -> str:
     base = {r["batch"]: r for r in report["settings"][0]["rows"]}
-    out = ["| context | graph table width (pages) | batch | step ms (p50) | x first | replay ms (p50) | x first |",
-           "|" + " --- |" * 7]
-    for s in report["settings"]:
-        for r in s["rows"]:
-            b = base[r["batch"]]
-            out.append(f"| {s['context']} | {s['graph_width_pages']} | {r['batch']} | {r['step_ms_p50']} | "
-                       f"{r['step_ms_p50'] / b['step_ms_p50']:.3f} | {r['replay_ms_p50']} | "
-                       f"{r['replay_ms_p50'] / b['replay_ms_p50']:.3f} |")
-    return "\n".join(out) + "\n"
+    return "\n".join(md_table(
+        ["context", "graph table width (pages)", "batch", "step ms (p50)", "x first", "replay ms (p50)", "x first"],
+        [[s["context"], s["graph_width_pages"], r["batch"], str(r["step_ms_p50"]),
+          f"{r['step_ms_p50'] / base[r['batch']]['step_ms_p50']:.3f}", str(r["replay_ms_p50"]),
+          f"{r['replay_ms_p50'] / base[r['batch']]['replay_ms_p50']:.3f}"]
+         for s in report["settings"] for r in s["rows"]])) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=Path("bench/results/decode_step"))
-    p.add_argument("--contexts", default="8192,131072,1048576")
-    p.add_argument("--batches", default="1,16,64")
+    p.add_argument("--contexts", type=ints, default=[8192, 131072, 1048576])
+    p.add_argument("--batches", type=ints, default=[1, 16, 64])
     p.add_argument("--prompt-tokens", type=int, default=2048)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--repeats", type=int, default=5)
@@ -104,17 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs CUDA (the decode graphs)")
-    contexts = [int(x) for x in a.contexts.split(",") if x]
-    batches = tuple(int(x) for x in a.batches.split(",") if x)
+    contexts, batches = a.contexts, tuple(a.batches)
     a.pool_tokens = a.pool_tokens or max(contexts)
     report = {"preset": a.preset, "prompt_tokens": a.prompt_tokens, "steps": a.steps, "repeats": a.repeats,
               "pool_tokens": a.pool_tokens, "device": torch.cuda.get_device_name(), "settings": []}
     for ctx in contexts:
         report["settings"].append(measure(ctx, batches, a))
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
-    md = table(report)
-    a.out.with_suffix(".md").write_text(md)
+        write(a.out, report, md := table(report))   # what a timeout leaves is still reported
     print(md, end="")
     return 0
 

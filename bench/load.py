@@ -1,17 +1,13 @@
 """End-to-end load on an embedded cluster: N streamed chat requests at concurrency C through the router.
 
-    python -m bench.load examples/local.yaml --requests 200 --concurrency 16 \
-        --out bench/results/load.json
+    python -m bench.load examples/local.yaml --requests 200 --concurrency 16 --out bench/results/load.jsonl
+    python -m bench.load --report bench/results/load.jsonl     # the markdown table (load.md)
 
-brings the topology up with `dsv4-cluster up` (its ports and Ray namespace swapped for free ones, so it
-never collides with a cluster already running; every other setting is the file's), sends the load through
-its router with streaming chat requests, brings it down, and writes output tok/s, TTFT p50/p99, the
-error count and the machine's load average (the machine may be shared) as JSON. Before the load it
-measures each worker process's CPU (user + system, all threads) over `--idle-s` seconds of idleness. `--url` instead loads a
-router that is already up. The numbers are for comparing builds measured close together on one machine,
-not absolute speeds: the embedded model is a tiny random-weight model on the CPU. The requests and their
-timings are `orchestrator/load/loadgen.py`'s, shared with `dsv4-cluster bench URL` (`orchestrator/load/sweep.py`:
-a concurrency sweep against a cluster that is already up).
+Brings the topology up with `dsv4-cluster up` (ports and Ray namespace swapped for free ones; every other setting the
+file's), measures each worker's CPU over `--idle-s` idle seconds, sends the load (`orchestrator/load/loadgen.py`, as
+`dsv4-cluster bench URL` does), brings it down, and appends output tok/s, TTFT p50/p99, errors, CPU and the load
+average (the machine may be shared) as one JSON line. `--url` loads a router that is already up. For comparing builds
+measured close together on one machine: the embedded model is a tiny random-weight model on the CPU.
 """
 
 from __future__ import annotations
@@ -19,9 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,10 +23,10 @@ from pathlib import Path
 
 import yaml
 
+from bench.common import cpu_seconds, md_table
+from bench.local_cluster import run_cli
 from dsv4_cluster.orchestrator.launch.ports import free_ports
 from dsv4_cluster.orchestrator.load.loadgen import LevelSpec, run_level
-
-CLI = [sys.executable, "-m", "dsv4_cluster.orchestrator"]
 
 
 def relocated(topology: Path, workdir: Path) -> tuple[Path, str]:
@@ -51,12 +45,6 @@ def relocated(topology: Path, workdir: Path) -> tuple[Path, str]:
     return path, f"http://127.0.0.1:{doc['router']['port']}"
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of process `pid`, all its threads, from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def idle_cpu(pids: dict[str, int], seconds: float) -> dict[str, float]:
     """Fraction of one core each process used over `seconds` of wall time."""
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
@@ -64,17 +52,10 @@ def idle_cpu(pids: dict[str, int], seconds: float) -> dict[str, float]:
     return {name: round((cpu_seconds(pid) - before[name]) / seconds, 4) for name, pid in pids.items()}
 
 
-def _cli(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "DSV4_CLUSTER_HOME": str(home)}
-    return subprocess.run([*CLI, *args], env=env, capture_output=True, text=True, timeout=300)
-
-
 def report(records: list[dict]) -> str:
     """A markdown table of load records (one JSON line each), each with its ratio to the nearest record
     labelled 'before...' (measured next to it on the same machine); none for a label 'unpaired...'."""
-    head = ("| label | tok/s | x before | TTFT p50 s | TTFT p99 s | e2e p50 s | errors | idle CPU (cores) "
-            "| CPU s under load | load avg before -> after |\n|" + " --- |" * 10)
-    rows = [head]
+    rows = []
     befores = [i for i, r in enumerate(records) if r["label"].startswith("before")]
     for i, r in enumerate(records):
         paired = befores and not r["label"].startswith("unpaired")
@@ -82,10 +63,11 @@ def report(records: list[dict]) -> str:
         ratio = f"{r['output_tok_s'] / base['output_tok_s']:.2f}" if base else "-"
         idle = ", ".join(f"{k} {v:.3f}" for k, v in r.get("idle_cpu_core_fraction", {}).items())
         busy = ", ".join(f"{k} {v}" for k, v in r.get("cpu_s_during_load", {}).items())
-        rows.append(f"| {r['label']} | {r['output_tok_s']} | {ratio} | {r['ttft_p50_s']} | {r['ttft_p99_s']} | "
-                    f"{r['e2e_p50_s']} | {r['errors']} | {idle} | {busy} | "
-                    f"{r['loadavg_before'][0]:.1f} -> {r['loadavg_after'][0]:.1f} |")
-    return "\n".join(rows) + "\n"
+        rows.append([r["label"], str(r["output_tok_s"]), ratio, str(r["ttft_p50_s"]), str(r["ttft_p99_s"]),
+                     str(r["e2e_p50_s"]), str(r["errors"]), idle, busy,
+                     f"{r['loadavg_before'][0]:.1f} -> {r['loadavg_after'][0]:.1f}"])
+    return "\n".join(md_table(["label", "tok/s", "x before", "TTFT p50 s", "TTFT p99 s", "e2e p50 s", "errors",
+                               "idle CPU (cores)", "CPU s under load", "load avg before -> after"], rows)) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,13 +100,13 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="dsv4-load-") as tmp:
             path, url = relocated(a.topology, Path(tmp))
             home = Path(tmp) / "home"
-            up = _cli(home, "up", str(path), "--timeout", "180")
+            up = run_cli(home, "up", str(path), "--timeout", "180", timeout=300)
             if up.returncode != 0:
                 print(up.stdout + up.stderr, file=sys.stderr)
-                _cli(home, "down", "--timeout", "10")
+                run_cli(home, "down", "--timeout", "10", timeout=300)
                 return 1
             try:
-                status = json.loads(_cli(home, "status", "--json").stdout)
+                status = json.loads(run_cli(home, "status", "--json", timeout=300).stdout)
                 pids = {w["name"]: w["pid"] for w in status["workers"] if w["pid"]}
                 time.sleep(2.0)       # let start-up work (verification, first probes) settle
                 idle = idle_cpu(pids, a.idle_s)
@@ -134,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                 busy = {name: round(cpu_seconds(pid) - before[name], 1) for name, pid in pids.items()}
                 busy["load client"] = round(time.process_time() - client_before, 1)
             finally:
-                down = _cli(home, "down", "--timeout", "10")
+                down = run_cli(home, "down", "--timeout", "10", timeout=300)
                 if down.returncode != 0:
                     print(down.stdout + down.stderr, file=sys.stderr)
                 if a.logs:
