@@ -3,15 +3,13 @@
     python -m bench.sglang_backend mode stock|plugin OUTDIR [--contexts ..] [--batches ..] [--live N]
     python -m bench.sglang_backend report OUTDIR      # -> bench/results/sglang_backend.{json,md}
 
-A mode process stands SGLang's backend up (bench/sglang_backend_rig.py: what is SGLang's, what is a stand-in and
-why, how the modes differ), then per configured context (SGLang's --context-length, i.e. its req_to_token width)
-and batch (each request `live` tokens) times one decode step of the attention backend over the 43 layers of
-DeepSeek-V4-Flash (2 window-only, 21 ratio-4 with indexer + top-512, 20 ratio-128), TP4 (16 real heads padded to
-64): SGLang's decode metadata + per layer forward_c4_indexer (ratio 4) + forward. Eager (init_forward_metadata +
-layers) and CUDA graph the way SGLang's decode runner captures (init_cuda_graph_state, out-of-graph metadata
-with in_capture, two warm-ups, on_after_cuda_graph_warmup, capture of the in-graph metadata + layers; a replay
-step = init_forward_metadata_out_graph + replay). L2 flushed before every timed step; median of `reps`.
-It also saves the outputs of one equality case (report compares stock and plugin).
+A mode process stands SGLang's backend up (`sglang_backend_rig.py`: what is SGLang's, what stands in and why, how
+the modes differ), then per configured context and batch (each request `live` tokens) times one decode step of the
+backend over DeepSeek-V4-Flash's 43 layers, TP4 (16 real heads padded to 64): SGLang's decode metadata + per layer
+forward_c4_indexer (ratio 4) + forward. Eager, and as SGLang's decode runner captures and replays CUDA graphs
+(init_cuda_graph_state, out-of-graph metadata in_capture, two warm-ups, on_after_cuda_graph_warmup, capture of the
+in-graph metadata + layers; a replay step = init_forward_metadata_out_graph + replay). L2 flushed before every
+timed step; median of `reps`. One equality case's outputs are saved; `report` compares stock and plugin.
 """
 
 from __future__ import annotations
@@ -25,16 +23,10 @@ import time
 from pathlib import Path
 
 from . import sglang_backend_rig as rig
+from .common import RESULTS, md_table, write
 
-RESULTS = Path(__file__).resolve().parent / "results"
 TOPK_SWAPS = 4  # of 512 per row (see compare)
 EQ_CASE = {"context": 131072, "batch": 8, "live": 4096}  # 1,024 C4 entries: the top-512 is a real choice
-
-
-def _sync():
-    import torch
-
-    torch.cuda.synchronize()
 
 
 def _timed(fn, reps: int, flush) -> float:
@@ -109,7 +101,7 @@ def run_mode(mode: str, out: Path, contexts: list[int], batches: list[int], live
         for batch in batches:
             fb, inputs = rig.decode_batch(r, batch, live), rig.layer_inputs(r, batch)
             eager_step(r, fb, inputs)
-            _sync()
+            torch.cuda.synchronize()
             eager = _timed(lambda: eager_step(r, fb, inputs), reps, flush)
             try:
                 graph, _, replay = capture(r, fb, inputs)
@@ -268,25 +260,18 @@ def report(out: Path) -> dict:
              "fallbacks for what cannot load beside torch 2.11: indexer `fp8_paged_mqa_logits_torch` "
              "(SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=1, DeepGEMM does not load) and top-k `topk_transform_pytorch_"
              "vectorized` (--dsa-topk-backend torch; the JIT top-k v2 needs tvm-ffi builds). **plugin** = SGLang's "
-             "defaults plus our kernels installed by load_plugins() (sparse decode, indexer, top-k).", "",
-             "| context | batch | stock graph | plugin graph | plugin/stock | stock eager | plugin eager |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    for c in contexts:
-        for b in batches:
-            x, y = s.get((c, b), {}), p.get((c, b), {})
-            sg, pg = x.get("graph_ms"), y.get("graph_ms")
-            lines.append(f"| {c} | {b} | {fmt(sg)} | {fmt(pg)} | {fmt(pg / sg if sg and pg else None)} | "
-                         f"{fmt(x.get('eager_ms'))} | {fmt(y.get('eager_ms'))} |")
+             "defaults plus our kernels installed by load_plugins() (sparse decode, indexer, top-k).", ""]
+    graph = lambda x, y: fmt(y / x if x and y else None)  # noqa: E731
+    lines += md_table(["context", "batch", "stock graph", "plugin graph", "plugin/stock", "stock eager", "plugin eager"],
+                      [[c, b, fmt(x.get("graph_ms")), fmt(y.get("graph_ms")), graph(x.get("graph_ms"), y.get("graph_ms")),
+                        fmt(x.get("eager_ms")), fmt(y.get("eager_ms"))]
+                       for c in contexts for b in batches for x, y in [(s.get((c, b), {}), p.get((c, b), {}))]])
+    ratios = [{"batch": b, **{f"{m}_{k}": _ratio(d, f"{k}_ms", b, contexts) for k in ("graph", "eager")
+                              for m, d in (("stock", s), ("plugin", p))}} for b in batches]
     lines += ["", f"1M / 8K step-time ratio ({contexts[-1]} / {contexts[0]}):", "",
-              "| batch | stock graph | plugin graph | stock eager | plugin eager |", "| --- | --- | --- | --- | --- |"]
-    ratios = []
-    for b in batches:
-        row = {k: _ratio(d, key, b, contexts) for k, d, key in
-               (("stock_graph", s, "graph_ms"), ("plugin_graph", p, "graph_ms"), ("stock_eager", s, "eager_ms"),
-                ("plugin_eager", p, "eager_ms"))}
-        ratios.append({"batch": b, **row})
-        lines.append(f"| {b} | {fmt(row['stock_graph'])} | {fmt(row['plugin_graph'])} | {fmt(row['stock_eager'])} "
-                     f"| {fmt(row['plugin_eager'])} |")
+              *md_table(["batch", "stock graph", "plugin graph", "stock eager", "plugin eager"],
+                        [[r["batch"], *(fmt(r[k]) for k in ("stock_graph", "plugin_graph", "stock_eager",
+                                                            "plugin_eager"))] for r in ratios])]
     lines += ["", f"Equality (context {EQ_CASE['context']}, batch {EQ_CASE['batch']}, {EQ_CASE['live']} live tokens):",
               ""] + [f"- {k}: {json.dumps(v)}" for k, v in eq.items()]
     errors = [f"- {m} {x['context']}/{x['batch']}: {x['graph_error']}" for m, d in (("stock", s), ("plugin", p))
@@ -294,9 +279,7 @@ def report(out: Path) -> dict:
     if errors:
         lines += ["", "Graph capture failures (eager only there):", ""] + errors
     result = {"stock": stock, "plugin": plugin, "equality": eq, "ratios_1m_8k": ratios}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "sglang_backend.json").write_text(json.dumps(result, indent=1))
-    (RESULTS / "sglang_backend.md").write_text("\n".join(lines) + "\n")
+    write(RESULTS / "sglang_backend", result, "\n".join(lines))
     print("\n".join(lines))
     return result
 

@@ -1,14 +1,12 @@
-"""What travels to the H200 for bench/sglang_backend.py: SGLang's files from its released wheel, unmodified.
+"""What travels to the GPU for bench/sglang_backend.py: SGLang's files from its released wheel, unmodified.
 
     python -m bench.sglang_backend_carry WHEEL_DIR OUT_DIR
 
-Runs the rig's decode path on the CPU in both modes (a child per mode, TRITON_INTERPRET=1), records every
-`sglang` module it imported, and writes to OUT_DIR/site: those files extracted from the cp312 wheel
-(each checked against the wheel's RECORD sha256) plus every .py file of the directories holding the DeepSeek-V4
-code (device-only branches import siblings), the wheel's dist-info METADATA (importlib.metadata reads 0.5.23),
-and the imported files of the pure-Python packages the H200 image lacks (PURE). The native ones it lacks travel
-as wheels (NATIVE, from WHEEL_DIR). The list of carried SGLang files with their hashes goes to
-bench/results/sglang_backend_files.txt.
+Runs the rig's decode path on the CPU in both modes (a child each, TRITON_INTERPRET=1), records every `sglang` module
+it imported, and writes OUT_DIR/site: those files from the cp312 wheel (each checked against its RECORD sha256), the
+module-level imports of those, every .py of the DeepSeek-V4 folders (device-only branches import siblings), the
+wheel's METADATA, and the imported files of the pure-Python packages the H200 image lacks (PURE); the native ones
+travel as wheels (NATIVE, from WHEEL_DIR). The carried SGLang files with their hashes: bench/results/sglang_backend_files.txt.
 """
 
 from __future__ import annotations

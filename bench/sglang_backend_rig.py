@@ -1,23 +1,14 @@
 """SGLang 0.5.23's own DeepSeek-V4 decode attention backend, stood up without a server (bench + tests).
 
-What is SGLang's own code here, unmodified: `DeepseekV4AttnBackend` (its `__init__`, `init_forward_metadata`,
-the CUDA-graph metadata path `init_cuda_graph_state` / `init_forward_metadata_out_graph` /
-`init_forward_metadata_in_graph`, `forward_c4_indexer`, `forward`), `dsv4/metadata.py`, `dsv4/indexer.py`
-(incl. its fallbacks `fp8_paged_mqa_logits_torch` and `topk_transform_pytorch_vectorized`),
-`DeepSeekV4TokenToKVPool`, `ReqToTokenPool`, `ForwardBatch`, `RadixAttention`, `ModelConfig` from the
-committed DeepSeek-V4-Flash config, the server-args resolution, and `load_plugins()`.
-
-The model around the backend is not run: per layer the rig hands the backend what the model would (q padded
-to 64 heads with new_empty rows past the 16 real ones, attn_sink sliced to the rank and zero-padded,
-save_kv_cache=False as the non-unified decode path passes), and the ratio-4 layers' indexer q / weights
-already projected (`IndexerInputs`, below). Stand-ins, each with why, are in STAND_INS; nothing else is.
-
-Modes (everything else identical):
-- stock: SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=1 (DeepGEMM does not load beside torch 2.11) and
-  `--dsa-topk-backend torch` + SGLANG_DSA_FUSE_TOPK=0 (SGLang's JIT top-k v2 needs tvm-ffi and nvcc builds);
-  FlashMLA (sgl-flash-mla 1.0.0) is the real stock decode kernel.
-- plugin: SGLang's defaults for both (`sgl-kernel` top-k v2, DeepGEMM indexer), SGLANG_OPT_USE_JIT_INDEXER_METADATA=0,
-  DSV4_CLUSTER_KERNELS set, and our kernels installed by `load_plugins()` through the entry point.
+SGLang's own code, unmodified: `DeepseekV4AttnBackend` (metadata, the CUDA-graph metadata path, forward_c4_indexer,
+forward), `dsv4/metadata.py`, `dsv4/indexer.py` (with its torch fallbacks), `DeepSeekV4TokenToKVPool`,
+`ReqToTokenPool`, `ForwardBatch`, `RadixAttention`, `ModelConfig` from the committed DeepSeek-V4-Flash config, the
+server-args resolution and `load_plugins()`. The model around the backend is not run: per layer the rig hands the
+backend what the model would (q padded to 64 heads past the 16 real ones, attn_sink sliced and zero-padded,
+save_kv_cache=False) and the ratio-4 layers' projected indexer q / weights (`IndexerInputs`); the other stand-ins,
+each with why, are `sglang_stand_ins.STAND_INS`. Modes (everything else identical): stock, SGLang's torch fallbacks
+for the indexer and top-k where DeepGEMM and the JIT top-k do not load, FlashMLA for decode; plugin, SGLang's
+defaults with our kernels installed by `load_plugins()` through the entry point.
 """
 
 from __future__ import annotations
@@ -26,8 +17,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .sglang_stand_ins import (  # noqa: F401  (the rig's API)
-    IMPORT_ONLY, STAND_INS, install_cpu_stand_ins, install_import_stand_ins, install_stand_ins)
+from .sglang_stand_ins import install_cpu_stand_ins, install_import_stand_ins, install_stand_ins  # noqa: F401  (its API)
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO / "tests" / "data" / "deepseek-v4-flash"
