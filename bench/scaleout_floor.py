@@ -19,6 +19,8 @@ from urllib.parse import urlsplit
 
 import orjson
 
+from bench.scaleout_load import read_answer
+
 OK = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
 
 
@@ -33,28 +35,6 @@ class Upstream:
         return self.idle.pop() if self.idle else await asyncio.open_connection(self.host, self.port)
 
 
-async def read_answer(reader: asyncio.StreamReader, relay: asyncio.StreamWriter | None) -> None:
-    """Read one HTTP answer (chunked or content-length), writing each piece to `relay` as it comes."""
-    head = await reader.readuntil(b"\r\n\r\n")
-    if relay is not None:
-        relay.write(head)
-    lower = head.lower()
-    if b"transfer-encoding: chunked" not in lower:
-        at = lower.find(b"content-length:")
-        body = await reader.readexactly(int(lower[at + 15:lower.find(b"\r\n", at)]) if at >= 0 else 0)
-        if relay is not None:
-            relay.write(body)
-        return
-    while True:
-        size_line = await reader.readuntil(b"\r\n")
-        size = int(size_line.split(b";")[0], 16)
-        data = await reader.readexactly(size + 2)
-        if relay is not None:
-            relay.write(size_line + data)
-        if size == 0:
-            return
-
-
 class Floor:
     def __init__(self, prefills: list[tuple[str, int]], decodes: list[str]) -> None:
         self.prefills = [(Upstream(url), boot) for url, boot in prefills]
@@ -64,7 +44,7 @@ class Floor:
     async def leg(self, upstream: Upstream, request: bytes, relay: asyncio.StreamWriter | None) -> None:
         reader, writer = await upstream.connection()
         writer.write(request)
-        await read_answer(reader, relay)
+        await read_answer(reader, relay.write if relay is not None else lambda piece: None)
         upstream.idle.append((reader, writer))
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -86,6 +86,24 @@ def sessions(w: Workload) -> list[Session]:
             for i in range(w.sessions)]
 
 
+async def read_answer(reader: asyncio.StreamReader, on_piece) -> bytes:
+    """Read one HTTP/1.1 answer (chunked or content-length); `on_piece(raw)` gets its head and each piece of its body
+    as read (chunk framing included); returns the head."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    on_piece(head)
+    lower = head.lower()
+    if b"transfer-encoding: chunked" not in lower:
+        at = lower.find(b"content-length:")
+        on_piece(await reader.readexactly(int(lower[at + 15:].split(b"\r\n", 1)[0]) if at >= 0 else 0))
+        return head
+    while True:
+        size_line = await reader.readuntil(b"\r\n")
+        data = await reader.readexactly(int(size_line.split(b";")[0], 16) + 2)
+        on_piece(size_line + data)
+        if data == b"\r\n":
+            return head
+
+
 class Connection:
     """One keep-alive HTTP/1.1 connection to the router."""
 
@@ -97,30 +115,22 @@ class Connection:
     async def post_stream(self, path: str, body: bytes, result: Result) -> None:
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
-        head = (f"POST {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\ncontent-type: application/json\r\n"
-                f"content-length: {len(body)}\r\n\r\n").encode()
         result.sent = time.monotonic()
-        self.writer.write(head + body)
-        reader = self.reader
-        status_line = await reader.readuntil(b"\r\n")
-        result.status = int(status_line.split(b" ", 2)[1])
-        headers = (await reader.readuntil(b"\r\n\r\n")).lower()
-        if b"transfer-encoding: chunked" not in headers:
-            at = headers.find(b"content-length:")
-            length = int(headers[at + 15:headers.find(b"\r\n", at)]) if at >= 0 else 0
-            payload = await reader.readexactly(length)
-            result.end = time.monotonic()
-            result.error = payload.decode(errors="replace")[:300]
-            return
-        buffer, parts = b"", []
-        while True:
-            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
-            data = await reader.readexactly(size + 2)
-            if size == 0:
-                break
-            buffer += data[:-2]
-            while b"\n\n" in buffer:
-                event, buffer = buffer.split(b"\n\n", 1)
+        self.writer.write(f"POST {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\ncontent-type: application/json\r\n"
+                          f"content-length: {len(body)}\r\n\r\n".encode() + body)
+        parts, buffer, plain = [], [b""], []
+
+        def on_piece(piece: bytes) -> None:    # each event as it arrives: the first content event is the TTFT
+            if not result.status:
+                result.status = int(piece.split(b" ", 2)[1])
+                plain.append(b"transfer-encoding: chunked" not in piece.lower())
+                return
+            if plain[0]:
+                result.error = piece.decode(errors="replace")[:300]
+                return
+            buffer[0] += piece.split(b"\r\n", 1)[1][:-2]
+            while b"\n\n" in buffer[0]:
+                event, buffer[0] = buffer[0].split(b"\n\n", 1)
                 if not event.startswith(b"data: ") or event == b"data: [DONE]":
                     continue
                 parsed = orjson.loads(event[6:])
@@ -128,13 +138,12 @@ class Connection:
                     result.error = str(parsed["error"])[:300]
                     continue
                 choice = parsed["choices"][0]
-                piece = (choice.get("delta") or {}).get("content") or choice.get("text")
-                if piece:
-                    if result.first is None:
-                        result.first = time.monotonic()
-                    parts.append(piece)
-        result.end = time.monotonic()
-        result.content = "".join(parts)
+                if text := (choice.get("delta") or {}).get("content") or choice.get("text"):
+                    result.first = result.first or time.monotonic()
+                    parts.append(text)
+
+        await read_answer(self.reader, on_piece)
+        result.end, result.content = time.monotonic(), "".join(parts)
 
     def close(self) -> None:
         if self.writer is not None:
@@ -142,31 +151,20 @@ class Connection:
             self.reader = self.writer = None
 
 
-async def _user(host: str, port: int, model: str, w: Workload, queue: asyncio.Queue, out: list[Result],
-                rng: random.Random) -> None:
-    conn = Connection(host, port)
+async def turn(conn: Connection, w: Workload, model: str, session: Session, text: str, user: str) -> Result:
+    """One turn of `session`: its history and a new user message ending in `[id:user]`; the history grows by both
+    messages when the answer came whole."""
+    result = Result(user)
+    messages = [{"role": "system", "content": session.system}, *session.history,
+                {"role": "user", "content": f"{text} [id:{user}]"}]
     try:
-        while not queue.empty():
-            session: Session = queue.get_nowait()
-            for turn, text in enumerate(session.user_texts):
-                result = Result(f"s{session.index}-t{turn}")
-                text = f"{text} [id:{result.user}]"
-                messages = [{"role": "system", "content": session.system}, *session.history,
-                            {"role": "user", "content": text}]
-                path, body = request_body(w, model, messages)
-                try:
-                    await asyncio.wait_for(conn.post_stream(path, body, result), 120)
-                except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, ValueError) as exc:
-                    result.error, result.end = f"{type(exc).__name__}: {exc}", time.monotonic()
-                    conn.close()
-                out.append(result)
-                if result.error or result.status != 200:
-                    break       # the session cannot go on without its answer
-                session.history += [{"role": "user", "content": text},
-                                    {"role": "assistant", "content": result.content}]
-                await asyncio.sleep(rng.uniform(0, w.think_ms) / 1e3)
-    finally:
+        await asyncio.wait_for(conn.post_stream(*request_body(w, model, messages), result), 120)
+    except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, ValueError) as exc:
+        result.error, result.end = f"{type(exc).__name__}: {exc}", time.monotonic()
         conn.close()
+    if result.error is None and result.status == 200:
+        session.history += [messages[-1], {"role": "assistant", "content": result.content}]
+    return result
 
 
 async def drive(host: str, port: int, model: str, w: Workload, concurrency: int) -> list[Result]:
@@ -175,27 +173,38 @@ async def drive(host: str, port: int, model: str, w: Workload, concurrency: int)
     for s in sessions(w):
         queue.put_nowait(s)
     out: list[Result] = []
-    await asyncio.gather(*(_user(host, port, model, w, queue, out, random.Random(w.seed * 1000 + i))
-                           for i in range(concurrency)))
+
+    async def user(rng: random.Random) -> None:
+        conn = Connection(host, port)
+        try:
+            while not queue.empty():
+                session: Session = queue.get_nowait()
+                for i, text in enumerate(session.user_texts):
+                    out.append(result := await turn(conn, w, model, session, text, f"s{session.index}-t{i}"))
+                    if result.error or result.status != 200:
+                        break       # the session cannot go on without its answer
+                    await asyncio.sleep(rng.uniform(0, w.think_ms) / 1e3)
+        finally:
+            conn.close()
+
+    await asyncio.gather(*(user(random.Random(w.seed * 1000 + i)) for i in range(concurrency)))
     return out
 
 
 async def alone(host: str, port: int, model: str, w: Workload, repeats: int = 2) -> list[Result]:
-    """The sanity probe of a prefix-aware router: one session of `w`'s shape played alone, turn after turn, then its
-    last turn sent `repeats` times more (ids `sanity-t<turn>`, `sanity-r<i>`); a router that routes by prefix sends
-    them all to one prefill."""
+    """The sanity probe of a prefix-aware router: one session of `w`'s shape played alone, then its last turn
+    `repeats` times more (ids `sanity-t<turn>`, `sanity-r<i>`), without adding the repeats to the history; a router
+    that routes by prefix sends them all to one prefill."""
     session = Session(-1, sessions(w)[0].system, sessions(Workload(**{**w.__dict__, "seed": w.seed + 1}))[0].user_texts)
-    conn, out = Connection(host, port), []
+    conn, out, last = Connection(host, port), [], len(session.user_texts) - 1
     try:
-        for turn, text in enumerate(session.user_texts + [session.user_texts[-1]] * repeats):
-            user = f"sanity-t{turn}" if turn < len(session.user_texts) else f"sanity-r{turn - len(session.user_texts)}"
-            result = Result(user)
-            messages = [{"role": "system", "content": session.system}, *session.history,
-                        {"role": "user", "content": f"{text} [id:{user}]"}]
-            await asyncio.wait_for(conn.post_stream(*request_body(w, model, messages), result), 60)
-            out.append(result)
-            if turn < len(session.user_texts) - 1:
-                session.history += [messages[-1], {"role": "assistant", "content": result.content}]
+        for i, text in enumerate(session.user_texts):
+            if i == last:     # the last turn, then its repeats, all over the same history
+                history = list(session.history)
+            out.append(await turn(conn, w, model, session, text, f"sanity-t{i}"))
+        for r in range(repeats):
+            session.history = list(history)
+            out.append(await turn(conn, w, model, session, session.user_texts[-1], f"sanity-r{r}"))
     finally:
         conn.close()
     return out
