@@ -43,11 +43,12 @@ def md_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> list[st
             *("| " + " | ".join(c if isinstance(c, str) else cell(c) for c in r) + " |" for r in rows)]
 
 
-def write(out: Path, payload: object, md: str) -> Path:
-    """OUT.json (the payload) and OUT.md (the table); returns OUT.json's path."""
+def write(out: Path, payload: object, md: str | None) -> Path:
+    """OUT.json (the payload) and OUT.md (the table, unless None); returns OUT.json's path."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
-    out.with_suffix(".md").write_text(md if md.endswith("\n") else md + "\n")
+    if md is not None:
+        out.with_suffix(".md").write_text(md if md.endswith("\n") else md + "\n")
     return out.with_suffix(".json")
 
 

@@ -178,8 +178,7 @@ def run(argv: list[str]) -> int:
                "copy_gbs": copy_gbs, "batch": args.batch, "k": K, "timing": "CUDA graph replay, cold L2, median",
                "checks": checks, "rows": rows, "derived": derived,
                "deep_gemm": deep_gemm_attempt(make_inputs(args.batch, 65536, 65536))}
-    path = write_results("indexer_topk", payload)
-    path.with_suffix(".md").write_text(markdown(payload))
+    path = write_results("indexer_topk", payload, markdown(payload))
     print_table(rows, ["L", "max", "keys", "ours_us", "ours_us_again", "separate_us", "indexer_us", "topk_us", "indexer_gbs", "indexer_frac_copy",
                        "torch_contig_us", "torch_paged_us"])
     print_table(derived, list(derived[0]) if derived else ["L"])

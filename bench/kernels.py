@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import sys
 
-from bench.common import RESULTS, cell, versions
+from bench.common import RESULTS, cell, versions, write
 
 BENCHES = ("sparse_decode", "indexer_topk", "sglang_decode", "sm120_decode")
 
@@ -44,12 +43,9 @@ def graphed(fn):
     return graph.replay
 
 
-def write_results(name: str, payload: dict):
-    """bench/results/<name>.json: the payload with the run's versions beside it."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps(dict(payload, versions=payload.get("versions") or versions()), indent=2) + "\n")
-    return path
+def write_results(name: str, payload: dict, md: str | None = None):
+    """bench/results/<name>.json (the payload with the run's versions beside it) and .md (the table, when given)."""
+    return write(RESULTS / name, dict(payload, versions=payload.get("versions") or versions()), md)
 
 
 def print_table(rows: list[dict], columns: list[str]) -> None:

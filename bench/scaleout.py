@@ -102,7 +102,8 @@ def run_cell(name: str, n: int, urls: tuple[list, list[str]], port: int, a: argp
     control, url = prefills[0][0], f"http://127.0.0.1:{port}"
     with process(router_argv(name, port, prefills, decodes, tmp), url + "/health", tmp / f"{name}-{n}.log",
                  timeout_s=180) as proc:
-        time.sleep(1.0)     # a health round: ours reads each prefill's KV capacity (/server_info) there
+        if name in OURS:    # a health round: ours reads each prefill's KV capacity (/server_info) there
+            time.sleep(1.0)
         httpx.post(control + "/scaleout/reset", timeout=10).raise_for_status()
         check = sanity(port, control, a.workload) if name in PREFIX_AWARE else None
         rss0, cpu0, load0 = rss_bytes(proc.pid), cpu_seconds(proc.pid, session=True), os.getloadavg()[0]

@@ -26,7 +26,7 @@ from types import SimpleNamespace
 
 import torch
 
-from bench.common import versions
+from bench.common import versions, write
 from dsv4_cluster.kernels import dispatch
 from dsv4_cluster.kernels.sglang_adapters import flash_mla_with_kvcache_sm120, fp8_paged_mqa_logits, topk_transform_paged_v2
 from dsv4_cluster.kernels.sglang_cases import decode_case, indexer_case, sglang_sm120_args, sm120_call
@@ -202,8 +202,7 @@ def run(argv: list[str]) -> int:
               "prefill_rows": prefill_rows(base), "decode": decode_rows(base), "indexer": indexer_rows(base)}
     result["versions"] = versions()
     out.mkdir(parents=True, exist_ok=True)
-    (out / "sm120_decode.json").write_text(json.dumps(result, indent=1))
-    (out / "sm120_decode.md").write_text(markdown(result))
+    write(out / "sm120_decode", result, markdown(result))
     return 0
 
 

@@ -1,11 +1,11 @@
 """Stub PD workers: SGLang's PD protocol (docs/protocol.md) without a model, for the router's benchmarks and tests.
 
 Raw asyncio HTTP/1.1 keep-alive, each answer one write on a TCP_NODELAY socket, so the stub is never the bottleneck.
-`StubProtocol` answers at once (bench/router.py, and the router's tests through tests/servers.py's `StubThread`; `GET /stats` counts the requests and those
-that carried bootstrap fields), or misbehaves as `FAULTS` says. `WorkerProtocol` models SGLang's timing for
-bench/scaleout.py: a prefill tokenizes the prompt of its own chat template, matches its pages in its own LRU prefix
-cache, prefills the uncached tokens on one FIFO and releases the KV by `bootstrap_room`; a decode waits for that KV
-and streams a token per `token_ms`. Each request is recorded by the last `[id:...]` of its prompt
+`StubProtocol` answers at once (bench/router.py; the router's tests via tests/servers.py's `StubThread`; `/stats`
+counts requests and those with bootstrap fields), or misbehaves as `FAULTS` says. `WorkerProtocol` models SGLang's
+timing for bench/scaleout.py: a prefill tokenizes the prompt of its own chat template, matches its pages in its own
+LRU prefix cache, prefills the uncached tokens on one FIFO and releases the KV by `bootstrap_room`; a decode waits
+for that KV and streams a token per `token_ms`. Each request is recorded by the last `[id:...]` of its prompt
 (`GET /scaleout/records`, `POST /scaleout/reset`).
 """
 
