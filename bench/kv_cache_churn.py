@@ -2,15 +2,11 @@
 
     python -m bench.kv_cache_churn [--pages 4096] [--sessions 400] [--requests 6000] [--seed 0]
 
-The engine's own `KVPool` (a small float layout: only the allocator matters here), `PrefixCache` and the prefill's
-allocation (`PrefixCache.allocate`: match, make room, allocate) run a multi-turn workload: `--sessions` chats over
-one system prompt, each request one session's next turn (the system prompt, its history, a new user message of
-arbitrary length), `--in-flight` requests holding their pages at once; a request's whole prompt pages go into the
-tree once it is prefilled (as `PrefillEngine` does), its last partial page back to the pool when it ends. The pool
-stays full of cached pages, so every allocation evicts. Reported: a request's own pages (those `KVPool.alloc`
-handed it) in how many runs of consecutive pages, p50 / p90 / p99 / max over the requests after a warm-up, the
-cache hit rate, and the pool's occupancy (pages not free) over the measured requests. `bench/kv_transfer.py
---pages cache` prepares its prefill pool with this workload.
+The engine's own `KVPool`, `PrefixCache` and the prefill's allocation (`PrefixCache.allocate`) under `--sessions`
+chats over one system prompt, `--in-flight` requests holding their pages at once, each prompt's whole pages into the
+tree once prefilled: the pool stays full of cached pages, so every allocation evicts. Reported (JSON): a request's
+own pages in how many runs (p50 / p90 / p99 / max after a warm-up), the hit rate, the pool's occupancy.
+`bench/kv_transfer.py --pages cache` prepares its prefill pool with this workload.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """Run a benchmark in a private network namespace whose loopback ACKs at once (no delayed ACK).
 
-Why: SGLang's Rust router (sglang-router 0.3.2) does not set TCP_NODELAY on the connections it accepts (strace: no
-setsockopt on them). It writes a stream's response head, then its body chunks, in separate writes; Nagle holds the
-body until the head is ACKed, and the load generator's kernel, in delayed-ACK (ping-pong) mode on a keep-alive
-connection, ACKs 40 ms later. That is the flat ~44 ms p50 it read at every concurrency on our stubs, which already
-answer in one write with TCP_NODELAY: a stub cannot change the router's own client-facing socket. A loopback route
-with `quickack 1` makes every local receiver ACK at once, so the stall goes away for every router alike, and inside
-`unshare -n` that route change touches nothing outside the benchmark (the machine's own loopback keeps its
-settings). Needs CAP_SYS_ADMIN (root in a container); without it `reexec_in_quickack_netns` raises and says how to
-run on the plain loopback instead.
+SGLang's Rust router (sglang-router 0.3.2) does not set TCP_NODELAY on the connections it accepts and writes a
+stream's head and body apart: Nagle holds the body until the head is ACKed, and the load generator's kernel, in
+delayed-ACK mode on a keep-alive connection, ACKs 40 ms later (a flat ~44 ms p50 at every concurrency). A loopback
+route with `quickack 1` inside `unshare -n` removes the stall for every router alike and touches nothing outside the
+benchmark. Needs CAP_SYS_ADMIN (root in a container); without it `reexec_in_quickack_netns` says how to run on the
+plain loopback instead.
 """
 
 from __future__ import annotations

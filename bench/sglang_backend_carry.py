@@ -33,28 +33,16 @@ PURE = ("pydantic", "annotated_types", "typing_inspection", "dill", "openai", "h
 NATIVE = ("msgspec-0.23.0", "pydantic_core-2.46.4", "apache_tvm_ffi-0.1.11", "sgl_flash_mla-1.0.0")
 
 CHILD = """
-import json, os, sys
-from bench.sglang_stand_ins import install_torchvision_stand_in
-install_torchvision_stand_in()
+import json, sys
 from bench import sglang_backend_rig as rig
-mode = sys.argv[1]
-rig.set_mode_env(mode, "cpu")
-rig.install_cpu_stand_ins()
-import sglang.srt.layers.attention.deepseek_v4_backend
-rig.install_stand_ins(mode, "cpu")
-rig.load_plugins_and_check(mode)
-r = rig.build(8192, 2, 1024, mode, "cpu", layer_ids=[0, 2, 3])
-rig.fill(r)
-fb = rig.decode_batch(r, 2, 1024)
-inputs = rig.layer_inputs(r, 2)
-r.backend.init_forward_metadata(fb)
-if mode == "plugin":
+rig.prepare_cpu(sys.argv[1])
+r, fb, inputs = rig.cpu_case(sys.argv[1], 2, 1024)
+if sys.argv[1] == "plugin":
     rig.run_layers(r, fb, inputs)
 else:
     x = inputs[0]["q"][:, :1, :1]
     r.backend.forward_c4_indexer(x=x, q_lora=x, c4_indexer=inputs[1]["indexer"], forward_batch=fb, skip_compressor=True)
-mods = {n: getattr(m, "__file__", None) for n, m in list(sys.modules.items())}
-print("MODULES " + json.dumps(mods))
+print("MODULES " + json.dumps({n: getattr(m, "__file__", None) for n, m in list(sys.modules.items())}))
 """
 
 

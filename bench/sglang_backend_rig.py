@@ -127,6 +127,30 @@ def build(context_len: int, max_reqs: int, tokens_per_req: int, mode: str, devic
     return Rig(backend, pool, r2t, layers, mc, device)
 
 
+def prepare_cpu(mode: str) -> list[str]:
+    """SGLang's backend imported on the CPU (FlashMLA and torchvision stood in) and its plugins loaded: the factory.
+    Apart from `cpu_case`: the flashinfer ImportError SGLang keeps holds this frame's callers for good."""
+    from .sglang_stand_ins import install_torchvision_stand_in
+
+    install_torchvision_stand_in()
+    set_mode_env(mode, "cpu")
+    install_cpu_stand_ins()
+    import sglang.srt.layers.attention.deepseek_v4_backend  # noqa: F401
+
+    install_stand_ins(mode, "cpu")
+    return load_plugins_and_check(mode)
+
+
+def cpu_case(mode: str, batch: int, live: int):
+    """After `prepare_cpu`: layers 0 / 2 / 3 at 8K context, `batch` requests of `live` tokens, decode metadata
+    built: (rig, forward batch, layer inputs)."""
+    rig = build(8192, batch, live, mode, "cpu", layer_ids=[0, 2, 3])
+    fill(rig)
+    fb, inputs = decode_batch(rig, batch, live), layer_inputs(rig, batch)
+    rig.backend.init_forward_metadata(fb)
+    return rig, fb, inputs
+
+
 class IndexerInputs:
     """Stands in for the model's C4Indexer module: returns already projected q / weights (see STAND_INS)."""
 

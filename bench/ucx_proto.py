@@ -1,16 +1,10 @@
 """Which UCX transport carried the bytes, read from UCX's own log (`UCX_PROTO_INFO=y`, `UCX_LOG_LEVEL=info`).
 
-With those two variables UCX prints, for every endpoint configuration a worker sets up, one table per operation:
-
-    | kvx-prefill intra-node cfg#1                             |
-    | remote memory write by ucp_put* from host memory to host |
-    | Range  | Description |              Config               |
-    | 0..inf | zero-copy   | cma/memory                        |
-
-and, once per endpoint configuration, its lanes (`ucp_worker.c ... UCX INFO kvx-prefill intra-node cfg#1
-rma_am(tcp/lo) am(tcp/lo cma/memory) ...`; on GPUs e.g. `cuda_ipc/cuda`). The worker's name is the NIXL agent's. A NIXL WRITE is a `ucp_put*` (remote memory write), so the `Config` cells
-of an agent's put tables towards a peer (scope `intra-node` or `inter-node`, not `self`) name the transports
-(`cma/memory`, `cuda_ipc/cuda`, `rc_mlx5/mlx5_0:1`, ...) that carried its KV, per message size range.
+UCX prints, per endpoint configuration of a worker (named by the NIXL agent), a table per operation
+(`| kvx-prefill intra-node cfg#1 |`, `| remote memory write by ucp_put* from host memory to host |`, then rows of
+range, description and config such as `cma/memory`), and its lanes (`... UCX INFO kvx-prefill intra-node cfg#1
+rma_am(tcp/lo) am(tcp/lo cma/memory)`; on GPUs `device(cuda_ipc/cuda)`). A NIXL WRITE is a `ucp_put*`, so the config
+cells of an agent's put tables towards a peer (not `self`) name the transports that carried its KV.
 """
 
 from __future__ import annotations

@@ -29,20 +29,10 @@ LIVE, BATCH = 4096, 2
 TOPK_SWAPS = 4  # of 512 (see the top-k test)
 CHILD = f"""
 import json, sys, torch
-from bench.sglang_stand_ins import install_torchvision_stand_in
-install_torchvision_stand_in()
 from bench import sglang_backend_rig as rig
 mode = sys.argv[1]
-rig.set_mode_env(mode, "cpu")
-rig.install_cpu_stand_ins()
-import sglang.srt.layers.attention.deepseek_v4_backend
-rig.install_stand_ins(mode, "cpu")
-factory = rig.load_plugins_and_check(mode)
-r = rig.build(8192, {BATCH}, {LIVE}, mode, "cpu", layer_ids=[0, 2, 3])
-rig.fill(r)
-fb = rig.decode_batch(r, {BATCH}, {LIVE})
-inputs = rig.layer_inputs(r, {BATCH})
-r.backend.init_forward_metadata(fb)
+factory = rig.prepare_cpu(mode)
+r, fb, inputs = rig.cpu_case(mode, {BATCH}, {LIVE})
 keep, outs = [], []
 same = None
 if mode == "plugin":
