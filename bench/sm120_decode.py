@@ -1,7 +1,8 @@
 """sm_120 on an H200 stand-in: our kernels with the sm_120 dispatch forced vs SGLang 0.5.23's own sm_120 paths.
 
 Run on the GPU machine with `DSV4_CLUSTER_GPU_CLASS=sm_120 DISABLE_MMA_V3=1` (the dispatch table's sm_120 rows,
-tl.dot compiled to mma.sync as on sm_120): `python -m bench.sm120_decode OUT_DIR`.
+tl.dot compiled to mma.sync as on sm_120): `python -m bench.sm120_decode OUT_DIR`
+(`SM120_SECTIONS=prefill_rows,decode,indexer`, the default, picks the tables).
 
 Decode, in SGLang's sm_120 calling convention (q padded to 64 heads up to 64 rows, sliced to the real heads above),
 SGLang's 256-token window pages and 64 / 2-token compressed pages: ours (`flash_mla_with_kvcache_sm120` adapter)
@@ -16,6 +17,7 @@ FlashInfer's sm_120 CUDA kernel, SGLang's default on sm_120 when importable, can
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -152,8 +154,10 @@ def main(argv: list[str]) -> int:
         raise SystemExit(f"run with {dispatch.CLASS_ENV}=sm_120 {dispatch.MMA_V2_ENV}=1 (this run is {gpu})")
     base = load()
     result = {"device": torch.cuda.get_device_name(), "forced_class": gpu, "sglang_src": base.root,
-              "flashinfer_sm120": "not run: FlashInfer's sm_120 CUDA kernel cannot run on an H200",
-              "prefill_rows": prefill_rows(base), "decode": decode_rows(base), "indexer": indexer_rows(base)}
+              "flashinfer_sm120": "not run: FlashInfer's sm_120 CUDA kernel cannot run on an H200"}
+    sections = {"prefill_rows": prefill_rows, "decode": decode_rows, "indexer": indexer_rows}
+    for name in os.environ.get("SM120_SECTIONS", ",".join(sections)).split(","):  # e.g. SM120_SECTIONS=prefill_rows
+        result[name] = sections[name](base)
     result["versions"] = versions()
     out.mkdir(parents=True, exist_ok=True)
     (out / "sm120_decode.json").write_text(json.dumps(result, indent=1))
@@ -180,7 +184,7 @@ def markdown(result: dict) -> str:
              "584 B) over 1.79 TB/s, the RTX PRO 6000's bound. Microseconds, CUDA-graph replay (eager in brackets).",
              "", "| layer | configured | real heads | heads computed | B | ours | SGLang Triton | SGLang torch | "
              "Triton / ours | floor (RTX PRO 6000) | max diff |", "|" + "---|" * 11]
-    for r in result["decode"]:
+    for r in result.get("decode", []):
         floor = r["B"] * live_rows(r) * 584 / (RTX_PRO_6000_GBPS * 1e3)
         lines.append(f"| {r['layer']} | {r['configured'] or '-'} | {r['real_heads']} | {r['heads']} | {r['B']} | "
                      f"{r['ours_graph_us']:.0f} ({r['ours_eager_us']:.0f}) | {r['sglang_triton_graph_us']:.0f} | "
@@ -196,7 +200,7 @@ def markdown(result: dict) -> str:
                          f"{r['max_abs_diff_vs_torch']:.4f} ({r['torch_max_abs']:.2f}) |"
                          if r["max_abs_diff_vs_torch"] is not None else "not compared |"))
     lines += ["", "| indexer: configured | live | B | ours (indexer + top-k) | SGLang torch indexer |", "|---|---|---|---|---|"]
-    for r in result["indexer"]:
+    for r in result.get("indexer", []):
         lines.append(f"| {r['configured']} | {r['live']} | {r['B']} | {r['ours_indexer_topk_graph_us']:.1f} | "
                      f"{r['sglang_torch_indexer_graph_us']:.1f} |")
     return "\n".join(lines) + "\n"
