@@ -20,7 +20,8 @@
 #                  then the report, then the GPU test on those runs (SKIP_TEST=1 skips it); ARGS go to each mode
 #                  (e.g. --reps 3 --layer-ids 0,2,3 --batches 1,8,64; MODES=plugin ... --then-each-kind)
 # sm120            the sm_90 Gluon tests unforced, then the forced-sm_120 tests and `bench.kernels sm120_decode`
-#                  (DSV4_CLUSTER_GPU_CLASS=sm_120 DISABLE_MMA_V3=1; SGLANG_SRC = SGLang's package folder)
+#                  (DSV4_CLUSTER_GPU_CLASS=sm_120 DISABLE_MMA_V3=1; SGLANG_SRC = SGLang's package folder;
+#                  SM120_SECTIONS picks the tables, `sweep` the launch-config sweep)
 # gpu_suite        every kernel GPU test, then the forced-sm_120 tests when CARRY names the SGLang carry (for its
 #                  sm_120 sources); sgl-flash-mla from FLASH_MLA_WHEEL, .whl/ or $CARRY/wheels
 # engine           the CUDA engine's GPU tests, `bench.decode_step`, then `bench.e2e_context_tax ARGS`; the image

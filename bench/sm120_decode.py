@@ -2,6 +2,9 @@
 
     DSV4_CLUSTER_GPU_CLASS=sm_120 DISABLE_MMA_V3=1 python -m bench.kernels sm120_decode OUT_DIR
 
+(`SM120_SECTIONS=prefill_rows,decode,indexer`, the default, picks the tables; `sweep` times every launch config of
+`SWEEP` for c4 at 64 heads: what the dispatch table's sm_120 rows should take.)
+
 (the dispatch table's sm_120 rows, tl.dot compiled to mma.sync as on sm_120). Decode in SGLang's sm_120 calling
 convention (q padded to 64 heads up to 64 rows, sliced to the real heads above; 256-token window pages, 64 / 2-token
 compressed pages): ours vs SGLang's Triton `flash_mla_sparse_decode_triton` and its PyTorch `_sm120_sparse_decode_fwd`,
@@ -166,6 +169,42 @@ def prefill_rows(base) -> list[dict]:
     return rows
 
 
+SWEEP = dict(block_n=(16, 32, 64), head_group=(16, 32, 64), prefetch=(False, True), num_warps=(4, 8))
+
+
+def sweep_rows(base) -> list[dict]:
+    """c4 at 64 real heads, B = 1 ... 128: every LaunchConfig of SWEEP (block, heads per program, register
+    prefetch, warps) through `flash_mla_with_kvcache` in the sm_120 call's arguments, graph replay, max diff
+    against SGLang's sm_120 Triton kernel: which config the dispatch table's sm_120 rows should take next
+    (`SPARSE_DECODE[("sm_120", 64)]`; the CI test then checks it against 99 KB and for spills as compiled for sm_120)."""
+    import itertools
+
+    from dsv4_cluster.kernels.sglang_adapters import flash_mla_with_kvcache
+    from dsv4_cluster.kernels.sparse_mla_decode.config import LaunchConfig
+
+    rows = []
+    for b in (1, 8, 32, 64, 128):
+        kw = sm120_call(decode_case("c4", b, 64, seed=b, full=True))
+        ref = base.triton_decode(*sglang_sm120_args(kw))[0].float()
+        call = dict(q=kw["q"], k_cache=kw["k_cache"], block_table=None, cache_seqlens=None, head_dim_v=kw["head_dim_v"],
+                    tile_scheduler_metadata=None, softmax_scale=kw["softmax_scale"], is_fp8_kvcache=True,
+                    indices=kw["indices"], attn_sink=kw["attn_sink"], extra_k_cache=kw["extra_k_cache"],
+                    extra_indices_in_kvcache=kw["extra_indices_in_kvcache"], topk_length=kw["topk_length"],
+                    extra_topk_length=kw["extra_topk_length"], use_legacy=True)
+        for bn, hg, pf, nw in itertools.product(*SWEEP.values()):
+            cfg = LaunchConfig(backend="triton", block_n=bn, num_stages=1, head_group=hg, prefetch=pf, num_warps=nw)
+            row = dict(B=b, block_n=bn, head_group=hg, prefetch=pf, num_warps=nw)
+            try:
+                out = flash_mla_with_kvcache(**call, config=cfg)[0].float()
+                row["max_abs_diff"] = (out - ref).abs().max().item()
+                row["graph_us"] = _time(lambda: flash_mla_with_kvcache(**call, config=cfg), True)
+            except Exception as exc:  # a config that does not compile or launch here: recorded, the sweep goes on
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def indexer_rows(base) -> list[dict]:
     rows = []
     for ctx in (8192, 128 * 1024, 1 << 20):
@@ -198,8 +237,11 @@ def run(argv: list[str]) -> int:
         raise SystemExit(f"run with {dispatch.CLASS_ENV}=sm_120 {dispatch.MMA_V2_ENV}=1 (this run is {gpu})")
     base = load()
     result = {"device": torch.cuda.get_device_name(), "forced_class": gpu, "sglang_src": base.root,
-              "flashinfer_sm120": "not run: FlashInfer's sm_120 CUDA kernel cannot run on an H200",
-              "prefill_rows": prefill_rows(base), "decode": decode_rows(base), "indexer": indexer_rows(base)}
+              "flashinfer_sm120": "not run: FlashInfer's sm_120 CUDA kernel cannot run on an H200"}
+    sections = {"prefill_rows": prefill_rows, "decode": decode_rows, "indexer": indexer_rows, "sweep": sweep_rows}
+    default = "prefill_rows,decode,indexer"   # the sweep (36 configs x 5 batches) runs when asked: SM120_SECTIONS=sweep
+    for name in os.environ.get("SM120_SECTIONS", default).split(","):
+        result[name] = sections[name](base)
     result["versions"] = versions()
     out.mkdir(parents=True, exist_ok=True)
     write(out / "sm120_decode", result, markdown(result))
@@ -225,7 +267,7 @@ def markdown(result: dict) -> str:
              "584 B) over 1.79 TB/s, the RTX PRO 6000's bound. Microseconds, CUDA-graph replay (eager in brackets).",
              "", "| layer | configured | real heads | heads computed | B | ours | SGLang Triton | SGLang torch | "
              "Triton / ours | floor (RTX PRO 6000) | max diff |", "|" + "---|" * 11]
-    for r in result["decode"]:
+    for r in result.get("decode", []):
         floor = r["B"] * live_rows(r) * 584 / (RTX_PRO_6000_GBPS * 1e3)
         lines.append(f"| {r['layer']} | {r['configured'] or '-'} | {r['real_heads']} | {r['heads']} | {r['B']} | "
                      f"{r['ours_graph_us']:.0f} ({r['ours_eager_us']:.0f}) | {r['sglang_triton_graph_us']:.0f} | "
@@ -240,8 +282,16 @@ def markdown(result: dict) -> str:
                      f"{r['triton_over_ours']:.1f}x | {floor:.0f} | " + (
                          f"{r['max_abs_diff_vs_torch']:.4f} ({r['torch_max_abs']:.2f}) |"
                          if r["max_abs_diff_vs_torch"] is not None else "not compared |"))
+    sweep = [r for r in result.get("sweep", []) if "graph_us" in r]
+    if sweep:
+        lines += ["", "Launch-config sweep, c4, 64 heads: the fastest three per B (graph, us):", "",
+                  "| B | block | heads / program | prefetch | warps | us | max diff vs SGLang Triton |", "|---|---|---|---|---|---|---|"]
+        for b in sorted({r["B"] for r in sweep}):
+            for r in sorted((r for r in sweep if r["B"] == b), key=lambda r: r["graph_us"])[:3]:
+                lines.append(f"| {b} | {r['block_n']} | {r['head_group']} | {r['prefetch']} | {r['num_warps']} | "
+                             f"{r['graph_us']:.0f} | {r['max_abs_diff']:.4f} |")
     lines += ["", "| indexer: configured | live | B | ours (indexer + top-k) | SGLang torch indexer |", "|---|---|---|---|---|"]
-    for r in result["indexer"]:
+    for r in result.get("indexer", []):
         lines.append(f"| {r['configured']} | {r['live']} | {r['B']} | {r['ours_indexer_topk_graph_us']:.1f} | "
                      f"{r['sglang_torch_indexer_graph_us']:.1f} |")
     return "\n".join(lines) + "\n"

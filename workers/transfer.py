@@ -154,8 +154,8 @@ class NixlTransfer:
             info = self._peers.get(peer)
             if info is None:
                 raise TransferError(f"unknown decode agent {peer!r}: it never registered with this prefill")
-            _check_pages(src_pages, self._num_pages, self.name)
-            _check_pages(dst_pages, info.num_pages, peer)
+            src = _check_pages(src_pages, self._num_pages, self.name)
+            dst = _check_pages(dst_pages, info.num_pages, peer)
             if incarnation is not None and incarnation != self._incarnations[peer]:
                 raise TransferError(f"{peer} restarted after it reserved these pages; its new process "
                                     "does not expect this KV")
@@ -163,8 +163,8 @@ class NixlTransfer:
             try:
                 if self.descriptors == "prepped":
                     handle = self._agent.make_prepped_xfer(
-                        "WRITE", self._local_prepped, _indices(src_pages, len(self._local), self._num_pages),
-                        self._prepped[peer], _indices(dst_pages, len(info.buffers), info.num_pages), notif)
+                        "WRITE", self._local_prepped, _indices(src, len(self._local), self._num_pages),
+                        self._prepped[peer], _indices(dst, len(info.buffers), info.num_pages), notif)
                 else:
                     runs = page_runs(src_pages, dst_pages)
                     local = _descs(self._local, [(s, n) for s, _, n in runs], self._device_id)
@@ -249,11 +249,14 @@ def page_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
     return [(s, d, n) for s, d, n in runs]
 
 
-def _check_pages(pages: list[int], num_pages: int, owner: str) -> None:
-    """A page outside a pool would be a WRITE outside its registered memory (or NIXL's refusal): refuse it here."""
-    bad = next((p for p in pages if not 0 <= p < num_pages), None)
-    if bad is not None:
+def _check_pages(pages: list[int], num_pages: int, owner: str) -> np.ndarray:
+    """The pages as an int64 array; a page outside a pool would be a WRITE outside its registered memory (or NIXL's
+    refusal): refuse it here. Vectorised: a 128K-token request is 512 pages, checked on every WRITE."""
+    p = np.asarray(pages, dtype=np.int64)
+    if p.size and (int(p.min()) < 0 or int(p.max()) >= num_pages):
+        bad = int(p[(p < 0) | (p >= num_pages)][0])
         raise TransferError(f"page {bad} lies outside the pool of {owner}, which has {num_pages} pages")
+    return p
 
 
 def _descs(buffers: list[tuple[int, int]], runs: list[tuple[int, int]], device_id: int) -> np.ndarray:
@@ -272,8 +275,10 @@ def _strided(buffers: list[tuple[int, int]], num_pages: int, device_id: int) -> 
     return np.array(rows, dtype=np.uint64).reshape(-1, 5)
 
 
-def _indices(pages: list[int], regions: int, num_pages: int) -> np.ndarray:
+def _indices(pages, regions: int, num_pages: int) -> np.ndarray:
     """The prepared list's indices of `pages` in every region, region-major (so that consecutive pages are
     consecutive descriptors, which NIXL merges)."""
-    p = np.asarray(pages, dtype=np.int64)
-    return (np.arange(regions, dtype=np.int64)[:, None] * num_pages + p[None, :]).ravel().astype(np.int32)
+    pages = np.asarray(pages, dtype=np.int64)
+    if regions == 1:
+        return pages.astype(np.int32)
+    return (np.arange(regions, dtype=np.int64)[:, None] * num_pages + pages[None, :]).ravel().astype(np.int32)

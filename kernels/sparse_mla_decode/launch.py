@@ -1,6 +1,7 @@
-"""Host side of the sparse MLA decode: argument checks, split choice, grid, workspace, the launches.
+"""Host side of the sparse MLA decode: argument checks, outputs and workspace, the launches.
 
-The backend and launch config of a call come from `config.choose_backend` (the dispatch table).
+What a call launches (class, backend, block, stages, head groups, splits, constexprs) is resolved once, from its
+shapes, by `plan.plan_launch` (the dispatch table's row); this module only launches it.
 
 Everything here depends on tensor shapes only (never on index or length values), so a call is
 CUDA-graph capturable: the split count, the grid and the workspace size are fixed for fixed shapes,
@@ -24,7 +25,7 @@ from .config import (  # noqa: F401  (re-exported: tests and benches read them h
     BACKENDS, DEFAULT_BLOCKS, DIM, GLUON_TRITON_RELEASES, PV_REGS, SMEM_LIMIT, LaunchConfig, _num_sms, choose_backend,
     choose_backend_for,
     gluon_api_unavailable, gluon_index_blocks, gluon_smem_bytes, gluon_unavailable, resolved, triton_next_pow2)
-from .splits import choose_splits, fuses_merge, gluon_splits
+from .plan import plan_launch
 
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _DEFAULT_CONFIG = LaunchConfig()
@@ -83,12 +84,6 @@ def _outputs(q, splits, out=None, lse=None):
     return out, lse, part_o, part_lse
 
 
-def _geometry_kwargs(geos: tuple[PageGeometry, PageGeometry]) -> dict:
-    """The fp8 page geometry constexprs of both kernels: window and extra cache (log2 tokens, stride)."""
-    w, e = geos
-    return dict(W_SHIFT=w.shift, W_PAGE=w.page_stride, E_SHIFT=e.shift, E_PAGE=e.page_stride)
-
-
 def _kernel_args(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, sink, scale,
                  window_lens, extra_lens, w, k, out, lse, part_o, part_lse, splits, counters=None):
     """The positional arguments both sparse-decode kernels (Triton and Gluon) take, in order; absent
@@ -113,91 +108,32 @@ def _kernel_args(q, main, main_stride, extra, extra_stride, window_idx, extra_id
 def _launch(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, sink, scale,
             window_lens, extra_lens, w, k, is_fp8, config, geos=(DEFAULT_GEOMETRY, DEFAULT_GEOMETRY),
             out=None, lse=None):
-    b, h, _ = q.shape
-    backend, config = choose_backend_for(q.device, h, q.dtype, is_fp8, config or _DEFAULT_CONFIG, w, k)
-    if backend == "gluon":
-        return _launch_gluon(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, sink, scale,
-                             window_lens, extra_lens, w, k, is_fp8, config, geos, out, lse)
-    flags = (extra is not None, window_lens is not None, extra is not None and extra_lens is not None,
-             sink is not None)
-    groups = h // config.head_group if config.head_group and h > config.head_group else 1
-    splits, kwargs = _triton_plan(b, h // groups, w, k, is_fp8, config, _num_sms(q.device), flags, geos,
-                                  q.dtype == torch.float32 or not q.is_cuda)
-    out, lse, part_o, part_lse = _outputs(q, splits, out, lse)
-    if not q.is_cuda and type(_kernels._sparse_decode_kernel).__name__ != "InterpretedFunction":
-        raise checks.SparseDecodeInputError(
-            "the Triton kernel runs on CPU tensors only under TRITON_INTERPRET=1 (set before import); "
-            "on CPU call sparse_mla_decode_ref, or sparse_mla_decode, which picks it"
-        )
-    fast_launch(_kernels._sparse_decode_kernel, (b, splits, groups),
-                _kernel_args(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, sink, scale,
-                             window_lens, extra_lens, w, k, out, lse, part_o, part_lse, splits), kwargs,
-                max_shared=smem_cap(q.device))
-    if splits > 1:
-        _combine(part_o, part_lse, sink, out, lse, b, h, splits)
-    return out, lse
-
-
-
-@functools.lru_cache(maxsize=1024)
-def _triton_plan(b, h, w, k, is_fp8, config, sms, flags, geos, dot_f32):
-    """(splits, launch keyword arguments) of the Triton kernel for these shapes (cached: shapes only)."""
-    bn = config.block_n
-    num_blocks = -(-w // bn) + -(-k // bn)
-    splits = config.num_splits or choose_splits(b, num_blocks, sms)
-    has_extra, has_wlen, has_elen, has_sink = flags
-    return splits, dict(H=h, D=DIM, BN=bn, SPLIT_OUT=splits > 1, IS_FP8=is_fp8, HAS_EXTRA=has_extra,
-                        HAS_WLEN=has_wlen, HAS_ELEN=has_elen, HAS_SINK=has_sink, DOT_F32=dot_f32,
-                        PREFETCH=config.prefetch, **_geometry_kwargs(geos), num_warps=config.num_warps,
-                        num_stages=config.num_stages)
-
-
-@functools.lru_cache(maxsize=1024)
-def _gluon_plan(b, w, k, is_fp8, config, sms, flags, geos, probe, trace):
-    """(splits, fused merge?, launch keyword arguments) of the Gluon kernel for these shapes (cached)."""
-    from . import gluon_epilogue
-
-    bn = config.block_n
-    if bn not in (32, 64) or config.num_stages < 2:
-        raise checks.SparseDecodeInputError(
-            f"the Gluon kernel takes block_n 32 or 64 and num_stages >= 2; got {bn}, {config.num_stages}")
-    smem = gluon_smem_bytes(bn, config.num_stages, w, k)
-    if smem > SMEM_LIMIT:
-        raise checks.SparseDecodeInputError(
-            f"block_n={bn} with {config.num_stages} stages needs {smem} B of shared memory, over the "
-            f"{SMEM_LIMIT} B a block may use (window {w} + extra {k} indices per query): use fewer stages "
-            "or block_n=32")
-    num_blocks = -(-w // bn) + -(-k // bn)
-    splits = gluon_splits(config, b, num_blocks, sms, is_fp8)
-    fuse = fuses_merge(config, b, splits, sms)
-    sp, mht, mdc = gluon_epilogue.fused_merge_tile(splits) if fuse else (1, 1, 64)
-    has_extra, has_wlen, has_elen, has_sink = flags
-    return splits, fuse, dict(
-        BN=bn, NS=config.num_stages, SPLIT_OUT=splits > 1, IS_FP8=is_fp8, HAS_EXTRA=has_extra,
-        HAS_WLEN=has_wlen, HAS_ELEN=has_elen, HAS_SINK=has_sink, **_geometry_kwargs(geos), LOADER_WARPS=4,
-        LOADER_REGS=config.loader_regs, PV_REGS=PV_REGS, MAXB=gluon_index_blocks(w, k, bn), FUSE_MERGE=fuse,
-        SP=sp, MHT=mht, MDC=mdc, EARLY_TABLE=(fuse and not is_fp8) if config.early_table is None else
-        config.early_table, PROBE=probe, TRACE=trace, num_warps=4, launch_cooperative_grid=fuse)
-
-
-def _launch_gluon(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, sink, scale,
-                  window_lens, extra_lens, w, k, is_fp8, config, geos=(DEFAULT_GEOMETRY, DEFAULT_GEOMETRY),
-                  out=None, lse=None):
-    from . import gluon_kernel
-
+    """Launch what `plan.plan_launch` resolved for this call's shapes, then the split merge if the kernel left it."""
     b, h, _ = q.shape
     flags = (extra is not None, window_lens is not None, extra is not None and extra_lens is not None,
              sink is not None)
-    splits, fuse, kwargs = _gluon_plan(b, w, k, is_fp8, config, _num_sms(q.device), flags, geos, _PROBE,
-                                       _TRACE is not None)
-    out, lse, part_o, part_lse = _outputs(q, splits, out, lse)
-    fast_launch(gluon_kernel._sparse_decode_ws_kernel, (b, splits),
+    p = plan_launch(q.device, b, h, q.dtype, is_fp8, config or _DEFAULT_CONFIG, w, k, flags, geos,
+                    _num_sms(q.device), _PROBE, _TRACE is not None)
+    out, lse, part_o, part_lse = _outputs(q, p.splits, out, lse)
+    if p.backend == "gluon":
+        from . import gluon_kernel
+
+        kernel, max_shared = gluon_kernel._sparse_decode_ws_kernel, None
+        counters = split_counters(q.device, b) if p.fused_merge else lse
+        kwargs = dict(p.kwargs, trace_ptr=_TRACE if _TRACE is not None else lse)
+    else:
+        if not q.is_cuda and type(_kernels._sparse_decode_kernel).__name__ != "InterpretedFunction":
+            raise checks.SparseDecodeInputError(
+                "the Triton kernel runs on CPU tensors only under TRITON_INTERPRET=1 (set before import); "
+                "on CPU call sparse_mla_decode_ref, or sparse_mla_decode, which picks it"
+            )
+        kernel, max_shared, counters, kwargs = _kernels._sparse_decode_kernel, smem_cap(q.device), None, p.kwargs
+    fast_launch(kernel, p.grid,
                 _kernel_args(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, sink, scale,
-                             window_lens, extra_lens, w, k, out, lse, part_o, part_lse, splits,
-                             counters=split_counters(q.device, b) if fuse else lse),
-                dict(kwargs, trace_ptr=_TRACE if _TRACE is not None else lse))
-    if splits > 1 and not fuse:
-        _combine(part_o, part_lse, sink, out, lse, b, h, splits)
+                             window_lens, extra_lens, w, k, out, lse, part_o, part_lse, p.splits, counters),
+                kwargs, max_shared=max_shared)
+    if p.splits > 1 and not p.fused_merge:
+        _combine(part_o, part_lse, sink, out, lse, b, h, p.splits)
     return out, lse
 
 

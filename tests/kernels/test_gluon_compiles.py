@@ -2,7 +2,7 @@
 no GPU), for every variant a launch can ask for: fp8 / bf16 rows, block 32 / 64, split / unsplit, the fused
 merge, the early index table. Gluon's API moves between Triton releases (3.8 dropped `thread_barrier` and refuses a
 shared-memory view smaller than its buffer), so CI must compile the kernel on the release users install: the
-interpreter never runs Gluon. Each variant's launch keywords are the ones `launch._gluon_plan` builds for real
+interpreter never runs Gluon. Each variant's launch keywords are the ones `plan._gluon_plan` builds for real
 shapes, and its compiled shared memory is the one `config.gluon_smem_bytes` budgets."""
 
 from __future__ import annotations
@@ -30,13 +30,13 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from dsv4_cluster.kernels.sparse_mla_decode import config as cfg, gluon_kernel, launch
+from dsv4_cluster.kernels.sparse_mla_decode import config as cfg, gluon_kernel, plan
 from dsv4_cluster.kernels.sparse_mla_decode.fp8_layout import DEFAULT_GEOMETRY
 
 fp8, b, w, k, bn, fused, early = json.loads(sys.argv[1])
 conf = cfg.resolved(cfg.LaunchConfig(block_n=bn, fused_merge=fused, early_table=early), "gluon", fp8)
 flags = (k > 0, True, k > 0, True)
-splits, fuse, kw = launch._gluon_plan(b, w, k, fp8, conf, 132, flags, (DEFAULT_GEOMETRY, DEFAULT_GEOMETRY), 0, False)
+splits, fuse, kw = plan._gluon_plan(b, w, k, fp8, conf, 132, flags, (DEFAULT_GEOMETRY, DEFAULT_GEOMETRY), 0, False)
 fn = gluon_kernel._sparse_decode_ws_kernel
 options = {n: kw.pop(n) for n in ("num_warps", "launch_cooperative_grid")}
 ptrs = {"q_ptr": "*bf16", "out_ptr": "*bf16", "kv_ptr": "*u8" if fp8 else "*bf16", "ekv_ptr": "*u8" if fp8 else "*bf16",

@@ -21,6 +21,7 @@ from dsv4_cluster.kernels.sparse_mla_decode import (
     sparse_mla_decode_ref,
 )
 from dsv4_cluster.kernels.sparse_mla_decode import fp8_layout, launch
+from dsv4_cluster.kernels.sparse_mla_decode import splits as split_rules
 from dsv4_cluster.kernels.sparse_mla_decode.launch import (
     LaunchConfig,
     sparse_mla_decode_fp8_triton,
@@ -182,20 +183,20 @@ def test_split_choice_is_the_measured_best_on_an_h200():
     """choose_splits for the V4 decode (10 blocks of 64 rows, 132 SMs) gives the splits the H200 sweeps
     measured fastest per batch size (bench/results/sparse_decode.md), with the merge kernel (the Triton
     kernel; with 32-row blocks, twice as many) and with the Gluon kernel's fused merge."""
-    assert [launch.choose_splits(b, 10, 132) for b in (1, 8, 32, 64, 128)] == [10, 5, 4, 2, 1]
-    assert [launch.choose_splits(b, 20, 132) for b in (1, 8, 32, 64, 128)] == [20, 10, 4, 2, 1]
-    assert launch.choose_splits(4096, 10, 132) == 1  # many queries: no split, no merge
-    assert launch.choose_splits(1, 1, 132) == 1
-    fused = [launch.choose_splits(b, 10, 132, fused=True) for b in (1, 8, 32, 33, 64, 128)]
+    assert [split_rules.choose_splits(b, 10, 132) for b in (1, 8, 32, 64, 128)] == [10, 5, 4, 2, 1]
+    assert [split_rules.choose_splits(b, 20, 132) for b in (1, 8, 32, 64, 128)] == [20, 10, 4, 2, 1]
+    assert split_rules.choose_splits(4096, 10, 132) == 1  # many queries: no split, no merge
+    assert split_rules.choose_splits(1, 1, 132) == 1
+    fused = [split_rules.choose_splits(b, 10, 132, fused=True) for b in (1, 8, 32, 33, 64, 128)]
     assert fused == [16, 10, 4, 4, 2, 1]
     # from B = 34, 4 splits per query no longer fit on the SMs at once: the merge kernel's choice
-    assert launch.choose_splits(34, 10, 132, fused=True) == launch.choose_splits(34, 10, 132) == 2
-    assert all(b * launch.choose_splits(b, 10, 132, fused=True) <= 132 for b in range(1, 34))
+    assert split_rules.choose_splits(34, 10, 132, fused=True) == split_rules.choose_splits(34, 10, 132) == 2
+    assert all(b * split_rules.choose_splits(b, 10, 132, fused=True) <= 132 for b in range(1, 34))
     # Gluon on bf16 rows: the merge weighs more, so B = 64 runs unsplit (fp8 keeps 2 splits)
     bf16, fp8 = LaunchConfig(backend="gluon"), True
-    assert [launch.gluon_splits(bf16, b, 10, 132, not fp8) for b in (1, 8, 32, 48, 64, 128)] == [16, 10, 4, 2, 1, 1]
-    assert [launch.gluon_splits(bf16, b, 10, 132, fp8) for b in (1, 8, 32, 48, 64, 128)] == [16, 10, 4, 2, 2, 1]
-    assert launch.gluon_splits(LaunchConfig(num_splits=3), 64, 10, 132, fp8) == 3  # asked for: as asked
+    assert [split_rules.gluon_splits(bf16, b, 10, 132, not fp8) for b in (1, 8, 32, 48, 64, 128)] == [16, 10, 4, 2, 1, 1]
+    assert [split_rules.gluon_splits(bf16, b, 10, 132, fp8) for b in (1, 8, 32, 48, 64, 128)] == [16, 10, 4, 2, 2, 1]
+    assert split_rules.gluon_splits(LaunchConfig(num_splits=3), 64, 10, 132, fp8) == 3  # asked for: as asked
 
 
 def test_triton_rejects_unsupported_shapes():

@@ -345,8 +345,16 @@ def test_gluon_launch_passes_every_kernel_parameter(monkeypatch, fp8, fused):
         caches = (quantize_kv_v4(c["kv"]), fp8_layout.PAGE_STRIDE, quantize_kv_v4(c["extra_kv"]), fp8_layout.PAGE_STRIDE)
     else:
         caches = (c["kv"], c["kv"].stride(0), c["extra_kv"], c["extra_kv"].stride(0))
-    launch._launch_gluon(c["q"], *caches, c["window_idx"], c["extra_idx"], c["sink"], None,
-                         c["window_lens"], c["extra_lens"], 128, 512, fp8, cfg)
+    from dsv4_cluster.kernels.sparse_mla_decode import plan as plan_mod
+
+    # the dispatch table gives Gluon to sm_90 CUDA calls only: this CPU call takes that row's launch
+    monkeypatch.setattr(plan_mod, "choose_backend_for", lambda device, h, dtype, is_fp8, config, w, k: ("gluon", config))
+    plan_mod.plan_launch.cache_clear()
+    try:
+        launch._launch(c["q"], *caches, c["window_idx"], c["extra_idx"], c["sink"], None,
+                       c["window_lens"], c["extra_lens"], 128, 512, fp8, cfg)
+    finally:
+        plan_mod.plan_launch.cache_clear()
     (fn, grid, args, kwargs), *merge = launches
     assert grid == (3, 4)
     required = [name for name, p in zip(kernel.arg_names, kernel.params) if not p.has_default]

@@ -1,0 +1,93 @@
+"""A sparse-decode call's whole launch, resolved once from its shapes: `plan_launch`.
+
+Class (the dispatch table's row for the device), backend (Gluon or Triton, with the reasons Gluon cannot take a
+call in `config`), block and stages, head groups (programs of `head_group` heads on grid axis 2, where the table
+sets it), splits per query, whether the Gluon kernel merges them itself, and every launch keyword. Shapes, dtypes
+and the device only (never tensor values), so a plan is cached and a call stays CUDA-graph capturable;
+`launch.py` only allocates the outputs and launches what the plan says.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from . import checks
+from .config import (DIM, PV_REGS, SMEM_LIMIT, LaunchConfig, choose_backend_for, gluon_index_blocks,
+                     gluon_smem_bytes)
+from .fp8_layout import PageGeometry
+from .splits import choose_splits, fuses_merge, gluon_splits
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    backend: str            # "triton" | "gluon"
+    config: LaunchConfig    # resolved: block_n, num_stages, head_group filled in
+    grid: tuple[int, ...]   # Triton: (B, splits, head groups); Gluon: (B, splits)
+    splits: int
+    fused_merge: bool       # Gluon merges the splits in-kernel (else the merge kernel runs after it)
+    kwargs: dict            # the kernel's constexprs and launch options
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_launch(device: torch.device, b: int, h: int, dtype: torch.dtype, is_fp8: bool, config: LaunchConfig,
+                w: int, k: int, flags: tuple[bool, bool, bool, bool], geos: tuple[PageGeometry, PageGeometry],
+                sms: int, probe: int = 0, trace: bool = False) -> LaunchPlan:
+    """The launch of a call of B queries, h heads, w window and k extra indices per query. flags: (has extra
+    cache, window lens, extra lens, sink); geos: the fp8 page geometry of the window and extra caches; sms: the
+    device's SM count (the split choice spreads B x splits programs over them)."""
+    backend, config = choose_backend_for(device, h, dtype, is_fp8, config, w, k)
+    if backend == "gluon":
+        splits, fuse, kwargs = _gluon_plan(b, w, k, is_fp8, config, sms, flags, geos, probe, trace)
+        return LaunchPlan("gluon", config, (b, splits), splits, fuse, kwargs)
+    groups = h // config.head_group if config.head_group and h > config.head_group else 1
+    dot_f32 = dtype == torch.float32 or device.type != "cuda"
+    splits, kwargs = _triton_plan(b, h // groups, w, k, is_fp8, config, sms, flags, geos, dot_f32)
+    return LaunchPlan("triton", config, (b, splits, groups), splits, False, kwargs)
+
+
+def _geometry_kwargs(geos: tuple[PageGeometry, PageGeometry]) -> dict:
+    """The fp8 page geometry constexprs of both kernels: window and extra cache (log2 tokens, stride)."""
+    w, e = geos
+    return dict(W_SHIFT=w.shift, W_PAGE=w.page_stride, E_SHIFT=e.shift, E_PAGE=e.page_stride)
+
+
+def _triton_plan(b, h, w, k, is_fp8, config, sms, flags, geos, dot_f32):
+    """(splits, launch keyword arguments) of the Triton kernel, h heads per program."""
+    bn = config.block_n
+    num_blocks = -(-w // bn) + -(-k // bn)
+    splits = config.num_splits or choose_splits(b, num_blocks, sms)
+    has_extra, has_wlen, has_elen, has_sink = flags
+    return splits, dict(H=h, D=DIM, BN=bn, SPLIT_OUT=splits > 1, IS_FP8=is_fp8, HAS_EXTRA=has_extra,
+                        HAS_WLEN=has_wlen, HAS_ELEN=has_elen, HAS_SINK=has_sink, DOT_F32=dot_f32,
+                        PREFETCH=config.prefetch, **_geometry_kwargs(geos), num_warps=config.num_warps,
+                        num_stages=config.num_stages)
+
+
+def _gluon_plan(b, w, k, is_fp8, config, sms, flags, geos, probe, trace):
+    """(splits, fused merge?, launch keyword arguments) of the Gluon kernel."""
+    from . import gluon_epilogue
+
+    bn = config.block_n
+    if bn not in (32, 64) or config.num_stages < 2:
+        raise checks.SparseDecodeInputError(
+            f"the Gluon kernel takes block_n 32 or 64 and num_stages >= 2; got {bn}, {config.num_stages}")
+    smem = gluon_smem_bytes(bn, config.num_stages, w, k)
+    if smem > SMEM_LIMIT:
+        raise checks.SparseDecodeInputError(
+            f"block_n={bn} with {config.num_stages} stages needs {smem} B of shared memory, over the "
+            f"{SMEM_LIMIT} B a block may use (window {w} + extra {k} indices per query): use fewer stages "
+            "or block_n=32")
+    num_blocks = -(-w // bn) + -(-k // bn)
+    splits = gluon_splits(config, b, num_blocks, sms, is_fp8)
+    fuse = fuses_merge(config, b, splits, sms)
+    sp, mht, mdc = gluon_epilogue.fused_merge_tile(splits) if fuse else (1, 1, 64)
+    has_extra, has_wlen, has_elen, has_sink = flags
+    return splits, fuse, dict(
+        BN=bn, NS=config.num_stages, SPLIT_OUT=splits > 1, IS_FP8=is_fp8, HAS_EXTRA=has_extra,
+        HAS_WLEN=has_wlen, HAS_ELEN=has_elen, HAS_SINK=has_sink, **_geometry_kwargs(geos), LOADER_WARPS=4,
+        LOADER_REGS=config.loader_regs, PV_REGS=PV_REGS, MAXB=gluon_index_blocks(w, k, bn), FUSE_MERGE=fuse,
+        SP=sp, MHT=mht, MDC=mdc, EARLY_TABLE=(fuse and not is_fp8) if config.early_table is None else
+        config.early_table, PROBE=probe, TRACE=trace, num_warps=4, launch_cooperative_grid=fuse)
