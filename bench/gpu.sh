@@ -40,6 +40,8 @@
 set -uo pipefail
 : "${OUT:?OUT must name the folder whose files come back}"
 suite=${1:?usage: bash bench/gpu.sh SUITE [args]; see the header}; shift
+suites="sparse_decode indexer sglang_decode sglang_backend sm120 gpu_suite engine kv_transfer ncu"
+if [[ " $suites " != *" $suite "* ]]; then echo "unknown suite $suite: one of $suites (see the header)" >&2; exit 2; fi
 carry=${CARRY:+$(cd "$CARRY" && pwd)}
 repo=$PWD
 mkdir -p /tmp/p/dsv4_cluster
@@ -160,7 +162,6 @@ ncu)
   bench_rc=$? tests_rc=0
   ncu --import "$OUT/ncu_sparse_decode.ncu-rep" --page details > "$OUT/ncu_details.txt" 2>&1
   ;;
-*) echo "unknown suite $suite: see the header of bench/gpu.sh" >&2; exit 2 ;;
 esac
 if [ -f "$OUT/ncu_details.txt" ]; then
   grep -E "^  [a-zA-Z_]|Duration|DRAM Throughput|Memory Throughput|L2 Hit|Compute \(SM\) Throughput|Achieved Occupancy|No Eligible|Issued Warp|Registers Per|Dynamic Shared" \
