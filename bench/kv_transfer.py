@@ -33,8 +33,7 @@ from dsv4_cluster.orchestrator.processes import death_signal_preexec, log_tail
 from dsv4_cluster.workers.presets import PRESETS
 from . import ucx_proto
 from .common import md_table, pct, write
-from .kv_transfer_parts import PAGE_STATES, build_pool
-from .kv_transfer_sides import PREFILL_AGENT, RAW_PREFILL_AGENT
+from .kv_transfer_sides import PAGE_STATES, PREFILL_AGENT, RAW_PREFILL_AGENT, build_pool
 
 SIZES = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 # engine >= 80% of raw NIXL for requests >= 8K tokens, >= 50% at 1K
@@ -60,16 +59,13 @@ def pool_pages(a: argparse.Namespace, pages: str) -> int:
 def run_sides(a: argparse.Namespace, pages: str, workdir: Path) -> dict:
     """Start the decode and the prefill side with pools in state `pages`, wait for the prefill's result; neither
     outlives this call."""
-    port = free_ports(1)[0]
-    common = ["--port", str(port), "--sizes", ",".join(map(str, a.sizes)), "--preset", a.preset,
-              "--n-layers", str(a.n_layers), "--page-size", str(a.page_size),
-              "--pool-pages", str(pool_pages(a, pages)), "--repeats", str(a.repeats),
-              "--warmup", str(a.warmup), *(["--ucx-tls", a.ucx_tls] if a.ucx_tls else []),
-              "--pages", pages, "--churn-cycles", str(a.churn_cycles), "--occupancy", str(a.occupancy)]
+    side = {k: getattr(a, k) for k in ("sizes", "preset", "n_layers", "page_size", "repeats", "warmup", "ucx_tls",
+                                       "churn_cycles", "occupancy")}
+    side.update(port=free_ports(1)[0], pool_pages=pool_pages(a, pages), pages=pages, seed=0, peer_device=a.decode_device)
     mod = [sys.executable, "-m", "bench.kv_transfer_sides"]
-    cmds = {"decode": [*mod, "decode", "--device", a.decode_device, *common],
-            "prefill": [*mod, "prefill", "--device", a.prefill_device, "--peer-device", a.decode_device,
-                        "--result", str(workdir / "result.json"), *common]}
+    cmds = {"decode": [*mod, json.dumps({**side, "role": "decode", "device": a.decode_device})],
+            "prefill": [*mod, json.dumps({**side, "role": "prefill", "device": a.prefill_device,
+                                          "result": str(workdir / "result.json")})]}
     env = {**os.environ, "UCX_PROTO_INFO": "y", "UCX_LOG_LEVEL": "info", "PYTHONUNBUFFERED": "1"}
     procs: dict[str, subprocess.Popen] = {}
     try:

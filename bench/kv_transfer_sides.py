@@ -1,21 +1,17 @@
-"""The two processes of `bench/kv_transfer.py`: the prefill side (it drives and times) and the decode side.
-
-    python -m bench.kv_transfer_sides decode|prefill --port P --device cuda:N ... (started by bench/kv_transfer.py)
-
-Each builds the engine's own pool and `NixlTransfer` on it (kv_transfer_parts.side_pool); the decode side hands the
-prefill side its `PeerInfo`, as the bootstrap server's `/kv/register` does. They talk over one loopback connection
-(multiprocessing.connection); the KV moves over NIXL/UCX. Per request size, trial by trial in rotating order (a load
-spike hits every method alike): engine (`write_pages` of the pages each side's allocator gave, with
-`notif_message`, done when the prefill's `poll` says DONE and the decode's `notifications()` returned it; both
-sides poll without sleeping: this times the transfer, not an engine loop's cadence), raw (one NIXL WRITE of one
-contiguous region of the same bytes, with a notification), copy (`copy_` of the same bytes to the decode device).
-Checks: the decode side zeroes its pool and raw region first (the prefill's values are never zero); afterwards its
-pool's non-zero bytes equal the request's bytes and the SHA-256 of its destination pages equals the source pages'.
+"""The two processes of `bench/kv_transfer.py` (which starts them): the prefill side drives and times, the decode side
+answers. Each builds the engine's own pool (`side_pool`, in the state `--pages` asks for) and `NixlTransfer` on it;
+the decode side hands the prefill side its `PeerInfo` as the bootstrap server's `/kv/register` does; they talk over
+one loopback connection, the KV moves over NIXL/UCX. Per request size, trial by trial in rotating order: engine
+(`write_pages` of the pages each allocator gave, done when the prefill's `poll` says DONE and the decode has the
+notification; both sides poll without sleeping), raw (one NIXL WRITE of one region of the same bytes), copy
+(`copy_` to the decode device). Checks: the decode side zeroes its pool first (the prefill's values are never zero);
+afterwards its non-zero bytes equal the request's and its destination pages' SHA-256 equals the source pages'.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -25,22 +21,172 @@ from dataclasses import asdict
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from dsv4_cluster.workers.kv_pool import KVPool, PoolLayout
+from dsv4_cluster.workers.nixl_loader import load_nixl_api
 from dsv4_cluster.workers.prefill.destinations import notif_message
+from dsv4_cluster.workers.prefix_cache import PrefixCache
+from dsv4_cluster.workers.presets import model_config
+from dsv4_cluster.workers.runner import RunnerConfig
 from dsv4_cluster.workers.transfer import NixlTransfer, PeerInfo, page_runs
-from .kv_transfer_parts import (PAGE_STATES, RawAgent, SideError, cache_alloc, max_bytes, nonzero_bytes, nonzero_random,
-                                page_digest, region_digest, side_pool)
 
 PREFILL_AGENT, DECODE_AGENT = "kvx-prefill", "kvx-decode"
 RAW_PREFILL_AGENT, RAW_DECODE_AGENT = "kvx-raw-prefill", "kvx-raw-decode"
 CONNECT_TIMEOUT_S, AUTH = 120.0, b"kvx"
 
 
+def build_pool(preset: str, n_layers: int, page_size: int, pages: int, device: str) -> KVPool:
+    """The engine's pool for the preset as ModelRunner builds it (n_layers 0: the preset's); ValueError if refused."""
+    tokens = pages * page_size
+    cfg = RunnerConfig(model=model_config(preset, **({"n_layers": n_layers} if n_layers else {})), page_size=page_size,
+                       max_total_tokens=tokens, context_length=tokens, device=device)
+    return KVPool(cfg.layout(), device=device, dtype=cfg.dtype)
+
+
+PAGE_STATES = ("fresh", "churned", "scattered", "cache")
+
+
+def side_pool(a: argparse.Namespace) -> tuple[KVPool, dict, PrefixCache | None]:
+    """This side's pool in the state `--pages` asks for (fresh; churned, `churn`; scattered, every other page held;
+    cache, the prefill's full of a prefix cache, the decode's churned), that state, and the prefill's prefix cache."""
+    pool = build_pool(a.preset, a.n_layers, a.page_size, a.pool_pages, a.device)
+    held, cache = [], None
+    if a.pages == "cache" and a.role == "prefill":
+        cache = prefix_cache_state(pool, a.churn_cycles, a.seed)
+    elif a.pages in ("churned", "cache"):
+        held = churn(pool, a.churn_cycles, a.occupancy, random.Random(f"{a.seed}-{a.role}"))
+    elif a.pages == "scattered":
+        pages = pool.alloc(pool.capacity_tokens)
+        pool.release(pages[::2])
+        held.append(pages[1::2])
+    runs = pool.free_runs
+    free = sum(n for _, n in runs)
+    return pool, {"pages": a.pages, "churn_cycles": a.churn_cycles if a.pages != "fresh" else 0,
+                  "held_pages": pool.layout.num_pages - free, "free_pages": free, "free_runs": len(runs),
+                  "occupancy": round(1 - free / pool.layout.num_pages, 3),
+                  "longest_free_run": max((n for _, n in runs), default=0)}, cache
+
+
+def churn(pool: KVPool, cycles: int, occupancy: float, rng: random.Random) -> list[list[int]]:
+    """Allocate and free requests of 1 page to 1/8 of the pool around `occupancy`, then free or allocate until the
+    pool is held at `occupancy` or just under; returns the pages held, per request."""
+    n, ps = pool.layout.num_pages, pool.layout.page_size
+    target, held, used = int(n * occupancy), [], lambda: n - pool.free_pages
+
+    for _ in range(cycles):
+        pages = rng.randint(1, max(1, n // 8))
+        if held and (used() + pages > target or rng.random() < 0.3):
+            pool.release(held.pop(rng.randrange(len(held))))
+        else:
+            held.append(pool.alloc(pages * ps))
+    while used() > target:
+        pool.release(held.pop(rng.randrange(len(held))))
+    if target > used():
+        held.append(pool.alloc((target - used()) * ps))
+    return held
+
+
+def prefix_cache_state(pool: KVPool, requests: int, seed: int) -> PrefixCache:
+    """The pool full of a prefix cache's pages after `requests` chat turns, run on a 16-token-page copy of the pool's
+    allocator (256-token pages' token lists would cost minutes; per page it is the same), which the pool then takes."""
+    from .kv_cache_churn import Workload, run
+
+    shadow = KVPool(PoolLayout(page_size=CACHE_PAGE, num_pages=pool.layout.num_pages, n_layers=1, head_dim=4,
+                               index_dim=4, ratio=4, dtype="float32"), device="meta")
+    tokens = pool.layout.num_pages * CACHE_PAGE       # the default workload's sizes, cut to fit a small pool
+    w = Workload(pages=pool.layout.num_pages, requests=requests, warmup=0, seed=seed,
+                 system_tokens=min(1000, tokens // 16), turn_tokens=(20, max(40, min(600, tokens // 16))),
+                 max_context=min(8192, tokens // 4))
+    cache, _ = run(w, shadow)
+    pool._free = shadow._free    # one allocator: the cache's pages are the pool's (page indices are what matter)
+    return cache
+
+
+CACHE_PAGE = 16
+
+
+def cache_alloc(cache: PrefixCache, pages: int, rng: random.Random) -> list[int]:
+    """A timed request's `pages` through the prefix cache, room made as the prefill engine makes it (its tokens lie
+    above the workload's 0-255: never cached); they go back with `pool.release`."""
+    got = cache.allocate([256 + rng.randrange(1 << 20) for _ in range(pages * CACHE_PAGE)])
+    if got is None:
+        raise SideError(f"the prefix cache could not make room for {pages} pages")
+    return got[1]
+
+
+def max_bytes(pool: KVPool, sizes: list[int]) -> int:  # the raw region and the copy: the largest request's bytes
+    return max(pool.pages_for(t) for t in sizes) * pool.page_bytes
+
+
+def page_digest(pool: KVPool, pages: list[int]) -> str:
+    """SHA-256 of `pages`' bytes in every buffer, buffer-major (the descriptors' order)."""
+    h = hashlib.sha256()
+    idx = torch.tensor(pages, device=pool.main[0].device)
+    for b in pool.buffers():
+        h.update(b.reshape(pool.layout.num_pages, -1).index_select(0, idx).contiguous().view(torch.uint8).cpu().numpy())
+    return h.hexdigest()
+
+
+def region_digest(buf: torch.Tensor, nbytes: int) -> str:
+    return hashlib.sha256(buf[:nbytes].cpu().numpy()).hexdigest()
+
+
+def nonzero_bytes(tensors: list[torch.Tensor]) -> int:
+    return sum(int(torch.count_nonzero(t)) * t.element_size() for t in tensors)
+
+
+def nonzero_random(b: torch.Tensor) -> torch.Tensor:
+    """Random values, none of them zero: floats in [1, 2), bytes in 1..255 (fp8 pages are uint8)."""
+    if b.dtype.is_floating_point:
+        return torch.rand(b.shape, device=b.device, dtype=torch.float32) + 1
+    return torch.randint(1, 256, b.shape, device=b.device, dtype=torch.uint8)
+
+
+class SideError(RuntimeError):  # the other side went away, answered out of protocol, or a transfer failed
+    pass
+
+
+class RawAgent:
+    """A NIXL agent (same config as the engine's: UCX, no progress thread) with one contiguous region."""
+
+    def __init__(self, name: str, nbytes: int, device: str):
+        api = load_nixl_api()
+        self.agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        self.buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self.agent.register_memory([self.buf])
+        self.mem, self.dev = "VRAM" if self.buf.device.type == "cuda" else "DRAM", self.buf.device.index or 0
+        self.peer: dict | None = None
+
+    def info(self) -> dict:
+        return {"name": self.agent.name, "meta": self.agent.get_agent_metadata(), "addr": self.buf.data_ptr(),
+                "mem": self.mem, "dev": self.dev}
+
+    def add_peer(self, info: dict) -> None:
+        self.agent.add_remote_agent(info["meta"])
+        self.peer = info
+
+    def write(self, nbytes: int, notif: bytes):
+        p = self.peer
+        local = np.array([[self.buf.data_ptr(), nbytes, self.dev]], dtype=np.uint64)
+        remote = np.array([[p["addr"], nbytes, p["dev"]]], dtype=np.uint64)
+        handle = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(local, self.mem),
+                                            self.agent.get_xfer_descs(remote, p["mem"]), p["name"], notif)
+        if self.agent.transfer(handle) == "ERR":
+            raise SideError(f"NIXL refused the raw WRITE of {nbytes} bytes")
+        return handle
+
+    def poll(self, handle) -> str:
+        state = self.agent.check_xfer_state(handle)
+        if state != "PROC":
+            self.agent.release_xfer_handle(handle)
+        return state
+
+
 def _sync(*devices: str) -> None:
-    for d in devices:
-        if d.startswith("cuda"):
-            torch.cuda.synchronize(torch.device(d))
+    for d in (d for d in devices if d.startswith("cuda")):
+        torch.cuda.synchronize(torch.device(d))
 
 
 def run_decode(a: argparse.Namespace) -> int:
@@ -49,10 +195,9 @@ def run_decode(a: argparse.Namespace) -> int:
     pool, state, _ = side_pool(a)
     transfer = NixlTransfer(DECODE_AGENT, pool, a.ucx_tls)
     raw = RawAgent(RAW_DECODE_AGENT, max_bytes(pool, a.sizes), a.device)
-    with Listener(("127.0.0.1", a.port), authkey=AUTH) as listener:
+    with Listener(("127.0.0.1", a.port), authkey=AUTH) as listener:   # the prefill side connects
         link = listener.accept()
     link.send({"engine": transfer.local_info().to_json(), "raw": raw.info(), "pool_state": state})
-    dst: list[int] = []
     while True:
         for msg in transfer.notifications():          # what DecodeEngine._receive reads
             link.send({"ev": "notif", "kind": "engine", "room": int(json.loads(msg)["room"]), "t": time.monotonic()})
@@ -61,11 +206,9 @@ def run_decode(a: argparse.Namespace) -> int:
             for msg in msgs:
                 link.send({"ev": "notif", "kind": "raw", "room": int(msg), "t": t})
         try:
-            cmd = link.recv() if link.poll(0) else None
+            cmd = link.recv() if link.poll(0) else {"op": None}
         except EOFError:
             return 0
-        if cmd is None:
-            continue
         if cmd["op"] == "stop":
             link.send({"ev": "stopped"})
             return 0
@@ -79,7 +222,6 @@ def run_decode(a: argparse.Namespace) -> int:
             link.send({"ev": "checked", "digest": page_digest(pool, dst), "written_bytes": nonzero_bytes(pool.buffers()),
                        "raw_digest": region_digest(raw.buf, cmd["raw_bytes"]), "raw_written_bytes": nonzero_bytes([raw.buf])})
             pool.release(dst)
-            dst = []
 
 
 def _recv(link: Connection, timeout_s: float = 600.0) -> dict:
@@ -188,29 +330,11 @@ class PrefillSide:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="one side of bench/kv_transfer.py (started by it)")
-    p.add_argument("role", choices=("prefill", "decode"))
-    p.add_argument("--port", type=int, required=True, help="the decode side listens here (loopback)")
-    p.add_argument("--device", default="cpu", help="this side's device: cpu or cuda:N")
-    p.add_argument("--peer-device", default="cpu", help="prefill only: the decode side's device (the copy's target)")
-    p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], required=True)
-    p.add_argument("--preset", default="flash")
-    p.add_argument("--n-layers", type=int, default=0, help="override the preset's layers (0: the preset's)")
-    p.add_argument("--page-size", type=int, default=256)
-    p.add_argument("--pool-pages", type=int, required=True)
-    p.add_argument("--ucx-tls")
-    p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--pages", choices=PAGE_STATES, default="fresh", help="the pools' state (see side_pool)")
-    p.add_argument("--occupancy", type=float, default=0.9, help="churned pools: the share of pages held")
-    p.add_argument("--churn-cycles", type=int, default=5000)
-    p.add_argument("--result", help="prefill only: write the measurements here (JSON)")
-    a = p.parse_args(argv)
+    """One side; its settings (JSON, the only argument) are bench/kv_transfer.py's, see run_sides."""
+    a = argparse.Namespace(**json.loads((argv or sys.argv[1:])[0]))
     if a.role == "decode":
         return run_decode(a)
-    side = PrefillSide(a)
-    sizes = []
+    side, sizes = PrefillSide(a), []
     for tokens in a.sizes:
         sizes.append(side.measure(tokens))
         print(f"[kv_transfer] {tokens} tokens measured", file=sys.stderr, flush=True)
