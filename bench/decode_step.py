@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import ints, md_table, write
+from bench.common import ints, md_table, versions, write
 from dsv4_cluster.workers.presets import model_config
 from dsv4_cluster.workers.runner import ModelRunner, RunnerConfig
 
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     contexts, batches = a.contexts, tuple(a.batches)
     a.pool_tokens = a.pool_tokens or max(contexts)
     report = {"preset": a.preset, "prompt_tokens": a.prompt_tokens, "steps": a.steps, "repeats": a.repeats,
-              "pool_tokens": a.pool_tokens, "device": torch.cuda.get_device_name(), "settings": []}
+              "pool_tokens": a.pool_tokens, "device": torch.cuda.get_device_name(), "versions": versions(), "settings": []}
     for ctx in contexts:
         report["settings"].append(measure(ctx, batches, a))
         write(a.out, report, md := table(report))   # what a timeout leaves is still reported

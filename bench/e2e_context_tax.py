@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import ints, md_table, stop, wait_http, write
+from bench.common import ints, md_table, stop, versions, wait_http, write
 from dsv4_cluster.orchestrator.launch.ports import free_ports
 from dsv4_cluster.orchestrator.load.loadgen import LevelSpec, run_level
 
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def write_report(a: argparse.Namespace, settings: list[dict]) -> str:
     report = {"prompt_chars": a.prompt_chars, "max_tokens": a.max_tokens, "page_size": a.page_size,
-              "pool_tokens": a.pool_tokens, "rounds": a.rounds, "waves": a.waves, "settings": settings,
+              "pool_tokens": a.pool_tokens, "rounds": a.rounds, "waves": a.waves, "versions": versions(), "settings": settings,
               "ratios": ratios([s for s in settings if not s.get("error")])}
     write(a.out, report, md := table(report))
     return md

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 
 import torch
-import triton
 
 from bench.common import ints
 from bench.kernels import bench_us, copy_bandwidth_gbs, graphed, print_table, write_results
@@ -174,7 +173,7 @@ def run(argv: list[str]) -> int:
             del x
             torch.cuda.empty_cache()
     derived = derive(rows)
-    payload = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+    payload = {"device": torch.cuda.get_device_name(),
                "copy_gbs": copy_gbs, "batch": args.batch, "k": K, "timing": "CUDA graph replay, cold L2, median",
                "checks": checks, "rows": rows, "derived": derived,
                "deep_gemm": deep_gemm_attempt(make_inputs(args.batch, 65536, 65536))}

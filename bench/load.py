@@ -24,7 +24,7 @@ from pathlib import Path
 import yaml
 
 from bench.common import cpu_seconds, md_table
-from bench.local_cluster import run_cli
+from bench.local_cluster import run_cli, status_rows
 from dsv4_cluster.orchestrator.launch.ports import free_ports
 from dsv4_cluster.orchestrator.load.loadgen import LevelSpec, run_level
 
@@ -106,8 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                 run_cli(home, "down", "--timeout", "10", timeout=300)
                 return 1
             try:
-                status = json.loads(run_cli(home, "status", "--json", timeout=300).stdout)
-                pids = {w["name"]: w["pid"] for w in status["workers"] if w["pid"]}
+                pids = {name: w["pid"] for name, w in status_rows(home).items() if w["pid"]}
                 time.sleep(2.0)       # let start-up work (verification, first probes) settle
                 idle = idle_cpu(pids, a.idle_s)
                 before = {name: cpu_seconds(pid) for name, pid in pids.items()}

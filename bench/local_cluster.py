@@ -5,6 +5,7 @@ down by the real CLI in its own process (`LocalCluster`)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -74,6 +75,14 @@ def run_cli(home: Path, *args: str, timeout: float = 240) -> subprocess.Complete
     """`dsv4-cluster ARGS` in its own process, with its record kept under `home`."""
     env = {**os.environ, "DSV4_CLUSTER_HOME": str(home)}
     return subprocess.run([*CLI, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def status_rows(home: Path) -> dict[str, dict]:
+    """`dsv4-cluster status --json`'s rows by process name (pid, state, restarts, log path, ...)."""
+    st = run_cli(home, "status", "--json", timeout=300)
+    if st.returncode != 0:
+        raise RuntimeError(f"status failed: {st.stderr}")
+    return {w["name"]: w for w in json.loads(st.stdout)["workers"]}
 
 
 def write_topology(tmp_path: Path, context_length: int = 512, extra_decode: str = "",

@@ -25,19 +25,12 @@ from pathlib import Path
 import httpx
 
 from bench.common import RESULTS, md_table, process, write
-from bench.local_cluster import embedded_topology, run_cli
+from bench.local_cluster import embedded_topology, run_cli, status_rows
 from dsv4_cluster.orchestrator.launch.ports import free_ports
 
 TARGET_S = 15.0
 REQUEST = {"model": "dsv4-tiny", "max_tokens": 2, "ignore_eos": True,
            "messages": [{"role": "user", "content": "are you back?"}]}
-
-
-def _rows(home: Path) -> dict[str, dict]:
-    st = run_cli(home, "status", "--json", timeout=300)
-    if st.returncode != 0:
-        raise RuntimeError(f"status failed: {st.stderr}")
-    return {w["name"]: w for w in json.loads(st.stdout)["workers"]}
 
 
 def _ok(client: httpx.Client, url: str) -> bool:
@@ -54,7 +47,7 @@ def recover_once(home: Path, router_url: str, name: str, run_dir: Path | None = 
     with httpx.Client(timeout=10) as client:
         if not _ok(client, url):
             raise RuntimeError("the cluster does not serve before the kill")
-        before = _rows(home)[name]
+        before = status_rows(home)[name]
         record = run_dir / "actors" / f"supervisor-{name}.json" if run_dir is not None else None
         os.kill(json.loads(record.read_text())["pid"] if record is not None else before["pid"], signal.SIGKILL)
         killed = time.monotonic()
@@ -66,7 +59,7 @@ def recover_once(home: Path, router_url: str, name: str, run_dir: Path | None = 
             time.sleep(0.2)
     ready_at = None
     while time.monotonic() - killed < limit_s:
-        row = _rows(home)[name]
+        row = status_rows(home)[name]
         if row["state"] == "READY" and row["restarts"] == before["restarts"] + 1:
             ready_at = time.monotonic() - killed
             break

@@ -252,7 +252,7 @@ def run(parts: set[str], args: argparse.Namespace, workdir: Path) -> dict:
     out: dict = {"machine": {"cpus": before["cpus"], "loadavg_before": before["loadavg"]}, "parts": sorted(parts)}
     started = time.monotonic()
     with local.running() as c:
-        cluster = Cluster(c.cli, c.router_url, c.ports, c.home)
+        cluster = Cluster(c.router_url, c.ports, c.home)
         if "security" in parts:
             out["security"] = security_checks(cluster)
         if "input" in parts:

@@ -27,6 +27,7 @@ from typing import Awaitable, Callable
 import httpx
 
 from . import proc_probe
+from .local_cluster import status_rows
 
 MODEL = "dsv4-tiny"
 DEADLINE_S = 10.0
@@ -162,14 +163,11 @@ class FaultResult:
 class Cluster:
     """What a check needs of a running cluster: URLs, the `status` rows (pids, logs), its home."""
 
-    def __init__(self, cli: Callable[..., object], router_url: str, ports: dict[str, int], home) -> None:
-        self._cli, self.router_url, self.ports, self.home = cli, router_url, ports, home
+    def __init__(self, router_url: str, ports: dict[str, int], home) -> None:
+        self.router_url, self.ports, self.home = router_url, ports, home
 
     def rows(self) -> dict[str, dict]:
-        st = self._cli("status", "--json")
-        if st.returncode != 0:
-            raise RuntimeError(f"status failed: {st.stderr}")
-        return {w["name"]: w for w in json.loads(st.stdout)["workers"]}
+        return status_rows(self.home)
 
     def url(self, role: str) -> str:
         return f"http://127.0.0.1:{self.ports[role]}"

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from . import sglang_backend_rig as rig
-from .common import RESULTS, md_table, write
+from .common import RESULTS, md_table, versions, write
 
 TOPK_SWAPS = 4  # of 512 per row (see compare)
 EQ_CASE = {"context": 131072, "batch": 8, "live": 4096}  # 1,024 C4 entries: the top-512 is a real choice
@@ -134,7 +134,7 @@ def _write(mode, out, factory, live, reps, layer_ids, eq, rows) -> dict:
     result = {"mode": mode, "dsv4_factory": factory, "env": rig.MODE_ENV[mode], "topk_backend": rig.TOPK_BACKEND[mode],
               "live_tokens": live, "reps": reps,
               "layers": "43 (2 window, 21 ratio-4, 20 ratio-128)" if layer_ids is None else f"ids {layer_ids}",
-              "device": torch.cuda.get_device_name(), "torch": torch.__version__, "equality": eq, "rows": rows}
+              "device": torch.cuda.get_device_name(), **versions(), "equality": eq, "rows": rows}
     (out / f"{mode}.json").write_text(json.dumps(result, indent=1))
     return result
 

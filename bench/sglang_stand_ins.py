@@ -18,6 +18,7 @@ import sys
 import types
 from typing import Any
 
+
 class _Unusable:
     def __init__(self, name: str) -> None:
         self._name = name
@@ -28,14 +29,17 @@ class _Unusable:
         return _Unusable(f"{self._name}.{attr}")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(f"{self._name}: torchvision is an import-only stand-in here; nothing may use it")
+        raise RuntimeError(f"{self._name}: an import-only stand-in here; nothing may use it")
 
 
-class TorchvisionStandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+class ImportOnly(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """The packages `names` (and their submodules) as modules that import, and whose every use raises."""
+
+    def __init__(self, names) -> None:
+        self.names = set(names)
+
     def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if name == "torchvision" or name.startswith("torchvision."):
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
+        return importlib.machinery.ModuleSpec(name, self, is_package=True) if name.split(".")[0] in self.names else None
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         module = types.ModuleType(spec.name)
@@ -58,7 +62,7 @@ def install_torchvision_stand_in() -> None:
         import torchvision  # noqa: F401  (a real, loadable torchvision wins)
     except (ImportError, RuntimeError):
         sys.modules.pop("torchvision", None)
-        sys.meta_path.append(TorchvisionStandIn())
+        sys.meta_path.append(ImportOnly({"torchvision"}))
 
 
 STAND_INS = {
@@ -95,18 +99,8 @@ def install_import_stand_ins(names=IMPORT_ONLY, force: bool = False) -> list[str
     """Stand-ins for `names` that are not installed (a real package wins unless `force`, which tests use to
     check the H200's import chain here); returns those stood in."""
     missing = [n for n in names if force or importlib.util.find_spec(n) is None]
-
-    class StandIns(TorchvisionStandIn):
-        def find_spec(self, name, path, target=None):
-            if name.split(".")[0] in missing:
-                return importlib.machinery.ModuleSpec(name, self, is_package=True)
-            return None
-
-        def exec_module(self, module):
-            module.__version__ = "0.0"
-
     if missing:
-        sys.meta_path.insert(0, StandIns())
+        sys.meta_path.insert(0, ImportOnly(missing))
     return missing
 
 

@@ -174,7 +174,7 @@ def run(argv: list[str]) -> int:
           f"compiled: {resources}")
     print_table(rows, COLUMNS + ["error"])
     path = write_results("sparse_decode", dict(
-        device=device, torch=torch.__version__, copy_gbs=copy_gbs, flashmla_error=fm_error, compiled=resources,
+        device=device, copy_gbs=copy_gbs, flashmla_error=fm_error, compiled=resources,
         shapes=dict(H=H, D=D, window=W, topk=TOPK, context=CONTEXT), rows=rows), markdown(rows, copy_gbs, fm_error, device))
     print(f"wrote {path} and its .md")
     return 0

@@ -23,7 +23,7 @@ HOOKS = ", extra_args: [--test-hooks]"
 def cluster(tmp_path_factory):
     local = write_topology(tmp_path_factory.mktemp("reliability"), extra_decode=HOOKS, extra_prefill=HOOKS)
     with local.running() as c:
-        yield rf.Cluster(c.cli, c.router_url, c.ports, c.home)
+        yield rf.Cluster(c.router_url, c.ports, c.home)
 
 
 def _router_tries(c: rf.Cluster) -> float:
