@@ -43,14 +43,16 @@ def test_random_spreads_over_all() -> None:
 
 
 def test_migration_progress_folds_long_streams_the_same_as_whole() -> None:
-    from dsv4_cluster.router.migration import progress
+    from dsv4_cluster.router.resume import Progress, progress
 
-    events = [b'data: {"choices": [{"delta": {"content": "t%d "}}]}\n\n' % i for i in range(600)]
+    events = [b'data: {"choices": [{"delta": {"content": "t%d "}, "token_ids": [%d]}]}\n\n' % (i, i)
+              for i in range(600)]
     whole = progress("/v1/chat/completions", events)
-    folded = ("", [], 0, {})
+    folded = Progress()
     for at in range(0, 600, 256):
         folded = progress("/v1/chat/completions", events[at:at + 256], folded)
-    assert folded == whole and whole[2] == 600 and whole[0].startswith("t0 t1 ")
+    assert folded == whole and whole.tokens == 600 and whole.text.startswith("t0 t1 ")
+    assert whole.ids == list(range(600))
 
 
 def test_migration_counts_the_tokens_each_event_carries_not_the_events_with_text() -> None:
@@ -59,7 +61,7 @@ def test_migration_counts_the_tokens_each_event_carries_not_the_events_with_text
     count. Counting content-bearing events undercounted all three, and a resumed stream then overran max_tokens."""
     import json
 
-    from dsv4_cluster.router.migration import progress
+    from dsv4_cluster.router.resume import progress
 
     def chunk(content: str, entries: int | None = None, usage: int | None = None) -> bytes:
         choice = {"delta": {"content": content},
@@ -67,15 +69,17 @@ def test_migration_counts_the_tokens_each_event_carries_not_the_events_with_text
         return b"data: " + json.dumps({"choices": [choice], "usage": usage and {"completion_tokens": usage}}).encode()
 
     held = [chunk("a"), chunk(""), chunk(""), chunk("xyz")]           # "xy" held back, released with "z"
-    assert progress("/v1/chat/completions", held)[:3:2] == ("axyz", 4)
-    assert progress("/v1/chat/completions", [chunk("abcd", entries=4), chunk("ef", entries=2)])[2] == 6
-    assert progress("/v1/chat/completions", [chunk("ab", usage=2), chunk("", usage=3)])[2] == 3
+    done = progress("/v1/chat/completions", held)
+    assert (done.text, done.tokens) == ("axyz", 4)
+    assert progress("/v1/chat/completions", [chunk("abcd", entries=4), chunk("ef", entries=2)]).tokens == 6
+    assert progress("/v1/chat/completions", [chunk("ab", usage=2), chunk("", usage=3)]).tokens == 3
 
 
 def test_migration_splices_logprobs_onto_what_was_sent() -> None:
     import json
 
-    from dsv4_cluster.router.migration import progress, splice
+    from dsv4_cluster.router.migration import splice
+    from dsv4_cluster.router.resume import Progress, progress
 
     def event(data: dict) -> bytes:
         return b"data: " + json.dumps(data).encode() + b"\n\n"
@@ -83,13 +87,12 @@ def test_migration_splices_logprobs_onto_what_was_sent() -> None:
     sent = [event({"text": "ab", "output_ids": [97, 98], "meta_info": {
         "completion_tokens": 2, "prompt_tokens": 5, "output_token_logprobs": [[-0.1, 97, None], [-0.2, 98, None]],
         "output_top_logprobs": [[[-0.1, 97, None]], [[-0.2, 98, None]]], "output_token_logprobs_length": 2}})]
-    text, ids, tokens, logprobs = progress("/generate", sent)
-    rest = json.loads(splice("/generate", text, ids, tokens, logprobs)(event({"text": "c", "output_ids": [99],
+    rest = json.loads(splice("/generate", progress("/generate", sent))(event({"text": "c", "output_ids": [99],
         "meta_info": {"completion_tokens": 1, "prompt_tokens": 7, "output_token_logprobs": [[-0.3, 99, None]],
                       "output_top_logprobs": [[[-0.3, 99, None]]], "output_token_logprobs_length": 1}}))[6:])
     meta = rest["meta_info"]
     assert [t[1] for t in meta["output_token_logprobs"]] == rest["output_ids"] == [97, 98, 99]
     assert len(meta["output_top_logprobs"]) == meta["output_token_logprobs_length"] == 3
     chunk = event({"choices": [{"index": 0, "text": "xy", "logprobs": {"tokens": ["x", "y"], "text_offset": [0, 1]}}]})
-    shifted = json.loads(splice("/v1/completions", "hello", [], 5, {})(chunk)[6:])
+    shifted = json.loads(splice("/v1/completions", Progress(text="hello", tokens=5))(chunk)[6:])
     assert shifted["choices"][0]["logprobs"]["text_offset"] == [5, 6]   # offsets in the whole output text
