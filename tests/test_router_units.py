@@ -96,3 +96,45 @@ def test_migration_splices_logprobs_onto_what_was_sent() -> None:
     chunk = event({"choices": [{"index": 0, "text": "xy", "logprobs": {"tokens": ["x", "y"], "text_offset": [0, 1]}}]})
     shifted = json.loads(splice("/v1/completions", Progress(text="hello", tokens=5))(chunk)[6:])
     assert shifted["choices"][0]["logprobs"]["text_offset"] == [5, 6]   # offsets in the whole output text
+
+
+def test_a_continuation_goes_on_from_the_prompt_ids_and_the_output_ids_relayed() -> None:
+    """On every route the new prompt is the ids the workers reported (the chat template's rendered prompt included),
+    not the text the client has: a token without text (an EOS under ignore_eos, 257) stays in it."""
+    import json
+
+    from dsv4_cluster.router.resume import continuation, progress, with_ids
+
+    def event(data: dict) -> bytes:
+        return b"data: " + json.dumps(data).encode() + b"\n\n"
+
+    chat = {"messages": [{"role": "user", "content": "é"}], "max_tokens": 9, "stream": True}
+    body, asked = with_ids("/v1/chat/completions", chat)
+    assert asked and body["stream_token_ids"] is True and "stream_token_ids" not in chat
+    sent = [event({"choices": [{"delta": {"role": "assistant", "content": "a"}, "token_ids": [97],
+                                "prompt_token_ids": [256, 259, 195, 169, 261, 260]}]}),
+            event({"choices": [{"delta": {"content": ""}, "token_ids": [257]}]})]
+    new = continuation("/v1/chat/completions", body, progress("/v1/chat/completions", sent))
+    assert new["input_ids"] == [256, 259, 195, 169, 261, 260, 97, 257] and new["max_tokens"] == 7
+    assert new["messages"] == chat["messages"] and "continue_final_message" not in new
+
+    completion, _ = with_ids("/v1/completions", {"prompt": "é", "max_tokens": 9, "stream": True})
+    sent = [event({"choices": [{"text": "", "token_ids": [257], "prompt_token_ids": [256, 195, 169]}]})]
+    assert continuation("/v1/completions", completion, progress("/v1/completions", sent))["prompt"] == [256, 195, 169, 257]
+
+    generate, asked = with_ids("/generate", {"text": "é", "sampling_params": {"max_new_tokens": 9}})
+    assert asked and generate["return_prompt_token_ids"] is True
+    sent = [event({"text": "", "output_ids": [257], "prompt_token_ids": [256, 195, 169],
+                   "meta_info": {"completion_tokens": 1}})]
+    new = continuation("/generate", generate, progress("/generate", sent))
+    assert new["input_ids"] == [256, 195, 169, 257] and "text" not in new and new["sampling_params"]["max_new_tokens"] == 8
+    assert with_ids("/generate", {"input_ids": [1], "sampling_params": {}})[1] is False   # its ids are known
+
+
+def test_what_the_router_asked_for_is_taken_out_of_every_event_byte_for_byte() -> None:
+    from dsv4_cluster.router.resume import strip_ids
+
+    plain = b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"\\"token_ids\\":[1]"},"logprobs":null}]}\n\n'
+    asked = plain.replace(b'"logprobs":null}', b'"logprobs":null,"token_ids":[97,257],"prompt_token_ids":[256,1]}')
+    generate = b'data: {"text":"a","output_ids":[97],"meta_info":{"id":"x"}}\n\n'
+    assert strip_ids(asked + generate.replace(b"}}", b'},"prompt_token_ids":[256]}')) == plain + generate
