@@ -67,7 +67,8 @@ def identity(path: str, event: bytes) -> tuple[str | None, int | None]:
 def first_cached(path: str, content: bytes) -> int | None:
     """The cached prompt tokens the first attempt's prefill reported (its usage, or /generate's meta_info), from
     its whole answer (JSON, or SSE events); None when it did not say."""
-    docs = [parse_event(e) for e in content.split(b"\n\n")] if b"data:" in content else [parse_event(b"data: " + content)]
+    events = content.split(b"\n\n") if b"data:" in content else [b"data: " + content]
+    docs = [parse_event(e) for e in events]
     for data in docs:
         if not isinstance(data, dict):
             continue
@@ -120,7 +121,8 @@ def splice(path: str, done: Progress, seam: Seam = Seam()) -> Callable[[bytes], 
                 meta["completion_tokens"] = meta.get("completion_tokens", 0) + tokens
                 meta["prompt_tokens"] = meta.get("prompt_tokens", tokens) - tokens
                 finish = meta.get("finish_reason")
-                if isinstance(finish, dict) and finish.get("type") == "length" and isinstance(finish.get("length"), int):
+                if isinstance(finish, dict) and finish.get("type") == "length" \
+                        and isinstance(finish.get("length"), int):
                     finish["length"] += tokens   # the output budget, which the continuation had less of by as much
                 if seam.cached_tokens is not None and "cached_tokens" in meta:
                     meta["cached_tokens"] = seam.cached_tokens
@@ -138,7 +140,8 @@ def splice(path: str, done: Progress, seam: Seam = Seam()) -> Callable[[bytes], 
                 # the first attempt's count; else, of the client's prompt, at most all
                 details["cached_tokens"] = seam.cached_tokens if seam.cached_tokens is not None else \
                     min(details["cached_tokens"], usage["prompt_tokens"])
-        return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+        # written as the worker wrote it: non-ASCII as UTF-8 (SGLang) or escaped (the embedded engine, json.dumps)
+        return b"data: " + json.dumps(data, separators=(",", ":"), ensure_ascii=event.isascii()).encode() + b"\n\n"
     return rewrite
 
 

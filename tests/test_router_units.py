@@ -120,14 +120,16 @@ def test_a_continuation_goes_on_from_the_prompt_ids_and_the_output_ids_relayed()
 
     completion, _ = with_ids("/v1/completions", {"prompt": "é", "max_tokens": 9, "stream": True})
     sent = [event({"choices": [{"text": "", "token_ids": [257], "prompt_token_ids": [256, 195, 169]}]})]
-    assert continuation("/v1/completions", completion, progress("/v1/completions", sent))["prompt"] == [256, 195, 169, 257]
+    new = continuation("/v1/completions", completion, progress("/v1/completions", sent))
+    assert new["prompt"] == [256, 195, 169, 257]
 
     generate, asked = with_ids("/generate", {"text": "é", "sampling_params": {"max_new_tokens": 9}})
     assert asked and generate["return_prompt_token_ids"] is True
     sent = [event({"text": "", "output_ids": [257], "prompt_token_ids": [256, 195, 169],
                    "meta_info": {"completion_tokens": 1}})]
     new = continuation("/generate", generate, progress("/generate", sent))
-    assert new["input_ids"] == [256, 195, 169, 257] and "text" not in new and new["sampling_params"]["max_new_tokens"] == 8
+    assert new["input_ids"] == [256, 195, 169, 257] and "text" not in new
+    assert new["sampling_params"]["max_new_tokens"] == 8
     assert with_ids("/generate", {"input_ids": [1], "sampling_params": {}})[1] is False   # its ids are known
 
 
@@ -138,3 +140,13 @@ def test_what_the_router_asked_for_is_taken_out_of_every_event_byte_for_byte() -
     asked = plain.replace(b'"logprobs":null}', b'"logprobs":null,"token_ids":[97,257],"prompt_token_ids":[256,1]}')
     generate = b'data: {"text":"a","output_ids":[97],"meta_info":{"id":"x"}}\n\n'
     assert strip_ids(asked + generate.replace(b"}}", b'},"prompt_token_ids":[256]}')) == plain + generate
+
+
+def test_a_spliced_event_keeps_the_workers_way_of_writing_non_ascii_text() -> None:
+    from dsv4_cluster.router.migration import splice
+    from dsv4_cluster.router.resume import Progress
+
+    rewrite = splice("/v1/completions", Progress(text="a", tokens=1))
+    raw = 'data: {"choices":[{"index":0,"text":"é"}]}\n\n'
+    assert rewrite(raw.encode()) == raw.encode()   # SGLang (pydantic) writes UTF-8
+    assert rewrite(raw.replace("é", "\\u00e9").encode()) == raw.replace("é", "\\u00e9").encode()   # json.dumps

@@ -101,3 +101,12 @@ def test_text_is_held_while_a_stop_string_may_start_or_a_character_is_incomplete
         held.append(out.holding)
     assert held == [False, True, False, True, True, False, True, True, True, True, False]
     assert out.text == "aé€z🙂"   # once whole, "z🙂" cannot start "zz": released
+
+
+def test_no_event_while_a_stop_string_may_start_even_when_it_is_not_trimmed():
+    """As SGLang's scheduler: a stream resumed after "ab" of a stop "abc" would never see the stop string whole."""
+    params = SamplingParams(stop=("abc",), no_stop_trim=True)
+    out = ResponseBuilder(GenSpec(kind="chat", rid="r", prompt_ids=[1], params=params, stream=True,
+                                  include_usage=False, model="m"), TOK)
+    assert [(out.push(t), out.holding)[1] for t in b"xabx"] == [False, True, True, False]
+    assert out.text == "xabx"

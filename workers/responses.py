@@ -102,8 +102,9 @@ class ResponseBuilder:
 
     @property
     def holding(self) -> bool:
-        """Text of the tokens so far is held back: a possible stop string's start, or a character's first bytes."""
-        return self._finish is None and (self._decoder.pending or len(self._raw) > len(self.text))
+        """The output's end may start a stop string (its text is held back unless `no_stop_trim`; SGLang streams no
+        event then either way), or a character's first bytes are in."""
+        return self._finish is None and (self._decoder.pending or held_back(self._raw, self.spec.params.stop) > 0)
 
     def _usage(self) -> dict:
         p, c = len(self.spec.prompt_ids), len(self.ids)
