@@ -10,7 +10,7 @@ uninterrupted one byte for byte (NVIDIA Dynamo's `--migration-limit`):
   splice).
 - The final usage counts the tokens relayed as completion, not prompt, so usage is the uninterrupted stream's, and
   `cached_tokens` is the first attempt's (its prefill's report), not the continuation's (whose prompt the first
-  attempt just cached); `prompt_token_ids` a client asked for are the first attempt's.
+  attempt just cached); `prompt_token_ids` a client asked for are the first attempt's (on its first chunk only).
 - The seam does not show: the continuation's events carry the first stream's `id` and `created` (`/generate`:
   `meta_info.id`), and no second `delta.role` (`Seam`).
 - With no other decode eligible (the production topology has one), the stream is held up to `stream_hold_s` for
@@ -109,9 +109,10 @@ def splice(path: str, done: Progress, seam: Seam = Seam()) -> Callable[[bytes], 
             offsets = (choice.get("logprobs") or {}).get("text_offset")
             if isinstance(offsets, list):
                 choice["logprobs"]["text_offset"] = [o + len(text) for o in offsets]
-        for part in [data, *(data.get("choices") or ())]:   # as the first attempt's (when the client asked)
-            if done.prompt_ids is not None and "prompt_token_ids" in part:
-                part["prompt_token_ids"] = done.prompt_ids
+        if done.prompt_ids is not None and "prompt_token_ids" in data:   # /generate's, in every event: the first's
+            data["prompt_token_ids"] = done.prompt_ids
+        for choice in data.get("choices") or ():   # a completions chunk's: on the stream's first chunk only
+            choice.pop("prompt_token_ids", None)
         if path == "/generate":
             data["text"] = text + data.get("text", "")
             if "output_ids" in data:

@@ -150,3 +150,19 @@ def test_a_spliced_event_keeps_the_workers_way_of_writing_non_ascii_text() -> No
     raw = 'data: {"choices":[{"index":0,"text":"é"}]}\n\n'
     assert rewrite(raw.encode()) == raw.encode()   # SGLang (pydantic) writes UTF-8
     assert rewrite(raw.replace("é", "\\u00e9").encode()) == raw.replace("é", "\\u00e9").encode()   # json.dumps
+
+
+def test_ids_a_client_asked_for_read_as_in_the_uninterrupted_stream() -> None:
+    """The prompt's ids: the first attempt's, on the first chunk only (a continuation's prompt is longer)."""
+    import json
+
+    from dsv4_cluster.router.migration import splice
+    from dsv4_cluster.router.resume import Progress
+
+    done = Progress(text="a", prompt_ids=[256, 1], ids=[97], tokens=1)
+    chunk = b'data: {"choices":[{"index":0,"text":"b","token_ids":[98],"prompt_token_ids":[256,1,97]}]}\n\n'
+    assert json.loads(splice("/v1/completions", done)(chunk)[6:])["choices"][0] == {"index": 0, "text": "b",
+                                                                                    "token_ids": [98]}
+    event = b'data: {"text":"b","output_ids":[98],"prompt_token_ids":[256,1,97]}\n\n'
+    assert json.loads(splice("/generate", done)(event)[6:]) == {"text": "ab", "output_ids": [97, 98],
+                                                                 "prompt_token_ids": [256, 1]}
