@@ -37,7 +37,7 @@ from .pairing import pair_request
 from .migration import resumable
 from .prefix_tree import prompt_text
 from .relay import relay
-from .resume import with_ids
+from .resume import prefill_asks, with_ids
 from .state import RouterState
 from .worker import Worker
 
@@ -78,6 +78,7 @@ class Flight:
         self.body: dict[str, Any] = {}
         self.upstream: dict[str, Any] = {}   # what the workers get: the body, plus the token ids a resume needs
         self.ids_asked = False               # the router asked for them (the client did not): out of every event
+        self.resumable = False               # a stream continued when its decode dies (`migration.resumable`)
         self.gone = False
         self.status = 0
         self.retries = 0  # fresh pairs tried so far, across the whole request
@@ -136,7 +137,8 @@ class Flight:
                     raise
                 failed = exc
                 continue
-            self.attempt = attempt = Attempt(self.state, pair_request(self.path, body, pair))
+            asks = prefill_asks(self.path, body) if self.resumable else None
+            self.attempt = attempt = Attempt(self.state, pair_request(self.path, body, pair, asks))
             if self.gone:
                 attempt.interrupt(CLIENT_GONE)
             try:
@@ -176,8 +178,8 @@ class Flight:
             check_stages(state)
             watch = asyncio.get_running_loop().create_task(self._watch())
             watch.add_done_callback(self.client_gone)
-            self.upstream, self.ids_asked = with_ids(self.path, self.body) \
-                if stream and resumable(state.settings, self.path, self.body) else (self.body, False)
+            self.resumable = stream and resumable(state.settings, self.path, self.body)
+            self.upstream, self.ids_asked = with_ids(self.path, self.body) if self.resumable else (self.body, False)
             attempt = await self.start(self.upstream)
             try:
                 if stream and attempt.decode.ok and attempt.decode.content_type.startswith("text/event-stream"):

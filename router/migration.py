@@ -23,17 +23,20 @@ uninterrupted one byte for byte (NVIDIA Dynamo's `--migration-limit`):
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable
 
 from . import sse
 from .attempt import Attempt
 from .errors import RouterError
-from .resume import Progress, continuation, migratable, parse_event, progress, strip_ids
+from .resume import Progress, answer_docs, continuation, migratable, parse_event, progress, prompt_ids_in, strip_ids
 
 if TYPE_CHECKING:
     from .settings import RouterSettings
     from .stream import StreamOwner
+
+log = logging.getLogger(__name__)
 
 FOLD_AT = 256  # runs of events kept raw before they are folded into the progress so far (bounds memory per stream)
 
@@ -67,9 +70,7 @@ def identity(path: str, event: bytes) -> tuple[str | None, int | None]:
 def first_cached(path: str, content: bytes) -> int | None:
     """The cached prompt tokens the first attempt's prefill reported (its usage, or /generate's meta_info), from
     its whole answer (JSON, or SSE events); None when it did not say."""
-    events = content.split(b"\n\n") if b"data:" in content else [b"data: " + content]
-    docs = [parse_event(e) for e in events]
-    for data in docs:
+    for data in answer_docs(content):
         if not isinstance(data, dict):
             continue
         if path == "/generate":
@@ -158,6 +159,8 @@ class Migration:
         self._folded = Progress()
         self._rewrite: Callable[[bytes], bytes] | None = None
         self._identity: tuple[str | None, int | None] | None = None   # the stream's id and created, from its start
+        self._seam: Seam | None = None          # taken over by every continuation (from the first break on)
+        self._prompt: list[int] | None = None   # /generate: the prompt's ids, as the first prefill reported them
 
     def outgoing(self, run: bytes) -> bytes:
         """The bytes to send for a run of complete events (spliced after a migration), remembered while migration is
@@ -179,13 +182,23 @@ class Migration:
         """Continue on a fresh pair; False when this stream cannot (then it ends with the break's error)."""
         if not self.keep or self.left <= 0 or self.flight.gone:
             return False
-        path = self.flight.path
+        path, old = self.flight.path, self.attempt
+        if self._seam is None:   # the stream's first attempt: what its prefill reported holds for the whole stream
+            first = old.prefill.result() if old.prefill.done() and not old.prefill.cancelled() \
+                and old.prefill.exception() is None and old.prefill.result().ok else None
+            self._seam = Seam(*(self._identity or (None, None)),
+                              cached_tokens=first_cached(path, first.content) if first is not None else None)
+            self._prompt = prompt_ids_in(first.content) if first is not None and path == "/generate" else None
         done = progress(path, self._sent_events(), self._folded)
+        if done.prompt_ids is None and self._prompt is not None:
+            done = replace(done, prompt_ids=self._prompt)
         body = continuation(path, self.flight.upstream, done)
         if body is None:
             return False
+        log.warning("rid %s: its decode broke off after %d tokens; continued from %s", old.req.rid, done.tokens,
+                    "text (its workers reported no prompt ids)" if done.prompt_ids is None else
+                    f"{len(done.prompt_ids)} prompt + {len(done.ids)} output token ids")
         self.left -= 1
-        old = self.attempt
         try:
             # with no decode that answers (the only one died), held up to `stream_hold_s` for its restart
             attempt = await self.flight.start(body, avoid={old.req.pair.decode}, failed=broke, counted=False)
@@ -199,9 +212,5 @@ class Migration:
             return False
         self.flight.state.metrics.migrations.inc()
         self.attempt = attempt
-        first = old.prefill.result() if old.prefill.done() and not old.prefill.cancelled() \
-            and old.prefill.exception() is None else None
-        seam = Seam(*(self._identity or (None, None)),
-                    cached_tokens=first_cached(path, first.content) if first is not None and first.ok else None)
-        self._rewrite = splice(path, done, seam)
+        self._rewrite = splice(path, done, self._seam)
         return True

@@ -1,11 +1,12 @@
 """What a broken stream is continued from: the token ids the client already has, as the workers reported them.
 
-1. A stream that may be continued (`resumable`) asks its workers for token ids (`with_ids`), each route the way
-   SGLang 0.5.23 spells it: `/v1/completions` `return_token_ids` (each chunk's `token_ids`, the first chunk's
-   `prompt_token_ids`), `/generate` `return_prompt_token_ids` (its events carry `output_ids` anyway; not asked when
-   the request gives `input_ids`). SGLang's chat streams ids only at the end (`return_output_ids_in_sglext`) and
-   refuses `return_token_ids` when streaming, so chat asks `stream_token_ids`, the embedded engine's field for
-   completions' per-chunk ids on chat; SGLang ignores it.
+1. A stream that may be continued (`migration.resumable`) asks its workers for token ids (`with_ids`), each route
+   the way SGLang 0.5.23 spells it: `/v1/completions` `return_token_ids` (each chunk's `token_ids`, the first
+   chunk's `prompt_token_ids`). `/generate` events carry `output_ids` anyway; a prompt given as `text` has its ids
+   asked of the prefill leg only (`prefill_asks`: `return_prompt_token_ids`, which SGLang writes into every event,
+   O(prompt) bytes a token from a decode; the prefill answers once). SGLang's chat streams ids only at the end
+   (`return_output_ids_in_sglext`) and refuses `return_token_ids` when streaming, so chat asks `stream_token_ids`,
+   the embedded engine's field for completions' per-chunk ids on chat; SGLang ignores it.
 2. What the router added is taken out of every event before it is relayed (`strip_ids`): the client's bytes are
    those of a request that did not ask.
 3. On a break, `progress` reads the events relayed: the text, the prompt's ids, the output ids and how many tokens
@@ -31,8 +32,7 @@ from typing import Any
 from . import sse
 
 MAX_KEYS = {"/v1/chat/completions": ("max_completion_tokens", "max_tokens"), "/v1/completions": ("max_tokens",)}
-ASK = {"/v1/chat/completions": "stream_token_ids", "/v1/completions": "return_token_ids",
-       "/generate": "return_prompt_token_ids"}
+ASK = {"/v1/chat/completions": "stream_token_ids", "/v1/completions": "return_token_ids"}
 LOGPROB_LISTS = ("output_token_logprobs", "output_top_logprobs")   # cumulative in /generate's meta_info
 _IDS = re.compile(rb',"(?:prompt_)?token_ids":\[[0-9,]*\]')   # compact JSON, as SGLang and our workers write it
 
@@ -56,10 +56,31 @@ def migratable(path: str, body: dict[str, Any]) -> bool:
 def with_ids(path: str, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     """The body the workers get for a resumable stream, and whether the router asked for ids the client did not
     (then `strip_ids` takes them out of the events)."""
-    key = ASK[path]
-    if body.get(key) or (path == "/generate" and body.get("input_ids") is not None):
+    key = ASK.get(path)
+    if key is None or body.get(key):
         return body, False
     return {**body, key: True}, True
+
+
+def prefill_asks(path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """What only the prefill leg of a resumable stream is asked for: a `/generate` text prompt's ids
+    (`prompt_ids_in` reads them from its answer)."""
+    if path == "/generate" and body.get("text") is not None and not body.get("return_prompt_token_ids"):
+        return {"return_prompt_token_ids": True}
+    return {}
+
+
+def answer_docs(content: bytes) -> list[Any]:
+    """The JSON documents of a whole answer: its SSE events', or its body's."""
+    return [parse_event(e) for e in (content.split(b"\n\n") if b"data:" in content else [b"data: " + content])]
+
+
+def prompt_ids_in(content: bytes) -> list[int] | None:
+    """The prompt's ids a prefill's `/generate` answer reports; None when it did not."""
+    for doc in answer_docs(content):
+        if isinstance(doc, dict) and isinstance(doc.get("prompt_token_ids"), list):
+            return doc["prompt_token_ids"]
+    return None
 
 
 def strip_ids(run: bytes) -> bytes:

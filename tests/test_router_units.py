@@ -103,7 +103,9 @@ def test_a_continuation_goes_on_from_the_prompt_ids_and_the_output_ids_relayed()
     not the text the client has: a token without text (an EOS under ignore_eos, 257) stays in it."""
     import json
 
-    from dsv4_cluster.router.resume import continuation, progress, with_ids
+    from dataclasses import replace
+
+    from dsv4_cluster.router.resume import continuation, prefill_asks, progress, prompt_ids_in, with_ids
 
     def event(data: dict) -> bytes:
         return b"data: " + json.dumps(data).encode() + b"\n\n"
@@ -123,14 +125,18 @@ def test_a_continuation_goes_on_from_the_prompt_ids_and_the_output_ids_relayed()
     new = continuation("/v1/completions", completion, progress("/v1/completions", sent))
     assert new["prompt"] == [256, 195, 169, 257]
 
-    generate, asked = with_ids("/generate", {"text": "é", "sampling_params": {"max_new_tokens": 9}})
-    assert asked and generate["return_prompt_token_ids"] is True
-    sent = [event({"text": "", "output_ids": [257], "prompt_token_ids": [256, 195, 169],
-                   "meta_info": {"completion_tokens": 1}})]
-    new = continuation("/generate", generate, progress("/generate", sent))
+    # /generate: output_ids are in every event; a text prompt's ids are asked of the prefill only (a decode would
+    # repeat them in every event)
+    generate = {"text": "é", "sampling_params": {"max_new_tokens": 9}}
+    assert with_ids("/generate", generate) == (generate, False)
+    assert prefill_asks("/generate", generate) == {"return_prompt_token_ids": True}
+    answer = event({"text": "", "output_ids": [97], "prompt_token_ids": [256, 195, 169]}) + b"data: [DONE]\n\n"
+    prompt = prompt_ids_in(answer)   # the prefill's
+    sent = [event({"text": "", "output_ids": [257], "meta_info": {"completion_tokens": 1}})]
+    new = continuation("/generate", generate, replace(progress("/generate", sent), prompt_ids=prompt))
     assert new["input_ids"] == [256, 195, 169, 257] and "text" not in new
     assert new["sampling_params"]["max_new_tokens"] == 8
-    assert with_ids("/generate", {"input_ids": [1], "sampling_params": {}})[1] is False   # its ids are known
+    assert prefill_asks("/generate", {"input_ids": [1], "sampling_params": {}}) == {}   # its ids are known
 
 
 def test_what_the_router_asked_for_is_taken_out_of_every_event_byte_for_byte() -> None:
