@@ -107,7 +107,6 @@ class Req:
             return Finish("length")
         return None
 
-
     def _text_ends_with(self, tail: bytes) -> bool:
         got = bytearray()
         for i in reversed(self.out):
