@@ -172,3 +172,16 @@ def test_ids_a_client_asked_for_read_as_in_the_uninterrupted_stream() -> None:
     event = b'data: {"text":"b","output_ids":[98],"prompt_token_ids":[256,1,97]}\n\n'
     assert json.loads(splice("/generate", done)(event)[6:]) == {"text": "ab", "output_ids": [97, 98],
                                                                  "prompt_token_ids": [256, 1]}
+
+
+def test_without_ids_a_continuation_goes_on_from_the_text_the_client_has() -> None:
+    """SGLang's chat streams no ids: the text as a final assistant message (continue_final_message)."""
+    import json
+
+    from dsv4_cluster.router.resume import continuation, progress
+
+    sent = [b"data: " + json.dumps({"choices": [{"delta": {"content": "ab"}}]}).encode() + b"\n\n"]
+    body = {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5, "stream": True}
+    new = continuation("/v1/chat/completions", body, progress("/v1/chat/completions", sent))
+    assert new["messages"][-1] == {"role": "assistant", "content": "ab"} and new["continue_final_message"]
+    assert new["max_completion_tokens"] == 4 and "input_ids" not in new
