@@ -312,7 +312,7 @@ async def _streams(c: LocalCluster, bodies: list[tuple[str, dict]], fault=None) 
 
 def _flush_prefill(c: LocalCluster) -> None:
     """No prompt of an earlier run in the prefix cache: both runs report the same `cached_tokens`."""
-    assert httpx.post(f"http://127.0.0.1:{c.ports['prefill']}/flush_cache", timeout=30).status_code == 200
+    assert httpx.post(f"http://{HOST}:{c.ports['prefill']}/flush_cache", timeout=30).status_code == 200
 
 
 def _router_migrations(c: LocalCluster) -> float:
