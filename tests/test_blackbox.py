@@ -154,7 +154,7 @@ def _back(c: LocalCluster, name: str, restarts: int) -> None:
 
 
 def _prefill_metric(c: LocalCluster, name: str) -> float:
-    text = httpx.get(f"http://127.0.0.1:{c.ports['prefill']}/metrics", timeout=5).text
+    text = httpx.get(f"http://{HOST}:{c.ports['prefill']}/metrics", timeout=5).text
     assert f"\n{name}" in text, f"the prefill exports no {name}"
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
 
@@ -189,7 +189,7 @@ def test_decode_killed_under_8_streams(cluster: LocalCluster) -> None:
 
 def test_prefill_killed_under_8_plain_requests(cluster: LocalCluster) -> None:
     before = status_rows(cluster)["prefill-0"]["restarts"]
-    prefill = f"http://127.0.0.1:{cluster.ports['prefill']}"
+    prefill = f"http://{HOST}:{cluster.ports['prefill']}"
 
     async def kill(_: list[int]) -> None:
         httpx.post(prefill + "/debug/stall_engine?seconds=3", timeout=5)   # the 8 wait on the prefill
