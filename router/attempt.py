@@ -47,7 +47,8 @@ class Attempt:
         self.prefill_error: RouterError | None = None
         self._stop: object = None  # why D's reader must stop: P's error, or the client left
         self.decode_over = False  # D's part is settled: later P failures only get logged
-        self.prefill = state.tasks.spawn(state.upstream.call(req.pair.prefill, req.path, self.body),
+        prefill_body = self.body if req.prefill_body is None else dumps(req.prefill_body)
+        self.prefill = state.tasks.spawn(state.upstream.call(req.pair.prefill, req.path, prefill_body),
                                          name=f"prefill-{req.rid}")
         self.prefill.add_done_callback(self._prefill_done)
         req.pair.on_lost = self._worker_lost

@@ -34,8 +34,10 @@ from .errors import NoWorkers, RouterError, UpstreamFailed, error_response, unex
 from .http_client import Interrupted, UpstreamError
 from .backpressure import check_stages
 from .pairing import pair_request
+from .migration import resumable
 from .prefix_tree import prompt_text
 from .relay import relay
+from .resume import prefill_asks, with_ids
 from .state import RouterState
 from .worker import Worker
 
@@ -74,6 +76,9 @@ class Flight:
         self.started = time.perf_counter()
         self.attempt: Attempt | None = None
         self.body: dict[str, Any] = {}
+        self.upstream: dict[str, Any] = {}   # what the workers get: the body, plus the token ids a resume needs
+        self.ids_asked = False               # the router asked for them (the client did not): out of every event
+        self.resumable = False               # a stream continued when its decode dies (`migration.resumable`)
         self.gone = False
         self.status = 0
         self.retries = 0  # fresh pairs tried so far, across the whole request
@@ -132,7 +137,8 @@ class Flight:
                     raise
                 failed = exc
                 continue
-            self.attempt = attempt = Attempt(self.state, pair_request(self.path, body, pair))
+            asks = prefill_asks(self.path, body) if self.resumable else None
+            self.attempt = attempt = Attempt(self.state, pair_request(self.path, body, pair, asks))
             if self.gone:
                 attempt.interrupt(CLIENT_GONE)
             try:
@@ -172,7 +178,9 @@ class Flight:
             check_stages(state)
             watch = asyncio.get_running_loop().create_task(self._watch())
             watch.add_done_callback(self.client_gone)
-            attempt = await self.start(self.body)
+            self.resumable = stream and resumable(state.settings, self.path, self.body)
+            self.upstream, self.ids_asked = with_ids(self.path, self.body) if self.resumable else (self.body, False)
+            attempt = await self.start(self.upstream)
             try:
                 if stream and attempt.decode.ok and attempt.decode.content_type.startswith("text/event-stream"):
                     await relay(self, attempt)

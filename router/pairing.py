@@ -22,7 +22,8 @@ ROUTER_FIELDS = ("rid", "bootstrap_host", "bootstrap_port", "bootstrap_room")
 
 @dataclass(frozen=True)
 class PairedRequest:
-    """What goes to both legs: the same path and body; `rids` are the ids to abort."""
+    """What goes to both legs: the same path and body (`prefill_body`: the prefill's, when it is asked for more);
+    `rids` are the ids to abort."""
 
     path: str
     pair: Pair
@@ -30,6 +31,7 @@ class PairedRequest:
     rid: str
     rids: tuple[str, ...]
     stream: bool
+    prefill_body: dict[str, Any] | None = None
 
 
 def _is_batch(value: Any) -> bool:
@@ -74,8 +76,10 @@ def check_body(body: Any) -> dict[str, Any]:
     return body
 
 
-def pair_request(path: str, body: dict[str, Any], pair: Pair) -> PairedRequest:
-    """The body both legs receive: the client's fields plus bootstrap fields and the router's rid."""
+def pair_request(path: str, body: dict[str, Any], pair: Pair,
+                 prefill_asks: dict[str, Any] | None = None) -> PairedRequest:
+    """The body both legs receive: the client's fields plus bootstrap fields and the router's rid; the prefill's
+    also `prefill_asks` (what only its answer needs to carry: `resume.prefill_asks`)."""
     body = check_body(body)
     rid = uuid.uuid4().hex
     prefill = pair.prefill
@@ -98,4 +102,5 @@ def pair_request(path: str, body: dict[str, Any], pair: Pair) -> PairedRequest:
             bootstrap_port=prefill.bootstrap_port,
             bootstrap_room=_room(items),
         )
-    return PairedRequest(path, pair, paired, rid, rids, bool(body.get("stream", False)))
+    return PairedRequest(path, pair, paired, rid, rids, bool(body.get("stream", False)),
+                         {**paired, **prefill_asks} if prefill_asks else None)

@@ -140,7 +140,8 @@ async def relay(flight: StreamOwner, attempt: Attempt) -> None:
                 if not error.retryable or flight.gone:
                     raise error from None
                 migration.attempt.req.pair.release()
-                attempt = await flight.start(flight.body, avoid={migration.attempt.req.pair.decode}, failed=error)
+                attempt = await flight.start(flight.upstream, avoid={migration.attempt.req.pair.decode},
+                                             failed=error)
                 migration.attempt = attempt
                 if not attempt.decode.ok or not attempt.decode.content_type.startswith("text/event-stream"):
                     await flight.answer(attempt)  # D's answer or error, as for any first attempt

@@ -21,6 +21,8 @@ class StreamOwner(Protocol):
     state: RouterState
     path: str  # the generation route
     body: dict[str, Any]  # the client's validated body
+    upstream: dict[str, Any]  # what the workers get: the body, plus the token ids a resume needs (`resume.py`)
+    ids_asked: bool  # the router asked for those ids, the client did not: they are taken out of every event
     status: int  # 0 until the response head went out
     gone: bool  # the client left
 

@@ -25,6 +25,7 @@ import httpx
 import pytest
 
 from bench.local_cluster import LocalCluster, write_topology
+from dsv4_cluster.workers.responses import held_back
 from .helpers import status_rows, wait_for
 
 HOST = socket.gethostname()
@@ -153,7 +154,7 @@ def _back(c: LocalCluster, name: str, restarts: int) -> None:
 
 
 def _prefill_metric(c: LocalCluster, name: str) -> float:
-    text = httpx.get(f"http://127.0.0.1:{c.ports['prefill']}/metrics", timeout=5).text
+    text = httpx.get(f"http://{HOST}:{c.ports['prefill']}/metrics", timeout=5).text
     assert f"\n{name}" in text, f"the prefill exports no {name}"
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
 
@@ -188,7 +189,7 @@ def test_decode_killed_under_8_streams(cluster: LocalCluster) -> None:
 
 def test_prefill_killed_under_8_plain_requests(cluster: LocalCluster) -> None:
     before = status_rows(cluster)["prefill-0"]["restarts"]
-    prefill = f"http://127.0.0.1:{cluster.ports['prefill']}"
+    prefill = f"http://{HOST}:{cluster.ports['prefill']}"
 
     async def kill(_: list[int]) -> None:
         httpx.post(prefill + "/debug/stall_engine?seconds=3", timeout=5)   # the 8 wait on the prefill
@@ -239,3 +240,117 @@ def test_poison_requests(cluster: LocalCluster) -> None:
     assert good.status_code == 200, good.text
     assert all(r["state"] == "READY" for r in status_rows(cluster).values())
     print("poison statuses:", [s.status for s in seen])
+
+
+# -- a resumed stream, byte for byte -------------------------------------------------------------------------------
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate")
+RESUME_TOKENS = 240
+
+
+def _resume_body(path: str, i: int, stop: str | None = None) -> dict:
+    """A greedy stream of RESUME_TOKENS tokens (EOS included: tokens without text) whose prompt has a multi-byte
+    character, so that the tiny model writes some too; prompts differ from their first bytes (no shared page)."""
+    prompt = f"{i} résumé, byte for byte: the stream goes on where it broke"
+    params = {"temperature": 0, "ignore_eos": True, **({"stop": [stop]} if stop else {})}
+    if path == "/generate":
+        return {"text": prompt, "stream": True, "sampling_params": {"max_new_tokens": RESUME_TOKENS, **params}}
+    first = {"messages": [{"role": "user", "content": prompt}]} if path == ROUTES[0] else {"prompt": prompt}
+    return {"model": "dsv4-tiny", **first, "stream": True, "max_tokens": RESUME_TOKENS,
+            "stream_options": {"include_usage": True}, **params}
+
+
+def _docs(raw: bytes) -> list[dict]:
+    return [json.loads(e[6:]) for e in raw.split(b"\n\n") if e.startswith(b"data: {")]
+
+
+def _text(path: str, raw: bytes) -> str:
+    docs = _docs(raw)
+    if path == "/generate":
+        return docs[-1]["text"] if docs else ""
+    return "".join((c.get("delta") or {}).get("content") or c.get("text") or "" for d in docs for c in d["choices"])
+
+
+def _held_window(text: str) -> tuple[int, str]:
+    """Where a long stop string starts in `text` and the string: 120 characters with a multi-byte one inside, found
+    first at that place (so the worker holds the text back from there on)."""
+    for start in range(24, len(text) - 130):
+        stop = text[start:start + 120]
+        if not stop.isascii() and text.find(stop) == start:
+            return start, stop
+    raise AssertionError(f"no multi-byte character in the greedy text: {text!r}")
+
+
+def _one_stream(path: str, raw: bytes) -> bytes:
+    """The stream with its id and created time taken out, after checking that it has one of each and one role chunk
+    (what a client sees at the seam)."""
+    docs = _docs(raw)
+    ids = {d["meta_info"]["id"] if path == "/generate" else d["id"] for d in docs}
+    created = {d["created"] for d in docs if "created" in d}
+    roles = sum("role" in (c.get("delta") or {}) for d in docs for c in d.get("choices", []))
+    one_role = roles == (path == ROUTES[0])
+    assert len(ids) == 1 and len(created) == (path != "/generate") and one_role, (ids, created, roles)
+    out = raw.replace(json.dumps(ids.pop()).encode(), b'"ID"')
+    return re.sub(rb'"created":\d+', b'"created":0', out)
+
+
+async def _streams(c: LocalCluster, bodies: list[tuple[str, dict]], fault=None) -> list[bytes]:
+    """The bodies streamed at once; `fault(seen)` runs beside them, `seen` growing with each stream's bytes."""
+    seen: list[list[bytes]] = [[] for _ in bodies]
+
+    async def one(client: httpx.AsyncClient, k: int, path: str, body: dict) -> bytes:
+        async with client.stream("POST", c.router_url + path, json=body) as resp:
+            assert resp.status_code == 200, await resp.aread()
+            async for part in resp.aiter_raw():
+                seen[k].append(part)
+        return b"".join(seen[k])
+
+    async with httpx.AsyncClient(timeout=120) as client:
+        calls = [one(client, k, path, body) for k, (path, body) in enumerate(bodies)]
+        results = await asyncio.gather(*calls, *([fault(seen)] if fault else []))
+    return list(results[:len(bodies)])
+
+
+def _flush_prefill(c: LocalCluster) -> None:
+    """No prompt of an earlier run in the prefix cache: both runs report the same `cached_tokens`."""
+    assert httpx.post(f"http://{HOST}:{c.ports['prefill']}/flush_cache", timeout=30).status_code == 200
+
+
+def _router_migrations(c: LocalCluster) -> float:
+    text = httpx.get(c.router_url + "/metrics", timeout=5).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("dsv4_router_migrations_total"))
+
+
+def test_a_resumed_greedy_stream_is_byte_identical_to_the_uninterrupted_one(cluster: LocalCluster) -> None:
+    """On chat, completions and /generate, a greedy stream whose only decode is killed (-9) while it holds text back
+    (the start of a long stop string with a multi-byte character in it) is resumed on the restarted decode, and the
+    client gets the bytes of the uninterrupted stream: text, chunks, token count, usage (cached_tokens too), ids,
+    one role chunk. Per route, (a) the stop string matches in the resumed part, (b) it never does (it ends in a
+    newline, which the model never writes), so the held text, multi-byte character included, comes out there."""
+    wait_for(lambda: all(r["state"] == "READY" for r in status_rows(cluster).values()), 120, "all READY")
+    plain = [(path, _resume_body(path, i)) for i, path in enumerate(ROUTES * 2)]
+    texts = [_text(path, raw) for (path, _), raw in zip(plain, asyncio.run(_streams(cluster, plain)))]
+    windows = [_held_window(t) for t in texts]
+    bodies = [(path, _resume_body(path, i, stop if i < 3 else stop + "\n"))
+              for i, ((path, _), (_, stop)) in enumerate(zip(plain, windows))]
+    _flush_prefill(cluster)
+    want = asyncio.run(_streams(cluster, bodies))
+    assert [_text(p, w) for (p, _), w in zip(bodies, want)][:3] == [t[:s] for t, (s, _) in zip(texts[:3], windows)]
+    _flush_prefill(cluster)
+    pid, before = _pid(cluster, "decode-0"), status_rows(cluster)["decode-0"]["restarts"]
+    migrations = _router_migrations(cluster)
+
+    # what a client has once the model wrote up to the stop string's start: the worker holds the rest back
+    shown = [start - held_back(text[:start], (stop,)) for text, (start, stop) in zip(texts, windows)]
+
+    async def kill_while_held(seen: list[list[bytes]]) -> None:
+        """Once every stream's text stands where its worker holds it back, 120 characters before it goes on."""
+        def held() -> bool:
+            return all(len(_text(p, b"".join(s))) >= n for (p, _), s, n in zip(bodies, seen, shown))
+        await asyncio.to_thread(wait_for, held, 60, "every stream holding its text back", 0.005)
+        os.kill(pid, signal.SIGKILL)
+
+    got = asyncio.run(_streams(cluster, bodies, kill_while_held))
+    for (path, _), g, w in zip(bodies, got, want):
+        assert _one_stream(path, g) == _one_stream(path, w), (path, g[-600:], w[-600:])
+    assert _router_migrations(cluster) - migrations == len(bodies), "every stream was resumed"
+    _back(cluster, "decode-0", before + 1)

@@ -119,3 +119,14 @@ def test_worker_args_refuse_silent_fallbacks(capsys):
     with pytest.raises(SystemExit):
         parse_args("prefill", [])
     assert "--disaggregation-bootstrap-port is required" in capsys.readouterr().err
+
+
+def test_after_a_non_ascii_prompt_the_model_writes_whole_multi_byte_characters():
+    """One byte a token: a greedy run of this prompt writes characters of 2-4 bytes split across tokens, and every
+    one whole (only the bytes that complete a character may follow its first); an ASCII prompt keeps ASCII."""
+    r = runner()
+    params = SamplingParams(max_new_tokens=120, temperature=0)
+    out = generate_single_process(r, TOK.encode("1 résumé"), params, EOS)
+    text = bytes(t for t in out if t < 256).decode("utf-8")   # strict: raises on a broken character
+    assert any(len(c.encode()) > 1 for c in text), text
+    assert all(t < 127 or t == EOS for t in generate_single_process(r, TOK.encode("1 resume"), params, EOS))

@@ -43,14 +43,16 @@ def test_random_spreads_over_all() -> None:
 
 
 def test_migration_progress_folds_long_streams_the_same_as_whole() -> None:
-    from dsv4_cluster.router.migration import progress
+    from dsv4_cluster.router.resume import Progress, progress
 
-    events = [b'data: {"choices": [{"delta": {"content": "t%d "}}]}\n\n' % i for i in range(600)]
+    events = [b'data: {"choices": [{"delta": {"content": "t%d "}, "token_ids": [%d]}]}\n\n' % (i, i)
+              for i in range(600)]
     whole = progress("/v1/chat/completions", events)
-    folded = ("", [], 0, {})
+    folded = Progress()
     for at in range(0, 600, 256):
         folded = progress("/v1/chat/completions", events[at:at + 256], folded)
-    assert folded == whole and whole[2] == 600 and whole[0].startswith("t0 t1 ")
+    assert folded == whole and whole.tokens == 600 and whole.text.startswith("t0 t1 ")
+    assert whole.ids == list(range(600))
 
 
 def test_migration_counts_the_tokens_each_event_carries_not_the_events_with_text() -> None:
@@ -59,7 +61,7 @@ def test_migration_counts_the_tokens_each_event_carries_not_the_events_with_text
     count. Counting content-bearing events undercounted all three, and a resumed stream then overran max_tokens."""
     import json
 
-    from dsv4_cluster.router.migration import progress
+    from dsv4_cluster.router.resume import progress
 
     def chunk(content: str, entries: int | None = None, usage: int | None = None) -> bytes:
         choice = {"delta": {"content": content},
@@ -67,15 +69,17 @@ def test_migration_counts_the_tokens_each_event_carries_not_the_events_with_text
         return b"data: " + json.dumps({"choices": [choice], "usage": usage and {"completion_tokens": usage}}).encode()
 
     held = [chunk("a"), chunk(""), chunk(""), chunk("xyz")]           # "xy" held back, released with "z"
-    assert progress("/v1/chat/completions", held)[:3:2] == ("axyz", 4)
-    assert progress("/v1/chat/completions", [chunk("abcd", entries=4), chunk("ef", entries=2)])[2] == 6
-    assert progress("/v1/chat/completions", [chunk("ab", usage=2), chunk("", usage=3)])[2] == 3
+    done = progress("/v1/chat/completions", held)
+    assert (done.text, done.tokens) == ("axyz", 4)
+    assert progress("/v1/chat/completions", [chunk("abcd", entries=4), chunk("ef", entries=2)]).tokens == 6
+    assert progress("/v1/chat/completions", [chunk("ab", usage=2), chunk("", usage=3)]).tokens == 3
 
 
 def test_migration_splices_logprobs_onto_what_was_sent() -> None:
     import json
 
-    from dsv4_cluster.router.migration import progress, splice
+    from dsv4_cluster.router.migration import splice
+    from dsv4_cluster.router.resume import Progress, progress
 
     def event(data: dict) -> bytes:
         return b"data: " + json.dumps(data).encode() + b"\n\n"
@@ -83,13 +87,101 @@ def test_migration_splices_logprobs_onto_what_was_sent() -> None:
     sent = [event({"text": "ab", "output_ids": [97, 98], "meta_info": {
         "completion_tokens": 2, "prompt_tokens": 5, "output_token_logprobs": [[-0.1, 97, None], [-0.2, 98, None]],
         "output_top_logprobs": [[[-0.1, 97, None]], [[-0.2, 98, None]]], "output_token_logprobs_length": 2}})]
-    text, ids, tokens, logprobs = progress("/generate", sent)
-    rest = json.loads(splice("/generate", text, ids, tokens, logprobs)(event({"text": "c", "output_ids": [99],
+    rest = json.loads(splice("/generate", progress("/generate", sent))(event({"text": "c", "output_ids": [99],
         "meta_info": {"completion_tokens": 1, "prompt_tokens": 7, "output_token_logprobs": [[-0.3, 99, None]],
                       "output_top_logprobs": [[[-0.3, 99, None]]], "output_token_logprobs_length": 1}}))[6:])
     meta = rest["meta_info"]
     assert [t[1] for t in meta["output_token_logprobs"]] == rest["output_ids"] == [97, 98, 99]
     assert len(meta["output_top_logprobs"]) == meta["output_token_logprobs_length"] == 3
     chunk = event({"choices": [{"index": 0, "text": "xy", "logprobs": {"tokens": ["x", "y"], "text_offset": [0, 1]}}]})
-    shifted = json.loads(splice("/v1/completions", "hello", [], 5, {})(chunk)[6:])
+    shifted = json.loads(splice("/v1/completions", Progress(text="hello", tokens=5))(chunk)[6:])
     assert shifted["choices"][0]["logprobs"]["text_offset"] == [5, 6]   # offsets in the whole output text
+
+
+def test_a_continuation_goes_on_from_the_prompt_ids_and_the_output_ids_relayed() -> None:
+    """On every route the new prompt is the ids the workers reported (the chat template's rendered prompt included),
+    not the text the client has: a token without text (an EOS under ignore_eos, 257) stays in it."""
+    import json
+
+    from dataclasses import replace
+
+    from dsv4_cluster.router.resume import continuation, prefill_asks, progress, prompt_ids_in, with_ids
+
+    def event(data: dict) -> bytes:
+        return b"data: " + json.dumps(data).encode() + b"\n\n"
+
+    chat = {"messages": [{"role": "user", "content": "é"}], "max_tokens": 9, "stream": True}
+    body, asked = with_ids("/v1/chat/completions", chat)
+    assert asked and body["stream_token_ids"] is True and "stream_token_ids" not in chat
+    sent = [event({"choices": [{"delta": {"role": "assistant", "content": "a"}, "token_ids": [97],
+                                "prompt_token_ids": [256, 259, 195, 169, 261, 260]}]}),
+            event({"choices": [{"delta": {"content": ""}, "token_ids": [257]}]})]
+    new = continuation("/v1/chat/completions", body, progress("/v1/chat/completions", sent))
+    assert new["input_ids"] == [256, 259, 195, 169, 261, 260, 97, 257] and new["max_tokens"] == 7
+    assert new["messages"] == chat["messages"] and "continue_final_message" not in new
+
+    completion, _ = with_ids("/v1/completions", {"prompt": "é", "max_tokens": 9, "stream": True})
+    sent = [event({"choices": [{"text": "", "token_ids": [257], "prompt_token_ids": [256, 195, 169]}]})]
+    new = continuation("/v1/completions", completion, progress("/v1/completions", sent))
+    assert new["prompt"] == [256, 195, 169, 257]
+
+    # /generate: output_ids are in every event; a text prompt's ids are asked of the prefill only (a decode would
+    # repeat them in every event)
+    generate = {"text": "é", "sampling_params": {"max_new_tokens": 9}}
+    assert with_ids("/generate", generate) == (generate, False)
+    assert prefill_asks("/generate", generate) == {"return_prompt_token_ids": True}
+    answer = event({"text": "", "output_ids": [97], "prompt_token_ids": [256, 195, 169]}) + b"data: [DONE]\n\n"
+    prompt = prompt_ids_in(answer)   # the prefill's
+    sent = [event({"text": "", "output_ids": [257], "meta_info": {"completion_tokens": 1}})]
+    new = continuation("/generate", generate, replace(progress("/generate", sent), prompt_ids=prompt))
+    assert new["input_ids"] == [256, 195, 169, 257] and "text" not in new
+    assert new["sampling_params"]["max_new_tokens"] == 8
+    assert prefill_asks("/generate", {"input_ids": [1], "sampling_params": {}}) == {}   # its ids are known
+
+
+def test_what_the_router_asked_for_is_taken_out_of_every_event_byte_for_byte() -> None:
+    from dsv4_cluster.router.resume import strip_ids
+
+    plain = b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"\\"token_ids\\":[1]"},"logprobs":null}]}\n\n'
+    asked = plain.replace(b'"logprobs":null}', b'"logprobs":null,"token_ids":[97,257],"prompt_token_ids":[256,1]}')
+    generate = b'data: {"text":"a","output_ids":[97],"meta_info":{"id":"x"}}\n\n'
+    assert strip_ids(asked + generate.replace(b"}}", b'},"prompt_token_ids":[256]}')) == plain + generate
+
+
+def test_a_spliced_event_keeps_the_workers_way_of_writing_non_ascii_text() -> None:
+    from dsv4_cluster.router.migration import splice
+    from dsv4_cluster.router.resume import Progress
+
+    rewrite = splice("/v1/completions", Progress(text="a", tokens=1))
+    raw = 'data: {"choices":[{"index":0,"text":"é"}]}\n\n'
+    assert rewrite(raw.encode()) == raw.encode()   # SGLang (pydantic) writes UTF-8
+    assert rewrite(raw.replace("é", "\\u00e9").encode()) == raw.replace("é", "\\u00e9").encode()   # json.dumps
+
+
+def test_ids_a_client_asked_for_read_as_in_the_uninterrupted_stream() -> None:
+    """The prompt's ids: the first attempt's, on the first chunk only (a continuation's prompt is longer)."""
+    import json
+
+    from dsv4_cluster.router.migration import splice
+    from dsv4_cluster.router.resume import Progress
+
+    done = Progress(text="a", prompt_ids=[256, 1], ids=[97], tokens=1)
+    chunk = b'data: {"choices":[{"index":0,"text":"b","token_ids":[98],"prompt_token_ids":[256,1,97]}]}\n\n'
+    assert json.loads(splice("/v1/completions", done)(chunk)[6:])["choices"][0] == {"index": 0, "text": "b",
+                                                                                    "token_ids": [98]}
+    event = b'data: {"text":"b","output_ids":[98],"prompt_token_ids":[256,1,97]}\n\n'
+    assert json.loads(splice("/generate", done)(event)[6:]) == {"text": "ab", "output_ids": [97, 98],
+                                                                 "prompt_token_ids": [256, 1]}
+
+
+def test_without_ids_a_continuation_goes_on_from_the_text_the_client_has() -> None:
+    """SGLang's chat streams no ids: the text as a final assistant message (continue_final_message)."""
+    import json
+
+    from dsv4_cluster.router.resume import continuation, progress
+
+    sent = [b"data: " + json.dumps({"choices": [{"delta": {"content": "ab"}}]}).encode() + b"\n\n"]
+    body = {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5, "stream": True}
+    new = continuation("/v1/chat/completions", body, progress("/v1/chat/completions", sent))
+    assert new["messages"][-1] == {"role": "assistant", "content": "ab"} and new["continue_final_message"]
+    assert new["max_completion_tokens"] == 4 and "input_ids" not in new

@@ -75,3 +75,38 @@ def test_generate_reports_the_matched_stop_like_sglang():
                                              ("", ("ab",), 0), ("ab", ("ab",), 0)])
 def test_held_back(text, stops, held):
     assert held_back(text, stops) == held
+
+
+def test_a_stop_string_matches_across_a_token_without_text():
+    """An EOS kept by `ignore_eos` has no text: the stop string is matched on the text, as SGLang decodes it (on the
+    ids, "ab" after a, EOS, b never matched, and the held text came out in the end)."""
+    req = Req(rid="r", prompt_ids=[1], params=SamplingParams(stop=("ab",), ignore_eos=True), budget=100,
+              emit=lambda e: None)
+    for token in (ord("x"), ord("a"), EOS):
+        req.out.append(token)
+        assert req.finished(EOS) is None
+    req.out.append(ord("b"))
+    assert req.finished(EOS) == Finish("stop", "ab")
+
+
+def test_text_is_held_while_a_stop_string_may_start_or_a_character_is_incomplete():
+    """What the worker streams no event for (`WorkerServer._stream`): the held tokens come with the event that releases
+    their text, so every event ends where the text of the ids it carries is all out."""
+    params = SamplingParams(stop=("zz",))
+    out = ResponseBuilder(GenSpec(kind="chat", rid="r", prompt_ids=[1], params=params, stream=True,
+                                  include_usage=False, model="m"), TOK)
+    held = []
+    for token in "aé€z🙂".encode():
+        out.push(token)
+        held.append(out.holding)
+    assert held == [False, True, False, True, True, False, True, True, True, True, False]
+    assert out.text == "aé€z🙂"   # once whole, "z🙂" cannot start "zz": released
+
+
+def test_no_event_while_a_stop_string_may_start_even_when_it_is_not_trimmed():
+    """As SGLang's scheduler: a stream resumed after "ab" of a stop "abc" would never see the stop string whole."""
+    params = SamplingParams(stop=("abc",), no_stop_trim=True)
+    out = ResponseBuilder(GenSpec(kind="chat", rid="r", prompt_ids=[1], params=params, stream=True,
+                                  include_usage=False, model="m"), TOK)
+    assert [(out.push(t), out.holding)[1] for t in b"xabx"] == [False, True, True, False]
+    assert out.text == "xabx"

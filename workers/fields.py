@@ -111,7 +111,7 @@ CHAT: dict[str, Rule] = {
 COMPLETION: dict[str, Rule] = {
     **{k: v for k, v in _SHARED.items() if k not in (
         "max_dynamic_patch", "min_dynamic_patch", "return_flat_raw_output_top_logprobs", "return_prompt_token_ids",
-        "return_sampling_mask", "sampling_logprobs_mode", "use_audio_in_video", "video_config")},
+        "return_token_ids", "return_sampling_mask", "sampling_logprobs_mode", "use_audio_in_video", "video_config")},
     "best_of": Neutral((None, 1), _ONE), "echo": _off("the embedded engine does not echo the prompt"),
     "suffix": _off("the embedded engine does not insert a suffix"),
 }
@@ -119,7 +119,7 @@ COMPLETION: dict[str, Rule] = {
 GENERATE: dict[str, Rule] = {
     **{k: _SHARED[k] for k in ("session_id", "routed_dp_rank", "data_parallel_rank", "disagg_prefill_dp_rank",
                                "extra_key", "cache_salt", "priority", "custom_labels", "return_hidden_states",
-                               "return_routed_experts", "routed_experts_start_len", "return_prompt_token_ids",
+                               "return_routed_experts", "routed_experts_start_len",
                                "return_sampling_mask", "sampling_logprobs_mode", "lora_path", "session_params",
                                "custom_logit_processor", "watermark", "images_config", "mm_processor_kwargs",
                                "video_config", "use_audio_in_video", "max_dynamic_patch", "min_dynamic_patch",
@@ -140,8 +140,9 @@ GENERATE: dict[str, Rule] = {
     "model": ANY,
 }
 
-# Fields above that the SGLang class lacks but SGLang's own router sends (see GENERATE's "model").
-ROUTER_EXTRAS = {"GenerateReqInput": frozenset({"model"})}
+# Fields the SGLang class lacks that a router sends: SGLang's own router (GENERATE's "model"), ours (chat's
+# `stream_token_ids`, protocol.py: what a broken stream is continued from; SGLang's server ignores it).
+ROUTER_EXTRAS = {"GenerateReqInput": frozenset({"model"}), "ChatCompletionRequest": frozenset({"stream_token_ids"})}
 
 SAMPLING: dict[str, Rule] = {
     **{k: _SHARED[k] for k in ("frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias",

@@ -111,8 +111,11 @@ class ChatCompletionRequest(_OpenAISampling):
     SGLANG: ClassVar = "ChatCompletionRequest"
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: rs.MaxTokens | None = None
-    continue_final_message: bool = False  # continue a final assistant message (the router's stream migration)
-    input_ids: list[int] | None = Field(default=None, min_length=1)
+    continue_final_message: bool = False  # continue a final assistant message
+    input_ids: list[int] | None = Field(default=None, min_length=1)   # the prompt's ids (no chat template)
+    # not SGLang's (its chat streams ids only at the end): each chunk's output ids and the prompt's, as completions
+    # stream them with return_token_ids; what the router continues a broken stream from (SGLang ignores the field)
+    stream_token_ids: bool = False
     logprobs: bool | None = False
     top_logprobs: rs.TopLogprobs | None = None
 
@@ -133,6 +136,7 @@ class CompletionRequest(_OpenAISampling):
     temperature: rs.OpenAITemperature = 1.0
     top_p: rs.TopP = 1.0
     logprobs: rs.TopLogprobs | None = None   # legacy completions: an int, the alternatives per token (0: none)
+    return_token_ids: bool = False   # each choice's output ids (per chunk when streaming) and the prompt's
 
     def logprobs_asked(self) -> tuple[bool, int]:
         return self.logprobs is not None, self.logprobs or 0
@@ -167,6 +171,7 @@ class GenerateRequest(Bootstrap):
     return_logprob: bool | None = False
     top_logprobs_num: rs.TopLogprobs | None = None
     return_text_in_logprobs: bool | None = False
+    return_prompt_token_ids: bool = False   # the prompt's ids in every event (with output_ids, as SGLang sends them)
 
     def sampling(self, default_max: int) -> SamplingParams:
         return self.sampling_params.params(default_max, bool(self.return_logprob), self.top_logprobs_num or 0)

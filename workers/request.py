@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from . import tokenizer
 from .sampling import SamplingParams, TokenLogprob
 
 
@@ -80,11 +81,19 @@ class Req:
     deadline: float | None = None
     last_token_time: float | None = None
 
+    def __post_init__(self) -> None:
+        self._wide = tokenizer.multibyte(self.prompt_ids)
+
+    def next_ids(self) -> tuple[int, ...]:
+        """The ids the next output token may be (`tokenizer.next_ids`)."""
+        return tokenizer.next_ids(self.prompt_ids, self.out, self._wide)
+
     def finished(self, eos_token_id: int) -> Finish | None:
         """Why generation ends after the last token, or None to go on (shared by every path).
 
-        Token ids below 256 are bytes (tokenizer.py), so a stop string matches when the output ends
-        with its UTF-8 bytes; checking after every token finds each match at its last byte.
+        Token ids below 256 are bytes (tokenizer.py), so a stop string matches when the output's bytes (its text:
+        special tokens, an EOS with `ignore_eos`, have none) end with its UTF-8 bytes; checking after every token
+        finds each match at its last byte.
         """
         last = self.out[-1]
         if last == eos_token_id and not self.params.ignore_eos:
@@ -92,12 +101,20 @@ class Req:
         if last in self.params.stop_token_ids:
             return Finish("stop", last)
         for stop in self.params.stop:
-            tail = list(stop.encode())
-            if self.out[-len(tail):] == tail:
+            if self._text_ends_with(stop.encode()):
                 return Finish("stop", stop)
         if len(self.out) >= self.params.max_new_tokens or len(self.prompt_ids) + len(self.out) >= self.budget:
             return Finish("length")
         return None
+
+    def _text_ends_with(self, tail: bytes) -> bool:
+        got = bytearray()
+        for i in reversed(self.out):
+            if len(got) == len(tail):
+                break
+            if i < 256:
+                got.append(i)
+        return got[::-1] == tail
 
 
 class LoopEmitter:

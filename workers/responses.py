@@ -36,6 +36,7 @@ class GenSpec:
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     logprob_text: bool = True          # /generate's return_text_in_logprobs (the OpenAI routes always show text)
+    token_ids: bool = False            # each event's output ids and the prompt's (completions' return_token_ids)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -74,6 +75,7 @@ class ResponseBuilder:
         self.cached_tokens = 0         # prompt tokens whose KV came from the prefill's prefix cache
         self.logprobs: list[Entry] = []
         self._logprobs_sent = 0        # entries already streamed
+        self._ids_sent = 0             # output ids already streamed (`token_ids`)
 
     def push(self, token_id: int, finish: Finish | None = None, cached_tokens: int | None = None,
              logprob: TokenLogprob | None = None) -> str:
@@ -97,6 +99,12 @@ class ResponseBuilder:
             visible = self._raw
         delta, self.text = visible[len(self.text):], visible
         return delta
+
+    @property
+    def holding(self) -> bool:
+        """The output's end may start a stop string (its text is held back unless `no_stop_trim`; SGLang streams no
+        event then either way), or a character's first bytes are in."""
+        return self._finish is None and (self._decoder.pending or held_back(self._raw, self.spec.params.stop) > 0)
 
     def _usage(self) -> dict:
         p, c = len(self.spec.prompt_ids), len(self.ids)
@@ -131,10 +139,25 @@ class ResponseBuilder:
         entries, self._logprobs_sent = self.logprobs[self._logprobs_sent:], len(self.logprobs)
         return entries
 
+    def _with_ids(self, body: dict, first: bool) -> dict:
+        """`body` with the ids asked for (`GenSpec.token_ids`): the prompt's on the first event (on every one in
+        /generate, as SGLang sends them) and, in a choice, the output ids since the last event."""
+        if not self.spec.token_ids:
+            return body
+        if self.spec.kind == "generate":
+            return {**body, "prompt_token_ids": self.spec.prompt_ids}
+        ids, self._ids_sent = self.ids[self._ids_sent:], len(self.ids)
+        choice = body["choices"][0]
+        choice["token_ids"] = ids
+        if first:
+            choice["prompt_token_ids"] = self.spec.prompt_ids
+        return body
+
     def final(self, reason: str, prefill_only: bool = False) -> dict:
         s = self.spec
         if s.kind == "generate":
-            return {"text": self.text, "output_ids": self.ids, "meta_info": self._meta(reason, prefill_only)}
+            return self._with_ids({"text": self.text, "output_ids": self.ids,
+                                   "meta_info": self._meta(reason, prefill_only)}, True)
         base = {"id": self._id(), "created": s.created, "model": s.model, "usage": self._usage()}
         if s.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": self.text},
@@ -142,21 +165,22 @@ class ResponseBuilder:
             return {**base, "object": "chat.completion", "choices": [choice]}
         choice = {"index": 0, "text": self.text, "finish_reason": reason,
                   "logprobs": self._choice_logprobs(self.logprobs)}
-        return {**base, "object": "text_completion", "choices": [choice]}
+        return self._with_ids({**base, "object": "text_completion", "choices": [choice]}, True)
 
     def chunk(self, delta: str, reason: str | None, first: bool = False, prefill_only: bool = False) -> dict:
         s = self.spec
         if s.kind == "generate":
-            return {"text": self.text, "output_ids": list(self.ids), "meta_info": self._meta(reason, prefill_only)}
+            return self._with_ids({"text": self.text, "output_ids": list(self.ids),
+                                   "meta_info": self._meta(reason, prefill_only)}, first)
         base = {"id": self._id(), "created": s.created, "model": s.model}
         if s.kind == "chat":
             d = {"role": "assistant", "content": delta} if first else {"content": delta}
             choice = {"index": 0, "delta": d, "finish_reason": reason,
                       "logprobs": self._choice_logprobs(self._unsent_logprobs())}
-            return {**base, "object": "chat.completion.chunk", "choices": [choice]}
+            return self._with_ids({**base, "object": "chat.completion.chunk", "choices": [choice]}, first)
         choice = {"index": 0, "text": delta, "finish_reason": reason,
                   "logprobs": self._choice_logprobs(self._unsent_logprobs())}
-        return {**base, "object": "text_completion", "choices": [choice]}
+        return self._with_ids({**base, "object": "text_completion", "choices": [choice]}, first)
 
     def usage_chunk(self) -> dict | None:
         s = self.spec

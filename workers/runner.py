@@ -119,10 +119,10 @@ def generate_single_process(runner: ModelRunner, prompt_ids: list[int], params: 
     req = Req(rid="single-process", prompt_ids=prompt_ids, params=params, budget=budget, emit=lambda e: None)
     pages = runner.pool.alloc(budget)
     try:
-        req.out.append(runner.sampler.sample(runner.prefill(prompt_ids, pages), params, 0))
+        req.out.append(runner.sampler.sample(runner.prefill(prompt_ids, pages), params, 0, req.next_ids()))
         while req.finished(eos_token_id) is None:
             logits = runner.decode([req.out[-1]], [len(prompt_ids) + len(req.out) - 1], [pages])[0]
-            req.out.append(runner.sampler.sample(logits, params, len(req.out)))
+            req.out.append(runner.sampler.sample(logits, params, len(req.out), req.next_ids()))
         return req.out
     finally:
         runner.pool.release(pages)

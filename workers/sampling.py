@@ -23,6 +23,8 @@ from dsv4_cluster import request_schema
 
 from .tokenizer import PRINTABLE_IDS
 
+Allowed = tuple[int, ...]   # the ids a token may be drawn from (tokenizer.next_ids)
+
 SAMPLING_EPS = 1e-6   # SGLang's _SAMPLING_EPS: below it, sampling is greedy
 
 
@@ -74,26 +76,36 @@ class TokenLogprob:
 
 
 class Sampler:
-    """Picks tokens from logits, restricted to printable ASCII and EOS (see tokenizer.PRINTABLE_IDS)."""
+    """Picks tokens from logits, restricted to the ids a request may write next (`tokenizer.next_ids`: printable
+    ASCII and EOS, or the bytes of a whole multi-byte character)."""
 
     def __init__(self, vocab_size: int):
-        mask = torch.full((vocab_size,), float("-inf"))
-        mask[list(PRINTABLE_IDS)] = 0.0
-        self._mask = mask
+        self._vocab_size = vocab_size
+        self._masks: dict[Allowed, torch.Tensor] = {}
 
-    def sample_batch(self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> list[int]:
+    def _mask(self, allowed: Allowed) -> torch.Tensor:
+        mask = self._masks.get(allowed)
+        if mask is None:
+            mask = self._masks[allowed] = torch.full((self._vocab_size,), float("-inf"))
+            mask[list(allowed)] = 0.0
+        return mask
+
+    def sample_batch(self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
+                     allowed: list[Allowed] | None = None) -> list[int]:
         """`sample` for every row of logits [B, vocab]: the greedy rows in one argmax, the others one by one."""
-        greedy = torch.argmax(logits.float() + self._mask, dim=-1).tolist()
-        return [g if p.greedy else self.sample(row, p, s)
-                for g, row, p, s in zip(greedy, logits, params, steps)]
+        allowed = allowed or [PRINTABLE_IDS] * len(params)
+        masks = torch.stack([self._mask(a) for a in allowed])
+        greedy = torch.argmax(logits.float() + masks, dim=-1).tolist()
+        return [g if p.greedy else self.sample(row, p, s, a)
+                for g, row, p, s, a in zip(greedy, logits, params, steps, allowed)]
 
-    def sample(self, logits: torch.Tensor, params: SamplingParams, step: int) -> int:
+    def sample(self, logits: torch.Tensor, params: SamplingParams, step: int, allowed: Allowed = PRINTABLE_IDS) -> int:
         """logits [vocab] float32 -> token id for output position `step`. Greedy ties go to the lowest id.
 
         Random draws use a generator seeded from (params.seed, step), so the prefill process (step 0)
         and the decode process (steps 1..) continue one seeded sequence without sharing state.
         """
-        logits = logits.float().cpu() + self._mask
+        logits = logits.float().cpu() + self._mask(allowed)
         if params.greedy:
             return int(torch.argmax(logits))
         # in float64: a temperature past float32's range would turn the -inf of masked ids into NaN
@@ -110,9 +122,10 @@ class Sampler:
             gen.manual_seed((params.seed * 1_000_003 + step) % (2**63))
         return int(torch.multinomial(probs, 1, generator=gen))
 
-    def logprobs(self, logits: torch.Tensor, params: SamplingParams, token: int) -> TokenLogprob:
+    def logprobs(self, logits: torch.Tensor, params: SamplingParams, token: int,
+                 allowed: Allowed = PRINTABLE_IDS) -> TokenLogprob:
         """logits [vocab] the token was drawn from (as `sample` got them) -> its logprob and the top alternatives."""
-        scaled = logits.double().cpu() + self._mask
+        scaled = logits.double().cpu() + self._mask(allowed)
         if not params.greedy:
             scaled = scaled / params.temperature
         logp = torch.log_softmax(scaled, dim=-1)
@@ -122,7 +135,9 @@ class Sampler:
             top = tuple(zip(ids[:params.top_logprobs].tolist(), values[:params.top_logprobs].tolist()))
         return TokenLogprob(float(logp[token]), top)
 
-    def logprobs_batch(self, logits: torch.Tensor, params: list[SamplingParams],
-                       tokens: list[int]) -> list[TokenLogprob | None]:
+    def logprobs_batch(self, logits: torch.Tensor, params: list[SamplingParams], tokens: list[int],
+                       allowed: list[Allowed] | None = None) -> list[TokenLogprob | None]:
         """`logprobs` for the rows whose request asked for them (None for the others)."""
-        return [self.logprobs(row, p, t) if p.logprobs else None for row, p, t in zip(logits, params, tokens)]
+        allowed = allowed or [PRINTABLE_IDS] * len(params)
+        return [self.logprobs(row, p, t, a) if p.logprobs else None
+                for row, p, t, a in zip(logits, params, tokens, allowed)]

@@ -124,10 +124,12 @@ class WorkerServer:
         except ValueError as exc:   # SamplingParams names the field
             raise BadRequest(str(exc)) from None
         usage = kind != "generate" and bool(req.stream_options and req.stream_options.include_usage)
+        token_ids = bool(getattr(req, {"chat": "stream_token_ids", "completion": "return_token_ids",
+                                       "generate": "return_prompt_token_ids"}[kind]))
         return GenSpec(kind=kind, rid=req.rid or uuid.uuid4().hex, prompt_ids=ids, params=params, stream=req.stream,
                        include_usage=usage, model=a.served_model_name, room=req.bootstrap_room,
                        bootstrap_host=req.bootstrap_host, bootstrap_port=req.bootstrap_port,
-                       logprob_text=kind != "generate" or bool(req.return_text_in_logprobs))
+                       logprob_text=kind != "generate" or bool(req.return_text_in_logprobs), token_ids=token_ids)
 
     def budget(self, spec: GenSpec) -> int:
         return min(len(spec.prompt_ids) + spec.params.max_new_tokens, self.args.context_length)
@@ -201,19 +203,25 @@ class WorkerServer:
         return error_response(500, "the request ended without a result")
 
     async def _stream(self, spec: GenSpec, events: AsyncIterator[Event]):
+        """One event per token, except while text is held back (`ResponseBuilder.holding`): as SGLang's scheduler
+        streams nothing while the output's end may start a stop string, the held tokens come out with the event
+        that releases their text. So every event ends where the text of the ids it carries is all out."""
         out = ResponseBuilder(spec, self.tokenizer)
         started = last = time.monotonic()
+        sent, unsent = False, ""
         async with contextlib.aclosing(events):
             async for ev in events:
                 if isinstance(ev, Failed):
                     yield sse(error_body(ev.status, ev.message))
                     break
-                delta = out.push(ev.token_id, ev.finish, ev.cached_tokens, ev.logprob)
+                unsent += out.push(ev.token_id, ev.finish, ev.cached_tokens, ev.logprob)
                 now = time.monotonic()
                 (self.metrics.ttft if len(out.ids) == 1 else self.metrics.itl).observe(now - last)
                 last = now
-                yield sse(out.chunk(delta, ev.finish_reason, first=len(out.ids) == 1,
-                                    prefill_only=self.role == "prefill"))
+                if out.holding:
+                    continue
+                yield sse(out.chunk(unsent, ev.finish_reason, first=not sent, prefill_only=self.role == "prefill"))
+                sent, unsent = True, ""
                 if ev.finish_reason:
                     self.metrics.e2e.observe(now - started)
                     usage = out.usage_chunk()

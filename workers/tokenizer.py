@@ -15,8 +15,14 @@ SPECIAL_NAMES = {BOS: "<bos>", EOS: "<eos>", SYSTEM: "<|system|>", USER: "<|user
                  ASSISTANT: "<|assistant|>", END_TURN: "<|end|>"}
 ROLE_TOKENS = {"system": SYSTEM, "developer": SYSTEM, "user": USER, "assistant": ASSISTANT}
 # The tiny model's weights are random, so its text means nothing; sampling is restricted to
-# printable ASCII (and EOS) so that every response is valid UTF-8 a client can display.
+# printable ASCII (and EOS) so that every response is valid UTF-8 a client can display. A prompt with a
+# non-ASCII character also lets it write multi-byte characters, always whole (`next_ids`): one byte per
+# token, so such a character is split across 2-4 tokens, as a BPE vocabulary's byte fallback splits them.
 PRINTABLE_IDS = tuple(range(32, 127)) + (EOS,)
+LEADS = {0xC3: 1, 0xCE: 1, 0xE2: 2, 0xF0: 3}   # lead byte -> continuation bytes: é, Greek, €/…, emoji planes
+WITH_LEADS = PRINTABLE_IDS + tuple(LEADS)
+CONTINUATION = tuple(range(0x80, 0xC0))
+AFTER_F0 = tuple(range(0x90, 0xC0))   # F0's first continuation byte (below 0x90 would be an overlong form)
 
 
 class ChatTemplateError(ValueError):
@@ -64,6 +70,27 @@ class ByteTokenizer:
         return ids
 
 
+def multibyte(prompt_ids: list[int]) -> bool:
+    """Whether output may hold multi-byte characters: the prompt has a non-ASCII one."""
+    return any(0x80 <= i < 0x100 for i in prompt_ids)
+
+
+def next_ids(prompt_ids: list[int], out: list[int], wide: bool) -> tuple[int, ...]:
+    """The ids the tiny model may write after prompt + out: the bytes that complete a character begun at the
+    end, else printable ASCII and EOS (and the lead bytes of `LEADS` when `wide`: see `multibyte`)."""
+    tail = (prompt_ids[-3:] + out)[-3:] if len(out) < 3 else out[-3:]
+    owed = 0
+    for back, i in enumerate(reversed(tail)):
+        if i in LEADS:
+            owed = LEADS[i] - back
+            break
+        if not 0x80 <= i < 0xC0:
+            break
+    if owed > 0:
+        return AFTER_F0 if tail[-1] == 0xF0 else CONTINUATION
+    return WITH_LEADS if wide else PRINTABLE_IDS
+
+
 class IncrementalDecoder:
     """Turns a stream of token ids into text deltas without splitting UTF-8 sequences."""
 
@@ -72,6 +99,11 @@ class IncrementalDecoder:
 
     def push(self, token_id: int) -> str:
         return self._decoder.decode(bytes([token_id])) if token_id < 256 else ""
+
+    @property
+    def pending(self) -> bool:
+        """The first bytes of a character are in, its text is not out yet."""
+        return bool(self._decoder.getstate()[0])
 
 
 def _content_text(content, index: int) -> str:

@@ -171,8 +171,9 @@ class DecodeEngine(Engine):
         if logits is not None:
             with self.serving(*batch):
                 params = [r.params for r in batch]
-                tokens = self.runner.sampler.sample_batch(logits, params, [len(r.out) for r in batch])
-                logprobs = self.runner.sampler.logprobs_batch(logits, params, tokens)
+                allowed = [r.next_ids() for r in batch]
+                tokens = self.runner.sampler.sample_batch(logits, params, [len(r.out) for r in batch], allowed)
+                logprobs = self.runner.sampler.logprobs_batch(logits, params, tokens, allowed)
         for req, token, logprob in zip(batch, tokens, logprobs):
             with self.serving(req):
                 self._emit_token(req, token, logprob)

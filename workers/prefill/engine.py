@@ -112,9 +112,10 @@ class PrefillEngine(Engine):
                 continue
             self._bootstrap.remove(req)
             with self.serving(req):
-                req.out.append(self.runner.sampler.sample(row, req.params, 0))
+                allowed = req.next_ids()
+                req.out.append(self.runner.sampler.sample(row, req.params, 0, allowed))
                 if req.params.logprobs:
-                    req.first_logprob = self.runner.sampler.logprobs(row, req.params, req.out[0])
+                    req.first_logprob = self.runner.sampler.logprobs(row, req.params, req.out[0], allowed)
             if req.state is ReqState.ABORTED:   # sampling failed just above
                 continue
             self.stats.prompt_tokens += len(req.prompt_ids)
