@@ -43,6 +43,11 @@ def md_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> list[st
             *("| " + " | ".join(c if isinstance(c, str) else cell(c) for c in r) + " |" for r in rows)]
 
 
+def md_columns(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]]) -> list[str]:
+    """A markdown table of `rows` by (header, key, format) columns; a missing value is '-'."""
+    return md_table([h for h, _, _ in columns], [[cell(r.get(k), f) for _, k, f in columns] for r in rows])
+
+
 def write(out: Path, payload: object, md: str | None) -> Path:
     """OUT.json (the payload) and OUT.md (the table, unless None); returns OUT.json's path."""
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from bench.common import versions
+from bench.common import md_columns, versions
 from bench.kernels import bench_us, copy_bandwidth_gbs, graphed, print_table, write_results
 from dsv4_cluster.kernels.sglang_adapters import flash_mla_with_kvcache, fp8_paged_mqa_logits, topk_transform_paged_v2
 from dsv4_cluster.kernels.sparse_mla_decode.launch import LaunchConfig
@@ -157,30 +157,20 @@ def markdown(rows: list[dict], copy_gbs: float, device: str) -> str:
              "(use_legacy=True, 256-token window pages). Full lists (window 128, extra 512).", "",
              "`adapter` is the call as the plugin makes it (no real head count: 64 heads computed, the same call at 16 "
              "and 64 real heads); `adapter_h16` is told 16 real heads; `eager - FM`: us_eager minus FlashMLA's.", "",
-             "| layer | B | real_heads | impl | us | us_eager | host_us | x FlashMLA | eager - FM | GB/s | of copy |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-
-    def f(r, k, fmt):
-        return format(r[k], fmt) if r.get(k) is not None else "-"
-
-    for r in rows:
-        if r["bench"] == "decode":
-            lines.append(f"| {r['layer']} | {r['B']} | {r['real_heads']} | {r['impl']} | {r['us']:.1f} | "
-                         f"{r['us_eager']:.1f} | {f(r, 'host_us', '.1f')} | {r['speedup_vs_flashmla']:.2f} | "
-                         f"{f(r, 'eager_minus_flashmla', '+.1f')} | {r['GBps']:.0f} | {r['frac_copy']:.1%} |")
-    lines += ["", "Indexer + top-k (B = 32, fp8 keys, 132 B each; entries = L / 4; capacity in entries):", "",
-              "| L | entries | capacity | impl | us | us_eager | host_us | eager/graph | 1M/L | key GB/s | of copy "
-              "| stock/ours | fused, fp8 dot | fused, bf16 upcast |", "|" + "---|" * 14]
-    for r in rows:
-        if r["bench"] == "indexer_topk":
-            lines.append(f"| {r['L']} | {r['entries']} | {r['capacity']} | {r['impl']} | {r['us']:.1f} | "
-                         f"{f(r, 'us_eager', '.1f')} | {f(r, 'host_us', '.1f')} | "
-                         f"{f(r, 'eager_over_graph', '.2f')} | {f(r, 'cap1M_over_capL', '.3f')} | "
-                         f"{f(r, 'GBps_keys', '.0f')} | {f(r, 'frac_copy', '.1%')} | "
-                         f"{f(r, 'speedup_of_adapters', '.1f')} | {f(r, 'fused_fp8_dot_us', '.1f')} | "
-                         f"{f(r, 'fused_bf16_upcast_us', '.1f')} |")
-        elif r["bench"] == "indexer_topk_error":
-            lines.append(f"\nIndexer + top-k failed: {r['error']}")
+             *md_columns([r for r in rows if r["bench"] == "decode"], [
+                 ("layer", "layer", ""), ("B", "B", ""), ("real_heads", "real_heads", ""), ("impl", "impl", ""),
+                 ("us", "us", ".1f"), ("us_eager", "us_eager", ".1f"), ("host_us", "host_us", ".1f"),
+                 ("x FlashMLA", "speedup_vs_flashmla", ".2f"), ("eager - FM", "eager_minus_flashmla", "+.1f"),
+                 ("GB/s", "GBps", ".0f"), ("of copy", "frac_copy", ".1%")]),
+             "", "Indexer + top-k (B = 32, fp8 keys, 132 B each; entries = L / 4; capacity in entries):", "",
+             *md_columns([r for r in rows if r["bench"] == "indexer_topk"], [
+                 ("L", "L", ""), ("entries", "entries", ""), ("capacity", "capacity", ""), ("impl", "impl", ""),
+                 ("us", "us", ".1f"), ("us_eager", "us_eager", ".1f"), ("host_us", "host_us", ".1f"),
+                 ("eager/graph", "eager_over_graph", ".2f"), ("1M/L", "cap1M_over_capL", ".3f"),
+                 ("key GB/s", "GBps_keys", ".0f"), ("of copy", "frac_copy", ".1%"),
+                 ("stock/ours", "speedup_of_adapters", ".1f"), ("fused, fp8 dot", "fused_fp8_dot_us", ".1f"),
+                 ("fused, bf16 upcast", "fused_bf16_upcast_us", ".1f")]),
+             *(f"\nIndexer + top-k failed: {r['error']}" for r in rows if r["bench"] == "indexer_topk_error")]
     stats = [r for r in rows if r["bench"] == "plans"]
     if stats:
         lines += ["", "Launch plans after the run (`launch_cache`): " + "; ".join(
