@@ -191,18 +191,19 @@ def slowloris(port: int, pid: int, connections: int = 64, hold_s: float = 20.0,
     end = start + hold_s
     with httpx.Client(timeout=10) as c:
         while time.monotonic() < end:
-            for i, s in enumerate(socks):
+            for i, s in ((i, s) for i, s in enumerate(socks) if i not in closed):
                 try:   # the router closed it (recv b""), or it refuses the next byte
-                    gone = i in closed or s.recv(4096) == b""
+                    if s.recv(4096) == b"":
+                        closed[i] = time.monotonic() - start
+                        continue
                 except BlockingIOError:
-                    gone = False
+                    pass
                 except OSError:
-                    gone = True
+                    closed[i] = time.monotonic() - start
+                    continue
                 try:
-                    gone or s.sendall(b"X")
+                    s.sendall(b"X")
                 except OSError:
-                    gone = True
-                if gone and i not in closed:
                     closed[i] = time.monotonic() - start
             started = time.monotonic()
             c.get(f"http://127.0.0.1:{port}/health")
