@@ -101,7 +101,7 @@ def test_idle_upstream_connections_are_kept_almost_as_long_as_the_workers_keep_t
 
 def test_each_wait_gets_its_whole_timeout_from_one_timer_per_response() -> None:
     """A stream that sends a chunk every 50 ms, then nothing: the last wait times out 0.3 s after it began (not after
-    the first wait did), and the response's six waits set one timer (and once again, when it fired before the last
+    the first wait did), and the response's seven waits set one timer (re-armed when it fired before the current
     wait's deadline), not one per wait."""
     async def main() -> None:
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -134,6 +134,9 @@ def test_each_wait_gets_its_whole_timeout_from_one_timer_per_response() -> None:
             origin.close()
             server.close()
         assert 0.28 <= waited < 0.5, waited
-        assert 1 <= len([cb for cb in timers if getattr(cb, "__name__", "") == "_on_timer"]) <= 2
+        # 7 waits (head, 5 chunks, the one that times out); one timer per wait would set 7. Quiet: 1 or 2 (armed,
+        # re-armed once when it fired before the last wait's deadline); a loaded loop stretches the chunks' spacing
+        # and re-arms it once more for each late stretch (3 seen in CI-like runs), never once per wait.
+        assert 1 <= len([cb for cb in timers if getattr(cb, "__name__", "") == "_on_timer"]) <= 4
 
     _run(main())
