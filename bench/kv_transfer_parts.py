@@ -12,11 +12,11 @@ import random
 import numpy as np
 import torch
 
-from dsv4_cluster.workers.kv_pool import KVPool, PoolLayout
-from dsv4_cluster.workers.nixl_loader import load_nixl_api
-from dsv4_cluster.workers.prefix_cache import PrefixCache
-from dsv4_cluster.workers.presets import model_config
-from dsv4_cluster.workers.runner import RunnerConfig
+from dsv4_cluster.workers.kv.pool import KVPool, PoolLayout
+from dsv4_cluster.workers.kv.nixl_loader import load_nixl_api
+from dsv4_cluster.workers.kv.prefix_cache import PrefixCache
+from dsv4_cluster.workers.engine.presets import model_config
+from dsv4_cluster.workers.engine.runner import RunnerConfig
 
 
 def build_pool(preset: str, n_layers: int, page_size: int, pages: int, device: str) -> KVPool:

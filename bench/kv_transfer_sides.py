@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from dsv4_cluster.workers.prefill.destinations import notif_message
-from dsv4_cluster.workers.transfer import NixlTransfer, PeerInfo, page_runs
+from dsv4_cluster.workers.kv.transfer import NixlTransfer, PeerInfo, page_runs
 from .kv_transfer_parts import (PAGE_STATES, RawAgent, SideError, cache_alloc, max_bytes, nonzero_bytes, nonzero_random,
                                 page_digest, region_digest, side_pool)
 

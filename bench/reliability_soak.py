@@ -15,7 +15,7 @@ import time
 
 import httpx
 
-from dsv4_cluster.workers.tokenizer import ByteTokenizer
+from dsv4_cluster.workers.engine.tokenizer import ByteTokenizer
 
 from . import proc_probe
 from .reliability_clients import Outcome, chat, pct

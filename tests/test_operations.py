@@ -111,7 +111,7 @@ def test_logs_print_and_follow(cluster):
     reader.start()
     try:
         # Nothing old is printed (-n 0); what the worker logs from now on is: uvicorn logs each request
-        # (but the supervisor's /health polls: workers/serving.py keeps them out).
+        # (but the supervisor's /health polls: workers/http/serving.py keeps them out).
         deadline = time.monotonic() + 30
         line = ""
         while "/v1/models" not in line and time.monotonic() < deadline:

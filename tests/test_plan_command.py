@@ -18,9 +18,9 @@ from dsv4_cluster.orchestrator.launch.plan import cluster_plans
 from dsv4_cluster.orchestrator.topology.load import load_topology, topology_from_data
 from tests.servers import free_port
 from tests.worker_procs import _wait
-from dsv4_cluster.workers.kv_pool import KVPool
-from dsv4_cluster.workers.model import ModelConfig
-from dsv4_cluster.workers.runner import RunnerConfig
+from dsv4_cluster.workers.kv.pool import KVPool
+from dsv4_cluster.workers.engine.model import ModelConfig
+from dsv4_cluster.workers.engine.runner import RunnerConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -120,7 +120,7 @@ def test_embedded_bytes_per_token_follow_the_preset_and_device() -> None:
     tensors: no memory), at SGLang's 256-token pages and at 128."""
     import torch
 
-    from dsv4_cluster.workers.presets import model_config
+    from dsv4_cluster.workers.engine.presets import model_config
 
     flash = model_config("flash")
     for page in (128, 256):

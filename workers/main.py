@@ -13,14 +13,15 @@ import logging
 import os
 import sys
 
+from ..core import Role
 from .args import parse_args
-from .serving import serve_all
+from .http.serving import serve_all
 
 
-def main(mode: str, argv: list[str] | None = None) -> None:
-    args = parse_args(mode, argv)
-    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {mode} %(levelname)s %(message)s")
-    module = importlib.import_module(f"dsv4_cluster.workers.{mode}.server")
+def main(role: Role, argv: list[str] | None = None) -> None:
+    args = parse_args(role, argv)
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {role} %(levelname)s %(message)s")
+    module = importlib.import_module(f"dsv4_cluster.workers.{role}.server")
     code = 0
     try:
         asyncio.run(serve_all(module.make_apps(args), args.log_level))

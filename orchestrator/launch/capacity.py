@@ -1,7 +1,7 @@
 """KV capacity each server will have, predicted from the topology before anything starts.
 
 Embedded engine: exact. Its pool holds `max_total_tokens // page_size` whole pages
-(workers/runner.py `RunnerConfig.layout`), so `max_total_num_tokens` in its `/server_info` is that
+(workers/engine/runner.py `RunnerConfig.layout`), so `max_total_num_tokens` in its `/server_info` is that
 times `page_size`; bytes per token follow from the pool layout (float32 rows: `main` per token,
 `comp` per compressed entry at each layer's ratio, the indexer keys of ratio-4 layers; fp8 pages as SGLang pads them).
 
@@ -58,7 +58,7 @@ def embedded_bytes_per_token(preset: str = "tiny", device: str = "cpu", kv_cache
     --kv-cache-dtype gives on that device (auto: float32 on cpu; on cuda fp8 for flash, bf16 for tiny): one
     page's bytes over every buffer (fp8 pages with their padding, each layer's compression ratio) over its
     tokens, the pool's own formula (kv_pool.PoolLayout.page_bytes)."""
-    from dsv4_cluster.workers.presets import kv_bytes_per_token, kv_layout_dtype, model_config
+    from dsv4_cluster.workers.engine.presets import kv_bytes_per_token, kv_layout_dtype, model_config
 
     cfg = model_config(preset)
     return kv_bytes_per_token(cfg, kv_layout_dtype(kv_cache_dtype, cfg, device), page_size)

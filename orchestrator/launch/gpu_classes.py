@@ -103,7 +103,7 @@ def _what_runs(topology: Any, worker: Any, gpu: str, kernel: str) -> str:
 
 def _where(topology: Any, gpu: str, kernel: str) -> str:
     if topology.engine != "sglang":
-        return "embedded engine (workers/kernel_ops.py)"
+        return "embedded engine (workers/engine/kernel_ops.py)"
     sites = [f"{s.module.rsplit('.', 1)[-1]}.{s.attr}" for s in sites_for(gpu, kernel)]
     stock = [s.what for s in STOCK if s.kernel == kernel and gpu in s.classes]
     return ", ".join(sites) + (f"; not ours: {', '.join(stock)} (opt-in)" if stock else "")

@@ -24,7 +24,7 @@ from dsv4_cluster.orchestrator.launch.plan import LaunchPlan, requested_kernels
 from dsv4_cluster.orchestrator.launch.port_owner import port_holders
 from dsv4_cluster.orchestrator.launch.ports import port_is_free
 from dsv4_cluster.orchestrator.launch.sglang_capacity import checkpoint_config
-from dsv4_cluster.workers.nixl_loader import INSTALL_HINT as NIXL_INSTALL_HINT, nixl_package
+from dsv4_cluster.workers.kv.nixl_loader import INSTALL_HINT as NIXL_INSTALL_HINT, nixl_package
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "0.0.0.0", "::1")
 NUMA_SYSFS = "/sys/devices/system/node"

@@ -2,7 +2,7 @@
 
 Step 1 of verification reads `/server_info.kernels` once: a requested kernel may say "not called yet" there
 (nothing decoded since start). Around the PD check's request (16 greedy decode steps), the decode worker's
-device-side call counters (`/server_info.kernel_calls`, `workers/kernel_ops.py`; CUDA-graph replays advance them
+device-side call counters (`/server_info.kernel_calls`, `workers/engine/kernel_ops.py`; CUDA-graph replays advance them
 too) must rise for every requested kernel, in the implementation its device runs: one of our kernels
 (triton / gluon) on CUDA, the reference op on the CPU (which runs no kernels; `status` says so). The request
 lands on one decode worker; the one whose counters rose is judged, and none rising is a problem.

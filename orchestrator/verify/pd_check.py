@@ -41,10 +41,10 @@ def router_url(topology: Any) -> str:
 def single_process_tokens(topology: Any, prompt_ids: list[int]) -> list[int]:
     from dsv4_cluster.orchestrator.launch.plan import requested_kernels
     from dsv4_cluster.orchestrator.topology.engine_rules import embedded_preset
-    from dsv4_cluster.workers.presets import model_config
-    from dsv4_cluster.workers.runner import ModelRunner, RunnerConfig, generate_single_process
-    from dsv4_cluster.workers.sampling import SamplingParams
-    from dsv4_cluster.workers.tokenizer import ByteTokenizer
+    from dsv4_cluster.workers.engine.presets import model_config
+    from dsv4_cluster.workers.engine.runner import ModelRunner, RunnerConfig, generate_single_process
+    from dsv4_cluster.workers.engine.sampling import SamplingParams
+    from dsv4_cluster.workers.engine.tokenizer import ByteTokenizer
 
     decode = topology.decode[0]
     ctx = topology.model.context_length
@@ -63,7 +63,7 @@ def single_process_tokens(topology: Any, prompt_ids: list[int]) -> list[int]:
 
 
 def check_pd_equivalence(topology: Any, timeout_s: float = 120.0) -> PDCheck:
-    from dsv4_cluster.workers.tokenizer import ByteTokenizer
+    from dsv4_cluster.workers.engine.tokenizer import ByteTokenizer
 
     body = {"text": PROMPT, "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0,
                                                  "ignore_eos": True}}

@@ -18,7 +18,7 @@ from typing import Iterable
 
 from dsv4_cluster import metric_names as m
 
-from ..request import Req
+from ..engine.request import Req
 
 STRANDED_AFTER_S = 5.0  # a decode reserves within milliseconds of its leg arriving, unless its pool is full
 
@@ -36,14 +36,14 @@ class StrandedKV:
     def detect_s(self) -> float:
         return min(STRANDED_AFTER_S, self.timeout_s / 2)
 
-    def scan(self, waiting: Iterable[Req], now: float, ready_at: dict[str, float]) -> list[Req]:
-        """Recount the stranded rooms among `waiting` (KV ready, no reservation yet; `ready_at` by rid);
+    def scan(self, waiting: Iterable[tuple[Req, float]], now: float) -> list[Req]:
+        """Recount the stranded rooms among `waiting` (KV ready since the float, no reservation yet);
         returns the requests whose deadline has passed (the caller frees them, then calls `freed`)."""
         pages: set[int] = set()                 # distinct: prompts sharing cached pages hold them once
         rooms = 0
         expired = []
-        for req in waiting:
-            held = now - ready_at.get(req.rid, now)
+        for req, ready_at in waiting:
+            held = now - ready_at
             if held >= self.timeout_s:
                 expired.append(req)
             elif held >= self.detect_s:

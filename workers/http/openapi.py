@@ -53,7 +53,7 @@ def router_schemas() -> dict[str, Any]:
 
 
 def main() -> None:
-    """`python -m dsv4_cluster.workers.openapi`: rewrite router/generation_schemas.json from the models."""
+    """`python -m dsv4_cluster.workers.http.openapi`: rewrite router/generation_schemas.json from the models."""
     ROUTER_FILE.write_text(json.dumps(router_schemas(), indent=1, sort_keys=True) + "\n")
     print(f"wrote {ROUTER_FILE.name}")
 

@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from . import kv_fp8
+from . import fp8 as kv_fp8
 from .page_alloc import PageAllocator
 
 FP8 = "fp8_e4m3"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .kv_fp8 import KEY_SCALE_BYTES, read_key_pages
+from ..kv.fp8 import KEY_SCALE_BYTES, read_key_pages
 
 
 def select_shared_table(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, table: torch.Tensor,

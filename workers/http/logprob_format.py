@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .sampling import TokenLogprob
-from .tokenizer import ByteTokenizer
+from ..engine.sampling import TokenLogprob
+from ..engine.tokenizer import ByteTokenizer
 
 
 @dataclass(frozen=True)

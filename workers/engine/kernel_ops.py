@@ -28,10 +28,10 @@ import torch
 
 from dsv4_cluster.core import KERNEL_NAMES
 
-from ..kernels.indexer.reference import indexer_fp8_ref, indexer_ref
-from ..kernels.sparse_mla_decode import sparse_mla_decode_ref
-from ..kernels.sparse_mla_decode.reference import sparse_mla_decode_paged_ref
-from ..kernels.topk.reference import topk_ref
+from ...kernels.indexer.reference import indexer_fp8_ref, indexer_ref
+from ...kernels.sparse_mla_decode import sparse_mla_decode_ref
+from ...kernels.sparse_mla_decode.reference import sparse_mla_decode_paged_ref
+from ...kernels.topk.reference import topk_ref
 
 IMPLS = ("reference", "triton", "gluon")
 
@@ -56,7 +56,7 @@ class KernelOps:
         for k in names:
             self.kernel[k], self.impl[k] = True, "triton"
         if "sparse_mla_decode" in names and self.device.type == "cuda":
-            from ..kernels.sparse_mla_decode.config import LaunchConfig, choose_backend
+            from ...kernels.sparse_mla_decode.config import LaunchConfig, choose_backend
 
             # the dispatch table's choice for this GPU class and head count (what the launches will pick)
             self.impl["sparse_mla_decode"] = choose_backend(self.device, n_heads, dtype, False, LaunchConfig())[0]
@@ -81,13 +81,13 @@ class KernelOps:
         if geometry is not None:
             window, extra = (kv, geometry[0], window_idx, None), (extra_kv, geometry[1], extra_idx, extra_lens)
             if kernel:
-                from ..kernels.sparse_mla_decode.launch import sparse_decode_paged
+                from ...kernels.sparse_mla_decode.launch import sparse_decode_paged
 
                 config = self.dense_config(q.shape[0]) if dense else None
                 return sparse_decode_paged(q, window, extra, sink, None, None, None, config=config)[0]
             return sparse_mla_decode_paged_ref(q, window, extra, sink)[0]
         if kernel:
-            from ..kernels.sparse_mla_decode.launch import sparse_mla_decode_triton
+            from ...kernels.sparse_mla_decode.launch import sparse_mla_decode_triton
 
             config = self.dense_config(q.shape[0]) if dense else None
             return sparse_mla_decode_triton(q, kv, window_idx, extra_kv, extra_idx, sink, None, None, extra_lens,
@@ -104,7 +104,7 @@ class KernelOps:
         self._count("indexer")
         fp8 = keys.dtype == torch.uint8          # the fp8 key pages of kernels/indexer/fp8_keys.py
         if self.kernel["indexer"]:
-            from ..kernels.indexer.triton_indexer import indexer_fp8_triton, indexer_triton
+            from ...kernels.indexer.triton_indexer import indexer_fp8_triton, indexer_triton
 
             return (indexer_fp8_triton if fp8 else indexer_triton)(q_idx, weights, keys, pages, live)
         return (indexer_fp8_ref if fp8 else indexer_ref)(q_idx, weights, keys, pages, live)
@@ -112,7 +112,7 @@ class KernelOps:
     def topk(self, scores, live, k: int) -> torch.Tensor:
         self._count("topk")
         if self.kernel["topk"]:
-            from ..kernels.topk.radix_select import topk_triton
+            from ...kernels.topk.radix_select import topk_triton
 
             return topk_triton(scores, live, k)
         return topk_ref(scores, live, k)
@@ -145,9 +145,9 @@ class KernelOps:
 
 @functools.lru_cache(maxsize=256)
 def _dense_config(device: torch.device, batch: int, nominal_rows: int, heads: int, dtype: torch.dtype):
-    from ..kernels import dispatch
-    from ..kernels.sparse_mla_decode.config import LaunchConfig, _num_sms, choose_backend
-    from ..kernels.sparse_mla_decode.splits import choose_splits
+    from ...kernels import dispatch
+    from ...kernels.sparse_mla_decode.config import LaunchConfig, _num_sms, choose_backend
+    from ...kernels.sparse_mla_decode.splits import choose_splits
 
     triton = LaunchConfig(backend=dispatch.DENSE_DECODE_BACKEND)
     block = choose_backend(device, heads, dtype, True, triton)[1].block_n  # the class's Triton block (dispatch table)

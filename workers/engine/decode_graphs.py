@@ -20,7 +20,7 @@ import logging
 
 import torch
 
-from .kv_pool import KVPool
+from ..kv.pool import KVPool
 from .model import Batch, TinyDSV4, entry_table
 
 log = logging.getLogger(__name__)

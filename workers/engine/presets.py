@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .kv_pool import FP8, PoolLayout
+from ..kv.pool import FP8, PoolLayout
 from .model import DENSE_RATIO, ModelConfig
 
 PRESETS: dict[str, ModelConfig] = {

@@ -18,7 +18,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 from dsv4_cluster import request_schema as rs
 
 from . import fields
-from .sampling import SamplingParams
+from ..engine.sampling import SamplingParams
 
 
 class _Body(BaseModel):

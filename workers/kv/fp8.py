@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.indexer.fp8_keys import dequantize_keys, quantize_keys
-from ..kernels.sparse_mla_decode.fp8_layout import (DIM, RECORD_BYTES, SCALE_BYTES, PageGeometry, decode_records,
+from ...kernels.indexer.fp8_keys import dequantize_keys, quantize_keys
+from ...kernels.sparse_mla_decode.fp8_layout import (DIM, RECORD_BYTES, SCALE_BYTES, PageGeometry, decode_records,
                                                      page_stride_for, quantize_records)
 
 KEY_SCALE_BYTES = 4

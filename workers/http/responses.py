@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from . import logprob_format
+from ..engine.request import Finish
+from ..engine.sampling import SamplingParams, TokenLogprob
+from ..engine.tokenizer import ByteTokenizer, IncrementalDecoder
 from .logprob_format import Entry
-from .request import Finish
-from .sampling import SamplingParams, TokenLogprob
-from .tokenizer import ByteTokenizer, IncrementalDecoder
 
 Kind = Literal["chat", "completion", "generate"]
 

@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .kv_pool import KVPool, PoolLayout
 from .nixl_loader import load_nixl_api
+from .pool import KVPool, PoolLayout
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from .engine import Engine
+from ..engine.loop import Engine
 
 
 class Liveness:

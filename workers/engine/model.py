@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import kv_fp8
+from ..kv import fp8 as kv_fp8
+from ..kv.pool import KVPool
 from .kernel_ops import KernelOps
-from .kv_pool import KVPool
 from .selection import select_rows, select_shared_table
 from .tokenizer import VOCAB_SIZE
 
