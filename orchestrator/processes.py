@@ -1,8 +1,5 @@
-"""Liveness of processes and process groups, as `down` and the supervisors must judge it; the death
-signal a supervisor gives its children; the tail of a process's log.
-
-A zombie (exited, not yet reaped by a parent that is not us) counts as gone: it holds no port,
-no memory and runs nothing, but `kill(pid, 0)` still succeeds on it. Linux only (/proc).
+"""Liveness of processes and process groups, the death signal a supervisor gives its children, a log's tail.
+A zombie counts as gone (it holds nothing, though `kill(pid, 0)` succeeds). Linux only (/proc).
 """
 
 from __future__ import annotations

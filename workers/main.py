@@ -1,8 +1,5 @@
-"""Entry point shared by `python -m dsv4_cluster.workers.prefill` and `...workers.decode`.
-
-Once the servers have stopped, the process leaves with `os._exit`: the interpreter's own teardown
-spends seconds (measured: 8-10 s on a busy 2-core machine) collecting the model's heap, which
-delays every restart and `down`, and there is nothing left to flush by then.
+"""Entry point of `python -m dsv4_cluster.workers.<role>`. The process leaves with `os._exit` once its servers have
+stopped: the interpreter's teardown spends seconds collecting the model's heap, delaying every restart and `down`.
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
-"""`dsv4-cluster`: bring a PD cluster up, report on it, take it down.
+"""`dsv4-cluster`: bring a PD cluster up, report on it, take it down (`dsv4-cluster --help` lists the commands).
 
-    dsv4-cluster up FILE [--address A] [--foreground] [--timeout S]
-    dsv4-cluster status [--json] [--watch [--interval S]]
-    dsv4-cluster down [--timeout S]
-    dsv4-cluster verify
-    dsv4-cluster plan FILE
-    dsv4-cluster drain WORKER [--deadline S] | restart WORKER | logs NAME [-f] [-n N]
-    dsv4-cluster install-service FILE [--dry-run]   (service.py)
-    dsv4-cluster monitor up|down FILE                (monitor.py)
-    dsv4-cluster bench URL [--concurrency 1,4,16] ... (load/sweep.py: load a router, tok/s, TTFT, TPOT)
-
-Exit codes: 0 success; 1 the cluster failed (to start, to answer, to stop cleanly); 2 nothing
-was started because the topology or this machine is not fit (every problem is printed).
-`up --foreground` stays attached and runs `down` on SIGTERM/SIGINT: what a systemd unit runs.
+Exit codes: 0 success; 1 the cluster failed (to start, to answer, to stop cleanly); 2 nothing was started because
+the topology or this machine is not fit. `up --foreground` runs `down` on SIGTERM/SIGINT: what systemd runs.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""The CLI's operations on a running cluster: `drain`, `restart`, `logs`, `status --watch`.
-
-Kept apart from `cli.py` (up/status/down). Ray is imported only inside the handlers, after
-`prepare_ray_env` ran (see ray_env).
+"""The CLI's operations on a running cluster: `drain`, `restart`, `logs`, `status --watch` (Ray imported in the
+handlers, after `prepare_ray_env`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
-"""The deployment: the `up`, `status` and `down` sequences the CLI runs.
+"""The `up`, `status` and `down` sequences the CLI runs.
 
-`up`: validate -> plan -> preflight (all before anything starts) -> start or join Ray -> the
-detached controller -> it starts the supervisors and waits for READY -> record the cluster.
-`down`: stop the router and the workers through the controller, kill the controller, stop the
-Ray head only if `up` started it, check by pid that nothing is left, forget the record.
+`up`: validate -> plan -> preflight (before anything starts) -> start or join Ray -> the detached controller
+starts the supervisors and waits for READY -> record the cluster. `down`: stop everything through the controller,
+stop the Ray head only if `up` started it, check by pid that nothing is left, forget the record.
 """
 
 from __future__ import annotations

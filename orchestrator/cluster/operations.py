@@ -1,12 +1,5 @@
-"""Day-two operations on a running cluster: drain, restart, logs, a refreshing status.
-
-Each finds the cluster from its record and asks the controller, which asks the supervisor on the
-worker's node and the router's admin API (`docs/router_admin.md`).
-
-- `drain WORKER`: the router stops pairing it, its in-flight requests finish (up to a deadline),
-  then its process is stopped; the answer says whether the stop was forced.
-- `restart WORKER`: stop, start, wait for READY; the router pairs it again (also after a drain).
-- `logs WORKER [-f]`: the worker's log file (followed with -f), read on this machine.
+"""Day-two operations on a running cluster (drain, restart, logs, a refreshing status): each finds the cluster from
+its record and asks the controller, which asks the worker's supervisor and the router's admin API.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""The record of the running cluster, so `status` and `down` need no arguments.
-
-`up` writes `<home>/current.json` once the cluster is up: the Ray address, the namespace the
-controller lives in, whether `up` started the Ray head (then `down` stops it, and only then),
-the endpoint, and the router's admin token (so the file is private to its owner). `<home>` is
-`~/.dsv4-cluster`, or `$DSV4_CLUSTER_HOME` (tests use their own).
+"""The record of the running cluster (`<home>/current.json`, private to its owner), so `status` and `down` need no
+arguments: Ray address, namespace, whether `up` started the Ray head, endpoint, the router's admin token.
+`<home>` is `~/.dsv4-cluster`, or `$DSV4_CLUSTER_HOME`.
 """
 
 from __future__ import annotations

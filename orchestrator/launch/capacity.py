@@ -1,16 +1,8 @@
 """KV capacity each server will have, predicted from the topology before anything starts.
 
-Embedded engine: exact. Its pool holds `max_total_tokens // page_size` whole pages
-(workers/engine/runner.py `RunnerConfig.layout`), so `max_total_num_tokens` in its `/server_info` is that
-times `page_size`; bytes per token follow from the pool layout (float32 rows: `main` per token,
-`comp` per compressed entry at each layer's ratio, the indexer keys of ratio-4 layers; fp8 pages as SGLang pads them).
-
-SGLang: 0.5.23's DeepSeek-V4 pool sizing, followed in `sglang_capacity` (checked against SGLang's own
-configurator and pool classes in the tests), from the GPU inputs (`GpuInputs`: H200 and the
-DeepSeek-V4-Flash checkpoint by default), TP, context length, the model's config and the memory
-fraction: the worker's `--mem-fraction-static` in extra_args, else SGLang's default for its role.
-Where it cannot be followed (another SGLang, an extra flag that changes the sizing) the row says why
-and predicts nothing.
+Embedded engine: exact (`max_total_tokens // page_size` whole pages; bytes per token from the pool layout).
+SGLang: 0.5.23's DeepSeek-V4 pool sizing (`sglang_capacity`); where it cannot be followed (another SGLang, an extra
+flag that changes the sizing) the row says why and predicts nothing.
 """
 
 from __future__ import annotations

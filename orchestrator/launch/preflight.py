@@ -1,12 +1,6 @@
-"""Preflight: what `up` checks on this machine before it starts anything.
-
-The topology loader checks the file; this checks the machine against it: every listening port
-free, `numactl` present when a worker is pinned to a NUMA node, NIXL importable for the nixl
-transfer, SGLang installed at the pinned version for the sglang engine, SGLang able to find our plugin when
-kernels are asked for, and each pinned worker's NUMA node the one its GPUs sit on (SGLang binds each TP
-child to the topology's node, see orchestrator/launch/sglang.py). Every problem is
-reported at once, like the loader's. Ports are only checked for nodes whose address is this
-machine's (a remote node's ports are its own business).
+"""Preflight: what `up` checks on this machine before it starts anything, every problem at once: ports free
+(on this machine's nodes), numactl, NIXL, SGLang at the pinned version and able to find our plugin, and each
+pinned worker's NUMA node the one its GPUs sit on.
 """
 
 from __future__ import annotations

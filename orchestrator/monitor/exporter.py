@@ -1,13 +1,6 @@
-"""The orchestrator's metrics: each process's supervisor state and restarts, for Prometheus.
-
-    python -m dsv4_cluster.orchestrator.monitor.exporter --host 127.0.0.1 --port 9101
-
-`dsv4-cluster monitor up` runs it beside Prometheus (job `dsv4-orchestrator`). At every scrape it
-asks the recorded cluster's controller for its status (what `dsv4-cluster status` shows) and
-exports `dsv4_cluster_worker_state{worker,role,node,state}` (1 for the current state, 0 for the
-others) and `dsv4_cluster_worker_restarts_total`, plus `dsv4_cluster_controller_up` (0 when no
-cluster is recorded or its controller does not answer, with no worker series). It follows the
-cluster record, so it survives `down` and a later `up`.
+"""The orchestrator's metrics for Prometheus (`python -m dsv4_cluster.orchestrator.monitor.exporter`, job
+`dsv4-orchestrator`): each process's supervisor state and restarts, asked of the recorded cluster's controller at
+every scrape, and `dsv4_cluster_controller_up`. It follows the cluster record, so it survives `down` and `up`.
 """
 
 from __future__ import annotations

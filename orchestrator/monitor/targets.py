@@ -1,12 +1,6 @@
-"""Prometheus `file_sd` targets: which processes of the running cluster Prometheus scrapes.
-
-The scrape config (`prometheus_config.py`) points each job at one JSON file under
-`<run_dir>/prometheus/targets/`; this module is the only writer of those files. The controller
-calls `record_targets` whenever it reads its workers' states: every process the cluster means to
-run is a target, whatever its state (a crashed or FAILED worker must stay a target, so that
-`up == 0` fires the worker-down alert); a process that was stopped on purpose (`down`, a drain)
-is not. Prometheus re-reads the files on change; writes are atomic (rename), and a file is only
-rewritten when its content changes.
+"""Prometheus `file_sd` targets, written only here (the controller calls `record_targets` whenever it reads its
+workers' states). Every process the cluster means to run is a target, whatever its state, so `up == 0` fires the
+worker-down alert; one stopped on purpose is not. Writes are atomic and only on change.
 """
 
 from __future__ import annotations

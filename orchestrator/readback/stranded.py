@@ -1,7 +1,5 @@
-"""Stranded KV as `status` shows it: read from a prefill's own `/metrics` (the numbers Prometheus scrapes).
-
-Only the embedded prefill exports them (`workers/prefill/stranded.py`); for a worker that does not,
-`stranded_kv` is None and `status` shows nothing rather than a zero nobody measured.
+"""Stranded KV as `status` shows it, read from a prefill's `/metrics`; None for a worker that exports none (SGLang),
+so `status` shows nothing rather than a zero nobody measured.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
-"""What a supervisor or the controller keeps in the run folder to survive its own process dying.
-
-Ray restarts a dead supervisor or controller actor (`max_restarts`) by running its constructor again,
-with the same arguments, in a new process; whatever it held in memory is gone. Each actor therefore
-writes `<run_dir>/actors/<actor name>.json`: its Ray actor id (a restarted actor keeps it, the actor
-of a later cluster has another), its pid (where an operator, or a test, finds the process), and for
-a supervisor the worker it runs: pid and start time (so a recycled pid is never taken for it), the
-restart count, the start timeout and whether the worker should be running.
-
-A supervisor's worker dies with the supervisor (PR_SET_PDEATHSIG), so a restarted supervisor has no
-process to adopt: it kills what is left of the old worker's process group (children an engine spawned,
-e.g. SGLang's TP ranks) and starts the worker again (`WorkerSupervisor._resume`).
+"""What a supervisor or the controller keeps in the run folder (`<run_dir>/actors/<name>.json`) to survive its own
+process dying: Ray reruns the constructor of a dead actor in a new process, with the same actor id. A supervisor
+records its worker's pid and start time (a recycled pid is never taken for it), restarts, start timeout and
+whether it should run; its worker died with it (PR_SET_PDEATHSIG), so the restarted one reaps the old group and
+starts the worker again.
 """
 
 from __future__ import annotations

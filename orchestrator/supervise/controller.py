@@ -1,19 +1,9 @@
 """The controller: one detached, named Ray actor that owns the cluster's supervisors.
 
-`up` creates it (`name="controller"` in the topology's namespace, `lifetime="detached"`) so it
-outlives the CLI; `status` and `down` find it again by name. It creates one supervisor actor per
-worker, placed on the worker's node, starts prefill and decode concurrently, and starts the
-router only once every worker is READY. Worker supervisors tell the router of every state change
-(admin API, with the cluster's admin token); once the router is up, a deep probe sends a real
-request through every prefill -> decode pair periodically. It answers `GET /status` on loopback
-(`status_endpoint.py`, URL in `<run_dir>/status_endpoint.json`): `dsv4-cluster status` asks there, without Ray.
-
-Both survive their own process dying. Supervisors are detached, named actors (`supervisor-<name>`)
-that Ray restarts (`max_restarts`); a restarted one starts its worker again (supervisor.py). The
-controller is restarted by Ray too (`up` creates it with `max_restarts`); its constructor finds the
-running supervisors by name and takes them over, and starts the deep probe again, so the workers
-keep serving through a controller restart. Since the supervisors no longer die with the
-controller, `stop` kills them by name, and `kill_supervisors` does so for a controller that is gone.
+It places one supervisor per worker on the worker's node, starts prefill and decode concurrently and the router
+once every worker is READY, runs the deep probe, and answers `GET /status` on loopback (`status_endpoint.py`).
+Ray restarts it (`max_restarts`); the new one takes over the running supervisors by name, which outlive it, so
+`stop` kills them by name (`kill_supervisors` for a controller that is gone).
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
-"""The status endpoint: the controller answers `GET /status` on loopback, so that `dsv4-cluster status`
-reads the cluster's status without becoming a Ray driver (connecting one costs seconds; an HTTP call on
-loopback does not).
-
-The controller's `StatusServer` binds 127.0.0.1 on a free port and records its URL in
-`<run_dir>/status_endpoint.json`; each request is answered with the controller's `status()` read at that
-moment (nothing cached, so nothing is stale). The CLI reads the URL from the run folder and asks; when the file
-is missing or the endpoint does not answer (a controller that is down or restarting, or one on another node),
-it falls back to asking the controller through Ray and says why. Loopback only: what Ray's own port already
-shows any local user, no more. This module imports no Ray.
+"""The controller answers `GET /status` on loopback, so `dsv4-cluster status` needs no Ray driver (connecting one
+costs seconds). The URL is in `<run_dir>/status_endpoint.json`; each answer is `status()` read at that moment.
+When it does not answer, the CLI asks through Ray and says why. This module imports no Ray.
 """
 
 from __future__ import annotations

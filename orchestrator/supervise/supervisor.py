@@ -1,24 +1,11 @@
-"""The supervisor: owns one worker process from spawn to exit, on the worker's node.
+"""The supervisor: a Ray actor that owns one worker process from spawn to exit, on the worker's node.
 
-It runs as a Ray actor (created by the controller), one per worker and one for the router. The
-process gets its own process group (so `stop` reaches the children an engine spawns, e.g.
-SGLang's TP ranks) and PR_SET_PDEATHSIG=SIGKILL (so a dead supervisor never orphans it), and
-writes stdout+stderr to its own log file. `start` blocks until every readiness URL answers 200,
-failing fast with the log's tail if the process exits first.
-
-Liveness is more than the pid: a READY worker's `/health` is polled (`HealthPolicy`); a failed
-poll makes it DEGRADED, a run of them gets the process killed and restarted. A process that exits
-(at start or after READY) is restarted with exponential backoff as RESTARTING, but for exit status 2 at start
-(a usage error: FAILED at once); after `RestartPolicy.max_restarts` crashes within `window_s` the supervisor gives up and the state stays
-FAILED, with the reason and the log's last lines in `status`. Every state change is told to the
-router's admin API (`RouterLink`), retried on each poll until the router has it.
-
-One dedicated thread spawns the process, waits for readiness, watches it and restarts it: the
-death signal follows the thread that forked, so that thread outlives every process it spawns.
-
-The supervisor survives its own process dying: Ray restarts the actor (`max_restarts`, controller.py),
-and the new one finds its record in the run folder (`actor_record.py`), kills what is left of the old
-worker's process group and starts the worker again, counted in `restarts`.
+The process gets its own process group (so `stop` reaches an engine's children) and PR_SET_PDEATHSIG (a dead
+supervisor never orphans it); one thread spawns, watches and restarts it, since the death signal follows the
+thread that forked. Restart paths: a failed `/health` poll makes a READY worker DEGRADED, a run of them restarts
+it; an exit restarts it with backoff as RESTARTING, except exit status 2 at start (a usage error: FAILED at once);
+a crash loop (`RestartPolicy`) leaves it FAILED with the reason and the log's tail; a supervisor Ray restarted
+reaps the old group and starts the worker again (`actor_record.py`). Every state change is told to the router.
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""The deep probe: a real request through each prefill -> decode pair, run periodically.
-
-SGLang's `/health` never tests the P<->D link (its health generation uses a fake bootstrap host), and
-neither does the router's health check. The probe does what the router does for one request: the
-same 2-token greedy `/generate` body, with a fresh bootstrap room, POSTed to P and D at once. A pair
-whose KV cannot move (a NIXL peer gone stale, a bootstrap server that refuses) fails here first.
-Results are kept per pair and shown by `status`; the probe itself changes no state.
+"""The deep probe: periodically, the router's 2-token greedy `/generate` with a fresh room, POSTed to each
+prefill -> decode pair at once. SGLang's `/health` never tests the P<->D link; this does. It changes no state.
 """
 
 from __future__ import annotations

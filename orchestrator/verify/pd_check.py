@@ -1,10 +1,6 @@
-"""`up`'s end-to-end check of the embedded engine: the disaggregated path equals a single process.
-
-One greedy request goes through the router (prefill -> NIXL -> decode); the same prompt is run in
-this process by the same engine code with the same seed. Different tokens mean the KV transfer
-lost or scrambled state (a real DSv4 + NIXL bug in SGLang's history), so `up` fails on it rather
-than serving wrong text. The prompt is longer than the sliding window and spans several KV pages.
-SGLang clusters need an accuracy check instead (not implemented: this check says so).
+"""`up`'s end-to-end check of the embedded engine: one greedy request through the router (prefill -> NIXL -> decode)
+must give the tokens of the same prompt run in this process; otherwise the KV transfer lost state. The prompt
+spans several pages and outruns the sliding window. SGLang clusters get the answer set instead.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """The model's three kernel calls (sparse decode, indexer, top-k), dispatched and counted.
 
-On CUDA a kernel named in `--kernels` runs our Triton/Gluon kernel (the `*_triton` entry points of
-`dsv4_cluster.kernels`; which one, and its launch config, is the dispatch table's choice for the GPU class,
-`kernels/dispatch.py`), any other runs the PyTorch reference op on the GPU; on CPU every op is the reference (the
-oracle). Every call adds one
-to a counter on the model's device (`calls[kernel, impl] += 1`, a device-side add), so a CUDA-graph replay
-advances the counters exactly as the eager calls it captured: `/server_info` reports what ran from these counts,
-never from the flag. `counts()` reads them (a host sync; the engine thread calls it between steps).
-
-Prefill chunks select compressed entries with whole-tensor torch ops on any device (`selection.py`): the indexer
-and top-k kernels are decode kernels (one query row per request), and a chunk's rows share one page table.
-
-KV in SGLang's fp8 layout (`kv_pool.py`) goes to the fp8 kernels (`sparse_decode_paged`, `indexer_fp8_triton`),
-which read the pool's bytes; the reference ops dequantise exactly the rows they read (`sparse_mla_decode_paged_ref`),
-so kernels and reference see the same values. A ratio-128 layer's call (`dense=True`: window + every complete
-entry, an index list as wide as the configured context with per-row lengths) runs the Triton kernel with a split
-count fixed from the batch size and the ratio-4 layers' row count (`dense_config`): the Gluon kernel stages a
-query's whole index list in shared memory (1M / 128 = 8192 entries do not fit), and a split count chosen from the
-list's width would grow with the configured context, not with the rows a query really has.
+On CUDA a kernel named in `--kernels` runs ours (which one and its launch config: `kernels/dispatch.py`), any
+other the PyTorch reference on the GPU; on CPU every op is the reference (the oracle). Every call adds one to a
+device-side counter, so CUDA-graph replays count as the calls they captured: `/server_info` reports what ran from
+these counts, never from the flag. fp8 pools go to the fp8 kernels; the references dequantise exactly the rows
+they read. A ratio-128 layer's call (`dense=True`) runs the Triton kernel with a split count fixed from the batch
+(`dense_config`): a count chosen from the index list's width would grow with the configured context.
 """
 
 from __future__ import annotations

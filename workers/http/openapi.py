@@ -1,7 +1,6 @@
-"""OpenAPI pieces for the generation routes, whose handlers read the raw body (`server.py`) and so have no
-schema FastAPI could infer: the request models of `protocol.py` as self-contained JSON schemas, and the error
-envelope every error answer carries. The worker's and the router's `/openapi.json` use them
-(`router/openapi.py`); schemathesis fuzzes both (`bench/reliability_input.py`)."""
+"""OpenAPI pieces for the generation routes, whose handlers read the raw body: `protocol.py`'s models as
+self-contained JSON schemas, and the error envelope. The worker's and the router's `/openapi.json` use them.
+"""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """KV page transfer prefill -> decode over NIXL (UCX backend): DRAM on CPU, VRAM on GPU.
 
-The decode side registers its pool and hands the prefill side its agent metadata plus, per buffer,
-the base address and bytes per page. The prefill side then WRITEs whole pages straight into the
-decode pool and attaches a notification; the decode side learns that a request's KV has landed
-from that notification alone. There is no fallback: if NIXL cannot be loaded, this module says so.
+Decode registers its pool and hands prefill its agent metadata and each buffer's base address and page bytes;
+prefill WRITEs whole pages straight into the decode pool with a notification, which is how decode learns the KV
+landed. No fallback: without NIXL this module says so.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Prefill engine: compute a prompt's KV, then WRITE its pages into the decode pool over NIXL.
 
-Request lifecycle on the prefill side:
-Each state has its queue object (`ReqQueue`): WAITING_PAGES `waiting` -> WAITING_PEER `peer` -> TRANSFERRING
-`inflight`; pages of a cancelled WRITE that NIXL still holds wait in `abandoned`.
+Request lifecycle on the prefill side (each state has its queue object, `ReqQueue`: WAITING_PAGES `waiting` ->
+WAITING_PEER `peer` -> TRANSFERRING `inflight`; pages of a cancelled WRITE that NIXL still holds wait in `abandoned`):
 1. The router's POST arrives (same body as decode's, with bootstrap_room); the handler tokenizes
    and submits a `Req` here. It waits in `waiting` until the pool has pages for the prompt.
 2. Its pages: the longest whole-page prefix already in the prefix cache (prefix_cache.py; shared, locked, not

@@ -1,14 +1,6 @@
-"""Stranded KV on the prefill: pages of computed prompts that no decode comes to read.
-
-Prefill and decode legs of a request run concurrently, so a prompt's KV is often ready before its
-decode has reserved pages for it. A room whose KV has been ready for `detect_s` without a reservation
-is *stranded*: its decode died or restarted before reserving, the router lost the decode leg, or a
-client sent a prefill leg alone. It is counted (tokens and rooms now) from then on, and its pages are
-freed when `timeout_s` have passed since its KV was ready (the request fails with a 500 naming the
-room); the freed tokens and rooms are counted too. The router normally frees such KV at once (it
-aborts the prefill leg by rid when the decode leg fails); this is the net under that.
-
-Written by the engine thread only; the metrics endpoint reads the plain numbers.
+"""Stranded KV on the prefill: a room whose KV has been ready for `detect_s` without a decode's reservation (its
+decode died, the router lost the leg, a prefill leg sent alone) is counted from then on, and freed `timeout_s`
+after its KV was ready, its request failing with a 500 naming the room. The net under the router's abort by rid.
 """
 
 from __future__ import annotations
