@@ -8,6 +8,7 @@ landed. No fallback: without NIXL this module says so.
 from __future__ import annotations
 
 import base64
+import enum
 import logging
 import os
 import threading
@@ -19,6 +20,14 @@ from .nixl_loader import load_nixl_api
 from .pool import KVPool, PoolLayout
 
 log = logging.getLogger(__name__)
+
+
+class XferState(str, enum.Enum):
+    """NIXL's state of a transfer (`check_xfer_state`), as SGLang's `KVPoll` names a room's."""
+
+    PROC = "PROC"   # in flight
+    DONE = "DONE"
+    ERR = "ERR"
 
 
 class TransferError(RuntimeError):
@@ -180,14 +189,14 @@ class NixlTransfer:
                 raise TransferError(f"NIXL refused the WRITE of {len(src_pages)} pages to {peer}")
         return handle
 
-    def poll(self, handle) -> str:
-        """'DONE', 'PROC' or 'ERR' (a NIXL error counts as ERR); a finished handle is released."""
+    def poll(self, handle) -> XferState:
+        """Where a WRITE stands (a NIXL error counts as ERR); a finished handle is released."""
         with self._lock:
             try:
-                state = self._agent.check_xfer_state(handle)
+                state = XferState(self._agent.check_xfer_state(handle))
             except self._nixl_errors:
-                state = "ERR"
-            if state != "PROC":
+                state = XferState.ERR
+            if state is not XferState.PROC:
                 self._release(handle)
         return state
 

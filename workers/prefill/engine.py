@@ -34,7 +34,7 @@ from ..engine.request import Finish, Req, ReqState, Token
 from ..engine.runner import Chunk, ModelRunner
 from ..kv.pool import PoolExhausted
 from ..kv.prefix_cache import PrefixCache, RadixNode
-from ..kv.transfer import NixlTransfer, TransferError, page_runs
+from ..kv.transfer import NixlTransfer, TransferError, XferState, page_runs
 from .destinations import Destinations, failed_message, notif_message
 from .stranded import StrandedKV
 
@@ -240,7 +240,7 @@ class PrefillEngine(Engine):
         worked = False
         for req, write in self.inflight.items():
             state = self.transfer.poll(write.handle)
-            if state == "PROC":
+            if state is XferState.PROC:
                 if self.now() - write.started > self.write_timeout_s:
                     self._expire(req, write)
                     worked = True
@@ -249,11 +249,11 @@ class PrefillEngine(Engine):
             self.inflight.pop(req)
             was_aborted = req.state is ReqState.ABORTED
             req.state = ReqState.FINISHED
-            if state != "DONE":
+            if state is not XferState.DONE:
                 self._tell_decode_failed(req.room, f"KV transfer of bootstrap_room {req.room} failed in NIXL")
             else:
                 self.destinations.done(req.room)
-            if state == "DONE":
+            if state is XferState.DONE:
                 secs = max(self.now() - write.started, 1e-9)
                 self.stats.transfer_ms.add(secs * 1e3)
                 self.stats.transfer_gb_s.add(write.nbytes / secs / 1e9)
@@ -293,7 +293,7 @@ class PrefillEngine(Engine):
         """Pages of cancelled WRITEs that NIXL kept go back to the pool once it ends them; decode is told."""
         worked = False
         for item in list(self.abandoned):
-            if self.transfer.poll(item.handle) == "PROC":
+            if self.transfer.poll(item.handle) is XferState.PROC:
                 continue
             self.abandoned.remove(item)
             self._free_pages(item.rid, item.pages)
