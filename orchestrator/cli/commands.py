@@ -12,6 +12,7 @@ import sys
 import time
 from typing import Any
 
+from dsv4_cluster.core import ClusterStatus
 from dsv4_cluster.orchestrator.cli.ops import (
     WATCH_INTERVAL_S, add_operation_commands, run_operation, watch_status)
 from dsv4_cluster.orchestrator.errors import (
@@ -150,7 +151,7 @@ def _cmd_up(deployment: Any, args: argparse.Namespace) -> int:
     options = UpOptions(address=args.address, timeout_s=args.timeout, foreground=args.foreground)
     started = time.monotonic()
     try:
-        status = deployment.up(args.file, options)
+        result = deployment.up(args.file, options)
     except TopologyError as e:
         _err(f"{args.file}: {len(e.problems)} problem(s); nothing was started:\n{e}")
         return EXIT_UNFIT
@@ -166,14 +167,14 @@ def _cmd_up(deployment: Any, args: argparse.Namespace) -> int:
     except KeyboardInterrupt as e:
         _err(f"up interrupted ({str(e) or 'SIGINT'}); everything it started was stopped")
         return EXIT_INTERRUPTED
-    if status.get("already_up"):
+    if result.already_up:
         print(f"already up from {args.file}; nothing was started")
     else:
         print(f"cluster up in {time.monotonic() - started:.1f}s")
-    print(f"endpoint: {status['endpoint']}")
-    if status.get("verification"):
-        print(status["verification"])
-    print(render_table(status), flush=True)
+    print(f"endpoint: {result.status.endpoint}")
+    if result.verification:
+        print(result.verification)
+    print(render_table(result.status), flush=True)
     if not options.foreground:
         return EXIT_OK
     lost = deployment.watch(FOREGROUND_CHECK_S)
@@ -183,7 +184,7 @@ def _cmd_up(deployment: Any, args: argparse.Namespace) -> int:
     return EXIT_FAILED if lost is not None else code
 
 
-def _read_status(deployment: Any) -> dict[str, Any]:
+def _read_status(deployment: Any) -> ClusterStatus:
     """The controller's status through its endpoint, else through Ray (the reason on stderr)."""
     status, why = endpoint_status()
     if status is not None:
@@ -212,10 +213,10 @@ def _cmd_down(deployment: Any, options: DownOptions) -> int:
     except NotUpError as e:
         _err(f"{e}; nothing to stop")
         return EXIT_OK
-    for note in final["notes"]:
+    for note in final.notes:
         _err(note)
-    if final["survivors"]:
-        _err(f"still running after down: pids {final['survivors']}")
+    if final.survivors:
+        _err(f"still running after down: pids {final.survivors}")
         return EXIT_FAILED
     print(f"cluster down in {time.monotonic() - started:.1f}s; no process left", flush=True)
     return EXIT_OK

@@ -12,9 +12,11 @@ from typing import Any, Callable, Iterator
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from dsv4_cluster.core import WorkerStatus
 from dsv4_cluster.orchestrator.cluster import deployment, ray_cluster
 from dsv4_cluster.orchestrator.errors import ClusterStartError, NotUpError, RayClusterError, UnknownWorkerError
 from dsv4_cluster.orchestrator.cluster.record import RecordError, read_record
+from dsv4_cluster.orchestrator.supervise.controller import Drained
 from dsv4_cluster.orchestrator.supervise.router_admin import RouterAdminError
 
 FOLLOW_POLL_S = 0.25
@@ -42,20 +44,20 @@ def _call(method: str, *args: Any, timeout_s: float) -> Any:
         ray_cluster.disconnect()
 
 
-def drain(name: str, deadline_s: float, stop_deadline_s: float) -> dict[str, Any]:
+def drain(name: str, deadline_s: float, stop_deadline_s: float) -> Drained:
     return _call("drain", name, deadline_s, stop_deadline_s, timeout_s=deadline_s + stop_deadline_s + 60)
 
 
-def restart(name: str, timeout_s: float, stop_deadline_s: float) -> dict[str, Any]:
+def restart(name: str, timeout_s: float, stop_deadline_s: float) -> WorkerStatus:
     return _call("restart", name, timeout_s, stop_deadline_s, timeout_s=timeout_s + stop_deadline_s + 60)
 
 
 def log_path(name: str) -> str:
     """The log file of `name` (a worker or the router), from the cluster's status."""
-    rows = {w["name"]: w for w in deployment.status()["workers"] if "log_path" in w}
+    rows = {w.name: w for w in deployment.status().workers}
     if name not in rows:
         raise UnknownWorkerError(f"no process named {name!r}; this cluster has {sorted(rows)}")
-    return rows[name]["log_path"]
+    return rows[name].log_path
 
 
 def read_log(path: str, lines: int | None, follow: bool,

@@ -37,13 +37,6 @@ class Capacity:
         return self.max_total_num_tokens // self.context_length
 
 
-def kv_predicted_cell(row: dict[str, Any]) -> str:
-    """The status table's KV_PREDICTED cell: the predicted `max_total_num_tokens`, "-" when none (the
-    router, or a server whose sizing is not followed; a miss over 5% is an error line of its row)."""
-    predicted = row.get("kv_predicted_tokens")
-    return "-" if predicted is None else str(predicted)
-
-
 def embedded_bytes_per_token(preset: str = "tiny", device: str = "cpu", kv_cache_dtype: str = "auto",
                              page_size: int = 16) -> float:
     """Bytes of the embedded pool per token of capacity for the worker's model preset, in the layout its

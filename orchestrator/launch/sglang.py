@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsv4_cluster.core import Role
-from dsv4_cluster.kernels.sglang_plugin.settings import ATTEST_DIR_ENV, KERNELS_ENV, SGLANG_VERSION, WORKER_ENV
+from dsv4_cluster.kernels.sglang_plugin.settings import ATTEST_DIR_ENV, KERNELS_ENV, WORKER_ENV
 
 if TYPE_CHECKING:
     from dsv4_cluster.orchestrator.topology.schema import Topology, WorkerConfig

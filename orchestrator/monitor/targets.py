@@ -1,6 +1,7 @@
-"""Prometheus `file_sd` targets, written only here (the controller calls `record_targets` whenever it reads its
-workers' states). Every process the cluster means to run is a target, whatever its state, so `up == 0` fires the
-worker-down alert; one stopped on purpose is not. Writes are atomic and only on change.
+"""Prometheus `file_sd` targets, written only here: the controller calls `record_targets` when it starts or stops
+processes on purpose (up, drain, restart, down), never when status is read. Every process the cluster means to run
+is a target, whatever its state, so `up == 0` fires the worker-down alert; one stopped on purpose is not. Writes
+are atomic and only on change.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import Any, Iterable
 from urllib.parse import urlsplit
 
-from dsv4_cluster.core import Role, WorkerState
+from dsv4_cluster.core import Role
 from dsv4_cluster.orchestrator.launch.plan import LaunchPlan
 
 TARGETS_SUBDIR = ("prometheus", "targets")
@@ -63,18 +64,22 @@ def write_plans(run_dir: str | Path, plans: Iterable[LaunchPlan], stopped: froze
     write_job(run_dir, "dsv4-workers", [plan_target(p) for p in live if p.role is not Role.ROUTER])
 
 
-def record_targets(spec: Any, rows: list[dict[str, Any]] | None) -> None:
-    """The controller's call: `spec` a ClusterSpec, `rows` its processes' status dicts (None: the
-    whole cluster was stopped on purpose, no process is a target). A process is left out only when
-    its row says STOPPED. A targets file that cannot be written is logged, never raised: monitoring
-    must not break `status` or `down`."""
-    plans = (*spec.workers, spec.router)
-    if rows is None:
-        stopped = frozenset(p.name for p in plans)
-    else:
-        stopped = frozenset(r["name"] for r in rows
-                            if "name" in r and r.get("state") == WorkerState.STOPPED.value)
+def listed(run_dir: str | Path) -> set[str]:
+    """The processes the router and worker targets files list now (none where there is no file)."""
+    names: set[str] = set()
+    for job in ("dsv4-router", "dsv4-workers"):
+        try:
+            entries = json.loads((targets_dir(run_dir) / JOB_FILES[job]).read_text())
+        except (OSError, ValueError):
+            continue
+        names |= {e["labels"]["worker"] for e in entries}
+    return names
+
+
+def record_targets(spec: Any, stopped: Iterable[str]) -> None:
+    """The controller's call: every process of `spec` (a ClusterSpec) is a target but those in `stopped`. A
+    targets file that cannot be written is logged, never raised: monitoring must not break the cluster."""
     try:
-        write_plans(spec.router.cwd, plans, stopped)
+        write_plans(spec.router.cwd, (*spec.workers, spec.router), frozenset(stopped))
     except OSError as e:
         logger.warning("cannot write the Prometheus targets under %s: %s", targets_dir(spec.router.cwd), e)

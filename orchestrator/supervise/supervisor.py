@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from dsv4_cluster.core import Role, WorkerState
+from dsv4_cluster.core import Role, WorkerState, WorkerStatus
 from dsv4_cluster.orchestrator.supervise.actor_record import (
     ActorRecord, current_actor_id, read_actor_record, reap_worker, record_path, write_actor_record)
 from dsv4_cluster.orchestrator.launch.plan import LaunchPlan
@@ -249,7 +249,7 @@ class WorkerSupervisor:
 
     # -- public API (actor methods) -------------------------------------------------------
 
-    def start(self, timeout_s: float) -> dict[str, Any]:
+    def start(self, timeout_s: float) -> WorkerStatus:
         """Spawn the process and block until it is ready; raises WorkerStartError."""
         with self._lock:
             if self._thread is not None:
@@ -267,7 +267,7 @@ class WorkerSupervisor:
                                         name=f"proc-{self._plan.name}")
         self._thread.start()
 
-    def stop(self, deadline_s: float) -> dict[str, Any]:
+    def stop(self, deadline_s: float) -> WorkerStatus:
         """SIGTERM the process group, SIGKILL it after `deadline_s`; returns the final status."""
         self._stop.set()
         self._write_record(running=False)  # a supervisor that dies from here on does not start it again
@@ -287,7 +287,7 @@ class WorkerSupervisor:
         self._set(WorkerState.STOPPED, None)
         return self.status()
 
-    def restart(self, timeout_s: float, deadline_s: float) -> dict[str, Any]:
+    def restart(self, timeout_s: float, deadline_s: float) -> WorkerStatus:
         """An operator's restart: stop the process (as `stop`), then start it again (as `start`).
         Counted in `restarts`, not as a crash."""
         self.stop(deadline_s)
@@ -297,8 +297,8 @@ class WorkerSupervisor:
             self._restarts += 1
         return self.start(timeout_s)
 
-    def status(self) -> dict[str, Any]:
-        """This worker's status row as a dict (see WorkerStatus)."""
+    def status(self) -> WorkerStatus:
+        """This worker's status row."""
         with self._lock:
             state, error, restarts, history = self._state, self._error, self._restarts, list(self._history)
         proc = self._proc

@@ -9,13 +9,12 @@ import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import httpx
 
-from dsv4_cluster.core import Role
+from dsv4_cluster.core import ProbeResult, Role
 from dsv4_cluster.orchestrator.launch.plan import LaunchPlan
 
 logger = logging.getLogger(__name__)
@@ -36,16 +35,6 @@ class PairEndpoints:
         boot = urlsplit(prefill.readiness_urls[0])  # the bootstrap server's /health (plan.worker_plan)
         return cls(prefill.name, decode.name, prefill.health_url.removesuffix("/health"),
                    str(boot.hostname), int(boot.port or 8998), decode.health_url.removesuffix("/health"))
-
-
-@dataclass(frozen=True)
-class ProbeResult:
-    prefill: str
-    decode: str
-    ok: bool
-    seconds: float
-    at: float  # unix time
-    error: str | None = None
 
 
 def probe_pair(client: httpx.Client, pair: PairEndpoints) -> ProbeResult:
@@ -96,9 +85,9 @@ class DeepProber:
                     self._results[(pair.prefill, pair.decode)] = result
             self._stop.wait(self._interval_s)
 
-    def results(self) -> list[dict[str, Any]]:
+    def results(self) -> tuple[ProbeResult, ...]:
         with self._lock:
-            return [asdict(r) for r in self._results.values()]
+            return tuple(self._results.values())
 
     def stop(self) -> None:
         self._stop.set()
