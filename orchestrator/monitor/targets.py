@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 from urllib.parse import urlsplit
 
 from dsv4_cluster.core import Role
 from dsv4_cluster.orchestrator.launch.plan import LaunchPlan
+from dsv4_cluster.orchestrator.processes import write_atomically
 
 TARGETS_SUBDIR = ("prometheus", "targets")
 logger = logging.getLogger(__name__)
@@ -48,12 +47,7 @@ def write_job(run_dir: str | Path, job: str, entries: list[dict[str, Any]]) -> P
     text = json.dumps(entries, indent=2, sort_keys=True) + "\n"
     if path.exists() and path.read_text() == text:
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    write_atomically(path, text)
     return path
 
 

@@ -8,13 +8,12 @@ starts the worker again.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dsv4_cluster.orchestrator.processes import group_members, pid_alive, signal_group, start_time
+from dsv4_cluster.orchestrator.processes import group_members, pid_alive, signal_group, start_time, write_atomically
 
 REAP_WAIT_S = 5.0
 
@@ -35,10 +34,7 @@ def record_path(run_dir: str | Path, actor_name: str) -> Path:
 
 
 def write_actor_record(path: Path, record: ActorRecord) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(asdict(record)) + "\n")
-    tmp.replace(path)
+    write_atomically(path, json.dumps(asdict(record)) + "\n")
 
 
 def read_actor_record(path: Path) -> ActorRecord | None:

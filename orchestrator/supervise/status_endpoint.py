@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 import threading
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -18,6 +17,7 @@ from urllib.error import URLError
 from urllib.request import urlopen
 
 from dsv4_cluster.core import ClusterStatus, WorkerStatus
+from dsv4_cluster.orchestrator.processes import write_atomically
 
 if TYPE_CHECKING:
     from dsv4_cluster.orchestrator.topology.schema import Topology
@@ -33,13 +33,6 @@ class EndpointUnavailable(RuntimeError):
 
 def endpoint_path(run_dir: str | Path) -> Path:
     return Path(run_dir) / ENDPOINT_FILE
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def read_status(run_dir: str | Path, timeout_s: float = CONNECT_TIMEOUT_S) -> ClusterStatus:
@@ -90,8 +83,7 @@ class StatusServer:
 
     def start(self) -> None:
         self._thread.start()
-        endpoint_path(self._run_dir).parent.mkdir(parents=True, exist_ok=True)
-        _write_atomically(endpoint_path(self._run_dir), json.dumps({"url": self.url, "pid": os.getpid()}))
+        write_atomically(endpoint_path(self._run_dir), json.dumps({"url": self.url, "pid": os.getpid()}))
 
     def stop(self) -> None:
         """Stop serving and remove the record: a stopped cluster has no status to give."""
