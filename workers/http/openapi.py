@@ -42,7 +42,7 @@ def request_schema(path: str, drop: tuple[str, ...] = ()) -> dict[str, Any]:
 
 
 ROUTER_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "rid")   # the router sets these itself
-ROUTER_FILE = Path(__file__).resolve().parent.parent / "router" / "generation_schemas.json"
+ROUTER_FILE = Path(__file__).resolve().parents[2] / "router" / "generation_schemas.json"
 
 
 def router_schemas() -> dict[str, Any]:
