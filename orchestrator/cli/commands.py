@@ -14,7 +14,7 @@ from typing import Any
 
 from dsv4_cluster.core import ClusterStatus
 from dsv4_cluster.orchestrator.cli.ops import (
-    WATCH_INTERVAL_S, add_operation_commands, run_operation, watch_status)
+    WATCH_INTERVAL_S, add_operation_commands, err as _err, run_operation, watch_status)
 from dsv4_cluster.orchestrator.errors import (
     AlreadyUpError, ClusterStartError, NotUpError, PreflightError, RayClusterError)
 from dsv4_cluster.orchestrator.load import sweep
@@ -23,9 +23,8 @@ from dsv4_cluster.orchestrator.monitor import stack as monitor
 from dsv4_cluster.orchestrator.cluster.options import DownOptions, UpOptions
 from dsv4_cluster.orchestrator.cluster.ray_env import prepare_ray_env
 from dsv4_cluster.orchestrator.launch.sglang_capacity import GpuInputs
-from dsv4_cluster.orchestrator.cli.table import render_table
+from dsv4_cluster.orchestrator.cli.table import endpoint_status, print_status, render_table
 from dsv4_cluster.kernels.dispatch import GPU_CLASSES, DispatchError
-from dsv4_cluster.orchestrator.cli.status_view import endpoint_status, print_status
 from dsv4_cluster.orchestrator.cluster.record import RecordError, read_record
 from dsv4_cluster.orchestrator.topology.load import TopologyError, load_topology
 
@@ -141,10 +140,6 @@ def _cmd_verify(deployment: Any) -> int:
         return EXIT_FAILED
     print(report.summary(), flush=True)
     return EXIT_OK if report.ok else EXIT_FAILED
-
-
-def _err(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def _cmd_up(deployment: Any, args: argparse.Namespace) -> int:

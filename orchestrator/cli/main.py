@@ -10,7 +10,7 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
     if args[:1] == ["status"] and set(args[1:]) <= {"--json"}:
-        from dsv4_cluster.orchestrator.cli.status_view import endpoint_status, print_status
+        from dsv4_cluster.orchestrator.cli.table import endpoint_status, print_status
 
         status, _ = endpoint_status()
         if status is not None:

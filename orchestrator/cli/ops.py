@@ -41,7 +41,7 @@ def add_operation_commands(sub: Any) -> None:
     lg.add_argument("-n", "--lines", type=int, default=LOG_LINES, help=f"last lines to print (default {LOG_LINES})")
 
 
-def _err(message: str) -> None:
+def err(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
@@ -75,7 +75,7 @@ def run_operation(args: argparse.Namespace) -> int:
             sys.stdout.flush()
         return EXIT_OK
     except (UnknownWorkerError, NotUpError, RayClusterError, RouterAdminError, ClusterStartError) as e:
-        _err(str(e))
+        err(str(e))
         return EXIT_FAILED
 
 
@@ -102,7 +102,7 @@ def watch_status(read_status: Callable[[], ClusterStatus], interval_s: float) ->
         except KeyboardInterrupt:
             return EXIT_OK
         except (NotUpError, RayClusterError) as e:
-            _err(str(e))
+            err(str(e))
             return EXIT_FAILED
         finally:
             reading = False

@@ -1,12 +1,16 @@
-"""The status table `up` and `status` print: one row per supervised process."""
+"""The status as the CLI shows it: the table `up` and `status` print (one row per supervised process), and
+`status` read from the controller's loopback endpoint (no Ray, none of the other commands' imports)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from dsv4_cluster.core import ClusterStatus, WorkerStatus
+from dsv4_cluster.orchestrator.cluster.record import RecordError, read_record
 from dsv4_cluster.orchestrator.launch.capacity import PREDICTED_COLUMN
 from dsv4_cluster.orchestrator.readback.stranded import stranded_line
+from dsv4_cluster.orchestrator.supervise.status_endpoint import EndpointUnavailable, read_status
 
 COLUMNS = ("NAME", "ROLE", "NODE", "PID", "STATE", "RESTARTS", "PORT", "KV_CAPACITY", "KV_USED",
            PREDICTED_COLUMN)
@@ -44,3 +48,20 @@ def render_table(status: ClusterStatus) -> str:
         outcome = f"ok in {p.seconds:.2f}s" if p.ok else f"FAILED: {p.error}"
         lines.append(f"deep probe {p.prefill} -> {p.decode}: {outcome}")
     return "\n".join(lines)
+
+
+def endpoint_status() -> tuple[ClusterStatus | None, str | None]:
+    """The controller's status through its endpoint; else (None, why not: None when no cluster is recorded,
+    which the Ray path reports)."""
+    try:
+        record = read_record()
+    except RecordError:
+        return None, None
+    try:
+        return read_status(record.run_dir), None
+    except EndpointUnavailable as e:
+        return None, f"{e}; asking the controller through Ray"
+
+
+def print_status(status: ClusterStatus, as_json: bool) -> None:
+    print(json.dumps(status.to_dict(), indent=2) if as_json else render_table(status), flush=True)
