@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from bench.common import ints, md_table, versions, write
-from dsv4_cluster.workers.presets import model_config
-from dsv4_cluster.workers.runner import ModelRunner, RunnerConfig
+from dsv4_cluster.workers.engine.presets import model_config
+from dsv4_cluster.workers.engine.runner import ModelRunner, RunnerConfig
 
 KERNELS = ("sparse_mla_decode", "indexer", "topk")
 

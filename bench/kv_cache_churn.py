@@ -19,9 +19,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from dsv4_cluster.orchestrator.load.loadgen import percentile
-from dsv4_cluster.workers.kv_pool import KVPool, PoolLayout
-from dsv4_cluster.workers.prefix_cache import PrefixCache
-from dsv4_cluster.workers.transfer import page_runs
+from dsv4_cluster.workers.kv.pool import KVPool, PoolLayout
+from dsv4_cluster.workers.kv.prefix_cache import PrefixCache
+from dsv4_cluster.workers.kv.transfer import page_runs
 
 
 @dataclass(frozen=True)

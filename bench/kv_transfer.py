@@ -30,7 +30,7 @@ from pathlib import Path
 
 from dsv4_cluster.orchestrator.launch.ports import free_ports
 from dsv4_cluster.orchestrator.processes import death_signal_preexec, log_tail
-from dsv4_cluster.workers.presets import PRESETS
+from dsv4_cluster.workers.engine.presets import PRESETS
 from . import ucx_proto
 from .common import md_table, pct, write
 from .kv_transfer_sides import PAGE_STATES, PREFILL_AGENT, RAW_PREFILL_AGENT, build_pool
@@ -188,7 +188,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--decode-device", default="cpu", help="cpu or cuda:N (the decode side pins it)")
     p.add_argument("--sizes", default=",".join(map(str, SIZES)), help="request sizes in tokens")
     p.add_argument("--max-tokens", type=int, default=0, help="drop sizes above this (e.g. 16384 on the CPU)")
-    p.add_argument("--preset", default="flash", help="the pool layout of this preset (workers/presets.py)")
+    p.add_argument("--preset", default="flash", help="the pool layout of this preset (workers/engine/presets.py)")
     p.add_argument("--n-layers", type=int, default=0, help="override the preset's layer count (0: keep it)")
     p.add_argument("--page-size", type=int, default=256, help="tokens per page (SGLang's for DeepSeek-V4)")
     p.add_argument("--pool-pages", type=int, default=0, help="each side's pool (0: twice the largest request; "

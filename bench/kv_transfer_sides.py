@@ -24,13 +24,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dsv4_cluster.workers.kv_pool import KVPool, PoolLayout
-from dsv4_cluster.workers.nixl_loader import load_nixl_api
+from dsv4_cluster.workers.kv.pool import KVPool, PoolLayout
+from dsv4_cluster.workers.kv.nixl_loader import load_nixl_api
 from dsv4_cluster.workers.prefill.destinations import notif_message
-from dsv4_cluster.workers.prefix_cache import PrefixCache
-from dsv4_cluster.workers.presets import model_config
-from dsv4_cluster.workers.runner import RunnerConfig
-from dsv4_cluster.workers.transfer import NixlTransfer, PeerInfo, page_runs
+from dsv4_cluster.workers.kv.prefix_cache import PrefixCache
+from dsv4_cluster.workers.engine.presets import model_config
+from dsv4_cluster.workers.engine.runner import RunnerConfig
+from dsv4_cluster.workers.kv.transfer import NixlTransfer, PeerInfo, page_runs
 
 PREFILL_AGENT, DECODE_AGENT = "kvx-prefill", "kvx-decode"
 RAW_PREFILL_AGENT, RAW_DECODE_AGENT = "kvx-raw-prefill", "kvx-raw-decode"

@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 
 from dsv4_cluster.orchestrator.launch.ports import free_ports
-from dsv4_cluster.workers.tokenizer import ByteTokenizer
+from dsv4_cluster.workers.engine.tokenizer import ByteTokenizer
 
 from . import proc_probe
 from .common import RESULTS, cell, machine, md_table, pct, process, rss_bytes, write

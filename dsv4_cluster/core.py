@@ -64,7 +64,7 @@ class WorkerStatus:
     name: str
     role: Role
     node: str
-    state: WorkerState
+    state: WorkerState | None  # None: its supervisor did not answer (`error` says why)
     pid: int | None
     port: int
     restarts: int
@@ -76,12 +76,14 @@ class WorkerStatus:
     pinning: dict[str, Any] | None = None  # read back from /proc; "mismatch" lists differences from the plan
     stranded_kv: dict[str, int] | None = None  # prefill: tokens/rooms stranded now, freed_tokens/rooms since start
     history: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # last spawns and state changes, `at` epoch s
+    kv_predicted_tokens: int | None = None  # the capacity planner's prediction (workers only)
+    ray_node_id: str | None = None  # the Ray node its supervisor runs on
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["kernels"] = dict(self.kernels)
         out["role"] = self.role.value
-        out["state"] = self.state.value
+        out["state"] = self.state.value if self.state is not None else None
         out["kv_capacity_tokens"] = self.kv.capacity_tokens if self.kv else None
         out["kv_used_tokens"] = self.kv.used_tokens if self.kv else None
         del out["kv"]
@@ -91,20 +93,45 @@ class WorkerStatus:
     def from_dict(cls, data: dict[str, Any]) -> WorkerStatus:
         capacity, used = data.get("kv_capacity_tokens"), data.get("kv_used_tokens")
         kv = KvUsage(int(capacity), int(used or 0)) if capacity is not None else None
+        state = data.get("state")
         return cls(
-            name=data["name"],
-            role=Role(data["role"]),
-            node=data["node"],
-            state=WorkerState(data["state"]),
-            pid=data.get("pid"),
-            port=int(data["port"]),
-            restarts=int(data.get("restarts", 0)),
-            kv=kv,
-            log_path=data["log_path"],
-            error=data.get("error"),
-            kernels=tuple(sorted((data.get("kernels") or {}).items())),
-            log_tail=data.get("log_tail"),
-            pinning=data.get("pinning"),
-            stranded_kv=data.get("stranded_kv"),
-            history=list(data.get("history") or []),
-        )
+            name=data["name"], role=Role(data["role"]), node=data["node"],
+            state=WorkerState(state) if state is not None else None, pid=data.get("pid"), port=int(data["port"]),
+            restarts=int(data.get("restarts", 0)), kv=kv, log_path=data["log_path"], error=data.get("error"),
+            kernels=tuple(sorted((data.get("kernels") or {}).items())), log_tail=data.get("log_tail"),
+            pinning=data.get("pinning"), stranded_kv=data.get("stranded_kv"),
+            history=list(data.get("history") or []), kv_predicted_tokens=data.get("kv_predicted_tokens"),
+            ray_node_id=data.get("ray_node_id"))
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """One deep probe of a prefill -> decode pair (a real request through both)."""
+
+    prefill: str
+    decode: str
+    ok: bool
+    seconds: float
+    at: float  # unix time
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class ClusterStatus:
+    """What `dsv4-cluster status` shows: every supervised process, in start order, and the last deep probes."""
+
+    endpoint: str
+    workers: tuple[WorkerStatus, ...]
+    probes: tuple[ProbeResult, ...] = ()
+
+    def pids(self) -> dict[str, int | None]:
+        return {w.name: w.pid for w in self.workers}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"endpoint": self.endpoint, "workers": [w.to_dict() for w in self.workers],
+                "probes": [dataclasses.asdict(p) for p in self.probes]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ClusterStatus:
+        return cls(data["endpoint"], tuple(WorkerStatus.from_dict(w) for w in data["workers"]),
+                   tuple(ProbeResult(**p) for p in data.get("probes") or ()))

@@ -1,7 +1,7 @@
 """The request schema's shared facts: every sampling value's range, and the one rename of `max_tokens`.
 
 The router's admission (`router/admission.py`, open models: SGLang's extensions pass through) and the
-embedded workers' bodies (`workers/protocol.py`, closed models) declare their fields with these types, so a
+embedded workers' bodies (`workers/http/protocol.py`, closed models) declare their fields with these types, so a
 value the router admits is one a worker takes and the other way round. The ranges are SGLang 0.5.23's
 (`SamplingParams.verify` in `sglang/srt/sampling/sampling_params.py`, `CompletionRequest`'s
 `validate_max_tokens_positive` in `sglang/srt/entrypoints/openai/protocol.py`) and, on the OpenAI routes,

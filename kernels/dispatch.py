@@ -1,6 +1,6 @@
 """The one kernel dispatch table: GPU class x call x shape -> implementation, as data.
 
-The plugin (which SGLang call site a kernel replaces and with what), the embedded engine (`workers/kernel_ops.py`)
+The plugin (which SGLang call site a kernel replaces and with what), the embedded engine (`workers/engine/kernel_ops.py`)
 and the benchmarks read it; nothing else decides Gluon vs Triton or a launch config.
 
 GPU classes are SGLang's (`get_platform().is_sm90 / is_sm100 / is_sm120`: compute capability major 9, 10, 12).

@@ -1,8 +1,6 @@
-"""Liveness of processes and process groups, as `down` and the supervisors must judge it; the death
-signal a supervisor gives its children; the tail of a process's log.
-
-A zombie (exited, not yet reaped by a parent that is not us) counts as gone: it holds no port,
-no memory and runs nothing, but `kill(pid, 0)` still succeeds on it. Linux only (/proc).
+"""Liveness of processes and process groups, the death signal a supervisor gives its children, a log's tail, and
+the one atomic file write the records and targets use. A zombie counts as gone (it holds nothing, though
+`kill(pid, 0)` succeeds). Linux only (/proc).
 """
 
 from __future__ import annotations
@@ -10,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import tempfile
 from collections import deque
 from pathlib import Path
 from typing import Callable
@@ -79,3 +78,12 @@ def log_tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
     except FileNotFoundError:
         return "(no log file)"
 
+
+def write_atomically(path: Path, text: str, mode: int = 0o644) -> None:
+    """Replace `path` with `text` in one rename: a reader sees the old file or the new one, never a part."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")   # created 0600
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)

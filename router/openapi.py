@@ -1,7 +1,7 @@
 """The router's OpenAPI document (`GET /openapi.json`): FastAPI's routes plus the three generation routes.
 
 The generation routes are plain ASGI (`generation.py`), so FastAPI does not see them; their request bodies are
-the embedded workers' models (`workers/protocol.py`, written to `generation_schemas.json` by `python -m dsv4_cluster.workers.openapi`; SGLang 0.5.23's fields; the router sets the bootstrap fields
+the embedded workers' models (`workers/http/protocol.py`, written to `generation_schemas.json` by `python -m dsv4_cluster.workers.http.openapi`; SGLang 0.5.23's fields; the router sets the bootstrap fields
 and `rid` itself and refuses them from clients), their answers the OpenAI shapes. Every operation documents its
 errors as the OpenAI error envelope (`errors.py`): the status says whose fault, the body is always this shape.
 Schemathesis runs against this document (`bench/reliability_input.py`).
@@ -40,7 +40,7 @@ def _answer_schema(obj: str | None) -> dict[str, Any]:
 
 
 def _schemas() -> dict[str, Any]:
-    """The bodies, from the file `python -m dsv4_cluster.workers.openapi` writes (importing the workers' models
+    """The bodies, from the file `python -m dsv4_cluster.workers.http.openapi` writes (importing the workers' models
     would pull torch into the router; a test keeps the file equal to the models)."""
     return json.loads(SCHEMAS.read_text())
 

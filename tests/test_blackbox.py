@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from bench.local_cluster import LocalCluster, write_topology
-from dsv4_cluster.workers.responses import held_back
+from dsv4_cluster.workers.http.responses import held_back
 from .helpers import status_rows, wait_for
 
 HOST = socket.gethostname()

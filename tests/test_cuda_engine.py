@@ -24,10 +24,10 @@ import httpx
 import pytest
 import torch
 
-from dsv4_cluster.workers.presets import model_config
-from dsv4_cluster.workers.runner import ModelRunner, RunnerConfig, generate_single_process
-from dsv4_cluster.workers.sampling import SamplingParams
-from dsv4_cluster.workers.tokenizer import EOS, PRINTABLE_IDS, ByteTokenizer
+from dsv4_cluster.workers.engine.presets import model_config
+from dsv4_cluster.workers.engine.runner import ModelRunner, RunnerConfig, generate_single_process
+from dsv4_cluster.workers.engine.sampling import SamplingParams
+from dsv4_cluster.workers.engine.tokenizer import EOS, PRINTABLE_IDS, ByteTokenizer
 
 from tests.worker_procs import start_pair, stop_pair
 

@@ -16,14 +16,14 @@ import threading
 import pytest
 
 from dsv4_cluster.workers.decode.engine import DecodeEngine
-from dsv4_cluster.workers.model import ModelConfig
+from dsv4_cluster.workers.engine.model import ModelConfig
 from dsv4_cluster.workers.prefill.destinations import failed_message
 from dsv4_cluster.workers.prefill.engine import PrefillEngine
-from dsv4_cluster.workers.request import Failed, Req, Reserved, Token
-from dsv4_cluster.workers.runner import ModelRunner, RunnerConfig, generate_single_process
-from dsv4_cluster.workers.sampling import SamplingParams
-from dsv4_cluster.workers.tokenizer import EOS, ByteTokenizer
-from dsv4_cluster.workers.transfer import NixlTransfer
+from dsv4_cluster.workers.engine.request import Failed, Req, Reserved, Token
+from dsv4_cluster.workers.engine.runner import ModelRunner, RunnerConfig, generate_single_process
+from dsv4_cluster.workers.engine.sampling import SamplingParams
+from dsv4_cluster.workers.engine.tokenizer import EOS, ByteTokenizer
+from dsv4_cluster.workers.kv.transfer import NixlTransfer
 
 from .helpers import wait_for
 

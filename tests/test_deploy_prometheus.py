@@ -1,5 +1,5 @@
 """The Prometheus side without a cluster: the generated config and the alert rules pass promtool,
-the rules' unit tests pass, and the file_sd targets follow the processes as the controller sees them."""
+the rules' unit tests pass, and the file_sd targets follow what the controller starts and stops."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from dsv4_cluster.deploy import path as deploy_path
 from dsv4_cluster.orchestrator.supervise.controller import ClusterSpec
 from dsv4_cluster.orchestrator.launch.plan import cluster_plans
 from dsv4_cluster.orchestrator.monitor.prometheus_config import rules_path, write_config
-from dsv4_cluster.orchestrator.monitor.targets import record_targets, targets_dir
+from dsv4_cluster.core import Role, WorkerState, WorkerStatus
+from dsv4_cluster.orchestrator.monitor.targets import listed, record_targets, targets_dir
 from dsv4_cluster.orchestrator.topology.load import load_topology
 
 from bench.local_cluster import write_topology
@@ -64,12 +65,8 @@ def test_targets_follow_the_processes(tmp_path: Path) -> None:
     spec = ClusterSpec(namespace="t", endpoint="e", workers=tuple(workers), router=router,
                        node_addresses=(("local", "127.0.0.1"),))
     tdir = targets_dir(topology.run_dir_path)
-
-    def rows(**states: str) -> list[dict[str, str]]:
-        return [{"name": n, "state": states.get(n.replace("-", "_"), "READY")}
-                for n in ("prefill-0", "decode-0", "router")]
-
-    record_targets(spec, rows(decode_0="FAILED"))  # a FAILED worker stays a target: its alert must fire
+    assert listed(topology.run_dir_path) == set()   # no files yet
+    record_targets(spec, ())  # up: every process, whatever state it comes to (a FAILED one's alert must fire)
     workers_file = json.loads((tdir / "workers.json").read_text())
     assert workers_file == [
         {"targets": [f"127.0.0.1:{cluster.ports['prefill']}"],
@@ -79,13 +76,11 @@ def test_targets_follow_the_processes(tmp_path: Path) -> None:
     assert json.loads((tdir / "router.json").read_text()) == [
         {"targets": [f"127.0.0.1:{cluster.ports['router']}"],
          "labels": {"worker": "router", "role": "router", "node": "local"}}]
-    record_targets(spec, rows(decode_0="STOPPED"))  # drained / stopped on purpose: gone
+    assert listed(topology.run_dir_path) == {"prefill-0", "decode-0", "router"}
+    record_targets(spec, {"decode-0"})  # drained / stopped on purpose: gone
     assert [e["labels"]["worker"] for e in json.loads((tdir / "workers.json").read_text())] == ["prefill-0"]
-    record_targets(spec, rows(prefill_0="STOPPED", decode_0="STOPPED", router="STOPPED"))  # down
-    assert json.loads((tdir / "workers.json").read_text()) == []
-    assert json.loads((tdir / "router.json").read_text()) == []
-    record_targets(spec, rows())
-    record_targets(spec, None)  # the controller's stop: every process, even one whose stop failed (no row)
+    assert listed(topology.run_dir_path) == {"prefill-0", "router"}   # what a restarted controller reads back
+    record_targets(spec, {"prefill-0", "decode-0", "router"})  # down
     assert json.loads((tdir / "workers.json").read_text()) == []
     assert json.loads((tdir / "router.json").read_text()) == []
 
@@ -96,20 +91,21 @@ def test_exporter_reports_each_state_and_restarts() -> None:
     from dsv4_cluster.orchestrator.monitor.exporter import families
 
     class Rows:
-        def __init__(self, rows: list[dict[str, object]] | None) -> None:
+        def __init__(self, rows: list[WorkerStatus] | None) -> None:
             self.rows = rows
 
         def collect(self):  # type: ignore[no-untyped-def]
             return families(self.rows)
 
-    def exposition(rows: list[dict[str, object]] | None) -> str:
+    def exposition(rows: list[WorkerStatus] | None) -> str:
         registry = CollectorRegistry()
         registry.register(Rows(rows))
         return generate_latest(registry).decode()
 
     text = exposition([
-        {"name": "decode-0", "role": "decode", "node": "local", "state": "FAILED", "restarts": 4},
-        {"name": "router", "error": "supervisor unreachable"},  # no state: no series
+        WorkerStatus("decode-0", Role.DECODE, "local", WorkerState.FAILED, None, 1, 4, None, "/x.log"),
+        WorkerStatus("router", Role.ROUTER, "local", None, None, 2, 0, None, "/r.log",
+                     error="supervisor unreachable"),  # no state: no series
     ])
     assert "dsv4_cluster_controller_up 1.0" in text
     assert 'dsv4_cluster_worker_state{node="local",role="decode",state="FAILED",worker="decode-0"} 1.0' in text
@@ -162,5 +158,5 @@ def test_unwritable_targets_never_break_the_controller(tmp_path: Path, caplog) -
                        node_addresses=(("local", "127.0.0.1"),))
     targets_dir(topology.run_dir_path).parent.mkdir(parents=True)
     targets_dir(topology.run_dir_path).write_text("a file where the folder should be")
-    record_targets(spec, [])
+    record_targets(spec, ())
     assert "cannot write the Prometheus targets" in caplog.text

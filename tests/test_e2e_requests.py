@@ -12,10 +12,10 @@ import httpx
 import openai
 import pytest
 
-from dsv4_cluster.workers.model import ModelConfig
-from dsv4_cluster.workers.runner import ModelRunner, RunnerConfig, generate_single_process
-from dsv4_cluster.workers.sampling import SamplingParams
-from dsv4_cluster.workers.tokenizer import EOS, ByteTokenizer
+from dsv4_cluster.workers.engine.model import ModelConfig
+from dsv4_cluster.workers.engine.runner import ModelRunner, RunnerConfig, generate_single_process
+from dsv4_cluster.workers.engine.sampling import SamplingParams
+from dsv4_cluster.workers.engine.tokenizer import EOS, ByteTokenizer
 
 from bench.local_cluster import write_topology
 

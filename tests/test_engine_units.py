@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from dsv4_cluster.workers.args import parse_args
-from dsv4_cluster.workers.kv_pool import KVPool, PoolExhausted, PoolLayout
-from dsv4_cluster.workers.model import ModelConfig
-from dsv4_cluster.workers.protocol import ChatCompletionRequest, GenerateRequest
-from dsv4_cluster.workers.runner import ModelRunner, RunnerConfig, generate_single_process
-from dsv4_cluster.workers.sampling import SamplingParams
-from dsv4_cluster.workers.tokenizer import ASSISTANT, BOS, EOS, USER, ByteTokenizer, ChatTemplateError
+from dsv4_cluster.workers.kv.pool import KVPool, PoolExhausted, PoolLayout
+from dsv4_cluster.workers.engine.model import ModelConfig
+from dsv4_cluster.workers.http.protocol import ChatCompletionRequest, GenerateRequest
+from dsv4_cluster.workers.engine.runner import ModelRunner, RunnerConfig, generate_single_process
+from dsv4_cluster.workers.engine.sampling import SamplingParams
+from dsv4_cluster.workers.engine.tokenizer import ASSISTANT, BOS, EOS, USER, ByteTokenizer, ChatTemplateError
 
 TOK = ByteTokenizer()
 

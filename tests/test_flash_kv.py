@@ -13,13 +13,13 @@ import torch
 
 from dsv4_cluster.kernels.indexer.fp8_keys import dequantize_keys, quantize_keys
 from dsv4_cluster.kernels.sparse_mla_decode.fp8_layout import dequantize_kv_v4, quantize_kv_v4
-from dsv4_cluster.workers import kv_fp8
-from dsv4_cluster.workers.kv_pool import KVPool, PoolLayout, PoolLayoutError
-from dsv4_cluster.workers.model import Batch
-from dsv4_cluster.workers.presets import KVDtypeError, kv_layout_dtype, model_config
-from dsv4_cluster.workers.runner import ModelRunner, RunnerConfig, generate_single_process
-from dsv4_cluster.workers.sampling import SamplingParams
-from dsv4_cluster.workers.tokenizer import EOS
+from dsv4_cluster.workers.kv import fp8 as kv_fp8
+from dsv4_cluster.workers.kv.pool import KVPool, PoolLayout, PoolLayoutError
+from dsv4_cluster.workers.engine.model import Batch
+from dsv4_cluster.workers.engine.presets import KVDtypeError, kv_layout_dtype, model_config
+from dsv4_cluster.workers.engine.runner import ModelRunner, RunnerConfig, generate_single_process
+from dsv4_cluster.workers.engine.sampling import SamplingParams
+from dsv4_cluster.workers.engine.tokenizer import EOS
 
 PAGE = 128
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
@@ -144,7 +144,7 @@ def test_prefill_then_decode_equals_one_forward_over_the_sequence(kv_dtype):
 def test_pd_over_nixl_with_fp8_mixed_ratio_pages_equals_a_single_process():
     """Real NIXL agents in one process: the prefill's fp8 pages of both layer kinds WRITten into the decode's
     pool (other page numbers), then decoded there, give the single-process greedy tokens."""
-    from dsv4_cluster.workers.transfer import NixlTransfer, TransferError
+    from dsv4_cluster.workers.kv.transfer import NixlTransfer, TransferError
 
     prompt = _prompt(270, salt=9)
     expected = generate_single_process(_runner(), prompt, GREEDY, EOS)
@@ -179,7 +179,7 @@ def test_graph_shaped_decode_equals_eager_decode(monkeypatch):
     """DecodeGraphs' static inputs on the CPU (capture needs CUDA; a replay is stood in for by the forward it
     would have captured): page tables and ratio-128 entry lists as wide as the configured context, holding an
     earlier, longer request's values past each row's own pages, and padding rows, decode as eager steps do."""
-    from dsv4_cluster.workers.decode_graphs import DecodeGraphs
+    from dsv4_cluster.workers.engine.decode_graphs import DecodeGraphs
 
     monkeypatch.setattr(DecodeGraphs, "_capture", lambda self: None)
     runner = _runner(pages=24)

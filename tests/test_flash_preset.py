@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4_cluster.workers.kernel_ops import KernelOps
-from dsv4_cluster.workers.presets import PRESETS, PresetError, kv_bytes_per_token, model_config
-from dsv4_cluster.workers.runner import ModelRunner, RunnerConfig, generate_single_process
-from dsv4_cluster.workers.sampling import SamplingParams
-from dsv4_cluster.workers.tokenizer import EOS
+from dsv4_cluster.workers.engine.kernel_ops import KernelOps
+from dsv4_cluster.workers.engine.presets import PRESETS, PresetError, kv_bytes_per_token, model_config
+from dsv4_cluster.workers.engine.runner import ModelRunner, RunnerConfig, generate_single_process
+from dsv4_cluster.workers.engine.sampling import SamplingParams
+from dsv4_cluster.workers.engine.tokenizer import EOS
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
 
@@ -95,7 +95,7 @@ def test_cpu_ops_count_reference_calls_even_when_kernels_are_asked_for():
 
 
 def test_capture_sizes_and_padded_tables():
-    from dsv4_cluster.workers.decode_graphs import capture_sizes, padded_table
+    from dsv4_cluster.workers.engine.decode_graphs import capture_sizes, padded_table
 
     assert capture_sizes(64) == (1, 2, 4, 8, 16, 24, 32, 48, 64)
     assert capture_sizes(8) == (1, 2, 4, 8) and capture_sizes(20) == (1, 2, 4, 8, 16, 20)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4_cluster.core import Role
+from dsv4_cluster.core import ClusterStatus, Role, WorkerState, WorkerStatus
 from dsv4_cluster.orchestrator.readback.gpus import gpus_held, read_gpus_held
 from dsv4_cluster.orchestrator.readback.pinning import pinning_report
 from dsv4_cluster.orchestrator.launch.plan import LaunchPlan
@@ -24,9 +24,9 @@ def test_gpus_held_maps_pids_to_indices():
 
 
 def test_the_table_shows_what_is_held_and_a_mismatch():
-    w = {"name": "decode-0", "role": "decode", "state": "READY",
-         "pinning": {"gpus_held": [1], "mismatch": ["holds CUDA contexts on GPUs [1], expected [0]"]}}
-    text = render_table({"workers": [w]})
+    w = WorkerStatus("decode-0", Role.DECODE, "local", WorkerState.READY, 7, 30200, 0, None, "/x.log",
+                     pinning={"gpus_held": [1], "mismatch": ["holds CUDA contexts on GPUs [1], expected [0]"]})
+    text = render_table(ClusterStatus("e", (w,)))
     assert "decode-0: holds GPU 1 (CUDA contexts, read from the NVIDIA driver)" in text
     assert "decode-0: PINNING differs from the topology: holds CUDA contexts on GPUs [1], expected [0]" in text
 

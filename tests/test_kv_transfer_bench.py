@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from bench import kv_transfer, ucx_proto
-from dsv4_cluster.workers.presets import model_config
+from dsv4_cluster.workers.engine.presets import model_config
 
 PAGE = 256
 

@@ -19,11 +19,11 @@ from dsv4_cluster.router.app import build_app
 from dsv4_cluster.router.settings import RouterSettings
 from tests.servers import UvicornThread
 from tests.worker_procs import start_pair, stop_pair
-from dsv4_cluster.workers.model import ModelConfig
-from dsv4_cluster.workers.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
-from dsv4_cluster.workers.runner import ModelRunner, RunnerConfig
-from dsv4_cluster.workers.sampling import Sampler, SamplingParams, TokenLogprob
-from dsv4_cluster.workers.tokenizer import EOS, PRINTABLE_IDS, VOCAB_SIZE, ByteTokenizer
+from dsv4_cluster.workers.engine.model import ModelConfig
+from dsv4_cluster.workers.http.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from dsv4_cluster.workers.engine.runner import ModelRunner, RunnerConfig
+from dsv4_cluster.workers.engine.sampling import Sampler, SamplingParams, TokenLogprob
+from dsv4_cluster.workers.engine.tokenizer import EOS, PRINTABLE_IDS, VOCAB_SIZE, ByteTokenizer
 
 TOK = ByteTokenizer()
 MESSAGES = [{"role": "user", "content": "Say something about pages"}]

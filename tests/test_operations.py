@@ -19,6 +19,8 @@ import pytest
 
 
 from bench.local_cluster import CLI, LocalCluster, write_topology
+from dsv4_cluster.orchestrator.monitor.targets import listed, targets_dir
+from dsv4_cluster.orchestrator.topology.load import load_topology
 from .helpers import status_rows
 
 pytestmark = pytest.mark.slow
@@ -75,16 +77,21 @@ def test_drain_under_steady_load_loses_no_request_and_restart_brings_it_back(clu
 
         await answered(4)
         drained = await asyncio.to_thread(cluster.cli, "drain", "decode-1", "--deadline", "60")
+        targets.append(listed(_run_dir(cluster)))
         served_while_drained = len(out)
         await answered(served_while_drained + 3)  # decode-0 alone serves on
         restarted = await asyncio.to_thread(cluster.cli, "restart", "decode-1", "--timeout", "120")
+        targets.append(listed(_run_dir(cluster)))
         await answered(len(out) + 3)  # and with decode-1 back
         stop.set()
         await load
         assert len(out) > served_while_drained
         return drained, restarted, out
 
+    targets: list[set[str]] = []   # what Prometheus scrapes after the drain, after the restart
     drained, restarted, out = asyncio.run(run())
+    everyone = {"prefill-0", "decode-0", "decode-1", "router"}
+    assert targets == [everyone - {"decode-1"}, everyone]
     assert drained.returncode == 0, drained.stderr + drained.stdout
     assert "decode-1 drained and stopped (no request in flight)" in drained.stdout
     assert restarted.returncode == 0, restarted.stderr + restarted.stdout
@@ -111,7 +118,7 @@ def test_logs_print_and_follow(cluster):
     reader.start()
     try:
         # Nothing old is printed (-n 0); what the worker logs from now on is: uvicorn logs each request
-        # (but the supervisor's /health polls: workers/serving.py keeps them out).
+        # (but the supervisor's /health polls: workers/http/serving.py keeps them out).
         deadline = time.monotonic() + 30
         line = ""
         while "/v1/models" not in line and time.monotonic() < deadline:
@@ -142,3 +149,16 @@ def test_status_watch_refreshes_until_interrupted(cluster):
         assert watch.wait(30) == 0
     finally:
         watch.kill()
+
+
+def _run_dir(c: LocalCluster) -> Path:
+    return load_topology(c.topology).run_dir_path
+
+
+def test_reading_status_writes_no_scrape_targets(cluster):
+    tdir = targets_dir(_run_dir(cluster))
+    assert listed(_run_dir(cluster)) == set(status_rows(cluster))   # up listed every process
+    for f in tdir.glob("*.json"):
+        f.unlink()
+    assert cluster.cli("status").returncode == 0 and status_rows(cluster)
+    assert list(tdir.glob("*.json")) == []   # status is read, never written back

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv4_cluster.core import KvUsage, Role, WorkerState, WorkerStatus
+from dsv4_cluster.core import ClusterStatus, KvUsage, Role, WorkerState, WorkerStatus
 from dsv4_cluster.orchestrator.launch.ports import free_ports, port_is_free
 from dsv4_cluster.orchestrator.processes import group_members, pid_alive
 from dsv4_cluster.orchestrator.cluster.record import (
@@ -29,7 +29,7 @@ def _row(**kw: object) -> WorkerStatus:
 
 def test_worker_status_round_trips_through_its_dict() -> None:
     rows = (_row(), _row(kv=None, pid=None, state=WorkerState.FAILED, error="boom"),
-            _row(kernels=(("indexer", "triton"), ("topk", "off"))))
+            _row(kernels=(("indexer", "triton"), ("topk", "off"))), _row(state=None, kv_predicted_tokens=9))
     for row in rows:
         assert WorkerStatus.from_dict(json.loads(json.dumps(row.to_dict()))) == row
     d = _row().to_dict()
@@ -41,8 +41,7 @@ def test_table_has_every_column_and_dashes_for_the_router() -> None:
     router = _row(name="router", role=Role.ROUTER, kv=None, port=30001, pid=7)
     failed = _row(name="prefill-0", role=Role.PREFILL, state=WorkerState.FAILED, pid=None,
                   kv=None, error="exited with code 3")
-    text = render_table({"endpoint": "e", "workers": [_row().to_dict(), router.to_dict(),
-                                                      failed.to_dict()]})
+    text = render_table(ClusterStatus("e", (_row(), router, failed)))
     lines = text.splitlines()
     assert lines[0].split() == list(COLUMNS)
     assert lines[1].split() == ["decode-0", "decode", "local", "42", "READY", "0", "30200",
@@ -169,10 +168,10 @@ def test_stranded_kv_is_read_from_metrics_and_absent_when_not_exported() -> None
             'dsv4_stranded_kv_freed_rooms_total{engine_type="prefill"} 3.0\nsglang:num_used_tokens 64.0\n')
     numbers = parse_stranded_kv(page)
     assert numbers == {"tokens": 64, "rooms": 2, "freed_tokens": 128, "freed_rooms": 3}
-    assert stranded_line({"name": "prefill-0", "stranded_kv": numbers}) == (
+    assert stranded_line(_row(name="prefill-0", stranded_kv=numbers)) == (
         "prefill-0: stranded KV 64 tokens in 2 rooms now; freed 128 tokens in 3 rooms since it started")
     assert parse_stranded_kv("sglang:num_used_tokens 64.0\n") is None  # SGLang: nothing measured, nothing shown
-    assert stranded_line({"name": "prefill-0", "stranded_kv": None}) is None
+    assert stranded_line(_row(name="prefill-0")) is None
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")   # the drop itself

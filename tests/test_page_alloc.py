@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from dsv4_cluster.workers.kv_pool import KVPool, PoolExhausted, PoolLayout
-from dsv4_cluster.workers.page_alloc import PageAllocator, PageAllocatorError
-from dsv4_cluster.workers.transfer import page_runs
+from dsv4_cluster.workers.kv.pool import KVPool, PoolExhausted, PoolLayout
+from dsv4_cluster.workers.kv.page_alloc import PageAllocator, PageAllocatorError
+from dsv4_cluster.workers.kv.transfer import page_runs
 
 
 def _runs(pages: list[int]) -> int:

@@ -18,9 +18,9 @@ from dsv4_cluster.orchestrator.launch.plan import cluster_plans
 from dsv4_cluster.orchestrator.topology.load import load_topology, topology_from_data
 from tests.servers import free_port
 from tests.worker_procs import _wait
-from dsv4_cluster.workers.kv_pool import KVPool
-from dsv4_cluster.workers.model import ModelConfig
-from dsv4_cluster.workers.runner import RunnerConfig
+from dsv4_cluster.workers.kv.pool import KVPool
+from dsv4_cluster.workers.engine.model import ModelConfig
+from dsv4_cluster.workers.engine.runner import RunnerConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -120,7 +120,7 @@ def test_embedded_bytes_per_token_follow_the_preset_and_device() -> None:
     tensors: no memory), at SGLang's 256-token pages and at 128."""
     import torch
 
-    from dsv4_cluster.workers.presets import model_config
+    from dsv4_cluster.workers.engine.presets import model_config
 
     flash = model_config("flash")
     for page in (128, 256):
@@ -160,13 +160,16 @@ def test_embedded_prediction_equals_server_info(tmp_path: Path) -> None:
 
 
 def test_status_shows_predicted_capacity_and_flags_a_miss_over_5_percent() -> None:
-    from dsv4_cluster.orchestrator.supervise.status_endpoint import apply_predicted_capacity, predicted_capacity
+    from dsv4_cluster.core import KvUsage, Role, WorkerState, WorkerStatus
+    from dsv4_cluster.orchestrator.supervise.status_endpoint import predicted_capacity, with_predicted_capacity
 
-    rows = [{"name": "prefill-0", "kv_capacity_tokens": 16384}, {"name": "decode-0", "kv_capacity_tokens": 15000},
-            {"name": "router", "kv_capacity_tokens": None}]
-    status = apply_predicted_capacity({"workers": rows},
-                                      predicted_capacity(load_topology(REPO / "examples" / "local.yaml")))
-    prefill, decode, router = status["workers"]
-    assert (prefill["kv_predicted_tokens"], "error" in prefill) == (16384, False)
-    assert decode["error"] == "KV capacity 15000 tokens differs from the predicted 16384 by 8% (over 5%)"
-    assert "kv_predicted_tokens" not in router
+    def row(name: str, capacity: int | None) -> WorkerStatus:
+        return WorkerStatus(name, Role(name.split("-")[0]), "local", WorkerState.READY, 1, 1, 0,
+                            KvUsage(capacity, 0) if capacity else None, "/x.log")
+
+    predicted = predicted_capacity(load_topology(REPO / "examples" / "local.yaml"))
+    prefill, decode, router = (with_predicted_capacity(r, predicted) for r in
+                               (row("prefill-0", 16384), row("decode-0", 15000), row("router", None)))
+    assert (prefill.kv_predicted_tokens, prefill.error) == (16384, None)
+    assert decode.error == "KV capacity 15000 tokens differs from the predicted 16384 by 8% (over 5%)"
+    assert router.kv_predicted_tokens is None

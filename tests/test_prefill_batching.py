@@ -7,9 +7,9 @@ import torch
 
 from dsv4_cluster.kernels.indexer import indexer
 from dsv4_cluster.kernels.topk import topk
-from dsv4_cluster.workers.model import ModelConfig
-from dsv4_cluster.workers.selection import select_rows as _select_rows, select_shared_table as _select_shared_table
-from dsv4_cluster.workers.runner import Chunk, ModelRunner, RunnerConfig
+from dsv4_cluster.workers.engine.model import ModelConfig
+from dsv4_cluster.workers.engine.selection import select_rows as _select_rows, select_shared_table as _select_shared_table
+from dsv4_cluster.workers.engine.runner import Chunk, ModelRunner, RunnerConfig
 
 
 @pytest.mark.parametrize("tokens,pages,first_pos", [(210, 14, 14), (5, 3, 0), (37, 10, 100), (512, 40, 128)])

@@ -1,4 +1,4 @@
-"""The embedded prefill's prefix cache (workers/prefix_cache.py): the radix tree's rules on a real pool, the prefill
+"""The embedded prefill's prefix cache (workers/kv/prefix_cache.py): the radix tree's rules on a real pool, the prefill
 engine reusing pages across prompts, and a real prefill -> NIXL -> decode pair whose cache hits change nothing in
 the greedy output and show in usage and metrics."""
 
@@ -12,12 +12,12 @@ import httpx
 import pytest
 
 from dsv4_cluster.metric_names import KV_ALLOC_RUNS
-from dsv4_cluster.workers.kv_pool import KVPool, PoolLayout
-from dsv4_cluster.workers.model import ModelConfig
-from dsv4_cluster.workers.prefix_cache import PrefixCache
-from dsv4_cluster.workers.runner import ModelRunner, RunnerConfig, generate_single_process
-from dsv4_cluster.workers.sampling import SamplingParams
-from dsv4_cluster.workers.tokenizer import EOS, ByteTokenizer
+from dsv4_cluster.workers.kv.pool import KVPool, PoolLayout
+from dsv4_cluster.workers.engine.model import ModelConfig
+from dsv4_cluster.workers.kv.prefix_cache import PrefixCache
+from dsv4_cluster.workers.engine.runner import ModelRunner, RunnerConfig, generate_single_process
+from dsv4_cluster.workers.engine.sampling import SamplingParams
+from dsv4_cluster.workers.engine.tokenizer import EOS, ByteTokenizer
 
 from .worker_procs import start_pair, stop_pair
 
@@ -105,7 +105,7 @@ def test_a_full_cache_under_multi_turn_churn_hands_out_few_runs_at_the_same_hit_
 
 def test_the_prefill_engine_reuses_a_shared_prefix_and_computes_the_same_first_token():
     from dsv4_cluster.workers.prefill.engine import PrefillEngine
-    from dsv4_cluster.workers.request import Req
+    from dsv4_cluster.workers.engine.request import Req
 
     runner = ModelRunner(RunnerConfig(model=ModelConfig(), page_size=16, max_total_tokens=2048, context_length=1024))
     engine = PrefillEngine(runner, transfer=None, write_timeout_s=5)
@@ -117,7 +117,7 @@ def test_the_prefill_engine_reuses_a_shared_prefix_and_computes_the_same_first_t
                   budget=len(ids) + 4, emit=lambda e: None, room=i)
         engine.on_submit(req)
         engine.reqs[req.rid] = req
-        while engine._bootstrap:
+        while engine.waiting:
             engine._prefill_batch()
         got.append((req.cached_tokens, req.out[0]))
         engine.finish(req)                                             # as after its KV went out

@@ -15,10 +15,10 @@ from dsv4_cluster.router.app import build_app
 from dsv4_cluster.router.settings import RouterSettings
 from tests.servers import UvicornThread
 from tests.worker_procs import start_pair, stop_pair
-from dsv4_cluster.workers.model import ModelConfig
-from dsv4_cluster.workers.runner import ModelRunner, RunnerConfig, generate_single_process
-from dsv4_cluster.workers.sampling import SamplingParams
-from dsv4_cluster.workers.tokenizer import EOS, ByteTokenizer
+from dsv4_cluster.workers.engine.model import ModelConfig
+from dsv4_cluster.workers.engine.runner import ModelRunner, RunnerConfig, generate_single_process
+from dsv4_cluster.workers.engine.sampling import SamplingParams
+from dsv4_cluster.workers.engine.tokenizer import EOS, ByteTokenizer
 
 pytestmark = pytest.mark.slow
 TOK = ByteTokenizer()

@@ -12,10 +12,10 @@ import torch
 
 from dsv4_cluster.core import Role, WorkerState
 from dsv4_cluster.router.worker import Pair, Worker
-from dsv4_cluster.workers.engine import Engine
-from dsv4_cluster.workers.liveness import Liveness
-from dsv4_cluster.workers.sampling import Sampler, SamplingParams
-from dsv4_cluster.workers.tokenizer import PRINTABLE_IDS, VOCAB_SIZE
+from dsv4_cluster.workers.engine.loop import Engine
+from dsv4_cluster.workers.http.liveness import Liveness
+from dsv4_cluster.workers.engine.sampling import Sampler, SamplingParams
+from dsv4_cluster.workers.engine.tokenizer import PRINTABLE_IDS, VOCAB_SIZE
 
 
 @pytest.mark.parametrize("temperature", [1e-6, 0.5, 2.0, 3e38, 1.7e308])
@@ -85,15 +85,15 @@ def test_a_lost_worker_ends_each_request_it_is_part_of_once():
 
 def test_the_router_openapi_bodies_are_the_workers_models():
     """router/generation_schemas.json (the router reads it: the models pull in torch) equals what the models
-    give now; regenerate with `python -m dsv4_cluster.workers.openapi`."""
+    give now; regenerate with `python -m dsv4_cluster.workers.http.openapi`."""
     import json
 
     from dsv4_cluster.router.app import build_app
     from dsv4_cluster.router.settings import RouterSettings
-    from dsv4_cluster.workers.openapi import ROUTER_FILE, router_schemas
+    from dsv4_cluster.workers.http.openapi import ROUTER_FILE, router_schemas
 
     assert json.loads(ROUTER_FILE.read_text()) == json.loads(json.dumps(router_schemas())), \
-        "router/generation_schemas.json is stale: run python -m dsv4_cluster.workers.openapi"
+        "router/generation_schemas.json is stale: run python -m dsv4_cluster.workers.http.openapi"
     doc = build_app(RouterSettings(model_name="m")).api.openapi()
     body = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert "messages" in body["properties"] and "bootstrap_room" not in body["properties"]

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from dsv4_cluster.workers import fields
-from dsv4_cluster.workers.protocol import (ChatCompletionRequest, CompletionRequest, GenerateRequest,
+from dsv4_cluster.workers.http import fields
+from dsv4_cluster.workers.http.protocol import (ChatCompletionRequest, CompletionRequest, GenerateRequest,
                                            GenerateSampling)
 
 SGLANG_VERSION = "0.5.23"

@@ -130,7 +130,8 @@ def test_status_reads_sglangs_server_info_and_flags_a_miss_over_5_percent(childr
     from fastapi import FastAPI
     from fastapi.responses import PlainTextResponse
 
-    from dsv4_cluster.orchestrator.supervise.status_endpoint import apply_predicted_capacity, predicted_capacity
+    from dsv4_cluster.core import ClusterStatus, Role, WorkerState, WorkerStatus
+    from dsv4_cluster.orchestrator.supervise.status_endpoint import predicted_capacity, with_predicted_capacity
     from dsv4_cluster.orchestrator.readback.probe import engine_info
     from dsv4_cluster.orchestrator.cli.table import render_table
     from tests.servers import UvicornThread
@@ -148,13 +149,13 @@ def test_status_reads_sglangs_server_info_and_flags_a_miss_over_5_percent(childr
         app.get("/metrics", response_class=PlainTextResponse)(lambda: "sglang:num_used_tokens 512.0\n")
         with UvicornThread(app) as server, httpx.Client(timeout=10) as client:
             info = engine_info(client, f"{server.url}/server_info", f"{server.url}/metrics")
-        rows.append({"name": name, "role": name.split("-")[0], "kv_capacity_tokens": info.kv.capacity_tokens,
-                     "kv_used_tokens": info.kv.used_tokens})
-    status = apply_predicted_capacity({"endpoint": "e", "workers": rows}, predicted_capacity(topology))
-    prefill, decode = status["workers"]
-    assert (prefill["kv_capacity_tokens"], prefill["kv_predicted_tokens"], prefill.get("error")) == \
+        rows.append(with_predicted_capacity(WorkerStatus(name, Role(name.split("-")[0]), "local", WorkerState.READY,
+                                                         1, 1, 0, info.kv, "/x.log"), predicted_capacity(topology)))
+    status = ClusterStatus("e", tuple(rows))
+    prefill, decode = status.workers
+    assert (prefill.kv.capacity_tokens, prefill.kv_predicted_tokens, prefill.error) == \
         (actual["prefill-0"], predicted["prefill-0"], None)
-    assert decode["error"] == (f"KV capacity {actual['decode-0']} tokens differs from the predicted "
+    assert decode.error == (f"KV capacity {actual['decode-0']} tokens differs from the predicted "
                                f"{predicted['decode-0']} by 8% (over 5%)")
     table = render_table(status).splitlines()
     assert table[0].split()[-3:] == ["KV_CAPACITY", "KV_USED", "KV_PREDICTED"]

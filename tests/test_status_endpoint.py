@@ -7,9 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from dsv4_cluster.core import ClusterStatus, KvUsage, ProbeResult, Role, WorkerState, WorkerStatus
 from dsv4_cluster.orchestrator.supervise import status_endpoint as se
 
-STATUS = {"endpoint": "http://127.0.0.1:30001/v1", "workers": [{"name": "decode-0", "state": "READY"}]}
+ROW = WorkerStatus("decode-0", Role.DECODE, "local", WorkerState.READY, 42, 30200, 0, KvUsage(16384, 128),
+                   "/x/decode-0.log", kernels=(("indexer", "reference"),), history=[{"at": 1.0, "state": "READY"}])
+PROBE = ProbeResult("prefill-0", "decode-0", True, 0.5, 1.0)
 
 
 def test_status_is_read_at_each_request_and_the_record_goes_with_the_server(tmp_path: Path) -> None:
@@ -17,17 +20,17 @@ def test_status_is_read_at_each_request_and_the_record_goes_with_the_server(tmp_
         se.read_status(tmp_path)
     calls: list[int] = []
 
-    def read() -> dict:
+    def read() -> ClusterStatus:
         calls.append(1)
-        return {**STATUS, "call": len(calls)}
+        return ClusterStatus("http://127.0.0.1:30001/v1", (ROW,) * len(calls), (PROBE,))
 
     server = se.StatusServer(read, tmp_path)
     server.start()
     try:
         record = json.loads(se.endpoint_path(tmp_path).read_text())
         assert record["url"] == server.url and server.url.startswith("http://127.0.0.1:")
-        assert se.read_status(tmp_path) == {**STATUS, "call": 1}
-        assert se.read_status(tmp_path)["call"] == 2  # read now, at every request: never a stale copy
+        assert se.read_status(tmp_path) == ClusterStatus("http://127.0.0.1:30001/v1", (ROW,), (PROBE,))  # all of it
+        assert len(se.read_status(tmp_path).workers) == 2   # read now, at every request: never a stale copy
     finally:
         server.stop()
     assert not se.endpoint_path(tmp_path).exists()
@@ -37,7 +40,7 @@ def test_status_is_read_at_each_request_and_the_record_goes_with_the_server(tmp_
 
 
 def test_a_failing_status_read_is_a_500_the_cli_falls_back_on(tmp_path: Path) -> None:
-    def read() -> dict:
+    def read() -> ClusterStatus:
         raise RuntimeError("a supervisor is gone")
 
     server = se.StatusServer(read, tmp_path)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from dsv4_cluster.workers.request import Finish, Req
-from dsv4_cluster.workers.responses import GenSpec, ResponseBuilder, held_back
-from dsv4_cluster.workers.sampling import SamplingParams
-from dsv4_cluster.workers.tokenizer import EOS, ByteTokenizer
+from dsv4_cluster.workers.engine.request import Finish, Req
+from dsv4_cluster.workers.http.responses import GenSpec, ResponseBuilder, held_back
+from dsv4_cluster.workers.engine.sampling import SamplingParams
+from dsv4_cluster.workers.engine.tokenizer import EOS, ByteTokenizer
 
 TOK = ByteTokenizer()
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv4_cluster.core import Role, WorkerState
+from dsv4_cluster.core import Role, WorkerState, WorkerStatus
 from dsv4_cluster.orchestrator.launch.plan import LaunchPlan
 from dsv4_cluster.orchestrator.launch.ports import free_ports, port_is_free
 from dsv4_cluster.orchestrator.supervise.supervisor import (
@@ -95,14 +95,14 @@ def test_start_reports_ready_with_kv_then_stop_frees_everything(tmp_path: Path) 
     plan = _plan(tmp_path, "--ready-after", "0.5")
     sup = WorkerSupervisor(plan)
     status = sup.start(timeout_s=30)
-    assert status["state"] == WorkerState.READY.value
-    assert status["restarts"] == 0 and status["port"] == plan.port
-    assert (status["kv_capacity_tokens"], status["kv_used_tokens"]) == (1000, 7)
-    pid = status["pid"]
+    assert status.state == WorkerState.READY.value
+    assert status.restarts == 0 and status.port == plan.port
+    assert (status.kv.capacity_tokens, status.kv.used_tokens) == (1000, 7)
+    pid = status.pid
     assert _alive(pid)
     assert "stand-in listening" in Path(plan.log_path).read_text()
     final = sup.stop(deadline_s=5)
-    assert final["state"] == WorkerState.STOPPED.value and final["pid"] is None
+    assert final.state == WorkerState.STOPPED.value and final.pid is None
     assert _wait_dead(pid)
     assert port_is_free(plan.port)
 
@@ -111,7 +111,7 @@ def test_kv_usage_falls_back_to_metrics(tmp_path: Path) -> None:
     sup = WorkerSupervisor(_plan(tmp_path, "--no-used-in-info"))
     try:
         status = sup.start(timeout_s=30)
-        assert (status["kv_capacity_tokens"], status["kv_used_tokens"]) == (1000, 42)
+        assert (status.kv.capacity_tokens, status.kv.used_tokens) == (1000, 42)
     finally:
         sup.stop(deadline_s=5)
 
@@ -123,7 +123,7 @@ def test_exit_during_start_fails_fast_with_log_tail(tmp_path: Path) -> None:
         sup.start(timeout_s=60)
     assert time.monotonic() - started < 15
     assert "code 3" in str(err.value) and "stand-in crashing now" in str(err.value)
-    assert sup.status()["state"] == WorkerState.FAILED.value
+    assert sup.status().state == WorkerState.FAILED.value
 
 
 def test_a_usage_error_at_start_fails_at_once_without_restarts(tmp_path: Path) -> None:
@@ -133,8 +133,8 @@ def test_a_usage_error_at_start_fails_at_once_without_restarts(tmp_path: Path) -
         sup.start(timeout_s=60)
     assert "code 2 (a usage error" in str(err.value) and "--no-such-flag" in str(err.value)
     status = sup.status()
-    assert (status["state"], status["restarts"]) == (WorkerState.FAILED.value, 0)
-    assert Path(status["log_path"]).read_text().count("supervisor starts") == 1
+    assert (status.state, status.restarts) == (WorkerState.FAILED.value, 0)
+    assert Path(status.log_path).read_text().count("supervisor starts") == 1
 
 
 def test_spawn_failure_names_the_command(tmp_path: Path) -> None:
@@ -151,10 +151,10 @@ def test_timeout_names_the_pending_url_and_kills_the_process(tmp_path: Path) -> 
         sup.start(timeout_s=2)
     pid = sup.pids()[-1][1]
     assert pid is not None and _wait_dead(pid)
-    assert sup.status()["state"] == WorkerState.FAILED.value
+    assert sup.status().state == WorkerState.FAILED.value
 
 
-def _wait_for(sup: WorkerSupervisor, pred, timeout_s: float = 20.0) -> dict:
+def _wait_for(sup: WorkerSupervisor, pred, timeout_s: float = 20.0) -> WorkerStatus:
     end = time.monotonic() + timeout_s
     while not pred(status := sup.status()) and time.monotonic() < end:
         time.sleep(0.1)
@@ -164,12 +164,12 @@ def _wait_for(sup: WorkerSupervisor, pred, timeout_s: float = 20.0) -> dict:
 def test_crash_after_ready_is_restarted_with_backoff(tmp_path: Path) -> None:
     sup = WorkerSupervisor(_plan(tmp_path, "--exit-after", "1.0"),
                            RestartPolicy(max_restarts=5, backoff_s=0.2))
-    first = sup.start(timeout_s=30)["pid"]
+    first = sup.start(timeout_s=30).pid
     try:
-        status = _wait_for(sup, lambda s: s["restarts"] == 1 and s["state"] == "READY")
-        assert (status["restarts"], status["state"]) == (1, "READY")
-        assert status["pid"] != first and _wait_dead(first)
-        assert Path(sup.status()["log_path"]).read_text().count("supervisor starts") >= 2
+        status = _wait_for(sup, lambda s: s.restarts == 1 and s.state == "READY")
+        assert (status.restarts, status.state) == (1, "READY")
+        assert status.pid != first and _wait_dead(first)
+        assert Path(sup.status().log_path).read_text().count("supervisor starts") >= 2
     finally:
         sup.stop(deadline_s=5)
 
@@ -178,22 +178,22 @@ def test_a_crash_loop_gives_up_and_says_why(tmp_path: Path) -> None:
     sup = WorkerSupervisor(_plan(tmp_path, "--exit-after", "0.3"),
                            RestartPolicy(max_restarts=2, window_s=60, backoff_s=0.1))
     sup.start(timeout_s=30)
-    status = _wait_for(sup, lambda s: s["state"] == WorkerState.FAILED.value)
-    assert status["state"] == WorkerState.FAILED.value and status["pid"] is None
-    assert status["restarts"] == 2
-    assert "gave up after 3 crashes within 60s" in status["error"]
-    assert "code 3" in status["error"]
-    assert sup.stop(deadline_s=2)["state"] == WorkerState.STOPPED.value
+    status = _wait_for(sup, lambda s: s.state == WorkerState.FAILED.value)
+    assert status.state == WorkerState.FAILED.value and status.pid is None
+    assert status.restarts == 2
+    assert "gave up after 3 crashes within 60s" in status.error
+    assert "code 3" in status.error
+    assert sup.stop(deadline_s=2).state == WorkerState.STOPPED.value
 
 
 def test_stop_escalates_to_sigkill_and_reaches_the_whole_group(tmp_path: Path) -> None:
     pidfile = tmp_path / "grandchild.pid"
     sup = WorkerSupervisor(_plan(tmp_path, "--ignore-sigterm", "--grandchild-pidfile", str(pidfile)))
-    pid = sup.start(timeout_s=30)["pid"]
+    pid = sup.start(timeout_s=30).pid
     grandchild = int(pidfile.read_text())
     started = time.monotonic()
     final = sup.stop(deadline_s=1.0)
-    assert final["state"] == WorkerState.STOPPED.value
+    assert final.state == WorkerState.STOPPED.value
     assert 0.9 < time.monotonic() - started < 10
     assert _wait_dead(pid) and _wait_dead(grandchild)
 
@@ -204,7 +204,7 @@ def test_a_killed_supervisor_takes_its_process_with_it(tmp_path: Path) -> None:
         import pickle, sys, threading
         from dsv4_cluster.orchestrator.supervise.supervisor import WorkerSupervisor
         sup = WorkerSupervisor(pickle.loads({pickle_bytes(plan)!r}))
-        print(sup.start(timeout_s=30)["pid"], flush=True)
+        print(sup.start(timeout_s=30).pid, flush=True)
         threading.Event().wait()
     """)
     proc = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE, text=True)
@@ -231,14 +231,14 @@ FAST_HEALTH = HealthPolicy(interval_s=0.2, timeout_s=1.0, failures_to_restart=3)
 def test_a_worker_that_stops_answering_health_is_degraded_then_restarted(tmp_path: Path) -> None:
     sup = WorkerSupervisor(_plan(tmp_path, "--unhealthy-after", "1.0"), RestartPolicy(backoff_s=0.1),
                            FAST_HEALTH)
-    first = sup.start(timeout_s=30)["pid"]
+    first = sup.start(timeout_s=30).pid
     try:
-        degraded = _wait_for(sup, lambda s: s["state"] == "DEGRADED")
-        assert degraded["state"] == "DEGRADED" and "health check 1/3 failed" in degraded["error"]
-        assert "stand-in listening" in degraded["log_tail"]
-        status = _wait_for(sup, lambda s: s["restarts"] == 1 and s["state"] == "READY")
-        assert (status["restarts"], status["state"], status["log_tail"]) == (1, "READY", None)
-        assert status["pid"] != first and _wait_dead(first)
+        degraded = _wait_for(sup, lambda s: s.state == "DEGRADED")
+        assert degraded.state == "DEGRADED" and "health check 1/3 failed" in degraded.error
+        assert "stand-in listening" in degraded.log_tail
+        status = _wait_for(sup, lambda s: s.restarts == 1 and s.state == "READY")
+        assert (status.restarts, status.state, status.log_tail) == (1, "READY", None)
+        assert status.pid != first and _wait_dead(first)
     finally:
         sup.stop(deadline_s=5)
 
@@ -246,11 +246,11 @@ def test_a_worker_that_stops_answering_health_is_degraded_then_restarted(tmp_pat
 def test_a_short_health_blip_is_degraded_and_back_without_a_restart(tmp_path: Path) -> None:
     sup = WorkerSupervisor(_plan(tmp_path, "--unhealthy-after", "1.0", "--unhealthy-for", "0.3"),
                            RestartPolicy(backoff_s=0.1), FAST_HEALTH)
-    pid = sup.start(timeout_s=30)["pid"]
+    pid = sup.start(timeout_s=30).pid
     try:
-        assert _wait_for(sup, lambda s: s["state"] == "DEGRADED")["state"] == "DEGRADED"
-        status = _wait_for(sup, lambda s: s["state"] == "READY")
-        assert (status["state"], status["restarts"], status["pid"]) == ("READY", 0, pid)
+        assert _wait_for(sup, lambda s: s.state == "DEGRADED").state == "DEGRADED"
+        status = _wait_for(sup, lambda s: s.state == "READY")
+        assert (status.state, status.restarts, status.pid) == ("READY", 0, pid)
     finally:
         sup.stop(deadline_s=5)
 

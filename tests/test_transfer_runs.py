@@ -10,8 +10,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from dsv4_cluster.workers.kv_pool import KVPool, PoolLayout
-from dsv4_cluster.workers.transfer import (DESCRIPTOR_MODES, NixlTransfer, TransferError, _descs, _indices,
+from dsv4_cluster.workers.kv.pool import KVPool, PoolLayout
+from dsv4_cluster.workers.kv.transfer import (DESCRIPTOR_MODES, NixlTransfer, TransferError, _descs, _indices,
                                            page_runs)
 
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from tests.worker_procs import start_pair, stop_pair
-from dsv4_cluster.workers.presets import model_config
-from dsv4_cluster.workers.runner import ModelRunner, RunnerConfig, generate_single_process
-from dsv4_cluster.workers.sampling import SamplingParams
-from dsv4_cluster.workers.tokenizer import EOS, PRINTABLE_IDS, ByteTokenizer
+from dsv4_cluster.workers.engine.presets import model_config
+from dsv4_cluster.workers.engine.runner import ModelRunner, RunnerConfig, generate_single_process
+from dsv4_cluster.workers.engine.sampling import SamplingParams
+from dsv4_cluster.workers.engine.tokenizer import EOS, PRINTABLE_IDS, ByteTokenizer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
 KERNELS = "sparse_mla_decode,indexer,topk"

@@ -15,11 +15,11 @@ import time
 import httpx
 import pytest
 
-from dsv4_cluster.workers.model import ModelConfig
-from dsv4_cluster.workers.runner import ModelRunner, RunnerConfig, generate_single_process
-from dsv4_cluster.workers.sampling import SamplingParams
-from dsv4_cluster.workers.serving import QuietPolls
-from dsv4_cluster.workers.tokenizer import EOS, ByteTokenizer
+from dsv4_cluster.workers.engine.model import ModelConfig
+from dsv4_cluster.workers.engine.runner import ModelRunner, RunnerConfig, generate_single_process
+from dsv4_cluster.workers.engine.sampling import SamplingParams
+from dsv4_cluster.workers.http.serving import QuietPolls
+from dsv4_cluster.workers.engine.tokenizer import EOS, ByteTokenizer
 
 from .helpers import SOON_S, kv_used, wait_for
 from .worker_procs import restart, start_pair, stop_pair
@@ -144,7 +144,7 @@ def test_a_dead_engine_thread_ends_the_process_non_zero(pair, expected):
 def test_test_hooks_are_off_unless_asked_for():
     from dsv4_cluster.workers.args import parse_args
     from dsv4_cluster.workers.decode.server import DecodeServer
-    from dsv4_cluster.workers.routes import build_app
+    from dsv4_cluster.workers.http.routes import build_app
 
     def paths(argv: list[str]) -> set[str]:
         return {r.path for r in build_app(DecodeServer(parse_args("decode", argv))).routes}
@@ -156,8 +156,8 @@ def test_test_hooks_are_off_unless_asked_for():
 def test_a_peer_with_new_metadata_is_reloaded_and_its_old_reservations_refused():
     """Real NIXL agents in one process: "d" restarts (same name, new pool); the prefill side reloads it,
     refuses a WRITE into pages the old process reserved, and WRITEs into the new process's memory."""
-    from dsv4_cluster.workers.kv_pool import KVPool, PoolLayout
-    from dsv4_cluster.workers.transfer import NixlTransfer, TransferError
+    from dsv4_cluster.workers.kv.pool import KVPool, PoolLayout
+    from dsv4_cluster.workers.kv.transfer import NixlTransfer, TransferError
 
     layout = PoolLayout(page_size=4, num_pages=4, n_layers=1, head_dim=8, index_dim=4, ratio=4, dtype="float32")
     src = KVPool(layout)
@@ -187,8 +187,8 @@ def test_a_peer_with_new_metadata_is_reloaded_and_its_old_reservations_refused()
 def test_one_failing_request_fails_alone_and_the_engine_goes_on():
     """The real engine loop with a step that raises for one request (a stand-in for any bug that
     one request's values trigger)."""
-    from dsv4_cluster.workers.engine import Engine
-    from dsv4_cluster.workers.request import Failed, Req, Token
+    from dsv4_cluster.workers.engine.loop import Engine
+    from dsv4_cluster.workers.engine.request import Failed, Req, Token
 
     class Echo(Engine):
         def __init__(self):

@@ -13,10 +13,10 @@ import time
 import httpx
 import pytest
 
-from dsv4_cluster.workers.model import ModelConfig
-from dsv4_cluster.workers.runner import ModelRunner, RunnerConfig, generate_single_process
-from dsv4_cluster.workers.sampling import SamplingParams
-from dsv4_cluster.workers.tokenizer import EOS, ByteTokenizer
+from dsv4_cluster.workers.engine.model import ModelConfig
+from dsv4_cluster.workers.engine.runner import ModelRunner, RunnerConfig, generate_single_process
+from dsv4_cluster.workers.engine.sampling import SamplingParams
+from dsv4_cluster.workers.engine.tokenizer import EOS, ByteTokenizer
 
 from .helpers import kv_used, wait_for
 from .servers import free_port
@@ -64,7 +64,7 @@ def test_pair_matches_single_process_greedy_tokens(pair):
 def test_flash_pair_with_fp8_mixed_ratio_kv_matches_single_process(tmp_path):
     """The flash preset's layers (ratio 4, 128, 4, 128) and SGLang's fp8 pages, prefill -> NIXL -> decode in two
     processes on the CPU, equal one process (the prompt spans a ratio-128 entry and two 256-token pages)."""
-    from dsv4_cluster.workers.presets import model_config
+    from dsv4_cluster.workers.engine.presets import model_config
 
     flags = ["--model-preset", "flash", "--page-size", "256", "--kv-cache-dtype", "fp8_e4m3", "--served-model-name",
              "dsv4-flash", "--stall-timeout-s", "120"]   # a full-size forward on a loaded 2-core CPU

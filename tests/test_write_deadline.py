@@ -17,13 +17,13 @@ import time
 import pytest
 
 from dsv4_cluster.metric_names import KV_WRITE_TIMEOUTS
-from dsv4_cluster.workers.model import ModelConfig
+from dsv4_cluster.workers.engine.model import ModelConfig
 from dsv4_cluster.workers.prefill import engine as prefill_engine
 from dsv4_cluster.workers.prefill.engine import PrefillEngine
-from dsv4_cluster.workers.request import Failed, Req, Token
-from dsv4_cluster.workers.runner import ModelRunner, RunnerConfig
-from dsv4_cluster.workers.sampling import SamplingParams
-from dsv4_cluster.workers.transfer import NixlTransfer
+from dsv4_cluster.workers.engine.request import Failed, Req, Token
+from dsv4_cluster.workers.engine.runner import ModelRunner, RunnerConfig
+from dsv4_cluster.workers.engine.sampling import SamplingParams
+from dsv4_cluster.workers.kv.transfer import NixlTransfer, XferState
 
 PAGE = 16
 
@@ -105,7 +105,7 @@ class _StuckTransfer:
         return object()
 
     def poll(self, handle):
-        return "DONE" if self.end else "PROC"
+        return XferState.DONE if self.end else XferState.PROC
 
     def abandon(self, handle):
         return False

@@ -5,19 +5,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal
-
-from dsv4_cluster.core import KERNEL_NAMES
+from dsv4_cluster.core import KERNEL_NAMES, Role
 
 
 @dataclass(frozen=True)
 class WorkerArgs:
-    mode: Literal["prefill", "decode"]
+    role: Role
     host: str = "127.0.0.1"
     port: int = 30100
     disaggregation_bootstrap_port: int | None = None
     served_model_name: str = "dsv4-tiny"
-    model_preset: str = "tiny"          # workers/presets.py: tiny (CPU) or flash (DeepSeek-V4-Flash's shapes)
+    model_preset: str = "tiny"          # workers/engine/presets.py: tiny (CPU) or flash (DeepSeek-V4-Flash's shapes)
     seed: int = 0
     context_length: int = 2048
     # max_new_tokens of a request that gives none (chat, /generate): SGLang's SamplingParams default.
@@ -51,11 +49,12 @@ class WorkerArgs:
         return tuple(k for k in self.kernels.split(",") if k)
 
 
-def parse_args(mode: str, argv: list[str] | None = None) -> WorkerArgs:
-    parser = argparse.ArgumentParser(prog=f"python -m dsv4_cluster.workers.{mode}",
-                                     description=f"Embedded DeepSeek-V4-shaped {mode} worker")
+def parse_args(role: Role | str, argv: list[str] | None = None) -> WorkerArgs:
+    role = Role(role)
+    parser = argparse.ArgumentParser(prog=f"python -m dsv4_cluster.workers.{role}",
+                                     description=f"Embedded DeepSeek-V4-shaped {role} worker")
     for f in dataclasses.fields(WorkerArgs):
-        if f.name == "mode" or (f.name == "disaggregation_bootstrap_port" and mode == "decode"):
+        if f.name == "role" or (f.name == "disaggregation_bootstrap_port" and role is Role.DECODE):
             continue
         flag = "--" + f.name.replace("_", "-")
         if str(f.type) == "bool":
@@ -64,7 +63,7 @@ def parse_args(mode: str, argv: list[str] | None = None) -> WorkerArgs:
         kind = {"int": int, "float": float, "int | None": int, "str | None": str}.get(str(f.type), str)
         parser.add_argument(flag, type=kind, default=f.default, help=f"(default: {f.default})")
     ns = vars(parser.parse_args(argv))
-    args = WorkerArgs(mode=mode, **ns)
+    args = WorkerArgs(role=role, **ns)
     problems = validate(args)
     if problems:
         parser.error("; ".join(problems))
@@ -73,7 +72,7 @@ def parse_args(mode: str, argv: list[str] | None = None) -> WorkerArgs:
 
 def validate(args: WorkerArgs) -> list[str]:
     problems = []
-    if args.mode == "prefill" and not args.disaggregation_bootstrap_port:
+    if args.role is Role.PREFILL and not args.disaggregation_bootstrap_port:
         problems.append("--disaggregation-bootstrap-port is required for a prefill worker")
     if args.transfer_backend != "nixl":
         problems.append(f"--transfer-backend {args.transfer_backend!r}: the embedded engine implements only "
@@ -99,7 +98,7 @@ def validate(args: WorkerArgs) -> list[str]:
 
 
 def _device_problems(args: WorkerArgs) -> list[str]:
-    from .presets import PRESETS
+    from .engine.presets import PRESETS
 
     problems = []
     if args.model_preset not in PRESETS:
@@ -130,7 +129,7 @@ def _device_problems(args: WorkerArgs) -> list[str]:
 
 def _kv_problems(args: WorkerArgs, cfg) -> list[str]:
     """--kv-cache-dtype and --page-size against the preset's KV layout (kv_pool.PoolLayout.problems)."""
-    from .presets import KVDtypeError, kv_layout_dtype, pool_layout
+    from .engine.presets import KVDtypeError, kv_layout_dtype, pool_layout
 
     try:
         dtype = kv_layout_dtype(args.kv_cache_dtype, cfg, args.device)

@@ -1,8 +1,5 @@
-"""Entry point shared by `python -m dsv4_cluster.workers.prefill` and `...workers.decode`.
-
-Once the servers have stopped, the process leaves with `os._exit`: the interpreter's own teardown
-spends seconds (measured: 8-10 s on a busy 2-core machine) collecting the model's heap, which
-delays every restart and `down`, and there is nothing left to flush by then.
+"""Entry point of `python -m dsv4_cluster.workers.<role>`. The process leaves with `os._exit` once its servers have
+stopped: the interpreter's teardown spends seconds collecting the model's heap, delaying every restart and `down`.
 """
 
 from __future__ import annotations
@@ -13,14 +10,15 @@ import logging
 import os
 import sys
 
+from ..core import Role
 from .args import parse_args
-from .serving import serve_all
+from .http.serving import serve_all
 
 
-def main(mode: str, argv: list[str] | None = None) -> None:
-    args = parse_args(mode, argv)
-    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {mode} %(levelname)s %(message)s")
-    module = importlib.import_module(f"dsv4_cluster.workers.{mode}.server")
+def main(role: Role, argv: list[str] | None = None) -> None:
+    args = parse_args(role, argv)
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {role} %(levelname)s %(message)s")
+    module = importlib.import_module(f"dsv4_cluster.workers.{role}.server")
     code = 0
     try:
         asyncio.run(serve_all(module.make_apps(args), args.log_level))

@@ -1,18 +1,7 @@
-"""`dsv4-cluster`: bring a PD cluster up, report on it, take it down.
+"""`dsv4-cluster`: bring a PD cluster up, report on it, take it down (`dsv4-cluster --help` lists the commands).
 
-    dsv4-cluster up FILE [--address A] [--foreground] [--timeout S]
-    dsv4-cluster status [--json] [--watch [--interval S]]
-    dsv4-cluster down [--timeout S]
-    dsv4-cluster verify
-    dsv4-cluster plan FILE
-    dsv4-cluster drain WORKER [--deadline S] | restart WORKER | logs NAME [-f] [-n N]
-    dsv4-cluster install-service FILE [--dry-run]   (service.py)
-    dsv4-cluster monitor up|down FILE                (monitor.py)
-    dsv4-cluster bench URL [--concurrency 1,4,16] ... (load/sweep.py: load a router, tok/s, TTFT, TPOT)
-
-Exit codes: 0 success; 1 the cluster failed (to start, to answer, to stop cleanly); 2 nothing
-was started because the topology or this machine is not fit (every problem is printed).
-`up --foreground` stays attached and runs `down` on SIGTERM/SIGINT: what a systemd unit runs.
+Exit codes: 0 success; 1 the cluster failed (to start, to answer, to stop cleanly); 2 nothing was started because
+the topology or this machine is not fit. `up --foreground` runs `down` on SIGTERM/SIGINT: what systemd runs.
 """
 
 from __future__ import annotations
@@ -23,8 +12,9 @@ import sys
 import time
 from typing import Any
 
+from dsv4_cluster.core import ClusterStatus
 from dsv4_cluster.orchestrator.cli.ops import (
-    WATCH_INTERVAL_S, add_operation_commands, run_operation, watch_status)
+    WATCH_INTERVAL_S, add_operation_commands, err as _err, run_operation, watch_status)
 from dsv4_cluster.orchestrator.errors import (
     AlreadyUpError, ClusterStartError, NotUpError, PreflightError, RayClusterError)
 from dsv4_cluster.orchestrator.load import sweep
@@ -33,9 +23,8 @@ from dsv4_cluster.orchestrator.monitor import stack as monitor
 from dsv4_cluster.orchestrator.cluster.options import DownOptions, UpOptions
 from dsv4_cluster.orchestrator.cluster.ray_env import prepare_ray_env
 from dsv4_cluster.orchestrator.launch.sglang_capacity import GpuInputs
-from dsv4_cluster.orchestrator.cli.table import render_table
+from dsv4_cluster.orchestrator.cli.table import endpoint_status, print_status, render_table
 from dsv4_cluster.kernels.dispatch import GPU_CLASSES, DispatchError
-from dsv4_cluster.orchestrator.cli.status_view import endpoint_status, print_status
 from dsv4_cluster.orchestrator.cluster.record import RecordError, read_record
 from dsv4_cluster.orchestrator.topology.load import TopologyError, load_topology
 
@@ -153,15 +142,11 @@ def _cmd_verify(deployment: Any) -> int:
     return EXIT_OK if report.ok else EXIT_FAILED
 
 
-def _err(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 def _cmd_up(deployment: Any, args: argparse.Namespace) -> int:
     options = UpOptions(address=args.address, timeout_s=args.timeout, foreground=args.foreground)
     started = time.monotonic()
     try:
-        status = deployment.up(args.file, options)
+        result = deployment.up(args.file, options)
     except TopologyError as e:
         _err(f"{args.file}: {len(e.problems)} problem(s); nothing was started:\n{e}")
         return EXIT_UNFIT
@@ -177,14 +162,14 @@ def _cmd_up(deployment: Any, args: argparse.Namespace) -> int:
     except KeyboardInterrupt as e:
         _err(f"up interrupted ({str(e) or 'SIGINT'}); everything it started was stopped")
         return EXIT_INTERRUPTED
-    if status.get("already_up"):
+    if result.already_up:
         print(f"already up from {args.file}; nothing was started")
     else:
         print(f"cluster up in {time.monotonic() - started:.1f}s")
-    print(f"endpoint: {status['endpoint']}")
-    if status.get("verification"):
-        print(status["verification"])
-    print(render_table(status), flush=True)
+    print(f"endpoint: {result.status.endpoint}")
+    if result.verification:
+        print(result.verification)
+    print(render_table(result.status), flush=True)
     if not options.foreground:
         return EXIT_OK
     lost = deployment.watch(FOREGROUND_CHECK_S)
@@ -194,7 +179,7 @@ def _cmd_up(deployment: Any, args: argparse.Namespace) -> int:
     return EXIT_FAILED if lost is not None else code
 
 
-def _read_status(deployment: Any) -> dict[str, Any]:
+def _read_status(deployment: Any) -> ClusterStatus:
     """The controller's status through its endpoint, else through Ray (the reason on stderr)."""
     status, why = endpoint_status()
     if status is not None:
@@ -223,10 +208,10 @@ def _cmd_down(deployment: Any, options: DownOptions) -> int:
     except NotUpError as e:
         _err(f"{e}; nothing to stop")
         return EXIT_OK
-    for note in final["notes"]:
+    for note in final.notes:
         _err(note)
-    if final["survivors"]:
-        _err(f"still running after down: pids {final['survivors']}")
+    if final.survivors:
+        _err(f"still running after down: pids {final.survivors}")
         return EXIT_FAILED
     print(f"cluster down in {time.monotonic() - started:.1f}s; no process left", flush=True)
     return EXIT_OK

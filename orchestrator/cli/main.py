@@ -1,8 +1,5 @@
-"""The `dsv4-cluster` command's entry point (`commands.py` has every command and its usage).
-
-`status` and `status --json` ask the controller's loopback status endpoint (`status_view.py`): no Ray driver
-to connect and none of the other commands' imports, so they answer in well under a second. When the endpoint
-does not answer, and for every other command, `commands.py` runs.
+"""The `dsv4-cluster` entry point. `status` asks the controller's loopback status endpoint first (no Ray driver,
+none of the other commands' imports: well under a second); otherwise, and for every other command, `commands.py`.
 """
 
 from __future__ import annotations
@@ -13,7 +10,7 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
     if args[:1] == ["status"] and set(args[1:]) <= {"--json"}:
-        from dsv4_cluster.orchestrator.cli.status_view import endpoint_status, print_status
+        from dsv4_cluster.orchestrator.cli.table import endpoint_status, print_status
 
         status, _ = endpoint_status()
         if status is not None:

@@ -1,7 +1,5 @@
-"""The CLI's operations on a running cluster: `drain`, `restart`, `logs`, `status --watch`.
-
-Kept apart from `cli.py` (up/status/down). Ray is imported only inside the handlers, after
-`prepare_ray_env` ran (see ray_env).
+"""The CLI's operations on a running cluster: `drain`, `restart`, `logs`, `status --watch` (Ray imported in the
+handlers, after `prepare_ray_env`).
 """
 
 from __future__ import annotations
@@ -12,6 +10,7 @@ import sys
 import threading
 from typing import Any, Callable
 
+from dsv4_cluster.core import ClusterStatus
 from dsv4_cluster.orchestrator.errors import ClusterStartError, NotUpError, RayClusterError, UnknownWorkerError
 from dsv4_cluster.orchestrator.cluster.options import DownOptions, UpOptions
 from dsv4_cluster.orchestrator.cli.table import render_table
@@ -42,7 +41,7 @@ def add_operation_commands(sub: Any) -> None:
     lg.add_argument("-n", "--lines", type=int, default=LOG_LINES, help=f"last lines to print (default {LOG_LINES})")
 
 
-def _err(message: str) -> None:
+def err(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
@@ -60,14 +59,14 @@ def run_operation(args: argparse.Namespace) -> int:
     try:
         if args.command == "drain":
             out = operations.drain(args.worker, args.deadline, args.timeout)
-            how = (f"forced after {args.deadline:g}s with {out['in_flight_at_stop']} request(s) in flight"
-                   if out["forced"] else "no request in flight")
+            how = (f"forced after {args.deadline:g}s with {out.in_flight_at_stop} request(s) in flight"
+                   if out.forced else "no request in flight")
             print(f"{args.worker} drained and stopped ({how}); `dsv4-cluster restart {args.worker}` "
                   "brings it back", flush=True)
-            return EXIT_FAILED if out["forced"] else EXIT_OK
+            return EXIT_FAILED if out.forced else EXIT_OK
         if args.command == "restart":
             row = operations.restart(args.worker, args.timeout, DownOptions().timeout_s)
-            print(f"{args.worker} restarted: {row['state']}, pid {row['pid']}", flush=True)
+            print(f"{args.worker} restarted: {row.state.value}, pid {row.pid}", flush=True)
             return EXIT_OK
         path = operations.log_path(args.name)
         stop = _stop_on_signals()
@@ -76,11 +75,11 @@ def run_operation(args: argparse.Namespace) -> int:
             sys.stdout.flush()
         return EXIT_OK
     except (UnknownWorkerError, NotUpError, RayClusterError, RouterAdminError, ClusterStartError) as e:
-        _err(str(e))
+        err(str(e))
         return EXIT_FAILED
 
 
-def watch_status(read_status: Callable[[], dict[str, Any]], interval_s: float) -> int:
+def watch_status(read_status: Callable[[], ClusterStatus], interval_s: float) -> int:
     """`status --watch`: the table of `read_status()`, refreshed every interval until SIGINT/SIGTERM.
 
     A signal that arrives while a read is under way ends the read too: one read may wait up to the
@@ -103,7 +102,7 @@ def watch_status(read_status: Callable[[], dict[str, Any]], interval_s: float) -
         except KeyboardInterrupt:
             return EXIT_OK
         except (NotUpError, RayClusterError) as e:
-            _err(str(e))
+            err(str(e))
             return EXIT_FAILED
         finally:
             reading = False

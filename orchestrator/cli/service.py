@@ -1,9 +1,7 @@
 """`dsv4-cluster install-service FILE`: the systemd unit of one topology, rendered with real paths.
 
-The template is `deploy/systemd/dsv4-cluster.service`; every `@NAME@` in it is filled here and
-nowhere else, and a placeholder left unfilled is an error (so template and code cannot drift).
-The unit runs `up --foreground FILE` with this interpreter, restarts it always (within a start
-limit), and gives `down` the time its deadlines add up to before systemd SIGKILLs what is left.
+Every `@NAME@` of `deploy/systemd/dsv4-cluster.service` is filled here and nowhere else; one left unfilled is an
+error, so template and code cannot drift.
 """
 
 from __future__ import annotations

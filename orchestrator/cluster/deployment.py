@@ -1,9 +1,8 @@
-"""The deployment: the `up`, `status` and `down` sequences the CLI runs.
+"""The `up`, `status` and `down` sequences the CLI runs.
 
-`up`: validate -> plan -> preflight (all before anything starts) -> start or join Ray -> the
-detached controller -> it starts the supervisors and waits for READY -> record the cluster.
-`down`: stop the router and the workers through the controller, kill the controller, stop the
-Ray head only if `up` started it, check by pid that nothing is left, forget the record.
+`up`: validate -> plan -> preflight (before anything starts) -> start or join Ray -> the detached controller
+starts the supervisors and waits for READY -> record the cluster. `down`: stop everything through the controller,
+stop the Ray head only if `up` started it, check by pid that nothing is left, forget the record.
 """
 
 from __future__ import annotations
@@ -13,13 +12,14 @@ import signal
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from dsv4_cluster.core import WorkerState
+from dsv4_cluster.core import ClusterStatus, WorkerState
 from dsv4_cluster.orchestrator.cluster import ray_cluster
 from dsv4_cluster.orchestrator.supervise.controller import (
     ACTOR_MAX_RESTARTS, CONTROLLER_NAME, READ_RETRIES, ClusterController, ClusterSpec, kill_supervisors)
@@ -69,7 +69,7 @@ def _existing_cluster() -> ClusterRecord | None:
     return record
 
 
-def up(topology_path: str, options: UpOptions) -> dict[str, Any]:
+def up(topology_path: str, options: UpOptions) -> UpResult:
     """Bring the cluster up; returns its status. Up again with the same topology file while it
     runs starts nothing and returns its status with `already_up`. Raises TopologyError and
     PreflightError before anything starts, ClusterStartError after cleaning up what it started."""
@@ -78,7 +78,7 @@ def up(topology_path: str, options: UpOptions) -> dict[str, Any]:
     if existing is not None:
         if existing.topology_path == str(Path(topology_path).absolute()):
             try:
-                return {**status(), "already_up": True}  # `up` again is a no-op that reports
+                return UpResult(status(), already_up=True)  # `up` again is a no-op that reports
             except NotUpError as e:
                 raise AlreadyUpError(f"a cluster from {topology_path} is recorded but does not answer "
                                      f"({e}); run `dsv4-cluster down` first") from e
@@ -116,7 +116,7 @@ def up(topology_path: str, options: UpOptions) -> dict[str, Any]:
         _check_interrupt()
         verification = _verify(topology, started)
         _check_interrupt()
-        return {**started, "verification": verification}
+        return UpResult(started, verification=verification)
     except BaseException:
         if controller is not None:
             _abandon(controller, spec)
@@ -129,13 +129,9 @@ def up(topology_path: str, options: UpOptions) -> dict[str, Any]:
         ray_cluster.disconnect()
 
 
-def _pids(status: dict[str, Any]) -> dict[str, int | None]:
-    return {row["name"]: row.get("pid") for row in status["workers"]}
-
-
-def _verify(topology: Any, status: dict[str, Any]) -> str:
+def _verify(topology: Any, status: ClusterStatus) -> str:
     """End-to-end check once everything is READY (verification.py); raises ClusterStartError on failure."""
-    report = verify_cluster(topology, _pids(status))
+    report = verify_cluster(topology, status.pids())
     if not report.ok:
         raise ClusterStartError(report.summary())
     return report.summary()
@@ -146,7 +142,7 @@ def verify() -> VerifyReport:
     record = _existing_cluster()
     if record is None:
         raise NotUpError("no cluster is up (no record of one)")
-    return verify_cluster(load_topology(record.topology_path), _pids(status()))
+    return verify_cluster(load_topology(record.topology_path), status().pids())
 
 
 _INTERRUPTED: list[str] = []  # the signals that arrived during this `up`
@@ -201,8 +197,8 @@ def find_controller(record: ClusterRecord) -> Any:
                          "to clean up") from None
 
 
-def status() -> dict[str, Any]:
-    """The recorded cluster's status: {"endpoint", "workers": [...]}."""
+def status() -> ClusterStatus:
+    """The recorded cluster's status, through Ray."""
     try:
         record = read_record()
     except RecordError as e:
@@ -236,10 +232,9 @@ def watch(interval_s: float) -> str | None:
                 current = ray.get(controller.status.options(max_task_retries=READ_RETRIES).remote(), timeout=60)
             except (RayActorError, GetTimeoutError) as e:
                 return f"the controller does not answer: {e}"
-            failed = [w for w in current["workers"] if w.get("state") == WorkerState.FAILED.value]
+            failed = [w for w in current.workers if w.state is WorkerState.FAILED]
             if failed:
-                return "; ".join(f"{w['name']} is FAILED: {(w.get('error') or '').splitlines()[0]}"
-                                 for w in failed)
+                return "; ".join(f"{w.name} is FAILED: {(w.error or '').splitlines()[0]}" for w in failed)
         return None
     finally:
         ray_cluster.disconnect()
@@ -266,20 +261,32 @@ def _kill_orphaned_supervisors(record: ClusterRecord) -> list[str]:
     return [f"supervisors killed without their controller: {', '.join(killed)}"] if killed else []
 
 
-def down(options: DownOptions) -> dict[str, Any]:
-    """Stop everything `up` started; returns the processes' final status and what survived."""
+@dataclass(frozen=True)
+class UpResult:
+    status: ClusterStatus
+    already_up: bool = False  # `up` again with the same topology: nothing was started
+    verification: str | None = None  # the verification's summary
+
+
+@dataclass(frozen=True)
+class DownResult:
+    survivors: list[int]  # pids still running after the deadline
+    notes: list[str]  # what did not go as planned
+
+
+def down(options: DownOptions) -> DownResult:
+    """Stop everything `up` started; returns what survived."""
     try:
         record = read_record()
     except RecordError as e:
         raise NotUpError(str(e)) from e
-    final: dict[str, Any] = {"endpoint": record.endpoint, "workers": []}
     notes: list[str] = []
     pids: list[int] = []
     try:
         controller = find_controller(record)
         here = socket.gethostname()  # a remote node's supervisor checks its own process group
         pids = [pid for host, pid in ray.get(controller.pids.remote(), timeout=60) if host == here]
-        final = ray.get(controller.stop.remote(options.timeout_s), timeout=options.timeout_s + 60)
+        notes += ray.get(controller.stop.remote(options.timeout_s), timeout=options.timeout_s + 60)
         ray.kill(controller)
     except (NotUpError, RayClusterError, RayActorError, GetTimeoutError) as e:
         notes.append(f"controller: {e}")
@@ -292,6 +299,4 @@ def down(options: DownOptions) -> dict[str, Any]:
     if record.head is not None:
         survivors += group_members(record.head.pid)
     clear_record()
-    final["survivors"] = survivors
-    final["notes"] = notes
-    return final
+    return DownResult(survivors, notes)

@@ -1,12 +1,5 @@
-"""Day-two operations on a running cluster: drain, restart, logs, a refreshing status.
-
-Each finds the cluster from its record and asks the controller, which asks the supervisor on the
-worker's node and the router's admin API (`docs/router_admin.md`).
-
-- `drain WORKER`: the router stops pairing it, its in-flight requests finish (up to a deadline),
-  then its process is stopped; the answer says whether the stop was forced.
-- `restart WORKER`: stop, start, wait for READY; the router pairs it again (also after a drain).
-- `logs WORKER [-f]`: the worker's log file (followed with -f), read on this machine.
+"""Day-two operations on a running cluster (drain, restart, logs, a refreshing status): each finds the cluster from
+its record and asks the controller, which asks the worker's supervisor and the router's admin API.
 """
 
 from __future__ import annotations
@@ -19,9 +12,11 @@ from typing import Any, Callable, Iterator
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from dsv4_cluster.core import WorkerStatus
 from dsv4_cluster.orchestrator.cluster import deployment, ray_cluster
 from dsv4_cluster.orchestrator.errors import ClusterStartError, NotUpError, RayClusterError, UnknownWorkerError
 from dsv4_cluster.orchestrator.cluster.record import RecordError, read_record
+from dsv4_cluster.orchestrator.supervise.controller import Drained
 from dsv4_cluster.orchestrator.supervise.router_admin import RouterAdminError
 
 FOLLOW_POLL_S = 0.25
@@ -49,20 +44,20 @@ def _call(method: str, *args: Any, timeout_s: float) -> Any:
         ray_cluster.disconnect()
 
 
-def drain(name: str, deadline_s: float, stop_deadline_s: float) -> dict[str, Any]:
+def drain(name: str, deadline_s: float, stop_deadline_s: float) -> Drained:
     return _call("drain", name, deadline_s, stop_deadline_s, timeout_s=deadline_s + stop_deadline_s + 60)
 
 
-def restart(name: str, timeout_s: float, stop_deadline_s: float) -> dict[str, Any]:
+def restart(name: str, timeout_s: float, stop_deadline_s: float) -> WorkerStatus:
     return _call("restart", name, timeout_s, stop_deadline_s, timeout_s=timeout_s + stop_deadline_s + 60)
 
 
 def log_path(name: str) -> str:
     """The log file of `name` (a worker or the router), from the cluster's status."""
-    rows = {w["name"]: w for w in deployment.status()["workers"] if "log_path" in w}
+    rows = {w.name: w for w in deployment.status().workers}
     if name not in rows:
         raise UnknownWorkerError(f"no process named {name!r}; this cluster has {sorted(rows)}")
-    return rows[name]["log_path"]
+    return rows[name].log_path
 
 
 def read_log(path: str, lines: int | None, follow: bool,

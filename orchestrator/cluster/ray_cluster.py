@@ -1,10 +1,8 @@
 """The Ray cluster under the orchestrator: start a local head that outlives the CLI, or join one.
 
-A `ray.init()` inside the CLI would start a cluster that dies with the CLI, so `up` runs
-`ray start --head --block` as its own process group (stays on 127.0.0.1, no auth, no usage
-stats, every port chosen free below the ephemeral range so two clusters on one machine never
-collide) and `down` signals that group. `ray stop` is never used: it kills every Ray process
-on the machine, including clusters this tool did not start.
+A `ray.init()` in the CLI would start a cluster that dies with it, so `up` runs `ray start --head --block` as its
+own process group (loopback, every port free below the ephemeral range) and `down` signals that group. Never
+`ray stop`: it kills every Ray process on the machine.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """The environment every Ray process of this tool runs with, set before `ray` is imported.
 
-Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER once, when `ray` is imported: without "0" a driver
-rewrites the address 127.0.0.1 to the machine's external address and then waits forever for a
-GCS that only listens on loopback. With "0" a driver advertises 127.0.0.1, which nodes of a real
-multi-node cluster cannot reach, so the flag is set only for a loopback cluster. The CLI applies
-this environment first and imports Ray after; the Ray head `up` starts gets all of RAY_ENV.
+Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER at import: without "0" a driver rewrites 127.0.0.1 to the external
+address and waits forever for a GCS on loopback; with "0" it advertises 127.0.0.1, which other nodes cannot reach,
+so the flag is set only for a loopback cluster.
 """
 
 from __future__ import annotations

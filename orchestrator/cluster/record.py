@@ -1,9 +1,6 @@
-"""The record of the running cluster, so `status` and `down` need no arguments.
-
-`up` writes `<home>/current.json` once the cluster is up: the Ray address, the namespace the
-controller lives in, whether `up` started the Ray head (then `down` stops it, and only then),
-the endpoint, and the router's admin token (so the file is private to its owner). `<home>` is
-`~/.dsv4-cluster`, or `$DSV4_CLUSTER_HOME` (tests use their own).
+"""The record of the running cluster (`<home>/current.json`, private to its owner), so `status` and `down` need no
+arguments: Ray address, namespace, whether `up` started the Ray head, endpoint, the router's admin token.
+`<home>` is `~/.dsv4-cluster`, or `$DSV4_CLUSTER_HOME`.
 """
 
 from __future__ import annotations
@@ -13,7 +10,9 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ConfigDict, TypeAdapter, ValidationError
+
+from dsv4_cluster.orchestrator.processes import write_atomically
 
 HOME_ENV = "DSV4_CLUSTER_HOME"
 RECORD_FILE = "current.json"
@@ -33,12 +32,14 @@ def cluster_home() -> Path:
 class HeadProcess:
     """A Ray head `up` started: `ray start --head --block`, the leader of its process group."""
 
+    __pydantic_config__ = ConfigDict(extra="forbid")   # read back with pydantic (`read_record`)
     pid: int
     log_path: str
 
 
 @dataclass(frozen=True)
 class ClusterRecord:
+    __pydantic_config__ = ConfigDict(extra="forbid")
     address: str
     namespace: str
     endpoint: str
@@ -48,36 +49,13 @@ class ClusterRecord:
     admin_token: str | None = field(default=None, repr=False)  # the router's admin API token
 
 
-class _HeadModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    pid: int
-    log_path: str
-
-
-class _RecordModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    address: str
-    namespace: str
-    endpoint: str
-    topology_path: str
-    run_dir: str
-    head: _HeadModel | None
-    admin_token: str | None = None
-
-
 def record_path() -> Path:
     return cluster_home() / RECORD_FILE
 
 
 def write_record(record: ClusterRecord) -> Path:
     path = record_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # it holds the admin token
-    with os.fdopen(fd, "w") as f:
-        f.write(json.dumps(asdict(record), indent=2) + "\n")
-    tmp.replace(path)
+    write_atomically(path, json.dumps(asdict(record), indent=2) + "\n", mode=0o600)  # it holds the admin token
     return path
 
 
@@ -92,12 +70,10 @@ def read_record() -> ClusterRecord:
         raise RecordError(f"cannot read the cluster record {path}: {e}; remove it if no cluster "
                           "is running") from e
     try:
-        m = _RecordModel.model_validate(raw)
+        return TypeAdapter(ClusterRecord).validate_python(raw)
     except ValidationError as e:
         raise RecordError(f"the cluster record {path} is invalid ({e.error_count()} errors); "
                           "remove it if no cluster is running") from e
-    head = HeadProcess(m.head.pid, m.head.log_path) if m.head else None
-    return ClusterRecord(m.address, m.namespace, m.endpoint, m.topology_path, m.run_dir, head, m.admin_token)
 
 
 def clear_record() -> None:

@@ -1,16 +1,8 @@
 """KV capacity each server will have, predicted from the topology before anything starts.
 
-Embedded engine: exact. Its pool holds `max_total_tokens // page_size` whole pages
-(workers/runner.py `RunnerConfig.layout`), so `max_total_num_tokens` in its `/server_info` is that
-times `page_size`; bytes per token follow from the pool layout (float32 rows: `main` per token,
-`comp` per compressed entry at each layer's ratio, the indexer keys of ratio-4 layers; fp8 pages as SGLang pads them).
-
-SGLang: 0.5.23's DeepSeek-V4 pool sizing, followed in `sglang_capacity` (checked against SGLang's own
-configurator and pool classes in the tests), from the GPU inputs (`GpuInputs`: H200 and the
-DeepSeek-V4-Flash checkpoint by default), TP, context length, the model's config and the memory
-fraction: the worker's `--mem-fraction-static` in extra_args, else SGLang's default for its role.
-Where it cannot be followed (another SGLang, an extra flag that changes the sizing) the row says why
-and predicts nothing.
+Embedded engine: exact (`max_total_tokens // page_size` whole pages; bytes per token from the pool layout).
+SGLang: 0.5.23's DeepSeek-V4 pool sizing (`sglang_capacity`); where it cannot be followed (another SGLang, an extra
+flag that changes the sizing) the row says why and predicts nothing.
 """
 
 from __future__ import annotations
@@ -45,20 +37,13 @@ class Capacity:
         return self.max_total_num_tokens // self.context_length
 
 
-def kv_predicted_cell(row: dict[str, Any]) -> str:
-    """The status table's KV_PREDICTED cell: the predicted `max_total_num_tokens`, "-" when none (the
-    router, or a server whose sizing is not followed; a miss over 5% is an error line of its row)."""
-    predicted = row.get("kv_predicted_tokens")
-    return "-" if predicted is None else str(predicted)
-
-
 def embedded_bytes_per_token(preset: str = "tiny", device: str = "cpu", kv_cache_dtype: str = "auto",
                              page_size: int = 16) -> float:
     """Bytes of the embedded pool per token of capacity for the worker's model preset, in the layout its
     --kv-cache-dtype gives on that device (auto: float32 on cpu; on cuda fp8 for flash, bf16 for tiny): one
     page's bytes over every buffer (fp8 pages with their padding, each layer's compression ratio) over its
     tokens, the pool's own formula (kv_pool.PoolLayout.page_bytes)."""
-    from dsv4_cluster.workers.presets import kv_bytes_per_token, kv_layout_dtype, model_config
+    from dsv4_cluster.workers.engine.presets import kv_bytes_per_token, kv_layout_dtype, model_config
 
     cfg = model_config(preset)
     return kv_bytes_per_token(cfg, kv_layout_dtype(kv_cache_dtype, cfg, device), page_size)

@@ -1,13 +1,8 @@
 """What runs where, by GPU class: the kernel dispatch table (kernels/dispatch.py) applied to a topology's GPUs.
 
-A worker's GPUs have a class (SGLang's: sm_90 H100/H200, sm_100 B200/B300, sm_120 RTX PRO 6000), read from the
-driver (`nvidia-smi --query-gpu=index,compute_cap`) or, where no GPU is visible (`plan` on a laptop), given
-(`plan --gpu-class`). For each requested kernel of each GPU worker, the table says what runs: ours (which kernel,
-how many heads) at which SGLang call site, or stock. Three readers:
-- `plan` prints the rows;
-- preflight refuses, before anything starts, a requested kernel on a GPU whose class the kernels have no row for
-  (fail closed, as the plugin does inside SGLang);
-- `verify` expects each SGLang rank's attestation to name the class its GPU has and ours for every requested kernel.
+The class comes from the driver (`nvidia-smi --query-gpu=index,compute_cap`) or, with no GPU here, from
+`plan --gpu-class`. `plan` prints the rows; preflight refuses a requested kernel on a class with no row (fail
+closed, as the plugin does); `verify` expects each SGLang rank's attestation to name its class and our kernels.
 """
 
 from __future__ import annotations
@@ -103,7 +98,7 @@ def _what_runs(topology: Any, worker: Any, gpu: str, kernel: str) -> str:
 
 def _where(topology: Any, gpu: str, kernel: str) -> str:
     if topology.engine != "sglang":
-        return "embedded engine (workers/kernel_ops.py)"
+        return "embedded engine (workers/engine/kernel_ops.py)"
     sites = [f"{s.module.rsplit('.', 1)[-1]}.{s.attr}" for s in sites_for(gpu, kernel)]
     stock = [s.what for s in STOCK if s.kernel == kernel and gpu in s.classes]
     return ", ".join(sites) + (f"; not ours: {', '.join(stock)} (opt-in)" if stock else "")

@@ -1,12 +1,8 @@
 """Launch plans: the exact argv, env, log file and readiness probes of every supervised process.
 
-A plan is computed from the topology alone, before anything starts, so it can be printed,
-unit-tested flag by flag, and shipped to a supervisor actor as one frozen value. Two engines:
-the embedded engine (`python -m dsv4_cluster.workers.{prefill,decode}`) and SGLang
-(`python -m sglang.launch_server`, flags and env in `sglang_launch`, as SGLang 0.5.23 resolves them).
-The router is planned here too: its settings are built once, typed (`RouterSettings`, from the
-topology's `router:` section), and travel in the plan (`router_settings`, rendered into `files`), so the
-supervisor on the router's node writes them there and nothing parses them back.
+Computed from the topology alone, before anything starts, so a plan can be printed, tested flag by flag and
+shipped to a supervisor as one frozen value. The router's settings travel typed in its plan (`router_settings`),
+and its supervisor writes them out; nothing parses them back.
 """
 
 from __future__ import annotations

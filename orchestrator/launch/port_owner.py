@@ -1,8 +1,5 @@
-"""Which process holds a TCP port on this machine, so preflight can name it (Linux: /proc).
-
-The port's sockets come from /proc/net/tcp and tcp6 (local port, any state), their inodes are
-matched against every process's open file descriptors. Processes this user may not inspect are
-skipped, so the answer can be incomplete; it is never a guess.
+"""Which process holds a TCP port on this machine, so preflight can name it: sockets from /proc/net/tcp{,6} matched
+to processes' fds. Processes this user may not inspect are skipped: the answer may be incomplete, never a guess.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Local TCP ports: is one free, and find free ones below the ephemeral range.
-
-Listening ports stay below 32768: after a load test the ephemeral range (32768–60999) is full of
-TIME_WAIT sockets and binding one of those fails with "address already in use".
+"""Local TCP ports: is one free, and find free ones below the ephemeral range (after a load test the ephemeral
+range is full of TIME_WAIT sockets, and binding one fails).
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""Preflight: what `up` checks on this machine before it starts anything.
-
-The topology loader checks the file; this checks the machine against it: every listening port
-free, `numactl` present when a worker is pinned to a NUMA node, NIXL importable for the nixl
-transfer, SGLang installed at the pinned version for the sglang engine, SGLang able to find our plugin when
-kernels are asked for, and each pinned worker's NUMA node the one its GPUs sit on (SGLang binds each TP
-child to the topology's node, see orchestrator/launch/sglang.py). Every problem is
-reported at once, like the loader's. Ports are only checked for nodes whose address is this
-machine's (a remote node's ports are its own business).
+"""Preflight: what `up` checks on this machine before it starts anything, every problem at once: ports free
+(on this machine's nodes), numactl, NIXL, SGLang at the pinned version and able to find our plugin, and each
+pinned worker's NUMA node the one its GPUs sit on.
 """
 
 from __future__ import annotations
@@ -24,7 +18,7 @@ from dsv4_cluster.orchestrator.launch.plan import LaunchPlan, requested_kernels
 from dsv4_cluster.orchestrator.launch.port_owner import port_holders
 from dsv4_cluster.orchestrator.launch.ports import port_is_free
 from dsv4_cluster.orchestrator.launch.sglang_capacity import checkpoint_config
-from dsv4_cluster.workers.nixl_loader import INSTALL_HINT as NIXL_INSTALL_HINT, nixl_package
+from dsv4_cluster.workers.kv.nixl_loader import INSTALL_HINT as NIXL_INSTALL_HINT, nixl_package
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "0.0.0.0", "::1")
 NUMA_SYSFS = "/sys/devices/system/node"

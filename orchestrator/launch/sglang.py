@@ -1,32 +1,7 @@
 """The SGLang launch spec: `launch_server` flags and environment as SGLang 0.5.23 resolves them.
 
-What SGLang does with DeepSeek-V4 whatever it is told, read in its 0.5.23 wheel, and how the plan
-follows it instead of fighting it:
-
-- Page size. `arg_groups/model_overrides/deepseek_v4.py` sets `page_size = 256` (CUDA) for
-  `DeepseekV4ForCausalLM`, overriding `--page-size`. The plan emits 256, the value SGLang will use,
-  so the printed plan, `/server_info` and the P/D agreement rule all say the same thing.
-- KV dtype. `--kv-cache-dtype` takes SGLang's names; DeepSeek-V4 accepts `fp8_e4m3` and `bfloat16`
-  (`auto` becomes `fp8_e4m3`; `bf16` parses but fails an assert at start). The topology's names map
-  through `SGLANG_KV_DTYPE`, `auto` to what SGLang resolves it to.
-- Address. `SGLANG_HOST_IP` is the worker's node address (else SGLang guesses one, which on a
-  multi-homed host can be the wrong NIC for the bootstrap/NIXL side channel).
-- GPUs. All GPUs stay visible; a worker takes `--base-gpu-id` (its first GPU) with step 1, so its GPUs
-  must be consecutive. SGLang's own PD tests do this, and NIXL/UCX's CUDA transports need the peer's
-  GPU visible for a GPU-to-GPU copy inside one host (`CUDA_VISIBLE_DEVICES` per server hides it and
-  UCX falls back to staging through host memory, or fails).
-- NUMA. SGLang binds each TP child to a NUMA node itself (`configure_subprocess`, numactl in front of
-  the child, node `--numa-node[gpu_id]`, else its GPU's node from sysfs). The plan passes the
-  topology's `numa_node` as `--numa-node`, indexed by GPU id as SGLang reads it, and no numactl of
-  its own: one binding, the one the topology names.
-- Cached tokens. SGLang fills `usage.prompt_tokens_details` only under `--enable-cache-report`. A PD decode
-  reports the prefill's prefix-cache hit: the prefill writes it into the metadata buffers that travel with the KV
-  (`disaggregation/utils.py` `set_buf`, slot 0), the decode copies it into the request
-  (`disaggregation/decode.py` `_commit_transfer_to_req`) and adds only its own reuse beyond it. The plan sets the
-  flag on both roles (the client reads the decode's usage), so a cluster's usage says what the prefill reused, as
-  the embedded engine's does.
-- Kernels. The plugin (`dsv4_cluster.kernels.sglang_plugin`) is inert unless `DSV4_CLUSTER_KERNELS`
-  names kernels; each TP rank writes its attestation under `DSV4_CLUSTER_ATTEST_DIR`.
+Why each flag is what it is (page size 256, KV dtype names, SGLANG_HOST_IP, all GPUs visible with
+`--base-gpu-id`, `--numa-node` and no numactl, `--enable-cache-report`, the plugin's env): docs/sglang.md.
 """
 
 from __future__ import annotations
@@ -36,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsv4_cluster.core import Role
-from dsv4_cluster.kernels.sglang_plugin.settings import ATTEST_DIR_ENV, KERNELS_ENV, SGLANG_VERSION, WORKER_ENV
+from dsv4_cluster.kernels.sglang_plugin.settings import ATTEST_DIR_ENV, KERNELS_ENV, WORKER_ENV
 
 if TYPE_CHECKING:
     from dsv4_cluster.orchestrator.topology.schema import Topology, WorkerConfig

@@ -1,25 +1,7 @@
 """The KV pool SGLang 0.5.23 gives DeepSeek-V4 on one GPU: `max_total_num_tokens`, computed its way.
 
-Read in SGLang 0.5.23's wheel and pinned to it (`SIZING_VERSION`; another version is refused, the sizing
-changed between releases). The path, for a TP rank of a DeepSeek-V4 PD server with our launch plan:
-
-1. `bootstrap.measure_pre_model_load_memory`: free GPU memory after torch/NCCL init (`pre`, GiB; the
-   minimum over the TP ranks). Measured at start: an input here (`GpuInputs.free_before_load_gib`).
-2. weights load; `KVCacheConfigurator._profile_available_bytes`:
-   `available = int((free_after_load - pre * (1 - mem_fraction_static)) * 2**30)`; free after load is
-   `pre - weights per rank` here (the checkpoint split evenly over TP: an approximation, see `GpuInputs`).
-3. `DSV4PoolConfigurator.calculate_pool_sizes(available, 256)` (model_executor/pool_configurator.py):
-   bytes per full token = swa_ratio x bytes per SWA token + per C4 layer (C4 KV/4 + indexer/4) + per C128
-   layer (C128 KV/128); bytes per SWA token = the paged window KV of every layer + the C4 compress-state
-   ring priced per SWA slot. Page bytes follow `KVLayout.V4.page_bytes` (584 B/token rows, the page
-   stride padded to a multiple of 576 B). The C128 compress-state pool is fixed bytes sized by request
-   slots (`max_running_requests` + 1, + decode extra slots). `full = (available - fixed) / per_token`,
-   rounded down to whole 256-token pages.
-4. `_apply_token_constraints`: `--max-total-tokens` caps it (then whole pages again).
-
-The default `mem_fraction_static` is SGLang's `handle_gpu_memory_settings` heuristic for this model and
-role (`default_mem_fraction`). Everything here is checked against SGLang's own classes in
-tests/test_sglang_capacity.py (CI installs SGLang).
+Pinned to 0.5.23 (`SIZING_VERSION`; another version is refused). The derivation, step by step with SGLang's
+function names, is in docs/sglang.md; tests/test_sglang_capacity.py checks it against SGLang's own classes.
 """
 
 from __future__ import annotations
@@ -101,19 +83,9 @@ def geometry_for(model_path: str) -> DSV4Geometry:
 
 @dataclass(frozen=True)
 class GpuInputs:
-    """The measured numbers SGLang sizes from (per GPU), with the defaults for DeepSeek-V4-Flash on H200.
-
-    - `total_mib`: what nvidia-smi reports as memory.total (SGLang's default fraction reads it);
-      an H200 reports 143771 MiB.
-    - `free_before_load_gib`: SGLang's `pre_model_load_memory`, free memory after CUDA context and NCCL
-      init. Default: total minus 1.21 GiB, the gap measured on an H200 (nvidia-smi 143771 MiB = 140.40 GiB;
-      `torch.cuda.mem_get_info` free after creating the CUDA context 139.19 GiB; driver 580.159, torch
-      2.11+cu130). NCCL's buffers at TP4 were not measured: they lower it further.
-    - `checkpoint_gib`: weights per TP rank = checkpoint / TP (`weights_gib`). Default: the official 46-shard
-      DeepSeek-V4-Flash checkpoint, about 149 GiB on disk (FP4 experts, FP8 attention and dense layers;
-      `du -sh` figure from a public 4xH200 deployment write-up), split evenly over TP. SGLang replicates a
-      few small tensors and skips the MTP layer without speculative decoding; the split ignores both.
-    """
+    """The numbers SGLang measures at start, per GPU; defaults: DeepSeek-V4-Flash on an H200, each explained in
+    docs/sglang.md (`total_mib` nvidia-smi's total, `free_before_load_gib` SGLang's pre-load free memory,
+    `checkpoint_gib` the checkpoint split evenly over TP)."""
 
     total_mib: float = 143771.0
     free_before_load_gib: float | None = None

@@ -1,13 +1,8 @@
-"""Streamed chat load against an OpenAI-compatible endpoint (the router, or one worker): one concurrency level.
+"""Streamed chat load against an OpenAI-compatible endpoint at one concurrency (`dsv4-cluster bench`,
+`python -m bench.load`).
 
-Each request is a streamed `POST /v1/chat/completions` (greedy, `ignore_eos`, `include_usage`), so its timings
-come from the stream itself: TTFT is the time to the first content chunk, TPOT the time per output token after it
-((end - first token) / (completion tokens - 1)), token counts are the server's own `usage`. A request that fails is
-counted under a short reason (`HTTP 503`, `stream error: ...`, `connect: ...`, `timeout`), never dropped. Decode
-tok/s counts the tokens after each request's first over the span in which requests were decoding. While a
-level runs, `progress` gets a `Progress` every `progress_s` seconds (and once at the end).
-
-Used by `dsv4-cluster bench URL` (sweep.py) and by `python -m bench.load`.
+Timings come from the stream (TTFT to the first content chunk; TPOT over the tokens after it), token counts from
+the server's `usage`. A failed request is counted under a short reason, never dropped.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """`dsv4-cluster bench URL`: a concurrency sweep of streamed chat requests against a router (or one worker).
 
-    dsv4-cluster bench http://127.0.0.1:30001 --concurrency 1,4,16 --prompt-chars 200 --max-tokens 64 \
-        --out bench/results/bench.json
-
-For each concurrency C it sends `--requests` requests (default 4 x C, at least 8), C at a time (`loadgen.py`:
-TTFT and TPOT from the stream, tokens from `usage`, failures counted by reason), printing progress to stderr while
-a level runs; then a table of every level (output tok/s, TTFT and TPOT p50/p99, errors by reason) on stdout and,
-with `--out`, the JSON of the whole sweep. The model name is the endpoint's own (`GET /v1/models`) unless
-`--model` gives one. Exit 0 when every request succeeded, 2 when some failed, 1 when the endpoint does not answer.
+A table per level on stdout, progress on stderr, the JSON with `--out`. Exit 0 when every request succeeded,
+2 when some failed, 1 when the endpoint does not answer.
 """
 
 from __future__ import annotations

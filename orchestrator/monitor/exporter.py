@@ -1,13 +1,6 @@
-"""The orchestrator's metrics: each process's supervisor state and restarts, for Prometheus.
-
-    python -m dsv4_cluster.orchestrator.monitor.exporter --host 127.0.0.1 --port 9101
-
-`dsv4-cluster monitor up` runs it beside Prometheus (job `dsv4-orchestrator`). At every scrape it
-asks the recorded cluster's controller for its status (what `dsv4-cluster status` shows) and
-exports `dsv4_cluster_worker_state{worker,role,node,state}` (1 for the current state, 0 for the
-others) and `dsv4_cluster_worker_restarts_total`, plus `dsv4_cluster_controller_up` (0 when no
-cluster is recorded or its controller does not answer, with no worker series). It follows the
-cluster record, so it survives `down` and a later `up`.
+"""The orchestrator's metrics for Prometheus (`python -m dsv4_cluster.orchestrator.monitor.exporter`, job
+`dsv4-orchestrator`): each process's supervisor state and restarts, asked of the recorded cluster's controller at
+every scrape, and `dsv4_cluster_controller_up`. It follows the cluster record, so it survives `down` and `up`.
 """
 
 from __future__ import annotations
@@ -20,14 +13,14 @@ import socket
 import threading
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Any, Iterator
+from typing import Iterator
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import start_http_server
 
 from dsv4_cluster import metric_names as m
-from dsv4_cluster.core import WorkerState
+from dsv4_cluster.core import WorkerState, WorkerStatus
 from dsv4_cluster.orchestrator.cluster.ray_env import prepare_ray_env
 from dsv4_cluster.orchestrator.cluster.record import ClusterRecord, RecordError, read_record
 
@@ -51,7 +44,7 @@ def _driver(conn: Connection, address: str, namespace: str) -> None:
         try:
             controller = ray.get_actor(CONTROLLER_NAME, namespace=namespace)
             reply = controller.status.options(max_task_retries=READ_RETRIES).remote()  # through a restart
-            conn.send(list(ray.get(reply, timeout=STATUS_TIMEOUT_S)["workers"]))
+            conn.send(list(ray.get(reply, timeout=STATUS_TIMEOUT_S).workers))
         except (ValueError, RayActorError, GetTimeoutError) as e:
             conn.send(f"the controller does not answer: {e}")
 
@@ -93,7 +86,7 @@ class ClusterStatusSource:
             return False
         return True
 
-    def rows(self) -> list[dict[str, Any]] | None:
+    def rows(self) -> list[WorkerStatus] | None:
         """The controller's rows, or None when no cluster answers."""
         with self._lock:
             try:
@@ -126,7 +119,7 @@ class ClusterStatusSource:
             self._stop_child()
 
 
-def families(rows: list[dict[str, Any]] | None) -> Iterator[Metric]:
+def families(rows: list[WorkerStatus] | None) -> Iterator[Metric]:
     """The exported families for these status rows (None: no cluster answers)."""
     up = GaugeMetricFamily("dsv4_cluster_controller_up", "1 when the recorded cluster's controller answers")
     up.add_metric([], 0.0 if rows is None else 1.0)
@@ -136,12 +129,12 @@ def families(rows: list[dict[str, Any]] | None) -> Iterator[Metric]:
     restarts = CounterMetricFamily(m.CLUSTER_WORKER_RESTARTS.removesuffix("_total"),
                                    "Restarts of each process by its supervisor", labels=list(LABELS))
     for row in rows or []:
-        if "state" not in row:  # a supervisor that did not answer: no state to report
+        if row.state is None:  # a supervisor that did not answer: no state to report
             continue
-        labels = [row["name"], row["role"], row["node"]]
+        labels = [row.name, row.role.value, row.node]
         for s in WorkerState:
-            state.add_metric([*labels, s.value], 1.0 if row["state"] == s.value else 0.0)
-        restarts.add_metric(labels, float(row.get("restarts", 0)))
+            state.add_metric([*labels, s.value], 1.0 if row.state is s else 0.0)
+        restarts.add_metric(labels, float(row.restarts))
     yield state
     yield restarts
 

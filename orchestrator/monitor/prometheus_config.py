@@ -1,11 +1,6 @@
-"""The Prometheus configuration of one topology: scrape jobs over `file_sd` targets, alert rules.
-
-Three jobs, each reading one targets file that `prometheus_targets` keeps current: `dsv4-router`,
-`dsv4-workers` (every prefill and decode worker, labelled worker/role/node) and
-`dsv4-orchestrator` (worker states and restarts, served by `dsv4-cluster monitor`'s exporter).
-The alert rules are `deploy/prometheus/alerts.yml`, unit-tested by `promtool test rules` against
-`deploy/prometheus/alerts_test.yml`. `write_config` leaves the targets to the running cluster: it
-only creates empty targets files where none exist yet (`up` fills them, `down` empties them).
+"""The Prometheus configuration of one topology: three `file_sd` scrape jobs (`dsv4-router`, `dsv4-workers`,
+`dsv4-orchestrator`) and the alert rules of `deploy/prometheus/alerts.yml`. The targets files belong to the
+running cluster: `write_config` only creates empty ones where none exist.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
-"""`dsv4-cluster monitor up|down FILE`: Prometheus on loopback next to the cluster, with the
-generated scrape config and alert rules, the orchestrator's exporter, and Grafana's files.
+"""`dsv4-cluster monitor up|down FILE`: Prometheus on loopback next to the cluster, with the generated scrape config
+and alert rules, the orchestrator's exporter, and Grafana's files.
 
-    monitor up FILE   write <run_dir>/prometheus/prometheus.yml (prometheus_config.py), start the
-                      exporter (job dsv4-orchestrator) and `prometheus`, each in its own process
-                      group with a log under <run_dir>/logs, wait until both answer, write the
-                      dashboards and provisioning files under <run_dir>/grafana, print where.
-    monitor down FILE SIGTERM both groups, SIGKILL after the deadline, forget them.
-
-Both processes outlive the CLI (like the Ray head `up` starts); `<run_dir>/prometheus/monitor.json`
-records their pids. The cluster itself may come and go: the targets files follow it.
+Both processes run in their own process groups and outlive the CLI; `<run_dir>/prometheus/monitor.json` records
+their pids for `down`.
 """
 
 from __future__ import annotations

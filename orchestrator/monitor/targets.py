@@ -1,26 +1,20 @@
-"""Prometheus `file_sd` targets: which processes of the running cluster Prometheus scrapes.
-
-The scrape config (`prometheus_config.py`) points each job at one JSON file under
-`<run_dir>/prometheus/targets/`; this module is the only writer of those files. The controller
-calls `record_targets` whenever it reads its workers' states: every process the cluster means to
-run is a target, whatever its state (a crashed or FAILED worker must stay a target, so that
-`up == 0` fires the worker-down alert); a process that was stopped on purpose (`down`, a drain)
-is not. Prometheus re-reads the files on change; writes are atomic (rename), and a file is only
-rewritten when its content changes.
+"""Prometheus `file_sd` targets, written only here: the controller calls `record_targets` when it starts or stops
+processes on purpose (up, drain, restart, down), never when status is read. Every process the cluster means to run
+is a target, whatever its state, so `up == 0` fires the worker-down alert; one stopped on purpose is not. Writes
+are atomic and only on change.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 from urllib.parse import urlsplit
 
-from dsv4_cluster.core import Role, WorkerState
+from dsv4_cluster.core import Role
 from dsv4_cluster.orchestrator.launch.plan import LaunchPlan
+from dsv4_cluster.orchestrator.processes import write_atomically
 
 TARGETS_SUBDIR = ("prometheus", "targets")
 logger = logging.getLogger(__name__)
@@ -53,12 +47,7 @@ def write_job(run_dir: str | Path, job: str, entries: list[dict[str, Any]]) -> P
     text = json.dumps(entries, indent=2, sort_keys=True) + "\n"
     if path.exists() and path.read_text() == text:
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    write_atomically(path, text)
     return path
 
 
@@ -69,18 +58,22 @@ def write_plans(run_dir: str | Path, plans: Iterable[LaunchPlan], stopped: froze
     write_job(run_dir, "dsv4-workers", [plan_target(p) for p in live if p.role is not Role.ROUTER])
 
 
-def record_targets(spec: Any, rows: list[dict[str, Any]] | None) -> None:
-    """The controller's call: `spec` a ClusterSpec, `rows` its processes' status dicts (None: the
-    whole cluster was stopped on purpose, no process is a target). A process is left out only when
-    its row says STOPPED. A targets file that cannot be written is logged, never raised: monitoring
-    must not break `status` or `down`."""
-    plans = (*spec.workers, spec.router)
-    if rows is None:
-        stopped = frozenset(p.name for p in plans)
-    else:
-        stopped = frozenset(r["name"] for r in rows
-                            if "name" in r and r.get("state") == WorkerState.STOPPED.value)
+def listed(run_dir: str | Path) -> set[str]:
+    """The processes the router and worker targets files list now (none where there is no file)."""
+    names: set[str] = set()
+    for job in ("dsv4-router", "dsv4-workers"):
+        try:
+            entries = json.loads((targets_dir(run_dir) / JOB_FILES[job]).read_text())
+        except (OSError, ValueError):
+            continue
+        names |= {e["labels"]["worker"] for e in entries}
+    return names
+
+
+def record_targets(spec: Any, stopped: Iterable[str]) -> None:
+    """The controller's call: every process of `spec` (a ClusterSpec) is a target but those in `stopped`. A
+    targets file that cannot be written is logged, never raised: monitoring must not break the cluster."""
     try:
-        write_plans(spec.router.cwd, plans, stopped)
+        write_plans(spec.router.cwd, (*spec.workers, spec.router), frozenset(stopped))
     except OSError as e:
         logger.warning("cannot write the Prometheus targets under %s: %s", targets_dir(spec.router.cwd), e)

@@ -1,9 +1,5 @@
-"""Which GPUs a process actually holds, read back from the NVIDIA driver (not from what it was told).
-
-`nvidia-smi --query-compute-apps` lists every process with a CUDA context and the GPU (by UUID) it is on;
-`--query-gpu` maps UUIDs to indices. With every GPU visible to every worker (SGLang's `--base-gpu-id`, the
-embedded engine's `--device cuda:N`), the environment no longer says which GPU a worker uses: the driver does.
-None when there is no NVIDIA driver here (no `nvidia-smi`, or it fails): the caller shows "unknown".
+"""Which GPUs a process actually holds, from the NVIDIA driver (`nvidia-smi --query-compute-apps`): with every GPU
+visible to every worker the environment no longer says. None without a driver: the caller shows "unknown".
 """
 
 from __future__ import annotations

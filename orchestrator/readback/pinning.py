@@ -1,12 +1,5 @@
-"""Pinning read back from the running process, compared with what its launch plan asked for.
-
-What a worker actually runs with, from /proc: the CPUs it may run on (`sched_getaffinity`), its
-NUMA memory policy (the policy of its heap mapping in `/proc/PID/numa_maps`, e.g. `bind:1`, and
-`Mems_allowed_list` from `/proc/PID/status`), and the GPUs it sees (`CUDA_VISIBLE_DEVICES` from
-`/proc/PID/environ`), and the GPUs it and its process group hold CUDA contexts on (the driver's answer,
-`gpu_readback.py`; every GPU stays visible to workers, so the environment does not say). The plan asks
-through `numactl --cpunodebind=N --membind=N`, that variable and the worker's GPUs; every difference is
-listed as a mismatch, which `status` flags.
+"""Pinning read back from the running process (/proc: CPU affinity, NUMA memory policy, CUDA_VISIBLE_DEVICES, and
+the GPUs its group holds contexts on), compared with what its launch plan asked; `status` flags each mismatch.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""HTTP probes of a running worker: readiness and KV cache capacity/usage.
-
-Readiness is "every URL answers 200" (a worker's `/health`; for prefill also its bootstrap
-server's `/health` and `/route`). KV numbers come from `/server_info` (`max_total_num_tokens`,
-`internal_states[0].num_used_tokens`); SGLang's internal state may lack the usage, so `/metrics`
-(`sglang:num_used_tokens`) is the fallback.
+"""HTTP probes of a running worker: readiness (every URL answers 200) and KV capacity/usage (`/server_info`, with
+`sglang:num_used_tokens` from `/metrics` where SGLang's internal state lacks it).
 """
 
 from __future__ import annotations

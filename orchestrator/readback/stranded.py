@@ -1,7 +1,5 @@
-"""Stranded KV as `status` shows it: read from a prefill's own `/metrics` (the numbers Prometheus scrapes).
-
-Only the embedded prefill exports them (`workers/prefill/stranded.py`); for a worker that does not,
-`stranded_kv` is None and `status` shows nothing rather than a zero nobody measured.
+"""Stranded KV as `status` shows it, read from a prefill's `/metrics`; None for a worker that exports none (SGLang),
+so `status` shows nothing rather than a zero nobody measured.
 """
 
 from __future__ import annotations
@@ -13,6 +11,8 @@ from dsv4_cluster import metric_names as m
 
 if TYPE_CHECKING:
     import httpx  # the caller's client: the status table imports this module without it
+
+    from dsv4_cluster.core import WorkerStatus
 
 _FIELDS = {m.STRANDED_KV_TOKENS: "tokens", m.STRANDED_KV_ROOMS: "rooms",
            m.STRANDED_KV_FREED_TOKENS: "freed_tokens", m.STRANDED_KV_FREED_ROOMS: "freed_rooms"}
@@ -35,10 +35,10 @@ def stranded_kv(client: httpx.Client, metrics_url: str) -> dict[str, int] | None
     return parse_stranded_kv(r.text)
 
 
-def stranded_line(row: dict) -> str | None:
+def stranded_line(row: WorkerStatus) -> str | None:
     """The status line of one worker row that carries stranded-KV numbers."""
-    s = row.get("stranded_kv")
+    s = row.stranded_kv
     if not s:
         return None
-    return (f"{row['name']}: stranded KV {s['tokens']} tokens in {s['rooms']} rooms now; freed "
+    return (f"{row.name}: stranded KV {s['tokens']} tokens in {s['rooms']} rooms now; freed "
             f"{s['freed_tokens']} tokens in {s['freed_rooms']} rooms since it started")

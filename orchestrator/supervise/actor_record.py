@@ -1,27 +1,19 @@
-"""What a supervisor or the controller keeps in the run folder to survive its own process dying.
-
-Ray restarts a dead supervisor or controller actor (`max_restarts`) by running its constructor again,
-with the same arguments, in a new process; whatever it held in memory is gone. Each actor therefore
-writes `<run_dir>/actors/<actor name>.json`: its Ray actor id (a restarted actor keeps it, the actor
-of a later cluster has another), its pid (where an operator, or a test, finds the process), and for
-a supervisor the worker it runs: pid and start time (so a recycled pid is never taken for it), the
-restart count, the start timeout and whether the worker should be running.
-
-A supervisor's worker dies with the supervisor (PR_SET_PDEATHSIG), so a restarted supervisor has no
-process to adopt: it kills what is left of the old worker's process group (children an engine spawned,
-e.g. SGLang's TP ranks) and starts the worker again (`WorkerSupervisor._resume`).
+"""What a supervisor or the controller keeps in the run folder (`<run_dir>/actors/<name>.json`) to survive its own
+process dying: Ray reruns the constructor of a dead actor in a new process, with the same actor id. A supervisor
+records its worker's pid and start time (a recycled pid is never taken for it), restarts, start timeout and
+whether it should run; its worker died with it (PR_SET_PDEATHSIG), so the restarted one reaps the old group and
+starts the worker again.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dsv4_cluster.orchestrator.processes import group_members, pid_alive, signal_group, start_time
+from dsv4_cluster.orchestrator.processes import group_members, pid_alive, signal_group, start_time, write_atomically
 
 REAP_WAIT_S = 5.0
 
@@ -42,10 +34,7 @@ def record_path(run_dir: str | Path, actor_name: str) -> Path:
 
 
 def write_actor_record(path: Path, record: ActorRecord) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(asdict(record)) + "\n")
-    tmp.replace(path)
+    write_atomically(path, json.dumps(asdict(record)) + "\n")
 
 
 def read_actor_record(path: Path) -> ActorRecord | None:

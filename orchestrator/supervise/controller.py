@@ -1,19 +1,9 @@
 """The controller: one detached, named Ray actor that owns the cluster's supervisors.
 
-`up` creates it (`name="controller"` in the topology's namespace, `lifetime="detached"`) so it
-outlives the CLI; `status` and `down` find it again by name. It creates one supervisor actor per
-worker, placed on the worker's node, starts prefill and decode concurrently, and starts the
-router only once every worker is READY. Worker supervisors tell the router of every state change
-(admin API, with the cluster's admin token); once the router is up, a deep probe sends a real
-request through every prefill -> decode pair periodically. It answers `GET /status` on loopback
-(`status_endpoint.py`, URL in `<run_dir>/status_endpoint.json`): `dsv4-cluster status` asks there, without Ray.
-
-Both survive their own process dying. Supervisors are detached, named actors (`supervisor-<name>`)
-that Ray restarts (`max_restarts`); a restarted one starts its worker again (supervisor.py). The
-controller is restarted by Ray too (`up` creates it with `max_restarts`); its constructor finds the
-running supervisors by name and takes them over, and starts the deep probe again, so the workers
-keep serving through a controller restart. Since the supervisors no longer die with the
-controller, `stop` kills them by name, and `kill_supervisors` does so for a controller that is gone.
+It places one supervisor per worker on the worker's node, starts prefill and decode concurrently and the router
+once every worker is READY, runs the deep probe, and answers `GET /status` on loopback (`status_endpoint.py`).
+Ray restarts it (`max_restarts`); the new one takes over the running supervisors by name, which outlive it, so
+`stop` kills them by name (`kill_supervisors` for a controller that is gone).
 """
 
 from __future__ import annotations
@@ -23,8 +13,8 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
@@ -32,11 +22,11 @@ from ray.exceptions import RayActorError, RayTaskError
 from dsv4_cluster.orchestrator.supervise.actor_record import (
     ActorRecord, current_actor_id, record_path, write_actor_record)
 from dsv4_cluster.orchestrator.errors import ClusterStartError, UnknownWorkerError
-from dsv4_cluster.core import Role
+from dsv4_cluster.core import ClusterStatus, Role, WorkerStatus
 from dsv4_cluster.orchestrator.verify.deep_probe import DeepProber
 from dsv4_cluster.orchestrator.launch.plan import LaunchPlan
-from dsv4_cluster.orchestrator.supervise.status_endpoint import StatusServer, apply_predicted_capacity
-from dsv4_cluster.orchestrator.monitor.targets import record_targets
+from dsv4_cluster.orchestrator.supervise.status_endpoint import StatusServer, with_predicted_capacity
+from dsv4_cluster.orchestrator.monitor.targets import listed, record_targets
 from dsv4_cluster.orchestrator.supervise.router_admin import RouterAdmin, RouterAdminError, RouterLink
 from dsv4_cluster.orchestrator.supervise.supervisor import WorkerSupervisor
 from dsv4_cluster.orchestrator.verify.sequence import verify_kernels
@@ -80,6 +70,18 @@ class ClusterSpec:
     kv_predicted: tuple[tuple[str, int], ...] = ()  # (worker, predicted KV tokens), added to its status row
 
 
+@dataclass(frozen=True)
+class Drained:
+    """A drained worker: its final row, and the requests still in flight when it was stopped (0 unless forced)."""
+
+    worker: WorkerStatus
+    in_flight_at_stop: int
+
+    @property
+    def forced(self) -> bool:
+        return self.in_flight_at_stop > 0
+
+
 def _cause(err: BaseException) -> str:
     if isinstance(err, RayTaskError):
         return str(err.cause) if err.cause is not None else str(err)
@@ -93,11 +95,8 @@ class ClusterController:
         self._spec = spec
         self._supervisors: dict[str, Any] = {}
         self._prober: DeepProber | None = None
-        # status() and stop() run concurrently (max_concurrency): the targets files are written under
-        # this lock, and never again by status() once stop() began, so a status read racing the stop
-        # (the monitor's exporter asks every scrape) cannot put stopped processes back as targets.
-        self._targets_lock = threading.Lock()
-        self._stopping = False
+        self._targets_lock = threading.Lock()  # drain, restart and stop may run concurrently (max_concurrency)
+        self._stopped = self._names()  # stopped on purpose: not scrape targets
         write_actor_record(record_path(spec.router.cwd, CONTROLLER_NAME), ActorRecord(current_actor_id(), os.getpid()))
         self._take_over()
         self._status_server = StatusServer(self.status, spec.router.cwd)  # `dsv4-cluster status` asks it, no Ray
@@ -112,6 +111,8 @@ class ClusterController:
                                                              namespace=self._spec.namespace)
             except ValueError:
                 continue
+        if self._supervisors:   # the targets files say which of them were stopped on purpose
+            self._stopped -= listed(self._spec.router.cwd)
         if self._spec.router.name in self._supervisors:
             self._prober = DeepProber(self._spec.workers, self._spec.probe_interval_s)
             self._prober.start()
@@ -170,7 +171,7 @@ class ClusterController:
                 failures.append(f"{name}: {_cause(e)}")
         return failures
 
-    def up(self, timeout_s: float) -> dict[str, Any]:
+    def up(self, timeout_s: float) -> ClusterStatus:
         """Start workers, verify them, then start the router; on any failure stop everything
         and raise ClusterStartError listing every problem."""
         failures = self._missing_nodes()
@@ -185,15 +186,26 @@ class ClusterController:
             raise ClusterStartError("the cluster did not come up:\n" + "\n".join(failures))
         self._prober = DeepProber(self._spec.workers, self._spec.probe_interval_s)
         self._prober.start()
+        self._set_targets(started=self._names())
         return self.status()
+
+    def _names(self) -> set[str]:
+        return {p.name for p in (*self._spec.workers, self._spec.router)}
+
+    def _set_targets(self, stopped: Iterable[str] = (), started: Iterable[str] = ()) -> None:
+        """Prometheus follows what this controller starts and stops on purpose (never a status read)."""
+        with self._targets_lock:
+            self._stopped = (self._stopped | set(stopped)) - set(started)
+            record_targets(self._spec, self._stopped)
 
     def _pids(self) -> dict[str, int | None]:
         """Each supervised process's pid (None when not running), for the kernel attestations."""
-        return {row["name"]: row.get("pid") for row in self.status()["workers"]}
+        return self.status().pids()
 
-    def status(self) -> dict[str, Any]:
-        """{"endpoint": ..., "workers": [status dict per process, in start order]}."""
-        rows = []
+    def status(self) -> ClusterStatus:
+        """Every supervised process's row, in start order, and the deep probes; reading it writes nothing."""
+        rows: list[WorkerStatus] = []
+        plans = {p.name: p for p in (*self._spec.workers, self._spec.router)}
         names = [p.name for p in self._spec.workers] + [self._spec.router.name]
         supervisors = dict(self._supervisors)
         refs = {n: supervisors[n].status.options(max_task_retries=READ_RETRIES).remote()
@@ -204,15 +216,14 @@ class ClusterController:
             if name not in refs:
                 continue
             try:
-                rows.append({**ray.get(refs[name], timeout=30), "ray_node_id": ray.get(where[name], timeout=30)})
+                row = replace(ray.get(refs[name], timeout=30), ray_node_id=ray.get(where[name], timeout=30))
             except (RayTaskError, RayActorError) as e:
-                rows.append({"name": name, "error": f"supervisor unreachable: {_cause(e)}"})
-        probes = self._prober.results() if self._prober is not None else []
-        with self._targets_lock:
-            if not self._stopping:
-                record_targets(self._spec, rows)  # Prometheus file_sd follows the processes
-        return apply_predicted_capacity({"endpoint": self._spec.endpoint, "workers": rows, "probes": probes},
-                                        dict(self._spec.kv_predicted))
+                plan = plans[name]
+                row = WorkerStatus(name, plan.role, plan.node, None, None, plan.port, 0, None, plan.log_path,
+                                   error=f"supervisor unreachable: {_cause(e)}")
+            rows.append(with_predicted_capacity(row, dict(self._spec.kv_predicted)))
+        probes = self._prober.results() if self._prober is not None else ()
+        return ClusterStatus(self._spec.endpoint, tuple(rows), probes)
 
     def _worker(self, name: str) -> tuple[LaunchPlan, Any]:
         plans = {p.name: p for p in self._spec.workers}
@@ -226,7 +237,7 @@ class ClusterController:
             raise RouterAdminError("this cluster was started without a router admin token")
         return RouterAdmin(RouterLink.for_router(self._spec.router, self._spec.admin_token))
 
-    def drain(self, name: str, deadline_s: float, stop_deadline_s: float) -> dict[str, Any]:
+    def drain(self, name: str, deadline_s: float, stop_deadline_s: float) -> Drained:
         """Stop pairing `name`, wait until its in-flight requests are done (at most `deadline_s`),
         then stop it (SIGTERM, SIGKILL after `stop_deadline_s`). Raises RouterAdminError when the
         router cannot be told (then nothing was stopped)."""
@@ -241,9 +252,10 @@ class ClusterController:
         finally:
             admin.close()
         final = ray.get(supervisor.stop.remote(stop_deadline_s))
-        return {"worker": final, "forced": entry["in_flight"] > 0, "in_flight_at_stop": entry["in_flight"]}
+        self._set_targets(stopped=(name,))
+        return Drained(final, entry["in_flight"])
 
-    def restart(self, name: str, timeout_s: float, stop_deadline_s: float) -> dict[str, Any]:
+    def restart(self, name: str, timeout_s: float, stop_deadline_s: float) -> WorkerStatus:
         """Stop `name` (SIGTERM, SIGKILL after `stop_deadline_s`), start it again, wait for READY,
         and let the router pair it again (a drained worker is resumed)."""
         _, supervisor = self._worker(name)
@@ -251,6 +263,7 @@ class ClusterController:
             status = ray.get(supervisor.restart.remote(timeout_s, stop_deadline_s))
         except RayTaskError as e:
             raise ClusterStartError(f"{name} did not come back: {_cause(e)}") from None
+        self._set_targets(started=(name,))
         admin = self._admin()
         try:
             admin.resume(name)
@@ -263,15 +276,14 @@ class ClusterController:
         refs = [a.pids.options(max_task_retries=READ_RETRIES).remote() for a in dict(self._supervisors).values()]
         return [(socket.gethostname(), os.getpid())] + [p for r in refs for p in ray.get(r, timeout=30)]
 
-    def stop(self, deadline_s: float) -> dict[str, Any]:
-        """Router first, then every worker at once: SIGTERM, SIGKILL after `deadline_s`."""
-        with self._targets_lock:
-            self._stopping = True
+    def stop(self, deadline_s: float) -> list[str]:
+        """Router first, then every worker at once: SIGTERM, SIGKILL after `deadline_s`; returns what failed."""
+        self._set_targets(stopped=self._names())  # stopped on purpose, even a process whose stop fails
         self._status_server.stop()
         if self._prober is not None:
             self._prober.stop()
             self._prober = None
-        final: list[dict[str, Any]] = []
+        failed: list[str] = []
         router = self._supervisors.get(self._spec.router.name)
         groups = [[router] if router is not None else [],
                   [a for n, a in self._supervisors.items() if n != self._spec.router.name]]
@@ -279,15 +291,13 @@ class ClusterController:
             refs = [a.stop.remote(deadline_s) for a in group]
             for ref in refs:
                 try:
-                    final.append(ray.get(ref))
+                    ray.get(ref)
                 except (RayTaskError, RayActorError) as e:
-                    final.append({"error": f"stop failed: {_cause(e)}"})
+                    failed.append(f"stop failed: {_cause(e)}")
         for actor in self._supervisors.values():
             ray.kill(actor)
         self._supervisors.clear()
-        with self._targets_lock:
-            record_targets(self._spec, None)  # stopped on purpose, even a process whose stop failed
-        return {"endpoint": self._spec.endpoint, "workers": final}
+        return failed
 
 
 def supervisor_name(worker: str) -> str:

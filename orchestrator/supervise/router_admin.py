@@ -1,9 +1,5 @@
-"""The orchestrator's side of the router admin API (`docs/router_admin.md`).
-
-`up` generates one admin token per cluster (`new_admin_token`), writes it into the router's
-settings (`with_admin_token`) and keeps it in the cluster record. Supervisors tell the router of
-every state change of their worker through `RouterAdmin.set_state`; `drain` uses `drain` and waits
-on the entry's `in_flight`. The token never appears in a message or a log line.
+"""The orchestrator's side of the router admin API (`docs/router_admin.md`): one admin token per cluster, kept in
+the cluster record and never in a message or log; supervisors report state changes, `drain` drains.
 """
 
 from __future__ import annotations

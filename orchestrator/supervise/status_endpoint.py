@@ -1,13 +1,6 @@
-"""The status endpoint: the controller answers `GET /status` on loopback, so that `dsv4-cluster status`
-reads the cluster's status without becoming a Ray driver (connecting one costs seconds; an HTTP call on
-loopback does not).
-
-The controller's `StatusServer` binds 127.0.0.1 on a free port and records its URL in
-`<run_dir>/status_endpoint.json`; each request is answered with the controller's `status()` read at that
-moment (nothing cached, so nothing is stale). The CLI reads the URL from the run folder and asks; when the file
-is missing or the endpoint does not answer (a controller that is down or restarting, or one on another node),
-it falls back to asking the controller through Ray and says why. Loopback only: what Ray's own port already
-shows any local user, no more. This module imports no Ray.
+"""The controller answers `GET /status` on loopback, so `dsv4-cluster status` needs no Ray driver (connecting one
+costs seconds). The URL is in `<run_dir>/status_endpoint.json`; each answer is `status()` read at that moment.
+When it does not answer, the CLI asks through Ray and says why. This module imports no Ray.
 """
 
 from __future__ import annotations
@@ -15,13 +8,16 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 import threading
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 from urllib.error import URLError
 from urllib.request import urlopen
+
+from dsv4_cluster.core import ClusterStatus, WorkerStatus
+from dsv4_cluster.orchestrator.processes import write_atomically
 
 if TYPE_CHECKING:
     from dsv4_cluster.orchestrator.topology.schema import Topology
@@ -39,14 +35,7 @@ def endpoint_path(run_dir: str | Path) -> Path:
     return Path(run_dir) / ENDPOINT_FILE
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
-def read_status(run_dir: str | Path, timeout_s: float = CONNECT_TIMEOUT_S) -> dict[str, Any]:
+def read_status(run_dir: str | Path, timeout_s: float = CONNECT_TIMEOUT_S) -> ClusterStatus:
     """The controller's status now, through its endpoint; EndpointUnavailable saying why not."""
     try:
         url = json.loads(endpoint_path(run_dir).read_text())["url"]
@@ -54,15 +43,15 @@ def read_status(run_dir: str | Path, timeout_s: float = CONNECT_TIMEOUT_S) -> di
         raise EndpointUnavailable("no status endpoint recorded") from None
     try:
         with urlopen(url, timeout=timeout_s) as reply:  # noqa: S310 - a loopback http URL the controller wrote
-            return json.loads(reply.read())
-    except (URLError, OSError, ValueError) as e:
+            return ClusterStatus.from_dict(json.loads(reply.read()))
+    except (URLError, OSError, ValueError, KeyError, TypeError) as e:
         raise EndpointUnavailable(f"the status endpoint {url} does not answer ({e})") from None
 
 
 class StatusServer:
     """The controller's loopback HTTP server: `GET /status` -> `read()` as JSON."""
 
-    def __init__(self, read: Callable[[], dict[str, Any]], run_dir: str | Path) -> None:
+    def __init__(self, read: Callable[[], ClusterStatus], run_dir: str | Path) -> None:
         self._run_dir = Path(run_dir)
 
         class Handler(BaseHTTPRequestHandler):
@@ -71,7 +60,7 @@ class StatusServer:
                     self.send_error(404, "only /status is served here")
                     return
                 try:
-                    body, code = json.dumps(read()).encode(), 200
+                    body, code = json.dumps(read().to_dict()).encode(), 200
                 except Exception as e:  # noqa: BLE001 - the CLI falls back to Ray and shows this
                     body, code = json.dumps({"error": f"status failed: {e}"}).encode(), 500
                 self.send_response(code)
@@ -94,8 +83,7 @@ class StatusServer:
 
     def start(self) -> None:
         self._thread.start()
-        endpoint_path(self._run_dir).parent.mkdir(parents=True, exist_ok=True)
-        _write_atomically(endpoint_path(self._run_dir), json.dumps({"url": self.url, "pid": os.getpid()}))
+        write_atomically(endpoint_path(self._run_dir), json.dumps({"url": self.url, "pid": os.getpid()}))
 
     def stop(self) -> None:
         """Stop serving and remove the record: a stopped cluster has no status to give."""
@@ -117,17 +105,16 @@ def predicted_capacity(topology: Topology) -> dict[str, int]:
     return {w.name: predict(topology, w).max_total_num_tokens for w in topology.workers}
 
 
-def apply_predicted_capacity(status: dict[str, Any], predicted: dict[str, int]) -> dict[str, Any]:
-    """Each worker row gets `kv_predicted_tokens`, and an error line past a 5% miss."""
+def with_predicted_capacity(row: WorkerStatus, predicted: dict[str, int]) -> WorkerStatus:
+    """A worker's row with its `kv_predicted_tokens`, and an error line past a 5% miss (the router's as it is)."""
     from dsv4_cluster.orchestrator.launch.capacity import CAPACITY_TOLERANCE
 
-    for row in status["workers"]:
-        if row.get("name") not in predicted:
-            continue  # the router
-        row["kv_predicted_tokens"] = p = predicted[row["name"]]
-        actual = row.get("kv_capacity_tokens")
-        if p and actual is not None and abs(actual - p) > CAPACITY_TOLERANCE * p:
-            note = (f"KV capacity {actual} tokens differs from the predicted {p} by "
-                    f"{abs(actual - p) / p:.0%} (over {CAPACITY_TOLERANCE:.0%})")
-            row["error"] = f"{row['error']}; {note}" if row.get("error") else note
-    return status
+    if row.name not in predicted:
+        return row
+    p, error = predicted[row.name], row.error
+    actual = row.kv.capacity_tokens if row.kv is not None else None
+    if p and actual is not None and abs(actual - p) > CAPACITY_TOLERANCE * p:
+        note = (f"KV capacity {actual} tokens differs from the predicted {p} by "
+                f"{abs(actual - p) / p:.0%} (over {CAPACITY_TOLERANCE:.0%})")
+        error = f"{error}; {note}" if error else note
+    return replace(row, kv_predicted_tokens=p, error=error)

@@ -23,8 +23,8 @@ STATUS_TAIL_LINES = 10  # of a worker that is not READY, in `status`
 
 
 def status_row(plan: LaunchPlan, http: httpx.Client, state: WorkerState, error: str | None, restarts: int,
-               history: list[dict[str, Any]], pid: int | None) -> dict[str, Any]:
-    """The status row (see WorkerStatus) of `plan`'s process, `pid` while it runs."""
+               history: list[dict[str, Any]], pid: int | None) -> WorkerStatus:
+    """The status row of `plan`'s process, `pid` while it runs."""
     kv: KvUsage | None = None
     stranded: dict[str, int] | None = None
     kernels: tuple[tuple[str, str], ...] = ()
@@ -42,7 +42,7 @@ def status_row(plan: LaunchPlan, http: httpx.Client, state: WorkerState, error: 
         port=plan.port, restarts=restarts, kv=kv, log_path=plan.log_path, error=error,
         kernels=kernels, log_tail=log_tail(plan.log_path, STATUS_TAIL_LINES) if troubled else None,
         pinning=pinning_report(plan, pid) if pid is not None else None, stranded_kv=stranded, history=history,
-    ).to_dict()
+    )
 
 
 def _stranded_kv(plan: LaunchPlan, http: httpx.Client) -> dict[str, int] | None:

@@ -1,24 +1,11 @@
-"""The supervisor: owns one worker process from spawn to exit, on the worker's node.
+"""The supervisor: a Ray actor that owns one worker process from spawn to exit, on the worker's node.
 
-It runs as a Ray actor (created by the controller), one per worker and one for the router. The
-process gets its own process group (so `stop` reaches the children an engine spawns, e.g.
-SGLang's TP ranks) and PR_SET_PDEATHSIG=SIGKILL (so a dead supervisor never orphans it), and
-writes stdout+stderr to its own log file. `start` blocks until every readiness URL answers 200,
-failing fast with the log's tail if the process exits first.
-
-Liveness is more than the pid: a READY worker's `/health` is polled (`HealthPolicy`); a failed
-poll makes it DEGRADED, a run of them gets the process killed and restarted. A process that exits
-(at start or after READY) is restarted with exponential backoff as RESTARTING, but for exit status 2 at start
-(a usage error: FAILED at once); after `RestartPolicy.max_restarts` crashes within `window_s` the supervisor gives up and the state stays
-FAILED, with the reason and the log's last lines in `status`. Every state change is told to the
-router's admin API (`RouterLink`), retried on each poll until the router has it.
-
-One dedicated thread spawns the process, waits for readiness, watches it and restarts it: the
-death signal follows the thread that forked, so that thread outlives every process it spawns.
-
-The supervisor survives its own process dying: Ray restarts the actor (`max_restarts`, controller.py),
-and the new one finds its record in the run folder (`actor_record.py`), kills what is left of the old
-worker's process group and starts the worker again, counted in `restarts`.
+The process gets its own process group (so `stop` reaches an engine's children) and PR_SET_PDEATHSIG (a dead
+supervisor never orphans it); one thread spawns, watches and restarts it, since the death signal follows the
+thread that forked. Restart paths: a failed `/health` poll makes a READY worker DEGRADED, a run of them restarts
+it; an exit restarts it with backoff as RESTARTING, except exit status 2 at start (a usage error: FAILED at once);
+a crash loop (`RestartPolicy`) leaves it FAILED with the reason and the log's tail; a supervisor Ray restarted
+reaps the old group and starts the worker again (`actor_record.py`). Every state change is told to the router.
 """
 
 from __future__ import annotations
@@ -37,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from dsv4_cluster.core import Role, WorkerState
+from dsv4_cluster.core import Role, WorkerState, WorkerStatus
 from dsv4_cluster.orchestrator.supervise.actor_record import (
     ActorRecord, current_actor_id, read_actor_record, reap_worker, record_path, write_actor_record)
 from dsv4_cluster.orchestrator.launch.plan import LaunchPlan
@@ -262,7 +249,7 @@ class WorkerSupervisor:
 
     # -- public API (actor methods) -------------------------------------------------------
 
-    def start(self, timeout_s: float) -> dict[str, Any]:
+    def start(self, timeout_s: float) -> WorkerStatus:
         """Spawn the process and block until it is ready; raises WorkerStartError."""
         with self._lock:
             if self._thread is not None:
@@ -280,7 +267,7 @@ class WorkerSupervisor:
                                         name=f"proc-{self._plan.name}")
         self._thread.start()
 
-    def stop(self, deadline_s: float) -> dict[str, Any]:
+    def stop(self, deadline_s: float) -> WorkerStatus:
         """SIGTERM the process group, SIGKILL it after `deadline_s`; returns the final status."""
         self._stop.set()
         self._write_record(running=False)  # a supervisor that dies from here on does not start it again
@@ -300,7 +287,7 @@ class WorkerSupervisor:
         self._set(WorkerState.STOPPED, None)
         return self.status()
 
-    def restart(self, timeout_s: float, deadline_s: float) -> dict[str, Any]:
+    def restart(self, timeout_s: float, deadline_s: float) -> WorkerStatus:
         """An operator's restart: stop the process (as `stop`), then start it again (as `start`).
         Counted in `restarts`, not as a crash."""
         self.stop(deadline_s)
@@ -310,8 +297,8 @@ class WorkerSupervisor:
             self._restarts += 1
         return self.start(timeout_s)
 
-    def status(self) -> dict[str, Any]:
-        """This worker's status row as a dict (see WorkerStatus)."""
+    def status(self) -> WorkerStatus:
+        """This worker's status row."""
         with self._lock:
             state, error, restarts, history = self._state, self._error, self._restarts, list(self._history)
         proc = self._proc

@@ -99,7 +99,7 @@ def _embedded_options(ctx: RuleContext) -> Iterator[Finding]:
 
 def _embedded_kv_layout(ctx: RuleContext) -> Iterator[Finding]:
     """kv_cache_dtype and page_size against each worker's preset, as the worker checks them (workers/args.py)."""
-    from dsv4_cluster.workers.presets import PRESETS, KVDtypeError, kv_layout_dtype, pool_layout
+    from dsv4_cluster.workers.engine.presets import PRESETS, KVDtypeError, kv_layout_dtype, pool_layout
 
     reported: set[Path_] = set()
     for w in ctx.workers:
@@ -122,7 +122,7 @@ def _embedded_kv_layout(ctx: RuleContext) -> Iterator[Finding]:
 
 
 def embedded_preset(raw: dict) -> str:
-    """The `--model-preset` an embedded worker's extra_args pass (workers/presets.py), else the default 'tiny'."""
+    """The `--model-preset` an embedded worker's extra_args pass (workers/engine/presets.py), else the default 'tiny'."""
     args = [str(a) for a in raw.get("extra_args") or []]
     for i, a in enumerate(args):
         if a == "--model-preset" and i + 1 < len(args):

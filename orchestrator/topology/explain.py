@@ -1,9 +1,5 @@
-"""pydantic's validation errors rewritten as an operator's problem lines: what is wrong, and how to fix it.
-
-pydantic says "Extra inputs are not permitted" and "Input should be a valid integer"; an operator
-editing YAML needs "unknown key 'gpu' — did you mean 'gpus'?" and "write an integer without
-quotes". The translation uses the schema itself (allowed keys, field descriptions), so it never
-drifts from the models.
+"""pydantic's validation errors rewritten as an operator's problem lines ("unknown key 'gpu' — did you mean
+'gpus'?"), from the schema itself (allowed keys, field descriptions), so it never drifts from the models.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
-"""Loading a topology file: every problem at once, one line each, with the file line and the fix.
+"""Loading a topology file: every problem at once, one line each (`<file>:<line>: <field>: <what> — <fix>`).
 
-``dsv4-cluster up`` must refuse a broken topology before it starts anything, and an operator
-should fix the file in one pass rather than one error per run. So the loader reads the YAML with
-line numbers (``yaml_lines``), validates it against the strict schema (``topology_schema``), runs
-the cross-field rules on the same raw data (``topology_rules``), and turns all of it into
-``Problem`` lines: ``<file>:<line>: <field>: <what is wrong> — <how to fix>``. The CLI prints
-``str(TopologyError)`` and exits with ``TopologyError.exit_code`` (2).
-
-This module is the public face of the topology: the schema classes are re-exported here.
+YAML is read with line numbers (`yaml_lines`), validated by the strict schema, and the cross-field rules run on the
+same raw data, so one pass reports everything. The public face of the topology: the schema is re-exported here.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""The topology rules that relate several fields: exclusive GPUs and ports, P/D agreement, engine needs.
-
-They run on the raw parsed data, not on a validated ``Topology``, so that one pass reports them
-beside pydantic's per-field errors even when some unrelated field failed to parse. Each rule
-therefore looks only at values of the right type and leaves wrong types to the schema.
+"""The topology rules that relate several fields: exclusive GPUs and ports, P/D agreement, engine needs. They run on
+the raw data, beside pydantic's per-field errors, so each looks only at values of the right type.
 """
 
 from __future__ import annotations

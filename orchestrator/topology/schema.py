@@ -1,13 +1,6 @@
-"""The topology schema: engine, model, nodes, router, transfer, kernels, and the workers' GPUs, NUMA nodes, ports.
-
-Everything ``up`` starts is derived from one ``Topology``. The models are strict (unknown keys
-rejected, no coercion from strings: "8998" is not a port) because a typo that is silently ignored
-surfaces minutes later as an SGLang crash. The models check one field at a time; the rules that
-relate fields (a GPU given to two workers, P and D disagreeing on page size) are in
-``topology_rules``, and ``topology.load_topology`` runs both and reports every problem at once.
-
-After validation each worker has ``role`` set and ``node``, ``page_size``, ``kv_cache_dtype`` and
-``max_total_tokens`` filled from the first node and the defaults, so consumers read resolved values.
+"""The topology schema, strict (unknown keys rejected, no coercion: "8998" is not a port) because a silently ignored
+typo surfaces minutes later as an SGLang crash. Cross-field rules are in `rules.py`. After validation each worker
+has `role`, `node`, `page_size`, `kv_cache_dtype` and `max_total_tokens` resolved.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""A YAML document read together with the line of every key and list item.
-
-PyYAML's ``safe_load`` throws the positions away, yet an operator fixing a topology file wants
-``topology.yaml:41: decode[0].port: ...``. So we compose the node tree (which keeps marks) and
-build the plain Python data ourselves, recording ``path -> line`` on the way. Duplicate keys,
-which ``safe_load`` silently collapses to the last one, are recorded too.
+"""A YAML document read with the line of every key and list item (PyYAML's `safe_load` drops positions and
+silently collapses duplicate keys; both are recorded here).
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""The shipped answer set `dsv4-cluster verify` sends through the router on the SGLang engine.
-
-A PD transfer that drops or scrambles KV still returns 200s and fluent text; arithmetic with one
-exact answer does not survive it. Twenty questions, greedy decoding, the first integer in the reply
-compared exactly. DeepSeek-V4-Flash answers these without effort, so the bar is high; a miss or two
-is allowed for formatting the parser does not catch (a thinking preamble cut at `MAX_TOKENS`).
+"""The answer set `dsv4-cluster verify` sends through the router on the SGLang engine: a PD transfer that scrambles
+KV still returns fluent text, but not the one exact answer of an arithmetic question. A miss or two is allowed.
 """
 
 from __future__ import annotations

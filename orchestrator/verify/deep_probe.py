@@ -1,10 +1,5 @@
-"""The deep probe: a real request through each prefill -> decode pair, run periodically.
-
-SGLang's `/health` never tests the P<->D link (its health generation uses a fake bootstrap host), and
-neither does the router's health check. The probe does what the router does for one request: the
-same 2-token greedy `/generate` body, with a fresh bootstrap room, POSTed to P and D at once. A pair
-whose KV cannot move (a NIXL peer gone stale, a bootstrap server that refuses) fails here first.
-Results are kept per pair and shown by `status`; the probe itself changes no state.
+"""The deep probe: periodically, the router's 2-token greedy `/generate` with a fresh room, POSTed to each
+prefill -> decode pair at once. SGLang's `/health` never tests the P<->D link; this does. It changes no state.
 """
 
 from __future__ import annotations
@@ -14,13 +9,12 @@ import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import httpx
 
-from dsv4_cluster.core import Role
+from dsv4_cluster.core import ProbeResult, Role
 from dsv4_cluster.orchestrator.launch.plan import LaunchPlan
 
 logger = logging.getLogger(__name__)
@@ -41,16 +35,6 @@ class PairEndpoints:
         boot = urlsplit(prefill.readiness_urls[0])  # the bootstrap server's /health (plan.worker_plan)
         return cls(prefill.name, decode.name, prefill.health_url.removesuffix("/health"),
                    str(boot.hostname), int(boot.port or 8998), decode.health_url.removesuffix("/health"))
-
-
-@dataclass(frozen=True)
-class ProbeResult:
-    prefill: str
-    decode: str
-    ok: bool
-    seconds: float
-    at: float  # unix time
-    error: str | None = None
 
 
 def probe_pair(client: httpx.Client, pair: PairEndpoints) -> ProbeResult:
@@ -101,9 +85,9 @@ class DeepProber:
                     self._results[(pair.prefill, pair.decode)] = result
             self._stop.wait(self._interval_s)
 
-    def results(self) -> list[dict[str, Any]]:
+    def results(self) -> tuple[ProbeResult, ...]:
         with self._lock:
-            return [asdict(r) for r in self._results.values()]
+            return tuple(self._results.values())
 
     def stop(self) -> None:
         self._stop.set()

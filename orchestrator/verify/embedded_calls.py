@@ -1,11 +1,6 @@
-"""Proof that the requested kernels ran in an embedded decode worker during verification's decode steps.
-
-Step 1 of verification reads `/server_info.kernels` once: a requested kernel may say "not called yet" there
-(nothing decoded since start). Around the PD check's request (16 greedy decode steps), the decode worker's
-device-side call counters (`/server_info.kernel_calls`, `workers/kernel_ops.py`; CUDA-graph replays advance them
-too) must rise for every requested kernel, in the implementation its device runs: one of our kernels
-(triton / gluon) on CUDA, the reference op on the CPU (which runs no kernels; `status` says so). The request
-lands on one decode worker; the one whose counters rose is judged, and none rising is a problem.
+"""Proof that the requested kernels ran in an embedded decode during verification: around the PD check's request,
+the decode's device-side call counters (`/server_info.kernel_calls`) must rise for every requested kernel, in the
+implementation its device runs (ours on CUDA, the reference op on the CPU).
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
-"""Proof that the requested kernels run in every TP process of an SGLang worker.
-
-Each TP rank's plugin writes `rank{R}.json` (what is installed, checked by identity) and keeps
-`counters-rank{R}.json` current (device-side call counters, which CUDA-graph replays advance too);
-see kernels/sglang_plugin/attestation.py. Here they are judged:
-
-- `attestation_problems`: `tp` attestations, each from a live process in the supervised server's
-  process group (an attestation left by a previous run does not count), SGLang and project versions
-  as pinned, and every requested kernel held by at least one call site;
-- `counter_problems`: between two snapshots taken around a few decode steps, every requested kernel's
-  counter rose on every rank of a decode worker.
-
-Each problem names the worker, the rank and the kernel. The files live on the worker's node; this
-runs where they can be read (one host; see README).
+"""Proof that the requested kernels run in every TP process of an SGLang worker, from the plugin's files
+(kernels/sglang_plugin/attestation.py): `tp` attestations from live processes of the supervised group, at the
+pinned versions, every requested kernel installed; and every kernel's device counter rising on every decode rank
+between two snapshots. The files live on the worker's node; this runs where they can be read.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""`up`'s end-to-end check of the embedded engine: the disaggregated path equals a single process.
-
-One greedy request goes through the router (prefill -> NIXL -> decode); the same prompt is run in
-this process by the same engine code with the same seed. Different tokens mean the KV transfer
-lost or scrambled state (a real DSv4 + NIXL bug in SGLang's history), so `up` fails on it rather
-than serving wrong text. The prompt is longer than the sliding window and spans several KV pages.
-SGLang clusters need an accuracy check instead (not implemented: this check says so).
+"""`up`'s end-to-end check of the embedded engine: one greedy request through the router (prefill -> NIXL -> decode)
+must give the tokens of the same prompt run in this process; otherwise the KV transfer lost state. The prompt
+spans several pages and outruns the sliding window. SGLang clusters get the answer set instead.
 """
 
 from __future__ import annotations
@@ -41,10 +37,10 @@ def router_url(topology: Any) -> str:
 def single_process_tokens(topology: Any, prompt_ids: list[int]) -> list[int]:
     from dsv4_cluster.orchestrator.launch.plan import requested_kernels
     from dsv4_cluster.orchestrator.topology.engine_rules import embedded_preset
-    from dsv4_cluster.workers.presets import model_config
-    from dsv4_cluster.workers.runner import ModelRunner, RunnerConfig, generate_single_process
-    from dsv4_cluster.workers.sampling import SamplingParams
-    from dsv4_cluster.workers.tokenizer import ByteTokenizer
+    from dsv4_cluster.workers.engine.presets import model_config
+    from dsv4_cluster.workers.engine.runner import ModelRunner, RunnerConfig, generate_single_process
+    from dsv4_cluster.workers.engine.sampling import SamplingParams
+    from dsv4_cluster.workers.engine.tokenizer import ByteTokenizer
 
     decode = topology.decode[0]
     ctx = topology.model.context_length
@@ -63,7 +59,7 @@ def single_process_tokens(topology: Any, prompt_ids: list[int]) -> list[int]:
 
 
 def check_pd_equivalence(topology: Any, timeout_s: float = 120.0) -> PDCheck:
-    from dsv4_cluster.workers.tokenizer import ByteTokenizer
+    from dsv4_cluster.workers.engine.tokenizer import ByteTokenizer
 
     body = {"text": PROMPT, "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0,
                                                  "ignore_eos": True}}

@@ -1,15 +1,8 @@
-"""Verification of a running cluster: `up` runs it at the end, `dsv4-cluster verify` on demand.
-
-1. Kernels. Embedded workers report `kernels: {name: impl}` in `/server_info`. SGLang workers cannot
-   (SGLang's `/server_info` is its own): every TP rank's plugin attests instead, and `kernel_verify`
-   requires `tp` attestations from live processes of the supervised server.
-2. Answers. SGLang: the shipped answer set through the router (serving_check.py), failing under its
-   pass rate. Embedded: greedy tokens through the cluster equal a single-process run (pd_check.py).
-3. Kernels actually called. Around step 2's decode steps, every requested kernel's device counter
-   must rise on every rank of every decode worker (CUDA-graph replays included); embedded decode
-   workers' counters come from `/server_info.kernel_calls` (`embedded_calls.py`).
-4. Speed. A short throughput probe against the last good run stored beside the topology: a warning
-   on a large drop; on SGLang also `sglang:cuda_graph_passes_total` of each decode worker.
+"""Verification of a running cluster (`up`'s last step; `dsv4-cluster verify`):
+1. Kernels active: `/server_info.kernels` (embedded) or every TP rank's attestation (SGLang).
+2. Answers: the PD check (embedded) or the answer set through the router (SGLang).
+3. Kernels called: device counters rise around step 2 on every decode rank.
+4. Speed: a short throughput probe against the last good run (a warning on a large drop).
 """
 
 from __future__ import annotations

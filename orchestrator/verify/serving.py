@@ -1,11 +1,6 @@
-"""What `verify` asks of a running cluster through its router: right answers, and no collapse in speed.
-
-- `check_answers`: the shipped set (answer_set.py), greedy, through the router's OpenAI API; fails
-  under `PASS_RATE` and names every miss. Used on the SGLang engine (the embedded model's text is
-  meaningless; there the PD-vs-single-process equivalence of pd_check.py is the gate).
-- `probe_throughput`: a few fixed-length generations; completion tokens per second against the last
-  good run stored beside the topology (`<run_dir>/last-good-throughput.json`). A drop past
-  `DROP_WARN` is a warning (an eager-mode fallback still answers correctly, only slower).
+"""What `verify` asks of a cluster through its router: right answers (the answer set, SGLang only: the embedded
+model's text is meaningless) and no collapse in speed against the last good run (an eager-mode fallback
+answers correctly, only slower).
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from dsv4_cluster.core import KERNEL_NAMES
-from dsv4_cluster.workers.presets import model_config
-from dsv4_cluster.workers.runner import ModelRunner, RunnerConfig
+from dsv4_cluster.workers.engine.presets import model_config
+from dsv4_cluster.workers.engine.runner import ModelRunner, RunnerConfig
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU interpreter run; GPUs run test_cuda_engine")
 

@@ -1,1 +1,1 @@
-
+"""The decode role: reserves KV pages, waits for the prefill's WRITE, then decodes in a continuous batch."""

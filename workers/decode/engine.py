@@ -26,13 +26,13 @@ import time
 from collections import deque
 from typing import Callable
 
-from ..engine import Engine
-from ..kv_pool import PoolExhausted
-from ..request import Req, ReqState, Reserved, Token
-from ..runner import ModelRunner
-from ..sampling import TokenLogprob
-from ..tokenizer import ByteTokenizer
-from ..transfer import NixlTransfer, page_runs
+from ..engine.loop import Engine
+from ..engine.request import Req, ReqState, Reserved, Token
+from ..engine.runner import ModelRunner
+from ..engine.sampling import TokenLogprob
+from ..engine.tokenizer import ByteTokenizer
+from ..kv.pool import PoolExhausted
+from ..kv.transfer import NixlTransfer, page_runs
 
 log = logging.getLogger(__name__)
 

@@ -9,12 +9,12 @@ import httpx
 from fastapi import FastAPI
 
 from ..args import WorkerArgs
-from ..request import Failed, Req, Reserved
-from ..responses import GenSpec
-from ..routes import build_app
-from ..runner import ModelRunner
-from ..server import BadRequest, WorkerServer
-from ..transfer import NixlTransfer
+from ..engine.request import Failed, Req, Reserved
+from ..engine.runner import ModelRunner
+from ..http.responses import GenSpec
+from ..http.routes import build_app
+from ..http.server import BadRequest, WorkerServer
+from ..kv.transfer import NixlTransfer
 from .engine import DecodeEngine
 
 log = logging.getLogger(__name__)

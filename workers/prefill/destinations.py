@@ -8,7 +8,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..sampling import TokenLogprob
+from ..engine.sampling import TokenLogprob
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """Prefill engine: compute a prompt's KV, then WRITE its pages into the decode pool over NIXL.
 
-Request lifecycle on the prefill side:
+Request lifecycle on the prefill side (each state has its queue object, `ReqQueue`: WAITING_PAGES `waiting` ->
+WAITING_PEER `peer` -> TRANSFERRING `inflight`; pages of a cancelled WRITE that NIXL still holds wait in `abandoned`):
 1. The router's POST arrives (same body as decode's, with bootstrap_room); the handler tokenizes
-   and submits a `Req` here. It waits in the bootstrap queue until the pool has pages for the prompt.
+   and submits a `Req` here. It waits in `waiting` until the pool has pages for the prompt.
 2. Its pages: the longest whole-page prefix already in the prefix cache (prefix_cache.py; shared, locked, not
    computed again), then new pages for the rest (evicting unlocked cached pages, least recently used first, when
    the pool is short). Each step runs one forward over chunks of the queue's first prompts, up to `chunk_tokens`
@@ -24,20 +25,40 @@ Request lifecycle on the prefill side:
 from __future__ import annotations
 
 import logging
-from collections import deque
+from dataclasses import dataclass
 
-from ..engine import Engine
-from ..kv_pool import PoolExhausted
-from ..prefix_cache import PrefixCache, RadixNode
-from ..request import Finish, Req, ReqState, Token
-from ..runner import Chunk, ModelRunner
-from ..transfer import NixlTransfer, TransferError, page_runs
+from ...metric_names import KV_WRITE_TIMEOUTS
+from ..engine.loop import Engine
+from ..engine.queues import ReqQueue
+from ..engine.request import Finish, Req, ReqState, Token
+from ..engine.runner import Chunk, ModelRunner
+from ..kv.pool import PoolExhausted
+from ..kv.prefix_cache import PrefixCache, RadixNode
+from ..kv.transfer import NixlTransfer, TransferError, XferState, page_runs
 from .destinations import Destinations, failed_message, notif_message
 from .stranded import StrandedKV
-from ...metric_names import KV_WRITE_TIMEOUTS
 
 log = logging.getLogger(__name__)
 NOTIFY_PROGRESS_S = 2.0   # how long the loop drives NIXL after a notification (seen here: the first one took 50 ms)
+
+
+@dataclass(frozen=True)
+class Write:
+    """A WRITE in flight: NIXL's handle, when it started, how many bytes."""
+
+    handle: object
+    started: float
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class AbandonedWrite:
+    """A WRITE cancelled past its deadline that NIXL could not stop: its pages wait here until NIXL lets go."""
+
+    room: int | None
+    handle: object
+    rid: str
+    pages: list[int]
 
 
 class PrefillEngine(Engine):
@@ -48,31 +69,27 @@ class PrefillEngine(Engine):
         self.transfer = transfer
         self.destinations = Destinations(ttl_s=peer_timeout_s * 4)
         self.peer_timeout_s = peer_timeout_s
-        self._bootstrap: deque[Req] = deque()
-        self._waiting_peer: list[Req] = []
-        self._inflight: list[tuple[Req, object, float, int]] = []
+        self.waiting: ReqQueue[None] = ReqQueue(ReqState.WAITING_PAGES)   # prompt not computed yet (or in part)
+        self.peer: ReqQueue[float] = ReqQueue(ReqState.WAITING_PEER)       # KV ready since (monotonic), no reservation
+        self.inflight: ReqQueue[Write] = ReqQueue(ReqState.TRANSFERRING)
         self.write_timeout_s = write_timeout_s
-        self._abandoned: list[tuple[int | None, object, str, list[int]]] = []   # (room, handle, rid, pages) NIXL kept
+        self.abandoned: list[AbandonedWrite] = []
         self.cache = PrefixCache(runner.pool) if prefix_cache else None
         self._locks: dict[str, list[RadixNode]] = {}      # rid -> the cache nodes its pages include (locked)
         self.stranded = StrandedKV(peer_timeout_s, runner.pool.layout.page_size)
-        self._ready_at: dict[str, float] = {}   # rid -> when its KV was ready (waiting for a decode)
         self._progress_until = 0.0              # NIXL progress is driven until then: a notification is on its way
 
     def on_submit(self, req: Req) -> None:
-        self._bootstrap.append(req)
+        self.waiting.put(req, None)
 
     def on_fail(self, req: Req) -> None:
-        if req in self._bootstrap:
-            self._bootstrap.remove(req)
-        if req in self._waiting_peer:
-            self._waiting_peer.remove(req)
-        self._ready_at.pop(req.rid, None)
+        self.waiting.pop(req)   # a request in flight stays in `inflight` until NIXL ends its WRITE
+        self.peer.pop(req)
         if req.room is not None and req.state is not ReqState.TRANSFERRING:
             self.destinations.discard(req.room)
 
     def pending(self) -> bool:
-        return bool(self.reqs or self._abandoned) or self.now() < self._progress_until
+        return bool(self.reqs or self.abandoned) or self.now() < self._progress_until
 
     def step(self) -> bool:
         if self.now() < self._progress_until:
@@ -83,13 +100,12 @@ class PrefillEngine(Engine):
         self._free_stranded()
         worked |= self._prefill_batch()
         s = self.stats
-        s.num_queued, s.num_waiting_peer, s.num_transferring = (
-            len(self._bootstrap), len(self._waiting_peer), len(self._inflight))
+        s.num_queued, s.num_waiting_peer, s.num_transferring = len(self.waiting), len(self.peer), len(self.inflight)
         return worked
 
     def _prefill_batch(self) -> bool:
         budget, chunks, reqs = self.chunk_tokens, [], []
-        for req in self._bootstrap:
+        for req in self.waiting:
             if budget <= 0:
                 break
             if not req.pages:
@@ -110,7 +126,7 @@ class PrefillEngine(Engine):
             req.prefilled = chunk.start + len(chunk.token_ids)
             if req.prefilled < len(req.prompt_ids):
                 continue
-            self._bootstrap.remove(req)
+            self.waiting.pop(req)
             with self.serving(req):
                 allowed = req.next_ids()
                 req.out.append(self.runner.sampler.sample(row, req.params, 0, allowed))
@@ -121,9 +137,7 @@ class PrefillEngine(Engine):
             self.stats.prompt_tokens += len(req.prompt_ids)
             if self.cache is not None:
                 self._locks[req.rid] = self.cache.insert(req.prompt_ids, req.pages, self._locks.get(req.rid, []))
-            req.state = ReqState.WAITING_PEER
-            self._ready_at[req.rid] = self.now()
-            self._waiting_peer.append(req)
+            self.peer.put(req, self.now())
         return True
 
     def _allocate(self, req: Req) -> None:
@@ -173,7 +187,7 @@ class PrefillEngine(Engine):
 
     def _free_stranded(self) -> None:
         """Recount stranded KV; fail the requests past their deadline, which frees their pages."""
-        for req in self.stranded.scan(self._waiting_peer, self.now(), self._ready_at):
+        for req in self.stranded.scan(self.peer.items(), self.now()):
             self.stats.bootstrap_failed += 1
             self.stranded.freed(req, len(self._freed_by(req)))
             self.fail(req, 500, f"decode never reserved KV for bootstrap_room {req.room} within "
@@ -182,14 +196,13 @@ class PrefillEngine(Engine):
 
     def _send_ready(self) -> bool:
         worked = False
-        for req in list(self._waiting_peer):
+        for req in self.peer:
             dest = self.destinations.take(req.room)
             if dest is None:
                 if self.destinations.cancelled(req.room):
                     self.fail(req, 500, f"decode gave up bootstrap_room {req.room} before its KV was sent")
                 continue
-            self._waiting_peer.remove(req)
-            self._ready_at.pop(req.rid, None)
+            self.peer.pop(req)
             worked = True
             with self.serving(req):
                 try:
@@ -203,9 +216,7 @@ class PrefillEngine(Engine):
                     self.fail(req, 500, f"KV transfer failed: {exc}")
             if req.state is not ReqState.WAITING_PEER:   # failed just above
                 continue
-            req.state = ReqState.TRANSFERRING
-            nbytes = self.runner.pool.page_bytes * len(req.pages)
-            self._inflight.append((req, handle, self.now(), nbytes))
+            self.inflight.put(req, Write(handle, self.now(), self.runner.pool.page_bytes * len(req.pages)))
         return worked
 
     def _tell_decode_failed(self, room: int, reason: str, may_land: bool = False) -> None:
@@ -228,26 +239,25 @@ class PrefillEngine(Engine):
 
     def _poll_inflight(self) -> bool:
         worked = False
-        for item in list(self._inflight):
-            req, handle, started, nbytes = item
-            state = self.transfer.poll(handle)
-            if state == "PROC":
-                if self.now() - started > self.write_timeout_s:
-                    self._expire(item)
+        for req, write in self.inflight.items():
+            state = self.transfer.poll(write.handle)
+            if state is XferState.PROC:
+                if self.now() - write.started > self.write_timeout_s:
+                    self._expire(req, write)
                     worked = True
                 continue
             worked = True
-            self._inflight.remove(item)
+            self.inflight.pop(req)
             was_aborted = req.state is ReqState.ABORTED
             req.state = ReqState.FINISHED
-            if state != "DONE":
+            if state is not XferState.DONE:
                 self._tell_decode_failed(req.room, f"KV transfer of bootstrap_room {req.room} failed in NIXL")
             else:
                 self.destinations.done(req.room)
-            if state == "DONE":
-                secs = max(self.now() - started, 1e-9)
+            if state is XferState.DONE:
+                secs = max(self.now() - write.started, 1e-9)
                 self.stats.transfer_ms.add(secs * 1e3)
-                self.stats.transfer_gb_s.add(nbytes / secs / 1e9)
+                self.stats.transfer_gb_s.add(write.nbytes / secs / 1e9)
                 if not was_aborted:
                     req.emit(Token(req.out[0], Finish("length"), req.cached_tokens, req.first_logprob))
                 self.finish(req)
@@ -260,19 +270,18 @@ class PrefillEngine(Engine):
                     self.fail(req, 500, f"KV transfer of bootstrap_room {req.room} failed in NIXL")
         return worked
 
-    def _expire(self, item: tuple[Req, object, float, int]) -> None:
+    def _expire(self, req: Req, write: Write) -> None:
         """A WRITE past `write_timeout_s`: cancel it, tell decode, fail the request; pages NIXL may still read
         stay out of the pool until it lets go of the transfer (`_poll_abandoned`)."""
-        req, handle, _, _ = item
-        self._inflight.remove(item)
+        self.inflight.pop(req)
         self.stats.transfer_failed += 1
         self.stats.write_timeouts += 1
-        cancelled = self.transfer.abandon(handle)
+        cancelled = self.transfer.abandon(write.handle)
         reason = (f"KV transfer of bootstrap_room {req.room} did not finish within {self.write_timeout_s:g}s "
                   "(topology: transfer.write_timeout_s); is the decode server alive and reachable?")
         self._tell_decode_failed(req.room, reason, may_land=not cancelled)
         if not cancelled:
-            self._abandoned.append((req.room, handle, req.rid, req.pages))
+            self.abandoned.append(AbandonedWrite(req.room, write.handle, req.rid, req.pages))
             req.pages = []
         was_aborted = req.state is ReqState.ABORTED
         req.state = ReqState.WAITING_PEER      # the pages (if any left) are ours again: fail()/finish() free them
@@ -284,12 +293,11 @@ class PrefillEngine(Engine):
     def _poll_abandoned(self) -> bool:
         """Pages of cancelled WRITEs that NIXL kept go back to the pool once it ends them; decode is told."""
         worked = False
-        for item in list(self._abandoned):
-            room, handle, rid, pages = item
-            if self.transfer.poll(handle) == "PROC":
+        for item in list(self.abandoned):
+            if self.transfer.poll(item.handle) is XferState.PROC:
                 continue
-            self._abandoned.remove(item)
-            self._free_pages(rid, pages)
-            self._tell_decode_failed(room, f"the cancelled KV transfer of bootstrap_room {room} ended")
+            self.abandoned.remove(item)
+            self._free_pages(item.rid, item.pages)
+            self._tell_decode_failed(item.room, f"the cancelled KV transfer of bootstrap_room {item.room} ended")
             worked = True
         return worked

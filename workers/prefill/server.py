@@ -13,11 +13,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
 from ..args import WorkerArgs
-from ..responses import GenSpec
-from ..runner import ModelRunner
-from ..routes import build_app
-from ..server import BadRequest, WorkerServer
-from ..transfer import NixlTransfer, PeerInfo, TransferError
+from ..engine.runner import ModelRunner
+from ..http.responses import GenSpec
+from ..http.routes import build_app
+from ..http.server import BadRequest, WorkerServer
+from ..kv.transfer import NixlTransfer, PeerInfo, TransferError
 from .engine import PrefillEngine
 
 

@@ -1,14 +1,6 @@
-"""Stranded KV on the prefill: pages of computed prompts that no decode comes to read.
-
-Prefill and decode legs of a request run concurrently, so a prompt's KV is often ready before its
-decode has reserved pages for it. A room whose KV has been ready for `detect_s` without a reservation
-is *stranded*: its decode died or restarted before reserving, the router lost the decode leg, or a
-client sent a prefill leg alone. It is counted (tokens and rooms now) from then on, and its pages are
-freed when `timeout_s` have passed since its KV was ready (the request fails with a 500 naming the
-room); the freed tokens and rooms are counted too. The router normally frees such KV at once (it
-aborts the prefill leg by rid when the decode leg fails); this is the net under that.
-
-Written by the engine thread only; the metrics endpoint reads the plain numbers.
+"""Stranded KV on the prefill: a room whose KV has been ready for `detect_s` without a decode's reservation (its
+decode died, the router lost the leg, a prefill leg sent alone) is counted from then on, and freed `timeout_s`
+after its KV was ready, its request failing with a 500 naming the room. The net under the router's abort by rid.
 """
 
 from __future__ import annotations
@@ -18,7 +10,7 @@ from typing import Iterable
 
 from dsv4_cluster import metric_names as m
 
-from ..request import Req
+from ..engine.request import Req
 
 STRANDED_AFTER_S = 5.0  # a decode reserves within milliseconds of its leg arriving, unless its pool is full
 
@@ -36,14 +28,14 @@ class StrandedKV:
     def detect_s(self) -> float:
         return min(STRANDED_AFTER_S, self.timeout_s / 2)
 
-    def scan(self, waiting: Iterable[Req], now: float, ready_at: dict[str, float]) -> list[Req]:
-        """Recount the stranded rooms among `waiting` (KV ready, no reservation yet; `ready_at` by rid);
+    def scan(self, waiting: Iterable[tuple[Req, float]], now: float) -> list[Req]:
+        """Recount the stranded rooms among `waiting` (KV ready since the float, no reservation yet);
         returns the requests whose deadline has passed (the caller frees them, then calls `freed`)."""
         pages: set[int] = set()                 # distinct: prompts sharing cached pages hold them once
         rooms = 0
         expired = []
-        for req in waiting:
-            held = now - ready_at.get(req.rid, now)
+        for req, ready_at in waiting:
+            held = now - ready_at
             if held >= self.timeout_s:
                 expired.append(req)
             elif held >= self.detect_s:

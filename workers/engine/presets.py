@@ -1,29 +1,17 @@
 """Model presets of the embedded engine: the shapes of its seeded random-weight model, and its KV layout.
 
-- `tiny` (the default, `examples/local.yaml`): small enough for a 2-core CPU; 8 heads x 64 dims, every layer
-  ratio 4, float32 KV.
-- `flash`: DeepSeek-V4-Flash's attention shapes, what our kernels and SGLang's V4 kernels take: 64 query heads
-  of head dim 512 (448 + 64 RoPE), one shared KV head (V = K), a window of 128 tokens, the top-512 over ratio-4
-  compressed entries picked by an indexer of 64 heads x 128 dims, and ratio-128 layers (window + every complete
-  ratio-128 entry, no indexer); 4 layers with a small MLP (d_model 1024, FFN 2048). Its layers alternate ratio 4
-  and 128 (4, 128, 4, 128): V4-Flash's `compress_ratios` are 0, 0, then 4, 128 alternating over its other 41
-  layers (tests/data/deepseek-v4-flash/config.json), so both kinds, in the order V4 has them. Its KV is
-  SGLang's fp8 layout on CUDA (`--kv-cache-dtype auto`; `bf16` for bf16 rows): per layer a 584-B token record
-  plus, per 4 tokens, a compressed record and a 132-B fp8 index key (ratio-4 layers) or, per 128 tokens, a
-  compressed record (ratio-128 layers), pages padded as SGLang pads them; `kv_bytes_per_token` counts it
-  exactly (2,712 B per token over the 4 layers at 256-token pages), so one H200 holds the weights (0.7 GB)
-  and a pool of millions of tokens: 1M-token configured contexts fit with room for a batch of them.
-  Pages must be a multiple of 128 tokens (the ratio-128 entries), a power of two for the fp8 layout: SGLang
-  runs V4 with 256.
-  Not modelled: MoE, V4-Flash's two window-only (ratio 0) layers, its learned compressor (an entry here is the
-  mean of its tokens' rows times a projection).
+- `tiny` (the default): small enough for a 2-core CPU; 8 heads x 64 dims, every layer ratio 4, float32 KV.
+- `flash`: DeepSeek-V4-Flash's attention shapes (64 heads of 448 + 64 RoPE dims, one KV head, window 128, top-512
+  over ratio-4 entries by a 64 x 128 indexer, ratio-128 layers), 4 layers alternating ratio 4 and 128 as V4-Flash
+  does, a small MLP. On CUDA its KV is SGLang's fp8 layout (`kv_bytes_per_token`: 2,712 B per token at 256-token
+  pages), so one H200 holds 1M-token contexts. Pages: a multiple of 128 tokens, a power of two for fp8.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from .kv_pool import FP8, PoolLayout
+from ..kv.pool import FP8, PoolLayout
 from .model import DENSE_RATIO, ModelConfig
 
 PRESETS: dict[str, ModelConfig] = {

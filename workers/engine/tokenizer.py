@@ -1,7 +1,5 @@
-"""Byte-level tokenizer with a chat template, for the embedded engine.
-
-Token ids 0..255 are raw bytes; a handful of special tokens follow. Prefill and decode processes
-tokenize the same request independently, so tokenization must be a pure function of the text.
+"""Byte-level tokenizer with a chat template: ids 0..255 are bytes, a few special tokens follow. Prefill and decode
+tokenize the same request independently, so it must be a pure function of the text.
 """
 
 from __future__ import annotations

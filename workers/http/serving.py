@@ -1,8 +1,6 @@
-"""Serve several ASGI apps from one process (prefill: its API and its bootstrap server).
-
-uvicorn installs its own SIGTERM handler per server, so with two servers in one process only one
-would stop; here one handler stops them all, which is what makes SIGTERM a graceful exit. An app
-whose `state.exit_reason()` says why (its engine died) makes the process exit non-zero afterwards.
+"""Serve several ASGI apps from one process (prefill: its API and its bootstrap server), with one SIGTERM handler
+that stops them all (uvicorn's own, one per server, would stop only one). An app whose `state.exit_reason()`
+says why (its engine died) makes the process exit non-zero.
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """KV page transfer prefill -> decode over NIXL (UCX backend): DRAM on CPU, VRAM on GPU.
 
-The decode side registers its pool and hands the prefill side its agent metadata plus, per buffer,
-the base address and bytes per page. The prefill side then WRITEs whole pages straight into the
-decode pool and attaches a notification; the decode side learns that a request's KV has landed
-from that notification alone. There is no fallback: if NIXL cannot be loaded, this module says so.
+Decode registers its pool and hands prefill its agent metadata and each buffer's base address and page bytes;
+prefill WRITEs whole pages straight into the decode pool with a notification, which is how decode learns the KV
+landed. No fallback: without NIXL this module says so.
 """
 
 from __future__ import annotations
 
 import base64
+import enum
 import logging
 import os
 import threading
@@ -16,10 +16,18 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .kv_pool import KVPool, PoolLayout
 from .nixl_loader import load_nixl_api
+from .pool import KVPool, PoolLayout
 
 log = logging.getLogger(__name__)
+
+
+class XferState(str, enum.Enum):
+    """NIXL's state of a transfer (`check_xfer_state`), as SGLang's `KVPoll` names a room's."""
+
+    PROC = "PROC"   # in flight
+    DONE = "DONE"
+    ERR = "ERR"
 
 
 class TransferError(RuntimeError):
@@ -181,14 +189,14 @@ class NixlTransfer:
                 raise TransferError(f"NIXL refused the WRITE of {len(src_pages)} pages to {peer}")
         return handle
 
-    def poll(self, handle) -> str:
-        """'DONE', 'PROC' or 'ERR' (a NIXL error counts as ERR); a finished handle is released."""
+    def poll(self, handle) -> XferState:
+        """Where a WRITE stands (a NIXL error counts as ERR); a finished handle is released."""
         with self._lock:
             try:
-                state = self._agent.check_xfer_state(handle)
+                state = XferState(self._agent.check_xfer_state(handle))
             except self._nixl_errors:
-                state = "ERR"
-            if state != "PROC":
+                state = XferState.ERR
+            if state is not XferState.PROC:
                 self._release(handle)
         return state
 

@@ -1,7 +1,6 @@
-"""OpenAPI pieces for the generation routes, whose handlers read the raw body (`server.py`) and so have no
-schema FastAPI could infer: the request models of `protocol.py` as self-contained JSON schemas, and the error
-envelope every error answer carries. The worker's and the router's `/openapi.json` use them
-(`router/openapi.py`); schemathesis fuzzes both (`bench/reliability_input.py`)."""
+"""OpenAPI pieces for the generation routes, whose handlers read the raw body: `protocol.py`'s models as
+self-contained JSON schemas, and the error envelope. The worker's and the router's `/openapi.json` use them.
+"""
 
 from __future__ import annotations
 
@@ -43,7 +42,7 @@ def request_schema(path: str, drop: tuple[str, ...] = ()) -> dict[str, Any]:
 
 
 ROUTER_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "rid")   # the router sets these itself
-ROUTER_FILE = Path(__file__).resolve().parent.parent / "router" / "generation_schemas.json"
+ROUTER_FILE = Path(__file__).resolve().parents[2] / "router" / "generation_schemas.json"
 
 
 def router_schemas() -> dict[str, Any]:
@@ -53,7 +52,7 @@ def router_schemas() -> dict[str, Any]:
 
 
 def main() -> None:
-    """`python -m dsv4_cluster.workers.openapi`: rewrite router/generation_schemas.json from the models."""
+    """`python -m dsv4_cluster.workers.http.openapi`: rewrite router/generation_schemas.json from the models."""
     ROUTER_FILE.write_text(json.dumps(router_schemas(), indent=1, sort_keys=True) + "\n")
     print(f"wrote {ROUTER_FILE.name}")
 

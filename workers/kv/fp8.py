@@ -1,18 +1,14 @@
-"""The KV pool's fp8 buffers: SGLang's DeepSeek-V4 layout, written row by row and read back exactly.
-
-Token and compressed rows live in `fp8_layout`'s pages (uint8 [num_pages, page_stride]: the page's 576-B records,
-then its 8-B scale rows, padded to a multiple of 576 B), one pool page per buffer page, so that the kernels read
-the pool's bytes as they read SGLang's cache and NIXL moves a page as one byte range. Index keys live in
-`fp8_keys`' pages (uint8 [num_pages, entries * (index_dim + 4)]). Writers quantise with the layouts' own
-quantisers; readers dequantise only the rows they ask for (never a whole buffer: the cost follows the rows).
+"""The KV pool's fp8 buffers: SGLang's DeepSeek-V4 layout (`fp8_layout`, `fp8_keys`), one pool page per buffer page,
+so the kernels read the pool as they read SGLang's cache and NIXL moves a page as one byte range. Writers quantise
+with the layouts' own quantisers; readers dequantise only the rows they ask for.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..kernels.indexer.fp8_keys import dequantize_keys, quantize_keys
-from ..kernels.sparse_mla_decode.fp8_layout import (DIM, RECORD_BYTES, SCALE_BYTES, PageGeometry, decode_records,
+from ...kernels.indexer.fp8_keys import dequantize_keys, quantize_keys
+from ...kernels.sparse_mla_decode.fp8_layout import (DIM, RECORD_BYTES, SCALE_BYTES, PageGeometry, decode_records,
                                                      page_stride_for, quantize_records)
 
 KEY_SCALE_BYTES = 4

@@ -1,14 +1,8 @@
-"""The KV pool's page allocator: free pages kept as runs of consecutive pages, handed out as few runs as possible.
+"""The KV pool's page allocator: free pages as runs of consecutive pages, handed out as few runs as possible.
 
-Why runs: a request's KV moves prefill -> decode as one NIXL descriptor per run of pages consecutive on both
-sides (`transfer.page_runs`), and each descriptor costs a fixed few microseconds in UCX whatever its length. A
-free list in arrival order (a deque) scatters under churn, so that a long-running pool hands a 128K-token request
-hundreds of one-page runs. Here free pages are runs (start -> length), adjacent runs merge when pages come back,
-and `alloc(n)`:
-1. takes the first n pages of the shortest free run that holds all n (best fit: long runs stay long), else
-2. takes whole runs, longest first, until n pages are reached (the fewest runs that hold n), the last one cut.
-Pages of one request come back in ascending order within each run; `release` accepts any order and merges.
-Every operation is O(free runs) (a sorted list of run starts); runs stay few because freed pages coalesce.
+A request's KV moves as one NIXL descriptor per run (`transfer.page_runs`), each costing a fixed few
+microseconds; a free list in arrival order scatters under churn. `alloc(n)` takes the shortest free run that holds
+n (best fit), else whole runs longest first; freed pages coalesce. Every operation is O(free runs).
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """The engine thread both roles share: an inbox, a scheduling loop, aborts, and live statistics.
 
-HTTP handlers never touch the model or the pool: they `submit` a `Req` and read its events. The
-role-specific work (what one scheduling step does) lives in the prefill and decode engines.
-
-Nothing one request does may end the engine: role engines run each request's (or batch's) work
-inside `serving(...)`, which fails those requests with a 500 and keeps the loop going. If the loop
-itself dies, every request still held is failed and `on_death` is called: the server then exits
-non-zero, so its supervisor sees a dead process instead of a live one answering 503 forever.
+HTTP handlers never touch the model or the pool: they `submit` a `Req` and read its events. Nothing one request
+does may end the engine (`serving(...)` fails those requests with a 500); if the loop itself dies, every request
+held is failed and `on_death` makes the server exit non-zero, so its supervisor restarts it.
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
-"""Output-token logprobs in the three answer shapes: OpenAI chat, OpenAI legacy completions, SGLang's `/generate`.
-
-The shapes are SGLang 0.5.23's (`serving_chat._build_token_logprobs_from_raw`, `openai/utils.to_openai_style_logprobs`,
-`tokenizer_manager.add_logprob_to_meta_info`), with two differences, both toward OpenAI's definition:
-- legacy completions: `text_offset` holds each token's character offset in the generated text (SGLang: -1, "not
-  supported yet"), and `top_logprobs` has one dict per token, `{}` for `logprobs: 0` (SGLang: an empty list);
-- every token has an entry, the one that ended the output (EOS, a stop token) too, as in SGLang.
-`/generate` reports no prompt logprobs: `input_token_logprobs` (and `input_top_logprobs`) are empty, as SGLang's
-are for `logprob_start_len` -1, its default.
+"""Output-token logprobs in SGLang 0.5.23's three answer shapes (OpenAI chat, legacy completions, `/generate`), but
+toward OpenAI's definition in legacy completions: `text_offset` holds real offsets and `top_logprobs` one dict per
+token. `/generate` reports no prompt logprobs, as SGLang's default `logprob_start_len` -1.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .sampling import TokenLogprob
-from .tokenizer import ByteTokenizer
+from ..engine.sampling import TokenLogprob
+from ..engine.tokenizer import ByteTokenizer
 
 
 @dataclass(frozen=True)

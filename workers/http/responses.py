@@ -1,8 +1,6 @@
-"""Response bodies in OpenAI's (chat, completions) and SGLang's (/generate) shapes, plain and SSE.
-
-Stop trimming follows SGLang's detokenizer: a matched stop string and a matched stop token id (EOS
-has no text anyway) are left out of the text unless `no_stop_trim`. While streaming, text that could
-be the start of a stop string is held back until the next tokens show whether it is one.
+"""Response bodies in OpenAI's and SGLang's shapes, plain and SSE. Stop trimming follows SGLang's detokenizer: a
+matched stop string or token id is left out unless `no_stop_trim`; streamed text that could begin a stop string
+is held back until the next tokens decide.
 """
 
 from __future__ import annotations
@@ -13,10 +11,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from . import logprob_format
+from ..engine.request import Finish
+from ..engine.sampling import SamplingParams, TokenLogprob
+from ..engine.tokenizer import ByteTokenizer, IncrementalDecoder
 from .logprob_format import Entry
-from .request import Finish
-from .sampling import SamplingParams, TokenLogprob
-from .tokenizer import ByteTokenizer, IncrementalDecoder
 
 Kind = Literal["chat", "completion", "generate"]
 

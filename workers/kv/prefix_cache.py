@@ -24,7 +24,7 @@ import itertools
 import time
 from collections import deque
 
-from .kv_pool import KVPool
+from .pool import KVPool
 
 
 class RadixNode:

@@ -1,23 +1,11 @@
 """The model's three kernel calls (sparse decode, indexer, top-k), dispatched and counted.
 
-On CUDA a kernel named in `--kernels` runs our Triton/Gluon kernel (the `*_triton` entry points of
-`dsv4_cluster.kernels`; which one, and its launch config, is the dispatch table's choice for the GPU class,
-`kernels/dispatch.py`), any other runs the PyTorch reference op on the GPU; on CPU every op is the reference (the
-oracle). Every call adds one
-to a counter on the model's device (`calls[kernel, impl] += 1`, a device-side add), so a CUDA-graph replay
-advances the counters exactly as the eager calls it captured: `/server_info` reports what ran from these counts,
-never from the flag. `counts()` reads them (a host sync; the engine thread calls it between steps).
-
-Prefill chunks select compressed entries with whole-tensor torch ops on any device (`selection.py`): the indexer
-and top-k kernels are decode kernels (one query row per request), and a chunk's rows share one page table.
-
-KV in SGLang's fp8 layout (`kv_pool.py`) goes to the fp8 kernels (`sparse_decode_paged`, `indexer_fp8_triton`),
-which read the pool's bytes; the reference ops dequantise exactly the rows they read (`sparse_mla_decode_paged_ref`),
-so kernels and reference see the same values. A ratio-128 layer's call (`dense=True`: window + every complete
-entry, an index list as wide as the configured context with per-row lengths) runs the Triton kernel with a split
-count fixed from the batch size and the ratio-4 layers' row count (`dense_config`): the Gluon kernel stages a
-query's whole index list in shared memory (1M / 128 = 8192 entries do not fit), and a split count chosen from the
-list's width would grow with the configured context, not with the rows a query really has.
+On CUDA a kernel named in `--kernels` runs ours (which one and its launch config: `kernels/dispatch.py`), any
+other the PyTorch reference on the GPU; on CPU every op is the reference (the oracle). Every call adds one to a
+device-side counter, so CUDA-graph replays count as the calls they captured: `/server_info` reports what ran from
+these counts, never from the flag. fp8 pools go to the fp8 kernels; the references dequantise exactly the rows
+they read. A ratio-128 layer's call (`dense=True`) runs the Triton kernel with a split count fixed from the batch
+(`dense_config`): a count chosen from the index list's width would grow with the configured context.
 """
 
 from __future__ import annotations
@@ -28,10 +16,10 @@ import torch
 
 from dsv4_cluster.core import KERNEL_NAMES
 
-from ..kernels.indexer.reference import indexer_fp8_ref, indexer_ref
-from ..kernels.sparse_mla_decode import sparse_mla_decode_ref
-from ..kernels.sparse_mla_decode.reference import sparse_mla_decode_paged_ref
-from ..kernels.topk.reference import topk_ref
+from ...kernels.indexer.reference import indexer_fp8_ref, indexer_ref
+from ...kernels.sparse_mla_decode import sparse_mla_decode_ref
+from ...kernels.sparse_mla_decode.reference import sparse_mla_decode_paged_ref
+from ...kernels.topk.reference import topk_ref
 
 IMPLS = ("reference", "triton", "gluon")
 
@@ -56,7 +44,7 @@ class KernelOps:
         for k in names:
             self.kernel[k], self.impl[k] = True, "triton"
         if "sparse_mla_decode" in names and self.device.type == "cuda":
-            from ..kernels.sparse_mla_decode.config import LaunchConfig, choose_backend
+            from ...kernels.sparse_mla_decode.config import LaunchConfig, choose_backend
 
             # the dispatch table's choice for this GPU class and head count (what the launches will pick)
             self.impl["sparse_mla_decode"] = choose_backend(self.device, n_heads, dtype, False, LaunchConfig())[0]
@@ -81,13 +69,13 @@ class KernelOps:
         if geometry is not None:
             window, extra = (kv, geometry[0], window_idx, None), (extra_kv, geometry[1], extra_idx, extra_lens)
             if kernel:
-                from ..kernels.sparse_mla_decode.launch import sparse_decode_paged
+                from ...kernels.sparse_mla_decode.launch import sparse_decode_paged
 
                 config = self.dense_config(q.shape[0]) if dense else None
                 return sparse_decode_paged(q, window, extra, sink, None, None, None, config=config)[0]
             return sparse_mla_decode_paged_ref(q, window, extra, sink)[0]
         if kernel:
-            from ..kernels.sparse_mla_decode.launch import sparse_mla_decode_triton
+            from ...kernels.sparse_mla_decode.launch import sparse_mla_decode_triton
 
             config = self.dense_config(q.shape[0]) if dense else None
             return sparse_mla_decode_triton(q, kv, window_idx, extra_kv, extra_idx, sink, None, None, extra_lens,
@@ -104,7 +92,7 @@ class KernelOps:
         self._count("indexer")
         fp8 = keys.dtype == torch.uint8          # the fp8 key pages of kernels/indexer/fp8_keys.py
         if self.kernel["indexer"]:
-            from ..kernels.indexer.triton_indexer import indexer_fp8_triton, indexer_triton
+            from ...kernels.indexer.triton_indexer import indexer_fp8_triton, indexer_triton
 
             return (indexer_fp8_triton if fp8 else indexer_triton)(q_idx, weights, keys, pages, live)
         return (indexer_fp8_ref if fp8 else indexer_ref)(q_idx, weights, keys, pages, live)
@@ -112,7 +100,7 @@ class KernelOps:
     def topk(self, scores, live, k: int) -> torch.Tensor:
         self._count("topk")
         if self.kernel["topk"]:
-            from ..kernels.topk.radix_select import topk_triton
+            from ...kernels.topk.radix_select import topk_triton
 
             return topk_triton(scores, live, k)
         return topk_ref(scores, live, k)
@@ -145,9 +133,9 @@ class KernelOps:
 
 @functools.lru_cache(maxsize=256)
 def _dense_config(device: torch.device, batch: int, nominal_rows: int, heads: int, dtype: torch.dtype):
-    from ..kernels import dispatch
-    from ..kernels.sparse_mla_decode.config import LaunchConfig, _num_sms, choose_backend
-    from ..kernels.sparse_mla_decode.splits import choose_splits
+    from ...kernels import dispatch
+    from ...kernels.sparse_mla_decode.config import LaunchConfig, _num_sms, choose_backend
+    from ...kernels.sparse_mla_decode.splits import choose_splits
 
     triton = LaunchConfig(backend=dispatch.DENSE_DECODE_BACKEND)
     block = choose_backend(device, heads, dtype, True, triton)[1].block_n  # the class's Triton block (dispatch table)

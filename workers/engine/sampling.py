@@ -1,16 +1,10 @@
 """Sampling parameters and next-token selection.
 
-Values are checked against `dsv4_cluster.request_schema` (SGLang 0.5.23's `SamplingParams.verify`: temperature
-finite and >= 0, top_p in (0, 1]), the ranges the request bodies declare, for parameters built outside a
-body (the PD check, tests); a temperature below `SAMPLING_EPS` (1e-6) means greedy, as SGLang turns it into
-top_k=1 (dividing logits by 1e-40 would give NaN probabilities). Invalid values raise ValueError naming the
-field, which the server answers with a 400. `max_new_tokens` 0 (SGLang: prefill only, no output) is within
-the schema but not something this engine does: it is refused with a 400 saying so.
-
-Logprobs (`Sampler.logprobs`): the log-softmax of the logits the token was drawn from, as SGLang 0.5.23's sampler
-reports them by default (`sglang/srt/layers/sampler.py`, `SGLANG_RETURN_ORIGINAL_LOGPROB` unset): after the vocabulary
-mask and the temperature (greedy: the logits as they are), before top-p, which only restricts the draw. The top-N
-alternatives are that distribution's N most likely tokens, most likely first, ties to the lower id (as greedy's).
+Values are checked against `dsv4_cluster.request_schema` (SGLang's `SamplingParams.verify` ranges) also for
+parameters built outside a body; a temperature below `SAMPLING_EPS` is greedy, as in SGLang (dividing by it would
+give NaNs). `max_new_tokens` 0 is refused: this engine does not do prompt-only requests. Logprobs are SGLang
+0.5.23's default: the log-softmax after the vocabulary mask and temperature, before top-p; alternatives most likely
+first, ties to the lower id.
 """
 
 from __future__ import annotations

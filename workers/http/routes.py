@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
-from .engine import EngineKilled
+from ..engine.loop import EngineKilled
 from .openapi import route_doc
 from .protocol import AbortRequest
 from .responses import error_response

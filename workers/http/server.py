@@ -21,18 +21,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from .. import __version__
-from .args import WorkerArgs
-from .engine import Engine
+from ... import __version__
+from ...core import Role
+from ..args import WorkerArgs
+from ..engine.kernel_ops import KernelOps
+from ..engine.loop import Engine
+from ..engine.presets import model_config
+from ..engine.request import Event, Failed, Req, Reserved, Token, loop_emitter
+from ..engine.runner import ModelRunner, RunnerConfig
+from ..engine.tokenizer import ByteTokenizer, ChatTemplateError
 from .liveness import Liveness
 from .metrics import WorkerMetrics
-from .kernel_ops import KernelOps
-from .presets import model_config
 from .protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
-from .request import Event, Failed, Req, Reserved, Token, loop_emitter
 from .responses import GenSpec, ResponseBuilder, error_body, error_response, sse
-from .runner import ModelRunner, RunnerConfig
-from .tokenizer import ByteTokenizer, ChatTemplateError
 
 log = logging.getLogger(__name__)
 READY_LINE = "The server is fired up and ready to roll!"
@@ -60,7 +61,7 @@ class WorkerServer:
         return RunnerConfig(model=model_config(a.model_preset, seed=a.seed), page_size=a.page_size,
                             max_total_tokens=a.max_total_tokens, context_length=a.context_length, device=a.device,
                             kernels=a.kernel_list, kv_dtype=a.kv_cache_dtype,
-                            cuda_graph_max_bs=0 if a.disable_cuda_graph or a.mode == "prefill" else a.cuda_graph_max_bs)
+                            cuda_graph_max_bs=0 if a.disable_cuda_graph or a.role is Role.PREFILL else a.cuda_graph_max_bs)
 
     def build_engine(self, runner: ModelRunner) -> Engine:
         raise NotImplementedError

@@ -1,20 +1,9 @@
 """The paged KV pool: fixed capacity, page allocator, and the address math the model and NIXL use.
 
-Per layer there are up to three buffers, all page-major so that one page of a request is one contiguous byte
-range per buffer (what NIXL moves): `main` (one row per token), `comp` (one row per compressed entry of the
-layer's ratio: 4, or 128 on DeepSeek-V4's ratio-128 layers) and, on ratio-4 layers only, `index_keys` (the
-indexer's keys; ratio-128 layers have no indexer). Two layouts (`PoolLayout.dtype`):
-
-- float rows in the model's dtype (`float32`, `bfloat16`): `main` [num_pages * page_size, head_dim], `comp`
-  [num_pages * entries, head_dim], `index_keys` [num_pages, entries, index_dim];
-- `fp8_e4m3`, SGLang's DeepSeek-V4 layout (`kernels/sparse_mla_decode/fp8_layout.py`): `main` and `comp` uint8
-  [num_pages, page_stride] of 584-B token records (448 e4m3 + 64 bf16 RoPE dims, 7 ue8m0 scales + 1 pad byte),
-  the stride padded to a multiple of 576 B; `index_keys` uint8 [num_pages, entries * (index_dim + 4)]
-  (`kernels/indexer/fp8_keys.py`: e4m3 keys, then one fp32 scale per key). A row's index is its slot
-  (page * rows_per_page + offset), the numbering the kernels take.
-
-Writes go through `write_main` / `write_comp` / `write_keys` (quantising on fp8), reads of whole rows through
-`read_main` (dequantising exactly); the attention kernels and the reference ops read the buffers themselves.
+Per layer up to three page-major buffers (one page = one byte range per buffer, what NIXL moves): `main` (a row
+per token), `comp` (a row per compressed entry) and, on ratio-4 layers, `index_keys`. Float rows
+(`float32`, `bfloat16`), or `fp8_e4m3`, SGLang's DeepSeek-V4 layout (`fp8.py`). A row's index is its slot
+(page * rows_per_page + offset), as the kernels number them. Writes quantise on fp8; `read_main` dequantises.
 """
 
 from __future__ import annotations
@@ -24,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from . import kv_fp8
+from . import fp8 as kv_fp8
 from .page_alloc import PageAllocator
 
 FP8 = "fp8_e4m3"

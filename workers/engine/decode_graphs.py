@@ -1,17 +1,11 @@
 """Decode steps replayed from CUDA graphs: one graph per captured batch size, a batch padded to the next one.
 
-Captured at start-up (before the worker says it is ready), largest first, all in one memory pool: for each size
-the decode forward runs twice eagerly on a side stream (Triton compiles and picks its launch plans), then once
-under capture. A graph reads its inputs from static buffers: tokens [S], positions [S] and page tables [S, W]
-int32 with W the pages of a full-context request (graphs need fixed shapes). A step copies in only what it
-needs: its tokens and positions and, per row, the request's own pages; columns past a request's own pages keep
-whatever an earlier request left there, which no op reads (window, compression, indexer and top-k stay within
-the pages of positions <= the row's own; a ratio-128 layer reads its entry rows up to its live count, rows this
-step writes from the request's own pages). Padding rows decode token 0 at position 0 of the pad page, a page
-the allocator never hands out.
-
-Only when every kernel is on: the reference ops read index values on the host (a sync), which a graph cannot
-hold. Batches larger than the largest captured size run eagerly.
+Captured before the worker says it is ready, largest first, in one memory pool (two eager runs, then the
+capture). Inputs are static buffers: tokens [S], positions [S], page tables [S, W] int32, W the pages of a
+full-context request. A step copies in its tokens, positions and each row's own pages; stale columns past them
+are never read (every op stays within the pages of positions <= the row's own). Padding rows decode token 0 on
+the pad page, which the allocator never hands out. Only with every kernel on (the reference ops sync with the
+host); batches past the largest size run eagerly.
 """
 
 from __future__ import annotations
@@ -20,7 +14,7 @@ import logging
 
 import torch
 
-from .kv_pool import KVPool
+from ..kv.pool import KVPool
 from .model import Batch, TinyDSV4, entry_table
 
 log = logging.getLogger(__name__)

@@ -1,15 +1,12 @@
-"""The indexer + top-k rule as whole-tensor torch ops (any device): which compressed entries each query attends.
-
-The kernels' CPU references loop over rows in Python; these score every row at once, with the same formula and
-tie rule (tests/test_prefill_batching.py checks they equal the references exactly). The model uses them for
-prefill chunks on every device and for decode wherever the indexer/top-k kernels are off.
+"""The indexer + top-k rule as whole-tensor torch ops, every row at once, equal to the kernels' references (the
+same formula and tie rule); used for prefill chunks, and for decode where the kernels are off.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .kv_fp8 import KEY_SCALE_BYTES, read_key_pages
+from ..kv.fp8 import KEY_SCALE_BYTES, read_key_pages
 
 
 def select_shared_table(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, table: torch.Tensor,

@@ -1,7 +1,5 @@
-"""Where NIXL's Python API lives: `nixl` (the meta package) or one CUDA flavour alone.
-
-`pip install nixl` pulls both CUDA flavours (~457 MB); `nixl-cu13` alone is enough and provides
-`nixl_cu13` but no `nixl` module. Checked without importing, so preflight stays cheap.
+"""Where NIXL's Python API lives: `nixl`, or `nixl_cu13` alone (what `nixl-cu13` provides). Checked without
+importing, so preflight stays cheap.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Request bodies the embedded workers accept, in SGLang's and OpenAI's shapes.
 
-Every field of SGLang 0.5.23's `GenerateReqInput` (with its `sampling_params`), `ChatCompletionRequest` and
-`CompletionRequest` is accepted: the fields declared here are honoured; the others are checked against
-`fields.py` (accepted when they cannot change the output, refused with a 400 naming them otherwise).
-Output-token logprobs are honoured on every route (chat `logprobs`/`top_logprobs`, completions `logprobs`,
-`/generate` `return_logprob`/`top_logprobs_num`/`return_text_in_logprobs`; at most `rs.MAX_TOP_LOGPROBS` alternatives).
-A field SGLang does not know is refused with a 400 that names it. Value ranges and the one rename of
-`max_tokens` (to SGLang's `max_new_tokens`) are `dsv4_cluster.request_schema`'s, shared with the router.
+Every field of SGLang 0.5.23's `GenerateReqInput`, `ChatCompletionRequest` and `CompletionRequest` is accepted:
+those declared here are honoured, the others checked against `fields.py`; a field SGLang does not know is a 400.
+Value ranges and the `max_tokens` rename are `dsv4_cluster.request_schema`'s, shared with the router.
 """
 
 from __future__ import annotations
@@ -18,7 +14,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 from dsv4_cluster import request_schema as rs
 
 from . import fields
-from .sampling import SamplingParams
+from ..engine.sampling import SamplingParams
 
 
 class _Body(BaseModel):

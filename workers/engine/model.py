@@ -1,20 +1,11 @@
 """A tiny DeepSeek-V4-shaped model with seeded random weights: the embedded engine's compute.
 
-What it shares with DeepSeek-V4: one shared KV head (MQA) whose value is its key (V = K), RoPE on the
-last `rope_dim` dims, a sliding window of recent tokens, compressed entries per layer at the layer's ratio
-(`ModelConfig.compress_ratios`, SGLang's config name), and a per-head attention sink. A ratio-4 layer's query
-attends to its window plus the top-k of its complete ratio-4 entries, picked by an indexer (`score = Σ_h
-relu(q_h·k)·w_h`); a ratio-128 layer's (SGLang 0.5.23: `Compressor` without `C4Indexer`; its c128 page indices
-are every entry below seq_len // 128) attends to its window plus every complete ratio-128 entry, no indexer. An
-entry here is the mean of its tokens' KV rows times a projection, a stand-in for V4's learned compressor. KV lives
-in float rows or SGLang's fp8 layout (`kv_pool.py`). Attention goes through `kernel_ops.KernelOps` (reference ops
-on CPU; on CUDA our Triton/Gluon kernels for the kernels asked for), so the engine is also the kernels' end-to-end
-test bed. Shapes come from a preset (`presets.py`: `tiny` for the CPU, `flash` with DeepSeek-V4-Flash's attention
-shapes). What it leaves out: MoE, hyper-connections, multi-token prediction, V4-Flash's two window-only (ratio 0)
-layers. The weights are random: its text is meaningless by design.
-
-A decode batch (`Batch.segments == ()`, one row per request) runs without a host sync when every kernel
-is on, so `decode_graphs.py` can capture it in a CUDA graph; prefill chunks may sync.
+Shared with DeepSeek-V4: one KV head (MQA, V = K), RoPE on the last `rope_dim` dims, a sliding window, compressed
+entries at each layer's ratio (`compress_ratios`), a per-head attention sink. Ratio-4 layers add the top-k of their
+entries picked by an indexer (`score = Σ_h relu(q_h·k)·w_h`); ratio-128 layers add every complete entry. An entry
+is the mean of its tokens' rows times a projection (V4 learns its compressor). Left out: MoE, hyper-connections,
+MTP, the window-only layers. The weights are random: its text is meaningless by design. A decode batch runs
+without a host sync when every kernel is on, so `decode_graphs.py` can capture it.
 """
 
 from __future__ import annotations
@@ -23,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import kv_fp8
+from ..kv import fp8 as kv_fp8
+from ..kv.pool import KVPool
 from .kernel_ops import KernelOps
-from .kv_pool import KVPool
 from .selection import select_rows, select_shared_table
 from .tokenizer import VOCAB_SIZE
 

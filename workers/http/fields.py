@@ -1,14 +1,9 @@
 """SGLang 0.5.23's request fields that the embedded engine does not act on, and when each is accepted.
 
-The workers accept every field of SGLang's `GenerateReqInput` (and its `sampling_params`),
-`ChatCompletionRequest` and `CompletionRequest` (tests/test_request_schema.py compares these tables plus
-the fields `protocol.py` declares with the installed SGLang, so a new release shows up as a failing test).
-Fields `protocol.py` declares are honoured. The rest are listed here, each with one of two rules:
-
-- `ANY`: the value cannot change the generated text (ids, routing hints, logging, metrics labels): accepted.
-- `Neutral(values, why)`: accepted when the value is one of `values` (SGLang's default and its no-op
-  spellings); any other value is refused with a 400 that names the field and says `why`. Nothing is
-  silently ignored when it would change the meaning of the request.
+`ANY`: the value cannot change the output (ids, routing hints, logging): accepted. `Neutral(values, why)`:
+accepted when it is one of SGLang's no-op values, else a 400 naming the field and saying why. Nothing that would
+change the request's meaning is silently ignored; tests/test_request_schema.py compares these tables with the
+installed SGLang.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
-"""Whether the engine thread still makes progress, as the HTTP side sees it: a no-op sent through its inbox.
-
-The HTTP server lives on its own loop, so a hung engine thread (stuck in a step, a deadlock, SIGSTOP-like
-stalls of one thread) would otherwise leave `/health` answering 200 while every request waits forever.
-A ping is a no-op the engine runs between steps; at most one is outstanding, and callers share it:
-  * `/health` answers 503 once the outstanding ping is older than `--stall-timeout-s`;
-  * a request that has had no engine event for a second asks `stalled()`, and once the engine is stalled it
-    is failed with a 503 naming the stall (and aborted: the engine frees its pages when it runs again).
-An engine busy with a long step answers the ping after that step, so only a loop that stops for longer
-than the timeout counts as stalled.
+"""Whether the engine thread still comes round, as the HTTP side sees it: a no-op pinged through its inbox (one
+outstanding, shared). Once it is older than `--stall-timeout-s`, `/health` answers 503 and a request with no
+engine event for a second fails with a 503 naming the stall (and is aborted: its pages are freed when the engine
+runs again). A long step answers after the step, so only a loop stopped past the timeout counts as stalled.
 """
 
 from __future__ import annotations
@@ -15,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from .engine import Engine
+from ..engine.loop import Engine
 
 
 class Liveness:

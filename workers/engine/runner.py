@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kv.pool import KVPool, PoolLayout
 from .decode_graphs import DecodeGraphs, padded_table
-from .kv_pool import KVPool, PoolLayout
-from .presets import kv_layout_dtype, pool_layout
 from .model import Batch, ModelConfig, TinyDSV4
+from .presets import kv_layout_dtype, pool_layout
 from .request import Req
 from .sampling import Sampler, SamplingParams
 

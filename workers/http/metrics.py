@@ -9,8 +9,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from .engine import Engine
-from ..metric_names import KV_ALLOC_RUNS
+from ...metric_names import KV_ALLOC_RUNS
+from ..engine.loop import Engine
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 

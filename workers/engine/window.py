@@ -1,7 +1,5 @@
-"""Samples of the last few seconds, for gauges that must fall back to 0 once the engine is idle.
-
-The engine thread adds samples; the metrics scrape and /server_info read sums and means from another
-thread, so every access takes the lock.
+"""Samples of the last few seconds, for gauges that fall back to 0 once the engine is idle (written by the engine
+thread, read by scrapes: every access takes the lock).
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""The worker's HTTP surface: request bodies, routes, responses, /metrics, liveness; never touches the model."""
