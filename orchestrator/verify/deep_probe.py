@@ -18,6 +18,7 @@ from dsv4_cluster.core import ProbeResult, Role
 from dsv4_cluster.orchestrator.launch.plan import LaunchPlan
 
 logger = logging.getLogger(__name__)
+STOP_WAIT_S = 2.0  # how long `stop` waits for a probe in flight
 PROBE_BODY = {"text": "deep probe", "sampling_params": {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}}
 
 
@@ -79,6 +80,8 @@ class DeepProber:
         while not self._stop.is_set():
             for pair in self._pairs:
                 result = probe_pair(self._client, pair)
+                if self._stop.is_set():  # stopped while it was in flight: its answer is no one's business
+                    return
                 if not result.ok:
                     logger.warning("deep probe %s -> %s failed: %s", result.prefill, result.decode, result.error)
                 with self._lock:
@@ -90,7 +93,11 @@ class DeepProber:
             return tuple(self._results.values())
 
     def stop(self) -> None:
+        """Stop probing. A probe in flight is not waited for past STOP_WAIT_S: a pair whose decode died mid-probe
+        holds it until the prefill's stranded-KV timeout (30 s by default), and `down` would wait that long. The
+        thread is a daemon and ends with the controller's process; the client is closed once the thread is done."""
         self._stop.set()
         if self._thread.is_alive():
-            self._thread.join(60)
-        self._client.close()
+            self._thread.join(STOP_WAIT_S)
+        if not self._thread.is_alive():
+            self._client.close()
