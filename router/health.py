@@ -85,12 +85,13 @@ class HealthChecker:
 
     async def check(self, worker: Worker) -> None:
         """One check of one worker, and the transition it causes."""
+        started = time.monotonic()
         if await self._passes(worker):
             if not worker.healthy:
                 log.warning("%s at %s passes its health check again; back in the pool", worker.describe(), worker.url)
             worker.health_failures = 0
             worker.healthy = True
-            worker.last_ok = time.monotonic()
+            worker.alive_at(started)
             return
         worker.health_failures += 1
         if worker.healthy and worker.health_failures >= self._threshold:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from dataclasses import dataclass
 
 from . import sse
@@ -136,6 +137,7 @@ class Upstream:
 
     async def wait_head(self, worker: Worker, response: Response) -> None:
         """Until the status line and headers arrived; closes the response and raises a RouterError if not."""
+        asked = time.monotonic()
         try:
             await response.wait_head(self.request_timeout_s)
         except UpstreamError as exc:
@@ -145,7 +147,7 @@ class Upstream:
         except BaseException:
             response.close()
             raise
-        worker.record(ok=True)
+        worker.record(ok=True, at=asked)
 
     async def open(self, worker: Worker, path: str, body: bytes) -> Response:
         """POST and return once the head arrived; the caller must `close()` the response."""

@@ -80,12 +80,20 @@ class Worker:
     def load(self) -> float:
         return self.in_flight + self.token_usage
 
-    def record(self, ok: bool, gone: bool = True) -> None:
+    def alive_at(self, t: float) -> None:
+        """Evidence that the worker answered at monotonic time `t` (or later): the time the evidence was sought,
+        not when this loop got round to it, so that an answer the process gave before it died, read after a
+        request recorded its death, never makes it look answering again (a held request would be retried at once
+        on a dead worker until `max_retries` ran out, instead of waiting for the restart)."""
+        self.last_ok = max(self.last_ok, t)
+
+    def record(self, ok: bool, gone: bool = True, at: float | None = None) -> None:
         """The breaker hears how a connection to this worker went: `breaker_failures` failures in a row open it
         for `breaker_cooldown_s`; after that one request may try again (one more failure opens it again).
-        `gone`: the failure says the process may be gone (not the keep-alive race on a reused connection)."""
+        `gone`: the failure says the process may be gone (not the keep-alive race on a reused connection).
+        `at`: when the answer was asked for (`alive_at`), now if not given."""
         if ok:
-            self.last_ok = time.monotonic()
+            self.alive_at(time.monotonic() if at is None else at)
             if self.open_until:
                 log.warning("%s answers again; circuit breaker closed", self.describe())
             self.failures, self.open_until = 0, 0.0

@@ -185,3 +185,42 @@ def test_without_ids_a_continuation_goes_on_from_the_text_the_client_has() -> No
     new = continuation("/v1/chat/completions", body, progress("/v1/chat/completions", sent))
     assert new["messages"][-1] == {"role": "assistant", "content": "ab"} and new["continue_final_message"]
     assert new["max_completion_tokens"] == 4 and "input_ids" not in new
+
+
+def test_an_answer_read_after_a_recorded_death_does_not_make_the_worker_answering_again() -> None:
+    """A health check whose /health answered before the process died, read by the loop only after a request recorded
+    the death (a loaded router), leaves the worker not answering: a held request keeps waiting for the restart
+    instead of being retried at once on the dead worker until max_retries ran out (a 502 under load)."""
+    import asyncio
+
+    from dsv4_cluster.router.health import HealthChecker
+    from dsv4_cluster.router.pool import WorkerPool
+    from tests.router_fakes import router_settings
+
+    settings = router_settings("http://127.0.0.1:1", "http://127.0.0.1:2", prefill_policy="round_robin",
+                               decode_policy="round_robin", max_queued_per_worker=0)
+    pool = WorkerPool(settings)
+    prefill = pool.prefill[0]
+
+    class SlowRead:  # /health answered 200 (before the death); the loop reads it after the failure below
+        def __init__(self) -> None:
+            self.asked, self.release = asyncio.Event(), asyncio.Event()
+
+        async def probe(self, worker, path, timeout_s):
+            self.asked.set()
+            await self.release.wait()
+            return 200, b""
+
+    async def main() -> bool:
+        upstream = SlowRead()
+        checker = HealthChecker(pool, upstream, settings)
+        check = asyncio.ensure_future(checker.check(prefill))
+        await upstream.asked.wait()
+        prefill.record(ok=False)           # a request to it failed to connect: the process is gone
+        upstream.release.set()
+        await check
+        return prefill.answering
+
+    assert asyncio.run(main()) is False
+    prefill.alive_at(prefill.last_failure + 1.0)   # an answer asked for after the failure: answering again
+    assert prefill.answering
