@@ -180,17 +180,14 @@ def sweep_rows(base) -> list[dict]:
     import itertools
 
     from dsv4_cluster.kernels.sglang_adapters import flash_mla_with_kvcache
+    from dsv4_cluster.kernels.sglang_adapters.flash_mla_sm120 import flash_mla_keywords
     from dsv4_cluster.kernels.sparse_mla_decode.config import LaunchConfig
 
     rows = []
     for b in (1, 8, 32, 64, 128):
         kw = sm120_call(decode_case("c4", b, 64, seed=b, full=True))
         ref = base.triton_decode(*sglang_sm120_args(kw))[0].float()
-        call = dict(q=kw["q"], k_cache=kw["k_cache"], block_table=None, cache_seqlens=None, head_dim_v=kw["head_dim_v"],
-                    tile_scheduler_metadata=None, softmax_scale=kw["softmax_scale"], is_fp8_kvcache=True,
-                    indices=kw["indices"], attn_sink=kw["attn_sink"], extra_k_cache=kw["extra_k_cache"],
-                    extra_indices_in_kvcache=kw["extra_indices_in_kvcache"], topk_length=kw["topk_length"],
-                    extra_topk_length=kw["extra_topk_length"], use_legacy=True)
+        call = flash_mla_keywords(kw, kw["q"], kw["attn_sink"])   # the sm_120 entry's own mapping
         for bn, hg, pf, nw in itertools.product(*SWEEP.values()):
             cfg = LaunchConfig(backend="triton", block_n=bn, num_stages=1, head_group=hg, prefetch=pf, num_warps=nw)
             row = dict(B=b, block_n=bn, head_group=hg, prefetch=pf, num_warps=nw)

@@ -57,7 +57,7 @@ class Worker:
         self.healthy, self.health_failures = True, 0
         self.failures, self.open_until = 0, 0.0
         self.kv_tokens = None                       # a restart may change it: read it again
-        self.last_ok = time.monotonic()
+        self.alive_at(time.monotonic())
 
     def describe(self) -> str:
         """How client-facing messages name the worker: role and name, never its internal URL."""

@@ -46,15 +46,19 @@ def flash_mla_with_kvcache_sm120(**kwargs):
             sink_pad = sink.new_zeros(padded)
             sink_pad[:heads] = sink
             sink = sink_pad
-    out, lse = flash_mla_with_kvcache(
-        q=q, k_cache=kwargs["k_cache"], block_table=None, cache_seqlens=None, head_dim_v=kwargs["head_dim_v"],
-        tile_scheduler_metadata=None, softmax_scale=kwargs.get("softmax_scale"), is_fp8_kvcache=True,
-        indices=kwargs["indices"], attn_sink=sink, extra_k_cache=kwargs.get("extra_k_cache"),
-        extra_indices_in_kvcache=kwargs.get("extra_indices_in_kvcache"), topk_length=kwargs.get("topk_length"),
-        extra_topk_length=kwargs.get("extra_topk_length"), use_legacy=True, real_heads=told)
+    out, lse = flash_mla_with_kvcache(**flash_mla_keywords(kwargs, q, sink), real_heads=told)
     if padded != heads:
         return out[:, :, :heads], lse[:, :heads]
     return out, lse
 
 
-__all__ = ["SM120_KWARGS", "flash_mla_with_kvcache_sm120"]
+def flash_mla_keywords(kwargs: dict, q, sink) -> dict:
+    """`flash_mla_with_kvcache`'s keywords for an sm_120 call's `kwargs`, with q and the sink as given (padded)."""
+    return dict(q=q, k_cache=kwargs["k_cache"], block_table=None, cache_seqlens=None, head_dim_v=kwargs["head_dim_v"],
+                tile_scheduler_metadata=None, softmax_scale=kwargs.get("softmax_scale"), is_fp8_kvcache=True,
+                indices=kwargs["indices"], attn_sink=sink, extra_k_cache=kwargs.get("extra_k_cache"),
+                extra_indices_in_kvcache=kwargs.get("extra_indices_in_kvcache"), topk_length=kwargs.get("topk_length"),
+                extra_topk_length=kwargs.get("extra_topk_length"), use_legacy=True)
+
+
+__all__ = ["SM120_KWARGS", "flash_mla_keywords", "flash_mla_with_kvcache_sm120"]

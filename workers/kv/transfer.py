@@ -287,6 +287,4 @@ def _indices(pages, regions: int, num_pages: int) -> np.ndarray:
     """The prepared list's indices of `pages` in every region, region-major (so that consecutive pages are
     consecutive descriptors, which NIXL merges)."""
     pages = np.asarray(pages, dtype=np.int64)
-    if regions == 1:
-        return pages.astype(np.int32)
     return (np.arange(regions, dtype=np.int64)[:, None] * num_pages + pages[None, :]).ravel().astype(np.int32)
