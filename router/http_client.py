@@ -220,6 +220,11 @@ class _Connection(asyncio.Protocol):
             state = "before answering" if before else "mid-response"
             self._fail(ConnectionLost(f"connection to {self._origin.name} lost {state} ({why})",
                                       before_response=before and not self._got_bytes, reused=self.requests > 1))
+            # the worker dropped a request it held: its idle connections are suspect too (a killed process closes
+            # them all, but their closes may reach this loop after a retry took one from the pool: the retry would
+            # fail the same way, as a reused connection, until max_retries ran out, instead of connecting afresh
+            # and finding the worker gone)
+            self._origin.drop_idle()
 
     # -- httptools callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -298,6 +303,13 @@ class Origin:
             conn.alive = False
             conn.transport.close()
 
+    def drop_idle(self) -> None:
+        """Close every idle connection: the next request connects afresh."""
+        while self._idle:
+            conn = self._idle.pop()
+            conn.alive = False
+            conn.transport.close()
+
     def _take_idle(self) -> _Connection | None:
         limit = time.monotonic() - self._keepalive_s
         while self._idle:
@@ -332,6 +344,4 @@ class Origin:
         return conn.send(head, body)
 
     def close(self) -> None:
-        for conn in self._idle:
-            conn.transport.close()
-        self._idle.clear()
+        self.drop_idle()

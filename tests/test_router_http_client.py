@@ -87,6 +87,48 @@ def test_a_write_to_a_closed_transport_fails_the_request_as_lost_before_answerin
     _run(main())
 
 
+def test_a_request_the_worker_dropped_makes_the_next_one_connect_afresh() -> None:
+    """A worker that closes a connection holding a request (a killed process closes them all, but the closes of its
+    idle ones may reach the loop later) leaves no idle connection in the pool: the retry connects afresh instead of
+    failing again as a reused connection (a held request once spent max_retries on the dead prefill's idle
+    connections and got a 502 instead of waiting for the restart)."""
+    async def main() -> None:
+        connections: list[int] = []
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            connections.append(1)
+            try:
+                while True:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    await reader.readexactly(2)
+                    if head.startswith(b"POST /die "):
+                        writer.close()                 # drops the request it holds, answers nothing
+                        return
+                    writer.write(ANSWER)
+                    await writer.drain()
+            except (asyncio.IncompleteReadError, ConnectionError):
+                writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        origin = Origin("prefill worker 'prefill-0'", f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}",
+                        2.0, 30.0, 8)
+        try:
+            assert await asyncio.gather(*(_request(origin) for _ in range(3))) == [200] * 3
+            assert len(origin._idle) == 3 and len(connections) == 3
+            response = await origin.request("POST", "/die", b"{}")      # on an idle connection
+            with pytest.raises(ConnectionLost) as lost:
+                await response.wait_head(5)
+            assert lost.value.reused and lost.value.before_response
+            assert origin._idle == []
+            assert await _request(origin) == 200
+            assert len(connections) == 4, "the next request connected afresh"
+        finally:
+            origin.close()
+            server.close()
+
+    _run(main())
+
+
 def test_idle_upstream_connections_are_kept_almost_as_long_as_the_workers_keep_them() -> None:
     """Dropped after upstream_keepalive_s, which must stay below the workers' own keep-alive (uvicorn closes an idle
     connection after timeout_keep_alive; a router that kept it longer would write into closing connections), and
