@@ -136,7 +136,6 @@ class UpstreamFailed(RouterError):
 
     def __init__(self, message: str, status: int, public: str | None = None, retryable: bool = False) -> None:
         super().__init__(message, retryable=retryable, public=public)
-        self.upstream_status = status
         self.status = status if status < 500 or status == 503 else 502
         if status == 503:
             self.headers = {"Retry-After": "1"}   # a worker out of capacity: soon again
