@@ -22,7 +22,7 @@ from .attestation import Attestation, CounterPublisher, write_attestation
 from .. import decode_routes
 from .call_sites import BACKEND_ATTR, BACKEND_CLASS, BACKEND_MODULE, REGISTRY_KEY, REGISTRY_MODULE
 from .install import (
-    Counters, PluginInstallError, holds_adapter, install_module_sites, install_on_backend, preconditions)
+    Counters, PluginInstallError, install_module_sites, install_on_backend, preconditions)
 from .routing import hook_backend_class
 from .sites import gpu_class_of_runner, kernel_owners, verify_identity
 from .settings import KERNELS_ENV, PluginSettings, PluginSettingsError, settings_from_env

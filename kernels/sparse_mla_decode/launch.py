@@ -17,14 +17,12 @@ import torch
 
 from .. import dispatch
 from . import checks
-from .fp8_layout import DEFAULT_GEOMETRY, PageGeometry, check_cache
+from .fp8_layout import DEFAULT_GEOMETRY, check_cache
 from ..fast_launch import launch as fast_launch
 from ..workspace import scratch
 from . import kernel as _kernels
-from .config import (  # noqa: F401  (re-exported: tests and benches read them here)
-    BACKENDS, DEFAULT_BLOCKS, DIM, GLUON_TRITON_RELEASES, PV_REGS, SMEM_LIMIT, LaunchConfig, _num_sms, choose_backend,
-    choose_backend_for,
-    gluon_api_unavailable, gluon_index_blocks, gluon_smem_bytes, gluon_unavailable, resolved, triton_next_pow2)
+from .config import DIM, LaunchConfig, _num_sms, triton_next_pow2
+from .config import gluon_api_unavailable, gluon_unavailable, resolved  # noqa: F401  (tests and benches read them here)
 from .plan import plan_launch
 
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

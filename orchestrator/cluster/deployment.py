@@ -199,10 +199,7 @@ def find_controller(record: ClusterRecord) -> Any:
 
 def status() -> ClusterStatus:
     """The recorded cluster's status, through Ray."""
-    try:
-        record = read_record()
-    except RecordError as e:
-        raise NotUpError(str(e)) from e
+    record = read_record()
     try:
         controller = find_controller(record)
         return ray.get(controller.status.options(max_task_retries=READ_RETRIES).remote(), timeout=60)
@@ -276,10 +273,7 @@ class DownResult:
 
 def down(options: DownOptions) -> DownResult:
     """Stop everything `up` started; returns what survived."""
-    try:
-        record = read_record()
-    except RecordError as e:
-        raise NotUpError(str(e)) from e
+    record = read_record()
     notes: list[str] = []
     pids: list[int] = []
     try:
