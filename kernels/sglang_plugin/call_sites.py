@@ -28,6 +28,8 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..dispatch import GPU_CLASSES
+
 FLASH_MLA_PARAMS = (
     "q", "k_cache", "block_table", "cache_seqlens", "head_dim_v", "tile_scheduler_metadata", "num_splits",
     "softmax_scale", "causal", "descale_q", "descale_k", "is_fp8_kvcache", "indices", "attn_sink",
@@ -45,7 +47,6 @@ SM120_PARAMS = ("**kwargs",)
 TORCH_SM120_PARAMS = ("q_fp8", "kvcache_fp8", "weight", "seq_lens", "page_table", "deep_gemm_metadata", "max_seq_len",
                       "clean_logits")
 TORCH_INDEXER_ENV = "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH"
-ALL_CLASSES = ("sm_90", "sm_100", "sm_120")
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,7 @@ class CallSite:
     module: str  # where the name SGLang calls lives
     attr: str
     params: tuple[str, ...] | None  # expected parameter names ("*x": keyword-only; "**x": var-keyword); None: compiled
-    classes: tuple[str, ...] = ALL_CLASSES  # GPU classes whose decode calls it
+    classes: tuple[str, ...] = GPU_CLASSES  # GPU classes whose decode calls it
     branch: Branch | None = None  # SGLang's dispatch condition that routes the call here
     env: str | None = None  # an SGLang env switch that routes the call here (absent: the default route)
     on_backend: bool = False  # replaced per backend instance (the FlashMLA partial), not on the module
@@ -113,15 +114,15 @@ CALL_SITES = (
              on_backend=True),
     CallSite("sparse_mla_decode", SM120_MODULE, "flash_mla_with_kvcache_sm120", SM120_PARAMS, ("sm_120",),
              Branch(BACKEND_MODULE, BACKEND_FN, "get_platform().is_sm120", "flash_mla_with_kvcache_sm120")),
-    CallSite("indexer", "deep_gemm", "fp8_paged_mqa_logits", None, ALL_CLASSES,
+    CallSite("indexer", "deep_gemm", "fp8_paged_mqa_logits", None, GPU_CLASSES,
              Branch(INDEXER_CALL_MODULE, INDEXER_FN, "is_xpu()", "fp8_paged_mqa_logits", orelse=True)),
     CallSite("indexer", INDEXER_CALL_MODULE, "fp8_paged_mqa_logits_torch_sm120", TORCH_SM120_PARAMS, ("sm_120",),
              Branch(INDEXER_CALL_MODULE, INDEXER_FN, "get_platform().is_sm120", "fp8_paged_mqa_logits_torch_sm120"),
              env=TORCH_INDEXER_ENV),
-    CallSite("topk", "sglang.kernels.ops.attention.dsv4.topk", "topk_transform_paged_v2", TOPK_V2_PARAMS, ALL_CLASSES,
+    CallSite("topk", "sglang.kernels.ops.attention.dsv4.topk", "topk_transform_paged_v2", TOPK_V2_PARAMS, GPU_CLASSES,
              Branch(INDEXER_CALL_MODULE, INDEXER_FN, "self.dsa_topk_backend.should_use_topk_v2()",
                     "topk_transform_paged_v2")),
-    CallSite("topk", INDEXER_CALL_MODULE, "topk_transform_paged_v2", TOPK_V2_PARAMS, ALL_CLASSES,
+    CallSite("topk", INDEXER_CALL_MODULE, "topk_transform_paged_v2", TOPK_V2_PARAMS, GPU_CLASSES,
              Branch(INDEXER_CALL_MODULE, INDEXER_FN, "self.dsa_topk_backend.should_use_topk_v2()",
                     "topk_transform_paged_v2")),
 )
@@ -147,7 +148,7 @@ STOCK = (
               "opt-in `--dsv4-attn-backend trtllm` reads a uniform-FP8 pool our kernel does not: the plugin refuses "
               "to install (model init fails, naming it)",
               Branch(BACKEND_MODULE, BACKEND_FN, "self.trtllm_attn", "_forward_trtllm")),
-    StockSite("indexer", ALL_CLASSES, "deep_gemm.fp8_fp4_paged_mqa_logits",
+    StockSite("indexer", GPU_CLASSES, "deep_gemm.fp8_fp4_paged_mqa_logits",
               "opt-in `--enable-deepseek-v4-fp4-indexer` scores FP4 keys: the plugin refuses the indexer there",
               Branch(INDEXER_CALL_MODULE, INDEXER_FN, "use_fp4_indexer and (not use_aiter_fp4)",
                      "fp8_fp4_paged_mqa_logits")),
