@@ -9,7 +9,6 @@ import torch
 from dsv4_cluster.kernels.sparse_mla_decode import (
     SparseDecodeInputError,
     quantize_kv_v4,
-    sparse_mla_decode,
     sparse_mla_decode_fp8_ref,
 )
 from dsv4_cluster.kernels.sparse_mla_decode import fp8_layout, launch
@@ -53,7 +52,7 @@ def test_gpu_gluon_window_only_and_full_lengths():
 @pytest.mark.gpu
 def test_gpu_auto_backend_is_gluon_for_v4_bf16():
     c = make_case(2, **V4, device="cuda", seed=3)
-    auto = sparse_mla_decode(**c)
+    auto = sparse_mla_decode_triton(**c)   # no config: the dispatch table's backend
     forced = sparse_mla_decode_triton(**c, config=LaunchConfig(backend="gluon"))
     assert torch.equal(auto[0], forced[0]) and torch.equal(auto[1], forced[1])
 
