@@ -130,7 +130,7 @@ def up(topology_path: str, options: UpOptions) -> UpResult:
 
 
 def _verify(topology: Any, status: ClusterStatus) -> str:
-    """End-to-end check once everything is READY (verification.py); raises ClusterStartError on failure."""
+    """End-to-end check once everything is READY (`verify/sequence.py`); raises ClusterStartError on failure."""
     report = verify_cluster(topology, status.pids())
     if not report.ok:
         raise ClusterStartError(report.summary())
