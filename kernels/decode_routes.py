@@ -1,20 +1,14 @@
 """Which of SGLang's sparse-decode calls the plugin runs on our kernels, and which it leaves on SGLang's own call.
 
-The rule: never slower. Per GPU class, layer kind (window-only, ratio-4, ratio-128), real head count and batch, the
-plugin runs ours only where ours measured >= 1.0x the stock call on the toolchain users install; every other call
-goes to the stock function SGLang bound (FlashMLA on sm_90), which the plugin keeps. The table is data, derived
-from a committed benchmark (`routes_from_results` over bench/results/sglang_decode.json; a CI test checks that the
-two agree), and what it says is what runs: the routed call reads it per call, from shapes only (graph-capturable:
-a captured graph holds whichever kernel its shapes chose).
+The rule: never slower (docs/sglang.md, "Never slower: the decode route table", has the table and what was
+measured). The table is data, derived from a committed benchmark (`routes_from_results` over
+bench/results/sglang_decode.json; a CI test checks that the two agree), and what it says is what runs: the routed
+call reads it per call, from shapes only (graph-capturable: a captured graph holds whichever kernel its shapes chose).
 
 Routes: "ours" (our kernel told the real head count; `heads_to_run` picks the kernel), "ours_all_heads" (our kernel
 computing all 64 heads: at 16 real heads on sm_90 the 64-head Gluon kernel can beat the 16-head Triton one),
 "stock". Between two measured batch sizes a call takes ours only when both neighbours are ours (the same route);
 past the largest measured batch, the largest's route; a batch in no measured class, stock.
-
-sm_120: ours everywhere, measured against SGLang's sm_120 Triton kernel (its fallback when FlashInfer does not
-import) on an H200 standing in (bench/results/sm120_decode.json): FlashInfer's sm_120 CUDA kernel cannot run there.
-sm_100: not measured, so stock.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from .public import scrub
@@ -136,7 +136,6 @@ class UpstreamFailed(RouterError):
 
     def __init__(self, message: str, status: int, public: str | None = None, retryable: bool = False) -> None:
         super().__init__(message, retryable=retryable, public=public)
-        self.upstream_status = status
         self.status = status if status < 500 or status == 503 else 502
         if status == 503:
             self.headers = {"Retry-After": "1"}   # a worker out of capacity: soon again
@@ -151,10 +150,9 @@ def error_response(exc: RouterError) -> tuple[int, bytes, str, dict[str, str] | 
     return exc.status, json.dumps(exc.body()).encode(), "application/json", exc.headers
 
 
-def _router_error(_: Request, exc: RouterError) -> JSONResponse:
-    if exc.status >= 500:
-        log.warning("%s (%d): %s", type(exc).__name__, exc.status, exc.message)
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+def _router_error(_: Request, exc: RouterError) -> Response:
+    status, body, content_type, headers = error_response(exc)
+    return Response(body, status_code=status, media_type=content_type, headers=headers)
 
 
 def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

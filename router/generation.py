@@ -4,20 +4,16 @@ Why plain ASGI: FastAPI's routing, request and response machinery (its Streaming
 group per response) cost more per request than everything else the router does; the other routes stay
 on FastAPI (`app.py` sends only these three POST paths here).
 
-Lifecycle of one request (a `Flight`):
-  1. Read the body (413 past `max_body_bytes`), check the API key (401), admit it (`admission.py`: 400
-     naming the field, 404 `model_not_found`), all before any worker is touched.
-  2. Pick a pair (503 + Retry-After when a pool has no eligible worker); fresh rid and bootstrap room.
-  3. Both legs at once (`attempt.py`). A connection-level failure before D's status line arrived (refused,
-     reset, closed: the worker cannot have started) aborts both legs by rid and tries a fresh pair, at most
-     `max_retries` times; nothing is retried once a byte went to the client, or on any status a worker sent.
-     For a stream, the first byte is its first event: D's 200 may come before P finished (SGLang sends
-     its headers at once), so a retryable failure of P, or a D that breaks before its first event, is retried
-     the same way, and a failure before the first event gets a plain error response, not a 200.
+Lifecycle of one request (a `Flight`; docs/router.md, "What a request goes through", has each rule in full):
+  1. Body (413), API key (401), admission (`admission.py`: 400 naming the field, 404), before any worker is touched.
+  2. A pair (503 + Retry-After when a pool has no eligible worker); fresh rid and bootstrap room.
+  3. Both legs at once (`attempt.py`). A failure the worker cannot have started (connection-level, before D's
+     status line; for a stream, before its first event) aborts both legs and tries a fresh pair, at most
+     `max_retries` times, or holds the request for the worker's restart (`hold`); never once a byte went out.
   4. Not streaming: D's status and body (P's error if P failed first). Streaming: `relay.py`.
   5. The client leaves at any point: both legs are aborted; nothing is sent.
-  6. Anything unexpected (a router bug) is caught here (`Flight.fail`): a 500 in the OpenAI envelope with a request
-     id, or, once a stream started, an error event and `[DONE]`; the exception goes to the log under that id.
+  6. A router bug is caught here (`Flight.fail`): a 500 in the OpenAI envelope with a request id, or, once a
+     stream started, an error event and `[DONE]`; the exception goes to the log under that id.
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from dsv4_cluster import metric_names as m
+
 from .pool import WorkerPool
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -24,10 +26,10 @@ class _PoolCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         labels = ["worker", "role"]
-        in_flight = GaugeMetricFamily("dsv4_router_worker_in_flight", "Requests in flight per worker", labels=labels)
-        eligible = GaugeMetricFamily("dsv4_router_worker_eligible", "1 while the router pairs the worker",
+        in_flight = GaugeMetricFamily(m.ROUTER_IN_FLIGHT, "Requests in flight per worker", labels=labels)
+        eligible = GaugeMetricFamily(m.ROUTER_ELIGIBLE, "1 while the router pairs the worker",
                                      labels=labels)
-        breaker = GaugeMetricFamily("dsv4_router_worker_breaker_open", "1 while the worker's circuit breaker is open",
+        breaker = GaugeMetricFamily(m.ROUTER_BREAKER_OPEN, "1 while the worker's circuit breaker is open",
                                     labels=labels)
         for w in self._pool.workers:
             in_flight.add_metric([w.name, w.role.value], w.in_flight)
@@ -41,24 +43,24 @@ class RouterMetrics:
 
     def __init__(self, pool: WorkerPool) -> None:
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("dsv4_router_requests", "Client requests by route and status",
+        self.requests = Counter(m.ROUTER_REQUESTS, "Client requests by route and status",
                                 ["route", "status"], registry=r)
-        self.ttft = Histogram("dsv4_router_time_to_first_token_seconds", "Request arrival to the first streamed event",
+        self.ttft = Histogram(m.ROUTER_TTFT, "Request arrival to the first streamed event",
                               buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("dsv4_router_inter_token_latency_seconds", "Time between streamed events of a request",
+        self.itl = Histogram(m.ROUTER_ITL, "Time between streamed events of a request",
                              buckets=ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("dsv4_router_e2e_request_latency_seconds", "Request arrival to its last byte",
+        self.e2e = Histogram(m.ROUTER_E2E, "Request arrival to its last byte",
                              ["route"], buckets=LATENCY_BUCKETS, registry=r)
-        self.retries = Counter("dsv4_router_retries", "Requests retried on a fresh pair before the first byte",
+        self.retries = Counter(m.ROUTER_RETRIES, "Requests retried on a fresh pair before the first byte",
                                registry=r)
-        self.migrations = Counter("dsv4_router_migrations", "Streams continued on a fresh pair after a decode broke",
+        self.migrations = Counter(m.ROUTER_MIGRATIONS, "Streams continued on a fresh pair after a decode broke",
                                   registry=r)
-        self.stream_holds = Counter("dsv4_router_stream_hold_tries", "Fresh pairs tried by requests held for the "
+        self.stream_holds = Counter(m.ROUTER_STREAM_HOLDS, "Fresh pairs tried by requests held for the "
                                     "restart of a worker that died under them (stream_hold_s)", registry=r)
-        self.aborts = Counter("dsv4_router_aborts", "Legs aborted by rid", ["role"], registry=r)
-        self.pair_failures = Counter("dsv4_router_pair_failures", "Attempts that failed before the first byte",
+        self.aborts = Counter(m.ROUTER_ABORTS, "Legs aborted by rid", ["role"], registry=r)
+        self.pair_failures = Counter(m.ROUTER_PAIR_FAILURES, "Attempts that failed before the first byte",
                                      registry=r)
-        self.connect_errors = Counter("dsv4_router_upstream_connection_errors",
+        self.connect_errors = Counter(m.ROUTER_CONNECTION_ERRORS,
                                       "Connection-level failures talking to a worker", ["worker"], registry=r)
         r.register(_PoolCollector(pool))
         self._finished = {}

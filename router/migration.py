@@ -1,23 +1,13 @@
-"""Migration: a stream whose decode died continues on a fresh pair instead of ending with an error.
+"""Migration: a stream whose decode died continues on a fresh pair instead of ending with an error, so that a
+greedy stream interrupted by a decode's death equals the uninterrupted one byte for byte (NVIDIA Dynamo's
+`--migration-limit`; docs/router.md, "What a request goes through", 6, says what the client sees).
 
-The prompt's token ids plus the output ids the client already has become the new prompt, the rest of the output
-budget is carried over (`resume.py`: what is asked of the workers, what a continuation is built from), and the new
-stream's events are spliced onto the old one, so that a greedy stream interrupted by a decode's death equals the
-uninterrupted one byte for byte (NVIDIA Dynamo's `--migration-limit`):
-
-- `/generate`: the new events' cumulative `text` / `output_ids` (and output logprobs) are prefixed with the old
-  ones; legacy completions' `text_offset`s are shifted by the text sent (chat logprobs are per chunk: nothing to
-  splice).
-- The final usage counts the tokens relayed as completion, not prompt, so usage is the uninterrupted stream's, and
-  `cached_tokens` is the first attempt's (its prefill's report), not the continuation's (whose prompt the first
-  attempt just cached); `prompt_token_ids` a client asked for are the first attempt's (on its first chunk only).
-- The seam does not show: the continuation's events carry the first stream's `id` and `created` (`/generate`:
-  `meta_info.id`), and no second `delta.role` (`Seam`).
-- With no other decode eligible (the production topology has one), the stream is held up to `stream_hold_s` for
-  the restarted one, then continued there the same way.
-- At most `migration_limit` times per request; requests with several choices or prompts (n > 1, batches)
-  are not migrated. Events are kept raw (as the runs relayed, before `resume.strip_ids`) while the stream runs and
-  parsed when a migration happens, or every `FOLD_AT` runs (so a long stream holds a bounded number of them).
+`resume.py` builds the continuation; this module splices its events onto the old stream: `/generate`'s cumulative
+`text` / `output_ids` / logprobs prefixed with the old ones, legacy `text_offset`s shifted, usage counting the
+relayed tokens as completion with the first attempt's `cached_tokens`, and the first stream's `id` and `created`
+with no second `delta.role` (`Seam`). At most `migration_limit` times; n > 1 and batches are not migrated. Events
+are kept raw while the stream runs and parsed when a migration happens, or every `FOLD_AT` runs (so a long stream
+holds a bounded number of them).
 """
 
 from __future__ import annotations

@@ -1,16 +1,14 @@
-"""One streaming answer: D's SSE events relayed to the client as they arrive, on event boundaries.
+"""One streaming answer: D's SSE events relayed to the client as they arrive, on event boundaries
+(docs/router.md, "What a request goes through", 4).
 
-  1. The client gets a 200 and D's complete events from D's first event on: what one wake-up brought, framed
-     in one pass and sent in one write (`forward`). Until
-     then nothing was sent: a retryable failure (P's, or D breaking) moves the request to a fresh pair
-     (`Flight.may_retry`), any other failure answers with its status and error body.
-  2. D's `[DONE]` ends the stream. An error event D streams before anything reached the client is a failed
-     attempt (`_worker_errors`): retried on a fresh pair when retryable (a 5xx other than 503), else answered with
-     its status in the OpenAI envelope (502/503, 4xx as is). An error event after that is rewritten (a 502-class code,
-     the role's public text; the worker's words go to the log), P is aborted and the stream ends with `[DONE]`.
-  3. D's stream breaks or ends without `[DONE]` (the decode died): with migrations left
-     (`migration_limit`), `migration.py` continues the stream on a fresh pair from the tokens already sent;
-     otherwise P is aborted and the stream ends with an error event and `data: [DONE]`.
+  1. Nothing is sent before D's first event: until then a retryable failure moves the request to a fresh pair
+     (`Flight.may_retry`), any other answers with its status. From it on, what one wake-up brought is framed in
+     one pass and sent in one write (`forward`).
+  2. D's `[DONE]` ends the stream. An error event before anything was sent is a failed attempt
+     (`_worker_errors`); after that it is rewritten (502-class code, the role's text), P is aborted and the
+     stream ends with `[DONE]`.
+  3. D's stream breaks (the decode died): `migration.py` continues it while `migration_limit` allows, otherwise
+     P is aborted and the stream ends with an error event and `[DONE]`.
   4. P fails while D streams: D is aborted, the stream ends with P's error event and `[DONE]`.
   5. The client leaves: both legs are aborted, nothing more is sent.
 """

@@ -1,24 +1,13 @@
-"""What a broken stream is continued from: the token ids the client already has, as the workers reported them.
+"""What a broken stream is continued from: the token ids the client already has, as the workers reported them
+(docs/router.md, "What a request goes through", 6: which field each route asks for, and why chat differs).
 
-1. A stream that may be continued (`migration.resumable`) asks its workers for token ids (`with_ids`), each route
-   the way SGLang 0.5.23 spells it: `/v1/completions` `return_token_ids` (each chunk's `token_ids`, the first
-   chunk's `prompt_token_ids`). `/generate` events carry `output_ids` anyway; a prompt given as `text` has its ids
-   asked of the prefill leg only (`prefill_asks`: `return_prompt_token_ids`, which SGLang writes into every event,
-   O(prompt) bytes a token from a decode; the prefill answers once). SGLang's chat streams ids only at the end
-   (`return_output_ids_in_sglext`) and refuses `return_token_ids` when streaming, so chat asks `stream_token_ids`,
-   the embedded engine's field for completions' per-chunk ids on chat; SGLang ignores it.
-2. What the router added is taken out of every event before it is relayed (`strip_ids`): the client's bytes are
+1. `with_ids` / `prefill_asks`: a stream that may be continued (`migration.resumable`) asks its workers for ids.
+2. `strip_ids`: what the router added is taken out of every event before it is relayed, so the client's bytes are
    those of a request that did not ask.
-3. On a break, `progress` reads the events relayed: the text, the prompt's ids, the output ids and how many tokens
-   (`tokens`: the ids when reported; else the worker's counts, `event_tokens`).
-4. `continuation`: the prompt's ids + the output ids relayed as the new prompt (chat `input_ids`, whose messages
-   SGLang still reads for stop tokens; completions `prompt`; `/generate` `input_ids`), the output budget less the
-   tokens relayed. A worker that streams each token's text as soon as it is whole and nothing of it may be a stop
-   string (SGLang's scheduler holds events back while the output's end may start a stop string; the embedded
-   engine also while a character's bytes are incomplete) has relayed exactly the ids whose text the client has:
-   the greedy continuation writes the held tokens again and their text comes out as in the uninterrupted stream.
-   Where no ids were reported (chat on SGLang), it goes on from the text the client has (chat: a final assistant
-   message with `continue_final_message`; `/generate`: `text`), which loses a token without text and re-tokenizes.
+3. `progress`: on a break, the text, the prompt's ids, the output ids and the token count relayed (`tokens`: the
+   ids when reported, else the worker's counts, `event_tokens`).
+4. `continuation`: the prompt's ids + the output ids relayed as the new prompt, the budget less the tokens relayed;
+   without ids (chat on SGLang), the text the client has (which loses a token without text and re-tokenizes).
 """
 
 from __future__ import annotations

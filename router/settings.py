@@ -30,19 +30,6 @@ def _check_url(url: str) -> str:
     return url.rstrip("/")
 
 
-class PrefillEndpoint(BaseModel):
-    """One prefill server: its HTTP URL and where decode servers reach its bootstrap server."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str = Field(min_length=1)
-    url: str
-    bootstrap_host: str = Field(min_length=1, description="P's host as reachable from the decode servers")
-    bootstrap_port: int | None = Field(default=8998, ge=1, le=65535)
-
-    _url = field_validator("url")(_check_url)
-
-
 class DecodeEndpoint(BaseModel):
     """One decode server: its HTTP URL."""
 
@@ -52,6 +39,13 @@ class DecodeEndpoint(BaseModel):
     url: str
 
     _url = field_validator("url")(_check_url)
+
+
+class PrefillEndpoint(DecodeEndpoint):
+    """One prefill server: its HTTP URL and where decode servers reach its bootstrap server."""
+
+    bootstrap_host: str = Field(min_length=1, description="P's host as reachable from the decode servers")
+    bootstrap_port: int | None = Field(default=8998, ge=1, le=65535)
 
 
 class RouterSettings(BaseModel):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4_cluster.kernels.indexer import indexer
-from dsv4_cluster.kernels.topk import topk
+from dsv4_cluster.kernels.indexer.reference import indexer_ref as indexer
+from dsv4_cluster.kernels.topk.reference import topk_ref as topk
 from dsv4_cluster.workers.engine.model import ModelConfig
 from dsv4_cluster.workers.engine.selection import select_rows as _select_rows, select_shared_table as _select_shared_table
 from dsv4_cluster.workers.engine.runner import Chunk, ModelRunner, RunnerConfig

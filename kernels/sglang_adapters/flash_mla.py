@@ -26,7 +26,7 @@ import torch
 from ..launch_cache import LaunchCache, signature
 from ..sparse_mla_decode import fp8_layout
 from ..sparse_mla_decode.fp8_layout import PageGeometry
-from ..sparse_mla_decode.reference import attend
+from ..sparse_mla_decode.reference import sparse_mla_decode_paged_ref
 from .errors import AdapterCallError, fail
 
 DIM = fp8_layout.DIM
@@ -149,26 +149,18 @@ def heads_to_run(q: torch.Tensor, h: int, config, has_extra: bool) -> int:
 
 
 def reference_decode(q3: torch.Tensor, window: tuple, extra: tuple | None, sink, scale: float):
-    """The fp32 reference of one call: gathers only the selected records of each cache (CPU path and tests).
+    """The fp32 reference of one call (CPU path and tests): `sparse_mla_decode_paged_ref` on the caches' pages.
 
     window / extra: (cache bytes [pages, T, 1, 584] uint8, PageGeometry, indices [B, n], lens [B] or None).
-    Returns (out [B, h, 512] bf16, lse [B, h] float32)."""
-    rows, valid = _gather(*window)
-    if extra is not None:
-        e_rows, e_valid = _gather(*extra)
-        rows, valid = torch.cat([rows, e_rows], dim=1), torch.cat([valid, e_valid], dim=1)
-    return attend(q3, rows, valid, sink, scale)
+    Returns (out [B, h, 512] in q3's dtype, lse [B, h] float32)."""
+    return sparse_mla_decode_paged_ref(q3, _paged(*window), None if extra is None else _paged(*extra), sink, scale)
 
 
-def _gather(cache: torch.Tensor, geo: PageGeometry, idx: torch.Tensor, lens: torch.Tensor | None):
+def _paged(cache: torch.Tensor, geo: PageGeometry, idx: torch.Tensor, lens: torch.Tensor | None) -> tuple:
+    """The same arguments with the cache seen as its pages' records and scales, uint8 [pages, T * 584]."""
     pages = cache.reshape(cache.shape[0], -1) if cache.is_contiguous() else torch.as_strided(
         cache, (cache.shape[0], geo.page_tokens * fp8_layout.BYTES_PER_TOKEN), (cache.stride(0), 1))
-    rows = fp8_layout.gather_slots(pages, geo, idx)
-    valid = idx >= 0
-    if lens is not None:
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        valid = valid & (pos[None, :] < lens[:, None].long())
-    return rows, valid
+    return pages, geo, idx, lens
 
 
 def cache_geometry(cache: torch.Tensor, name: str) -> PageGeometry:

@@ -1,11 +1,9 @@
 """SGLang plugin (entry point group `sglang.srt.plugins`): our kernels in every SGLang TP process.
 
-SGLang 0.5.23's `load_plugins()` runs first thing in `run_scheduler_process`, i.e. in every TP child
-(started with `spawn`), and calls `register()`. Inert unless `DSV4_CLUSTER_KERNELS` names kernels
-(the supervisor sets it from the topology). Then `register()` wraps `ATTENTION_BACKENDS["dsv4"]`;
-the wrapper builds SGLang's backend, installs the adapters (install.py), checks by identity that
-the call sites hold them, and writes this rank's attestation (attestation.py). Anything that stops
-a requested kernel from being installed raises from the factory, so model init fails (fail closed).
+Inert unless `DSV4_CLUSTER_KERNELS` names kernels (the supervisor sets it from the topology); then `register()`
+wraps `ATTENTION_BACKENDS["dsv4"]` (docs/sglang.md, "The plugin", has the steps). Anything that stops a requested
+kernel from being installed raises from the factory, so model init fails (fail closed): an exception in
+`register()` would only be logged.
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ from .attestation import Attestation, CounterPublisher, write_attestation
 from .. import decode_routes
 from .call_sites import BACKEND_ATTR, BACKEND_CLASS, BACKEND_MODULE, REGISTRY_KEY, REGISTRY_MODULE
 from .install import (
-    Counters, PluginInstallError, holds_adapter, install_module_sites, install_on_backend, preconditions)
+    Counters, PluginInstallError, install_module_sites, install_on_backend, preconditions)
 from .routing import hook_backend_class
 from .sites import gpu_class_of_runner, kernel_owners, verify_identity
 from .settings import KERNELS_ENV, PluginSettings, PluginSettingsError, settings_from_env

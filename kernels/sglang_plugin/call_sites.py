@@ -2,23 +2,9 @@
 
 One table serves the plugin (it refuses to install over a call site that moved or changed shape: fail
 closed), the contract tests in CI (signature and dispatch condition of every entry, read in SGLang's own
-source with `ast`, so a new release fails a test, not a deployment) and the docs (docs/sglang.md). Sources
-are parsed, not imported, so the checks run where FlashMLA / DeepGEMM / FlashInfer cannot be imported.
-
-Where DeepSeek-V4-Flash's decode goes, by SGLang's GPU class (`get_platform().is_sm90 / is_sm100 / is_sm120`):
-- sparse decode, sm_90 and sm_100: `DeepseekV4AttnBackend._forward_attention`'s else branch of `is_sm120` calls
-  `self._flash_mla_with_kvcache`, a `functools.partial(flash_mla_interface.flash_mla_with_kvcache,
-  use_legacy=...)` bound in `__init__`: replaced per backend instance, right after the factory built it.
-- sparse decode, sm_120: the `is_sm120` branch imports `flash_mla_with_kvcache_sm120` from `flash_mla_sm120` at
-  call time and calls it with keywords (it picks FlashInfer / SGLang's Triton / PyTorch inside): replaced on
-  that module. Above `SM120_DECODE_MAX_TOKENS` rows SGLang first slices q and the sink to the real heads; the
-  adapter takes any head count (pads 8 to 16).
-- indexer, every class: `from deep_gemm import fp8_paged_mqa_logits as fn` at call time: replaced on `deep_gemm`;
-  on sm_120 under `SGLANG_FP8_PAGED_MQA_LOGITS_TORCH` SGLang calls `fp8_paged_mqa_logits_torch_sm120` (a name of
-  `dsv4/indexer.py` looked up at call time): replaced there instead.
-- top-k, every class: `topk_transform_paged_v2` (the `should_use_topk_v2()` branch, SGLang's default), imported by
-  `dsv4/indexer.py` at load (replaced there) and by `dsa_topk_backend.py` from `dsv4/topk.py` (replaced there too).
-What stays stock, and why, is `STOCK`.
+source with `ast`, so a new release fails a test, not a deployment) and the docs (docs/sglang.md, "By GPU class",
+says per class what SGLang calls and why each site is replaced where it is). Sources are parsed, not imported, so
+the checks run where FlashMLA / DeepGEMM / FlashInfer cannot be imported. What stays stock, and why, is `STOCK`.
 """
 
 from __future__ import annotations
@@ -27,6 +13,8 @@ import ast
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
+
+from ..dispatch import GPU_CLASSES
 
 FLASH_MLA_PARAMS = (
     "q", "k_cache", "block_table", "cache_seqlens", "head_dim_v", "tile_scheduler_metadata", "num_splits",
@@ -45,7 +33,6 @@ SM120_PARAMS = ("**kwargs",)
 TORCH_SM120_PARAMS = ("q_fp8", "kvcache_fp8", "weight", "seq_lens", "page_table", "deep_gemm_metadata", "max_seq_len",
                       "clean_logits")
 TORCH_INDEXER_ENV = "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH"
-ALL_CLASSES = ("sm_90", "sm_100", "sm_120")
 
 
 @dataclass(frozen=True)
@@ -98,7 +85,7 @@ class CallSite:
     module: str  # where the name SGLang calls lives
     attr: str
     params: tuple[str, ...] | None  # expected parameter names ("*x": keyword-only; "**x": var-keyword); None: compiled
-    classes: tuple[str, ...] = ALL_CLASSES  # GPU classes whose decode calls it
+    classes: tuple[str, ...] = GPU_CLASSES  # GPU classes whose decode calls it
     branch: Branch | None = None  # SGLang's dispatch condition that routes the call here
     env: str | None = None  # an SGLang env switch that routes the call here (absent: the default route)
     on_backend: bool = False  # replaced per backend instance (the FlashMLA partial), not on the module
@@ -113,15 +100,16 @@ CALL_SITES = (
              on_backend=True),
     CallSite("sparse_mla_decode", SM120_MODULE, "flash_mla_with_kvcache_sm120", SM120_PARAMS, ("sm_120",),
              Branch(BACKEND_MODULE, BACKEND_FN, "get_platform().is_sm120", "flash_mla_with_kvcache_sm120")),
-    CallSite("indexer", "deep_gemm", "fp8_paged_mqa_logits", None, ALL_CLASSES,
+    CallSite("indexer", "deep_gemm", "fp8_paged_mqa_logits", None, GPU_CLASSES,
              Branch(INDEXER_CALL_MODULE, INDEXER_FN, "is_xpu()", "fp8_paged_mqa_logits", orelse=True)),
     CallSite("indexer", INDEXER_CALL_MODULE, "fp8_paged_mqa_logits_torch_sm120", TORCH_SM120_PARAMS, ("sm_120",),
              Branch(INDEXER_CALL_MODULE, INDEXER_FN, "get_platform().is_sm120", "fp8_paged_mqa_logits_torch_sm120"),
              env=TORCH_INDEXER_ENV),
-    CallSite("topk", "sglang.kernels.ops.attention.dsv4.topk", "topk_transform_paged_v2", TOPK_V2_PARAMS, ALL_CLASSES,
+    # top-k: `dsa_topk_backend.py` imports it from `dsv4/topk.py`, and `dsv4/indexer.py` bound its own name at load
+    CallSite("topk", "sglang.kernels.ops.attention.dsv4.topk", "topk_transform_paged_v2", TOPK_V2_PARAMS, GPU_CLASSES,
              Branch(INDEXER_CALL_MODULE, INDEXER_FN, "self.dsa_topk_backend.should_use_topk_v2()",
                     "topk_transform_paged_v2")),
-    CallSite("topk", INDEXER_CALL_MODULE, "topk_transform_paged_v2", TOPK_V2_PARAMS, ALL_CLASSES,
+    CallSite("topk", INDEXER_CALL_MODULE, "topk_transform_paged_v2", TOPK_V2_PARAMS, GPU_CLASSES,
              Branch(INDEXER_CALL_MODULE, INDEXER_FN, "self.dsa_topk_backend.should_use_topk_v2()",
                     "topk_transform_paged_v2")),
 )
@@ -147,7 +135,7 @@ STOCK = (
               "opt-in `--dsv4-attn-backend trtllm` reads a uniform-FP8 pool our kernel does not: the plugin refuses "
               "to install (model init fails, naming it)",
               Branch(BACKEND_MODULE, BACKEND_FN, "self.trtllm_attn", "_forward_trtllm")),
-    StockSite("indexer", ALL_CLASSES, "deep_gemm.fp8_fp4_paged_mqa_logits",
+    StockSite("indexer", GPU_CLASSES, "deep_gemm.fp8_fp4_paged_mqa_logits",
               "opt-in `--enable-deepseek-v4-fp4-indexer` scores FP4 keys: the plugin refuses the indexer there",
               Branch(INDEXER_CALL_MODULE, INDEXER_FN, "use_fp4_indexer and (not use_aiter_fp4)",
                      "fp8_fp4_paged_mqa_logits")),

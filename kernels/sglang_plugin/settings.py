@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 
 from dsv4_cluster.core import KERNEL_NAMES
-from dsv4_cluster.kernels.dispatch import CLASS_ENV, DispatchError, forced_class
+from dsv4_cluster.kernels.dispatch import DispatchError, forced_class
 
 KERNELS_ENV = "DSV4_CLUSTER_KERNELS"  # comma-separated kernel names; unset or empty: inert
 ATTEST_DIR_ENV = "DSV4_CLUSTER_ATTEST_DIR"  # folder where each TP rank writes its attestation

@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .gluon_epilogue import _early_sink, _epilogue, _out_buf
-from .gluon_loaders import D_ALL, H_ALL, TRACE_SLOTS, _stamp, _table_row, loader_partition, stage_q_and_indices
+from .gluon_loaders import D_ALL, H_ALL, _table_row, loader_partition, stage_q_and_indices
 
 
 @gluon.jit
@@ -87,8 +87,7 @@ def _compute_s(b, split, num_splits, lo, hi, nbw, nbw_t, wlen, elen, qk_scale_lo
                sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
                q_smem, k_smem, idx_all, p_smem, row_smem, q_bar, full, empty, pready, pfree, lready, counter_ptr,
                BN: gl.constexpr, NS: gl.constexpr, SPLIT_OUT: gl.constexpr, HAS_SINK: gl.constexpr,
-               FUSE_MERGE: gl.constexpr, SP: gl.constexpr, MHT: gl.constexpr, MDC: gl.constexpr,
-               PROBE: gl.constexpr, trace_row, TRACE: gl.constexpr):
+               FUSE_MERGE: gl.constexpr, SP: gl.constexpr, MHT: gl.constexpr, MDC: gl.constexpr):
     """Warpgroup 0 (the default partition): S = Q K^T over all 512 dims (the only QK^T of a block), the
     online softmax, P and the rescale factor handed to warpgroup 1 through shared memory, then P V on
     O[:, 0:256]. At the end the softmax statistics go to warpgroup 1 the same way."""
@@ -107,38 +106,30 @@ def _compute_s(b, split, num_splits, lo, hi, nbw, nbw_t, wlen, elen, qk_scale_lo
     s_zero = gl.zeros([H_ALL, BN], gl.float32, layout=s_l)
     offs_c = gl.arange(0, BN, layout=col_s)
     mbarrier.wait(q_bar, 0)
-    if TRACE:
-        _stamp(trace_row, 4)
     for j in range(lo, hi):
         i = j - lo
         s = i % NS
         pb = i % 2
         mbarrier.wait(full.index(s), (i // NS) & 1)
-        if TRACE:
-            if i == 0:
-                _stamp(trace_row, 5)
         fence_async_shared()
-        if PROBE != 1:
-            k = k_smem.index(s)
-            sc = warpgroup_mma(q_smem, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-            idx_s = idx_all.index(_table_row(j, nbw, nbw_t)).load(col_s)
-            p, alpha, m_i, l_i = _online_softmax(sc, j, nbw, wlen, elen, idx_s,
-                                                 m_i, l_i, qk_scale_log2, offs_c, BN)
-            if i >= 2:  # warpgroup 1 is done with this P buffer's previous block
-                mbarrier.wait(pfree.index(pb), ((i // 2) + 1) & 1)
-            p_smem.index(pb).store(p)
-            p_op = gl.convert_layout(p, p_l)
-            row_smem.index(pb).store(alpha)
-            fence_async_shared()  # P is read by warpgroup 1's wgmma (async proxy)
-            gl.barrier()
-            mbarrier.arrive(pready.index(pb))
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            acc = warpgroup_mma(p_op, k.slice(0, DH, dim=1), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        k = k_smem.index(s)
+        sc = warpgroup_mma(q_smem, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+        idx_s = idx_all.index(_table_row(j, nbw, nbw_t)).load(col_s)
+        p, alpha, m_i, l_i = _online_softmax(sc, j, nbw, wlen, elen, idx_s,
+                                             m_i, l_i, qk_scale_log2, offs_c, BN)
+        if i >= 2:  # warpgroup 1 is done with this P buffer's previous block
+            mbarrier.wait(pfree.index(pb), ((i // 2) + 1) & 1)
+        p_smem.index(pb).store(p)
+        p_op = gl.convert_layout(p, p_l)
+        row_smem.index(pb).store(alpha)
+        fence_async_shared()  # P is read by warpgroup 1's wgmma (async proxy)
+        gl.barrier()
+        mbarrier.arrive(pready.index(pb))
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        acc = warpgroup_mma(p_op, k.slice(0, DH, dim=1), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index(s))
-    if TRACE:
-        _stamp(trace_row, 6)
     row_smem.index(2).store(m_i)
     row_smem.index(3).store(l_i)
     gl.barrier()
@@ -147,16 +138,13 @@ def _compute_s(b, split, num_splits, lo, hi, nbw, nbw_t, wlen, elen, qk_scale_lo
     _epilogue(acc, m_i, l_i, sink, b, split, num_splits, sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
               part_o_ptr, part_lse_ptr, counter_ptr, _out_buf(q_smem, 2), o_l, row_s, 0, SPLIT_OUT, HAS_SINK, FUSE_MERGE,
               SP, MHT, MDC)
-    if TRACE:
-        _stamp(trace_row, 7)
 
 
 @gluon.jit
 def _compute_pv(b, split, num_splits, lo, hi, sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
                 part_o_ptr, part_lse_ptr, k_smem, p_smem, row_smem, full, empty, pready, pfree, lready, counter_ptr,
                 BN: gl.constexpr, NS: gl.constexpr, SPLIT_OUT: gl.constexpr, HAS_SINK: gl.constexpr,
-                FUSE_MERGE: gl.constexpr, SP: gl.constexpr, MHT: gl.constexpr, MDC: gl.constexpr,
-                PROBE: gl.constexpr, trace_row, TRACE: gl.constexpr):
+                FUSE_MERGE: gl.constexpr, SP: gl.constexpr, MHT: gl.constexpr, MDC: gl.constexpr):
     """Warpgroup 1: O[:, 256:512] += P V with P (and the rescale of O) from warpgroup 0's shared memory."""
     DH: gl.constexpr = D_ALL // 2
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
@@ -170,13 +158,12 @@ def _compute_pv(b, split, num_splits, lo, hi, sink_ptr, out_ptr, stride_ob, stri
         s = i % NS
         pb = i % 2
         mbarrier.wait(full.index(s), (i // NS) & 1)
-        if PROBE != 1:
-            mbarrier.wait(pready.index(pb), (i // 2) & 1)
-            alpha = row_smem.index(pb).load(row_o)
-            acc = acc * alpha[:, None]
-            acc = warpgroup_mma(p_smem.index(pb), k_smem.index(s).slice(DH, DH, dim=1), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(pfree.index(pb))
+        mbarrier.wait(pready.index(pb), (i // 2) & 1)
+        alpha = row_smem.index(pb).load(row_o)
+        acc = acc * alpha[:, None]
+        acc = warpgroup_mma(p_smem.index(pb), k_smem.index(s).slice(DH, DH, dim=1), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(pfree.index(pb))
         mbarrier.arrive(empty.index(s))
     mbarrier.wait(lready, 0)
     m_i = row_smem.index(2).load(row_s)
@@ -186,8 +173,6 @@ def _compute_pv(b, split, num_splits, lo, hi, sink_ptr, out_ptr, stride_ob, stri
     _epilogue(acc, m_i, l_i, sink, b, split, num_splits, sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
               part_o_ptr, part_lse_ptr, counter_ptr, _out_buf(k_smem, NS * BN // 32), o_l, row_s, 1, SPLIT_OUT, HAS_SINK, FUSE_MERGE,
               SP, MHT, MDC)
-    if TRACE:
-        _stamp(trace_row, 8)
 
 
 @gluon.jit
@@ -198,26 +183,20 @@ def _sparse_decode_ws_kernel(
     wlen_ptr, elen_ptr, sink_ptr,
     out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
     part_o_ptr, part_lse_ptr, counter_ptr,
-    qk_scale_log2, num_splits, trace_ptr,
+    qk_scale_log2, num_splits,
     BN: gl.constexpr, NS: gl.constexpr, SPLIT_OUT: gl.constexpr,
     IS_FP8: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_WLEN: gl.constexpr, HAS_ELEN: gl.constexpr,
     HAS_SINK: gl.constexpr, W_SHIFT: gl.constexpr, W_PAGE: gl.constexpr, E_SHIFT: gl.constexpr, E_PAGE: gl.constexpr,
     LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, PV_REGS: gl.constexpr, MAXB: gl.constexpr,
     FUSE_MERGE: gl.constexpr = False, SP: gl.constexpr = 1, MHT: gl.constexpr = 1, MDC: gl.constexpr = 64,
-    EARLY_TABLE: gl.constexpr = False, PROBE: gl.constexpr = 0, TRACE: gl.constexpr = False,
+    EARLY_TABLE: gl.constexpr = False,
 ):
     # FUSE_MERGE (a cooperative launch, SPLIT_OUT): the splits merge themselves at the end (_merge_splits);
     # SP, MHT, MDC: its tile (fused_merge_tile). EARLY_TABLE: Q and the index table are staged by
     # the body before the per-query lengths are loaded (launch: bf16 with the fused merge, where the kernel is
     # short and that round trip shows; on fp8 it measured slower at every B, see LaunchConfig.early_table).
-    # PROBE (timing experiments only; wrong results): 1 = no math, 2 = no row loads, 3 = fp8: no dequantisation.
-    # TRACE (bench/trace_sparse_decode.py): %globaltimer stamps of this CTA's phases at trace_ptr, TRACE_SLOTS
-    # int64 per CTA (slots: TRACE_PHASES).
     b = gl.program_id(0)
     split = gl.program_id(1)
-    trace_row = trace_ptr + (b * num_splits + split) * TRACE_SLOTS
-    if TRACE:
-        _stamp(trace_row, 0)
     if not EARLY_TABLE:
         lo, hi, nbw, wlen, elen = _block_range(b, split, num_splits, W, K, wlen_ptr, elen_ptr, BN,
                                                HAS_EXTRA, HAS_WLEN, HAS_ELEN)
@@ -259,22 +238,18 @@ def _sparse_decode_ws_kernel(
         lo, hi, nbw, wlen, elen = _block_range(b, split, num_splits, W, K, wlen_ptr, elen_ptr, BN,
                                                HAS_EXTRA, HAS_WLEN, HAS_ELEN)
     nbw_t = (W + BN - 1) // BN if EARLY_TABLE else nbw  # the table's window blocks (`_table_row`)
-    if TRACE:
-        _stamp(trace_row, 1)
 
     # Registers: the loader and the P V warpgroup get what they ask for, warpgroup 0 the rest.
     gl.warp_specialize([
         (_compute_s, (b, split, num_splits, lo, hi, nbw, nbw_t, wlen, elen, qk_scale_log2,
                       sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
                       q_smem, k_smem, idx_all, p_smem, row_smem, q_bar, full, empty, pready, pfree, lready,
-                      counter_ptr, BN, NS, SPLIT_OUT, HAS_SINK, FUSE_MERGE, SP, MHT, MDC, PROBE, trace_row, TRACE)),
+                      counter_ptr, BN, NS, SPLIT_OUT, HAS_SINK, FUSE_MERGE, SP, MHT, MDC)),
         (_compute_pv, (b, split, num_splits, lo, hi, sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
                        part_o_ptr, part_lse_ptr, k_smem, p_smem, row_smem, full, empty, pready, pfree, lready,
-                       counter_ptr, BN, NS, SPLIT_OUT, HAS_SINK, FUSE_MERGE, SP, MHT, MDC, PROBE, trace_row,
-                       TRACE)),
+                       counter_ptr, BN, NS, SPLIT_OUT, HAS_SINK, FUSE_MERGE, SP, MHT, MDC)),
         (loader_partition, (q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
                             widx_ptr, stride_wb, eidx_ptr, stride_eb, b, lo, hi, nbw, nbw_t, wlen, elen,
                             q_smem, k_smem, idx_all, t_bar, q_bar, full, empty,
-                            BN, NS, MAXB, IS_FP8, W_SHIFT, W_PAGE, E_SHIFT, E_PAGE, EARLY_TABLE, PROBE, trace_row,
-                            TRACE)),
+                            BN, NS, MAXB, IS_FP8, W_SHIFT, W_PAGE, E_SHIFT, E_PAGE, EARLY_TABLE)),
     ], [4, LOADER_WARPS], [PV_REGS, LOADER_REGS])

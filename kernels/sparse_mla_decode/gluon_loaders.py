@@ -14,24 +14,6 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 H_ALL = gl.constexpr(64)
 D_ALL = gl.constexpr(512)
 
-# TRACE (bench/trace_sparse_decode.py only): per CTA, TRACE_SLOTS int64 %globaltimer stamps (ns), slot i = when
-# the CTA's partition reached TRACE_PHASES[i] (stores issued, not landed).
-TRACE_SLOTS = gl.constexpr(16)
-TRACE_PHASES = ("start", "lengths loaded", "loader: table landed", "loader: last rows issued",
-                "S: Q landed", "S: first block landed", "S: last block done", "S: epilogue issued",
-                "PV: epilogue issued")
-
-
-@gluon.jit
-def _stamp(trace_row, slot: gl.constexpr):
-    """Thread 0 of the calling partition writes %globaltimer to trace_row[slot]."""
-    NW: gl.constexpr = gl.num_warps()
-    l: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
-    lane = gl.arange(0, 32 * NW, layout=l)
-    t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [lane], dtype=gl.int64, is_pure=False,
-                                  pack=1)
-    gl.store(trace_row + slot + lane * 0, t, mask=lane == 0)
-
 
 @gluon.jit
 def _stage_indices(idx_all, widx_row, eidx_row, nbw, wlen, elen, MAXB: gl.constexpr, BN: gl.constexpr):
@@ -98,16 +80,13 @@ def stage_q_and_indices(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_p
 
 @gluon.jit
 def _table_ready(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_ptr, stride_eb, b, nbw, wlen, elen,
-                 q_smem, idx_all, t_bar, q_bar, MAXB: gl.constexpr, BN: gl.constexpr, EARLY_TABLE: gl.constexpr,
-                 trace_row, TRACE: gl.constexpr):
+                 q_smem, idx_all, t_bar, q_bar, MAXB: gl.constexpr, BN: gl.constexpr, EARLY_TABLE: gl.constexpr):
     """A loader's start: stage Q and the index table (unless the early-table path already did), then wait
     until the table has landed, since the loader reads it next (Q is the compute warpgroups' to wait for)."""
     if not EARLY_TABLE:
         stage_q_and_indices(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_ptr, stride_eb, b, nbw, wlen,
                             elen, q_smem, idx_all, t_bar, q_bar, MAXB, BN)
     mbarrier.wait(t_bar, 0)
-    if TRACE:
-        _stamp(trace_row, 2)
 
 
 @gluon.jit
@@ -116,12 +95,12 @@ def _loader(q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
             b, lo, hi, nbw, nbw_t, wlen, elen,
             q_smem, k_smem, idx_all, t_bar, q_bar, full, empty,
             BN: gl.constexpr, NS: gl.constexpr, MAXB: gl.constexpr,
-            W_SHIFT: gl.constexpr, W_PAGE: gl.constexpr, E_SHIFT: gl.constexpr, E_PAGE: gl.constexpr, EARLY_TABLE: gl.constexpr, PROBE: gl.constexpr,
-            trace_row, TRACE: gl.constexpr):
+            W_SHIFT: gl.constexpr, W_PAGE: gl.constexpr, E_SHIFT: gl.constexpr, E_PAGE: gl.constexpr,
+            EARLY_TABLE: gl.constexpr):
     NW: gl.constexpr = gl.num_warps()
     rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
     _table_ready(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_ptr, stride_eb, b, nbw, wlen, elen,
-                 q_smem, idx_all, t_bar, q_bar, MAXB, BN, EARLY_TABLE, trace_row, TRACE)
+                 q_smem, idx_all, t_bar, q_bar, MAXB, BN, EARLY_TABLE)
 
     offs_d = gl.arange(0, D_ALL, layout=gl.SliceLayout(0, rows_l))
     for j in range(lo, hi):
@@ -134,11 +113,8 @@ def _loader(q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
         base = gl.where(j < nbw, kv_ptr, ekv_ptr)
         stride = gl.where(j < nbw, stride_kv, stride_ekv)
         ptrs = base + idx.to(gl.int64)[:, None] * stride + offs_d[None, :]
-        if PROBE != 2:
-            async_copy.async_copy_global_to_shared(k_smem.index(s), ptrs, mask=valid[:, None])
+        async_copy.async_copy_global_to_shared(k_smem.index(s), ptrs, mask=valid[:, None])
         async_copy.mbarrier_arrive(full.index(s), increment_count=False)
-    if TRACE:
-        _stamp(trace_row, 3)
 
 
 @gluon.jit
@@ -251,8 +227,8 @@ def _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr,
                        b, lo, hi, nbw, nbw_t, wlen, elen,
                        q_smem, k_smem, idx_all, t_bar, q_bar, full, empty,
                        BN: gl.constexpr, NS: gl.constexpr, MAXB: gl.constexpr,
-                       W_SHIFT: gl.constexpr, W_PAGE: gl.constexpr, E_SHIFT: gl.constexpr, E_PAGE: gl.constexpr, EARLY_TABLE: gl.constexpr,
-                       PROBE: gl.constexpr, trace_row, TRACE: gl.constexpr):
+                       W_SHIFT: gl.constexpr, W_PAGE: gl.constexpr, E_SHIFT: gl.constexpr, E_PAGE: gl.constexpr,
+                       EARLY_TABLE: gl.constexpr):
     """V4 fp8 pages: the records of a block are loaded into registers (the next round's loads in flight
     while this one is dequantised) and stored, dequantised, into the bf16 stage the wgmmas read. Rounds
     of R = 32 rows; a block is BN // R rounds. (Staging the raw records in shared memory by cp.async
@@ -262,9 +238,8 @@ def _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr,
     # The bf16 stage seen as int32 words: the same bytes and 128-byte swizzle (32 words = 64 dims per line).
     words_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
     _table_ready(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_ptr, stride_eb, b, nbw, wlen, elen,
-                 q_smem, idx_all, t_bar, q_bar, MAXB, BN, EARLY_TABLE, trace_row, TRACE)
-    j0 = gl.where(PROBE == 2, hi, lo)
-    n4, s4, n2, s2, n1, s1, rp = _load_round(idx_all, j0, hi, nbw, nbw_t, wlen, elen, kv_ptr, ekv_ptr, 0, R, MAXB, BN,
+                 q_smem, idx_all, t_bar, q_bar, MAXB, BN, EARLY_TABLE)
+    n4, s4, n2, s2, n1, s1, rp = _load_round(idx_all, lo, hi, nbw, nbw_t, wlen, elen, kv_ptr, ekv_ptr, 0, R, MAXB, BN,
                                              W_SHIFT, W_PAGE, E_SHIFT, E_PAGE)
     for j in range(lo, hi):
         i = j - lo
@@ -280,24 +255,20 @@ def _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr,
             cr = rp
             # the next round's loads go out before this round is dequantised
             jn = j if r + 1 < RPB else j + 1
-            jn = gl.where(PROBE == 2, hi, jn)
             n4, s4, n2, s2, n1, s1, rp = _load_round(idx_all, jn, hi, nbw, nbw_t, wlen, elen, kv_ptr, ekv_ptr,
                                                      ((r + 1) % RPB) * R, R, MAXB, BN, W_SHIFT, W_PAGE, E_SHIFT, E_PAGE)
             if r == 0:
                 if i >= NS:  # both compute warpgroups are done with this stage's previous block
                     mbarrier.wait(empty.index(s), ((i // NS) + 1) & 1)
-            if PROBE != 3:
-                # e4m3 tiles 0-3, 4-5 and 6 (448 dims) in three groups, so no element pays a select;
-                # the RoPE dims are bf16 already and are stored as they are.
-                _store_dequant(k_words, c4, d4, r * R, R, 0, 4)
-                _store_dequant(k_words, c2, d2, r * R, R, 4, 2)
-                _store_dequant(k_words, c1, d1, r * R, R, 6, 1)
-                k_words.slice(r * R, R, dim=0).slice(224, 32, dim=1).store(cr)
+            # e4m3 tiles 0-3, 4-5 and 6 (448 dims) in three groups, so no element pays a select;
+            # the RoPE dims are bf16 already and are stored as they are.
+            _store_dequant(k_words, c4, d4, r * R, R, 0, 4)
+            _store_dequant(k_words, c2, d2, r * R, R, 4, 2)
+            _store_dequant(k_words, c1, d1, r * R, R, 6, 1)
+            k_words.slice(r * R, R, dim=0).slice(224, 32, dim=1).store(cr)
         fence_async_shared()  # the generic-proxy stores above are read by wgmma (async proxy)
         gl.barrier()  # every loader thread's stores are in before the one arrive
         mbarrier.arrive(full.index(s))
-    if TRACE:
-        _stamp(trace_row, 3)
 
 
 @gluon.jit
@@ -305,15 +276,15 @@ def loader_partition(q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, st
                      widx_ptr, stride_wb, eidx_ptr, stride_eb, b, lo, hi, nbw, nbw_t, wlen, elen,
                      q_smem, k_smem, idx_all, t_bar, q_bar, full, empty,
                      BN: gl.constexpr, NS: gl.constexpr, MAXB: gl.constexpr, IS_FP8: gl.constexpr,
-                     W_SHIFT: gl.constexpr, W_PAGE: gl.constexpr, E_SHIFT: gl.constexpr, E_PAGE: gl.constexpr, EARLY_TABLE: gl.constexpr,
-                     PROBE: gl.constexpr, trace_row, TRACE: gl.constexpr):
+                     W_SHIFT: gl.constexpr, W_PAGE: gl.constexpr, E_SHIFT: gl.constexpr, E_PAGE: gl.constexpr,
+                     EARLY_TABLE: gl.constexpr):
     """The loader warps: `_loader_fp8` on V4 fp8 pages, else `_loader` (bf16 rows)."""
     if IS_FP8:
         _loader_fp8(q_ptr, stride_qb, stride_qh, kv_ptr, ekv_ptr, widx_ptr, stride_wb, eidx_ptr, stride_eb,
                     b, lo, hi, nbw, nbw_t, wlen, elen, q_smem, k_smem, idx_all, t_bar, q_bar, full, empty,
-                    BN, NS, MAXB, W_SHIFT, W_PAGE, E_SHIFT, E_PAGE, EARLY_TABLE, PROBE, trace_row, TRACE)
+                    BN, NS, MAXB, W_SHIFT, W_PAGE, E_SHIFT, E_PAGE, EARLY_TABLE)
     else:
         _loader(q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
                 widx_ptr, stride_wb, eidx_ptr, stride_eb, b, lo, hi, nbw, nbw_t, wlen, elen,
                 q_smem, k_smem, idx_all, t_bar, q_bar, full, empty, BN, NS, MAXB, W_SHIFT, W_PAGE, E_SHIFT, E_PAGE,
-                EARLY_TABLE, PROBE, trace_row, TRACE)
+                EARLY_TABLE)

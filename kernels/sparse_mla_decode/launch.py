@@ -17,14 +17,12 @@ import torch
 
 from .. import dispatch
 from . import checks
-from .fp8_layout import DEFAULT_GEOMETRY, PageGeometry, check_cache
+from .fp8_layout import DEFAULT_GEOMETRY, check_cache
 from ..fast_launch import launch as fast_launch
 from ..workspace import scratch
 from . import kernel as _kernels
-from .config import (  # noqa: F401  (re-exported: tests and benches read them here)
-    BACKENDS, DEFAULT_BLOCKS, DIM, GLUON_TRITON_RELEASES, PV_REGS, SMEM_LIMIT, LaunchConfig, _num_sms, choose_backend,
-    choose_backend_for,
-    gluon_api_unavailable, gluon_index_blocks, gluon_smem_bytes, gluon_unavailable, resolved, triton_next_pow2)
+from .config import DIM, LaunchConfig, _num_sms, triton_next_pow2
+from .config import gluon_api_unavailable, gluon_unavailable, resolved  # noqa: F401  (tests and benches read them here)
 from .plan import plan_launch
 
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -61,13 +59,6 @@ def _check_common(q, window_idx, extra_idx, sink, window_lens, extra_lens, has_e
             raise checks.SparseDecodeInputError(f"{name}'s last dim must be contiguous; call .contiguous() on it")
     checks.check_sink(sink, h, q.device)
     return b, h, w, k
-
-
-_PROBE = 0  # bench/probe_sparse_decode.py only: drop a stage of the Gluon kernel to time the rest (wrong results)
-# bench/trace_sparse_decode.py only: an int64 CUDA tensor of >= B x splits x gluon_loaders.TRACE_SLOTS elements;
-# while set, Gluon launches write their CTAs' phase timestamps into it
-_TRACE: torch.Tensor | None = None
-
 
 
 def _outputs(q, splits, out=None, lse=None):
@@ -113,25 +104,24 @@ def _launch(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, si
     flags = (extra is not None, window_lens is not None, extra is not None and extra_lens is not None,
              sink is not None)
     p = plan_launch(q.device, b, h, q.dtype, is_fp8, config or _DEFAULT_CONFIG, w, k, flags, geos,
-                    _num_sms(q.device), _PROBE, _TRACE is not None)
+                    _num_sms(q.device))
     out, lse, part_o, part_lse = _outputs(q, p.splits, out, lse)
     if p.backend == "gluon":
         from . import gluon_kernel
 
         kernel, max_shared = gluon_kernel._sparse_decode_ws_kernel, None
         counters = split_counters(q.device, b) if p.fused_merge else lse
-        kwargs = dict(p.kwargs, trace_ptr=_TRACE if _TRACE is not None else lse)
     else:
         if not q.is_cuda and type(_kernels._sparse_decode_kernel).__name__ != "InterpretedFunction":
             raise checks.SparseDecodeInputError(
                 "the Triton kernel runs on CPU tensors only under TRITON_INTERPRET=1 (set before import); "
                 "on CPU call sparse_mla_decode_ref, or sparse_mla_decode, which picks it"
             )
-        kernel, max_shared, counters, kwargs = _kernels._sparse_decode_kernel, smem_cap(q.device), None, p.kwargs
+        kernel, max_shared, counters = _kernels._sparse_decode_kernel, smem_cap(q.device), None
     fast_launch(kernel, p.grid,
                 _kernel_args(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, sink, scale,
                              window_lens, extra_lens, w, k, out, lse, part_o, part_lse, p.splits, counters),
-                kwargs, max_shared=max_shared)
+                p.kwargs, max_shared=max_shared)
     if p.splits > 1 and not p.fused_merge:
         _combine(part_o, part_lse, sink, out, lse, b, h, p.splits)
     return out, lse
@@ -163,7 +153,7 @@ def split_counters(device: torch.device, batch: int) -> torch.Tensor:
     return buf
 
 
-ONESHOT_MERGE_FROM = 8  # splits from which the one-shot merge is used (measured; bench/probe_sparse_decode.py)
+ONESHOT_MERGE_FROM = 8  # splits from which the one-shot merge is used (measured, see `_combine`)
 
 
 def _combine(part_o, part_lse, sink, out, lse, b, h, splits):

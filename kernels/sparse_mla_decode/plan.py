@@ -34,13 +34,13 @@ class LaunchPlan:
 @functools.lru_cache(maxsize=1024)
 def plan_launch(device: torch.device, b: int, h: int, dtype: torch.dtype, is_fp8: bool, config: LaunchConfig,
                 w: int, k: int, flags: tuple[bool, bool, bool, bool], geos: tuple[PageGeometry, PageGeometry],
-                sms: int, probe: int = 0, trace: bool = False) -> LaunchPlan:
+                sms: int) -> LaunchPlan:
     """The launch of a call of B queries, h heads, w window and k extra indices per query. flags: (has extra
     cache, window lens, extra lens, sink); geos: the fp8 page geometry of the window and extra caches; sms: the
     device's SM count (the split choice spreads B x splits programs over them)."""
     backend, config = choose_backend_for(device, h, dtype, is_fp8, config, w, k)
     if backend == "gluon":
-        splits, fuse, kwargs = _gluon_plan(b, w, k, is_fp8, config, sms, flags, geos, probe, trace)
+        splits, fuse, kwargs = _gluon_plan(b, w, k, is_fp8, config, sms, flags, geos)
         return LaunchPlan("gluon", config, (b, splits), splits, fuse, kwargs)
     groups = h // config.head_group if config.head_group and h > config.head_group else 1
     dot_f32 = dtype == torch.float32 or device.type != "cuda"
@@ -66,7 +66,7 @@ def _triton_plan(b, h, w, k, is_fp8, config, sms, flags, geos, dot_f32):
                         num_stages=config.num_stages)
 
 
-def _gluon_plan(b, w, k, is_fp8, config, sms, flags, geos, probe, trace):
+def _gluon_plan(b, w, k, is_fp8, config, sms, flags, geos):
     """(splits, fused merge?, launch keyword arguments) of the Gluon kernel."""
     from . import gluon_epilogue
 
@@ -90,4 +90,4 @@ def _gluon_plan(b, w, k, is_fp8, config, sms, flags, geos, probe, trace):
         HAS_WLEN=has_wlen, HAS_ELEN=has_elen, HAS_SINK=has_sink, **_geometry_kwargs(geos), LOADER_WARPS=4,
         LOADER_REGS=config.loader_regs, PV_REGS=PV_REGS, MAXB=gluon_index_blocks(w, k, bn), FUSE_MERGE=fuse,
         SP=sp, MHT=mht, MDC=mdc, EARLY_TABLE=(fuse and not is_fp8) if config.early_table is None else
-        config.early_table, PROBE=probe, TRACE=trace, num_warps=4, launch_cooperative_grid=fuse)
+        config.early_table, num_warps=4, launch_cooperative_grid=fuse)

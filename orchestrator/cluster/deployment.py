@@ -130,7 +130,7 @@ def up(topology_path: str, options: UpOptions) -> UpResult:
 
 
 def _verify(topology: Any, status: ClusterStatus) -> str:
-    """End-to-end check once everything is READY (verification.py); raises ClusterStartError on failure."""
+    """End-to-end check once everything is READY (`verify/sequence.py`); raises ClusterStartError on failure."""
     report = verify_cluster(topology, status.pids())
     if not report.ok:
         raise ClusterStartError(report.summary())
@@ -199,10 +199,7 @@ def find_controller(record: ClusterRecord) -> Any:
 
 def status() -> ClusterStatus:
     """The recorded cluster's status, through Ray."""
-    try:
-        record = read_record()
-    except RecordError as e:
-        raise NotUpError(str(e)) from e
+    record = read_record()
     try:
         controller = find_controller(record)
         return ray.get(controller.status.options(max_task_retries=READ_RETRIES).remote(), timeout=60)
@@ -276,10 +273,7 @@ class DownResult:
 
 def down(options: DownOptions) -> DownResult:
     """Stop everything `up` started; returns what survived."""
-    try:
-        record = read_record()
-    except RecordError as e:
-        raise NotUpError(str(e)) from e
+    record = read_record()
     notes: list[str] = []
     pids: list[int] = []
     try:

@@ -15,7 +15,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from dsv4_cluster.core import WorkerStatus
 from dsv4_cluster.orchestrator.cluster import deployment, ray_cluster
 from dsv4_cluster.orchestrator.errors import ClusterStartError, NotUpError, RayClusterError, UnknownWorkerError
-from dsv4_cluster.orchestrator.cluster.record import RecordError, read_record
+from dsv4_cluster.orchestrator.cluster.record import read_record
 from dsv4_cluster.orchestrator.supervise.controller import Drained
 from dsv4_cluster.orchestrator.supervise.router_admin import RouterAdminError
 
@@ -25,10 +25,7 @@ _TYPED = (UnknownWorkerError, RouterAdminError, ClusterStartError)
 
 def _call(method: str, *args: Any, timeout_s: float) -> Any:
     """controller.<method>(*args), with the controller's typed errors raised here as themselves."""
-    try:
-        record = read_record()
-    except RecordError as e:
-        raise NotUpError(str(e)) from e
+    record = read_record()
     try:
         controller = deployment.find_controller(record)
         return ray.get(getattr(controller, method).remote(*args), timeout=timeout_s)

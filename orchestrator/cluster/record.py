@@ -12,14 +12,15 @@ from pathlib import Path
 
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 
+from dsv4_cluster.orchestrator.errors import NotUpError
 from dsv4_cluster.orchestrator.processes import write_atomically
 
 HOME_ENV = "DSV4_CLUSTER_HOME"
 RECORD_FILE = "current.json"
 
 
-class RecordError(RuntimeError):
-    """No cluster is recorded, or the record file is unreadable."""
+class RecordError(NotUpError):
+    """No cluster is recorded, or the record file is unreadable (to the CLI: nothing is up)."""
 
 
 def cluster_home() -> Path:

@@ -121,12 +121,12 @@ class ClusterStatusSource:
 
 def families(rows: list[WorkerStatus] | None) -> Iterator[Metric]:
     """The exported families for these status rows (None: no cluster answers)."""
-    up = GaugeMetricFamily("dsv4_cluster_controller_up", "1 when the recorded cluster's controller answers")
+    up = GaugeMetricFamily(m.CLUSTER_CONTROLLER_UP, "1 when the recorded cluster's controller answers")
     up.add_metric([], 0.0 if rows is None else 1.0)
     yield up
     state = GaugeMetricFamily(m.CLUSTER_WORKER_STATE, "Supervisor state of each process (1 = current)",
                               labels=[*LABELS, "state"])
-    restarts = CounterMetricFamily(m.CLUSTER_WORKER_RESTARTS.removesuffix("_total"),
+    restarts = CounterMetricFamily(m.CLUSTER_WORKER_RESTARTS,
                                    "Restarts of each process by its supervisor", labels=list(LABELS))
     for row in rows or []:
         if row.state is None:  # a supervisor that did not answer: no state to report

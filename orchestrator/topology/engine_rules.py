@@ -42,11 +42,8 @@ def engine_needs(ctx: RuleContext) -> Iterator[Finding]:
             yield Finding(("defaults", "max_total_tokens"), f"the embedded engine needs a KV pool size; "
                           f"{', '.join(lacking)} have none", "set defaults.max_total_tokens (e.g. 16384) or "
                           "max_total_tokens on each worker")
-        reported: set[Path_] = set()
-        for w in ctx.workers:
-            size, path = ctx.resolved(w, "page_size")
-            if as_int(size) and size > 0 and size % EMBEDDED_COMPRESS_RATIO and path not in reported:
-                reported.add(path)
+        for _, size, path in _once(ctx, "page_size"):
+            if as_int(size) and size > 0 and size % EMBEDDED_COMPRESS_RATIO:
                 yield Finding(path, f"page_size {size} is not a multiple of {EMBEDDED_COMPRESS_RATIO} (the embedded "
                               "model's compression ratio: a page must hold whole compressed entries)",
                               "use a multiple of 4, e.g. 16 or 64")
@@ -106,7 +103,8 @@ def _embedded_kv_layout(ctx: RuleContext) -> Iterator[Finding]:
         dtype, dtype_path = ctx.resolved(w, "kv_cache_dtype")
         page, page_path = ctx.resolved(w, "page_size")
         cfg = PRESETS.get(embedded_preset(w.raw))
-        if dtype not in get_args(KvCacheDtype) or as_int(page) is None or page <= 0 or page % 4 or cfg is None:
+        if (dtype not in get_args(KvCacheDtype) or as_int(page) is None or page <= 0 or page % EMBEDDED_COMPRESS_RATIO
+                or cfg is None):
             continue
         try:
             layout = kv_layout_dtype(dtype, cfg, str(field_value(w.raw, WorkerConfig, "device")))

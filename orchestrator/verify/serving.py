@@ -14,6 +14,8 @@ from typing import Any
 
 import httpx
 
+from dsv4_cluster.kernels.sglang_plugin.attestation import read_json
+from dsv4_cluster.orchestrator.processes import write_atomically
 from dsv4_cluster.orchestrator.verify.answer_set import ANSWERS, MAX_TOKENS, PASS_RATE
 
 PROBE_REQUESTS = 4
@@ -87,7 +89,7 @@ def probe_throughput(base: str, model: str, timeout_s: float = 120.0) -> float:
 
 def compare_with_last_good(run_dir: str | Path, tokens_per_s: float) -> str | None:
     """A warning when `tokens_per_s` fell past DROP_WARN of the stored last good run, else None."""
-    data = _read(Path(run_dir) / LAST_GOOD)
+    data = read_json(Path(run_dir) / LAST_GOOD)
     last = data.get("tokens_per_s") if data else None
     if isinstance(last, (int, float)) and last > 0 and tokens_per_s < DROP_WARN * last:
         return (f"throughput {tokens_per_s:.1f} tok/s is {tokens_per_s / last:.0%} of the last good run "
@@ -96,14 +98,5 @@ def compare_with_last_good(run_dir: str | Path, tokens_per_s: float) -> str | No
 
 
 def store_last_good(run_dir: str | Path, tokens_per_s: float) -> None:
-    path = Path(run_dir) / LAST_GOOD
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"tokens_per_s": tokens_per_s,
-                                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}) + "\n")
-
-
-def _read(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+    write_atomically(Path(run_dir) / LAST_GOOD, json.dumps(
+        {"tokens_per_s": tokens_per_s, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}) + "\n")

@@ -36,11 +36,11 @@ from dsv4_cluster.kernels.sparse_mla_decode.fp8_layout import DEFAULT_GEOMETRY
 fp8, b, w, k, bn, fused, early = json.loads(sys.argv[1])
 conf = cfg.resolved(cfg.LaunchConfig(block_n=bn, fused_merge=fused, early_table=early), "gluon", fp8)
 flags = (k > 0, True, k > 0, True)
-splits, fuse, kw = plan._gluon_plan(b, w, k, fp8, conf, 132, flags, (DEFAULT_GEOMETRY, DEFAULT_GEOMETRY), 0, False)
+splits, fuse, kw = plan._gluon_plan(b, w, k, fp8, conf, 132, flags, (DEFAULT_GEOMETRY, DEFAULT_GEOMETRY))
 fn = gluon_kernel._sparse_decode_ws_kernel
 options = {n: kw.pop(n) for n in ("num_warps", "launch_cooperative_grid")}
 ptrs = {"q_ptr": "*bf16", "out_ptr": "*bf16", "kv_ptr": "*u8" if fp8 else "*bf16", "ekv_ptr": "*u8" if fp8 else "*bf16",
-        "sink_ptr": "*fp32", "lse_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "trace_ptr": "*fp32"}
+        "sink_ptr": "*fp32", "lse_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32"}
 sig = {n: "constexpr" if n in kw else ptrs.get(n, "*i32" if n.endswith("_ptr") else
        "fp32" if n == "qk_scale_log2" else "i32") for n in fn.arg_names}
 # what the JIT specialises on a real launch: 16-byte aligned pointers and strides divisible by 16

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4_cluster.kernels.indexer import indexer, indexer_fp8, indexer_topk
 from dsv4_cluster.kernels.indexer.fused_topk import indexer_topk_triton
 from dsv4_cluster.kernels.indexer.fp8_keys import dequantize_keys, quantize_keys
 from dsv4_cluster.kernels.indexer.reference import indexer_fp8_ref, indexer_ref
@@ -94,15 +93,6 @@ def test_reference_formula_by_hand():
     assert scores.tolist() == [[10.0, 0.0, 1.0, float("-inf")]]
 
 
-def test_dispatcher_uses_reference_on_cpu_and_refuses_kernel_options():
-    q, w, keys, table, n = make_case(2, 4, 32, 4, 5, [7, 20])
-    assert torch.equal(indexer(q, w, keys, table, n), indexer_ref(q, w, keys, table, n))
-    k8 = quantize_keys(keys)
-    assert torch.equal(indexer_fp8(q, w, k8, table, n), indexer_fp8_ref(q, w, k8, table, n))
-    with pytest.raises(TypeError, match="CUDA kernel only"):
-        indexer(q, w, keys, table, n, split=4)
-
-
 def test_bad_inputs_name_the_problem():
     q, w, keys, table, n = make_case(2, 4, 32, 4, 5, [7, 20])
     with pytest.raises(IndexerInputError, match="weights"):
@@ -145,13 +135,6 @@ def test_fused_indexer_topk_matches_references(fp8):
     idx, got = indexer_topk_triton(q, w, keys, table, n, 8, fp8=fp8, scores=scores, split=split, block_t=16, block=16)
     assert got.data_ptr() == scores.data_ptr()
     check_fused(idx, got, q, w, keys, table, n, lens, 8, fp8, 1e-5)
-
-
-def test_fused_dispatcher_on_cpu_is_reference_composition():
-    q, w, keys, table, n = make_case(2, 4, 32, 4, 5, [7, 20])
-    idx, scores = indexer_topk(q, w, keys, table, n, 6)
-    assert torch.equal(scores, indexer_ref(q, w, keys, table, n))
-    assert torch.equal(idx, topk_ref(scores, n, 6))
 
 
 @cuda

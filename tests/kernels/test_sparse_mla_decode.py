@@ -16,7 +16,6 @@ from dsv4_cluster.kernels.sparse_mla_decode import (
     SparseDecodeInputError,
     dequantize_kv_v4,
     quantize_kv_v4,
-    sparse_mla_decode,
     sparse_mla_decode_fp8_ref,
     sparse_mla_decode_ref,
 )
@@ -81,13 +80,6 @@ def test_reference_matches_definition_at_engine_shapes(with_sink):
     torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
     assert torch.isinf(lse[2]).all() and (out[2] == 0).all()
-
-
-def test_dispatcher_uses_reference_on_cpu():
-    c = make_case(2, 8, 4, 0, 10, 0, dtype=torch.float32, d=64, seed=2)
-    out, lse = sparse_mla_decode(**c)
-    ref_out, ref_lse = sparse_mla_decode_ref(**c)
-    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
 
 
 @pytest.mark.parametrize(
@@ -217,7 +209,7 @@ def test_triton_rejects_unsupported_shapes():
 @pytest.mark.parametrize("with_sink", [False, True])
 def test_gpu_v4_shapes_bf16_and_fp8(b, with_sink):
     c = make_case(b, **V4, device="cuda", seed=b, sink=with_sink)
-    out, lse = sparse_mla_decode(**c)
+    out, lse = launch.sparse_mla_decode_triton(**c)
     ref_out, ref_lse = reference64(c)
     assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
     cache, extra = quantize_kv_v4(c.pop("kv")), quantize_kv_v4(c.pop("extra_kv"))
@@ -239,7 +231,7 @@ def test_gpu_cuda_graph_replay_with_new_indices(fp8):
         if fp8:
             rest = {k: v for k, v in c.items() if k not in ("kv", "extra_kv")}
             return launch.sparse_mla_decode_fp8_triton(**rest, **caches)
-        return sparse_mla_decode(**c)
+        return launch.sparse_mla_decode_triton(**c)
 
     call()  # compile outside the capture
     torch.cuda.synchronize()

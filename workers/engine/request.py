@@ -131,10 +131,6 @@ class LoopEmitter:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
 
-def loop_emitter(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> LoopEmitter:
-    return LoopEmitter(loop, queue)
-
-
 class Outbox:
     """Events an engine step emitted, delivered together when the step ends (engine thread only)."""
 

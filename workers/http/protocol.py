@@ -22,7 +22,7 @@ class _Body(BaseModel):
 
 
 class _SGLangBody(_Body):
-    """A body whose SGLang fields outside the declared ones are checked against `fields.RULES`."""
+    """A body whose SGLang fields outside the declared ones are checked against `RULES` (a table of `fields.py`)."""
 
     RULES: ClassVar[dict[str, fields.Rule]] = {}
     SGLANG: ClassVar[str] = ""          # the SGLang class whose fields this body takes

@@ -27,7 +27,7 @@ from ..args import WorkerArgs
 from ..engine.kernel_ops import KernelOps
 from ..engine.loop import Engine
 from ..engine.presets import model_config
-from ..engine.request import Event, Failed, Req, Reserved, Token, loop_emitter
+from ..engine.request import Event, Failed, LoopEmitter, Req, Reserved, Token
 from ..engine.runner import ModelRunner, RunnerConfig
 from ..engine.tokenizer import ByteTokenizer, ChatTemplateError
 from .liveness import Liveness
@@ -138,7 +138,7 @@ class WorkerServer:
     async def submit(self, spec: GenSpec) -> tuple[Req, asyncio.Queue]:
         queue: asyncio.Queue = asyncio.Queue()
         req = Req(rid=spec.rid, prompt_ids=spec.prompt_ids, params=spec.params, budget=self.budget(spec),
-                  emit=loop_emitter(asyncio.get_running_loop(), queue), room=spec.room, bootstrap=spec.bootstrap_url)
+                  emit=LoopEmitter(asyncio.get_running_loop(), queue), room=spec.room, bootstrap=spec.bootstrap_url)
         self.engine.submit(req)
         return req, queue
 
