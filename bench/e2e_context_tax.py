@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
 import signal
@@ -31,6 +30,7 @@ from pathlib import Path
 import httpx
 
 from bench.common import ints, md_table, stop, versions, wait_http, write
+from bench.router import ours_argv
 from dsv4_cluster.orchestrator.launch.ports import free_ports
 from dsv4_cluster.orchestrator.load.loadgen import LevelSpec, run_level
 
@@ -51,22 +51,19 @@ class Stack:
         common = ["--host", "127.0.0.1", "--device", a.device, "--model-preset", a.preset, "--served-model-name",
                   self.model, "--page-size", str(a.page_size), "--context-length", str(context), "--max-total-tokens",
                   str(a.pool_tokens), "--log-level", "info", *(["--kernels", KERNELS] if kernels else [])]
-        (workdir / "router.json").write_text(json.dumps({
-            "host": "127.0.0.1", "port": rp, "model_name": self.model, "decode": [{"name": "decode-0", "url": self.decode_url}],
-            "prefill": [{"name": "prefill-0", "url": f"http://127.0.0.1:{pp}", "bootstrap_host": "127.0.0.1",
-                         "bootstrap_port": bp}]}))
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0"),
                "UCX_PROTO_INFO": "y", "UCX_LOG_LEVEL": "info"}
-        cmds = {"prefill": ["dsv4_cluster.workers.prefill", "--port", str(pp), "--disaggregation-bootstrap-port",
+        py = [sys.executable, "-m"]
+        cmds = {"prefill": [*py, "dsv4_cluster.workers.prefill", "--port", str(pp), "--disaggregation-bootstrap-port",
                             str(bp), "--chunked-prefill-size", "8192", *common],
-                "decode": ["dsv4_cluster.workers.decode", "--port", str(dp), "--cuda-graph-max-bs", str(a.graph_bs),
+                "decode": [*py, "dsv4_cluster.workers.decode", "--port", str(dp), "--cuda-graph-max-bs", str(a.graph_bs),
                            *common],
-                "router": ["dsv4_cluster.router", "--config", str(workdir / "router.json"), "--log-level", "warning"]}
+                "router": ours_argv(rp, [(f"http://127.0.0.1:{pp}", bp)], [self.decode_url], workdir, "warning",
+                                    model_name=self.model)}
         self.procs = {}
         for name, cmd in cmds.items():
             with (workdir / f"{name}.log").open("w") as log:
-                self.procs[name] = subprocess.Popen([sys.executable, "-m", *cmd], stdout=log, stderr=subprocess.STDOUT,
-                                                    env=env)
+                self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         # the router answers /health as soon as it listens: the workers first
         self.ready_urls = [f"http://127.0.0.1:{pp}/health", f"{self.decode_url}/health", f"{self.url}/health"]
 

@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from bench.common import RESULTS, cell, versions, write
+from bench.common import RESULTS, versions, write
 
 BENCHES = ("sparse_decode", "indexer_topk", "sglang_decode", "sm120_decode")
 
@@ -44,14 +44,11 @@ def graphed(fn):
 
 
 def write_results(name: str, payload: dict, md: str | None = None):
-    """bench/results/<name>.json (the payload with the run's versions beside it) and .md (the table, when given)."""
+    """bench/results/<name>.json (the payload with the run's versions beside it) and .md (the table, when given, also
+    printed)."""
+    if md is not None:
+        print(md, end="")
     return write(RESULTS / name, dict(payload, versions=payload.get("versions") or versions()), md)
-
-
-def print_table(rows: list[dict], columns: list[str]) -> None:
-    widths = {c: max(len(c), *(len(cell(r.get(c))) for r in rows)) for c in columns}
-    for r in [dict(zip(columns, columns)), *rows]:
-        print("  ".join(cell(r.get(c)).rjust(widths[c]) for c in columns))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,6 +39,7 @@ from . import proc_probe
 from .common import RESULTS, cell, machine, md_table, pct, process, rss_bytes, write
 from .local_cluster import write_topology
 from .reliability_faults import Cluster, all_faults, chat, kv_back_to
+from .router import ours_argv
 
 PARTS = ("faults", "input", "security", "soak")
 HOOKS = ", extra_args: [--test-hooks]"
@@ -133,14 +134,10 @@ def keys_and_prompts(cluster: Cluster, folder: Path) -> list[dict]:
     key, token = "sk-" + secrets.token_hex(16), "adm-" + secrets.token_hex(16)
     marker = "reliability-marker-" + secrets.token_hex(8)
     (port,) = free_ports(1)
-    url, config, log = f"http://127.0.0.1:{port}", folder / "router-keys.json", folder / "router-keys.log"
-    config.write_text(json.dumps({
-        "host": "127.0.0.1", "port": port, "model_name": "dsv4-tiny", "api_keys": [key], "admin_token": token,
-        "prefill": [{"name": "prefill-0", "url": cluster.url("prefill"), "bootstrap_host": "127.0.0.1",
-                     "bootstrap_port": cluster.ports["bootstrap"]}],
-        "decode": [{"name": "decode-0", "url": cluster.url("decode")}]}))
-    with process([sys.executable, "-m", "dsv4_cluster.router", "--config", str(config), "--log-level", "debug"],
-                 url + "/health", log, timeout_s=60):
+    url, log = f"http://127.0.0.1:{port}", folder / "router-keys.log"
+    argv = ours_argv(port, [(cluster.url("prefill"), cluster.ports["bootstrap"])], [cluster.url("decode")], folder,
+                     "debug", model_name="dsv4-tiny", api_keys=[key], admin_token=token)
+    with process(argv, url + "/health", log, timeout_s=60):
         got = _statuses(url, key, token, marker)
         metrics = httpx.get(url + "/metrics", timeout=10).text + httpx.get(cluster.router_url + "/metrics",
                                                                             timeout=10).text

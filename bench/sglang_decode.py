@@ -20,7 +20,7 @@ import time
 import torch
 
 from bench.common import md_columns, versions
-from bench.kernels import bench_us, copy_bandwidth_gbs, graphed, print_table, write_results
+from bench.kernels import bench_us, copy_bandwidth_gbs, graphed, write_results
 from dsv4_cluster.kernels.sglang_adapters import flash_mla_with_kvcache, fp8_paged_mqa_logits, topk_transform_paged_v2
 from dsv4_cluster.kernels.sparse_mla_decode.launch import LaunchConfig
 from dsv4_cluster.kernels.sglang_cases import LAYERS, decode_case, indexer_case, live_rows
@@ -239,6 +239,4 @@ def run(argv: list[str]) -> int:
         print(rows[-1], flush=True)
     rows.append(dict(bench="plans", stats=plan_stats()))
     write_results("sglang_decode", dict(device=device, copy_GBps=copy_gbs, rows=rows), markdown(rows, copy_gbs, device))
-    print_table([r for r in rows if r["bench"] == "decode"],
-                ["layer", "B", "real_heads", "impl", "us", "us_eager", "speedup_vs_flashmla"])
     return 0

@@ -29,7 +29,7 @@ from types import SimpleNamespace
 
 import torch
 
-from bench.common import versions, write
+from bench.common import md_columns, versions, write
 from dsv4_cluster.kernels import dispatch
 from dsv4_cluster.kernels.sglang_adapters import flash_mla_with_kvcache_sm120, fp8_paged_mqa_logits, topk_transform_paged_v2
 from dsv4_cluster.kernels.sglang_cases import decode_case, indexer_case, sglang_sm120_args, sm120_call
@@ -255,40 +255,37 @@ def live_rows(r: dict) -> int:
 
 def markdown(result: dict) -> str:
     """The decode and indexer tables, with the RTX PRO 6000 floor (bytes / 1.79 TB/s) beside each decode row."""
-    v = result.get("versions") or {}
-    lines = ["# sm_120 on an H200 stand-in (bench/sm120_decode.py, one run)", "",
-             f"Device: {result['device']}, dispatch forced to {result['forced_class']} (mma.sync, the 99 KB configs); "
-             f"torch {v.get('torch')}, Triton {v.get('triton')}. {result['flashinfer_sm120']}.", "",
-             "What the stand-in cannot show: sm_120's occupancy (188 SMs of 99 KB; the H200 has 132 of 227 KB), "
-             "GDDR7's latency and 1.79 TB/s (the H200 reads at ~4.3 TB/s). `floor`: the call's bytes (live rows x "
-             "584 B) over 1.79 TB/s, the RTX PRO 6000's bound. Microseconds, CUDA-graph replay (eager in brackets).",
-             "", "| layer | configured | real heads | heads computed | B | ours | SGLang Triton | SGLang torch | "
-             "Triton / ours | floor (RTX PRO 6000) | max diff |", "|" + "---|" * 11]
-    for r in result.get("decode", []):
-        floor = r["B"] * live_rows(r) * 584 / (RTX_PRO_6000_GBPS * 1e3)
-        lines.append(f"| {r['layer']} | {r['configured'] or '-'} | {r['real_heads']} | {r['heads']} | {r['B']} | "
-                     f"{r['ours_graph_us']:.0f} ({r['ours_eager_us']:.0f}) | {r['sglang_triton_graph_us']:.0f} | "
-                     f"{r['sglang_torch_graph_us']:.0f} | {r['sglang_triton_graph_us'] / r['ours_graph_us']:.1f}x | "
-                     f"{floor:.1f} | {r['max_abs_diff']:.4f} |")
-    lines += ["", "Prefill / extend rows (c4, 16 real heads, q sliced as SGLang does above 64 rows), graph replay, us:", "",
-              "| rows | ours | SGLang Triton | Triton / ours | floor (RTX PRO 6000) | max diff vs SGLang torch (of max) |",
-              "|---|---|---|---|---|---|"]
-    for r in result.get("prefill_rows", []):
-        floor = r["rows"] * 640 * 584 / (RTX_PRO_6000_GBPS * 1e3)
-        lines.append(f"| {r['rows']} | {r['ours_graph_us']:.0f} | {r['sglang_triton_graph_us']:.0f} | "
-                     f"{r['triton_over_ours']:.1f}x | {floor:.0f} | " + (
-                         f"{r['max_abs_diff_vs_torch']:.4f} ({r['torch_max_abs']:.2f}) |"
-                         if r["max_abs_diff_vs_torch"] is not None else "not compared |"))
+    v, us = result.get("versions") or {}, lambda head, key: (head, key, ".0f")  # noqa: E731
+    ratio = lambda r: r["sglang_triton_graph_us"] / r["ours_graph_us"]  # noqa: E731
+    decode = [dict(r, ratio=ratio(r), floor=r["B"] * live_rows(r) * 584 / (RTX_PRO_6000_GBPS * 1e3))
+              for r in result.get("decode", [])]
+    prefill = [dict(r, floor=r["rows"] * 640 * 584 / (RTX_PRO_6000_GBPS * 1e3)) for r in result.get("prefill_rows", [])]
     sweep = [r for r in result.get("sweep", []) if "graph_us" in r]
-    if sweep:
-        lines += ["", "Launch-config sweep, c4, 64 heads: the fastest three per B (graph, us):", "",
-                  "| B | block | heads / program | prefetch | warps | us | max diff vs SGLang Triton |", "|---|---|---|---|---|---|---|"]
-        for b in sorted({r["B"] for r in sweep}):
-            for r in sorted((r for r in sweep if r["B"] == b), key=lambda r: r["graph_us"])[:3]:
-                lines.append(f"| {b} | {r['block_n']} | {r['head_group']} | {r['prefetch']} | {r['num_warps']} | "
-                             f"{r['graph_us']:.0f} | {r['max_abs_diff']:.4f} |")
-    lines += ["", "| indexer: configured | live | B | ours (indexer + top-k) | SGLang torch indexer |", "|---|---|---|---|---|"]
-    for r in result.get("indexer", []):
-        lines.append(f"| {r['configured']} | {r['live']} | {r['B']} | {r['ours_indexer_topk_graph_us']:.1f} | "
-                     f"{r['sglang_torch_indexer_graph_us']:.1f} |")
-    return "\n".join(lines) + "\n"
+    fastest = [r for b in sorted({r["B"] for r in sweep})
+               for r in sorted((r for r in sweep if r["B"] == b), key=lambda r: r["graph_us"])[:3]]
+    return "\n".join([
+        "# sm_120 on an H200 stand-in (bench/sm120_decode.py, one run)", "",
+        f"Device: {result['device']}, dispatch forced to {result['forced_class']} (mma.sync, the 99 KB configs); "
+        f"torch {v.get('torch')}, Triton {v.get('triton')}. {result['flashinfer_sm120']}.", "",
+        "What the stand-in cannot show: sm_120's occupancy (188 SMs of 99 KB; the H200 has 132 of 227 KB), GDDR7's "
+        "latency and 1.79 TB/s (the H200 reads at ~4.3 TB/s). `floor`: the call's bytes (live rows x 584 B) over 1.79 "
+        "TB/s, the RTX PRO 6000's bound. Microseconds, CUDA-graph replay (and eager).", "",
+        *md_columns(decode, [("layer", "layer", ""), ("configured", "configured", ""), ("real heads", "real_heads", ""),
+                             ("heads computed", "heads", ""), ("B", "B", ""), us("ours", "ours_graph_us"),
+                             us("ours eager", "ours_eager_us"), us("SGLang Triton", "sglang_triton_graph_us"),
+                             us("SGLang torch", "sglang_torch_graph_us"), ("Triton / ours", "ratio", ".1f"),
+                             ("floor (RTX PRO 6000)", "floor", ".1f"), ("max diff", "max_abs_diff", ".4f")]),
+        "", "Prefill / extend rows (c4, 16 real heads, q sliced as SGLang does above 64 rows), graph replay, us:", "",
+        *md_columns(prefill, [("rows", "rows", ""), us("ours", "ours_graph_us"),
+                              us("SGLang Triton", "sglang_triton_graph_us"), ("Triton / ours", "triton_over_ours", ".1f"),
+                              ("floor (RTX PRO 6000)", "floor", ".0f"),
+                              ("max diff vs SGLang torch", "max_abs_diff_vs_torch", ".4f"),
+                              ("SGLang torch max", "torch_max_abs", ".2f")]),
+        *(["", "Launch-config sweep, c4, 64 heads: the fastest three per B (graph, us):", "", *md_columns(fastest, [
+            ("B", "B", ""), ("block", "block_n", ""), ("heads / program", "head_group", ""), ("prefetch", "prefetch", ""),
+            ("warps", "num_warps", ""), us("us", "graph_us"), ("max diff vs SGLang Triton", "max_abs_diff", ".4f")])]
+          if fastest else []), "",
+        *md_columns(result.get("indexer", []), [
+            ("indexer: configured", "configured", ""), ("live", "live", ""), ("B", "B", ""),
+            ("ours (indexer + top-k)", "ours_indexer_topk_graph_us", ".1f"),
+            ("SGLang torch indexer", "sglang_torch_indexer_graph_us", ".1f")])]) + "\n"
