@@ -1,16 +1,13 @@
-"""Does decode speed depend on the configured context? End to end on one GPU, one command.
+"""Does decode speed depend on the configured context? End to end on one GPU, one command (docs/benchmarks.md).
 
     python -m bench.e2e_context_tax --out bench/results/e2e_context_tax --logs LOGDIR
 
-Per configured context (8K, 128K, 1M) a stack (prefill and decode workers on GPU 0 with the `flash` preset, our
-kernels, decode under CUDA graphs, KV GPU -> GPU over NIXL, and the router), all up at once. Per concurrency (1, 16,
-64), `--rounds` rounds, each the same streamed chat requests (2K-token prompts, 128 output tokens, greedy;
-`orchestrator/load/loadgen.py`) through every stack in an order that rotates, so drift in time (clocks, host load)
-falls on every context alike; each level runs once untimed first. Then, alone, 8K with the kernels off (reference
-ops, eager) at concurrency 64. Decode tok/s is reported as ratios from this one run: each context against 8K (the
-median of per-round ratios, with their range; TPOT p50 likewise), kernels against reference ops. Every setting gets
-the same pool (`--pool-tokens`), so what differs is only what the configured context changes. Writes OUT.json and
-OUT.md.
+Per configured context a stack (prefill and decode workers on GPU 0, `flash` preset, our kernels, decode under CUDA
+graphs, KV over NIXL, the router), all up at once, the same pool in each. Per concurrency, `--rounds` rounds of the
+same streamed chat requests (`orchestrator/load/loadgen.py`) through every stack in an order that rotates, so drift
+in time falls on every context alike; each level runs once untimed first. Then, alone, the first context with the
+kernels off (reference ops, eager). Ratios from this one run: each context against the first (median of per-round
+ratios, with their range), kernels against reference ops.
 """
 
 from __future__ import annotations

@@ -31,6 +31,11 @@ def bench_us(fn, warmup_ms: int = 50, rep_ms: int = 300) -> float:
     return 1e3 * triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
+def graph_and_eager_us(fn) -> tuple[float, float]:
+    """(CUDA-graph replay us, eager us): cold-L2 medians over >= 100 ms of back-to-back calls."""
+    return bench_us(graphed(fn), 25, 100), bench_us(fn, 25, 100)
+
+
 def graphed(fn):
     """`fn` captured in a CUDA graph (after one eager call that compiles / initialises): its replay."""
     import torch

@@ -3,14 +3,10 @@
     python -m bench.kv_transfer --out bench/results/kv_transfer \
         [--prefill-device cuda:0 --decode-device cuda:1] [--pages fresh,churned,cache] [--max-tokens 16384]
 
-Two processes (`kv_transfer_sides.py`), each pinned to its device with the engine's own KV pool for the preset
-(`flash` by default; fp8 on CUDA, one page-major region) in the state `--pages` asks for (a list runs each in turn:
-fresh; churned, thousands of allocate/free cycles held at `--occupancy`; scattered, every free run one page; cache,
-the prefill's pool full of a prefix cache after multi-turn chat, `kv_cache_churn.py`) and the engine's own
-`NixlTransfer`, one agent per side as in a worker. Per request size (1K ... 128K tokens), interleaved over
-`--repeats` trials: the engine's `write_pages` of the pages its allocators gave, one raw NIXL WRITE of one region of
-the same bytes, and a device copy. Throughput is bytes / p50 latency; ratios from this one run; every size is
-checked byte for byte. The table gives each request's descriptors and page runs and the pools' state; which UCX
+Two processes (`kv_transfer_sides.py`), each with the engine's own KV pool for the preset in the state `--pages`
+asks for (a list runs each in turn) and the engine's own `NixlTransfer`, one agent per side as in a worker. Per
+request size, interleaved over `--repeats` trials: the engine's `write_pages`, one raw NIXL WRITE of one region of
+the same bytes, and a device copy; throughput is bytes / p50 latency, every size checked byte for byte. Which UCX
 transport carried the bytes is read from UCX's own log (`ucx_proto.py`). Writes OUT.json (one state: its report;
 several: reports by state) and OUT.md (a table per state).
 """

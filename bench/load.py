@@ -3,11 +3,10 @@
     python -m bench.load examples/local.yaml --requests 200 --concurrency 16 --out bench/results/load.jsonl
     python -m bench.load --report bench/results/load.jsonl     # the markdown table (load.md)
 
-Brings the topology up with `dsv4-cluster up` (ports and Ray namespace swapped for free ones; every other setting the
-file's), measures each worker's CPU over `--idle-s` idle seconds, sends the load (`orchestrator/load/loadgen.py`, as
-`dsv4-cluster bench URL` does against a cluster that is already up), brings it down, and appends output tok/s, TTFT
-p50/p99, errors, CPU and the load average (the machine may be shared) as one JSON line. For comparing builds
-measured close together on one machine: the embedded model is a tiny random-weight model on the CPU.
+Brings a copy of the topology up on free ports, measures each worker's CPU over `--idle-s` idle seconds, sends the
+load (`orchestrator/load/loadgen.py`, as `dsv4-cluster bench URL` does against a cluster that is already up), brings
+it down, and appends the figures, CPU and the load average as one JSON line: for builds measured close together on
+one machine (the embedded model is a tiny random-weight model on the CPU).
 """
 
 from __future__ import annotations

@@ -3,11 +3,10 @@ successful request after it, against the cold start of the same role measured in
 
     python -m bench.recovery [--repeats 3] [--out bench/results/recovery]
 
-A copy of the embedded cluster (free loopback ports) brought up with the real CLI; per worker and repeat, SIGKILL
-its pid (from `status`; a supervisor's from `<run_dir>/actors/supervisor-<name>.json`: Ray restarts the actor,
-which starts the worker again), then a 2-token chat request every 0.25 s: the time to the first 200, and to `status`
-READY again. `ratio` = recovery / cold start (a fresh process of the role, spawn to `/health` 200) is what
-supervision adds. Target: <= 15 s. Writes OUT.json and OUT.md.
+Per worker and repeat on a copy of the embedded cluster: SIGKILL its pid (a supervisor's from
+`<run_dir>/actors/supervisor-<name>.json`: Ray restarts the actor, which starts the worker again), then a 2-token
+request every 0.25 s: the time to the first 200, and to `status` READY again. `ratio` = recovery / cold start (spawn
+to `/health` 200) is what supervision adds. Target: <= 15 s.
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """Reliability bench: faults under in-flight requests, bad input, security checks and a load soak, on a real
-embedded cluster (Ray, supervisors, NIXL, router; loopback only), in one command.
+embedded cluster (Ray, supervisors, NIXL, router; loopback only), in one command (docs/benchmarks.md).
 
     python -m bench.reliability [--only faults,input,security,soak] [--fault NAME] [--soak-requests 2000] \
         [--fuzz-cases 500] [--out bench/results/reliability]
 
 One cluster (1 prefill + 1 decode with `--test-hooks`, free ports) brought up with the real CLI; the faults
 (`reliability_faults.py`), bad input (`reliability_input.py`), security and the soak (below); then `down`, and
-/proc must show nothing of it left. Writes OUT.json and OUT.md; exit status 0 only if every check passed.
-Security: every worker and bootstrap socket listens on the node's address, never 0.0.0.0 (/proc); a second router
-with API keys and an admin token, logging at debug, enforces both and logs neither (nor the cluster's own token);
-a prompt's marker appears in no log and no `/metrics`; no `shell=True`, `os.system` or `os.popen` in the package,
-and a topology string with shell syntax reaches a worker's argv as one verbatim argument.
-The soak: N chat requests at concurrency C, every other one streaming, prompts up to the context (prompt + output
-fill it for one request in ten), `max_tokens` 1-24, one streaming request in twenty hanging up after 2 tokens; no
-request `lost`, `hung` or `reset`, each process's RSS from the warm-up (the first tenth) to the end under 10%, KV
-usage back to 0.
+/proc must show nothing of it left. Exit status 0 only if every check passed. The soak: every other request
+streaming, prompts up to the context, one streaming request in twenty hanging up after 2 tokens; no request `lost`,
+`hung` or `reset`, each process's RSS from the warm-up (the first tenth) to the end under 10%, KV usage back to 0.
 """
 
 from __future__ import annotations

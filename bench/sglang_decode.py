@@ -20,17 +20,12 @@ import time
 import torch
 
 from bench.common import md_columns, versions
-from bench.kernels import bench_us, copy_bandwidth_gbs, graphed, write_results
+from bench.kernels import bench_us, copy_bandwidth_gbs, graph_and_eager_us, graphed, write_results
 from dsv4_cluster.kernels.sglang_adapters import flash_mla_with_kvcache, fp8_paged_mqa_logits, topk_transform_paged_v2
 from dsv4_cluster.kernels.sparse_mla_decode.launch import LaunchConfig
 from dsv4_cluster.kernels.sglang_cases import LAYERS, decode_case, indexer_case, live_rows
 
 BATCHES = (1, 8, 32, 64, 128, 256)
-
-
-def _time(fn) -> tuple[float, float]:
-    """(graph replay us, eager us): medians over >= 100 ms of back-to-back calls, L2 flushed before each."""
-    return bench_us(graphed(fn), 25, 100), bench_us(fn, 25, 100)
 
 
 def host_us(fn, calls: int = 200) -> float:
@@ -69,7 +64,7 @@ def decode_rows(copy_gbs: float, batches=BATCHES) -> list[dict]:
                                  tile_scheduler_metadata=None, real_heads=real, config=LaunchConfig(backend="triton"),
                                  **args)}
                 for name, fn in impls.items():
-                    us, eager = _time(fn)
+                    us, eager = graph_and_eager_us(fn)
                     if name == "flashmla":
                         base, base_eager = us, eager
                     gbs = nbytes / (us * 1e-6) / 1e9
@@ -131,7 +126,7 @@ def indexer_rows(copy_gbs: float) -> list[dict]:
                                               False)
                 topk_transform_paged_v2(logits, c["lens"], c["table"], out, 64, None)
 
-            us, eager = _time(step)
+            us, eager = graph_and_eager_us(step)
             per_cap[cap] = us
             upcast_us = bench_us(graphed(lambda c=c: _fused(c, fp8_dot=False)), 25, 100)
             fp8_dot_us = bench_us(graphed(lambda c=c: _fused(c, fp8_dot=True)), 25, 100)
