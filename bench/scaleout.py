@@ -5,7 +5,7 @@ ablations) vs round robin vs SGLang's gateway's `cache_aware` (sglang-router 0.3
     python -m bench.scaleout [--n 8 64] [--concurrency 64] [--api chat|completions] [--out bench/results]
 
 Per N one process serves the stubs (`stubs.py`); each router in turn is started fresh in front of them, the stubs
-reset, and the workload (`scaleout_load.py`) played closed-loop. `floor` (`scaleout_floor.py`) is the least a PD
+reset, and the workload (`scaleout_load.py`) played closed-loop. `floor` (`scaleout_load.py`) is the least a PD
 relay can do: its router-added latency is what client, stubs and kernel cost here. A prefix-aware router must first
 pass a sanity probe (one session alone, then its last turn twice more, all to one prefill); a row that fails it is
 invalid and not compared. Runs in a private network namespace whose loopback ACKs at once (`loopback_ns.py`).
@@ -48,7 +48,7 @@ def router_argv(name: str, port: int, prefills: list[tuple[str, int]], decodes: 
         return ours_argv(port, prefills, decodes, tmp, "warning", prefill_policy=policy, decode_policy="round_robin",
                          prefix=knobs)
     if name == "floor":
-        return [sys.executable, "-m", "bench.scaleout_floor", "--port", str(port),
+        return [sys.executable, "-m", "bench.scaleout_load", "--port", str(port),
                 *(x for url, boot in prefills for x in ("--prefill", url, str(boot))),
                 *(x for url in decodes for x in ("--decode", url))]
     return anchor_argv(name, port, prefills, decodes, "cache_aware") + ["--decode-policy", "round_robin"]
