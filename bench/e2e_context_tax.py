@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import ints, md_table, stop, versions, wait_http, write
+from bench.common import ints, md_table, process, versions, wait_http, write
 from bench.router import ours_argv
 from dsv4_cluster.orchestrator.launch.ports import free_ports
 from dsv4_cluster.orchestrator.load.loadgen import LevelSpec, run_level
@@ -57,10 +57,9 @@ class Stack:
                            *common],
                 "router": ours_argv(rp, [(f"http://127.0.0.1:{pp}", bp)], [self.decode_url], workdir, "warning",
                                     model_name=self.model)}
-        self.procs = {}
-        for name, cmd in cmds.items():
-            with (workdir / f"{name}.log").open("w") as log:
-                self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.exit = contextlib.ExitStack()    # every process started now, each waited for later (wait_ready)
+        self.procs = {name: self.exit.enter_context(process(cmd, None, workdir / f"{name}.log", env=env))
+                      for name, cmd in cmds.items()}
         # the router answers /health as soon as it listens: the workers first
         self.ready_urls = [f"http://127.0.0.1:{pp}/health", f"{self.decode_url}/health", f"{self.url}/health"]
 
@@ -79,8 +78,7 @@ class Stack:
                                          "context_length")}
 
     def stop(self) -> None:
-        for p in self.procs.values():
-            stop(p, 20)
+        self.exit.close()
 
 
 def run_interleaved(stacks: dict[str, Stack], levels: tuple[int, ...], a) -> dict[str, dict]:

@@ -14,21 +14,21 @@ several: reports by state) and OUT.md (a table per state).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from dsv4_cluster.orchestrator.launch.ports import free_ports
-from dsv4_cluster.orchestrator.processes import death_signal_preexec, log_tail
+from dsv4_cluster.orchestrator.processes import log_tail
 from dsv4_cluster.workers.engine.presets import PRESETS
 from . import ucx_proto
-from .common import md_table, pct, write
+from .common import md_table, pct, process, write
 from .kv_transfer_sides import PAGE_STATES, PREFILL_AGENT, RAW_PREFILL_AGENT, build_pool
 
 SIZES = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
@@ -63,12 +63,9 @@ def run_sides(a: argparse.Namespace, pages: str, workdir: Path) -> dict:
             "prefill": [*mod, json.dumps({**side, "role": "prefill", "device": a.prefill_device,
                                           "result": str(workdir / "result.json")})]}
     env = {**os.environ, "UCX_PROTO_INFO": "y", "UCX_LOG_LEVEL": "info", "PYTHONUNBUFFERED": "1"}
-    procs: dict[str, subprocess.Popen] = {}
-    try:
-        for name, cmd in cmds.items():
-            with (workdir / f"{name}.log").open("w") as log:
-                procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                               preexec_fn=death_signal_preexec(os.getpid()))
+    with contextlib.ExitStack() as stack:
+        procs = {name: stack.enter_context(process(cmd, None, workdir / f"{name}.log", env=env))
+                 for name, cmd in cmds.items()}
         deadline = time.monotonic() + a.timeout_s
         while (rc := procs["prefill"].poll()) is None:
             if procs["decode"].poll() not in (None, 0):      # the prefill would wait for it until its timeout
@@ -83,11 +80,6 @@ def run_sides(a: argparse.Namespace, pages: str, workdir: Path) -> dict:
                              f"decode side:\n{log_tail(str(workdir / 'decode.log'))}")
         procs["decode"].wait(30)       # it exits on the prefill's stop
         return json.loads((workdir / "result.json").read_text())
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-            p.wait()
 
 
 def stats(times: list[float], nbytes: int) -> dict:
