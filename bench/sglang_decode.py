@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from bench.common import md_columns, versions
+from bench.common import ints, md_columns, versions
 from bench.kernels import bench_us, copy_bandwidth_gbs, graph_and_eager_us, graphed, write_results
 from dsv4_cluster.kernels.sglang_adapters import flash_mla_with_kvcache, fp8_paged_mqa_logits, topk_transform_paged_v2
 from dsv4_cluster.kernels.sparse_mla_decode.launch import LaunchConfig
@@ -221,7 +221,7 @@ def run(argv: list[str]) -> int:
         return 0
     copy_gbs = copy_bandwidth_gbs()
     print(f"copy bandwidth {copy_gbs:.0f} GB/s", flush=True)
-    batches = tuple(int(x) for x in argv[0].split(",")) if argv else BATCHES
+    batches = tuple(ints(argv[0])) if argv else BATCHES
     device = torch.cuda.get_device_name()
     rows = decode_rows(copy_gbs, batches)
     write_results("sglang_decode", dict(device=device, copy_GBps=copy_gbs, rows=rows))
