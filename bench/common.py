@@ -14,6 +14,7 @@ from typing import Iterator, Sequence
 import httpx
 
 from dsv4_cluster.orchestrator.load.loadgen import percentile
+from dsv4_cluster.orchestrator.processes import death_signal_preexec
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -92,29 +93,26 @@ def wait_http(url: str, timeout_s: float, procs: Sequence[subprocess.Popen] = ()
     raise TimeoutError(f"{url} did not answer 200 within {timeout_s:g} s")
 
 
-def stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """SIGTERM, then SIGKILL after `grace_s`; reaped either way."""
-    if proc.poll() is None:
-        proc.terminate()
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 @contextmanager
 def process(argv: list[str], health_url: str | None, log: Path, timeout_s: float = 30.0,
             env: dict | None = None) -> Iterator[subprocess.Popen]:
-    """`argv` in its own session, its output in `log`, until `health_url` answers; stopped on exit."""
+    """`argv` in its own session, its output in `log`, until `health_url` answers (when given); stopped on exit, and
+    killed by the kernel if this thread dies first (a benchmark cut by its timeout leaves nothing running)."""
     with open(log, "w") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env,
+                                preexec_fn=death_signal_preexec(os.getpid()))
     try:
         if health_url:
             wait_http(health_url, timeout_s, [proc])
         yield proc
-    finally:
-        stop(proc)
+    finally:          # SIGTERM, then SIGKILL after 10 s; reaped either way
+        if proc.poll() is None:
+            proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def cpu_seconds(pid: int, session: bool = False) -> float:

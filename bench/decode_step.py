@@ -3,10 +3,9 @@ competing for the GPU): what `e2e_context_tax.py` measures end to end, with the 
 
     python -m bench.decode_step --out bench/results/decode_step
 
-Per configured context (8K, 128K, 1M) the decode side's `ModelRunner` as a decode worker builds it (`flash`, our
-kernels, CUDA graphs up to batch 64, the same pool in every setting), B requests of 2K random tokens prefilled, then
-`runner.decode` (what the engine thread calls per step) timed over STEPS steps per batch size, and the bare graph
-replay (CUDA events). Ratios against the first context at the same batch size, from one run. Writes OUT.json/.md.
+Per configured context the decode side's `ModelRunner` (`flash`, our kernels, CUDA graphs, the same pool in every
+setting), B requests of 2K random tokens prefilled, then `runner.decode` timed over `--steps` steps per batch size,
+and the bare graph replay (CUDA events). Ratios against the first context at the same batch size, from one run.
 """
 
 from __future__ import annotations

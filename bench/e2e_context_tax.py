@@ -1,28 +1,24 @@
-"""Does decode speed depend on the configured context? End to end on one GPU, one command.
+"""Does decode speed depend on the configured context? End to end on one GPU, one command (docs/benchmarks.md).
 
     python -m bench.e2e_context_tax --out bench/results/e2e_context_tax --logs LOGDIR
 
-Per configured context (8K, 128K, 1M) a stack (prefill and decode workers on GPU 0 with the `flash` preset, our
-kernels, decode under CUDA graphs, KV GPU -> GPU over NIXL, and the router), all up at once. Per concurrency (1, 16,
-64), `--rounds` rounds, each the same streamed chat requests (2K-token prompts, 128 output tokens, greedy;
-`orchestrator/load/loadgen.py`) through every stack in an order that rotates, so drift in time (clocks, host load)
-falls on every context alike; each level runs once untimed first. Then, alone, 8K with the kernels off (reference
-ops, eager) at concurrency 64. Decode tok/s is reported as ratios from this one run: each context against 8K (the
-median of per-round ratios, with their range; TPOT p50 likewise), kernels against reference ops. Every setting gets
-the same pool (`--pool-tokens`), so what differs is only what the configured context changes. Writes OUT.json and
-OUT.md.
+Per configured context a stack (prefill and decode workers on GPU 0, `flash` preset, our kernels, decode under CUDA
+graphs, KV over NIXL, the router), all up at once, the same pool in each. Per concurrency, `--rounds` rounds of the
+same streamed chat requests (`orchestrator/load/loadgen.py`) through every stack in an order that rotates, so drift
+in time falls on every context alike; each level runs once untimed first. Then, alone, the first context with the
+kernels off (reference ops, eager). Ratios from this one run: each context against the first (median of per-round
+ratios, with their range), kernels against reference ops.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import contextlib
 import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,7 +26,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import ints, md_table, stop, versions, wait_http, write
+from bench.common import ints, md_table, process, versions, wait_http, write
+from bench.router import ours_argv
 from dsv4_cluster.orchestrator.launch.ports import free_ports
 from dsv4_cluster.orchestrator.load.loadgen import LevelSpec, run_level
 
@@ -51,22 +48,18 @@ class Stack:
         common = ["--host", "127.0.0.1", "--device", a.device, "--model-preset", a.preset, "--served-model-name",
                   self.model, "--page-size", str(a.page_size), "--context-length", str(context), "--max-total-tokens",
                   str(a.pool_tokens), "--log-level", "info", *(["--kernels", KERNELS] if kernels else [])]
-        (workdir / "router.json").write_text(json.dumps({
-            "host": "127.0.0.1", "port": rp, "model_name": self.model, "decode": [{"name": "decode-0", "url": self.decode_url}],
-            "prefill": [{"name": "prefill-0", "url": f"http://127.0.0.1:{pp}", "bootstrap_host": "127.0.0.1",
-                         "bootstrap_port": bp}]}))
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0"),
                "UCX_PROTO_INFO": "y", "UCX_LOG_LEVEL": "info"}
-        cmds = {"prefill": ["dsv4_cluster.workers.prefill", "--port", str(pp), "--disaggregation-bootstrap-port",
+        py = [sys.executable, "-m"]
+        cmds = {"prefill": [*py, "dsv4_cluster.workers.prefill", "--port", str(pp), "--disaggregation-bootstrap-port",
                             str(bp), "--chunked-prefill-size", "8192", *common],
-                "decode": ["dsv4_cluster.workers.decode", "--port", str(dp), "--cuda-graph-max-bs", str(a.graph_bs),
+                "decode": [*py, "dsv4_cluster.workers.decode", "--port", str(dp), "--cuda-graph-max-bs", str(a.graph_bs),
                            *common],
-                "router": ["dsv4_cluster.router", "--config", str(workdir / "router.json"), "--log-level", "warning"]}
-        self.procs = {}
-        for name, cmd in cmds.items():
-            with (workdir / f"{name}.log").open("w") as log:
-                self.procs[name] = subprocess.Popen([sys.executable, "-m", *cmd], stdout=log, stderr=subprocess.STDOUT,
-                                                    env=env)
+                "router": ours_argv(rp, [(f"http://127.0.0.1:{pp}", bp)], [self.decode_url], workdir, "warning",
+                                    model_name=self.model)}
+        self.exit = contextlib.ExitStack()    # every process started now, each waited for later (wait_ready)
+        self.procs = {name: self.exit.enter_context(process(cmd, None, workdir / f"{name}.log", env=env))
+                      for name, cmd in cmds.items()}
         # the router answers /health as soon as it listens: the workers first
         self.ready_urls = [f"http://127.0.0.1:{pp}/health", f"{self.decode_url}/health", f"{self.url}/health"]
 
@@ -85,8 +78,7 @@ class Stack:
                                          "context_length")}
 
     def stop(self) -> None:
-        for p in self.procs.values():
-            stop(p, 20)
+        self.exit.close()
 
 
 def run_interleaved(stacks: dict[str, Stack], levels: tuple[int, ...], a) -> dict[str, dict]:

@@ -15,8 +15,8 @@ import argparse
 
 import torch
 
-from bench.common import ints
-from bench.kernels import bench_us, copy_bandwidth_gbs, graphed, print_table, write_results
+from bench.common import ints, md_columns
+from bench.kernels import bench_us, copy_bandwidth_gbs, graphed, write_results
 from dsv4_cluster.kernels.indexer.fp8_keys import quantize_keys
 from dsv4_cluster.kernels.indexer.fused_topk import indexer_topk_triton
 from dsv4_cluster.kernels.indexer.reference import indexer_fp8_ref, indexer_ref
@@ -178,9 +178,6 @@ def run(argv: list[str]) -> int:
                "checks": checks, "rows": rows, "derived": derived,
                "deep_gemm": deep_gemm_attempt(make_inputs(args.batch, 65536, 65536))}
     path = write_results("indexer_topk", payload, markdown(payload))
-    print_table(rows, ["L", "max", "keys", "ours_us", "ours_us_again", "separate_us", "indexer_us", "topk_us", "indexer_gbs", "indexer_frac_copy",
-                       "torch_contig_us", "torch_paged_us"])
-    print_table(derived, list(derived[0]) if derived else ["L"])
     print(f"copy {copy_gbs:.0f} GB/s; checks {checks}; deep_gemm {payload['deep_gemm']}; wrote {path}")
     ok = all(c[f"{m}_topk_sets_equal"] and c[f"{m}_score_rel_err"] < 2e-3 for c in checks.values()
              for m in ("separate", "fused"))
@@ -205,23 +202,20 @@ def derive(rows: list[dict]) -> list[dict]:
 
 def markdown(payload: dict) -> str:
     """The short results table committed beside the JSON."""
-    lines = [f"# indexer + top-{payload['k']} on {payload['device']} (B = {payload['batch']})", "",
-             f"{payload['timing']}; copy bandwidth measured in the same run: {payload['copy_gbs']:.0f} GB/s "
-             "(read + write). ours = one fused launch; separate = indexer launch + top-k launch; torch = "
-             "bmm scoring + torch.topk over the whole buffer, eager (contig: keys contiguous per request; "
-             "paged: gathered through the page table first). Times in us.", "",
-             "| L | max | keys | ours | separate | indexer | top-k | indexer GB/s (of copy) | torch contig | torch paged |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in payload["rows"]:
-        torch_cols = (f"{r['torch_contig_us']:.1f} | {r['torch_paged_us']:.1f}" if "torch_contig_us" in r else "- | -")
-        lines.append(f"| {r['L']} | {r['max']} | {r['keys']} | {r['ours_us']:.1f} | {r['separate_us']:.1f} | "
-                     f"{r['indexer_us']:.1f} | {r['topk_us']:.1f} | {r['indexer_gbs']:.0f} "
-                     f"({100 * r['indexer_frac_copy']:.0f}%) | {torch_cols} |")
-    lines += ["", "| L | ours tax (max 1M / max L) | torch tax | x vs torch contig, max = L | "
-              "x vs torch paged, max = L | x vs torch contig at max 1M |", "|---|---|---|---|---|---|"]
-    for d in payload["derived"]:
-        lines.append(f"| {d['L']} | {d['ours_tax']:.3f} | {d['torch_contig_tax']:.1f} | "
-                     f"{d['x_vs_torch_contig_exact']:.1f} | {d['x_vs_torch_paged_exact']:.1f} | "
-                     f"{d['x_vs_torch_contig_at_largest']:.1f} |")
-    lines += ["", f"DeepGEMM fp8_paged_mqa_logits: {payload['deep_gemm']}", ""]
-    return "\n".join(lines)
+    us = lambda head, key: (head, key, ".1f")  # noqa: E731
+    return "\n".join([
+        f"# indexer + top-{payload['k']} on {payload['device']} (B = {payload['batch']})", "",
+        f"{payload['timing']}; copy bandwidth measured in the same run: {payload['copy_gbs']:.0f} GB/s (read + write). "
+        "ours = one fused launch; separate = indexer launch + top-k launch; torch = bmm scoring + torch.topk over the "
+        "whole buffer, eager (contig: keys contiguous per request; paged: gathered through the page table first). "
+        "Times in us.", "",
+        *md_columns(payload["rows"], [("L", "L", ""), ("max", "max", ""), ("keys", "keys", ""), us("ours", "ours_us"),
+                                      us("separate", "separate_us"), us("indexer", "indexer_us"), us("top-k", "topk_us"),
+                                      ("indexer GB/s", "indexer_gbs", ".0f"), ("of copy", "indexer_frac_copy", ".0%"),
+                                      us("torch contig", "torch_contig_us"), us("torch paged", "torch_paged_us")]), "",
+        *md_columns(payload["derived"], [("L", "L", ""), ("ours tax (max 1M / max L)", "ours_tax", ".3f"),
+                                         ("torch tax", "torch_contig_tax", ".1f"),
+                                         ("x vs torch contig, max = L", "x_vs_torch_contig_exact", ".1f"),
+                                         ("x vs torch paged, max = L", "x_vs_torch_paged_exact", ".1f"),
+                                         ("x vs torch contig at max 1M", "x_vs_torch_contig_at_largest", ".1f")]),
+        "", f"DeepGEMM fp8_paged_mqa_logits: {payload['deep_gemm']}", ""])

@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from bench.common import RESULTS, cell, versions, write
+from bench.common import RESULTS, versions, write
 
 BENCHES = ("sparse_decode", "indexer_topk", "sglang_decode", "sm120_decode")
 
@@ -31,6 +31,11 @@ def bench_us(fn, warmup_ms: int = 50, rep_ms: int = 300) -> float:
     return 1e3 * triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
+def graph_and_eager_us(fn) -> tuple[float, float]:
+    """(CUDA-graph replay us, eager us): cold-L2 medians over >= 100 ms of back-to-back calls."""
+    return bench_us(graphed(fn), 25, 100), bench_us(fn, 25, 100)
+
+
 def graphed(fn):
     """`fn` captured in a CUDA graph (after one eager call that compiles / initialises): its replay."""
     import torch
@@ -44,14 +49,11 @@ def graphed(fn):
 
 
 def write_results(name: str, payload: dict, md: str | None = None):
-    """bench/results/<name>.json (the payload with the run's versions beside it) and .md (the table, when given)."""
+    """bench/results/<name>.json (the payload with the run's versions beside it) and .md (the table, when given, also
+    printed)."""
+    if md is not None:
+        print(md, end="")
     return write(RESULTS / name, dict(payload, versions=payload.get("versions") or versions()), md)
-
-
-def print_table(rows: list[dict], columns: list[str]) -> None:
-    widths = {c: max(len(c), *(len(cell(r.get(c))) for r in rows)) for c in columns}
-    for r in [dict(zip(columns, columns)), *rows]:
-        print("  ".join(cell(r.get(c)).rjust(widths[c]) for c in columns))
 
 
 def main(argv: list[str] | None = None) -> int:

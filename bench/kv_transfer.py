@@ -3,14 +3,10 @@
     python -m bench.kv_transfer --out bench/results/kv_transfer \
         [--prefill-device cuda:0 --decode-device cuda:1] [--pages fresh,churned,cache] [--max-tokens 16384]
 
-Two processes (`kv_transfer_sides.py`), each pinned to its device with the engine's own KV pool for the preset
-(`flash` by default; fp8 on CUDA, one page-major region) in the state `--pages` asks for (a list runs each in turn:
-fresh; churned, thousands of allocate/free cycles held at `--occupancy`; scattered, every free run one page; cache,
-the prefill's pool full of a prefix cache after multi-turn chat, `kv_cache_churn.py`) and the engine's own
-`NixlTransfer`, one agent per side as in a worker. Per request size (1K ... 128K tokens), interleaved over
-`--repeats` trials: the engine's `write_pages` of the pages its allocators gave, one raw NIXL WRITE of one region of
-the same bytes, and a device copy. Throughput is bytes / p50 latency; ratios from this one run; every size is
-checked byte for byte. The table gives each request's descriptors and page runs and the pools' state; which UCX
+Two processes (`kv_transfer_sides.py`), each with the engine's own KV pool for the preset in the state `--pages`
+asks for (a list runs each in turn) and the engine's own `NixlTransfer`, one agent per side as in a worker. Per
+request size, interleaved over `--repeats` trials: the engine's `write_pages`, one raw NIXL WRITE of one region of
+the same bytes, and a device copy; throughput is bytes / p50 latency, every size checked byte for byte. Which UCX
 transport carried the bytes is read from UCX's own log (`ucx_proto.py`). Writes OUT.json (one state: its report;
 several: reports by state) and OUT.md (a table per state).
 """
@@ -18,21 +14,21 @@ several: reports by state) and OUT.md (a table per state).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from dsv4_cluster.orchestrator.launch.ports import free_ports
-from dsv4_cluster.orchestrator.processes import death_signal_preexec, log_tail
+from dsv4_cluster.orchestrator.processes import log_tail
 from dsv4_cluster.workers.engine.presets import PRESETS
 from . import ucx_proto
-from .common import md_table, pct, write
+from .common import md_table, pct, process, write
 from .kv_transfer_sides import PAGE_STATES, PREFILL_AGENT, RAW_PREFILL_AGENT, build_pool
 
 SIZES = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
@@ -67,12 +63,9 @@ def run_sides(a: argparse.Namespace, pages: str, workdir: Path) -> dict:
             "prefill": [*mod, json.dumps({**side, "role": "prefill", "device": a.prefill_device,
                                           "result": str(workdir / "result.json")})]}
     env = {**os.environ, "UCX_PROTO_INFO": "y", "UCX_LOG_LEVEL": "info", "PYTHONUNBUFFERED": "1"}
-    procs: dict[str, subprocess.Popen] = {}
-    try:
-        for name, cmd in cmds.items():
-            with (workdir / f"{name}.log").open("w") as log:
-                procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                               preexec_fn=death_signal_preexec(os.getpid()))
+    with contextlib.ExitStack() as stack:
+        procs = {name: stack.enter_context(process(cmd, None, workdir / f"{name}.log", env=env))
+                 for name, cmd in cmds.items()}
         deadline = time.monotonic() + a.timeout_s
         while (rc := procs["prefill"].poll()) is None:
             if procs["decode"].poll() not in (None, 0):      # the prefill would wait for it until its timeout
@@ -87,11 +80,6 @@ def run_sides(a: argparse.Namespace, pages: str, workdir: Path) -> dict:
                              f"decode side:\n{log_tail(str(workdir / 'decode.log'))}")
         procs["decode"].wait(30)       # it exits on the prefill's stop
         return json.loads((workdir / "result.json").read_text())
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-            p.wait()
 
 
 def stats(times: list[float], nbytes: int) -> dict:

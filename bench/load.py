@@ -3,11 +3,10 @@
     python -m bench.load examples/local.yaml --requests 200 --concurrency 16 --out bench/results/load.jsonl
     python -m bench.load --report bench/results/load.jsonl     # the markdown table (load.md)
 
-Brings the topology up with `dsv4-cluster up` (ports and Ray namespace swapped for free ones; every other setting the
-file's), measures each worker's CPU over `--idle-s` idle seconds, sends the load (`orchestrator/load/loadgen.py`, as
-`dsv4-cluster bench URL` does), brings it down, and appends output tok/s, TTFT p50/p99, errors, CPU and the load
-average (the machine may be shared) as one JSON line. `--url` loads a router that is already up. For comparing builds
-measured close together on one machine: the embedded model is a tiny random-weight model on the CPU.
+Brings a copy of the topology up on free ports, measures each worker's CPU over `--idle-s` idle seconds, sends the
+load (`orchestrator/load/loadgen.py`, as `dsv4-cluster bench URL` does against a cluster that is already up), brings
+it down, and appends the figures, CPU and the load average as one JSON line: for builds measured close together on
+one machine (the embedded model is a tiny random-weight model on the CPU).
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from pathlib import Path
 import yaml
 
 from bench.common import cpu_seconds, md_table
-from bench.local_cluster import run_cli, status_rows
+from bench.local_cluster import LocalCluster, status_rows
 from dsv4_cluster.orchestrator.launch.ports import free_ports
 from dsv4_cluster.orchestrator.load.loadgen import LevelSpec, run_level
 
@@ -73,7 +72,6 @@ def report(records: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("topology", nargs="?", type=Path, help="topology to bring up (e.g. examples/local.yaml)")
-    p.add_argument("--url", help="load this router instead of bringing a topology up")
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -87,41 +85,26 @@ def main(argv: list[str] | None = None) -> int:
     if a.report:
         print(report([json.loads(line) for line in a.report.read_text().splitlines() if line.strip()]), end="")
         return 0
-    if (a.topology is None) == (a.url is None):
-        p.error("give either a topology file or --url")
+    if a.topology is None:
+        p.error("give a topology file (`dsv4-cluster bench URL` loads a cluster that is already up)")
     spec = LevelSpec(requests=a.requests, concurrency=a.concurrency, max_tokens=a.max_tokens,
                      prompt_chars=a.prompt_chars)
-    load = lambda url: asyncio.run(run_level(url, spec))  # noqa: E731
-    idle: dict[str, float] = {}
-    busy: dict[str, float] = {}
-    if a.url:
-        result = load(a.url)
-    else:
-        with tempfile.TemporaryDirectory(prefix="dsv4-load-") as tmp:
-            path, url = relocated(a.topology, Path(tmp))
-            home = Path(tmp) / "home"
-            up = run_cli(home, "up", str(path), "--timeout", "180", timeout=300)
-            if up.returncode != 0:
-                print(up.stdout + up.stderr, file=sys.stderr)
-                run_cli(home, "down", "--timeout", "10", timeout=300)
-                return 1
-            try:
-                pids = {name: w["pid"] for name, w in status_rows(home).items() if w["pid"]}
+    with tempfile.TemporaryDirectory(prefix="dsv4-load-") as tmp:
+        path, url = relocated(a.topology, Path(tmp))
+        try:
+            with LocalCluster(Path(tmp) / "home", path, {"router": int(url.rsplit(":", 1)[1])}).running() as cluster:
+                pids = {name: w["pid"] for name, w in status_rows(cluster.home).items() if w["pid"]}
                 time.sleep(2.0)       # let start-up work (verification, first probes) settle
                 idle = idle_cpu(pids, a.idle_s)
-                before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-                client_before = time.process_time()
-                result = load(url)
+                before, client_before = {name: cpu_seconds(pid) for name, pid in pids.items()}, time.process_time()
+                result = asyncio.run(run_level(url, spec))
                 busy = {name: round(cpu_seconds(pid) - before[name], 1) for name, pid in pids.items()}
                 busy["load client"] = round(time.process_time() - client_before, 1)
-            finally:
-                down = run_cli(home, "down", "--timeout", "10", timeout=300)
-                if down.returncode != 0:
-                    print(down.stdout + down.stderr, file=sys.stderr)
-                if a.logs:
-                    shutil.copytree(path.parent / "run", a.logs, dirs_exist_ok=True)
-    record = {"label": a.label, "topology": str(a.topology or a.url), **result.to_dict(),
-              "idle_cpu_core_fraction": idle, "idle_s": a.idle_s if idle else 0, "cpu_s_during_load": busy}
+        finally:
+            if a.logs:
+                shutil.copytree(path.parent / "run", a.logs, dirs_exist_ok=True)
+    record = {"label": a.label, "topology": str(a.topology), **result.to_dict(), "idle_cpu_core_fraction": idle,
+              "idle_s": a.idle_s, "cpu_s_during_load": busy}
     print(json.dumps(record, indent=1))
     if a.out:
         with a.out.open("a") as f:

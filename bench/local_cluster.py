@@ -16,33 +16,6 @@ from typing import Iterator
 from dsv4_cluster.orchestrator.launch.ports import free_ports
 
 
-def embedded_topology(folder: Path, namespace: str, decodes: int = 1, context_length: int = 512,
-                      kernels: bool = False, extra_prefill: str = "", extra_decode: str = "",
-                      extra: str = "") -> tuple[Path, dict[str, int]]:
-    """Write `folder/topology.yaml`; returns its path and the ports: router, prefill, bootstrap,
-    decode-<i> (and decode, the first decode's). `extra_prefill`/`extra_decode` continue each worker's
-    flow mapping (", key: value"); `extra` is appended as top-level YAML (e.g. a `transfer:` section)."""
-    router, prefill, boot, *decode_ports = free_ports(3 + decodes)
-    k = "true" if kernels else "false"
-    decode_lines = "".join(f"  - {{name: decode-{i}, device: cpu, port: {port}{extra_decode}}}\n"
-                           for i, port in enumerate(decode_ports))
-    path = folder / "topology.yaml"
-    path.write_text(f"""
-engine: embedded
-model: {{name: dsv4-tiny, seed: 0, context_length: {context_length}}}
-cluster: {{namespace: {namespace}-{router}, run_dir: run}}
-router: {{host: 127.0.0.1, port: {router}}}
-kernels: {{sparse_mla_decode: {k}, indexer: {k}, topk: {k}}}
-defaults: {{page_size: 16, kv_cache_dtype: auto, max_total_tokens: 4096}}
-prefill:
-  - {{name: prefill-0, device: cpu, port: {prefill}, bootstrap_port: {boot}{extra_prefill}}}
-decode:
-{decode_lines}{extra}""")
-    ports = {"router": router, "prefill": prefill, "bootstrap": boot, "decode": decode_ports[0],
-             **{f"decode-{i}": port for i, port in enumerate(decode_ports)}}
-    return path, ports
-
-
 CLI = [sys.executable, "-m", "dsv4_cluster.orchestrator"]
 
 
@@ -85,10 +58,27 @@ def status_rows(home: Path) -> dict[str, dict]:
     return {w["name"]: w for w in json.loads(st.stdout)["workers"]}
 
 
-def write_topology(tmp_path: Path, context_length: int = 512, extra_decode: str = "",
-                   kernels: bool = False, extra_prefill: str = "", decodes: int = 1, extra: str = "") -> LocalCluster:
-    """A LocalCluster of `embedded_topology` (one file for the tests and the benchmarks)."""
-    path, ports = embedded_topology(tmp_path, "dsv4-test", decodes=decodes, context_length=context_length,
-                                    kernels=kernels, extra_prefill=extra_prefill, extra_decode=extra_decode,
-                                    extra=extra)
-    return LocalCluster(home=tmp_path / "home", topology=path, ports=ports)
+def write_topology(folder: Path, context_length: int = 512, extra_decode: str = "", kernels: bool = False,
+                   extra_prefill: str = "", decodes: int = 1, extra: str = "", namespace: str = "dsv4-test") -> LocalCluster:
+    """`folder/topology.yaml` on free ports (1 prefill, `decodes` decode, CPU) and its LocalCluster; the ports are
+    router, prefill, bootstrap, decode-<i> (and decode, the first decode's). `extra_prefill`/`extra_decode` continue
+    each worker's flow mapping (", key: value"); `extra` is appended as top-level YAML (e.g. a `transfer:` section)."""
+    router, prefill, boot, *decode_ports = free_ports(3 + decodes)
+    k = "true" if kernels else "false"
+    decode_lines = "".join(f"  - {{name: decode-{i}, device: cpu, port: {port}{extra_decode}}}\n"
+                           for i, port in enumerate(decode_ports))
+    path = folder / "topology.yaml"
+    path.write_text(f"""
+engine: embedded
+model: {{name: dsv4-tiny, seed: 0, context_length: {context_length}}}
+cluster: {{namespace: {namespace}-{router}, run_dir: run}}
+router: {{host: 127.0.0.1, port: {router}}}
+kernels: {{sparse_mla_decode: {k}, indexer: {k}, topk: {k}}}
+defaults: {{page_size: 16, kv_cache_dtype: auto, max_total_tokens: 4096}}
+prefill:
+  - {{name: prefill-0, device: cpu, port: {prefill}, bootstrap_port: {boot}{extra_prefill}}}
+decode:
+{decode_lines}{extra}""")
+    ports = {"router": router, "prefill": prefill, "bootstrap": boot, "decode": decode_ports[0],
+             **{f"decode-{i}": port for i, port in enumerate(decode_ports)}}
+    return LocalCluster(home=folder / "home", topology=path, ports=ports)

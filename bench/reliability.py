@@ -1,20 +1,14 @@
 """Reliability bench: faults under in-flight requests, bad input, security checks and a load soak, on a real
-embedded cluster (Ray, supervisors, NIXL, router; loopback only), in one command.
+embedded cluster (Ray, supervisors, NIXL, router; loopback only), in one command (docs/benchmarks.md).
 
     python -m bench.reliability [--only faults,input,security,soak] [--fault NAME] [--soak-requests 2000] \
         [--fuzz-cases 500] [--out bench/results/reliability]
 
 One cluster (1 prefill + 1 decode with `--test-hooks`, free ports) brought up with the real CLI; the faults
 (`reliability_faults.py`), bad input (`reliability_input.py`), security and the soak (below); then `down`, and
-/proc must show nothing of it left. Writes OUT.json and OUT.md; exit status 0 only if every check passed.
-Security: every worker and bootstrap socket listens on the node's address, never 0.0.0.0 (/proc); a second router
-with API keys and an admin token, logging at debug, enforces both and logs neither (nor the cluster's own token);
-a prompt's marker appears in no log and no `/metrics`; no `shell=True`, `os.system` or `os.popen` in the package,
-and a topology string with shell syntax reaches a worker's argv as one verbatim argument.
-The soak: N chat requests at concurrency C, every other one streaming, prompts up to the context (prompt + output
-fill it for one request in ten), `max_tokens` 1-24, one streaming request in twenty hanging up after 2 tokens; no
-request `lost`, `hung` or `reset`, each process's RSS from the warm-up (the first tenth) to the end under 10%, KV
-usage back to 0.
+/proc must show nothing of it left. Exit status 0 only if every check passed. The soak: every other request
+streaming, prompts up to the context, one streaming request in twenty hanging up after 2 tokens; no request `lost`,
+`hung` or `reset`, each process's RSS from the warm-up (the first tenth) to the end under 10%, KV usage back to 0.
 """
 
 from __future__ import annotations
@@ -39,6 +33,7 @@ from . import proc_probe
 from .common import RESULTS, cell, machine, md_table, pct, process, rss_bytes, write
 from .local_cluster import write_topology
 from .reliability_faults import Cluster, all_faults, chat, kv_back_to
+from .router import ours_argv
 
 PARTS = ("faults", "input", "security", "soak")
 HOOKS = ", extra_args: [--test-hooks]"
@@ -133,14 +128,10 @@ def keys_and_prompts(cluster: Cluster, folder: Path) -> list[dict]:
     key, token = "sk-" + secrets.token_hex(16), "adm-" + secrets.token_hex(16)
     marker = "reliability-marker-" + secrets.token_hex(8)
     (port,) = free_ports(1)
-    url, config, log = f"http://127.0.0.1:{port}", folder / "router-keys.json", folder / "router-keys.log"
-    config.write_text(json.dumps({
-        "host": "127.0.0.1", "port": port, "model_name": "dsv4-tiny", "api_keys": [key], "admin_token": token,
-        "prefill": [{"name": "prefill-0", "url": cluster.url("prefill"), "bootstrap_host": "127.0.0.1",
-                     "bootstrap_port": cluster.ports["bootstrap"]}],
-        "decode": [{"name": "decode-0", "url": cluster.url("decode")}]}))
-    with process([sys.executable, "-m", "dsv4_cluster.router", "--config", str(config), "--log-level", "debug"],
-                 url + "/health", log, timeout_s=60):
+    url, log = f"http://127.0.0.1:{port}", folder / "router-keys.log"
+    argv = ours_argv(port, [(cluster.url("prefill"), cluster.ports["bootstrap"])], [cluster.url("decode")], folder,
+                     "debug", model_name="dsv4-tiny", api_keys=[key], admin_token=token)
+    with process(argv, url + "/health", log, timeout_s=60):
         got = _statuses(url, key, token, marker)
         metrics = httpx.get(url + "/metrics", timeout=10).text + httpx.get(cluster.router_url + "/metrics",
                                                                             timeout=10).text

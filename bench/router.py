@@ -1,16 +1,13 @@
 """Router benchmark: direct vs ours vs SGLang's gateway (sglang-router 0.3.2 and smg 1.13.0) vs mini_lb, on the same
-stub PD workers, one run.
+stub PD workers, one run (docs/benchmarks.md).
 
     python -m bench.router [--duration 5] [--concurrency 1 16 64] [--out bench/results] [--profile]
 
-A stub prefill and decode (`stubs.py`: the PD protocol, no compute); each router in turn in front of them, checked
-with one streamed chat completion (eight tokens, `[DONE]`; PD routers must pair every request: the stubs count
-bootstrap fields), then driven by `wrk` (streamed chat) at each concurrency: req/s, p50, p99, errors. "direct" loads
-the stub decode itself (the floor). Every router routes round robin (one prefill, one decode: no choice to make);
-ratios are against the faster gateway at each concurrency. Each measurement starts `SETTLE_S` after the last load.
-`--profile` samples our router with py-spy in one more run at the highest concurrency (`router_profile.txt`: self
-and inclusive share per function; time in a system call is charged to the Python line that made it). Runs itself
-in a private network namespace whose loopback ACKs at once (`loopback_ns.py`); `--plain-loopback` to skip.
+Each router in turn in front of one stub prefill and decode (`stubs.py`), checked with one streamed chat completion
+(PD routers must pair every request: the stubs count bootstrap fields), then driven by `wrk` at each concurrency;
+"direct" loads the stub decode itself (the floor). Ratios are against the faster gateway of the same run.
+`--profile` samples our router with py-spy in one more run (`router_profile.txt`). Runs in a private network
+namespace whose loopback ACKs at once (`loopback_ns.py`); `--plain-loopback` to skip.
 """
 
 from __future__ import annotations

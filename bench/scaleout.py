@@ -1,20 +1,14 @@
 """Scale-out benchmark: N prefill x N decode SGLang-modelled stubs, multi-turn sessions; our `prefix` policy (and its
-ablations) vs round robin vs SGLang's gateway's `cache_aware` (sglang-router 0.3.2, smg 1.13.0), one run.
+ablations) vs round robin vs SGLang's gateway's `cache_aware` (sglang-router 0.3.2, smg 1.13.0), one run
+(docs/benchmarks.md).
 
     python -m bench.scaleout [--n 8 64] [--concurrency 64] [--api chat|completions] [--out bench/results]
 
-Per N one process serves the stubs (`stubs.py`: prefill time linear in uncached tokens on a FIFO, a prefix cache
-per prefill small enough to evict, decode a fixed time per token). Each router in turn is started fresh in front of
-them, the stubs reset, and the workload (`scaleout_load.py`: sessions resending a growing history over a shared
-system prompt, as chat or as `/v1/completions`) played closed-loop. Routers: ours with `prefill_policy` `prefix`,
-`round_robin`, `least_load` (no prefix memory), `prefix_noload` (no load term); the gateways with `cache_aware`
-prefill and round-robin decode (`rust`, `smg`); `floor` (`scaleout_floor.py`), the least a PD relay can do: its
-router-added latency is what client, stubs and kernel cost here. Per router and N: a sanity probe for the prefix-aware
-(one session alone, then its last turn twice more, must reach one prefill; a row that fails is invalid and not
-compared), TTFT p50 / p99 at the client, the hit rate the stubs count, router-added latency (client TTFT minus the
-stubs' part), router CPU per request, its RSS before and after, requests/s, errors, mispaired requests. Everything
-listens on 127.0.0.1 in a private network namespace whose loopback ACKs at once (`loopback_ns.py`). Writes
-`scaleout.{json,md}` (chat) or `scaleout_completions.{json,md}`, with the load average (the machine is shared).
+Per N one process serves the stubs (`stubs.py`); each router in turn is started fresh in front of them, the stubs
+reset, and the workload (`scaleout_load.py`) played closed-loop. `floor` (`scaleout_load.py`) is the least a PD
+relay can do: its router-added latency is what client, stubs and kernel cost here. A prefix-aware router must first
+pass a sanity probe (one session alone, then its last turn twice more, all to one prefill); a row that fails it is
+invalid and not compared. Runs in a private network namespace whose loopback ACKs at once (`loopback_ns.py`).
 """
 
 from __future__ import annotations
@@ -54,7 +48,7 @@ def router_argv(name: str, port: int, prefills: list[tuple[str, int]], decodes: 
         return ours_argv(port, prefills, decodes, tmp, "warning", prefill_policy=policy, decode_policy="round_robin",
                          prefix=knobs)
     if name == "floor":
-        return [sys.executable, "-m", "bench.scaleout_floor", "--port", str(port),
+        return [sys.executable, "-m", "bench.scaleout_load", "--port", str(port),
                 *(x for url, boot in prefills for x in ("--prefill", url, str(boot))),
                 *(x for url in decodes for x in ("--decode", url))]
     return anchor_argv(name, port, prefills, decodes, "cache_aware") + ["--decode-policy", "round_robin"]

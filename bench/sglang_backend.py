@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from . import sglang_backend_rig as rig
-from .common import RESULTS, md_table, versions, write
+from .common import RESULTS, ints, md_table, versions, write
 
 TOPK_SWAPS = 4  # of 512 per row (see compare)
 EQ_CASE = {"context": 131072, "batch": 8, "live": 4096}  # 1,024 C4 entries: the top-512 is a real choice
@@ -288,11 +288,11 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="sglang_backend")
     ap.add_argument("what", choices=["mode", "report"])
     ap.add_argument("args", nargs="+")
-    ap.add_argument("--contexts", default="8192,131072,1048576")
-    ap.add_argument("--batches", default="1,8,32,64,128")
+    ap.add_argument("--contexts", type=ints, default=[8192, 131072, 1048576])
+    ap.add_argument("--batches", type=ints, default=[1, 8, 32, 64, 128])
     ap.add_argument("--live", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--layer-ids", default=None, help="comma-separated layer ids (default: all 43)")
+    ap.add_argument("--layer-ids", type=ints, default=None, help="comma-separated layer ids (default: all 43)")
     ap.add_argument("--then-each-kind", action="store_true",
                     help="after the run, one per layer kind (ids 0 window, 2 ratio 4, 3 ratio 128) in this process, "
                          "into OUT/kind_<id>/: where the step's time goes, without a fresh import per kind")
@@ -302,12 +302,10 @@ def main(argv: list[str]) -> int:
         return 0
     mode, out = a.args
     Path(out).mkdir(parents=True, exist_ok=True)
-    contexts, batches = [int(x) for x in a.contexts.split(",")], [int(x) for x in a.batches.split(",")]
-    run_mode(mode, Path(out), contexts, batches, a.live, a.reps,
-             None if a.layer_ids is None else [int(x) for x in a.layer_ids.split(",")])
+    run_mode(mode, Path(out), a.contexts, a.batches, a.live, a.reps, a.layer_ids)
     for layer in (KIND_LAYERS if a.then_each_kind else ()):
         (Path(out) / f"kind_{layer}").mkdir(exist_ok=True)
-        run_mode(mode, Path(out) / f"kind_{layer}", contexts, batches, a.live, a.reps, [layer])
+        run_mode(mode, Path(out) / f"kind_{layer}", a.contexts, a.batches, a.live, a.reps, [layer])
     return 0
 
 

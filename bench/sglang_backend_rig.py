@@ -6,7 +6,7 @@ forward), `dsv4/metadata.py`, `dsv4/indexer.py` (with its torch fallbacks), `Dee
 server-args resolution and `load_plugins()`. The model around the backend is not run: per layer the rig hands the
 backend what the model would (q padded to 64 heads past the 16 real ones, attn_sink sliced and zero-padded,
 save_kv_cache=False) and the ratio-4 layers' projected indexer q / weights (`IndexerInputs`); the other stand-ins,
-each with why, are `sglang_stand_ins.STAND_INS`. Modes (everything else identical): stock, SGLang's torch fallbacks
+each with why, are in `sglang_stand_ins.py`. Modes (everything else identical): stock, SGLang's torch fallbacks
 for the indexer and top-k where DeepGEMM and the JIT top-k do not load, FlashMLA for decode; plugin, SGLang's
 defaults with our kernels installed by `load_plugins()` through the entry point.
 """
@@ -152,7 +152,8 @@ def cpu_case(mode: str, batch: int, live: int):
 
 
 class IndexerInputs:
-    """Stands in for the model's C4Indexer module: returns already projected q / weights (see STAND_INS)."""
+    """Stands in for the model's C4Indexer module, whose projections need model weights: returns the projected fp8 q
+    [B, 64, 128] and float32 weights [B, 64, 1] its compute_q would (forward_c4_indexer runs with skip_compressor)."""
 
     use_fp4_indexer = False
 

@@ -19,18 +19,13 @@ import time
 
 import torch
 
-from bench.common import md_columns, versions
-from bench.kernels import bench_us, copy_bandwidth_gbs, graphed, print_table, write_results
+from bench.common import ints, md_columns, versions
+from bench.kernels import bench_us, copy_bandwidth_gbs, graph_and_eager_us, graphed, write_results
 from dsv4_cluster.kernels.sglang_adapters import flash_mla_with_kvcache, fp8_paged_mqa_logits, topk_transform_paged_v2
 from dsv4_cluster.kernels.sparse_mla_decode.launch import LaunchConfig
 from dsv4_cluster.kernels.sglang_cases import LAYERS, decode_case, indexer_case, live_rows
 
 BATCHES = (1, 8, 32, 64, 128, 256)
-
-
-def _time(fn) -> tuple[float, float]:
-    """(graph replay us, eager us): medians over >= 100 ms of back-to-back calls, L2 flushed before each."""
-    return bench_us(graphed(fn), 25, 100), bench_us(fn, 25, 100)
 
 
 def host_us(fn, calls: int = 200) -> float:
@@ -69,7 +64,7 @@ def decode_rows(copy_gbs: float, batches=BATCHES) -> list[dict]:
                                  tile_scheduler_metadata=None, real_heads=real, config=LaunchConfig(backend="triton"),
                                  **args)}
                 for name, fn in impls.items():
-                    us, eager = _time(fn)
+                    us, eager = graph_and_eager_us(fn)
                     if name == "flashmla":
                         base, base_eager = us, eager
                     gbs = nbytes / (us * 1e-6) / 1e9
@@ -131,7 +126,7 @@ def indexer_rows(copy_gbs: float) -> list[dict]:
                                               False)
                 topk_transform_paged_v2(logits, c["lens"], c["table"], out, 64, None)
 
-            us, eager = _time(step)
+            us, eager = graph_and_eager_us(step)
             per_cap[cap] = us
             upcast_us = bench_us(graphed(lambda c=c: _fused(c, fp8_dot=False)), 25, 100)
             fp8_dot_us = bench_us(graphed(lambda c=c: _fused(c, fp8_dot=True)), 25, 100)
@@ -226,7 +221,7 @@ def run(argv: list[str]) -> int:
         return 0
     copy_gbs = copy_bandwidth_gbs()
     print(f"copy bandwidth {copy_gbs:.0f} GB/s", flush=True)
-    batches = tuple(int(x) for x in argv[0].split(",")) if argv else BATCHES
+    batches = tuple(ints(argv[0])) if argv else BATCHES
     device = torch.cuda.get_device_name()
     rows = decode_rows(copy_gbs, batches)
     write_results("sglang_decode", dict(device=device, copy_GBps=copy_gbs, rows=rows))
@@ -239,6 +234,4 @@ def run(argv: list[str]) -> int:
         print(rows[-1], flush=True)
     rows.append(dict(bench="plans", stats=plan_stats()))
     write_results("sglang_decode", dict(device=device, copy_GBps=copy_gbs, rows=rows), markdown(rows, copy_gbs, device))
-    print_table([r for r in rows if r["bench"] == "decode"],
-                ["layer", "B", "real_heads", "impl", "us", "us_eager", "speedup_vs_flashmla"])
     return 0

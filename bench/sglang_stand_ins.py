@@ -1,12 +1,8 @@
 """What stands in for packages and calls that cannot load or run here, beside SGLang's own code: each, and why.
 
-- torchvision: SGLang's config package imports `torchvision.transforms` at module level (vision models); no build
-  loads beside the CPU torch, and text models never call it. The SGLang contract tests' child
-  (tests/sglang_child.py) and the SGLang-backend rig put an import-only module in its place: any *use* raises. A
-  real, loadable torchvision always wins.
-- the rig of bench/sglang_backend_rig.py (`STAND_INS`): nothing here computes anything its comparison measures;
-  each is an import the decode path never calls, or a call whose result only a kernel the plugin replaced (or the
-  compressor, which is not run) reads.
+Nothing here computes anything the rig of bench/sglang_backend_rig.py measures: each is an import the decode path
+never calls, or a call whose result only a kernel the plugin replaced (or the compressor, which is not run) reads.
+docs/sglang.md lists them. A real, loadable package always wins over its stand-in.
 """
 
 from __future__ import annotations
@@ -58,34 +54,13 @@ class ImportOnly(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def install_torchvision_stand_in() -> None:
+    """SGLang's config package imports `torchvision.transforms` at module level (vision models); no build loads beside
+    the CPU torch, and text models never call it (tests/sglang_child.py and the rig on the CPU)."""
     try:
         import torchvision  # noqa: F401  (a real, loadable torchvision wins)
     except (ImportError, RuntimeError):
         sys.modules.pop("torchvision", None)
         sys.meta_path.append(ImportOnly({"torchvision"}))
-
-
-STAND_INS = {
-    "deep_gemm (plugin mode only)": "DeepGEMM's wheel does not load beside the device's torch 2.11. A module of that "
-    "name holds the plugin's replacement target fp8_paged_mqa_logits (raises if ever called unreplaced), "
-    "get_num_sms (torch's SM count) and get_paged_mqa_logits_metadata (an empty int32 schedule: DeepGEMM's "
-    "schedule is read only by DeepGEMM's kernel, which the plugin replaced; our adapter ignores it).",
-    "sglang.kernels.ops.attention.dsv4.plan_topk_v2 (plugin mode only)": "a JIT C++ kernel (tvm-ffi + nvcc build); "
-    "its plan is read only by the top-k v2 kernel, which the plugin replaced; the stand-in returns the plan "
-    "buffer shape uninitialised.",
-    "create_paged_compressor_data (both modes)": "the compressor's decode plan is a JIT C++ planner; it is read only "
-    "by the compressor, which the rig does not run (the KV compression step is the model's, identical in both "
-    "modes, and not a call the plugin replaces). The metadata's c4/c128 compress plans are None.",
-    "the model's C4Indexer module (IndexerInputs)": "its projections (wq_b, weights_proj, RoPE + Hadamard + fp8 "
-    "quantisation) need model weights; the rig hands forward_c4_indexer the projected fp8 q [B, 64, 128] and "
-    "float32 weights [B, 64, 1] its compute_q returns, and skip_compressor=True (see the compressor above).",
-    "flash_mla and the backend's FlashMLA binding (CPU only)": "FlashMLA is CUDA-only and SGLang's __init__ binds "
-    "its partial only on CUDA; on the CPU a flash_mla module whose get_mla_metadata returns an empty schedule "
-    "object, and the partial(use_legacy=True) bound to a function that raises (the plugin replaces it). The "
-    "device runs the real FlashMLA.",
-    "torchvision (CPU only)": "no build loads beside the CPU torch; SGLang's config package imports it for vision "
-    "models (tests/sglang_child.py). The device has a real one.",
-}
 
 
 # Imported at module level by SGLang modules on the decode path's import chain (server utilities, tokenizer
@@ -105,7 +80,7 @@ def install_import_stand_ins(names=IMPORT_ONLY, force: bool = False) -> list[str
 
 
 def install_cpu_stand_ins() -> None:
-    """CPU only, before SGLang imports: the flash_mla module (see STAND_INS)."""
+    """CPU only, before SGLang imports: a flash_mla module (FlashMLA is CUDA-only) with an empty schedule object."""
     if "flash_mla" in sys.modules:
         return
     module, sub = types.ModuleType("flash_mla"), types.ModuleType("flash_mla.flash_mla_interface")
@@ -121,7 +96,12 @@ def install_cpu_stand_ins() -> None:
 
 
 def install_stand_ins(mode: str, device: str = "cuda") -> None:
-    """Put the stand-ins listed in STAND_INS in place (after SGLang's modules import, before load_plugins)."""
+    """After SGLang's modules import, before load_plugins: no compressor decode plan (a JIT C++ planner read only by
+    the compressor, which the rig does not run); on the CPU the backend's FlashMLA partial bound to a function that
+    raises (the plugin replaces it); in plugin mode SGLang's JIT `plan_topk_v2` (its plan is read only by the top-k
+    kernel the plugin replaced) and, when DeepGEMM does not load, a `deep_gemm` module holding the plugin's
+    replacement target (raises if called unreplaced), the SM count and an empty schedule (read only by DeepGEMM's
+    kernel)."""
     import functools
 
     import torch

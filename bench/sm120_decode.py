@@ -2,18 +2,15 @@
 
     DSV4_CLUSTER_GPU_CLASS=sm_120 DISABLE_MMA_V3=1 python -m bench.kernels sm120_decode OUT_DIR
 
-(`SM120_SECTIONS=prefill_rows,decode,indexer`, the default, picks the tables; `sweep` times every launch config of
-`SWEEP` for c4 at 64 heads: what the dispatch table's sm_120 rows should take.)
-
-(the dispatch table's sm_120 rows, tl.dot compiled to mma.sync as on sm_120). Decode in SGLang's sm_120 calling
-convention (q padded to 64 heads up to 64 rows, sliced to the real heads above; 256-token window pages, 64 / 2-token
-compressed pages): ours vs SGLang's Triton `flash_mla_sparse_decode_triton` and its PyTorch `_sm120_sparse_decode_fwd`,
-16 and 64 real heads, B = 1 .. 128, C4 and C128 at configured 8K and 1M (2K live tokens); the prefill / extend rows
-SGLang sends the same entry; the indexer vs `fp8_paged_mqa_logits_torch_sm120`. CUDA-graph replay and eager, median
-of 5, us per call. SGLang's functions are loaded unmodified from its source (`SGLANG_SRC`, default the installed
-sglang's): the Triton module whole; the PyTorch ones, whose modules import SGLang's runtime (which does not load
-beside the H200's torch), by their source (`ast`), run with the module-level names they read. FlashInfer's sm_120
-kernel (SGLang's default there) is built for sm_120 only: not measured.
+`SM120_SECTIONS=prefill_rows,decode,indexer` (the default) picks the tables; `sweep` times every launch config of
+`SWEEP` for c4 at 64 heads (what the dispatch table's sm_120 rows should take). Our kernels run the dispatch table's
+sm_120 rows (tl.dot compiled to mma.sync as on sm_120), in SGLang's sm_120 calling convention (q padded to 64 heads up
+to 64 rows, sliced to the real heads above), against SGLang's Triton `flash_mla_sparse_decode_triton`, its PyTorch
+`_sm120_sparse_decode_fwd` and, for the indexer, `fp8_paged_mqa_logits_torch_sm120`: CUDA-graph replay and eager,
+cold-L2 medians, us per call. SGLang's functions are loaded unmodified from its source (`SGLANG_SRC`, default the
+installed sglang's): the Triton module whole; the PyTorch ones, whose modules import SGLang's runtime (which does not
+load beside the H200's torch), by their source (`ast`). FlashInfer's sm_120 kernel (SGLang's default there) is built
+for sm_120 only: not measured.
 """
 
 from __future__ import annotations
@@ -22,14 +19,13 @@ import ast
 import importlib.util
 import json
 import os
-import statistics
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-from bench.common import versions, write
+from bench.common import md_columns, versions, write
+from bench.kernels import bench_us, graph_and_eager_us, graphed
 from dsv4_cluster.kernels import dispatch
 from dsv4_cluster.kernels.sglang_adapters import flash_mla_with_kvcache_sm120, fp8_paged_mqa_logits, topk_transform_paged_v2
 from dsv4_cluster.kernels.sglang_cases import decode_case, indexer_case, sglang_sm120_args, sm120_call
@@ -81,30 +77,6 @@ def load() -> SimpleNamespace:
                            torch_indexer=idx["fp8_paged_mqa_logits_torch_sm120"], root=str(root))
 
 
-def _time(fn, graph: bool, calls: int = 10, reps: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(calls):
-                fn()
-        run = g.replay
-    else:
-        def run():
-            for _ in range(calls):
-                fn()
-    run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        run()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) / calls * 1e6)
-    return statistics.median(times)
-
-
 def _c128_case(b: int, ctx: int, seed: int) -> dict:
     width = max(512, ctx // 128)
     args = decode_case("c128", b, seed=seed, full=True, extra_tokens=max(8192, width))
@@ -131,12 +103,11 @@ def decode_rows(base) -> list[dict]:
                 for name, fn in (("ours", lambda: flash_mla_with_kvcache_sm120(**kw)),
                                  ("sglang_triton", lambda: base.triton_decode(*pos)),
                                  ("sglang_torch", lambda: base.torch_decode(*pos))):
-                    for graph in (True, False):
-                        try:
-                            row[f"{name}_{'graph' if graph else 'eager'}_us"] = _time(fn, graph)
-                        except torch.OutOfMemoryError:
-                            row[f"{name}_{'graph' if graph else 'eager'}_us"] = None
-                            torch.cuda.empty_cache()
+                    try:
+                        row[f"{name}_graph_us"], row[f"{name}_eager_us"] = graph_and_eager_us(fn)
+                    except torch.OutOfMemoryError:
+                        row[f"{name}_graph_us"] = row[f"{name}_eager_us"] = None
+                        torch.cuda.empty_cache()
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     return rows
@@ -161,7 +132,7 @@ def prefill_rows(base) -> list[dict]:
             del ours, theirs
         for name, fn in (("ours", lambda: flash_mla_with_kvcache_sm120(**kw)),
                          ("sglang_triton", lambda: base.triton_decode(*pos))):
-            row[f"{name}_graph_us"] = _time(fn, True, calls=2, reps=3)
+            row[f"{name}_graph_us"] = bench_us(graphed(fn), 25, 100)
         row["triton_over_ours"] = row["sglang_triton_graph_us"] / row["ours_graph_us"]
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -194,7 +165,7 @@ def sweep_rows(base) -> list[dict]:
             try:
                 out = flash_mla_with_kvcache(**call, config=cfg)[0].float()
                 row["max_abs_diff"] = (out - ref).abs().max().item()
-                row["graph_us"] = _time(lambda: flash_mla_with_kvcache(**call, config=cfg), True)
+                row["graph_us"] = bench_us(graphed(lambda: flash_mla_with_kvcache(**call, config=cfg)), 25, 100)
             except Exception as exc:  # a config that does not compile or launch here: recorded, the sweep goes on
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             rows.append(row)
@@ -220,8 +191,7 @@ def indexer_rows(base) -> list[dict]:
 
             row = dict(configured=ctx, live=LIVE, B=b)
             for name, fn in (("ours_indexer_topk", ours), ("sglang_torch_indexer", theirs)):
-                for graph in (True, False):
-                    row[f"{name}_{'graph' if graph else 'eager'}_us"] = _time(fn, graph)
+                row[f"{name}_graph_us"], row[f"{name}_eager_us"] = graph_and_eager_us(fn)
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
@@ -255,40 +225,37 @@ def live_rows(r: dict) -> int:
 
 def markdown(result: dict) -> str:
     """The decode and indexer tables, with the RTX PRO 6000 floor (bytes / 1.79 TB/s) beside each decode row."""
-    v = result.get("versions") or {}
-    lines = ["# sm_120 on an H200 stand-in (bench/sm120_decode.py, one run)", "",
-             f"Device: {result['device']}, dispatch forced to {result['forced_class']} (mma.sync, the 99 KB configs); "
-             f"torch {v.get('torch')}, Triton {v.get('triton')}. {result['flashinfer_sm120']}.", "",
-             "What the stand-in cannot show: sm_120's occupancy (188 SMs of 99 KB; the H200 has 132 of 227 KB), "
-             "GDDR7's latency and 1.79 TB/s (the H200 reads at ~4.3 TB/s). `floor`: the call's bytes (live rows x "
-             "584 B) over 1.79 TB/s, the RTX PRO 6000's bound. Microseconds, CUDA-graph replay (eager in brackets).",
-             "", "| layer | configured | real heads | heads computed | B | ours | SGLang Triton | SGLang torch | "
-             "Triton / ours | floor (RTX PRO 6000) | max diff |", "|" + "---|" * 11]
-    for r in result.get("decode", []):
-        floor = r["B"] * live_rows(r) * 584 / (RTX_PRO_6000_GBPS * 1e3)
-        lines.append(f"| {r['layer']} | {r['configured'] or '-'} | {r['real_heads']} | {r['heads']} | {r['B']} | "
-                     f"{r['ours_graph_us']:.0f} ({r['ours_eager_us']:.0f}) | {r['sglang_triton_graph_us']:.0f} | "
-                     f"{r['sglang_torch_graph_us']:.0f} | {r['sglang_triton_graph_us'] / r['ours_graph_us']:.1f}x | "
-                     f"{floor:.1f} | {r['max_abs_diff']:.4f} |")
-    lines += ["", "Prefill / extend rows (c4, 16 real heads, q sliced as SGLang does above 64 rows), graph replay, us:", "",
-              "| rows | ours | SGLang Triton | Triton / ours | floor (RTX PRO 6000) | max diff vs SGLang torch (of max) |",
-              "|---|---|---|---|---|---|"]
-    for r in result.get("prefill_rows", []):
-        floor = r["rows"] * 640 * 584 / (RTX_PRO_6000_GBPS * 1e3)
-        lines.append(f"| {r['rows']} | {r['ours_graph_us']:.0f} | {r['sglang_triton_graph_us']:.0f} | "
-                     f"{r['triton_over_ours']:.1f}x | {floor:.0f} | " + (
-                         f"{r['max_abs_diff_vs_torch']:.4f} ({r['torch_max_abs']:.2f}) |"
-                         if r["max_abs_diff_vs_torch"] is not None else "not compared |"))
+    v, us = result.get("versions") or {}, lambda head, key: (head, key, ".0f")  # noqa: E731
+    ratio = lambda r: r["sglang_triton_graph_us"] / r["ours_graph_us"]  # noqa: E731
+    decode = [dict(r, ratio=ratio(r), floor=r["B"] * live_rows(r) * 584 / (RTX_PRO_6000_GBPS * 1e3))
+              for r in result.get("decode", [])]
+    prefill = [dict(r, floor=r["rows"] * 640 * 584 / (RTX_PRO_6000_GBPS * 1e3)) for r in result.get("prefill_rows", [])]
     sweep = [r for r in result.get("sweep", []) if "graph_us" in r]
-    if sweep:
-        lines += ["", "Launch-config sweep, c4, 64 heads: the fastest three per B (graph, us):", "",
-                  "| B | block | heads / program | prefetch | warps | us | max diff vs SGLang Triton |", "|---|---|---|---|---|---|---|"]
-        for b in sorted({r["B"] for r in sweep}):
-            for r in sorted((r for r in sweep if r["B"] == b), key=lambda r: r["graph_us"])[:3]:
-                lines.append(f"| {b} | {r['block_n']} | {r['head_group']} | {r['prefetch']} | {r['num_warps']} | "
-                             f"{r['graph_us']:.0f} | {r['max_abs_diff']:.4f} |")
-    lines += ["", "| indexer: configured | live | B | ours (indexer + top-k) | SGLang torch indexer |", "|---|---|---|---|---|"]
-    for r in result.get("indexer", []):
-        lines.append(f"| {r['configured']} | {r['live']} | {r['B']} | {r['ours_indexer_topk_graph_us']:.1f} | "
-                     f"{r['sglang_torch_indexer_graph_us']:.1f} |")
-    return "\n".join(lines) + "\n"
+    fastest = [r for b in sorted({r["B"] for r in sweep})
+               for r in sorted((r for r in sweep if r["B"] == b), key=lambda r: r["graph_us"])[:3]]
+    return "\n".join([
+        "# sm_120 on an H200 stand-in (bench/sm120_decode.py, one run)", "",
+        f"Device: {result['device']}, dispatch forced to {result['forced_class']} (mma.sync, the 99 KB configs); "
+        f"torch {v.get('torch')}, Triton {v.get('triton')}. {result['flashinfer_sm120']}.", "",
+        "What the stand-in cannot show: sm_120's occupancy (188 SMs of 99 KB; the H200 has 132 of 227 KB), GDDR7's "
+        "latency and 1.79 TB/s (the H200 reads at ~4.3 TB/s). `floor`: the call's bytes (live rows x 584 B) over 1.79 "
+        "TB/s, the RTX PRO 6000's bound. Microseconds, CUDA-graph replay (and eager).", "",
+        *md_columns(decode, [("layer", "layer", ""), ("configured", "configured", ""), ("real heads", "real_heads", ""),
+                             ("heads computed", "heads", ""), ("B", "B", ""), us("ours", "ours_graph_us"),
+                             us("ours eager", "ours_eager_us"), us("SGLang Triton", "sglang_triton_graph_us"),
+                             us("SGLang torch", "sglang_torch_graph_us"), ("Triton / ours", "ratio", ".1f"),
+                             ("floor (RTX PRO 6000)", "floor", ".1f"), ("max diff", "max_abs_diff", ".4f")]),
+        "", "Prefill / extend rows (c4, 16 real heads, q sliced as SGLang does above 64 rows), graph replay, us:", "",
+        *md_columns(prefill, [("rows", "rows", ""), us("ours", "ours_graph_us"),
+                              us("SGLang Triton", "sglang_triton_graph_us"), ("Triton / ours", "triton_over_ours", ".1f"),
+                              ("floor (RTX PRO 6000)", "floor", ".0f"),
+                              ("max diff vs SGLang torch", "max_abs_diff_vs_torch", ".4f"),
+                              ("SGLang torch max", "torch_max_abs", ".2f")]),
+        *(["", "Launch-config sweep, c4, 64 heads: the fastest three per B (graph, us):", "", *md_columns(fastest, [
+            ("B", "B", ""), ("block", "block_n", ""), ("heads / program", "head_group", ""), ("prefetch", "prefetch", ""),
+            ("warps", "num_warps", ""), us("us", "graph_us"), ("max diff vs SGLang Triton", "max_abs_diff", ".4f")])]
+          if fastest else []), "",
+        *md_columns(result.get("indexer", []), [
+            ("indexer: configured", "configured", ""), ("live", "live", ""), ("B", "B", ""),
+            ("ours (indexer + top-k)", "ours_indexer_topk_graph_us", ".1f"),
+            ("SGLang torch indexer", "sglang_torch_indexer_graph_us", ".1f")])]) + "\n"

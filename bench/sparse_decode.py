@@ -16,8 +16,8 @@ import traceback
 
 import torch
 
-from bench.common import ints
-from bench.kernels import bench_us, copy_bandwidth_gbs, graphed, print_table, write_results
+from bench.common import ints, md_columns
+from bench.kernels import bench_us, copy_bandwidth_gbs, graphed, write_results
 from dsv4_cluster.kernels.sparse_mla_decode import fp8_layout, quantize_kv_v4, sparse_mla_decode_ref
 from dsv4_cluster.kernels.sparse_mla_decode.launch import (LaunchConfig, gluon_unavailable, resolved,
                                                            sparse_mla_decode_fp8_triton, sparse_mla_decode_triton)
@@ -29,7 +29,7 @@ CONTEXT = 4096  # tokens per request: main-cache region; L/4 compressed entries 
 MAX_REL_ERR = 2e-2
 KERNELS = ("torch_reference_bf16", "triton_bf16", "triton_fp8", "gluon_bf16", "gluon_fp8", "flashmla_fp8_v4")
 COLUMNS = ["kernel", "B", "us", "us_eager", "GBps", "frac_copy", "TFLOPs", "rel_err", "block_n", "warps", "stages",
-           "prefetch", "loader_regs", "splits", "merge"]
+           "prefetch", "loader_regs", "splits", "merge", "error"]
 
 
 def make_inputs(b: int, seed: int = 0) -> dict:
@@ -172,7 +172,6 @@ def run(argv: list[str]) -> int:
     resources, device = compiled_resources(), torch.cuda.get_device_name(0)
     print(f"device copy bandwidth (same run): {copy_gbs:.0f} GB/s; FlashMLA: {fm_error or 'loaded'}; "
           f"compiled: {resources}")
-    print_table(rows, COLUMNS + ["error"])
     path = write_results("sparse_decode", dict(
         device=device, copy_gbs=copy_gbs, flashmla_error=fm_error, compiled=resources,
         shapes=dict(H=H, D=D, window=W, topk=TOPK, context=CONTEXT), rows=rows), markdown(rows, copy_gbs, fm_error, device))
@@ -181,18 +180,10 @@ def run(argv: list[str]) -> int:
 
 
 def markdown(rows: list[dict], copy_gbs: float, fm_error: str | None, device: str) -> str:
-    def fmt(c, v):
-        return "-" if v is None else f"{v:.1%}" if c == "frac_copy" else f"{v:.0f}" if c == "GBps" else \
-            f"{v:.3g}" if isinstance(v, float) else str(v)
-
-    lines = [f"# sparse_decode on {device}", "",
-             f"64 heads, D=512, window {W} + top-{TOPK} rows per query; cold-L2 median of CUDA-graph replays (`us`; "
-             f"`us_eager` adds Python launch cost); device copy in the same run: {copy_gbs:.0f} GB/s. GB/s counts the "
-             f"bytes the op needs (selected rows + Q + O + lse + indices). FlashMLA: "
-             f"{fm_error or 'sgl-flash-mla SM90 sparse decode, use_legacy=True, kv_format=V4'}.", "",
-             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for r in rows:
-        cells = [fmt(c, r.get(c)) for c in COLUMNS]
-        cells[-1] += f" ({r['error']})" if "error" in r else ""
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join([
+        f"# sparse_decode on {device}", "",
+        f"64 heads, D=512, window {W} + top-{TOPK} rows per query; cold-L2 median of CUDA-graph replays (`us`; "
+        f"`us_eager` adds Python launch cost); device copy in the same run: {copy_gbs:.0f} GB/s. GB/s counts the "
+        f"bytes the op needs (selected rows + Q + O + lse + indices). FlashMLA: "
+        f"{fm_error or 'sgl-flash-mla SM90 sparse decode, use_legacy=True, kv_format=V4'}.", "",
+        *md_columns(rows, [(c, c, {"frac_copy": ".1%", "GBps": ".0f"}.get(c, "")) for c in COLUMNS])]) + "\n"
