@@ -11,7 +11,7 @@ from __future__ import annotations
 # Workers: SGLang 0.5.23's names (`--enable-metrics`), also exported by the embedded engine.
 WORKER_GAUGES = (
     "sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage",
-    "sglang:num_used_tokens", "sglang:kv_used_tokens", "sglang:kv_available_tokens",
+    "sglang:num_used_tokens", "sglang:kv_used_tokens", "sglang:kv_available_tokens", "sglang:kv_evictable_tokens",
     "sglang:max_total_num_tokens", "sglang:gen_throughput", "sglang:cache_hit_rate",
     "sglang:context_len", "sglang:page_size",
     "sglang:num_prefill_bootstrap_queue_reqs", "sglang:num_prefill_inflight_queue_reqs",

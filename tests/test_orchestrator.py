@@ -83,6 +83,8 @@ def test_up_status_chat_down(tmp_path: Path) -> None:
         up_rows = {line.split()[0]: line.split() for line in up.stdout.splitlines() if line.startswith(("prefill-0 ",
                                                                                                         "decode-0 "))}
         assert up_rows["prefill-0"][-1] == up_rows["decode-0"][-1] == "4096"  # up's table predicts too
+        # KV_USED: read before the deep probe's first request, and counted as SGLang does (cached KV is not used)
+        assert up_rows["prefill-0"][-2] == up_rows["decode-0"][-2] == "0", up.stdout
         verify = _run(tmp_path, "verify")  # on demand: PD equivalence again, and vs up's stored throughput
         assert verify.returncode == 0 and verify.stdout.startswith("verified: "), verify.stdout + verify.stderr
         # the decode worker's call counters rose during the check (CPU: the reference ops; embedded_calls.py)

@@ -103,22 +103,35 @@ def test_a_full_cache_under_multi_turn_churn_hands_out_few_runs_at_the_same_hit_
     assert f["occupancy_mean"] >= 0.9 and f["hit_rate"] >= 0.25, f   # the pool stays full; hits as strict LRU's
 
 
-def test_the_prefill_engine_reuses_a_shared_prefix_and_computes_the_same_first_token():
+def _prefill_engine(max_total_tokens: int):
     from dsv4_cluster.workers.prefill.engine import PrefillEngine
+
+    runner = ModelRunner(RunnerConfig(model=ModelConfig(), page_size=16, max_total_tokens=max_total_tokens,
+                                      context_length=1024))
+    return PrefillEngine(runner, transfer=None, write_timeout_s=5)
+
+
+def _prefill(engine, room: int, ids: list[int]):
+    """One prompt through the prefill engine up to its first token; the request still holds its pages."""
     from dsv4_cluster.workers.engine.request import Req
 
-    runner = ModelRunner(RunnerConfig(model=ModelConfig(), page_size=16, max_total_tokens=2048, context_length=1024))
-    engine = PrefillEngine(runner, transfer=None, write_timeout_s=5)
+    req = Req(rid=f"r{room}", prompt_ids=ids, params=SamplingParams(max_new_tokens=4, temperature=0),
+              budget=len(ids) + 4, emit=lambda e: None, room=room)
+    engine.on_submit(req)
+    engine.reqs[req.rid] = req
+    while engine.waiting:
+        engine._prefill_batch()
+    return req
+
+
+def test_the_prefill_engine_reuses_a_shared_prefix_and_computes_the_same_first_token():
+    engine = _prefill_engine(2048)
+    runner = engine.runner
     system = TOK.encode("You are a helpful assistant. " * 6)               # shared system prompt, > 8 pages
     prompts = [system + TOK.encode(q) for q in ("What is 2+2?", "Name a colour.", "What is 2+2?")]
     got = []
     for i, ids in enumerate(prompts):
-        req = Req(rid=f"r{i}", prompt_ids=ids, params=SamplingParams(max_new_tokens=4, temperature=0),
-                  budget=len(ids) + 4, emit=lambda e: None, room=i)
-        engine.on_submit(req)
-        engine.reqs[req.rid] = req
-        while engine.waiting:
-            engine._prefill_batch()
+        req = _prefill(engine, i, ids)
         got.append((req.cached_tokens, req.out[0]))
         engine.finish(req)                                             # as after its KV went out
     assert got[0][0] == 0
@@ -132,6 +145,37 @@ def test_the_prefill_engine_reuses_a_shared_prefix_and_computes_the_same_first_t
     assert engine.cache.hit_rate == pytest.approx((got[1][0] + got[2][0]) / sum(map(len, prompts)))
     held = engine.cache.cached_pages
     assert engine.flush_cache() == held and engine.cache.cached_pages == 0 and runner.pool.free_pages == 2048 // 16
+
+
+def _gauges(exposition: bytes) -> dict[str, float]:
+    return {name.decode(): float(v) for name, v in re.findall(rb"^(sglang:\w+)\{[^}]*\} (\S+)$", exposition, re.M)}
+
+
+def test_a_finished_prompt_kept_in_the_cache_is_evictable_not_used_as_sglang_counts_it():
+    """SGLang's num_used_tokens is capacity - (available + evictable): the prompt a finished request leaves in the
+    prefix cache is evictable, not used, and a repeat of it still hits; pages a request holds, cached ones it
+    locked included, are used. The gauges add up to the capacity."""
+    from dsv4_cluster.workers.http.metrics import WorkerMetrics
+
+    engine = _prefill_engine(1024)
+    metrics = WorkerMetrics(engine, "dsv4-tiny", "prefill", 1024)
+    ids = TOK.encode("The same prompt, sent twice. " * 2)                # 58 tokens: 3 whole pages and a part
+    first = _prefill(engine, 1, ids)
+    g = _gauges(metrics.render())
+    assert g["sglang:num_used_tokens"] == g["sglang:kv_used_tokens"] == 4 * 16 and g["sglang:kv_evictable_tokens"] == 0
+    engine.finish(first)
+    g = _gauges(metrics.render())
+    assert engine.cache.cached_pages == 3
+    assert (g["sglang:num_used_tokens"], g["sglang:kv_used_tokens"], g["sglang:token_usage"]) == (0, 0, 0)
+    assert (g["sglang:kv_evictable_tokens"], g["sglang:kv_available_tokens"]) == (3 * 16, 1024 - 3 * 16)
+    again = _prefill(engine, 2, ids)
+    assert again.cached_tokens == 3 * 16                                 # the cache still hits
+    g = _gauges(metrics.render())
+    assert (g["sglang:num_used_tokens"], g["sglang:kv_evictable_tokens"]) == (4 * 16, 0)   # locked: used again
+    engine.finish(again)
+    g = _gauges(metrics.render())
+    assert (g["sglang:num_used_tokens"], g["sglang:kv_evictable_tokens"]) == (0, 3 * 16)
+    assert g["sglang:kv_available_tokens"] + g["sglang:kv_evictable_tokens"] == g["sglang:max_total_num_tokens"]
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +221,8 @@ def test_a_multi_turn_chat_hits_the_cache_and_answers_exactly_as_without_it(pair
     assert cached[0] == 0 and 0 < cached[1] < cached[2]                 # the history grows, so do the hits
     assert _metric(on, "sglang:cached_tokens_total") == sum(cached)
     assert _metric(on, "sglang:cache_hit_rate") > 0 and _metric(off, "sglang:cache_hit_rate") == 0
+    # the history stays cached once the turns ended: evictable, not in use (SGLang's num_used_tokens)
+    assert _metric(on, "sglang:num_used_tokens") == 0 and _metric(on, "sglang:kv_evictable_tokens") > 0
     # every prompt's new pages came in one run (a fresh pool), each counted once in the allocator's histogram
     assert _metric(on, KV_ALLOC_RUNS + "_count") == 3 and _metric(on, KV_ALLOC_RUNS + "_sum") == 3
     assert _metric(on, KV_ALLOC_RUNS + "_bucket", 'le="1.0"') == 3

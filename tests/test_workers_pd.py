@@ -164,6 +164,7 @@ def test_metrics_use_sglang_names(pair):
         text = httpx.get(url + "/metrics").text
         for name in ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage",
                      "sglang:gen_throughput", "sglang:max_total_num_tokens", "sglang:num_used_tokens",
+                     "sglang:kv_available_tokens", "sglang:kv_evictable_tokens",
                      "sglang:prompt_tokens_total", "sglang:generation_tokens_total",
                      "sglang:time_to_first_token_seconds_bucket", "sglang:kv_transfer_latency_ms"):
             assert f"{name}{{" in text, name

@@ -184,10 +184,11 @@ class ClusterController:
         if failures:
             self.stop(deadline_s=10.0)
             raise ClusterStartError("the cluster did not come up:\n" + "\n".join(failures))
+        self._set_targets(started=self._names())
+        status = self.status()  # read before the deep probe starts: its request in flight would show as KV in use
         self._prober = DeepProber(self._spec.workers, self._spec.probe_interval_s)
         self._prober.start()
-        self._set_targets(started=self._names())
-        return self.status()
+        return status
 
     def _names(self) -> set[str]:
         return {p.name for p in (*self._spec.workers, self._spec.router)}

@@ -39,10 +39,14 @@ class _EngineCollector:
         # the PD queues (counting it here as well would count it twice)
         pd = self.labels["engine_type"] in ("prefill", "decode")
         yield g("sglang:num_queue_reqs", "Requests waiting to run (besides the PD queues)", 0 if pd else s.num_queued)
-        yield g("sglang:token_usage", "Fraction of the KV pool in use", used / cap if cap else 0.0)
-        yield g("sglang:num_used_tokens", "KV tokens in use", used)
-        yield g("sglang:kv_used_tokens", "KV tokens in use", used)
-        yield g("sglang:kv_available_tokens", "KV tokens free", cap - used)
+        # SGLang's accounting: capacity = available (free pages) + evictable (cached, no request holds them) + used
+        yield g("sglang:token_usage", "Fraction of the KV pool in use (cached pages no request holds are not)",
+                used / cap if cap else 0.0)
+        yield g("sglang:num_used_tokens", "KV tokens in use: capacity - (available + evictable)", used)
+        yield g("sglang:kv_used_tokens", "KV tokens in use: capacity - (available + evictable)", used)
+        yield g("sglang:kv_available_tokens", "KV tokens of free pages", pool.available_tokens)
+        yield g("sglang:kv_evictable_tokens", "KV tokens the prefix cache keeps that no request holds (freed on "
+                "demand)", pool.evictable_tokens)
         yield g("sglang:max_total_num_tokens", "KV pool capacity in tokens", cap)
         yield g("sglang:gen_throughput", "Tokens generated per second over the last 5 s", s.last_gen_throughput)
         cache = getattr(self.engine, "cache", None)          # the prefill's prefix cache (decode keeps none)

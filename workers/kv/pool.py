@@ -137,9 +137,21 @@ class KVPool:
         return len(self._free)
 
     @property
+    def available_tokens(self) -> int:
+        """Tokens of free pages (SGLang's `sglang:kv_available_tokens`: its allocator's `available_size()`)."""
+        return len(self._free) * self.layout.page_size
+
+    @property
+    def evictable_tokens(self) -> int:
+        """Tokens of a prefix cache's unlocked pages: KV it keeps that no request holds, freed when a request needs
+        the room (SGLang's `sglang:kv_evictable_tokens`: its tree cache's `evictable_size()`)."""
+        return self.evictable_pages() * self.layout.page_size
+
+    @property
     def used_tokens(self) -> int:
-        """Tokens of pages in use: not free, not reserved, and not a prefix cache's evictable pages (SGLang counts
-        those as available too)."""
+        """Tokens in use as SGLang counts them (`num_used_tokens` = capacity - (available + evictable)): pages that a
+        request (reserved, being computed or decoded) or a KV transfer holds, the cached pages it locked included. A
+        page reserved for CUDA-graph padding is none of these."""
         held = self.layout.num_pages - self._reserved - len(self._free) - self.evictable_pages()
         return held * self.layout.page_size
 
