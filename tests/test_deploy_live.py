@@ -109,6 +109,10 @@ def test_targets_rules_and_every_panel_query_against_the_live_cluster(live: Live
     # ... and every series has the 2+ samples since then that rate() and increase() need.
     wait_for(lambda: prom.query('min(count_over_time(sglang:num_requests_total[3s])) >= 3'), 30,
              "3 scrapes of every target after the requests")
+    # ... the router's too: its 4xx series starts with the bad request, and rate() wants 2 samples of it (under load
+    # the router's scrape can lag the workers')
+    wait_for(lambda: prom.query(f'count_over_time({m.ROUTER_REQUESTS}{{status=~"4.."}}[1m]) >= 2'), 30,
+             "2 scrapes of the router's 4xx count")
     expected = {("dsv4-workers", "prefill-0"), ("dsv4-workers", "decode-0"), ("dsv4-orchestrator", "orchestrator"),
                 ("dsv4-router", "router")}
     targets = wait_for(lambda: (ts if all(t["health"] == "up" for t in ts) else None)
