@@ -6,9 +6,11 @@ as soon as its check holds), so a generous one costs nothing when the system is 
 
 from __future__ import annotations
 
+import asyncio
 import json
+import subprocess
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Generator
 
 import httpx
 
@@ -20,17 +22,56 @@ if TYPE_CHECKING:
 SOON_S = 30.0  # ceiling on what the system does at once (an abort, a freed page, a health check's verdict)
 
 
+def _polls(check: Callable[[], Any], timeout_s: float, what: str) -> Generator[None, None, Any]:
+    """One wait, either kind: yields between looks at `check`; returns its first truthy value; raises an
+    AssertionError naming `what` (and the check's last value) after `timeout_s`."""
+    end = time.monotonic() + timeout_s
+    while not (value := check()):
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout_s:.1f}s waiting for {what or check} (last: {value!r})")
+        yield
+    return value
+
+
 def wait_for(check: Callable[[], Any], timeout_s: float, what: str = "", interval_s: float = 0.05) -> Any:
     """Poll `check` until it returns something truthy and return that; after `timeout_s` raise an
     AssertionError naming `what` (and the check's last value)."""
-    end = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout_s:.1f}s waiting for {what or check} (last: {value!r})")
-        time.sleep(interval_s)
+    polls = _polls(check, timeout_s, what)
+    try:
+        while True:
+            next(polls)
+            time.sleep(interval_s)
+    except StopIteration as done:
+        return done.value
+
+
+async def wait_for_async(check: Callable[[], Any], timeout_s: float, what: str = "", interval_s: float = 0.05) -> Any:
+    """`wait_for` inside a running event loop (the loop keeps serving while it waits)."""
+    polls = _polls(check, timeout_s, what)
+    try:
+        while True:
+            next(polls)
+            await asyncio.sleep(interval_s)
+    except StopIteration as done:
+        return done.value
+
+
+def wait_serving(url: str, timeout_s: float, what: str, proc: subprocess.Popen | None = None,
+                 log: Callable[[], str] = lambda: "") -> None:
+    """Until GET `url` answers 200; fails at once if `proc` exited first; either failure with the tail `log` gives."""
+    def answers() -> bool:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"{what} exited with code {proc.returncode} before answering:\n{log()[-3000:]}")
+        try:
+            return httpx.get(url, timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False  # not listening yet
+    try:
+        wait_for(answers, timeout_s, f"{what} to answer at {url}", interval_s=0.1)
+    except AssertionError as exc:
+        if proc is not None and proc.poll() is not None:
+            raise                                            # answers() said so, with the log
+        raise AssertionError(f"{exc}\n{log()[-3000:]}") from None
 
 
 def gone(pids: list[int], timeout_s: float = SOON_S) -> list[int]:

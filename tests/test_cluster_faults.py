@@ -33,7 +33,7 @@ from dsv4_cluster.orchestrator.processes import pid_alive
 
 from bench.local_cluster import LocalCluster, write_topology
 from .cluster_cli import next_20_succeed
-from .helpers import cluster_status, kv_used, status_rows, wait_ready
+from .helpers import cluster_status, kv_used, status_rows, wait_for, wait_for_async, wait_ready
 
 pytestmark = pytest.mark.slow
 HOOKS = ", extra_args: [--test-hooks]"
@@ -82,9 +82,8 @@ def test_kv_stranded_by_a_dead_decode_is_counted_then_freed_and_requests_succeed
                 for i in range(3) for role, url in (("prefill", prefill), ("decode", decode))]
         for t in legs:
             t.start()
-        end = time.monotonic() + STRANDED_TIMEOUT_S
-        while (now := _stranded(prefill))[m.STRANDED_KV_ROOMS] < 3 and time.monotonic() < end:
-            time.sleep(0.2)
+        now = wait_for(lambda: (s if (s := _stranded(prefill))[m.STRANDED_KV_ROOMS] >= 3 else None),
+                       STRANDED_TIMEOUT_S, "3 rooms counted stranded", interval_s=0.2)
     finally:
         with contextlib.suppress(ProcessLookupError):  # (its supervisor may have killed it already)
             os.kill(dead["pid"], signal.SIGKILL)  # the decode dies before any transfer
@@ -155,9 +154,8 @@ def test_a_killed_controller_is_restarted_and_the_workers_serve_throughout(clust
     old = _actor_record(cluster, "controller")
     os.kill(old["pid"], signal.SIGKILL)
     next_20_succeed(cluster)  # supervisors, workers and router do not depend on the controller
-    end = time.monotonic() + 120
-    while _actor_record(cluster, "controller")["pid"] == old["pid"] and time.monotonic() < end:
-        time.sleep(0.5)
+    wait_for(lambda: _actor_record(cluster, "controller")["pid"] != old["pid"], 120, "the controller actor restarted",
+             interval_s=0.5)
     new = _actor_record(cluster, "controller")
     assert new["pid"] != old["pid"] and pid_alive(new["pid"]) and not pid_alive(old["pid"]), (old, new)
     after = {n: (r["state"], r["pid"], r["restarts"]) for n, r in status_rows(cluster).items()}
@@ -201,9 +199,7 @@ def test_sigkill_under_load_then_ready_restarts_1_and_the_next_20_succeed(cluste
     async def load_and_kill() -> tuple[list[int | str], dict]:
         stop, results = asyncio.Event(), []
         load = asyncio.ensure_future(_load(cluster, stop, results))
-        end = time.monotonic() + 60
-        while results.count(200) < 3 and time.monotonic() < end:
-            await asyncio.sleep(0.1)
+        await wait_for_async(lambda: results.count(200) >= 3, 60, "3 answers of the load before the kill", 0.1)
         os.kill(before["pid"], signal.SIGKILL)
         row = await asyncio.to_thread(wait_ready, cluster, name, before["restarts"] + 1, 60)
         stop.set()

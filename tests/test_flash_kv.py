@@ -6,7 +6,6 @@ a 2-core CPU: 2 layers (ratio 4 then ratio 128, V4-Flash's alternation), 16 head
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from dsv4_cluster.workers.engine.presets import KVDtypeError, kv_layout_dtype, m
 from dsv4_cluster.workers.engine.runner import ModelRunner, RunnerConfig, generate_single_process
 from dsv4_cluster.workers.engine.sampling import SamplingParams
 from dsv4_cluster.workers.engine.tokenizer import EOS
+from tests.helpers import wait_for
 
 PAGE = 128
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
@@ -159,12 +159,12 @@ def test_pd_over_nixl_with_fp8_mixed_ratio_pages_equals_a_single_process():
     dst = decode.pool.alloc(budget)
     first = prefill.sampler.sample(prefill.prefill(prompt, src), GREEDY, 0)
     handle = p_agent.write_pages("d-fp8", src, dst, b"room-fp8")
-    deadline = time.monotonic() + 30
     notifs: list[bytes] = []
-    while (state := p_agent.poll(handle)) == "PROC" and time.monotonic() < deadline:
-        notifs += d_agent.notifications()
-        time.sleep(0.01)
-    assert state == "DONE"
+
+    def written() -> str | None:   # both agents make progress only while polled
+        notifs.extend(d_agent.notifications())
+        return None if (state := p_agent.poll(handle)) == "PROC" else state
+    assert wait_for(written, 30, "the fp8 pages' WRITE", interval_s=0.01) == "DONE"
     for layer in range(2):
         assert torch.equal(decode.pool.main[layer][dst], prefill.pool.main[layer][src])
         assert torch.equal(decode.pool.comp[layer][dst], prefill.pool.comp[layer][src])

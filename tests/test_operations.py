@@ -11,7 +11,6 @@ import queue
 import signal
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -21,7 +20,7 @@ import pytest
 from bench.local_cluster import CLI, LocalCluster, write_topology
 from dsv4_cluster.orchestrator.monitor.targets import listed, targets_dir
 from dsv4_cluster.orchestrator.topology.load import load_topology
-from .helpers import status_rows
+from .helpers import status_rows, wait_for, wait_for_async
 
 pytestmark = pytest.mark.slow
 
@@ -70,10 +69,7 @@ def test_drain_under_steady_load_loses_no_request_and_restart_brings_it_back(clu
         load = asyncio.ensure_future(_steady_load(cluster, stop, out))
 
         async def answered(n: int) -> None:  # until the steady load has had n answers in all
-            end = time.monotonic() + 120
-            while len(out) < n:
-                assert time.monotonic() < end, f"the steady load stalled at {len(out)} answers: {out}"
-                await asyncio.sleep(0.05)
+            await wait_for_async(lambda: len(out) >= n, 120, f"{n} answers of the steady load (so far: {out})")
 
         await answered(4)
         drained = await asyncio.to_thread(cluster.cli, "drain", "decode-1", "--deadline", "60")
@@ -119,15 +115,13 @@ def test_logs_print_and_follow(cluster):
     try:
         # Nothing old is printed (-n 0); what the worker logs from now on is: uvicorn logs each request
         # (but the supervisor's /health polls: workers/http/serving.py keeps them out).
-        deadline = time.monotonic() + 30
-        line = ""
-        while "/v1/models" not in line and time.monotonic() < deadline:
+        def printed() -> bool:
             httpx.get(f"http://127.0.0.1:{cluster.ports['decode-0']}/v1/models", timeout=10)
             try:
-                line = lines.get(timeout=1.0)
+                return "/v1/models" in lines.get(timeout=1.0)
             except queue.Empty:
-                continue
-        assert "/v1/models" in line, "logs -f printed nothing new within 30 s"
+                return False
+        wait_for(printed, 30, "logs -f to print the request it just served", interval_s=0)
         follow.send_signal(signal.SIGINT)
         assert follow.wait(30) == 0
     finally:

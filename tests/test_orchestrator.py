@@ -17,7 +17,7 @@ import pytest
 from dsv4_cluster.orchestrator.launch.ports import port_is_free
 from dsv4_cluster.orchestrator.processes import pid_alive
 
-from .helpers import gone
+from .helpers import gone, wait_for
 from bench.local_cluster import CLI, run_cli, write_topology
 
 pytestmark = pytest.mark.slow
@@ -93,13 +93,10 @@ def test_up_status_chat_down(tmp_path: Path) -> None:
         assert json.loads((topo.parent / "run" / "last-good-throughput.json").read_text())["tokens_per_s"] > 0
 
         os.kill(rows["decode-0"]["pid"], signal.SIGKILL)  # a crash: the supervisor restarts it
-        end = time.monotonic() + 90
-        while time.monotonic() < end:
-            decode = json.loads(_run(tmp_path, "status", "--json").stdout)["workers"][1]
-            if decode["restarts"] == 1 and decode["state"] == "READY":
-                break
-            time.sleep(0.5)
-        assert (decode["restarts"], decode["state"]) == (1, "READY"), decode
+        def restarted() -> dict | None:
+            row = json.loads(_run(tmp_path, "status", "--json").stdout)["workers"][1]
+            return row if (row["restarts"], row["state"]) == (1, "READY") else None
+        decode = wait_for(restarted, 90, "decode-0 READY after 1 restart", interval_s=0.5)
         assert decode["pid"] != rows["decode-0"]["pid"]
         rows["decode-0-restarted"] = decode
     finally:
@@ -203,9 +200,7 @@ def test_sigterm_during_up_stops_what_up_started(tmp_path: Path) -> None:
                             stderr=subprocess.PIPE, text=True)
     try:
         record = tmp_path / "home" / "current.json"
-        end = time.monotonic() + 60
-        while not record.exists() and proc.poll() is None and time.monotonic() < end:
-            time.sleep(0.05)
+        wait_for(lambda: record.exists() or proc.poll() is not None, 60, "up to write its record")
         head = _head_pid(tmp_path)  # the record exists once the controller is being created
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=120)

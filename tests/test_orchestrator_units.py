@@ -19,6 +19,7 @@ from dsv4_cluster.orchestrator.cluster.record import (
 from dsv4_cluster.orchestrator.cli.table import COLUMNS, render_table
 from dsv4_cluster.orchestrator.verify.embedded_calls import Calls, call_problems
 from dsv4_cluster.orchestrator.verify.sequence import kernel_problems
+from tests.helpers import wait_for
 
 
 def _row(**kw: object) -> WorkerStatus:
@@ -78,9 +79,7 @@ def test_zombies_count_as_gone_and_groups_are_seen() -> None:
     try:
         assert pid_alive(child.pid) and group_members(child.pid) == [child.pid]
         child.kill()
-        end = time.monotonic() + 10
-        while pid_alive(child.pid) and time.monotonic() < end:  # unreaped: a zombie, not alive
-            time.sleep(0.05)
+        wait_for(lambda: not pid_alive(child.pid), 10, "the killed child to count as dead")  # a zombie, unreaped
         assert Path(f"/proc/{child.pid}").exists()  # still unreaped
         assert not pid_alive(child.pid) and group_members(child.pid) == []
     finally:

@@ -6,7 +6,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ import pytest
 from dsv4_cluster.core import Role
 from dsv4_cluster.orchestrator.readback.pinning import format_cpu_list, parse_cpu_list, pinning_report
 from dsv4_cluster.orchestrator.launch.plan import LaunchPlan
+from tests.helpers import wait_for
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
 
@@ -26,10 +26,8 @@ def _plan(argv: list[str], env: dict[str, str]) -> LaunchPlan:
 def _spawn(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
     """Start `argv` and wait until the sleeper itself runs (numactl execs it after pinning)."""
     proc = subprocess.Popen(argv, env={**os.environ, **env})
-    end = time.monotonic() + 30
-    while (Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")[0] != sys.executable.encode()
-           and time.monotonic() < end):
-        time.sleep(0.01)
+    wait_for(lambda: Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")[0] == sys.executable.encode(), 30,
+             "numactl to exec the sleeper", interval_s=0.01)
     return proc
 
 

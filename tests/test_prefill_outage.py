@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from bench.local_cluster import write_topology
+from tests.helpers import wait_for_async
 
 pytestmark = pytest.mark.slow
 
@@ -66,10 +67,7 @@ def test_a_prefill_outage_under_load_leaves_decode_kv_at_baseline_soon_after_pre
             load = asyncio.create_task(_load(cluster.router_url, stop, results))
 
             async def served(n: int) -> None:  # until n requests of the load got a 200
-                end = time.monotonic() + 120
-                while results.count(200) < n:
-                    assert time.monotonic() < end, f"the load got {results.count(200)} 200s: {results}"
-                    await asyncio.sleep(0.05)
+                await wait_for_async(lambda: results.count(200) >= n, 120, f"{n} answers of the load ({results})")
 
             await served(8)  # the load flows on every lane before the kill
             os.kill(_prefill_pid(cluster), signal.SIGKILL)

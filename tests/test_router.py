@@ -19,7 +19,7 @@ from dsv4_cluster.router.settings import RouterSettings
 from dsv4_cluster.router.sse import DONE, Framer, events
 from tests.router_fakes import (LOGPROBS, MESSAGES, SSE, WAIT_S, Cluster, FakeWorker, Rendezvous, chat,
                                              router_settings)
-from tests.helpers import SOON_S, wait_for
+from tests.helpers import SOON_S, wait_for, wait_serving
 from tests.servers import UvicornThread, free_port
 
 
@@ -246,15 +246,7 @@ def test_cli_serves_the_settings_file(cluster: Cluster, tmp_path) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "dsv4_cluster.router", "--config", str(path),
                              "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 60  # a loaded machine imports slowly
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass  # not listening yet
-            assert proc.poll() is None and time.monotonic() < deadline, "router did not come up"
-            time.sleep(0.1)
+        wait_serving(f"http://127.0.0.1:{port}/health", 60, "the router", proc)  # a loaded machine imports slowly
         cluster.reset()
         resp = chat(f"http://127.0.0.1:{port}")
         assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["content"] == "hello world"

@@ -9,12 +9,12 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.servers import free_port
+from tests.helpers import wait_serving
 
 DEADLINE_S = 1.0
 
@@ -28,16 +28,7 @@ def router(tmp_path_factory: pytest.TempPathFactory):
     proc = subprocess.Popen([sys.executable, "-m", "dsv4_cluster.router", "--config", str(cfg),
                              "--log-level", "warning"])
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1)
-                break
-            except httpx.HTTPError:
-                assert proc.poll() is None, "the router exited at start"
-                time.sleep(0.2)
-        else:
-            pytest.fail("the router did not answer within 60 s")
+        wait_serving(f"http://127.0.0.1:{port}/v1/models", 60, "the router", proc)
         yield port
     finally:
         proc.terminate()

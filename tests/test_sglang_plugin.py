@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +10,7 @@ from dsv4_cluster.kernels.sglang_plugin.attestation import CounterPublisher, rea
 from dsv4_cluster.kernels.sglang_plugin.install import Counters, holds_adapter
 from dsv4_cluster.kernels.sglang_plugin.settings import (
     ATTEST_DIR_ENV, KERNELS_ENV, PluginSettingsError, settings_from_env)
+from tests.helpers import wait_for
 
 
 def test_inert_without_the_env_var() -> None:
@@ -65,9 +65,9 @@ def test_counter_publisher_keeps_publishing_after_a_failed_snapshot(tmp_path: Pa
     monkeypatch.setattr(publisher, "snapshot", flaky)
     publisher.start()
     counters.bump("indexer")
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and calls["n"] < 4:
-        time.sleep(0.02)
-    publisher.stop()
+    try:
+        wait_for(lambda: calls["n"] >= 4, 10, "4 snapshots", interval_s=0.02)
+    finally:
+        publisher.stop()
     assert calls["n"] >= 4 and publisher.last_error and "capturing" in publisher.last_error
     assert read_json(tmp_path / "counters-rank0.json")["counts"]["indexer"] == 1

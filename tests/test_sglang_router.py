@@ -11,7 +11,6 @@ import importlib.util
 import os
 import subprocess
 import sys
-import time
 
 import httpx
 import openai
@@ -19,6 +18,7 @@ import pytest
 
 from .servers import free_port
 from .worker_procs import start_pair, stop_pair
+from tests.helpers import wait_serving
 
 pytestmark = pytest.mark.slow
 MESSAGES = [{"role": "user", "content": "Through SGLang's router."}]
@@ -44,18 +44,7 @@ def router(tmp_path_factory):
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"sglang-router exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"sglang-router not ready:\n{log.read_text()[-3000:]}")
-            time.sleep(0.3)
+        wait_serving(url + "/v1/models", 60, "sglang-router", proc, log.read_text)
         yield url
     finally:
         proc.terminate()

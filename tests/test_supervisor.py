@@ -4,7 +4,7 @@ grandchild. The supervisor runs in-process here; test_orchestrator drives it as 
 
 from __future__ import annotations
 
-import os
+import contextlib
 import signal
 import subprocess
 import sys
@@ -17,8 +17,10 @@ import pytest
 from dsv4_cluster.core import Role, WorkerState, WorkerStatus
 from dsv4_cluster.orchestrator.launch.plan import LaunchPlan
 from dsv4_cluster.orchestrator.launch.ports import free_ports, port_is_free
+from dsv4_cluster.orchestrator.processes import pid_alive
 from dsv4_cluster.orchestrator.supervise.supervisor import (
     HealthPolicy, RestartPolicy, WorkerStartError, WorkerSupervisor)
+from tests.helpers import gone, wait_for
 
 STANDIN = textwrap.dedent('''
     import argparse, json, os, signal, subprocess, sys, time
@@ -76,19 +78,8 @@ def _plan(tmp_path: Path, *flags: str, port: int | None = None) -> LaunchPlan:
     )
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def _wait_dead(pid: int, timeout_s: float = 10.0) -> bool:
-    end = time.monotonic() + timeout_s
-    while _alive(pid) and time.monotonic() < end:
-        time.sleep(0.05)
-    return not _alive(pid)
+    return gone([pid], timeout_s) == []
 
 
 def test_start_reports_ready_with_kv_then_stop_frees_everything(tmp_path: Path) -> None:
@@ -99,7 +90,7 @@ def test_start_reports_ready_with_kv_then_stop_frees_everything(tmp_path: Path) 
     assert status.restarts == 0 and status.port == plan.port
     assert (status.kv.capacity_tokens, status.kv.used_tokens) == (1000, 7)
     pid = status.pid
-    assert _alive(pid)
+    assert pid_alive(pid)
     assert "stand-in listening" in Path(plan.log_path).read_text()
     final = sup.stop(deadline_s=5)
     assert final.state == WorkerState.STOPPED.value and final.pid is None
@@ -155,10 +146,15 @@ def test_timeout_names_the_pending_url_and_kills_the_process(tmp_path: Path) -> 
 
 
 def _wait_for(sup: WorkerSupervisor, pred, timeout_s: float = 20.0) -> WorkerStatus:
-    end = time.monotonic() + timeout_s
-    while not pred(status := sup.status()) and time.monotonic() < end:
-        time.sleep(0.1)
-    return status
+    """The supervisor's status once `pred` holds, else its last one (the caller's assert shows where it stuck)."""
+    last: list[WorkerStatus] = []
+
+    def holds() -> bool:
+        last.append(sup.status())
+        return pred(last[-1])
+    with contextlib.suppress(AssertionError):
+        wait_for(holds, timeout_s, "the supervisor's status", interval_s=0.1)
+    return last[-1]
 
 
 def test_crash_after_ready_is_restarted_with_backoff(tmp_path: Path) -> None:
@@ -210,7 +206,7 @@ def test_a_killed_supervisor_takes_its_process_with_it(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE, text=True)
     try:
         pid = int(proc.stdout.readline())
-        assert _alive(pid)
+        assert pid_alive(pid)
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         assert _wait_dead(pid), "the worker outlived its supervisor (PR_SET_PDEATHSIG missing?)"
@@ -276,12 +272,12 @@ def test_the_router_hears_every_state_change(tmp_path: Path) -> None:
         sup = WorkerSupervisor(plan, RestartPolicy(backoff_s=0.5), FAST_HEALTH, router=link)
         sup.start(timeout_s=30)
         try:
-            end = time.monotonic() + 30
-            while time.monotonic() < end and not (seen and seen[-1] == "READY" and "RESTARTING" in seen):
+            def back() -> bool:   # every state the router is told, in order, until READY after RESTARTING
                 state = admin.worker(plan.name)["state"]
                 if not seen or seen[-1] != state:
                     seen.append(state)
-                time.sleep(0.05)
+                return seen[-1] == "READY" and "RESTARTING" in seen
+            wait_for(back, 30, f"the router to be told READY after RESTARTING (told: {seen})")
             assert seen[:1] == ["READY"] and "DEGRADED" in seen and "RESTARTING" in seen, seen
             assert seen[-1] == "READY", seen
             assert admin.worker(plan.name)["reason"] is None

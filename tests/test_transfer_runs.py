@@ -4,7 +4,6 @@ are those where both sides' pages are consecutive, and a WRITE of mixed runs lan
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 from dsv4_cluster.workers.kv.pool import KVPool, PoolLayout
 from dsv4_cluster.workers.kv.transfer import (DESCRIPTOR_MODES, NixlTransfer, TransferError, _descs, _indices,
                                            page_runs)
+from tests.helpers import wait_for
 
 
 def test_runs_break_where_either_side_stops_being_consecutive():
@@ -60,10 +60,10 @@ def _write_and_compare(src_layout: PoolLayout, dst_layout: PoolLayout, descripto
     decode = NixlTransfer(f"d-{name}", dst, descriptors=descriptors)
     prefill.add_peer(decode.local_info())
     handle = prefill.write_pages(f"d-{name}", src_pages, dst_pages, b"room")
-    deadline = time.monotonic() + 10
-    while (state := prefill.poll(handle)) == "PROC" and time.monotonic() < deadline:
+    def written() -> str | None:   # both sides make progress only while polled
         decode.notifications()
-    assert state == "DONE"
+        return None if (state := prefill.poll(handle)) == "PROC" else state
+    assert wait_for(written, 10, "the WRITE", interval_s=0) == "DONE"
     for s_buf, d_buf in zip(src.buffers(), dst.buffers()):
         s_pages, d_pages = s_buf.reshape(src_layout.num_pages, -1), d_buf.reshape(dst_layout.num_pages, -1)
         for s, d in zip(src_pages, dst_pages):

@@ -171,16 +171,16 @@ def test_a_peer_with_new_metadata_is_reloaded_and_its_old_reservations_refused()
     with pytest.raises(TransferError, match="restarted after it reserved"):
         prefill.write_pages("d-unit", [0], [1], b"room-1", incarnation=1)
     handle = prefill.write_pages("d-unit", [0], [1], b"room-2", incarnation=2)
-    deadline = time.monotonic() + 10
     notifs: list[bytes] = []
-    # No UCX progress thread (transfer.py): both sides make progress only while polled, as engine loops do.
-    while (state := prefill.poll(handle)) == "PROC" and time.monotonic() < deadline:
-        notifs += new.notifications()
-        time.sleep(0.01)
-    assert state == "DONE"
+
+    def written() -> str | None:
+        # No UCX progress thread (transfer.py): both sides make progress only while polled, as engine loops do.
+        notifs.extend(new.notifications())
+        return None if (state := prefill.poll(handle)) == "PROC" else state
+    assert wait_for(written, 10, "the WRITE into the restarted decode", interval_s=0.01) == "DONE"
     assert new_pool.main[0][4:8].eq(3.0).all() and new_pool.main[0][:4].eq(0).all()
-    while not notifs and time.monotonic() < deadline:
-        notifs = new.notifications()
+    if not notifs:
+        notifs = wait_for(new.notifications, 10, "the WRITE's notification", interval_s=0)
     assert notifs == [b"room-2"]
 
 

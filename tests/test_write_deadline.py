@@ -24,6 +24,7 @@ from dsv4_cluster.workers.engine.request import Failed, Req, Token
 from dsv4_cluster.workers.engine.runner import ModelRunner, RunnerConfig
 from dsv4_cluster.workers.engine.sampling import SamplingParams
 from dsv4_cluster.workers.kv.transfer import NixlTransfer, XferState
+from tests.helpers import wait_for
 
 PAGE = 16
 
@@ -67,9 +68,7 @@ def test_a_write_into_a_frozen_decode_is_cancelled_at_its_deadline_and_frees_eve
         assert failed and failed[0].status == 500 and not any(isinstance(e, Token) for e in events)
         assert "did not finish within 1s" in failed[0].message and "transfer.write_timeout_s" in failed[0].message
         assert 1.0 <= took < 10
-        deadline = time.monotonic() + 5
-        while runner.pool.used_tokens and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: runner.pool.used_tokens == 0, 5, "every page back")
         assert runner.pool.used_tokens == 0 and engine.reqs == {}    # every page back, nothing held
         assert engine.stats.write_timeouts == 1 and engine.stats.transfer_failed == 1
         metrics = {name: value for name, _, _, value in engine.role_metrics()}
@@ -77,18 +76,20 @@ def test_a_write_into_a_frozen_decode_is_cancelled_at_its_deadline_and_frees_eve
         assert engine.destinations.done(7) is None                  # the room is no longer taken
         # the decode side is told: once both agents make progress again (no progress threads: the engines' loops
         # drive it), the decode finds the room failed, and not "may land": NIXL cancelled the write
-        deadline, msgs = time.monotonic() + 10, []
-        while not msgs and time.monotonic() < deadline:
+        def told() -> list[dict]:
             prefill.notifications()
-            msgs = [json.loads(m) for m in frozen.notifications()]
+            return [json.loads(m) for m in frozen.notifications()]
+        msgs = wait_for(told, 10, "the decode to be told the room failed", interval_s=0)
         assert msgs and msgs[0]["room"] == 7 and "did not finish within" in msgs[0]["failed"]
         assert "may_land" not in msgs[0]
         # the engine serves on: the next request's write into a live decode succeeds
         events2, done2 = [], threading.Event()
         engine.destinations.put(8, frozen.name, list(range(40, 80)))
         engine.submit(_req(8, events2, done2))
-        while not done2.is_set() and time.monotonic() < deadline + 20:
+        def served() -> bool:
             frozen.notifications()                                   # now the decode progresses
+            return done2.is_set()
+        wait_for(served, 30, "the next request's write into the live decode", interval_s=0)
         assert [type(e).__name__ for e in events2] == ["Token"]
     finally:
         engine.stop()
@@ -127,9 +128,10 @@ def test_pages_a_write_may_still_read_stay_out_of_the_pool_until_nixl_lets_go(mo
     engine.destinations.put(9, "dec", list(range(40)))
     engine.on_submit(req)
     engine.reqs[req.rid] = req
-    deadline = time.monotonic() + 30
-    while not done.is_set() and time.monotonic() < deadline:
+    def ended() -> bool:
         engine.step()
+        return done.is_set()
+    wait_for(ended, 30, "the request to fail (its WRITE stuck)", interval_s=0)
     assert isinstance(events[-1], Failed) and "did not finish within 0.2s" in events[-1].message
     held = runner.pool.used_tokens
     assert held == 304                                  # 19 pages of 16 tokens: NIXL may still read them

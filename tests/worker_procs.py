@@ -6,12 +6,12 @@ import asyncio
 import secrets
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
+from .helpers import wait_for
 from .servers import free_port
 
 
@@ -44,18 +44,16 @@ class WorkerPair:
 
 
 def _wait(url: str, procs: list[subprocess.Popen], logs: list[Path], timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    """Until the worker at `url` answers; fails at once when any of `procs` (the pair) exited, with its log."""
+    def answers() -> bool:
         for p, log in zip(procs, logs):
             if p.poll() is not None:
                 raise RuntimeError(f"worker exited with {p.returncode}:\n{log.read_text()[-3000:]}")
         try:
-            if httpx.get(url, timeout=1.0).status_code == 200:
-                return
+            return httpx.get(url, timeout=1.0).status_code == 200
         except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} not ready after {timeout_s}s")
+            return False
+    wait_for(answers, timeout_s, f"{url} to answer", interval_s=0.2)
 
 
 def start_pair(tmp: Path, extra: list[str] = (), prefill_extra: list[str] = (),
