@@ -45,8 +45,8 @@ ANCHORS = ("rust", "smg")
 def router_argv(name: str, port: int, prefills: list[tuple[str, int]], decodes: list[str], tmp: Path) -> list[str]:
     if name in OURS:
         policy, knobs = OURS[name]
-        return ours_argv(port, prefills, decodes, tmp, "warning", prefill_policy=policy, decode_policy="round_robin",
-                         prefix=knobs)
+        return ours_argv(port, prefills, decodes, tmp, "warning",
+                         policy={"prefill": policy, "decode": "round_robin", "prefix": knobs})
     if name == "floor":
         return [sys.executable, "-m", "bench.scaleout_load", "--port", str(port),
                 *(x for url, boot in prefills for x in ("--prefill", url, str(boot))),
@@ -167,7 +167,7 @@ def markdown(result: dict) -> str:
         f"{w['turn_chars']} more per turn, {w['max_tokens']} tokens out; concurrency {result['concurrency']} (closed "
         f"loop). Prefill {m['base_ms']:g} ms + {m['per_token_us']:g} us per uncached token, FIFO; prefix cache "
         f"{m['cache_tokens']:,} tokens per prefill (16-token pages of the stubs' own tokens, leaf-first LRU; reported "
-        f"as max_total_num_tokens); decode {m['token_ms']:g} ms per token. Routers: ours with `prefill_policy` prefix, "
+        f"as max_total_num_tokens); decode {m['token_ms']:g} ms per token. Routers: ours with `policy.prefill` prefix, "
         "round_robin, least_load (no prefix memory), prefix_noload (no load term), decode round_robin; SGLang's "
         "gateway `--prefill-policy cache_aware --decode-policy round_robin`: rust = sglang-router 0.3.2, smg = smg "
         "1.13.0. Sanity: one session alone, then its last turn twice more, must all reach one prefill; a row that "

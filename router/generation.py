@@ -115,7 +115,7 @@ class Flight:
         request is held for the worker's restart (`hold`); once a request failed in flight, no eligible worker
         holds it too, while a new request gets its 503 at once."""
         avoid = set(avoid or ())
-        prompt = prompt_text(self.path, body) if self.state.settings.prefill_policy == "prefix" else None
+        prompt = prompt_text(self.path, body) if self.state.settings.policy.prefill == "prefix" else None
         deadline: float | None = None
         while True:
             if failed is not None:

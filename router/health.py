@@ -50,9 +50,9 @@ class HealthChecker:
     def __init__(self, pool: WorkerPool, upstream: Upstream, settings: RouterSettings) -> None:
         self._pool, self._upstream = pool, upstream
         queues = settings.max_queued_per_worker > 0      # backpressure reads the queues from /metrics too
-        self._reads_metrics = {Role.PREFILL: queues or POLICIES[settings.prefill_policy].weighs_load,
-                               Role.DECODE: queues or POLICIES[settings.decode_policy].weighs_load}
-        self._reads_capacity = settings.prefill_policy == "prefix"   # sizes its memory of each prefill
+        self._reads_metrics = {Role.PREFILL: queues or POLICIES[settings.policy.prefill].weighs_load,
+                               Role.DECODE: queues or POLICIES[settings.policy.decode].weighs_load}
+        self._reads_capacity = settings.policy.prefill == "prefix"   # sizes its memory of each prefill
         self._interval_s = settings.health_check_interval_s
         self._timeout_s = settings.health_check_timeout_s
         self._threshold = settings.health_failures_to_unhealthy

@@ -1,5 +1,5 @@
-"""How one worker is chosen among the eligible workers of a role (`RouterSettings.prefill_policy` /
-`decode_policy`, from the topology's `router.policy`).
+"""How one worker is chosen among the eligible workers of a role (the router setting `policy`: `PolicySettings`, also
+the topology's `router.policy`).
 
 - `round_robin`: each in turn.
 - `random`: uniformly at random.
@@ -8,7 +8,7 @@
   ties go round robin.
 - `power_of_two`: two at random, the less loaded of them (load as above).
 - `prefix` (prefill only): the worker that has seen the longest prefix of this prompt, unless it is much busier
-  than the least loaded one (router/prefix_policy.py states the rule; its knobs are the settings' `prefix`):
+  than the least loaded one (router/prefix_policy.py states the rule; its knobs are the setting `policy.prefix`):
   multi-turn chat finds its history's KV in that prefill's prefix cache.
 
 `POLICIES` is the one registry: a policy is a function of (chooser, eligible workers, prompt), whether it reads
@@ -24,7 +24,7 @@ import random
 from dataclasses import dataclass
 from typing import Annotated, Any, Callable, Sequence
 
-from pydantic import AfterValidator, ValidationInfo
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo
 
 from .prefix_policy import PrefixChooser, PrefixPolicy
 from .worker import Worker
@@ -93,10 +93,22 @@ def _known(name: str) -> str:
 
 def _for_decode(name: str, info: ValidationInfo) -> str:
     if POLICIES[name].prefill_only:
-        raise ValueError(f"{info.field_name} {name!r} is for prefill workers (a decode has no prompt cache to aim "
-                         "at); use least_load or power_of_two for decode")
+        raise ValueError(f"{info.field_name} policy {name!r} is for prefill workers (a decode has no prompt cache to "
+                         "aim at); use least_load or power_of_two for decode")
     return name
 
 
 Policy = Annotated[str, AfterValidator(_known)]
 DecodePolicy = Annotated[str, AfterValidator(_known), AfterValidator(_for_decode)]
+
+
+class PolicySettings(BaseModel):
+    """The router setting `policy`: each role's policy (a name in `POLICIES`) and the `prefix` policy's knobs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    prefill: Policy = Field(default="round_robin", description=f"how a prefill is chosen: {', '.join(POLICIES)}")
+    decode: DecodePolicy = Field(default="round_robin", description="how a decode is chosen: " + ", ".join(
+        name for name, spec in POLICIES.items() if not spec.prefill_only))
+    prefix: PrefixPolicy = Field(default_factory=PrefixPolicy, description="the prefill `prefix` policy's knobs "
+                                 "(docs/router.md, \"The prefix policy\")")

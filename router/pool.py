@@ -28,8 +28,8 @@ class WorkerPool:
                              for p in settings.prefill)
         self.decode = tuple(Worker(Role.DECODE, d.name, d.url, **breaker) for d in settings.decode)
         self._by_name = {w.name: w for w in self.workers}
-        self._choosers = {Role.PREFILL: Chooser(settings.prefill_policy, prefix=settings.prefix),
-                          Role.DECODE: Chooser(settings.decode_policy)}
+        self._choosers = {Role.PREFILL: Chooser(settings.policy.prefill, prefix=settings.policy.prefix),
+                          Role.DECODE: Chooser(settings.policy.decode)}
 
     @property
     def workers(self) -> tuple[Worker, ...]:

@@ -1,4 +1,4 @@
-"""The `prefix` policy for prefill workers: its settings (the topology's `router.policy.prefix`) and its choice.
+"""The `prefix` policy for prefill workers: its settings (the router setting `policy.prefix`) and its choice.
 
 The choice (`PrefixChooser.choose`), the rule stated once:
 1. Among the eligible prefills, find the longest match of the prompt's blocks (`prefix_tree.py`).
@@ -29,9 +29,9 @@ from .worker import Worker
 
 
 class PrefixPolicy(BaseModel):
-    """The `prefix` policy's knobs (router settings `prefix`, topology `router.policy.prefix`)."""
+    """The `prefix` policy's knobs (the router setting `policy.prefix`, in the topology `router.policy.prefix`)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     threshold: float = Field(default=0.5, gt=0, le=1, description="share of a prompt's blocks a prefill's copy of "
                              "its history must cover for the request to follow it")

@@ -1,7 +1,9 @@
 """Router settings: the JSON file the orchestrator writes and `python -m dsv4_cluster.router` reads.
 
-Validated with pydantic (`extra="forbid"`) so that a typo in a field name or a bad URL fails at startup
-with the field's path in the message, not at the first request. The CLI takes its defaults from here.
+`OperatorSettings` is what an operator sets (the topology's `router:` section is that model); `RouterSettings` adds
+what the orchestrator derives. Validated with pydantic (`extra="forbid"`, strict) so that a typo in a field name or
+a bad URL fails at startup with the field's path in the message, not at the first request. The CLI takes its
+defaults from here.
 """
 
 from __future__ import annotations
@@ -13,8 +15,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .policies import DecodePolicy, Policy
-from .prefix_policy import PrefixPolicy
+from .policies import PolicySettings
 
 
 class SettingsError(ValueError):
@@ -33,7 +34,7 @@ def _check_url(url: str) -> str:
 class DecodeEndpoint(BaseModel):
     """One decode server: its HTTP URL."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     name: str = Field(min_length=1)
     url: str
@@ -48,56 +49,71 @@ class PrefillEndpoint(DecodeEndpoint):
     bootstrap_port: int | None = Field(default=8998, ge=1, le=65535)
 
 
-class RouterSettings(BaseModel):
-    """Everything the router needs; the pools may be empty (then /health is 503 and requests get 503)."""
+class OperatorSettings(BaseModel):
+    """What an operator sets about the router, each setting declared once: its default, limit and description.
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    The topology's `router:` section is this model plus where the router runs and where its API keys come from
+    (`orchestrator/topology/schema.py`'s `RouterConfig`); docs/router.md's table is generated from it
+    (`settings_fields.py`). Strict: "30" is not a number, a typo is not a setting.
+    """
 
-    host: str = "0.0.0.0"
-    port: int = Field(default=30001, ge=1, le=65535)
-    model_name: str = Field(min_length=1)
-    prefill: list[PrefillEndpoint] = Field(default_factory=list)
-    decode: list[DecodeEndpoint] = Field(default_factory=list)
-    request_timeout_s: float = Field(default=600.0, gt=0)
-    connect_timeout_s: float = Field(default=5.0, gt=0)
-    admin_token: str | None = Field(
-        default=None, min_length=16, repr=False,
-        description="bearer token for /admin/*; without one the admin routes answer 403 (docs/router_admin.md)")
-    health_check_interval_s: float = Field(default=2.0, gt=0, description="how often each worker's /health is polled")
-    health_check_timeout_s: float = Field(default=2.0, gt=0)
-    health_failures_to_unhealthy: int = Field(default=2, ge=1,
-                                              description="consecutive failed checks before a worker leaves the pool")
-    model_aliases: list[str] = Field(default_factory=list, description="other names clients may use for the model")
-    api_keys: list[str] = Field(default_factory=list, repr=False,
-                                description="if set, /v1/* and /generate need 'Authorization: Bearer <one of them>'")
-    api_keys_file: str | None = Field(default=None, description="a file of API keys, one per line ('#' comments), "
-                                      "added to api_keys when the settings are loaded")
-    api_keys_env: str | None = Field(default=None, description="an environment variable holding API keys, "
-                                     "comma-separated, added to api_keys when the settings are loaded")
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    host: str = Field(default="0.0.0.0", min_length=1, description="address the router binds")
+    port: int = Field(default=30001, ge=1, le=65535, description="port the router listens on (no worker may use it)")
+    policy: PolicySettings = Field(default_factory=PolicySettings, description="how each role's worker is chosen")
+    model_aliases: list[str] = Field(default_factory=list, description="other names clients may use for the model; "
+                                     "any other name gets 404 `model_not_found`")
     max_body_bytes: int = Field(default=32 * 2**20, ge=1024, description="larger request bodies get 413")
+    request_timeout_s: float = Field(default=600.0, gt=0, description="how long the router waits on a worker "
+                                     "for its answer's head, its body, or a stream's next chunk")
+    connect_timeout_s: float = Field(default=5.0, gt=0, description="deadline for opening a connection to a worker "
+                                     "(and for an abort call)")
     request_head_timeout_s: float = Field(default=10.0, gt=0, description="a request head not complete this long "
                                           "after its first byte gets 408 and its connection closed (slowloris)")
     request_body_timeout_s: float = Field(default=30.0, gt=0, description="a request body not complete this long "
                                           "after its head gets 408 and its connection closed")
+    upstream_keepalive_s: float = Field(default=4.5, gt=0, description="idle upstream connections are dropped after "
+                                        "this; keep it below the workers' keep-alive (uvicorn: 5 s). Shorter costs "
+                                        "a connect per request to workers that are seldom picked (many workers)")
+    health_check_interval_s: float = Field(default=2.0, gt=0, description="how often each worker's `/health` is polled")
+    health_check_timeout_s: float = Field(default=2.0, gt=0, description="deadline of one `/health` poll")
+    health_failures_to_unhealthy: int = Field(default=2, ge=1,
+                                              description="consecutive failed checks before a worker leaves the pool")
     max_queued_per_worker: int = Field(default=64, ge=0, description="a stage whose every eligible worker has this "
                                        "many requests queued for KV pages is saturated: new requests get 503 + "
                                        "Retry-After at once (backpressure.py); 0: off")
     stream_hold_s: float = Field(default=15.0, ge=0, description="a request whose prefill or decode died under it, "
                                  "with no other worker of that role that answers, is held this long for one (the "
                                  "supervisor restarts the dead one), tried at most once a second; 0: not held")
-    migration_limit: int = Field(default=1, ge=0, description="times a stream whose decode died is continued on "
-                                 "a fresh pair before it ends with an error event")
-    prefill_policy: Policy = "round_robin"
-    decode_policy: DecodePolicy = "round_robin"
-    prefix: PrefixPolicy = Field(default_factory=PrefixPolicy, description="the prefill `prefix` policy's knobs")
     max_retries: int = Field(default=2, ge=0, description="fresh pairs tried after a connection-level failure that "
                              "happened before the first byte reached the client")
+    migration_limit: int = Field(default=1, ge=0, description="times a stream whose decode died is continued on "
+                                 "a fresh pair before it ends with an error event")
     breaker_failures: int = Field(default=5, ge=1, description="connection failures in a row that open a worker's "
                                   "circuit breaker")
-    breaker_cooldown_s: float = Field(default=5.0, gt=0)
-    upstream_keepalive_s: float = Field(default=4.5, gt=0, description="idle upstream connections are dropped after "
-                                        "this; keep it below the workers' keep-alive (uvicorn: 5 s). Shorter costs "
-                                        "a connect per request to workers that are seldom picked (many workers)")
+    breaker_cooldown_s: float = Field(default=5.0, gt=0, description="how long an open breaker keeps its worker out "
+                                      "before one request tries it again")
+
+
+class RouterSettings(OperatorSettings):
+    """The settings file: what an operator sets, plus what the orchestrator derives from the rest of the topology
+    (model name, workers, admin token) and the API keys. The pools may be empty (then /health is 503 and requests
+    get 503)."""
+
+    model_name: str = Field(min_length=1, description="the served model's name (the topology's model.name)")
+    prefill: list[PrefillEndpoint] = Field(default_factory=list, description="the prefill workers")
+    decode: list[DecodeEndpoint] = Field(default_factory=list, description="the decode workers")
+    admin_token: str | None = Field(
+        default=None, min_length=16, repr=False,
+        description="bearer token of `/admin/*`; without one the admin routes answer 403 (docs/router_admin.md)")
+    api_keys: list[str] = Field(default_factory=list, repr=False,
+                                description="if set, `/v1/*` and `/generate` need "
+                                "`Authorization: Bearer KEY` with one of them as KEY")
+    api_keys_file: str | None = Field(default=None, description="a file of API keys, one per line ('#' comments), "
+                                      "added to api_keys when the settings are loaded")
+    api_keys_env: str | None = Field(default=None, description="an environment variable holding API keys, "
+                                     "comma-separated, added to api_keys when the settings are loaded")
 
     @model_validator(mode="after")
     def _names_unique(self) -> RouterSettings:
@@ -106,19 +122,6 @@ class RouterSettings(BaseModel):
         if dupes:
             raise ValueError(f"worker names must be unique across prefill and decode; repeated: {dupes}")
         return self
-
-
-def summary(settings: RouterSettings) -> list[str]:
-    """What an operator checks before `up`: where the router listens, and its settings (never a key)."""
-    keys = ("file " + settings.api_keys_file if settings.api_keys_file else
-            "env " + settings.api_keys_env if settings.api_keys_env else
-            f"{len(settings.api_keys)} inline" if settings.api_keys else "none (no key asked for)")
-    return [f"listens on http://{settings.host}:{settings.port} (model {settings.model_name!r}; "
-            f"prefill {[w.name for w in settings.prefill]}, decode {[w.name for w in settings.decode]})",
-            f"policy: prefill {settings.prefill_policy}, decode {settings.decode_policy}; API keys: {keys}",
-            f"admission: bodies up to {settings.max_body_bytes} bytes; timeouts: request "
-            f"{settings.request_timeout_s:g} s, connect {settings.connect_timeout_s:g} s, request head "
-            f"{settings.request_head_timeout_s:g} s, request body {settings.request_body_timeout_s:g} s"]
 
 
 def _describe(err: ValidationError) -> str:

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
 from dsv4_cluster.core import Role
 from dsv4_cluster.kernels.sglang_plugin.settings import ATTEST_DIR_ENV, KERNELS_ENV, WORKER_ENV
 from dsv4_cluster.orchestrator.launch.plan import (
     ROUTE_PROBE, PlanError, cluster_plans, endpoint, router_settings)
-from dsv4_cluster.orchestrator.topology.load import load_topology, topology_from_data
+from dsv4_cluster.orchestrator.topology.load import load_topology, parse_topology, topology_from_data
 from dsv4_cluster.orchestrator.supervise.router_admin import with_admin_token
-from dsv4_cluster.router.settings import SettingsError, load_settings
+from dsv4_cluster.router.settings import OperatorSettings, SettingsError, load_settings
+from dsv4_cluster.router.settings_fields import leaves, value_at
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,7 +33,11 @@ SGLANG_0_5_23_FLAGS = {
 
 
 def _local(**overrides: object) -> object:
-    data = {
+    return topology_from_data(_local_data(**overrides), source=REPO / "examples" / "x.yaml")
+
+
+def _local_data(**overrides: object) -> dict[str, Any]:
+    return {
         "engine": "embedded", "model": {"name": "dsv4-tiny", "seed": 3, "context_length": 2048},
         "kernels": {"sparse_mla_decode": True, "indexer": False, "topk": True},
         "defaults": {"page_size": 16, "kv_cache_dtype": "auto", "max_total_tokens": 16384},
@@ -40,7 +47,6 @@ def _local(**overrides: object) -> object:
         "decode": [{"name": "decode-0", "port": 21200, "page_size": 16}],
         **overrides,
     }
-    return topology_from_data(data, source=REPO / "examples" / "x.yaml")
 
 
 def _flag(argv: tuple[str, ...], name: str) -> str:
@@ -119,7 +125,7 @@ def test_the_topology_router_section_reaches_the_router_typed_and_keys_come_from
         "cluster": {"run_dir": str(tmp_path)}}, source=tmp_path / "topology.yaml")
     _, plan = cluster_plans(topo)
     settings = plan.router_settings
-    assert (settings.prefill_policy, settings.decode_policy) == ("round_robin", "least_load")
+    assert (settings.policy.prefill, settings.policy.decode) == ("round_robin", "least_load")
     assert (settings.max_body_bytes, settings.request_timeout_s) == (4096, 30.5)
     assert settings.api_keys == [] and settings.api_keys_file == str(tmp_path / "keys.txt")
     ((path, text),) = with_admin_token(plan, "t" * 20).files
@@ -140,6 +146,31 @@ def test_the_topology_router_section_reaches_the_router_typed_and_keys_come_from
         load_settings(path)
     monkeypatch.setenv("DSV4_TEST_KEYS", "a-key, another")
     assert load_settings(path).api_keys == ["a-key", "another"]
+
+
+# values no generic rule picks: text, a policy name, a list
+_CHOSEN = {"host": "127.0.0.1", "policy.prefill": "prefix", "policy.decode": "least_load", "model_aliases": ["tiny"]}
+
+
+def test_every_router_setting_written_in_the_topology_reaches_the_routers_settings_file(tmp_path: Path) -> None:
+    """Each operator setting of the router's model, set to a value of its own in topology YAML, is what the router
+    reads back from the settings file `plan` renders."""
+    expected, router = {}, {}
+    for key, info in leaves(OperatorSettings):
+        default = info.get_default(call_default_factory=True)
+        expected[key] = _CHOSEN[key] if key in _CHOSEN else type(default)(default / 2)  # within every limit
+        assert expected[key] != default, f"{key}: give the test a value other than its default"
+        *parents, last = key.split(".")
+        section = router
+        for part in parents:
+            section = section.setdefault(part, {})
+        section[last] = expected[key]
+    text = yaml.safe_dump(_local_data(router=router, cluster={"run_dir": str(tmp_path)}))
+    _, plan = cluster_plans(parse_topology(text, source=tmp_path / "topology.yaml"))
+    ((path, rendered),) = plan.files
+    Path(path).write_text(rendered)
+    loaded = load_settings(path)
+    assert {key: value_at(loaded, key) for key in expected} == expected
 
 
 def _production(kernels: bool):

@@ -42,8 +42,8 @@ def pairs(tmp_path_factory):
 
 def _settings(pairs, policy: str = "prefix") -> RouterSettings:
     return RouterSettings(
-        host="127.0.0.1", port=1, model_name="dsv4-tiny", prefill_policy=policy, decode_policy="least_load",
-        request_timeout_s=60, health_check_interval_s=0.5, prefix={"chars_per_token": 1},   # a byte tokenizer
+        host="127.0.0.1", port=1, model_name="dsv4-tiny", request_timeout_s=60, health_check_interval_s=0.5,
+        policy={"prefill": policy, "decode": "least_load", "prefix": {"chars_per_token": 1}},   # a byte tokenizer
         prefill=[{"name": f"prefill-{i}", "url": p.prefill_url, "bootstrap_host": "127.0.0.1",
                   "bootstrap_port": p.bootstrap_port} for i, p in enumerate(pairs)],
         decode=[{"name": f"decode-{i}", "url": p.decode_url} for i, p in enumerate(pairs)])

@@ -105,7 +105,7 @@ def test_least_load_avoids_the_worker_whose_kv_is_full() -> None:
     token = "admin-token-0123456789"
     with stub("prefill") as p, stub("decode") as busy, stub("decode") as idle:
         busy.stats.token_usage = 0.9  # what its /metrics reports as sglang:token_usage
-        settings = router_settings(p.url, busy.url, idle.url, decode_policy="least_load", admin_token=token,
+        settings = router_settings(p.url, busy.url, idle.url, policy={"decode": "least_load"}, admin_token=token,
                                    health_check_interval_s=0.1)
         with UvicornThread(build_app(settings)) as router:
             def usage() -> float:

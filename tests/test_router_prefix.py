@@ -140,9 +140,9 @@ def test_prefix_is_a_prefill_policy_only():
     workers = {"model_name": "dsv4-tiny",
                "prefill": [{"name": "p", "url": "http://127.0.0.1:1", "bootstrap_host": "127.0.0.1"}],
                "decode": [{"name": "d", "url": "http://127.0.0.1:2"}]}
-    assert RouterSettings(**workers, prefill_policy="prefix").prefill_policy == "prefix"
-    with pytest.raises(ValidationError, match="decode_policy 'prefix' is for prefill workers"):
-        RouterSettings(**workers, decode_policy="prefix")
+    assert RouterSettings(**workers, policy={"prefill": "prefix"}).policy.prefill == "prefix"
+    with pytest.raises(ValidationError, match="decode policy 'prefix' is for prefill workers"):
+        RouterSettings(**workers, policy={"decode": "prefix"})
 
 
 def test_a_prefills_load_ends_when_its_leg_does():
@@ -170,7 +170,7 @@ def test_the_health_checks_read_each_prefills_kv_capacity_for_the_prefix_policy(
     from tests.servers import StubThread, UvicornThread, bound_socket
 
     with StubThread("prefill", bound_socket()) as p, StubThread("decode", bound_socket()) as d:
-        settings = RouterSettings(model_name="stub", prefill_policy="prefix", health_check_interval_s=0.1,
+        settings = RouterSettings(model_name="stub", policy={"prefill": "prefix"}, health_check_interval_s=0.1,
                                   prefill=[{"name": "p", "url": p.url, "bootstrap_host": "127.0.0.1"}],
                                   decode=[{"name": "d", "url": d.url}])
         app = build_app(settings)
@@ -180,7 +180,7 @@ def test_the_health_checks_read_each_prefills_kv_capacity_for_the_prefix_policy(
             assert state.pool.prefill[0].kv_tokens == 1 << 20 and state.pool.decode[0].kv_tokens is None
             chooser = state.pool.chooser(Role.PREFILL).state
             assert chooser.tree(state.pool.prefill[0]).capacity == min(
-                settings.prefix.max_names_per_worker, (1 << 20) * 4 // 64)
+                settings.policy.prefix.max_names_per_worker, (1 << 20) * 4 // 64)
 
 
 def test_a_prefill_whose_server_info_hangs_stays_healthy_and_the_memory_keeps_its_cap():
@@ -201,7 +201,7 @@ def test_a_prefill_whose_server_info_hangs_stays_healthy_and_the_memory_keeps_it
         return {"max_total_num_tokens": 4096}
 
     with UvicornThread(bare) as worker:
-        settings = RouterSettings(model_name="stub", prefill_policy="prefix", health_check_interval_s=0.1,
+        settings = RouterSettings(model_name="stub", policy={"prefill": "prefix"}, health_check_interval_s=0.1,
                                   health_check_timeout_s=0.2, health_failures_to_unhealthy=1,
                                   prefill=[{"name": "p", "url": worker.url, "bootstrap_host": "127.0.0.1"}],
                                   decode=[{"name": "d", "url": worker.url}])
@@ -212,7 +212,7 @@ def test_a_prefill_whose_server_info_hangs_stays_healthy_and_the_memory_keeps_it
             time.sleep(1.0)                            # several rounds, each asking /server_info again
             assert prefill.healthy and prefill.health_failures == 0 and prefill.kv_tokens is None
             assert state.pool.chooser(Role.PREFILL).state.tree(prefill).capacity == \
-                settings.prefix.max_names_per_worker
+                settings.policy.prefix.max_names_per_worker
 
 
 def test_the_memory_stays_a_consistent_radix_tree_under_random_prompts():

@@ -197,8 +197,7 @@ def test_an_answer_read_after_a_recorded_death_does_not_make_the_worker_answerin
     from dsv4_cluster.router.pool import WorkerPool
     from tests.router_fakes import router_settings
 
-    settings = router_settings("http://127.0.0.1:1", "http://127.0.0.1:2", prefill_policy="round_robin",
-                               decode_policy="round_robin", max_queued_per_worker=0)
+    settings = router_settings("http://127.0.0.1:1", "http://127.0.0.1:2", max_queued_per_worker=0)
     pool = WorkerPool(settings)
     prefill = pool.prefill[0]
 

@@ -83,7 +83,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     """Starts nothing and needs no Ray: what `up FILE` would run, and the KV pools it would get."""
     from dsv4_cluster.orchestrator.launch.capacity import capacity_rows, capacity_table, inputs_note
     from dsv4_cluster.orchestrator.launch.plan import PlanError, cluster_plans
-    from dsv4_cluster.router.settings import summary
+    from dsv4_cluster.router.settings_fields import summary
 
     try:
         topology = load_topology(args.file)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from dsv4_cluster.core import KERNEL_NAMES, Role
 from dsv4_cluster.orchestrator.launch.sglang import sglang_argv, sglang_env
-from dsv4_cluster.router.settings import DecodeEndpoint, PrefillEndpoint, RouterSettings
+from dsv4_cluster.router.settings import DecodeEndpoint, OperatorSettings, PrefillEndpoint, RouterSettings
 
 if TYPE_CHECKING:
     from dsv4_cluster.orchestrator.topology.schema import Topology, WorkerConfig
@@ -171,7 +171,9 @@ def worker_plan(topology: Topology, worker: WorkerConfig) -> LaunchPlan:
 
 
 def router_settings(topology: Topology) -> RouterSettings:
-    """The router's settings: the topology's `router:` section, and every worker at its node's address."""
+    """The router's settings: every setting of the topology's `router:` section as written (it is the router's
+    `OperatorSettings`), and what the orchestrator derives: the model's name, every worker at its node's address,
+    the API keys' source (the admin token is added at `up`, `supervise/router_admin.py`)."""
     r = topology.router
     prefill = [PrefillEndpoint(name=w.name, url=f"http://{topology.node(w.node).address}:{w.port}",
                                bootstrap_host=topology.node(w.node).address, bootstrap_port=w.bootstrap_port)
@@ -183,12 +185,8 @@ def router_settings(topology: Topology) -> RouterSettings:
         keys["api_keys_file"] = str(_beside(topology, r.api_keys.file))
     elif r.api_keys is not None:
         keys["api_keys_env"] = r.api_keys.env
-    return RouterSettings(
-        host=r.host, port=r.port, model_name=topology.model.name, prefill=prefill, decode=decode,
-        prefill_policy=r.policy.prefill, decode_policy=r.policy.decode, prefix=r.policy.prefix,
-        max_body_bytes=r.max_body_bytes,
-        request_timeout_s=r.request_timeout_s, connect_timeout_s=r.connect_timeout_s,
-        request_head_timeout_s=r.request_head_timeout_s, request_body_timeout_s=r.request_body_timeout_s, **keys)
+    operator = {name: getattr(r, name) for name in OperatorSettings.model_fields}
+    return RouterSettings(**operator, model_name=topology.model.name, prefill=prefill, decode=decode, **keys)
 
 
 def _beside(topology: Topology, path: str) -> Path:

@@ -21,6 +21,9 @@ def explain_pydantic_error(error: dict[str, Any], root: type[BaseModel]) -> tupl
     value = _show(error.get("input"))
     key = str(loc[-1]) if loc else "topology"
     if kind == "extra_forbidden":
+        derived = getattr(_model_at(root, loc[:-1]), "DERIVED", {})
+        if key in derived:
+            return f"{key!r} is derived by the orchestrator, not written in the topology", f"remove it; {derived[key]}"
         allowed = sorted(set(_fields_at(root, loc[:-1])) - _SET_BY_LOADER)
         close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.75)
         hint = f"did you mean {close[0]!r}? " if close else "remove it; "
@@ -33,6 +36,8 @@ def explain_pydantic_error(error: dict[str, Any], root: type[BaseModel]) -> tupl
         return f"unknown {key} {value}", f"use one of: {ctx.get('expected', '')}"
     if kind in ("int_type", "int_parsing", "int_from_float"):
         return f"expected a whole number, got {value}", "write an integer without quotes or a fraction"
+    if kind in ("float_type", "float_parsing"):
+        return f"expected a number, got {value}", "write a number without quotes"
     if kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
         if key.endswith("port"):
             return f"port {value} is out of range", "use a port in 1..65535 (below 32768 avoids ephemeral ports)"
@@ -70,6 +75,12 @@ def explain_pydantic_error(error: dict[str, Any], root: type[BaseModel]) -> tupl
 
 def _fields_at(root: type[BaseModel], loc: tuple[Any, ...]) -> dict[str, FieldInfo]:
     """The fields of the model found by walking ``loc`` from ``root``; {} if there is none."""
+    model = _model_at(root, loc)
+    return dict(model.model_fields) if model is not None else {}
+
+
+def _model_at(root: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The model found by walking ``loc`` from ``root``; None if there is none."""
     current: Any = root
     for part in loc:
         current = _unwrap_optional(current)
@@ -78,11 +89,9 @@ def _fields_at(root: type[BaseModel], loc: tuple[Any, ...]) -> dict[str, FieldIn
         elif isinstance(current, type) and issubclass(current, BaseModel) and part in current.model_fields:
             current = current.model_fields[part].annotation
         else:
-            return {}
+            return None
     current = _unwrap_optional(current)
-    if isinstance(current, type) and issubclass(current, BaseModel):
-        return dict(current.model_fields)
-    return {}
+    return current if isinstance(current, type) and issubclass(current, BaseModel) else None
 
 
 def _unwrap_optional(annotation: Any) -> Any:

@@ -6,15 +6,13 @@ has `role`, `node`, `page_size`, `kv_cache_dtype` and `max_total_tokens` resolve
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from dsv4_cluster.core import WORKER_ROLES, Role
 from dsv4_cluster.orchestrator.launch.sglang_facts import DSV4_PAGE_SIZE
-from dsv4_cluster.router.policies import DecodePolicy, Policy
-from dsv4_cluster.router.prefix_policy import PrefixPolicy
-from dsv4_cluster.router.settings import RouterSettings
+from dsv4_cluster.router.settings import OperatorSettings
 from .errors import UnknownNameError
 
 EngineName = Literal["embedded", "sglang"]
@@ -58,21 +56,6 @@ def default_nodes() -> list[NodeConfig]:
     return [NodeConfig(name="local", address="127.0.0.1")]
 
 
-def _router_default(name: str) -> Any:
-    """A router setting's default, as `RouterSettings` (the router's own model) has it: never retyped here."""
-    return RouterSettings.model_fields[name].default
-
-
-class RouterPolicyConfig(_Strict):
-    """Each role's choice of worker (`router/policies.py`'s registry names them)."""
-
-    prefill: Policy = _router_default("prefill_policy")
-    decode: DecodePolicy = _router_default("decode_policy")
-    prefix: PrefixPolicy = Field(default_factory=PrefixPolicy, description="the prefill `prefix` policy's knobs: "
-                                 "threshold, balance_abs, shared_balance_abs, block_chars, chars_per_token, "
-                                 "max_names_per_worker")
-
-
 class ApiKeysConfig(_Strict):
     """Where the router's API keys are: never in the topology itself. Read by the router at its start."""
 
@@ -89,17 +72,33 @@ class ApiKeysConfig(_Strict):
         return self
 
 
-class RouterConfig(_Strict):
-    host: str = Field(default=_router_default("host"), min_length=1)
-    port: int = Field(default=_router_default("port"), ge=1, le=65535)
+class RouterConfig(OperatorSettings):
+    """The `router:` section: the router's own `OperatorSettings` (every setting, limit and description declared
+    there, once), plus where the router runs and where its API keys come from. What the orchestrator derives for
+    the router's settings file (`DERIVED`) is refused here, saying where it comes from."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    # RouterSettings' fields beyond OperatorSettings, and where `launch/plan.py`'s router_settings takes each from
+    DERIVED: ClassVar[dict[str, str]] = {
+        "model_name": "it is model.name",
+        "prefill": "the prefill workers are listed under prefill:",
+        "decode": "the decode workers are listed under decode:",
+        "admin_token": "`up` makes one for the cluster's own calls",
+        "api_keys_file": "name the file as router.api_keys.file",
+        "api_keys_env": "name the variable as router.api_keys.env",
+    }
+
     node: str | None = Field(default=None, description="null → the first node; resolved after load")
-    policy: RouterPolicyConfig = Field(default_factory=RouterPolicyConfig)
     api_keys: ApiKeysConfig | None = Field(default=None, description="without it, no API key is asked for")
-    max_body_bytes: int = Field(default=_router_default("max_body_bytes"), ge=1024)
-    request_timeout_s: float = Field(default=_router_default("request_timeout_s"), gt=0)
-    connect_timeout_s: float = Field(default=_router_default("connect_timeout_s"), gt=0)
-    request_head_timeout_s: float = Field(default=_router_default("request_head_timeout_s"), gt=0)
-    request_body_timeout_s: float = Field(default=_router_default("request_body_timeout_s"), gt=0)
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _no_inline_keys(cls, value: Any) -> Any:
+        if isinstance(value, (list, str)):
+            raise ValueError("API keys are never written in the topology; name where they are: api_keys.file "
+                             "(a file, one key per line) or api_keys.env (an environment variable)")
+        return value
 
 
 class TransferConfig(_Strict):
@@ -187,7 +186,7 @@ class Topology(_Strict):
     def _resolve(self) -> Topology:
         first_node = self.nodes[0].name
         if self.router.node is None:
-            self.router.node = first_node
+            self.router = self.router.model_copy(update={"node": first_node})
         for worker in self.workers:
             if worker.node is None:
                 worker.node = first_node
