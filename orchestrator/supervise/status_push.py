@@ -3,11 +3,13 @@
 What changes how often, and why it is pushed as it is:
 - state, error, restarts, pid and history change on events (a transition, a spawn, a restart): each event wakes
   the pusher, which sends the new row at once;
-- KV usage, stranded KV and kernels change with every request, but are only *read* on the supervisor's health
-  poll (`supervisor.py`, every `HealthPolicy.interval_s`); a reading that changed the row wakes the pusher, so
-  they are pushed on change at most once per poll. Reading them at each `status` instead would put an HTTP call
-  per worker back on the read path this module takes off it; Prometheus scrapes the workers for the time series;
-- pinning (nvidia-smi on a GPU machine: slow) is read at READY and every `PINNING_EVERY_POLLS` polls.
+- KV usage and stranded KV change with every request; they (and the kernels) are only *read* on the supervisor's
+  health poll (`supervisor.py`, every `HealthPolicy.interval_s`), and a reading that changed the row wakes the
+  pusher, so they are pushed on change at most once per poll. Reading them at each `status` instead would put an
+  HTTP call per worker back on the read path this module takes off it; Prometheus scrapes the workers for the
+  time series;
+- pinning (nvidia-smi on a GPU machine: slow) is read at READY and every `PINNING_EVERY_POLLS` polls;
+- a troubled worker's log tail is read when its row is pushed (on an event, or with a heartbeat).
 An unchanged row is sent again every `HEARTBEAT_S`: the controller tells a supervisor that has nothing new from
 one that stopped pushing (dead or hung) by the age of its last push (`row_store.py`).
 
