@@ -78,6 +78,7 @@ class WorkerStatus:
     history: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # last spawns and state changes, `at` epoch s
     kv_predicted_tokens: int | None = None  # the capacity planner's prediction (workers only)
     ray_node_id: str | None = None  # the Ray node its supervisor runs on
+    reported_at: float | None = None  # when its supervisor read this row (epoch s, the supervisor's clock)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -101,7 +102,7 @@ class WorkerStatus:
             kernels=tuple(sorted((data.get("kernels") or {}).items())), log_tail=data.get("log_tail"),
             pinning=data.get("pinning"), stranded_kv=data.get("stranded_kv"),
             history=list(data.get("history") or []), kv_predicted_tokens=data.get("kv_predicted_tokens"),
-            ray_node_id=data.get("ray_node_id"))
+            ray_node_id=data.get("ray_node_id"), reported_at=data.get("reported_at"))
 
 
 @dataclass(frozen=True)

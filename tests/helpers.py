@@ -99,12 +99,17 @@ def status_rows(c: LocalCluster, *extra: str) -> dict[str, dict[str, Any]]:
     return {w["name"]: w for w in cluster_status(c, *extra)["workers"]}
 
 
-def wait_ready(c: LocalCluster, name: str, restarts: int, timeout_s: float) -> dict[str, Any]:
-    """`name`'s row once it is READY after `restarts` restarts; the last row read when `timeout_s` runs out
-    (the caller asserts on it, so a failure shows the state it was stuck in)."""
+def wait_row(c: LocalCluster, name: str, check: Callable[[dict[str, Any]], bool], timeout_s: float) -> dict[str, Any]:
+    """`name`'s status row once `check(row)` holds; the last row read when `timeout_s` runs out (the caller asserts
+    on it, so a failure shows what it was stuck at)."""
     end = time.monotonic() + timeout_s
     while True:
         row = status_rows(c)[name]
-        if (row["state"], row["restarts"]) == ("READY", restarts) or time.monotonic() > end:
+        if check(row) or time.monotonic() > end:
             return row
         time.sleep(0.3)
+
+
+def wait_ready(c: LocalCluster, name: str, restarts: int, timeout_s: float) -> dict[str, Any]:
+    """`name`'s row once it is READY after `restarts` restarts (as `wait_row`)."""
+    return wait_row(c, name, lambda row: (row["state"], row["restarts"]) == ("READY", restarts), timeout_s)

@@ -33,11 +33,12 @@ from dsv4_cluster.orchestrator.processes import pid_alive
 
 from bench.local_cluster import LocalCluster, write_topology
 from .cluster_cli import next_20_succeed
-from .helpers import cluster_status, kv_used, status_rows, wait_for, wait_for_async, wait_ready
+from .helpers import cluster_status, kv_used, status_rows, wait_for, wait_for_async, wait_ready, wait_row
 
 pytestmark = pytest.mark.slow
 HOOKS = ", extra_args: [--test-hooks]"
 STRANDED_TIMEOUT_S = 14  # topology transfer.stranded_kv_timeout_s; counted stranded after 5 s (9 s to see all 3)
+POLLS_S = 6.0  # a reading reaches status within one health poll (2 s) and its push: a ceiling of three polls
 
 
 @pytest.fixture(scope="module")
@@ -88,13 +89,14 @@ def test_kv_stranded_by_a_dead_decode_is_counted_then_freed_and_requests_succeed
         with contextlib.suppress(ProcessLookupError):  # (its supervisor may have killed it already)
             os.kill(dead["pid"], signal.SIGKILL)  # the decode dies before any transfer
     held = kv_used(prefill) - idle_used
-    rows = status_rows(cluster)
+    stranded = {"tokens": held, "rooms": 3, "freed_tokens": int(before[m.STRANDED_KV_FREED_TOKENS]),
+                "freed_rooms": int(before[m.STRANDED_KV_FREED_ROOMS])}
+    # status shows what the prefill's supervisor read on its last health poll (every 2 s), pushed on change
+    row = wait_row(cluster, "prefill-0", lambda r: r["stranded_kv"] == stranded, POLLS_S)
     table = cluster.cli("status").stdout
     assert now[m.STRANDED_KV_ROOMS] == 3, now
     assert now[m.STRANDED_KV_TOKENS] == held > 0, (now, held)
-    assert rows["prefill-0"]["stranded_kv"] == {
-        "tokens": held, "rooms": 3, "freed_tokens": int(before[m.STRANDED_KV_FREED_TOKENS]),
-        "freed_rooms": int(before[m.STRANDED_KV_FREED_ROOMS])}, rows["prefill-0"]
+    assert row["stranded_kv"] == stranded, row
     assert f"prefill-0: stranded KV {held} tokens in 3 rooms now" in table, table
 
     for t in legs:
@@ -110,7 +112,8 @@ def test_kv_stranded_by_a_dead_decode_is_counted_then_freed_and_requests_succeed
     assert after[m.STRANDED_KV_FREED_TOKENS] == before[m.STRANDED_KV_FREED_TOKENS] + held, after
     assert after[m.STRANDED_KV_FREED_ROOMS] == before[m.STRANDED_KV_FREED_ROOMS] + 3, after
     assert kv_used(prefill) == idle_used
-    assert status_rows(cluster)["prefill-0"]["stranded_kv"]["freed_rooms"] == after[m.STRANDED_KV_FREED_ROOMS]
+    row = wait_row(cluster, "prefill-0", lambda r: (r["stranded_kv"] or {}).get("rooms") == 0, POLLS_S)
+    assert row["stranded_kv"]["freed_rooms"] == after[m.STRANDED_KV_FREED_ROOMS], row
 
     row = wait_ready(cluster, "decode-0", dead["restarts"] + 1, timeout_s=90)
     assert (row["state"], row["restarts"]) == ("READY", dead["restarts"] + 1), row

@@ -30,7 +30,8 @@ def _row(**kw: object) -> WorkerStatus:
 
 def test_worker_status_round_trips_through_its_dict() -> None:
     rows = (_row(), _row(kv=None, pid=None, state=WorkerState.FAILED, error="boom"),
-            _row(kernels=(("indexer", "triton"), ("topk", "off"))), _row(state=None, kv_predicted_tokens=9))
+            _row(kernels=(("indexer", "triton"), ("topk", "off"))), _row(state=None, kv_predicted_tokens=9),
+            _row(reported_at=1733360000.25, ray_node_id="n1"))
     for row in rows:
         assert WorkerStatus.from_dict(json.loads(json.dumps(row.to_dict()))) == row
     d = _row().to_dict()

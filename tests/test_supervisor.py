@@ -20,7 +20,7 @@ from dsv4_cluster.orchestrator.launch.ports import free_ports, port_is_free
 from dsv4_cluster.orchestrator.processes import pid_alive
 from dsv4_cluster.orchestrator.supervise.supervisor import (
     HealthPolicy, RestartPolicy, WorkerStartError, WorkerSupervisor)
-from tests.helpers import gone, wait_for
+from tests.helpers import SOON_S, gone, wait_for
 
 STANDIN = textwrap.dedent('''
     import argparse, json, os, signal, subprocess, sys, time
@@ -225,8 +225,12 @@ FAST_HEALTH = HealthPolicy(interval_s=0.2, timeout_s=1.0, failures_to_restart=3)
 
 
 def test_a_worker_that_stops_answering_health_is_degraded_then_restarted(tmp_path: Path) -> None:
+    """... and the controller's side hears every change, in order, as its supervisor pushes it."""
+    pushed: list[WorkerStatus] = []
     sup = WorkerSupervisor(_plan(tmp_path, "--unhealthy-after", "1.0"), RestartPolicy(backoff_s=0.1),
-                           FAST_HEALTH)
+                           FAST_HEALTH, report=pushed.append)
+    announced = wait_for(lambda: pushed[:1], SOON_S, "the supervisor's first row, pushed before any change")
+    assert (announced[0].state, announced[0].pid) == ("STOPPED", None)
     first = sup.start(timeout_s=30).pid
     try:
         degraded = _wait_for(sup, lambda s: s.state == "DEGRADED")
@@ -235,8 +239,16 @@ def test_a_worker_that_stops_answering_health_is_degraded_then_restarted(tmp_pat
         status = _wait_for(sup, lambda s: s.restarts == 1 and s.state == "READY")
         assert (status.restarts, status.state, status.log_tail) == (1, "READY", None)
         assert status.pid != first and _wait_dead(first)
+        wait_for(lambda: any(r.restarts == 1 and r.state == "READY" for r in pushed), SOON_S, "READY again pushed")
     finally:
         sup.stop(deadline_s=5)
+    states = [(r.state.value, r.restarts) for r in pushed]
+    changes = [s for i, s in enumerate(states) if i == 0 or s != states[i - 1]]
+    # a push sends the row of that moment (a state shorter than one push may be skipped); these last polls
+    assert changes.index(("DEGRADED", 0)) < changes.index(("READY", 1)), changes
+    assert [r.reported_at for r in pushed] == sorted({r.reported_at for r in pushed})  # read order, no repeats
+    ready = next(r for r in pushed if r.state == "READY")
+    assert (ready.pid, ready.kv.capacity_tokens, ready.kv.used_tokens) == (first, 1000, 7)  # read on the poll
 
 
 def test_a_short_health_blip_is_degraded_and_back_without_a_restart(tmp_path: Path) -> None:

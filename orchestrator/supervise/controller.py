@@ -1,9 +1,10 @@
 """The controller: one detached, named Ray actor that owns the cluster's supervisors.
 
 It places one supervisor per worker on the worker's node, starts prefill and decode concurrently and the router
-once every worker is READY, runs the deep probe, and answers `GET /status` on loopback (`status_endpoint.py`).
-Ray restarts it (`max_restarts`); the new one takes over the running supervisors by name, which outlive it, so
-`stop` kills them by name (`kill_supervisors` for a controller that is gone).
+once every worker is READY, runs the deep probe, and answers `GET /status` on loopback (`status_endpoint.py`)
+from the rows the supervisors push to it (`row_store.py`): reading status asks no supervisor.
+Ray restarts it (`max_restarts`); the new one takes over the running supervisors by name, which outlive it (and
+asks each for its row once), so `stop` kills them by name (`kill_supervisors` for a controller that is gone).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import ray
@@ -28,6 +29,8 @@ from dsv4_cluster.orchestrator.launch.plan import LaunchPlan
 from dsv4_cluster.orchestrator.supervise.status_endpoint import StatusServer, with_predicted_capacity
 from dsv4_cluster.orchestrator.monitor.targets import listed, record_targets
 from dsv4_cluster.orchestrator.supervise.router_admin import RouterAdmin, RouterAdminError, RouterLink
+from dsv4_cluster.orchestrator.supervise.row_store import RowStore
+from dsv4_cluster.orchestrator.supervise.status_push import ControllerSink
 from dsv4_cluster.orchestrator.supervise.supervisor import WorkerSupervisor
 from dsv4_cluster.orchestrator.verify.sequence import verify_kernels
 
@@ -39,6 +42,7 @@ DEEP_PROBE_INTERVAL_S = 30.0
 DRAIN_POLL_S = 0.2
 ACTOR_MAX_RESTARTS = -1  # Ray restarts a dead controller or supervisor for as long as the cluster is up
 READ_RETRIES = 2  # status/pids are safe to send again to an actor Ray restarted
+TAKE_OVER_WAIT_S = 5.0  # a restarted controller's wait for the rows it asks of the running supervisors
 
 
 def ray_node_ip(address: str) -> str:
@@ -94,6 +98,7 @@ class ClusterController:
     def __init__(self, spec: ClusterSpec) -> None:
         self._spec = spec
         self._supervisors: dict[str, Any] = {}
+        self._rows = RowStore()
         self._prober: DeepProber | None = None
         self._targets_lock = threading.Lock()  # drain, restart and stop may run concurrently (max_concurrency)
         self._stopped = self._names()  # stopped on purpose: not scrape targets
@@ -107,12 +112,18 @@ class ClusterController:
         start the deep probe again once the router is among them. In a new cluster there are none."""
         for plan in (*self._spec.workers, self._spec.router):
             try:
-                self._supervisors[plan.name] = ray.get_actor(supervisor_name(plan.name),
-                                                             namespace=self._spec.namespace)
+                self._adopt(plan, ray.get_actor(supervisor_name(plan.name), namespace=self._spec.namespace))
             except ValueError:
                 continue
         if self._supervisors:   # the targets files say which of them were stopped on purpose
             self._stopped -= listed(self._spec.router.cwd)
+        asked = [a.status.remote() for a in self._supervisors.values()]  # their pushes come too, but later
+        answered = ray.wait(asked, num_returns=len(asked), timeout=TAKE_OVER_WAIT_S)[0] if asked else []
+        for ref in answered:
+            try:
+                self._rows.put(ray.get(ref))
+            except (RayTaskError, RayActorError):
+                continue  # a supervisor that is itself restarting: it announces itself when it is back
         if self._spec.router.name in self._supervisors:
             self._prober = DeepProber(self._spec.workers, self._spec.probe_interval_s)
             self._prober.start()
@@ -149,16 +160,23 @@ class ClusterController:
                     f"`ray start --address <head> --node-ip-address {addresses[p.node]}`, or fix nodes[].address")
         return problems
 
+    def _adopt(self, plan: LaunchPlan, actor: Any) -> None:
+        """`actor` supervises `plan`'s process: its row is shown from now on, first as not reported yet."""
+        self._rows.expect(WorkerStatus(plan.name, plan.role, plan.node, None, None, plan.port, 0, None,
+                                       plan.log_path, error="its supervisor has not reported yet"))
+        self._supervisors[plan.name] = actor
+
     def _supervisor(self, plan: LaunchPlan) -> Any:
         link = None
         if plan.role is not Role.ROUTER and self._spec.admin_token is not None:
             link = RouterLink.for_router(self._spec.router, self._spec.admin_token)
+        report = ControllerSink(ray.get_runtime_context().current_actor)  # rows pushed to this actor's `report`
         actor = ray.remote(WorkerSupervisor).options(
             name=supervisor_name(plan.name), namespace=self._spec.namespace, lifetime="detached",
             max_restarts=ACTOR_MAX_RESTARTS, num_cpus=0, max_concurrency=SUPERVISOR_CONCURRENCY,
             resources={self._node_resource(plan.node): NODE_RESOURCE_SHARE},
-        ).remote(plan, router=link)
-        self._supervisors[plan.name] = actor
+        ).remote(plan, router=link, report=report)
+        self._adopt(plan, actor)
         return actor
 
     def _start_all(self, plans: list[LaunchPlan], timeout_s: float) -> list[str]:
@@ -166,7 +184,7 @@ class ClusterController:
         failures = []
         for name, ref in refs.items():
             try:
-                ray.get(ref)
+                self._rows.put(ray.get(ref))
             except (RayTaskError, RayActorError) as e:
                 failures.append(f"{name}: {_cause(e)}")
         return failures
@@ -203,26 +221,17 @@ class ClusterController:
         """Each supervised process's pid (None when not running), for the kernel attestations."""
         return self.status().pids()
 
+    def report(self, row: WorkerStatus) -> None:
+        """A supervisor's push: its row now (kept unless a row it read later is here already)."""
+        self._rows.put(row)
+
     def status(self) -> ClusterStatus:
-        """Every supervised process's row, in start order, and the deep probes; reading it writes nothing."""
-        rows: list[WorkerStatus] = []
-        plans = {p.name: p for p in (*self._spec.workers, self._spec.router)}
+        """Every supervised process's latest pushed row, in start order, and the deep probes: no call to any
+        supervisor, and reading it writes nothing. A supervisor silent too long shows no state (`row_store.py`)."""
         names = [p.name for p in self._spec.workers] + [self._spec.router.name]
-        supervisors = dict(self._supervisors)
-        refs = {n: supervisors[n].status.options(max_task_retries=READ_RETRIES).remote()
-                for n in names if n in supervisors}
-        where = {n: supervisors[n].ray_node.options(max_task_retries=READ_RETRIES).remote()
-                 for n in names if n in supervisors}
-        for name in names:
-            if name not in refs:
-                continue
-            try:
-                row = replace(ray.get(refs[name], timeout=30), ray_node_id=ray.get(where[name], timeout=30))
-            except (RayTaskError, RayActorError) as e:
-                plan = plans[name]
-                row = WorkerStatus(name, plan.role, plan.node, None, None, plan.port, 0, None, plan.log_path,
-                                   error=f"supervisor unreachable: {_cause(e)}")
-            rows.append(with_predicted_capacity(row, dict(self._spec.kv_predicted)))
+        supervised = dict(self._supervisors)
+        predicted = dict(self._spec.kv_predicted)
+        rows = [with_predicted_capacity(r, predicted) for r in self._rows.rows(n for n in names if n in supervised)]
         probes = self._prober.results() if self._prober is not None else ()
         return ClusterStatus(self._spec.endpoint, tuple(rows), probes)
 
@@ -253,6 +262,7 @@ class ClusterController:
         finally:
             admin.close()
         final = ray.get(supervisor.stop.remote(stop_deadline_s))
+        self._rows.put(final)
         self._set_targets(stopped=(name,))
         return Drained(final, entry["in_flight"])
 
@@ -264,6 +274,7 @@ class ClusterController:
             status = ray.get(supervisor.restart.remote(timeout_s, stop_deadline_s))
         except RayTaskError as e:
             raise ClusterStartError(f"{name} did not come back: {_cause(e)}") from None
+        self._rows.put(status)
         self._set_targets(started=(name,))
         admin = self._admin()
         try:
@@ -297,6 +308,7 @@ class ClusterController:
                     failed.append(f"stop failed: {_cause(e)}")
         for actor in self._supervisors.values():
             ray.kill(actor)
+        self._rows.forget(self._supervisors)
         self._supervisors.clear()
         return failed
 

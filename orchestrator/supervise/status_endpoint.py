@@ -1,6 +1,7 @@
 """The controller answers `GET /status` on loopback, so `dsv4-cluster status` needs no Ray driver (connecting one
-costs seconds). The URL is in `<run_dir>/status_endpoint.json`; each answer is `status()` read at that moment.
-When it does not answer, the CLI asks through Ray and says why. This module imports no Ray.
+costs seconds). The URL is in `<run_dir>/status_endpoint.json`; each answer is `status()` at that moment: the
+rows the supervisors last pushed (`row_store.py`). When it does not answer, the CLI asks through Ray and says why.
+This module imports no Ray.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     from dsv4_cluster.orchestrator.topology.schema import Topology
 
 ENDPOINT_FILE = "status_endpoint.json"
-CONNECT_TIMEOUT_S = 30.0  # the controller's status() waits on every supervisor (each read bounded at 30 s)
+CONNECT_TIMEOUT_S = 10.0  # status() answers from the pushed rows it holds: only a stuck controller takes long
 log = logging.getLogger(__name__)
 
 

@@ -5,7 +5,8 @@ supervisor never orphans it); one thread spawns, watches and restarts it, since 
 thread that forked. Restart paths: a failed `/health` poll makes a READY worker DEGRADED, a run of them restarts
 it; an exit restarts it with backoff as RESTARTING, except exit status 2 at start (a usage error: FAILED at once);
 a crash loop (`RestartPolicy`) leaves it FAILED with the reason and the log's tail; a supervisor Ray restarted
-reaps the old group and starts the worker again (`actor_record.py`). Every state change is told to the router.
+reaps the old group and starts the worker again (`actor_record.py`). Every state change is told to the router,
+and every change of its status row is pushed to the controller (`status_push.py`: what is read when, and why).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 
@@ -34,7 +35,8 @@ from dsv4_cluster.orchestrator.processes import (
 from dsv4_cluster.orchestrator.readback.probe import first_unready
 from dsv4_cluster.orchestrator.supervise.router_admin import RouterAdmin, RouterLink, StateReporter
 from dsv4_cluster.orchestrator.supervise.spawn import spawn
-from dsv4_cluster.orchestrator.supervise.status_row import status_row
+from dsv4_cluster.orchestrator.supervise.status_push import StatusPusher
+from dsv4_cluster.orchestrator.supervise.status_row import Readings, ray_node_id, status_row, take_readings
 
 __all__ = ["HealthPolicy", "RestartPolicy", "WorkerStartError", "WorkerSupervisor", "log_tail"]
 logger = logging.getLogger(__name__)
@@ -45,6 +47,7 @@ POLL_INTERVAL_S = 0.2
 USAGE_EXIT_CODE = 2
 USAGE_NOTE = " (a usage error: the command line was refused, which a restart cannot mend)"
 RETELL_EVERY_POLLS = 15  # the router hears the state again this often, in case it restarted
+PINNING_EVERY_POLLS = 15  # pinning is read back at READY and this often (nvidia-smi is slow; it rarely changes)
 RESUME_TIMEOUT_S = 300.0  # a resumed worker's start timeout when its record lacks one
 HISTORY_LENGTH = 20  # state changes kept for `status` (with the supervisor's own timestamps)
 
@@ -65,7 +68,9 @@ class WorkerSupervisor:
     """Spawns, watches, restarts and stops one process described by a LaunchPlan."""
 
     def __init__(self, plan: LaunchPlan, policy: RestartPolicy = RestartPolicy(),
-                 health: HealthPolicy = HealthPolicy(), router: RouterLink | None = None) -> None:
+                 health: HealthPolicy = HealthPolicy(), router: RouterLink | None = None,
+                 report: Callable[[WorkerStatus], None] | None = None) -> None:
+        """`report`: where its status row is pushed on every change (the controller, `ControllerSink`)."""
         self._plan, self._health = plan, health
         self._lock = threading.Lock()
         self._state = WorkerState.STOPPED
@@ -83,7 +88,13 @@ class WorkerSupervisor:
         self._record_path = record_path(plan.cwd, f"supervisor-{plan.name}")
         self._actor_id = current_actor_id()
         self._start_timeout_s: float | None = None
+        self._readings: Readings | None = None  # the READY process read back on its last poll
+        self._reported_at = 0.0
+        self._ray_node_id = ray_node_id()
+        self._pusher = StatusPusher(plan.name, self.status, report) if report is not None else None
         self._resume()
+        if self._pusher is not None:
+            self._pusher.start()  # announces this supervisor: a restarted one's first row goes at once
 
     # -- surviving its own process ------------------------------------------------------------
 
@@ -120,7 +131,22 @@ class WorkerSupervisor:
             self._state, self._error = state, error
             self._history.append({"at": time.time(), "event": "state", "state": state.value,
                                   "reason": (error or "").split("\n")[0][:300] or None})
+        self._changed()
         self._tell_router()
+
+    def _changed(self) -> None:
+        """The status row may have changed: the pusher sends it if it did."""
+        if self._pusher is not None:
+            self._pusher.changed()
+
+    def _read_back(self, pid: int, pinning_due: bool) -> None:
+        """Read the READY process back (on its poll), for its status row."""
+        last = self._readings
+        pinning = last.pinning if last is not None and last.pid == pid and not pinning_due else None
+        readings = take_readings(self._plan, self._http, pid, pinning)
+        with self._lock:
+            self._readings = readings
+        self._changed()
 
     def _tell_router(self, again: bool = False) -> None:
         """Report the current state to the router (`StateReporter`); `again`: even if it has it."""
@@ -141,6 +167,7 @@ class WorkerSupervisor:
         self._proc = proc
         with self._lock:
             self._history.append({"at": time.time(), "event": "spawn", "pid": proc.pid})
+        self._changed()
         self._write_record(running=not self._stop.is_set())
         deadline = time.monotonic() + timeout_s
         while True:
@@ -153,6 +180,7 @@ class WorkerSupervisor:
                 return _Failure("stopped while starting", retry=False)
             pending = first_unready(self._http, plan.all_readiness_urls)
             if pending is None:
+                self._read_back(proc.pid, pinning_due=True)
                 self._set(WorkerState.READY)
                 return None
             if time.monotonic() >= deadline:
@@ -232,6 +260,7 @@ class WorkerSupervisor:
                                 f"{log_tail(plan.log_path)}")
             problem = self._liveness_problem()
             if problem is None:
+                self._read_back(proc.pid, pinning_due=polls % PINNING_EVERY_POLLS == 0)
                 if failures:
                     self._set(WorkerState.READY)
                 failures = 0
@@ -274,6 +303,7 @@ class WorkerSupervisor:
         with self._lock:
             if self._state in (WorkerState.STARTING, WorkerState.READY):
                 self._state = WorkerState.DRAINING
+        self._changed()
         proc, thread = self._proc, self._thread
         if proc is not None:
             signal_group(proc.pid, signal.SIGTERM)
@@ -298,18 +328,15 @@ class WorkerSupervisor:
         return self.start(timeout_s)
 
     def status(self) -> WorkerStatus:
-        """This worker's status row."""
+        """This worker's status row, with the readings of its last poll (no call to the worker)."""
         with self._lock:
             state, error, restarts, history = self._state, self._error, self._restarts, list(self._history)
-        proc = self._proc
+            proc, readings = self._proc, self._readings
+            self._reported_at = max(time.time(), self._reported_at + 1e-6)  # rows are ordered by it
+            reported_at = self._reported_at
         pid = proc.pid if proc is not None and proc.returncode is None else None
-        return status_row(self._plan, self._http, state, error, restarts, history, pid)
-
-    def ray_node(self) -> str | None:
-        """The Ray node this supervisor (an actor) runs on; None outside Ray."""
-        import ray  # only ever called as an actor method, where Ray is initialised
-
-        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+        return status_row(self._plan, state, error, restarts, history, pid, readings, reported_at,
+                          self._ray_node_id)
 
     def pids(self) -> list[tuple[str, int]]:
         """(host, pid) of this supervisor and of its process once spawned."""
