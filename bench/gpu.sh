@@ -139,8 +139,8 @@ engine|kv_transfer)
   versions; python3 -c 'import nixl_cu13, fastapi' 2>&1 | tee -a "$OUT/env.txt"
   tests_rc=0 bench_rc=0
   if [ "$suite" = engine ] && [ -z "${SKIP_TESTS:-}" ]; then
-    DSV4_GPU_LOGS="$logs/tests" tests 300 -x -s "$repo"/tests/test_cuda_engine.py "$repo"/tests/test_two_gpus.py \
-      "$repo"/tests/test_gpu_readback.py 2>&1 | tee "$OUT/tests.log"; tests_rc=${PIPESTATUS[0]}
+    DSV4_GPU_LOGS="$logs/tests" tests 300 -x -s "$repo"/tests/workers/test_cuda_engine.py "$repo"/tests/workers/test_two_gpus.py \
+      "$repo"/tests/orchestrator/test_gpu_readback.py 2>&1 | tee "$OUT/tests.log"; tests_rc=${PIPESTATUS[0]}
   fi
   if [ "$suite" = engine ] && [ -z "${SKIP_STEP:-}" ]; then
     bench 240 bench.decode_step --out "$OUT/decode_step" 2>&1 | tee -a "$OUT/bench.log"; bench_rc=${PIPESTATUS[0]}

@@ -15,7 +15,7 @@ that whole prefix was sent). A worker's match for a prompt is how many of its le
   one earlier prompt (a session's history): `PrefixIndex.extends_a_leaf`.
 
 Memory: one name costs about `BYTES_PER_NAME` bytes (its entry in one worker's set, its node in the index; measured
-with tracemalloc, `tests/test_router_prefix.py`), so the memory is bounded by `BYTES_PER_NAME` x the sum of the
+with tracemalloc, `tests/router/test_router_prefix.py`), so the memory is bounded by `BYTES_PER_NAME` x the sum of the
 workers' capacities, each at most `PrefixPolicy.max_names_per_worker`.
 """
 

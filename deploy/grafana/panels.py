@@ -1,7 +1,7 @@
 """What the two dashboards show: each panel's title, kind, unit and PromQL, as plain data.
 
 `dashboards.py` turns these into Grafana JSON with grafana-foundation-sdk. Every query here is
-evaluated against a real Prometheus scraping a live embedded cluster (tests/test_deploy_live.py).
+evaluated against a real Prometheus scraping a live embedded cluster (tests/deploy/test_deploy_live.py).
 Names come from `dsv4_cluster.metric_names`; `$__rate_interval` is Grafana's own rate window.
 """
 

@@ -1,7 +1,7 @@
 """The KV pool SGLang 0.5.23 gives DeepSeek-V4 on one GPU: `max_total_num_tokens`, computed its way.
 
 Pinned to 0.5.23 (`SIZING_VERSION`; another version is refused). The derivation, step by step with SGLang's
-function names, is in docs/sglang.md; tests/test_sglang_capacity.py checks it against SGLang's own classes.
+function names, is in docs/sglang.md; tests/sglang/test_sglang_capacity.py checks it against SGLang's own classes.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ weights), and import-only modules the decode path never calls. Stock uses SGLang
 kernels cannot load beside torch 2.11: `fp8_paged_mqa_logits_torch` and `topk_transform_pytorch_vectorized`.
 With SGLANG_BACKEND_RUNS naming the folder where the bench's two mode processes of the same device run wrote
 this case (`bash bench/gpu.sh sglang_backend` does), the test checks those results instead of running the
-modes again. Skips without CUDA (never in CI: CI has no GPU; the CPU side is tests/test_sglang_backend_cpu.py).
+modes again. Skips without CUDA (never in CI: CI has no GPU; the CPU side is tests/sglang/test_sglang_backend_cpu.py).
 """
 
 from __future__ import annotations

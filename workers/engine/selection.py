@@ -16,7 +16,7 @@ def select_shared_table(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, ta
     The kernels' CPU reference loops over rows in Python, which made a forward cost O(rows)
     interpreter steps per layer; here all rows of a prompt chunk are scored at once. Same formula and
     rule: score[t, e] = sum_h relu(q[t,h] . key_e) * w[t,h] for e < live[t], the k best by (descending
-    score, ascending index), -1 padded (tests/test_prefill_batching.py checks that the result equals
+    score, ascending index), -1 padded (tests/workers/test_prefill_batching.py checks that the result equals
     the kernels' reference exactly).
     q [T, Hi, Di]; w [T, Hi]; keys [P, E, Di] float, or the fp8 key pages uint8 [P, E * (Di + 4)] (only the
     live pages are dequantised); table [max_pages]; live [T] -> int32 [T, k].

@@ -2,7 +2,7 @@
 
 `ANY`: the value cannot change the output (ids, routing hints, logging): accepted. `Neutral(values, why)`:
 accepted when it is one of SGLang's no-op values, else a 400 naming the field and saying why. Nothing that would
-change the request's meaning is silently ignored; tests/test_request_schema.py compares these tables with the
+change the request's meaning is silently ignored; tests/workers/test_request_schema.py compares these tables with the
 installed SGLang.
 """
 

@@ -1,0 +1,240 @@
+"""`dsv4-cluster up/status/down` end to end: the real CLI in its own process, a real Ray head,
+the real embedded prefill and decode workers and the real router, on free loopback ports."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from dsv4_cluster.orchestrator.launch.ports import port_is_free
+from dsv4_cluster.orchestrator.processes import pid_alive
+
+from tests.helpers import gone, wait_for
+from bench.local_cluster import CLI, run_cli, write_topology
+
+pytestmark = pytest.mark.slow
+
+
+def _topology(tmp_path: Path, extra_decode: str = "", kernels: bool = False) -> tuple[Path, dict[str, int]]:
+    cluster = write_topology(tmp_path, extra_decode=extra_decode, kernels=kernels)
+    return cluster.topology, cluster.ports
+
+
+def _run(tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return run_cli(tmp_path / "home", *args, timeout=timeout)
+
+
+def _head_pid(tmp_path: Path) -> int:
+    return json.loads((tmp_path / "home" / "current.json").read_text())["head"]["pid"]
+
+
+def test_up_status_chat_down(tmp_path: Path) -> None:
+    topo, ports = _topology(tmp_path, kernels=True)  # up verifies each is active
+    up = _run(tmp_path, "up", str(topo), "--timeout", "180")
+    try:
+        assert up.returncode == 0, up.stderr + up.stdout
+        assert f"endpoint: http://127.0.0.1:{ports['router']}/v1" in up.stdout
+        head = _head_pid(tmp_path)
+        other = tmp_path / "other.yaml"
+        other.write_text(topo.read_text())
+        again = _run(tmp_path, "up", str(other))
+        assert again.returncode == 1 and "already up" in again.stderr, again.stderr
+        assert "nothing was started" in again.stderr
+
+        st = _run(tmp_path, "status", "--json")
+        assert st.returncode == 0, st.stderr
+        status = json.loads(st.stdout)
+        rows = {w["name"]: w for w in status["workers"]}
+        assert list(rows) == ["prefill-0", "decode-0", "router"]
+        for name, role, port in [("prefill-0", "prefill", ports["prefill"]),
+                                 ("decode-0", "decode", ports["decode"]),
+                                 ("router", "router", ports["router"])]:
+            row = rows[name]
+            assert (row["role"], row["state"], row["restarts"], row["port"]) == (role, "READY", 0, port)
+            assert pid_alive(row["pid"])
+        for name in ("prefill-0", "decode-0"):
+            assert (rows[name]["kv_capacity_tokens"], rows[name]["kv_used_tokens"]) == (4096, 0)
+            assert rows[name]["kv_predicted_tokens"] == 4096 and not rows[name].get("error")  # capacity.py
+            assert rows[name]["kernels"] == {"indexer": "reference", "sparse_mla_decode": "reference",
+                                             "topk": "reference"}
+        assert rows["router"]["kv_capacity_tokens"] is None
+
+        table = _run(tmp_path, "status").stdout.splitlines()
+        assert table[0].split() == ["NAME", "ROLE", "NODE", "PID", "STATE", "RESTARTS", "PORT",
+                                    "KV_CAPACITY", "KV_USED", "KV_PREDICTED"]
+        assert table[1].split() == ["prefill-0", "prefill", "local", str(rows["prefill-0"]["pid"]),
+                                    "READY", "0", str(ports["prefill"]), "4096", "0", "4096"]
+
+        reply = httpx.post(f"http://127.0.0.1:{ports['router']}/v1/chat/completions", timeout=120,
+                           json={"model": "dsv4-tiny", "max_tokens": 4, "ignore_eos": True,
+                                 "messages": [{"role": "user", "content": "hi"}]})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == 4
+
+        assert "verified: " in up.stdout and " tok/s" in up.stdout  # up ran verify, throughput probe included
+        up_rows = {line.split()[0]: line.split() for line in up.stdout.splitlines() if line.startswith(("prefill-0 ",
+                                                                                                        "decode-0 "))}
+        assert up_rows["prefill-0"][-1] == up_rows["decode-0"][-1] == "4096"  # up's table predicts too
+        # KV_USED: read before the deep probe's first request, and counted as SGLang does (cached KV is not used)
+        assert up_rows["prefill-0"][-2] == up_rows["decode-0"][-2] == "0", up.stdout
+        verify = _run(tmp_path, "verify")  # on demand: PD equivalence again, and vs up's stored throughput
+        assert verify.returncode == 0 and verify.stdout.startswith("verified: "), verify.stdout + verify.stderr
+        # the decode worker's call counters rose during the check (CPU: the reference ops; embedded_calls.py)
+        assert ("decode-0 ran sparse_mla_decode, indexer, topk as the reference ops (CPU: no kernels) during the PD "
+                "check") in verify.stdout, verify.stdout
+        assert json.loads((topo.parent / "run" / "last-good-throughput.json").read_text())["tokens_per_s"] > 0
+
+        os.kill(rows["decode-0"]["pid"], signal.SIGKILL)  # a crash: the supervisor restarts it
+        def restarted() -> dict | None:
+            row = json.loads(_run(tmp_path, "status", "--json").stdout)["workers"][1]
+            return row if (row["restarts"], row["state"]) == (1, "READY") else None
+        decode = wait_for(restarted, 90, "decode-0 READY after 1 restart", interval_s=0.5)
+        assert decode["pid"] != rows["decode-0"]["pid"]
+        rows["decode-0-restarted"] = decode
+    finally:
+        down = _run(tmp_path, "down", "--timeout", "10")
+    assert down.returncode == 0, down.stderr + down.stdout
+    assert gone([row["pid"] for row in rows.values()] + [head]) == []
+    assert port_is_free(ports["router"])
+    assert not (tmp_path / "home" / "current.json").exists()
+    after = _run(tmp_path, "status")
+    assert after.returncode == 1 and "no cluster is up" in after.stderr
+
+
+def test_broken_topology_lists_every_problem_and_starts_nothing(tmp_path: Path) -> None:
+    topo = tmp_path / "bad.yaml"
+    topo.write_text("engine: vllm\nmodel: {name: x, context_length: 0}\nprefill: []\n"
+                    "decode:\n  - {name: Decode_0, port: 70000}\n")
+    started = time.monotonic()
+    r = _run(tmp_path, "up", str(topo))
+    assert r.returncode == 2
+    assert "nothing was started" in r.stderr
+    for field in ("engine", "model.context_length", "prefill", "decode[0].name", "decode[0].port"):
+        assert f" {field}:" in r.stderr, (field, r.stderr)
+    assert time.monotonic() - started < 20
+    assert not (tmp_path / "home").exists()
+    assert not (tmp_path / "run").exists()
+
+
+def test_up_fails_when_decode_disagrees_with_a_single_process_run(tmp_path: Path) -> None:
+    """A decode worker with other weights (seed 1) is a wrong PD pair: up's check must catch it."""
+    topo, ports = _topology(tmp_path, extra_decode=", extra_args: [--seed, '1']")
+    r = _run(tmp_path, "up", str(topo), "--timeout", "120")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "differ from a single-process run" in r.stderr
+    assert "everything it started was stopped" in r.stderr
+    assert not (tmp_path / "home" / "current.json").exists()
+    for port in ports.values():
+        assert port_is_free(port), port
+
+
+def test_port_in_use_is_a_preflight_problem(tmp_path: Path) -> None:
+    topo, ports = _topology(tmp_path)
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", ports["decode"]))
+        busy.listen()
+        r = _run(tmp_path, "up", str(topo))
+    assert r.returncode == 2, r.stderr
+    assert f"decode-0: port {ports['decode']} is in use on this machine by pid {os.getpid()} (" in r.stderr
+    assert not (tmp_path / "home").exists()
+
+
+def test_a_worker_that_cannot_start_fails_up_and_leaves_nothing(tmp_path: Path) -> None:
+    topo, ports = _topology(tmp_path, extra_decode=", extra_args: [--no-such-flag]")
+    r = _run(tmp_path, "up", str(topo), "--timeout", "120")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "decode-0" in r.stderr and "--no-such-flag" in r.stderr
+    assert "everything it started was stopped" in r.stderr
+    assert not (tmp_path / "home" / "current.json").exists()
+    head_log = (tmp_path / "run" / "logs" / "ray-head.log").read_text()
+    assert "Ray runtime started" in head_log
+    for port in ports.values():
+        assert port_is_free(port), port
+
+
+def test_foreground_on_a_joined_cluster_stops_on_sigterm_and_leaves_the_head(tmp_path: Path) -> None:
+    from dsv4_cluster.orchestrator.cluster.ray_cluster import head_alive, start_head, stop_head
+
+    address, head = start_head(tmp_path / "head.log", num_cpus=1, timeout_s=60)
+    try:
+        topo, ports = _topology(tmp_path)
+        env = {**os.environ, "DSV4_CLUSTER_HOME": str(tmp_path / "home")}
+        proc = subprocess.Popen([*CLI, "up", str(topo), "--address", address, "--foreground"],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            lines = []
+            for line in proc.stdout:
+                lines.append(line)
+                if line.startswith("router"):
+                    break
+            assert any(f"127.0.0.1:{ports['router']}/v1" in ln for ln in lines), lines
+            status = json.loads(_run(tmp_path, "status", "--json").stdout)
+            pids = [w["pid"] for w in status["workers"]]
+            assert json.loads((tmp_path / "home" / "current.json").read_text())["head"] is None
+            proc.send_signal(signal.SIGTERM)
+            out, err = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+        assert proc.returncode == 0, err
+        assert "no process left" in out
+        assert gone(pids) == []
+        assert all(port_is_free(p) for p in ports.values())
+        assert head_alive(head), "down stopped a Ray head that up did not start"
+    finally:
+        stop_head(head, deadline_s=10)
+    assert not head_alive(head)
+
+
+def test_sigterm_during_up_stops_what_up_started(tmp_path: Path) -> None:
+    topo, ports = _topology(tmp_path)
+    env = {**os.environ, "DSV4_CLUSTER_HOME": str(tmp_path / "home")}
+    proc = subprocess.Popen([*CLI, "up", str(topo)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        record = tmp_path / "home" / "current.json"
+        wait_for(lambda: record.exists() or proc.poll() is not None, 60, "up to write its record")
+        head = _head_pid(tmp_path)  # the record exists once the controller is being created
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err
+    assert "everything it started was stopped" in err
+    assert gone([head]) == [] and not record.exists()
+    assert all(port_is_free(p) for p in ports.values())
+
+
+def test_a_killed_ray_head_takes_every_process_with_it_and_down_cleans_up(tmp_path: Path) -> None:
+    topo, ports = _topology(tmp_path)
+    up = _run(tmp_path, "up", str(topo), "--timeout", "180")
+    assert up.returncode == 0, up.stderr
+    pids = [w["pid"] for w in json.loads(_run(tmp_path, "status", "--json").stdout)["workers"]]
+    head = _head_pid(tmp_path)
+    os.killpg(head, signal.SIGKILL)
+    assert gone(pids + [head], timeout_s=30) == []  # supervisors die, PR_SET_PDEATHSIG does the rest
+    st = _run(tmp_path, "status")
+    assert st.returncode == 1 and "is gone" in st.stderr and "dsv4-cluster down" in st.stderr
+    down = _run(tmp_path, "down")
+    assert down.returncode == 0, down.stderr
+    assert not (tmp_path / "home" / "current.json").exists()
+    assert all(port_is_free(p) for p in ports.values())
+
+
+def test_a_node_missing_from_ray_fails_up_before_any_process_starts(tmp_path: Path) -> None:
+    topo, ports = _topology(tmp_path)
+    text = topo.read_text().replace("decode:\n  - {", "decode:\n  - {node: far, ")
+    topo.write_text(text + "nodes:\n  - {name: local, address: 127.0.0.1}\n"
+                           "  - {name: far, address: 10.255.0.9}\n")
+    r = _run(tmp_path, "up", str(topo))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "decode-0: node 'far' (10.255.0.9) is not in the Ray cluster" in r.stderr
+    assert not (tmp_path / "run" / "logs" / "prefill-0.log").exists()
+    assert not (tmp_path / "home" / "current.json").exists()

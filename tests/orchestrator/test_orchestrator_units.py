@@ -1,0 +1,228 @@
+"""Small orchestrator pieces without a cluster: the status table, the cluster record, ports,
+process liveness, kernel verification."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dsv4_cluster.core import ClusterStatus, KvUsage, Role, WorkerState, WorkerStatus
+from dsv4_cluster.orchestrator.launch.ports import free_ports, port_is_free
+from dsv4_cluster.orchestrator.processes import group_members, pid_alive
+from dsv4_cluster.orchestrator.cluster.record import (
+    HOME_ENV, ClusterRecord, HeadProcess, RecordError, clear_record, read_record, write_record)
+from dsv4_cluster.orchestrator.cli.table import COLUMNS, render_table
+from dsv4_cluster.orchestrator.verify.embedded_calls import Calls, call_problems
+from dsv4_cluster.orchestrator.verify.sequence import kernel_problems
+from tests.helpers import wait_for
+
+
+def _row(**kw: object) -> WorkerStatus:
+    base = dict(name="decode-0", role=Role.DECODE, node="local", state=WorkerState.READY, pid=42,
+                port=30200, restarts=0, kv=KvUsage(16384, 128), log_path="/x/decode-0.log")
+    return WorkerStatus(**{**base, **kw})
+
+
+def test_worker_status_round_trips_through_its_dict() -> None:
+    rows = (_row(), _row(kv=None, pid=None, state=WorkerState.FAILED, error="boom"),
+            _row(kernels=(("indexer", "triton"), ("topk", "off"))), _row(state=None, kv_predicted_tokens=9),
+            _row(reported_at=1733360000.25, ray_node_id="n1"))
+    for row in rows:
+        assert WorkerStatus.from_dict(json.loads(json.dumps(row.to_dict()))) == row
+    d = _row().to_dict()
+    assert (d["kv_capacity_tokens"], d["kv_used_tokens"], d["state"], d["role"]) == \
+        (16384, 128, "READY", "decode")
+
+
+def test_table_has_every_column_and_dashes_for_the_router() -> None:
+    router = _row(name="router", role=Role.ROUTER, kv=None, port=30001, pid=7)
+    failed = _row(name="prefill-0", role=Role.PREFILL, state=WorkerState.FAILED, pid=None,
+                  kv=None, error="exited with code 3")
+    text = render_table(ClusterStatus("e", (_row(), router, failed)))
+    lines = text.splitlines()
+    assert lines[0].split() == list(COLUMNS)
+    assert lines[1].split() == ["decode-0", "decode", "local", "42", "READY", "0", "30200",
+                                "16384", "128", "-"]
+    assert lines[2].split() == ["router", "router", "local", "7", "READY", "0", "30001", "-", "-", "-"]
+    assert lines[3].split()[3:5] == ["-", "FAILED"]
+    assert lines[4] == "prefill-0: exited with code 3"
+
+
+def test_record_round_trip_and_clear_message(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(HOME_ENV, str(tmp_path / "home"))
+    with pytest.raises(RecordError, match="no cluster is up"):
+        read_record()
+    rec = ClusterRecord("127.0.0.1:6379", "ns", "http://0.0.0.0:30001/v1", "/t.yaml", "/run",
+                        HeadProcess(123, "/run/logs/ray-head.log"))
+    write_record(rec)
+    assert read_record() == rec
+    (tmp_path / "home" / "current.json").write_text('{"address": 1}')
+    with pytest.raises(RecordError, match="invalid"):
+        read_record()
+    clear_record()
+    with pytest.raises(RecordError, match="no cluster is up"):
+        read_record()
+
+
+def test_free_ports_are_free_and_below_the_ephemeral_range() -> None:
+    ports = free_ports(5)
+    assert len(set(ports)) == 5 and all(20000 <= p < 32768 and port_is_free(p) for p in ports)
+
+
+def test_zombies_count_as_gone_and_groups_are_seen() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
+                             start_new_session=True)
+    try:
+        assert pid_alive(child.pid) and group_members(child.pid) == [child.pid]
+        child.kill()
+        wait_for(lambda: not pid_alive(child.pid), 10, "the killed child to count as dead")  # a zombie, unreaped
+        assert Path(f"/proc/{child.pid}").exists()  # still unreaped
+        assert not pid_alive(child.pid) and group_members(child.pid) == []
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_kernel_problems_name_each_inactive_kernel() -> None:
+    requested = ("sparse_mla_decode", "indexer", "topk")
+    ok = {"kernels": {"sparse_mla_decode": "reference", "indexer": "triton", "topk": "reference"}}
+    assert kernel_problems("p", requested, ok) == []
+    bad = {"kernels": {"sparse_mla_decode": "off", "indexer": "triton"}}
+    assert kernel_problems("p", requested, bad) == [
+        "p: kernel sparse_mla_decode was requested but is 'off' in the worker",
+        "p: kernel topk was requested but is 'missing' in the worker"]
+    assert "reports no kernels" in kernel_problems("p", requested, {})[0]
+
+
+def test_embedded_call_problems_judge_the_decode_worker_that_served() -> None:
+    requested = ("sparse_mla_decode", "indexer", "topk")
+    idle = Calls("cuda", {})
+    before = {"d0": idle, "d1": idle}
+    # d1 served the check on the GPU: every kernel rose as a kernel; d0 never ran -> not judged
+    ran = Calls("cuda", {"sparse_mla_decode": {"gluon": 64}, "indexer": {"triton": 64}, "topk": {"triton": 64}})
+    assert call_problems(requested, before, {"d0": idle, "d1": ran}) == (
+        [], ["d1 ran sparse_mla_decode, indexer, topk as our kernels during the PD check"])
+    # on the GPU a kernel that ran only as the reference op is a problem that says what ran
+    ref = Calls("cuda", {"sparse_mla_decode": {"gluon": 64}, "indexer": {"reference": 64}, "topk": {"triton": 64}})
+    problems, notes = call_problems(requested, before, {"d0": idle, "d1": ref})
+    assert problems == ["d1: kernel indexer was not called during the PD check's decode steps "
+                        "(calls 0 -> 0; what ran: {'reference': 64})"] and notes == []
+    # on the CPU the reference ops are what runs
+    cpu = Calls("cpu", {k: {"reference": 16} for k in requested})
+    assert call_problems(requested, {"d0": Calls("cpu", {})}, {"d0": cpu})[0] == []
+    # nothing rose anywhere, or a worker that cannot be read
+    assert call_problems(requested, before, before)[0] == [
+        "no decode worker's kernel counters rose during the PD check's decode steps"]
+    assert call_problems(requested, {"d0": "d0: cannot read"}, {"d0": idle})[0] == ["d0: cannot read"]
+
+
+def test_preflight_lists_every_machine_problem_of_the_production_layout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from dsv4_cluster.orchestrator.launch import preflight
+    from dsv4_cluster.orchestrator.topology.load import load_topology
+
+    topo = load_topology(Path(__file__).resolve().parents[2] / "topology.yaml")
+    monkeypatch.setattr(preflight, "_visible_gpus", lambda: 4)
+    monkeypatch.setattr(preflight.shutil, "which", lambda name: None)
+    monkeypatch.setattr(preflight, "NUMA_SYSFS", "/nonexistent")
+    problems = preflight.machine_problems(topo)
+    assert "decode-0: wants GPUs [4, 5, 6, 7] but this machine shows 4 CUDA device(s)" in "\n".join(problems)
+    assert not any(p.startswith("prefill-0: wants GPUs") for p in problems)
+    assert sum("numa_node" in p and "does not exist" in p for p in problems) == 2
+    assert any("`numactl` is not installed" in p for p in problems)
+
+
+def test_only_a_loopback_cluster_keeps_ray_drivers_on_loopback() -> None:
+    from dsv4_cluster.orchestrator.cluster.ray_env import is_loopback
+
+    assert is_loopback(None) and is_loopback("127.0.0.1:6379") and is_loopback("localhost:1")
+    assert not is_loopback("10.1.2.3:6379") and not is_loopback("head.example:6379")
+
+
+def test_port_holders_name_the_process_on_the_port():
+    import os
+    import socket
+
+    from dsv4_cluster.orchestrator.launch.port_owner import port_holders
+    from dsv4_cluster.orchestrator.launch.ports import free_ports
+
+    port = free_ports(1)[0]
+    assert port_holders(port) == []
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        holders = port_holders(port)
+    assert len(holders) == 1 and holders[0].startswith(f"pid {os.getpid()} (")
+
+
+def test_stranded_kv_is_read_from_metrics_and_absent_when_not_exported() -> None:
+    from dsv4_cluster.orchestrator.readback.stranded import parse_stranded_kv, stranded_line
+
+    page = ('dsv4_stranded_kv_tokens{engine_type="prefill"} 64.0\ndsv4_stranded_kv_rooms{engine_type="prefill"} 2.0\n'
+            'dsv4_stranded_kv_freed_tokens_total{engine_type="prefill"} 128.0\n'
+            'dsv4_stranded_kv_freed_rooms_total{engine_type="prefill"} 3.0\nsglang:num_used_tokens 64.0\n')
+    numbers = parse_stranded_kv(page)
+    assert numbers == {"tokens": 64, "rooms": 2, "freed_tokens": 128, "freed_rooms": 3}
+    assert stranded_line(_row(name="prefill-0", stranded_kv=numbers)) == (
+        "prefill-0: stranded KV 64 tokens in 2 rooms now; freed 128 tokens in 3 rooms since it started")
+    assert parse_stranded_kv("sglang:num_used_tokens 64.0\n") is None  # SGLang: nothing measured, nothing shown
+    assert stranded_line(_row(name="prefill-0")) is None
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")   # the drop itself
+def test_a_sigterm_whose_raise_python_drops_still_interrupts_up() -> None:
+    """A signal handler's exception raised inside a weakref callback is printed and dropped by Python (CI saw
+    SIGTERM land in importlib's module-lock callback: `up` finished and exited 0); `up` checks the flag after."""
+    import signal
+    import weakref
+
+    from dsv4_cluster.orchestrator.cluster import deployment
+
+    class Obj:
+        pass
+
+    deployment._INTERRUPTED.clear()
+    deployment._check_interrupt()                       # nothing arrived: no interrupt
+    obj = Obj()
+    ref = weakref.ref(obj, lambda _: deployment._raise_interrupt(signal.SIGTERM, None))
+    del obj                                             # the callback raises; Python drops it
+    assert ref() is None
+    with pytest.raises(KeyboardInterrupt, match="signal SIGTERM during up"):
+        deployment._check_interrupt()
+    deployment._INTERRUPTED.clear()
+
+
+def test_status_watch_ctrl_c_ends_a_read_under_way() -> None:
+    """One read may wait 30 s on the endpoint and then on Ray; Ctrl-C during it exits at once with 0."""
+    import signal
+    import threading
+
+    from dsv4_cluster.orchestrator.cli.ops import watch_status
+
+    started = threading.Event()
+
+    def slow_read() -> dict:
+        started.set()
+        time.sleep(60)
+        raise AssertionError("the read was not interrupted")
+
+    old = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # Aimed at the main thread, as a terminal's Ctrl-C lands: os.kill() from this thread may hand the
+    # signal to another thread, and then the main thread's sleep is not interrupted (CPython runs the
+    # handler only when the main thread next executes bytecode).
+    main = threading.main_thread().ident
+    killer = threading.Thread(target=lambda: started.wait(10) and signal.pthread_kill(main, signal.SIGINT))
+    killer.start()
+    try:
+        t0 = time.monotonic()
+        assert watch_status(slow_read, 0.5) == 0
+        assert time.monotonic() - t0 < 10
+    finally:
+        killer.join()
+        for sig, handler in old.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,300 @@
+"""WorkerSupervisor against a real child process: a tiny stand-in HTTP server (a fake allowed in
+this one component's unit test) that can be slow to become ready, crash, ignore SIGTERM, or fork a
+grandchild. The supervisor runs in-process here; test_orchestrator drives it as a Ray actor."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from dsv4_cluster.core import Role, WorkerState, WorkerStatus
+from dsv4_cluster.orchestrator.launch.plan import LaunchPlan
+from dsv4_cluster.orchestrator.launch.ports import free_ports, port_is_free
+from dsv4_cluster.orchestrator.processes import pid_alive
+from dsv4_cluster.orchestrator.supervise.supervisor import (
+    HealthPolicy, RestartPolicy, WorkerStartError, WorkerSupervisor)
+from tests.helpers import SOON_S, gone, wait_for
+
+STANDIN = textwrap.dedent('''
+    import argparse, json, os, signal, subprocess, sys, time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int); p.add_argument("--ready-after", type=float, default=0)
+    p.add_argument("--exit-after", type=float, default=None); p.add_argument("--ignore-sigterm", action="store_true")
+    p.add_argument("--grandchild-pidfile", default=None); p.add_argument("--no-used-in-info", action="store_true")
+    p.add_argument("--unhealthy-after", type=float, default=None); p.add_argument("--unhealthy-for", type=float, default=1e9)
+    a = p.parse_args()
+    t0 = time.monotonic()
+    if a.ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if a.grandchild_pidfile:
+        g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        open(a.grandchild_pidfile, "w").write(str(g.pid))
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *args): pass
+        def _send(self, code, body, ctype="application/json"):
+            data = body.encode(); self.send_response(code); self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(data))); self.end_headers(); self.wfile.write(data)
+        def do_GET(self):
+            age = time.monotonic() - t0
+            ready = age >= a.ready_after
+            if a.unhealthy_after is not None and a.unhealthy_after <= age < a.unhealthy_after + a.unhealthy_for:
+                ready = False
+            if self.path == "/health":
+                return self._send(200 if ready else 503, "{}")
+            if self.path == "/server_info":
+                state = {} if a.no_used_in_info else {"num_used_tokens": 7}
+                return self._send(200, json.dumps({"max_total_num_tokens": 1000, "internal_states": [state]}))
+            if self.path == "/metrics":
+                return self._send(200, 'sglang:num_used_tokens{model_name="m",engine_type="decode"} 42.0\\n', "text/plain")
+            self._send(404, "{}")
+    srv = ThreadingHTTPServer(("127.0.0.1", a.port), H)
+    print("stand-in listening", a.port, flush=True)
+    if a.exit_after is not None:
+        import threading
+        threading.Timer(a.exit_after, lambda: (print("stand-in crashing now", flush=True), os._exit(3))).start()
+    srv.serve_forever()
+''')
+
+
+def _plan(tmp_path: Path, *flags: str, port: int | None = None) -> LaunchPlan:
+    script = tmp_path / "standin.py"
+    script.write_text(STANDIN)
+    port = port or free_ports(1)[0]
+    base = f"http://127.0.0.1:{port}"
+    return LaunchPlan(
+        name="decode-t", role=Role.DECODE, node="local",
+        argv=(sys.executable, str(script), "--port", str(port), *flags), env=(("STANDIN", "1"),),
+        cwd=str(tmp_path), log_path=str(tmp_path / "logs" / "decode-t.log"), port=port,
+        health_url=f"{base}/health", server_info_url=f"{base}/server_info",
+        metrics_url=f"{base}/metrics", ports=(port,),
+    )
+
+
+def _wait_dead(pid: int, timeout_s: float = 10.0) -> bool:
+    return gone([pid], timeout_s) == []
+
+
+def test_start_reports_ready_with_kv_then_stop_frees_everything(tmp_path: Path) -> None:
+    plan = _plan(tmp_path, "--ready-after", "0.5")
+    sup = WorkerSupervisor(plan)
+    status = sup.start(timeout_s=30)
+    assert status.state == WorkerState.READY.value
+    assert status.restarts == 0 and status.port == plan.port
+    assert (status.kv.capacity_tokens, status.kv.used_tokens) == (1000, 7)
+    pid = status.pid
+    assert pid_alive(pid)
+    assert "stand-in listening" in Path(plan.log_path).read_text()
+    final = sup.stop(deadline_s=5)
+    assert final.state == WorkerState.STOPPED.value and final.pid is None
+    assert _wait_dead(pid)
+    assert port_is_free(plan.port)
+
+
+def test_kv_usage_falls_back_to_metrics(tmp_path: Path) -> None:
+    sup = WorkerSupervisor(_plan(tmp_path, "--no-used-in-info"))
+    try:
+        status = sup.start(timeout_s=30)
+        assert (status.kv.capacity_tokens, status.kv.used_tokens) == (1000, 42)
+    finally:
+        sup.stop(deadline_s=5)
+
+
+def test_exit_during_start_fails_fast_with_log_tail(tmp_path: Path) -> None:
+    sup = WorkerSupervisor(_plan(tmp_path, "--ready-after", "60", "--exit-after", "0.5"))
+    started = time.monotonic()
+    with pytest.raises(WorkerStartError) as err:
+        sup.start(timeout_s=60)
+    assert time.monotonic() - started < 15
+    assert "code 3" in str(err.value) and "stand-in crashing now" in str(err.value)
+    assert sup.status().state == WorkerState.FAILED.value
+
+
+def test_a_usage_error_at_start_fails_at_once_without_restarts(tmp_path: Path) -> None:
+    """Exit status 2 before READY (argparse refusing a flag): no crash loop, the refusal in the error."""
+    sup = WorkerSupervisor(_plan(tmp_path, "--no-such-flag"), RestartPolicy(max_restarts=5, backoff_s=1.0))
+    with pytest.raises(WorkerStartError) as err:
+        sup.start(timeout_s=60)
+    assert "code 2 (a usage error" in str(err.value) and "--no-such-flag" in str(err.value)
+    status = sup.status()
+    assert (status.state, status.restarts) == (WorkerState.FAILED.value, 0)
+    assert Path(status.log_path).read_text().count("supervisor starts") == 1
+
+
+def test_spawn_failure_names_the_command(tmp_path: Path) -> None:
+    plan = _plan(tmp_path)
+    bad = LaunchPlan(**{**plan.__dict__, "argv": ("/nonexistent/engine", "--port", "1")})
+    with pytest.raises(WorkerStartError, match="/nonexistent/engine"):
+        WorkerSupervisor(bad).start(timeout_s=5)
+
+
+def test_timeout_names_the_pending_url_and_kills_the_process(tmp_path: Path) -> None:
+    plan = _plan(tmp_path, "--ready-after", "600")
+    sup = WorkerSupervisor(plan)
+    with pytest.raises(WorkerStartError, match=r"not ready after 2s .*?/health: HTTP 503"):
+        sup.start(timeout_s=2)
+    pid = sup.pids()[-1][1]
+    assert pid is not None and _wait_dead(pid)
+    assert sup.status().state == WorkerState.FAILED.value
+
+
+def _wait_for(sup: WorkerSupervisor, pred, timeout_s: float = 20.0) -> WorkerStatus:
+    """The supervisor's status once `pred` holds, else its last one (the caller's assert shows where it stuck)."""
+    last: list[WorkerStatus] = []
+
+    def holds() -> bool:
+        last.append(sup.status())
+        return pred(last[-1])
+    with contextlib.suppress(AssertionError):
+        wait_for(holds, timeout_s, "the supervisor's status", interval_s=0.1)
+    return last[-1]
+
+
+def test_crash_after_ready_is_restarted_with_backoff(tmp_path: Path) -> None:
+    sup = WorkerSupervisor(_plan(tmp_path, "--exit-after", "1.0"),
+                           RestartPolicy(max_restarts=5, backoff_s=0.2))
+    first = sup.start(timeout_s=30).pid
+    try:
+        status = _wait_for(sup, lambda s: s.restarts == 1 and s.state == "READY")
+        assert (status.restarts, status.state) == (1, "READY")
+        assert status.pid != first and _wait_dead(first)
+        assert Path(sup.status().log_path).read_text().count("supervisor starts") >= 2
+    finally:
+        sup.stop(deadline_s=5)
+
+
+def test_a_crash_loop_gives_up_and_says_why(tmp_path: Path) -> None:
+    sup = WorkerSupervisor(_plan(tmp_path, "--exit-after", "0.3"),
+                           RestartPolicy(max_restarts=2, window_s=60, backoff_s=0.1))
+    sup.start(timeout_s=30)
+    status = _wait_for(sup, lambda s: s.state == WorkerState.FAILED.value)
+    assert status.state == WorkerState.FAILED.value and status.pid is None
+    assert status.restarts == 2
+    assert "gave up after 3 crashes within 60s" in status.error
+    assert "code 3" in status.error
+    assert sup.stop(deadline_s=2).state == WorkerState.STOPPED.value
+
+
+def test_stop_escalates_to_sigkill_and_reaches_the_whole_group(tmp_path: Path) -> None:
+    pidfile = tmp_path / "grandchild.pid"
+    sup = WorkerSupervisor(_plan(tmp_path, "--ignore-sigterm", "--grandchild-pidfile", str(pidfile)))
+    pid = sup.start(timeout_s=30).pid
+    grandchild = int(pidfile.read_text())
+    started = time.monotonic()
+    final = sup.stop(deadline_s=1.0)
+    assert final.state == WorkerState.STOPPED.value
+    assert 0.9 < time.monotonic() - started < 10
+    assert _wait_dead(pid) and _wait_dead(grandchild)
+
+
+def test_a_killed_supervisor_takes_its_process_with_it(tmp_path: Path) -> None:
+    plan = _plan(tmp_path)
+    driver = textwrap.dedent(f"""
+        import pickle, sys, threading
+        from dsv4_cluster.orchestrator.supervise.supervisor import WorkerSupervisor
+        sup = WorkerSupervisor(pickle.loads({pickle_bytes(plan)!r}))
+        print(sup.start(timeout_s=30).pid, flush=True)
+        threading.Event().wait()
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(proc.stdout.readline())
+        assert pid_alive(pid)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        assert _wait_dead(pid), "the worker outlived its supervisor (PR_SET_PDEATHSIG missing?)"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def pickle_bytes(obj: object) -> bytes:
+    import pickle
+
+    return pickle.dumps(obj)
+
+
+FAST_HEALTH = HealthPolicy(interval_s=0.2, timeout_s=1.0, failures_to_restart=3)
+
+
+def test_a_worker_that_stops_answering_health_is_degraded_then_restarted(tmp_path: Path) -> None:
+    """... and the controller's side hears every change, in order, as its supervisor pushes it."""
+    pushed: list[WorkerStatus] = []
+    sup = WorkerSupervisor(_plan(tmp_path, "--unhealthy-after", "1.0"), RestartPolicy(backoff_s=0.1),
+                           FAST_HEALTH, report=pushed.append)
+    announced = wait_for(lambda: pushed[:1], SOON_S, "the supervisor's first row, pushed before any change")
+    assert (announced[0].state, announced[0].pid) == ("STOPPED", None)
+    first = sup.start(timeout_s=30).pid
+    try:
+        degraded = _wait_for(sup, lambda s: s.state == "DEGRADED")
+        assert degraded.state == "DEGRADED" and "health check 1/3 failed" in degraded.error
+        assert "stand-in listening" in degraded.log_tail
+        status = _wait_for(sup, lambda s: s.restarts == 1 and s.state == "READY")
+        assert (status.restarts, status.state, status.log_tail) == (1, "READY", None)
+        assert status.pid != first and _wait_dead(first)
+        wait_for(lambda: any(r.restarts == 1 and r.state == "READY" for r in pushed), SOON_S, "READY again pushed")
+    finally:
+        sup.stop(deadline_s=5)
+    states = [(r.state.value, r.restarts) for r in pushed]
+    changes = [s for i, s in enumerate(states) if i == 0 or s != states[i - 1]]
+    # a push sends the row of that moment (a state shorter than one push may be skipped); these last polls
+    assert changes.index(("DEGRADED", 0)) < changes.index(("READY", 1)), changes
+    assert [r.reported_at for r in pushed] == sorted({r.reported_at for r in pushed})  # read order, no repeats
+    ready = next(r for r in pushed if r.state == "READY")
+    assert (ready.pid, ready.kv.capacity_tokens, ready.kv.used_tokens) == (first, 1000, 7)  # read on the poll
+
+
+def test_a_short_health_blip_is_degraded_and_back_without_a_restart(tmp_path: Path) -> None:
+    sup = WorkerSupervisor(_plan(tmp_path, "--unhealthy-after", "1.0", "--unhealthy-for", "0.3"),
+                           RestartPolicy(backoff_s=0.1), FAST_HEALTH)
+    pid = sup.start(timeout_s=30).pid
+    try:
+        assert _wait_for(sup, lambda s: s.state == "DEGRADED").state == "DEGRADED"
+        status = _wait_for(sup, lambda s: s.state == "READY")
+        assert (status.state, status.restarts, status.pid) == ("READY", 0, pid)
+    finally:
+        sup.stop(deadline_s=5)
+
+
+def test_the_router_hears_every_state_change(tmp_path: Path) -> None:
+    """The real router app (admin API) learns DEGRADED, RESTARTING, READY and STOPPED of a worker."""
+    from dsv4_cluster.orchestrator.supervise.router_admin import RouterAdmin, RouterLink
+    from dsv4_cluster.router.app import build_app
+    from dsv4_cluster.router.settings import RouterSettings
+
+    from tests.servers import UvicornThread
+
+    plan = _plan(tmp_path, "--unhealthy-after", "1.5")
+    token = "t" * 32
+    worker_url = plan.health_url.removesuffix("/health")
+    settings = RouterSettings(model_name="m", admin_token=token, health_check_interval_s=60,
+                              prefill=[{"name": "prefill-x", "url": worker_url, "bootstrap_host": "127.0.0.1"}],
+                              decode=[{"name": plan.name, "url": worker_url}])
+    with UvicornThread(build_app(settings)) as router:
+        link = RouterLink(router.url, token)
+        admin = RouterAdmin(link)
+        seen: list[str] = []
+        sup = WorkerSupervisor(plan, RestartPolicy(backoff_s=0.5), FAST_HEALTH, router=link)
+        sup.start(timeout_s=30)
+        try:
+            def back() -> bool:   # every state the router is told, in order, until READY after RESTARTING
+                state = admin.worker(plan.name)["state"]
+                if not seen or seen[-1] != state:
+                    seen.append(state)
+                return seen[-1] == "READY" and "RESTARTING" in seen
+            wait_for(back, 30, f"the router to be told READY after RESTARTING (told: {seen})")
+            assert seen[:1] == ["READY"] and "DEGRADED" in seen and "RESTARTING" in seen, seen
+            assert seen[-1] == "READY", seen
+            assert admin.worker(plan.name)["reason"] is None
+        finally:
+            sup.stop(deadline_s=5)
+        entry = admin.worker(plan.name)
+        assert entry["state"] == "STOPPED" and not entry["eligible"]
+        admin.close()

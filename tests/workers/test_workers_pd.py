@@ -1,0 +1,280 @@
+"""A real embedded prefill and decode process pair, driven over HTTP as the router drives them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from dsv4_cluster.workers.engine.model import ModelConfig
+from dsv4_cluster.workers.engine.runner import ModelRunner, RunnerConfig, generate_single_process
+from dsv4_cluster.workers.engine.sampling import SamplingParams
+from dsv4_cluster.workers.engine.tokenizer import EOS, ByteTokenizer
+
+from tests.helpers import kv_used, wait_for
+from tests.servers import free_port
+from tests.worker_procs import _wait, start_pair, stop_pair
+
+TOK = ByteTokenizer()
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    p = start_pair(tmp_path_factory.mktemp("pair"), prefill_extra=["--peer-timeout-s", "3"],
+                   decode_extra=["--transfer-timeout-s", "3"])
+    yield p
+    stop_pair(p)
+
+
+async def _both(pair, path: str, body: dict) -> tuple[httpx.Response, httpx.Response]:
+    body = {**body, **pair.bootstrap(secrets.randbits(63), secrets.token_hex(8))}
+    async with httpx.AsyncClient(timeout=60) as c:
+        return await asyncio.gather(c.post(pair.prefill_url + path, json=body),
+                                    c.post(pair.decode_url + path, json=body))
+
+
+def test_decode_refuses_requests_without_bootstrap_fields(pair):
+    r = httpx.post(pair.decode_url + "/generate", json={"text": "hi"})
+    assert r.status_code == 400
+    assert "cannot prefill" in r.json()["error"]["message"]
+
+
+def test_pair_matches_single_process_greedy_tokens(pair):
+    runner = ModelRunner(RunnerConfig(model=ModelConfig(), page_size=16, max_total_tokens=4096, context_length=1024))
+    prompts = ["Hi", "What is disaggregated serving?", "long prompt spanning many pages " * 8]
+    assert len(TOK.encode(prompts[-1])) > 10 * 16   # > window (16) and > 10 KV pages
+    for text in prompts:
+        body = {"text": text, "sampling_params": {"max_new_tokens": 24, "temperature": 0}}
+        p, d = asyncio.run(_both(pair, "/generate", body))
+        assert p.status_code == 200 and d.status_code == 200, (p.text, d.text)
+        assert p.json()["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+        expected = generate_single_process(runner, TOK.encode(text), SamplingParams(max_new_tokens=24, temperature=0),
+                                           EOS)
+        assert d.json()["output_ids"] == expected
+        assert d.json()["output_ids"][0] == p.json()["output_ids"][0]
+
+
+def test_flash_pair_with_fp8_mixed_ratio_kv_matches_single_process(tmp_path):
+    """The flash preset's layers (ratio 4, 128, 4, 128) and SGLang's fp8 pages, prefill -> NIXL -> decode in two
+    processes on the CPU, equal one process (the prompt spans a ratio-128 entry and two 256-token pages)."""
+    from dsv4_cluster.workers.engine.presets import model_config
+
+    flags = ["--model-preset", "flash", "--page-size", "256", "--kv-cache-dtype", "fp8_e4m3", "--served-model-name",
+             "dsv4-flash", "--stall-timeout-s", "120"]   # a full-size forward on a loaded 2-core CPU
+    flash = start_pair(tmp_path, extra=flags, ready_timeout_s=120)
+    try:
+        text = "the ratio-128 entries of a long prompt " * 7
+        assert len(TOK.encode(text)) > 256
+        body = {"text": text, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+        p, d = asyncio.run(_both(flash, "/generate", body))
+        assert p.status_code == 200 and d.status_code == 200, (p.text, d.text)
+        info = httpx.get(flash.decode_url + "/server_info", timeout=30).json()
+    finally:
+        stop_pair(flash)
+    assert (info["kv_cache_dtype"], info["page_size"]) == ("fp8_e4m3", 256)
+    runner = ModelRunner(RunnerConfig(model=model_config("flash"), page_size=256, max_total_tokens=4096,
+                                      context_length=1024, kv_dtype="fp8_e4m3"))
+    expected = generate_single_process(runner, TOK.encode(text), SamplingParams(max_new_tokens=8, temperature=0), EOS)
+    assert d.json()["output_ids"] == expected
+
+
+def test_concurrent_requests_all_finish_and_free_their_pages(pair):
+    async def run():
+        bodies = [{"text": f"request {i}", "sampling_params": {"max_new_tokens": 16, "temperature": 0.7,
+                                                                "sampling_seed": i}} for i in range(6)]
+        return await asyncio.gather(*(_both(pair, "/generate", b) for b in bodies))
+
+    for p, d in asyncio.run(run()):
+        assert p.status_code == 200 and d.status_code == 200
+    for url in (pair.prefill_url, pair.decode_url):
+        assert httpx.get(url + "/server_info").json()["internal_states"][0]["num_used_tokens"] == 0
+
+
+def test_chat_stream_from_decode_is_valid_sse(pair):
+    async def run():
+        body = {"messages": [{"role": "user", "content": "stream please"}], "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True},
+                **pair.bootstrap(secrets.randbits(63), "s1")}
+        async with httpx.AsyncClient(timeout=60) as c:
+            p = asyncio.create_task(c.post(pair.prefill_url + "/v1/chat/completions", json=body))
+            async with c.stream("POST", pair.decode_url + "/v1/chat/completions", json=body) as d:
+                lines = [line async for line in d.aiter_lines() if line]
+            return await p, lines
+
+    p, lines = asyncio.run(run())
+    assert p.status_code == 200
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert "error" not in chunks[0], chunks[0]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[-1]["usage"]["completion_tokens"] == 8
+
+
+def test_decode_fails_cleanly_when_kv_never_arrives(pair):
+    """Only the decode leg is sent: its KV never lands, so it answers 500 after its transfer timeout."""
+    body = {"text": "orphan", "sampling_params": {"max_new_tokens": 4}, **pair.bootstrap(secrets.randbits(63), "o1")}
+    r = httpx.post(pair.decode_url + "/generate", json=body, timeout=30)
+    assert r.status_code == 500
+    assert "did not arrive" in r.json()["error"]["message"]
+
+
+def test_prefill_fails_cleanly_when_decode_never_reserves(pair):
+    body = {"text": "lonely", **pair.bootstrap(secrets.randbits(63), "l1")}
+    r = httpx.post(pair.prefill_url + "/generate", json=body, timeout=30)
+    assert r.status_code == 500
+    assert "decode never reserved KV" in r.json()["error"]["message"]
+    assert httpx.get(pair.prefill_url + "/server_info").json()["internal_states"][0]["num_used_tokens"] == 0
+
+
+def test_abort_ends_a_running_stream_and_frees_its_pages(pair):
+    before = kv_used(pair.decode_url)   # pages of earlier failed requests may still sit in quarantine
+
+    async def run():
+        body = {"text": "abort me", "stream": True, "sampling_params": {"max_new_tokens": 900, "ignore_eos": True},
+                **pair.bootstrap(secrets.randbits(63), "ab1")}
+        async with httpx.AsyncClient(timeout=60) as c:
+            p = asyncio.create_task(c.post(pair.prefill_url + "/generate", json=body))
+            lines = []
+            async with c.stream("POST", pair.decode_url + "/generate", json=body) as d:
+                async for line in d.aiter_lines():
+                    if line:
+                        lines.append(line)
+                    if len(lines) == 3:
+                        await c.post(pair.decode_url + "/abort_request", json={"rid": "ab1"})
+            return await p, lines
+
+    p, lines = asyncio.run(run())
+    assert p.status_code == 200
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["error"]["message"] == "aborted through /abort_request"
+    assert len(lines) < 100
+    assert kv_used(pair.decode_url) <= before
+
+
+def test_metrics_use_sglang_names(pair):
+    for url, engine_type in ((pair.prefill_url, "prefill"), (pair.decode_url, "decode")):
+        text = httpx.get(url + "/metrics").text
+        for name in ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage",
+                     "sglang:gen_throughput", "sglang:max_total_num_tokens", "sglang:num_used_tokens",
+                     "sglang:kv_available_tokens", "sglang:kv_evictable_tokens",
+                     "sglang:prompt_tokens_total", "sglang:generation_tokens_total",
+                     "sglang:time_to_first_token_seconds_bucket", "sglang:kv_transfer_latency_ms"):
+            assert f"{name}{{" in text, name
+        assert f'engine_type="{engine_type}"' in text
+
+
+def test_mismatched_page_size_is_refused_with_a_reason(pair, tmp_path):
+    port = free_port()
+    log = tmp_path / "decode8.log"
+    proc = subprocess.Popen([sys.executable, "-m", "dsv4_cluster.workers.decode", "--host", "127.0.0.1",
+                             "--port", str(port), "--page-size", "8", "--max-total-tokens", "2048",
+                             "--context-length", "1024"], stdout=log.open("w"), stderr=subprocess.STDOUT)
+    try:
+        _wait(f"http://127.0.0.1:{port}/health", [proc], [log])
+        body = {"text": "x", **pair.bootstrap(secrets.randbits(63), "m1")}
+        r = httpx.post(f"http://127.0.0.1:{port}/generate", json=body, timeout=30)
+        assert r.status_code == 500
+        assert "page_size" in r.json()["error"]["message"]
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_decode_frees_a_given_up_room_at_once_when_prefill_never_wrote_it(pair):
+    """Only the decode leg is sent and aborted: prefill confirms (/kv/cancel) that it never writes the room,
+    so the pages come back at once, not at the quarantine's expiry (4 x the transfer timeout)."""
+    before = kv_used(pair.decode_url)
+
+    async def run():
+        body = {"text": "given up", "sampling_params": {"max_new_tokens": 400},
+                **pair.bootstrap(secrets.randbits(63), "gu1")}
+        async with httpx.AsyncClient(timeout=30) as c:
+            d = asyncio.create_task(c.post(pair.decode_url + "/generate", json=body))
+            while kv_used(pair.decode_url) == before:
+                await asyncio.sleep(0.05)
+            await c.post(pair.decode_url + "/abort_request", json={"rid": "gu1"})
+            return await d
+
+    assert asyncio.run(run()).status_code == 499
+    # at once: well before the quarantine's expiry (4 x the pair's --transfer-timeout-s 3 = 12 s)
+    assert wait_for(lambda: kv_used(pair.decode_url) <= before, 6.0, "the given-up room's pages freed")
+    assert kv_used(pair.decode_url) == before
+
+
+def _greedy(pair, path: str, body: dict) -> dict:
+    p, d = asyncio.run(_both(pair, path, body))
+    assert p.status_code == 200 and d.status_code == 200, (p.text, d.text)
+    return d.json()
+
+
+def test_stop_strings_are_trimmed_through_the_pair_plain_and_streaming(pair):
+    chat = {"messages": [{"role": "user", "content": "stop test"}], "max_tokens": 40, "temperature": 0,
+            "ignore_eos": True}
+    full = _greedy(pair, "/v1/chat/completions", chat)["choices"][0]["message"]["content"]
+    stop = full[10:13]
+    cut = full.index(stop)
+    plain = _greedy(pair, "/v1/chat/completions", {**chat, "stop": stop})["choices"][0]
+    assert (plain["message"]["content"], plain["finish_reason"]) == (full[:cut], "stop")
+    kept = _greedy(pair, "/v1/chat/completions", {**chat, "stop": stop, "no_stop_trim": True})
+    assert kept["choices"][0]["message"]["content"] == full[:cut + len(stop)]
+
+    async def stream():
+        body = {**chat, "stop": [stop], "stream": True, **pair.bootstrap(secrets.randbits(63), "st1")}
+        async with httpx.AsyncClient(timeout=60) as c:
+            p = asyncio.create_task(c.post(pair.prefill_url + "/v1/chat/completions", json=body))
+            async with c.stream("POST", pair.decode_url + "/v1/chat/completions", json=body) as d:
+                lines = [line async for line in d.aiter_lines() if line.startswith("data: {")]
+            return await p, [json.loads(line[6:]) for line in lines]
+
+    p, chunks = asyncio.run(stream())
+    assert p.status_code == 200
+    deltas = [c["choices"][0]["delta"].get("content") or "" for c in chunks]
+    assert "".join(deltas) == full[:cut]                     # the stop string, sent over 3 tokens, never shows
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    generate = _greedy(pair, "/generate", {"text": "stop test", "sampling_params": {
+        "max_new_tokens": 30, "temperature": 0, "ignore_eos": True}})
+    gstop = generate["text"][5:7]
+    trimmed = _greedy(pair, "/generate", {"text": "stop test", "sampling_params": {
+        "max_new_tokens": 30, "temperature": 0, "ignore_eos": True, "stop": gstop}})
+    assert trimmed["text"] == generate["text"][:generate["text"].index(gstop)]
+    assert trimmed["meta_info"]["finish_reason"] == {"type": "stop", "matched": gstop}
+
+
+def test_openai_fields_over_http_neutral_accepted_others_refused_naming_the_field(pair):
+    chat = {"messages": [{"role": "user", "content": "fields"}], "max_tokens": 3}
+    neutral = {"frequency_penalty": 0, "presence_penalty": 0, "response_format": {"type": "text"}, "tools": None,
+               "n": 1, "logprobs": False, "no_stop_trim": False, "skip_special_tokens": True,
+               "separate_reasoning": True, "stream_reasoning": True, "return_hidden_states": False,
+               "continue_final_message": False}
+    _greedy(pair, "/v1/chat/completions", {**chat, **neutral})
+    r = httpx.post(pair.decode_url + "/v1/chat/completions", json={**chat, "frequency_penalty": 0.7,
+                                                                     **pair.bootstrap(1, "f1")}, timeout=30)
+    assert r.status_code == 400
+    assert r.json()["error"]["message"].startswith("frequency_penalty: 0.7 is not supported: ")
+    r = httpx.post(pair.decode_url + "/v1/completions", json={"prompt": "x", "echo": True,
+                                                               **pair.bootstrap(2, "f2")}, timeout=30)
+    assert r.status_code == 400 and "echo: true is not supported" in r.json()["error"]["message"]
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_idle_workers_use_almost_no_cpu_and_throughput_gauges_fall_to_zero(pair):
+    _greedy(pair, "/generate", {"text": "warm", "sampling_params": {"max_new_tokens": 8}})
+    before = [_cpu_seconds(p.pid) for p in pair.procs]
+    time.sleep(6.0)     # longer than the gauges' 5-s window
+    used = [(_cpu_seconds(p.pid) - b) / 6.0 for p, b in zip(pair.procs, before)]
+    assert all(u < 0.05 for u in used), used          # NIXL's progress thread alone took ~0.66 of a core
+    text = httpx.get(pair.decode_url + "/metrics").text
+    gauge = next(line for line in text.splitlines() if line.startswith("sglang:gen_throughput{"))
+    assert float(gauge.rsplit(" ", 1)[1]) == 0.0, gauge
