@@ -5,7 +5,7 @@ replacements are process-wide), on SGLang's backend, pool and decode metadata, f
 (indexer + top-512) and one ratio-128 layer at TP4 (16 heads padded to 64), batch 8, 4,096 live tokens per
 request (1,024 C4 entries, so the top-512 is a real selection), configured context 128K. Eager and CUDA graph.
 
-Stand-ins (bench/sglang_backend_rig.py STAND_INS and IMPORT_ONLY, each with why): deep_gemm and SGLang's JIT
+Stand-ins (bench/sglang_stand_ins.py, each installer says why): deep_gemm and SGLang's JIT
 plan_topk_v2 in plugin mode (their outputs are read only by the kernels the plugin replaced), the compressor's
 JIT decode plan (the compressor is not run), the model's C4Indexer projections (the rig passes projected q /
 weights), and import-only modules the decode path never calls. Stock uses SGLang's own fallbacks where its

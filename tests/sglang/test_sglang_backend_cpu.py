@@ -1,8 +1,8 @@
 """SGLang 0.5.23's own DeepSeek-V4 decode backend on the CPU: its metadata builders feeding our adapters (CI).
 
 A fresh interpreter per mode (`python -c CHILD`, TRITON_INTERPRET=1 for SGLang's Triton metadata kernels)
-stands up SGLang's backend, pool and decode metadata through bench/sglang_backend_rig.py (its STAND_INS
-list each stand-in and why; on the CPU also FlashMLA, which is CUDA-only) and runs one window-only, one
+stands up SGLang's backend, pool and decode metadata through bench/sglang_backend_rig.py (the stand-ins are
+in bench/sglang_stand_ins.py, each installer says why; on the CPU also FlashMLA, which is CUDA-only) and runs one window-only, one
 ratio-4 and one ratio-128 layer of DeepSeek-V4-Flash at TP4 for 2 requests of 4,096 live tokens:
 - plugin: `load_plugins()` installs our kernels through the entry point; SGLang's forward_c4_indexer and forward
   call our adapters (their CPU references) with SGLang's metadata;
