@@ -22,9 +22,9 @@ import orjson
 
 TOKENS, TRICKLE_BYTES = 8, 37
 GENERATION_PATHS = (b"/v1/chat/completions", b"/v1/completions", b"/generate")
-# no answer; a connection's second request unanswered; a stream broken after two events; a 400; a stream's head
-# 0.3 s before its events (as SGLang's decode waiting for KV); a stream in TRICKLE_BYTES pieces 5 ms apart
-FAULTS = ("close", "close_reused", "break", "reject", "headers_first", "trickle")
+# no answer; a 2nd request unanswered; a stream broken after 2 events; a 400; a 500 (a decode's KV bootstrap failed); no
+# answer, closed 50 ms later (a killed worker); a stream's head 0.3 s before its events; TRICKLE_BYTES pieces 5 ms apart
+FAULTS = ("close", "close_reused", "break", "reject", "fail", "close_late", "headers_first", "trickle")
 SSE_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
             b"transfer-encoding: chunked\r\n\r\n")
 END = b"0\r\n\r\n"
@@ -59,6 +59,7 @@ PREFILL_STREAM = SSE_HEAD + event(choice({"role": "assistant", "content": "t"}, 
 DECODE_JSON, PREFILL_JSON = answer_json("".join(f"t{i} " for i in range(TOKENS)), "stop"), answer_json("t", PREFILLED)
 BROKEN_STREAM = DECODE_STREAM[:len(SSE_HEAD) + len(event(choice({"role": "assistant", "content": "t0 "}, None))) * 2]
 REJECT = json_response({"error": {"message": "bad field", "type": "invalid_request_error"}}, b"400 Bad Request")
+FAIL = json_response({"error": {"message": "KV bootstrap failed", "type": "internal"}}, b"500 Internal Server Error")
 
 
 def is_stream(body: bytes) -> bool:
@@ -97,14 +98,12 @@ class StubProtocol(asyncio.Protocol):
             if head.startswith(b"PRI * HTTP/2.0"):
                 self.transport.close()
                 return
-            method, path = head.split(b" ", 2)[:2]
-            path = path.split(b"?")[0]
+            method, path = head.split(b" ", 2)[0], head.split(b" ", 2)[1].split(b"?")[0]
             if self.fault and method == b"POST" and path in GENERATION_PATHS:
                 answer, close = self.faulty(body)
             else:
                 answer, close = self.answer(method, path, body), b"connection: close" in lower
-            if answer:
-                self.transport.write(answer)
+            self.transport.write(answer)  # (nothing, for a fault that answers nothing)
             if close:
                 self.transport.close()
                 return
@@ -119,10 +118,12 @@ class StubProtocol(asyncio.Protocol):
         self.stats.generations += 1
         if fault == "headers_first":
             later(0.3, self._write_rest, len(SSE_HEAD))
+        elif fault == "close_late":
+            later(0.05, self.transport.close)
         elif fault == "trickle":
             for i, at in enumerate(range(0, len(DECODE_STREAM), TRICKLE_BYTES)):
                 later(0.005 * i, self._write_rest, at, at + TRICKLE_BYTES)
-        return {"break": BROKEN_STREAM, "reject": REJECT, "headers_first": SSE_HEAD}.get(fault, b""), \
+        return {"break": BROKEN_STREAM, "reject": REJECT, "fail": FAIL, "headers_first": SSE_HEAD}.get(fault, b""), \
             fault in ("close", "close_reused", "break")
 
     def _write_rest(self, start: int, end: int | None = None) -> None:
@@ -133,9 +134,8 @@ class StubProtocol(asyncio.Protocol):
         if method == b"POST" and path in GENERATION_PATHS:
             self.stats.generations += 1
             self.stats.paired += b'"bootstrap_room"' in body
-            if self.role == "decode":
-                return DECODE_STREAM if is_stream(body) else DECODE_JSON
-            return PREFILL_STREAM if is_stream(body) else PREFILL_JSON
+            stream, plain = (DECODE_STREAM, DECODE_JSON) if self.role == "decode" else (PREFILL_STREAM, PREFILL_JSON)
+            return stream if is_stream(body) else plain
         if path == b"/metrics":
             return json_response(b'sglang:token_usage{model_name="stub",engine_type="%s"} %.2f\n'
                                  % (self.role.encode(), self.stats.token_usage), kind=b"text/plain")

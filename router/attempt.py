@@ -122,6 +122,15 @@ class Attempt:
                 self.decode.close()
             self._send_abort(self.req.pair.decode)
 
+    async def prefill_settled(self, timeout_s: float) -> None:
+        """Give P's leg up to `timeout_s` to end on its own once D failed. A dead prefill fails its leg at once
+        (refused, or its connection lost), and that failure is what tells the pool the worker is gone; cancelled
+        first, it is never seen, and a request whose decode answered 500 because the prefill it was paired with died
+        ("KV bootstrap failed") was retried on the same dead prefill until `max_retries` ran out, instead of held
+        for its restart."""
+        if not self.prefill.done():
+            await asyncio.wait({self.prefill}, timeout=timeout_s)
+
     def abort_prefill(self) -> None:
         """Abort P if it still runs on its worker (in flight, or given up on by a timeout)."""
         if not self.prefill.done():

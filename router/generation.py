@@ -44,6 +44,7 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 PATHS = ("/v1/chat/completions", "/v1/completions", "/generate")
 HOLD_POLL_S = 0.1  # while a request is held for a worker's restart, how often the pool is looked at (no legs sent)
 HOLD_TRY_S = 1.0  # and at most one try (one prefill leg) per held request per this long
+PREFILL_SETTLE_S = 0.25  # a decode failed (5xx): how long its prefill leg may take to show its own fate (`Attempt`)
 
 
 class ClientGone:
@@ -236,6 +237,8 @@ class Flight:
             raise self.state.upstream.transport_error(worker, exc) from None
         attempt.finish()
         if not decode.ok:      # the client gets it in the OpenAI envelope: 4xx as is, a worker's failure as 502/503
+            if decode.status >= 500:
+                await attempt.prefill_settled(PREFILL_SETTLE_S)
             attempt.abort_prefill()
             raise self.state.upstream.failed(worker, decode.status, content)
         if logprobs.wanted(self.path, attempt.req.body):

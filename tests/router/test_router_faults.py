@@ -4,6 +4,7 @@ on purpose (`bench/stubs.py`: real sockets; the counts are what each stub receiv
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -142,3 +143,19 @@ def test_a_prefill_failing_after_the_decodes_headers_is_retried_before_the_first
             # each attempt's decode leg goes out beside its prefill leg; one whose prefill failed first (the stub
             # closes at once) may be interrupted before it is sent, so the decode saw between none and both
             assert 2 <= d.stats.generations <= 4
+
+
+def test_a_decode_failing_because_its_prefill_died_holds_the_request_instead_of_spending_its_retries() -> None:
+    """The decode answers 500 (its KV bootstrap failed: the prefill died) before the router sees the prefill's
+    connection close (50 ms later). The router lets the prefill leg show its fate before trying again, so it learns
+    the prefill is gone and holds the request for its restart (`stream_hold_s`), instead of retrying on the dead
+    prefill at once until `max_retries` ran out (a 502 under load in the outage test)."""
+    with stub("prefill", "close_late") as p, stub("decode", "fail") as d:
+        settings = router_settings(p.url, d.url, stream_hold_s=1.0, breaker_failures=100, health_check_interval_s=30)
+        with UvicornThread(build_app(settings)) as router:
+            asked = time.monotonic()
+            status, _ = post(router.url, stream=False)
+            held_s = time.monotonic() - asked
+            assert status == 502                       # the prefill never came back: its error, once the hold ran out
+            assert metric(router.url, "dsv4_router_retries_total") <= 1, "retried on the dead prefill at once"
+            assert held_s >= 0.9, "held for the prefill's restart (stream_hold_s) before giving up"
