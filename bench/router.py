@@ -97,10 +97,13 @@ def ours_argv(port: int, prefills: list[tuple[str, int]], decodes: list[str], tm
 def anchor_argv(name: str, port: int, prefills: list[tuple[str, int]], decodes: list[str],
                 policy: str = "round_robin") -> list[str]:
     """SGLang's gateway in PD mode on 127.0.0.1:port: sglang-router 0.3.2 (`rust`, `mini_lb`) or smg 1.13.0 (`smg`,
-    the same flags under `smg launch`); `policy` for prefill and decode alike, warnings only in its log."""
+    the same flags under `smg launch`); `policy` for prefill and decode alike, warnings only in its log; its metrics
+    exporter on a free loopback port (its default port is fixed: a second gateway on the machine would exit)."""
     launcher = ["smg", "launch"] if name == "smg" else [sys.executable, "-m", "sglang_router.launch_router"]
     argv = launcher + ["--pd-disaggregation", "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
-                       "--log-level", "warn"] + (["--mini-lb"] if name == "mini_lb" else [])
+                       "--log-level", "warn", "--prometheus-host", "127.0.0.1",
+                       "--prometheus-port", str(free_ports(1, exclude=frozenset({port}))[0])] + \
+        (["--mini-lb"] if name == "mini_lb" else [])
     return argv + [x for url, boot in prefills for x in ("--prefill", url, str(boot))] + \
         [x for url in decodes for x in ("--decode", url)]
 

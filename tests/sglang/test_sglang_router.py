@@ -40,7 +40,8 @@ def router(tmp_path_factory):
     log = tmp / "router.log"
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--host", "127.0.0.1",
            "--port", str(port), "--prefill", pair.prefill_url, str(pair.bootstrap_port), "--decode",
-           pair.decode_url, "--policy", "round_robin", "--worker-startup-timeout-secs", "60"]
+           pair.decode_url, "--policy", "round_robin", "--worker-startup-timeout-secs", "60",
+           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]   # its default port is fixed
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
