@@ -22,13 +22,17 @@ if TYPE_CHECKING:
 SOON_S = 30.0  # ceiling on what the system does at once (an abort, a freed page, a health check's verdict)
 
 
+class TimedOut(AssertionError):
+    """A wait's `timeout_s` ran out (a test failure, as any AssertionError)."""
+
+
 def _polls(check: Callable[[], Any], timeout_s: float, what: str) -> Generator[None, None, Any]:
     """One wait, either kind: yields between looks at `check`; returns its first truthy value; raises an
     AssertionError naming `what` (and the check's last value) after `timeout_s`."""
     end = time.monotonic() + timeout_s
     while not (value := check()):
         if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout_s:.1f}s waiting for {what or check} (last: {value!r})")
+            raise TimedOut(f"timed out after {timeout_s:.1f}s waiting for {what or check} (last: {value!r})")
         yield
     return value
 
@@ -76,10 +80,7 @@ def wait_serving(url: str, timeout_s: float, what: str, proc: subprocess.Popen |
 
 def gone(pids: list[int], timeout_s: float = SOON_S) -> list[int]:
     """The pids still alive after waiting up to `timeout_s` for all of them to exit (empty: all gone)."""
-    end = time.monotonic() + timeout_s
-    while any(pid_alive(p) for p in pids) and time.monotonic() < end:
-        time.sleep(0.1)
-    return [p for p in pids if pid_alive(p)]
+    return latest_when(lambda: [p for p in pids if pid_alive(p)], lambda alive: not alive, timeout_s, interval_s=0.1)
 
 
 def kv_used(url: str) -> int:
@@ -99,15 +100,25 @@ def status_rows(c: LocalCluster, *extra: str) -> dict[str, dict[str, Any]]:
     return {w["name"]: w for w in cluster_status(c, *extra)["workers"]}
 
 
+def latest_when(read: Callable[[], Any], holds: Callable[[Any], bool], timeout_s: float,
+                interval_s: float = 0.05) -> Any:
+    """`read()` once `holds` its value; the last value read when `timeout_s` runs out (the caller asserts on it, so a
+    failure shows what it was stuck at)."""
+    last: list[Any] = []
+
+    def check() -> bool:
+        last.append(read())
+        return holds(last[-1])
+    try:
+        wait_for(check, timeout_s, interval_s=interval_s)
+    except TimedOut:
+        pass
+    return last[-1]
+
+
 def wait_row(c: LocalCluster, name: str, check: Callable[[dict[str, Any]], bool], timeout_s: float) -> dict[str, Any]:
-    """`name`'s status row once `check(row)` holds; the last row read when `timeout_s` runs out (the caller asserts
-    on it, so a failure shows what it was stuck at)."""
-    end = time.monotonic() + timeout_s
-    while True:
-        row = status_rows(c)[name]
-        if check(row) or time.monotonic() > end:
-            return row
-        time.sleep(0.3)
+    """`name`'s status row once `check(row)` holds, else the last row read (`latest_when`)."""
+    return latest_when(lambda: status_rows(c)[name], check, timeout_s, interval_s=0.3)
 
 
 def wait_ready(c: LocalCluster, name: str, restarts: int, timeout_s: float) -> dict[str, Any]:

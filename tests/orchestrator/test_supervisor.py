@@ -4,7 +4,6 @@ grandchild. The supervisor runs in-process here; test_orchestrator drives it as 
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from dsv4_cluster.orchestrator.launch.ports import free_ports, port_is_free
 from dsv4_cluster.orchestrator.processes import pid_alive
 from dsv4_cluster.orchestrator.supervise.supervisor import (
     HealthPolicy, RestartPolicy, WorkerStartError, WorkerSupervisor)
-from tests.helpers import SOON_S, gone, wait_for
+from tests.helpers import SOON_S, gone, latest_when, wait_for
 
 STANDIN = textwrap.dedent('''
     import argparse, json, os, signal, subprocess, sys, time
@@ -146,15 +145,8 @@ def test_timeout_names_the_pending_url_and_kills_the_process(tmp_path: Path) -> 
 
 
 def _wait_for(sup: WorkerSupervisor, pred, timeout_s: float = 20.0) -> WorkerStatus:
-    """The supervisor's status once `pred` holds, else its last one (the caller's assert shows where it stuck)."""
-    last: list[WorkerStatus] = []
-
-    def holds() -> bool:
-        last.append(sup.status())
-        return pred(last[-1])
-    with contextlib.suppress(AssertionError):
-        wait_for(holds, timeout_s, "the supervisor's status", interval_s=0.1)
-    return last[-1]
+    """The supervisor's status once `pred` holds, else its last one (`latest_when`)."""
+    return latest_when(sup.status, pred, timeout_s, interval_s=0.1)
 
 
 def test_crash_after_ready_is_restarted_with_backoff(tmp_path: Path) -> None:
