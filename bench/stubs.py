@@ -98,7 +98,7 @@ class StubProtocol(asyncio.Protocol):
             if head.startswith(b"PRI * HTTP/2.0"):
                 self.transport.close()
                 return
-            method, path = head.split(b" ", 2)[0], head.split(b" ", 2)[1].split(b"?")[0]
+            method, path = (parts := head.split(b" ", 2))[0], parts[1].split(b"?")[0]
             if self.fault and method == b"POST" and path in GENERATION_PATHS:
                 answer, close = self.faulty(body)
             else:
