@@ -115,7 +115,7 @@ sglang_backend)
   grep -v '^{' "$OUT/bench.log" | tail -60
   ;;
 sm120|gpu_suite)
-  wheels $(flash_mla_wheel) ${carry:+"$carry"/wheels/*.whl}
+  wheels $(flash_mla_wheel) ${carry:+$(ls "$carry"/wheels/*.whl 2>/dev/null)}
   export PYTHONPATH=$PYTHONPATH${carry:+:$carry/site}
   versions
   if [ "$suite" = sm120 ]; then
