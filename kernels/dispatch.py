@@ -50,6 +50,7 @@ class DecodeImpl:
     num_stages: int
     smem: int
     head_group: int = 0  # heads per program (0: all); `smem` is one such program's
+    num_warps: int = 8   # the Triton kernel's warps per program
 
 
 # (class, heads computed) -> implementation. Heads: what the call computes (16 / 32 / 64).
@@ -58,7 +59,9 @@ class DecodeImpl:
 # compiles them to tcgen05 there; Gluon's kernel is Hopper-only). sm_120: the configs under 99 KB as compiled for
 # sm_120 — mma.sync keeps the [heads, 512] fp32 accumulator in registers: at 64 heads (and 32) a program spills
 # ~4 KB (400 B) a thread (ptxas for sm_120a), at 16 none; so every call runs in programs of 16 heads (head groups
-# reading the same rows), block 32, one stage (the loads are gathers, nothing for a second stage to pipeline).
+# reading the same rows), block 32, one stage (the loads are gathers, nothing for a second stage to pipeline), 4
+# warps (254 registers, no spill for sm_120a; H200 stand-in, c4 at 64 heads, B = 1 / 8 / 32 / 64 / 128: 14 / 32 /
+# 72 / 123 / 218 us against 14 / 39 / 101 / 178 / 320 at 8 warps, bench/results/sm120_decode.md's sweep).
 SPARSE_DECODE: dict[tuple[str, int], DecodeImpl] = {
     ("sm_90", 64): DecodeImpl("gluon", 64, 2, 218_192),
     ("sm_90", 32): DecodeImpl("triton", 64, 2, 164_096),
@@ -66,9 +69,9 @@ SPARSE_DECODE: dict[tuple[str, int], DecodeImpl] = {
     ("sm_100", 64): DecodeImpl("triton", 64, 2, 135_440),
     ("sm_100", 32): DecodeImpl("triton", 64, 2, 164_096),
     ("sm_100", 16): DecodeImpl("triton", 64, 2, 147_712),
-    ("sm_120", 64): DecodeImpl("triton", 32, 1, 81_920, head_group=16),
-    ("sm_120", 32): DecodeImpl("triton", 32, 1, 81_920, head_group=16),
-    ("sm_120", 16): DecodeImpl("triton", 32, 1, 81_920),
+    ("sm_120", 64): DecodeImpl("triton", 32, 1, 81_920, head_group=16, num_warps=4),
+    ("sm_120", 32): DecodeImpl("triton", 32, 1, 81_920, head_group=16, num_warps=4),
+    ("sm_120", 16): DecodeImpl("triton", 32, 1, 81_920, num_warps=4),
 }
 # The Triton config a ratio-128 (dense) call of the embedded engine uses: its index list is as wide as the
 # configured context, which the Gluon kernel's shared-memory index table cannot hold.

@@ -25,7 +25,7 @@ class LaunchConfig:
 
     block_n: int = 0  # 0: the backend's default (see `resolved`)
     num_splits: int = 0
-    num_warps: int = 8
+    num_warps: int = 0  # 0: the dispatch table's row for the call (else 8)
     num_stages: int = 0  # 0: the backend's default; Gluon: shared-memory stages of block_n rows
     prefetch: bool = False
     backend: str = "auto"  # "auto": the warp-specialised Gluon kernel where it applies (sm_90, H = 64), else "triton"
@@ -69,7 +69,8 @@ def resolved(config: LaunchConfig | None, backend: str, is_fp8: bool) -> LaunchC
     # spill-free); the bf16 gather holds 16 row addresses per thread at block_n 64 (80 leaves it
     # spill-free), 8 at block_n 32.
     regs = config.loader_regs or (128 if is_fp8 else 80 if bn == 64 else 40)
-    return replace(config, block_n=bn, num_stages=config.num_stages or stages, backend=backend, loader_regs=regs)
+    return replace(config, block_n=bn, num_stages=config.num_stages or stages, backend=backend, loader_regs=regs,
+                   num_warps=config.num_warps or 8)
 
 
 def gluon_index_blocks(w: int, k: int, block_n: int) -> int:
@@ -139,7 +140,7 @@ def _choose(device, h, dtype, is_fp8, config):
         backend = "gluon" if row is not None and row.backend == "gluon" and not why else "triton"
     if row is not None and row.backend == backend:
         config = replace(config, block_n=config.block_n or row.block_n, num_stages=config.num_stages or row.num_stages,
-                         head_group=config.head_group or row.head_group)
+                         head_group=config.head_group or row.head_group, num_warps=config.num_warps or row.num_warps)
     return backend, resolved(config, backend, is_fp8)
 
 

@@ -52,14 +52,15 @@ def _compiled(heads: int, impl: dispatch.DecodeImpl, capability: int) -> tuple[i
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = (f"from tests.kernels.test_dispatch import _compile_here; "
-            f"print(_compile_here({impl.head_group or heads}, {impl.block_n}, {impl.num_stages}, {capability}))")
+            f"print(_compile_here({impl.head_group or heads}, {impl.block_n}, {impl.num_stages}, {capability}, "
+            f"{impl.num_warps}))")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     shared, spills = done.stdout.split()[-2:]
     return int(shared), int(spills)
 
 
-def _compile_here(heads: int, block_n: int, num_stages: int, capability: int) -> str:
+def _compile_here(heads: int, block_n: int, num_stages: int, capability: int, num_warps: int = 8) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -77,7 +78,7 @@ def _compile_here(heads: int, block_n: int, num_stages: int, capability: int) ->
            for n in fn.arg_names}
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in const.items()})
     compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32),
-                              options=dict(num_warps=8, num_stages=num_stages))
+                              options=dict(num_warps=num_warps, num_stages=num_stages))
     return f"{compiled.metadata.shared} {_spill_bytes(compiled.asm['ptx'], capability)}"
 
 
