@@ -43,6 +43,8 @@ def _runner(kernels=KERNELS, graphs: int = 64, context: int = 16384) -> ModelRun
                                       context_length=context, device="cuda", kernels=kernels,
                                       cuda_graph_max_bs=graphs))
     assert runner.pool.layout.dtype == "fp8_e4m3" and runner.pool.layout.ratios == (4, 128, 4, 128)
+    # the graphs' padding page is extra: the capacity is what was asked (the planner's prediction)
+    assert runner.pool.capacity_tokens == 65536 and runner.pool.available_tokens == 65536
     return runner
 
 

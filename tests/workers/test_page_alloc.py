@@ -113,10 +113,11 @@ def test_runs_stay_long_under_churn_where_a_deque_free_list_scatters():
 def test_the_pool_uses_the_allocator_and_keeps_its_pad_page_out():
     layout = PoolLayout(page_size=4, num_pages=10, n_layers=1, head_dim=8, index_dim=4, ratio=4, dtype="float32")
     pool = KVPool(layout)
+    assert pool.capacity_tokens == 40
     pad = pool.reserve_pad_page()
-    assert pad == 9
+    assert pad == 9 and pool.capacity_tokens == 36   # capacity = used + available + evictable, as SGLang counts it
     got = pool.alloc(4 * 9)
-    assert sorted(got) == list(range(9)) and pool.used_tokens == 36
+    assert sorted(got) == list(range(9)) and pool.used_tokens == pool.capacity_tokens
     with pytest.raises(PoolExhausted):
         pool.alloc(1)
     pool.release(got)

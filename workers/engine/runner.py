@@ -43,10 +43,11 @@ class RunnerConfig:
         """bf16 on CUDA (what the kernels take), float32 on the CPU."""
         return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
 
-    def layout(self) -> PoolLayout:
+    def layout(self, pad_pages: int = 0) -> PoolLayout:
+        """The pool: max_total_tokens of pages, plus `pad_pages` kept out of the capacity (CUDA-graph padding)."""
         m = self.model
         return pool_layout(m, kv_layout_dtype(self.kv_dtype, m, self.device), self.page_size,
-                           self.max_total_tokens // self.page_size)
+                           self.max_total_tokens // self.page_size + pad_pages)
 
 
 class ModelRunner:
@@ -56,11 +57,13 @@ class ModelRunner:
         self.cfg = cfg
         self.use_device()
         self.model = TinyDSV4(cfg.model, device=cfg.device, dtype=cfg.dtype, kernels=cfg.kernels)
-        self.pool = KVPool(cfg.layout(), device=cfg.device, dtype=cfg.dtype)
+        graphs = cfg.device.startswith("cuda") and cfg.cuda_graph_max_bs > 0 and self.model.ops.all_kernels
+        # the graphs' padding page comes on top of max_total_tokens, as SGLang's padding slot does
+        self.pool = KVPool(cfg.layout(pad_pages=1 if graphs else 0), device=cfg.device, dtype=cfg.dtype)
         self.sampler = Sampler(cfg.model.vocab_size)
         self.max_pages = self.pool.pages_for(cfg.context_length)
         self.graphs: DecodeGraphs | None = None
-        if cfg.device.startswith("cuda") and cfg.cuda_graph_max_bs > 0 and self.model.ops.all_kernels:
+        if graphs:
             self.graphs = DecodeGraphs(self.model, self.pool, self.max_pages, cfg.cuda_graph_max_bs)
         self.eager_steps = 0
 

@@ -124,7 +124,9 @@ class KVPool:
 
     @property
     def capacity_tokens(self) -> int:
-        return self.layout.num_pages * self.layout.page_size
+        """Tokens requests can hold (SGLang's `max_total_num_tokens`): every page but the CUDA-graph padding page,
+        which SGLang too keeps out of its capacity."""
+        return (self.layout.num_pages - self._reserved) * self.layout.page_size
 
     @property
     def page_bytes(self) -> int:
@@ -150,8 +152,7 @@ class KVPool:
     @property
     def used_tokens(self) -> int:
         """Tokens in use as SGLang counts them (`num_used_tokens` = capacity - (available + evictable)): pages that a
-        request (reserved, being computed or decoded) or a KV transfer holds, the cached pages it locked included. A
-        page reserved for CUDA-graph padding is none of these."""
+        request (reserved, being computed or decoded) or a KV transfer holds, the cached pages it locked included."""
         held = self.layout.num_pages - self._reserved - len(self._free) - self.evictable_pages()
         return held * self.layout.page_size
 
