@@ -7,8 +7,10 @@ Two processes (`kv_transfer_sides.py`), each with the engine's own KV pool for t
 asks for (a list runs each in turn) and the engine's own `NixlTransfer`, one agent per side as in a worker. Per
 request size, interleaved over `--repeats` trials: the engine's `write_pages`, one raw NIXL WRITE of one region of
 the same bytes, and a device copy; throughput is bytes / p50 latency, every size checked byte for byte. Which UCX
-transport carried the bytes is read from UCX's own log (`ucx_proto.py`). Writes OUT.json (one state: its report;
-several: reports by state) and OUT.md (a table per state).
+transport carried the bytes is read from UCX's own log (`ucx_proto.py`). With `--nixl-telemetry` (or
+NIXL_TELEMETRY_ENABLE=y) NIXL's own telemetry of each engine and raw WRITE is kept (post duration, post to done,
+descriptors after merging) and tabled beside the times: what NIXL spent against what the host spent around it.
+Writes OUT.json (one state: its report; several: reports by state) and OUT.md (a table per state).
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ def run_sides(a: argparse.Namespace, pages: str, workdir: Path) -> dict:
     cmds = {"decode": [*mod, json.dumps({**side, "role": "decode", "device": a.decode_device})],
             "prefill": [*mod, json.dumps({**side, "role": "prefill", "device": a.prefill_device,
                                           "result": str(workdir / "result.json")})]}
-    env = {**os.environ, "UCX_PROTO_INFO": "y", "UCX_LOG_LEVEL": "info", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "UCX_PROTO_INFO": "y", "UCX_LOG_LEVEL": "info", "PYTHONUNBUFFERED": "1",
+           **({"NIXL_TELEMETRY_ENABLE": "y"} if a.nixl_telemetry else {})}
     with contextlib.ExitStack() as stack:
         procs = {name: stack.enter_context(process(cmd, None, workdir / f"{name}.log", env=env))
                  for name, cmd in cmds.items()}
@@ -88,6 +91,17 @@ def stats(times: list[float], nbytes: int) -> dict:
             "mean_ms": round(sum(times) / len(times) * 1e3, 4), "gb_s": round(nbytes / p50 / 1e9, 3), "n": len(times)}
 
 
+def telemetry(t: dict, method: str) -> dict | None:
+    """NIXL's telemetry of `method`'s timed WRITEs (kv_transfer_sides.TELEMETRY_KEYS), None where none was kept."""
+    post = [x for x in t.get(f"{method}_post_us", []) if x is not None]
+    if not post:
+        return None
+    xfer = [x for x in t[f"{method}_xfer_us"] if x is not None]
+    return {"post_us_p50": pct(post, 50), "post_us_p99": pct(post, 99), "xfer_us_p50": pct(xfer, 50),
+            "xfer_us_p99": pct(xfer, 99), "descs": sorted({x for x in t[f"{method}_descs"] if x is not None}),
+            "n": len(post)}
+
+
 def summarize(raw: dict) -> list[dict]:
     rows = []
     for size in raw["sizes"]:
@@ -95,6 +109,7 @@ def summarize(raw: dict) -> list[dict]:
         row = {k: size[k] for k in ("tokens", "pages", "bytes", "descriptors", "page_runs", "run_lengths", "checks")}
         row.update({m: stats(t[m], n) for m in METHODS})
         row.update({f"{m}_done_only": stats(t[f"{m}_done"], n) for m in ("engine", "raw")})  # the prefill's view alone
+        row.update({f"{m}_nixl_telemetry": tm for m in ("engine", "raw") if (tm := telemetry(t, m))})
         row["ratios"] = {"engine_vs_raw": round(row["engine"]["gb_s"] / row["raw"]["gb_s"], 3),
                          "engine_vs_copy": round(row["engine"]["gb_s"] / row["copy"]["gb_s"], 3)}
         c = row["checks"]
@@ -133,6 +148,15 @@ def table(report: dict) -> str:
                       str(r["copy"]["gb_s"]), str(r["ratios"]["engine_vs_raw"]), str(r["ratios"]["engine_vs_copy"]),
                       "ok" if r["checks"]["ok"] else "FAILED"]
                      for r in report["sizes"] for e, w, rl in [(r["engine"], r["raw"], r["run_lengths"])]])
+    tele = [r for r in report["sizes"] if "engine_nixl_telemetry" in r and "raw_nixl_telemetry" in r]
+    if tele:    # NIXL's own clock (post: in the post call; xfer: to DONE as a status check saw it), beside the p50s
+        rows += ["", "NIXL telemetry (NIXL_TELEMETRY_ENABLE=y), p50 us:", ""] + md_table(
+            ["tokens", "engine post / xfer", "raw post / xfer", "descs after merging engine / raw",
+             "engine - raw: WRITE p50", "engine - raw: NIXL xfer"],
+            [[r["tokens"], f"{e['post_us_p50']} / {e['xfer_us_p50']}", f"{w['post_us_p50']} / {w['xfer_us_p50']}",
+              f"{e['descs']} / {w['descs']}", f"{(r['engine']['p50_ms'] - r['raw']['p50_ms']) * 1e3:.1f}",
+              str(e["xfer_us_p50"] - w["xfer_us_p50"])]
+             for r in tele for e, w in [(r["engine_nixl_telemetry"], r["raw_nixl_telemetry"])]])
     tgt = report["target"]
     verdict = {None: "n/a (size not measured)", True: "met", False: "not met"}
     return (head + "\n".join(rows) + f"\n\nTargets: engine >= {TARGET_RATIO} x raw NIXL for >= {TARGET_MIN_TOKENS} "
@@ -193,6 +217,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--occupancy", type=float, default=0.9, help="share of each churned pool held (default 0.9)")
     p.add_argument("--churn-cycles", type=int, default=5000, help="allocate/free cycles (cache: chat turns)")
     p.add_argument("--timeout-s", type=float, default=540.0)
+    p.add_argument("--nixl-telemetry", action="store_true", help="NIXL_TELEMETRY_ENABLE=y for both sides: NIXL's "
+                   "post and transfer durations of every timed WRITE, tabled per size (also on when it is set already)")
     a = p.parse_args(argv)
     a.sizes = [int(x) for x in a.sizes.split(",") if x and (not a.max_tokens or int(x) <= a.max_tokens)]
     a.pages = [x for x in a.pages.split(",") if x]

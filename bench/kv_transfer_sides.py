@@ -6,11 +6,14 @@ one loopback connection, the KV moves over NIXL/UCX. Per request size, trial by 
 notification; both sides poll without sleeping), raw (one NIXL WRITE of one region of the same bytes), copy
 (`copy_` to the decode device). Checks: the decode side zeroes its pool first (the prefill's values are never zero);
 afterwards its non-zero bytes equal the request's and its destination pages' SHA-256 equals the source pages'.
+With NIXL_TELEMETRY_ENABLE=y each WRITE's NIXL telemetry (post and post-to-done us, descriptors) is kept per trial.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -30,11 +33,14 @@ from dsv4_cluster.workers.prefill.destinations import notif_message
 from dsv4_cluster.workers.kv.prefix_cache import PrefixCache
 from dsv4_cluster.workers.engine.presets import model_config
 from dsv4_cluster.workers.engine.runner import RunnerConfig
-from dsv4_cluster.workers.kv.transfer import NixlTransfer, PeerInfo, page_runs
+from dsv4_cluster.workers.kv.transfer import NixlTransfer, PeerInfo, page_runs, xfer_telemetry
 
 PREFILL_AGENT, DECODE_AGENT = "kvx-prefill", "kvx-decode"
 RAW_PREFILL_AGENT, RAW_DECODE_AGENT = "kvx-raw-prefill", "kvx-raw-decode"
 CONNECT_TIMEOUT_S, AUTH = 120.0, b"kvx"
+PAGE_STATES, CACHE_PAGE = ("fresh", "churned", "scattered", "cache"), 16   # --pages; the prefix cache's page tokens
+TELEMETRY_ON = os.environ.get("NIXL_TELEMETRY_ENABLE", "").lower() in ("y", "yes", "1", "on", "true")
+TELEMETRY_KEYS = {"post_us": "postDuration", "xfer_us": "xferDuration", "descs": "descCount"}   # times_s's: NIXL's
 
 
 def build_pool(preset: str, n_layers: int, page_size: int, pages: int, device: str) -> KVPool:
@@ -45,12 +51,12 @@ def build_pool(preset: str, n_layers: int, page_size: int, pages: int, device: s
     return KVPool(cfg.layout(), device=device, dtype=cfg.dtype)
 
 
-PAGE_STATES = ("fresh", "churned", "scattered", "cache")
-
-
 def side_pool(a: argparse.Namespace) -> tuple[KVPool, dict, PrefixCache | None]:
     """This side's pool in the state `--pages` asks for (fresh; churned, `churn`; scattered, every other page held;
-    cache, the prefill's full of a prefix cache, the decode's churned), that state, and the prefill's prefix cache."""
+    cache, the prefill's full of a prefix cache, the decode's churned), that state, and the prefill's prefix cache.
+    The side's CUDA device (if any) is made current first."""
+    if a.device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(a.device))
     pool = build_pool(a.preset, a.n_layers, a.page_size, a.pool_pages, a.device)
     held, cache = [], None
     if a.pages == "cache" and a.role == "prefill":
@@ -74,7 +80,6 @@ def churn(pool: KVPool, cycles: int, occupancy: float, rng: random.Random) -> li
     pool is held at `occupancy` or just under; returns the pages held, per request."""
     n, ps = pool.layout.num_pages, pool.layout.page_size
     target, held, used = int(n * occupancy), [], lambda: n - pool.free_pages
-
     for _ in range(cycles):
         pages = rng.randint(1, max(1, n // 8))
         if held and (used() + pages > target or rng.random() < 0.3):
@@ -92,7 +97,6 @@ def prefix_cache_state(pool: KVPool, requests: int, seed: int) -> PrefixCache:
     """The pool full of a prefix cache's pages after `requests` chat turns, run on a 16-token-page copy of the pool's
     allocator (256-token pages' token lists would cost minutes; per page it is the same), which the pool then takes."""
     from .kv_cache_churn import Workload, run
-
     shadow = KVPool(PoolLayout(page_size=CACHE_PAGE, num_pages=pool.layout.num_pages, n_layers=1, head_dim=4,
                                index_dim=4, ratio=4, dtype="float32"), device="meta")
     tokens = pool.layout.num_pages * CACHE_PAGE       # the default workload's sizes, cut to fit a small pool
@@ -102,9 +106,6 @@ def prefix_cache_state(pool: KVPool, requests: int, seed: int) -> PrefixCache:
     cache, _ = run(w, shadow)
     pool._free = shadow._free    # one allocator: the cache's pages are the pool's (page indices are what matter)
     return cache
-
-
-CACHE_PAGE = 16
 
 
 def cache_alloc(cache: PrefixCache, pages: int, rng: random.Random) -> list[int]:
@@ -177,9 +178,11 @@ class RawAgent:
             raise SideError(f"NIXL refused the raw WRITE of {nbytes} bytes")
         return handle
 
-    def poll(self, handle) -> str:
+    def poll(self, handle, telemetry=None) -> str:   # telemetry: as NixlTransfer.poll's
         state = self.agent.check_xfer_state(handle)
         if state != "PROC":
+            if telemetry is not None:
+                telemetry(xfer_telemetry(self.agent, handle))
             self.agent.release_xfer_handle(handle)
         return state
 
@@ -190,8 +193,6 @@ def _sync(*devices: str) -> None:
 
 
 def run_decode(a: argparse.Namespace) -> int:
-    if a.device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(a.device))
     pool, state, _ = side_pool(a)
     transfer = NixlTransfer(DECODE_AGENT, pool, a.ucx_tls)
     raw = RawAgent(RAW_DECODE_AGENT, max_bytes(pool, a.sizes), a.device)
@@ -201,10 +202,8 @@ def run_decode(a: argparse.Namespace) -> int:
     while True:
         for msg in transfer.notifications():          # what DecodeEngine._receive reads
             link.send({"ev": "notif", "kind": "engine", "room": int(json.loads(msg)["room"]), "t": time.monotonic()})
-        for msgs in raw.agent.get_new_notifs().values():
-            t = time.monotonic()
-            for msg in msgs:
-                link.send({"ev": "notif", "kind": "raw", "room": int(msg), "t": t})
+        for msg in (m for msgs in raw.agent.get_new_notifs().values() for m in msgs):
+            link.send({"ev": "notif", "kind": "raw", "room": int(msg), "t": time.monotonic()})
         try:
             cmd = link.recv() if link.poll(0) else {"op": None}
         except EOFError:
@@ -236,8 +235,6 @@ def _recv(link: Connection, timeout_s: float = 600.0) -> dict:
 class PrefillSide:
     def __init__(self, a: argparse.Namespace):
         self.a = a
-        if a.device.startswith("cuda"):
-            torch.cuda.set_device(torch.device(a.device))
         torch.manual_seed(a.seed)
         self.pool, self.pool_state, self.cache = side_pool(a)
         self.rng, self.room = random.Random(a.seed), 0
@@ -250,13 +247,12 @@ class PrefillSide:
         self.copy_dst = torch.empty(nbytes, dtype=torch.uint8, device=a.peer_device)
         deadline = time.monotonic() + CONNECT_TIMEOUT_S
         while True:
-            try:
+            with contextlib.suppress(OSError):
                 self.link = Client(("127.0.0.1", a.port), authkey=AUTH)
                 break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise SideError(f"the decode side never listened on 127.0.0.1:{a.port} (see its log)") from None
-                time.sleep(0.2)
+            if time.monotonic() > deadline:
+                raise SideError(f"the decode side never listened on 127.0.0.1:{a.port} (see its log)")
+            time.sleep(0.2)
         hello = _recv(self.link, CONNECT_TIMEOUT_S)
         self.peer = PeerInfo.from_json(hello["engine"])
         self.transfer.add_peer(self.peer)   # what the bootstrap server's /kv/register does
@@ -290,12 +286,14 @@ class PrefillSide:
         src = cache_alloc(self.cache, pool.pages_for(tokens), self.rng) if self.cache else pool.alloc(tokens)
         self.link.send({"op": "prepare", "tokens": tokens})
         dst, nbytes = _recv(self.link)["dst"], len(src) * pool.page_bytes   # what PrefillEngine counts for the WRITE
+        tele: dict[str, dict | None] = {}    # NIXL telemetry of each kind's last WRITE (TELEMETRY_ON)
+        poll = {k: functools.partial(p, telemetry=functools.partial(tele.__setitem__, k)) if TELEMETRY_ON else p
+                for k, p in (("engine", transfer.poll), ("raw", self.raw.poll))}
         trials = {"engine": lambda: self._trial(lambda room: transfer.write_pages(
-                      self.peer.agent_name, src, dst, notif_message(room, 0)), transfer.poll, "engine"),
-                  "raw": lambda: self._trial(lambda room: self.raw.write(nbytes, str(room).encode()), self.raw.poll,
-                                             "raw"),
+                      self.peer.agent_name, src, dst, notif_message(room, 0)), poll["engine"], "engine"),
+                  "raw": lambda: self._trial(lambda room: self.raw.write(nbytes, str(room).encode()), poll["raw"], "raw"),
                   "copy": lambda: self.copy_trial(nbytes)}
-        times: dict[str, list[float]] = {k: [] for k in ("engine", "engine_done", "raw", "raw_done", "copy")}
+        times: dict[str, list] = {k: [] for k in ("engine", "engine_done", "raw", "raw_done", "copy")}
         order = list(trials)
         for i in range(a.warmup + a.repeats):
             for name in order[i % 3:] + order[:i % 3]:    # each method goes first, second, ... in turn
@@ -304,6 +302,8 @@ class PrefillSide:
                     times[name].append(t)
                     if done is not None:
                         times[f"{name}_done"].append(done)
+                    for key, field in TELEMETRY_KEYS.items() if name in tele else ():   # tele None: NIXL kept none
+                        times.setdefault(f"{name}_{key}", []).append(tele[name] and tele[name][field])
         self.link.send({"op": "check", "raw_bytes": nbytes})
         seen = _recv(self.link)
         checks = {"engine_written_bytes": seen["written_bytes"],

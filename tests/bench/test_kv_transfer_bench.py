@@ -199,6 +199,27 @@ def test_several_page_states_in_one_command_write_one_report_per_state(tmp_path)
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("telemetry", [True, False], ids=["nixl-telemetry", "none"])
+def test_nixl_telemetry_of_every_timed_write_is_kept_and_tabled_when_asked_for(tmp_path, monkeypatch, telemetry):
+    """--nixl-telemetry: each timed engine and raw WRITE's NIXL post and xfer durations and descriptor count, read
+    before the handle goes (the engine's through NixlTransfer.poll's hook); without it, none of that is recorded."""
+    monkeypatch.delenv("NIXL_TELEMETRY_ENABLE", raising=False)
+    out = tmp_path / "kvx"
+    rc = kv_transfer.main(["--out", str(out), "--sizes", "1024", "--repeats", "3", "--warmup", "1",
+                           "--timeout-s", "90", *(["--nixl-telemetry"] if telemetry else [])])
+    assert rc == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    row, md = report["sizes"][0], out.with_suffix(".md").read_text()
+    if not telemetry:
+        assert "engine_nixl_telemetry" not in row and "NIXL telemetry" not in md
+        return
+    for m, descs in (("engine", report["pool"]["regions"]), ("raw", 1)):   # a fresh pool: one run, merged
+        t = row[f"{m}_nixl_telemetry"]
+        assert t["n"] == 3 and t["descs"] == [descs] and 0 <= t["post_us_p50"] <= t["xfer_us_p50"]
+    assert "NIXL telemetry (NIXL_TELEMETRY_ENABLE=y), p50 us:" in md and md.count("| 1024 |") == 2
+
+
+@pytest.mark.timeout(120)
 def test_a_side_that_fails_ends_the_run_with_its_log_and_leaves_no_process(tmp_path, capsys):
     """UCX refuses a transport that does not exist: both sides fail to start their NIXL agents."""
     before = _children(os.getpid())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -46,6 +47,8 @@ def test_an_fp8_pool_is_one_region_a_float_pool_one_per_buffer():
 
 def test_prepped_indices_are_region_major_so_consecutive_pages_are_consecutive_descriptors():
     assert _indices([3, 4, 9], regions=2, num_pages=12).tolist() == [3, 4, 9, 15, 16, 21]
+    for regions in (1, 2):       # int32: what NIXL's binding converts fastest (bench/kv_write_host.py)
+        assert _indices([3, 4], regions, 12).dtype == np.int32
 
 
 def _write_and_compare(src_layout: PoolLayout, dst_layout: PoolLayout, descriptors: str, name: str,
@@ -101,3 +104,32 @@ def test_a_destination_page_outside_the_decode_pool_is_refused_before_nixl_sees_
         prefill.write_pages(decode.name, [0, 1], [19, 20], b"room")
     with pytest.raises(TransferError, match="page 12 .* 12 pages"):
         prefill.write_pages(decode.name, [11, 12], [0, 1], b"room")
+    for src_pages, dst_pages, bad in (([0, 1], [-1, 0], "-1 .* 20"), ([-3, 1], [0, 1], "-3 .* 12")):
+        with pytest.raises(TransferError, match=f"page {bad} pages"):
+            prefill.write_pages(decode.name, src_pages, dst_pages, b"room")
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["telemetry", "no-telemetry"])
+def test_poll_hands_nixls_telemetry_of_a_finished_write_to_its_hook(monkeypatch, enabled):
+    """With NIXL_TELEMETRY_ENABLE=y (read when an agent starts) `poll`'s hook gets NIXL's telemetry of the WRITE
+    before its handle goes: one merged descriptor for a run of pages in the fp8 pool's one region, every byte;
+    without it, None. Only a finished WRITE calls the hook, once."""
+    if enabled:
+        monkeypatch.setenv("NIXL_TELEMETRY_ENABLE", "y")
+    else:
+        monkeypatch.delenv("NIXL_TELEMETRY_ENABLE", raising=False)
+    src, dst = KVPool(FP8), KVPool(FP8)
+    name = f"tele-{enabled}"
+    prefill, decode = NixlTransfer(f"p-{name}", src), NixlTransfer(f"d-{name}", dst)
+    prefill.add_peer(decode.local_info())
+    handle, seen = prefill.write_pages(decode.name, [2, 3, 4], [7, 8, 9], b"room"), []
+    def written() -> str | None:
+        decode.notifications()
+        return None if (state := prefill.poll(handle, seen.append)) == "PROC" else state
+    assert wait_for(written, 10, "the WRITE", interval_s=0) == "DONE"
+    assert len(seen) == 1
+    if enabled:
+        assert seen[0]["descCount"] == 1 and seen[0]["totalBytes"] == 3 * src.page_bytes
+        assert 0 <= seen[0]["postDuration"] <= seen[0]["xferDuration"]
+    else:
+        assert seen == [None]

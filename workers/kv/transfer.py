@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import base64
 import enum
+import functools
 import logging
 import os
 import threading
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -28,6 +30,12 @@ class XferState(str, enum.Enum):
     PROC = "PROC"   # in flight
     DONE = "DONE"
     ERR = "ERR"
+
+
+_STATES = {s.value: s for s in XferState}   # check_xfer_state's strings (a dict lookup, not Enum's call)
+# NIXL's per-transfer telemetry (nixlXferTelemetry): start (us since its epoch), post and post-to-done durations
+# (us), bytes and descriptors (after merging)
+TELEMETRY = ("startTime", "postDuration", "xferDuration", "totalBytes", "descCount")
 
 
 class TransferError(RuntimeError):
@@ -158,20 +166,23 @@ class NixlTransfer:
         if len(src_pages) > len(dst_pages):
             raise TransferError(f"{len(src_pages)} pages to send but {peer} reserved only {len(dst_pages)}")
         dst_pages = dst_pages[: len(src_pages)]
+        # the local side outside the lock: this pool and its prepared list never change
+        src = _check_pages(src_pages, self._num_pages, self.name)
+        prepped = self.descriptors == "prepped"
+        src_idx = _indices(src, len(self._local), self._num_pages) if prepped else None
         with self._lock:
             info = self._peers.get(peer)
             if info is None:
                 raise TransferError(f"unknown decode agent {peer!r}: it never registered with this prefill")
-            src = _check_pages(src_pages, self._num_pages, self.name)
             dst = _check_pages(dst_pages, info.num_pages, peer)
             if incarnation is not None and incarnation != self._incarnations[peer]:
                 raise TransferError(f"{peer} restarted after it reserved these pages; its new process "
                                     "does not expect this KV")
             handle = None
             try:
-                if self.descriptors == "prepped":
+                if prepped:
                     handle = self._agent.make_prepped_xfer(
-                        "WRITE", self._local_prepped, _indices(src, len(self._local), self._num_pages),
+                        "WRITE", self._local_prepped, src_idx,
                         self._prepped[peer], _indices(dst, len(info.buffers), info.num_pages), notif)
                 else:
                     runs = page_runs(src_pages, dst_pages)
@@ -189,16 +200,31 @@ class NixlTransfer:
                 raise TransferError(f"NIXL refused the WRITE of {len(src_pages)} pages to {peer}")
         return handle
 
-    def poll(self, handle) -> XferState:
-        """Where a WRITE stands (a NIXL error counts as ERR); a finished handle is released."""
+    def poll(self, handle, telemetry: Callable[[dict | None], object] | None = None) -> XferState:
+        """Where a WRITE stands (a NIXL error counts as ERR); a finished handle is released. `telemetry`, if given,
+        is called once the WRITE ended with NIXL's telemetry of it, read just before the release (`TELEMETRY`:
+        microseconds, bytes, descriptors after NIXL's merging), or None where NIXL keeps none (its agents keep it
+        when NIXL_TELEMETRY_ENABLE=y is in the environment)."""
+        seen = None
         with self._lock:
             try:
-                state = XferState(self._agent.check_xfer_state(handle))
+                state = _STATES[self._agent.check_xfer_state(handle)]
             except self._nixl_errors:
                 state = XferState.ERR
             if state is not XferState.PROC:
+                if telemetry is not None:
+                    seen = self._telemetry(handle)
                 self._release(handle)
+        if telemetry is not None and state is not XferState.PROC:
+            telemetry(seen)
         return state
+
+    def _telemetry(self, handle) -> dict | None:
+        try:
+            return xfer_telemetry(self._agent, handle)
+        except self._nixl_errors as exc:   # the release that follows says more, if anything is wrong
+            log.warning("NIXL gave no telemetry of a transfer: %r", exc)
+            return None
 
     def abandon(self, handle) -> bool:
         """Give up a WRITE still in flight: True if NIXL cancelled it (nothing more will be written or read),
@@ -245,6 +271,18 @@ class NixlTransfer:
         return [msg for msgs in notifs.values() for msg in msgs]
 
 
+def xfer_telemetry(agent, handle) -> dict | None:
+    """NIXL's telemetry of a transfer (`TELEMETRY`; read before its handle is released), None where NIXL keeps none:
+    its agents keep it only when NIXL_TELEMETRY_ENABLE=y was in the environment."""
+    try:
+        t = agent.get_xfer_telemetry(handle)
+    except Exception as exc:            # the binding's error types are not exported: this one by name
+        if type(exc).__name__ == "nixlNoTelemetryError":
+            return None
+        raise
+    return {k: getattr(t, k) for k in TELEMETRY}
+
+
 def page_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
     """(first source page, first destination page, pages) of each stretch in which both sides' pages are
     consecutive: one such stretch is one contiguous byte range per buffer on either side."""
@@ -259,9 +297,9 @@ def page_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
 
 def _check_pages(pages: list[int], num_pages: int, owner: str) -> np.ndarray:
     """The pages as an int64 array; a page outside a pool would be a WRITE outside its registered memory (or NIXL's
-    refusal): refuse it here. Vectorised: a 128K-token request is 512 pages, checked on every WRITE."""
+    refusal): refuse it here. Vectorised, one reduction: a negative page read as unsigned lies above any pool."""
     p = np.asarray(pages, dtype=np.int64)
-    if p.size and (int(p.min()) < 0 or int(p.max()) >= num_pages):
+    if p.size and int(p.view(np.uint64).max()) >= num_pages:
         bad = int(p[(p < 0) | (p >= num_pages)][0])
         raise TransferError(f"page {bad} lies outside the pool of {owner}, which has {num_pages} pages")
     return p
@@ -284,7 +322,18 @@ def _strided(buffers: list[tuple[int, int]], num_pages: int, device_id: int) -> 
 
 
 def _indices(pages, regions: int, num_pages: int) -> np.ndarray:
-    """The prepared list's indices of `pages` in every region, region-major (so that consecutive pages are
-    consecutive descriptors, which NIXL merges)."""
-    pages = np.asarray(pages, dtype=np.int64)
-    return (np.arange(regions, dtype=np.int64)[:, None] * num_pages + pages[None, :]).ravel().astype(np.int32)
+    """The prepared list's indices of `pages` (checked: inside the pool) in every region, region-major (so that
+    consecutive pages are consecutive descriptors, which NIXL merges), as int32: what NIXL's binding takes fastest
+    (bench/kv_write_host.py: a list of 512 costs 10 us, an int32 array 1)."""
+    pages = np.asarray(pages, dtype=np.int64).astype(np.int32)
+    return pages if regions == 1 else (_region_offsets(regions, num_pages) + pages).ravel()
+
+
+@functools.lru_cache(maxsize=64)
+def _region_offsets(regions: int, num_pages: int) -> np.ndarray:
+    """(regions, 1) int32: region r's first descriptor in a prepared list of `num_pages` pages a region."""
+    if regions * num_pages > np.iinfo(np.int32).max:
+        raise TransferError(f"{regions} regions of {num_pages} pages: more descriptors than NIXL's int32 indices reach")
+    off = (np.arange(regions, dtype=np.int64)[:, None] * num_pages).astype(np.int32)
+    off.flags.writeable = False
+    return off
