@@ -47,7 +47,7 @@ def test_an_fp8_pool_is_one_region_a_float_pool_one_per_buffer():
 
 def test_prepped_indices_are_region_major_so_consecutive_pages_are_consecutive_descriptors():
     assert _indices([3, 4, 9], regions=2, num_pages=12).tolist() == [3, 4, 9, 15, 16, 21]
-    for regions in (1, 2):       # int32: what NIXL's binding converts fastest (bench/kv_write_host.py)
+    for regions in (1, 2):       # int32: what NIXL's binding converts fastest (bench/results/kv_write_host_cpu.md)
         assert _indices([3, 4], regions, 12).dtype == np.int32
 
 

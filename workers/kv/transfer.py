@@ -324,7 +324,7 @@ def _strided(buffers: list[tuple[int, int]], num_pages: int, device_id: int) -> 
 def _indices(pages, regions: int, num_pages: int) -> np.ndarray:
     """The prepared list's indices of `pages` (checked: inside the pool) in every region, region-major (so that
     consecutive pages are consecutive descriptors, which NIXL merges), as int32: what NIXL's binding takes fastest
-    (bench/kv_write_host.py: a list of 512 costs 10 us, an int32 array 1)."""
+    (bench/results/kv_write_host_cpu.md: a list of 512 costs 10 us, an int32 array 1)."""
     pages = np.asarray(pages, dtype=np.int64).astype(np.int32)
     return pages if regions == 1 else (_region_offsets(regions, num_pages) + pages).ravel()
 
