@@ -42,8 +42,6 @@ class LaunchConfig:
     # Triton: heads per program (0: all of the call's heads in one program); the rest go to more programs on
     # grid axis 2, each reading the same rows. The dispatch table sets it where a wide accumulator spills (sm_120).
     head_group: int = 0
-    # Triton, fp8 rows: dequantise in bf16 registers rather than fp32 (the same values, half the registers)
-    bf16_dequant: bool = False
 
 
 def _num_sms(device: torch.device) -> int:

@@ -25,10 +25,9 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 @triton.jit
 def _load_rows(base, row_stride, idx, valid, out_t: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
-               IS_FP8: tl.constexpr, shift, page_bytes, BF16_DEQ: tl.constexpr = False):
+               IS_FP8: tl.constexpr, shift, page_bytes):
     """[BN, D] rows `idx` of one cache in dtype out_t (zeros where not valid). fp8: pages of 2**shift
-    tokens, page_bytes apart, the scales after the page's 576-B records. BF16_DEQ: dequantise in bf16 (half the
-    registers of fp32; the same values: an e4m3 value times a power of two is exact in both)."""
+    tokens, page_bytes apart, the scales after the page's 576-B records."""
     if IS_FP8:
         page = idx >> shift
         slot = idx & ((1 << shift) - 1)
@@ -40,13 +39,12 @@ def _load_rows(base, row_stride, idx, valid, out_t: tl.constexpr, D: tl.constexp
         v3 = valid[:, None, None]
         nope = tl.load(rec[:, None, None] + (t[None, :, None] * 64 + c[None, None, :]),
                        mask=v3 & is_nope, other=0)
-        deq_t: tl.constexpr = tl.bfloat16 if BF16_DEQ else tl.float32
-        nope = nope.to(tl.float8e4nv, bitcast=True).to(deq_t)
+        nope = nope.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         sc = tl.load((page_base + (576 << shift) + slot * 8)[:, None] + t[None, :],
                      mask=valid[:, None] & (t < 7)[None, :], other=127)
-        sc = tl.exp2(sc.to(tl.float32) - 127.0).to(deq_t)
+        sc = tl.exp2(sc.to(tl.float32) - 127.0)
         rope_ptr = (rec + 448).to(tl.pointer_type(tl.bfloat16), bitcast=True)
-        rope = tl.load(rope_ptr[:, None] + c[None, :], mask=valid[:, None], other=0.0).to(deq_t)
+        rope = tl.load(rope_ptr[:, None] + c[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
         rows = tl.where(is_nope, nope * sc[:, :, None], rope[:, None, :])
         return tl.reshape(rows.to(out_t), (BN, D))
     else:
@@ -58,8 +56,7 @@ def _load_rows(base, row_stride, idx, valid, out_t: tl.constexpr, D: tl.constexp
 @triton.jit
 def _fetch_block(j, hi, nbw, wlen, elen, widx_row, eidx_row, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
                  out_t: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, IS_FP8: tl.constexpr,
-                 W_SHIFT: tl.constexpr, W_PAGE: tl.constexpr, E_SHIFT: tl.constexpr, E_PAGE: tl.constexpr,
-                 BF16_DEQ: tl.constexpr):
+                 W_SHIFT: tl.constexpr, W_PAGE: tl.constexpr, E_SHIFT: tl.constexpr, E_PAGE: tl.constexpr):
     """Live block j of a query: window block j if j < nbw, else extra block j - nbw. Rows [BN, D] + validity."""
     is_w = j < nbw
     pos = tl.where(is_w, j, j - nbw) * BN + tl.arange(0, BN)
@@ -70,7 +67,7 @@ def _fetch_block(j, hi, nbw, wlen, elen, widx_row, eidx_row, kv_ptr, stride_kv, 
     row_stride = tl.where(is_w, stride_kv, stride_ekv)
     shift = tl.where(is_w, W_SHIFT, E_SHIFT)
     page_bytes = tl.where(is_w, W_PAGE, E_PAGE)
-    return _load_rows(base, row_stride, idx, valid, out_t, D, BN, IS_FP8, shift, page_bytes, BF16_DEQ), valid
+    return _load_rows(base, row_stride, idx, valid, out_t, D, BN, IS_FP8, shift, page_bytes), valid
 
 
 @triton.jit
@@ -86,7 +83,6 @@ def _sparse_decode_kernel(
     IS_FP8: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_WLEN: tl.constexpr, HAS_ELEN: tl.constexpr,
     HAS_SINK: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH: tl.constexpr,
     W_SHIFT: tl.constexpr, W_PAGE: tl.constexpr, E_SHIFT: tl.constexpr, E_PAGE: tl.constexpr,
-    BF16_DEQ: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     split = tl.program_id(1)
@@ -128,18 +124,17 @@ def _sparse_decode_kernel(
     eidx_row = eidx_ptr + b.to(tl.int64) * stride_eb
     if PREFETCH:
         k_next, valid_next = _fetch_block(lo, hi, nbw, wlen, elen, widx_row, eidx_row, kv_ptr, stride_kv,
-                                          ekv_ptr, stride_ekv, dot_t, D, BN, IS_FP8, W_SHIFT, W_PAGE, E_SHIFT, E_PAGE,
-                                          BF16_DEQ)
+                                          ekv_ptr, stride_ekv, dot_t, D, BN, IS_FP8, W_SHIFT, W_PAGE, E_SHIFT, E_PAGE)
     for j in range(lo, hi):
         if PREFETCH:  # issue block j + 1's loads before block j's math
             k = k_next
             valid = valid_next
             k_next, valid_next = _fetch_block(j + 1, hi, nbw, wlen, elen, widx_row, eidx_row, kv_ptr,
                                               stride_kv, ekv_ptr, stride_ekv, dot_t, D, BN, IS_FP8, W_SHIFT,
-                                              W_PAGE, E_SHIFT, E_PAGE, BF16_DEQ)
+                                              W_PAGE, E_SHIFT, E_PAGE)
         else:
             k, valid = _fetch_block(j, hi, nbw, wlen, elen, widx_row, eidx_row, kv_ptr, stride_kv, ekv_ptr,
-                                    stride_ekv, dot_t, D, BN, IS_FP8, W_SHIFT, W_PAGE, E_SHIFT, E_PAGE, BF16_DEQ)
+                                    stride_ekv, dot_t, D, BN, IS_FP8, W_SHIFT, W_PAGE, E_SHIFT, E_PAGE)
 
         if DOT_F32:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")

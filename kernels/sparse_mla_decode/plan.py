@@ -62,8 +62,8 @@ def _triton_plan(b, h, w, k, is_fp8, config, sms, flags, geos, dot_f32):
     has_extra, has_wlen, has_elen, has_sink = flags
     return splits, dict(H=h, D=DIM, BN=bn, SPLIT_OUT=splits > 1, IS_FP8=is_fp8, HAS_EXTRA=has_extra,
                         HAS_WLEN=has_wlen, HAS_ELEN=has_elen, HAS_SINK=has_sink, DOT_F32=dot_f32,
-                        PREFETCH=config.prefetch, BF16_DEQ=config.bf16_dequant, **_geometry_kwargs(geos),
-                        num_warps=config.num_warps, num_stages=config.num_stages)
+                        PREFETCH=config.prefetch, **_geometry_kwargs(geos), num_warps=config.num_warps,
+                        num_stages=config.num_stages)
 
 
 def _gluon_plan(b, w, k, is_fp8, config, sms, flags, geos):
