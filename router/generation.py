@@ -211,16 +211,20 @@ class Flight:
             log.warning("could not end the stream with %s", error.message)
 
     async def answer(self, attempt: Attempt) -> None:
-        """D's whole answer to the client. A plain request whose D failed (a retryable 5xx: nothing was sent) is a
-        failed attempt, tried again like one (`start`); anything else raises its error."""
+        """D's whole answer to the client. A plain request whose attempt failed while nothing was sent is tried
+        again like one (`start`): D's retryable 5xx, or P lost after D's status line arrived (its connection dropped,
+        or it stopped answering its health checks); anything else raises its error."""
         while True:
             try:
                 return await self._answer(attempt)
-            except UpstreamFailed as exc:
+            except RouterError as exc:
                 if not exc.retryable or self.status or self.body.get("stream"):
                     raise
-                attempt.req.pair.release()
-                attempt = await self.start(self.body, avoid={attempt.req.pair.decode}, failed=exc)
+                pair = attempt.req.pair
+                pair.release()
+                avoid = {pair.decode} if isinstance(exc, UpstreamFailed) and exc is not attempt.prefill_error else \
+                    {pair.prefill, pair.decode}
+                attempt = await self.start(self.body, avoid=avoid, failed=exc)
 
     async def _answer(self, attempt: Attempt) -> None:
         """D's whole answer (or its error status and body) to the client."""

@@ -110,6 +110,13 @@ class FakeWorker:
         self.meet("decode_arrived", rid).set()
         if self.mode == "fail":
             return JSONResponse({"object": "error", "message": "no KV room", "code": 503}, status_code=503)
+        if not stream and self.mode == "head_first":   # a plain answer's status line now, its body once the KV came
+
+            async def body() -> Any:
+                if await self.wait("kv_sent", rid):
+                    yield json.dumps(answer("decode", "hello world", "stop", stream=False))
+
+            return StreamingResponse(body(), media_type="application/json")
         slow = self.mode == "slow" and stream  # streams while P still works, as P's failure tests need
         if not await self.wait("prefill_arrived" if slow else "kv_sent", rid):
             return JSONResponse({"error": {"message": "prefill never sent KV"}}, status_code=500)

@@ -4,6 +4,7 @@ on purpose (`bench/stubs.py`: real sockets; the counts are what each stub receiv
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import httpx
@@ -11,7 +12,7 @@ import pytest
 
 from dsv4_cluster.router.app import build_app
 from dsv4_cluster.router.settings import RouterSettings
-from tests.router_fakes import MESSAGES, WAIT_S, router_settings
+from tests.router_fakes import MESSAGES, WAIT_S, FakeWorker, Rendezvous, router_settings
 from tests.servers import StubThread, UvicornThread, bound_socket
 from tests.helpers import SOON_S, wait_for
 
@@ -159,3 +160,28 @@ def test_a_decode_failing_because_its_prefill_died_holds_the_request_instead_of_
             assert status == 502                       # the prefill never came back: its error, once the hold ran out
             assert metric(router.url, "dsv4_router_retries_total") <= 1, "retried on the dead prefill at once"
             assert held_s >= 0.9, "held for the prefill's restart (stream_hold_s) before giving up"
+
+
+def test_a_plain_request_whose_prefill_is_lost_after_the_decode_head_is_tried_again() -> None:
+    """The decode sent a plain answer's status line (its body waits for the KV), then the prefill stopped answering
+    its health checks mid-request. Nothing reached the client, so the request is held for the prefill's return and
+    answered (it used to end in a 502: only a decode's own 5xx was tried again once D's head had arrived)."""
+    meet = Rendezvous()
+    prefill, decode = FakeWorker("prefill", meet, mode="hold"), FakeWorker("decode", meet, mode="head_first")
+    with UvicornThread(prefill.app()) as p, UvicornThread(decode.app()) as d:
+        settings = router_settings(p.url, d.url, stream_hold_s=20, health_check_interval_s=0.1,
+                                   health_failures_to_unhealthy=1)
+        with UvicornThread(build_app(settings)) as router:
+            answer: list[httpx.Response] = []
+            client = threading.Thread(target=lambda: answer.append(httpx.post(
+                router.url + "/v1/chat/completions", json={"messages": MESSAGES}, timeout=WAIT_S)))
+            client.start()
+            wait_for(lambda: len(decode.received) == 1, SOON_S, "the decode leg to arrive")
+            time.sleep(0.2)                   # its status line is out; the prefill holds the KV
+            prefill.mode = "unhealthy"        # out of the pool: the router ends the request's attempt
+            wait_for(lambda: len(decode.aborted) == 1, SOON_S, "the decode leg aborted")
+            prefill.mode = "ok"               # back: the held request is tried again
+            client.join(WAIT_S)
+    assert answer and answer[0].status_code == 200, answer and answer[0].text
+    assert answer[0].json()["choices"][0]["message"]["content"] == "hello world"
+    assert len(prefill.received) == 2 and len(decode.received) == 2
