@@ -187,7 +187,12 @@ def _refuse_second_controller(namespace: str) -> None:
 
 
 def find_controller(record: ClusterRecord) -> Any:
-    """The cluster's controller actor (connects to its Ray cluster; the caller disconnects)."""
+    """The cluster's controller actor (connects to its Ray cluster; the caller disconnects). A Ray head `up` started
+    must still run: once it died, another Ray head may listen at its address (another cluster `up` started picks any
+    free port), and its namespace's controller is not this cluster's."""
+    if record.head is not None and not ray_cluster.head_alive(record.head):
+        raise NotUpError(f"the Ray head `up` started for {record.topology_path} (pid {record.head.pid}) is gone, and "
+                         "the cluster with it; run `dsv4-cluster down` to clean up")
     ray_cluster.connect(record.address, record.namespace)
     try:
         return ray.get_actor(CONTROLLER_NAME, namespace=record.namespace)

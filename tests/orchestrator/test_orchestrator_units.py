@@ -69,6 +69,24 @@ def test_record_round_trip_and_clear_message(tmp_path: Path, monkeypatch: pytest
         read_record()
 
 
+def test_a_dead_head_is_never_looked_up_at_its_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the Ray head `up` started is gone, another cluster's head may listen at its address: `status`, `down`
+    and every operation say the cluster is gone instead of connecting there (a CI run once showed another test's
+    cluster as this one's)."""
+    from dsv4_cluster.orchestrator.cluster import deployment, ray_cluster
+    from dsv4_cluster.orchestrator.errors import NotUpError
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    dead.wait()
+    connected: list[str] = []
+    monkeypatch.setattr(ray_cluster, "connect", lambda address, namespace: connected.append(address))
+    rec = ClusterRecord("127.0.0.1:6379", "ns", "http://0.0.0.0:30001/v1", "/t.yaml", "/run",
+                        HeadProcess(dead.pid, "/run/logs/ray-head.log"))
+    with pytest.raises(NotUpError, match=f"pid {dead.pid}.* is gone.*dsv4-cluster down"):
+        deployment.find_controller(rec)
+    assert connected == []
+
+
 def test_free_ports_are_free_and_below_the_ephemeral_range() -> None:
     ports = free_ports(5)
     assert len(set(ports)) == 5 and all(20000 <= p < 32768 and port_is_free(p) for p in ports)
