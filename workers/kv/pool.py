@@ -153,8 +153,7 @@ class KVPool:
     def used_tokens(self) -> int:
         """Tokens in use as SGLang counts them (`num_used_tokens` = capacity - (available + evictable)): pages that a
         request (reserved, being computed or decoded) or a KV transfer holds, the cached pages it locked included."""
-        held = self.layout.num_pages - self._reserved - len(self._free) - self.evictable_pages()
-        return held * self.layout.page_size
+        return self.capacity_tokens - self.available_tokens - self.evictable_tokens
 
     @property
     def free_runs(self) -> list[tuple[int, int]]:
