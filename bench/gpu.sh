@@ -129,7 +129,7 @@ sm120|gpu_suite)
     tests_rc=$(( tests_rc || PIPESTATUS[0] ))
   fi
   if [ "$suite" = sm120 ]; then
-    DSV4_CLUSTER_GPU_CLASS=sm_120 DISABLE_MMA_V3=1 bench 240 bench.kernels sm120_decode "$OUT" 2>&1 | tee "$OUT/bench.log"
+    SM120_SECTIONS=${SM120_SECTIONS:-prefill_rows,decode,indexer,backends} DSV4_CLUSTER_GPU_CLASS=sm_120 DISABLE_MMA_V3=1 bench 360 bench.kernels sm120_decode "$OUT" 2>&1 | tee "$OUT/bench.log"
     bench_rc=${PIPESTATUS[0]}
   fi
   ;;

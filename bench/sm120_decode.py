@@ -3,7 +3,8 @@
     DSV4_CLUSTER_GPU_CLASS=sm_120 DISABLE_MMA_V3=1 python -m bench.kernels sm120_decode OUT_DIR
 
 `SM120_SECTIONS=prefill_rows,decode,indexer` (the default) picks the tables; `sweep` times every launch config of
-`SWEEP` for c4 at 64 heads (what the dispatch table's sm_120 rows should take). Our kernels run the dispatch table's
+`SWEEP` for c4 at 64 heads (what the dispatch table's sm_120 rows should take); `backends` the 64-head row's two kernels
+side by side (the Triton row and the mma.sync Gluon kernel, which runs from B = 8) into sm120_backends.json / .md. Our kernels run the dispatch table's
 sm_120 rows (tl.dot compiled to mma.sync as on sm_120), in SGLang's sm_120 calling convention (q padded to 64 heads up
 to 64 rows, sliced to the real heads above), against SGLang's Triton `flash_mla_sparse_decode_triton`, its PyTorch
 `_sm120_sparse_decode_fwd` and, for the indexer, `fp8_paged_mqa_logits_torch_sm120`: CUDA-graph replay and eager,
@@ -173,6 +174,41 @@ def sweep_rows(base) -> list[dict]:
     return rows
 
 
+BACKEND_CONFIGS = {"triton_row": dict(backend="triton"), "mma_v2": dict(backend="gluon_mma_v2"),
+                   **{f"mma_v2_splits{n}": dict(backend="gluon_mma_v2", num_splits=n) for n in (1, 2, 4, 8)}}
+
+
+def backend_rows(base, layers=(("c4", None),)) -> list[dict]:
+    """64 heads, B = 1 ... 128: the sm_120 row's two kernels side by side, the Triton row (16-head programs) and the
+    mma.sync Gluon kernel (automatic splits, then 1 / 2 / 4 / 8), each against SGLang's sm_120 Triton kernel on the
+    same call: what `SPARSE_DECODE[("sm_120", 64)]` and its `min_batch` rest on. `SM120_BACKEND_LAYERS=c128` adds
+    the ratio-128 layers (8K and 1M configured)."""
+    from dsv4_cluster.kernels.sglang_adapters import flash_mla_with_kvcache
+    from dsv4_cluster.kernels.sglang_adapters.flash_mla_sm120 import flash_mla_keywords
+    from dsv4_cluster.kernels.sparse_mla_decode.config import LaunchConfig
+
+    if "c128" in os.environ.get("SM120_BACKEND_LAYERS", ""):
+        layers = (*layers, ("c128", 8192), ("c128", 1 << 20))
+    rows = []
+    for layer, ctx in layers:
+        for b in (1, 8, 32, 64, 128):
+            args = decode_case("c4", b, 64, seed=b, full=True) if layer == "c4" else _c128_case(b, ctx, b)
+            kw = sm120_call(args)
+            pos = sglang_sm120_args(kw)
+            ref = base.triton_decode(*pos)[0].float()
+            call = flash_mla_keywords(kw, kw["q"], kw["attn_sink"])  # the sm_120 entry's own mapping
+            theirs = bench_us(graphed(lambda: base.triton_decode(*pos)), 10, 50)
+            for name, fields in BACKEND_CONFIGS.items():
+                cfg = LaunchConfig(**fields)
+                out = flash_mla_with_kvcache(**call, config=cfg)[0].float()
+                row = dict(layer=layer, configured=ctx, B=b, config=name, sglang_triton_graph_us=theirs,
+                           max_abs_diff=(out - ref).abs().max().item(), ref_max_abs=ref.abs().max().item(),
+                           graph_us=bench_us(graphed(lambda: flash_mla_with_kvcache(**call, config=cfg)), 25, 100))
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
+
+
 def indexer_rows(base) -> list[dict]:
     rows = []
     for ctx in (8192, 128 * 1024, 1 << 20):
@@ -205,14 +241,51 @@ def run(argv: list[str]) -> int:
     base = load()
     result = {"device": torch.cuda.get_device_name(), "forced_class": gpu, "sglang_src": base.root,
               "flashinfer_sm120": "not run: FlashInfer's sm_120 CUDA kernel cannot run on an H200"}
-    sections = {"prefill_rows": prefill_rows, "decode": decode_rows, "indexer": indexer_rows, "sweep": sweep_rows}
-    default = "prefill_rows,decode,indexer"   # the sweep (36 configs x 5 batches) runs when asked: SM120_SECTIONS=sweep
-    for name in os.environ.get("SM120_SECTIONS", default).split(","):
+    sections = {"prefill_rows": prefill_rows, "decode": decode_rows, "indexer": indexer_rows, "sweep": sweep_rows,
+                "backends": backend_rows}
+    # the sweep (36 configs x 5 batches) runs when asked: SM120_SECTIONS=sweep; the two kernels of the 64-head row side
+    # by side (SM120_SECTIONS=backends) go to their own files, sm120_backends.json / .md
+    default = "prefill_rows,decode,indexer"
+    names = os.environ.get("SM120_SECTIONS", default).split(",")
+    for name in names:
         result[name] = sections[name](base)
     result["versions"] = versions()
     out.mkdir(parents=True, exist_ok=True)
-    write(out / "sm120_decode", result, markdown(result))
+    if "backends" in names:
+        write(out / "sm120_backends", {k: v for k, v in result.items() if k not in set(names) - {"backends"}},
+              backends_markdown(result))
+    if set(names) - {"backends"}:
+        write(out / "sm120_decode", {k: v for k, v in result.items() if k != "backends"}, markdown(result))
     return 0
+
+
+def backends_markdown(result: dict) -> str:
+    """One row per (layer, B): SGLang's sm_120 Triton kernel, the Triton row, the mma.sync Gluon kernel (automatic
+    splits and the fastest fixed split count), graph replay, us."""
+    v = result.get("versions") or {}
+    table = []
+    rows = result["backends"]
+    for key in dict.fromkeys((r["layer"], r["configured"], r["B"]) for r in rows):
+        group = {r["config"]: r for r in rows if (r["layer"], r["configured"], r["B"]) == key}
+        fixed = min((r for n, r in group.items() if n.startswith("mma_v2_splits")), key=lambda r: r["graph_us"])
+        table.append(dict(layer=key[0], configured=key[1], B=key[2], sglang=group["triton_row"]["sglang_triton_graph_us"],
+                          triton_row=group["triton_row"]["graph_us"], mma_v2=group["mma_v2"]["graph_us"],
+                          fixed=f"{fixed['graph_us']:.1f} ({fixed['config'].removeprefix('mma_v2_splits')})",
+                          speedup=group["triton_row"]["graph_us"] / group["mma_v2"]["graph_us"],
+                          vs_sglang=group["triton_row"]["sglang_triton_graph_us"] / group["mma_v2"]["graph_us"],
+                          diff=max(r["max_abs_diff"] for r in group.values()),
+                          ref=max(r["ref_max_abs"] for r in group.values())))
+    return "\n".join([
+        "# sm_120, 64 heads: the Triton row against the mma.sync Gluon kernel (H200 stand-in, one run)", "",
+        f"Device: {result['device']}, dispatch forced to {result['forced_class']}; torch {v.get('torch')}, Triton "
+        f"{v.get('triton')}. CUDA-graph replay, cold L2, us per call, SGLang's sm_120 calling convention (q padded "
+        "to 64 heads). `max diff`: the largest difference of any config's output from SGLang's sm_120 Triton kernel "
+        "on the same call (`ref max`: that output's largest magnitude).", "",
+        *md_columns(table, [("layer", "layer", ""), ("configured", "configured", ""), ("B", "B", ""),
+                            ("SGLang Triton", "sglang", ".1f"), ("Triton row", "triton_row", ".1f"),
+                            ("mma_v2 (auto splits)", "mma_v2", ".1f"), ("mma_v2 best fixed (splits)", "fixed", ""),
+                            ("Triton row / mma_v2", "speedup", ".2f"), ("SGLang Triton / mma_v2", "vs_sglang", ".1f"),
+                            ("max diff", "diff", ".4f"), ("ref max", "ref", ".2f")])]) + "\n"
 
 
 RTX_PRO_6000_GBPS = 1790  # GDDR7, datasheet: the floor column of the table

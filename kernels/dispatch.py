@@ -10,7 +10,8 @@ a block (`SMEM_PER_BLOCK`: 227 KB on sm_90/sm_100, 99 KB on sm_120): `decode_imp
 compile every sm_120 config for sm_120 (ptxas from Triton's wheel, no GPU needed) to check the figures.
 
 The Gluon kernel (warp-specialised, wgmma) is written for sm_90 alone: no row of another
-class names it, and `decode_impl` refuses it there.
+class names it, and `decode_impl` refuses it there. The mma.sync Gluon kernel (`gluon_mma_v2`) is written for sm_120
+(99 KB, no wgmma); it runs on any GPU with mma.sync, so the H200 stand-in times and tests it as it is.
 
 Forcing a class (`CLASS_ENV`, benches and GPU tests only): an H200 stands in for sm_120 with
 `DSV4_CLUSTER_GPU_CLASS=sm_120 DISABLE_MMA_V3=1`. The second variable makes Triton compile `tl.dot` to mma.sync,
@@ -45,23 +46,29 @@ class DecodeImpl:
     """One sparse-decode launch: kernel backend, rows per block, pipeline stages, and the shared memory one
     block needs as compiled for its class (bytes; `metadata.shared` of the compiled kernel, see the tests)."""
 
-    backend: str  # "gluon" | "triton"
+    backend: str  # "gluon" (wgmma, sm_90) | "gluon_mma_v2" (mma.sync, sm_120) | "triton"
     block_n: int
     num_stages: int
     smem: int
     head_group: int = 0  # heads per program (0: all); `smem` is one such program's
-    num_warps: int = 8   # the Triton kernel's warps per program
+    num_warps: int = 8   # warps per program (Triton and the mma.sync Gluon kernel)
+    # the row that runs where this one's kernel cannot (a Gluon row on a Triton release it was not built for) or
+    # below min_batch queries, where it measured slower
+    fallback: "DecodeImpl | None" = None
+    min_batch: int = 1
 
 
 # (class, heads computed) -> implementation. Heads: what the call computes (16 / 32 / 64).
 # sm_90: Gluon takes all 64 heads as its wgmma M (H200 sweeps, bench/results/sparse_decode.md); fewer heads run on
 # the Triton kernel (block 64, 2 stages: the sweep's most frequent winner). sm_100: the same Triton configs (Triton
 # compiles them to tcgen05 there; Gluon's kernel is Hopper-only). sm_120: the configs under 99 KB as compiled for
-# sm_120 — mma.sync keeps the [heads, 512] fp32 accumulator in registers: at 64 heads (and 32) a program spills
-# ~4 KB (400 B) a thread (ptxas for sm_120a), at 16 none; so every call runs in programs of 16 heads (head groups
-# reading the same rows), block 32, one stage (the loads are gathers, nothing for a second stage to pipeline), 4
-# warps (254 registers, no spill for sm_120a; H200 stand-in, c4 at 64 heads, B = 1 / 8 / 32 / 64 / 128: 14 / 32 /
-# 72 / 123 / 218 us against 14 / 39 / 101 / 178 / 320 at 8 warps, bench/results/sm120_decode.md's sweep).
+# sm_120 — mma.sync keeps the [heads, 512] fp32 accumulator in registers: a 64-head (or 32-head) Triton program
+# spills ~4 KB (400 B) a thread (ptxas for sm_120a), so the Triton rows run programs of 16 heads (head groups reading
+# the same rows), block 32, one stage, 4 warps. At 64 heads the mma.sync Gluon kernel (`gluon_mma_v2.py`: each row
+# gathered and dequantised once for all heads, block 16, two stages, 8 warps) replaces them from B = 8 (H200 standing
+# in, forced sm_120, Triton 3.8.0, c4, graph replay, B = 1 / 8 / 32 / 64 / 128: 15.8 / 24.2 / 44.0 / 68.3 / 114.1 us
+# against the Triton row's 13.5 / 31.7 / 70.8 / 122.6 / 218.0 in the same run, bench/results/sm120_decode.md);
+# below B = 8 the Triton row runs.
 SPARSE_DECODE: dict[tuple[str, int], DecodeImpl] = {
     ("sm_90", 64): DecodeImpl("gluon", 64, 2, 218_192),
     ("sm_90", 32): DecodeImpl("triton", 64, 2, 164_096),
@@ -69,7 +76,8 @@ SPARSE_DECODE: dict[tuple[str, int], DecodeImpl] = {
     ("sm_100", 64): DecodeImpl("triton", 64, 2, 135_440),
     ("sm_100", 32): DecodeImpl("triton", 64, 2, 164_096),
     ("sm_100", 16): DecodeImpl("triton", 64, 2, 147_712),
-    ("sm_120", 64): DecodeImpl("triton", 32, 1, 81_920, head_group=16, num_warps=4),
+    ("sm_120", 64): DecodeImpl("gluon_mma_v2", 16, 2, 100_352, num_warps=8, min_batch=8,
+                               fallback=DecodeImpl("triton", 32, 1, 81_920, head_group=16, num_warps=4)),
     ("sm_120", 32): DecodeImpl("triton", 32, 1, 81_920, head_group=16, num_warps=4),
     ("sm_120", 16): DecodeImpl("triton", 32, 1, 81_920, num_warps=4),
 }

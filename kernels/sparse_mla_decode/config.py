@@ -51,11 +51,12 @@ def _num_sms(device: torch.device) -> int:
 
 
 
-BACKENDS = ("auto", "triton", "gluon")
+BACKENDS = ("auto", "triton", "gluon", "gluon_mma_v2")
 # (block_n, stages) when the config leaves them 0: the H200 sweep's most frequent winners
 # (bench/results/sparse_decode.md).
 DEFAULT_BLOCKS = {("triton", False): (64, 2), ("triton", True): (64, 2),
-                  ("gluon", False): (64, 2), ("gluon", True): (64, 2)}
+                  ("gluon", False): (64, 2), ("gluon", True): (64, 2),
+                  ("gluon_mma_v2", False): (16, 2), ("gluon_mma_v2", True): (16, 2)}
 PV_REGS = 160  # registers per thread of the Gluon P V-only warpgroup (a 64 x 256 fp32 accumulator and little else)
 SMEM_LIMIT = 226 * 1024  # the 227 KB a block may opt into, less a margin for what the estimate leaves out
 
@@ -120,8 +121,9 @@ def gluon_api_unavailable() -> str | None:
 def choose_backend(device: torch.device, h: int, dtype: torch.dtype, is_fp8: bool, config: LaunchConfig):
     """(backend, config resolved for it) of a call, from the dispatch table for the device's GPU class.
 
-    "auto": the table's row for (class, h); the Gluon row falls back to the Triton kernel where Gluon cannot take
-    the call on this build (non-bf16 q, a Triton release it was not written for). "gluon" is refused off sm_90.
+    "auto": the table's row for (class, h); a Gluon row falls back to the Triton kernel where Gluon cannot take
+    the call on this build (non-bf16 q, a Triton release it was not written for), with the row's `fallback` config
+    where it names one. "gluon" is refused off sm_90; "gluon_mma_v2" runs on any CUDA GPU (64 heads, bf16 q).
     A block size or stage count left 0 comes from the class's row (sm_120: its <= 99 KB config)."""
     if config.backend not in BACKENDS:
         raise checks.SparseDecodeInputError(f"LaunchConfig.backend must be one of {BACKENDS}, got {config.backend!r}")
@@ -132,6 +134,20 @@ def choose_backend(device: torch.device, h: int, dtype: torch.dtype, is_fp8: boo
 def _choose(device, h, dtype, is_fp8, config):
     gpu = dispatch.class_of_device(device)
     row = dispatch.decode_impl(gpu, h) if gpu is not None and h in (16, 32, 64) else None
+    if config.backend == "gluon_mma_v2" or (config.backend == "auto" and row is not None
+                                            and row.backend == "gluon_mma_v2"):
+        why = mma_v2_unavailable(device, h, dtype)
+        if why is None:
+            if row is not None and row.backend == "gluon_mma_v2":
+                config = replace(config, block_n=config.block_n or row.block_n,
+                                 num_stages=config.num_stages or row.num_stages,
+                                 num_warps=config.num_warps or row.num_warps)
+            return "gluon_mma_v2", resolved(config, "gluon_mma_v2", is_fp8)
+        if config.backend == "gluon_mma_v2":
+            raise checks.SparseDecodeInputError(f"the mma.sync Gluon kernel cannot run this call: {why}; "
+                                                "use backend='triton'")
+    if row is not None and row.backend == "gluon_mma_v2":
+        row = row.fallback  # the class's Triton config for this call (asked for, or where mma_v2 cannot run)
     why = _gluon_unavailable(device, gpu, h, dtype)
     if config.backend == "gluon" and why:
         raise checks.SparseDecodeInputError(f"the Gluon kernel cannot run this call: {why}; use backend='triton'")
@@ -169,6 +185,19 @@ def _gluon_unavailable(device, gpu, h, dtype) -> str | None:
         return f"it is written for sm_90 (Hopper); this GPU runs as {gpu}"
     if h != 64:
         return f"it takes all 64 heads as the wgmma M; got H={h}"
+    if dtype != torch.bfloat16:
+        return f"it takes bf16 queries; got {dtype}"
+    return gluon_api_unavailable()
+
+
+def mma_v2_unavailable(device, h, dtype) -> str | None:
+    """Why the mma.sync Gluon kernel (`gluon_mma_v2.py`, written for sm_120, any GPU with mma.sync runs it) cannot
+    take a call (None: it can): CUDA, 64 heads (16 a warp along M, 8 warps), bf16 queries, a Triton release its
+    Gluon API was written against."""
+    if device.type != "cuda":
+        return "it runs on CUDA tensors only"
+    if h != 64:
+        return f"it takes 64 heads (four warp rows of 16, two warps across); got H={h}"
     if dtype != torch.bfloat16:
         return f"it takes bf16 queries; got {dtype}"
     return gluon_api_unavailable()

@@ -111,6 +111,10 @@ def _launch(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, si
 
         kernel, max_shared = gluon_kernel._sparse_decode_ws_kernel, None
         counters = split_counters(q.device, b) if p.fused_merge else lse
+    elif p.backend == "gluon_mma_v2":
+        from . import gluon_mma_v2
+
+        kernel, max_shared, counters = gluon_mma_v2._sparse_decode_mma_v2_kernel, smem_cap(q.device), None
     else:
         if not q.is_cuda and type(_kernels._sparse_decode_kernel).__name__ != "InterpretedFunction":
             raise checks.SparseDecodeInputError(

@@ -10,10 +10,11 @@ and the device only (never tensor values), so a plan is cached and a call stays 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from .. import dispatch
 from . import checks
 from .config import (DIM, PV_REGS, SMEM_LIMIT, LaunchConfig, choose_backend_for, gluon_index_blocks,
                      gluon_smem_bytes)
@@ -23,9 +24,9 @@ from .splits import choose_splits, fuses_merge, gluon_splits
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    backend: str            # "triton" | "gluon"
+    backend: str            # "triton" | "gluon" | "gluon_mma_v2"
     config: LaunchConfig    # resolved: block_n, num_stages, head_group filled in
-    grid: tuple[int, ...]   # Triton: (B, splits, head groups); Gluon: (B, splits)
+    grid: tuple[int, ...]   # Triton: (B, splits, head groups); Gluon (both): (B, splits)
     splits: int
     fused_merge: bool       # Gluon merges the splits in-kernel (else the merge kernel runs after it)
     kwargs: dict            # the kernel's constexprs and launch options
@@ -38,14 +39,37 @@ def plan_launch(device: torch.device, b: int, h: int, dtype: torch.dtype, is_fp8
     """The launch of a call of B queries, h heads, w window and k extra indices per query. flags: (has extra
     cache, window lens, extra lens, sink); geos: the fp8 page geometry of the window and extra caches; sms: the
     device's SM count (the split choice spreads B x splits programs over them)."""
+    asked = config
     backend, config = choose_backend_for(device, h, dtype, is_fp8, config, w, k)
+    if backend == "gluon_mma_v2" and asked.backend == "auto" and b < _min_batch(device, h):
+        backend, config = choose_backend_for(device, h, dtype, is_fp8, replace(asked, backend="triton"), w, k)
     if backend == "gluon":
         splits, fuse, kwargs = _gluon_plan(b, w, k, is_fp8, config, sms, flags, geos)
         return LaunchPlan("gluon", config, (b, splits), splits, fuse, kwargs)
+    if backend == "gluon_mma_v2":
+        bn = config.block_n
+        if (bn, config.num_stages, config.num_warps) != (16, 2, 8):
+            raise checks.SparseDecodeInputError(
+                "the mma.sync Gluon kernel takes block_n 16, num_stages 2 and num_warps 8 (Q and two row stages "
+                f"fill sm_120's 99 KB); got {bn}, {config.num_stages}, {config.num_warps}")
+        num_blocks = -(-w // bn) + -(-k // bn)
+        splits = config.num_splits or choose_splits(b, num_blocks, sms)
+        has_extra, has_wlen, has_elen, has_sink = flags
+        kwargs = dict(H=h, BN=bn, SPLIT_OUT=splits > 1, IS_FP8=is_fp8, HAS_EXTRA=has_extra, HAS_WLEN=has_wlen,
+                      HAS_ELEN=has_elen, HAS_SINK=has_sink, **_geometry_kwargs(geos),
+                      num_warps=config.num_warps)
+        return LaunchPlan("gluon_mma_v2", config, (b, splits), splits, False, kwargs)
     groups = h // config.head_group if config.head_group and h > config.head_group else 1
     dot_f32 = dtype == torch.float32 or device.type != "cuda"
     splits, kwargs = _triton_plan(b, h // groups, w, k, is_fp8, config, sms, flags, geos, dot_f32)
     return LaunchPlan("triton", config, (b, splits, groups), splits, False, kwargs)
+
+
+def _min_batch(device: torch.device, h: int) -> int:
+    """The smallest batch the dispatch table's row for (the device's class, h) runs its own kernel at (below it, the
+    row's fallback: where it measured slower)."""
+    gpu = dispatch.class_of_device(device)
+    return dispatch.decode_impl(gpu, h).min_batch if gpu is not None and h in (16, 32, 64) else 1
 
 
 def _geometry_kwargs(geos: tuple[PageGeometry, PageGeometry]) -> dict:

@@ -93,7 +93,9 @@ def _what_runs(topology: Any, worker: Any, gpu: str, kernel: str) -> str:
     if topology.engine == "sglang":   # SGLang hands the adapter q padded to 64 heads, TP's real heads in front
         real = MODEL_HEADS // worker.tp
         return f"routed ({real} real heads at TP{worker.tp}): {decode_routes.summary(gpu, real)}"
-    return f"ours: {dispatch.decode_impl(gpu, MODEL_HEADS).backend}, {MODEL_HEADS} heads"
+    impl = dispatch.decode_impl(gpu, MODEL_HEADS)
+    below = f" from B = {impl.min_batch} ({impl.fallback.backend} below)" if impl.min_batch > 1 and impl.fallback else ""
+    return f"ours: {impl.backend}, {MODEL_HEADS} heads{below}"
 
 
 def _where(topology: Any, gpu: str, kernel: str) -> str:

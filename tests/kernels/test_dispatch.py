@@ -18,7 +18,8 @@ def test_table_is_sound_and_gluon_is_sm90_only():
     assert [dispatch.allows_gluon(c) for c in dispatch.GPU_CLASSES] == [True, False, False]
     assert dispatch.allows_gluon(None) is False
     assert {dispatch.implementation("sm_120", k, h) for k in ("sparse_mla_decode", "indexer", "topk")
-            for h in (16, 32, 64)} == {"triton"}
+            for h in (16, 32, 64)} - {"triton"} == {"gluon_mma_v2"}
+    assert dispatch.decode_impl("sm_120", 64).fallback.backend == "triton"
     assert max(dispatch.decode_impl("sm_120", h).smem for h in (16, 32, 64)) <= 99 * 1024
 
 
@@ -53,32 +54,42 @@ def _compiled(heads: int, impl: dispatch.DecodeImpl, capability: int) -> tuple[i
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = (f"from tests.kernels.test_dispatch import _compile_here; "
             f"print(_compile_here({impl.head_group or heads}, {impl.block_n}, {impl.num_stages}, {capability}, "
-            f"{impl.num_warps}))")
+            f"{impl.num_warps}, {impl.backend!r}))")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     shared, spills = done.stdout.split()[-2:]
     return int(shared), int(spills)
 
 
-def _compile_here(heads: int, block_n: int, num_stages: int, capability: int, num_warps: int = 8) -> str:
+def _compile_here(heads: int, block_n: int, num_stages: int, capability: int, num_warps: int = 8,
+                  backend: str = "triton") -> str:
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
-    from dsv4_cluster.kernels.sparse_mla_decode import kernel as k
+    common = dict(H=heads, BN=block_n, SPLIT_OUT=True, IS_FP8=True, HAS_EXTRA=True, HAS_WLEN=True, HAS_ELEN=True,
+                  HAS_SINK=True, W_SHIFT=8, W_PAGE=149_760, E_SHIFT=6, E_PAGE=37_440)
+    if backend == "gluon_mma_v2":
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
 
-    fn = k._sparse_decode_kernel
-    const = dict(H=heads, D=512, BN=block_n, SPLIT_OUT=True, IS_FP8=True, HAS_EXTRA=True, HAS_WLEN=True,
-                 HAS_ELEN=True, HAS_SINK=True, DOT_F32=False, PREFETCH=False, W_SHIFT=8, W_PAGE=149_760, E_SHIFT=6,
-                 E_PAGE=37_440)
+        from dsv4_cluster.kernels.sparse_mla_decode import gluon_mma_v2 as k
+
+        fn, const, options = k._sparse_decode_mma_v2_kernel, common, dict(num_warps=num_warps)
+    else:
+        from triton.compiler import ASTSource
+
+        from dsv4_cluster.kernels.sparse_mla_decode import kernel as k
+
+        fn, const = k._sparse_decode_kernel, dict(common, D=512, DOT_F32=False, PREFETCH=False)
+        options = dict(num_warps=num_warps, num_stages=num_stages)
     ptrs = {"q_ptr": "*bf16", "out_ptr": "*bf16", "kv_ptr": "*u8", "ekv_ptr": "*u8", "sink_ptr": "*fp32",
             "lse_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32"}
     sig = {n: "constexpr" if n in const else ptrs.get(n, "*i32" if n.endswith("_ptr") else
                                                         "fp32" if n == "qk_scale_log2" else "i32")
            for n in fn.arg_names}
-    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in const.items()})
-    compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32),
-                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    # pointers 16-byte aligned, as the launch specialises them (the vector width of every load depends on it)
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in const.items()}, attrs=aligned)
+    compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)
     return f"{compiled.metadata.shared} {_spill_bytes(compiled.asm['ptx'], capability)}"
 
 
@@ -105,6 +116,9 @@ def _spill_bytes(ptx: str, capability: int) -> int:
 def test_sm120_configs_compiled_for_sm120_fit_99_kb(heads, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     impl = dispatch.decode_impl("sm_120", heads)
-    shared, spills = _compiled(heads, impl, 120)
-    assert shared == impl.smem and shared <= dispatch.SMEM_PER_BLOCK["sm_120"]
-    assert spills == 0  # a 64-head program spilled ~4 KB a thread on sm_120: hence the head groups
+    for row in (impl, impl.fallback) if impl.fallback else (impl,):
+        shared, spills = _compiled(heads, row, 120)
+        assert shared == row.smem and shared <= dispatch.SMEM_PER_BLOCK["sm_120"], row
+        # a 64-head Triton program spilled ~4 KB a thread on sm_120: hence its head groups. Compiled as launched
+        # (16-byte aligned pointers: vector loads) the 16-head Triton programs spill 4 B; the Gluon kernel none.
+        assert spills <= (8 if row.backend == "triton" else 0), row

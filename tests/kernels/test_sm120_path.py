@@ -79,7 +79,7 @@ def test_gpu_forced_sm120_prefill_rows_equal_sglangs_torch_path(kind, rows):
 
 @pytest.mark.gpu
 @gpu_forced
-def test_gpu_forced_sm120_kernels_fit_99_kb_and_never_gluon():
+def test_gpu_forced_sm120_kernels_fit_99_kb_and_never_the_wgmma_kernel():
     from dsv4_cluster.kernels import fast_launch
     from dsv4_cluster.kernels.sglang_adapters import fp8_paged_mqa_logits, topk_transform_paged_v2
     from dsv4_cluster.kernels.sparse_mla_decode.config import LaunchConfig, choose_backend
@@ -89,7 +89,8 @@ def test_gpu_forced_sm120_kernels_fit_99_kb_and_never_gluon():
     for heads in (16, 32, 64):
         backend, config = choose_backend(dev, heads, torch.bfloat16, True, LaunchConfig())
         row = dispatch.decode_impl("sm_120", heads)
-        assert (backend, config.block_n, config.num_stages) == ("triton", row.block_n, row.num_stages)
+        assert (backend, config.block_n, config.num_stages) == (row.backend, row.block_n, row.num_stages)
+        assert backend in ("triton", "gluon_mma_v2")
     for kind in ("window", "c4", "c128"):
         for b in (1, 8, 128):
             kw = sm120_call(decode_case(kind, b, 16, seed=3), 16 if b > 64 else None)

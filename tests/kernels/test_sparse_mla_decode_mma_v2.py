@@ -1,0 +1,97 @@
+"""Sparse MLA decode: the mma.sync Gluon kernel (`gluon_mma_v2.py`, the sm_120 row at 64 heads) against the float64
+reference on the GPU. mma.sync runs on sm_90 as on sm_120, so an H200 runs the kernel as compiled for itself; the
+forced-sm_120 tests (`test_sm120_path.py`) run it through SGLang's sm_120 entry. Without a GPU: the host side's
+refusals, by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4_cluster.kernels.sparse_mla_decode import SparseDecodeInputError, sparse_mla_decode_fp8_ref
+from dsv4_cluster.kernels.sparse_mla_decode.config import LaunchConfig, mma_v2_unavailable
+from dsv4_cluster.kernels.sparse_mla_decode.launch import sparse_mla_decode_fp8_triton, sparse_mla_decode_triton
+from tests.kernels.sparse_decode_cases import HAS_CUDA, V4, assert_close, make_case, moved, reference64
+from tests.kernels.test_sparse_mla_decode_gluon import _v4_call, odd_e4m3_cache
+
+
+def mma_v2_ready():
+    return HAS_CUDA and mma_v2_unavailable(torch.device("cuda"), 64, torch.bfloat16) is None
+
+
+mma_v2_gpu = pytest.mark.skipif(not mma_v2_ready(), reason="needs a CUDA GPU and the Triton release Gluon was built for")
+
+
+@mma_v2_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("b, splits", [(1, 0), (1, 1), (8, 0), (8, 3), (64, 2), (130, 0), (3, 60)])
+def test_gpu_mma_v2_matches_reference(fp8, b, splits):
+    """Ragged lengths, -1 entries, one query with no valid row, sinks on even B; one split, several, and more
+    splits than a query has blocks (splits with no rows)."""
+    c = make_case(b, **V4, device="cuda", seed=300 + b + splits, sink=b % 2 == 0)
+    cfg = LaunchConfig(backend="gluon_mma_v2", num_splits=splits)
+    run, (ref_out, ref_lse) = _v4_call(c, fp8, cfg)
+    out, lse = run()
+    assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
+
+
+@mma_v2_gpu
+@pytest.mark.gpu
+def test_gpu_mma_v2_window_only_full_lengths_and_growing_maxima():
+    """No extra cache, every row valid, and scores whose row maxima keep growing block after block (each block's
+    rows scaled up): O and the sums rescaled at every block."""
+    c = make_case(5, 64, 256, 0, 4096, 0, device="cuda", seed=9, ragged=False, sink=True)
+    rows = torch.arange(256, dtype=torch.int32, device="cuda") * 16  # every query: rows 0, 16, ... 4080 in order
+    c["window_idx"] = rows.expand(5, 256).contiguous()
+    c["kv"] = (c["kv"].float() * torch.linspace(0.1, 6.0, 4096, device="cuda")[:, None]).to(c["kv"].dtype)
+    out, lse = sparse_mla_decode_triton(**c, config=LaunchConfig(backend="gluon_mma_v2"))
+    ref_out, ref_lse = reference64(c)
+    assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
+
+
+@mma_v2_gpu
+@pytest.mark.gpu
+def test_gpu_mma_v2_fp8_dequantises_subnormals_and_large_scales_exactly():
+    c = make_case(6, **V4, device="cuda", seed=31, sink=True)
+    c["q"] = c["q"] * 0.02
+    cache, extra = odd_e4m3_cache(c.pop("kv"), 1), odd_e4m3_cache(c.pop("extra_kv"), 2)
+    out, lse = sparse_mla_decode_fp8_triton(**c, kv_cache=cache, extra_cache=extra,
+                                            config=LaunchConfig(backend="gluon_mma_v2"))
+    cpu = moved(c, "cpu")
+    ref_out, ref_lse = sparse_mla_decode_fp8_ref(**{**cpu, "q": cpu["q"].double()}, kv_cache=cache.cpu(),
+                                                 extra_cache=extra.cpu())
+    assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
+
+
+@mma_v2_gpu
+@pytest.mark.gpu
+def test_gpu_mma_v2_replays_in_a_cuda_graph():
+    c = make_case(16, **V4, device="cuda", seed=5, sink=True)
+    cfg = LaunchConfig(backend="gluon_mma_v2")
+    eager = sparse_mla_decode_triton(**c, config=cfg)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = sparse_mla_decode_triton(**c, config=cfg)
+    c["q"].copy_(torch.flip(c["q"], dims=[0]))  # new inputs, same buffers
+    graph.replay()
+    again = sparse_mla_decode_triton(**c, config=cfg)
+    assert torch.equal(captured[0], again[0]) and torch.equal(captured[1], again[1])
+    assert not torch.equal(captured[0], eager[0])
+
+
+@pytest.mark.parametrize("heads, dtype, why", [(16, torch.bfloat16, "takes 64 heads"),
+                                               (64, torch.float16, "takes bf16 queries")])
+def test_mma_v2_refuses_what_it_cannot_run_by_name(heads, dtype, why):
+    assert mma_v2_unavailable(torch.device("cpu"), 64, torch.bfloat16) == "it runs on CUDA tensors only"
+    assert why in mma_v2_unavailable(torch.device("cuda"), heads, dtype)
+
+
+@mma_v2_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("config, what", [(LaunchConfig(backend="gluon_mma_v2", block_n=32), "block_n 16"),
+                                          (LaunchConfig(backend="gluon_mma_v2", num_warps=4), "num_warps 8")])
+def test_gpu_mma_v2_refuses_a_config_it_cannot_launch(config, what):
+    c = make_case(2, **V4, device="cuda", seed=1)
+    with pytest.raises(SparseDecodeInputError, match=what):
+        sparse_mla_decode_triton(**c, config=config)
