@@ -167,24 +167,28 @@ def test_decode_killed_under_8_streams(cluster: LocalCluster) -> None:
     """The streams are held across the decode's restart and continued there; while held, each starts at most one
     prefill leg a second (none while the decode does not answer), and no attempt leaves KV stranded on the prefill
     (a room no decode came for is counted 5 s after its KV was ready)."""
-    before = status_rows(cluster)["decode-0"]["restarts"]
+    rows = status_rows(cluster)["decode-0"]
+    before, pid = rows["restarts"], rows["pid"]  # looked up first: the kill must land while the streams run
     killed: list[tuple[float, float]] = []
 
     async def kill(started: list[int]) -> None:
         await asyncio.to_thread(wait_for, lambda: len(started) >= 8, 60, "8 streams under way")
         legs = _prefill_legs(cluster)
-        os.kill(_pid(cluster, "decode-0"), signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
         killed.append((time.monotonic(), legs))
 
-    seen = asyncio.run(_load(cluster, 8, 0, 160, kill))
-    held_s, legs = time.monotonic() - killed[0][0], _prefill_legs(cluster) - killed[0][1]
-    scan(cluster, seen)
-    assert [s.status for s in seen] == [200] * 8, [s.raw[-400:] for s in seen if s.status != 200]
-    print(f"decode kill: {legs:.0f} prefill legs for 8 streams in the {held_s:.1f} s after it")
-    assert 8 <= legs <= 8 * max(1.0, held_s), "at most one prefill leg per held stream per second"
-    time.sleep(max(0.0, killed[0][0] + 6.0 - time.monotonic()))
-    assert _prefill_metric(cluster, "dsv4_stranded_kv_rooms") == 0, "an attempt's KV stranded on the prefill"
-    _back(cluster, "decode-0", before + 1)
+    try:
+        seen = asyncio.run(_load(cluster, 8, 0, 320, kill))
+        held_s, legs = time.monotonic() - killed[0][0], _prefill_legs(cluster) - killed[0][1]
+        scan(cluster, seen)
+        assert [s.status for s in seen] == [200] * 8, [s.raw[-400:] for s in seen if s.status != 200]
+        print(f"decode kill: {legs:.0f} prefill legs for 8 streams in the {held_s:.1f} s after it")
+        assert 8 <= legs <= 8 * max(1.0, held_s), "at most one prefill leg per held stream per second"
+        time.sleep(max(0.0, killed[0][0] + 6.0 - time.monotonic()))
+        assert _prefill_metric(cluster, "dsv4_stranded_kv_rooms") == 0, "an attempt's KV stranded on the prefill"
+    finally:  # the module's other tests share this cluster: never leave them a restarting decode
+        if killed:
+            _back(cluster, "decode-0", before + 1)
 
 
 def test_prefill_killed_under_8_plain_requests(cluster: LocalCluster) -> None:
@@ -197,9 +201,12 @@ def test_prefill_killed_under_8_plain_requests(cluster: LocalCluster) -> None:
         os.kill(_pid(cluster, "prefill-0"), signal.SIGKILL)
 
     seen = asyncio.run(_load(cluster, 0, 8, 8, kill))
-    scan(cluster, seen)
-    assert [s.status for s in seen] == [200] * 8, ("held across the prefill's restart", [s.raw[-400:] for s in seen if s.status != 200])
-    _back(cluster, "prefill-0", before + 1)
+    try:
+        scan(cluster, seen)
+        assert [s.status for s in seen] == [200] * 8, ("held across the prefill's restart",
+                                                       [s.raw[-400:] for s in seen if s.status != 200])
+    finally:
+        _back(cluster, "prefill-0", before + 1)
 
 
 @pytest.mark.parametrize("name", ["decode-0", "prefill-0"])
