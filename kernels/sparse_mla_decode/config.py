@@ -134,8 +134,10 @@ def choose_backend(device: torch.device, h: int, dtype: torch.dtype, is_fp8: boo
 def _choose(device, h, dtype, is_fp8, config):
     gpu = dispatch.class_of_device(device)
     row = dispatch.decode_impl(gpu, h) if gpu is not None and h in (16, 32, 64) else None
+    # "auto" takes the mma.sync row on V4 fp8 caches alone (what SGLang passes, and what the stand-in measured);
+    # bf16 rows keep the row's Triton fallback until the kernel's bf16 path has run on a GPU
     if config.backend == "gluon_mma_v2" or (config.backend == "auto" and row is not None
-                                            and row.backend == "gluon_mma_v2"):
+                                            and row.backend == "gluon_mma_v2" and is_fp8):
         why = mma_v2_unavailable(device, h, dtype)
         if why is None:
             if row is not None and row.backend == "gluon_mma_v2":

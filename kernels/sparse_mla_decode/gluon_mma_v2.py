@@ -6,7 +6,9 @@ spill on mma.sync, so the Triton row runs 16-head programs that each gather and 
 the L1 traffic (ncu, B = 128: L1/TEX 67% busy, DRAM 2%; bench/results/ncu_sm120_c4_b128.txt).
 
 One CTA of 8 warps per (query, split); every mma.sync tile is laid out over warps [4, 2] (16 heads a warp along M,
-the columns of S and of O over two warps):
+the columns of S and of O over two warps). `LaunchConfig(num_warps=16)` lays them out [4, 4]: O's columns over four
+warps, S's 16 columns held twice; 128 registers and 116 B spilled for sm_120a, not measured yet (bench/sm120_decode.py
+`SM120_SECTIONS=backends` times it):
 
     Q        [64, 512] bf16, staged once in shared memory (64 KB); its 16-dim slices are read per k-step (ldmatrix).
     rows     two [16, 512] bf16 stages (32 KB). Block j's products read stage j % 2 while block j + 1, loaded into

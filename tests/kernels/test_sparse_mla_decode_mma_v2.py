@@ -25,12 +25,13 @@ mma_v2_gpu = pytest.mark.skipif(not mma_v2_ready(), reason="needs a CUDA GPU and
 @mma_v2_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("warps", [8, 16])
 @pytest.mark.parametrize("b, splits", [(1, 0), (1, 1), (8, 0), (8, 3), (64, 2), (130, 0), (3, 60)])
-def test_gpu_mma_v2_matches_reference(fp8, b, splits):
+def test_gpu_mma_v2_matches_reference(fp8, warps, b, splits):
     """Ragged lengths, -1 entries, one query with no valid row, sinks on even B; one split, several, and more
-    splits than a query has blocks (splits with no rows)."""
+    splits than a query has blocks (splits with no rows). 16 warps: the warps across S's 16 columns hold copies."""
     c = make_case(b, **V4, device="cuda", seed=300 + b + splits, sink=b % 2 == 0)
-    cfg = LaunchConfig(backend="gluon_mma_v2", num_splits=splits)
+    cfg = LaunchConfig(backend="gluon_mma_v2", num_splits=splits, num_warps=warps)
     run, (ref_out, ref_lse) = _v4_call(c, fp8, cfg)
     out, lse = run()
     assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
@@ -90,8 +91,42 @@ def test_mma_v2_refuses_what_it_cannot_run_by_name(heads, dtype, why):
 @mma_v2_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("config, what", [(LaunchConfig(backend="gluon_mma_v2", block_n=32), "block_n 16"),
-                                          (LaunchConfig(backend="gluon_mma_v2", num_warps=4), "num_warps 8")])
+                                          (LaunchConfig(backend="gluon_mma_v2", num_warps=4), "num_warps 8 or 16")])
 def test_gpu_mma_v2_refuses_a_config_it_cannot_launch(config, what):
     c = make_case(2, **V4, device="cuda", seed=1)
     with pytest.raises(SparseDecodeInputError, match=what):
         sparse_mla_decode_triton(**c, config=config)
+
+
+def test_sm120_64_heads_runs_mma_v2_on_fp8_from_b8_and_the_triton_row_elsewhere(monkeypatch):
+    """The dispatch of the sm_120 row at 64 heads, without a GPU: fp8 caches from B = 8 on the mma.sync kernel; below
+    B = 8, on bf16 rows, or when asked for "triton", the row's Triton fallback config (16-head programs)."""
+    from dsv4_cluster.kernels import dispatch
+    from dsv4_cluster.kernels.sparse_mla_decode import config as cfg_mod
+    from dsv4_cluster.kernels.sparse_mla_decode import plan as plan_mod
+    from dsv4_cluster.kernels.sparse_mla_decode.fp8_layout import PageGeometry
+
+    monkeypatch.setattr(dispatch, "class_of_device", lambda device: "sm_120")
+    monkeypatch.setattr(cfg_mod, "gluon_api_unavailable", lambda: None)
+    for cached in (cfg_mod._choose, cfg_mod.choose_backend_for, plan_mod.plan_launch):
+        cached.cache_clear()  # answers cached for this process's real device: cleared before and after
+    try:
+        geos = (PageGeometry.packed(256), PageGeometry.packed(64))
+        row = dispatch.decode_impl("sm_120", 64)
+
+        def plan(b, fp8=True, backend="auto"):
+            p = plan_mod.plan_launch(torch.device("cuda"), b, 64, torch.bfloat16, fp8, LaunchConfig(backend=backend),
+                                     128, 512, (True, True, True, True), geos, 188)
+            return p.backend, p.config.block_n, p.config.head_group, p.config.num_warps, p.grid[1:]
+
+        fallback = ("triton", row.fallback.block_n, row.fallback.head_group, row.fallback.num_warps)
+        assert plan(8)[:4] == plan(128)[:4] == ("gluon_mma_v2", 16, 0, 8)
+        assert plan(8)[4] == (plan(8)[4][0],)  # grid (B, splits): one program per query and split
+        for b in (1, row.min_batch - 1):
+            assert plan(b)[:4] == fallback and plan(b)[4][1] == 64 // row.fallback.head_group
+        assert plan(64, fp8=False)[:4] == fallback
+        assert plan(64, backend="triton")[:4] == fallback
+        assert plan(1, backend="gluon_mma_v2")[0] == "gluon_mma_v2"  # asked for by name: kept at any B
+    finally:
+        for cached in (cfg_mod._choose, cfg_mod.choose_backend_for, plan_mod.plan_launch):
+            cached.cache_clear()
