@@ -67,7 +67,7 @@ class DecodeImpl:
 # the same rows), block 32, one stage, 4 warps. At 64 heads the mma.sync Gluon kernel (`gluon_mma_v2.py`: each row
 # gathered and dequantised once for all heads, block 16, two stages, 8 warps) replaces them from B = 8 (H200 standing
 # in, forced sm_120, Triton 3.8.0, c4, graph replay, B = 1 / 8 / 32 / 64 / 128: 15.8 / 24.2 / 44.0 / 68.3 / 114.1 us
-# against the Triton row's 13.5 / 31.7 / 70.8 / 122.6 / 218.0 in the same run, bench/results/sm120_decode.md);
+# against the Triton row's 13.5 / 31.7 / 70.8 / 122.6 / 218.0 in the same run, bench/results/sm120_backends.md);
 # below B = 8 the Triton row runs.
 SPARSE_DECODE: dict[tuple[str, int], DecodeImpl] = {
     ("sm_90", 64): DecodeImpl("gluon", 64, 2, 218_192),

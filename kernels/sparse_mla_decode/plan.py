@@ -47,17 +47,7 @@ def plan_launch(device: torch.device, b: int, h: int, dtype: torch.dtype, is_fp8
         splits, fuse, kwargs = _gluon_plan(b, w, k, is_fp8, config, sms, flags, geos)
         return LaunchPlan("gluon", config, (b, splits), splits, fuse, kwargs)
     if backend == "gluon_mma_v2":
-        bn = config.block_n
-        if (bn, config.num_stages) != (16, 2) or config.num_warps not in (8, 16):
-            raise checks.SparseDecodeInputError(
-                "the mma.sync Gluon kernel takes block_n 16, num_stages 2 (Q and two row stages fill sm_120's 99 KB) "
-                f"and num_warps 8 or 16; got {bn}, {config.num_stages}, {config.num_warps}")
-        num_blocks = -(-w // bn) + -(-k // bn)
-        splits = config.num_splits or choose_splits(b, num_blocks, sms)
-        has_extra, has_wlen, has_elen, has_sink = flags
-        kwargs = dict(H=h, BN=bn, SPLIT_OUT=splits > 1, IS_FP8=is_fp8, HAS_EXTRA=has_extra, HAS_WLEN=has_wlen,
-                      HAS_ELEN=has_elen, HAS_SINK=has_sink, **_geometry_kwargs(geos),
-                      num_warps=config.num_warps)
+        splits, kwargs = _mma_v2_plan(b, h, w, k, is_fp8, config, sms, flags, geos)
         return LaunchPlan("gluon_mma_v2", config, (b, splits), splits, False, kwargs)
     groups = h // config.head_group if config.head_group and h > config.head_group else 1
     dot_f32 = dtype == torch.float32 or device.type != "cuda"
@@ -88,6 +78,19 @@ def _triton_plan(b, h, w, k, is_fp8, config, sms, flags, geos, dot_f32):
                         HAS_WLEN=has_wlen, HAS_ELEN=has_elen, HAS_SINK=has_sink, DOT_F32=dot_f32,
                         PREFETCH=config.prefetch, **_geometry_kwargs(geos), num_warps=config.num_warps,
                         num_stages=config.num_stages)
+
+
+def _mma_v2_plan(b, h, w, k, is_fp8, config, sms, flags, geos):
+    """(splits, launch keyword arguments) of the mma.sync Gluon kernel; its merge is the Triton kernel's."""
+    bn = config.block_n
+    if (bn, config.num_stages) != (16, 2) or config.num_warps not in (8, 16):
+        raise checks.SparseDecodeInputError(
+            "the mma.sync Gluon kernel takes block_n 16, num_stages 2 (Q and two row stages fill sm_120's 99 KB) "
+            f"and num_warps 8 or 16; got {bn}, {config.num_stages}, {config.num_warps}")
+    splits = config.num_splits or choose_splits(b, -(-w // bn) + -(-k // bn), sms)
+    has_extra, has_wlen, has_elen, has_sink = flags
+    return splits, dict(H=h, BN=bn, SPLIT_OUT=splits > 1, IS_FP8=is_fp8, HAS_EXTRA=has_extra, HAS_WLEN=has_wlen,
+                        HAS_ELEN=has_elen, HAS_SINK=has_sink, **_geometry_kwargs(geos), num_warps=config.num_warps)
 
 
 def _gluon_plan(b, w, k, is_fp8, config, sms, flags, geos):
