@@ -42,6 +42,9 @@ class LaunchConfig:
     # Triton: heads per program (0: all of the call's heads in one program); the rest go to more programs on
     # grid axis 2, each reading the same rows. The dispatch table sets it where a wide accumulator spills (sm_120).
     head_group: int = 0
+    # mma.sync Gluon kernel on fp8 rows: dequantise four e4m3 bytes at a time in 32-bit words (gluon_mma_v2.E4M3_WORD;
+    # 690 loop instructions a warp against 781 for sm_120a); not yet run on a GPU, so off unless asked for
+    fp8_words: bool = False
 
 
 def _num_sms(device: torch.device) -> int:

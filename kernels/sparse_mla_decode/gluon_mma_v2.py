@@ -21,6 +21,10 @@ warps, S's 16 columns held twice; 128 registers and 116 B spilled for sm_120a, n
     O        [64, 512] fp32 in registers as four 128-column accumulators, O_c = O_c * alpha + P K[:, c]; P is
              converted once a block to the A-operand layout.
 
+Options for the next GPU run, not yet timed (off in the dispatch table): `LaunchConfig(fp8_words=True)` dequantises
+four e4m3 bytes at a time in 32-bit words (`E4M3_WORD`; 690 loop instructions a warp against 781), and 16 warps.
+Off, the kernel compiles to the same sm_120a instructions as the version the figures below were measured on.
+
 Shared memory 100,352 B with the layout conversions' scratch (sm_120 allows 101,376); 255 registers, no spill as
 compiled for sm_120a (tests/kernels/test_dispatch.py). Output: (out, lse), or split partials [B, splits, 64, 512] in
 the layout `kernel._combine_kernel` / `_combine_stream_kernel` merge. Semantics are those of `reference.py`; live
@@ -52,10 +56,12 @@ def _block_indices(j, hi, nbw, wlen, elen, widx_row, eidx_row, offs, BN: gl.cons
 
 @gluon.jit
 def _load_raw(j, nbw, idx, kv_ptr, stride_kv, ekv_ptr, stride_ekv, L3: gl.constexpr, IS_FP8: gl.constexpr,
-              W_SHIFT: gl.constexpr, W_PAGE: gl.constexpr, E_SHIFT: gl.constexpr, E_PAGE: gl.constexpr):
+              WORDS: gl.constexpr, W_SHIFT: gl.constexpr, W_PAGE: gl.constexpr, E_SHIFT: gl.constexpr,
+              E_PAGE: gl.constexpr):
     """Block j's bytes for its rows `idx` (`_block_indices` in L3's row layout), as loaded (registers, layout L3
     over [BN, 8, 64]): fp8 -> (no-RoPE e4m3 bytes of tiles 0-6, RoPE bf16 in tile 7, the tiles' ue8m0 scales
-    [BN, 8]); bf16 rows -> the row values (dims t * 64 + c of tile t) in the first two, an unused third."""
+    [BN, 8]); bf16 rows -> the row values (dims t * 64 + c of tile t) in the first two, an unused third. WORDS (fp8
+    only): `_load_words`."""
     t = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
     c = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
     is_w = j < nbw
@@ -64,7 +70,9 @@ def _load_raw(j, nbw, idx, kv_ptr, stride_kv, ekv_ptr, stride_ekv, L3: gl.conste
     t3 = t[None, :, None]
     c3 = c[None, None, :]
     base = gl.where(is_w, kv_ptr, ekv_ptr)
-    if IS_FP8:
+    if IS_FP8 and WORDS:
+        nope, rope, sc = _load_words(is_w, idx, base, L3, W_SHIFT, W_PAGE, E_SHIFT, E_PAGE)
+    elif IS_FP8:
         shift = gl.where(is_w, W_SHIFT, E_SHIFT)
         page_bytes = gl.where(is_w, W_PAGE, E_PAGE)
         page = idx >> shift
@@ -79,25 +87,97 @@ def _load_raw(j, nbw, idx, kv_ptr, stride_kv, ekv_ptr, stride_ekv, L3: gl.conste
                        mask=v3 & (t3 == 7), other=0.0)
         sc_ptr = (page_base + (576 << shift) + slot * 8)[:, None] + t[None, :]
         sc = gl.load(sc_ptr, mask=valid[:, None] & (t < 7)[None, :], other=127)
-        return nope, rope, sc
     else:
         stride = gl.where(is_w, stride_kv, stride_ekv)
-        rows = gl.load(base + idx.to(gl.int64)[:, None, None] * stride + (t3 * 64 + c3), mask=v3, other=0.0)
-        return rows, rows, t
+        nope = gl.load(base + idx.to(gl.int64)[:, None, None] * stride + (t3 * 64 + c3), mask=v3, other=0.0)
+        rope, sc = nope, t
+    return nope, rope, sc
 
 
 @gluon.jit
-def _dequant(nope, rope, sc, IS_FP8: gl.constexpr, BN: gl.constexpr):
-    """[BN, 512] bf16 rows of a block from `_load_raw`'s registers (e4m3 x 2**(ue8m0 - 127) per 64-dim tile,
-    exact in bf16, and the bf16 RoPE tile)."""
-    if IS_FP8:
+def _load_words(is_w, idx, base, L3: gl.constexpr, W_SHIFT: gl.constexpr, W_PAGE: gl.constexpr,
+                E_SHIFT: gl.constexpr, E_PAGE: gl.constexpr):
+    """`_load_raw` of V4 fp8 rows in 32-bit words (L3 over [BN, 8, 16]): the no-RoPE tiles as int32 words of four
+    e4m3 bytes, the RoPE tile as int64 words of four bf16 (word w: dims 4w .. 4w + 3 of the tile), the scales."""
+    t = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+    w = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    valid = idx >= 0
+    v3 = valid[:, None, None]
+    t3 = t[None, :, None]
+    w3 = w[None, None, :]
+    shift = gl.where(is_w, W_SHIFT, E_SHIFT)
+    page = (idx >> shift).to(gl.int64)
+    slot = idx & ((1 << shift) - 1)
+    row32 = page * gl.where(is_w, W_PAGE // 4, E_PAGE // 4) + slot * 144  # a 576-B record is 144 int32 words
+    nope = gl.load(base.to(gl.pointer_type(gl.int32), bitcast=True) + row32[:, None, None] + (t3 * 16 + w3),
+                   mask=v3 & (t3 < 7), other=0)
+    row64 = page * gl.where(is_w, W_PAGE // 8, E_PAGE // 8) + slot * 72 + 56  # the RoPE dims start at byte 448
+    rope = gl.load(base.to(gl.pointer_type(gl.int64), bitcast=True) + row64[:, None, None] + (w3 + t3 * 0),
+                   mask=v3 & (t3 == 7), other=0)
+    sc_ptr = (base + page * gl.where(is_w, W_PAGE, E_PAGE) + (576 << shift) + slot * 8)[:, None] + t[None, :]
+    sc = gl.load(sc_ptr, mask=valid[:, None] & (t < 7)[None, :], other=127)
+    return nope, rope, sc
+
+
+# WORDS: one int32 of four e4m3 bytes ($2) times its tile's scale ($3: bf16x2 2**(e - 127), twice) -> two int32 of
+# bf16x2 ($0: values 0-1, $1: values 2-3), exactly: e4m3 -> f16 (exact, subnormals included), the f16 bits moved
+# into bf16's fields (the value x 2**-112: the exponent biases differ by 112; zero stays zero), then x 2**112 and x
+# the scale, both powers of two in bf16. 16 instructions a word, where the byte path extracts each byte, widens it to
+# f32, multiplies and narrows (sm_120a: 690 loop instructions a warp against 781). An e4m3 NaN byte (SGLang's
+# quantiser writes none) comes out finite.
+E4M3_WORD = gl.constexpr("""{
+.reg .b16 l, h;
+.reg .b32 a, b, sa, sb, up;
+mov.b32 up, 0x77807780;
+mov.b32 {l, h}, $2;
+cvt.rn.f16x2.e4m3x2 a, l;
+cvt.rn.f16x2.e4m3x2 b, h;
+shr.b32 sa, a, 3;
+shr.b32 sb, b, 3;
+and.b32 sa, sa, 0x0fff0fff;
+and.b32 sb, sb, 0x0fff0fff;
+and.b32 a, a, 0x80008000;
+and.b32 b, b, 0x80008000;
+or.b32 a, a, sa;
+or.b32 b, b, sb;
+mul.rn.bf16x2 a, a, up;
+mul.rn.bf16x2 b, b, up;
+mul.rn.bf16x2 $0, a, $3;
+mul.rn.bf16x2 $1, b, $3;
+}""")
+
+
+@gluon.jit
+def _dequant(nope, rope, sc, IS_FP8: gl.constexpr, WORDS: gl.constexpr, BN: gl.constexpr):
+    """A block's rows from `_load_raw`'s registers (e4m3 x 2**(ue8m0 - 127) per 64-dim tile, exact in bf16, and the
+    bf16 RoPE tile): bf16 [BN, 512], or with WORDS int32 [BN, 256] of bf16 pairs (`_stage_store` stores either)."""
+    t = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, nope.type.layout)))
+    if IS_FP8 and WORDS:
+        e = sc.to(gl.int32) & 0xFF
+        lo, hi = gl.inline_asm_elementwise(E4M3_WORD, "=r,=r,r,r", [nope, ((e << 7) | (e << 23))[:, :, None]],
+                                           dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+        is_nope = (t < 7)[None, :, None]
+        lo = gl.where(is_nope, lo, (rope & 0xFFFFFFFF).to(gl.int32))
+        hi = gl.where(is_nope, hi, (rope >> 32).to(gl.int32))
+        rows = gl.reshape(gl.join(lo, hi), [BN, 256])
+    elif IS_FP8:
         scale = gl.exp2(sc.to(gl.float32) - 127.0)
-        t = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, nope.type.layout)))
         vals = nope.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, :, None]
-        rows = gl.where((t < 7)[None, :, None], vals, rope.to(gl.float32)).to(gl.bfloat16)
+        rows = gl.reshape(gl.where((t < 7)[None, :, None], vals, rope.to(gl.float32)).to(gl.bfloat16), [BN, 512])
     else:
-        rows = nope.to(gl.bfloat16)
-    return gl.reshape(rows, [BN, 512])
+        rows = gl.reshape(nope.to(gl.bfloat16), [BN, 512])
+    return rows
+
+
+@gluon.jit
+def _stage_store(stage, rows, BN: gl.constexpr):
+    """Store a block's rows into a [BN, 512] bf16 stage: bf16 as they are, int32 pairs through an int32 view of the
+    same bytes (the 128-byte swizzle maps a 32-bit word of bf16 pairs as it maps the pair)."""
+    if rows.dtype == gl.int32:
+        stage._reinterpret(gl.int32, [BN, 256],
+                           gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)).store(rows)
+    else:
+        stage.store(rows)
 
 
 @gluon.jit
@@ -112,6 +192,7 @@ def _sparse_decode_mma_v2_kernel(
     H: gl.constexpr, BN: gl.constexpr, SPLIT_OUT: gl.constexpr,
     IS_FP8: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_WLEN: gl.constexpr, HAS_ELEN: gl.constexpr,
     HAS_SINK: gl.constexpr, W_SHIFT: gl.constexpr, W_PAGE: gl.constexpr, E_SHIFT: gl.constexpr, E_PAGE: gl.constexpr,
+    WORDS: gl.constexpr = False,
 ):
     NW: gl.constexpr = gl.num_warps()
     WM: gl.constexpr = H // 16
@@ -124,7 +205,8 @@ def _sparse_decode_mma_v2_kernel(
     row_l: gl.constexpr = gl.SliceLayout(1, mma)
     col_l: gl.constexpr = gl.SliceLayout(0, mma)
     # [BN, 8 tiles, 64 dims]: 16 bytes (fp8) or 16 values a thread along the dims
-    L3: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, 8, 4], [NW, 1, 1], [2, 1, 0])
+    # [BN, 8 tiles, 64 dims] (16 bytes or values a thread) or, WORDS, [BN, 8 tiles, 16 words] (4 words a thread)
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 4 if WORDS and IS_FP8 else 16], [1, 8, 4], [NW, 1, 1], [2, 1, 0])
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
     smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
@@ -143,10 +225,10 @@ def _sparse_decode_mma_v2_kernel(
     # barrier that ended it); block j + 2's rows and block j + 3's indices are loaded meanwhile. A warp issues
     # in order, so a load is only ever waited for an iteration after it went out.
     idx_r, _ = _block_indices(lo, hi, nbw, wlen, elen, widx_row, eidx_row, offs_r, BN)
-    nope, rope, sc = _load_raw(lo, nbw, idx_r, kv_ptr, stride_kv, ekv_ptr, stride_ekv, L3, IS_FP8,
+    nope, rope, sc = _load_raw(lo, nbw, idx_r, kv_ptr, stride_kv, ekv_ptr, stride_ekv, L3, IS_FP8, WORDS,
                                W_SHIFT, W_PAGE, E_SHIFT, E_PAGE)
     idx_r, _ = _block_indices(lo + 1, hi, nbw, wlen, elen, widx_row, eidx_row, offs_r, BN)
-    nope_n, rope_n, sc_n = _load_raw(lo + 1, nbw, idx_r, kv_ptr, stride_kv, ekv_ptr, stride_ekv, L3, IS_FP8,
+    nope_n, rope_n, sc_n = _load_raw(lo + 1, nbw, idx_r, kv_ptr, stride_kv, ekv_ptr, stride_ekv, L3, IS_FP8, WORDS,
                                      W_SHIFT, W_PAGE, E_SHIFT, E_PAGE)
     idx_r_nn, _ = _block_indices(lo + 2, hi, nbw, wlen, elen, widx_row, eidx_row, offs_r, BN)
     idx_c, _ = _block_indices(lo, hi, nbw, wlen, elen, widx_row, eidx_row, offs_c, BN)
@@ -155,7 +237,7 @@ def _sparse_decode_mma_v2_kernel(
     q = gl.load(q_ptr + b.to(gl.int64) * stride_qb + qh[:, None] * stride_qh + qd[None, :])
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [H, D_ALL], smem_l, q.to(gl.bfloat16))
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BN, D_ALL], smem_l)
-    k_smem.index(0).store(_dequant(nope, rope, sc, IS_FP8, BN))
+    _stage_store(k_smem.index(0), _dequant(nope, rope, sc, IS_FP8, WORDS, BN), BN)
     gl.barrier()
 
     m_i = gl.full([H], float("-inf"), gl.float32, layout=row_l)
@@ -181,9 +263,9 @@ def _sparse_decode_mma_v2_kernel(
                         kt.slice(2 * KB + kb * 16, 16, dim=0).load(dot_b), s2)
             s3 = mma_v2(q_smem.slice(3 * KB + kb * 16, 16, dim=1).load(dot_a),
                         kt.slice(3 * KB + kb * 16, 16, dim=0).load(dot_b), s3)
-        rows_n = _dequant(nope_n, rope_n, sc_n, IS_FP8, BN)
+        rows_n = _dequant(nope_n, rope_n, sc_n, IS_FP8, WORDS, BN)
         nope_n, rope_n, sc_n = _load_raw(j + 2, nbw, idx_r_nn, kv_ptr, stride_kv, ekv_ptr, stride_ekv, L3, IS_FP8,
-                                         W_SHIFT, W_PAGE, E_SHIFT, E_PAGE)
+                                         WORDS, W_SHIFT, W_PAGE, E_SHIFT, E_PAGE)
         idx_r_nn, _ = _block_indices(j + 3, hi, nbw, wlen, elen, widx_row, eidx_row, offs_r, BN)
         s = (s0 + s1) + (s2 + s3)
         s = gl.where((idx_c >= 0)[None, :], s * qk_scale_log2, float("-inf"))
@@ -199,7 +281,7 @@ def _sparse_decode_mma_v2_kernel(
         o2 = mma_v2(p_op, stage.slice(2 * DC, DC, dim=1).load(dot_b), o2 * alpha[:, None])
         o3 = mma_v2(p_op, stage.slice(3 * DC, DC, dim=1).load(dot_b), o3 * alpha[:, None])
         m_i = m_new
-        k_smem.index((j - lo + 1) % 2).store(rows_n)
+        _stage_store(k_smem.index((j - lo + 1) % 2), rows_n, BN)
         gl.barrier()
 
     l_i = gl.sum(l_acc, axis=1)

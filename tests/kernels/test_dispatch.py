@@ -46,7 +46,7 @@ def test_unknown_gpu_and_bad_forced_class_are_refused_by_name():
     assert dispatch.forced_class({}) is None
 
 
-def _compiled(heads: int, impl: dispatch.DecodeImpl, capability: int) -> tuple[int, int]:
+def _compiled(heads: int, impl: dispatch.DecodeImpl, capability: int, words: bool = False) -> tuple[int, int]:
     """Compiled in a fresh interpreter: once any test imported the kernel module under TRITON_INTERPRET=1 its
     kernels are interpreter functions in this process, which `triton.compile` cannot take. Returns (shared memory
     per program, spill-store bytes per thread)."""
@@ -54,7 +54,7 @@ def _compiled(heads: int, impl: dispatch.DecodeImpl, capability: int) -> tuple[i
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = (f"from tests.kernels.test_dispatch import _compile_here; "
             f"print(_compile_here({impl.head_group or heads}, {impl.block_n}, {impl.num_stages}, {capability}, "
-            f"{impl.num_warps}, {impl.backend!r}))")
+            f"{impl.num_warps}, {impl.backend!r}, {words}))")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     shared, spills = done.stdout.split()[-2:]
@@ -62,7 +62,7 @@ def _compiled(heads: int, impl: dispatch.DecodeImpl, capability: int) -> tuple[i
 
 
 def _compile_here(heads: int, block_n: int, num_stages: int, capability: int, num_warps: int = 8,
-                  backend: str = "triton") -> str:
+                  backend: str = "triton", words: bool = False) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -73,7 +73,7 @@ def _compile_here(heads: int, block_n: int, num_stages: int, capability: int, nu
 
         from dsv4_cluster.kernels.sparse_mla_decode import gluon_mma_v2 as k
 
-        fn, const, options = k._sparse_decode_mma_v2_kernel, common, dict(num_warps=num_warps)
+        fn, const, options = k._sparse_decode_mma_v2_kernel, dict(common, WORDS=words), dict(num_warps=num_warps)
     else:
         from triton.compiler import ASTSource
 
@@ -122,3 +122,16 @@ def test_sm120_configs_compiled_for_sm120_fit_99_kb(heads, monkeypatch):
         # a 64-head Triton program spilled ~4 KB a thread on sm_120: hence its head groups. Compiled as launched
         # (16-byte aligned pointers: vector loads) the 16-head Triton programs spill 4 B; the Gluon kernel none.
         assert spills <= (8 if row.backend == "triton" else 0), row
+
+
+def test_the_mma_v2_options_not_yet_timed_compile_for_sm120_within_99_kb(monkeypatch):
+    """LaunchConfig(fp8_words=True) and num_warps=16 on the sm_120 row (for the next GPU run to time): within 99 KB,
+    and spilling no more than measured here (fp8 words: none; 16 warps: 116 B and 100 B with fp8 words, 128
+    registers)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    from dataclasses import replace
+
+    row = dispatch.decode_impl("sm_120", 64)
+    for warps, words, spill_max in ((8, True, 0), (16, False, 128), (16, True, 128)):
+        shared, spills = _compiled(64, replace(row, num_warps=warps), 120, words)
+        assert shared <= dispatch.SMEM_PER_BLOCK["sm_120"] and spills <= spill_max, (warps, words, shared, spills)

@@ -25,13 +25,14 @@ mma_v2_gpu = pytest.mark.skipif(not mma_v2_ready(), reason="needs a CUDA GPU and
 @mma_v2_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("warps", [8, 16])
+@pytest.mark.parametrize("warps, words", [(8, False), (16, False), (8, True), (16, True)])
 @pytest.mark.parametrize("b, splits", [(1, 0), (1, 1), (8, 0), (8, 3), (64, 2), (130, 0), (3, 60)])
-def test_gpu_mma_v2_matches_reference(fp8, warps, b, splits):
+def test_gpu_mma_v2_matches_reference(fp8, warps, words, b, splits):
     """Ragged lengths, -1 entries, one query with no valid row, sinks on even B; one split, several, and more
-    splits than a query has blocks (splits with no rows). 16 warps: the warps across S's 16 columns hold copies."""
+    splits than a query has blocks (splits with no rows). 16 warps: the warps across S's 16 columns hold copies.
+    words: fp8 dequantised four bytes at a time (bf16 rows ignore it)."""
     c = make_case(b, **V4, device="cuda", seed=300 + b + splits, sink=b % 2 == 0)
-    cfg = LaunchConfig(backend="gluon_mma_v2", num_splits=splits, num_warps=warps)
+    cfg = LaunchConfig(backend="gluon_mma_v2", num_splits=splits, num_warps=warps, fp8_words=words)
     run, (ref_out, ref_lse) = _v4_call(c, fp8, cfg)
     out, lse = run()
     assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
@@ -53,12 +54,13 @@ def test_gpu_mma_v2_window_only_full_lengths_and_growing_maxima():
 
 @mma_v2_gpu
 @pytest.mark.gpu
-def test_gpu_mma_v2_fp8_dequantises_subnormals_and_large_scales_exactly():
+@pytest.mark.parametrize("words", [False, True])
+def test_gpu_mma_v2_fp8_dequantises_subnormals_and_large_scales_exactly(words):
     c = make_case(6, **V4, device="cuda", seed=31, sink=True)
     c["q"] = c["q"] * 0.02
     cache, extra = odd_e4m3_cache(c.pop("kv"), 1), odd_e4m3_cache(c.pop("extra_kv"), 2)
     out, lse = sparse_mla_decode_fp8_triton(**c, kv_cache=cache, extra_cache=extra,
-                                            config=LaunchConfig(backend="gluon_mma_v2"))
+                                            config=LaunchConfig(backend="gluon_mma_v2", fp8_words=words))
     cpu = moved(c, "cpu")
     ref_out, ref_lse = sparse_mla_decode_fp8_ref(**{**cpu, "q": cpu["q"].double()}, kv_cache=cache.cpu(),
                                                  extra_cache=extra.cpu())
@@ -130,3 +132,25 @@ def test_sm120_64_heads_runs_mma_v2_on_fp8_from_b8_and_the_triton_row_elsewhere(
     finally:
         for cached in (cfg_mod._choose, cfg_mod.choose_backend_for, plan_mod.plan_launch):
             cached.cache_clear()
+
+
+def test_the_word_dequantisation_arithmetic_is_exact_for_every_e4m3_byte():
+    """The steps of gluon_mma_v2.E4M3_WORD, with the constants read from its PTX, replayed in torch: every e4m3 byte
+    (NaNs aside) times scales 2**-22 ... 2**10 gives exactly the bf16 of e4m3 x scale (the byte path's result)."""
+    import re
+
+    from dsv4_cluster.kernels.sparse_mla_decode.gluon_mma_v2 import E4M3_WORD
+
+    asm = E4M3_WORD.value
+    shift = int(re.search(r"shr\.b32 sa, a, (\d+);", asm).group(1))
+    field, sign = (int(re.search(rf"and\.b32 {r}, {r}, (0x[0-9a-f]+);", asm).group(1), 16) & 0xFFFF for r in ("sa", "a"))
+    up = int(re.search(r"mov\.b32 up, (0x[0-9a-f]+);", asm).group(1), 16) & 0xFFFF
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)  # e4m3 NaN: 0x7f, 0xff
+    values = codes.view(torch.float8_e4m3fn).float()
+    half = codes.view(torch.float8_e4m3fn).to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF  # cvt, exact
+    moved = (((half >> shift) & field) | (half & sign)).to(torch.int16).view(torch.bfloat16)  # value x 2**-112
+    up_bf16 = torch.tensor([up], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    for e in range(127 - 22, 127 + 11):
+        scale = torch.tensor([e << 7], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)  # 2**(e - 127)
+        got = moved * up_bf16 * scale
+        assert torch.equal(got.view(torch.int16), (values * 2.0 ** (e - 127)).to(torch.bfloat16).view(torch.int16)), e
