@@ -50,8 +50,7 @@ def _block_indices(j, hi, nbw, wlen, elen, widx_row, eidx_row, offs, BN: gl.cons
     is_w = j < nbw
     pos = gl.where(is_w, j, j - nbw) * BN + offs
     n_valid = gl.where(j < hi, gl.where(is_w, wlen, elen), 0)
-    idx = gl.load(gl.where(is_w, widx_row, eidx_row) + pos, mask=pos < n_valid, other=-1)
-    return idx, is_w
+    return gl.load(gl.where(is_w, widx_row, eidx_row) + pos, mask=pos < n_valid, other=-1)
 
 
 @gluon.jit
@@ -224,14 +223,14 @@ def _sparse_decode_mma_v2_kernel(
     # ALU work overlaps the mma.sync), then stored to the other stage (read last by block j - 1, before the
     # barrier that ended it); block j + 2's rows and block j + 3's indices are loaded meanwhile. A warp issues
     # in order, so a load is only ever waited for an iteration after it went out.
-    idx_r, _ = _block_indices(lo, hi, nbw, wlen, elen, widx_row, eidx_row, offs_r, BN)
+    idx_r = _block_indices(lo, hi, nbw, wlen, elen, widx_row, eidx_row, offs_r, BN)
     nope, rope, sc = _load_raw(lo, nbw, idx_r, kv_ptr, stride_kv, ekv_ptr, stride_ekv, L3, IS_FP8, WORDS,
                                W_SHIFT, W_PAGE, E_SHIFT, E_PAGE)
-    idx_r, _ = _block_indices(lo + 1, hi, nbw, wlen, elen, widx_row, eidx_row, offs_r, BN)
+    idx_r = _block_indices(lo + 1, hi, nbw, wlen, elen, widx_row, eidx_row, offs_r, BN)
     nope_n, rope_n, sc_n = _load_raw(lo + 1, nbw, idx_r, kv_ptr, stride_kv, ekv_ptr, stride_ekv, L3, IS_FP8, WORDS,
                                      W_SHIFT, W_PAGE, E_SHIFT, E_PAGE)
-    idx_r_nn, _ = _block_indices(lo + 2, hi, nbw, wlen, elen, widx_row, eidx_row, offs_r, BN)
-    idx_c, _ = _block_indices(lo, hi, nbw, wlen, elen, widx_row, eidx_row, offs_c, BN)
+    idx_r_nn = _block_indices(lo + 2, hi, nbw, wlen, elen, widx_row, eidx_row, offs_r, BN)
+    idx_c = _block_indices(lo, hi, nbw, wlen, elen, widx_row, eidx_row, offs_c, BN)
     qh = gl.arange(0, H, layout=gl.SliceLayout(1, q_l))
     qd = gl.arange(0, D_ALL, layout=gl.SliceLayout(0, q_l))
     q = gl.load(q_ptr + b.to(gl.int64) * stride_qb + qh[:, None] * stride_qh + qd[None, :])
@@ -266,10 +265,10 @@ def _sparse_decode_mma_v2_kernel(
         rows_n = _dequant(nope_n, rope_n, sc_n, IS_FP8, WORDS, BN)
         nope_n, rope_n, sc_n = _load_raw(j + 2, nbw, idx_r_nn, kv_ptr, stride_kv, ekv_ptr, stride_ekv, L3, IS_FP8,
                                          WORDS, W_SHIFT, W_PAGE, E_SHIFT, E_PAGE)
-        idx_r_nn, _ = _block_indices(j + 3, hi, nbw, wlen, elen, widx_row, eidx_row, offs_r, BN)
+        idx_r_nn = _block_indices(j + 3, hi, nbw, wlen, elen, widx_row, eidx_row, offs_r, BN)
         s = (s0 + s1) + (s2 + s3)
         s = gl.where((idx_c >= 0)[None, :], s * qk_scale_log2, float("-inf"))
-        idx_c, _ = _block_indices(j + 1, hi, nbw, wlen, elen, widx_row, eidx_row, offs_c, BN)
+        idx_c = _block_indices(j + 1, hi, nbw, wlen, elen, widx_row, eidx_row, offs_c, BN)
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)

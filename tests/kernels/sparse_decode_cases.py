@@ -1,10 +1,13 @@
-"""Shared by the sparse-decode test modules: random cases, the float64 reference and the tolerance check."""
+"""Shared by the sparse-decode test modules: random cases, the float64 reference and the tolerance check, a V4
+cache with every dequantisation path in play, and a launch on bf16 or fp8 rows beside its reference."""
 
 from __future__ import annotations
 
 import torch
 
-from dsv4_cluster.kernels.sparse_mla_decode import sparse_mla_decode_ref
+from dsv4_cluster.kernels.sparse_mla_decode import (fp8_layout, quantize_kv_v4, sparse_mla_decode_fp8_ref,
+                                                    sparse_mla_decode_ref)
+from dsv4_cluster.kernels.sparse_mla_decode.launch import sparse_mla_decode_fp8_triton, sparse_mla_decode_triton
 
 HAS_CUDA = torch.cuda.is_available()
 # Relative L2 error of `out` against a float64 reference on the same (dequantised) rows. bf16/fp16:
@@ -69,3 +72,36 @@ def assert_close(out, lse, ref_out, ref_lse, dtype):
 
 # DeepSeek-V4 CSA shapes for the GPU tests: 64 heads, a 128-row window, top-512 over a 4096-entry cache.
 V4 = dict(h=64, w=128, k=512, n=8192, m=4096)
+
+
+def odd_e4m3_cache(kv: torch.Tensor, seed: int) -> torch.Tensor:
+    """A V4 cache whose e4m3 bytes are small (exponent field 0-3: a quarter of them subnormal) and whose
+    scales reach 2**10, past the range one bf16 multiplication could carry: every dequantisation path."""
+    g = torch.Generator().manual_seed(seed)
+    cache = quantize_kv_v4(kv.cpu())
+    pages = cache.shape[0]
+    records = cache[:, :fp8_layout.SCALES_OFFSET].view(pages, fp8_layout.PAGE_TOKENS, fp8_layout.RECORD_BYTES)
+    n = pages * fp8_layout.PAGE_TOKENS * fp8_layout.NOPE_DIMS
+    sign = torch.randint(0, 2, (n,), generator=g) << 7
+    exponent = torch.randint(0, 4, (n,), generator=g) << 3
+    mantissa = torch.randint(0, 8, (n,), generator=g)
+    nope = records[..., :fp8_layout.NOPE_DIMS]
+    nope.copy_((sign | exponent | mantissa).to(torch.uint8).view(nope.shape))
+    scales = cache[:, fp8_layout.SCALES_OFFSET:fp8_layout.SCALES_OFFSET + fp8_layout.PAGE_TOKENS * fp8_layout.SCALE_BYTES]
+    scales = scales.view(pages, fp8_layout.PAGE_TOKENS, fp8_layout.SCALE_BYTES)[..., :fp8_layout.NUM_TILES]
+    scales.copy_(torch.randint(126, 138, scales.shape, generator=g).to(torch.uint8))
+    return cache.to(kv.device)
+
+
+def v4_call(c, fp8, config):
+    """A sparse-decode launch (as `config` picks it) on case c (bf16 rows, or the same rows quantised to the V4 fp8
+    layout) and the float64 reference of what it was given."""
+    c = dict(c)
+    cpu = moved(c, "cpu")
+    if not fp8:
+        return (lambda: sparse_mla_decode_triton(**c, config=config)), reference64(cpu)
+    cache, extra = quantize_kv_v4(c.pop("kv")), quantize_kv_v4(c.pop("extra_kv"))
+    for k in ("kv", "extra_kv"):
+        cpu.pop(k)
+    ref = sparse_mla_decode_fp8_ref(**{**cpu, "q": cpu["q"].double()}, kv_cache=cache.cpu(), extra_cache=extra.cpu())
+    return (lambda: sparse_mla_decode_fp8_triton(**c, kv_cache=cache, extra_cache=extra, config=config)), ref

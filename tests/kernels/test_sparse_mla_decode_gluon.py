@@ -17,7 +17,8 @@ from dsv4_cluster.kernels.sparse_mla_decode.launch import (
     sparse_mla_decode_fp8_triton,
     sparse_mla_decode_triton,
 )
-from tests.kernels.sparse_decode_cases import HAS_CUDA, V4, assert_close, make_case, moved, reference64
+from tests.kernels.sparse_decode_cases import (HAS_CUDA, V4, assert_close, make_case, moved, odd_e4m3_cache,
+                                               reference64, v4_call)
 
 
 def gluon_ready():
@@ -66,10 +67,10 @@ def test_gpu_auto_backend_takes_an_index_table_too_wide_for_the_default_gluon_bl
     block_n 32), 16,384 at 2M (Triton). auto runs both and equals the reference; forced Gluon at block_n 64
     says why not."""
     c = make_case(3, 64, 128, k, 8192, 16384, device="cuda", seed=11 + k + fp8)
-    run, (ref_out, ref_lse) = _v4_call(c, fp8, LaunchConfig())
+    run, (ref_out, ref_lse) = v4_call(c, fp8, LaunchConfig())
     out, lse = run()
     assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
-    run, _ = _v4_call(c, fp8, LaunchConfig(backend="gluon", block_n=64))
+    run, _ = v4_call(c, fp8, LaunchConfig(backend="gluon", block_n=64))
     with pytest.raises(SparseDecodeInputError, match="shared memory"):
         run()
 
@@ -111,28 +112,9 @@ def test_auto_takes_a_smaller_gluon_block_then_triton_where_the_index_table_does
 def test_gpu_gluon_fp8_matches_reference(block_n, stages, loader_regs, b, splits):
     c = make_case(b, **V4, device="cuda", seed=200 + b + splits, sink=b % 2 == 1)
     cfg = LaunchConfig(block_n=block_n, num_stages=stages, num_splits=splits, backend="gluon", loader_regs=loader_regs)
-    run, (ref_out, ref_lse) = _v4_call(c, True, cfg)
+    run, (ref_out, ref_lse) = v4_call(c, True, cfg)
     out, lse = run()
     assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
-
-
-def odd_e4m3_cache(kv: torch.Tensor, seed: int) -> torch.Tensor:
-    """A V4 cache whose e4m3 bytes are small (exponent field 0-3: a quarter of them subnormal) and whose
-    scales reach 2**10, past the range one bf16 multiplication could carry: every dequantisation path."""
-    g = torch.Generator().manual_seed(seed)
-    cache = quantize_kv_v4(kv.cpu())
-    pages = cache.shape[0]
-    records = cache[:, :fp8_layout.SCALES_OFFSET].view(pages, fp8_layout.PAGE_TOKENS, fp8_layout.RECORD_BYTES)
-    n = pages * fp8_layout.PAGE_TOKENS * fp8_layout.NOPE_DIMS
-    sign = torch.randint(0, 2, (n,), generator=g) << 7
-    exponent = torch.randint(0, 4, (n,), generator=g) << 3
-    mantissa = torch.randint(0, 8, (n,), generator=g)
-    nope = records[..., :fp8_layout.NOPE_DIMS]
-    nope.copy_((sign | exponent | mantissa).to(torch.uint8).view(nope.shape))
-    scales = cache[:, fp8_layout.SCALES_OFFSET:fp8_layout.SCALES_OFFSET + fp8_layout.PAGE_TOKENS * fp8_layout.SCALE_BYTES]
-    scales = scales.view(pages, fp8_layout.PAGE_TOKENS, fp8_layout.SCALE_BYTES)[..., :fp8_layout.NUM_TILES]
-    scales.copy_(torch.randint(126, 138, scales.shape, generator=g).to(torch.uint8))
-    return cache.to(kv.device)
 
 
 @gluon_gpu
@@ -154,20 +136,6 @@ def test_gpu_gluon_fp8_dequantises_subnormals_and_large_scales_exactly(block_n, 
     assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
 
 
-def _v4_call(c, fp8, config):
-    """The Gluon kernel on case c (bf16 rows, or the same rows quantised to the V4 fp8 layout) and the float64
-    reference of what it was given."""
-    c = dict(c)
-    cpu = moved(c, "cpu")
-    if not fp8:
-        return (lambda: sparse_mla_decode_triton(**c, config=config)), reference64(cpu)
-    cache, extra = quantize_kv_v4(c.pop("kv")), quantize_kv_v4(c.pop("extra_kv"))
-    for k in ("kv", "extra_kv"):
-        cpu.pop(k)
-    ref = sparse_mla_decode_fp8_ref(**{**cpu, "q": cpu["q"].double()}, kv_cache=cache.cpu(), extra_cache=extra.cpu())
-    return (lambda: sparse_mla_decode_fp8_triton(**c, kv_cache=cache, extra_cache=extra, config=config)), ref
-
-
 @gluon_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True])
@@ -180,7 +148,7 @@ def test_gpu_gluon_fused_merge_matches_reference_and_leaves_the_counters_at_zero
     monkeypatch.setattr(launch, "_combine", lambda *a: (merges.append(a), merge_kernel(*a)))
     c = make_case(b, **V4, device="cuda", seed=300 + b, sink=b % 2 == 0)
     for fused in (True, False):
-        run, (ref_out, ref_lse) = _v4_call(c, fp8, LaunchConfig(num_splits=splits, backend="gluon", fused_merge=fused))
+        run, (ref_out, ref_lse) = v4_call(c, fp8, LaunchConfig(num_splits=splits, backend="gluon", fused_merge=fused))
         for _ in range(3):  # the counters must be back at zero for the next launch
             out, lse = run()
         assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
@@ -201,7 +169,7 @@ def test_gpu_gluon_index_table_staged_before_or_after_the_lengths(fp8, early, b,
     c = make_case(b, **V4, device="cuda", seed=400 + b, sink=True)
     c["window_lens"][0], c["extra_lens"][0] = 0, 0
     c["extra_lens"][1] = 0
-    run, (ref_out, ref_lse) = _v4_call(c, fp8, LaunchConfig(num_splits=splits, backend="gluon", early_table=early))
+    run, (ref_out, ref_lse) = v4_call(c, fp8, LaunchConfig(num_splits=splits, backend="gluon", early_table=early))
     out, lse = run()
     assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
 

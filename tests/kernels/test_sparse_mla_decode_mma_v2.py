@@ -11,8 +11,8 @@ import torch
 from dsv4_cluster.kernels.sparse_mla_decode import SparseDecodeInputError, sparse_mla_decode_fp8_ref
 from dsv4_cluster.kernels.sparse_mla_decode.config import LaunchConfig, mma_v2_unavailable
 from dsv4_cluster.kernels.sparse_mla_decode.launch import sparse_mla_decode_fp8_triton, sparse_mla_decode_triton
-from tests.kernels.sparse_decode_cases import HAS_CUDA, V4, assert_close, make_case, moved, reference64
-from tests.kernels.test_sparse_mla_decode_gluon import _v4_call, odd_e4m3_cache
+from tests.kernels.sparse_decode_cases import (HAS_CUDA, V4, assert_close, make_case, moved, odd_e4m3_cache,
+                                               reference64, v4_call)
 
 
 def mma_v2_ready():
@@ -33,7 +33,7 @@ def test_gpu_mma_v2_matches_reference(fp8, warps, words, b, splits):
     words: fp8 dequantised four bytes at a time (bf16 rows ignore it)."""
     c = make_case(b, **V4, device="cuda", seed=300 + b + splits, sink=b % 2 == 0)
     cfg = LaunchConfig(backend="gluon_mma_v2", num_splits=splits, num_warps=warps, fp8_words=words)
-    run, (ref_out, ref_lse) = _v4_call(c, fp8, cfg)
+    run, (ref_out, ref_lse) = v4_call(c, fp8, cfg)
     out, lse = run()
     assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
 
