@@ -1,7 +1,7 @@
 """The controller: one detached, named Ray actor that owns the cluster's supervisors.
 
 It places one supervisor per worker on the worker's node, starts prefill and decode concurrently and the router
-once every worker is READY, runs the deep probe, and answers `GET /status` on loopback (`status_endpoint.py`)
+once every worker is READY, runs the deep probe, and answers `GET /status/<key>` on loopback (`status_endpoint.py`)
 from the rows the supervisors push to it (`row_store.py`): reading status asks no supervisor.
 Ray restarts it (`max_restarts`); the new one takes over the running supervisors by name, which outlive it (and
 asks each for its row once), so `stop` kills them by name (`kill_supervisors` for a controller that is gone).

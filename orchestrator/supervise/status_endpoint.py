@@ -1,7 +1,9 @@
 """The controller answers `GET /status` on loopback, so `dsv4-cluster status` needs no Ray driver (connecting one
 costs seconds). The URL is in `<run_dir>/status_endpoint.json`; each answer is `status()` at that moment: the
 rows the supervisors last pushed (`row_store.py`). When it does not answer, the CLI asks through Ray and says why.
-This module imports no Ray.
+The path carries a key of this server's own (`/status/<key>`): once a controller died, its loopback port is free
+for any process to take — another cluster's controller among them — and a server without the key answers 404
+instead of some other cluster's status. This module imports no Ray.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import threading
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -50,15 +53,17 @@ def read_status(run_dir: str | Path, timeout_s: float = CONNECT_TIMEOUT_S) -> Cl
 
 
 class StatusServer:
-    """The controller's loopback HTTP server: `GET /status` -> `read()` as JSON."""
+    """The controller's loopback HTTP server: `GET /status/<key>` -> `read()` as JSON."""
 
-    def __init__(self, read: Callable[[], ClusterStatus], run_dir: str | Path) -> None:
+    def __init__(self, read: Callable[[], ClusterStatus], run_dir: str | Path, port: int = 0) -> None:
         self._run_dir = Path(run_dir)
+        self._path = f"/status/{secrets.token_urlsafe(16)}"
+        path = self._path
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                if self.path != "/status":
-                    self.send_error(404, "only /status is served here")
+                if self.path != path:
+                    self.send_error(404, "not this controller's status path")
                     return
                 try:
                     body, code = json.dumps(read().to_dict()).encode(), 200
@@ -73,14 +78,14 @@ class StatusServer:
             def log_message(self, *args: Any) -> None:  # one line per status call is noise in the actor's log
                 return
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = ThreadingHTTPServer(("127.0.0.1", port), Handler)  # 0: any free port
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="status-endpoint", daemon=True)
 
     @property
     def url(self) -> str:
         host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}/status"
+        return f"http://{host}:{port}{self._path}"
 
     def start(self) -> None:
         self._thread.start()

@@ -39,6 +39,31 @@ def test_status_is_read_at_each_request_and_the_record_goes_with_the_server(tmp_
         se.read_status(tmp_path, timeout_s=5)
 
 
+def test_another_controller_on_a_dead_ones_port_is_not_read_as_its_status(tmp_path: Path) -> None:
+    """A controller SIGKILLed leaves its record; its port is free, and another cluster's controller may get it (CI
+    saw `status` of a cluster whose head was killed print a parallel test's cluster, READY). The key in the path
+    tells them apart."""
+    dead, other = tmp_path / "dead", tmp_path / "other"
+    dead.mkdir()
+    other.mkdir()
+    first = se.StatusServer(lambda: ClusterStatus("http://127.0.0.1:1/v1", (ROW,), ()), dead)
+    first.start()
+    port = first.url.split(":")[2].split("/")[0]
+    left = se.endpoint_path(dead).read_text()
+    first.stop()
+    se.endpoint_path(dead).write_text(left)
+    # the same port, as the kernel may hand it to the next controller's bind
+    second = se.StatusServer(lambda: ClusterStatus("http://127.0.0.1:2/v1", (ROW,), ()), other, port=int(port))
+    second.start()
+    try:
+        assert second.url.rsplit("/", 1)[0] == json.loads(left)["url"].rsplit("/", 1)[0]  # same host:port
+        assert se.read_status(other).endpoint == "http://127.0.0.1:2/v1"
+        with pytest.raises(se.EndpointUnavailable, match="404"):
+            se.read_status(dead)
+    finally:
+        second.stop()
+
+
 def test_a_failing_status_read_is_a_500_the_cli_falls_back_on(tmp_path: Path) -> None:
     def read() -> ClusterStatus:
         raise RuntimeError("a supervisor is gone")
