@@ -91,7 +91,7 @@ class Flight:
             metrics.itl.observe(now - self._last_sent)
         self._last_sent = now
 
-    def client_gone(self, _: asyncio.Task[Any]) -> None:
+    def client_gone(self, _: object = None) -> None:
         self.gone = True
         if self.attempt is not None:
             self.attempt.interrupt(CLIENT_GONE)
@@ -169,12 +169,19 @@ class Flight:
     async def run(self, scope: Scope) -> None:
         state = self.state
         watch: asyncio.Task[None] | None = None
+        cycle = getattr(self.receive, "__self__", None)
+        cycle = cycle if hasattr(cycle, "on_lost") else None
         try:
             raw = await read_body(self.receive, scope, state.settings.max_body_bytes)
             self.body, stream = admit(state, self.path, scope, raw)
             check_stages(state)
-            watch = asyncio.get_running_loop().create_task(self._watch())
-            watch.add_done_callback(self.client_gone)
+            if cycle is not None:    # the router's own protocol tells of a lost connection (server_protocol.py)
+                cycle.on_lost = self.client_gone
+                if cycle.disconnected:
+                    self.client_gone()
+            else:                    # any other ASGI server: a task waits for its http.disconnect
+                watch = asyncio.get_running_loop().create_task(self._watch())
+                watch.add_done_callback(self.client_gone)
             self.resumable = stream and resumable(state.settings, self.path, self.body)
             self.upstream, self.ids_asked = with_ids(self.path, self.body) if self.resumable else (self.body, False)
             attempt = await self.start(self.upstream)
@@ -193,6 +200,8 @@ class Flight:
         except Exception as exc:   # the catch-all: never uvicorn's plain-text 500, never a stream cut short
             await self.fail(unexpected(self.path, exc))
         finally:
+            if cycle is not None:
+                cycle.on_lost = None
             if watch is not None:
                 watch.remove_done_callback(self.client_gone)
                 watch.cancel()

@@ -158,7 +158,7 @@ class Migration:
         if self._rewrite is not None:
             run = b"".join(self._rewrite(e) for e in sse.events(run))
         elif self.keep and self._identity is None and run:
-            self._identity = identity(self.flight.path, sse.events(run)[0])
+            self._identity = identity(self.flight.path, sse.first_event(run))
         if self.keep:
             self.sent.append(run)
             if len(self.sent) >= FOLD_AT:

@@ -106,9 +106,12 @@ async def forward(flight: StreamOwner, attempt: Attempt, migration: Migration, r
     if merge is not None:
         run = b"".join(logprobs.merge_event(merge, e) for e in sse.events(run))
     done = False
-    if b"[DONE]" in run or b'"error"' in run:
+    if b'"error"' in run:
         events, done = _worker_errors(flight, attempt, sse.events(run))
         run = b"".join(events)
+    elif b"[DONE]" in run:   # the common end of a stream: its last event is `data: [DONE]` alone
+        tail = run.rstrip()
+        done = tail == b"data: [DONE]" or tail.endswith(b"\n\ndata: [DONE]") or sse.is_done(sse.events(run)[-1])
     out = migration.outgoing(run)
     if flight.status == 0:
         flight.status = 200

@@ -46,6 +46,14 @@ def events(run: bytes) -> list[bytes]:
     return [e + b"\n\n" for e in run.split(b"\n\n") if e.strip()]
 
 
+def first_event(run: bytes) -> bytes:
+    """`events(run)[0]` without splitting the rest of the run."""
+    start = 0
+    while (end := run.find(b"\n\n", start)) >= 0 and not run[start:end].strip():
+        start = end + 2
+    return run[start:end] + b"\n\n" if end >= 0 else events(run[start:])[0]
+
+
 def data_of(event: bytes) -> str:
     """The event's data field (multi-line data joined by newlines); '' if it has none."""
     lines = [line[5:].removeprefix(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]

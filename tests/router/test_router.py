@@ -125,7 +125,15 @@ def test_decode_error_is_passed_through_and_prefill_aborted(cluster: Cluster) ->
     assert cluster.prefill.aborted_soon(cluster.decode.received[0]["body"]["rid"])
 
 
-def test_client_disconnect_mid_stream_aborts_both_legs(cluster: Cluster) -> None:
+@pytest.fixture(params=["own protocol", "uvicorn's protocol"])
+def either(request, cluster: Cluster) -> Cluster:
+    """The router as it serves (a lost connection is told by its protocol), and under another ASGI server (a task
+    waits for `http.disconnect`)."""
+    return cluster if request.param == "own protocol" else request.getfixturevalue("plain_cluster")
+
+
+def test_client_disconnect_mid_stream_aborts_both_legs(either: Cluster) -> None:
+    cluster = either
     cluster.reset(prefill="hold", decode="slow")
     with httpx.stream("POST", cluster.router.url + "/v1/chat/completions",
                       json={"messages": MESSAGES, "stream": True}, timeout=WAIT_S) as resp:
@@ -134,7 +142,8 @@ def test_client_disconnect_mid_stream_aborts_both_legs(cluster: Cluster) -> None
     assert cluster.decode.aborted_soon(rid) and cluster.prefill.aborted_soon(rid)
 
 
-def test_client_disconnect_while_waiting_aborts_both_legs(cluster: Cluster) -> None:
+def test_client_disconnect_while_waiting_aborts_both_legs(either: Cluster) -> None:
+    cluster = either
     cluster.reset(prefill="hold", decode="ok")
     with pytest.raises(httpx.ReadTimeout):
         chat(cluster.router.url, timeout=0.2)
