@@ -30,5 +30,10 @@ class NotUpError(RuntimeError):
     """There is no cluster to report on or stop."""
 
 
+class ForeignControllerError(NotUpError):
+    """The recorded cluster's Ray namespace holds another cluster's controller: the recorded one is gone, and
+    nothing found there may be touched."""
+
+
 class UnknownWorkerError(ValueError):
     """An operation named a worker the cluster does not have; the message lists the names."""

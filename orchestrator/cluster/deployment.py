@@ -22,9 +22,10 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from dsv4_cluster.core import ClusterStatus, WorkerState
 from dsv4_cluster.orchestrator.cluster import ray_cluster
 from dsv4_cluster.orchestrator.supervise.controller import (
-    ACTOR_MAX_RESTARTS, CONTROLLER_NAME, READ_RETRIES, ClusterController, ClusterSpec, kill_supervisors)
+    ACTOR_MAX_RESTARTS, CONTROLLER_NAME, READ_RETRIES, ClusterController, ClusterSpec, cluster_identity,
+    kill_supervisors)
 from dsv4_cluster.orchestrator.errors import (
-    AlreadyUpError, ClusterStartError, NotUpError, PreflightError, RayClusterError)
+    AlreadyUpError, ClusterStartError, ForeignControllerError, NotUpError, PreflightError, RayClusterError)
 from dsv4_cluster.orchestrator.cluster.options import DownOptions, UpOptions
 from dsv4_cluster.orchestrator.launch.plan import (
     PlanError, cluster_plans, endpoint, requested_kernels)
@@ -195,11 +196,20 @@ def find_controller(record: ClusterRecord) -> Any:
                          "the cluster with it; run `dsv4-cluster down` to clean up")
     ray_cluster.connect(record.address, record.namespace)
     try:
-        return ray.get_actor(CONTROLLER_NAME, namespace=record.namespace)
+        controller = ray.get_actor(CONTROLLER_NAME, namespace=record.namespace)
     except ValueError:
         raise NotUpError(f"no controller in Ray namespace {record.namespace!r} at "
                          f"{record.address}; the cluster is gone — run `dsv4-cluster down` "
                          "to clean up") from None
+    # once this cluster's controller died for good, another cluster may have come up in the same namespace of the
+    # same Ray cluster: its controller answers to the name, and must be neither reported nor stopped as this one
+    theirs = ray.get(controller.identity.options(max_task_retries=READ_RETRIES).remote(), timeout=60)
+    if record.admin_token is not None and theirs != cluster_identity(record.admin_token):
+        raise ForeignControllerError(
+            f"the controller in Ray namespace {record.namespace!r} at {record.address} belongs to another cluster "
+            f"(not the one `up` started from {record.topology_path}, which is gone); run `dsv4-cluster down` to "
+            "forget this one: it stops nothing of the other")
+    return controller
 
 
 def status() -> ClusterStatus:
@@ -287,6 +297,8 @@ def down(options: DownOptions) -> DownResult:
         pids = [pid for host, pid in ray.get(controller.pids.remote(), timeout=60) if host == here]
         notes += ray.get(controller.stop.remote(options.timeout_s), timeout=options.timeout_s + 60)
         ray.kill(controller)
+    except ForeignControllerError as e:
+        notes.append(f"controller: {e}")   # the namespace is another cluster's now: its supervisors are not ours
     except (NotUpError, RayClusterError, RayActorError, GetTimeoutError) as e:
         notes.append(f"controller: {e}")
         notes += _kill_orphaned_supervisors(record)

@@ -9,6 +9,7 @@ asks each for its row once), so `stop` kills them by name (`kill_supervisors` fo
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import os
 import socket
@@ -57,6 +58,11 @@ def ray_node_ip(address: str) -> str:
         return socket.gethostbyname(address)
     except OSError:
         return address
+
+
+def cluster_identity(admin_token: str | None) -> str | None:
+    """A digest of a cluster's admin token: unique per `up`, and safe to pass through Ray."""
+    return None if admin_token is None else hashlib.sha256(admin_token.encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -282,6 +288,10 @@ class ClusterController:
         finally:
             admin.close()
         return status
+
+    def identity(self) -> str | None:
+        """Which cluster this controller runs: `cluster_identity` of its admin token (the record has the token)."""
+        return cluster_identity(self._spec.admin_token)
 
     def pids(self) -> list[tuple[str, int]]:
         """(host, pid) of every process of this cluster: controller, supervisors, workers."""

@@ -193,6 +193,37 @@ def test_foreground_on_a_joined_cluster_stops_on_sigterm_and_leaves_the_head(tmp
     assert not head_alive(head)
 
 
+def test_a_stale_record_neither_reports_nor_stops_the_cluster_now_in_its_namespace(tmp_path: Path) -> None:
+    """A cluster whose controller died for good leaves its record; another cluster then comes up in the same Ray
+    namespace. The stale record's `status` and `down` must not take that controller for theirs (`down` stopped it)."""
+    from dsv4_cluster.orchestrator.cluster.ray_cluster import start_head, stop_head
+
+    address, head = start_head(tmp_path / "head.log", num_cpus=1, timeout_s=60)
+    try:
+        topo, _ = _topology(tmp_path)
+        up = _run(tmp_path, "up", str(topo), "--address", address, "--timeout", "180")
+        assert up.returncode == 0, up.stderr
+        before = json.loads(_run(tmp_path, "status", "--json").stdout)["workers"]
+        stale = tmp_path / "stale" / "home"
+        stale.mkdir(parents=True)
+        record = json.loads((tmp_path / "home" / "current.json").read_text())
+        assert record["head"] is None   # joined: the same address and namespace as the stale one's
+        record.update(admin_token="the-token-of-an-earlier-up", run_dir=str(tmp_path / "stale" / "run"),
+                      topology_path=str(tmp_path / "stale" / "topology.yaml"))
+        (stale / "current.json").write_text(json.dumps(record))
+        st = run_cli(stale, "status")
+        assert st.returncode == 1 and "belongs to another cluster" in st.stderr, st.stdout + st.stderr
+        down = run_cli(stale, "down")
+        assert down.returncode == 0 and "belongs to another cluster" in down.stderr, down.stderr
+        assert "supervisors killed" not in down.stderr and not (stale / "current.json").exists()
+        after = json.loads(_run(tmp_path, "status", "--json").stdout)["workers"]
+        assert [(w["name"], w["pid"], w["state"]) for w in after] == [(w["name"], w["pid"], w["state"]) for w in before]
+        assert all(w["state"] == "READY" for w in after), after
+    finally:
+        _run(tmp_path, "down")
+        stop_head(head, deadline_s=10)
+
+
 def test_sigterm_during_up_stops_what_up_started(tmp_path: Path) -> None:
     topo, ports = _topology(tmp_path)
     env = {**os.environ, "DSV4_CLUSTER_HOME": str(tmp_path / "home")}
