@@ -162,6 +162,7 @@ class Pair:
     def release(self) -> None:
         if not self._released:
             self._released = True
+            self.on_lost = None   # the attempt's method: Attempt -> request -> pair -> it was a cycle per request
             if self._prefill_counted:
                 self.prefill.in_flight -= 1
             self.decode.in_flight -= 1

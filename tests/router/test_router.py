@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -53,6 +54,28 @@ def test_chat_plain_through_openai_client(cluster: Cluster) -> None:
         assert body["messages"] == MESSAGES and body["max_tokens"] == 4
         seen.add((body["rid"], body["bootstrap_room"]))
     assert len({rid for rid, _ in seen}) == 3 and len({room for _, room in seen}) == 3, "fresh rid and room"
+
+
+def test_a_served_request_leaves_no_reference_cycle_of_the_router(cluster: Cluster) -> None:
+    """Every object a request made is freed by reference counting when it ends: a cycle per request (an attempt,
+    its pair, the pair's callback back to the attempt) left ~13 objects a request to the garbage collector, whose
+    older generations then took ~4% of the router's CPU under load."""
+    cluster.reset()
+    for stream in (False, True, False, True):   # a first round warms caches, imports, idle connections
+        assert chat(cluster.router.url, stream=stream).status_code == 200
+    gc.collect()
+    gc.disable()
+    try:
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        for stream in (False, True, False, True):
+            assert chat(cluster.router.url, stream=stream).status_code == 200
+        gc.collect()
+        ours = [type(o).__qualname__ for o in gc.garbage if type(o).__module__.startswith("dsv4_cluster.router")]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert ours == []
 
 
 def test_chat_stream_through_openai_client_and_raw(cluster: Cluster) -> None:
