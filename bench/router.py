@@ -1,7 +1,7 @@
 """Router benchmark: direct vs ours vs SGLang's gateway (sglang-router 0.3.2 and smg 1.13.0) vs mini_lb, on the same
 stub PD workers, one run (docs/benchmarks.md).
 
-    python -m bench.router [--duration 5] [--concurrency 1 16 64] [--out bench/results] [--profile]
+    python -m bench.router [--duration 5] [--concurrency 1 16 64] [--repeat 3] [--out bench/results] [--profile]
 
 Each router in turn in front of one stub prefill and decode (`stubs.py`), checked with one streamed chat completion
 (PD routers must pair every request: the stubs count bootstrap fields), then driven by `wrk` at each concurrency;
@@ -17,6 +17,7 @@ import collections
 import json
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -54,6 +55,7 @@ class Row:
     errors: int
     router_cores: float | None = None         # the router's CPU seconds (every process of its session) / wall seconds
     cpu_us_per_request: float | None = None   # ... / requests: what one request costs it, whatever cores it has
+    run: int = 0                              # which pass over the routers (`--repeat`)
 
 
 def parse_wrk(out: str) -> tuple[float, float, float, int, int]:
@@ -111,7 +113,7 @@ def anchor_argv(name: str, port: int, prefills: list[tuple[str, int]], decodes: 
 
 
 def measure(name: str, url: str, args: argparse.Namespace, script: Path, stubs: tuple[str, str],
-            pid: int | None = None) -> list[Row]:
+            pid: int | None = None, run: int = 0) -> list[Row]:
     check_stream(url)
     counts = lambda: [httpx.get(s + "/stats", timeout=5).json() for s in stubs]  # noqa: E731
     before, rows = counts(), []
@@ -122,10 +124,11 @@ def measure(name: str, url: str, args: argparse.Namespace, script: Path, stubs: 
         rps, p50, p99, n, errors = run_wrk(url, c, args.duration, script)
         cpu, wall = (cpu_seconds(pid, session=True) - cpu0 if pid else None), time.monotonic() - t0
         rows.append(Row(name, c, round(rps, 1), round(p50, 3), round(p99, 3), n, errors,
-                        None if cpu is None else round(cpu / wall, 2), None if cpu is None else round(1e6 * cpu / n)))
+                        None if cpu is None else round(cpu / wall, 2), None if cpu is None else round(1e6 * cpu / n),
+                        run))
         print(f"{name:8s} c={c:3d}: {rps:9.1f} req/s  p50 {p50:8.3f} ms  p99 {p99:8.3f} ms  errors {errors}"
               + ("" if cpu is None else f"  {cpu / wall:.2f} cores, {1e6 * cpu / n:.0f} CPU us a request"), flush=True)
-    if args.profile and name == "ours":
+    if args.profile and name == "ours" and run == args.repeat - 1:
         profile(url, args, script, pid)
     if name != "direct":
         (p0, d0), (p1, d1) = before, counts()
@@ -188,9 +191,33 @@ def _cpu(row: Row) -> str:
     return "-" if row.router_cores is None else f"{row.router_cores:.2f} / {row.cpu_us_per_request:,.0f}"
 
 
+def medians(rows: list[Row]) -> list[Row]:
+    """One row per router and concurrency: the median of each figure over the passes (errors summed)."""
+    cells: dict[tuple[str, int], list[Row]] = collections.defaultdict(list)
+    for r in rows:
+        cells[(r.router, r.concurrency)].append(r)
+    med = lambda xs: None if None in xs else statistics.median(xs)  # noqa: E731
+    return [Row(name, c, med([r.requests_per_s for r in rs]), med([r.p50_ms for r in rs]), med([r.p99_ms for r in rs]),
+                sum(r.requests for r in rs), sum(r.errors for r in rs), med([r.router_cores for r in rs]),
+                med([r.cpu_us_per_request for r in rs]), -1) for (name, c), rs in cells.items()]
+
+
+def per_run_ratios(rows: list[Row], c: int) -> str:
+    """Ours over the faster anchor at concurrency `c`, pass by pass."""
+    out = []
+    for run in sorted({r.run for r in rows}):
+        mine = {r.router: r.requests_per_s for r in rows if r.run == run and r.concurrency == c}
+        anchors = [mine[a] for a in ANCHORS if a in mine]
+        if "ours" in mine and anchors:
+            out.append(f"{mine['ours'] / max(anchors):.2f}x")
+    return ", ".join(out)
+
+
 def table(rows: list[Row], concurrency: list[int]) -> str:
-    """req/s and latency per router and concurrency; ratios against the faster anchor of the same run at each c, and
-    the targets: at the highest c req/s >= 1.2x the faster anchor and p99 <= its; at c = 1 p50 <= its."""
+    """req/s and latency per router and concurrency (medians over the passes); ratios against the faster anchor at
+    each c, and the targets: at the highest c req/s >= 1.2x the faster anchor and p99 <= its; at c = 1 p50 <= its."""
+    passes = len({r.run for r in rows})
+    runs, rows = rows, medians(rows)
     best: dict[int, Row] = {}
     for r in rows:
         if r.router in ANCHORS and r.requests_per_s > getattr(best.get(r.concurrency), "requests_per_s", -1):
@@ -216,7 +243,11 @@ def table(rows: list[Row], concurrency: list[int]) -> str:
             ratio = o.requests_per_s / a.requests_per_s
             verdict.append(f"- c = {c}: {ratio:.2f}x {a.router}'s req/s (target >= 1.2x: {met(ratio >= 1.2)}); "
                            f"p99 {o.p99_ms:.2f} vs {a.p99_ms:.2f} ms ({met(o.p99_ms <= a.p99_ms)})")
-    return "\n".join(lines) + "\n" + ("\nAgainst the faster anchor at each concurrency:\n\n" + "\n".join(verdict) + "\n"
+    if passes > 1:
+        verdict.append(f"- ours / the faster anchor at c = {max(concurrency)}, pass by pass: "
+                       f"{per_run_ratios(runs, max(concurrency))}")
+    return "\n".join(lines) + "\n" + (f"\nAgainst the faster anchor at each concurrency (medians of {passes} "
+                                      f"pass{'es' if passes > 1 else ''}):\n\n" + "\n".join(verdict) + "\n"
                                       if verdict else "")
 
 
@@ -227,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=ROUTERS)
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--profile", action="store_true", help="sample our router with py-spy at the highest concurrency")
+    p.add_argument("--repeat", type=int, default=1, help="passes over all routers; the table shows each cell's median "
+                   "(this machine's speed moves by up to 1.7x between runs)")
     p.add_argument("--plain-loopback", action="store_true",
                    help="run on the machine's loopback (delayed ACKs: the Rust router stalls ~40 ms per request)")
     args = p.parse_args(argv)
@@ -247,23 +280,26 @@ def main(argv: list[str] | None = None) -> int:
         stub = [sys.executable, "-m", "bench.stubs", "--port"]
         with process(stub + [str(prefill_port), "--role", "prefill"], prefill + "/health", tmp / "prefill.log"), \
                 process(stub + [str(decode_port), "--role", "decode"], decode + "/health", tmp / "decode.log"):
-            for name in args.routers:
-                if name == "direct":
-                    rows += measure(name, decode, args, script, (prefill, decode))
-                    continue
-                argv_ = (ours_argv(router_port, [(prefill, bootstrap)], [decode], tmp) if name == "ours" else
-                         anchor_argv(name, router_port, [(prefill, bootstrap)], [decode]))
-                with process(argv_, url + "/health", tmp / f"{name}.log", timeout_s=60) as proc:
-                    rows += measure(name, url, args, script, (prefill, decode), proc.pid)
+            for run in range(args.repeat):   # whole passes, so that each router meets the machine's slow phases
+                for name in args.routers:
+                    if name == "direct":
+                        rows += measure(name, decode, args, script, (prefill, decode), run=run)
+                        continue
+                    argv_ = (ours_argv(router_port, [(prefill, bootstrap)], [decode], tmp) if name == "ours" else
+                             anchor_argv(name, router_port, [(prefill, bootstrap)], [decode]))
+                    with process(argv_, url + "/health", tmp / f"{name}.log", timeout_s=60) as proc:
+                        rows += measure(name, url, args, script, (prefill, decode), proc.pid, run)
     after = machine()
     loopback = "plain" if args.plain_loopback else "private netns, quickack"
-    result = {"loopback": loopback, "concurrency": args.concurrency, "duration_s": args.duration, "cpus": after["cpus"],
+    result = {"loopback": loopback, "concurrency": args.concurrency, "duration_s": args.duration, "passes": args.repeat,
+              "cpus": after["cpus"],
               "load_average_before": before["loadavg"], "load_average_after": after["loadavg"], "body": BODY,
               "rows": [asdict(r) for r in rows]}
     (args.out / "router.json").write_text(json.dumps(result, indent=2) + "\n")
     text = table(rows, args.concurrency) + (
         f"\n{after['cpus']} CPUs; 1-min load average {before['loadavg'][0]:.1f} before, {after['loadavg'][0]:.1f} "
-        f"after (other work shares this machine); {args.duration:g} s of wrk per cell, one run; loopback: {loopback} "
+        f"after; {args.duration:g} s of wrk per cell, {args.repeat} pass{'es' if args.repeat > 1 else ''} over the "
+        f"routers, medians shown; loopback: {loopback} "
         "(bench/loopback_ns.py says why).\n")
     (args.out / "router.md").write_text("# Router benchmark\n\n`python -m bench.router`\n\n" + text)
     print(text)
