@@ -1,5 +1,5 @@
 """Router benchmark: direct vs ours vs SGLang's gateway (sglang-router 0.3.2 and smg 1.13.0) vs mini_lb, on the same
-stub PD workers, one run (docs/benchmarks.md).
+stub PD workers; `--repeat` passes, medians shown (docs/benchmarks.md).
 
     python -m bench.router [--duration 5] [--concurrency 1 16 64] [--repeat 3] [--out bench/results] [--profile]
 
