@@ -203,8 +203,8 @@ def find_controller(record: ClusterRecord) -> Any:
                          "to clean up") from None
     # once this cluster's controller died for good, another cluster may have come up in the same namespace of the
     # same Ray cluster: its controller answers to the name, and must be neither reported nor stopped as this one
-    theirs = ray.get(controller.identity.options(max_task_retries=READ_RETRIES).remote(), timeout=60)
-    if record.admin_token is not None and theirs != cluster_identity(record.admin_token):
+    if record.admin_token is not None and cluster_identity(record.admin_token) != ray.get(
+            controller.identity.options(max_task_retries=READ_RETRIES).remote(), timeout=60):
         raise ForeignControllerError(
             f"the controller in Ray namespace {record.namespace!r} at {record.address} belongs to another cluster "
             f"(not the one `up` started from {record.topology_path}, which is gone); run `dsv4-cluster down` to "
