@@ -1,6 +1,27 @@
 """Every test process is a driver of loopback Ray clusters only: set Ray's environment before any test
-module imports `ray` (Ray reads it once, at import; `orchestrator/cluster/ray_env.py` says why)."""
+module imports `ray` (Ray reads it once, at import; `orchestrator/cluster/ray_env.py` says why).
+
+Parallel test workers (`pytest -n`) each search their own slice of ports, as do the processes they start: a port
+one worker found free and had not bound yet was once picked by the other too (a prefill that could not bind its
+port crash-looped, and `up` failed)."""
+
+import os
 
 from dsv4_cluster.orchestrator.cluster.ray_env import prepare_ray_env
+from dsv4_cluster.orchestrator.launch.ports import EPHEMERAL_LOW, PORTS_ENV, SEARCH_LOW
+from tests import servers
 
 prepare_ray_env(None)
+
+
+def _slice(low: int, high: int) -> tuple[int, int]:
+    """This xdist worker's share of [low, high) (all of it outside xdist)."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0
+    size = (high - low) // max(count, 1)
+    return low + index * size, low + (index + 1) * size
+
+
+_LOW, _HIGH = _slice(SEARCH_LOW, EPHEMERAL_LOW)
+os.environ[PORTS_ENV] = f"{_LOW}-{_HIGH}"
+servers.PORT_RANGE = (_LOW, _HIGH - 1)   # the test servers' ports too (inclusive bounds), above Ray's worker ports

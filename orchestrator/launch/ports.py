@@ -1,14 +1,20 @@
 """Local TCP ports: is one free, and find free ones below the ephemeral range (after a load test the ephemeral
 range is full of TIME_WAIT sockets, and binding one fails).
+
+A port found free is bound later, by the process it is for: two callers searching at once may both pick it. Where
+several run side by side on one machine (parallel test workers, two operators' `up`), `DSV4_CLUSTER_PORTS=LOW-HIGH`
+gives each its own range.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 
 EPHEMERAL_LOW = 32768
 SEARCH_LOW = 20000
+PORTS_ENV = "DSV4_CLUSTER_PORTS"
 
 
 class NoFreePortError(RuntimeError):
@@ -26,10 +32,27 @@ def port_is_free(port: int, host: str = "0.0.0.0") -> bool:
     return True
 
 
-def free_ports(count: int, low: int = SEARCH_LOW, high: int = EPHEMERAL_LOW,
+def search_range() -> tuple[int, int]:
+    """[low, high) that `free_ports` searches: `DSV4_CLUSTER_PORTS` (LOW-HIGH) when set, else [20000, 32768)."""
+    text = os.environ.get(PORTS_ENV, "").strip()
+    if not text:
+        return SEARCH_LOW, EPHEMERAL_LOW
+    try:
+        low, high = (int(x) for x in text.split("-"))
+    except ValueError:
+        raise ValueError(f"{PORTS_ENV}={text!r}: expected LOW-HIGH, two port numbers") from None
+    if not 1024 <= low < high <= 65536:
+        raise ValueError(f"{PORTS_ENV}={text!r}: expected 1024 <= LOW < HIGH <= 65536")
+    return low, high
+
+
+def free_ports(count: int, low: int | None = None, high: int | None = None,
                exclude: frozenset[int] = frozenset()) -> list[int]:
-    """`count` distinct ports in [low, high) that are free now (random order, so parallel
+    """`count` distinct ports in [low, high) (default `search_range()`) that are free now (random order, so parallel
     callers rarely collide)."""
+    if low is None or high is None:
+        default_low, default_high = search_range()
+        low, high = default_low if low is None else low, default_high if high is None else high
     candidates = [p for p in range(low, high) if p not in exclude]
     random.shuffle(candidates)
     found: list[int] = []

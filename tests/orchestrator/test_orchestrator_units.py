@@ -92,6 +92,20 @@ def test_free_ports_are_free_and_below_the_ephemeral_range() -> None:
     assert len(set(ports)) == 5 and all(20000 <= p < 32768 and port_is_free(p) for p in ports)
 
 
+def test_free_ports_search_the_range_the_environment_gives(monkeypatch) -> None:
+    """Parallel test workers (tests/conftest.py) and operators side by side each take a slice of their own."""
+    from dsv4_cluster.orchestrator.launch.ports import PORTS_ENV, search_range
+
+    monkeypatch.setenv(PORTS_ENV, "24000-24100")
+    assert search_range() == (24000, 24100) and all(24000 <= p < 24100 for p in free_ports(20))
+    monkeypatch.delenv(PORTS_ENV)
+    assert search_range() == (20000, 32768)
+    for bad, why in (("24000", "LOW-HIGH"), ("x-y", "LOW-HIGH"), ("30000-20000", "LOW < HIGH"), ("80-90", "1024")):
+        monkeypatch.setenv(PORTS_ENV, bad)
+        with pytest.raises(ValueError, match=why):
+            free_ports(1)
+
+
 def test_zombies_count_as_gone_and_groups_are_seen() -> None:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
                              start_new_session=True)
