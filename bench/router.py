@@ -123,11 +123,12 @@ def measure(name: str, url: str, args: argparse.Namespace, script: Path, stubs: 
         cpu0, t0 = (cpu_seconds(pid, session=True) if pid else 0.0), time.monotonic()
         rps, p50, p99, n, errors = run_wrk(url, c, args.duration, script)
         cpu, wall = (cpu_seconds(pid, session=True) - cpu0 if pid else None), time.monotonic() - t0
-        rows.append(Row(name, c, round(rps, 1), round(p50, 3), round(p99, 3), n, errors,
-                        None if cpu is None else round(cpu / wall, 2), None if cpu is None else round(1e6 * cpu / n),
-                        run))
+        row = Row(name, c, round(rps, 1), round(p50, 3), round(p99, 3), n, errors,
+                  None if cpu is None else round(cpu / wall, 2), None if cpu is None else round(1e6 * cpu / n), run)
+        rows.append(row)
         print(f"{name:8s} c={c:3d}: {rps:9.1f} req/s  p50 {p50:8.3f} ms  p99 {p99:8.3f} ms  errors {errors}"
-              + ("" if cpu is None else f"  {cpu / wall:.2f} cores, {1e6 * cpu / n:.0f} CPU us a request"), flush=True)
+              + ("" if cpu is None else
+                 f"  {row.router_cores:.2f} cores, {row.cpu_us_per_request:.0f} CPU us a request"), flush=True)
     if args.profile and name == "ours" and run == args.repeat - 1:
         profile(url, args, script, pid)
     if name != "direct":
@@ -152,7 +153,8 @@ def profile(url: str, args: argparse.Namespace, script: Path, pid: int) -> None:
         raise RuntimeError("--profile needs py-spy on PATH (pip install py-spy)")
     time.sleep(SETTLE_S)
     # --nonblocking: the router is not stopped for each sample (blocking sampling at 250 Hz cut it to ~1/6 its rate)
-    proc = subprocess.Popen([spy, "record", "--nonblocking", "--rate", "250", "--duration", f"{max(1.0, args.duration - 1):g}",
+    proc = subprocess.Popen([spy, "record", "--nonblocking", "--rate", "250",
+                             "--duration", f"{max(1.0, args.duration - 1):g}",
                              "--format", "raw", "--output", str(raw), "--pid", str(pid)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     rps = run_wrk(url, c, args.duration, script)[0]

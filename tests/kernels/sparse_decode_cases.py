@@ -93,6 +93,11 @@ def odd_e4m3_cache(kv: torch.Tensor, seed: int) -> torch.Tensor:
     return cache.to(kv.device)
 
 
+def fp8_reference64(cpu, cache, extra):
+    """The float64 reference of a case on the CPU whose rows are the fp8 caches `cache` and `extra`."""
+    return sparse_mla_decode_fp8_ref(**{**cpu, "q": cpu["q"].double()}, kv_cache=cache.cpu(), extra_cache=extra.cpu())
+
+
 def v4_call(c, fp8, config):
     """A sparse-decode launch (as `config` picks it) on case c (bf16 rows, or the same rows quantised to the V4 fp8
     layout) and the float64 reference of what it was given."""
@@ -103,5 +108,5 @@ def v4_call(c, fp8, config):
     cache, extra = quantize_kv_v4(c.pop("kv")), quantize_kv_v4(c.pop("extra_kv"))
     for k in ("kv", "extra_kv"):
         cpu.pop(k)
-    ref = sparse_mla_decode_fp8_ref(**{**cpu, "q": cpu["q"].double()}, kv_cache=cache.cpu(), extra_cache=extra.cpu())
+    ref = fp8_reference64(cpu, cache, extra)
     return (lambda: sparse_mla_decode_fp8_triton(**c, kv_cache=cache, extra_cache=extra, config=config)), ref

@@ -9,7 +9,6 @@ import torch
 from dsv4_cluster.kernels.sparse_mla_decode import (
     SparseDecodeInputError,
     quantize_kv_v4,
-    sparse_mla_decode_fp8_ref,
 )
 from dsv4_cluster.kernels.sparse_mla_decode import fp8_layout, launch
 from dsv4_cluster.kernels.sparse_mla_decode.launch import (
@@ -17,8 +16,8 @@ from dsv4_cluster.kernels.sparse_mla_decode.launch import (
     sparse_mla_decode_fp8_triton,
     sparse_mla_decode_triton,
 )
-from tests.kernels.sparse_decode_cases import (HAS_CUDA, V4, assert_close, make_case, moved, odd_e4m3_cache,
-                                               reference64, v4_call)
+from tests.kernels.sparse_decode_cases import (HAS_CUDA, V4, assert_close, fp8_reference64, make_case, moved,
+                                               odd_e4m3_cache, reference64, v4_call)
 
 
 def gluon_ready():
@@ -131,8 +130,7 @@ def test_gpu_gluon_fp8_dequantises_subnormals_and_large_scales_exactly(block_n, 
     cfg = LaunchConfig(block_n=block_n, num_stages=stages, backend="gluon")
     out, lse = sparse_mla_decode_fp8_triton(**c, kv_cache=cache, extra_cache=extra, config=cfg)
     cpu = moved(c, "cpu")
-    ref_out, ref_lse = sparse_mla_decode_fp8_ref(**{**cpu, "q": cpu["q"].double()}, kv_cache=cache.cpu(),
-                                                 extra_cache=extra.cpu())
+    ref_out, ref_lse = fp8_reference64(cpu, cache, extra)
     assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
 
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4_cluster.kernels.sparse_mla_decode import SparseDecodeInputError, sparse_mla_decode_fp8_ref
+from dsv4_cluster.kernels.sparse_mla_decode import SparseDecodeInputError
 from dsv4_cluster.kernels.sparse_mla_decode.config import LaunchConfig, mma_v2_unavailable
 from dsv4_cluster.kernels.sparse_mla_decode.launch import sparse_mla_decode_fp8_triton, sparse_mla_decode_triton
-from tests.kernels.sparse_decode_cases import (HAS_CUDA, V4, assert_close, make_case, moved, odd_e4m3_cache,
-                                               reference64, v4_call)
+from tests.kernels.sparse_decode_cases import (HAS_CUDA, V4, assert_close, fp8_reference64, make_case, moved,
+                                               odd_e4m3_cache, reference64, v4_call)
 
 
 def mma_v2_ready():
@@ -62,8 +62,7 @@ def test_gpu_mma_v2_fp8_dequantises_subnormals_and_large_scales_exactly(words):
     out, lse = sparse_mla_decode_fp8_triton(**c, kv_cache=cache, extra_cache=extra,
                                             config=LaunchConfig(backend="gluon_mma_v2", fp8_words=words))
     cpu = moved(c, "cpu")
-    ref_out, ref_lse = sparse_mla_decode_fp8_ref(**{**cpu, "q": cpu["q"].double()}, kv_cache=cache.cpu(),
-                                                 extra_cache=extra.cpu())
+    ref_out, ref_lse = fp8_reference64(cpu, cache, extra)
     assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
 
 
