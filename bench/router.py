@@ -113,7 +113,7 @@ def anchor_argv(name: str, port: int, prefills: list[tuple[str, int]], decodes: 
 
 
 def measure(name: str, url: str, args: argparse.Namespace, script: Path, stubs: tuple[str, str],
-            pid: int | None = None, run: int = 0) -> list[Row]:
+            pid: int | None = None, run: int = 0, pairing: dict[str, list[int]] | None = None) -> list[Row]:
     check_stream(url)
     counts = lambda: [httpx.get(s + "/stats", timeout=5).json() for s in stubs]  # noqa: E731
     before, rows = counts(), []
@@ -142,6 +142,9 @@ def measure(name: str, url: str, args: argparse.Namespace, script: Path, stubs: 
                                f"(at most {cut} may be cut in flight)")
         if paired < served:
             print(f"{name}: {served - paired} decode requests without their prefill (cut in flight: <= {cut})")
+        if pairing is not None:   # the anchor check the table prints: a PD router pairs what it serves
+            total = pairing.setdefault(name, [0, 0])
+            total[0], total[1] = total[0] + paired, total[1] + served
     return rows
 
 
@@ -271,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: wrk is not installed (apt-get install -y wrk)", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    before, rows = machine(), []
+    before, rows, pairing = machine(), [], {}
     with tempfile.TemporaryDirectory(prefix="router-bench-") as tmp_name:
         tmp = Path(tmp_name)
         script = tmp / "post.lua"
@@ -290,15 +293,18 @@ def main(argv: list[str] | None = None) -> int:
                     argv_ = (ours_argv(router_port, [(prefill, bootstrap)], [decode], tmp) if name == "ours" else
                              anchor_argv(name, router_port, [(prefill, bootstrap)], [decode]))
                     with process(argv_, url + "/health", tmp / f"{name}.log", timeout_s=60) as proc:
-                        rows += measure(name, url, args, script, (prefill, decode), proc.pid, run)
+                        rows += measure(name, url, args, script, (prefill, decode), proc.pid, run, pairing)
     after = machine()
     loopback = "plain" if args.plain_loopback else "private netns, quickack"
     result = {"loopback": loopback, "concurrency": args.concurrency, "duration_s": args.duration, "passes": args.repeat,
               "cpus": after["cpus"],
               "load_average_before": before["loadavg"], "load_average_after": after["loadavg"], "body": BODY,
+              "pairing": {n: {"paired": p, "served": s} for n, (p, s) in pairing.items()},
               "rows": [asdict(r) for r in rows]}
     (args.out / "router.json").write_text(json.dumps(result, indent=2) + "\n")
-    text = table(rows, args.concurrency) + (
+    checks = "\nPairing check (a PD router sends each decode request's prefill leg; the stubs count both): " + \
+        "; ".join(f"{LABELS[n]} {p:,} of {s:,} paired" for n, (p, s) in pairing.items()) + ".\n"
+    text = table(rows, args.concurrency) + checks + (
         f"\n{after['cpus']} CPUs; 1-min load average {before['loadavg'][0]:.1f} before, {after['loadavg'][0]:.1f} "
         f"after; {args.duration:g} s of wrk per cell, {args.repeat} pass{'es' if args.repeat > 1 else ''} over the "
         f"routers, medians shown; loopback: {loopback} "

@@ -204,9 +204,13 @@ def test_a_stale_record_neither_reports_nor_stops_the_cluster_now_in_its_namespa
         up = _run(tmp_path, "up", str(topo), "--address", address, "--timeout", "180")
         assert up.returncode == 0, up.stderr
         before = json.loads(_run(tmp_path, "status", "--json").stdout)["workers"]
+        record = json.loads((tmp_path / "home" / "current.json").read_text())
+        ask = {"model": "dsv4-tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8,
+               "temperature": 0}
+        answer = httpx.post(record["endpoint"] + "/chat/completions", json=ask, timeout=60)
+        assert answer.status_code == 200, answer.text
         stale = tmp_path / "stale" / "home"
         stale.mkdir(parents=True)
-        record = json.loads((tmp_path / "home" / "current.json").read_text())
         assert record["head"] is None   # joined: the same address and namespace as the stale one's
         record.update(admin_token="the-token-of-an-earlier-up", run_dir=str(tmp_path / "stale" / "run"),
                       topology_path=str(tmp_path / "stale" / "topology.yaml"))
@@ -219,6 +223,8 @@ def test_a_stale_record_neither_reports_nor_stops_the_cluster_now_in_its_namespa
         after = json.loads(_run(tmp_path, "status", "--json").stdout)["workers"]
         assert [(w["name"], w["pid"], w["state"]) for w in after] == [(w["name"], w["pid"], w["state"]) for w in before]
         assert all(w["state"] == "READY" for w in after), after
+        again = httpx.post(record["endpoint"] + "/chat/completions", json=ask, timeout=60)   # it serves on, the same
+        assert again.status_code == 200 and again.json()["choices"] == answer.json()["choices"], again.text
     finally:
         _run(tmp_path, "down")
         stop_head(head, deadline_s=10)
