@@ -181,7 +181,14 @@ BACKEND_CONFIGS = {"triton_row": dict(backend="triton"), "mma_v2": dict(backend=
                    "mma_v2_warps16": dict(backend="gluon_mma_v2", num_warps=16),
                    # fp8 dequantised four bytes at a time (690 loop instructions a warp against 781; 510 at 16 warps)
                    "mma_v2_words": dict(backend="gluon_mma_v2", fp8_words=True),
-                   "mma_v2_words_warps16": dict(backend="gluon_mma_v2", fp8_words=True, num_warps=16)}
+                   "mma_v2_words_warps16": dict(backend="gluon_mma_v2", fp8_words=True, num_warps=16),
+                   # O's rescale skipped unless a block's max passes the reference by more than 2**8 (ncu: 128 of
+                   # the 821 instructions a warp spends on a block are that rescale)
+                   **{f"mma_v2_lazy{k}": dict(backend="gluon_mma_v2", lazy_rescale=True, **kw) for k, kw in (
+                       ("", {}), ("_words", dict(fp8_words=True)), ("_warps16", dict(num_warps=16)),
+                       ("_words_warps16", dict(fp8_words=True, num_warps=16)))}}
+# the options' columns of sm120_backends.md, in order
+BACKEND_OPTIONS = [n for n in BACKEND_CONFIGS if n not in ("triton_row", "mma_v2") and "splits" not in n]
 
 
 def backend_rows(base, layers=(("c4", None),)) -> list[dict]:
@@ -274,13 +281,11 @@ def backends_markdown(result: dict) -> str:
     for key in dict.fromkeys((r["layer"], r["configured"], r["B"]) for r in rows):
         group = {r["config"]: r for r in rows if (r["layer"], r["configured"], r["B"]) == key}
         fixed = min((r for n, r in group.items() if n.startswith("mma_v2_splits")), key=lambda r: r["graph_us"])
-        opt = {n: f"{group[n]['graph_us']:.1f}" if n in group else "not run"
-               for n in ("mma_v2_warps16", "mma_v2_words", "mma_v2_words_warps16")}
+        opt = {n: f"{group[n]['graph_us']:.1f}" if n in group else "not run" for n in BACKEND_OPTIONS}
         table.append(dict(layer=key[0], configured=key[1], B=key[2], sglang=group["triton_row"]["sglang_triton_graph_us"],
                           triton_row=group["triton_row"]["graph_us"], mma_v2=group["mma_v2"]["graph_us"],
                           fixed=f"{fixed['graph_us']:.1f} ({fixed['config'].removeprefix('mma_v2_splits')})",
-                          warps16=opt["mma_v2_warps16"], words=opt["mma_v2_words"],
-                          words16=opt["mma_v2_words_warps16"],
+                          **opt,
                           speedup=group["triton_row"]["graph_us"] / group["mma_v2"]["graph_us"],
                           vs_sglang=group["triton_row"]["sglang_triton_graph_us"] / group["mma_v2"]["graph_us"],
                           diff=max(r["max_abs_diff"] for r in group.values()),
@@ -294,8 +299,7 @@ def backends_markdown(result: dict) -> str:
         *md_columns(table, [("layer", "layer", ""), ("configured", "configured", ""), ("B", "B", ""),
                             ("SGLang Triton", "sglang", ".1f"), ("Triton row", "triton_row", ".1f"),
                             ("mma_v2 (auto splits)", "mma_v2", ".1f"), ("mma_v2 best fixed (splits)", "fixed", ""),
-                            ("mma_v2, 16 warps", "warps16", ""), ("mma_v2, fp8 words", "words", ""),
-                            ("mma_v2, words, 16 warps", "words16", ""),
+                            *((n.removeprefix("mma_v2_").replace("_", ", "), n, "") for n in BACKEND_OPTIONS),
                             ("Triton row / mma_v2", "speedup", ".2f"), ("SGLang Triton / mma_v2", "vs_sglang", ".1f"),
                             ("max diff", "diff", ".4f"), ("ref max", "ref", ".2f")])]) + "\n"
 

@@ -45,6 +45,9 @@ class LaunchConfig:
     # mma.sync Gluon kernel on fp8 rows: dequantise four e4m3 bytes at a time in 32-bit words (gluon_mma_v2.E4M3_WORD;
     # 690 loop instructions a warp against 781 for sm_120a); not yet run on a GPU, so off unless asked for
     fp8_words: bool = False
+    # mma.sync Gluon kernel: move the softmax's reference max only when a block's max passes it by more than 2**8,
+    # a CTA-wide decision, so most blocks skip O's rescale (gluon_mma_v2.LAZY_LOG2)
+    lazy_rescale: bool = False
 
 
 def _num_sms(device: torch.device) -> int:

@@ -46,7 +46,8 @@ def test_unknown_gpu_and_bad_forced_class_are_refused_by_name():
     assert dispatch.forced_class({}) is None
 
 
-def _compiled(heads: int, impl: dispatch.DecodeImpl, capability: int, words: bool = False) -> tuple[int, int]:
+def _compiled(heads: int, impl: dispatch.DecodeImpl, capability: int, words: bool = False,
+              lazy: bool = False) -> tuple[int, int]:
     """Compiled in a fresh interpreter: once any test imported the kernel module under TRITON_INTERPRET=1 its
     kernels are interpreter functions in this process, which `triton.compile` cannot take. Returns (shared memory
     per program, spill-store bytes per thread)."""
@@ -54,7 +55,7 @@ def _compiled(heads: int, impl: dispatch.DecodeImpl, capability: int, words: boo
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = (f"from tests.kernels.test_dispatch import _compile_here; "
             f"print(_compile_here({impl.head_group or heads}, {impl.block_n}, {impl.num_stages}, {capability}, "
-            f"{impl.num_warps}, {impl.backend!r}, {words}))")
+            f"{impl.num_warps}, {impl.backend!r}, {words}, {lazy}))")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     shared, spills = done.stdout.split()[-2:]
@@ -62,7 +63,7 @@ def _compiled(heads: int, impl: dispatch.DecodeImpl, capability: int, words: boo
 
 
 def _compile_here(heads: int, block_n: int, num_stages: int, capability: int, num_warps: int = 8,
-                  backend: str = "triton", words: bool = False) -> str:
+                  backend: str = "triton", words: bool = False, lazy: bool = False) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -73,7 +74,8 @@ def _compile_here(heads: int, block_n: int, num_stages: int, capability: int, nu
 
         from dsv4_cluster.kernels.sparse_mla_decode import gluon_mma_v2 as k
 
-        fn, const, options = k._sparse_decode_mma_v2_kernel, dict(common, WORDS=words), dict(num_warps=num_warps)
+        fn, const = k._sparse_decode_mma_v2_kernel, dict(common, WORDS=words, LAZY=lazy)
+        options = dict(num_warps=num_warps)
     else:
         from triton.compiler import ASTSource
 
@@ -125,13 +127,15 @@ def test_sm120_configs_compiled_for_sm120_fit_99_kb(heads, monkeypatch):
 
 
 def test_the_mma_v2_options_not_yet_timed_compile_for_sm120_within_99_kb(monkeypatch):
-    """LaunchConfig(fp8_words=True) and num_warps=16 on the sm_120 row (for the next GPU run to time): within 99 KB,
-    and spilling no more than measured here (fp8 words: none; 16 warps: 116 B and 100 B with fp8 words, 128
-    registers)."""
+    """LaunchConfig(fp8_words=True), lazy_rescale=True and num_warps=16 on the sm_120 row (for the next GPU run to
+    time): within 99 KB, and spilling no more than measured here (fp8 words: none; 16 warps: 116 B and 100 B with fp8
+    words, 128 registers; lazy rescale: 32 B, none with fp8 words, 156 B and 76 B at 16 warps)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     from dataclasses import replace
 
     row = dispatch.decode_impl("sm_120", 64)
-    for warps, words, spill_max in ((8, True, 0), (16, False, 128), (16, True, 128)):
-        shared, spills = _compiled(64, replace(row, num_warps=warps), 120, words)
-        assert shared <= dispatch.SMEM_PER_BLOCK["sm_120"] and spills <= spill_max, (warps, words, shared, spills)
+    for warps, words, lazy, spill_max in ((8, True, False, 0), (16, False, False, 128), (16, True, False, 128),
+                                          (8, False, True, 32), (8, True, True, 0), (16, False, True, 160),
+                                          (16, True, True, 80)):
+        shared, spills = _compiled(64, replace(row, num_warps=warps), 120, words, lazy)
+        assert shared <= dispatch.SMEM_PER_BLOCK["sm_120"] and spills <= spill_max, (warps, words, lazy, spills)

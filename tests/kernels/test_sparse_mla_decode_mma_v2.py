@@ -25,14 +25,17 @@ mma_v2_gpu = pytest.mark.skipif(not mma_v2_ready(), reason="needs a CUDA GPU and
 @mma_v2_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("warps, words", [(8, False), (16, False), (8, True), (16, True)])
+@pytest.mark.parametrize("warps, words, lazy", [(8, False, False), (16, False, False), (8, True, False),
+                                                (16, True, False), (8, False, True), (8, True, True), (16, True, True)])
 @pytest.mark.parametrize("b, splits", [(1, 0), (1, 1), (8, 0), (8, 3), (64, 2), (130, 0), (3, 60)])
-def test_gpu_mma_v2_matches_reference(fp8, warps, words, b, splits):
+def test_gpu_mma_v2_matches_reference(fp8, warps, words, lazy, b, splits):
     """Ragged lengths, -1 entries, one query with no valid row, sinks on even B; one split, several, and more
     splits than a query has blocks (splits with no rows). 16 warps: the warps across S's 16 columns hold copies.
-    words: fp8 dequantised four bytes at a time (bf16 rows ignore it)."""
+    words: fp8 dequantised four bytes at a time (bf16 rows ignore it). lazy: the reference max moves only when a
+    block's max passes it by more than 2**8."""
     c = make_case(b, **V4, device="cuda", seed=300 + b + splits, sink=b % 2 == 0)
-    cfg = LaunchConfig(backend="gluon_mma_v2", num_splits=splits, num_warps=warps, fp8_words=words)
+    cfg = LaunchConfig(backend="gluon_mma_v2", num_splits=splits, num_warps=warps, fp8_words=words,
+                       lazy_rescale=lazy)
     run, (ref_out, ref_lse) = v4_call(c, fp8, cfg)
     out, lse = run()
     assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
@@ -40,14 +43,15 @@ def test_gpu_mma_v2_matches_reference(fp8, warps, words, b, splits):
 
 @mma_v2_gpu
 @pytest.mark.gpu
-def test_gpu_mma_v2_window_only_full_lengths_and_growing_maxima():
+@pytest.mark.parametrize("lazy", [False, True])
+def test_gpu_mma_v2_window_only_full_lengths_and_growing_maxima(lazy):
     """No extra cache, every row valid, and scores whose row maxima keep growing block after block (each block's
-    rows scaled up): O and the sums rescaled at every block."""
+    rows scaled up): O and the sums rescaled at every block (lazy: whenever a maximum grew by more than 2**8)."""
     c = make_case(5, 64, 256, 0, 4096, 0, device="cuda", seed=9, ragged=False, sink=True)
     rows = torch.arange(256, dtype=torch.int32, device="cuda") * 16  # every query: rows 0, 16, ... 4080 in order
     c["window_idx"] = rows.expand(5, 256).contiguous()
     c["kv"] = (c["kv"].float() * torch.linspace(0.1, 6.0, 4096, device="cuda")[:, None]).to(c["kv"].dtype)
-    out, lse = sparse_mla_decode_triton(**c, config=LaunchConfig(backend="gluon_mma_v2"))
+    out, lse = sparse_mla_decode_triton(**c, config=LaunchConfig(backend="gluon_mma_v2", lazy_rescale=lazy))
     ref_out, ref_lse = reference64(c)
     assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
 
