@@ -52,6 +52,9 @@ class DecodeImpl:
     smem: int
     head_group: int = 0  # heads per program (0: all); `smem` is one such program's
     num_warps: int = 8   # warps per program (Triton and the mma.sync Gluon kernel)
+    # the mma.sync Gluon kernel's options (LaunchConfig's fields of the same names; a config's own value wins)
+    fp8_words: bool = False
+    lazy_rescale: bool = False
     # the row that runs where this one's kernel cannot (a Gluon row on a Triton release it was not built for) or
     # below min_batch queries, where it measured slower
     fallback: "DecodeImpl | None" = None

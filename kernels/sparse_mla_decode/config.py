@@ -43,11 +43,11 @@ class LaunchConfig:
     # grid axis 2, each reading the same rows. The dispatch table sets it where a wide accumulator spills (sm_120).
     head_group: int = 0
     # mma.sync Gluon kernel on fp8 rows: dequantise four e4m3 bytes at a time in 32-bit words (gluon_mma_v2.E4M3_WORD;
-    # 690 loop instructions a warp against 781 for sm_120a); not yet run on a GPU, so off unless asked for
-    fp8_words: bool = False
+    # 690 loop instructions a warp against 781 for sm_120a). None: the dispatch table row's choice
+    fp8_words: bool | None = None
     # mma.sync Gluon kernel: move the softmax's reference max only when a block's max passes it by more than 2**8,
-    # a CTA-wide decision, so most blocks skip O's rescale (gluon_mma_v2.LAZY_LOG2)
-    lazy_rescale: bool = False
+    # a CTA-wide decision, so most blocks skip O's rescale (gluon_mma_v2.LAZY_LOG2). None: the row's choice
+    lazy_rescale: bool | None = None
 
 
 def _num_sms(device: torch.device) -> int:
@@ -149,7 +149,9 @@ def _choose(device, h, dtype, is_fp8, config):
             if row is not None and row.backend == "gluon_mma_v2":
                 config = replace(config, block_n=config.block_n or row.block_n,
                                  num_stages=config.num_stages or row.num_stages,
-                                 num_warps=config.num_warps or row.num_warps)
+                                 num_warps=config.num_warps or row.num_warps,
+                                 fp8_words=row.fp8_words if config.fp8_words is None else config.fp8_words,
+                                 lazy_rescale=row.lazy_rescale if config.lazy_rescale is None else config.lazy_rescale)
             return "gluon_mma_v2", resolved(config, "gluon_mma_v2", is_fp8)
         if config.backend == "gluon_mma_v2":
             raise checks.SparseDecodeInputError(f"the mma.sync Gluon kernel cannot run this call: {why}; "

@@ -90,8 +90,8 @@ def _mma_v2_plan(b, h, w, k, is_fp8, config, sms, flags, geos):
     splits = config.num_splits or choose_splits(b, -(-w // bn) + -(-k // bn), sms)
     has_extra, has_wlen, has_elen, has_sink = flags
     return splits, dict(H=h, BN=bn, SPLIT_OUT=splits > 1, IS_FP8=is_fp8, HAS_EXTRA=has_extra, HAS_WLEN=has_wlen,
-                        HAS_ELEN=has_elen, HAS_SINK=has_sink, **_geometry_kwargs(geos), WORDS=config.fp8_words,
-                        LAZY=config.lazy_rescale, num_warps=config.num_warps)
+                        HAS_ELEN=has_elen, HAS_SINK=has_sink, **_geometry_kwargs(geos), WORDS=bool(config.fp8_words),
+                        LAZY=bool(config.lazy_rescale), num_warps=config.num_warps)
 
 
 def _gluon_plan(b, w, k, is_fp8, config, sms, flags, geos):

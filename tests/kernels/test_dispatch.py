@@ -46,12 +46,14 @@ def test_unknown_gpu_and_bad_forced_class_are_refused_by_name():
     assert dispatch.forced_class({}) is None
 
 
-def _compiled(heads: int, impl: dispatch.DecodeImpl, capability: int, words: bool = False,
-              lazy: bool = False) -> tuple[int, int]:
+def _compiled(heads: int, impl: dispatch.DecodeImpl, capability: int, words: bool | None = None,
+              lazy: bool | None = None) -> tuple[int, int]:
     """Compiled in a fresh interpreter: once any test imported the kernel module under TRITON_INTERPRET=1 its
     kernels are interpreter functions in this process, which `triton.compile` cannot take. Returns (shared memory
     per program, spill-store bytes per thread)."""
     pytest.importorskip("triton")
+    words = impl.fp8_words if words is None else words  # the row's own options unless asked otherwise
+    lazy = impl.lazy_rescale if lazy is None else lazy
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = (f"from tests.kernels.test_dispatch import _compile_here; "
             f"print(_compile_here({impl.head_group or heads}, {impl.block_n}, {impl.num_stages}, {capability}, "
