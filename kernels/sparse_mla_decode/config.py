@@ -196,9 +196,11 @@ def _gluon_unavailable(device, gpu, h, dtype) -> str | None:
 
 def mma_v2_unavailable(device, h, dtype) -> str | None:
     """Why the mma.sync Gluon kernel (`gluon_mma_v2.py`, written for sm_120, any GPU with mma.sync runs it) cannot
-    take a call (None: it can): CUDA, 64 heads (16 a warp along M, 8 warps), bf16 queries, a Triton release its
+    take a call (None: it can): CUDA, 64 or 16 heads (16 a warp along M), bf16 queries, a Triton release its
     Gluon API was written against."""
-    return _gluon_call_unavailable(device, h, dtype, "64 heads (four warp rows of 16, two warps across)")
+    if h == 16:  # one warp row of 16 heads, the warps across S's and O's columns
+        return _gluon_call_unavailable(device, 64, dtype, "")
+    return _gluon_call_unavailable(device, h, dtype, "64 or 16 heads (warp rows of 16 heads)")
 
 
 def _gluon_call_unavailable(device, h, dtype, heads_as: str) -> str | None:

@@ -83,10 +83,12 @@ def _triton_plan(b, h, w, k, is_fp8, config, sms, flags, geos, dot_f32):
 def _mma_v2_plan(b, h, w, k, is_fp8, config, sms, flags, geos):
     """(splits, launch keyword arguments) of the mma.sync Gluon kernel; its merge is the Triton kernel's."""
     bn = config.block_n
-    if (bn, config.num_stages) != (16, 2) or config.num_warps not in (8, 16):
+    warps = (4, 8) if h == 16 else (8, 16)  # 64 heads: 4 warps would hold all of O's 512 columns a warp
+    if (bn, config.num_stages) != (16, 2) or config.num_warps not in warps:
         raise checks.SparseDecodeInputError(
             "the mma.sync Gluon kernel takes block_n 16, num_stages 2 (Q and two row stages fill sm_120's 99 KB) "
-            f"and num_warps 8 or 16; got {bn}, {config.num_stages}, {config.num_warps}")
+            f"and num_warps {' or '.join(map(str, warps))} at {h} heads; got {bn}, {config.num_stages}, "
+            f"{config.num_warps}")
     splits = config.num_splits or choose_splits(b, -(-w // bn) + -(-k // bn), sms)
     has_extra, has_wlen, has_elen, has_sink = flags
     return splits, dict(H=h, BN=bn, SPLIT_OUT=splits > 1, IS_FP8=is_fp8, HAS_EXTRA=has_extra, HAS_WLEN=has_wlen,

@@ -43,6 +43,21 @@ def test_gpu_mma_v2_matches_reference(fp8, warps, words, lazy, b, splits):
 
 @mma_v2_gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("warps, words, lazy", [(4, False, False), (8, False, False), (4, True, True), (8, True, True)])
+@pytest.mark.parametrize("b, splits", [(1, 0), (8, 3), (130, 0), (3, 60)])
+def test_gpu_mma_v2_16_heads_matches_reference(fp8, warps, words, lazy, b, splits):
+    """16 heads (TP4's real head count): one warp row, the warps across S's columns holding copies."""
+    c = make_case(b, **dict(V4, h=16), device="cuda", seed=700 + b + splits, sink=b % 2 == 0)
+    cfg = LaunchConfig(backend="gluon_mma_v2", num_splits=splits, num_warps=warps, fp8_words=words,
+                       lazy_rescale=lazy)
+    run, (ref_out, ref_lse) = v4_call(c, fp8, cfg)
+    out, lse = run()
+    assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
+
+
+@mma_v2_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("lazy", [False, True])
 def test_gpu_mma_v2_window_only_full_lengths_and_growing_maxima(lazy):
     """No extra cache, every row valid, and scores whose row maxima keep growing block after block (each block's
@@ -86,17 +101,18 @@ def test_gpu_mma_v2_replays_in_a_cuda_graph():
     assert not torch.equal(captured[0], eager[0])
 
 
-@pytest.mark.parametrize("heads, dtype, why", [(16, torch.bfloat16, "takes 64 heads"),
+@pytest.mark.parametrize("heads, dtype, why", [(32, torch.bfloat16, "takes 64 or 16 heads"),
                                                (64, torch.float16, "takes bf16 queries")])
 def test_mma_v2_refuses_what_it_cannot_run_by_name(heads, dtype, why):
     assert mma_v2_unavailable(torch.device("cpu"), 64, torch.bfloat16) == "it runs on CUDA tensors only"
     assert why in mma_v2_unavailable(torch.device("cuda"), heads, dtype)
+    assert mma_v2_unavailable(torch.device("cuda"), 16, torch.float16) == "it takes bf16 queries; got torch.float16"
 
 
 @mma_v2_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("config, what", [(LaunchConfig(backend="gluon_mma_v2", block_n=32), "block_n 16"),
-                                          (LaunchConfig(backend="gluon_mma_v2", num_warps=4), "num_warps 8 or 16")])
+                                          (LaunchConfig(backend="gluon_mma_v2", num_warps=4), "num_warps 8 or 16 at 64 heads")])
 def test_gpu_mma_v2_refuses_a_config_it_cannot_launch(config, what):
     c = make_case(2, **V4, device="cuda", seed=1)
     with pytest.raises(SparseDecodeInputError, match=what):
