@@ -174,19 +174,22 @@ def sweep_rows(base) -> list[dict]:
     return rows
 
 
-BACKEND_CONFIGS = {"triton_row": dict(backend="triton"), "mma_v2": dict(backend="gluon_mma_v2"),
-                   **{f"mma_v2_splits{n}": dict(backend="gluon_mma_v2", num_splits=n) for n in (1, 2, 4, 8)},
-                   # 16 warps: 4 a scheduler instead of 2 (the 8-warp kernel issues at 0.35 a cycle with 0.46 of
-                   # its warps eligible), the S columns computed twice; 128 registers, 116 B spilled (sm_120a)
-                   "mma_v2_warps16": dict(backend="gluon_mma_v2", num_warps=16),
-                   # fp8 dequantised four bytes at a time (690 loop instructions a warp against 781; 510 at 16 warps)
-                   "mma_v2_words": dict(backend="gluon_mma_v2", fp8_words=True),
-                   "mma_v2_words_warps16": dict(backend="gluon_mma_v2", fp8_words=True, num_warps=16),
+_MMA = dict(backend="gluon_mma_v2")
+_PLAIN = dict(_MMA, fp8_words=False, lazy_rescale=False)  # neither option, whatever the row says
+# "mma_v2" and its fixed split counts run the dispatch row's own options; the option columns set each one
+BACKEND_CONFIGS = {"triton_row": dict(backend="triton"), "mma_v2": _MMA,
+                   **{f"mma_v2_splits{n}": dict(_MMA, num_splits=n) for n in (1, 2, 4, 8)},
+                   "mma_v2_plain": _PLAIN,
+                   # fp8 dequantised four bytes at a time (690 loop instructions a warp against 781)
+                   "mma_v2_words": dict(_PLAIN, fp8_words=True),
                    # O's rescale skipped unless a block's max passes the reference by more than 2**8 (ncu: 128 of
                    # the 821 instructions a warp spends on a block are that rescale)
-                   **{f"mma_v2_lazy{k}": dict(backend="gluon_mma_v2", lazy_rescale=True, **kw) for k, kw in (
-                       ("", {}), ("_words", dict(fp8_words=True)), ("_warps16", dict(num_warps=16)),
-                       ("_words_warps16", dict(fp8_words=True, num_warps=16)))}}
+                   "mma_v2_lazy": dict(_PLAIN, lazy_rescale=True),
+                   "mma_v2_lazy_words": dict(_PLAIN, fp8_words=True, lazy_rescale=True),
+                   # 16 warps: 4 a scheduler instead of 2 (the 8-warp kernel issues at 0.35 a cycle with 0.46 of
+                   # its warps eligible), the S columns computed twice; 128 registers, 76-156 B spilled (sm_120a)
+                   "mma_v2_warps16": dict(_PLAIN, num_warps=16),
+                   "mma_v2_lazy_words_warps16": dict(_PLAIN, fp8_words=True, lazy_rescale=True, num_warps=16)}
 # the options' columns of sm120_backends.md, in order
 BACKEND_OPTIONS = [n for n in BACKEND_CONFIGS if n not in ("triton_row", "mma_v2") and "splits" not in n]
 
@@ -253,7 +256,7 @@ def run(argv: list[str]) -> int:
         raise SystemExit(f"run with {dispatch.CLASS_ENV}=sm_120 {dispatch.MMA_V2_ENV}=1 (this run is {gpu})")
     base = load()
     result = {"device": torch.cuda.get_device_name(), "forced_class": gpu, "sglang_src": base.root,
-              "flashinfer_sm120": "not run: FlashInfer's sm_120 CUDA kernel cannot run on an H200"}
+              "flashinfer_sm120": "not run: FlashInfer's sm_120 CUDA kernel cannot run on a Hopper stand-in"}
     sections = {"prefill_rows": prefill_rows, "decode": decode_rows, "indexer": indexer_rows, "sweep": sweep_rows,
                 "backends": backend_rows}
     # the sweep (36 configs x 5 batches) runs when asked: SM120_SECTIONS=sweep; the two kernels of the 64-head row side
@@ -291,7 +294,10 @@ def backends_markdown(result: dict) -> str:
                           diff=max(r["max_abs_diff"] for r in group.values()),
                           ref=max(r["ref_max_abs"] for r in group.values())))
     return "\n".join([
-        "# sm_120, 64 heads: the Triton row against the mma.sync Gluon kernel (H200 stand-in, one run)", "",
+        f"# sm_120, 64 heads: the Triton row against the mma.sync Gluon kernel ({result['device']} standing in, one "
+        "run)", "",
+        "`mma_v2` runs the dispatch row's own options (fp8 words and the lazy rescale since this run); each option "
+        "column sets its options alone (`plain`: neither).", "",
         f"Device: {result['device']}, dispatch forced to {result['forced_class']}; torch {v.get('torch')}, Triton "
         f"{v.get('triton')}. CUDA-graph replay, cold L2, us per call, SGLang's sm_120 calling convention (q padded "
         "to 64 heads). `max diff`: the largest difference of any config's output from SGLang's sm_120 Triton kernel "
@@ -323,12 +329,13 @@ def markdown(result: dict) -> str:
     fastest = [r for b in sorted({r["B"] for r in sweep})
                for r in sorted((r for r in sweep if r["B"] == b), key=lambda r: r["graph_us"])[:3]]
     return "\n".join([
-        "# sm_120 on an H200 stand-in (bench/sm120_decode.py, one run)", "",
+        f"# sm_120 on a Hopper stand-in ({result['device']}; bench/sm120_decode.py, one run)", "",
         f"Device: {result['device']}, dispatch forced to {result['forced_class']} (mma.sync, the 99 KB configs); "
         f"torch {v.get('torch')}, Triton {v.get('triton')}. {result['flashinfer_sm120']}.", "",
-        "What the stand-in cannot show: sm_120's occupancy (188 SMs of 99 KB; the H200 has 132 of 227 KB), GDDR7's "
-        "latency and 1.79 TB/s (the H200 reads at ~4.3 TB/s). `floor`: the call's bytes (live rows x 584 B) over 1.79 "
-        "TB/s, the RTX PRO 6000's bound. Microseconds, CUDA-graph replay (and eager).", "",
+        *([f"{result['earlier']['note']}", ""] if result.get("earlier") else []),
+        "What the stand-in cannot show: sm_120's occupancy (188 SMs of 99 KB; an H100 / H200 has 132 of 227 KB), "
+        "GDDR7's latency and 1.79 TB/s (HBM3 / HBM3e read at ~3.3 / ~4.3 TB/s). `floor`: the call's bytes (live rows x "
+        "584 B) over 1.79 TB/s, the RTX PRO 6000's bound. Microseconds, CUDA-graph replay (and eager).", "",
         *md_columns(decode, [("layer", "layer", ""), ("configured", "configured", ""), ("real heads", "real_heads", ""),
                              ("heads computed", "heads", ""), ("B", "B", ""), us("ours", "ours_graph_us"),
                              us("ours eager", "ours_eager_us"), us("SGLang Triton", "sglang_triton_graph_us"),

@@ -67,11 +67,13 @@ class DecodeImpl:
 # compiles them to tcgen05 there; Gluon's kernel is Hopper-only). sm_120: the configs under 99 KB as compiled for
 # sm_120 — mma.sync keeps the [heads, 512] fp32 accumulator in registers: a 64-head (or 32-head) Triton program
 # spills ~4 KB (400 B) a thread (ptxas for sm_120a), so the Triton rows run programs of 16 heads (head groups reading
-# the same rows), block 32, one stage, 4 warps. At 64 heads the mma.sync Gluon kernel (`gluon_mma_v2.py`: each row
-# gathered and dequantised once for all heads, block 16, two stages, 8 warps) replaces them from B = 8 (H200 standing
-# in, forced sm_120, Triton 3.8.0, c4, graph replay, B = 1 / 8 / 32 / 64 / 128: 15.8 / 24.2 / 44.0 / 68.3 / 114.1 us
-# against the Triton row's 13.5 / 31.7 / 70.8 / 122.6 / 218.0 in the same run, bench/results/sm120_backends.md);
-# below B = 8 the Triton row runs.
+# the same rows), block 32, one stage, 4 warps. At 64 heads from B = 8, and at 16 heads, the mma.sync Gluon kernel
+# (`gluon_mma_v2.py`: each row gathered and dequantised once for all heads, block 16, two stages) replaces them, with
+# fp8 dequantised four bytes at a time and the lazy rescale. H100 standing in, forced sm_120, Triton 3.8.0, c4, graph
+# replay, B = 1 / 8 / 32 / 64 / 128 (bench/results/sm120_backends.md, sm120_reference.md): 64 heads, 8 warps, 16.0 /
+# 23.8 / 40.8 / 61.9 / 99.0 us against the Triton row's 13.9 / 32.3 / 72.3 / 122.7 / 216.2 (below B = 8 the Triton
+# row runs; 16 warps measured slower at every B); 16 heads, 4 warps, 13.2 / 16.2 / 28.4 / 41.7 / 66.6 against the
+# Triton row's 13.4 / 19.7 / 35.2 / 55.2 / 89.5. Both run on fp8 caches only; bf16 rows keep the Triton fallback.
 SPARSE_DECODE: dict[tuple[str, int], DecodeImpl] = {
     ("sm_90", 64): DecodeImpl("gluon", 64, 2, 218_192),
     ("sm_90", 32): DecodeImpl("triton", 64, 2, 164_096),
@@ -79,10 +81,12 @@ SPARSE_DECODE: dict[tuple[str, int], DecodeImpl] = {
     ("sm_100", 64): DecodeImpl("triton", 64, 2, 135_440),
     ("sm_100", 32): DecodeImpl("triton", 64, 2, 164_096),
     ("sm_100", 16): DecodeImpl("triton", 64, 2, 147_712),
-    ("sm_120", 64): DecodeImpl("gluon_mma_v2", 16, 2, 100_352, num_warps=8, min_batch=8,
+    ("sm_120", 64): DecodeImpl("gluon_mma_v2", 16, 2, 100_352, num_warps=8, min_batch=8, fp8_words=True,
+                               lazy_rescale=True,
                                fallback=DecodeImpl("triton", 32, 1, 81_920, head_group=16, num_warps=4)),
     ("sm_120", 32): DecodeImpl("triton", 32, 1, 81_920, head_group=16, num_warps=4),
-    ("sm_120", 16): DecodeImpl("triton", 32, 1, 81_920, num_warps=4),
+    ("sm_120", 16): DecodeImpl("gluon_mma_v2", 16, 2, 49_664, num_warps=4, fp8_words=True, lazy_rescale=True,
+                               fallback=DecodeImpl("triton", 32, 1, 81_920, num_warps=4)),
 }
 # The Triton config a ratio-128 (dense) call of the embedded engine uses: its index list is as wide as the
 # configured context, which the Gluon kernel's shared-memory index table cannot hold.

@@ -21,18 +21,20 @@ warps, S's 16 columns held twice; 128 registers and 116 B spilled for sm_120a, n
     O        [64, 512] fp32 in registers as four 128-column accumulators, O_c = O_c * alpha + P K[:, c]; P is
              converted once a block to the A-operand layout.
 
-Options for the next GPU run, not yet timed (off in the dispatch table): `LaunchConfig(fp8_words=True)` dequantises
-four e4m3 bytes at a time in 32-bit words (`E4M3_WORD`; 690 loop instructions a warp against 781), 16 warps, and
-`lazy_rescale=True`: the reference max moves only when a block's max passes it by more than 2**8 (decided for the
-whole CTA, so a block that moves no max skips O's rescale, 128 of the 821 instructions a warp spends on a block).
-Off, the kernel compiles to the same sm_120a instructions as the version the figures below were measured on.
+Options (LaunchConfig fields; the dispatch table's sm_120 rows turn on the first two): `fp8_words=True` dequantises
+four e4m3 bytes at a time in 32-bit words (`E4M3_WORD`; 690 loop instructions a warp against 781), `lazy_rescale=True`
+moves the reference max only when a block's max passes it by more than 2**8 (decided for the whole CTA, so a block
+that moves no max skips O's rescale: 145 of the 727 loop instructions a warp, sm_120a), and 16 warps. Measured on an
+H100 standing in (bench/results/sm120_backends.md, c4, B = 128): 115.8 us neither, 100.1 words, 108.7 lazy, 99.9
+both, 146.9 both at 16 warps. Neither option on, the kernel compiles to the same sm_120a instructions as before they
+existed. 16 heads (TP4's real count): one warp row, 4 or 8 warps across S's and O's columns (49,664 B).
 
 Shared memory 100,352 B with the layout conversions' scratch (sm_120 allows 101,376); 255 registers, no spill as
 compiled for sm_120a (tests/kernels/test_dispatch.py). Output: (out, lse), or split partials [B, splits, 64, 512] in
 the layout `kernel._combine_kernel` / `_combine_stream_kernel` merge. Semantics are those of `reference.py`; live
-block j < nbw is window block j, else extra block j - nbw, as in `kernel.py`. Measured (H200 standing in,
-bench/results/sm120_decode.md): about twice the Triton row's speed from B = 32; slower at B = 1, where the
-dispatch table keeps the Triton row (`DecodeImpl.min_batch`).
+block j < nbw is window block j, else extra block j - nbw, as in `kernel.py`. Measured (H100 standing in,
+bench/results/sm120_backends.md): 1.4-2.2x the Triton row from B = 8; slower at B = 1, where the dispatch table keeps
+the Triton row (`DecodeImpl.min_batch`).
 """
 
 from __future__ import annotations
