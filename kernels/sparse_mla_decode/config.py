@@ -191,24 +191,22 @@ def choose_backend_for(device: torch.device, h: int, dtype: torch.dtype, is_fp8:
 def _gluon_unavailable(device, gpu, h, dtype) -> str | None:
     if device.type == "cuda" and not dispatch.allows_gluon(gpu):
         return f"it is written for sm_90 (Hopper); this GPU runs as {gpu}"
-    return _gluon_call_unavailable(device, h, dtype, "all 64 heads as the wgmma M")
+    return _gluon_call_unavailable(device, h, dtype, (64,), "all 64 heads as the wgmma M")
 
 
 def mma_v2_unavailable(device, h, dtype) -> str | None:
     """Why the mma.sync Gluon kernel (`gluon_mma_v2.py`, written for sm_120, any GPU with mma.sync runs it) cannot
     take a call (None: it can): CUDA, 64 or 16 heads (16 a warp along M), bf16 queries, a Triton release its
     Gluon API was written against."""
-    if h == 16:  # one warp row of 16 heads, the warps across S's and O's columns
-        return _gluon_call_unavailable(device, 64, dtype, "")
-    return _gluon_call_unavailable(device, h, dtype, "64 or 16 heads (warp rows of 16 heads)")
+    return _gluon_call_unavailable(device, h, dtype, (64, 16), "64 or 16 heads (warp rows of 16 heads)")
 
 
-def _gluon_call_unavailable(device, h, dtype, heads_as: str) -> str | None:
-    """What both Gluon kernels need of a call: CUDA tensors, 64 heads (taken as `heads_as`), bf16 queries, and a
-    Triton release their Gluon API was written against."""
+def _gluon_call_unavailable(device, h, dtype, heads: tuple[int, ...], heads_as: str) -> str | None:
+    """What both Gluon kernels need of a call: CUDA tensors, a head count in `heads` (taken as `heads_as`), bf16
+    queries, and a Triton release their Gluon API was written against."""
     if device.type != "cuda":
         return "it runs on CUDA tensors only"
-    if h != 64:
+    if h not in heads:
         return f"it takes {heads_as}; got H={h}"
     if dtype != torch.bfloat16:
         return f"it takes bf16 queries; got {dtype}"
