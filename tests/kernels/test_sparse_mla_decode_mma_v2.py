@@ -33,12 +33,7 @@ def test_gpu_mma_v2_matches_reference(fp8, warps, words, lazy, b, splits):
     splits than a query has blocks (splits with no rows). 16 warps: the warps across S's 16 columns hold copies.
     words: fp8 dequantised four bytes at a time (bf16 rows ignore it). lazy: the reference max moves only when a
     block's max passes it by more than 2**8."""
-    c = make_case(b, **V4, device="cuda", seed=300 + b + splits, sink=b % 2 == 0)
-    cfg = LaunchConfig(backend="gluon_mma_v2", num_splits=splits, num_warps=warps, fp8_words=words,
-                       lazy_rescale=lazy)
-    run, (ref_out, ref_lse) = v4_call(c, fp8, cfg)
-    out, lse = run()
-    assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
+    _matches_reference(64, fp8, warps, words, lazy, b, splits, seed=300)
 
 
 @mma_v2_gpu
@@ -48,7 +43,11 @@ def test_gpu_mma_v2_matches_reference(fp8, warps, words, lazy, b, splits):
 @pytest.mark.parametrize("b, splits", [(1, 0), (8, 3), (130, 0), (3, 60)])
 def test_gpu_mma_v2_16_heads_matches_reference(fp8, warps, words, lazy, b, splits):
     """16 heads (TP4's real head count): one warp row, the warps across S's columns holding copies."""
-    c = make_case(b, **dict(V4, h=16), device="cuda", seed=700 + b + splits, sink=b % 2 == 0)
+    _matches_reference(16, fp8, warps, words, lazy, b, splits, seed=700)
+
+
+def _matches_reference(heads, fp8, warps, words, lazy, b, splits, seed):
+    c = make_case(b, **dict(V4, h=heads), device="cuda", seed=seed + b + splits, sink=b % 2 == 0)
     cfg = LaunchConfig(backend="gluon_mma_v2", num_splits=splits, num_warps=warps, fp8_words=words,
                        lazy_rescale=lazy)
     run, (ref_out, ref_lse) = v4_call(c, fp8, cfg)
