@@ -93,8 +93,9 @@ def up(topology_path: str, options: UpOptions) -> UpResult:
     _INTERRUPTED.clear()
     _interrupt_on_sigterm()
     if address is None:
+        reserved = frozenset(port for plan in (*spec.workers, spec.router) for port in plan.ports)
         address, head = ray_cluster.start_head(run_dir / "logs" / "ray-head.log", None,
-                                               options.head_timeout_s)
+                                               options.head_timeout_s, reserved)
     record = ClusterRecord(address=address, namespace=spec.namespace, endpoint=spec.endpoint,
                            topology_path=str(Path(topology_path).absolute()),
                            run_dir=str(run_dir), head=head, admin_token=admin_token)

@@ -38,9 +38,12 @@ def _ray_command() -> list[str]:
     return [sys.executable, "-m", "ray.scripts.scripts"]
 
 
-def start_head(log_path: Path, num_cpus: int | None, timeout_s: float) -> tuple[str, HeadProcess]:
-    """Start a Ray head in its own process group; returns its address once it accepts drivers."""
-    gcs, client, agent, agent_grpc, metrics, env_agent = free_ports(6)
+def start_head(log_path: Path, num_cpus: int | None, timeout_s: float,
+               reserved: frozenset[int] = frozenset()) -> tuple[str, HeadProcess]:
+    """Start a Ray head in its own process group; returns its address once it accepts drivers. `reserved`: ports
+    the head must not take though they are free now (the topology's workers and router bind them later: seen in CI,
+    a head's port on the router's, which then crash-looped on the bind)."""
+    gcs, client, agent, agent_grpc, metrics, env_agent = free_ports(6, exclude=reserved)
     argv = [
         *_ray_command(), "start", "--head", "--block",
         "--node-ip-address", HEAD_HOST, "--port", str(gcs),

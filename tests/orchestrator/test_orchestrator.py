@@ -275,3 +275,42 @@ def test_a_node_missing_from_ray_fails_up_before_any_process_starts(tmp_path: Pa
     assert "decode-0: node 'far' (10.255.0.9) is not in the Ray cluster" in r.stderr
     assert not (tmp_path / "run" / "logs" / "prefill-0.log").exists()
     assert not (tmp_path / "home" / "current.json").exists()
+
+
+def test_the_ray_head_leaves_the_topologys_ports_to_the_topology(tmp_path: Path, monkeypatch) -> None:
+    """`up` starts its Ray head before the workers and the router bind their ports; the head's six ports must avoid
+    them (seen in CI: a head's port on the router's, and the router crash-looped on the bind). A real head in a
+    window of seven free ports with one reserved takes the other six; `up` reserves every port of its plans."""
+    from dsv4_cluster.orchestrator.cluster import deployment, ray_cluster
+    from dsv4_cluster.orchestrator.launch.ports import search_range
+
+    low, high = search_range()
+    start = next(p for p in range(low, high - 7) if all(port_is_free(q) for q in range(p, p + 7)))
+    window, reserved = range(start, start + 7), start + 3
+    monkeypatch.setenv("DSV4_CLUSTER_PORTS", f"{start}-{start + 7}")
+    _, head = ray_cluster.start_head(tmp_path / "head.log", num_cpus=1, timeout_s=60, reserved=frozenset({reserved}))
+    try:
+        argv = Path(f"/proc/{head.pid}/cmdline").read_bytes().split(b"\0")
+        taken = {int(a) for a in argv if a.isdigit() and int(a) in window}
+        assert taken == set(window) - {reserved}, (taken, reserved)
+    finally:
+        ray_cluster.stop_head(head, deadline_s=10.0)
+    assert not gone([head.pid])
+
+    asked: list[frozenset[int]] = []
+
+    def no_head(log_path, num_cpus, timeout_s, reserved=frozenset()):
+        asked.append(reserved)
+        raise ray_cluster.RayClusterError("stopped here by the test")
+
+    monkeypatch.setattr(ray_cluster, "start_head", no_head)
+    monkeypatch.setenv("DSV4_CLUSTER_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("DSV4_CLUSTER_PORTS")
+    topo, ports = _topology(tmp_path)
+    handler = signal.getsignal(signal.SIGTERM)  # `up` installs its own while it starts things
+    try:
+        with pytest.raises(ray_cluster.RayClusterError, match="stopped here by the test"):
+            deployment.up(str(topo), deployment.UpOptions())
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert asked and set(ports.values()) <= asked[0], (ports, asked)
