@@ -185,6 +185,12 @@ def _stage_store(stage, rows, BN: gl.constexpr):
 
 
 @gluon.jit
+def _scaled(alpha, o0, o1, o2, o3):
+    """O's four 128-column accumulators, each row scaled by alpha (the online softmax's move of its reference max)."""
+    return o0 * alpha[:, None], o1 * alpha[:, None], o2 * alpha[:, None], o3 * alpha[:, None]
+
+
+@gluon.jit
 def _sparse_decode_mma_v2_kernel(
     q_ptr, stride_qb, stride_qh,
     kv_ptr, stride_kv, ekv_ptr, stride_ekv,
@@ -283,10 +289,7 @@ def _sparse_decode_mma_v2_kernel(
             if grow > 0:
                 m_new = gl.maximum(m_i, m_blk)
                 alpha = gl.exp2(m_i - gl.where(m_new == float("-inf"), 0.0, m_new))
-                o0 = o0 * alpha[:, None]
-                o1 = o1 * alpha[:, None]
-                o2 = o2 * alpha[:, None]
-                o3 = o3 * alpha[:, None]
+                o0, o1, o2, o3 = _scaled(alpha, o0, o1, o2, o3)
                 l_acc = l_acc * alpha[:, None]
                 m_i = m_new
             p = gl.exp2(s - gl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
@@ -297,10 +300,7 @@ def _sparse_decode_mma_v2_kernel(
             alpha = gl.exp2(m_i - m_safe)
             p = gl.exp2(s - m_safe[:, None])
             l_acc = l_acc * alpha[:, None] + p
-            o0 = o0 * alpha[:, None]
-            o1 = o1 * alpha[:, None]
-            o2 = o2 * alpha[:, None]
-            o3 = o3 * alpha[:, None]
+            o0, o1, o2, o3 = _scaled(alpha, o0, o1, o2, o3)
             m_i = m_new
         p_op = gl.convert_layout(p.to(gl.bfloat16), dot_a)
         o0 = mma_v2(p_op, stage.slice(0 * DC, DC, dim=1).load(dot_b), o0)
