@@ -16,14 +16,13 @@ import json
 import sys
 import traceback
 
-from dsv4_cluster.kernels.sglang_adapters import flash_mla_with_kvcache
+from bench.common import md_table
+from bench.kernels import bench_us, graphed
+from bench.sm120_backends import against_sglang
+from bench.sm120_decode import load
 from dsv4_cluster.kernels.sglang_adapters.flash_mla_sm120 import flash_mla_keywords
 from dsv4_cluster.kernels.sglang_cases import decode_case, sglang_sm120_args, sm120_call
-from dsv4_cluster.kernels.sparse_mla_decode.config import LaunchConfig, gluon_api_unavailable
-
-from .common import md_table
-from .kernels import bench_us, graphed
-from .sm120_decode import load
+from dsv4_cluster.kernels.sparse_mla_decode.config import gluon_api_unavailable
 
 _LW = dict(fp8_words=True, lazy_rescale=True)
 H16 = {"h16_triton": dict(backend="triton"),
@@ -42,7 +41,7 @@ def rows(mode: str) -> list[dict]:
     for b in (1, 8, 32, 64, 128):
         args = decode_case("c4", b, 64, seed=b, full=True)
         calls = {}
-        for heads in (64, 16):
+        for heads in dict.fromkeys(h for h, _, _ in sets):  # SGLang's output only at the head counts timed
             kw = sm120_call(args, None if heads == 64 else heads)
             pos = sglang_sm120_args(kw)
             calls[heads] = (flash_mla_keywords(kw, kw["q"], kw["attn_sink"]), base.triton_decode(*pos)[0].float(), pos)
@@ -52,10 +51,7 @@ def rows(mode: str) -> list[dict]:
             if mode != "sm90" and name == "h16_triton":
                 row["sglang_triton_us"] = bench_us(graphed(lambda: base.triton_decode(*pos)), 10, 50)
             try:
-                cfg = LaunchConfig(**fields)
-                got = flash_mla_with_kvcache(**call, config=cfg)[0].float()
-                row.update(diff=(got - ref).abs().max().item(), ref_max=ref.abs().max().item(),
-                           us=bench_us(graphed(lambda: flash_mla_with_kvcache(**call, config=cfg)), 25, 100))
+                row.update(zip(("diff", "ref_max", "us"), against_sglang(call, ref, fields)))
             except Exception as exc:  # recorded, the run goes on
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 traceback.print_exc()
