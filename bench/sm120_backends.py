@@ -9,7 +9,6 @@ import os
 
 from bench.common import md_columns
 from bench.kernels import bench_us, graphed
-from bench.sm120_decode import _c128_case
 from dsv4_cluster.kernels.sglang_adapters import flash_mla_with_kvcache
 from dsv4_cluster.kernels.sglang_adapters.flash_mla_sm120 import flash_mla_keywords
 from dsv4_cluster.kernels.sglang_cases import decode_case, sglang_sm120_args, sm120_call
@@ -45,17 +44,17 @@ BACKEND_CONFIGS = {"triton_row": dict(backend="triton"), "mma_v2": _MMA,
 BACKEND_OPTIONS = [n for n in BACKEND_CONFIGS if n not in ("triton_row", "mma_v2") and "splits" not in n]
 
 
-def backend_rows(base, layers=(("c4", None),)) -> list[dict]:
+def backend_rows(base, c128_case, layers=(("c4", None),)) -> list[dict]:
     """64 heads, B = 1 ... 128: the sm_120 row's two kernels side by side, the Triton row (16-head programs) and the
     mma.sync Gluon kernel (automatic splits, then 1 / 2 / 4 / 8), each against SGLang's sm_120 Triton kernel on the
     same call: what `SPARSE_DECODE[("sm_120", 64)]` and its `min_batch` rest on. `SM120_BACKEND_LAYERS=c128` adds
-    the ratio-128 layers (8K and 1M configured)."""
+    the ratio-128 layers (8K and 1M configured), built by `c128_case(B, configured, seed)`."""
     if "c128" in os.environ.get("SM120_BACKEND_LAYERS", ""):
         layers = (*layers, ("c128", 8192), ("c128", 1 << 20))
     rows = []
     for layer, ctx in layers:
         for b in (1, 8, 32, 64, 128):
-            args = decode_case("c4", b, 64, seed=b, full=True) if layer == "c4" else _c128_case(b, ctx, b)
+            args = decode_case("c4", b, 64, seed=b, full=True) if layer == "c4" else c128_case(b, ctx, b)
             kw = sm120_call(args)
             pos = sglang_sm120_args(kw)
             ref = base.triton_decode(*pos)[0].float()

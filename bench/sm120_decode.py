@@ -28,6 +28,7 @@ import torch
 
 from bench.common import md_columns, versions, write
 from bench.kernels import bench_us, graph_and_eager_us, graphed
+from bench.sm120_backends import backend_rows, backends_markdown
 from dsv4_cluster.kernels import dispatch
 from dsv4_cluster.kernels.sglang_adapters import flash_mla_with_kvcache_sm120, fp8_paged_mqa_logits, topk_transform_paged_v2
 from dsv4_cluster.kernels.sglang_cases import decode_case, indexer_case, sglang_sm120_args, sm120_call
@@ -204,13 +205,11 @@ def run(argv: list[str]) -> int:
     gpu = dispatch.class_of_device(torch.device("cuda"))
     if gpu != "sm_120":
         raise SystemExit(f"run with {dispatch.CLASS_ENV}=sm_120 {dispatch.MMA_V2_ENV}=1 (this run is {gpu})")
-    from bench.sm120_backends import backend_rows, backends_markdown  # it imports this module's cases
-
     base = load()
     result = {"device": torch.cuda.get_device_name(), "forced_class": gpu, "sglang_src": base.root,
               "flashinfer_sm120": "not run: FlashInfer's sm_120 CUDA kernel cannot run on a Hopper stand-in"}
     sections = {"prefill_rows": prefill_rows, "decode": decode_rows, "indexer": indexer_rows, "sweep": sweep_rows,
-                "backends": backend_rows}
+                "backends": lambda base: backend_rows(base, _c128_case)}
     # the sweep (36 configs x 5 batches) runs when asked: SM120_SECTIONS=sweep; the two kernels of the 64-head row side
     # by side (SM120_SECTIONS=backends) go to their own files, sm120_backends.json / .md
     default = "prefill_rows,decode,indexer"
