@@ -1,22 +1,24 @@
 """The sm_120 rows' reference points on the stand-in GPU itself, c4, SGLang's sm_120 calling convention, graph replay:
 
-    python -m bench.sm120_reference OUT.json sm90      # unforced: our sm_90 path (auto: the wgmma Gluon kernel at 64
-                                                       # heads) and our sm_90 Triton kernel, 64 and 16 heads
-    DSV4_CLUSTER_GPU_CLASS=sm_120 DISABLE_MMA_V3=1 python -m bench.sm120_reference OUT.json h16only
-                                                       # forced sm_120, 16 heads: the Triton row and the mma.sync
-                                                       # Gluon kernel (4 / 8 warps, plain and fp8 words + lazy rescale)
+    python -m bench.kernels sm120_reference sm90 OUT.json     # unforced: our sm_90 path (auto: the wgmma Gluon
+                                                              # kernel at 64 heads; the table's 16-head row) and our
+                                                              # sm_90 Triton kernel, 64 and 16 heads
+    DSV4_CLUSTER_GPU_CLASS=sm_120 DISABLE_MMA_V3=1 python -m bench.kernels sm120_reference h16only OUT.json
+                                                              # forced sm_120, 16 heads: the Triton row and the mma.sync
+                                                              # Gluon kernel (4 / 8 warps, plain and fp8 words + lazy)
+    python -m bench.kernels sm120_reference render A.json [B.json]   # no GPU: bench/results/sm120_reference.{json,md}
 
-Issue 35's "<= 1.5x our own sm_90 kernel" compares `sm120_backends.md` with the first; the second is what moved the
-16-head sm_120 row. Each row: max |diff| from SGLang's sm_120 Triton kernel on the same call, and us. One JSON line a
-row on stdout, all rows in OUT.json; `markdown(rows)` renders them (`bench/results/sm120_reference.md`)."""
+"<= 1.5x our own sm_90 kernel" for the sm_120 rows compares `sm120_backends.md` with the first; the second is what
+moved the 16-head sm_120 row. Each row: max |diff| from SGLang's sm_120 Triton kernel on the same call, and us. One
+JSON line a row on stdout; a mode run's OUT.json holds its rows, device and versions, and `render` merges mode runs
+(two processes: forcing the class is per process) into the committed tables."""
 
 from __future__ import annotations
 
 import json
-import sys
 import traceback
 
-from bench.common import md_table
+from bench.common import RESULTS, md_table, versions, write
 from bench.kernels import bench_us, graphed
 from bench.sm120_backends import against_sglang
 from bench.sm120_decode import load
@@ -76,7 +78,26 @@ def markdown(runs: dict[str, list[dict]], device: str, versions: str) -> str:
     return "\n".join(parts)
 
 
-if __name__ == "__main__":
-    result = rows(sys.argv[2] if len(sys.argv) > 2 else "h16only")
-    with open(sys.argv[1], "w") as f:
-        json.dump(result, f)
+TITLES = {"sm90": "sm90 (unforced: our sm_90 path and its Triton kernel)", "h16only": "h16only (forced sm_120, 16 heads)"}
+
+
+def run(argv: list[str]) -> int:
+    if argv[:1] == ["render"]:
+        runs = [json.loads(open(path).read()) for path in argv[1:]]
+        result = dict(device=runs[0]["device"], versions=runs[0]["versions"],
+                      runs={TITLES[r["mode"]]: r["rows"] for r in runs})
+        checked = [r["mode"] for r in runs if r["mode"] == "sm90" and r["gluon_api_unavailable"] is None]
+        note = ("The sm90 run also checked `gluon_api_unavailable()` is None (the wgmma Gluon kernel ran as "
+                f"`sm90_auto` on Triton {result['versions']['triton']}).") if checked else ""
+        md = markdown(result["runs"], result["device"],
+                      f"torch {result['versions']['torch']}, Triton {result['versions']['triton']}") + "\n" + note
+        write(RESULTS / "sm120_reference", result, md + "\n")
+        return 0
+    mode, path = argv[:2]
+    import torch
+
+    out = rows(mode)
+    with open(path, "w") as f:
+        json.dump(dict(mode=mode, device=torch.cuda.get_device_name(), gluon_api_unavailable=out[0][
+            "gluon_api_unavailable"], versions={k: versions()[k] for k in ("torch", "triton")}, rows=out[1:]), f)
+    return 0
