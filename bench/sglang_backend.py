@@ -9,7 +9,10 @@ backend over DeepSeek-V4-Flash's 43 layers, TP4 (16 real heads padded to 64): SG
 forward_c4_indexer (ratio 4) + forward. Eager, and as SGLang's decode runner captures and replays CUDA graphs
 (init_cuda_graph_state, out-of-graph metadata in_capture, two warm-ups, on_after_cuda_graph_warmup, capture of the
 in-graph metadata + layers; a replay step = init_forward_metadata_out_graph + replay). L2 flushed before every
-timed step; median of `reps`. One equality case's outputs are saved; `report` compares stock and plugin.
+timed step; median of `reps`. Plugin mode times, instead, the decode-only A/B: the plugin's step and the same step
+with every decode call on SGLang's FlashMLA partial (indexer and top-k ours in both), `--ab-reps` interleaved
+rounds, median and IQR of each (`_decode_ab`). One equality case's outputs are saved; `report`
+(`sglang_backend_report.py`) compares stock and plugin.
 """
 
 from __future__ import annotations
@@ -23,10 +26,9 @@ import time
 from pathlib import Path
 
 from . import sglang_backend_rig as rig
-from .common import RESULTS, ints, md_table, versions, write
+from .common import ints, versions
+from .sglang_backend_report import EQ_CASE, report
 
-TOPK_SWAPS = 4  # of 512 per row (see compare)
-EQ_CASE = {"context": 131072, "batch": 8, "live": 4096}  # 1,024 C4 entries: the top-512 is a real choice
 
 
 def _timed(fn, reps: int, flush) -> float:
@@ -78,8 +80,46 @@ def capture(r: rig.Rig, fb, inputs):
 KIND_LAYERS = (0, 2, 3)  # V4-Flash's first window-only, ratio-4 and ratio-128 layers
 
 
+def _spread(times: list[float]) -> dict:
+    q1, _, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else (times[0], 0, times[0])
+    return {"median": statistics.median(times), "iqr": q3 - q1}
+
+
+def _decode_ab(r: rig.Rig, fb, inputs, reps: int, flush) -> dict:
+    """Plugin mode: the step as the plugin runs it (`plugin`: the route table's decode, our indexer / top-k) against
+    the same step with every decode call on SGLang's own FlashMLA partial (`decode_stock`, the indexer and top-k
+    still ours), in one process on one pool: both graphs captured, then `reps` rounds, each timing one eager step
+    and one replay of each (L2 flushed before each), interleaved. Median and IQR of each."""
+    backend = r.backend
+    routed = backend._flash_mla_with_kvcache
+    variants = {"plugin": routed, "decode_stock": routed.dsv4_stock}
+    replays, row = {}, {"ab_reps": reps}
+    for name, call in variants.items():
+        backend._flash_mla_with_kvcache = call
+        try:
+            replays[name] = capture(r, fb, inputs)[2]
+        except Exception as e:  # reported in the table, never hidden
+            row[f"{name}_graph_error"] = f"{type(e).__name__}: {e}"[:300]
+    times: dict[str, list[float]] = {}
+    try:
+        for _ in range(reps):
+            for name, call in variants.items():
+                backend._flash_mla_with_kvcache = call
+                times.setdefault(f"{name}_eager", []).append(_timed(lambda: eager_step(r, fb, inputs), 1, flush))
+                if name in replays:
+                    times.setdefault(f"{name}_graph", []).append(_timed(replays[name], 1, flush))
+    finally:
+        backend._flash_mla_with_kvcache = routed
+    for key, values in times.items():
+        spread = _spread(values)
+        row[f"{key}_ms"], row[f"{key}_iqr_ms"] = spread["median"], spread["iqr"]
+    row.update(eager_ms=row["plugin_eager_ms"], graph_ms=row.get("plugin_graph_ms"),
+               graph_error=row.get("plugin_graph_error"))
+    return row
+
+
 def run_mode(mode: str, out: Path, contexts: list[int], batches: list[int], live: int, reps: int,
-             layer_ids: list[int] | None = None) -> dict:
+             layer_ids: list[int] | None = None, ab_reps: int = 20) -> dict:
     rig.install_import_stand_ins()
     rig.set_mode_env(mode)
     import torch
@@ -102,17 +142,19 @@ def run_mode(mode: str, out: Path, contexts: list[int], batches: list[int], live
             fb, inputs = rig.decode_batch(r, batch, live), rig.layer_inputs(r, batch)
             eager_step(r, fb, inputs)
             torch.cuda.synchronize()
-            eager = _timed(lambda: eager_step(r, fb, inputs), reps, flush)
-            try:
-                graph, _, replay = capture(r, fb, inputs)
-                graph_ms, graph_error = _timed(replay, reps, flush), None
-            except Exception as e:  # reported in the table, never hidden
-                graph_ms, graph_error = None, f"{type(e).__name__}: {e}"[:300]
-            rows.append({"context": context, "batch": batch, "eager_ms": eager, "graph_ms": graph_ms,
-                         "graph_error": graph_error})
+            if mode == "plugin":
+                row = _decode_ab(r, fb, inputs, ab_reps, flush)
+            else:
+                row = {"eager_ms": _timed(lambda: eager_step(r, fb, inputs), reps, flush)}
+                try:
+                    replay = capture(r, fb, inputs)[2]
+                    row.update(graph_ms=_timed(replay, reps, flush), graph_error=None)
+                except Exception as e:  # reported in the table, never hidden
+                    row.update(graph_ms=None, graph_error=f"{type(e).__name__}: {e}"[:300])
+            rows.append({"context": context, "batch": batch, **row})
             print(json.dumps({"mode": mode, **rows[-1]}), flush=True)
             _write(mode, out, factory, live, reps, layer_ids, eq, rows)  # what a timeout leaves is still reported
-            graph = replay = fb = inputs = None  # the replay closure holds the backend, hence the whole pool
+            replay = fb = inputs = None  # the replay closure holds the backend, hence the whole pool
         print(f"context {context}: {time.time() - t0:.1f} s", flush=True)
         del r
         gc.collect()  # the next context's pool must not meet this one's (the first device run ran out of memory)
@@ -203,87 +245,6 @@ def _beside_flashmla(r: rig.Rig, step) -> tuple[list, dict]:
     return outs, result
 
 
-def compare(out: Path) -> dict:
-    """Stock vs plugin on the equality case: FlashMLA's tolerance per layer kind, top-k sets per row.
-
-    The ratio-4 layer attends over each mode's own top-512. SGLang's torch indexer fallback scores in bf16, ours
-    in fp32, so a row may select one entry either side of a tie at the 512th score (TOPK_SWAPS bounds them); such
-    a row attends over a different set and its output differs by that entry's weight (4-5 % was seen). So the
-    ratio-4 output is judged on the rows whose sets are equal, and the swapped rows are listed with their error.
-    """
-    import torch
-
-    a, b = torch.load(out / "stock_outputs.pt"), torch.load(out / "plugin_outputs.pt")
-    sets = [(set(x.tolist()) - {-1}, set(y.tolist()) - {-1}) for x, y in zip(a["topk"], b["topk"])]
-    diff = [len(x - y) for x, y in sets]
-    same = [i for i, d in enumerate(diff) if d == 0]
-    result = {}
-    for kind, ref in a["outputs"].items():
-        got = b["outputs"][kind]
-        rows = same if kind == "ratio4" else list(range(ref.shape[0]))
-        err = ((got[rows] - ref[rows]).norm() / ref[rows].norm()).item() if rows else float("nan")
-        result[kind] = {"rel_error": err, "max_abs": (got[rows] - ref[rows]).abs().max().item() if rows else None,
-                        "rows": len(rows), "ok": bool(rows) and err < 0.01}
-        if kind == "ratio4":
-            result[kind]["swapped_rows"] = {
-                str(i): round(((got[i] - ref[i]).norm() / ref[i].norm()).item(), 5) for i, d in enumerate(diff) if d}
-    # At least half the rows must agree exactly: a systematic difference would swap many entries in every row.
-    result["topk"] = {"rows": len(sets), "rows_equal": len(same), "max_swapped": max(diff),
-                      "sizes": sorted({len(x) for x, _ in sets}),
-                      "ok": max(diff) <= TOPK_SWAPS and 2 * len(same) >= len(sets)}
-    return result
-
-
-def _ratio(rows: dict, key: str, batch: int, contexts: list[int]):
-    if len(contexts) < 2:
-        return None  # one context measured: no ratio
-    lo, hi = rows.get((contexts[0], batch), {}).get(key), rows.get((contexts[-1], batch), {}).get(key)
-    return None if lo is None or hi is None else hi / lo
-
-
-def report(out: Path) -> dict:
-    stock, plugin = (json.loads((out / f"{m}.json").read_text()) if (out / f"{m}.json").exists()
-                     else {"rows": [], "device": "-", "torch": "-", "layers": "-", "live_tokens": "-", "reps": "-"}
-                     for m in ("stock", "plugin"))
-    have = all((out / f"{m}_outputs.pt").exists() for m in ("stock", "plugin"))
-    eq = compare(out) if have else {"not run": "the equality case (context 131072) did not complete in both modes"}
-    s = {(x["context"], x["batch"]): x for x in stock["rows"]}
-    p = {(x["context"], x["batch"]): x for x in plugin["rows"]}
-    contexts = sorted({c for c, _ in s} | {c for c, _ in p})
-    batches = sorted({b for _, b in s} | {b for _, b in p})
-    fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-    lines = ["# SGLang 0.5.23's DeepSeek-V4 decode attention backend: stock vs dsv4-cluster plugin (H200)", "",
-             f"Device {stock['device']}, torch {stock['torch']}. One decode step of SGLang's attention backend over "
-             f"{stock['layers']} layers, TP4 (16 heads padded to 64), {stock['live_tokens']} live tokens per request; "
-             f"median of {stock['reps']} steps, L2 flushed. ms per step.",
-             "", "**stock** = SGLang 0.5.23 with FlashMLA (sgl-flash-mla 1.0.0) for decode, and SGLang's own "
-             "fallbacks for what cannot load beside torch 2.11: indexer `fp8_paged_mqa_logits_torch` "
-             "(SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=1, DeepGEMM does not load) and top-k `topk_transform_pytorch_"
-             "vectorized` (--dsa-topk-backend torch; the JIT top-k v2 needs tvm-ffi builds). **plugin** = SGLang's "
-             "defaults plus our kernels installed by load_plugins() (sparse decode, indexer, top-k).", ""]
-    graph = lambda x, y: fmt(y / x if x and y else None)  # noqa: E731
-    lines += md_table(["context", "batch", "stock graph", "plugin graph", "plugin/stock", "stock eager", "plugin eager"],
-                      [[c, b, fmt(x.get("graph_ms")), fmt(y.get("graph_ms")), graph(x.get("graph_ms"), y.get("graph_ms")),
-                        fmt(x.get("eager_ms")), fmt(y.get("eager_ms"))]
-                       for c in contexts for b in batches for x, y in [(s.get((c, b), {}), p.get((c, b), {}))]])
-    ratios = [{"batch": b, **{f"{m}_{k}": _ratio(d, f"{k}_ms", b, contexts) for k in ("graph", "eager")
-                              for m, d in (("stock", s), ("plugin", p))}} for b in batches]
-    lines += ["", f"1M / 8K step-time ratio ({contexts[-1]} / {contexts[0]}):", "",
-              *md_table(["batch", "stock graph", "plugin graph", "stock eager", "plugin eager"],
-                        [[r["batch"], *(fmt(r[k]) for k in ("stock_graph", "plugin_graph", "stock_eager",
-                                                            "plugin_eager"))] for r in ratios])]
-    lines += ["", f"Equality (context {EQ_CASE['context']}, batch {EQ_CASE['batch']}, {EQ_CASE['live']} live tokens):",
-              ""] + [f"- {k}: {json.dumps(v)}" for k, v in eq.items()]
-    errors = [f"- {m} {x['context']}/{x['batch']}: {x['graph_error']}" for m, d in (("stock", s), ("plugin", p))
-              for x in d.values() if x.get("graph_error")]
-    if errors:
-        lines += ["", "Graph capture failures (eager only there):", ""] + errors
-    result = {"stock": stock, "plugin": plugin, "equality": eq, "ratios_1m_8k": ratios}
-    write(RESULTS / "sglang_backend", result, "\n".join(lines))
-    print("\n".join(lines))
-    return result
-
-
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="sglang_backend")
     ap.add_argument("what", choices=["mode", "report"])
@@ -292,6 +253,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--batches", type=ints, default=[1, 8, 32, 64, 128])
     ap.add_argument("--live", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--ab-reps", type=int, default=20,
+                    help="plugin mode: interleaved rounds of the plugin step and the decode-stock step")
     ap.add_argument("--layer-ids", type=ints, default=None, help="comma-separated layer ids (default: all 43)")
     ap.add_argument("--then-each-kind", action="store_true",
                     help="after the run, one per layer kind (ids 0 window, 2 ratio 4, 3 ratio 128) in this process, "
@@ -302,7 +265,7 @@ def main(argv: list[str]) -> int:
         return 0
     mode, out = a.args
     Path(out).mkdir(parents=True, exist_ok=True)
-    run_mode(mode, Path(out), a.contexts, a.batches, a.live, a.reps, a.layer_ids)
+    run_mode(mode, Path(out), a.contexts, a.batches, a.live, a.reps, a.layer_ids, a.ab_reps)
     for layer in (KIND_LAYERS if a.then_each_kind else ()):
         (Path(out) / f"kind_{layer}").mkdir(exist_ok=True)
         run_mode(mode, Path(out) / f"kind_{layer}", a.contexts, a.batches, a.live, a.reps, [layer])

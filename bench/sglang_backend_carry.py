@@ -37,7 +37,9 @@ import json, sys
 from bench import sglang_backend_rig as rig
 rig.prepare_cpu(sys.argv[1])
 r, fb, inputs = rig.cpu_case(sys.argv[1], 2, 1024)
-if sys.argv[1] == "plugin":
+if sys.argv[1] == "plugin":  # our kernel on every decode call (the route table may send a CPU-sized call to stock,
+    from dsv4_cluster.kernels import decode_routes  # whose FlashMLA cannot run here)
+    decode_routes.route = lambda *args: "ours"
     rig.run_layers(r, fb, inputs)
 else:
     x = inputs[0]["q"][:, :1, :1]

@@ -1,10 +1,10 @@
-"""`bench/sglang_backend.compare`: how the device run's stock and plugin outputs are judged (no GPU needed)."""
+"""`bench/sglang_backend_report.compare`: how the device run's stock and plugin outputs are judged (no GPU needed)."""
 
 from __future__ import annotations
 
 import torch
 
-from bench.sglang_backend import compare
+from bench.sglang_backend_report import compare
 
 
 def _save(path, outputs, topk):

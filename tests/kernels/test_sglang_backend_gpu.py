@@ -60,7 +60,7 @@ def runs(tmp_path_factory):
                                   capture_output=True, text=True, timeout=300, env=dict(os.environ))
             assert proc.returncode == 0, f"{mode} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     results = {mode: json.loads((out / f"{mode}.json").read_text()) for mode in ("stock", "plugin")}
-    from bench.sglang_backend import compare
+    from bench.sglang_backend_report import compare
 
     eq = compare(out)
     if os.environ.get("OUT"):  # the device run's returned folder: the figures, whatever the asserts say
