@@ -38,9 +38,6 @@ class _Server(uvicorn.Server):
     def capture_signals(self):
         yield
 
-    def install_signal_handlers(self) -> None:
-        return None
-
 
 async def serve_all(apps: list[tuple[FastAPI, str, int]], log_level: str) -> None:
     """Serve several apps in this event loop until SIGTERM/SIGINT, then shut all of them down."""
