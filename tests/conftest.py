@@ -3,9 +3,18 @@ module imports `ray` (Ray reads it once, at import; `orchestrator/cluster/ray_en
 
 Parallel test workers (`pytest -n`) each search their own slice of ports, as do the processes they start: a port
 one worker found free and had not bound yet was once picked by the other too (a prefill that could not bind its
-port crash-looped, and `up` failed)."""
+port crash-looped, and `up` failed).
+
+Without a CUDA device, Triton runs through its interpreter: TRITON_INTERPRET is read when a @triton.jit function is
+defined, so it is set here, before any test module of any folder imports a kernel module (a bench test that imported
+one at collection, before the kernel tests' folder was reached, made every interpreter test of its worker fail)."""
 
 import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from dsv4_cluster.orchestrator.cluster.ray_env import prepare_ray_env
 from dsv4_cluster.orchestrator.launch.ports import EPHEMERAL_LOW, PORTS_ENV, SEARCH_LOW

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 
-from bench import kernels, sm120_reference
-
 
 def _mode_file(tmp_path, mode, cfgs, gluon_why=None):
     rows = [dict(layer="c4", B=b, heads=16, cfg=c, diff=0.002, ref_max=0.35, us=10.0 + b + i)
@@ -18,6 +16,10 @@ def _mode_file(tmp_path, mode, cfgs, gluon_why=None):
 
 
 def test_render_merges_the_mode_runs_into_the_committed_tables(tmp_path, monkeypatch):
+    # imported here, not at collection: the kernel modules must first be imported after tests/conftest.py set
+    # TRITON_INTERPRET (read when a @triton.jit function is defined), or every interpreter test of this worker fails
+    from bench import kernels, sm120_reference
+
     monkeypatch.setattr(sm120_reference, "RESULTS", tmp_path)
     a = _mode_file(tmp_path, "sm90", ["sm90_auto", "h16_triton"])
     b = _mode_file(tmp_path, "h16only", ["h16_triton", "h16_mma2_w4"], gluon_why="not on this build")

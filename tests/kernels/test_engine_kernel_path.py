@@ -1,5 +1,5 @@
 """The embedded engine's kernel path on the CPU: the flash preset's forward with its sparse decode, indexer and
-top-k routed to our Triton kernels (run by Triton's interpreter here, tests/kernels/conftest.py; on a GPU,
+top-k routed to our Triton kernels (run by Triton's interpreter here, tests/conftest.py; on a GPU,
 tests/workers/test_cuda_engine.py runs them for real) gives the logits of the reference ops.
 
 This is what the CUDA engine calls, with the engine's own inputs: bf16-free here (float32, the interpreter's

@@ -35,7 +35,7 @@ gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def triton_kernels():
     """The device the Triton kernels run on: CUDA, or CPU through Triton's interpreter.
 
-    The interpreter must be on before triton is imported (tests/kernels/conftest.py sets
+    The interpreter must be on before triton is imported (tests/conftest.py sets
     TRITON_INTERPRET=1 without CUDA); a CPU run without it fails here rather than skip the kernel.
     """
     if HAS_CUDA:
