@@ -43,7 +43,8 @@ def host_us(fn, calls: int = 200) -> float:
 def decode_rows(copy_gbs: float, batches=BATCHES) -> list[dict]:
     """Per layer kind and B: FlashMLA as SGLang calls it; the adapter as the plugin calls it (no real_heads: all
     64 heads computed, the same call at 16 and at 64 real heads, so measured once); at 16 real heads also the
-    adapter told the real count (`real_heads=16`, backend by `heads_to_run`) and the 16-head Triton kernel."""
+    adapter told the real count (`real_heads=16`: the table's 16-head row, on sm_90 the mma.sync kernel) and the
+    16-head Triton kernel (that row's fallback)."""
     import flash_mla
 
     rows = []

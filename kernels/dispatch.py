@@ -11,7 +11,8 @@ compile every sm_120 config for sm_120 (ptxas from Triton's wheel, no GPU needed
 
 The Gluon kernel (warp-specialised, wgmma) is written for sm_90 alone: no row of another
 class names it, and `decode_impl` refuses it there. The mma.sync Gluon kernel (`gluon_mma_v2`) is written for sm_120
-(99 KB, no wgmma); it runs on any GPU with mma.sync, so the H200 stand-in times and tests it as it is.
+(99 KB, no wgmma); it runs on any GPU with mma.sync, so the H200 stand-in times and tests it as it is, and sm_90
+runs it at 16 heads, where wgmma's M of 64 would compute 48 padded heads.
 
 Forcing a class (`CLASS_ENV`, benches and GPU tests only): an H200 stands in for sm_120 with
 `DSV4_CLUSTER_GPU_CLASS=sm_120 DISABLE_MMA_V3=1`. The second variable makes Triton compile `tl.dot` to mma.sync,
@@ -62,8 +63,11 @@ class DecodeImpl:
 
 
 # (class, heads computed) -> implementation. Heads: what the call computes (16 / 32 / 64).
-# sm_90: Gluon takes all 64 heads as its wgmma M (H200 sweeps, bench/results/sparse_decode.md); fewer heads run on
-# the Triton kernel (block 64, 2 stages: the sweep's most frequent winner). sm_100: the same Triton configs (Triton
+# sm_90: Gluon takes all 64 heads as its wgmma M (H200 sweeps, bench/results/sparse_decode.md); 16 heads run on the
+# mma.sync Gluon kernel (4 warps, both options below; H100, Triton 3.8.0, c4, graph, B = 1 / 8 / 32 / 64 / 128: 12.9 /
+# 16.4 / 28.6 / 41.5 / 66.6 us against the 16-head Triton kernel's 16.3 / 27.2 / 34.5 / 46.2 / 73.0,
+# bench/results/sm120_reference.md), with that Triton kernel (block 64, 2 stages: the sweep's most frequent winner)
+# as its fallback and for 32 heads. sm_100: the same Triton configs (Triton
 # compiles them to tcgen05 there; Gluon's kernel is Hopper-only). sm_120: the configs under 99 KB as compiled for
 # sm_120 — mma.sync keeps the [heads, 512] fp32 accumulator in registers: a 64-head (or 32-head) Triton program
 # spills ~4 KB (400 B) a thread (ptxas for sm_120a), so the Triton rows run programs of 16 heads (head groups reading
@@ -77,7 +81,8 @@ class DecodeImpl:
 SPARSE_DECODE: dict[tuple[str, int], DecodeImpl] = {
     ("sm_90", 64): DecodeImpl("gluon", 64, 2, 218_192),
     ("sm_90", 32): DecodeImpl("triton", 64, 2, 164_096),
-    ("sm_90", 16): DecodeImpl("triton", 64, 2, 147_712),
+    ("sm_90", 16): DecodeImpl("gluon_mma_v2", 16, 2, 49_664, num_warps=4, fp8_words=True, lazy_rescale=True,
+                              fallback=DecodeImpl("triton", 64, 2, 147_712)),
     ("sm_100", 64): DecodeImpl("triton", 64, 2, 135_440),
     ("sm_100", 32): DecodeImpl("triton", 64, 2, 164_096),
     ("sm_100", 16): DecodeImpl("triton", 64, 2, 147_712),

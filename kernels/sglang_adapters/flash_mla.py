@@ -66,7 +66,7 @@ def flash_mla_with_kvcache(
     exp(lse) / (exp(lse) + exp(attn_sink[h])). block_table, cache_seqlens and tile_scheduler_metadata are
     ignored (FlashMLA's sparse decode ignores the first two; the third is its own schedule). A query with
     no valid row gets out 0 and lse -inf. Heads at and past `real_heads` are not written, except where
-    the backend choice (`heads_to_run`) computes the padded heads too because that measured faster.
+    the config names the wgmma Gluon kernel, which computes the padded heads too (`heads_to_run`).
     config: a `launch.LaunchConfig` (backend, splits; benchmarks and tests), None = the default.
     """
     tensors = (q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices_in_kvcache,
@@ -88,7 +88,7 @@ def flash_mla_with_kvcache(
                   attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length, extra_topk_length, kv_format,
                   use_legacy, real_heads)
     b, _, heads, _ = q.shape
-    h = heads_to_run(q, call["h"], config, extra_k_cache is not None)
+    h = heads_to_run(q, call["h"], config)
     out = torch.empty(b, 1, heads, DIM, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(b, heads, 1, dtype=torch.float32, device=q.device)
     extra = dict(call=call, h=h, out=tuple(out.shape), lse=tuple(lse.shape))
@@ -120,32 +120,13 @@ def _compute(q, tensors, call, h, softmax_scale, out, lse, config) -> None:
         lse[:, :h, 0] = l
 
 
-_GLUON_READY: dict[int, bool] = {}
-# Real heads below 64 run on the Triton kernel at h heads where that measured faster than the Gluon kernel
-# at all 64 (H200, bench/results/sglang_decode.md, h = 16): window-only layers at every B (B = 8: 15.8 vs
-# 18.2 us, B = 256: 33.9 vs 35.4), layers with an extra cache up to this batch (B = 1: 16.4 vs 17.5; B = 8:
-# 24.3 vs 21.5).
-TRITON_FEW_HEADS_MAX_BATCH_WITH_EXTRA = 2
-
-
-def heads_to_run(q: torch.Tensor, h: int, config, has_extra: bool) -> int:
-    """Heads to compute for `h` real ones: h on the Triton kernel, or all of q's (64) on the Gluon kernel,
-    which takes 64 heads as its wgmma M, where that measured faster (see above; sm_90 with Gluon only).
-    A config naming a backend decides: "triton" keeps h, "gluon" takes all heads."""
-    heads = q.shape[2]
-    if h == heads or not q.is_cuda:
+def heads_to_run(q: torch.Tensor, h: int, config) -> int:
+    """Heads to compute for `h` real ones: h, except where the config names the wgmma Gluon kernel ("gluon"),
+    which takes all of q's (64) heads as its M. Whether all 64 heads on that kernel beat h heads on the table's
+    h-head row is the route table's question (`decode_routes`, "ours_all_heads"), answered from measurements."""
+    if h == q.shape[2] or not q.is_cuda or config is None or config.backend != "gluon":
         return h
-    backend = "auto" if config is None else config.backend
-    if backend == "triton":
-        return h
-    if backend == "auto" and (not has_extra or q.shape[0] <= TRITON_FEW_HEADS_MAX_BATCH_WITH_EXTRA):
-        return h
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    if index not in _GLUON_READY:
-        from ..sparse_mla_decode.launch import gluon_unavailable
-
-        _GLUON_READY[index] = gluon_unavailable(q[:, 0], True) is None
-    return heads if _GLUON_READY[index] else h
+    return q.shape[2]
 
 
 def reference_decode(q3: torch.Tensor, window: tuple, extra: tuple | None, sink, scale: float):

@@ -42,7 +42,9 @@ def test_every_ours_row_measured_at_least_flashmla_and_every_stock_row_below():
 @pytest.mark.parametrize("kind, heads, batch, want", [
     ("c4", 64, 64, "ours"), ("c4", 64, 1, "stock"), ("c4", 64, 48, "stock"),  # between stock and ours: stock
     ("window", 64, 100, "ours"), ("window", 64, 512, "ours"), ("c4", 64, 512, "stock"),  # past the largest
-    ("window", 16, 128, "ours_all_heads"), ("c4", 16, 1, "ours"), ("c128", 16, 4, "stock"),
+    ("window", 16, 128, "ours_all_heads"), ("c4", 16, 1, "ours"), ("c128", 16, 4, "ours"),  # between two ours
+    ("c128", 16, 48, "stock"), ("window", 16, 200, "stock"),  # between ours and ours_all_heads: stock
+    ("c4", 16, 128, "stock"),
 ])
 def test_routes_between_and_past_measured_batches(kind, heads, batch, want):
     assert route("sm_90", kind, heads, batch) == want
@@ -95,10 +97,35 @@ def test_routed_call_runs_stock_or_ours_with_the_layers_real_heads():
     layer16 = SimpleNamespace(tp_q_head_num=16)
     q = lambda batch: torch.empty(batch, 1, 64, 512)  # noqa: E731
     assert b._forward_attention(q(1), None, c4, layer16) == "ours"  # c4, 16 real heads, B = 1: ours at 16
-    assert b._forward_attention(q(8), None, c4, layer16) == "stock"
+    assert b._forward_attention(q(128), None, c4, layer16) == "stock"
     assert b._forward_attention(q(128), None, None, layer16) == "ours"  # window at 16: all 64 heads
     assert b._forward_attention(q(64), None, c4, SimpleNamespace(tp_q_head_num=64)) == "ours"
     assert calls == [("ours", True, 16), ("stock", True, 16), ("ours", True, None), ("ours", True, None)]
     assert real_heads() is None  # only while a layer runs
     counts = dict(zip(Counters.NAMES, counters.values.tolist()))
     assert (counts["sparse_mla_decode"], counts["sparse_mla_decode_stock"]) == (3, 1)
+
+
+def test_only_the_first_layer_of_each_kind_counts_its_calls():
+    """A count is one more node in a captured graph (~1 us a call): per step, one count per layer kind, by the
+    lowest layer id of the kind; both routes (ours, stock) count that way, and a call without a layer always counts."""
+    counters = Counters("cpu")
+
+    class Backend(_Backend):
+        pass
+
+    hook_backend_class(Backend, lambda b: setattr(b, "_flash_mla_with_kvcache", routed_decode(
+        b._flash_mla_with_kvcache, lambda *a, **kw: "ours", "sm_90", counters)))
+    b = Backend(lambda **kw: "stock")
+    c4 = torch.empty(2, 64, 1, 584, dtype=torch.uint8)
+    q = torch.empty(1, 1, 64, 512)
+    layer = lambda i: SimpleNamespace(tp_q_head_num=16, layer_id=i)  # noqa: E731
+    for _step in range(3):  # window layers 0, 1; ratio-4 layers 2, 4 (B = 1, 16 heads: ours); B = 128 ratio 4: stock
+        assert [b._forward_attention(q, None, v, layer(i)) for i, v in ((0, None), (1, None), (2, c4), (4, c4))] \
+            == ["ours"] * 4
+        assert b._forward_attention(torch.empty(128, 1, 64, 512), None, c4, layer(2)) == "stock"
+        assert b._forward_attention(torch.empty(128, 1, 64, 512), None, c4, layer(4)) == "stock"
+    counts = dict(zip(Counters.NAMES, counters.values.tolist()))
+    assert (counts["sparse_mla_decode"], counts["sparse_mla_decode_stock"]) == (6, 3)
+    b._forward_attention(q, None, c4, SimpleNamespace(tp_q_head_num=16))  # no layer id: counted
+    assert counters.values.tolist()[Counters.NAMES.index("sparse_mla_decode")] == 7

@@ -141,3 +141,12 @@ def test_the_mma_v2_options_not_yet_timed_compile_for_sm120_within_99_kb(monkeyp
                                           (16, True, True, 80)):
         shared, spills = _compiled(64, replace(row, num_warps=warps), 120, words, lazy)
         assert shared <= dispatch.SMEM_PER_BLOCK["sm_120"] and spills <= spill_max, (warps, words, lazy, spills)
+
+
+def test_the_sm90_16_head_mma_v2_row_compiles_for_sm90a_as_the_table_says(monkeypatch):
+    """The sm_90 16-head row runs the mma.sync kernel (4 warps, both options): for sm_90a it needs the shared memory
+    the row names and spills nothing (ptxas here: 254 registers)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    row = dispatch.decode_impl("sm_90", 16)
+    assert row.backend == "gluon_mma_v2" and row.fallback.backend == "triton"
+    assert _compiled(16, row, 90) == (row.smem, 0)
