@@ -62,7 +62,7 @@ def report(out: Path) -> dict:
     batches = sorted({b for _, b in s} | {b for _, b in p})
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     lines = ["# SGLang 0.5.23's DeepSeek-V4 decode attention backend: stock vs dsv4-cluster plugin (H200)", "",
-             f"Device {stock['device']}, torch {stock['torch']}. One decode step of SGLang's attention backend over "
+             f"Device {stock['device']}, torch {stock['torch']}, Triton {stock.get('triton', '-')}. One decode step of SGLang's attention backend over "
              f"{stock['layers']} layers, TP4 (16 heads padded to 64), {stock['live_tokens']} live tokens per request; "
              f"median of {stock['reps']} steps, L2 flushed. ms per step.",
              "", "**stock** = SGLang 0.5.23 with FlashMLA (sgl-flash-mla 1.0.0) for decode, and SGLang's own "
