@@ -59,6 +59,9 @@ def report(out: Path) -> dict:
     s = {(x["context"], x["batch"]): x for x in stock["rows"]}
     p = {(x["context"], x["batch"]): x for x in plugin["rows"]}
     contexts = sorted({c for c, _ in s} | {c for c, _ in p})
+    if not contexts:
+        raise SystemExit(f"sglang_backend report: no timed rows in {out}/stock.json or plugin.json (a mode process "
+                         "that failed before its first row: its log says why)")
     batches = sorted({b for _, b in s} | {b for _, b in p})
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     lines = ["# SGLang 0.5.23's DeepSeek-V4 decode attention backend: stock vs dsv4-cluster plugin (H200)", "",
