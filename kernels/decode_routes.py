@@ -14,6 +14,7 @@ past the largest measured batch, the largest's route; a batch in no measured cla
 from __future__ import annotations
 
 import bisect
+import functools
 
 KINDS = ("window", "c4", "c128")
 EXTRA_PAGE_KIND = {64: "c4", 2: "c128"}  # tokens per page of the extra cache SGLang passes -> layer kind
@@ -45,10 +46,23 @@ def layer_kind(extra_k_cache) -> str:
     return EXTRA_PAGE_KIND.get(int(extra_k_cache.shape[1]), "c4")
 
 
+@functools.lru_cache(maxsize=1)
+def unmeasured_build() -> str | None:
+    """Why this process's kernels are not the ones ROUTES measured (None: they are). ROUTES' "ours" is the Gluon
+    kernels' (wgmma at 64 heads, mma.sync at 16), which run only on the Triton release they were written for; on
+    another, the Triton kernels would run in their place, measured slower than FlashMLA at most of those calls."""
+    from .sparse_mla_decode.config import gluon_api_unavailable
+
+    return gluon_api_unavailable()
+
+
 def route(gpu: str, kind: str, real_heads: int, batch: int) -> str:
-    """"ours", "ours_all_heads" or "stock" for one call (see the module docstring)."""
+    """"ours", "ours_all_heads" or "stock" for one call (see the module docstring); on a class the table measured,
+    every call stock where this build's kernels are not the measured ones (`unmeasured_build`)."""
     if gpu in ALWAYS:
         return ALWAYS[gpu]
+    if unmeasured_build() is not None:
+        return "stock"
     points = _points(gpu, kind, real_heads)
     if not points:
         return "stock"
@@ -79,6 +93,9 @@ def describe(gpu: str) -> dict[str, str]:
     """Per call (layer kind / real heads) of class `gpu`: where ours runs and where stock does, and why."""
     if gpu in ALWAYS:
         return {"all calls": f"{ALWAYS[gpu]} ({MEASURED_ON[gpu]})"}
+    if unmeasured_build() is not None:
+        return {"all calls": f"stock: the table was measured with the Gluon kernels, which cannot run here: "
+                             f"{unmeasured_build()} ({MEASURED_ON[gpu]})"}
     out = {}
     for (g, kind, heads), points in ROUTES.items():
         if g != gpu:

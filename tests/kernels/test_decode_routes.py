@@ -129,3 +129,15 @@ def test_only_the_first_layer_of_each_kind_counts_its_calls():
     assert (counts["sparse_mla_decode"], counts["sparse_mla_decode_stock"]) == (6, 3)
     b._forward_attention(q, None, c4, SimpleNamespace(tp_q_head_num=16))  # no layer id: counted
     assert counters.values.tolist()[Counters.NAMES.index("sparse_mla_decode")] == 7
+
+
+def test_a_build_without_the_measured_gluon_kernels_runs_every_measured_call_stock(monkeypatch):
+    """ROUTES' "ours" is the Gluon kernels'; on a Triton release they were not written for, the Triton kernels would
+    run in their place (measured slower than FlashMLA at most of those calls): every sm_90 call stays stock, and the
+    attestation's description says why. sm_120 (measured against SGLang's Triton kernel) is unaffected."""
+    assert decode_routes.unmeasured_build() is None  # CI's pinned Triton: the measured kernels
+    assert route("sm_90", "c4", 16, 1) == "ours"
+    monkeypatch.setattr(decode_routes, "unmeasured_build", lambda: "this is Triton 3.9.0")
+    assert {route("sm_90", k, h, b) for k in decode_routes.KINDS for h in (16, 64) for b in (1, 64, 256)} == {"stock"}
+    assert route("sm_120", "c4", 16, 1) == "ours"
+    assert "Triton 3.9.0" in decode_routes.describe("sm_90")["all calls"]
