@@ -118,6 +118,18 @@ def _decode_ab(r: rig.Rig, fb, inputs, reps: int, flush) -> dict:
     return row
 
 
+def pool_shape(batches: list[int], live: int) -> tuple[int, int]:
+    """(requests, tokens a request) of the pool: room for the largest batch at `live` tokens and for the equality
+    case, which `decode_batch` lays out in whole pages from the pool's start. The equality case's 4,096 tokens for
+    every one of 128 requests made the 43-layer pool ~70 GB, more than an H100 holds; its 8 requests fit in what
+    128 x 2,048 tokens take."""
+    pages = lambda tokens: -(-(tokens + 1) // rig.PAGE)  # noqa: E731  (decode_batch's pages of a request)
+    max_reqs = max(batches + [EQ_CASE["batch"]])
+    if max_reqs * pages(live) >= EQ_CASE["batch"] * pages(EQ_CASE["live"]):
+        return max_reqs, live
+    return max_reqs, max(live, EQ_CASE["live"])
+
+
 def run_mode(mode: str, out: Path, contexts: list[int], batches: list[int], live: int, reps: int,
              layer_ids: list[int] | None = None, ab_reps: int = 20) -> dict:
     rig.install_import_stand_ins()
@@ -130,10 +142,10 @@ def run_mode(mode: str, out: Path, contexts: list[int], batches: list[int], live
     factory = rig.load_plugins_and_check(mode)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     rows, eq = _earlier(out / f"{mode}.json", contexts)
+    max_reqs, tokens_per_req = pool_shape(batches, live)
     for context in contexts:
         t0 = time.time()
-        r = rig.build(context, max(batches + [EQ_CASE["batch"]]), max(live, EQ_CASE["live"]), mode, "cuda",
-                      layer_ids)
+        r = rig.build(context, max_reqs, tokens_per_req, mode, "cuda", layer_ids)
         rig.fill(r)
         r.backend.init_cuda_graph_state(max(batches), max(batches))
         if context == EQ_CASE["context"]:
