@@ -130,3 +130,27 @@ def test_after_a_non_ascii_prompt_the_model_writes_whole_multi_byte_characters()
     text = bytes(t for t in out if t < 256).decode("utf-8")   # strict: raises on a broken character
     assert any(len(c.encode()) > 1 for c in text), text
     assert all(t < 127 or t == EOS for t in generate_single_process(r, TOK.encode("1 resume"), params, EOS))
+
+
+@pytest.mark.parametrize("gpu, heads, want", [
+    ("sm_90", 64, ("gluon", "gluon")),                    # the wgmma kernel takes both
+    ("sm_90", 16, ("triton", "gluon_mma_v2")),            # the mma.sync row takes fp8 pages alone
+    ("sm_120", 64, ("triton", "gluon_mma_v2")),
+    ("sm_100", 16, ("triton", "triton")),
+    ("sm_90", 8, ("triton", "triton")),                   # the engine's default model: no table row
+])
+def test_the_engine_labels_its_decode_calls_with_what_the_launch_picks(monkeypatch, gpu, heads, want):
+    """`/server_info.kernel_calls` names the kernel that ran: fp8-page calls are counted under the backend the
+    launch picks for fp8 (the mma.sync kernel where the class's row is it), not the float rows' fallback. Checked
+    without a GPU: the class is stood in for a CUDA device, the choice is the dispatch table's own."""
+    from dsv4_cluster.kernels import dispatch
+    from dsv4_cluster.kernels.sparse_mla_decode import config
+    from dsv4_cluster.workers.engine.kernel_ops import IMPLS, decode_impls
+
+    monkeypatch.setattr(dispatch, "gpu_class", lambda index: gpu)
+    config._choose.cache_clear()
+    try:
+        assert decode_impls(torch.device("cuda", 0), heads, torch.bfloat16) == want
+    finally:
+        config._choose.cache_clear()
+    assert set(want) <= set(IMPLS)

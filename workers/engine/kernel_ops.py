@@ -21,7 +21,7 @@ from ...kernels.sparse_mla_decode import sparse_mla_decode_ref
 from ...kernels.sparse_mla_decode.reference import sparse_mla_decode_paged_ref
 from ...kernels.topk.reference import topk_ref
 
-IMPLS = ("reference", "triton", "gluon")
+IMPLS = ("reference", "triton", "gluon", "gluon_mma_v2")
 
 
 class KernelOps:
@@ -32,6 +32,7 @@ class KernelOps:
         self.n_heads, self.dtype = n_heads, dtype
         self.kernel = {k: False for k in KERNEL_NAMES}
         self.impl = {k: "reference" for k in KERNEL_NAMES}
+        self.paged_impl = "triton"  # the sparse decode's on fp8 pages (see decode_impls)
         self.calls = torch.zeros(len(KERNEL_NAMES), len(IMPLS), dtype=torch.int64, device=self.device)
         self._slot = {k: (i, 0) for i, k in enumerate(KERNEL_NAMES)}
         if self.device.type == "cuda":
@@ -44,10 +45,7 @@ class KernelOps:
         for k in names:
             self.kernel[k], self.impl[k] = True, "triton"
         if "sparse_mla_decode" in names and self.device.type == "cuda":
-            from ...kernels.sparse_mla_decode.config import LaunchConfig, choose_backend
-
-            # the dispatch table's choice for this GPU class and head count (what the launches will pick)
-            self.impl["sparse_mla_decode"] = choose_backend(self.device, n_heads, dtype, False, LaunchConfig())[0]
+            self.impl["sparse_mla_decode"], self.paged_impl = decode_impls(self.device, n_heads, dtype)
         self._slot = {k: (i, IMPLS.index(self.impl[k])) for i, k in enumerate(KERNEL_NAMES)}
 
     @property
@@ -65,7 +63,8 @@ class KernelOps:
         extra_lens[b] of them when given). geometry: (main, extra) `PageGeometry` when the buffers are fp8
         pages (slot indices), None for float rows. dense: a ratio-128 layer's call (see the module doc)."""
         kernel = self.kernel["sparse_mla_decode"]
-        self._count("sparse_mla_decode", "triton" if kernel and dense else None)
+        self._count("sparse_mla_decode", "triton" if kernel and dense else
+                    self.paged_impl if kernel and geometry is not None else None)
         if geometry is not None:
             window, extra = (kv, geometry[0], window_idx, None), (extra_kv, geometry[1], extra_idx, extra_lens)
             if kernel:
@@ -129,6 +128,14 @@ class KernelOps:
             else:
                 out[name] = "+".join(impl for impl, _ in ran) or "not called yet"
         return out
+
+
+def decode_impls(device: torch.device, n_heads: int, dtype: torch.dtype) -> tuple[str, str]:
+    """What the dispatch table's launches pick for the sparse decode on this GPU class and head count: (on float
+    rows, on fp8 pages). They differ where the row is the mma.sync kernel, which takes fp8 pages alone."""
+    from ...kernels.sparse_mla_decode.config import LaunchConfig, choose_backend
+
+    return tuple(choose_backend(device, n_heads, dtype, fp8, LaunchConfig())[0] for fp8 in (False, True))
 
 
 @functools.lru_cache(maxsize=256)
