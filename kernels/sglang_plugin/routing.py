@@ -4,8 +4,9 @@ SGLang binds `self._flash_mla_with_kvcache = functools.partial(flash_mla_with_kv
 `DeepseekV4AttnBackend.__init__`. The plugin replaces it with `routed_decode(stock, ...)`: per call, from shapes
 only, `decode_routes.route` says ours or stock, and the call goes there (both counted on the device, so `verify` sees
 which ran under graph replays too). The stock partial is kept and called unchanged: where ours is not measured
-faster, SGLang's own kernel runs. A count is a device add, one more node in a captured graph (about 1 us a call: 43
-layers made a step 4.5% slower than the bare partial at B = 8, H200), so only the first layer of each layer kind
+faster, SGLang's own kernel runs. A count is a device add, one more node in a captured graph (with every call on
+FlashMLA, a 43-layer step through the routed call was 48 us, 4.5%, slower than through the bare partial at B = 8,
+H200: ~1.1 us a node, if the counts are all of it), so only the first layer of each layer kind
 counts its calls (the layer kind and its route are the same for every layer of the kind, in a step): counters
 then rise once per step and kind, which is what `verify` reads. A call outside a hooked `_forward_attention` (no
 layer id) is always counted.
