@@ -93,9 +93,9 @@ def describe(gpu: str) -> dict[str, str]:
     """Per call (layer kind / real heads) of class `gpu`: where ours runs and where stock does, and why."""
     if gpu in ALWAYS:
         return {"all calls": f"{ALWAYS[gpu]} ({MEASURED_ON[gpu]})"}
-    if unmeasured_build() is not None:
-        return {"all calls": f"stock: the table was measured with the Gluon kernels, which cannot run here: "
-                             f"{unmeasured_build()} ({MEASURED_ON[gpu]})"}
+    if (why := unmeasured_build()) is not None:
+        return {"all calls": f"stock: the table was measured with the Gluon kernels, which cannot run here: {why} "
+                             f"({MEASURED_ON[gpu]})"}
     out = {}
     for (g, kind, heads), points in ROUTES.items():
         if g != gpu:

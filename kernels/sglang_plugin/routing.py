@@ -48,19 +48,16 @@ def routed_decode(stock: functools.partial, adapter: Callable[..., Any], gpu: st
     def flash_mla_with_kvcache_routed(*args: Any, **kwargs: Any) -> Any:
         q = kwargs["q"] if "q" in kwargs else args[0]
         heads = q.shape[-2]
-        told, layer_id = _LAYER.get()
-        real = min(told or heads, heads)
+        layer_heads, layer_id = _LAYER.get()
+        real = min(layer_heads or heads, heads)
         kind = decode_routes.layer_kind(kwargs.get("extra_k_cache"))
         choice = decode_routes.route(gpu, kind, real, q.shape[0])
-        counted = layer_id is None or layer_id <= first_layer.setdefault(kind, layer_id)
-        if counted and layer_id is not None:
-            first_layer[kind] = layer_id
+        if layer_id is not None:
+            first_layer[kind] = min(first_layer.get(kind, layer_id), layer_id)
+        if layer_id is None or layer_id == first_layer[kind]:
+            counters.bump(STOCK_DECODE if choice == "stock" else "sparse_mla_decode")
         if choice == "stock":
-            if counted:
-                counters.bump(STOCK_DECODE)
             return stock(*args, **kwargs)
-        if counted:
-            counters.bump("sparse_mla_decode")
         told = real if choice == "ours" and real < heads else None
         return adapter(*args, real_heads=told, **dict(stock.keywords, **kwargs))
 
