@@ -30,7 +30,6 @@ from .common import ints, versions
 from .sglang_backend_report import EQ_CASE, report
 
 
-
 def _timed(fn, reps: int, flush) -> float:
     import torch
 
@@ -123,9 +122,8 @@ def pool_shape(batches: list[int], live: int) -> tuple[int, int]:
     case, which `decode_batch` lays out in whole pages from the pool's start. The equality case's 4,096 tokens for
     every one of 128 requests made the 43-layer pool ~70 GB, more than an H100 holds; its 8 requests fit in what
     128 x 2,048 tokens take."""
-    pages = lambda tokens: -(-(tokens + 1) // rig.PAGE)  # noqa: E731  (decode_batch's pages of a request)
     max_reqs = max(batches + [EQ_CASE["batch"]])
-    if max_reqs * pages(live) >= EQ_CASE["batch"] * pages(EQ_CASE["live"]):
+    if max_reqs * rig.request_pages(live) >= EQ_CASE["batch"] * rig.request_pages(EQ_CASE["live"]):
         return max_reqs, live
     return max_reqs, max(live, EQ_CASE["live"])
 
@@ -280,7 +278,7 @@ def main(argv: list[str]) -> int:
     run_mode(mode, Path(out), a.contexts, a.batches, a.live, a.reps, a.layer_ids, a.ab_reps)
     for layer in (KIND_LAYERS if a.then_each_kind else ()):
         (Path(out) / f"kind_{layer}").mkdir(exist_ok=True)
-        run_mode(mode, Path(out) / f"kind_{layer}", a.contexts, a.batches, a.live, a.reps, [layer])
+        run_mode(mode, Path(out) / f"kind_{layer}", a.contexts, a.batches, a.live, a.reps, [layer], a.ab_reps)
     return 0
 
 

@@ -106,8 +106,7 @@ def build(context_len: int, max_reqs: int, tokens_per_req: int, mode: str, devic
     ratios = list(mc.compress_ratios)[: mc.num_hidden_layers]
     if layer_ids is not None:  # a subset: the pool holds layers 0..max(id) only (43 would hold ~70 GB at batch 128)
         ratios = ratios[: max(layer_ids) + 1]
-    pages_per_req = -(-(tokens_per_req + 1) // PAGE)
-    full = (max_reqs * pages_per_req + 1) * PAGE  # page 0 stays the pad page
+    full = (max_reqs * request_pages(tokens_per_req) + 1) * PAGE  # page 0 stays the pad page
     pool = DeepSeekV4TokenToKVPool(
         max_num_reqs=max_reqs, swa_size=full, c4_size=full // 4, c128_size=full // 128, c4_state_pool_size=full,
         c128_state_pool_size=max_reqs + 1, page_size=PAGE, swa_page_size=PAGE, dtype=torch.float8_e4m3fn,
@@ -203,6 +202,12 @@ def fill(rig: Rig, seed: int = 0) -> None:
             idx.view(torch.uint8).copy_(quantize_keys(keys).view(idx.shape))
 
 
+def request_pages(live: int) -> int:
+    """Whole pages a request of `live` tokens owns in the pool (`decode_batch` lays requests out so; `build` sizes
+    the pool by them): its tokens and the one being decoded."""
+    return -(-(live + 1) // PAGE)
+
+
 def decode_batch(rig: Rig, batch: int, live: int):
     """A DECODE ForwardBatch of `batch` requests with `live` tokens each (the last being decoded now):
     request r owns whole pages of the full pool (page 0 is never used), its slots written to req_to_token."""
@@ -210,7 +215,7 @@ def decode_batch(rig: Rig, batch: int, live: int):
 
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
-    pages = -(-(live + 1) // PAGE)
+    pages = request_pages(live)
     r2t = rig.req_to_token_pool.req_to_token
     req = torch.arange(1, batch + 1, dtype=torch.int64, device=rig.device)
     for r in range(batch):

@@ -46,8 +46,7 @@ def test_the_pool_holds_the_largest_batch_and_the_equality_case_without_doubling
     """43 layers at 128 requests x 4,096 tokens (~70 GB) did not fit an H100; the equality case's 8 requests fit in
     what 128 x 2,048 take, and a run of only small batches still gets the equality case's 4,096 tokens."""
     from bench.sglang_backend import EQ_CASE, pool_shape
-
-    pages = lambda tokens: -(-(tokens + 1) // 256)  # noqa: E731
+    from bench.sglang_backend_rig import request_pages as pages
     for batches, live, want in (([1, 8, 32, 64, 128], 2048, (128, 2048)), ([8], 2048, (8, 4096)),
                                 ([1, 8], 4096, (8, 4096))):
         reqs, tokens = pool_shape(batches, live)
