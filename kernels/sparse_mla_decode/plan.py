@@ -19,7 +19,7 @@ from . import checks
 from .config import (DIM, PV_REGS, SMEM_LIMIT, LaunchConfig, choose_backend_for, gluon_index_blocks,
                      gluon_smem_bytes)
 from .fp8_layout import PageGeometry
-from .splits import choose_splits, fuses_merge, gluon_splits
+from .splits import MMA_V2_16_HEAD_CTAS_PER_SM, choose_splits, fuses_merge, gluon_splits
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,8 @@ def _mma_v2_plan(b, h, w, k, is_fp8, config, sms, flags, geos):
             "the mma.sync Gluon kernel takes block_n 16, num_stages 2 (Q and two row stages fill sm_120's 99 KB) "
             f"and num_warps {' or '.join(map(str, warps))} at {h} heads; got {bn}, {config.num_stages}, "
             f"{config.num_warps}")
-    splits = config.num_splits or choose_splits(b, -(-w // bn) + -(-k // bn), sms)
+    slots = sms * (MMA_V2_16_HEAD_CTAS_PER_SM if h == 16 else 1)  # CTAs resident at once
+    splits = config.num_splits or choose_splits(b, -(-w // bn) + -(-k // bn), slots)
     has_extra, has_wlen, has_elen, has_sink = flags
     return splits, dict(H=h, BN=bn, SPLIT_OUT=splits > 1, IS_FP8=is_fp8, HAS_EXTRA=has_extra, HAS_WLEN=has_wlen,
                         HAS_ELEN=has_elen, HAS_SINK=has_sink, **_geometry_kwargs(geos), WORDS=bool(config.fp8_words),

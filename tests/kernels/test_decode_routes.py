@@ -42,8 +42,8 @@ def test_every_ours_row_measured_at_least_flashmla_and_every_stock_row_below():
 @pytest.mark.parametrize("kind, heads, batch, want", [
     ("c4", 64, 64, "ours"), ("c4", 64, 1, "stock"), ("c4", 64, 48, "stock"),  # between stock and ours: stock
     ("window", 64, 100, "ours"), ("window", 64, 512, "ours"), ("c4", 64, 512, "stock"),  # past the largest
-    ("window", 16, 128, "ours_all_heads"), ("c4", 16, 1, "ours"), ("c128", 16, 4, "ours"),  # between two ours
-    ("c128", 16, 48, "stock"), ("window", 16, 200, "stock"),  # between ours and ours_all_heads: stock
+    ("window", 16, 64, "ours_all_heads"), ("c4", 16, 1, "ours"), ("c128", 16, 48, "ours"),  # between two ours
+    ("window", 16, 200, "ours"), ("window", 16, 48, "stock"), ("window", 16, 100, "stock"),  # ours / ours_all_heads
     ("c4", 16, 128, "stock"),
 ])
 def test_routes_between_and_past_measured_batches(kind, heads, batch, want):
@@ -98,7 +98,7 @@ def test_routed_call_runs_stock_or_ours_with_the_layers_real_heads():
     q = lambda batch: torch.empty(batch, 1, 64, 512)  # noqa: E731
     assert b._forward_attention(q(1), None, c4, layer16) == "ours"  # c4, 16 real heads, B = 1: ours at 16
     assert b._forward_attention(q(128), None, c4, layer16) == "stock"
-    assert b._forward_attention(q(128), None, None, layer16) == "ours"  # window at 16: all 64 heads
+    assert b._forward_attention(q(64), None, None, layer16) == "ours"  # window at 16, B = 64: all 64 heads
     assert b._forward_attention(q(64), None, c4, SimpleNamespace(tp_q_head_num=64)) == "ours"
     assert calls == [("ours", True, 16), ("stock", True, 16), ("ours", True, None), ("ours", True, None)]
     assert real_heads() is None  # only while a layer runs

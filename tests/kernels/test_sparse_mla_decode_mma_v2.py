@@ -172,3 +172,35 @@ def test_the_word_dequantisation_arithmetic_is_exact_for_every_e4m3_byte():
         scale = torch.tensor([e << 7], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)  # 2**(e - 127)
         got = moved * up_bf16 * scale
         assert torch.equal(got.view(torch.int16), (values * 2.0 ** (e - 127)).to(torch.bfloat16).view(torch.int16)), e
+
+
+def test_the_16_head_kernel_splits_for_two_ctas_an_sm(monkeypatch):
+    """The 16-head mma.sync kernel runs two CTAs an SM, so its split count spreads B x splits over twice the SMs: on
+    a c4 call (window 128 + 512 indices, 132 SMs) 8 / 4 / 2 / 1 splits at B = 32 / 64 / 128 / 256, the H200 probe's
+    bests at 64 ... 256 (splits.MMA_V2_16_HEAD_CTAS_PER_SM); at 64 heads (8 warps, one CTA an SM) the one-CTA count."""
+    from dsv4_cluster.kernels import dispatch
+    from dsv4_cluster.kernels.sparse_mla_decode import config as cfg_mod
+    from dsv4_cluster.kernels.sparse_mla_decode import plan as plan_mod
+    from dsv4_cluster.kernels.sparse_mla_decode.fp8_layout import PageGeometry
+    from dsv4_cluster.kernels.sparse_mla_decode.splits import choose_splits
+
+    monkeypatch.setattr(dispatch, "class_of_device", lambda device: "sm_90")
+    monkeypatch.setattr(cfg_mod, "gluon_api_unavailable", lambda: None)
+    for cached in (cfg_mod._choose, cfg_mod.choose_backend_for, plan_mod.plan_launch):
+        cached.cache_clear()
+    try:
+        geos = (PageGeometry.packed(256), PageGeometry.packed(64))
+
+        def splits(b, h):
+            cfg = LaunchConfig(backend="gluon_mma_v2", num_warps=4 if h == 16 else 8, fp8_words=True, lazy_rescale=True)
+            p = plan_mod.plan_launch(torch.device("cuda"), b, h, torch.bfloat16, True, cfg, 128, 512,
+                                     (True, True, True, True), geos, 132)
+            assert p.backend == "gluon_mma_v2" and p.grid == (b, p.splits)
+            return p.splits
+
+        assert [splits(b, 16) for b in (32, 64, 128, 256)] == [8, 4, 2, 1]
+        assert [splits(b, 64) for b in (32, 64, 128, 256)] == [choose_splits(b, 40, 132) for b in (32, 64, 128, 256)]
+        assert [splits(b, 64) for b in (64, 128)] == [2, 1]
+    finally:
+        for cached in (cfg_mod._choose, cfg_mod.choose_backend_for, plan_mod.plan_launch):
+            cached.cache_clear()
