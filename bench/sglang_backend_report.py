@@ -55,7 +55,8 @@ def report(out: Path) -> dict:
                      else {"rows": [], "device": "-", "torch": "-", "layers": "-", "live_tokens": "-", "reps": "-"}
                      for m in ("stock", "plugin"))
     have = all((out / f"{m}_outputs.pt").exists() for m in ("stock", "plugin"))
-    eq = compare(out) if have else {"not run": "the equality case (context 131072) did not complete in both modes"}
+    eq = (compare(out) if have else {"not run": "stock mode was not run (MODES)"} if not (out / "stock.json").exists()
+          else {"not run": "the equality case (context 131072) did not complete in both modes"})
     s = {(x["context"], x["batch"]): x for x in stock["rows"]}
     p = {(x["context"], x["batch"]): x for x in plugin["rows"]}
     contexts = sorted({c for c, _ in s} | {c for c, _ in p})
@@ -64,10 +65,12 @@ def report(out: Path) -> dict:
                          "that failed before its first row: its log says why)")
     batches = sorted({b for _, b in s} | {b for _, b in p})
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-    lines = ["# SGLang 0.5.23's DeepSeek-V4 decode attention backend: stock vs dsv4-cluster plugin (H200)", "",
-             f"Device {stock['device']}, torch {stock['torch']}, Triton {stock.get('triton', '-')}. One decode step of SGLang's attention backend over "
-             f"{stock['layers']} layers, TP4 (16 heads padded to 64), {stock['live_tokens']} live tokens per request; "
-             f"median of {stock['reps']} steps, L2 flushed. ms per step.",
+    run = stock if stock["rows"] else plugin  # device, versions and shape: from a mode that ran
+    lines = ["# SGLang 0.5.23's DeepSeek-V4 decode attention backend: stock vs dsv4-cluster plugin", "",
+             f"Device {run['device']}, torch {run['torch']}, Triton {run.get('triton', '-')}. One decode step of SGLang's "
+             f"attention backend over {run['layers']} layers, TP4 (16 heads padded to 64), {run['live_tokens']} live "
+             f"tokens per request; median of {run['reps']} steps, L2 flushed. ms per step. Modes run: "
+             f"{', '.join(m for m, d in (('stock', stock), ('plugin', plugin)) if d['rows'])}.",
              "", "**stock** = SGLang 0.5.23 with FlashMLA (sgl-flash-mla 1.0.0) for decode, and SGLang's own "
              "fallbacks for what cannot load beside torch 2.11: indexer `fp8_paged_mqa_logits_torch` "
              "(SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=1, DeepGEMM does not load) and top-k `topk_transform_pytorch_"
@@ -95,6 +98,10 @@ def report(out: Path) -> dict:
                           fmt(r["stock_eager"]), fmt(r["plugin_eager"])] for r in ratios])]
     lines += ["", f"Equality (context {EQ_CASE['context']}, batch {EQ_CASE['batch']}, {EQ_CASE['live']} live tokens):",
               ""] + [f"- {k}: {json.dumps(v)}" for k, v in eq.items()]
+    beside = (plugin.get("equality") or {}).get("flashmla_same_inputs")
+    if beside:  # the plugin's own check: FlashMLA on the very arguments SGLang handed our kernel
+        lines += ["", "Plugin mode, ours against FlashMLA on the same arguments (relative error per layer kind):", ""]
+        lines += [f"- {kind}: {v['rel_error']:.2e}" for kind, v in beside.items()]
     errors = [f"- {m} {x['context']}/{x['batch']}: {x['graph_error']}" for m, d in (("stock", s), ("plugin", p))
               for x in d.values() if x.get("graph_error")]
     if errors:

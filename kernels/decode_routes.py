@@ -27,7 +27,7 @@ MEASURED_ON = {"sm_90": "H100 (sm_90, as the H200), Triton 3.8.0, torch 2.11, CU
 # (class, layer kind, real heads) -> ((batch, route), ...) over the measured batches.
 ROUTES: dict[tuple[str, str, int], tuple[tuple[int, str], ...]] = {
     ("sm_90", "window", 64): ((1, "stock"), (8, "stock"), (32, "stock"), (64, "ours"), (128, "ours"), (256, "ours")),
-    ("sm_90", "window", 16): ((1, "ours"), (8, "ours"), (32, "ours"), (64, "ours_all_heads"), (128, "ours"),
+    ("sm_90", "window", 16): ((1, "ours"), (8, "ours"), (32, "stock"), (64, "ours_all_heads"), (128, "ours"),
                               (256, "ours")),
     ("sm_90", "c4", 64): ((1, "stock"), (8, "stock"), (32, "stock"), (64, "ours"), (128, "stock"), (256, "stock")),
     ("sm_90", "c4", 16): ((1, "ours"), (8, "ours"), (32, "ours"), (64, "ours"), (128, "stock"), (256, "stock")),
