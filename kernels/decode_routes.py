@@ -18,10 +18,10 @@ import functools
 
 KINDS = ("window", "c4", "c128")
 EXTRA_PAGE_KIND = {64: "c4", 2: "c128"}  # tokens per page of the extra cache SGLang passes -> layer kind
-MEASURED_ON = {"sm_90": "H100 (sm_90, as the H200), Triton 3.8.0, torch 2.11, CUDA-graph replay, cold L2, vs FlashMLA (sgl-flash-mla 1.0.0) "
-                        "as SGLang 0.5.23 calls it: bench/results/sglang_decode.json",
+MEASURED_ON = {"sm_90": "H100 (sm_90, as the H200), Triton 3.8.0, torch 2.11, CUDA-graph replay, cold L2, vs FlashMLA "
+                        "(sgl-flash-mla 1.0.0) as SGLang 0.5.23 calls it: bench/results/sglang_decode.json",
                "sm_100": "not measured: stock",
-               "sm_120": "H200 standing in for sm_120 (mma.sync, 99 KB), vs SGLang's sm_120 Triton kernel: "
+               "sm_120": "H100 standing in for sm_120 (mma.sync, 99 KB), vs SGLang's sm_120 Triton kernel: "
                          "bench/results/sm120_decode.json; FlashInfer's sm_120 kernel not measurable there"}
 
 # (class, layer kind, real heads) -> ((batch, route), ...) over the measured batches.
