@@ -69,6 +69,8 @@ class FakeWorker:
     received: list[dict] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     ever_aborted: set[str] = field(default_factory=set)  # what reset() does not clear: late legs still stop
+    hold_s: float = 3.0  # mode "hold": how long the prefill keeps the KV (unless its leg is aborted first); a
+    # "head_first" decode waits for the KV at least this long (else WAIT_S)
 
     def reset(self, mode: str) -> None:
         self.mode, self.received, self.aborted = mode, [], []
@@ -99,7 +101,7 @@ class FakeWorker:
             err = {"error": {"message": "KV transfer failed", "type": "internal", "code": 500}}
             return StreamingResponse(iter([event(err), DONE]), media_type=SSE) if stream else JSONResponse(err, 500)
         if self.mode == "hold":
-            await self.wait("never", rid, timeout_s=3.0)
+            await self.wait("never", rid, timeout_s=self.hold_s)
         self.meet("kv_sent", rid).set()
         finish = {"type": "length", "length": 0}
         if stream:
@@ -113,7 +115,7 @@ class FakeWorker:
         if not stream and self.mode == "head_first":   # a plain answer's status line now, its body once the KV came
 
             async def body() -> Any:
-                if await self.wait("kv_sent", rid):
+                if await self.wait("kv_sent", rid, timeout_s=max(WAIT_S, self.hold_s)):
                     yield json.dumps(answer("decode", "hello world", "stop", stream=False))
 
             return StreamingResponse(body(), media_type="application/json")
