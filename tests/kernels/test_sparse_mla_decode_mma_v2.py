@@ -118,38 +118,51 @@ def test_gpu_mma_v2_refuses_a_config_it_cannot_launch(config, what):
         sparse_mla_decode_triton(**c, config=config)
 
 
-def test_sm120_64_heads_runs_mma_v2_on_fp8_from_b8_and_the_triton_row_elsewhere(monkeypatch):
-    """The dispatch of the sm_120 row at 64 heads, without a GPU: fp8 caches from B = 8 on the mma.sync kernel; below
-    B = 8, on bf16 rows, or when asked for "triton", the row's Triton fallback config (16-head programs)."""
+@pytest.fixture
+def plans_on(monkeypatch):
+    """`plan_launch` as on a GPU of the class given, without one: the class and Gluon's API patched, the answers
+    cached for this process's real device cleared before and after."""
     from dsv4_cluster.kernels import dispatch
     from dsv4_cluster.kernels.sparse_mla_decode import config as cfg_mod
     from dsv4_cluster.kernels.sparse_mla_decode import plan as plan_mod
-    from dsv4_cluster.kernels.sparse_mla_decode.fp8_layout import PageGeometry
 
-    monkeypatch.setattr(dispatch, "class_of_device", lambda device: "sm_120")
-    monkeypatch.setattr(cfg_mod, "gluon_api_unavailable", lambda: None)
-    for cached in (cfg_mod._choose, cfg_mod.choose_backend_for, plan_mod.plan_launch):
-        cached.cache_clear()  # answers cached for this process's real device: cleared before and after
-    try:
-        geos = (PageGeometry.packed(256), PageGeometry.packed(64))
-        row = dispatch.decode_impl("sm_120", 64)
-
-        def plan(b, fp8=True, backend="auto"):
-            p = plan_mod.plan_launch(torch.device("cuda"), b, 64, torch.bfloat16, fp8, LaunchConfig(backend=backend),
-                                     128, 512, (True, True, True, True), geos, 188)
-            return p.backend, p.config.block_n, p.config.head_group, p.config.num_warps, p.grid[1:]
-
-        fallback = ("triton", row.fallback.block_n, row.fallback.head_group, row.fallback.num_warps)
-        assert plan(8)[:4] == plan(128)[:4] == ("gluon_mma_v2", 16, 0, 8)
-        assert plan(8)[4] == (plan(8)[4][0],)  # grid (B, splits): one program per query and split
-        for b in (1, row.min_batch - 1):
-            assert plan(b)[:4] == fallback and plan(b)[4][1] == 64 // row.fallback.head_group
-        assert plan(64, fp8=False)[:4] == fallback
-        assert plan(64, backend="triton")[:4] == fallback
-        assert plan(1, backend="gluon_mma_v2")[0] == "gluon_mma_v2"  # asked for by name: kept at any B
-    finally:
+    def clear():
         for cached in (cfg_mod._choose, cfg_mod.choose_backend_for, plan_mod.plan_launch):
             cached.cache_clear()
+
+    def on(gpu: str):
+        monkeypatch.setattr(dispatch, "class_of_device", lambda device: gpu)
+        monkeypatch.setattr(cfg_mod, "gluon_api_unavailable", lambda: None)
+        clear()
+        return plan_mod.plan_launch
+
+    yield on
+    clear()
+
+
+def test_sm120_64_heads_runs_mma_v2_on_fp8_from_b8_and_the_triton_row_elsewhere(plans_on):
+    """The dispatch of the sm_120 row at 64 heads, without a GPU: fp8 caches from B = 8 on the mma.sync kernel; below
+    B = 8, on bf16 rows, or when asked for "triton", the row's Triton fallback config (16-head programs)."""
+    from dsv4_cluster.kernels import dispatch
+    from dsv4_cluster.kernels.sparse_mla_decode.fp8_layout import PageGeometry
+
+    plan_launch = plans_on("sm_120")
+    geos = (PageGeometry.packed(256), PageGeometry.packed(64))
+    row = dispatch.decode_impl("sm_120", 64)
+
+    def plan(b, fp8=True, backend="auto"):
+        p = plan_launch(torch.device("cuda"), b, 64, torch.bfloat16, fp8, LaunchConfig(backend=backend),
+                        128, 512, (True, True, True, True), geos, 188)
+        return p.backend, p.config.block_n, p.config.head_group, p.config.num_warps, p.grid[1:]
+
+    fallback = ("triton", row.fallback.block_n, row.fallback.head_group, row.fallback.num_warps)
+    assert plan(8)[:4] == plan(128)[:4] == ("gluon_mma_v2", 16, 0, 8)
+    assert plan(8)[4] == (plan(8)[4][0],)  # grid (B, splits): one program per query and split
+    for b in (1, row.min_batch - 1):
+        assert plan(b)[:4] == fallback and plan(b)[4][1] == 64 // row.fallback.head_group
+    assert plan(64, fp8=False)[:4] == fallback
+    assert plan(64, backend="triton")[:4] == fallback
+    assert plan(1, backend="gluon_mma_v2")[0] == "gluon_mma_v2"  # asked for by name: kept at any B
 
 
 def test_the_word_dequantisation_arithmetic_is_exact_for_every_e4m3_byte():
@@ -174,33 +187,23 @@ def test_the_word_dequantisation_arithmetic_is_exact_for_every_e4m3_byte():
         assert torch.equal(got.view(torch.int16), (values * 2.0 ** (e - 127)).to(torch.bfloat16).view(torch.int16)), e
 
 
-def test_the_16_head_kernel_splits_for_two_ctas_an_sm(monkeypatch):
+def test_the_16_head_kernel_splits_for_two_ctas_an_sm(plans_on):
     """The 16-head mma.sync kernel runs two CTAs an SM, so its split count spreads B x splits over twice the SMs: on
     a c4 call (window 128 + 512 indices, 132 SMs) 8 / 4 / 2 / 1 splits at B = 32 / 64 / 128 / 256, the H200 probe's
     bests at 64 ... 256 (splits.MMA_V2_16_HEAD_CTAS_PER_SM); at 64 heads (8 warps, one CTA an SM) the one-CTA count."""
-    from dsv4_cluster.kernels import dispatch
-    from dsv4_cluster.kernels.sparse_mla_decode import config as cfg_mod
-    from dsv4_cluster.kernels.sparse_mla_decode import plan as plan_mod
     from dsv4_cluster.kernels.sparse_mla_decode.fp8_layout import PageGeometry
     from dsv4_cluster.kernels.sparse_mla_decode.splits import choose_splits
 
-    monkeypatch.setattr(dispatch, "class_of_device", lambda device: "sm_90")
-    monkeypatch.setattr(cfg_mod, "gluon_api_unavailable", lambda: None)
-    for cached in (cfg_mod._choose, cfg_mod.choose_backend_for, plan_mod.plan_launch):
-        cached.cache_clear()
-    try:
-        geos = (PageGeometry.packed(256), PageGeometry.packed(64))
+    plan_launch = plans_on("sm_90")
+    geos = (PageGeometry.packed(256), PageGeometry.packed(64))
 
-        def splits(b, h):
-            cfg = LaunchConfig(backend="gluon_mma_v2", num_warps=4 if h == 16 else 8, fp8_words=True, lazy_rescale=True)
-            p = plan_mod.plan_launch(torch.device("cuda"), b, h, torch.bfloat16, True, cfg, 128, 512,
-                                     (True, True, True, True), geos, 132)
-            assert p.backend == "gluon_mma_v2" and p.grid == (b, p.splits)
-            return p.splits
+    def splits(b, h):
+        cfg = LaunchConfig(backend="gluon_mma_v2", num_warps=4 if h == 16 else 8, fp8_words=True, lazy_rescale=True)
+        p = plan_launch(torch.device("cuda"), b, h, torch.bfloat16, True, cfg, 128, 512, (True, True, True, True),
+                        geos, 132)
+        assert p.backend == "gluon_mma_v2" and p.grid == (b, p.splits)
+        return p.splits
 
-        assert [splits(b, 16) for b in (32, 64, 128, 256)] == [8, 4, 2, 1]
-        assert [splits(b, 64) for b in (32, 64, 128, 256)] == [choose_splits(b, 40, 132) for b in (32, 64, 128, 256)]
-        assert [splits(b, 64) for b in (64, 128)] == [2, 1]
-    finally:
-        for cached in (cfg_mod._choose, cfg_mod.choose_backend_for, plan_mod.plan_launch):
-            cached.cache_clear()
+    assert [splits(b, 16) for b in (32, 64, 128, 256)] == [8, 4, 2, 1]
+    assert [splits(b, 64) for b in (32, 64, 128, 256)] == [choose_splits(b, 40, 132) for b in (32, 64, 128, 256)]
+    assert [splits(b, 64) for b in (64, 128)] == [2, 1]
