@@ -55,8 +55,12 @@ def report(out: Path) -> dict:
                      else {"rows": [], "device": "-", "torch": "-", "layers": "-", "live_tokens": "-", "reps": "-"}
                      for m in ("stock", "plugin"))
     have = all((out / f"{m}_outputs.pt").exists() for m in ("stock", "plugin"))
-    eq = (compare(out) if have else {"not run": "stock mode was not run (MODES)"} if not (out / "stock.json").exists()
-          else {"not run": "the equality case (context 131072) did not complete in both modes"})
+    if have:
+        eq = compare(out)
+    elif not (out / "stock.json").exists():
+        eq = {"not run": "stock mode was not run (MODES)"}
+    else:
+        eq = {"not run": "the equality case (context 131072) did not complete in both modes"}
     s = {(x["context"], x["batch"]): x for x in stock["rows"]}
     p = {(x["context"], x["batch"]): x for x in plugin["rows"]}
     contexts = sorted({c for c, _ in s} | {c for c, _ in p})
