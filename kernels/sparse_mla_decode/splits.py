@@ -21,10 +21,10 @@ def fuses_merge(config: LaunchConfig, batch: int, splits: int, num_sms: int) -> 
     return splits > 1 and wanted and batch * splits <= num_sms
 
 
-# The 16-head mma.sync Gluon kernel (4 warps, 254 registers a thread on sm_90a, 49,664 B of shared memory) runs two
-# CTAs an SM, so its splits spread B x splits programs over twice the SMs. H200, c4, Triton 3.8, graph, against the
-# one-CTA count: B = 64, 4 splits 37.3 us vs 2 splits 41.7; B = 128, 2 splits 58.3 vs 1 split 68.7; B = 256, 1
-# split either way (the probe in DEVELOPERS.md, "16-head splits").
+# The 16-head mma.sync Gluon kernel (4 warps, 255 registers a thread as compiled on an H100, 49,664 B of shared
+# memory) runs two CTAs an SM, so its splits spread B x splits programs over twice the SMs. H200, c4, Triton 3.8,
+# graph, against the one-CTA count: B = 64, 4 splits 37.3 us vs 2 splits 41.7; B = 128, 2 splits 58.3 vs 1 split
+# 68.7; B = 256, 1 split either way (the probe in DEVELOPERS.md, "16-head splits").
 MMA_V2_16_HEAD_CTAS_PER_SM = 2
 
 MERGE_COST = 0.03  # choose_splits: a split's merge, in blocks per (query, split)
