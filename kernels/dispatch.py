@@ -56,7 +56,6 @@ class DecodeImpl:
     # the mma.sync Gluon kernel's options (LaunchConfig's fields of the same names; a config's own value wins)
     fp8_words: bool = False
     lazy_rescale: bool = False
-    raw_stages: int = 0
     # the row that runs where this one's kernel cannot (a Gluon row on a Triton release it was not built for) or
     # below min_batch queries, where it measured slower
     fallback: "DecodeImpl | None" = None

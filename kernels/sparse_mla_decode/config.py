@@ -48,10 +48,6 @@ class LaunchConfig:
     # mma.sync Gluon kernel: move the softmax's reference max only when a block's max passes it by more than 2**8,
     # a CTA-wide decision, so most blocks skip O's rescale (gluon_mma_v2.LAZY_LOG2). None: the row's choice
     lazy_rescale: bool | None = None
-    # mma.sync Gluon kernel on fp8 rows with fp8_words: gather blocks by cp.async into this many raw shared-memory
-    # stages (>= 2; 10,368 B each), blocks ahead, instead of one block ahead in registers (gluon_raw_stages.py).
-    # None: the row's choice; 0: off
-    raw_stages: int | None = None
 
 
 def _num_sms(device: torch.device) -> int:
@@ -156,8 +152,6 @@ def _choose(device, h, dtype, is_fp8, config):
                                  num_warps=config.num_warps or row.num_warps,
                                  fp8_words=row.fp8_words if config.fp8_words is None else config.fp8_words,
                                  lazy_rescale=row.lazy_rescale if config.lazy_rescale is None else config.lazy_rescale)
-                if config.raw_stages is None:  # the row's raw stages where they apply: fp8 rows in words
-                    config = replace(config, raw_stages=row.raw_stages if is_fp8 and config.fp8_words else 0)
             return "gluon_mma_v2", resolved(config, "gluon_mma_v2", is_fp8)
         if config.backend == "gluon_mma_v2":
             raise checks.SparseDecodeInputError(f"the mma.sync Gluon kernel cannot run this call: {why}; "

@@ -41,14 +41,21 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from .gluon_kernel import _block_range
-from .gluon_raw_stages import block_indices as _block_indices
-from .gluon_raw_stages import raw_alloc, raw_issue, raw_read
 
 D_ALL = gl.constexpr(512)
 LAZY_LOG2 = gl.constexpr(8.0)  # LaunchConfig(lazy_rescale=True): how far p may grow past 1, in log2
+
+
+@gluon.jit
+def _block_indices(j, hi, nbw, wlen, elen, widx_row, eidx_row, offs, BN: gl.constexpr):
+    """Cache rows of live block j at positions `offs` (its layout), -1 where invalid, past the length or j >= hi."""
+    is_w = j < nbw
+    pos = gl.where(is_w, j, j - nbw) * BN + offs
+    n_valid = gl.where(j < hi, gl.where(is_w, wlen, elen), 0)
+    return gl.load(gl.where(is_w, widx_row, eidx_row) + pos, mask=pos < n_valid, other=-1)
 
 
 @gluon.jit
@@ -195,7 +202,7 @@ def _sparse_decode_mma_v2_kernel(
     H: gl.constexpr, BN: gl.constexpr, SPLIT_OUT: gl.constexpr,
     IS_FP8: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_WLEN: gl.constexpr, HAS_ELEN: gl.constexpr,
     HAS_SINK: gl.constexpr, W_SHIFT: gl.constexpr, W_PAGE: gl.constexpr, E_SHIFT: gl.constexpr, E_PAGE: gl.constexpr,
-    WORDS: gl.constexpr = False, LAZY: gl.constexpr = False, RAW: gl.constexpr = 0,
+    WORDS: gl.constexpr = False, LAZY: gl.constexpr = False,
 ):
     NW: gl.constexpr = gl.num_warps()
     WM: gl.constexpr = H // 16
@@ -227,25 +234,13 @@ def _sparse_decode_mma_v2_kernel(
     # ALU work overlaps the mma.sync), then stored to the other stage (read last by block j - 1, before the
     # barrier that ended it); block j + 2's rows and block j + 3's indices are loaded meanwhile. A warp issues
     # in order, so a load is only ever waited for an iteration after it went out.
-    # RAW (fp8 words only, gluon_raw_stages.py): blocks lo .. lo + RAW - 1 go out by cp.async at once; block j's
-    # products then run while block j + 1 is read from its landed raw stage and dequantised, and block j + RAW
-    # goes out into the raw stage block j left (read by every thread before the last barrier).
-    if RAW > 0:
-        nope_raw, rope_raw, sc_raw = raw_alloc(RAW, BN)
-        for r0 in gl.static_range(RAW):
-            raw_issue(lo + r0, hi, nbw, wlen, elen, widx_row, eidx_row, kv_ptr, ekv_ptr, nope_raw.index(r0),
-                      rope_raw.index(r0), sc_raw.index(r0), L3, BN, W_SHIFT, W_PAGE, E_SHIFT, E_PAGE)
-        async_copy.wait_group(RAW - 1)
-        gl.barrier()
-        nope, rope, sc = raw_read(nope_raw.index(0), rope_raw.index(0), sc_raw.index(0), L3)
-    else:
-        idx_r = _block_indices(lo, hi, nbw, wlen, elen, widx_row, eidx_row, offs_r, BN)
-        nope, rope, sc = _load_raw(lo, nbw, idx_r, kv_ptr, stride_kv, ekv_ptr, stride_ekv, L3, IS_FP8, WORDS,
-                                   W_SHIFT, W_PAGE, E_SHIFT, E_PAGE)
-        idx_r = _block_indices(lo + 1, hi, nbw, wlen, elen, widx_row, eidx_row, offs_r, BN)
-        nope_n, rope_n, sc_n = _load_raw(lo + 1, nbw, idx_r, kv_ptr, stride_kv, ekv_ptr, stride_ekv, L3, IS_FP8,
-                                         WORDS, W_SHIFT, W_PAGE, E_SHIFT, E_PAGE)
-        idx_r_nn = _block_indices(lo + 2, hi, nbw, wlen, elen, widx_row, eidx_row, offs_r, BN)
+    idx_r = _block_indices(lo, hi, nbw, wlen, elen, widx_row, eidx_row, offs_r, BN)
+    nope, rope, sc = _load_raw(lo, nbw, idx_r, kv_ptr, stride_kv, ekv_ptr, stride_ekv, L3, IS_FP8, WORDS,
+                               W_SHIFT, W_PAGE, E_SHIFT, E_PAGE)
+    idx_r = _block_indices(lo + 1, hi, nbw, wlen, elen, widx_row, eidx_row, offs_r, BN)
+    nope_n, rope_n, sc_n = _load_raw(lo + 1, nbw, idx_r, kv_ptr, stride_kv, ekv_ptr, stride_ekv, L3, IS_FP8, WORDS,
+                                     W_SHIFT, W_PAGE, E_SHIFT, E_PAGE)
+    idx_r_nn = _block_indices(lo + 2, hi, nbw, wlen, elen, widx_row, eidx_row, offs_r, BN)
     idx_c = _block_indices(lo, hi, nbw, wlen, elen, widx_row, eidx_row, offs_c, BN)
     qh = gl.arange(0, H, layout=gl.SliceLayout(1, q_l))
     qd = gl.arange(0, D_ALL, layout=gl.SliceLayout(0, q_l))
@@ -253,8 +248,6 @@ def _sparse_decode_mma_v2_kernel(
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [H, D_ALL], smem_l, q.to(gl.bfloat16))
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BN, D_ALL], smem_l)
     _stage_store(k_smem.index(0), _dequant(nope, rope, sc, IS_FP8, WORDS, BN), BN)
-    if RAW > 0:
-        async_copy.wait_group(RAW - 2)
     gl.barrier()
 
     m_i = gl.full([H], float("-inf"), gl.float32, layout=row_l)
@@ -266,12 +259,6 @@ def _sparse_decode_mma_v2_kernel(
     for j in range(lo, hi):
         stage = k_smem.index((j - lo) % 2)
         kt = stage.permute((1, 0))
-        if RAW > 0:
-            r = (j - lo) % RAW
-            raw_issue(j + RAW, hi, nbw, wlen, elen, widx_row, eidx_row, kv_ptr, ekv_ptr, nope_raw.index(r),
-                      rope_raw.index(r), sc_raw.index(r), L3, BN, W_SHIFT, W_PAGE, E_SHIFT, E_PAGE)
-            r = (j - lo + 1) % RAW
-            nope_n, rope_n, sc_n = raw_read(nope_raw.index(r), rope_raw.index(r), sc_raw.index(r), L3)
         # S = Q K^T as four independent chains of mma.sync (one per 128 dims), not one chain of 32
         s0 = gl.zeros([H, BN], gl.float32, layout=mma)
         s1 = gl.zeros([H, BN], gl.float32, layout=mma)
@@ -287,10 +274,9 @@ def _sparse_decode_mma_v2_kernel(
             s3 = mma_v2(q_smem.slice(3 * KB + kb * 16, 16, dim=1).load(dot_a),
                         kt.slice(3 * KB + kb * 16, 16, dim=0).load(dot_b), s3)
         rows_n = _dequant(nope_n, rope_n, sc_n, IS_FP8, WORDS, BN)
-        if RAW == 0:
-            nope_n, rope_n, sc_n = _load_raw(j + 2, nbw, idx_r_nn, kv_ptr, stride_kv, ekv_ptr, stride_ekv, L3,
-                                             IS_FP8, WORDS, W_SHIFT, W_PAGE, E_SHIFT, E_PAGE)
-            idx_r_nn = _block_indices(j + 3, hi, nbw, wlen, elen, widx_row, eidx_row, offs_r, BN)
+        nope_n, rope_n, sc_n = _load_raw(j + 2, nbw, idx_r_nn, kv_ptr, stride_kv, ekv_ptr, stride_ekv, L3, IS_FP8,
+                                         WORDS, W_SHIFT, W_PAGE, E_SHIFT, E_PAGE)
+        idx_r_nn = _block_indices(j + 3, hi, nbw, wlen, elen, widx_row, eidx_row, offs_r, BN)
         s = (s0 + s1) + (s2 + s3)
         s = gl.where((idx_c >= 0)[None, :], s * qk_scale_log2, float("-inf"))
         idx_c = _block_indices(j + 1, hi, nbw, wlen, elen, widx_row, eidx_row, offs_c, BN)
@@ -322,8 +308,6 @@ def _sparse_decode_mma_v2_kernel(
         o2 = mma_v2(p_op, stage.slice(2 * DC, DC, dim=1).load(dot_b), o2)
         o3 = mma_v2(p_op, stage.slice(3 * DC, DC, dim=1).load(dot_b), o3)
         _stage_store(k_smem.index((j - lo + 1) % 2), rows_n, BN)
-        if RAW > 0:
-            async_copy.wait_group(RAW - 2)  # block j + 2 has landed (blocks j + 3 .. j + RAW may be in flight)
         gl.barrier()
 
     l_i = gl.sum(l_acc, axis=1)

@@ -84,22 +84,17 @@ def _mma_v2_plan(b, h, w, k, is_fp8, config, sms, flags, geos):
     """(splits, launch keyword arguments) of the mma.sync Gluon kernel; its merge is the Triton kernel's."""
     bn = config.block_n
     warps = (4, 8) if h == 16 else (8, 16)  # 64 heads: 4 warps would hold all of O's 512 columns a warp
-    if (bn if h != 16 else 16, config.num_stages) != (16, 2) or config.num_warps not in warps:
+    if (bn, config.num_stages) != (16, 2) or config.num_warps not in warps:
         raise checks.SparseDecodeInputError(
             "the mma.sync Gluon kernel takes block_n 16, num_stages 2 (Q and two row stages fill sm_120's 99 KB) "
             f"and num_warps {' or '.join(map(str, warps))} at {h} heads; got {bn}, {config.num_stages}, "
             f"{config.num_warps}")
-    raw = config.raw_stages or 0
-    if raw and (raw < 2 or not (is_fp8 and config.fp8_words)):
-        raise checks.SparseDecodeInputError(
-            f"raw_stages={raw}: the mma.sync Gluon kernel's raw stages take V4 fp8 rows with fp8_words and at least 2 "
-            "stages (0 or None: none)")
     slots = sms * (MMA_V2_16_HEAD_CTAS_PER_SM if h == 16 else 1)  # CTAs resident at once
     splits = config.num_splits or choose_splits(b, -(-w // bn) + -(-k // bn), slots)
     has_extra, has_wlen, has_elen, has_sink = flags
     return splits, dict(H=h, BN=bn, SPLIT_OUT=splits > 1, IS_FP8=is_fp8, HAS_EXTRA=has_extra, HAS_WLEN=has_wlen,
                         HAS_ELEN=has_elen, HAS_SINK=has_sink, **_geometry_kwargs(geos), WORDS=bool(config.fp8_words),
-                        LAZY=bool(config.lazy_rescale), RAW=raw, num_warps=config.num_warps)
+                        LAZY=bool(config.lazy_rescale), num_warps=config.num_warps)
 
 
 def _gluon_plan(b, w, k, is_fp8, config, sms, flags, geos):

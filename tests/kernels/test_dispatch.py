@@ -57,7 +57,7 @@ def _compiled(heads: int, impl: dispatch.DecodeImpl, capability: int, words: boo
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = (f"from tests.kernels.test_dispatch import _compile_here; "
             f"print(_compile_here({impl.head_group or heads}, {impl.block_n}, {impl.num_stages}, {capability}, "
-            f"{impl.num_warps}, {impl.backend!r}, {words}, {lazy}, {impl.raw_stages}))")
+            f"{impl.num_warps}, {impl.backend!r}, {words}, {lazy}))")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     shared, spills = done.stdout.split()[-2:]
@@ -65,7 +65,7 @@ def _compiled(heads: int, impl: dispatch.DecodeImpl, capability: int, words: boo
 
 
 def _compile_here(heads: int, block_n: int, num_stages: int, capability: int, num_warps: int = 8,
-                  backend: str = "triton", words: bool = False, lazy: bool = False, raw: int = 0) -> str:
+                  backend: str = "triton", words: bool = False, lazy: bool = False) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -76,7 +76,7 @@ def _compile_here(heads: int, block_n: int, num_stages: int, capability: int, nu
 
         from dsv4_cluster.kernels.sparse_mla_decode import gluon_mma_v2 as k
 
-        fn, const = k._sparse_decode_mma_v2_kernel, dict(common, WORDS=words, LAZY=lazy, RAW=raw)
+        fn, const = k._sparse_decode_mma_v2_kernel, dict(common, WORDS=words, LAZY=lazy)
         options = dict(num_warps=num_warps)
     else:
         from triton.compiler import ASTSource
