@@ -38,6 +38,9 @@ MMA_V2_ENV = "DISABLE_MMA_V3"  # Triton: compile tl.dot to mma.sync (sm_120's MM
 EXAMPLE_GPUS = {"sm_90": "H100 / H200 / H20", "sm_100": "B200 / B300", "sm_120": "RTX PRO 6000 Blackwell"}
 
 
+WGMMA_BACKENDS = ("gluon", "gluon_h16")  # the Gluon kernels written for sm_90 (wgmma) alone
+
+
 class DispatchError(ValueError):
     """A GPU, class or shape the table has no implementation for (the message says which and why)."""
 
@@ -47,7 +50,7 @@ class DecodeImpl:
     """One sparse-decode launch: kernel backend, rows per block, pipeline stages, and the shared memory one
     block needs as compiled for its class (bytes; `metadata.shared` of the compiled kernel, see the tests)."""
 
-    backend: str  # "gluon" (wgmma, sm_90) | "gluon_mma_v2" (mma.sync, sm_120) | "triton"
+    backend: str  # "gluon" (wgmma, sm_90) | "gluon_h16" (wgmma at 16 heads, sm_90) | "gluon_mma_v2" (mma.sync) | "triton"
     block_n: int
     num_stages: int
     smem: int
@@ -56,6 +59,7 @@ class DecodeImpl:
     # the mma.sync Gluon kernel's options (LaunchConfig's fields of the same names; a config's own value wins)
     fp8_words: bool = False
     lazy_rescale: bool = False
+    loader_warps: int = 0  # the 16-head wgmma Gluon kernel's loader warps (LaunchConfig.loader_warps)
     # the row that runs where this one's kernel cannot (a Gluon row on a Triton release it was not built for) or
     # below min_batch queries, where it measured slower
     fallback: "DecodeImpl | None" = None
@@ -81,8 +85,9 @@ class DecodeImpl:
 SPARSE_DECODE: dict[tuple[str, int], DecodeImpl] = {
     ("sm_90", 64): DecodeImpl("gluon", 64, 2, 218_192),
     ("sm_90", 32): DecodeImpl("triton", 64, 2, 164_096),
-    ("sm_90", 16): DecodeImpl("gluon_mma_v2", 16, 2, 49_664, num_warps=4, fp8_words=True, lazy_rescale=True,
-                              fallback=DecodeImpl("triton", 64, 2, 147_712)),
+    ("sm_90", 16): DecodeImpl("gluon_h16", 64, 2, 153_920, num_warps=4, loader_warps=8, min_batch=32,
+                              fallback=DecodeImpl("gluon_mma_v2", 16, 2, 49_664, num_warps=4, fp8_words=True,
+                                                  lazy_rescale=True, fallback=DecodeImpl("triton", 64, 2, 147_712))),
     ("sm_100", 64): DecodeImpl("triton", 64, 2, 135_440),
     ("sm_100", 32): DecodeImpl("triton", 64, 2, 164_096),
     ("sm_100", 16): DecodeImpl("triton", 64, 2, 147_712),
@@ -155,7 +160,7 @@ def decode_impl(gpu: str, heads: int) -> DecodeImpl:
     if impl is None:
         raise DispatchError(f"no sparse-decode implementation for {heads} heads on {gpu}: the kernels compute 16, "
                             f"32 or 64 heads on {', '.join(GPU_CLASSES)}")
-    if impl.smem > SMEM_PER_BLOCK[gpu] or (impl.backend == "gluon" and gpu != "sm_90"):
+    if impl.smem > SMEM_PER_BLOCK[gpu] or (impl.backend in WGMMA_BACKENDS and gpu != "sm_90"):
         raise DispatchError(f"the table's sparse-decode row for {gpu} at {heads} heads breaks its class's limits: "
                             + "; ".join(check_table()))
     return impl
@@ -185,8 +190,9 @@ def check_table() -> list[str]:
         if impl.smem > SMEM_PER_BLOCK[gpu]:
             problems.append(f"sparse decode on {gpu} at {heads} heads needs {impl.smem} B of shared memory per block, "
                             f"over the {SMEM_PER_BLOCK[gpu]} B the class allows")
-        if impl.backend == "gluon" and gpu != "sm_90":
-            problems.append(f"sparse decode on {gpu} names the Gluon kernel, which is written for sm_90 alone")
+        if impl.backend in WGMMA_BACKENDS and gpu != "sm_90":
+            problems.append(f"sparse decode on {gpu} names a wgmma Gluon kernel ({impl.backend}), which is written "
+                            "for sm_90 alone")
     for gpu in GPU_CLASSES:
         for heads in (16, 32, 64):
             if (gpu, heads) not in SPARSE_DECODE:

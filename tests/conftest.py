@@ -11,6 +11,7 @@ one at collection, before the kernel tests' folder was reached, made every inter
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -34,3 +35,25 @@ def _slice(low: int, high: int) -> tuple[int, int]:
 _LOW, _HIGH = _slice(SEARCH_LOW, EPHEMERAL_LOW)
 os.environ[PORTS_ENV] = f"{_LOW}-{_HIGH}"
 servers.PORT_RANGE = (_LOW, _HIGH - 1)   # the test servers' ports too (inclusive bounds), above Ray's worker ports
+
+
+@pytest.fixture
+def plans_on(monkeypatch):
+    """`plan_launch` as on a GPU of the class given, without one: the class and Gluon's API patched, the answers
+    cached for this process's real device cleared before and after."""
+    from dsv4_cluster.kernels import dispatch
+    from dsv4_cluster.kernels.sparse_mla_decode import config as cfg_mod
+    from dsv4_cluster.kernels.sparse_mla_decode import plan as plan_mod
+
+    def clear():
+        for cached in (cfg_mod._choose, cfg_mod.choose_backend_for, plan_mod.plan_launch):
+            cached.cache_clear()
+
+    def on(gpu: str):
+        monkeypatch.setattr(dispatch, "class_of_device", lambda device: gpu)
+        monkeypatch.setattr(cfg_mod, "gluon_api_unavailable", lambda: None)
+        clear()
+        return plan_mod.plan_launch
+
+    yield on
+    clear()

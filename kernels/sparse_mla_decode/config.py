@@ -48,6 +48,8 @@ class LaunchConfig:
     # mma.sync Gluon kernel: move the softmax's reference max only when a block's max passes it by more than 2**8,
     # a CTA-wide decision, so most blocks skip O's rescale (gluon_mma_v2.LAZY_LOG2). None: the row's choice
     lazy_rescale: bool | None = None
+    # the 16-head wgmma Gluon kernel (gluon_h16.py): its loader's warps (0: 8)
+    loader_warps: int = 0
 
 
 def _num_sms(device: torch.device) -> int:
@@ -57,12 +59,13 @@ def _num_sms(device: torch.device) -> int:
 
 
 
-BACKENDS = ("auto", "triton", "gluon", "gluon_mma_v2")
+BACKENDS = ("auto", "triton", "gluon", "gluon_mma_v2", "gluon_h16")
 # (block_n, stages) when the config leaves them 0: the H200 sweep's most frequent winners
 # (bench/results/sparse_decode.md).
 DEFAULT_BLOCKS = {("triton", False): (64, 2), ("triton", True): (64, 2),
                   ("gluon", False): (64, 2), ("gluon", True): (64, 2),
-                  ("gluon_mma_v2", False): (16, 2), ("gluon_mma_v2", True): (16, 2)}
+                  ("gluon_mma_v2", False): (16, 2), ("gluon_mma_v2", True): (16, 2),
+                  ("gluon_h16", False): (64, 2), ("gluon_h16", True): (64, 2)}
 PV_REGS = 160  # registers per thread of the Gluon P V-only warpgroup (a 64 x 256 fp32 accumulator and little else)
 SMEM_LIMIT = 226 * 1024  # the 227 KB a block may opt into, less a margin for what the estimate leaves out
 
@@ -92,6 +95,12 @@ def gluon_smem_bytes(block_n: int, stages: int, w: int = 128, k: int = 512) -> i
     table = gluon_index_blocks(w, k, block_n) * block_n * 4
     handoff = 2 * 64 * block_n * 2 + 4 * 64 * 4
     return 64 * DIM * 2 + stages * block_n * DIM * 2 + table + handoff + 8 * (2 * stages + 6)
+
+
+def h16_smem_bytes(block_n: int, stages: int, w: int = 128, k: int = 512) -> int:
+    """Shared memory of the 16-head Gluon kernel: Q (16 heads), the bf16 row stages, the index table, P^T, barriers."""
+    return 16 * DIM * 2 + stages * block_n * DIM * 2 + gluon_index_blocks(w, k, block_n) * block_n * 4 + \
+        16 * block_n * 2 + 8 * (2 * stages + 2)
 
 
 def gluon_unavailable(q: torch.Tensor, is_fp8: bool) -> str | None:
@@ -124,22 +133,40 @@ def gluon_api_unavailable() -> str | None:
 
 
 
-def choose_backend(device: torch.device, h: int, dtype: torch.dtype, is_fp8: bool, config: LaunchConfig):
+def choose_backend(device: torch.device, h: int, dtype: torch.dtype, is_fp8: bool, config: LaunchConfig,
+                   use_fallback: bool = False):
     """(backend, config resolved for it) of a call, from the dispatch table for the device's GPU class.
 
     "auto": the table's row for (class, h); a Gluon row falls back to the Triton kernel where Gluon cannot take
     the call on this build (non-bf16 q, a Triton release it was not written for), with the row's `fallback` config
-    where it names one. "gluon" is refused off sm_90; "gluon_mma_v2" runs on any CUDA GPU (64 heads, bf16 q).
-    A block size or stage count left 0 comes from the class's row (sm_120: its <= 99 KB config)."""
+    where it names one. "gluon" and "gluon_h16" are refused off sm_90; "gluon_mma_v2" runs on any CUDA GPU (64 or
+    16 heads, bf16 q). A block size or stage count left 0 comes from the class's row (sm_120: its <= 99 KB config).
+    use_fallback: the row's fallback stands in for it (the call's batch is under the row's `min_batch`, or its
+    index table does not fit the 16-head kernel's shared memory)."""
     if config.backend not in BACKENDS:
         raise checks.SparseDecodeInputError(f"LaunchConfig.backend must be one of {BACKENDS}, got {config.backend!r}")
-    return _choose(device, h, dtype, is_fp8, config)
+    return _choose(device, h, dtype, is_fp8, config, use_fallback)
 
 
 @functools.lru_cache(maxsize=256)
-def _choose(device, h, dtype, is_fp8, config):
+def _choose(device, h, dtype, is_fp8, config, use_fallback=False):
     gpu = dispatch.class_of_device(device)
     row = dispatch.decode_impl(gpu, h) if gpu is not None and h in (16, 32, 64) else None
+    if use_fallback and row is not None and row.fallback is not None:
+        row = row.fallback  # below the row's min_batch, or a call its kernel cannot hold (plan / choose_backend_for)
+    if config.backend == "gluon_h16" or (config.backend == "auto" and row is not None and row.backend == "gluon_h16"):
+        why = h16_unavailable(device, gpu, h, dtype)
+        if why is None:
+            if row is not None and row.backend == "gluon_h16":
+                config = replace(config, block_n=config.block_n or row.block_n,
+                                 num_stages=config.num_stages or row.num_stages,
+                                 loader_warps=config.loader_warps or row.loader_warps)
+            return "gluon_h16", resolved(replace(config, loader_warps=config.loader_warps or 8), "gluon_h16", is_fp8)
+        if config.backend == "gluon_h16":
+            raise checks.SparseDecodeInputError(f"the 16-head Gluon kernel cannot run this call: {why}")
+        row = row.fallback  # the class's config where the 16-head kernel cannot run (another Triton release)
+    elif row is not None and row.backend == "gluon_h16":
+        row = row.fallback  # another backend asked for: the mma.sync row under it, with its options
     # "auto" takes the mma.sync row on V4 fp8 caches alone (what SGLang passes, and what the stand-in measured);
     # bf16 rows keep the row's Triton fallback until the kernel's bf16 path has run on a GPU
     if config.backend == "gluon_mma_v2" or (config.backend == "auto" and row is not None
@@ -156,8 +183,8 @@ def _choose(device, h, dtype, is_fp8, config):
         if config.backend == "gluon_mma_v2":
             raise checks.SparseDecodeInputError(f"the mma.sync Gluon kernel cannot run this call: {why}; "
                                                 "use backend='triton'")
-    if row is not None and row.backend == "gluon_mma_v2":
-        row = row.fallback  # the class's Triton config for this call (asked for, or where mma_v2 cannot run)
+    while row is not None and row.backend in ("gluon_h16", "gluon_mma_v2"):
+        row = row.fallback  # the class's Triton config for this call (asked for, or where those cannot run)
     why = _gluon_unavailable(device, gpu, h, dtype)
     if config.backend == "gluon" and why:
         raise checks.SparseDecodeInputError(f"the Gluon kernel cannot run this call: {why}; use backend='triton'")
@@ -172,14 +199,17 @@ def _choose(device, h, dtype, is_fp8, config):
 
 @functools.lru_cache(maxsize=1024)
 def choose_backend_for(device: torch.device, h: int, dtype: torch.dtype, is_fp8: bool, config: LaunchConfig,
-                       w: int, k: int):
+                       w: int, k: int, use_fallback: bool = False):
     """`choose_backend` for a call with w window and k extra indices per query. The Gluon kernel stages a
     query's whole index table in shared memory; where the table and the row stages do not fit (SGLang hands
     ratio-128 layers max_context / 128 extra indices: 8,192 at a configured 1M), an "auto" call whose block size
     was left to the table takes block_n 32 (half the row stages' bytes; the table is the same), and where that
     does not fit either, the Triton kernel, which streams its indices. A call that asked for "gluon" or for a
     block size keeps them (and its launch says why it cannot)."""
-    backend, resolved_config = choose_backend(device, h, dtype, is_fp8, config)
+    backend, resolved_config = choose_backend(device, h, dtype, is_fp8, config, use_fallback)
+    if (backend == "gluon_h16" and config.backend == "auto"
+            and h16_smem_bytes(resolved_config.block_n, resolved_config.num_stages, w, k) > SMEM_LIMIT):
+        return choose_backend(device, h, dtype, is_fp8, config, True)  # the mma.sync row streams its indices
     if (backend != "gluon" or config.backend != "auto"
             or gluon_smem_bytes(resolved_config.block_n, resolved_config.num_stages, w, k) <= SMEM_LIMIT):
         return backend, resolved_config
@@ -192,6 +222,14 @@ def _gluon_unavailable(device, gpu, h, dtype) -> str | None:
     if device.type == "cuda" and not dispatch.allows_gluon(gpu):
         return f"it is written for sm_90 (Hopper); this GPU runs as {gpu}"
     return _gluon_call_unavailable(device, h, dtype, (64,), "all 64 heads as the wgmma M")
+
+
+def h16_unavailable(device, gpu, h, dtype) -> str | None:
+    """Why the 16-head wgmma Gluon kernel (`gluon_h16.py`) cannot take a call (None: it can): sm_90, 16 heads, bf16
+    queries, a Triton release its Gluon API was written against."""
+    if device.type == "cuda" and not dispatch.allows_gluon(gpu):
+        return f"it is written for sm_90 (Hopper); this GPU runs as {gpu}"
+    return _gluon_call_unavailable(device, h, dtype, (16,), "16 heads as the wgmma N")
 
 
 def mma_v2_unavailable(device, h, dtype) -> str | None:

@@ -71,7 +71,7 @@ def stage_q_and_indices(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_p
     _stage_indices(idx_all, widx_row, eidx_row, nbw, wlen, elen, MAXB, BN)
     async_copy.mbarrier_arrive(t_bar, increment_count=False)  # tracks this thread's cp.asyncs so far
     rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
-    qh = gl.arange(0, H_ALL, layout=gl.SliceLayout(1, rows_l))
+    qh = gl.arange(0, q_smem.shape[0], layout=gl.SliceLayout(1, rows_l))  # 64 heads, or 16 (gluon_h16.py)
     qd = gl.arange(0, D_ALL, layout=gl.SliceLayout(0, rows_l))
     q_ptrs = q_ptr + b.to(gl.int64) * stride_qb + qh[:, None] * stride_qh + qd[None, :]
     async_copy.async_copy_global_to_shared(q_smem, q_ptrs)

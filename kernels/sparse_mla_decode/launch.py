@@ -111,6 +111,10 @@ def _launch(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, si
 
         kernel, max_shared = gluon_kernel._sparse_decode_ws_kernel, None
         counters = split_counters(q.device, b) if p.fused_merge else lse
+    elif p.backend == "gluon_h16":
+        from . import gluon_h16
+
+        kernel, max_shared, counters = gluon_h16._sparse_decode_h16_kernel, None, None
     elif p.backend == "gluon_mma_v2":
         from . import gluon_mma_v2
 

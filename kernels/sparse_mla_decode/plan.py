@@ -10,14 +10,14 @@ and the device only (never tensor values), so a plan is cached and a call stays 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from .. import dispatch
 from . import checks
 from .config import (DIM, PV_REGS, SMEM_LIMIT, LaunchConfig, choose_backend_for, gluon_index_blocks,
-                     gluon_smem_bytes)
+                     gluon_smem_bytes, h16_smem_bytes)
 from .fp8_layout import PageGeometry
 from .splits import MMA_V2_16_HEAD_CTAS_PER_SM, choose_splits, fuses_merge, gluon_splits
 
@@ -41,11 +41,14 @@ def plan_launch(device: torch.device, b: int, h: int, dtype: torch.dtype, is_fp8
     device's SM count (the split choice spreads B x splits programs over them)."""
     asked = config
     backend, config = choose_backend_for(device, h, dtype, is_fp8, config, w, k)
-    if backend == "gluon_mma_v2" and asked.backend == "auto" and b < _min_batch(device, h):
-        backend, config = choose_backend_for(device, h, dtype, is_fp8, replace(asked, backend="triton"), w, k)
+    if asked.backend == "auto" and b < _min_batch(device, h):  # the row's fallback, where it measured faster
+        backend, config = choose_backend_for(device, h, dtype, is_fp8, asked, w, k, use_fallback=True)
     if backend == "gluon":
         splits, fuse, kwargs = _gluon_plan(b, w, k, is_fp8, config, sms, flags, geos)
         return LaunchPlan("gluon", config, (b, splits), splits, fuse, kwargs)
+    if backend == "gluon_h16":
+        splits, kwargs = _h16_plan(b, w, k, is_fp8, config, sms, flags, geos)
+        return LaunchPlan("gluon_h16", config, (b, splits), splits, False, kwargs)
     if backend == "gluon_mma_v2":
         splits, kwargs = _mma_v2_plan(b, h, w, k, is_fp8, config, sms, flags, geos)
         return LaunchPlan("gluon_mma_v2", config, (b, splits), splits, False, kwargs)
@@ -95,6 +98,23 @@ def _mma_v2_plan(b, h, w, k, is_fp8, config, sms, flags, geos):
     return splits, dict(H=h, BN=bn, SPLIT_OUT=splits > 1, IS_FP8=is_fp8, HAS_EXTRA=has_extra, HAS_WLEN=has_wlen,
                         HAS_ELEN=has_elen, HAS_SINK=has_sink, **_geometry_kwargs(geos), WORDS=bool(config.fp8_words),
                         LAZY=bool(config.lazy_rescale), num_warps=config.num_warps)
+
+
+def _h16_plan(b, w, k, is_fp8, config, sms, flags, geos):
+    """(splits, launch keyword arguments) of the 16-head wgmma Gluon kernel: one CTA an SM (its stages need
+    ~150 KB), splits from `choose_splits`, merged by the merge kernel."""
+    bn, stages = config.block_n, config.num_stages
+    smem = h16_smem_bytes(bn, stages, w, k)
+    if bn != 64 or stages < 2 or config.loader_warps not in (4, 8) or smem > SMEM_LIMIT:
+        raise checks.SparseDecodeInputError(
+            f"the 16-head Gluon kernel takes block_n 64 (wgmma's M), num_stages >= 2 within {SMEM_LIMIT} B of shared "
+            f"memory and 4 or 8 loader warps; got {bn}, {stages} ({smem} B), {config.loader_warps}")
+    splits = config.num_splits or choose_splits(b, -(-w // bn) + -(-k // bn), sms)
+    has_extra, has_wlen, has_elen, has_sink = flags
+    return splits, dict(BN=bn, NS=stages, SPLIT_OUT=splits > 1, IS_FP8=is_fp8, HAS_EXTRA=has_extra, HAS_WLEN=has_wlen,
+                        HAS_ELEN=has_elen, HAS_SINK=has_sink, **_geometry_kwargs(geos),
+                        LOADER_WARPS=config.loader_warps, LOADER_REGS=config.loader_regs,
+                        MAXB=gluon_index_blocks(w, k, bn), num_warps=4)
 
 
 def _gluon_plan(b, w, k, is_fp8, config, sms, flags, geos):

@@ -110,3 +110,16 @@ def v4_call(c, fp8, config):
         cpu.pop(k)
     ref = fp8_reference64(cpu, cache, extra)
     return (lambda: sparse_mla_decode_fp8_triton(**c, kv_cache=cache, extra_cache=extra, config=config)), ref
+
+
+def assert_graph_replays(c, config):
+    """A launch captured in a CUDA graph replays on new inputs in the same buffers as an eager call does."""
+    eager = sparse_mla_decode_triton(**c, config=config)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = sparse_mla_decode_triton(**c, config=config)
+    c["q"].copy_(torch.flip(c["q"], dims=[0]))  # new inputs, same buffers
+    graph.replay()
+    again = sparse_mla_decode_triton(**c, config=config)
+    assert torch.equal(captured[0], again[0]) and torch.equal(captured[1], again[1])
+    assert not torch.equal(captured[0], eager[0])

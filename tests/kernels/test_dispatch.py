@@ -71,7 +71,15 @@ def _compile_here(heads: int, block_n: int, num_stages: int, capability: int, nu
 
     common = dict(H=heads, BN=block_n, SPLIT_OUT=True, IS_FP8=True, HAS_EXTRA=True, HAS_WLEN=True, HAS_ELEN=True,
                   HAS_SINK=True, W_SHIFT=8, W_PAGE=149_760, E_SHIFT=6, E_PAGE=37_440)
-    if backend == "gluon_mma_v2":
+    if backend == "gluon_h16":
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
+
+        from dsv4_cluster.kernels.sparse_mla_decode import gluon_h16 as k
+
+        common.pop("H")
+        fn, const = k._sparse_decode_h16_kernel, dict(common, NS=num_stages, LOADER_WARPS=8, LOADER_REGS=128, MAXB=16)
+        options = dict(num_warps=num_warps)
+    elif backend == "gluon_mma_v2":
         from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
 
         from dsv4_cluster.kernels.sparse_mla_decode import gluon_mma_v2 as k
@@ -91,7 +99,8 @@ def _compile_here(heads: int, block_n: int, num_stages: int, capability: int, nu
                                                         "fp32" if n == "qk_scale_log2" else "i32")
            for n in fn.arg_names}
     # pointers 16-byte aligned, as the launch specialises them (the vector width of every load depends on it)
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")
+               or (backend == "gluon_h16" and n.startswith("stride"))}  # its Q goes by 16-byte cp.async
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in const.items()}, attrs=aligned)
     compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)
     return f"{compiled.metadata.shared} {_spill_bytes(compiled.asm['ptx'], capability)}"
@@ -143,10 +152,12 @@ def test_the_mma_v2_options_not_yet_timed_compile_for_sm120_within_99_kb(monkeyp
         assert shared <= dispatch.SMEM_PER_BLOCK["sm_120"] and spills <= spill_max, (warps, words, lazy, spills)
 
 
-def test_the_sm90_16_head_mma_v2_row_compiles_for_sm90a_as_the_table_says(monkeypatch):
-    """The sm_90 16-head row runs the mma.sync kernel (4 warps, both options): for sm_90a it needs the shared memory
-    the row names and spills nothing (ptxas here: 254 registers)."""
+def test_the_sm90_16_head_rows_compile_for_sm90a_as_the_table_says(monkeypatch):
+    """The sm_90 16-head row runs the 16-head wgmma kernel (8 loader warps) from B = 32, the mma.sync kernel (4 warps,
+    both options) below: for sm_90a each needs the shared memory its row names and spills nothing."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     row = dispatch.decode_impl("sm_90", 16)
-    assert row.backend == "gluon_mma_v2" and row.fallback.backend == "triton"
+    assert (row.backend, row.min_batch, row.loader_warps) == ("gluon_h16", 32, 8)
+    assert (row.fallback.backend, row.fallback.fallback.backend) == ("gluon_mma_v2", "triton")
     assert _compiled(16, row, 90) == (row.smem, 0)
+    assert _compiled(16, row.fallback, 90) == (row.fallback.smem, 0)

@@ -25,6 +25,16 @@ VARIANTS = [
     (False, 64, 128, 0, 64, False, True),
 ]
 
+# the kernel's source as the JIT specialises a real launch: 16-byte aligned pointers and strides divisible by 16
+SOURCE = """ptrs = {"q_ptr": "*bf16", "out_ptr": "*bf16", "kv_ptr": "*u8" if fp8 else "*bf16", "ekv_ptr": "*u8" if fp8 else "*bf16",
+        "sink_ptr": "*fp32", "lse_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+sig = {n: "constexpr" if n in kw else ptrs.get(n, "*i32" if n.endswith("_ptr") else
+       "fp32" if n == "qk_scale_log2" else "i32") for n in fn.arg_names}
+attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+         if sig[n].startswith("*") or n.startswith("stride")}
+src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in kw.items()}, attrs=attrs)
+"""
+
 CHILD = """
 import json, sys
 import triton
@@ -39,19 +49,11 @@ flags = (k > 0, True, k > 0, True)
 splits, fuse, kw = plan._gluon_plan(b, w, k, fp8, conf, 132, flags, (DEFAULT_GEOMETRY, DEFAULT_GEOMETRY))
 fn = gluon_kernel._sparse_decode_ws_kernel
 options = {n: kw.pop(n) for n in ("num_warps", "launch_cooperative_grid")}
-ptrs = {"q_ptr": "*bf16", "out_ptr": "*bf16", "kv_ptr": "*u8" if fp8 else "*bf16", "ekv_ptr": "*u8" if fp8 else "*bf16",
-        "sink_ptr": "*fp32", "lse_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32"}
-sig = {n: "constexpr" if n in kw else ptrs.get(n, "*i32" if n.endswith("_ptr") else
-       "fp32" if n == "qk_scale_log2" else "i32") for n in fn.arg_names}
-# what the JIT specialises on a real launch: 16-byte aligned pointers and strides divisible by 16
-attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-         if sig[n].startswith("*") or n.startswith("stride")}
-src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in kw.items()}, attrs=attrs)
-done = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=options["num_warps"]))
+{SOURCE}done = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=options["num_warps"]))
 print(json.dumps(dict(shared=done.metadata.shared, budget=cfg.gluon_smem_bytes(conf.block_n, conf.num_stages, w, k),
                       splits=splits, fuse=fuse, cubin=bool(done.asm.get("cubin")),
                       wgmma="wgmma.mma_async" in done.asm["ptx"], triton=triton.__version__)))
-"""
+""".replace("{SOURCE}", SOURCE)
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "fp8" if v[0] else "bf16")
@@ -70,3 +72,42 @@ def test_gluon_kernel_compiles_for_sm90a_within_its_budget(variant):
     # the budget counts every buffer the kernel allocates; the compiler may add alignment padding only
     assert got["budget"] <= got["shared"] <= got["budget"] + 1024, got
     assert got["shared"] <= config.SMEM_LIMIT, got
+
+
+# (is_fp8, batch, window, extra): the 16-head wgmma kernel's launches (plan._h16_plan, 132 SMs): c4 at B = 32 (split)
+# and 128, ratio 128 at a configured 1M (its 8,192-entry index table in shared memory), bf16 rows.
+H16_VARIANTS = [(True, 32, 128, 512), (True, 128, 128, 512), (True, 64, 128, 8192), (False, 64, 128, 512)]
+
+H16_CHILD = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from dsv4_cluster.kernels.sparse_mla_decode import config as cfg, gluon_h16, plan
+from dsv4_cluster.kernels.sparse_mla_decode.fp8_layout import DEFAULT_GEOMETRY
+
+fp8, b, w, k = json.loads(sys.argv[1])
+conf = cfg.resolved(cfg.LaunchConfig(block_n=64, num_stages=2, loader_warps=8), "gluon_h16", fp8)
+flags = (k > 0, True, k > 0, True)
+splits, kw = plan._h16_plan(b, w, k, fp8, conf, 132, flags, (DEFAULT_GEOMETRY, DEFAULT_GEOMETRY))
+fn = gluon_h16._sparse_decode_h16_kernel
+num_warps = kw.pop("num_warps")
+{SOURCE}done = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+print(json.dumps(dict(shared=done.metadata.shared, budget=cfg.h16_smem_bytes(64, 2, w, k), splits=splits,
+                      cubin=bool(done.asm.get("cubin")), wgmma="wgmma.mma_async" in done.asm["ptx"])))
+""".replace("{SOURCE}", SOURCE)
+
+
+@pytest.mark.parametrize("variant", H16_VARIANTS, ids=lambda v: f"{'fp8' if v[0] else 'bf16'}-b{v[1]}-k{v[3]}")
+def test_16_head_kernel_compiles_for_sm90a_within_its_budget(variant):
+    from dsv4_cluster.kernels.sparse_mla_decode import config
+
+    if config.gluon_api_unavailable() is not None:
+        pytest.fail(f"the Gluon kernels do not build on this Triton: {config.gluon_api_unavailable()}")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", H16_CHILD, json.dumps(variant)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["cubin"] and got["wgmma"], got
+    assert got["budget"] <= got["shared"] <= got["budget"] + 1024 and got["shared"] <= config.SMEM_LIMIT, got

@@ -77,7 +77,7 @@ def test_gpu_auto_backend_takes_an_index_table_too_wide_for_the_default_gluon_bl
 def test_auto_takes_a_smaller_gluon_block_then_triton_where_the_index_table_does_not_fit(monkeypatch):
     from dsv4_cluster.kernels.sparse_mla_decode import config as cfg_mod
 
-    def table_row(device, h, dtype, is_fp8, config):  # what the dispatch table gives an sm_90 H200 at 64 heads
+    def table_row(device, h, dtype, is_fp8, config, use_fallback=False):  # the table's sm_90 row at 64 heads
         backend = "triton" if config.backend == "triton" else "gluon"
         return backend, cfg_mod.resolved(config, backend, is_fp8)
 

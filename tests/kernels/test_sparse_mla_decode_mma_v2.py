@@ -11,8 +11,8 @@ import torch
 from dsv4_cluster.kernels.sparse_mla_decode import SparseDecodeInputError
 from dsv4_cluster.kernels.sparse_mla_decode.config import LaunchConfig, mma_v2_unavailable
 from dsv4_cluster.kernels.sparse_mla_decode.launch import sparse_mla_decode_fp8_triton, sparse_mla_decode_triton
-from tests.kernels.sparse_decode_cases import (HAS_CUDA, V4, assert_close, fp8_reference64, make_case, moved,
-                                               odd_e4m3_cache, reference64, v4_call)
+from tests.kernels.sparse_decode_cases import (HAS_CUDA, V4, assert_close, assert_graph_replays, fp8_reference64,
+                                               make_case, moved, odd_e4m3_cache, reference64, v4_call)
 
 
 def mma_v2_ready():
@@ -88,16 +88,7 @@ def test_gpu_mma_v2_fp8_dequantises_subnormals_and_large_scales_exactly(words):
 @pytest.mark.gpu
 def test_gpu_mma_v2_replays_in_a_cuda_graph():
     c = make_case(16, **V4, device="cuda", seed=5, sink=True)
-    cfg = LaunchConfig(backend="gluon_mma_v2")
-    eager = sparse_mla_decode_triton(**c, config=cfg)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = sparse_mla_decode_triton(**c, config=cfg)
-    c["q"].copy_(torch.flip(c["q"], dims=[0]))  # new inputs, same buffers
-    graph.replay()
-    again = sparse_mla_decode_triton(**c, config=cfg)
-    assert torch.equal(captured[0], again[0]) and torch.equal(captured[1], again[1])
-    assert not torch.equal(captured[0], eager[0])
+    assert_graph_replays(c, LaunchConfig(backend="gluon_mma_v2"))
 
 
 @pytest.mark.parametrize("heads, dtype, why", [(32, torch.bfloat16, "takes 64 or 16 heads"),
@@ -116,28 +107,6 @@ def test_gpu_mma_v2_refuses_a_config_it_cannot_launch(config, what):
     c = make_case(2, **V4, device="cuda", seed=1)
     with pytest.raises(SparseDecodeInputError, match=what):
         sparse_mla_decode_triton(**c, config=config)
-
-
-@pytest.fixture
-def plans_on(monkeypatch):
-    """`plan_launch` as on a GPU of the class given, without one: the class and Gluon's API patched, the answers
-    cached for this process's real device cleared before and after."""
-    from dsv4_cluster.kernels import dispatch
-    from dsv4_cluster.kernels.sparse_mla_decode import config as cfg_mod
-    from dsv4_cluster.kernels.sparse_mla_decode import plan as plan_mod
-
-    def clear():
-        for cached in (cfg_mod._choose, cfg_mod.choose_backend_for, plan_mod.plan_launch):
-            cached.cache_clear()
-
-    def on(gpu: str):
-        monkeypatch.setattr(dispatch, "class_of_device", lambda device: gpu)
-        monkeypatch.setattr(cfg_mod, "gluon_api_unavailable", lambda: None)
-        clear()
-        return plan_mod.plan_launch
-
-    yield on
-    clear()
 
 
 def test_sm120_64_heads_runs_mma_v2_on_fp8_from_b8_and_the_triton_row_elsewhere(plans_on):

@@ -1,0 +1,135 @@
+"""Warp-specialised sparse MLA decode for Hopper at 16 real heads (TP4), in Gluon: the wgmma kernel of
+`gluon_kernel.py` with A and B swapped, so that the 16 heads are wgmma's N instead of a padded M = 64.
+
+    loader      (LOADER_WARPS warps, `gluon_loaders.loader_partition`, the 64-head kernel's): Q (16 x 512) and the
+                index table, then per block the rows, dequantised into bf16 stage i % NS; signals `full[s]`.
+    compute     (one warpgroup, the default partition) per block: S^T = K Q^T ([BN, 16], M = the block's rows),
+                the online softmax down S^T's columns (one per head), P^T into shared memory, then
+                O^T = V^T P^T ([512, 16]: the stage read transposed as wgmma's A). O^T is 64 fp32 registers a
+                thread, so the loader can have more warps than the 64-head kernel's four.
+
+One CTA per (query, split); splits are merged by `kernel._combine_kernel` after it. Semantics are those of
+`reference.py` (live block j < nbw is window block j, else extra block j - nbw, as in `kernel.py`).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from .gluon_kernel import _block_range
+from .gluon_loaders import D_ALL, _table_row, loader_partition
+
+H16 = gl.constexpr(16)
+
+
+@gluon.jit
+def _compute_h16(b, split, num_splits, lo, hi, nbw, nbw_t, wlen, elen, qk_scale_log2,
+                 sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
+                 q_smem, k_smem, idx_all, pt_smem, q_bar, full, empty,
+                 BN: gl.constexpr, NS: gl.constexpr, SPLIT_OUT: gl.constexpr, HAS_SINK: gl.constexpr):
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
+    rows: gl.constexpr = gl.SliceLayout(1, s_l)   # along a block's rows (S^T's M) or O^T's dims
+    heads: gl.constexpr = gl.SliceLayout(0, s_l)  # along the heads (N)
+    m_i = gl.full([H16], float("-inf"), gl.float32, layout=heads)
+    l_acc = gl.zeros([BN, H16], gl.float32, layout=s_l)
+    acc = gl.zeros([D_ALL, H16], gl.float32, layout=s_l)
+    s_zero = gl.zeros([BN, H16], gl.float32, layout=s_l)
+    offs_r = gl.arange(0, BN, layout=rows)
+    mbarrier.wait(q_bar, 0)
+    for j in range(lo, hi):
+        i = j - lo
+        s = i % NS
+        mbarrier.wait(full.index(s), (i // NS) & 1)
+        fence_async_shared()
+        k = k_smem.index(s)
+        st = warpgroup_mma(k, q_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        st = warpgroup_mma_wait(num_outstanding=0, deps=(st,))
+        idx = idx_all.index(_table_row(j, nbw, nbw_t)).load(rows)
+        is_w = j < nbw
+        n_valid = gl.where(is_w, wlen, elen)
+        valid = (idx >= 0) & (gl.where(is_w, j, j - nbw) * BN + offs_r < n_valid)
+        st = gl.where(valid[:, None], st * qk_scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(st, axis=0))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(st - m_safe[None, :])
+        l_acc = l_acc * alpha[None, :] + p
+        m_i = m_new
+        pt_smem.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
+        fence_async_shared()  # P^T is read by the wgmma below (async proxy)
+        gl.barrier()
+        acc = acc * alpha[None, :]
+        acc = warpgroup_mma(k.permute((1, 0)), pt_smem.permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index(s))
+
+    l_i = gl.sum(l_acc, axis=0)
+    has_any = l_i > 0
+    l_safe = gl.where(has_any, l_i, 1.0)
+    LN2: gl.constexpr = 0.6931471805599453
+    lse = gl.where(has_any, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
+    inv = 1.0 / l_safe
+    offs_h = gl.arange(0, H16, layout=heads)
+    offs_d = gl.arange(0, D_ALL, layout=rows)
+    if SPLIT_OUT:
+        row = (b * num_splits + split).to(gl.int64) * H16 + offs_h  # part_o [B, splits, 16, 512]
+        gl.store(part_o_ptr + row[None, :] * D_ALL + offs_d[:, None], acc * inv[None, :])
+        gl.store(part_lse_ptr + row, lse)
+    else:
+        if HAS_SINK:
+            inv = inv / (1.0 + gl.exp(gl.load(sink_ptr + offs_h) - lse))
+        ty = out_ptr.dtype.element_ty
+        base = out_ptr + b.to(gl.int64) * stride_ob + offs_h[None, :] * stride_oh + offs_d[:, None]
+        gl.store(base, (acc * inv[None, :]).to(ty))
+        gl.store(lse_ptr + b * stride_lb + offs_h, lse)
+
+
+@gluon.jit
+def _sparse_decode_h16_kernel(
+    q_ptr, stride_qb, stride_qh,
+    kv_ptr, stride_kv, ekv_ptr, stride_ekv,
+    widx_ptr, stride_wb, W, eidx_ptr, stride_eb, K,
+    wlen_ptr, elen_ptr, sink_ptr,
+    out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
+    part_o_ptr, part_lse_ptr,
+    qk_scale_log2, num_splits,
+    BN: gl.constexpr, NS: gl.constexpr, SPLIT_OUT: gl.constexpr,
+    IS_FP8: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_WLEN: gl.constexpr, HAS_ELEN: gl.constexpr,
+    HAS_SINK: gl.constexpr, W_SHIFT: gl.constexpr, W_PAGE: gl.constexpr, E_SHIFT: gl.constexpr, E_PAGE: gl.constexpr,
+    LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, MAXB: gl.constexpr,
+):
+    b = gl.program_id(0)
+    split = gl.program_id(1)
+    lo, hi, nbw, wlen, elen = _block_range(b, split, num_splits, W, K, wlen_ptr, elen_ptr, BN,
+                                           HAS_EXTRA, HAS_WLEN, HAS_ELEN)
+    nvmma: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [H16, D_ALL], nvmma)
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [NS, BN, D_ALL], nvmma)
+    idx_all = gl.allocate_shared_memory(gl.int32, [MAXB, BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    pt_smem = gl.allocate_shared_memory(gl.bfloat16, [H16, BN], gl.NVMMASharedLayout.get_default_for([H16, BN],
+                                                                                                     gl.bfloat16))
+    t_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    full = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(t_bar, count=LOADER_WARPS * 32)
+    mbarrier.init(q_bar, count=LOADER_WARPS * 32)
+    for s in gl.static_range(NS):
+        mbarrier.init(full.index(s), count=1 if IS_FP8 else LOADER_WARPS * 32)
+        mbarrier.init(empty.index(s), count=1)
+    gl.warp_specialize([
+        (_compute_h16, (b, split, num_splits, lo, hi, nbw, nbw, wlen, elen, qk_scale_log2,
+                        sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
+                        q_smem, k_smem, idx_all, pt_smem, q_bar, full, empty, BN, NS, SPLIT_OUT, HAS_SINK)),
+        (loader_partition, (q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
+                            widx_ptr, stride_wb, eidx_ptr, stride_eb, b, lo, hi, nbw, nbw, wlen, elen,
+                            q_smem, k_smem, idx_all, t_bar, q_bar, full, empty,
+                            BN, NS, MAXB, IS_FP8, W_SHIFT, W_PAGE, E_SHIFT, E_PAGE, False)),
+    ], [LOADER_WARPS], [LOADER_REGS])
