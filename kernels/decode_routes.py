@@ -27,12 +27,11 @@ MEASURED_ON = {"sm_90": "H100 (sm_90, as the H200), Triton 3.8.0, torch 2.11, CU
 # (class, layer kind, real heads) -> ((batch, route), ...) over the measured batches.
 ROUTES: dict[tuple[str, str, int], tuple[tuple[int, str], ...]] = {
     ("sm_90", "window", 64): ((1, "stock"), (8, "stock"), (32, "stock"), (64, "ours"), (128, "ours"), (256, "ours")),
-    ("sm_90", "window", 16): ((1, "ours"), (8, "ours"), (32, "stock"), (64, "ours_all_heads"), (128, "ours"),
-                              (256, "ours")),
+    ("sm_90", "window", 16): ((1, "ours"), (8, "ours"), (32, "ours"), (64, "ours"), (128, "ours"), (256, "ours")),
     ("sm_90", "c4", 64): ((1, "stock"), (8, "stock"), (32, "stock"), (64, "ours"), (128, "stock"), (256, "stock")),
-    ("sm_90", "c4", 16): ((1, "ours"), (8, "ours"), (32, "ours"), (64, "ours"), (128, "stock"), (256, "stock")),
+    ("sm_90", "c4", 16): ((1, "ours"), (8, "ours"), (32, "ours"), (64, "ours"), (128, "ours"), (256, "ours")),
     ("sm_90", "c128", 64): ((1, "stock"), (8, "stock"), (32, "stock"), (64, "ours"), (128, "stock"), (256, "stock")),
-    ("sm_90", "c128", 16): ((1, "ours"), (8, "ours"), (32, "ours"), (64, "ours"), (128, "stock"), (256, "stock")),
+    ("sm_90", "c128", 16): ((1, "ours"), (8, "ours"), (32, "ours"), (64, "ours"), (128, "ours"), (256, "ours")),
 }
 ALWAYS = {"sm_120": "ours", "sm_100": "stock"}
 
@@ -48,8 +47,9 @@ def layer_kind(extra_k_cache) -> str:
 @functools.lru_cache(maxsize=1)
 def unmeasured_build() -> str | None:
     """Why this process's kernels are not the ones ROUTES measured (None: they are). ROUTES' "ours" is the Gluon
-    kernels' (wgmma at 64 heads, mma.sync at 16), which run only on the Triton release they were written for; on
-    another, the Triton kernels would run in their place, measured slower than FlashMLA at most of those calls."""
+    kernels' (wgmma at 64 heads; at 16, wgmma from B = 32 and mma.sync below), which run only on the Triton release
+    they were written for; on another, the Triton kernels would run in their place, measured slower than FlashMLA at
+    most of those calls."""
     from .sparse_mla_decode.config import gluon_api_unavailable
 
     return gluon_api_unavailable()

@@ -67,11 +67,12 @@ class DecodeImpl:
 
 
 # (class, heads computed) -> implementation. Heads: what the call computes (16 / 32 / 64).
-# sm_90: Gluon takes all 64 heads as its wgmma M (H200 sweeps, bench/results/sparse_decode.md); 16 heads run on the
-# mma.sync Gluon kernel (4 warps, both options below; H100, Triton 3.8.0, c4, graph, B = 1 / 8 / 32 / 64 / 128: 12.9 /
-# 16.4 / 28.6 / 41.5 / 66.6 us against the 16-head Triton kernel's 16.3 / 27.2 / 34.5 / 46.2 / 73.0,
-# bench/results/sm120_reference.md), with that Triton kernel (block 64, 2 stages: the sweep's most frequent winner)
-# as its fallback and for 32 heads. sm_100: the same Triton configs (Triton
+# sm_90: Gluon takes all 64 heads as its wgmma M (H200 sweeps, bench/results/sparse_decode.md); 16 heads run, from
+# B = 32, on the 16-head wgmma Gluon kernel (`gluon_h16.py`: the heads as wgmma's N, 8 loader warps; H100, Triton
+# 3.8.0, graph, c4 B = 32 / 64 / 128 / 256: 1.36 / 1.81 / 1.41 / 1.46x FlashMLA, bench/results/sglang_decode.md), and
+# below B = 32 on the mma.sync Gluon kernel (4 warps, both options below; c4 B = 1 / 8: 1.40 / 1.25x, where the wgmma
+# one measured 0.99x at B = 8), with the 16-head Triton kernel (block 64, 2 stages: the sweep's most frequent winner)
+# under both (another Triton release) and for 32 heads. sm_100: the same Triton configs (Triton
 # compiles them to tcgen05 there; Gluon's kernel is Hopper-only). sm_120: the configs under 99 KB as compiled for
 # sm_120 — mma.sync keeps the [heads, 512] fp32 accumulator in registers: a 64-head (or 32-head) Triton program
 # spills ~4 KB (400 B) a thread (ptxas for sm_120a), so the Triton rows run programs of 16 heads (head groups reading

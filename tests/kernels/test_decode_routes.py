@@ -39,15 +39,34 @@ def test_every_ours_row_measured_at_least_flashmla_and_every_stock_row_below():
                 assert speed[all_heads if r == "ours_all_heads" else told] >= 1.0
 
 
+# 16-head rows with all three routes (the committed table has them ours at every measured B): the routing mechanics
+MIXED_16 = {("sm_90", "window", 16): ((1, "ours"), (8, "ours"), (32, "stock"), (64, "ours_all_heads"), (128, "ours"),
+                                      (256, "ours")),
+            ("sm_90", "c4", 16): ((1, "ours"), (8, "ours"), (32, "ours"), (64, "ours"), (128, "stock"), (256, "stock"))}
+
+
+@pytest.fixture
+def mixed_16(monkeypatch):
+    for key, points in MIXED_16.items():
+        monkeypatch.setitem(decode_routes.ROUTES, key, points)
+
+
 @pytest.mark.parametrize("kind, heads, batch, want", [
     ("c4", 64, 64, "ours"), ("c4", 64, 1, "stock"), ("c4", 64, 48, "stock"),  # between stock and ours: stock
     ("window", 64, 100, "ours"), ("window", 64, 512, "ours"), ("c4", 64, 512, "stock"),  # past the largest
-    ("window", 16, 64, "ours_all_heads"), ("c4", 16, 1, "ours"), ("c128", 16, 48, "ours"),  # between two ours
-    ("window", 16, 200, "ours"), ("window", 16, 48, "stock"), ("window", 16, 100, "stock"),  # ours / ours_all_heads
-    ("c4", 16, 128, "stock"),
+    ("c4", 16, 1, "ours"), ("c128", 16, 48, "ours"), ("c4", 16, 128, "ours"), ("c128", 16, 512, "ours"),
 ])
 def test_routes_between_and_past_measured_batches(kind, heads, batch, want):
     assert route("sm_90", kind, heads, batch) == want
+
+
+@pytest.mark.parametrize("kind, batch, want", [
+    ("window", 64, "ours_all_heads"), ("c4", 48, "ours"),  # a measured all-heads point; between two ours
+    ("window", 200, "ours"), ("window", 48, "stock"), ("window", 100, "stock"),  # ours / ours_all_heads: stock
+    ("c4", 128, "stock"),
+])
+def test_routes_of_a_table_with_every_route(mixed_16, kind, batch, want):
+    assert route("sm_90", kind, 16, batch) == want
 
 
 def test_classes_without_measurements_stay_stock_and_sm120_runs_ours():
@@ -73,7 +92,7 @@ class _Backend:
         return self._flash_mla_with_kvcache(q=q, k_cache=k, extra_k_cache=v)
 
 
-def test_routed_call_runs_stock_or_ours_with_the_layers_real_heads():
+def test_routed_call_runs_stock_or_ours_with_the_layers_real_heads(mixed_16):
     calls = []
 
     def stock(**kw):
@@ -106,7 +125,7 @@ def test_routed_call_runs_stock_or_ours_with_the_layers_real_heads():
     assert (counts["sparse_mla_decode"], counts["sparse_mla_decode_stock"]) == (3, 1)
 
 
-def test_only_the_first_layer_of_each_kind_counts_its_calls():
+def test_only_the_first_layer_of_each_kind_counts_its_calls(mixed_16):
     """A count is one more node in a captured graph (~1 us a call): per step, one count per layer kind, by the
     lowest layer id of the kind; both routes (ours, stock) count that way, and a call without a layer always counts."""
     counters = Counters("cpu")
