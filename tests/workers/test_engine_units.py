@@ -132,25 +132,33 @@ def test_after_a_non_ascii_prompt_the_model_writes_whole_multi_byte_characters()
     assert all(t < 127 or t == EOS for t in generate_single_process(r, TOK.encode("1 resume"), params, EOS))
 
 
-@pytest.mark.parametrize("gpu, heads, want", [
-    ("sm_90", 64, ("gluon", "gluon")),                    # the wgmma kernel takes both
-    ("sm_90", 16, ("triton", "gluon_mma_v2")),            # the mma.sync row takes fp8 pages alone
-    ("sm_120", 64, ("triton", "gluon_mma_v2")),
-    ("sm_100", 16, ("triton", "triton")),
-    ("sm_90", 8, ("triton", "triton")),                   # the engine's default model: no table row
+@pytest.mark.parametrize("gpu, heads, want, below", [
+    ("sm_90", 64, ("gluon", "gluon"), None),              # the wgmma kernel takes both
+    ("sm_90", 16, ("gluon_h16", "gluon_h16"),             # from B = 32 the 16-head wgmma kernel takes both;
+     ("triton", "gluon_mma_v2")),                         # below, the mma.sync row (fp8 pages alone)
+    ("sm_120", 64, ("triton", "gluon_mma_v2"), ("triton", "triton")),  # the mma.sync row from B = 8
+    ("sm_100", 16, ("triton", "triton"), None),
+    ("sm_90", 8, ("triton", "triton"), None),             # the engine's default model: no table row
 ])
-def test_the_engine_labels_its_decode_calls_with_what_the_launch_picks(monkeypatch, gpu, heads, want):
+def test_the_engine_labels_its_decode_calls_with_what_the_launch_picks(monkeypatch, gpu, heads, want, below):
     """`/server_info.kernel_calls` names the kernel that ran: fp8-page calls are counted under the backend the
-    launch picks for fp8 (the mma.sync kernel where the class's row is it), not the float rows' fallback. Checked
-    without a GPU: the class is stood in for a CUDA device, the choice is the dispatch table's own."""
+    launch picks for fp8 (the mma.sync kernel where the class's row is it), not the float rows' fallback, and a
+    batch under the row's min_batch under its fallback's. Checked without a GPU: the class is stood in for a CUDA
+    device, the choice is the dispatch table's own."""
     from dsv4_cluster.kernels import dispatch
     from dsv4_cluster.kernels.sparse_mla_decode import config
+    from dsv4_cluster.kernels.sparse_mla_decode.plan import _min_batch
     from dsv4_cluster.workers.engine.kernel_ops import IMPLS, decode_impls
 
     monkeypatch.setattr(dispatch, "gpu_class", lambda index: gpu)
+    monkeypatch.setattr(config, "gluon_api_unavailable", lambda: None)  # the release the Gluon kernels were built for
     config._choose.cache_clear()
     try:
-        assert decode_impls(torch.device("cuda", 0), heads, torch.bfloat16) == want
+        cuda = torch.device("cuda", 0)
+        assert decode_impls(cuda, heads, torch.bfloat16) == want
+        assert (_min_batch(cuda, heads) > 1) == (below is not None)
+        if below is not None:
+            assert decode_impls(cuda, heads, torch.bfloat16, below_min_batch=True) == below
     finally:
         config._choose.cache_clear()
     assert set(want) <= set(IMPLS)

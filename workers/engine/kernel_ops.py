@@ -21,7 +21,7 @@ from ...kernels.sparse_mla_decode import sparse_mla_decode_ref
 from ...kernels.sparse_mla_decode.reference import sparse_mla_decode_paged_ref
 from ...kernels.topk.reference import topk_ref
 
-IMPLS = ("reference", "triton", "gluon", "gluon_mma_v2")
+IMPLS = ("reference", "triton", "gluon", "gluon_mma_v2", "gluon_h16")
 
 
 class KernelOps:
@@ -33,6 +33,7 @@ class KernelOps:
         self.kernel = {k: False for k in KERNEL_NAMES}
         self.impl = {k: "reference" for k in KERNEL_NAMES}
         self.paged_impl = "triton"  # the sparse decode's on fp8 pages (see decode_impls)
+        self._below: tuple[int, tuple[str, str]] | None = None  # (min_batch, (float, paged) below it): decode_impls
         self.calls = torch.zeros(len(KERNEL_NAMES), len(IMPLS), dtype=torch.int64, device=self.device)
         self._slot = {k: (i, 0) for i, k in enumerate(KERNEL_NAMES)}
         if self.device.type == "cuda":
@@ -45,7 +46,11 @@ class KernelOps:
         for k in names:
             self.kernel[k], self.impl[k] = True, "triton"
         if "sparse_mla_decode" in names and self.device.type == "cuda":
+            from ...kernels.sparse_mla_decode.plan import _min_batch
+
             self.impl["sparse_mla_decode"], self.paged_impl = decode_impls(self.device, n_heads, dtype)
+            below = _min_batch(self.device, n_heads)
+            self._below = (below, decode_impls(self.device, n_heads, dtype, True)) if below > 1 else None
         self._slot = {k: (i, IMPLS.index(self.impl[k])) for i, k in enumerate(KERNEL_NAMES)}
 
     @property
@@ -63,8 +68,12 @@ class KernelOps:
         extra_lens[b] of them when given). geometry: (main, extra) `PageGeometry` when the buffers are fp8
         pages (slot indices), None for float rows. dense: a ratio-128 layer's call (see the module doc)."""
         kernel = self.kernel["sparse_mla_decode"]
-        self._count("sparse_mla_decode", "triton" if kernel and dense else
-                    self.paged_impl if kernel and geometry is not None else None)
+        impl = None
+        if kernel:  # what the launch picks for this batch (the row's fallback below its min_batch)
+            small = self._below is not None and q.shape[0] < self._below[0]
+            float_impl, paged_impl = self._below[1] if small else (self.impl["sparse_mla_decode"], self.paged_impl)
+            impl = "triton" if dense else paged_impl if geometry is not None else float_impl
+        self._count("sparse_mla_decode", impl)
         if geometry is not None:
             window, extra = (kv, geometry[0], window_idx, None), (extra_kv, geometry[1], extra_idx, extra_lens)
             if kernel:
@@ -130,12 +139,15 @@ class KernelOps:
         return out
 
 
-def decode_impls(device: torch.device, n_heads: int, dtype: torch.dtype) -> tuple[str, str]:
+def decode_impls(device: torch.device, n_heads: int, dtype: torch.dtype,
+                 below_min_batch: bool = False) -> tuple[str, str]:
     """What the dispatch table's launches pick for the sparse decode on this GPU class and head count: (on float
-    rows, on fp8 pages). They differ where the row is the mma.sync kernel, which takes fp8 pages alone."""
+    rows, on fp8 pages); below_min_batch: for a batch under the row's `min_batch` (its fallback). They differ where
+    the row is the mma.sync kernel, which takes fp8 pages alone."""
     from ...kernels.sparse_mla_decode.config import LaunchConfig, choose_backend
 
-    return tuple(choose_backend(device, n_heads, dtype, fp8, LaunchConfig())[0] for fp8 in (False, True))
+    return tuple(choose_backend(device, n_heads, dtype, fp8, LaunchConfig(), below_min_batch)[0]
+                 for fp8 in (False, True))
 
 
 @functools.lru_cache(maxsize=256)
