@@ -3,7 +3,8 @@ no GPU), for every variant a launch can ask for: fp8 / bf16 rows, block 32 / 64,
 merge, the early index table. Gluon's API moves between Triton releases (3.8 dropped `thread_barrier` and refuses a
 shared-memory view smaller than its buffer), so CI must compile the kernel on the release users install: the
 interpreter never runs Gluon. Each variant's launch keywords are the ones `plan._gluon_plan` builds for real
-shapes, and its compiled shared memory is the one `config.gluon_smem_bytes` budgets."""
+shapes, and its compiled shared memory is the one `config.gluon_smem_bytes` budgets. The 16-head wgmma kernel
+(`gluon_h16.py`) the same way, with `plan._h16_plan` and `config.h16_smem_bytes`."""
 
 from __future__ import annotations
 
