@@ -13,6 +13,16 @@ from .gluon_loaders import D_ALL, H_ALL
 
 
 @gluon.jit
+def lse_and_inverse(m_i, l_i):
+    """A split's end of the online softmax (every decode kernel's): its lse (natural log; -inf for a head with no
+    valid row) and 1 / l, the factor that normalises O (1 where l is 0)."""
+    has_any = l_i > 0
+    l_safe = gl.where(has_any, l_i, 1.0)
+    LN2: gl.constexpr = 0.6931471805599453
+    return gl.where(has_any, (m_i + gl.log2(l_safe)) * LN2, float("-inf")), 1.0 / l_safe
+
+
+@gluon.jit
 def _store_rows(tile, buf, base, stride_row):
     """Store a [64, 256] bf16 tile (wgmma accumulator layout) to rows base + h * stride_row (+ 0 .. 255)
     through shared memory: the tile goes to `buf` (this warpgroup's own, free at the end; stmatrix), then
@@ -45,11 +55,7 @@ def _epilogue(acc, m_i, l_i, sink, b, split, num_splits, sink_ptr, out_ptr, stri
     warpgroup takes its part in `_merge_splits`."""
     DH: gl.constexpr = D_ALL // 2
     row_o: gl.constexpr = gl.SliceLayout(1, o_l)
-    LN2: gl.constexpr = 0.6931471805599453
-    has_any = l_i > 0
-    l_safe = gl.where(has_any, l_i, 1.0)
-    lse = gl.where(has_any, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
-    inv = 1.0 / l_safe
+    lse, inv = lse_and_inverse(m_i, l_i)
     offs_hs = gl.arange(0, H_ALL, layout=row_s)
     if SPLIT_OUT:
         # fp32 partials straight from the accumulator layout (a warp's store fills whole 32-byte sectors):
@@ -60,7 +66,7 @@ def _epilogue(acc, m_i, l_i, sink, b, split, num_splits, sink_ptr, out_ptr, stri
         offs_d = HALF * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, o_l))
         if FUSE_MERGE:
             gl.store(part_o_ptr + (row + offs_h[:, None]) * D_ALL + offs_d[None, :], o,
-                     mask=gl.convert_layout(has_any, row_o)[:, None])
+                     mask=gl.convert_layout(l_i > 0, row_o)[:, None])
         else:
             gl.store(part_o_ptr + (row + offs_h[:, None]) * D_ALL + offs_d[None, :], o)
         if HALF == 0:

@@ -28,14 +28,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .gluon_epilogue import lse_and_inverse
 from .gluon_kernel import _block_range
-from .gluon_loaders import D_ALL, _table_row, loader_partition
+from .gluon_loaders import D_ALL, loader_partition
 
 H16 = gl.constexpr(16)
 
 
 @gluon.jit
-def _compute_h16(b, split, num_splits, lo, hi, nbw, nbw_t, wlen, elen, qk_scale_log2,
+def _compute_h16(b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
                  sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
                  q_smem, k_smem, idx_all, pt_smem, q_bar, full, empty,
                  BN: gl.constexpr, NS: gl.constexpr, SPLIT_OUT: gl.constexpr, HAS_SINK: gl.constexpr):
@@ -56,7 +57,7 @@ def _compute_h16(b, split, num_splits, lo, hi, nbw, nbw_t, wlen, elen, qk_scale_
         k = k_smem.index(s)
         st = warpgroup_mma(k, q_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         st = warpgroup_mma_wait(num_outstanding=0, deps=(st,))
-        idx = idx_all.index(_table_row(j, nbw, nbw_t)).load(rows)
+        idx = idx_all.index(j).load(rows)  # the loader staged the table by the query's lengths: row j = block j
         is_w = j < nbw
         n_valid = gl.where(is_w, wlen, elen)
         valid = (idx >= 0) & (gl.where(is_w, j, j - nbw) * BN + offs_r < n_valid)
@@ -75,12 +76,7 @@ def _compute_h16(b, split, num_splits, lo, hi, nbw, nbw_t, wlen, elen, qk_scale_
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index(s))
 
-    l_i = gl.sum(l_acc, axis=0)
-    has_any = l_i > 0
-    l_safe = gl.where(has_any, l_i, 1.0)
-    LN2: gl.constexpr = 0.6931471805599453
-    lse = gl.where(has_any, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
-    inv = 1.0 / l_safe
+    lse, inv = lse_and_inverse(m_i, gl.sum(l_acc, axis=0))
     offs_h = gl.arange(0, H16, layout=heads)
     offs_d = gl.arange(0, D_ALL, layout=rows)
     if SPLIT_OUT:
@@ -130,7 +126,7 @@ def _sparse_decode_h16_kernel(
         mbarrier.init(full.index(s), count=1 if IS_FP8 else LOADER_WARPS * 32)
         mbarrier.init(empty.index(s), count=1)
     gl.warp_specialize([
-        (_compute_h16, (b, split, num_splits, lo, hi, nbw, nbw, wlen, elen, qk_scale_log2,
+        (_compute_h16, (b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
                         sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
                         q_smem, k_smem, idx_all, pt_smem, q_bar, full, empty, BN, NS, SPLIT_OUT, HAS_SINK)),
         (loader_partition, (q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,

@@ -43,6 +43,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from .gluon_epilogue import lse_and_inverse
 from .gluon_kernel import _block_range
 
 D_ALL = gl.constexpr(512)
@@ -310,12 +311,7 @@ def _sparse_decode_mma_v2_kernel(
         _stage_store(k_smem.index((j - lo + 1) % 2), rows_n, BN)
         gl.barrier()
 
-    l_i = gl.sum(l_acc, axis=1)
-    has_any = l_i > 0
-    l_safe = gl.where(has_any, l_i, 1.0)
-    LN2: gl.constexpr = 0.6931471805599453
-    lse = gl.where(has_any, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
-    inv = 1.0 / l_safe
+    lse, inv = lse_and_inverse(m_i, gl.sum(l_acc, axis=1))
     offs_h = gl.arange(0, H, layout=row_l)
     offs_d = gl.arange(0, DC, layout=col_l)
     if SPLIT_OUT:
