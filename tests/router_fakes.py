@@ -90,17 +90,18 @@ class FakeWorker:
         return event.is_set()
 
     async def prefill(self, body: dict, rid: Any, stream: bool) -> Any:
+        mode = self.mode  # as the request arrived: a test that flips the mode mid-request changes the next ones
         self.meet("prefill_arrived", rid).set()
         if not await self.wait("decode_arrived", rid):
             return JSONResponse({"error": {"message": "decode leg never arrived"}}, status_code=500)
-        if self.mode == "fail":
+        if mode == "fail":
             return JSONResponse({"object": "error", "message": "KV transfer failed", "code": 500}, status_code=500)
-        if self.mode in ("hold", "fail_later"):
+        if mode in ("hold", "fail_later"):
             await asyncio.sleep(0.3)
-        if self.mode == "fail_later":
+        if mode == "fail_later":
             err = {"error": {"message": "KV transfer failed", "type": "internal", "code": 500}}
             return StreamingResponse(iter([event(err), DONE]), media_type=SSE) if stream else JSONResponse(err, 500)
-        if self.mode == "hold":
+        if mode == "hold":
             await self.wait("never", rid, timeout_s=self.hold_s)
         self.meet("kv_sent", rid).set()
         finish = {"type": "length", "length": 0}
