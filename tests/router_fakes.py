@@ -110,24 +110,26 @@ class FakeWorker:
         return answer("prefill", "x", finish, stream=False)
 
     async def decode(self, body: dict, rid: Any, stream: bool) -> Any:
+        mode = self.mode  # as the request arrived, as in prefill()
+        if stream and mode == "error_first_once":  # the next streamed request takes it; later ones stream as usual
+            self.mode = "ok"
         self.meet("decode_arrived", rid).set()
-        if self.mode == "fail":
+        if mode == "fail":
             return JSONResponse({"object": "error", "message": "no KV room", "code": 503}, status_code=503)
-        if not stream and self.mode == "head_first":   # a plain answer's status line now, its body once the KV came
+        if not stream and mode == "head_first":   # a plain answer's status line now, its body once the KV came
 
             async def body() -> Any:
                 if await self.wait("kv_sent", rid, timeout_s=max(WAIT_S, self.hold_s)):
                     yield json.dumps(answer("decode", "hello world", "stop", stream=False))
 
             return StreamingResponse(body(), media_type="application/json")
-        slow = self.mode == "slow" and stream  # streams while P still works, as P's failure tests need
+        slow = mode == "slow" and stream  # streams while P still works, as P's failure tests need
         if not await self.wait("prefill_arrived" if slow else "kv_sent", rid):
             return JSONResponse({"error": {"message": "prefill never sent KV"}}, status_code=500)
         if not stream:
             return answer("decode", "hello world", "stop", stream=False)
 
-        if self.mode.startswith("error_first"):   # "error_first_once": the next request streams as usual
-            self.mode = "ok" if self.mode == "error_first_once" else self.mode
+        if mode.startswith("error_first"):
             return StreamingResponse(iter([event(LEAKY), DONE]), media_type=SSE)
 
         async def tokens() -> Any:
@@ -136,7 +138,7 @@ class FakeWorker:
                     break
                 yield answer("decode", f"tok{i} ")
                 await asyncio.sleep(0.05 if slow else 0)
-            if self.mode == "error_mid":
+            if mode == "error_mid":
                 yield event(LEAKY)
                 yield DONE
                 return
