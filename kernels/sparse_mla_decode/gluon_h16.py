@@ -28,7 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_epilogue import lse_and_inverse
+from .gluon_epilogue import COUNTER_STRIDE, lse_and_inverse
 from .gluon_kernel import _block_range
 from .gluon_loaders import D_ALL, loader_partition
 
@@ -37,9 +37,10 @@ H16 = gl.constexpr(16)
 
 @gluon.jit
 def _compute_h16(b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
-                 sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
+                 sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr, counter_ptr,
                  q_smem, k_smem, idx_all, pt_smem, q_bar, full, empty,
-                 BN: gl.constexpr, NS: gl.constexpr, SPLIT_OUT: gl.constexpr, HAS_SINK: gl.constexpr):
+                 BN: gl.constexpr, NS: gl.constexpr, SPLIT_OUT: gl.constexpr, HAS_SINK: gl.constexpr,
+                 FUSE_MERGE: gl.constexpr):
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
     rows: gl.constexpr = gl.SliceLayout(1, s_l)   # along a block's rows (S^T's M) or O^T's dims
     heads: gl.constexpr = gl.SliceLayout(0, s_l)  # along the heads (N)
@@ -80,16 +81,111 @@ def _compute_h16(b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
     offs_h = gl.arange(0, H16, layout=heads)
     offs_d = gl.arange(0, D_ALL, layout=rows)
     if SPLIT_OUT:
+        o = acc * inv[None, :]
         row = (b * num_splits + split).to(gl.int64) * H16 + offs_h  # part_o [B, splits, 16, 512]
-        gl.store(part_o_ptr + row[None, :] * D_ALL + offs_d[:, None], acc * inv[None, :])
-        gl.store(part_lse_ptr + row, lse)
+        if FUSE_MERGE:
+            # the splits that got rows (`_block_range`: per_split blocks each, from split 0): 0 or 1 of them,
+            # split 0 writes the output; else each stores its partial and the last to arrive merges them
+            nlive = nbw + (elen + BN - 1) // BN
+            per = gl.maximum((nlive + num_splits - 1) // num_splits, 1)
+            live = (nlive + per - 1) // per
+            if live <= 1:
+                if split == 0:
+                    _store_out(acc, lse, inv, b, offs_h, offs_d, sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr,
+                               stride_lb, HAS_SINK)
+            elif split < live:
+                gl.store(part_o_ptr + row[None, :] * D_ALL + offs_d[:, None], o)
+                gl.store(part_lse_ptr + row, lse)
+                if _arrive(counter_ptr + COUNTER_STRIDE * b) == live - 1:
+                    _merge_into(o, lse, b, split, num_splits, live, offs_h, offs_d, part_o_ptr, part_lse_ptr,
+                                sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, HAS_SINK)
+                    _reset(counter_ptr + COUNTER_STRIDE * b)
+        else:
+            gl.store(part_o_ptr + row[None, :] * D_ALL + offs_d[:, None], o)
+            gl.store(part_lse_ptr + row, lse)
     else:
-        if HAS_SINK:
-            inv = inv / (1.0 + gl.exp(gl.load(sink_ptr + offs_h) - lse))
-        ty = out_ptr.dtype.element_ty
-        base = out_ptr + b.to(gl.int64) * stride_ob + offs_h[None, :] * stride_oh + offs_d[:, None]
-        gl.store(base, (acc * inv[None, :]).to(ty))
-        gl.store(lse_ptr + b * stride_lb + offs_h, lse)
+        _store_out(acc, lse, inv, b, offs_h, offs_d, sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
+                   HAS_SINK)
+
+
+@gluon.jit
+def _store_out(acc, lse, inv, b, offs_h, offs_d, sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
+               HAS_SINK: gl.constexpr):
+    """The query's output, acc [512, 16] x inv per head (x the sink's factor), and its lse."""
+    if HAS_SINK:
+        inv = inv / (1.0 + gl.exp(gl.load(sink_ptr + offs_h) - lse))
+    base = out_ptr + b.to(gl.int64) * stride_ob + offs_h[None, :] * stride_oh + offs_d[:, None]
+    gl.store(base, (acc * inv[None, :]).to(out_ptr.dtype.element_ty))
+    gl.store(lse_ptr + b * stride_lb + offs_h, lse)
+
+
+# The in-kernel merge of a query's splits: each split with rows stores its partial, every thread fences it (GPU
+# scope), the CTA meets at a barrier, then one thread counts the split in on the query's counter (acq_rel);
+# the split that sees live - 1 earlier arrivals is the last and merges (`_merge_into`), reading the others'
+# partials from L2, and sets the counter back to zero for the next launch. Nobody waits, so no split needs
+# another to be resident (unlike the 64-head kernel's barrier, `gluon_epilogue._SPLIT_BARRIER`).
+_FENCE = gl.constexpr("fence.acq_rel.gpu;\nmov.u32 $0, $1;")
+_COUNT_IN = gl.constexpr("""{
+.reg .pred p;
+setp.eq.u32 p, $2, 0;
+mov.u32 $0, 0;
+@p atom.acq_rel.gpu.global.add.u32 $0, [$1], 1;
+}""")
+
+
+@gluon.jit
+def _fence(lanes):
+    return gl.inline_asm_elementwise(_FENCE, "=r,r", [lanes], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _arrive(counter_ptr):
+    """Count this CTA's split in; the arrivals before it (the same value in every thread)."""
+    NW: gl.constexpr = gl.num_warps()
+    one_l: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+    lanes = gl.arange(0, 32 * NW, layout=one_l)
+    _fence(lanes)
+    gl.barrier()
+    old = gl.inline_asm_elementwise(_COUNT_IN, "=r,l,r", [counter_ptr + lanes * 0, lanes], dtype=gl.int32,
+                                    is_pure=False, pack=1)
+    old = gl.max(old, axis=0)
+    _fence(lanes)  # the other splits' partials, read after this, are those their fences published
+    return old
+
+
+@gluon.jit
+def _reset(counter_ptr):
+    NW: gl.constexpr = gl.num_warps()
+    one_l: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+    lanes = gl.arange(0, 32 * NW, layout=one_l)
+    gl.store(counter_ptr + lanes * 0, lanes * 0, mask=lanes == 0)
+
+
+@gluon.jit
+def _merge_into(o, lse, b, split, num_splits, live, offs_h, offs_d, part_o_ptr, part_lse_ptr, sink_ptr, out_ptr,
+                stride_ob, stride_oh, lse_ptr, stride_lb, HAS_SINK: gl.constexpr):
+    """The last split's merge of the query's `live` splits into the output: its own partial (o normalised, lse)
+    from registers, the others' from L2 (.cg: other SMs wrote them during this launch), weighted by exp(lse)."""
+    m = lse
+    w = gl.where(lse > float("-inf"), 1.0, 0.0)
+    for s in range(0, live):
+        if s != split:
+            row = (b * num_splits + s).to(gl.int64) * H16 + offs_h
+            lse_s = gl.load(part_lse_ptr + row, cache_modifier=".cg")
+            o_s = gl.load(part_o_ptr + row[None, :] * D_ALL + offs_d[:, None], mask=(lse_s > float("-inf"))[None, :],
+                          other=0.0, cache_modifier=".cg")
+            m_new = gl.maximum(m, lse_s)
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            a = gl.exp(m - m_safe)
+            c = gl.exp(lse_s - m_safe)
+            w = w * a + c
+            o = o * a[None, :] + o_s * c[None, :]
+            m = m_new
+    has_any = w > 0
+    w_safe = gl.where(has_any, w, 1.0)
+    lse = gl.where(has_any, gl.where(m == float("-inf"), 0.0, m) + gl.log(w_safe), float("-inf"))
+    _store_out(o, lse, 1.0 / w_safe, b, offs_h, offs_d, sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
+               HAS_SINK)
 
 
 @gluon.jit
@@ -99,9 +195,9 @@ def _sparse_decode_h16_kernel(
     widx_ptr, stride_wb, W, eidx_ptr, stride_eb, K,
     wlen_ptr, elen_ptr, sink_ptr,
     out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
-    part_o_ptr, part_lse_ptr,
+    part_o_ptr, part_lse_ptr, counter_ptr,
     qk_scale_log2, num_splits,
-    BN: gl.constexpr, NS: gl.constexpr, SPLIT_OUT: gl.constexpr,
+    BN: gl.constexpr, NS: gl.constexpr, SPLIT_OUT: gl.constexpr, FUSE_MERGE: gl.constexpr,
     IS_FP8: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_WLEN: gl.constexpr, HAS_ELEN: gl.constexpr,
     HAS_SINK: gl.constexpr, W_SHIFT: gl.constexpr, W_PAGE: gl.constexpr, E_SHIFT: gl.constexpr, E_PAGE: gl.constexpr,
     LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, MAXB: gl.constexpr,
@@ -128,7 +224,8 @@ def _sparse_decode_h16_kernel(
     gl.warp_specialize([
         (_compute_h16, (b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
                         sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
-                        q_smem, k_smem, idx_all, pt_smem, q_bar, full, empty, BN, NS, SPLIT_OUT, HAS_SINK)),
+                        counter_ptr, q_smem, k_smem, idx_all, pt_smem, q_bar, full, empty, BN, NS, SPLIT_OUT,
+                        HAS_SINK, FUSE_MERGE)),
         (loader_partition, (q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
                             widx_ptr, stride_wb, eidx_ptr, stride_eb, b, lo, hi, nbw, nbw, wlen, elen,
                             q_smem, k_smem, idx_all, t_bar, q_bar, full, empty,

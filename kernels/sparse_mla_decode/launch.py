@@ -114,7 +114,8 @@ def _launch(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, si
     elif p.backend == "gluon_h16":
         from . import gluon_h16
 
-        kernel, max_shared, counters = gluon_h16._sparse_decode_h16_kernel, None, None
+        kernel, max_shared = gluon_h16._sparse_decode_h16_kernel, None
+        counters = split_counters(q.device, b) if p.fused_merge else lse
     elif p.backend == "gluon_mma_v2":
         from . import gluon_mma_v2
 

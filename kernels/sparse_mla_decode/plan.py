@@ -48,7 +48,7 @@ def plan_launch(device: torch.device, b: int, h: int, dtype: torch.dtype, is_fp8
         return LaunchPlan("gluon", config, (b, splits), splits, fuse, kwargs)
     if backend == "gluon_h16":
         splits, kwargs = _h16_plan(b, w, k, is_fp8, config, sms, flags, geos)
-        return LaunchPlan("gluon_h16", config, (b, splits), splits, False, kwargs)
+        return LaunchPlan("gluon_h16", config, (b, splits), splits, kwargs["FUSE_MERGE"], kwargs)
     if backend == "gluon_mma_v2":
         splits, kwargs = _mma_v2_plan(b, h, w, k, is_fp8, config, sms, flags, geos)
         return LaunchPlan("gluon_mma_v2", config, (b, splits), splits, False, kwargs)
@@ -102,7 +102,8 @@ def _mma_v2_plan(b, h, w, k, is_fp8, config, sms, flags, geos):
 
 def _h16_plan(b, w, k, is_fp8, config, sms, flags, geos):
     """(splits, launch keyword arguments) of the 16-head wgmma Gluon kernel: one CTA an SM (its stages need
-    ~150 KB), splits from `choose_splits`, merged by the merge kernel."""
+    ~150 KB), splits from `choose_splits`, merged in the kernel by the last split of a query to finish (no
+    cooperative launch needed; `LaunchConfig(fused_merge=False)`: by the merge kernel after it)."""
     bn, stages = config.block_n, config.num_stages
     smem = h16_smem_bytes(bn, stages, w, k)
     if bn != 64 or stages < 2 or config.loader_warps not in (4, 8) or smem > SMEM_LIMIT:
@@ -111,8 +112,9 @@ def _h16_plan(b, w, k, is_fp8, config, sms, flags, geos):
             f"memory and 4 or 8 loader warps; got {bn}, {stages} ({smem} B), {config.loader_warps}")
     splits = config.num_splits or choose_splits(b, -(-w // bn) + -(-k // bn), sms)
     has_extra, has_wlen, has_elen, has_sink = flags
-    return splits, dict(BN=bn, NS=stages, SPLIT_OUT=splits > 1, IS_FP8=is_fp8, HAS_EXTRA=has_extra, HAS_WLEN=has_wlen,
-                        HAS_ELEN=has_elen, HAS_SINK=has_sink, **_geometry_kwargs(geos),
+    fuse = splits > 1 and config.fused_merge is not False
+    return splits, dict(BN=bn, NS=stages, SPLIT_OUT=splits > 1, FUSE_MERGE=fuse, IS_FP8=is_fp8, HAS_EXTRA=has_extra,
+                        HAS_WLEN=has_wlen, HAS_ELEN=has_elen, HAS_SINK=has_sink, **_geometry_kwargs(geos),
                         LOADER_WARPS=config.loader_warps, LOADER_REGS=config.loader_regs,
                         MAXB=gluon_index_blocks(w, k, bn), num_warps=4)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4_cluster.kernels.sparse_mla_decode import SparseDecodeInputError
+from dsv4_cluster.kernels.sparse_mla_decode import SparseDecodeInputError, launch
 from dsv4_cluster.kernels.sparse_mla_decode.config import LaunchConfig, gluon_api_unavailable
 from dsv4_cluster.kernels.sparse_mla_decode.launch import sparse_mla_decode_fp8_triton, sparse_mla_decode_triton
 from tests.kernels.sparse_decode_cases import (HAS_CUDA, V4, assert_close, assert_graph_replays, fp8_reference64,
@@ -28,6 +28,34 @@ def test_gpu_h16_matches_reference(fp8, loader_warps, b, splits):
     run, (ref_out, ref_lse) = v4_call(c, fp8, cfg)
     out, lse = run()
     assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
+
+
+@h16_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("b, k, splits", [(32, 512, 0), (64, 8192, 0), (64, 8192, 16), (5, 512, 7)])
+def test_gpu_h16_merges_its_splits_in_the_kernel_and_leaves_the_counters_at_zero(monkeypatch, fp8, b, k, splits):
+    """The last split of a query to finish merges it, with no merge kernel: on full lists, and on a ratio-128 list
+    of a configured 1M context with a few live blocks (most splits without rows), with a query of one live block and
+    one of none; equal to the reference like the merge kernel's path, three launches in a row, counters back at 0."""
+    merges, merge_kernel = [], launch._combine
+    monkeypatch.setattr(launch, "_combine", lambda *a: (merges.append(a), merge_kernel(*a)))
+    c = make_case(b, **dict(V4, h=16, k=k), device="cuda", seed=1200 + b + k + splits, sink=b % 2 == 0)
+    if k > 512:  # a configured 1M: at most 300 of the 8,192 entries live
+        g = torch.Generator().manual_seed(b + splits)
+        c["extra_lens"] = torch.randint(0, 300, (b,), generator=g, dtype=torch.int32).cuda()
+    c["window_lens"][1], c["extra_lens"][1] = 0, 0   # no row at all
+    c["window_lens"][2], c["extra_lens"][2] = 40, 0  # one block
+    for fused in (None, False):
+        run, (ref_out, ref_lse) = v4_call(c, fp8, LaunchConfig(backend="gluon_h16", num_splits=splits,
+                                                               fused_merge=fused))
+        for _ in range(3):
+            out, lse = run()
+        assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
+        assert len(merges) == (0 if fused is None else 3)  # 3 merge-kernel launches: the call did split
+        merges.clear()
+    torch.cuda.synchronize()
+    assert not launch._SPLIT_COUNTERS[torch.cuda.current_device()].any()
 
 
 @h16_gpu
