@@ -97,8 +97,8 @@ def _compute_h16(b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
                 gl.store(part_o_ptr + row[None, :] * D_ALL + offs_d[:, None], o)
                 gl.store(part_lse_ptr + row, lse)
                 if _arrive(counter_ptr + COUNTER_STRIDE * b) == live - 1:
-                    _merge_into(o, lse, b, split, num_splits, live, offs_h, offs_d, part_o_ptr, part_lse_ptr,
-                                sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, HAS_SINK)
+                    _merge_into(b, num_splits, live, part_o_ptr, part_lse_ptr, sink_ptr, out_ptr, stride_ob, stride_oh,
+                                lse_ptr, stride_lb, HAS_SINK)
                     _reset(counter_ptr + COUNTER_STRIDE * b)
         else:
             gl.store(part_o_ptr + row[None, :] * D_ALL + offs_d[:, None], o)
@@ -119,12 +119,15 @@ def _store_out(acc, lse, inv, b, offs_h, offs_d, sink_ptr, out_ptr, stride_ob, s
     gl.store(lse_ptr + b * stride_lb + offs_h, lse)
 
 
-# The in-kernel merge of a query's splits: each split with rows stores its partial, every thread fences it (GPU
-# scope), the CTA meets at a barrier, then one thread counts the split in on the query's counter (acq_rel);
-# the split that sees live - 1 earlier arrivals is the last and merges (`_merge_into`), reading the others'
-# partials from L2, and sets the counter back to zero for the next launch. Nobody waits, so no split needs
-# another to be resident (unlike the 64-head kernel's barrier, `gluon_epilogue._SPLIT_BARRIER`).
-_FENCE = gl.constexpr("fence.acq_rel.gpu;\nmov.u32 $0, $1;")
+# The in-kernel merge of a query's splits, as CUTLASS's split-K semaphore publishes a CTA's stores: each split with
+# rows stores its partial, the CTA meets at a barrier, then one thread counts the split in on the query's counter
+# (atom.acq_rel.gpu: its release carries the whole CTA's stores, ordered before it by the barrier); the split that
+# sees live - 1 earlier arrivals is the last, and after the barrier inside the reduction that hands every thread the
+# count (ordered after that thread's acquire) it merges all the partials (`_merge_into`) and zeroes the counter for
+# the next launch. Nobody waits, so no split needs another to be resident (unlike the 64-head kernel's barrier,
+# `gluon_epilogue._SPLIT_BARRIER`). A first version fenced every thread (fence.acq_rel.gpu) on both sides and read
+# the partials in the accumulator's layout (64 scalar loads a thread a split): slower than the merge kernel in
+# SGLang's step (bench/results/ab_h16_fused/).
 _COUNT_IN = gl.constexpr("""{
 .reg .pred p;
 setp.eq.u32 p, $2, 0;
@@ -134,23 +137,15 @@ mov.u32 $0, 0;
 
 
 @gluon.jit
-def _fence(lanes):
-    return gl.inline_asm_elementwise(_FENCE, "=r,r", [lanes], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def _arrive(counter_ptr):
     """Count this CTA's split in; the arrivals before it (the same value in every thread)."""
     NW: gl.constexpr = gl.num_warps()
     one_l: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
     lanes = gl.arange(0, 32 * NW, layout=one_l)
-    _fence(lanes)
     gl.barrier()
     old = gl.inline_asm_elementwise(_COUNT_IN, "=r,l,r", [counter_ptr + lanes * 0, lanes], dtype=gl.int32,
                                     is_pure=False, pack=1)
-    old = gl.max(old, axis=0)
-    _fence(lanes)  # the other splits' partials, read after this, are those their fences published
-    return old
+    return gl.max(old, axis=0)
 
 
 @gluon.jit
@@ -162,25 +157,30 @@ def _reset(counter_ptr):
 
 
 @gluon.jit
-def _merge_into(o, lse, b, split, num_splits, live, offs_h, offs_d, part_o_ptr, part_lse_ptr, sink_ptr, out_ptr,
-                stride_ob, stride_oh, lse_ptr, stride_lb, HAS_SINK: gl.constexpr):
-    """The last split's merge of the query's `live` splits into the output: its own partial (o normalised, lse)
-    from registers, the others' from L2 (.cg: other SMs wrote them during this launch), weighted by exp(lse)."""
-    m = lse
-    w = gl.where(lse > float("-inf"), 1.0, 0.0)
+def _merge_into(b, num_splits, live, part_o_ptr, part_lse_ptr, sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr,
+                stride_lb, HAS_SINK: gl.constexpr):
+    """The last split's merge of the query's `live` partials (its own included) into the output, weighted by
+    exp(lse), read from L2 (.cg: other SMs wrote them during this launch) in a layout along the dims: 4 a thread,
+    a warp's 128 contiguous (512 B a head), 16-byte loads; the output goes out 8 bytes a thread the same way."""
+    NW: gl.constexpr = gl.num_warps()
+    bl: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, NW], [0, 1])  # [512 dims, 16 heads]
+    offs_h = gl.arange(0, H16, layout=gl.SliceLayout(0, bl))
+    offs_d = gl.arange(0, D_ALL, layout=gl.SliceLayout(1, bl))
+    m = gl.full([H16], float("-inf"), gl.float32, layout=gl.SliceLayout(0, bl))
+    w = gl.zeros([H16], gl.float32, layout=gl.SliceLayout(0, bl))
+    o = gl.zeros([D_ALL, H16], gl.float32, layout=bl)
     for s in range(0, live):
-        if s != split:
-            row = (b * num_splits + s).to(gl.int64) * H16 + offs_h
-            lse_s = gl.load(part_lse_ptr + row, cache_modifier=".cg")
-            o_s = gl.load(part_o_ptr + row[None, :] * D_ALL + offs_d[:, None], mask=(lse_s > float("-inf"))[None, :],
-                          other=0.0, cache_modifier=".cg")
-            m_new = gl.maximum(m, lse_s)
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            a = gl.exp(m - m_safe)
-            c = gl.exp(lse_s - m_safe)
-            w = w * a + c
-            o = o * a[None, :] + o_s * c[None, :]
-            m = m_new
+        row = (b * num_splits + s).to(gl.int64) * H16 + offs_h
+        lse_s = gl.load(part_lse_ptr + row, cache_modifier=".cg")
+        o_s = gl.load(part_o_ptr + row[None, :] * D_ALL + offs_d[:, None], mask=(lse_s > float("-inf"))[None, :],
+                      other=0.0, cache_modifier=".cg")
+        m_new = gl.maximum(m, lse_s)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        a = gl.exp(m - m_safe)
+        c = gl.exp(lse_s - m_safe)
+        w = w * a + c
+        o = o * a[None, :] + o_s * c[None, :]
+        m = m_new
     has_any = w > 0
     w_safe = gl.where(has_any, w, 1.0)
     lse = gl.where(has_any, gl.where(m == float("-inf"), 0.0, m) + gl.log(w_safe), float("-inf"))
