@@ -110,12 +110,10 @@ def _launch(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, si
         from . import gluon_kernel
 
         kernel, max_shared = gluon_kernel._sparse_decode_ws_kernel, None
-        counters = split_counters(q.device, b) if p.fused_merge else lse
     elif p.backend == "gluon_h16":
         from . import gluon_h16
 
         kernel, max_shared = gluon_h16._sparse_decode_h16_kernel, None
-        counters = split_counters(q.device, b) if p.fused_merge else lse
     elif p.backend == "gluon_mma_v2":
         from . import gluon_mma_v2
 
@@ -127,6 +125,8 @@ def _launch(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, si
                 "on CPU call sparse_mla_decode_ref, or sparse_mla_decode, which picks it"
             )
         kernel, max_shared, counters = _kernels._sparse_decode_kernel, smem_cap(q.device), None
+    if p.backend in ("gluon", "gluon_h16"):
+        counters = split_counters(q.device, b) if p.fused_merge else lse  # lse: a placeholder pointer, unread
     fast_launch(kernel, p.grid,
                 _kernel_args(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, sink, scale,
                              window_lens, extra_lens, w, k, out, lse, part_o, part_lse, p.splits, counters),
@@ -137,7 +137,8 @@ def _launch(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, si
 
 
 COUNTER_STRIDE = 32  # int32s per query: its two counters alone in a 128-byte line (gluon_epilogue.COUNTER_STRIDE)
-# Per device: two u32 counters per query (arrivals, departures) for the fused merge's split barrier. They
+# Per device: per query, the 64-head kernel's two u32 counters (arrivals, departures) for its split barrier, or
+# the 16-head kernel's one arrivals counter (the last split to arrive merges; nobody waits). They
 # start at zero and every launch leaves them at zero, so one buffer serves every call on the device that
 # runs in stream order (decode runs its layers one after another on one stream). Two fused-merge launches
 # running at the same time on one device (two streams) would share them: do not do that.
@@ -148,9 +149,9 @@ def split_counters(device: torch.device, batch: int) -> torch.Tensor:
     """The fused merge's counters for `batch` queries on `device`: allocated (zeroed) at the first eager call;
     under CUDA-graph capture without one, a fresh zeroed buffer whose memset is captured with the kernel.
     Every fused-merge launch on the device shares them, so two such launches must not run at the same time
-    (other streams, graphs replayed side by side): give those `LaunchConfig(fused_merge=False)`. Counters
-    that cannot complete make the kernel trap after gluon_epilogue.SPIN_LIMIT_NS (a CUDA error) instead of
-    hanging."""
+    (other streams, graphs replayed side by side): give those `LaunchConfig(fused_merge=False)`. In the 64-head
+    kernel, counters that cannot complete make it trap after gluon_epilogue.SPIN_LIMIT_NS (a CUDA error) instead
+    of hanging; the 16-head kernel never waits on them."""
     cuda = device.type == "cuda"
     index = device.index if device.index is not None or not cuda else torch.cuda.current_device()
     buf = _SPLIT_COUNTERS.get(index)
