@@ -12,7 +12,7 @@ import sys
 
 from bench.common import RESULTS, versions, write
 
-BENCHES = ("sparse_decode", "indexer_topk", "sglang_decode", "sm120_decode", "sm120_reference")
+BENCHES = ("sparse_decode", "indexer_topk", "sglang_decode", "sglang_metadata", "sm120_decode", "sm120_reference")
 
 
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:

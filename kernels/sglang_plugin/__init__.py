@@ -63,7 +63,7 @@ def installing_factory(stock: Callable[[Any], Any], settings: PluginSettings) ->
         sites = {k: list(v) for k, v in state["module_sites"].items()}
         backend_sites = install_on_backend(backend, settings, counters, gpu)
         if backend_sites:
-            sites["sparse_mla_decode"] = backend_sites
+            sites["sparse_mla_decode"] = backend_sites + sites.get("sparse_mla_decode", [])  # + its metadata
         verify_identity(backend, settings, gpu)
         # from now on every instance (the speculative draft's per-step backends too) gets the routed decode
         hook_backend_class(_backend_class(), functools.partial(_route_instance, settings, counters, gpu))

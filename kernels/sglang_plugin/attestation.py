@@ -22,6 +22,8 @@ from typing import Any
 COUNTER_PERIOD_S = 1.0
 # the counter of decode calls the route table left on SGLang's stock kernel (kernels/decode_routes.py)
 STOCK_DECODE = "sparse_mla_decode_stock"
+# the counter of the decode-metadata builds ours made (call_sites: the sites with `metadata`)
+METADATA = "sparse_mla_decode_metadata"
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,12 @@ SM120_PARAMS = ("**kwargs",)
 TORCH_SM120_PARAMS = ("q_fp8", "kvcache_fp8", "weight", "seq_lens", "page_table", "deep_gemm_metadata", "max_seq_len",
                       "clean_logits")
 TORCH_INDEXER_ENV = "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH"
+# the decode's metadata builders (one per step): module globals their callers look up at call time
+META_MODULE = "sglang.kernels.ops.attention.dsv4.metadata_kernel"
+PAGES_MODULE = "sglang.kernels.ops.attention.dsv4.attn_metadata_kernels"
+COMPRESSED_META_PARAMS = ("seq_lens", "positions", "raw_out_loc", "page_table", "page_size", "compute_page_indices")
+PAGE_TABLE_PARAMS = ("*req_to_token", "*req_pool_indices_repeated", "*seq_lens_casual", "*max_seq_len", "*page_size",
+                     "*swa_window")
 
 
 @dataclass(frozen=True)
@@ -89,6 +95,7 @@ class CallSite:
     branch: Branch | None = None  # SGLang's dispatch condition that routes the call here
     env: str | None = None  # an SGLang env switch that routes the call here (absent: the default route)
     on_backend: bool = False  # replaced per backend instance (the FlashMLA partial), not on the module
+    metadata: bool = False  # a metadata builder of the kernel's call (counted apart: attestation.METADATA)
 
 
 BACKEND_FN = "_forward_attention"
@@ -112,6 +119,13 @@ CALL_SITES = (
     CallSite("topk", INDEXER_CALL_MODULE, "topk_transform_paged_v2", TOPK_V2_PARAMS, GPU_CLASSES,
              Branch(INDEXER_CALL_MODULE, INDEXER_FN, "self.dsa_topk_backend.should_use_topk_v2()",
                     "topk_transform_paged_v2")),
+    # the decode's per-step metadata, where measured (sm_90): SGLang's builders walk the configured width in one
+    # program a request; ours spread it (sglang_adapters/metadata.py), same bytes out
+    CallSite("sparse_mla_decode", META_MODULE, "_init_compressed_attn_metadata_triton", COMPRESSED_META_PARAMS,
+             ("sm_90",), Branch(BACKEND_MODULE, "init_compression_metadata", "self.has_c4 or self.has_c128",
+                                "_init_compression_metadata_triton"), metadata=True),
+    CallSite("sparse_mla_decode", PAGES_MODULE, "build_page_table_positions_triton", PAGE_TABLE_PARAMS, ("sm_90",),
+             Branch(PAGES_MODULE, "execute", "_inputs_on_cuda(*args, **kwargs)", "triton"), metadata=True),
 )
 
 

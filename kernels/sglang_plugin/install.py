@@ -22,7 +22,7 @@ from typing import Any
 
 from dsv4_cluster.core import KERNEL_NAMES
 
-from .attestation import STOCK_DECODE
+from .attestation import METADATA, STOCK_DECODE
 from .call_sites import (
     BACKEND_ATTR, BACKEND_CLASS, BACKEND_MODULE, CallSite, CallSiteError, check_call_site, sites_for)
 from .settings import SGLANG_VERSION, PluginSettings
@@ -69,10 +69,11 @@ def preconditions(settings: PluginSettings, gpu: str) -> list[str]:
 
 
 class Counters:
-    """One int64 per kernel on the model's device, and one for the decode calls the route table left on SGLang's
-    stock kernel (`STOCK_DECODE`); `bump` is an in-place device add (graph-captured)."""
+    """One int64 per kernel on the model's device, one for the decode calls the route table left on SGLang's
+    stock kernel (`STOCK_DECODE`), one for our decode-metadata builds (`METADATA`); `bump` is an in-place device
+    add (graph-captured)."""
 
-    NAMES = (*KERNEL_NAMES, STOCK_DECODE)
+    NAMES = (*KERNEL_NAMES, STOCK_DECODE, METADATA)
 
     def __init__(self, device: Any) -> None:
         import torch
@@ -99,6 +100,10 @@ def adapter_for(site: CallSite) -> Callable[..., Any]:
         from dsv4_cluster.kernels import sglang_adapters as a
     except ImportError as e:
         raise PluginInstallError(f"the kernel adapters do not import: {e}") from e
+    if site.metadata:
+        from dsv4_cluster.kernels.sglang_adapters import metadata
+
+        return getattr(metadata, site.attr)
     if site.kernel == "sparse_mla_decode":
         return a.flash_mla_with_kvcache if site.on_backend else a.flash_mla_with_kvcache_sm120
     return a.fp8_paged_mqa_logits if site.kernel == "indexer" else a.topk_transform_paged_v2
@@ -116,7 +121,7 @@ def install_module_sites(settings: PluginSettings, counters: Counters, gpu: str)
             raise PluginInstallError(f"{site.kernel}: cannot import {site.module} to replace {site.attr}: {e}") from e
         current, adapter = getattr(module, site.attr, None), adapter_for(site)
         if getattr(current, "dsv4_adapter", None) is not adapter:
-            setattr(module, site.attr, counters.counted(site.kernel, adapter))
+            setattr(module, site.attr, counters.counted(METADATA if site.metadata else site.kernel, adapter))
         placed.setdefault(site.kernel, []).append(f"{site.module}.{site.attr}")
     return placed
 

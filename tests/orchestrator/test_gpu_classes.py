@@ -38,7 +38,8 @@ def test_detect_asks_nvidia_smi_and_reads_no_driver_as_unknown():
 @pytest.mark.parametrize("gpu,decode,site", [
     ("sm_90", "routed (16 real heads at TP4): ours at window B=1,8,32,64,128,256; c4 B=1,8,32,64,128,256; "
                "c128 B=1,8,32,64,128,256; else stock",
-     "flash_mla_interface.flash_mla_with_kvcache"),
+     "flash_mla_interface.flash_mla_with_kvcache, metadata_kernel._init_compressed_attn_metadata_triton, "
+     "attn_metadata_kernels.build_page_table_positions_triton"),
     ("sm_100", "routed (16 real heads at TP4): stock on every call", "flash_mla_interface.flash_mla_with_kvcache; not ours: "
                "decode_attention_sm100.swapab_attention, DeepseekV4TrtllmAttnBackend._forward_trtllm (opt-in)"),
     ("sm_120", "routed (16 real heads at TP4): ours on every call", "flash_mla_sm120.flash_mla_with_kvcache_sm120"),

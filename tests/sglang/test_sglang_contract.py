@@ -109,14 +109,21 @@ def test_factory_installs_on_sglangs_backend_class_and_fails_closed(children: di
     assert (att["worker"], att["rank"], att["gpu"], att["sglang_version"]) == ("decode-0", 1, 5, SGLANG_VERSION)
     topk_sites = ["sglang.kernels.ops.attention.dsv4.topk.topk_transform_paged_v2",
                   "sglang.srt.layers.attention.dsv4.indexer.topk_transform_paged_v2"]
-    assert att["call_sites"] == {"sparse_mla_decode": ["DeepseekV4AttnBackend._flash_mla_with_kvcache"], "topk": topk_sites}
+    metadata_sites = ["sglang.kernels.ops.attention.dsv4.metadata_kernel._init_compressed_attn_metadata_triton",
+                      "sglang.kernels.ops.attention.dsv4.attn_metadata_kernels.build_page_table_positions_triton"]
+    assert att["call_sites"] == {"sparse_mla_decode": ["DeepseekV4AttnBackend._flash_mla_with_kvcache", *metadata_sites],
+                                 "topk": topk_sites}
     assert (att["gpu_class"], att["kernels"]) == ("sm_90", {"sparse_mla_decode": "ours", "indexer": "stock", "topk": "ours"})
     # the route table leaves a B = 1 window-only call on sm_90 to SGLang's own partial, with its keywords
     assert ok["stock_call"] == ["stock FlashMLA", ["k_cache", "q", "use_legacy"]]
     assert ok["hooked"] is True  # every DeepseekV4AttnBackend from now on (draft step backends too) is routed
     assert att["decode_routes"]["c4 / 64 heads"].startswith("ours at B = 64; stock elsewhere")
     assert ok["counters"]["counts"] == {"sparse_mla_decode": 0, "indexer": 0, "topk": 0,
-                                        "sparse_mla_decode_stock": 0}
+                                        "sparse_mla_decode_stock": 0, "sparse_mla_decode_metadata": 0}
+    assert ok["metadata_adapters"] == ["dsv4_cluster.kernels.sglang_adapters.metadata"] * 2
+    # lengths 300 and 5 over pages 3: 2 and 0 live ratio-128 slots (page 3: slots 6, 7), the rest -1
+    assert ok["metadata_call"] == [[6, 7, -1, -1, -1, -1, -1, -1], [-1] * 8]
+    assert ok["counters_later"]["counts"]["sparse_mla_decode_metadata"] == 1
     # no DeepGEMM on this machine: asking for the indexer must fail model init, naming it
     assert "indexer: cannot import deep_gemm" in got["indexer"]["error"]
     assert "sparse_mla_decode: the dsv4 factory built a SimpleNamespace" in got["not_dsv4"]["error"]
