@@ -38,6 +38,9 @@ def _equal(a, b) -> bool:
 
 
 def run(argv: list[str]) -> int:
+    from bench.sglang_stand_ins import install_import_stand_ins
+
+    install_import_stand_ins()  # the GPU image lacks some of SGLang's import-time packages (none is called here)
     from sglang.kernels.ops.attention.dsv4 import attn_metadata_kernels as sg_pages, metadata_kernel as sg_meta
 
     from dsv4_cluster.kernels.sglang_adapters import metadata as ours

@@ -11,8 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.sglang_stand_ins import install_import_stand_ins
 from dsv4_cluster.kernels.sglang_adapters import metadata as ours
 
+install_import_stand_ins()  # the GPU image lacks some of SGLang's import-time packages (none is called here)
 sglang_meta = pytest.importorskip("sglang.kernels.ops.attention.dsv4.metadata_kernel")
 sglang_pages = pytest.importorskip("sglang.kernels.ops.attention.dsv4.attn_metadata_kernels")
 
