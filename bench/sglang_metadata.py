@@ -32,9 +32,17 @@ def _inputs(batch: int, context: int) -> dict:
     return {"pages": pages, "meta": meta}
 
 
+def _fields(x) -> list:
+    """A builder's outputs as a list: the tuple's items, or the PageTablePositionsResult's fields."""
+    if isinstance(x, tuple):
+        return list(x)
+    return [getattr(x, f) for f in ("seq_lens_casual", "positions_casual", "page_table", "swa_topk_lengths")]
+
+
 def _equal(a, b) -> bool:
-    a, b = (list(a) if isinstance(a, tuple) else [a]), (list(b) if isinstance(b, tuple) else [b])
-    return all((x is None and y is None) or torch.equal(x, y) for x, y in zip(a, b))
+    a, b = _fields(a), _fields(b)
+    return len(a) == len(b) and all((x is None and y is None) or (x is not None and y is not None and x.dtype == y.dtype
+                                                                  and torch.equal(x, y)) for x, y in zip(a, b))
 
 
 def run(argv: list[str]) -> int:
@@ -62,8 +70,7 @@ def run(argv: list[str]) -> int:
             row = {"context": context, "batch": batch}
             for name, (stock, mine) in calls.items():
                 want, got = stock(), mine()
-                row[f"{name}_equal"] = _equal(tuple(got) if name == "pages" else got,
-                                              tuple(want) if name == "pages" else want)
+                row[f"{name}_equal"] = _equal(got, want)
                 row[f"{name}_sglang_graph_us"], row[f"{name}_sglang_eager_us"] = graph_and_eager_us(stock)
                 row[f"{name}_ours_graph_us"], row[f"{name}_ours_eager_us"] = graph_and_eager_us(mine)
                 row[f"{name}_graph_x"] = row[f"{name}_sglang_graph_us"] / row[f"{name}_ours_graph_us"]
