@@ -18,22 +18,29 @@ D_ALL = gl.constexpr(512)
 @gluon.jit
 def _stage_indices(idx_all, widx_row, eidx_row, nbw, wlen, elen, MAXB: gl.constexpr, BN: gl.constexpr):
     """cp.async the index table into idx_all [MAXB, BN]: the nbw window blocks (of wlen indices), then the
-    extra blocks (of elen), zeros past the lengths (readers mask by position). Called with the query's
-    lengths (row j = live block j) or with W and K (`_table_row`). One round trip for all of it, so no
-    block waits on an index load before its rows can be gathered."""
+    extra blocks (of elen), zeros past the lengths within the last block (readers mask by position). Called
+    with the query's lengths (row j = live block j) or with W and K (`_table_row`). Only the rows those
+    lengths reach are copied, R at a time: at a configured 1M context the ratio-128 table has 256 rows and a
+    query of 2,048 tokens reaches 3 of them, and zero-filling the rest cost every CTA its issue slots. One round
+    trip for all of it, so no block waits on an index load before its rows can be gathered."""
     NW: gl.constexpr = gl.num_warps()
-    l: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (BN // 4), BN // 4], [NW, 1], [1, 0])
-    jr = gl.arange(0, MAXB, layout=gl.SliceLayout(1, l))
+    TPR: gl.constexpr = 32 // (BN // 4)
+    R: gl.constexpr = TPR * NW if TPR * NW < MAXB else MAXB  # rows one pass of the layout covers
+    l: gl.constexpr = gl.BlockedLayout([1, 4], [TPR, BN // 4], [NW, 1], [1, 0])
+    rr = gl.arange(0, R, layout=gl.SliceLayout(1, l))
     c = gl.arange(0, BN, layout=gl.SliceLayout(0, l))
-    is_w = jr < nbw
-    blk = gl.where(is_w, jr, jr - nbw)
-    n_valid = gl.where(is_w, wlen, elen)
-    pos = blk[:, None] * BN + c[None, :]
-    ptrs = gl.where(is_w[:, None], widx_row + pos, eidx_row + pos)
-    # idx_all is allocated with a rank-1 layout (so that .index(j) gives block j); the 2-D copy needs
-    # the same unswizzled row-major bytes seen through a rank-2 layout.
-    table = idx_all._reinterpret(gl.int32, [MAXB, BN], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    async_copy.async_copy_global_to_shared(table, ptrs, mask=(pos >= 0) & (pos < n_valid[:, None]))
+    # idx_all is allocated with a rank-1 layout (so that .index(j) gives block j); the copies need the same
+    # unswizzled row-major bytes seen as [MAXB / R, R, BN], so that .index(i) gives rows i*R .. i*R + R - 1.
+    chunks = idx_all._reinterpret(gl.int32, [MAXB // R, R, BN], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    nrows = gl.minimum(nbw + (elen + BN - 1) // BN, MAXB)
+    for i in range(0, (nrows + R - 1) // R):
+        jr = i * R + rr
+        is_w = jr < nbw
+        blk = gl.where(is_w, jr, jr - nbw)
+        n_valid = gl.where(is_w, wlen, elen)
+        pos = blk[:, None] * BN + c[None, :]
+        ptrs = gl.where(is_w[:, None], widx_row + pos, eidx_row + pos)
+        async_copy.async_copy_global_to_shared(chunks.index(i), ptrs, mask=(pos >= 0) & (pos < n_valid[:, None]))
 
 
 @gluon.jit
