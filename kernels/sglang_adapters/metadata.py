@@ -16,6 +16,8 @@ the rest): the same values. The page table is gathered in full, so every output 
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 import triton
 import triton.language as tl
@@ -24,6 +26,25 @@ from ..fast_launch import launch
 
 INDEX_CHUNK = 1024  # ratio-128 slots a program writes (a 1M context: 8,192 a request, 8 programs)
 PAGE_CHUNK = 256  # page-table entries a program gathers (SGLang's BLOCK_P; 1M at 256-token pages: 16 programs)
+# Where SGLang's program walks one chunk (its loop runs once: a context up to 8K for the index list, 64K for the
+# page table) there is nothing to spread, and ours measured 0.91-1.01x SGLang's (H100, graph, cold L2;
+# bench/results/sglang_metadata.md): those calls go to SGLang's own builder.
+SGLANG_INDEX_BLOCK = 64  # SGLang's BLOCK_SIZE for 256-token pages (next_power_of_2(max(page_size // 128, 64)))
+META_MODULE = "sglang.kernels.ops.attention.dsv4.metadata_kernel"
+PAGES_MODULE = "sglang.kernels.ops.attention.dsv4.attn_metadata_kernels"
+_STOCK: dict[str, object] = {}
+
+
+def sglang_builder(module: str, attr: str):
+    """SGLang's own builder `attr` of `module`: the module's function, or, once the plugin has installed ours
+    there, the one it replaced (kept on the installed wrapper as `dsv4_stock`)."""
+    fn = _STOCK.get(attr)
+    if fn is None:
+        fn = getattr(importlib.import_module(module), attr)
+        fn = _STOCK[attr] = getattr(fn, "dsv4_stock", fn)
+    if getattr(fn, "dsv4_adapter", None) is not None:
+        raise RuntimeError(f"{module}.{attr} holds the plugin's wrapper without SGLang's builder behind it")
+    return fn
 
 
 @triton.jit(do_not_specialize=["num_write_tokens"])
@@ -68,7 +89,12 @@ def _init_compressed_attn_metadata_triton(
 ):
     """SGLang's `_init_compressed_attn_metadata_triton`: (c4_out_loc, c4_positions, c4_seq_lens_raw,
     c4_seq_lens_clamp1, c128_out_loc, c128_positions, c128_seq_lens_raw, c128_seq_lens_clamp1,
-    c128_page_indices or None), with its assertions."""
+    c128_page_indices or None), with its assertions; SGLang's own where its walk is one chunk."""
+    one_chunk = not compute_page_indices or page_table is None or page_size < 128 or (
+        (page_size // 128) * page_table.shape[1] <= SGLANG_INDEX_BLOCK)
+    if one_chunk:
+        return sglang_builder(META_MODULE, "_init_compressed_attn_metadata_triton")(
+            seq_lens, positions, raw_out_loc, page_table, page_size, compute_page_indices)
     bs, num_write = seq_lens.shape[0], raw_out_loc.shape[0]
     assert num_write <= bs, f"raw_out_loc has {num_write} rows, expected at most {bs} metadata rows"
     device = seq_lens.device
@@ -125,7 +151,12 @@ def build_page_table_positions_triton(
     swa_window: int,
 ):
     """SGLang's `build_page_table_positions_triton`: its PageTablePositionsResult (seq_lens_casual as int32,
-    positions_casual = seq_lens - 1, page_table [num_q, ceil(max_seq_len / page_size)], swa_topk_lengths)."""
+    positions_casual = seq_lens - 1, page_table [num_q, ceil(max_seq_len / page_size)], swa_topk_lengths);
+    SGLang's own where its walk is one chunk."""
+    if -(-max_seq_len // page_size) <= PAGE_CHUNK:
+        return sglang_builder(PAGES_MODULE, "build_page_table_positions_triton")(
+            req_to_token=req_to_token, req_pool_indices_repeated=req_pool_indices_repeated,
+            seq_lens_casual=seq_lens_casual, max_seq_len=max_seq_len, page_size=page_size, swa_window=swa_window)
     from sglang.kernels.ops.attention.dsv4.attn_metadata_kernels import PageTablePositionsResult
 
     num_q = seq_lens_casual.shape[0]

@@ -121,7 +121,9 @@ def install_module_sites(settings: PluginSettings, counters: Counters, gpu: str)
             raise PluginInstallError(f"{site.kernel}: cannot import {site.module} to replace {site.attr}: {e}") from e
         current, adapter = getattr(module, site.attr, None), adapter_for(site)
         if getattr(current, "dsv4_adapter", None) is not adapter:
-            setattr(module, site.attr, counters.counted(METADATA if site.metadata else site.kernel, adapter))
+            wrapper = counters.counted(METADATA if site.metadata else site.kernel, adapter)
+            wrapper.dsv4_stock = current  # type: ignore[attr-defined]  (SGLang's: the metadata builders call it)
+            setattr(module, site.attr, wrapper)
         placed.setdefault(site.kernel, []).append(f"{site.module}.{site.attr}")
     return placed
 

@@ -30,9 +30,10 @@ def _lengths(batch: int, context: int, seed: int) -> torch.Tensor:
     return lens
 
 
-# (batch, configured context): the 8K and 1M shapes of the SGLang-backend rig, and widths that leave the last
-# chunk partial (a page table 4,097 pages wide; an index list shorter than one chunk).
-CASES = [(4, 8192), (3, 1 << 20), (5, 4097 * PAGE), (1, 300)]
+# (batch, configured context): the 8K and 1M shapes of the SGLang-backend rig (8K: SGLang's own builders, whose
+# walk is one chunk there), the narrowest widths ours takes (16K: a 128-slot index list; 64K + 1 page: a page
+# table of 257 entries), and widths that leave the last chunk partial (a page table 4,097 pages wide).
+CASES = [(4, 8192), (3, 1 << 20), (5, 4097 * PAGE), (1, 300), (2, 16384), (3, 65536 + PAGE)]
 
 
 @pytest.mark.parametrize("batch,context", CASES)
@@ -87,3 +88,30 @@ def test_compressed_metadata_keeps_sglangs_assertions():
     with pytest.raises(AssertionError, match="multiple of 128"):
         ours._init_compressed_attn_metadata_triton(lens, lens - 1, torch.zeros(2, dtype=torch.int64, device=DEVICE),
                                                    torch.zeros(2, 4, dtype=torch.int32, device=DEVICE), 64)
+
+
+def test_ours_run_where_sglangs_walk_is_longer_than_one_chunk(monkeypatch):
+    """8K (a 64-slot index list, 32 pages): SGLang's builders; 16K / 64K + 1 page and wider: ours."""
+    called = []
+    real = ours.sglang_builder
+
+    def recording(module, attr):
+        called.append(attr)
+        return real(module, attr)
+
+    monkeypatch.setattr(ours, "sglang_builder", recording)
+    for context, stock in ((8192, True), (16384, False), (1 << 20, False)):
+        called.clear()
+        lens = torch.tensor([context], dtype=torch.int32, device=DEVICE)
+        table = torch.zeros(1, context // PAGE, dtype=torch.int32, device=DEVICE)
+        ours._init_compressed_attn_metadata_triton(lens, lens - 1, torch.zeros(1, dtype=torch.int64, device=DEVICE),
+                                                   table, PAGE)
+        assert called == (["_init_compressed_attn_metadata_triton"] if stock else []), context
+    for context, stock in ((65536, True), (65536 + PAGE, False)):
+        called.clear()
+        ours.build_page_table_positions_triton(
+            req_to_token=torch.zeros(2, context, dtype=torch.int32, device=DEVICE),
+            req_pool_indices_repeated=torch.tensor([1], device=DEVICE),
+            seq_lens_casual=torch.tensor([9], dtype=torch.int32, device=DEVICE), max_seq_len=context,
+            page_size=PAGE, swa_window=128)
+        assert called == (["build_page_table_positions_triton"] if stock else []), context
