@@ -111,8 +111,8 @@ def test_factory_installs_on_sglangs_backend_class_and_fails_closed(children: di
                   "sglang.srt.layers.attention.dsv4.indexer.topk_transform_paged_v2"]
     metadata_sites = ["sglang.kernels.ops.attention.dsv4.metadata_kernel._init_compressed_attn_metadata_triton",
                       "sglang.kernels.ops.attention.dsv4.attn_metadata_kernels.build_page_table_positions_triton"]
-    assert att["call_sites"] == {"sparse_mla_decode": ["DeepseekV4AttnBackend._flash_mla_with_kvcache", *metadata_sites],
-                                 "topk": topk_sites}
+    decode_sites = ["DeepseekV4AttnBackend._flash_mla_with_kvcache", *metadata_sites]
+    assert att["call_sites"] == {"sparse_mla_decode": decode_sites, "topk": topk_sites}
     assert (att["gpu_class"], att["kernels"]) == ("sm_90", {"sparse_mla_decode": "ours", "indexer": "stock", "topk": "ours"})
     # the route table leaves a B = 1 window-only call on sm_90 to SGLang's own partial, with its keywords
     assert ok["stock_call"] == ["stock FlashMLA", ["k_cache", "q", "use_legacy"]]

@@ -44,7 +44,8 @@ def test_counted_adapter_bumps_its_counter_and_is_recognised(tmp_path: Path) -> 
     publisher = CounterPublisher(tmp_path, 3, counters)
     publisher.publish()
     assert read_json(tmp_path / "counters-rank3.json")["counts"] == {"sparse_mla_decode": 0, "indexer": 1, "topk": 2,
-                                                                 "sparse_mla_decode_stock": 0}
+                                                                 "sparse_mla_decode_stock": 0,
+                                                                 "sparse_mla_decode_metadata": 0}
 
 
 def test_counter_publisher_keeps_publishing_after_a_failed_snapshot(tmp_path: Path, monkeypatch) -> None:
