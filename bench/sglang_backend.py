@@ -2,6 +2,7 @@
 
     python -m bench.sglang_backend mode stock|plugin OUTDIR [--contexts ..] [--batches ..] [--live N]
     python -m bench.sglang_backend report OUTDIR      # -> bench/results/sglang_backend.{json,md}
+    python -m bench.sglang_backend profile OUT.json [--batches ..]   # device time per kernel, 8K and 1M
 
 A mode process stands SGLang's backend up (`sglang_backend_rig.py`: what is SGLang's, what stands in and why, how
 the modes differ), then per configured context and batch (each request `live` tokens) times one decode step of the
@@ -255,9 +256,62 @@ def _beside_flashmla(r: rig.Rig, step) -> tuple[list, dict]:
     return outs, result
 
 
+def profile(out: Path, batches: list[int], live: int, reps: int = 10) -> dict:
+    """Where the plugin's step spends its device time (`profile`): per context (8K, 1M), batch and column (plugin,
+    decode stock), the captured step warmed by 3 replays, then the torch profiler over `reps` replays: per kernel
+    name its device time and launches a step, their sum (`busy_us`: it does not move with the host or with the
+    machine's drift between rows, so its 1M / 8K is the growth the kernels cause) and the span (`span_us`)."""
+    import torch
+
+    rig.install_import_stand_ins()
+    rig.set_mode_env("plugin")
+    import sglang.srt.layers.attention.deepseek_v4_backend  # noqa: F401
+
+    rig.install_stand_ins("plugin")
+    rig.load_plugins_and_check("plugin")
+    max_reqs, tokens = pool_shape(batches, live)
+    res: dict = {}
+    for context in (8192, 1048576):
+        r = rig.build(context, max_reqs, tokens, "plugin", "cuda", None)
+        rig.fill(r)
+        r.backend.init_cuda_graph_state(max(batches), max(batches))
+        for b in batches:
+            fb, inputs = rig.decode_batch(r, b, live), rig.layer_inputs(r, b)
+            eager_step(r, fb, inputs)
+            routed = r.backend._flash_mla_with_kvcache
+            for name, call in (("plugin", routed), ("decode_stock", routed.dsv4_stock)):
+                r.backend._flash_mla_with_kvcache = call
+                replay = capture(r, fb, inputs)[2]
+                for _ in range(3):
+                    replay()
+                torch.cuda.synchronize()
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as p:
+                    for _ in range(reps):
+                        replay()
+                    torch.cuda.synchronize()
+                agg: dict = {}
+                spans = [e.time_range for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+                for e in p.events():
+                    if e.device_type == torch.autograd.DeviceType.CUDA:
+                        t, n = agg.get(e.name[:90], (0.0, 0))
+                        agg[e.name[:90]] = (t + e.time_range.elapsed_us() / reps, n + 1)
+                res[f"{context} {b} {name}"] = {
+                    "kernels": {k: [round(t, 2), n // reps] for k, (t, n) in agg.items()},
+                    "busy_us": round(sum(t for t, _ in agg.values()), 1),
+                    "span_us": round((max(x.end for x in spans) - min(x.start for x in spans)) / reps, 1)}
+                print(context, b, name, res[f"{context} {b} {name}"]["busy_us"], flush=True)
+            r.backend._flash_mla_with_kvcache = routed
+            replay = fb = inputs = None
+        del r
+        gc.collect()
+        torch.cuda.empty_cache()
+    out.write_text(json.dumps(res, indent=1))
+    return res
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="sglang_backend")
-    ap.add_argument("what", choices=["mode", "report"])
+    ap.add_argument("what", choices=["mode", "report", "profile"])
     ap.add_argument("args", nargs="+")
     ap.add_argument("--contexts", type=ints, default=[8192, 131072, 1048576])
     ap.add_argument("--batches", type=ints, default=[1, 8, 32, 64, 128])
@@ -272,6 +326,9 @@ def main(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     if a.what == "report":
         report(Path(a.args[0]))
+        return 0
+    if a.what == "profile":
+        profile(Path(a.args[0]), a.batches, a.live)
         return 0
     mode, out = a.args
     Path(out).mkdir(parents=True, exist_ok=True)
