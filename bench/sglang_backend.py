@@ -3,6 +3,7 @@
     python -m bench.sglang_backend mode stock|plugin OUTDIR [--contexts ..] [--batches ..] [--live N]
     python -m bench.sglang_backend report OUTDIR      # -> bench/results/sglang_backend.{json,md}
     python -m bench.sglang_backend profile OUT.json [--batches ..]   # device time per kernel, 8K and 1M
+    python -m bench.sglang_backend paired OUTDIR [--contexts 8192,1048576] [--batches ..] [--ab-reps N]
 
 A mode process stands SGLang's backend up (`sglang_backend_rig.py`: what is SGLang's, what stands in and why, how
 the modes differ), then per configured context and batch (each request `live` tokens) times one decode step of the
@@ -21,7 +22,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -29,60 +29,10 @@ from pathlib import Path
 from . import sglang_backend_rig as rig
 from .common import ints, versions
 from .sglang_backend_report import EQ_CASE, report
-
-
-def _timed(fn, reps: int, flush) -> float:
-    import torch
-
-    times = []
-    for _ in range(reps):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def eager_step(r: rig.Rig, fb, inputs, keep=None):
-    r.backend.init_forward_metadata(fb)
-    return rig.run_layers(r, fb, inputs, keep)
-
-
-def capture(r: rig.Rig, fb, inputs):
-    """SGLang's decode graph capture for this batch size; returns (graph, outputs, replay step)."""
-    import torch
-
-    backend = r.backend
-    backend.init_forward_metadata_out_graph(fb, in_capture=True)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            backend.init_forward_metadata_in_graph(fb)
-            rig.run_layers(r, fb, inputs)
-    torch.cuda.current_stream().wait_stream(stream)
-    backend.on_after_cuda_graph_warmup()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        backend.init_forward_metadata_in_graph(fb)
-        outs = rig.run_layers(r, fb, inputs)
-
-    def replay():
-        backend.init_forward_metadata_out_graph(fb)
-        graph.replay()
-
-    return graph, outs, replay
+from .sglang_backend_rig import _spread, _timed, capture, eager_step, pool_shape
 
 
 KIND_LAYERS = (0, 2, 3)  # V4-Flash's first window-only, ratio-4 and ratio-128 layers
-
-
-def _spread(times: list[float]) -> dict:
-    q1, _, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else (times[0], 0, times[0])
-    return {"median": statistics.median(times), "iqr": q3 - q1}
 
 
 def _decode_ab(r: rig.Rig, fb, inputs, reps: int, flush) -> dict:
@@ -116,17 +66,6 @@ def _decode_ab(r: rig.Rig, fb, inputs, reps: int, flush) -> dict:
     row.update(eager_ms=row["plugin_eager_ms"], graph_ms=row.get("plugin_graph_ms"),
                graph_error=row.get("plugin_graph_error"))
     return row
-
-
-def pool_shape(batches: list[int], live: int) -> tuple[int, int]:
-    """(requests, tokens a request) of the pool: room for the largest batch at `live` tokens and for the equality
-    case, which `decode_batch` lays out in whole pages from the pool's start. The equality case's 4,096 tokens for
-    every one of 128 requests made the 43-layer pool ~70 GB, more than an H100 holds; its 8 requests fit in what
-    128 x 2,048 tokens take."""
-    max_reqs = max(batches + [EQ_CASE["batch"]])
-    if max_reqs * rig.request_pages(live) >= EQ_CASE["batch"] * rig.request_pages(EQ_CASE["live"]):
-        return max_reqs, live
-    return max_reqs, max(live, EQ_CASE["live"])
 
 
 def run_mode(mode: str, out: Path, contexts: list[int], batches: list[int], live: int, reps: int,
@@ -256,62 +195,9 @@ def _beside_flashmla(r: rig.Rig, step) -> tuple[list, dict]:
     return outs, result
 
 
-def profile(out: Path, batches: list[int], live: int, reps: int = 10) -> dict:
-    """Where the plugin's step spends its device time (`profile`): per context (8K, 1M), batch and column (plugin,
-    decode stock), the captured step warmed by 3 replays, then the torch profiler over `reps` replays: per kernel
-    name its device time and launches a step, their sum (`busy_us`: it does not move with the host or with the
-    machine's drift between rows, so its 1M / 8K is the growth the kernels cause) and the span (`span_us`)."""
-    import torch
-
-    rig.install_import_stand_ins()
-    rig.set_mode_env("plugin")
-    import sglang.srt.layers.attention.deepseek_v4_backend  # noqa: F401
-
-    rig.install_stand_ins("plugin")
-    rig.load_plugins_and_check("plugin")
-    max_reqs, tokens = pool_shape(batches, live)
-    res: dict = {}
-    for context in (8192, 1048576):
-        r = rig.build(context, max_reqs, tokens, "plugin", "cuda", None)
-        rig.fill(r)
-        r.backend.init_cuda_graph_state(max(batches), max(batches))
-        for b in batches:
-            fb, inputs = rig.decode_batch(r, b, live), rig.layer_inputs(r, b)
-            eager_step(r, fb, inputs)
-            routed = r.backend._flash_mla_with_kvcache
-            for name, call in (("plugin", routed), ("decode_stock", routed.dsv4_stock)):
-                r.backend._flash_mla_with_kvcache = call
-                replay = capture(r, fb, inputs)[2]
-                for _ in range(3):
-                    replay()
-                torch.cuda.synchronize()
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as p:
-                    for _ in range(reps):
-                        replay()
-                    torch.cuda.synchronize()
-                agg: dict = {}
-                spans = [e.time_range for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-                for e in p.events():
-                    if e.device_type == torch.autograd.DeviceType.CUDA:
-                        t, n = agg.get(e.name[:90], (0.0, 0))
-                        agg[e.name[:90]] = (t + e.time_range.elapsed_us() / reps, n + 1)
-                res[f"{context} {b} {name}"] = {
-                    "kernels": {k: [round(t, 2), n // reps] for k, (t, n) in agg.items()},
-                    "busy_us": round(sum(t for t, _ in agg.values()), 1),
-                    "span_us": round((max(x.end for x in spans) - min(x.start for x in spans)) / reps, 1)}
-                print(context, b, name, res[f"{context} {b} {name}"]["busy_us"], flush=True)
-            r.backend._flash_mla_with_kvcache = routed
-            replay = fb = inputs = None
-        del r
-        gc.collect()
-        torch.cuda.empty_cache()
-    out.write_text(json.dumps(res, indent=1))
-    return res
-
-
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="sglang_backend")
-    ap.add_argument("what", choices=["mode", "report", "profile"])
+    ap.add_argument("what", choices=["mode", "report", "profile", "paired"])
     ap.add_argument("args", nargs="+")
     ap.add_argument("--contexts", type=ints, default=[8192, 131072, 1048576])
     ap.add_argument("--batches", type=ints, default=[1, 8, 32, 64, 128])
@@ -327,8 +213,13 @@ def main(argv: list[str]) -> int:
     if a.what == "report":
         report(Path(a.args[0]))
         return 0
-    if a.what == "profile":
-        profile(Path(a.args[0]), a.batches, a.live)
+    if a.what in ("profile", "paired"):  # the step's growth from 8K to 1M (sglang_backend_growth.py)
+        from . import sglang_backend_growth as growth
+
+        if a.what == "profile":
+            growth.profile(Path(a.args[0]), a.batches, a.live)
+        else:
+            growth.paired(Path(a.args[0]), a.contexts, a.batches, a.live, a.ab_reps)
         return 0
     mode, out = a.args
     Path(out).mkdir(parents=True, exist_ok=True)

@@ -8,15 +8,19 @@ backend what the model would (q padded to 64 heads past the 16 real ones, attn_s
 save_kv_cache=False) and the ratio-4 layers' projected indexer q / weights (`IndexerInputs`); the other stand-ins,
 each with why, are in `sglang_stand_ins.py`. Modes (everything else identical): stock, SGLang's torch fallbacks
 for the indexer and top-k where DeepGEMM and the JIT top-k do not load, FlashMLA for decode; plugin, SGLang's
-defaults with our kernels installed by `load_plugins()` through the entry point.
+defaults with our kernels installed by `load_plugins()` through the entry point. Also here, for every timing
+script over the rig: one step (`eager_step`), SGLang's decode graph capture (`capture`), the timer (`_timed`, L2
+flushed), median + IQR (`_spread`) and the pool's shape (`pool_shape`).
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from .sglang_backend_report import EQ_CASE as _EQ_CASE
 from .sglang_stand_ins import install_cpu_stand_ins, install_import_stand_ins, install_stand_ins  # noqa: F401  (its API)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,14 +95,14 @@ def resolve_model_config(context_len: int, mode: str, device: str):
 
 
 def build(context_len: int, max_reqs: int, tokens_per_req: int, mode: str, device: str,
-          layer_ids: list[int] | None = None) -> Rig:
-    """SGLang's pool, req-to-token pool and backend (through the registered `dsv4` factory) for one context."""
-    import torch
+          layer_ids: list[int] | None = None, pool=None) -> Rig:
+    """SGLang's pool, req-to-token pool and backend (through the registered `dsv4` factory) for one context.
+    `pool`: another rig's (its rows already filled), shared: the pool does not depend on the configured context,
+    only the req-to-token pool (its width) and the backend do."""
     from types import SimpleNamespace
 
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
     from sglang.srt.layers.radix_attention import RadixAttention
-    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
@@ -107,14 +111,8 @@ def build(context_len: int, max_reqs: int, tokens_per_req: int, mode: str, devic
     if layer_ids is not None:  # a subset: the pool holds layers 0..max(id) only (43 would hold ~70 GB at batch 128)
         ratios = ratios[: max(layer_ids) + 1]
     full = (max_reqs * request_pages(tokens_per_req) + 1) * PAGE  # page 0 stays the pad page
-    pool = DeepSeekV4TokenToKVPool(
-        max_num_reqs=max_reqs, swa_size=full, c4_size=full // 4, c128_size=full // 128, c4_state_pool_size=full,
-        c128_state_pool_size=max_reqs + 1, page_size=PAGE, swa_page_size=PAGE, dtype=torch.float8_e4m3fn,
-        c4_state_dtype=torch.float32, c128_state_dtype=torch.float32, qk_nope_head_dim=mc.qk_nope_head_dim,
-        qk_rope_head_dim=mc.qk_rope_head_dim, indexer_head_dim=mc.index_head_dim, layer_num=len(ratios),
-        device=device, enable_memory_saver=False, compression_ratios=ratios, sliding_window=mc.window_size,
-        start_layer=0, end_layer=len(ratios), full_size=full)
-    pool.register_mapping(torch.arange(full + PAGE, dtype=torch.int64, device=device))  # SWA slot = full slot
+    if pool is None:
+        pool = _pool(mc, ratios, max_reqs, full, device)
     r2t = ReqToTokenPool(size=max_reqs + 1, max_context_len=mc.context_len, device=device, enable_memory_saver=False)
     runner = SimpleNamespace(
         device=device, model_config=mc, page_size=PAGE, req_to_token_pool=r2t, token_to_kv_pool=pool,
@@ -124,6 +122,22 @@ def build(context_len: int, max_reqs: int, tokens_per_req: int, mode: str, devic
     ids = list(range(len(ratios))) if layer_ids is None else layer_ids
     layers = [(RadixAttention(REAL_HEADS, DIM, DIM**-0.5, 1, i, v_head_dim=DIM), ratios[i]) for i in ids]
     return Rig(backend, pool, r2t, layers, mc, device)
+
+
+def _pool(mc, ratios: list[int], max_reqs: int, full: int, device: str):
+    """SGLang's DeepSeek-V4 KV pool for `ratios`' layers and `full` token slots, SWA slot = full slot."""
+    import torch
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+
+    pool = DeepSeekV4TokenToKVPool(
+        max_num_reqs=max_reqs, swa_size=full, c4_size=full // 4, c128_size=full // 128, c4_state_pool_size=full,
+        c128_state_pool_size=max_reqs + 1, page_size=PAGE, swa_page_size=PAGE, dtype=torch.float8_e4m3fn,
+        c4_state_dtype=torch.float32, c128_state_dtype=torch.float32, qk_nope_head_dim=mc.qk_nope_head_dim,
+        qk_rope_head_dim=mc.qk_rope_head_dim, indexer_head_dim=mc.index_head_dim, layer_num=len(ratios),
+        device=device, enable_memory_saver=False, compression_ratios=ratios, sliding_window=mc.window_size,
+        start_layer=0, end_layer=len(ratios), full_size=full)
+    pool.register_mapping(torch.arange(full + PAGE, dtype=torch.int64, device=device))
+    return pool
 
 
 def prepare_cpu(mode: str) -> list[str]:
@@ -265,3 +279,65 @@ def run_layers(rig: Rig, fb, inputs: list[dict], keep=None) -> list:
                             attn_sink=one["sink"], save_kv_cache=False)
         outs.append(o[:, :REAL_HEADS])
     return outs
+
+
+def _timed(fn, reps: int, flush) -> float:
+    import torch
+
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def eager_step(r: Rig, fb, inputs, keep=None):
+    r.backend.init_forward_metadata(fb)
+    return run_layers(r, fb, inputs, keep)
+
+
+def capture(r: Rig, fb, inputs):
+    """SGLang's decode graph capture for this batch size; returns (graph, outputs, replay step)."""
+    import torch
+
+    backend = r.backend
+    backend.init_forward_metadata_out_graph(fb, in_capture=True)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            backend.init_forward_metadata_in_graph(fb)
+            run_layers(r, fb, inputs)
+    torch.cuda.current_stream().wait_stream(stream)
+    backend.on_after_cuda_graph_warmup()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        backend.init_forward_metadata_in_graph(fb)
+        outs = run_layers(r, fb, inputs)
+
+    def replay():
+        backend.init_forward_metadata_out_graph(fb)
+        graph.replay()
+
+    return graph, outs, replay
+
+
+def _spread(times: list[float]) -> dict:
+    q1, _, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else (times[0], 0, times[0])
+    return {"median": statistics.median(times), "iqr": q3 - q1}
+
+
+def pool_shape(batches: list[int], live: int) -> tuple[int, int]:
+    """(requests, tokens a request) of the pool: room for the largest batch at `live` tokens and for the equality
+    case, which `decode_batch` lays out in whole pages from the pool's start. The equality case's 4,096 tokens for
+    every one of 128 requests made the 43-layer pool ~70 GB, more than an H100 holds; its 8 requests fit in what
+    128 x 2,048 tokens take."""
+    max_reqs = max(batches + [_EQ_CASE["batch"]])
+    if max_reqs * request_pages(live) >= _EQ_CASE["batch"] * request_pages(_EQ_CASE["live"]):
+        return max_reqs, live
+    return max_reqs, max(live, _EQ_CASE["live"])

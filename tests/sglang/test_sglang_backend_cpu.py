@@ -132,3 +132,35 @@ def test_a_dropped_rig_frees_its_pool(runs):
 def test_plugin_outputs_are_finite(runs):
     for o in runs["plugin"]["outs"]:
         assert o["shape"] == [BATCH, 16, 512] and o["finite"] and o["mean_abs"] > 0, o
+
+
+PAIRED_CHILD = f"""
+import json
+from bench import sglang_backend_rig as rig
+from bench.sglang_backend import eager_step
+from bench.sglang_backend_growth import output_spread, paired_rigs
+rig.prepare_cpu("plugin")
+rigs = paired_rigs([8192, 16384], {BATCH}, {LIVE}, "cpu", [0, 2, 3])
+outs, widths = {{}}, {{}}
+for context, r in rigs.items():
+    fb, inputs = rig.decode_batch(r, {BATCH}, {LIVE}), rig.layer_inputs(r, {BATCH})
+    outs[context] = eager_step(r, fb, inputs)
+    widths[context] = [r.req_to_token_pool.req_to_token.shape[1],
+                       r.backend.forward_metadata.core_metadata.sparse_page_indices(128).shape[-1]]
+print("RESULT " + json.dumps(dict(spread=output_spread(outs), shared=rigs[8192].pool is rigs[16384].pool,
+                                  widths=widths, layers=len(outs[8192]))))
+"""
+
+
+def test_paired_rigs_share_one_pool_and_agree_whatever_the_configured_context():
+    """`bench.sglang_backend paired` times 8K and a wider configured context in the same rounds over one pool: the
+    rigs share the pool's rows, differ in the req-to-token width and the ratio-128 list's width, and, holding the
+    same requests and queries, return the same outputs (16K: the ratio-128 list is 128 slots, so SGLang's
+    metadata builder there is ours, not SGLang's one-chunk walk)."""
+    proc = subprocess.Popen([sys.executable, "-c", PAIRED_CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=REPO, env={**os.environ, "TRITON_INTERPRET": "1"})
+    got = _result("paired", proc)
+    assert got["shared"] and got["layers"] == 3
+    (r8, w8), (r16, w16) = got["widths"]["8192"], got["widths"]["16384"]
+    assert (r8, r16) == (8192, 16384) and w16 > w8, got["widths"]
+    assert got["spread"] < 1e-6, got["spread"]
