@@ -23,15 +23,13 @@ import triton
 import triton.language as tl
 
 from ..fast_launch import launch
+from ..sglang_plugin.call_sites import META_MODULE, PAGES_MODULE
 
 INDEX_CHUNK = 1024  # ratio-128 slots a program writes (a 1M context: 8,192 a request, 8 programs)
 PAGE_CHUNK = 256  # page-table entries a program gathers (SGLang's BLOCK_P; 1M at 256-token pages: 16 programs)
 # Where SGLang's program walks one chunk (its loop runs once: a context up to 8K for the index list, 64K for the
 # page table) there is nothing to spread, and ours measured 0.91-1.01x SGLang's (H100, graph, cold L2;
 # bench/results/sglang_metadata.md): those calls go to SGLang's own builder.
-SGLANG_INDEX_BLOCK = 64  # SGLang's BLOCK_SIZE for 256-token pages (next_power_of_2(max(page_size // 128, 64)))
-META_MODULE = "sglang.kernels.ops.attention.dsv4.metadata_kernel"
-PAGES_MODULE = "sglang.kernels.ops.attention.dsv4.attn_metadata_kernels"
 _STOCK: dict[str, object] = {}
 
 
@@ -90,8 +88,9 @@ def _init_compressed_attn_metadata_triton(
     """SGLang's `_init_compressed_attn_metadata_triton`: (c4_out_loc, c4_positions, c4_seq_lens_raw,
     c4_seq_lens_clamp1, c128_out_loc, c128_positions, c128_seq_lens_raw, c128_seq_lens_clamp1,
     c128_page_indices or None), with its assertions; SGLang's own where its walk is one chunk."""
+    # SGLang's loop: BLOCK_SIZE = next_power_of_2(max(page_size // 128, 64)) slots a pass over the list's width
     one_chunk = not compute_page_indices or page_table is None or page_size < 128 or (
-        (page_size // 128) * page_table.shape[1] <= SGLANG_INDEX_BLOCK)
+        (page_size // 128) * page_table.shape[1] <= triton.next_power_of_2(max(page_size // 128, 64)))
     if one_chunk:
         return sglang_builder(META_MODULE, "_init_compressed_attn_metadata_triton")(
             seq_lens, positions, raw_out_loc, page_table, page_size, compute_page_indices)

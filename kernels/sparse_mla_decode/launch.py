@@ -106,6 +106,9 @@ def _launch(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, si
     p = plan_launch(q.device, b, h, q.dtype, is_fp8, config or _DEFAULT_CONFIG, w, k, flags, geos,
                     _num_sms(q.device))
     out, lse, part_o, part_lse = _outputs(q, p.splits, out, lse)
+    counters = None  # the Gluon kernels' split counters; lse stands in (unread) where they do not merge
+    if p.backend in ("gluon", "gluon_h16"):
+        counters = split_counters(q.device, b) if p.fused_merge else lse
     if p.backend == "gluon":
         from . import gluon_kernel
 
@@ -117,16 +120,14 @@ def _launch(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, si
     elif p.backend == "gluon_mma_v2":
         from . import gluon_mma_v2
 
-        kernel, max_shared, counters = gluon_mma_v2._sparse_decode_mma_v2_kernel, smem_cap(q.device), None
+        kernel, max_shared = gluon_mma_v2._sparse_decode_mma_v2_kernel, smem_cap(q.device)
     else:
         if not q.is_cuda and type(_kernels._sparse_decode_kernel).__name__ != "InterpretedFunction":
             raise checks.SparseDecodeInputError(
                 "the Triton kernel runs on CPU tensors only under TRITON_INTERPRET=1 (set before import); "
                 "on CPU call sparse_mla_decode_ref, or sparse_mla_decode, which picks it"
             )
-        kernel, max_shared, counters = _kernels._sparse_decode_kernel, smem_cap(q.device), None
-    if p.backend in ("gluon", "gluon_h16"):
-        counters = split_counters(q.device, b) if p.fused_merge else lse  # lse: a placeholder pointer, unread
+        kernel, max_shared = _kernels._sparse_decode_kernel, smem_cap(q.device)
     fast_launch(kernel, p.grid,
                 _kernel_args(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, sink, scale,
                              window_lens, extra_lens, w, k, out, lse, part_o, part_lse, p.splits, counters),
