@@ -70,14 +70,9 @@ def _decode_ab(r: rig.Rig, fb, inputs, reps: int, flush) -> dict:
 
 def run_mode(mode: str, out: Path, contexts: list[int], batches: list[int], live: int, reps: int,
              layer_ids: list[int] | None = None, ab_reps: int = 20) -> dict:
-    rig.install_import_stand_ins()
-    rig.set_mode_env(mode)
+    factory = rig.prepare(mode)
     import torch
 
-    import sglang.srt.layers.attention.deepseek_v4_backend  # noqa: F401
-
-    rig.install_stand_ins(mode)
-    factory = rig.load_plugins_and_check(mode)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     rows, eq = _earlier(out / f"{mode}.json", contexts)
     max_reqs, tokens_per_req = pool_shape(batches, live)

@@ -35,7 +35,7 @@ NATIVE = ("msgspec-0.23.0", "pydantic_core-2.46.4", "apache_tvm_ffi-0.1.11", "sg
 CHILD = """
 import json, sys
 from bench import sglang_backend_rig as rig
-rig.prepare_cpu(sys.argv[1])
+rig.prepare(sys.argv[1], "cpu")
 r, fb, inputs = rig.cpu_case(sys.argv[1], 2, 1024)
 if sys.argv[1] == "plugin":  # our kernel on every decode call (the route table may send a CPU-sized call to stock,
     from dsv4_cluster.kernels import decode_routes  # whose FlashMLA cannot run here)

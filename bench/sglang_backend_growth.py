@@ -23,13 +23,17 @@ from . import sglang_backend_rig as rig
 from .common import versions
 
 
-def _plugin_process() -> None:
-    rig.install_import_stand_ins()
-    rig.set_mode_env("plugin")
-    import sglang.srt.layers.attention.deepseek_v4_backend  # noqa: F401
-
-    rig.install_stand_ins("plugin")
-    rig.load_plugins_and_check("plugin")
+def _columns(r, fb, inputs) -> dict:
+    """The step captured twice: as the plugin routes the decode (`plugin`) and with every decode call on SGLang's
+    FlashMLA partial (`decode_stock`); name -> replay. The backend holds the routed call again afterwards."""
+    routed, replays = r.backend._flash_mla_with_kvcache, {}
+    try:
+        for name, call in (("plugin", routed), ("decode_stock", routed.dsv4_stock)):
+            r.backend._flash_mla_with_kvcache = call
+            replays[name] = rig.capture(r, fb, inputs)[2]
+    finally:
+        r.backend._flash_mla_with_kvcache = routed
+    return replays
 
 
 def paired_rigs(contexts: list[int], max_reqs: int, tokens: int, device: str, layer_ids=None) -> dict:
@@ -55,24 +59,22 @@ def output_spread(outs: dict) -> float:
 def paired(out: Path, contexts: list[int], batches: list[int], live: int, reps: int) -> dict:
     import torch
 
-    _plugin_process()
+    rig.prepare("plugin")
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     max_reqs, tokens = rig.pool_shape(batches, live)
     rigs = paired_rigs(contexts, max_reqs, tokens, "cuda")
     for r in rigs.values():
         r.backend.init_cuda_graph_state(max(batches), max(batches))
     base, rows = contexts[0], []
+    result = {"contexts": contexts, "live_tokens": live, "device": torch.cuda.get_device_name(), **versions(),
+              "rows": rows}
     out.mkdir(parents=True, exist_ok=True)
     for b in batches:
         replays, outs = {}, {}
         for context, r in rigs.items():
             fb, inputs = rig.decode_batch(r, b, live), rig.layer_inputs(r, b)
             outs[context] = rig.eager_step(r, fb, inputs)
-            routed = r.backend._flash_mla_with_kvcache
-            for name, call in (("plugin", routed), ("decode_stock", routed.dsv4_stock)):
-                r.backend._flash_mla_with_kvcache = call
-                replays[(context, name)] = rig.capture(r, fb, inputs)[2]
-            r.backend._flash_mla_with_kvcache = routed
+            replays.update({(context, name): replay for name, replay in _columns(r, fb, inputs).items()})
         row: dict = {"batch": b, "reps": reps, "output_spread": output_spread(outs)}
         times: dict = {k: [] for k in replays}
         for _ in range(reps):
@@ -88,8 +90,6 @@ def paired(out: Path, contexts: list[int], batches: list[int], live: int, reps: 
         rows.append(row)
         print(json.dumps(row), flush=True)
         replays = outs = None
-        result = {"contexts": contexts, "live_tokens": live, "device": torch.cuda.get_device_name(), **versions(),
-                  "rows": rows}
         (out / "paired.json").write_text(json.dumps(result, indent=1))  # what a timeout leaves is still reported
     lines = ["| B | column | " + " | ".join(f"{c} ms" for c in contexts) + " | per-round ratio (IQR) |",
              "|---|---|" + "---|" * len(contexts) + "---|"]
@@ -113,7 +113,7 @@ def profile(out: Path, batches: list[int], live: int, reps: int = 10) -> dict:
 
     import torch
 
-    _plugin_process()
+    rig.prepare("plugin")
     max_reqs, tokens = rig.pool_shape(batches, live)
     res: dict = {}
     for context in (8192, 1048576):
@@ -123,10 +123,7 @@ def profile(out: Path, batches: list[int], live: int, reps: int = 10) -> dict:
         for b in batches:
             fb, inputs = rig.decode_batch(r, b, live), rig.layer_inputs(r, b)
             rig.eager_step(r, fb, inputs)
-            routed = r.backend._flash_mla_with_kvcache
-            for name, call in (("plugin", routed), ("decode_stock", routed.dsv4_stock)):
-                r.backend._flash_mla_with_kvcache = call
-                replay = rig.capture(r, fb, inputs)[2]
+            for name, replay in _columns(r, fb, inputs).items():
                 for _ in range(3):
                     replay()
                 torch.cuda.synchronize()
@@ -135,17 +132,16 @@ def profile(out: Path, batches: list[int], live: int, reps: int = 10) -> dict:
                         replay()
                     torch.cuda.synchronize()
                 agg: dict = {}
-                spans = [e.time_range for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-                for e in p.events():
-                    if e.device_type == torch.autograd.DeviceType.CUDA:
-                        t, n = agg.get(e.name[:90], (0.0, 0))
-                        agg[e.name[:90]] = (t + e.time_range.elapsed_us() / reps, n + 1)
+                spans = [e for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+                for e in spans:
+                    t, n = agg.get(e.name[:90], (0.0, 0))
+                    agg[e.name[:90]] = (t + e.time_range.elapsed_us() / reps, n + 1)
                 res[f"{context} {b} {name}"] = {
                     "kernels": {k: [round(t, 2), n // reps] for k, (t, n) in agg.items()},
                     "busy_us": round(sum(t for t, _ in agg.values()), 1),
-                    "span_us": round((max(x.end for x in spans) - min(x.start for x in spans)) / reps, 1)}
+                    "span_us": round((max(e.time_range.end for e in spans) - min(e.time_range.start for e in spans))
+                                     / reps, 1) if spans else 0.0}
                 print(context, b, name, res[f"{context} {b} {name}"]["busy_us"], flush=True)
-            r.backend._flash_mla_with_kvcache = routed
             replay = fb = inputs = None
         del r
         gc.collect()

@@ -140,22 +140,27 @@ def _pool(mc, ratios: list[int], max_reqs: int, full: int, device: str):
     return pool
 
 
-def prepare_cpu(mode: str) -> list[str]:
-    """SGLang's backend imported on the CPU (FlashMLA and torchvision stood in) and its plugins loaded: the factory.
-    Apart from `cpu_case`: the flashinfer ImportError SGLang keeps holds this frame's callers for good."""
+def prepare(mode: str, device: str = "cuda") -> list[str]:
+    """SGLang's backend imported and its plugins loaded, `mode`'s env set: the factory. On the GPU machine the
+    import-only packages it lacks stand in; on the CPU FlashMLA and torchvision do (apart from `cpu_case`: the
+    flashinfer ImportError SGLang keeps holds this frame's callers for good)."""
     from .sglang_stand_ins import install_torchvision_stand_in
 
-    install_torchvision_stand_in()
-    set_mode_env(mode, "cpu")
-    install_cpu_stand_ins()
+    if device == "cpu":
+        install_torchvision_stand_in()
+    else:
+        install_import_stand_ins()
+    set_mode_env(mode, device)
+    if device == "cpu":
+        install_cpu_stand_ins()
     import sglang.srt.layers.attention.deepseek_v4_backend  # noqa: F401
 
-    install_stand_ins(mode, "cpu")
+    install_stand_ins(mode, device)
     return load_plugins_and_check(mode)
 
 
 def cpu_case(mode: str, batch: int, live: int):
-    """After `prepare_cpu`: layers 0 / 2 / 3 at 8K context, `batch` requests of `live` tokens, decode metadata
+    """After `prepare(mode, "cpu")`: layers 0 / 2 / 3 at 8K context, `batch` requests of `live` tokens, decode metadata
     built: (rig, forward batch, layer inputs)."""
     rig = build(8192, batch, live, mode, "cpu", layer_ids=[0, 2, 3])
     fill(rig)

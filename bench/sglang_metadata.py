@@ -36,7 +36,7 @@ def _fields(x) -> list:
     """A builder's outputs as a list: the tuple's items, or the PageTablePositionsResult's fields."""
     if isinstance(x, tuple):
         return list(x)
-    return [getattr(x, f) for f in ("seq_lens_casual", "positions_casual", "page_table", "swa_topk_lengths")]
+    return [getattr(x, f) for f in x.__struct_fields__]  # a msgspec Struct
 
 
 def _equal(a, b) -> bool:

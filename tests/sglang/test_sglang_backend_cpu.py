@@ -31,7 +31,7 @@ CHILD = f"""
 import json, sys, torch
 from bench import sglang_backend_rig as rig
 mode = sys.argv[1]
-factory = rig.prepare_cpu(mode)
+factory = rig.prepare(mode, "cpu")
 r, fb, inputs = rig.cpu_case(mode, {BATCH}, {LIVE})
 keep, outs = [], []
 same = None
@@ -139,7 +139,7 @@ import json
 from bench import sglang_backend_rig as rig
 from bench.sglang_backend import eager_step
 from bench.sglang_backend_growth import output_spread, paired_rigs
-rig.prepare_cpu("plugin")
+rig.prepare("plugin", "cpu")
 rigs = paired_rigs([8192, 16384], {BATCH}, {LIVE}, "cpu", [0, 2, 3])
 outs, widths = {{}}, {{}}
 for context, r in rigs.items():
