@@ -146,6 +146,7 @@ def profile(out: Path, batches: list[int], live: int, reps: int = 10) -> dict:
         del r
         gc.collect()
         torch.cuda.empty_cache()
+    res["versions"] = versions()  # torch, Triton, the GPU: as every GPU results file records them
     out.write_text(json.dumps(res, indent=1))
     return res
 
