@@ -329,6 +329,7 @@ def capture(r: Rig, fb, inputs):
         backend.init_forward_metadata_out_graph(fb)
         graph.replay()
 
+    replay.reads = inputs  # the graph reads these tensors: they live as long as the replay (paired drops its own)
     return graph, outs, replay
 
 

@@ -8,8 +8,10 @@
                 O^T = V^T P^T ([512, 16]: the stage read transposed as wgmma's A). O^T is 64 fp32 registers a
                 thread, so the loader can have more warps than the 64-head kernel's four.
 
-One CTA per (query, split), ~150 KB of shared memory, so one an SM; splits are merged by `kernel._combine_kernel`
-after it. Semantics are those of `reference.py` (live block j < nbw is window block j, else extra block j - nbw, as
+One CTA per (query, split), ~150 KB of shared memory, so one an SM; the last split of a query to finish merges them
+(`_arrive`, `_merge_into`; `LaunchConfig(fused_merge=False)`: the merge kernel after it). A query's live blocks go to
+n // min_per of the launch's splits (`gluon_kernel._split_share`, `splits.h16_min_blocks`): the launch's count
+follows the configured width, which SGLang's ratio-128 list keeps at context / 128. Semantics are those of `reference.py` (live block j < nbw is window block j, else extra block j - nbw, as
 in `kernel.py`). Measured (H100, Triton 3.8.0, graph replay, SGLang's calls at 16 real heads, x FlashMLA, which
 computes 64, at B = 32 / 64 / 128 / 256; bench/results/sglang_decode.md): ratio 4 1.36 / 1.81 / 1.41 / 1.46,
 window 1.28 / 1.33 / 1.43 / 1.42. 8 loader warps beat 4 (ratio 4, B = 128: 1.41 against 1.29); below B = 32 the
@@ -29,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .gluon_epilogue import COUNTER_STRIDE, lse_and_inverse
-from .gluon_kernel import _block_range
+from .gluon_kernel import _block_range, _split_share
 from .gluon_loaders import D_ALL, loader_partition
 
 H16 = gl.constexpr(16)
@@ -40,7 +42,7 @@ def _compute_h16(b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
                  sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr, counter_ptr,
                  q_smem, k_smem, idx_all, pt_smem, q_bar, full, empty,
                  BN: gl.constexpr, NS: gl.constexpr, SPLIT_OUT: gl.constexpr, HAS_SINK: gl.constexpr,
-                 FUSE_MERGE: gl.constexpr):
+                 FUSE_MERGE: gl.constexpr, min_per):
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
     rows: gl.constexpr = gl.SliceLayout(1, s_l)   # along a block's rows (S^T's M) or O^T's dims
     heads: gl.constexpr = gl.SliceLayout(0, s_l)  # along the heads (N)
@@ -84,10 +86,10 @@ def _compute_h16(b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
         o = acc * inv[None, :]
         row = (b * num_splits + split).to(gl.int64) * H16 + offs_h  # part_o [B, splits, 16, 512]
         if FUSE_MERGE:
-            # the splits that got rows (`_block_range`: per_split blocks each, from split 0): 0 or 1 of them,
-            # split 0 writes the output; else each stores its partial and the last to arrive merges them
+            # the splits that got rows (`_block_range`: `_split_share` blocks each, from split 0): 0 or 1 of
+            # them, split 0 writes the output; else each stores its partial and the last to arrive merges them
             nlive = nbw + (elen + BN - 1) // BN
-            per = gl.maximum((nlive + num_splits - 1) // num_splits, 1)
+            per = gl.maximum(_split_share(nlive, num_splits, min_per, True), 1)
             live = (nlive + per - 1) // per
             if live <= 1:
                 if split == 0:
@@ -196,7 +198,7 @@ def _sparse_decode_h16_kernel(
     wlen_ptr, elen_ptr, sink_ptr,
     out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb,
     part_o_ptr, part_lse_ptr, counter_ptr,
-    qk_scale_log2, num_splits,
+    qk_scale_log2, num_splits, min_per,
     BN: gl.constexpr, NS: gl.constexpr, SPLIT_OUT: gl.constexpr, FUSE_MERGE: gl.constexpr,
     IS_FP8: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_WLEN: gl.constexpr, HAS_ELEN: gl.constexpr,
     HAS_SINK: gl.constexpr, W_SHIFT: gl.constexpr, W_PAGE: gl.constexpr, E_SHIFT: gl.constexpr, E_PAGE: gl.constexpr,
@@ -205,7 +207,7 @@ def _sparse_decode_h16_kernel(
     b = gl.program_id(0)
     split = gl.program_id(1)
     lo, hi, nbw, wlen, elen = _block_range(b, split, num_splits, W, K, wlen_ptr, elen_ptr, BN,
-                                           HAS_EXTRA, HAS_WLEN, HAS_ELEN)
+                                           HAS_EXTRA, HAS_WLEN, HAS_ELEN, min_per, True)
     nvmma: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [H16, D_ALL], nvmma)
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [NS, BN, D_ALL], nvmma)
@@ -225,7 +227,7 @@ def _sparse_decode_h16_kernel(
         (_compute_h16, (b, split, num_splits, lo, hi, nbw, wlen, elen, qk_scale_log2,
                         sink_ptr, out_ptr, stride_ob, stride_oh, lse_ptr, stride_lb, part_o_ptr, part_lse_ptr,
                         counter_ptr, q_smem, k_smem, idx_all, pt_smem, q_bar, full, empty, BN, NS, SPLIT_OUT,
-                        HAS_SINK, FUSE_MERGE)),
+                        HAS_SINK, FUSE_MERGE, min_per)),
         (loader_partition, (q_ptr, stride_qb, stride_qh, kv_ptr, stride_kv, ekv_ptr, stride_ekv,
                             widx_ptr, stride_wb, eidx_ptr, stride_eb, b, lo, hi, nbw, nbw, wlen, elen,
                             q_smem, k_smem, idx_all, t_bar, q_bar, full, empty,

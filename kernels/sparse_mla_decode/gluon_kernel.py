@@ -47,9 +47,21 @@ from .gluon_loaders import D_ALL, H_ALL, _table_row, loader_partition, stage_q_a
 
 
 @gluon.jit
+def _split_share(nlive, num_splits, min_per, FLOOR: gl.constexpr):
+    """Blocks per split of a query with `nlive` live blocks: spread over the launch's splits; with FLOOR over
+    nlive // min_per of them (at least 1, at most the launch's): a few live rows in a list configured wide stay
+    on fewer splits and the rest exit without rows (`splits.h16_min_blocks`)."""
+    if FLOOR:
+        num_splits = gl.maximum(gl.minimum(nlive // min_per, num_splits), 1)
+    return (nlive + num_splits - 1) // num_splits
+
+
+@gluon.jit
 def _block_range(b, split, num_splits, W, K, wlen_ptr, elen_ptr, BN: gl.constexpr,
-                 HAS_EXTRA: gl.constexpr, HAS_WLEN: gl.constexpr, HAS_ELEN: gl.constexpr):
-    """(lo, hi, nbw, wlen, elen): this split's live blocks [lo, hi) and the query's lengths."""
+                 HAS_EXTRA: gl.constexpr, HAS_WLEN: gl.constexpr, HAS_ELEN: gl.constexpr, min_per,
+                 FLOOR: gl.constexpr):
+    """(lo, hi, nbw, wlen, elen): this split's live blocks [lo, hi) (`_split_share` each, from split 0) and the
+    query's lengths."""
     wlen = W
     if HAS_WLEN:
         wlen = gl.minimum(gl.maximum(gl.load(wlen_ptr + b), 0), W)
@@ -60,8 +72,10 @@ def _block_range(b, split, num_splits, W, K, wlen_ptr, elen_ptr, BN: gl.constexp
             elen = gl.minimum(gl.maximum(gl.load(elen_ptr + b), 0), K)
     nbw = (wlen + BN - 1) // BN
     nlive = nbw + (elen + BN - 1) // BN
-    per_split = (nlive + num_splits - 1) // num_splits
+    per_split = _split_share(nlive, num_splits, min_per, FLOOR)
     lo = split * per_split
+    if FLOOR:
+        lo = gl.minimum(lo, nlive)  # an empty split's prefetch stays inside the index table
     hi = gl.minimum(lo + per_split, nlive)
     return lo, hi, nbw, wlen, elen
 
@@ -199,7 +213,7 @@ def _sparse_decode_ws_kernel(
     split = gl.program_id(1)
     if not EARLY_TABLE:
         lo, hi, nbw, wlen, elen = _block_range(b, split, num_splits, W, K, wlen_ptr, elen_ptr, BN,
-                                               HAS_EXTRA, HAS_WLEN, HAS_ELEN)
+                                               HAS_EXTRA, HAS_WLEN, HAS_ELEN, 1, False)
 
     nvmma: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [H_ALL, D_ALL], nvmma)
@@ -236,7 +250,7 @@ def _sparse_decode_ws_kernel(
         stage_q_and_indices(q_ptr, stride_qb, stride_qh, widx_ptr, stride_wb, eidx_ptr, stride_eb, b,
                             (W + BN - 1) // BN, W, K, q_smem, idx_all, t_bar, q_bar, MAXB, BN)
         lo, hi, nbw, wlen, elen = _block_range(b, split, num_splits, W, K, wlen_ptr, elen_ptr, BN,
-                                               HAS_EXTRA, HAS_WLEN, HAS_ELEN)
+                                               HAS_EXTRA, HAS_WLEN, HAS_ELEN, 1, False)
     nbw_t = (W + BN - 1) // BN if EARLY_TABLE else nbw  # the table's window blocks (`_table_row`)
 
     # Registers: the loader and the P V warpgroup get what they ask for, warpgroup 0 the rest.

@@ -224,7 +224,7 @@ def _sparse_decode_mma_v2_kernel(
     b = gl.program_id(0)
     split = gl.program_id(1)
     lo, hi, nbw, wlen, elen = _block_range(b, split, num_splits, W, K, wlen_ptr, elen_ptr, BN,
-                                           HAS_EXTRA, HAS_WLEN, HAS_ELEN)
+                                           HAS_EXTRA, HAS_WLEN, HAS_ELEN, 1, False)
     widx_row = widx_ptr + b.to(gl.int64) * stride_wb
     eidx_row = eidx_ptr + b.to(gl.int64) * stride_eb
 

@@ -165,6 +165,9 @@ def split_counters(device: torch.device, batch: int) -> torch.Tensor:
 
 
 ONESHOT_MERGE_FROM = 8  # splits from which the one-shot merge is used (measured, see `_combine`)
+# At 16 heads the streaming merge has B x 2 programs: too few (H100, mma.sync kernel, c128 at 8K, 16 real heads, graph:
+# B = 24, 6 splits 18.8 us with it against 8 splits 15.2 with the one-shot merge; B = 1, 16.6 against 13.4)
+ONESHOT_MERGE_FROM_16_HEADS = 2
 
 
 def _combine(part_o, part_lse, sink, out, lse, b, h, splits):
@@ -172,7 +175,7 @@ def _combine(part_o, part_lse, sink, out, lse, b, h, splits):
     all its splits at once (one L2 round trip); below: programs over (query, 8 heads) streaming the splits.
     The threshold is measured (H200, bench/results/sparse_decode.md): each is the faster on its side."""
     sp = triton_next_pow2(splits)
-    if splits < ONESHOT_MERGE_FROM:
+    if splits < (ONESHOT_MERGE_FROM_16_HEADS if h <= 16 else ONESHOT_MERGE_FROM):
         hb = min(8, h)
         fast_launch(_kernels._combine_stream_kernel, (b, h // hb),
                     (part_o, part_lse, sink if sink is not None else lse,

@@ -191,6 +191,33 @@ def test_split_choice_is_the_measured_best_on_an_h200():
     assert split_rules.gluon_splits(LaunchConfig(num_splits=3), 64, 10, 132, fp8) == 3  # asked for: as asked
 
 
+def test_16_head_split_floor_splits_a_query_where_choose_splits_would_split_its_live_blocks():
+    """The 16-head wgmma kernel's split count comes from the configured width; a query with n live blocks runs on
+    n // h16_min_blocks of those splits (`gluon_kernel._split_share`). So a query splits where `choose_splits` would
+    split its live blocks, whatever width the list is configured to (SGLang's ratio-128 list: context / 128)."""
+    floor = split_rules.h16_min_blocks
+    assert [floor(b, 132) for b in (1, 8, 32, 33)] == [1, 1, 1, 1]  # up to B x 4 splits on the SMs: every block splits
+    assert floor(64, 132) == 4  # choose_splits first splits 8 blocks two ways at B = 64
+    for b in range(34, 128):
+        first = next(n for n in range(2, 4097) if split_rules.choose_splits(b, n, 132) > 1)
+        assert (first - 2) // floor(b, 132) < 2 <= first // floor(b, 132), b  # odd first: one block early
+    assert floor(128, 132) >= 4096 or split_rules.choose_splits(128, 4096, 132) > 1
+
+
+@pytest.mark.parametrize("h, splits, merge", [(16, 2, "_combine_kernel"), (16, 3, "_combine_kernel"),
+                                              (32, 3, "_combine_stream_kernel"), (32, 9, "_combine_kernel")])
+def test_merge_kernel_by_heads(triton_kernels, monkeypatch, h, splits, merge):
+    """At 16 heads the one-shot merge takes every split count (the streaming merge has too few programs there); at
+    32 and 64 the streaming one runs below ONESHOT_MERGE_FROM splits. Both equal the reference."""
+    seen, real = [], launch.fast_launch
+    monkeypatch.setattr(launch, "fast_launch", lambda kernel, *a, **kw: (seen.append(kernel), real(kernel, *a, **kw)))
+    c = make_case(3, h, 24, 40, 300, 200, device=triton_kernels, seed=70 + h + splits, sink=True)
+    out, lse = sparse_mla_decode_triton(**c, config=LaunchConfig(block_n=16, num_splits=splits))
+    assert seen[-1] is getattr(launch._kernels, merge)
+    ref_out, ref_lse = reference64(c)
+    assert_close(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.bfloat16)
+
+
 def test_triton_rejects_unsupported_shapes():
     c = make_case(2, 8, 4, 0, 10, 0, d=64, seed=4)
     with pytest.raises(SparseDecodeInputError, match="D=512"):
