@@ -75,7 +75,7 @@ def _block_range(b, split, num_splits, W, K, wlen_ptr, elen_ptr, BN: gl.constexp
     per_split = _split_share(nlive, num_splits, min_per, FLOOR)
     lo = split * per_split
     if FLOOR:
-        lo = gl.minimum(lo, nlive)  # an empty split's prefetch stays inside the index table
+        lo = gl.minimum(lo, nlive)  # a split past the live blocks starts at their end: lo <= hi
     hi = gl.minimum(lo + per_split, nlive)
     return lo, hi, nbw, wlen, elen
 

@@ -110,13 +110,14 @@ def _h16_plan(b, w, k, is_fp8, config, sms, flags, geos):
         raise checks.SparseDecodeInputError(
             f"the 16-head Gluon kernel takes block_n 64 (wgmma's M), num_stages >= 2 within {SMEM_LIMIT} B of shared "
             f"memory and 4 or 8 loader warps; got {bn}, {stages} ({smem} B), {config.loader_warps}")
-    splits = config.num_splits or choose_splits(b, -(-w // bn) + -(-k // bn), sms)
+    num_blocks = -(-w // bn) + -(-k // bn)
+    splits = config.num_splits or choose_splits(b, num_blocks, sms)
     has_extra, has_wlen, has_elen, has_sink = flags
     fuse = splits > 1 and config.fused_merge is not False
     return splits, dict(BN=bn, NS=stages, SPLIT_OUT=splits > 1, FUSE_MERGE=fuse, IS_FP8=is_fp8, HAS_EXTRA=has_extra,
                         HAS_WLEN=has_wlen, HAS_ELEN=has_elen, HAS_SINK=has_sink, **_geometry_kwargs(geos),
                         LOADER_WARPS=config.loader_warps, LOADER_REGS=config.loader_regs,
-                        MAXB=gluon_index_blocks(w, k, bn), min_per=h16_min_blocks(b, sms) if splits > 1 else 1,
+                        MAXB=gluon_index_blocks(w, k, bn), min_per=h16_min_blocks(b, num_blocks, sms) if splits > 1 else 1,
                         num_warps=4)
 
 

@@ -58,9 +58,9 @@ def choose_splits(batch: int, num_blocks: int, num_sms: int, fused: bool = False
 
 
 @functools.lru_cache(maxsize=256)
-def h16_min_blocks(batch: int, num_sms: int) -> int:
-    """Live blocks per split of the 16-head wgmma kernel's queries: a query with n live blocks runs on
-    n // h16_min_blocks of the launch's splits (at least 1; `gluon_kernel._split_share`). The launch's split count
+def h16_min_blocks(batch: int, num_blocks: int, num_sms: int) -> int:
+    """Live blocks per split of the 16-head wgmma kernel's queries (the launch: `batch` queries of `num_blocks`
+    configured blocks): a query with n live blocks runs on n // h16_min_blocks of the launch's splits (at least 1; `gluon_kernel._split_share`). The launch's split count
     comes from the list's configured width (shapes only), and a list configured wide may hold few live rows:
     SGLang's ratio-128 list is context / 128 entries wide at every request (2 + 128 blocks at 1M, 3 live in a 4K
     request: the plan's 2 splits at B = 64 gave [0, 2) and [2, 3), where one split of 3 measured faster). The value
@@ -70,10 +70,10 @@ def h16_min_blocks(batch: int, num_sms: int) -> int:
     live block on its own split measured faster)."""
     if batch * FUSED_MERGE_MIN_SPLITS <= num_sms:
         return 1  # H100, B = 32, 3 live blocks of 130: 3 splits 15.2 us, 1 split 16.6
-    for n in range(2, 4097):
+    for n in range(2, num_blocks + 1):  # the launch's num_blocks splits, so the search ends by it
         if choose_splits(batch, n, num_sms) > 1:
             return n // 2  # n // it is 2 from n on, 1 below n - 1
-    return 4096
+    return max(num_blocks, 1)
 
 
 def gluon_splits(config: LaunchConfig, batch: int, num_blocks: int, num_sms: int, is_fp8: bool) -> int:

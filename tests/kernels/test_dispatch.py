@@ -116,6 +116,8 @@ def _spill_bytes(ptx: str, capability: int) -> int:
 
     bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     ptxas = bin_dir / ("ptxas-blackwell" if capability >= 100 else "ptxas")
+    if not ptxas.exists():  # a Triton install stripped of it (the device carry drops ptxas-blackwell); CI has it
+        pytest.skip(f"Triton's {ptxas.name} is not installed: nothing compiles for sm_{capability} here")
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"
         src.write_text(ptx)
