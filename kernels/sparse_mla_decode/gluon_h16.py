@@ -9,14 +9,14 @@
                 thread, so the loader can have more warps than the 64-head kernel's four.
 
 One CTA per (query, split), ~150 KB of shared memory, so one an SM; the last split of a query to finish merges them
-(`_arrive`, `_merge_into`; `LaunchConfig(fused_merge=False)`: the merge kernel after it). A query's live blocks go to
-n // min_per of the launch's splits (`gluon_kernel._split_share`, `splits.h16_min_blocks`): the launch's count
-follows the configured width, which SGLang's ratio-128 list keeps at context / 128. Semantics are those of `reference.py` (live block j < nbw is window block j, else extra block j - nbw, as
-in `kernel.py`). Measured (H100, Triton 3.8.0, graph replay, SGLang's calls at 16 real heads, x FlashMLA, which
-computes 64, at B = 32 / 64 / 128 / 256; bench/results/sglang_decode.md): ratio 4 1.36 / 1.81 / 1.41 / 1.46,
-window 1.28 / 1.33 / 1.43 / 1.42. 8 loader warps beat 4 (ratio 4, B = 128: 1.41 against 1.29); below B = 32 the
-mma.sync kernel is faster (the dispatch table's `min_batch`). Why the 64-head kernel cannot take the same loader:
-DEVELOPERS.md, "16 heads at B >= 128".
+(`_arrive`, `_merge_into`; `LaunchConfig(fused_merge=False)`: the merge kernel after it). A query's n live blocks go
+to n // min_per of the launch's splits (`gluon_kernel._split_share`, `splits.h16_min_blocks`): the launch's count
+follows the configured width, which SGLang's ratio-128 list keeps at context / 128. Semantics are those of
+`reference.py` (live block j < nbw is window block j, else extra block j - nbw, as in `kernel.py`). Measured (H100,
+Triton 3.8.0, graph replay, SGLang's calls at 16 real heads, x FlashMLA, which computes 64, at B = 32 / 64 / 128 /
+256; bench/results/sglang_decode.md): ratio 4 1.36 / 1.81 / 1.41 / 1.46, window 1.28 / 1.33 / 1.43 / 1.42. 8 loader
+warps beat 4 (ratio 4, B = 128: 1.41 against 1.29); below B = 32 the mma.sync kernel is faster (the dispatch table's
+`min_batch`). Why the 64-head kernel cannot take the same loader: DEVELOPERS.md, "16 heads at B >= 128".
 """
 
 from __future__ import annotations

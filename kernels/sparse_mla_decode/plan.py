@@ -117,8 +117,8 @@ def _h16_plan(b, w, k, is_fp8, config, sms, flags, geos):
     return splits, dict(BN=bn, NS=stages, SPLIT_OUT=splits > 1, FUSE_MERGE=fuse, IS_FP8=is_fp8, HAS_EXTRA=has_extra,
                         HAS_WLEN=has_wlen, HAS_ELEN=has_elen, HAS_SINK=has_sink, **_geometry_kwargs(geos),
                         LOADER_WARPS=config.loader_warps, LOADER_REGS=config.loader_regs,
-                        MAXB=gluon_index_blocks(w, k, bn), min_per=h16_min_blocks(b, num_blocks, sms) if splits > 1 else 1,
-                        num_warps=4)
+                        MAXB=gluon_index_blocks(w, k, bn),
+                        min_per=h16_min_blocks(b, num_blocks, sms) if splits > 1 else 1, num_warps=4)
 
 
 def _gluon_plan(b, w, k, is_fp8, config, sms, flags, geos):

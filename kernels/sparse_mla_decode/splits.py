@@ -1,7 +1,7 @@
-"""How a sparse-decode launch splits each query's rows: the split count (`choose_splits`, `gluon_splits`)
-and whether the Gluon kernel merges the splits itself (`fuses_merge`). Depends on shapes only (batch,
-blocks per query, SMs), so a call stays CUDA-graph capturable. The constants are fitted to H200
-measurements (bench/results/)."""
+"""How a sparse-decode launch splits each query's rows: the split count (`choose_splits`, `gluon_splits`), the
+16-head kernel's floor on a split's live blocks (`h16_min_blocks`) and whether the Gluon kernel merges the splits
+itself (`fuses_merge`). Depends on shapes only (batch, blocks per query, SMs), so a call stays CUDA-graph
+capturable. The constants are fitted to H200 and H100 measurements (bench/results/, DEVELOPERS.md)."""
 
 from __future__ import annotations
 
@@ -60,14 +60,15 @@ def choose_splits(batch: int, num_blocks: int, num_sms: int, fused: bool = False
 @functools.lru_cache(maxsize=256)
 def h16_min_blocks(batch: int, num_blocks: int, num_sms: int) -> int:
     """Live blocks per split of the 16-head wgmma kernel's queries (the launch: `batch` queries of `num_blocks`
-    configured blocks): a query with n live blocks runs on n // h16_min_blocks of the launch's splits (at least 1; `gluon_kernel._split_share`). The launch's split count
-    comes from the list's configured width (shapes only), and a list configured wide may hold few live rows:
-    SGLang's ratio-128 list is context / 128 entries wide at every request (2 + 128 blocks at 1M, 3 live in a 4K
-    request: the plan's 2 splits at B = 64 gave [0, 2) and [2, 3), where one split of 3 measured faster). The value
-    is half the fewest blocks `choose_splits` splits `batch` queries at, so a query splits from where (odd: one
-    block before) `choose_splits` would first split its live blocks: 4 at B = 64 (it first splits 8 blocks), 1 where it splits
-    any 2 blocks, and 1 up to B x FUSED_MERGE_MIN_SPLITS CTAs on the SMs (there the merge is in-kernel and every
-    live block on its own split measured faster)."""
+    configured blocks): a query with n live blocks runs on n // h16_min_blocks of the launch's splits (at least 1;
+    `gluon_kernel._split_share`). The launch's split count comes from the list's configured width (shapes only),
+    and a list configured wide may hold few live rows: SGLang's ratio-128 list is context / 128 entries wide at
+    every request (2 + 128 blocks at 1M; 3 live for a request under 8K tokens, where the plan's 2 splits at B = 64
+    gave [0, 2) and [2, 3) and one split of 3 measured faster). The value is half the fewest blocks
+    `choose_splits` splits `batch` queries at, so a query splits from where (odd: one block before) `choose_splits`
+    would first split its live blocks: 4 at B = 64 (it first splits 8 blocks), 1 where it splits any 2 blocks, and
+    1 up to B x FUSED_MERGE_MIN_SPLITS CTAs on the SMs (there the merge is in-kernel and every live block on its own
+    split measured faster)."""
     if batch * FUSED_MERGE_MIN_SPLITS <= num_sms:
         return 1  # H100, B = 32, 3 live blocks of 130: 3 splits 15.2 us, 1 split 16.6
     for n in range(2, num_blocks + 1):  # the launch's num_blocks splits, so the search ends by it
