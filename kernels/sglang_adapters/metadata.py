@@ -51,7 +51,7 @@ def _compressed_metadata_kernel(
     c4_out_loc_ptr, c4_positions_ptr, c4_raw_ptr, c4_clamp1_ptr,
     c128_out_loc_ptr, c128_positions_ptr, c128_raw_ptr, c128_clamp1_ptr, c128_page_indices_ptr,
     num_write_tokens, max_pages, width,
-    C128_PAGE: tl.constexpr, BLOCK: tl.constexpr, COMPUTE_PAGE_INDICES: tl.constexpr,
+    C128_PAGE: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     seq_len = tl.load(seq_lens_ptr + row)
@@ -67,14 +67,13 @@ def _compressed_metadata_kernel(
         tl.store(c128_positions_ptr + row, position & (~127))
         tl.store(c128_raw_ptr + row, seq_len // 128)
         tl.store(c128_clamp1_ptr + row, tl.maximum(seq_len // 128, 1))
-    if COMPUTE_PAGE_INDICES:
-        offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        in_row = offsets < width
-        live = offsets < seq_len // 128
-        page = offsets // C128_PAGE
-        pages = tl.load(page_table_ptr + row * max_pages + page, mask=in_row & live & (page < max_pages), other=0)
-        slots = tl.where(live, pages * C128_PAGE + offsets % C128_PAGE, -1)
-        tl.store(c128_page_indices_ptr + row * width + offsets, slots, mask=in_row)
+    offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # this program's chunk of the ratio-128 list
+    in_row = offsets < width
+    live = offsets < seq_len // 128
+    page = offsets // C128_PAGE
+    pages = tl.load(page_table_ptr + row * max_pages + page, mask=in_row & live & (page < max_pages), other=0)
+    slots = tl.where(live, pages * C128_PAGE + offsets % C128_PAGE, -1)
+    tl.store(c128_page_indices_ptr + row * width + offsets, slots, mask=in_row)
 
 
 def _init_compressed_attn_metadata_triton(
@@ -91,34 +90,25 @@ def _init_compressed_attn_metadata_triton(
     # SGLang's loop: BLOCK_SIZE = next_power_of_2(max(page_size // 128, 64)) slots a pass over the list's width
     one_chunk = not compute_page_indices or page_table is None or page_size < 128 or (
         (page_size // 128) * page_table.shape[1] <= triton.next_power_of_2(max(page_size // 128, 64)))
-    if one_chunk:
+    if one_chunk:  # also every call SGLang's own assertions refuse (no page table, a page under 128 tokens)
         return sglang_builder(META_MODULE, "_init_compressed_attn_metadata_triton")(
             seq_lens, positions, raw_out_loc, page_table, page_size, compute_page_indices)
     bs, num_write = seq_lens.shape[0], raw_out_loc.shape[0]
     assert num_write <= bs, f"raw_out_loc has {num_write} rows, expected at most {bs} metadata rows"
+    assert page_size % 128 == 0, "page_size must be a multiple of 128 when compute_page_indices=True"
     device = seq_lens.device
     out = [torch.empty(num_write, dtype=torch.int64, device=device)]
     out += [torch.empty(bs, dtype=torch.int32, device=device) for _ in range(3)]
     out += [torch.empty(num_write, dtype=torch.int64, device=device)]
     out += [torch.empty(bs, dtype=torch.int32, device=device) for _ in range(3)]
-    if compute_page_indices:
-        assert page_table is not None, "page_table required when compute_page_indices=True"
-        assert page_size >= 128 and page_size % 128 == 0, (
-            "page_size must be a multiple of 128 when compute_page_indices=True")
-        max_pages, c128_page = page_table.shape[1], page_size // 128
-        width = c128_page * max_pages
-        indices = torch.empty(bs, width, dtype=torch.int32, device=device)
-        block = min(INDEX_CHUNK, triton.next_power_of_2(max(width, 64)))
-        grid = (bs, triton.cdiv(width, block))
-    else:
-        max_pages, c128_page, width, indices, block, grid = 0, 1, 0, None, 64, (bs, 1)
-        page_table = page_table if page_table is not None else torch.empty(0, dtype=torch.int32, device=device)
+    max_pages, c128_page = page_table.shape[1], page_size // 128
+    width = c128_page * max_pages
+    indices = torch.empty(bs, width, dtype=torch.int32, device=device)
+    block = min(INDEX_CHUNK, triton.next_power_of_2(max(width, 64)))
     if bs:
-        args = (seq_lens, positions, raw_out_loc, page_table, *out,
-                indices if indices is not None else torch.empty(0, dtype=torch.int32, device=device),
-                num_write, max_pages, width)
-        launch(_compressed_metadata_kernel, grid, args,
-               {"C128_PAGE": c128_page, "BLOCK": block, "COMPUTE_PAGE_INDICES": compute_page_indices})
+        launch(_compressed_metadata_kernel, (bs, triton.cdiv(width, block)),
+               (seq_lens, positions, raw_out_loc, page_table, *out, indices, num_write, max_pages, width),
+               {"C128_PAGE": c128_page, "BLOCK": block})
     return (*out, indices)
 
 
