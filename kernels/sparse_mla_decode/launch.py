@@ -165,15 +165,16 @@ def split_counters(device: torch.device, batch: int) -> torch.Tensor:
 
 
 ONESHOT_MERGE_FROM = 8  # splits from which the one-shot merge is used (measured, see `_combine`)
-# At 16 heads the streaming merge has B x 2 programs: too few (H100, mma.sync kernel, c128 at 8K, 16 real heads, graph:
-# B = 24, 6 splits 18.8 us with it against 8 splits 15.2 with the one-shot merge; B = 1, 16.6 against 13.4)
+# At 16 heads the streaming merge has B x 2 programs: too few (H100, mma.sync kernel, c128 at 8K, 16 real heads,
+# graph: B = 24, 6 splits 18.8 us with it against 8 splits 15.2 with the one-shot merge; B = 1, 16.6 against 13.4)
 ONESHOT_MERGE_FROM_16_HEADS = 2
 
 
 def _combine(part_o, part_lse, sink, out, lse, b, h, splits):
-    """Merge the splits. From 8 splits on: programs over (query, head group, 64-dim chunk), each loading
-    all its splits at once (one L2 round trip); below: programs over (query, 8 heads) streaming the splits.
-    The threshold is measured (H200, bench/results/sparse_decode.md): each is the faster on its side."""
+    """Merge the splits. From ONESHOT_MERGE_FROM splits on (from 2 at 16 heads): programs over (query, head group,
+    64-dim chunk), each loading all its splits at once (one L2 round trip); below: programs over (query, 8 heads)
+    streaming the splits. The thresholds are measured (H200, bench/results/sparse_decode.md; 16 heads on an H100,
+    DEVELOPERS.md): each is the faster on its side."""
     sp = triton_next_pow2(splits)
     if splits < (ONESHOT_MERGE_FROM_16_HEADS if h <= 16 else ONESHOT_MERGE_FROM):
         hb = min(8, h)
