@@ -167,6 +167,12 @@ def admit(state: Any, path: str, scope: dict[str, Any], raw: bytes) -> tuple[dic
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"the request body is not valid JSON ({exc}); send a JSON object") from exc
+    except RecursionError:     # arrays or objects nested deeper than the parser's stack
+        raise InvalidRequest("the request body nests arrays or objects too deeply to be read; "
+                             "send a JSON object of reasonable depth") from None
+    except ValueError:         # an integer literal over Python's digit limit (int_max_str_digits)
+        raise InvalidRequest("the request body has an integer literal with too many digits to be read; "
+                             "send numbers of reasonable size") from None
     body = check_body(body)
     if not any(body.get(f) is not None for f in PROMPT_FIELDS[path]):
         raise InvalidRequest(f"{path} needs {' or '.join(repr(f) for f in PROMPT_FIELDS[path])} in the request body")

@@ -24,7 +24,7 @@ _TOKEN = re.compile(r"[\w.:/@\[\]%~+-]+")   # a URL, an address or an agent name
 _WORKER = re.compile(r"\b(prefill|decode) worker '[^']*'")
 _GENERIC = re.compile("|".join((
     r"(?<![a-zA-Z0-9+.-])[a-zA-Z][a-zA-Z0-9+.-]*://\S+",                 # any URL
-    r"\[[0-9a-fA-F:.]+\](?::\d+)?",                                       # bracketed IPv6 (+ port)
+    r"\[[0-9a-fA-F.]*:[0-9a-fA-F:.]*\](?::\d+)?",                         # bracketed IPv6 (+ port); a colon: not `[0]`
     r"(?<![\w:])(?:[0-9a-fA-F]{0,4}:){2,7}[0-9a-fA-F]{0,4}(?![\w:])",      # bare IPv6
     r"\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b",                              # IPv4 (+ port)
     r"\blocalhost(?::\d+)?\b",

@@ -109,6 +109,16 @@ def test_a_workers_4xx_keeps_its_words_without_names_and_its_5xx_says_only_role_
     assert busy.status == 503 and busy.headers == {"Retry-After": "1"} and "gpu" not in json.dumps(busy.body())
 
 
+def test_a_workers_4xx_keeps_its_field_indexes() -> None:
+    """`messages[0]` is no bracketed IPv6 address: the worker's 400 once reached the client as
+    'messages(internal).content: only text parts are supported', naming no field."""
+    worker = Worker(Role.DECODE, "decode-0", "http://gpu-node-7:30001")
+    redact = Redactor([worker.name], [worker.url], [])
+    text = "messages[0].content: only text parts are supported; stop[12] and ids[ab] too"
+    assert worker_failed(worker, 400, text, redact).body()["error"]["message"] == text
+    assert redact.scrub("a [::1] and [fe80::1]:80 and [2001:db8::7]") == "a (internal) and (internal) and (internal)"
+
+
 def test_scrubbing_is_linear_in_what_a_worker_echoes_of_the_request() -> None:
     """A 4xx message may echo the client's input: 300 KB of it scrubbed in well under a second (the first regexes,
     a token pattern around the known names, took about 8 minutes on 150 KB of 'ab-')."""

@@ -137,3 +137,22 @@ def test_unknown_fields_are_refused():
 def test_false_is_not_zero_and_zero_is_not_false():
     assert fields.Neutral((None, 1), "").accepts(1) and not fields.Neutral((None, 1), "").accepts(True)
     assert fields.Neutral((None, 0), "").accepts(0.0) and not fields.Neutral((None, 0), "").accepts(False)
+
+
+@pytest.mark.parametrize("model, body, field", [
+    (GenerateRequest, {"text": ["a", "b"]}, "text"),
+    (GenerateRequest, {"input_ids": [[1], [2]]}, "input_ids"),
+    (CompletionRequest, {"prompt": ["a", "b"]}, "prompt"),
+    (CompletionRequest, {"prompt": [[1], [2]]}, "prompt"),
+])
+def test_a_batch_is_refused_in_one_sentence_naming_the_prompt_field(model, body, field):
+    """The router pairs a batched /generate with a list of rooms, hosts and rids: the 400 once listed a type error
+    for each of those fields (bootstrap_host, rid, ...), fields the client never sent, and not the batch."""
+    batch = len(next(iter(body.values())))
+    router_fields = {"bootstrap_host": ["h"] * batch, "bootstrap_port": [1] * batch,
+                     "bootstrap_room": list(range(batch)), "rid": [f"r-{i}" for i in range(batch)]}
+    with pytest.raises(ValidationError) as err:
+        model.model_validate({**body, **router_fields})
+    (error,) = err.value.errors()
+    assert error["msg"].startswith(f"Value error, {field}: a batch (a list of prompts) is not supported")
+    model.model_validate({"text": "a"} if model is GenerateRequest else {"prompt": [1, 2]})

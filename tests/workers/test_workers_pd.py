@@ -264,6 +264,33 @@ def test_openai_fields_over_http_neutral_accepted_others_refused_naming_the_fiel
     assert r.status_code == 400 and "echo: true is not supported" in r.json()["error"]["message"]
 
 
+def test_bodies_the_worker_cannot_read_get_a_400_in_the_envelope(pair):
+    """Nesting past the JSON parser's stack once got starlette's plain-text 500, and a lone surrogate escape (valid
+    JSON, no UTF-8 text) a 400 saying the body was not valid JSON."""
+    deep = b'{"text": "hi", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    surrogate = b'{"text": "\\ud800", "sampling_params": {"max_new_tokens": 2}}'
+    for url in (pair.prefill_url, pair.decode_url):
+        for raw, needle in ((deep, "nests arrays or objects too deeply"), (surrogate, "not valid Unicode text")):
+            r = httpx.post(url + "/generate", content=raw, headers={"content-type": "application/json"}, timeout=30)
+            assert r.status_code == 400, r.text
+            assert needle in r.json()["error"]["message"], r.text
+
+
+def test_an_output_budget_past_the_context_is_refused_as_sglang_refuses_it(pair):
+    """SGLang's TokenizerManager answers 400 when prompt + max_new_tokens exceeds context_length (1024 here); the
+    embedded workers once cut the output at the context silently (200, finish_reason length)."""
+    prompt = [65 + i % 26 for i in range(1000)]
+    cases = [("/v1/completions", {"prompt": prompt, "max_tokens": 25}),
+             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 1100}),
+             ("/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 25}})]
+    for path, body in cases:
+        for response in asyncio.run(_both(pair, path, body)):
+            assert response.status_code == 400, (path, response.text)
+            assert "exceeds the model's maximum context length of 1024 tokens" in response.json()["error"]["message"]
+    done = _greedy(pair, "/v1/completions", {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True})
+    assert done["usage"]["completion_tokens"] == 24 and done["choices"][0]["finish_reason"] == "length"
+
+
 def _cpu_seconds(pid: int) -> float:
     fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -60,6 +60,16 @@ def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
     return (stop,) if isinstance(stop, str) else tuple(stop or ())
 
 
+def _no_batch(data: Any, field: str, batch: tuple[type, ...]) -> Any:
+    """SGLang takes a list of prompts (a batch, with a bootstrap room and a rid per item); the embedded engine does
+    not: one sentence naming the field, not the per-item type errors of every field the router made a list."""
+    value = data.get(field) if isinstance(data, dict) else None
+    if isinstance(value, list) and any(isinstance(item, batch) for item in value):
+        raise ValueError(f"{field}: a batch (a list of prompts) is not supported by the embedded engine; "
+                         "send one request per prompt")
+    return data
+
+
 class _OpenAISampling(Bootstrap):
     max_tokens: rs.MaxTokens | None = None
     temperature: rs.OpenAITemperature | None = None
@@ -76,8 +86,12 @@ class _OpenAISampling(Bootstrap):
         """(report logprobs, alternatives per token): each route spells them its own way."""
         raise NotImplementedError
 
+    def max_asked(self) -> int | None:
+        """The output budget the client gave (None: the server's default)."""
+        return rs.max_new_tokens(getattr(self, "max_completion_tokens", None), self.max_tokens)
+
     def sampling(self, default_max: int) -> SamplingParams:
-        asked = rs.max_new_tokens(getattr(self, "max_completion_tokens", None), self.max_tokens)
+        asked = self.max_asked()
         logprobs, top = self.logprobs_asked()
         return SamplingParams(max_new_tokens=default_max if asked is None else asked,
                               temperature=1.0 if self.temperature is None else self.temperature,
@@ -134,6 +148,11 @@ class CompletionRequest(_OpenAISampling):
     logprobs: rs.TopLogprobs | None = None   # legacy completions: an int, the alternatives per token (0: none)
     return_token_ids: bool = False   # each choice's output ids (per chunk when streaming) and the prompt's
 
+    @model_validator(mode="before")
+    @classmethod
+    def _one_prompt(cls, data: Any) -> Any:
+        return _no_batch(data, "prompt", (str, list))
+
     def logprobs_asked(self) -> tuple[bool, int]:
         return self.logprobs is not None, self.logprobs or 0
 
@@ -169,8 +188,16 @@ class GenerateRequest(Bootstrap):
     return_text_in_logprobs: bool | None = False
     return_prompt_token_ids: bool = False   # the prompt's ids in every event (with output_ids, as SGLang sends them)
 
+    def max_asked(self) -> int | None:
+        return self.sampling_params.max_new_tokens
+
     def sampling(self, default_max: int) -> SamplingParams:
         return self.sampling_params.params(default_max, bool(self.return_logprob), self.top_logprobs_num or 0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_batches(cls, data: Any) -> Any:
+        return _no_batch(_no_batch(data, "text", (str,)), "input_ids", (list,))
 
     @model_validator(mode="after")
     def _one_prompt(self):

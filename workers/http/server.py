@@ -120,6 +120,13 @@ class WorkerServer:
         if len(ids) >= a.context_length:
             raise BadRequest(f"the prompt has {len(ids)} tokens; this server's context_length is "
                              f"{a.context_length} (prompt + output); shorten the prompt")
+        asked = req.max_asked()
+        if asked is not None and len(ids) + asked > a.context_length:   # SGLang's check (its TokenizerManager)
+            raise BadRequest(f"Requested token count exceeds the model's maximum context length of "
+                             f"{a.context_length} tokens. You requested a total of {len(ids) + asked} tokens: "
+                             f"{len(ids)} tokens from the input messages and {asked} tokens for the completion. "
+                             "Please reduce the number of tokens in the input messages or the completion to fit "
+                             "within the limit.")
         try:
             params = req.sampling(default_max=a.default_max_tokens)
         except ValueError as exc:   # SamplingParams names the field
@@ -174,12 +181,21 @@ class WorkerServer:
         if not self.ready:
             return error_response(503, "the server is still starting; retry when /health answers 200")
         try:
-            spec = self.parse(kind, await request.json())
+            body = await request.json()
+        except RecursionError:      # nested deeper than the parser's stack: the client's fault, not a 500
+            return error_response(400, "the body nests arrays or objects too deeply to be read")
+        except ValueError as exc:   # JSON decoding, an integer over Python's digit limit
+            return error_response(400, f"the body is not valid JSON: {exc}")
+        try:
+            spec = self.parse(kind, body)
             self.check(spec)
         except BadRequest as exc:
             return error_response(400, str(exc))
-        except ValueError as exc:   # JSON decoding
-            return error_response(400, f"the body is not valid JSON: {exc}")
+        except UnicodeError as exc:  # a lone surrogate escape ("\\ud800") is valid JSON but no UTF-8 text
+            why = getattr(exc, "reason", "not encodable")
+            return error_response(400, f"the prompt is not valid Unicode text ({why}); send UTF-8 text")
+        except ValueError as exc:
+            return error_response(400, str(exc))
         events = self.events(spec)
         if spec.stream:
             return StreamingResponse(self._stream(spec, events), media_type="text/event-stream")
