@@ -25,7 +25,7 @@ from dsv4_cluster.orchestrator.cluster.ray_env import prepare_ray_env
 from dsv4_cluster.orchestrator.launch.sglang_capacity import GpuInputs
 from dsv4_cluster.orchestrator.cli.table import endpoint_status, print_status, render_table
 from dsv4_cluster.kernels.dispatch import GPU_CLASSES, DispatchError
-from dsv4_cluster.orchestrator.cluster.record import RecordError, read_record
+from dsv4_cluster.orchestrator.cluster.record import RecordError, read_record, record_path
 from dsv4_cluster.orchestrator.topology.load import TopologyError, load_topology
 
 EXIT_OK, EXIT_FAILED, EXIT_UNFIT = 0, 1, 2
@@ -206,6 +206,9 @@ def _cmd_down(deployment: Any, options: DownOptions) -> int:
     try:
         final = deployment.down(options)
     except NotUpError as e:
+        if record_path().exists():   # a record it cannot read: a cluster may be running, unstopped
+            _err(str(e))
+            return EXIT_FAILED
         _err(f"{e}; nothing to stop")
         return EXIT_OK
     for note in final.notes:

@@ -38,7 +38,18 @@ def add_operation_commands(sub: Any) -> None:
     lg = sub.add_parser("logs", help="print the log of a worker or of the router")
     lg.add_argument("name")
     lg.add_argument("-f", "--follow", action="store_true", help="keep printing what is appended")
-    lg.add_argument("-n", "--lines", type=int, default=LOG_LINES, help=f"last lines to print (default {LOG_LINES})")
+    lg.add_argument("-n", "--lines", type=_line_count, default=LOG_LINES,
+                    help=f"last lines to print (default {LOG_LINES})")
+
+
+def _line_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of lines, 0 or more")
+    return value
 
 
 def err(message: str) -> None:

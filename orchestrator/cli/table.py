@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
-from dsv4_cluster.core import ClusterStatus, WorkerStatus
+from dsv4_cluster.core import ClusterStatus, ProbeResult, WorkerStatus
 from dsv4_cluster.orchestrator.cluster.record import RecordError, read_record
 from dsv4_cluster.orchestrator.launch.capacity import PREDICTED_COLUMN
 from dsv4_cluster.orchestrator.readback.stranded import stranded_line
@@ -44,10 +45,18 @@ def render_table(status: ClusterStatus) -> str:
         mismatch = (w.pinning or {}).get("mismatch")
         if mismatch:
             lines.append(f"{w.name}: PINNING differs from the topology: {'; '.join(mismatch)}")
-    for p in status.probes:
-        outcome = f"ok in {p.seconds:.2f}s" if p.ok else f"FAILED: {p.error}"
-        lines.append(f"deep probe {p.prefill} -> {p.decode}: {outcome}")
+    lines += [probe_line(p, status.workers) for p in status.probes]
     return "\n".join(lines)
+
+
+def probe_line(p: ProbeResult, workers: tuple[WorkerStatus, ...], now: float | None = None) -> str:
+    """A deep probe's outcome, its age (it runs every 30 s), and which of its pair is not READY now: an 'ok'
+    from before a worker failed or stopped must not read as its health."""
+    outcome = f"ok in {p.seconds:.2f}s" if p.ok else f"FAILED: {p.error}"
+    age = max(0.0, (time.time() if now is None else now) - p.at)
+    states = {w.name: (w.state.value if w.state else "no state") for w in workers}
+    changed = [f"{n} is {states[n]} now" for n in (p.prefill, p.decode) if states.get(n, "READY") != "READY"]
+    return f"deep probe {p.prefill} -> {p.decode}: {outcome} ({age:.0f}s ago){''.join(f'; {c}' for c in changed)}"
 
 
 def endpoint_status() -> tuple[ClusterStatus | None, str | None]:

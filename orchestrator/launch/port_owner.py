@@ -62,3 +62,11 @@ def port_holders(port: int) -> list[str]:
     """'pid N (command line)' of every process with a socket on local TCP port `port`."""
     pids = sorted(set(socket_owners(_socket_inodes(port)).values()))
     return [_describe(pid) for pid in pids]
+
+
+def held_ports_note(ports: tuple[int, ...]) -> str:
+    """For a process that exited before it was ready: '; port N is in use by pid M (...)' for each of its ports
+    another process holds now (the likely cause: it could not bind), else ''."""
+    notes = [f"port {port} is in use by {', '.join(holders)} — stop it or pick another port in the topology"
+             for port in ports for holders in [port_holders(port)] if holders]
+    return "".join(f"; {note}" for note in notes)

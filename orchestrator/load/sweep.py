@@ -1,7 +1,7 @@
 """`dsv4-cluster bench URL`: a concurrency sweep of streamed chat requests against a router (or one worker).
 
 A table per level on stdout, progress on stderr, the JSON with `--out`. Exit 0 when every request succeeded,
-2 when some failed, 1 when the endpoint does not answer.
+2 when some failed, 1 when the endpoint does not answer or `--out` cannot be written (the table is printed first).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import httpx
 from dsv4_cluster.orchestrator.load.loadgen import LevelResult, LevelSpec, Progress, run_level
 
 EXIT_OK, EXIT_UNREACHABLE, EXIT_ERRORS = 0, 1, 2
+EXIT_UNWRITABLE = EXIT_UNREACHABLE
 
 
 @dataclass(frozen=True)
@@ -144,8 +145,13 @@ def main(args: argparse.Namespace) -> int:
     except EndpointError as e:
         print(f"bench: {e}", file=sys.stderr, flush=True)
         return EXIT_UNREACHABLE
+    print(table(sweep), end="", flush=True)  # first: a sweep's result is never lost to an unwritable --out
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(sweep, indent=1) + "\n")
-    print(table(sweep), end="", flush=True)
+        try:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(sweep, indent=1) + "\n")
+        except OSError as e:
+            print(f"bench: cannot write the sweep's JSON to {args.out} ({e.strerror or e}); the table above is "
+                  "its result — pass a writable --out", file=sys.stderr, flush=True)
+            return EXIT_UNWRITABLE
     return EXIT_ERRORS if any(lv["errors"] for lv in sweep["levels"]) else EXIT_OK

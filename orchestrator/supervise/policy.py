@@ -51,6 +51,11 @@ class CrashWindow:
     def __len__(self) -> int:
         return len(self._at)
 
+    def clear(self) -> None:
+        """Forget the crashes so far: an operator's restart starts a new window (and a FAILED worker gets its
+        backoff restarts again, not FAILED at its next crash for the crashes before it)."""
+        self._at.clear()
+
     def giving_up(self, reason: str) -> str:
         return (f"gave up after {len(self._at)} crashes within {self._policy.window_s:.0f}s "
                 f"(crash loop); last: {reason}")

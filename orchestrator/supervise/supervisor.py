@@ -29,6 +29,7 @@ from dsv4_cluster.core import Role, WorkerState, WorkerStatus
 from dsv4_cluster.orchestrator.supervise.actor_record import (
     ActorRecord, current_actor_id, read_actor_record, reap_worker, record_path, write_actor_record)
 from dsv4_cluster.orchestrator.launch.plan import LaunchPlan
+from dsv4_cluster.orchestrator.launch.port_owner import held_ports_note
 from dsv4_cluster.orchestrator.supervise.policy import CrashWindow, HealthPolicy, RestartPolicy
 from dsv4_cluster.orchestrator.processes import (
     group_members, log_tail, signal_group, start_time)
@@ -174,8 +175,9 @@ class WorkerSupervisor:
             code = proc.poll()
             if code is not None:
                 usage = code == USAGE_EXIT_CODE
-                return _Failure(f"exited with code {code}{USAGE_NOTE if usage else ''} before it was ready; "
-                                f"last log lines:\n{log_tail(plan.log_path)}", retry=not usage)
+                return _Failure(f"exited with code {code}{USAGE_NOTE if usage else ''} before it was ready"
+                                f"{held_ports_note(plan.ports)}; last log lines:\n{log_tail(plan.log_path)}",
+                                retry=not usage)
             if self._stop.is_set():
                 return _Failure("stopped while starting", retry=False)
             pending = first_unready(self._http, plan.all_readiness_urls)
@@ -319,12 +321,13 @@ class WorkerSupervisor:
 
     def restart(self, timeout_s: float, deadline_s: float) -> WorkerStatus:
         """An operator's restart: stop the process (as `stop`), then start it again (as `start`).
-        Counted in `restarts`, not as a crash."""
+        Counted in `restarts`, not as a crash; the crash window starts anew."""
         self.stop(deadline_s)
         with self._lock:
             self._thread, self._start_error = None, None
             self._stop, self._first_outcome = threading.Event(), threading.Event()
             self._restarts += 1
+            self._crashes.clear()
         return self.start(timeout_s)
 
     def status(self) -> WorkerStatus:

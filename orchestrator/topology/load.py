@@ -47,7 +47,7 @@ def load_topology(path: str | Path) -> Topology:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise TopologyError([Problem(str(path), None, "", "file not found",
-                                     f"check the path, or start from {_EXAMPLE_HINT}")]) from None
+                                     f"check the path; to start a new one, {_EXAMPLE_HINT}")]) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise TopologyError([Problem(str(path), None, "", f"cannot read the file ({exc})",
                                      "make it a readable UTF-8 text file")]) from exc

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv4_cluster.core import ClusterStatus, KvUsage, Role, WorkerState, WorkerStatus
+from dsv4_cluster.core import ClusterStatus, KvUsage, ProbeResult, Role, WorkerState, WorkerStatus
 from dsv4_cluster.orchestrator.launch.ports import free_ports, port_is_free
 from dsv4_cluster.orchestrator.processes import group_members, pid_alive
 from dsv4_cluster.orchestrator.cluster.record import (
@@ -51,6 +51,62 @@ def test_table_has_every_column_and_dashes_for_the_router() -> None:
     assert lines[2].split() == ["router", "router", "local", "7", "READY", "0", "30001", "-", "-", "-"]
     assert lines[3].split()[3:5] == ["-", "FAILED"]
     assert lines[4] == "prefill-0: exited with code 3"
+
+
+def test_a_deep_probe_line_says_its_age_and_which_worker_is_down_since() -> None:
+    """An 'ok' probe from before decode-0 failed must not read as the pair's health (probes run every 30 s)."""
+    prefill = _row(name="prefill-0", role=Role.PREFILL)
+    probe = ProbeResult("prefill-0", "decode-0", True, 0.05, at=time.time() - 12)
+    down = render_table(ClusterStatus("e", (prefill, _row(state=WorkerState.FAILED, pid=None)), (probe,)))
+    assert down.splitlines()[-1] == "deep probe prefill-0 -> decode-0: ok in 0.05s (12s ago); decode-0 is FAILED now"
+    up = render_table(ClusterStatus("e", (prefill, _row()), (probe,)))
+    assert up.splitlines()[-1] == "deep probe prefill-0 -> decode-0: ok in 0.05s (12s ago)"
+
+
+def test_bench_prints_its_table_and_names_an_unwritable_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """A sweep that ran is never lost to a bad `--out`, and the operator sees why, not a traceback."""
+    import argparse
+
+    from dsv4_cluster.orchestrator.load import sweep
+
+    level = dict(concurrency=1, requests=8, prompt_tokens_mean=204.0, max_tokens=64, output_tok_s=120.0,
+                 decode_tok_s=121.0, ttft_p50_s=0.05, ttft_p99_s=0.08, tpot_p50_s=0.007, tpot_p99_s=0.008,
+                 errors=0, errors_by_reason={})
+    monkeypatch.setattr(sweep, "run_sweep", lambda url, options, progress: {"levels": [level]})
+    parser = argparse.ArgumentParser()
+    sweep.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", "http://127.0.0.1:1", "--out", str(tmp_path)])   # a directory
+    assert sweep.main(args) == 1
+    out, err = capsys.readouterr()
+    assert "| 1 | 8 | 204.0 | 64 | 120.0 |" in out
+    assert f"cannot write the sweep's JSON to {tmp_path}" in err
+
+
+def test_logs_refuses_a_negative_line_count(capsys: pytest.CaptureFixture[str]) -> None:
+    """`logs NAME -n -3` printed nothing and exited 0; it is a usage error (exit 2), before any cluster lookup."""
+    from dsv4_cluster.orchestrator.cli.commands import _parser
+
+    assert _parser().parse_args(["logs", "decode-0", "-n", "0"]).lines == 0
+    with pytest.raises(SystemExit) as exc:
+        _parser().parse_args(["logs", "decode-0", "-n", "-3"])
+    assert exc.value.code == 2 and "give a number of lines, 0 or more" in capsys.readouterr().err
+
+
+def test_down_with_a_record_it_cannot_read_fails_instead_of_saying_nothing_to_stop(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A corrupt record said 'nothing to stop' and exited 0 while its cluster may run on; no record at all is still
+    a clean no-op."""
+    from dsv4_cluster.orchestrator.cli.commands import main
+
+    monkeypatch.setenv(HOME_ENV, str(tmp_path / "home"))
+    assert main(["down"]) == 0 and "nothing to stop" in capsys.readouterr().err
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "current.json").write_text("{not json")
+    assert main(["down"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot read the cluster record" in err and "remove it if no cluster is running" in err
+    assert "nothing to stop" not in err
 
 
 def test_record_round_trip_and_clear_message(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

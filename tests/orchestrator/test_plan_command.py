@@ -108,6 +108,18 @@ def test_plan_of_a_broken_file_exits_2(capsys: pytest.CaptureFixture[str]) -> No
     assert "10 problem(s)" in capsys.readouterr().err
 
 
+def test_a_reader_that_goes_away_ends_the_command_without_a_traceback() -> None:
+    """`dsv4-cluster plan FILE | head -1`: the pipe closes before the output is written."""
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "dsv4_cluster.orchestrator", "plan", str(REPO / "topology.yaml")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # long before the command has imported enough to print
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, stderr
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
+
+
 def test_embedded_bytes_per_token_is_the_pools() -> None:
     for page in (4, 16, 64):
         layout = RunnerConfig(model=ModelConfig(), page_size=page, max_total_tokens=4 * page,

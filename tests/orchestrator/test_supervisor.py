@@ -174,6 +174,39 @@ def test_a_crash_loop_gives_up_and_says_why(tmp_path: Path) -> None:
     assert sup.stop(deadline_s=2).state == WorkerState.STOPPED.value
 
 
+def test_an_operator_restart_of_a_failed_worker_starts_a_new_crash_window(tmp_path: Path) -> None:
+    """After a crash loop, `restart` gets the worker its backoff restarts again: its next crash is not the last."""
+    sup = WorkerSupervisor(_plan(tmp_path, "--exit-after", "0.3"),
+                           RestartPolicy(max_restarts=2, window_s=60, backoff_s=0.1))
+    sup.start(timeout_s=30)
+    assert _wait_for(sup, lambda s: s.state == WorkerState.FAILED.value).state == WorkerState.FAILED.value
+    sup.restart(timeout_s=30, deadline_s=2)
+    status = _wait_for(sup, lambda s: s.state == WorkerState.FAILED.value)
+    try:
+        assert status.state == WorkerState.FAILED.value
+        assert "gave up after 3 crashes within 60s" in status.error   # not 4: the crashes before the restart
+        assert status.restarts == 2 + 1 + 2
+    finally:
+        sup.stop(deadline_s=2)
+
+
+def test_an_exit_at_start_names_the_process_holding_its_port(tmp_path: Path) -> None:
+    import os
+    import socket
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    try:
+        sup = WorkerSupervisor(_plan(tmp_path, port=port), RestartPolicy(max_restarts=0))
+        with pytest.raises(WorkerStartError) as err:
+            sup.start(timeout_s=30)
+    finally:
+        holder.close()
+    assert f"port {port} is in use by pid {os.getpid()} (" in str(err.value)
+
+
 def test_stop_escalates_to_sigkill_and_reaches_the_whole_group(tmp_path: Path) -> None:
     pidfile = tmp_path / "grandchild.pid"
     sup = WorkerSupervisor(_plan(tmp_path, "--ignore-sigterm", "--grandchild-pidfile", str(pidfile)))

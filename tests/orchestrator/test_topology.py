@@ -109,6 +109,7 @@ def test_missing_file() -> None:
     with pytest.raises(TopologyError, match="file not found — check the path") as info:
         load_topology("no/such/topology.yaml")
     assert info.value.exit_code == 2
+    assert "start from see" not in str(info.value) and "to start a new one, see the commented" in str(info.value)
 
 
 def test_duplicate_key_is_reported() -> None:
