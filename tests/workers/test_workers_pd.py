@@ -266,8 +266,10 @@ def test_openai_fields_over_http_neutral_accepted_others_refused_naming_the_fiel
 
 def test_bodies_the_worker_cannot_read_get_a_400_in_the_envelope(pair):
     """Nesting past the JSON parser's stack once got starlette's plain-text 500, and a lone surrogate escape (valid
-    JSON, no UTF-8 text) a 400 saying the body was not valid JSON."""
-    deep = b'{"text": "hi", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    JSON, no UTF-8 text) a 400 saying the body was not valid JSON. The nesting passes any recursion limit a worker
+    process is likely to run under (Python's default is 1,000; this process's, should a test have raised it)."""
+    depth = max(5000, 2 * sys.getrecursionlimit() + 100)
+    deep = b'{"text": "hi", "x": ' + b"[" * depth + b"]" * depth + b"}"
     surrogate = b'{"text": "\\ud800", "sampling_params": {"max_new_tokens": 2}}'
     for url in (pair.prefill_url, pair.decode_url):
         for raw, needle in ((deep, "nests arrays or objects too deeply"), (surrogate, "not valid Unicode text")):
