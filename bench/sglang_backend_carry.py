@@ -164,5 +164,11 @@ def build(wheel_dir: Path, out: Path) -> list[str]:
 
 
 if __name__ == "__main__":
-    files = build(Path(sys.argv[1]), Path(sys.argv[2]))
+    import argparse
+
+    cli = argparse.ArgumentParser(prog="python -m bench.sglang_backend_carry", description=__doc__.split("\n")[0])
+    cli.add_argument("wheel_dir", type=Path, help="SGLang 0.5.23's cp312 wheel and the native wheels (NATIVE)")
+    cli.add_argument("out_dir", type=Path, help="where the carry's site/ is written")
+    args = cli.parse_args()
+    files = build(args.wheel_dir, args.out_dir)
     print(f"{len(files)} SGLang files carried")

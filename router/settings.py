@@ -74,7 +74,8 @@ class OperatorSettings(BaseModel):
     request_body_timeout_s: float = Field(default=30.0, gt=0, description="a request body not complete this long "
                                           "after its head gets 408 and its connection closed")
     upstream_keepalive_s: float = Field(default=4.5, gt=0, description="idle upstream connections are dropped after "
-                                        "this; keep it below the workers' keep-alive (uvicorn: 5 s). Shorter costs "
+                                        "this; keep it below the workers' keep-alive (SGLang's: 5 s; the embedded "
+                                        "workers': 65 s). Shorter costs "
                                         "a connect per request to workers that are seldom picked (many workers)")
     health_check_interval_s: float = Field(default=2.0, gt=0, description="how often each worker's `/health` is polled")
     health_check_timeout_s: float = Field(default=2.0, gt=0, description="deadline of one `/health` poll")
