@@ -26,6 +26,17 @@ def _stat_fields(pid: int) -> list[str] | None:
     return text[text.rindex(")") + 2:].split()
 
 
+def exit_text(code: int) -> str:
+    """How a process ended, for an operator: 'exited with code 3', or 'was killed by SIGKILL' (Popen's negative
+    return code is the signal)."""
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        return f"was killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"was killed by signal {-code}"
+
+
 def pid_alive(pid: int) -> bool:
     """True while `pid` exists and is not a zombie."""
     fields = _stat_fields(pid)

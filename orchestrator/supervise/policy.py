@@ -57,5 +57,6 @@ class CrashWindow:
         self._at.clear()
 
     def giving_up(self, reason: str) -> str:
-        return (f"gave up after {len(self._at)} crashes within {self._policy.window_s:.0f}s "
+        n = len(self._at)
+        return (f"gave up after {n} crash{'es' if n != 1 else ''} within {self._policy.window_s:.0f}s "
                 f"(crash loop); last: {reason}")

@@ -32,7 +32,7 @@ from dsv4_cluster.orchestrator.launch.plan import LaunchPlan
 from dsv4_cluster.orchestrator.launch.port_owner import held_ports_note
 from dsv4_cluster.orchestrator.supervise.policy import CrashWindow, HealthPolicy, RestartPolicy
 from dsv4_cluster.orchestrator.processes import (
-    group_members, log_tail, signal_group, start_time)
+    exit_text, group_members, log_tail, signal_group, start_time)
 from dsv4_cluster.orchestrator.readback.probe import first_unready
 from dsv4_cluster.orchestrator.supervise.router_admin import RouterAdmin, RouterLink, StateReporter
 from dsv4_cluster.orchestrator.supervise.spawn import spawn
@@ -175,7 +175,7 @@ class WorkerSupervisor:
             code = proc.poll()
             if code is not None:
                 usage = code == USAGE_EXIT_CODE
-                return _Failure(f"exited with code {code}{USAGE_NOTE if usage else ''} before it was ready"
+                return _Failure(f"{exit_text(code)}{USAGE_NOTE if usage else ''} before it was ready"
                                 f"{held_ports_note(plan.ports)}; last log lines:\n{log_tail(plan.log_path)}",
                                 retry=not usage)
             if self._stop.is_set():
@@ -258,7 +258,7 @@ class WorkerSupervisor:
             if self._stop.is_set():
                 return None
             if code is not None:
-                return _Failure(f"exited unexpectedly with code {code}; last log lines:\n"
+                return _Failure(f"{exit_text(code)} unexpectedly; last log lines:\n"
                                 f"{log_tail(plan.log_path)}")
             problem = self._liveness_problem()
             if problem is None:

@@ -109,6 +109,14 @@ def test_down_with_a_record_it_cannot_read_fails_instead_of_saying_nothing_to_st
     assert "nothing to stop" not in err
 
 
+def test_exit_text_names_a_signal_instead_of_a_negative_code() -> None:
+    from dsv4_cluster.orchestrator.processes import exit_text
+
+    assert exit_text(3) == "exited with code 3" and exit_text(0) == "exited with code 0"
+    assert exit_text(-9) == "was killed by SIGKILL" and exit_text(-15) == "was killed by SIGTERM"
+    assert exit_text(-99) == "was killed by signal 99"
+
+
 def test_record_round_trip_and_clear_message(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(HOME_ENV, str(tmp_path / "home"))
     with pytest.raises(RecordError, match="no cluster is up"):

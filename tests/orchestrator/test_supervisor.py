@@ -4,6 +4,7 @@ grandchild. The supervisor runs in-process here; test_orchestrator drives it as 
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -172,6 +173,21 @@ def test_a_crash_loop_gives_up_and_says_why(tmp_path: Path) -> None:
     assert "gave up after 3 crashes within 60s" in status.error
     assert "code 3" in status.error
     assert sup.stop(deadline_s=2).state == WorkerState.STOPPED.value
+
+
+def test_a_worker_killed_by_a_signal_is_reported_by_the_signals_name(tmp_path: Path) -> None:
+    """`kill -9` of a READY worker read "exited unexpectedly with code -9"; and a limit of no restarts said
+    "gave up after 1 crashes"."""
+    sup = WorkerSupervisor(_plan(tmp_path), RestartPolicy(max_restarts=0, window_s=60))
+    pid = sup.start(timeout_s=30).pid
+    try:
+        os.kill(pid, signal.SIGKILL)
+        status = _wait_for(sup, lambda s: s.state == WorkerState.FAILED.value)
+        assert status.state == WorkerState.FAILED.value, status
+        assert "gave up after 1 crash within 60s" in status.error
+        assert "was killed by SIGKILL unexpectedly" in status.error
+    finally:
+        sup.stop(deadline_s=2)
 
 
 def test_an_operator_restart_of_a_failed_worker_starts_a_new_crash_window(tmp_path: Path) -> None:
