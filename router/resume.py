@@ -21,6 +21,7 @@ from typing import Any
 from . import sse
 
 MAX_KEYS = {"/v1/chat/completions": ("max_completion_tokens", "max_tokens"), "/v1/completions": ("max_tokens",)}
+COMPLETIONS_MAX_TOKENS = 16   # /v1/completions' budget when the client gives none (SGLang's and OpenAI's default)
 ASK = {"/v1/chat/completions": "stream_token_ids", "/v1/completions": "return_token_ids"}
 LOGPROB_LISTS = ("output_token_logprobs", "output_top_logprobs")   # cumulative in /generate's meta_info
 _IDS = re.compile(rb',"(?:prompt_)?token_ids":\[[0-9,]*\]')   # compact JSON, as SGLang and our workers write it
@@ -155,6 +156,8 @@ def continuation(path: str, body: dict[str, Any], done: Progress) -> dict | None
         else:
             new["text"] += done.text
         return new
+    if path == "/v1/completions" and new.get("max_tokens") is None:   # the continuation's default would be 16 again
+        new["max_tokens"] = COMPLETIONS_MAX_TOKENS
     for key in MAX_KEYS[path]:
         if isinstance(new.get(key), int):
             new[key] -= done.tokens

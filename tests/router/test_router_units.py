@@ -187,6 +187,22 @@ def test_without_ids_a_continuation_goes_on_from_the_text_the_client_has() -> No
     assert new["max_completion_tokens"] == 4 and "input_ids" not in new
 
 
+def test_a_completions_continuation_without_max_tokens_spends_what_is_left_of_the_default_16() -> None:
+    """A /v1/completions request without max_tokens gets 16 tokens (SGLang's and OpenAI's default); its continuation
+    asked for the default again, so a stream moved after 10 tokens could end with 26."""
+    import json
+
+    from dsv4_cluster.router.resume import continuation, progress
+
+    sent = [b"data: " + json.dumps({"choices": [{"text": "t"}]}).encode() + b"\n\n" for _ in range(10)]
+    body = {"prompt": "x", "stream": True}
+    new = continuation("/v1/completions", body, progress("/v1/completions", sent))
+    assert new["max_tokens"] == 6 and "max_tokens" not in body and new["prompt"] == "x" + "t" * 10
+    assert continuation("/v1/completions", body, progress("/v1/completions", sent + sent)) is None
+    chat = {"messages": [{"role": "user", "content": "x"}], "stream": True}   # chat's default: up to the context
+    assert "max_tokens" not in continuation("/v1/chat/completions", chat, progress("/v1/chat/completions", sent))
+
+
 def test_an_answer_read_after_a_recorded_death_does_not_make_the_worker_answering_again() -> None:
     """A health check whose /health answered before the process died, read by the loop only after a request recorded
     the death (a loaded router), leaves the worker not answering: a held request keeps waiting for the restart
