@@ -22,6 +22,7 @@ from . import sse
 
 MAX_KEYS = {"/v1/chat/completions": ("max_completion_tokens", "max_tokens"), "/v1/completions": ("max_tokens",)}
 COMPLETIONS_MAX_TOKENS = 16   # /v1/completions' budget when the client gives none (SGLang's and OpenAI's default)
+GENERATE_MAX_NEW_TOKENS = 128  # /generate's when sampling_params has no max_new_tokens (SGLang's SamplingParams)
 ASK = {"/v1/chat/completions": "stream_token_ids", "/v1/completions": "return_token_ids"}
 LOGPROB_LISTS = ("output_token_logprobs", "output_top_logprobs")   # cumulative in /generate's meta_info
 _IDS = re.compile(rb',"(?:prompt_)?token_ids":\[[0-9,]*\]')   # compact JSON, as SGLang and our workers write it
@@ -145,7 +146,8 @@ def continuation(path: str, body: dict[str, Any], done: Progress) -> dict | None
     new = copy.deepcopy(body)
     if path == "/generate":
         params = new.setdefault("sampling_params", {})
-        if "max_new_tokens" in params:
+        params.setdefault("max_new_tokens", GENERATE_MAX_NEW_TOKENS)   # else the continuation gets 128 more again
+        if params["max_new_tokens"] is not None:   # None: up to the context, as the first attempt
             params["max_new_tokens"] -= done.tokens
             if params["max_new_tokens"] <= 0:
                 return None

@@ -187,9 +187,10 @@ def test_without_ids_a_continuation_goes_on_from_the_text_the_client_has() -> No
     assert new["max_completion_tokens"] == 4 and "input_ids" not in new
 
 
-def test_a_completions_continuation_without_max_tokens_spends_what_is_left_of_the_default_16() -> None:
-    """A /v1/completions request without max_tokens gets 16 tokens (SGLang's and OpenAI's default); its continuation
-    asked for the default again, so a stream moved after 10 tokens could end with 26."""
+def test_a_continuation_without_a_budget_spends_what_is_left_of_the_default() -> None:
+    """A /v1/completions request without max_tokens gets 16 tokens (SGLang's and OpenAI's default), a /generate one
+    without max_new_tokens 128 (SGLang's SamplingParams); a continuation asked for the default again, so a completions
+    stream moved after 10 tokens could end with 26."""
     import json
 
     from dsv4_cluster.router.resume import continuation, progress
@@ -201,6 +202,13 @@ def test_a_completions_continuation_without_max_tokens_spends_what_is_left_of_th
     assert continuation("/v1/completions", body, progress("/v1/completions", sent + sent)) is None
     chat = {"messages": [{"role": "user", "content": "x"}], "stream": True}   # chat's default: up to the context
     assert "max_tokens" not in continuation("/v1/chat/completions", chat, progress("/v1/chat/completions", sent))
+    generate = {"text": "x", "stream": True}   # SGLang's SamplingParams default: 128 new tokens
+    done = [b"data: " + json.dumps({"text": "t" * 10, "output_ids": list(range(10)),
+                                    "meta_info": {"completion_tokens": 10}}).encode() + b"\n\n"]
+    assert continuation("/generate", generate, progress("/generate", done))["sampling_params"]["max_new_tokens"] == 118
+    unlimited = {"text": "x", "sampling_params": {"max_new_tokens": None}}   # it crashed (None - 10)
+    again = continuation("/generate", unlimited, progress("/generate", done))
+    assert again["sampling_params"]["max_new_tokens"] is None
 
 
 def test_an_answer_read_after_a_recorded_death_does_not_make_the_worker_answering_again() -> None:
