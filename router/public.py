@@ -25,10 +25,12 @@ _WORKER = re.compile(r"\b(prefill|decode) worker '[^']*'")
 _GENERIC = re.compile("|".join((
     r"(?<![a-zA-Z0-9+.-])[a-zA-Z][a-zA-Z0-9+.-]*://\S+",                 # any URL
     r"\[[0-9a-fA-F.]*:[0-9a-fA-F:.]*\](?::\d+)?",                         # bracketed IPv6 (+ port); a colon: not `[0]`
-    r"(?<![\w:])(?:[0-9a-fA-F]{0,4}:){2,7}[0-9a-fA-F]{0,4}(?![\w:])",      # bare IPv6
+    r"(?<![\w:])(?:[0-9a-fA-F]{1,4}:){7}[0-9a-fA-F]{1,4}(?![\w:])",        # bare IPv6, all eight groups
+    r"(?<![\w:])(?:[0-9a-fA-F]{1,4}(?::[0-9a-fA-F]{1,4})*)?::"              # bare IPv6 with "::" (not a time
+    r"(?:[0-9a-fA-F]{1,4}(?::[0-9a-fA-F]{1,4})*)?(?![\w:])",                # like 10:14:33 nor text like a:b:c)
     r"\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b",                              # IPv4 (+ port)
     r"\blocalhost(?::\d+)?\b",
-    r"(?<![\w.-])[\w.-]+:\d{2,5}\b",                                        # host:port
+    r"(?<![\w.-])(?=[\w.-]*[A-Za-z_])[\w.-]+:\d{2,5}\b",                    # host:port (a host has a letter)
     r"\bport\s+\d{2,5}\b",
 )))
 

@@ -119,6 +119,16 @@ def test_a_workers_4xx_keeps_its_field_indexes() -> None:
     assert redact.scrub("a [::1] and [fe80::1]:80 and [2001:db8::7]") == "a (internal) and (internal) and (internal)"
 
 
+def test_a_workers_4xx_keeps_times_and_colon_text_of_the_request() -> None:
+    """A worker's 400 echoing the client's text: a time (10:14:33) or a stop string ("a:b:c") read as bare IPv6 or
+    host:port and reached the client as (internal); every address shape is still scrubbed."""
+    redact = Redactor(["decode-0"], ["http://gpu-node-7:30001"], ["gpu-node-7"])
+    text = 'stop: ["a:b:c"] at 10:14:33 and 12:30; cafe:beef is text too'
+    assert redact.scrub(text) == text
+    for address in ("fe80::1", "2001:db8::1", "::1", "2001:db8:0:0:0:0:0:1", "gpu-9:30001", "10.0.0.7:80"):
+        assert redact.scrub(f"at {address} now") == "at (internal) now", address
+
+
 def test_scrubbing_is_linear_in_what_a_worker_echoes_of_the_request() -> None:
     """A 4xx message may echo the client's input: 300 KB of it scrubbed in well under a second (the first regexes,
     a token pattern around the known names, took about 8 minutes on 150 KB of 'ab-')."""
