@@ -14,6 +14,7 @@ completions stop at 5; 6..20 are taken here as SGLang takes them).
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any
 
 from pydantic import Field, TypeAdapter, ValidationError
@@ -56,3 +57,19 @@ def chat_logprobs(logprobs: bool | None, top_logprobs: int | None) -> None:
     if top_logprobs and not logprobs:
         raise ValueError(f"top_logprobs {top_logprobs} needs logprobs: true (OpenAI's rule); send logprobs: true "
                          "or drop top_logprobs")
+
+
+def json_body(raw: bytes) -> Any:
+    """A request body's JSON, read as the router's admission and the embedded workers both read it; ValueError
+    saying what the client must change: not JSON (or not UTF-8), arrays or objects nested past the parser's stack,
+    an integer literal past Python's digit limit (`sys.set_int_max_str_digits`), each the client's fault, not a 500."""
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"the request body is not valid JSON ({exc}); send a JSON object") from exc
+    except RecursionError:
+        raise ValueError("the request body nests arrays or objects too deeply to be read; "
+                         "send a JSON object of reasonable depth") from None
+    except ValueError:   # int(): "Exceeds the limit (4300 digits) ..."
+        raise ValueError("the request body has an integer literal with too many digits to be read; "
+                         "send numbers of reasonable size") from None

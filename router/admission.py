@@ -13,7 +13,6 @@ Keys are compared in constant time and never logged.
 from __future__ import annotations
 
 import hmac
-import json
 from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
@@ -164,15 +163,9 @@ def admit(state: Any, path: str, scope: dict[str, Any], raw: bytes) -> tuple[dic
     settings = state.settings
     check_key(scope, settings.api_keys)
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidRequest(f"the request body is not valid JSON ({exc}); send a JSON object") from exc
-    except RecursionError:     # arrays or objects nested deeper than the parser's stack
-        raise InvalidRequest("the request body nests arrays or objects too deeply to be read; "
-                             "send a JSON object of reasonable depth") from None
-    except ValueError:         # an integer literal over Python's digit limit (int_max_str_digits)
-        raise InvalidRequest("the request body has an integer literal with too many digits to be read; "
-                             "send numbers of reasonable size") from None
+        body = rs.json_body(raw)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from exc
     body = check_body(body)
     if not any(body.get(f) is not None for f in PROMPT_FIELDS[path]):
         raise InvalidRequest(f"{path} needs {' or '.join(repr(f) for f in PROMPT_FIELDS[path])} in the request body")

@@ -23,6 +23,7 @@ from pydantic import ValidationError
 
 from ... import __version__
 from ...core import Role
+from ...request_schema import json_body
 from ..args import WorkerArgs
 from ..engine.kernel_ops import KernelOps
 from ..engine.loop import Engine
@@ -181,11 +182,9 @@ class WorkerServer:
         if not self.ready:
             return error_response(503, "the server is still starting; retry when /health answers 200")
         try:
-            body = await request.json()
-        except RecursionError:      # nested deeper than the parser's stack: the client's fault, not a 500
-            return error_response(400, "the body nests arrays or objects too deeply to be read")
-        except ValueError as exc:   # JSON decoding, an integer over Python's digit limit
-            return error_response(400, f"the body is not valid JSON: {exc}")
+            body = json_body(await request.body())
+        except ValueError as exc:
+            return error_response(400, str(exc))
         try:
             spec = self.parse(kind, body)
             self.check(spec)
