@@ -163,10 +163,16 @@ def test_crash_after_ready_is_restarted_with_backoff(tmp_path: Path) -> None:
         sup.stop(deadline_s=5)
 
 
-def test_a_crash_loop_gives_up_and_says_why(tmp_path: Path) -> None:
+def _crash_loop(tmp_path: Path) -> WorkerSupervisor:
+    """A worker that exits 0.3 s after it is ready, under a policy of two restarts in 60 s: FAILED soon."""
     sup = WorkerSupervisor(_plan(tmp_path, "--exit-after", "0.3"),
                            RestartPolicy(max_restarts=2, window_s=60, backoff_s=0.1))
     sup.start(timeout_s=30)
+    return sup
+
+
+def test_a_crash_loop_gives_up_and_says_why(tmp_path: Path) -> None:
+    sup = _crash_loop(tmp_path)
     status = _wait_for(sup, lambda s: s.state == WorkerState.FAILED.value)
     assert status.state == WorkerState.FAILED.value and status.pid is None
     assert status.restarts == 2
@@ -192,9 +198,7 @@ def test_a_worker_killed_by_a_signal_is_reported_by_the_signals_name(tmp_path: P
 
 def test_an_operator_restart_of_a_failed_worker_starts_a_new_crash_window(tmp_path: Path) -> None:
     """After a crash loop, `restart` gets the worker its backoff restarts again: its next crash is not the last."""
-    sup = WorkerSupervisor(_plan(tmp_path, "--exit-after", "0.3"),
-                           RestartPolicy(max_restarts=2, window_s=60, backoff_s=0.1))
-    sup.start(timeout_s=30)
+    sup = _crash_loop(tmp_path)
     assert _wait_for(sup, lambda s: s.state == WorkerState.FAILED.value).state == WorkerState.FAILED.value
     sup.restart(timeout_s=30, deadline_s=2)
     status = _wait_for(sup, lambda s: s.state == WorkerState.FAILED.value)
@@ -207,7 +211,6 @@ def test_an_operator_restart_of_a_failed_worker_starts_a_new_crash_window(tmp_pa
 
 
 def test_an_exit_at_start_names_the_process_holding_its_port(tmp_path: Path) -> None:
-    import os
     import socket
 
     holder = socket.socket()
