@@ -59,6 +59,7 @@ class DecodeImpl:
     # the mma.sync Gluon kernel's options (LaunchConfig's fields of the same names; a config's own value wins)
     fp8_words: bool = False
     lazy_rescale: bool = False
+    pair_min_blocks: int = 0  # 64 heads: blocks a split needs to take them two at a time (0: never; plan._pairs)
     loader_warps: int = 0  # the 16-head wgmma Gluon kernel's loader warps (LaunchConfig.loader_warps)
     # the row that runs where this one's kernel cannot (a Gluon row on a Triton release it was not built for) or
     # below min_batch queries, where it measured slower
@@ -83,6 +84,10 @@ class DecodeImpl:
 # 23.8 / 40.8 / 61.9 / 99.0 us against the Triton row's 13.9 / 32.3 / 72.3 / 122.7 / 216.2 (below B = 8 the Triton
 # row runs; 16 warps measured slower at every B); 16 heads, 4 warps, 13.2 / 16.2 / 28.4 / 41.7 / 66.6 against the
 # Triton row's 13.4 / 19.7 / 35.2 / 55.2 / 89.5. Both run on fp8 caches only; bf16 rows keep the Triton fallback.
+# The 64-head sm_120 row takes the ratio-4 layer's blocks two at a time where a split holds 10 or more
+# (gluon_mma_v2_pair.py; H100 standing in, c4, graph: B = 32 / 64 / 128, 10 / 20 / 40 blocks a split, 39.7 / 57.6 /
+# 89.9 us against 41.1 / 62.0 / 100.1; paired at B = 16, 5 a split, it measured 30.8 against 29.6).
+PAIR_MIN_BLOCKS = 10
 SPARSE_DECODE: dict[tuple[str, int], DecodeImpl] = {
     ("sm_90", 64): DecodeImpl("gluon", 64, 2, 218_192),
     ("sm_90", 32): DecodeImpl("triton", 64, 2, 164_096),
@@ -93,7 +98,7 @@ SPARSE_DECODE: dict[tuple[str, int], DecodeImpl] = {
     ("sm_100", 32): DecodeImpl("triton", 64, 2, 164_096),
     ("sm_100", 16): DecodeImpl("triton", 64, 2, 147_712),
     ("sm_120", 64): DecodeImpl("gluon_mma_v2", 16, 2, 100_352, num_warps=8, min_batch=8, fp8_words=True,
-                               lazy_rescale=True,
+                               lazy_rescale=True, pair_min_blocks=PAIR_MIN_BLOCKS,
                                fallback=DecodeImpl("triton", 32, 1, 81_920, head_group=16, num_warps=4)),
     ("sm_120", 32): DecodeImpl("triton", 32, 1, 81_920, head_group=16, num_warps=4),
     ("sm_120", 16): DecodeImpl("gluon_mma_v2", 16, 2, 49_664, num_warps=4, fp8_words=True, lazy_rescale=True,

@@ -48,6 +48,9 @@ class LaunchConfig:
     # mma.sync Gluon kernel: move the softmax's reference max only when a block's max passes it by more than 2**8,
     # a CTA-wide decision, so most blocks skip O's rescale (gluon_mma_v2.LAZY_LOG2). None: the row's choice
     lazy_rescale: bool | None = None
+    # mma.sync Gluon kernel at 64 heads: a launch whose splits hold at least this many blocks takes them two at a time
+    # (gluon_mma_v2_pair.py; when `plan._pairs` allows). 0: never. None: the row's choice
+    pair_min_blocks: int | None = None
     # the 16-head wgmma Gluon kernel (gluon_h16.py): its loader's warps (0: 8)
     loader_warps: int = 0
 
@@ -178,7 +181,9 @@ def _choose(device, h, dtype, is_fp8, config, use_fallback=False):
                                  num_stages=config.num_stages or row.num_stages,
                                  num_warps=config.num_warps or row.num_warps,
                                  fp8_words=row.fp8_words if config.fp8_words is None else config.fp8_words,
-                                 lazy_rescale=row.lazy_rescale if config.lazy_rescale is None else config.lazy_rescale)
+                                 lazy_rescale=row.lazy_rescale if config.lazy_rescale is None else config.lazy_rescale,
+                                 pair_min_blocks=(row.pair_min_blocks if config.pair_min_blocks is None
+                                                  else config.pair_min_blocks))
             return "gluon_mma_v2", resolved(config, "gluon_mma_v2", is_fp8)
         if config.backend == "gluon_mma_v2":
             raise checks.SparseDecodeInputError(f"the mma.sync Gluon kernel cannot run this call: {why}; "

@@ -118,9 +118,11 @@ def _launch(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, si
 
         kernel, max_shared = gluon_h16._sparse_decode_h16_kernel, None
     elif p.backend == "gluon_mma_v2":
-        from . import gluon_mma_v2
+        from . import gluon_mma_v2, gluon_mma_v2_pair
 
-        kernel, max_shared = gluon_mma_v2._sparse_decode_mma_v2_kernel, smem_cap(q.device)
+        kernel = gluon_mma_v2_pair._sparse_decode_mma_v2_pair_kernel if p.pairs else \
+            gluon_mma_v2._sparse_decode_mma_v2_kernel
+        max_shared = smem_cap(q.device)
     else:
         if not q.is_cuda and type(_kernels._sparse_decode_kernel).__name__ != "InterpretedFunction":
             raise checks.SparseDecodeInputError(

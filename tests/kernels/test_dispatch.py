@@ -79,12 +79,14 @@ def _compile_here(heads: int, block_n: int, num_stages: int, capability: int, nu
         common.pop("H")
         fn, const = k._sparse_decode_h16_kernel, dict(common, NS=num_stages, LOADER_WARPS=8, LOADER_REGS=128, MAXB=16)
         options = dict(num_warps=num_warps)
-    elif backend == "gluon_mma_v2":
+    elif backend in ("gluon_mma_v2", "gluon_mma_v2_pair"):
         from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
 
-        from dsv4_cluster.kernels.sparse_mla_decode import gluon_mma_v2 as k
+        from dsv4_cluster.kernels.sparse_mla_decode import gluon_mma_v2, gluon_mma_v2_pair
 
-        fn, const = k._sparse_decode_mma_v2_kernel, dict(common, WORDS=words, LAZY=lazy)
+        fn = gluon_mma_v2_pair._sparse_decode_mma_v2_pair_kernel if backend == "gluon_mma_v2_pair" else \
+            gluon_mma_v2._sparse_decode_mma_v2_kernel
+        const = dict(common, WORDS=words, LAZY=lazy)
         options = dict(num_warps=num_warps)
     else:
         from triton.compiler import ASTSource
@@ -152,6 +154,17 @@ def test_the_mma_v2_options_not_yet_timed_compile_for_sm120_within_99_kb(monkeyp
                                           (16, True, True, 80)):
         shared, spills = _compiled(64, replace(row, num_warps=warps), 120, words, lazy)
         assert shared <= dispatch.SMEM_PER_BLOCK["sm_120"] and spills <= spill_max, (warps, words, lazy, spills)
+
+
+def test_the_paired_mma_v2_kernel_compiles_for_sm120_as_the_row_launches_it(monkeypatch):
+    """The kernel taking two blocks at a time, with the 64-head sm_120 row's options (8 warps, fp8 words, lazy
+    rescale): within 99 KB and no spill for sm_120a."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    from dataclasses import replace
+
+    row = dispatch.decode_impl("sm_120", 64)
+    assert row.pair_min_blocks > 0 and (row.num_warps, row.fp8_words) == (8, True)
+    assert _compiled(64, replace(row, backend="gluon_mma_v2_pair"), 120) == (row.smem, 0)
 
 
 def test_the_sm90_16_head_rows_compile_for_sm90a_as_the_table_says(monkeypatch):
