@@ -8,9 +8,10 @@ it for, `plan._pairs`).
 
 Why: Q's fragments were two thirds of S's shared-memory wavefronts (bench/results/ncu_sm120_mma_v2_c4_b128.txt) and
 S 38.5 of the one-block kernel's 100 us at c4 B = 128 (sm120_mma_v2_ablation.md). H100 standing in, forced sm_120,
-graph, c4 64 heads B = 32 / 48 / 64 / 96 / 128: 40.2 / 55.9 / 58.1 / 88.8 / 91.0 us against 41.2 / 59.8 / 62.0 /
-98.3 / 100.0; slower where a split has few live blocks (c4 B = 16, 5 a split: 30.8 against 29.6; ratio-128 with 9
-live: 39.1 against 37.1), hence the plan's floor and its ratio-4 condition.
+Triton 3.8.0, graph, c4 64 heads B = 32 / 48 / 64 / 96 / 128: 39.7 / 55.3 / 57.6 / 88.0 / 89.9 us against 41.1 /
+59.9 / 62.0 / 98.5 / 100.1 (the plan's choice against the one-block kernel, one call); slower where a split has few
+live blocks (c4 B = 16, 5 a split: 30.8 against 29.6; ratio-128 with 9 live: 39.1 against 37.1), hence the plan's
+floor and its ratio-4 condition.
 """
 
 from __future__ import annotations
