@@ -17,8 +17,8 @@ import pytest
 from pydantic import ValidationError
 
 from dsv4_cluster.workers.http import fields
-from dsv4_cluster.workers.http.protocol import (ChatCompletionRequest, CompletionRequest, GenerateRequest,
-                                           GenerateSampling)
+from dsv4_cluster.workers.http.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
+                                                GenerateRequest, GenerateSampling)
 
 SGLANG_VERSION = "0.5.23"
 OURS = {
@@ -26,6 +26,7 @@ OURS = {
     ("srt/entrypoints/openai/protocol.py", "ChatCompletionRequest"): ChatCompletionRequest,
     ("srt/entrypoints/openai/protocol.py", "CompletionRequest"): CompletionRequest,
     ("srt/sampling/sampling_params.py", "SamplingParams"): GenerateSampling,
+    ("srt/entrypoints/openai/protocol.py", "ChatCompletionMessageGenericParam"): ChatMessage,
 }
 # SamplingParams' own comment splits its fields: "API parameters (set by callers)" above
 # "Internal fields (populated by __post_init__ or normalize(), not API-facing)".
@@ -66,7 +67,7 @@ def test_field_sets_equal_the_installed_sglang(where):
     ours = OURS[where]
     declared = set(ours.model_fields) | set(ours.RULES)
     assert ours.SGLANG == where[1]
-    theirs = sglang_fields(*where) | fields.ROUTER_EXTRAS.get(where[1], frozenset())
+    theirs = sglang_fields(*where) | fields.NOT_SGLANG.get(where[1], frozenset())
     assert declared == theirs, (f"{where[1]}: only SGLang has {sorted(theirs - declared)}; "
                                 f"only we have {sorted(declared - theirs)}")
     assert not set(ours.model_fields) & set(ours.RULES), "a field is both honoured and ruled"
@@ -84,10 +85,12 @@ BASES = {ChatCompletionRequest: CHAT, CompletionRequest: {"prompt": "hi"}, Gener
 def _validate(model, field: str, value):
     if model is GenerateSampling:
         return GenerateRequest.model_validate({"text": "hi", "sampling_params": {field: value}})
+    if model is ChatMessage:
+        return ChatCompletionRequest.model_validate({"messages": [{"role": "assistant", "content": "x", field: value}]})
     return model.model_validate({**BASES[model], field: value})
 
 
-RULED = [(m, f, r) for m in (ChatCompletionRequest, CompletionRequest, GenerateRequest, GenerateSampling)
+RULED = [(m, f, r) for m in (ChatCompletionRequest, CompletionRequest, GenerateRequest, GenerateSampling, ChatMessage)
          for f, r in m.RULES.items()]
 
 
@@ -112,8 +115,26 @@ def test_what_openai_clients_send_by_default_is_accepted():
                                              "logprobs": None}).sampling(128).max_new_tokens == 16
 
 
+def test_a_reply_sent_back_as_history_and_the_openai_fields_sglang_ignores_are_accepted():
+    """The openai SDK's reply object dumped into the next turn (refusal, annotations, audio, function_call: null),
+    the OpenAI API's request fields SGLang's model ignores, a role in capitals (SGLang lowercases it)."""
+    from openai.types.chat import ChatCompletionMessage
+
+    reply = ChatCompletionMessage(role="assistant", content="ok", refusal=None, annotations=[]).model_dump()
+    assert {"refusal", "annotations", "audio", "function_call"} <= set(reply)
+    body = {"messages": [{"role": "User", "content": "hi"}, reply, {"role": "user", "content": "more"}],
+            "store": True, "metadata": {"app": "x"}, "service_tier": "auto", "prompt_cache_key": "k",
+            "safety_identifier": "s", "modalities": ["text"], "audio": None, "prediction": None, "verbosity": None}
+    req = ChatCompletionRequest.model_validate(body)
+    assert [m.role for m in req.messages] == ["user", "assistant", "user"]
+    assert req.messages[1].model_dump(exclude_none=True) == {"role": "assistant", "content": "ok"}
+
+
 @pytest.mark.parametrize("body,field", [
     ({"frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"messages": [{"role": "assistant", "content": "x", "prefix": True}]}, "prefix"),
     ({"presence_penalty": -1}, "presence_penalty"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"response_format": {"type": "json_object"}}, "response_format"),

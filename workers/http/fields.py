@@ -135,9 +135,36 @@ GENERATE: dict[str, Rule] = {
     "model": ANY,
 }
 
+# The OpenAI API's chat fields that SGLang's ChatCompletionRequest lacks (its pydantic model ignores them), which
+# OpenAI clients send: accepted where they cannot change the output, else at their no-op values.
+OPENAI_CHAT: dict[str, Rule] = {
+    "store": ANY, "metadata": ANY, "service_tier": ANY, "prompt_cache_key": ANY, "safety_identifier": ANY,
+    "prediction": ANY,   # predicted output: a speed hint, the output is the same
+    "verbosity": Neutral((None, "medium"), "the embedded engine has no verbosity control"),
+    "modalities": Neutral((None, ["text"]), _TEXT_ONLY), "audio": _off(_TEXT_ONLY),
+    "functions": _off(_TOOLS), "function_call": Neutral((None, "none", "auto"), _TOOLS),
+    "web_search_options": _off("the embedded engine has no web search"),
+}
+CHAT.update(OPENAI_CHAT)
+
+# A chat message's fields beyond role, content, name, reasoning_content, tool_calls and tool_call_id: SGLang's
+# (ChatCompletionMessageGenericParam), then the OpenAI API's that its responses carry and clients send back in the
+# next turn's history (SGLang ignores them).
+MESSAGE: dict[str, Rule] = {
+    "phase": _off("the embedded chat template has no message phases"), "tools": _off(_TOOLS),
+    "prefix": _off("DeepSeek's prefix completion: send continue_final_message: true instead"),
+}
+OPENAI_MESSAGE: dict[str, Rule] = {"refusal": ANY, "annotations": ANY, "audio": _off(_TEXT_ONLY),
+                                   "function_call": _off(_TOOLS)}
+MESSAGE.update(OPENAI_MESSAGE)
+
 # Fields the SGLang class lacks that a router sends: SGLang's own router (GENERATE's "model"), ours (chat's
 # `stream_token_ids`, protocol.py: what a broken stream is continued from; SGLang's server ignores it).
 ROUTER_EXTRAS = {"GenerateReqInput": frozenset({"model"}), "ChatCompletionRequest": frozenset({"stream_token_ids"})}
+# Fields of a body that its SGLang class lacks, by class: the routers' and the OpenAI API's above
+NOT_SGLANG = {"GenerateReqInput": ROUTER_EXTRAS["GenerateReqInput"],
+              "ChatCompletionRequest": ROUTER_EXTRAS["ChatCompletionRequest"] | set(OPENAI_CHAT),
+              "ChatCompletionMessageGenericParam": frozenset(OPENAI_MESSAGE)}
 
 SAMPLING: dict[str, Rule] = {
     **{k: _SHARED[k] for k in ("frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias",

@@ -1,7 +1,8 @@
 """Request bodies the embedded workers accept, in SGLang's and OpenAI's shapes.
 
 Every field of SGLang 0.5.23's `GenerateReqInput`, `ChatCompletionRequest` and `CompletionRequest` is accepted:
-those declared here are honoured, the others checked against `fields.py`; a field SGLang does not know is a 400.
+those declared here are honoured, the others checked against `fields.py`, as are the OpenAI API's fields that
+clients send and SGLang ignores; any other field is a 400 naming it (a misspelt field is not silently dropped).
 Value ranges and the `max_tokens` rename are `dsv4_cluster.request_schema`'s, shared with the router.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from dsv4_cluster import request_schema as rs
 
@@ -45,6 +46,11 @@ class Bootstrap(_SGLangBody):
 class StreamOptions(_Body):
     include_usage: bool = False
     continuous_usage_stats: Literal[False] = False
+
+
+def _lower(role: Any) -> Any:
+    """SGLang takes a message's role in any case ("User")."""
+    return role.lower() if isinstance(role, str) else role
 
 
 def _no_empty_stop(stop: str | list[str] | None) -> str | list[str] | None:
@@ -101,8 +107,10 @@ class _OpenAISampling(Bootstrap):
                               top_logprobs=top)
 
 
-class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+class ChatMessage(_SGLangBody):
+    RULES: ClassVar = fields.MESSAGE
+    SGLANG: ClassVar = "ChatCompletionMessageGenericParam"
+    role: Annotated[Literal["system", "developer", "user", "assistant", "tool"], BeforeValidator(_lower)]
     content: str | list[dict] | None = None
     name: str | None = None
     reasoning_content: str | None = None
