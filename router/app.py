@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
+from starlette.middleware.cors import CORSMiddleware
 
 from .admin_api import admin_router
 from .errors import error_body, install_error_handlers
@@ -33,12 +34,22 @@ log = logging.getLogger(__name__)
 
 
 class RouterApp:
-    """Generation POSTs to `serve_generation`, the rest (and the lifespan) to the FastAPI app."""
+    """Generation POSTs to `serve_generation`, the rest (and the lifespan) to the FastAPI app. A request that carries
+    an `Origin` header (a browser's) goes through CORS first, allowing every origin, method and header as SGLang's
+    server does (its preflight `OPTIONS` answered there); the others skip it."""
 
     def __init__(self, api: FastAPI) -> None:
         self.api = api
+        self.cors = CORSMiddleware(self.serve, allow_origins=["*"], allow_credentials=True, allow_methods=["*"],
+                                   allow_headers=["*"])
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and any(name == b"origin" for name, _ in scope["headers"]):
+            await self.cors(scope, receive, send)
+        else:
+            await self.serve(scope, receive, send)
+
+    async def serve(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http" and is_generation(scope):
             await serve_generation(self.api.state.router, scope, receive, send)
         elif scope["type"] == "http" and scope["path"] in GENERATION_PATHS:     # a known path, another method

@@ -38,7 +38,9 @@ def meta_router() -> APIRouter:
         state: RouterState = request.app.state.router
         check_key(request.scope, state.settings.api_keys)
         names = [state.settings.model_name, *state.settings.model_aliases]
-        return [{"id": n, "object": "model", "created": state.created, "owned_by": "dsv4-cluster"} for n in names]
+        # SGLang's ModelCard: root is the served name, max_model_len the context (null when the settings lack it)
+        return [{"id": n, "object": "model", "created": state.created, "owned_by": "dsv4-cluster", "root": n,
+                 "parent": None, "max_model_len": state.settings.context_length} for n in names]
 
     @api.get("/v1/models")
     async def models(request: Request) -> JSONResponse:

@@ -103,6 +103,8 @@ class RouterSettings(OperatorSettings):
     get 503)."""
 
     model_name: str = Field(min_length=1, description="the served model's name (the topology's model.name)")
+    context_length: int | None = Field(default=None, ge=1, description="the model's context length, prompt + output "
+                                       "(the topology's model.context_length): `/v1/models`' max_model_len")
     prefill: list[PrefillEndpoint] = Field(default_factory=list, description="the prefill workers")
     decode: list[DecodeEndpoint] = Field(default_factory=list, description="the decode workers")
     admin_token: str | None = Field(

@@ -190,7 +190,7 @@ class Cluster:
 
 
 def router_settings(prefill_url: str, *decode_urls: str, **extra: Any) -> RouterSettings:
-    extra = {"request_timeout_s": 10, "connect_timeout_s": 2, **extra}
+    extra = {"request_timeout_s": 10, "connect_timeout_s": 2, "context_length": 2048, **extra}
     return RouterSettings(
         host="127.0.0.1", port=1, model_name="dsv4-tiny",
         prefill=[{"name": "prefill-0", "url": prefill_url, "bootstrap_host": "127.0.0.1", "bootstrap_port": 8998}],

@@ -186,7 +186,8 @@ def router_settings(topology: Topology) -> RouterSettings:
     elif r.api_keys is not None:
         keys["api_keys_env"] = r.api_keys.env
     operator = {name: getattr(r, name) for name in OperatorSettings.model_fields}
-    return RouterSettings(**operator, model_name=topology.model.name, prefill=prefill, decode=decode, **keys)
+    return RouterSettings(**operator, model_name=topology.model.name, context_length=topology.model.context_length,
+                          prefill=prefill, decode=decode, **keys)
 
 
 def _beside(topology: Topology, path: str) -> Path:

@@ -107,7 +107,7 @@ def test_router_config_is_accepted_by_the_router(tmp_path: Path) -> None:
     ((path, text),) = router.files
     Path(path).write_text(text)
     settings = load_settings(path)
-    assert (settings.port, settings.model_name) == (21001, "dsv4-tiny")
+    assert (settings.port, settings.model_name, settings.context_length) == (21001, "dsv4-tiny", 2048)
     assert [(p.name, p.url, p.bootstrap_host, p.bootstrap_port) for p in settings.prefill] == \
         [("prefill-0", "http://127.0.0.1:21100", "127.0.0.1", 21098)]
     assert [(d.name, d.url) for d in settings.decode] == [("decode-0", "http://127.0.0.1:21200")]

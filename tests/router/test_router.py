@@ -185,6 +185,30 @@ def test_models_and_health(cluster: Cluster) -> None:
     assert "prefill-0" not in health.text and "decode-0" not in health.text
 
 
+def test_browser_clients_get_sglangs_cors_and_models_carry_its_model_card(either: Cluster) -> None:
+    """CORS as SGLang's server answers it: a preflight on a generation route, then a streamed POST with an Origin
+    (its bytes unchanged) carry the allow headers; a request without an Origin gets none. /v1/models' entries carry
+    SGLang's ModelCard fields (root, parent, max_model_len). Under both HTTP servers."""
+    cluster, origin = either, {"Origin": "http://app.example"}
+    pre = httpx.options(cluster.router.url + "/v1/chat/completions",
+                        headers={**origin, "Access-Control-Request-Method": "POST",
+                                 "Access-Control-Request-Headers": "authorization, content-type"})
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "http://app.example"
+    assert "POST" in pre.headers["access-control-allow-methods"]
+    assert "authorization" in pre.headers["access-control-allow-headers"].lower()
+    body = {"messages": MESSAGES, "stream": True}
+    with httpx.stream("POST", cluster.router.url + "/v1/chat/completions", json=body, headers=origin,
+                      timeout=WAIT_S) as resp:
+        raw = resp.read()
+        assert resp.status_code == 200 and resp.headers["access-control-allow-origin"] == "http://app.example"
+    with httpx.stream("POST", cluster.router.url + "/v1/chat/completions", json=body, timeout=WAIT_S) as plain:
+        assert plain.read().count(b"data: ") == raw.count(b"data: ") and raw.endswith(b"data: [DONE]\n\n")
+        assert "access-control-allow-origin" not in plain.headers
+    card = httpx.get(cluster.router.url + "/v1/models").json()["data"][0]
+    assert card["root"] == card["id"] == "dsv4-tiny" and card["parent"] is None
+    assert card["max_model_len"] == 2048 == cluster.settings.context_length   # router_settings' context
+
+
 def test_one_model_by_id_and_wrong_methods(cluster: Cluster) -> None:
     """OpenAI's retrieve-model through the official client; 405 (with Allow) for a known path's wrong method."""
     model = client(cluster).models.retrieve("dsv4-tiny")
