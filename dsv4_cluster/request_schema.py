@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any
 
-from pydantic import Field, TypeAdapter, ValidationError
+from pydantic import BeforeValidator, Field, TypeAdapter, ValidationError
 
 # SGLang's SamplingParams.verify, on every route.
 Temperature = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]           # finite, >= 0 (0: greedy)
@@ -26,10 +26,17 @@ MinP = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]           # 
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]       # presence/frequency: [-2, 2]
 MaxNewTokens = Annotated[int, Field(ge=0)]                                     # 0: prefill only, no output
 Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]                        # sampling_seed / seed
+
+
+def _whole(value: Any) -> Any:
+    """A float with no fractional part as its int: SGLang's OpenAI models (lax pydantic) take `max_tokens: 5.0`."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
 # OpenAI's ranges on /v1/chat/completions and /v1/completions.
 OpenAITemperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
-MaxTokens = Annotated[int, Field(ge=1)]                                        # max_tokens, max_completion_tokens
-N = Annotated[int, Field(ge=1, le=128)]
+MaxTokens = Annotated[int, BeforeValidator(_whole), Field(ge=1)]               # max_tokens, max_completion_tokens
+N = Annotated[int, BeforeValidator(_whole), Field(ge=1, le=128)]
 MAX_TOP_LOGPROBS = 20                                                          # OpenAI's limit on chat
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]                # alternatives per output token
 

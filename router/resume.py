@@ -161,8 +161,8 @@ def continuation(path: str, body: dict[str, Any], done: Progress) -> dict | None
     if path == "/v1/completions" and new.get("max_tokens") is None:   # the continuation's default would be 16 again
         new["max_tokens"] = COMPLETIONS_MAX_TOKENS
     for key in MAX_KEYS[path]:
-        if isinstance(new.get(key), int):
-            new[key] -= done.tokens
+        if isinstance(new.get(key), (int, float)):   # admission took ints and whole floats (5.0) only
+            new[key] = int(new[key]) - done.tokens
             if new[key] <= 0:
                 return None
     if done.prompt_ids is not None:
