@@ -154,9 +154,36 @@ def test_abort_ends_a_running_stream_and_frees_its_pages(pair):
     p, lines = asyncio.run(run())
     assert p.status_code == 200
     assert lines[-1] == "data: [DONE]"
-    assert json.loads(lines[-2][6:])["error"]["message"] == "aborted through /abort_request"
+    # as SGLang ends a request aborted through /abort_request: finished (no error), with the output so far
+    last, before_last = json.loads(lines[-2][6:]), json.loads(lines[-3][6:])
+    assert last["meta_info"]["finish_reason"] == {"type": "abort", "message": "aborted through /abort_request"}
+    assert last["text"].startswith(before_last["text"]) and last["output_ids"][:2] == before_last["output_ids"][:2]
     assert len(lines) < 100
     assert kv_used(pair.decode_url) <= before
+
+
+def test_an_aborted_chat_stream_ends_with_finish_reason_abort_as_sglangs(pair):
+    """SGLang's chat stream after /abort_request: a chunk with finish_reason "abort" and the text so far, no error
+    event (the openai client raises on one), then [DONE]."""
+    async def run():
+        body = {"messages": [{"role": "user", "content": "abort me"}], "stream": True, "max_tokens": 900,
+                "ignore_eos": True, **pair.bootstrap(secrets.randbits(63), "ab2")}
+        async with httpx.AsyncClient(timeout=60) as c:
+            p = asyncio.create_task(c.post(pair.prefill_url + "/v1/chat/completions", json=body))
+            lines = []
+            async with c.stream("POST", pair.decode_url + "/v1/chat/completions", json=body) as d:
+                async for line in d.aiter_lines():
+                    if line:
+                        lines.append(line)
+                    if len(lines) == 3:
+                        await c.post(pair.decode_url + "/abort_request", json={"rid": "ab2"})
+            return await p, lines
+
+    p, lines = asyncio.run(run())
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert p.status_code == 200 and lines[-1] == "data: [DONE]" and len(lines) < 100
+    assert all("error" not in c for c in chunks)
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["abort"]
 
 
 def test_metrics_use_sglang_names(pair):
@@ -203,7 +230,9 @@ def test_decode_frees_a_given_up_room_at_once_when_prefill_never_wrote_it(pair):
             await c.post(pair.decode_url + "/abort_request", json={"rid": "gu1"})
             return await d
 
-    assert asyncio.run(run()).status_code == 499
+    answer = asyncio.run(run())   # finished as SGLang finishes an aborted request: 200, finish_reason abort
+    assert answer.status_code == 200 and answer.json()["output_ids"] == []
+    assert answer.json()["meta_info"]["finish_reason"]["type"] == "abort"
     # at once: well before the quarantine's expiry (4 x the pair's --transfer-timeout-s 3 = 12 s)
     assert wait_for(lambda: kv_used(pair.decode_url) <= before, 6.0, "the given-up room's pages freed")
     assert kv_used(pair.decode_url) == before

@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 
 from prometheus_client.utils import floatToGoString
 
-from .request import Failed, Outbox, Req, ReqState
+from .request import Aborted, Failed, Outbox, Req, ReqState
 from .runner import ModelRunner
 from .window import Window
 
@@ -119,8 +119,9 @@ class Engine:
     def submit(self, req: Req) -> None:
         self._inbox.put(("submit", req))
 
-    def abort(self, rid: str, reason: str = "aborted by request") -> None:
-        self._inbox.put(("abort", (rid, reason)))
+    def abort(self, rid: str, reason: str = "aborted by request", finished: bool = False) -> None:
+        """End a request: with a 499 error, or (`finished`, /abort_request's) as finished with what it has."""
+        self._inbox.put(("abort", (rid, reason, finished)))
 
     def call(self, fn) -> None:
         """Run `fn()` on the engine thread (for state that only the engine may touch)."""
@@ -191,11 +192,11 @@ class Engine:
             self.stats.requests += 1
             self.on_submit(payload)
         elif kind == "abort":
-            rid, reason = payload
+            rid, reason, finished = payload
             req = self.reqs.get(rid)
             if req is not None:
                 self.stats.aborted += 1
-                self.fail(req, 499, reason, state=ReqState.ABORTED)
+                self.fail(req, 499, reason, state=ReqState.ABORTED, event=Aborted(reason) if finished else None)
         else:
             payload()
 
@@ -213,10 +214,11 @@ class Engine:
         self.release(req)
         self.reqs.pop(req.rid, None)
 
-    def fail(self, req: Req, status: int, message: str, state: ReqState = ReqState.ABORTED) -> None:
+    def fail(self, req: Req, status: int, message: str, state: ReqState = ReqState.ABORTED,
+             event: Aborted | None = None) -> None:
         keep_pages = req.state is ReqState.TRANSFERRING
         self.on_fail(req)
-        req.emit(Failed(status, message))
+        req.emit(event or Failed(status, message))
         if keep_pages:
             req.state = state
             self.reqs.pop(req.rid, None)

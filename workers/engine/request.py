@@ -59,7 +59,15 @@ class Failed:
     message: str
 
 
-Event = Reserved | Token | Failed
+@dataclass(frozen=True)
+class Aborted:
+    """Ended through /abort_request: SGLang ends such a request as finished (finish_reason "abort", no error status),
+    with the output so far."""
+
+    message: str
+
+
+Event = Reserved | Token | Failed | Aborted
 
 
 @dataclass(eq=False)

@@ -74,6 +74,7 @@ class ResponseBuilder:
         self.logprobs: list[Entry] = []
         self._logprobs_sent = 0        # entries already streamed
         self._ids_sent = 0             # output ids already streamed (`token_ids`)
+        self._aborted: str | None = None   # why /abort_request ended it
 
     def push(self, token_id: int, finish: Finish | None = None, cached_tokens: int | None = None,
              logprob: TokenLogprob | None = None) -> str:
@@ -98,6 +99,13 @@ class ResponseBuilder:
         delta, self.text = visible[len(self.text):], visible
         return delta
 
+    def abort(self, message: str) -> str:
+        """The request was ended through /abort_request: the text held back for a possible stop string is the
+        output's after all; returns what the client has not seen. The meta's finish_reason is abort's."""
+        self._aborted = message
+        delta, self.text = self._raw[len(self.text):], self._raw
+        return delta
+
     @property
     def holding(self) -> bool:
         """The output's end may start a stop string (its text is held back unless `no_stop_trim`; SGLang streams no
@@ -116,6 +124,8 @@ class ResponseBuilder:
     def _meta(self, reason: str | None, prefill_only: bool) -> dict:
         if reason is None:
             finish = None
+        elif reason == "abort":
+            finish = {"type": "abort", "message": self._aborted}
         elif prefill_only or reason == "length":
             finish = {"type": "length", "length": 0 if prefill_only else len(self.ids)}
         else:

@@ -61,7 +61,7 @@ def build_app(server: WorkerServer) -> FastAPI:
     @app.post("/abort_request")
     async def abort(body: AbortRequest):
         if server.engine is not None:
-            server.engine.abort(body.rid, "aborted through /abort_request")
+            server.engine.abort(body.rid, "aborted through /abort_request", finished=True)
         return {"success": True}
 
     @app.post("/flush_cache")

@@ -28,7 +28,7 @@ from ..args import WorkerArgs
 from ..engine.kernel_ops import KernelOps
 from ..engine.loop import Engine
 from ..engine.presets import model_config
-from ..engine.request import Event, Failed, LoopEmitter, Req, Reserved, Token
+from ..engine.request import Aborted, Event, Failed, LoopEmitter, Req, Reserved, Token
 from ..engine.runner import ModelRunner, RunnerConfig
 from ..engine.tokenizer import ByteTokenizer, ChatTemplateError
 from .liveness import Liveness
@@ -168,7 +168,7 @@ class WorkerServer:
                     ev = await self.on_reserved(spec, req, ev)
                     if ev is None:
                         continue
-                done = isinstance(ev, Failed) or (isinstance(ev, Token) and ev.finish_reason is not None)
+                done = isinstance(ev, (Failed, Aborted)) or (isinstance(ev, Token) and ev.finish_reason is not None)
                 yield ev
         finally:
             if not done:
@@ -210,6 +210,9 @@ class WorkerServer:
             async for ev in events:
                 if isinstance(ev, Failed):
                     return error_response(ev.status, ev.message)
+                if isinstance(ev, Aborted):
+                    out.abort(ev.message)
+                    return JSONResponse(out.final("abort"))
                 out.push(ev.token_id, ev.finish, ev.cached_tokens, ev.logprob)
                 if len(out.ids) == 1:
                     self.metrics.ttft.observe(time.monotonic() - started)
@@ -229,6 +232,12 @@ class WorkerServer:
             async for ev in events:
                 if isinstance(ev, Failed):
                     yield sse(error_body(ev.status, ev.message))
+                    break
+                if isinstance(ev, Aborted):   # SGLang: a finished chunk with the text held back, then usage
+                    yield sse(out.chunk(unsent + out.abort(ev.message), "abort", first=not sent))
+                    usage = out.usage_chunk()
+                    if usage:
+                        yield sse(usage)
                     break
                 unsent += out.push(ev.token_id, ev.finish, ev.cached_tokens, ev.logprob)
                 now = time.monotonic()
