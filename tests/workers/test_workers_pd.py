@@ -134,24 +134,30 @@ def test_prefill_fails_cleanly_when_decode_never_reserves(pair):
     assert httpx.get(pair.prefill_url + "/server_info").json()["internal_states"][0]["num_used_tokens"] == 0
 
 
-def test_abort_ends_a_running_stream_and_frees_its_pages(pair):
-    before = kv_used(pair.decode_url)   # pages of earlier failed requests may still sit in quarantine
+def _aborted_after_three_lines(pair, path: str, body: dict, rid: str) -> tuple[httpx.Response, list[str]]:
+    """Both legs of a streamed request; the decode's aborted through /abort_request once 3 lines came. (P's
+    answer, D's non-empty lines.)"""
+    body = {**body, "stream": True, **pair.bootstrap(secrets.randbits(63), rid)}
 
     async def run():
-        body = {"text": "abort me", "stream": True, "sampling_params": {"max_new_tokens": 900, "ignore_eos": True},
-                **pair.bootstrap(secrets.randbits(63), "ab1")}
         async with httpx.AsyncClient(timeout=60) as c:
-            p = asyncio.create_task(c.post(pair.prefill_url + "/generate", json=body))
+            p = asyncio.create_task(c.post(pair.prefill_url + path, json=body))
             lines = []
-            async with c.stream("POST", pair.decode_url + "/generate", json=body) as d:
+            async with c.stream("POST", pair.decode_url + path, json=body) as d:
                 async for line in d.aiter_lines():
                     if line:
                         lines.append(line)
                     if len(lines) == 3:
-                        await c.post(pair.decode_url + "/abort_request", json={"rid": "ab1"})
+                        await c.post(pair.decode_url + "/abort_request", json={"rid": rid})
             return await p, lines
 
-    p, lines = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_abort_ends_a_running_stream_and_frees_its_pages(pair):
+    before = kv_used(pair.decode_url)   # pages of earlier failed requests may still sit in quarantine
+    p, lines = _aborted_after_three_lines(
+        pair, "/generate", {"text": "abort me", "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}}, "ab1")
     assert p.status_code == 200
     assert lines[-1] == "data: [DONE]"
     # as SGLang ends a request aborted through /abort_request: finished (no error), with the output so far
@@ -165,21 +171,8 @@ def test_abort_ends_a_running_stream_and_frees_its_pages(pair):
 def test_an_aborted_chat_stream_ends_with_finish_reason_abort_as_sglangs(pair):
     """SGLang's chat stream after /abort_request: a chunk with finish_reason "abort" and the text so far, no error
     event (the openai client raises on one), then [DONE]."""
-    async def run():
-        body = {"messages": [{"role": "user", "content": "abort me"}], "stream": True, "max_tokens": 900,
-                "ignore_eos": True, **pair.bootstrap(secrets.randbits(63), "ab2")}
-        async with httpx.AsyncClient(timeout=60) as c:
-            p = asyncio.create_task(c.post(pair.prefill_url + "/v1/chat/completions", json=body))
-            lines = []
-            async with c.stream("POST", pair.decode_url + "/v1/chat/completions", json=body) as d:
-                async for line in d.aiter_lines():
-                    if line:
-                        lines.append(line)
-                    if len(lines) == 3:
-                        await c.post(pair.decode_url + "/abort_request", json={"rid": "ab2"})
-            return await p, lines
-
-    p, lines = asyncio.run(run())
+    body = {"messages": [{"role": "user", "content": "abort me"}], "max_tokens": 900, "ignore_eos": True}
+    p, lines = _aborted_after_three_lines(pair, "/v1/chat/completions", body, "ab2")
     chunks = [json.loads(line[6:]) for line in lines[:-1]]
     assert p.status_code == 200 and lines[-1] == "data: [DONE]" and len(lines) < 100
     assert all("error" not in c for c in chunks)
