@@ -9,6 +9,9 @@
    with P's error; `abort_both` / `abort_decode` / `abort_prefill` close what still runs and send
    `POST /abort_request` by rid (both, because each covers a gap of the other: a closed connection makes
    SGLang abort a request it is still answering; the rid reaches one the router gave up on).
+4. Once D has the KV (P answered, or D streamed an event: a decode streams only once its KV arrived,
+   `kv_delivered`), P's part is done: P lost from then on (its connection dropped, its answer late, its health checks
+   failed) ends nothing; only P's own error answer still does.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class Attempt:
         self.prefill_error: RouterError | None = None
         self._stop: object = None  # why D's reader must stop: P's error, or the client left
         self.decode_over = False  # D's part is settled: later P failures only get logged
+        self.kv_delivered = False  # D has the KV (P answered, or D streamed: relay.py): P's loss ends nothing
         prefill_body = self.body if req.prefill_body is None else dumps(req.prefill_body)
         self.prefill = state.tasks.spawn(state.upstream.call(req.pair.prefill, req.path, prefill_body),
                                          name=f"prefill-{req.rid}")
@@ -56,7 +60,12 @@ class Attempt:
     def _worker_lost(self, worker, why: str) -> None:
         """A worker of this pair stopped answering its health checks (hung, stopped): end this request now
         with an explicit error (an error event once streaming) instead of waiting on it; aborts go by rid.
-        Retryable: before the first byte, a fresh pair may take the request."""
+        Retryable: before the first byte, a fresh pair may take the request. Not for a prefill whose part is done
+        (`kv_delivered`): the decode has the KV and goes on without it."""
+        if worker is self.req.pair.prefill and self.kv_delivered:
+            log.warning("rid %s: %s %s after the decode had the KV; the request goes on", self.req.rid,
+                        worker.describe(), why)
+            return
         error = UpstreamUnreachable(f"{worker.describe()} {why} while serving this request; it was ended so "
                                     "that it does not hang", retryable=True,
                                     public=worker_text(worker.role, "stopped answering while serving this request"))
@@ -74,12 +83,16 @@ class Attempt:
         elif task.result().error is not None:
             self.prefill_error = task.result().error
         else:
+            self.kv_delivered = True
             self.req.pair.prefill_finished()
             return
         if isinstance(self.prefill_error, UpstreamTimeout):
             self._send_abort(self.req.pair.prefill)
         if self.decode_over:
             log.warning("rid %s: decode already finished, but %s", self.req.rid, self.prefill_error.message)
+        elif self.kv_delivered and isinstance(self.prefill_error, (UpstreamUnreachable, UpstreamTimeout)):
+            log.warning("rid %s: the decode has the KV and streams on, but %s", self.req.rid,
+                        self.prefill_error.message)   # P died or hangs after its KV went out: D needs it no more
         else:
             self.interrupt(self.prefill_error)
 

@@ -9,7 +9,9 @@
      stream ends with `[DONE]`.
   3. D's stream breaks (the decode died): `migration.py` continues it while `migration_limit` allows, otherwise
      P is aborted and the stream ends with an error event and `[DONE]`.
-  4. P fails while D streams: D is aborted, the stream ends with P's error event and `[DONE]`.
+  4. P answers with an error while D streams: D is aborted, the stream ends with P's error event and `[DONE]`. P
+     lost once D streams (its connection dropped, its health checks failed) ends nothing: D has the KV
+     (`Attempt.kv_delivered`).
   5. The client leaves: both legs are aborted, nothing more is sent.
 """
 
@@ -112,6 +114,7 @@ async def forward(flight: StreamOwner, attempt: Attempt, migration: Migration, r
     elif b"[DONE]" in run:   # the common end of a stream: its last event is `data: [DONE]` alone
         tail = run.rstrip()
         done = tail == b"data: [DONE]" or tail.endswith(b"\n\ndata: [DONE]") or sse.is_done(sse.events(run)[-1])
+    attempt.kv_delivered = True   # D streams, so it has the KV: P's part is done (`Attempt`, 4)
     out = migration.outgoing(run)
     if flight.status == 0:
         flight.status = 200

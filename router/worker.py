@@ -154,10 +154,12 @@ class Pair:
 
     def prefill_finished(self) -> None:
         """P answered: its share of the load ends now, while the stream goes on at D (a prefill's load is what it
-        still has to do, which the load-aware policies, `prefix` among them, compare)."""
+        still has to do, which the load-aware policies, `prefix` among them, compare), and it is part of the request
+        no more: the KV is at D, so losing P (`Worker.lost`) ends nothing."""
         if not self._released and self._prefill_counted:
             self._prefill_counted = False
             self.prefill.in_flight -= 1
+            self.prefill.pairs.discard(self)
 
     def release(self) -> None:
         if not self._released:

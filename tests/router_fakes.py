@@ -70,7 +70,9 @@ class FakeWorker:
     aborted: list[str] = field(default_factory=list)
     ever_aborted: set[str] = field(default_factory=set)  # what reset() does not clear: late legs still stop
     hold_s: float = 3.0  # mode "hold": how long the prefill keeps the KV (unless its leg is aborted first); a
-    # "head_first" decode waits for the KV at least this long (else WAIT_S)
+    # "head_first" decode waits for the KV at least this long (else WAIT_S); an "answer_late" decode answers this
+    # long after the KV arrived
+    tokens: int = 100  # how many tokens a "slow" decode streams (0.05 s apart)
 
     def reset(self, mode: str) -> None:
         self.mode, self.received, self.aborted = mode, [], []
@@ -104,6 +106,8 @@ class FakeWorker:
         if mode == "hold":
             await self.wait("never", rid, timeout_s=self.hold_s)
         self.meet("kv_sent", rid).set()
+        if stream and mode == "drop_after_kv":   # the KV went out; the process dies before its answer ended, when
+            return StreamingResponse(self._dropped(self.wait("drop", rid, self.hold_s), rid), media_type=SSE)  # told
         finish = {"type": "length", "length": 0}
         if stream:
             return StreamingResponse(iter([answer("prefill", "x", finish), DONE]), media_type=SSE)
@@ -127,13 +131,15 @@ class FakeWorker:
         if not await self.wait("prefill_arrived" if slow else "kv_sent", rid):
             return JSONResponse({"error": {"message": "prefill never sent KV"}}, status_code=500)
         if not stream:
+            if mode == "answer_late":
+                await self.wait("never", rid, timeout_s=self.hold_s)
             return answer("decode", "hello world", "stop", stream=False)
 
         if mode.startswith("error_first"):
             return StreamingResponse(iter([event(LEAKY), DONE]), media_type=SSE)
 
         async def tokens() -> Any:
-            for i in range(100 if slow else 2):
+            for i in range(self.tokens if slow else 2):
                 if rid in self.aborted:
                     break
                 yield answer("decode", f"tok{i} ")
@@ -146,6 +152,14 @@ class FakeWorker:
             yield DONE
 
         return StreamingResponse(tokens(), media_type=SSE)
+
+    async def _dropped(self, until: Any, rid: Any) -> Any:
+        """A stream body that ends, once `until` is done, with its connection dropped (uvicorn closes it on the
+        error); "dropped" is met then."""
+        await until
+        self.meet("dropped", rid).set()
+        raise ConnectionAbortedError("the worker died")
+        yield b""  # a generator
 
     def app(self) -> FastAPI:
         app = FastAPI()
