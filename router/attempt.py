@@ -4,7 +4,8 @@
    beside it (prefill-first deadlocks: P waits for D to reserve KV).
 2. `open_decode` returns D's response once its status line arrived. If P fails first, D is aborted and
    P's error raised; if D fails first, P is aborted and D's error raised. Either error says whether
-   another pair may take the request (`RouterError.retryable`: the worker cannot have started it).
+   another pair may take the request (`RouterError.retryable`: the worker cannot have started it; P's connection
+   lost at any point, since its answer is never the client's).
 3. After that, a P failure (or either worker failing its health checks: `_worker_lost`) interrupts whoever reads D's body (`Interrupted(error)`), so a stream can end
    with P's error; `abort_both` / `abort_decode` / `abort_prefill` close what still runs and send
    `POST /abort_request` by rid (both, because each covers a gap of the other: a closed connection makes
@@ -86,6 +87,11 @@ class Attempt:
             self.kv_delivered = True
             self.req.pair.prefill_finished()
             return
+        if isinstance(self.prefill_error, UpstreamUnreachable):
+            # P's connection broke (the process died): another pair may take the request while nothing reached the
+            # client, as after any connection failure. That P's head had come is no sign it started anything the
+            # client could see: a streamed leg's 200 comes before its work, and its answer never reaches the client
+            self.prefill_error.retryable = True
         if isinstance(self.prefill_error, UpstreamTimeout):
             self._send_abort(self.req.pair.prefill)
         if self.decode_over:

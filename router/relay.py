@@ -143,9 +143,10 @@ async def relay(flight: StreamOwner, attempt: Attempt) -> None:
                 flight.state.metrics.pair_failures.inc()
                 if not error.retryable or flight.gone:
                     raise error from None
-                migration.attempt.req.pair.release()
-                attempt = await flight.start(flight.upstream, avoid={migration.attempt.req.pair.decode},
-                                             failed=error)
+                pair = migration.attempt.req.pair
+                pair.release()
+                avoid = {pair.decode} | ({pair.prefill} if error is migration.attempt.prefill_error else set())
+                attempt = await flight.start(flight.upstream, avoid=avoid, failed=error)
                 migration.attempt = attempt
                 if not attempt.decode.ok or not attempt.decode.content_type.startswith("text/event-stream"):
                     await flight.answer(attempt)  # D's answer or error, as for any first attempt

@@ -117,7 +117,8 @@ class Upstream:
     def _record(self, worker: Worker, exc: UpstreamError) -> None:
         """A connection-level failure counts for the worker's breaker and the metrics; a timeout does not."""
         if isinstance(exc, (ConnectFailed, ConnectionLost)):
-            worker.record(ok=False, gone=not (isinstance(exc, ConnectionLost) and exc.reused))
+            race = isinstance(exc, ConnectionLost) and exc.reused and exc.before_response   # the keep-alive race
+            worker.record(ok=False, gone=not race)
             self._metrics.connect_errors.labels(worker.name).inc()
 
     def transport_error(self, worker: Worker, exc: UpstreamError) -> RouterError:
@@ -167,6 +168,7 @@ class Upstream:
             return LegResult(worker, 0, b"", "", RouterError(f"{worker.describe()}: {exc}",
                                                              public=worker_text(worker.role, "was interrupted")))
         except UpstreamError as exc:
+            self._record(worker, exc)   # a connection lost mid-answer: the worker may be gone (a held request waits)
             return LegResult(worker, 0, b"", "", transport_error(worker, exc, self.request_timeout_s))
         finally:
             response.close()

@@ -105,6 +105,9 @@ class FakeWorker:
             return StreamingResponse(iter([event(err), DONE]), media_type=SSE) if stream else JSONResponse(err, 500)
         if mode == "hold":
             await self.wait("never", rid, timeout_s=self.hold_s)
+        if stream and mode == "die_once":   # a killed process: the stream's head went out, then the connection drops
+            self.mode = "ok"                # mid-prefill (no KV); the next request is served as usual
+            return StreamingResponse(self._dropped(asyncio.sleep(0.2), rid), media_type=SSE)
         self.meet("kv_sent", rid).set()
         if stream and mode == "drop_after_kv":   # the KV went out; the process dies before its answer ended, when
             return StreamingResponse(self._dropped(self.wait("drop", rid, self.hold_s), rid), media_type=SSE)  # told
@@ -120,13 +123,16 @@ class FakeWorker:
         self.meet("decode_arrived", rid).set()
         if mode == "fail":
             return JSONResponse({"object": "error", "message": "no KV room", "code": 503}, status_code=503)
-        if not stream and mode == "head_first":   # a plain answer's status line now, its body once the KV came
+        if mode == "head_first":   # the status line now (as SGLang's decode), the answer once the KV came
 
             async def body() -> Any:
                 if await self.wait("kv_sent", rid, timeout_s=max(WAIT_S, self.hold_s)):
-                    yield json.dumps(answer("decode", "hello world", "stop", stream=False))
+                    if stream:
+                        yield answer("decode", "tok0 ") + answer("decode", None, "stop") + DONE
+                    else:
+                        yield json.dumps(answer("decode", "hello world", "stop", stream=False))
 
-            return StreamingResponse(body(), media_type="application/json")
+            return StreamingResponse(body(), media_type=SSE if stream else "application/json")
         slow = mode == "slow" and stream  # streams while P still works, as P's failure tests need
         if not await self.wait("prefill_arrived" if slow else "kv_sent", rid):
             return JSONResponse({"error": {"message": "prefill never sent KV"}}, status_code=500)

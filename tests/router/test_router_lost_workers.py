@@ -1,6 +1,6 @@
 """A worker lost while a request is in flight (killed, stopped, restarted by its supervisor), against fake workers
 (`tests/router_fakes.py`) whose health and failures the tests flip: a prefill lost after its KV went out ends
-nothing."""
+nothing, one lost during its prefill is a failed attempt like any other."""
 
 from __future__ import annotations
 
@@ -31,6 +31,11 @@ def router(prefill: FakeWorker, *decodes: FakeWorker, **settings: Any) -> Iterat
 
 def eligible(url: str, role: str) -> int:
     return httpx.get(url + "/health", timeout=SOON_S).json()[role]["eligible"]
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=SOON_S).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
 def read_stream(url: str, after: int = 0, then=None) -> tuple[str, list[dict], list[str]]:
@@ -110,3 +115,20 @@ def test_a_plain_request_whose_prefill_is_lost_after_it_answered_is_not_redone()
     assert answers and answers[0].status_code == 200, answers and answers[0].text
     assert answers[0].json()["choices"][0]["message"]["content"] == "hello world"
     assert len(prefill.received) == len(decode.received) == 1 and decode.aborted == [], "done once"
+
+
+@pytest.mark.parametrize("decode_mode", ["head_first", "ok"])
+def test_a_stream_whose_prefill_dies_during_its_prefill_is_tried_again(decode_mode: str) -> None:
+    """The prefill leg is a stream too: its 200 came before its work, then its connection dropped (the process was
+    killed mid-prefill) while nothing reached the client. The request is held for the prefill's return and served
+    (it was a 502 "the prefill worker dropped the connection", while plain requests were held). The decode's head
+    came at once (SGLang's, "head_first") or waits for the KV."""
+    meet = Rendezvous()
+    prefill, decode = FakeWorker("prefill", meet, mode="die_once"), FakeWorker("decode", meet, mode=decode_mode)
+    with router(prefill, decode, stream_hold_s=SOON_S, max_retries=0) as url:
+        text, errors, lines = read_stream(url)
+        holds = metric(url, "dsv4_router_stream_hold_tries_total")
+    assert errors == [] and lines[-1] == "[DONE]"
+    assert text == (tokens(1) if decode_mode == "head_first" else tokens(2))
+    assert len(prefill.received) == 2, "one try that died, one that answered"
+    assert holds == 1, "the dead prefill's request was held for it (max_retries 0: never retried at once)"
