@@ -82,6 +82,7 @@ class RouterConfig(OperatorSettings):
     # RouterSettings' fields beyond OperatorSettings, and where `launch/plan.py`'s router_settings takes each from
     DERIVED: ClassVar[dict[str, str]] = {
         "model_name": "it is model.name",
+        "context_length": "it is model.context_length",
         "prefill": "the prefill workers are listed under prefill:",
         "decode": "the decode workers are listed under decode:",
         "admin_token": "`up` makes one for the cluster's own calls",
