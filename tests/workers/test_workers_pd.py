@@ -179,6 +179,28 @@ def test_an_aborted_chat_stream_ends_with_finish_reason_abort_as_sglangs(pair):
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["abort"]
 
 
+def test_a_non_streaming_client_that_leaves_aborts_its_request(pair):
+    """A non-streaming request whose client closes its connection (a router that died, a client timeout) is
+    aborted as SGLang's server aborts it: the decode frees its KV at once instead of decoding 900 tokens for
+    nobody."""
+    before = kv_used(pair.decode_url)
+    body = {"text": "nobody waits", "sampling_params": {"max_new_tokens": 900, "ignore_eos": True},
+            **pair.bootstrap(secrets.randbits(63), "left1")}
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as c:
+            p = asyncio.create_task(c.post(pair.prefill_url + "/generate", json=body))
+            with pytest.raises(httpx.ReadTimeout):
+                await c.post(pair.decode_url + "/generate", json=body, timeout=httpx.Timeout(60, read=1.5))
+            return await p
+
+    assert asyncio.run(run()).status_code == 200
+    left_at = time.monotonic()
+    assert wait_for(lambda: kv_used(pair.decode_url) <= before, 3.0, "the left request's KV freed")
+    running = httpx.get(pair.decode_url + "/server_info").json()["internal_states"][0]["num_running_reqs"]
+    assert running == 0 and time.monotonic() - left_at < 3.0
+
+
 def test_metrics_use_sglang_names(pair):
     for url, engine_type in ((pair.prefill_url, "prefill"), (pair.decode_url, "decode")):
         text = httpx.get(url + "/metrics").text

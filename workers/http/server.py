@@ -204,6 +204,23 @@ class WorkerServer:
         """Role hook: refuse requests this role cannot serve."""
 
     async def _collect(self, spec: GenSpec, events: AsyncIterator[Event], request: Request) -> Response:
+        """The whole answer; a client that leaves first (its connection closed) aborts the request, as SGLang's
+        server does for a non-streaming one: the engine frees its KV instead of decoding for nobody."""
+        answer = asyncio.ensure_future(self._answer(spec, events))
+        left = asyncio.ensure_future(_disconnect(request))
+        try:
+            await asyncio.wait((answer, left), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            left.cancel()
+            left_first = not answer.done()
+            answer.cancel()   # unless done: closes `events`, which aborts the engine's request
+        if left_first:
+            with contextlib.suppress(asyncio.CancelledError):
+                await answer
+            return Response(status_code=499)   # nobody reads it
+        return answer.result()
+
+    async def _answer(self, spec: GenSpec, events: AsyncIterator[Event]) -> Response:
         out = ResponseBuilder(spec, self.tokenizer)
         started = time.monotonic()
         async with contextlib.aclosing(events):
@@ -299,3 +316,9 @@ def _describe(error: dict, model: str) -> str:
         return f"{where}: unknown field (SGLang 0.5.23's {model} has no such field); remove it"
     message = error["msg"].removeprefix("Value error, ")
     return f"{where}: {message}" if where else message
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client's connection closed (the body was read already: what comes next is the end)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
