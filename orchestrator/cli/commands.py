@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Any
 
-from dsv4_cluster.core import ClusterStatus
+from dsv4_cluster.core import ClusterStatus, WorkerState
 from dsv4_cluster.orchestrator.cli.ops import (
     WATCH_INTERVAL_S, add_operation_commands, err as _err, run_operation, watch_status)
 from dsv4_cluster.orchestrator.errors import (
@@ -162,6 +162,7 @@ def _cmd_up(deployment: Any, args: argparse.Namespace) -> int:
     except KeyboardInterrupt as e:
         _err(f"up interrupted ({str(e) or 'SIGINT'}); everything it started was stopped")
         return EXIT_INTERRUPTED
+    failed = [w.name for w in result.status.workers if w.state is WorkerState.FAILED]
     if result.already_up:
         print(f"already up from {args.file}; nothing was started")
     else:
@@ -170,6 +171,9 @@ def _cmd_up(deployment: Any, args: argparse.Namespace) -> int:
     if result.verification:
         print(result.verification)
     print(render_table(result.status), flush=True)
+    if result.already_up and failed:   # up again starts nothing: say how to bring these back
+        _err(f"FAILED: {', '.join(failed)}; `dsv4-cluster restart NAME` starts one again (`down` then `up`: all)")
+        return EXIT_FAILED
     if not options.foreground:
         return EXIT_OK
     lost = deployment.watch(FOREGROUND_CHECK_S)

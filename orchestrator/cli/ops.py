@@ -31,7 +31,7 @@ def add_operation_commands(sub: Any) -> None:
                          f"(default {DRAIN_DEADLINE_S:g})")
     dr.add_argument("--timeout", type=float, default=down_d.timeout_s,
                     help=f"seconds between SIGTERM and SIGKILL (default {down_d.timeout_s:g})")
-    rs = sub.add_parser("restart", help="stop WORKER, start it again, pair it again once READY")
+    rs = sub.add_parser("restart", help="stop WORKER (or the router), start it again, pair it again once READY")
     rs.add_argument("worker")
     rs.add_argument("--timeout", type=float, default=up_d.timeout_s,
                     help=f"seconds it may take to become ready (default {up_d.timeout_s:g})")

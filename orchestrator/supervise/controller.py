@@ -24,7 +24,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from dsv4_cluster.orchestrator.supervise.actor_record import (
     ActorRecord, current_actor_id, record_path, write_actor_record)
 from dsv4_cluster.orchestrator.errors import ClusterStartError, UnknownWorkerError
-from dsv4_cluster.core import ClusterStatus, Role, WorkerStatus
+from dsv4_cluster.core import ClusterStatus, Role, WorkerState, WorkerStatus
 from dsv4_cluster.orchestrator.verify.deep_probe import DeepProber
 from dsv4_cluster.orchestrator.launch.plan import LaunchPlan
 from dsv4_cluster.orchestrator.supervise.status_endpoint import StatusServer, with_predicted_capacity
@@ -131,7 +131,7 @@ class ClusterController:
             except (RayTaskError, RayActorError):
                 continue  # a supervisor that is itself restarting: it announces itself when it is back
         if self._spec.router.name in self._supervisors:
-            self._prober = DeepProber(self._spec.workers, self._spec.probe_interval_s)
+            self._prober = DeepProber(self._spec.workers, self._spec.probe_interval_s, ready=self._ready)
             self._prober.start()
 
     def _node_resource(self, node: str) -> str:
@@ -210,7 +210,7 @@ class ClusterController:
             raise ClusterStartError("the cluster did not come up:\n" + "\n".join(failures))
         self._set_targets(started=self._names())
         status = self.status()  # read before the deep probe starts: its request in flight would show as KV in use
-        self._prober = DeepProber(self._spec.workers, self._spec.probe_interval_s)
+        self._prober = DeepProber(self._spec.workers, self._spec.probe_interval_s, ready=self._ready)
         self._prober.start()
         return status
 
@@ -241,12 +241,16 @@ class ClusterController:
         probes = self._prober.results() if self._prober is not None else ()
         return ClusterStatus(self._spec.endpoint, tuple(rows), probes)
 
-    def _worker(self, name: str) -> tuple[LaunchPlan, Any]:
-        plans = {p.name: p for p in self._spec.workers}
+    def _worker(self, name: str, router: bool = False) -> tuple[LaunchPlan, Any]:
+        """A worker's plan and supervisor (or the router's, when `router` allows it)."""
+        plans = {p.name: p for p in [*self._spec.workers, *([self._spec.router] if router else [])]}
         if name not in plans or name not in self._supervisors:
-            raise UnknownWorkerError(f"no worker named {name!r}; this cluster has {sorted(plans)} "
-                                     f"(the router is not drained or restarted by name)")
+            raise UnknownWorkerError(f"no {'process' if router else 'worker'} named {name!r}; this cluster has "
+                                     f"{sorted(plans)}" + ("" if router else " (the router is not drained)"))
         return plans[name], self._supervisors[name]
+
+    def _ready(self, name: str) -> bool:
+        return any(row.state is WorkerState.READY for row in self._rows.rows([name]))
 
     def _admin(self) -> RouterAdmin:
         if self._spec.admin_token is None:
@@ -261,6 +265,7 @@ class ClusterController:
         admin = self._admin()
         try:
             entry = admin.drain(name)
+            self._rows.put(ray.get(supervisor.draining.remote()))   # status reads DRAINING while it waits
             end = time.monotonic() + deadline_s
             while entry["in_flight"] > 0 and time.monotonic() < end:
                 time.sleep(DRAIN_POLL_S)
@@ -274,14 +279,17 @@ class ClusterController:
 
     def restart(self, name: str, timeout_s: float, stop_deadline_s: float) -> WorkerStatus:
         """Stop `name` (SIGTERM, SIGKILL after `stop_deadline_s`), start it again, wait for READY,
-        and let the router pair it again (a drained worker is resumed)."""
-        _, supervisor = self._worker(name)
+        and let the router pair it again (a drained worker is resumed). The router restarts the same way (a FAILED
+        one too); the supervisors tell a new router their workers' states within seconds."""
+        _, supervisor = self._worker(name, router=True)
         try:
             status = ray.get(supervisor.restart.remote(timeout_s, stop_deadline_s))
         except RayTaskError as e:
             raise ClusterStartError(f"{name} did not come back: {_cause(e)}") from None
         self._rows.put(status)
         self._set_targets(started=(name,))
+        if name == self._spec.router.name:
+            return status
         admin = self._admin()
         try:
             admin.resume(name)

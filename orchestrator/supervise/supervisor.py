@@ -294,9 +294,14 @@ class WorkerSupervisor:
 
     def _begin(self, timeout_s: float) -> None:
         self._start_timeout_s = timeout_s
-        self._thread = threading.Thread(target=self._run, args=(timeout_s,), daemon=True,
-                                        name=f"proc-{self._plan.name}")
+        self._thread = threading.Thread(target=self._run, args=(timeout_s,), daemon=True, name=f"proc-{self._plan.name}")
         self._thread.start()
+
+    def draining(self) -> WorkerStatus:
+        """An operator's drain began (the router pairs it no more): a READY row reads DRAINING until `stop`."""
+        if self._state is WorkerState.READY:
+            self._set(WorkerState.DRAINING)
+        return self.status()
 
     def stop(self, deadline_s: float) -> WorkerStatus:
         """SIGTERM the process group, SIGKILL it after `deadline_s`; returns the final status."""
@@ -338,10 +343,8 @@ class WorkerSupervisor:
             self._reported_at = max(time.time(), self._reported_at + 1e-6)  # rows are ordered by it
             reported_at = self._reported_at
         pid = proc.pid if proc is not None and proc.returncode is None else None
-        return status_row(self._plan, state, error, restarts, history, pid, readings, reported_at,
-                          self._ray_node_id)
+        return status_row(self._plan, state, error, restarts, history, pid, readings, reported_at, self._ray_node_id)
 
     def pids(self) -> list[tuple[str, int]]:
-        """(host, pid) of this supervisor and of its process once spawned."""
-        host, proc = socket.gethostname(), self._proc
+        host, proc = socket.gethostname(), self._proc   # this supervisor's, and its process's once spawned
         return [(host, os.getpid())] + ([(host, proc.pid)] if proc is not None else [])

@@ -10,6 +10,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable
 from urllib.parse import urlsplit
 
 import httpx
@@ -62,7 +63,11 @@ def probe_pair(client: httpx.Client, pair: PairEndpoints) -> ProbeResult:
 class DeepProber:
     """Probes every prefill x decode pair every `interval_s` on its own thread until `stop`."""
 
-    def __init__(self, workers: tuple[LaunchPlan, ...], interval_s: float, timeout_s: float = 30.0) -> None:
+    def __init__(self, workers: tuple[LaunchPlan, ...], interval_s: float, timeout_s: float = 30.0,
+                 ready: Callable[[str], bool] = lambda name: True) -> None:
+        """`ready(name)`: whether a worker is READY now; a pair with one that is not (drained, stopped, restarting)
+        is not probed, and its last result is dropped (it spoke of a process that is gone or going)."""
+        self._ready = ready
         prefill = [w for w in workers if w.role is Role.PREFILL]
         decode = [w for w in workers if w.role is Role.DECODE]
         self._pairs = [PairEndpoints.of(p, d) for p in prefill for d in decode]
@@ -79,6 +84,10 @@ class DeepProber:
     def _run(self) -> None:
         while not self._stop.is_set():
             for pair in self._pairs:
+                if not (self._ready(pair.prefill) and self._ready(pair.decode)):
+                    with self._lock:
+                        self._results.pop((pair.prefill, pair.decode), None)
+                    continue
                 result = probe_pair(self._client, pair)
                 if self._stop.is_set():  # stopped while it was in flight: its answer is no one's business
                     return

@@ -1,4 +1,5 @@
-"""The controller's deep prober stops at once even with a probe in flight (`down` waits for it)."""
+"""The controller's deep prober: it stops at once even with a probe in flight (`down` waits for it); it probes only
+pairs whose workers are READY."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import time
 
 from dsv4_cluster.orchestrator.verify import deep_probe
 from dsv4_cluster.orchestrator.verify.deep_probe import DeepProber, PairEndpoints
+from tests.helpers import wait_for
 
 
 def test_stop_does_not_wait_for_a_probe_in_flight() -> None:
@@ -43,3 +45,23 @@ def test_stop_does_not_wait_for_a_probe_in_flight() -> None:
         server.close()
         for conn in held:
             conn.close()
+
+
+def test_a_pair_with_a_worker_not_ready_is_not_probed_and_its_last_result_dropped() -> None:
+    """A drained, stopped or restarting decode: no probe of its pairs (a failure would be the operator's own doing)
+    and no stale result in `status`; once READY again it is probed again."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    server.close()   # nothing listens: a probe fails at once (connection refused)
+    url, ready = f"http://127.0.0.1:{port}", {"prefill-0": True, "decode-0": True}
+    prober = DeepProber((), interval_s=0.05, ready=lambda name: ready[name])
+    prober._pairs = [PairEndpoints("prefill-0", "decode-0", url, "127.0.0.1", port, url)]
+    prober.start()
+    try:
+        assert [r.ok for r in wait_for(prober.results, 10, "a first probe")] == [False]
+        ready["decode-0"] = False
+        wait_for(lambda: prober.results() == (), 10, "the not-ready pair's result dropped")
+        ready["decode-0"] = True
+        assert len(wait_for(prober.results, 10, "a probe once READY again")) == 1
+    finally:
+        prober.stop()

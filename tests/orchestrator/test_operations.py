@@ -94,10 +94,32 @@ def test_drain_under_steady_load_loses_no_request_and_restart_brings_it_back(clu
     assert out and all(r == 16 for r in out), out   # every request of the steady load completed
     rows = status_rows(cluster)
     assert rows["decode-1"]["state"] == "READY" and rows["decode-1"]["restarts"] == 1
+    states = [e["state"] for e in rows["decode-1"]["history"] if e["event"] == "state"]
+    assert ["DRAINING", "STOPPED"] == states[states.index("STOPPED") - 1:states.index("STOPPED") + 1], states
     entry = _admin(cluster, "decode-1")
     assert (entry["state"], entry["drained"], entry["eligible"]) == ("READY", False, True)
     log = Path(rows["decode-1"]["log_path"]).read_text()
     assert log.count("supervisor starts") == 2
+
+
+def test_the_router_restarts_by_name_and_serves_the_same_answers_again(cluster):
+    """`restart router` (what brings a FAILED router back without `down` and `up`): a new router process, READY,
+    and the same greedy answer through it once the supervisors have told it their workers' states."""
+    def ask() -> httpx.Response:
+        return httpx.post(cluster.router_url + "/v1/chat/completions", timeout=60, json={
+            "model": "dsv4-tiny", "max_tokens": 12, "temperature": 0, "messages": [{"role": "user", "content": "again"}]})
+
+    first = ask()
+    assert first.status_code == 200, first.text
+    pid = status_rows(cluster)["router"]["pid"]
+    restarted = cluster.cli("restart", "router", "--timeout", "60")
+    assert restarted.returncode == 0, restarted.stderr + restarted.stdout
+    assert "router restarted: READY" in restarted.stdout
+    row = status_rows(cluster)["router"]
+    assert row["state"] == "READY" and row["pid"] not in (None, pid)
+    answers: list[httpx.Response] = []
+    wait_for(lambda: answers.append(ask()) or answers[-1].status_code == 200, 30, "an answer through the new router")
+    assert answers[-1].json()["choices"][0]["message"] == first.json()["choices"][0]["message"]
 
 
 def test_logs_print_and_follow(cluster):

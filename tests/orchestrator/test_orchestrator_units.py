@@ -63,6 +63,27 @@ def test_a_deep_probe_line_says_its_age_and_which_worker_is_down_since() -> None
     assert up.splitlines()[-1] == "deep probe prefill-0 -> decode-0: ok in 0.05s (12s ago)"
 
 
+def test_up_again_with_a_failed_process_names_it_and_exits_non_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    """`up` on a running cluster starts nothing; with the router FAILED it said 'already up' and exited 0 while the
+    endpoint refused connections. Now: the table, then which process is FAILED and how to start it again."""
+    import argparse
+    from types import SimpleNamespace
+
+    from dsv4_cluster.orchestrator.cli import commands
+    from dsv4_cluster.orchestrator.cluster.deployment import UpResult
+
+    router = _row(name="router", role=Role.ROUTER, state=WorkerState.FAILED, pid=None, kv=None)
+    status = ClusterStatus("http://localhost:30001/v1", (_row(name="prefill-0", role=Role.PREFILL), _row(), router))
+    args = argparse.Namespace(file="topology.yaml", address=None, timeout=60.0, foreground=False)
+    fake = SimpleNamespace(up=lambda path, options: UpResult(status, already_up=True))
+    assert commands._cmd_up(fake, args) == commands.EXIT_FAILED
+    out, err = capsys.readouterr()
+    assert "already up from topology.yaml; nothing was started" in out and "FAILED" in out
+    assert "FAILED: router; `dsv4-cluster restart NAME` starts one again" in err
+    healthy = SimpleNamespace(up=lambda path, options: UpResult(ClusterStatus("e", (_row(),)), already_up=True))
+    assert commands._cmd_up(healthy, args) == commands.EXIT_OK
+
+
 def test_bench_prints_its_table_and_names_an_unwritable_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     """A sweep that ran is never lost to a bad `--out`, and the operator sees why, not a traceback."""
