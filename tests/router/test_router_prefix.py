@@ -147,7 +147,8 @@ def test_prefix_is_a_prefill_policy_only():
 
 def test_a_prefills_load_ends_when_its_leg_does():
     """The stream goes on at the decode after P answered: P's in-flight count (its load for least_load, power_of_two
-    and prefix) drops then, the decode's at release; either way each count drops once."""
+    and prefix) drops then, and P is part of the request no more (losing it ends nothing), the decode's at release;
+    either way each count drops once."""
     from dsv4_cluster.router.worker import Pair
 
     p, d = _prefills(1)[0], Worker(Role.DECODE, "decode-0", "http://127.0.0.1:9100")
@@ -155,7 +156,7 @@ def test_a_prefills_load_ends_when_its_leg_does():
     assert (p.in_flight, d.in_flight) == (1, 1)
     pair.prefill_finished()
     pair.prefill_finished()
-    assert (p.in_flight, d.in_flight) == (0, 1) and pair in p.pairs
+    assert (p.in_flight, d.in_flight) == (0, 1) and pair not in p.pairs and pair in d.pairs
     pair.release()
     pair.release()
     assert (p.in_flight, d.in_flight) == (0, 0) and pair not in p.pairs
