@@ -133,6 +133,7 @@ def test_a_reply_sent_back_as_history_and_the_openai_fields_sglang_ignores_are_a
 @pytest.mark.parametrize("body,field", [
     ({"frequency_penalty": 0.5}, "frequency_penalty"),
     ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"stream_options": {"continuous_usage_stats": True}}, "continuous_usage_stats"),
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"messages": [{"role": "assistant", "content": "x", "prefix": True}]}, "prefix"),
     ({"presence_penalty": -1}, "presence_penalty"),

@@ -45,7 +45,14 @@ class Bootstrap(_SGLangBody):
 
 class StreamOptions(_Body):
     include_usage: bool = False
-    continuous_usage_stats: Literal[False] = False
+    continuous_usage_stats: bool = False
+
+    @model_validator(mode="after")
+    def _usage_once(self):
+        if self.continuous_usage_stats:
+            raise ValueError("continuous_usage_stats: true is not supported: the embedded engine sends usage once, "
+                             "in the stream's last chunk (include_usage); omit it or send false")
+        return self
 
 
 def _lower(role: Any) -> Any:
