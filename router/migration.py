@@ -1,6 +1,7 @@
-"""Migration: a stream whose decode died continues on a fresh pair instead of ending with an error, so that a
-greedy stream interrupted by a decode's death equals the uninterrupted one byte for byte (NVIDIA Dynamo's
-`--migration-limit`; docs/router.md, "What a request goes through", 6, says what the client sees).
+"""Migration: a stream whose decode died (or was lost: its health checks failed) continues on a fresh pair instead of
+ending with an error, so that a greedy stream interrupted by a decode's death equals the uninterrupted one byte for
+byte (NVIDIA Dynamo's `--migration-limit`; docs/router.md, "What a request goes through", 6, says what the client
+sees).
 
 `resume.py` builds the continuation; this module splices its events onto the old stream: `/generate`'s cumulative
 `text` / `output_ids` / logprobs prefixed with the old ones, legacy `text_offset`s shifted, usage counting the
@@ -185,7 +186,7 @@ class Migration:
         body = continuation(path, self.flight.upstream, done)
         if body is None:
             return False
-        log.warning("rid %s: its decode broke off after %d tokens; continued from %s", old.req.rid, done.tokens,
+        log.warning("rid %s: %s after %d tokens; continued from %s", old.req.rid, broke.message, done.tokens,
                     "text (its workers reported no prompt ids)" if done.prompt_ids is None else
                     f"{len(done.prompt_ids)} prompt + {len(done.ids)} output token ids")
         self.left -= 1

@@ -7,8 +7,9 @@
   2. D's `[DONE]` ends the stream. An error event before anything was sent is a failed attempt
      (`_worker_errors`); after that it is rewritten (502-class code, the role's text), P is aborted and the
      stream ends with `[DONE]`.
-  3. D's stream breaks (the decode died): `migration.py` continues it while `migration_limit` allows, otherwise
-     P is aborted and the stream ends with an error event and `[DONE]`.
+  3. D's stream breaks (the decode died), or a worker of the attempt is lost (D failed its health checks: stopped,
+     or restarted without a drain): `migration.py` continues it while `migration_limit` allows, otherwise P is
+     aborted and the stream ends with an error event and `[DONE]`.
   4. P answers with an error while D streams: D is aborted, the stream ends with P's error event and `[DONE]`. P
      lost once D streams (its connection dropped, its health checks failed) ends nothing: D has the KV
      (`Attempt.kv_delivered`).
@@ -50,6 +51,13 @@ def _error_of(exc: BaseException) -> RouterError | None:
     if isinstance(exc, Interrupted):
         return exc.reason if isinstance(exc.reason, RouterError) else None
     return exc if isinstance(exc, RouterError) else None
+
+
+def _continued(exc: BaseException, error: RouterError) -> bool:
+    """Whether a failure after the first byte is continued on a fresh pair (step 3): D's stream broke (it died), or a
+    worker of the attempt is lost (`Attempt._worker_lost`: D failed its health checks, stopped or restarting; or P,
+    on a continuation whose decode has not streamed yet). The client has whole events only, so the seam is exact."""
+    return isinstance(exc, StreamBroke) or (isinstance(error, UpstreamUnreachable) and error.retryable)
 
 
 def _worker_errors(flight: StreamOwner, attempt: Attempt, events: list[bytes]) -> tuple[list[bytes], bool]:
@@ -152,7 +160,7 @@ async def relay(flight: StreamOwner, attempt: Attempt) -> None:
                     await flight.answer(attempt)  # D's answer or error, as for any first attempt
                     return
                 continue
-            if isinstance(exc, StreamBroke) and await migration.next_attempt(error):
+            if _continued(exc, error) and await migration.next_attempt(error):
                 continue
             await flight.send({"type": "http.response.body", "body": sse.error_event(error.body()) + sse.DONE,
                                "more_body": False})

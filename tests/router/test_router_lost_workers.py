@@ -1,6 +1,7 @@
 """A worker lost while a request is in flight (killed, stopped, restarted by its supervisor), against fake workers
 (`tests/router_fakes.py`) whose health and failures the tests flip: a prefill lost after its KV went out ends
-nothing, one lost during its prefill is a failed attempt like any other."""
+nothing, one lost during its prefill is a failed attempt like any other, and a decode that fails its health checks
+mid-stream is continued on a fresh pair as a crashed one is."""
 
 from __future__ import annotations
 
@@ -132,3 +133,37 @@ def test_a_stream_whose_prefill_dies_during_its_prefill_is_tried_again(decode_mo
     assert text == (tokens(1) if decode_mode == "head_first" else tokens(2))
     assert len(prefill.received) == 2, "one try that died, one that answered"
     assert holds == 1, "the dead prefill's request was held for it (max_retries 0: never retried at once)"
+
+
+@pytest.mark.parametrize("case", ["another decode", "the same decode back", "no migration budget"])
+def test_a_stream_whose_decode_fails_its_health_checks_is_continued_on_a_fresh_pair(case: str) -> None:
+    """The decode stops answering its health checks mid-stream (SIGTERM: it stops accepting, its streams run on for
+    a while): the stream is continued from what the client has, as one whose decode crashed, on another decode or
+    on the same one once it is back (held, `stream_hold_s`), within `migration_limit`. It used to end with "the
+    decode worker stopped answering while serving this request"."""
+    meet = Rendezvous()
+    lost = FakeWorker("decode", meet, mode="slow", tokens=100)
+    decodes = [lost, FakeWorker("decode", meet)] if case == "another decode" else [lost]
+    prefill = FakeWorker("prefill", meet)
+
+    def lose_decode() -> None:
+        lost.mode = "unhealthy"
+        wait_for(lambda: eligible(url, "decode") == len(decodes) - 1, SOON_S, "the decode out of the pool")
+        if case == "the same decode back":
+            lost.mode = "ok"
+
+    with router(prefill, *decodes, stream_hold_s=SOON_S, migration_limit=0 if case == "no migration budget" else 1) \
+            as url:
+        text, errors, lines = read_stream(url, after=3, then=lose_decode)
+        migrations = metric(url, "dsv4_router_migrations_total")
+    assert lines[-1] == "[DONE]" and lost.aborted_soon(lost.received[0]["body"]["rid"])
+    if case == "no migration budget":
+        assert [e["message"] for e in errors] == ["the decode worker stopped answering while serving this request"]
+        assert migrations == 0 and len(lost.received) == 1
+        return
+    assert errors == [] and migrations == 1
+    resumed = decodes[-1].received[-1]["body"]
+    assert len(prefill.received) == 2 and resumed["continue_final_message"] is True
+    seam = resumed["messages"][-1]
+    assert seam["role"] == "assistant" and seam["content"].startswith(tokens(3)) and len(seam["content"]) < 400
+    assert text == seam["content"] + tokens(2), "the continuation goes on from the text the client has"
