@@ -35,8 +35,8 @@ def _whole(value: Any) -> Any:
 
 # OpenAI's ranges on /v1/chat/completions and /v1/completions.
 OpenAITemperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
-MaxTokens = Annotated[int, BeforeValidator(_whole), Field(ge=1)]               # max_tokens, max_completion_tokens
-N = Annotated[int, BeforeValidator(_whole), Field(ge=1, le=128)]
+MaxTokens = Annotated[int, Field(ge=1), BeforeValidator(_whole)]               # max_tokens, max_completion_tokens
+N = Annotated[int, Field(ge=1, le=128)]   # not whole floats: the router counts a batch's items by an int n
 MAX_TOP_LOGPROBS = 20                                                          # OpenAI's limit on chat
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]                # alternatives per output token
 

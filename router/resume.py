@@ -173,8 +173,8 @@ def continuation(path: str, body: dict[str, Any], done: Progress) -> dict | None
         return new
     messages = new["messages"]
     last = messages[-1] if messages else None
-    if new.get("continue_final_message") and isinstance(last, dict) and last.get("role") == "assistant" \
-            and isinstance(last.get("content"), str):
+    if new.get("continue_final_message") and isinstance(last, dict) and str(last.get("role")).lower() == "assistant" \
+            and isinstance(last.get("content"), str):   # SGLang takes a role in any case
         last["content"] += done.text
     else:
         messages.append({"role": "assistant", "content": done.text})

@@ -52,7 +52,7 @@ def plan_launch(device: torch.device, b: int, h: int, dtype: torch.dtype, is_fp8
         return LaunchPlan("gluon_h16", config, (b, splits), splits, kwargs["FUSE_MERGE"], kwargs)
     if backend == "gluon_mma_v2":
         splits, kwargs = _mma_v2_plan(b, h, w, k, is_fp8, config, sms, flags, geos)
-        pairs = _pairs(config, h, is_fp8, geos, -(-w // config.block_n) + -(-k // config.block_n), splits)
+        pairs = _pairs(config, h, is_fp8, flags[0], geos, -(-w // config.block_n) + -(-k // config.block_n), splits)
         return LaunchPlan("gluon_mma_v2", config, (b, splits), splits, False, kwargs, pairs)
     groups = h // config.head_group if config.head_group and h > config.head_group else 1
     dot_f32 = dtype == torch.float32 or device.type != "cuda"
@@ -85,15 +85,15 @@ def _triton_plan(b, h, w, k, is_fp8, config, sms, flags, geos, dot_f32):
                         num_stages=config.num_stages)
 
 
-def _pairs(config, h: int, is_fp8: bool, geos, num_blocks: int, splits: int) -> bool:
+def _pairs(config, h: int, is_fp8: bool, has_extra: bool, geos, num_blocks: int, splits: int) -> bool:
     """Whether the mma.sync launch takes its blocks two at a time (gluon_mma_v2_pair.py): 64 heads on 8 warps, fp8
     rows in words (as compiled for sm_120a it spills at 16 warps and on bytes), config.pair_min_blocks blocks a split
     or more, and an extra cache of 64 entries a page or more: SGLang's ratio-4 cache, whose 512-entry top-k list is
     full from 2K tokens on. The ratio-128 list (2 entries a 256-token page) is context / 128 entries wide whatever is
     live, and with few live blocks a pair's fixed cost and an odd count's empty half lose (9 live: 39.1 against 37.1
-    us, H100 standing in)."""
+    us, H100 standing in); a window-only call (no extra cache) stays on the one-block kernel too."""
     floor = config.pair_min_blocks or 0
-    return (floor > 0 and (h, config.num_warps) == (64, 8) and is_fp8 and bool(config.fp8_words)
+    return (floor > 0 and (h, config.num_warps) == (64, 8) and is_fp8 and bool(config.fp8_words) and has_extra
             and geos[1].page_tokens >= 64 and -(-num_blocks // splits) >= floor)
 
 

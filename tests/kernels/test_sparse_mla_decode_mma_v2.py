@@ -54,16 +54,21 @@ def test_gpu_mma_v2_16_heads_matches_reference(fp8, warps, words, lazy, b, split
 def test_gpu_mma_v2_paired_blocks_match_reference(monkeypatch, lazy, pairs, b, splits):
     """The kernel taking two blocks at a time (gluon_mma_v2_pair.py; the sm_120 64-head row from 10 blocks a split,
     here from 1, 2 or 5, so that odd counts, single blocks and splits with no rows all run): fp8 in words, 8 warps,
-    as the plan launches it. From 1 block a split, and from 2 with 2 or 3 splits of a query's 40 blocks, the launch is
-    the paired kernel's."""
-    from dsv4_cluster.kernels.sparse_mla_decode import gluon_mma_v2_pair, launch
+    as the plan launches it. The launch is the paired kernel's exactly when a split's share of the 40 configured
+    blocks (128 window + 512 extra rows) reaches `pairs`, the one-block kernel's otherwise."""
+    from dsv4_cluster.kernels.sparse_mla_decode import gluon_mma_v2, gluon_mma_v2_pair, launch
 
     launched, real = [], launch.fast_launch
-    monkeypatch.setattr(launch, "fast_launch",
-                        lambda kernel, *a, **kw: (launched.append(kernel), real(kernel, *a, **kw))[1])
+    def spy(kernel, grid, *args, **kwargs):
+        launched.append((kernel, grid))
+        return real(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(launch, "fast_launch", spy)
     _matches_reference(64, True, 8, True, lazy, b, splits, seed=900 + pairs, pairs=pairs)
-    paired = pairs == 1 or (pairs == 2 and splits in (2, 3))
-    assert launched and (not paired or launched[0] is gluon_mma_v2_pair._sparse_decode_mma_v2_pair_kernel)
+    kernel, (_, used_splits) = launched[0]
+    paired = -(-40 // used_splits) >= pairs
+    assert kernel is (gluon_mma_v2_pair._sparse_decode_mma_v2_pair_kernel if paired else
+                      gluon_mma_v2._sparse_decode_mma_v2_kernel), (used_splits, pairs)
 
 
 def _matches_reference(heads, fp8, warps, words, lazy, b, splits, seed, pairs=0):
@@ -157,20 +162,22 @@ def test_sm120_64_heads_runs_mma_v2_on_fp8_from_b8_and_the_triton_row_elsewhere(
 def test_sm120_64_heads_take_the_ratio4_blocks_two_at_a_time_where_splits_hold_enough(plans_on):
     """The plan's pairs (`plan._pairs`), without a GPU: on the ratio-4 cache (64 entries a page) where a split holds
     the row's 10 blocks or more (c4: 128 + 512 rows, 40 blocks); not on the ratio-128 cache (2 entries a page), not
-    at small B (few blocks a split), not when the config turns them off or asks for 16 warps."""
+    at small B (few blocks a split), not when the config turns them off or asks for 16 warps, not without an extra
+    cache."""
     from dsv4_cluster.kernels.sparse_mla_decode.fp8_layout import PageGeometry
 
     plan_launch = plans_on("sm_120")
 
-    def pairs(b, extra_page=64, k=512, **cfg):
+    def pairs(b, extra_page=64, k=512, extra=True, **cfg):
         p = plan_launch(torch.device("cuda"), b, 64, torch.bfloat16, True, LaunchConfig(**cfg), 128, k,
-                        (True, True, True, True), (PageGeometry.packed(256), PageGeometry.packed(extra_page)), 132)
+                        (extra, True, extra, True), (PageGeometry.packed(256), PageGeometry.packed(extra_page)), 132)
         return p.backend == "gluon_mma_v2" and p.pairs, -(-(8 + -(-k // 16)) // p.splits)
 
     assert pairs(128) == (True, 40) and pairs(32)[0] and pairs(64)[0]
     assert pairs(8) == (False, pairs(8)[1]) and pairs(8)[1] < 10
     assert not pairs(128, extra_page=2)[0] and not pairs(128, extra_page=2, k=8192)[0]
     assert not pairs(128, pair_min_blocks=0)[0] and not pairs(128, num_warps=16)[0]
+    assert not pairs(128, k=0, extra=False, pair_min_blocks=1)[0]   # a window-only call: no extra cache to pair on
 
 
 def test_the_word_dequantisation_arithmetic_is_exact_for_every_e4m3_byte():

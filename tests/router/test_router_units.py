@@ -185,6 +185,10 @@ def test_without_ids_a_continuation_goes_on_from_the_text_the_client_has() -> No
     new = continuation("/v1/chat/completions", body, progress("/v1/chat/completions", sent))
     assert new["messages"][-1] == {"role": "assistant", "content": "ab"} and new["continue_final_message"]
     assert new["max_completion_tokens"] == 4 and "input_ids" not in new
+    partial = {**body, "messages": [*body["messages"], {"role": "Assistant", "content": "x"}],
+               "continue_final_message": True}
+    extended = continuation("/v1/chat/completions", partial, progress("/v1/chat/completions", sent))["messages"]
+    assert extended[1:] == [{"role": "Assistant", "content": "xab"}]   # the client's partial reply, in any case
     whole = continuation("/v1/chat/completions", {**body, "max_completion_tokens": 5.0},   # admitted as SGLang does
                          progress("/v1/chat/completions", sent))
     assert whole["max_completion_tokens"] == 4

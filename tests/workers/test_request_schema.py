@@ -152,12 +152,13 @@ def test_non_neutral_openai_fields_are_refused_naming_the_field(body, field):
 
 def test_whole_floats_are_taken_as_ints_on_the_openai_routes_as_sglang_takes_them():
     """`max_tokens: 5.0` (SGLang's lax models take it): the router's strict admission and the worker agree; 5.5
-    and a boolean stay refused by the router."""
+    and a boolean stay refused by the router. (Not `n`: the router counts a batch's items by an int n.)"""
     from dsv4_cluster.router.admission import ChatBody
 
-    body = {**CHAT, "max_tokens": 5.0, "max_completion_tokens": 4.0, "n": 1.0}
+    body = {**CHAT, "max_tokens": 5.0, "max_completion_tokens": 4.0}
     assert ChatCompletionRequest.model_validate(body).sampling(128).max_new_tokens == 4
-    assert (ChatBody.model_validate(body).max_tokens, ChatBody.model_validate(body).n) == (5, 1)
+    assert ChatBody.model_validate(body).max_tokens == 5
+    assert ChatBody.model_json_schema()["properties"]["max_tokens"]["anyOf"][0]["minimum"] == 1   # /openapi.json
     for bad in (5.5, True):
         with pytest.raises(ValidationError, match="max_tokens"):
             ChatBody.model_validate({**CHAT, "max_tokens": bad})
