@@ -7,6 +7,7 @@ own process group (loopback, every port free below the ephemeral range) and `dow
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import signal
 import socket
@@ -135,3 +136,17 @@ def disconnect() -> None:
 
 def head_alive(head: HeadProcess) -> bool:
     return bool(group_members(head.pid))
+
+
+def ray_node_ip(address: str) -> str:
+    """The IP Ray knows a node at `address` by: the address itself when it is an IP (or does not resolve here:
+    `up` then names the node as missing), else what the hostname resolves to."""
+    try:
+        ipaddress.ip_address(address)
+        return address
+    except ValueError:
+        pass
+    try:
+        return socket.gethostbyname(address)
+    except OSError:
+        return address

@@ -10,7 +10,6 @@ asks each for its row once), so `stop` kills them by name (`kill_supervisors` fo
 from __future__ import annotations
 
 import hashlib
-import ipaddress
 import os
 import socket
 import threading
@@ -23,6 +22,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from dsv4_cluster.orchestrator.supervise.actor_record import (
     ActorRecord, current_actor_id, record_path, write_actor_record)
+from dsv4_cluster.orchestrator.cluster.ray_cluster import ray_node_ip
 from dsv4_cluster.orchestrator.errors import ClusterStartError, UnknownWorkerError
 from dsv4_cluster.core import ClusterStatus, Role, WorkerState, WorkerStatus
 from dsv4_cluster.orchestrator.verify.deep_probe import DeepProber
@@ -44,20 +44,6 @@ DRAIN_POLL_S = 0.2
 ACTOR_MAX_RESTARTS = -1  # Ray restarts a dead controller or supervisor for as long as the cluster is up
 READ_RETRIES = 2  # status/pids are safe to send again to an actor Ray restarted
 TAKE_OVER_WAIT_S = 5.0  # a restarted controller's wait for the rows it asks of the running supervisors
-
-
-def ray_node_ip(address: str) -> str:
-    """The IP Ray knows a node at `address` by: the address itself when it is an IP (or does not resolve here:
-    `up` then names the node as missing), else what the hostname resolves to."""
-    try:
-        ipaddress.ip_address(address)
-        return address
-    except ValueError:
-        pass
-    try:
-        return socket.gethostbyname(address)
-    except OSError:
-        return address
 
 
 def cluster_identity(admin_token: str | None) -> str | None:
@@ -270,6 +256,9 @@ class ClusterController:
             while entry["in_flight"] > 0 and time.monotonic() < end:
                 time.sleep(DRAIN_POLL_S)
                 entry = admin.worker(name)
+        except BaseException:
+            self._rows.put(ray.get(supervisor.draining.remote(False)))   # nothing was stopped: READY again
+            raise
         finally:
             admin.close()
         final = ray.get(supervisor.stop.remote(stop_deadline_s))
@@ -288,14 +277,22 @@ class ClusterController:
             raise ClusterStartError(f"{name} did not come back: {_cause(e)}") from None
         self._rows.put(status)
         self._set_targets(started=(name,))
-        if name == self._spec.router.name:
-            return status
         admin = self._admin()
         try:
-            admin.resume(name)
+            if name == self._spec.router.name:
+                self._tell_states(admin)
+            else:
+                admin.resume(name)
         finally:
             admin.close()
         return status
+
+    def _tell_states(self, admin: RouterAdmin) -> None:
+        """A new router knows no worker's state, and the supervisor of a stopped or FAILED worker tells it none:
+        each worker's state from its row."""
+        for row in self._rows.rows(p.name for p in self._spec.workers):
+            if row.state is not None:   # None: a silent supervisor's row; when it speaks again, it tells
+                admin.set_state(row.name, row.state, (row.error or "").split("\n")[0][:300] or None)
 
     def identity(self) -> str | None:
         """Which cluster this controller runs: `cluster_identity` of its admin token (the record has the token)."""

@@ -31,8 +31,7 @@ from dsv4_cluster.orchestrator.supervise.actor_record import (
 from dsv4_cluster.orchestrator.launch.plan import LaunchPlan
 from dsv4_cluster.orchestrator.launch.port_owner import held_ports_note
 from dsv4_cluster.orchestrator.supervise.policy import CrashWindow, HealthPolicy, RestartPolicy
-from dsv4_cluster.orchestrator.processes import (
-    exit_text, group_members, log_tail, signal_group, start_time)
+from dsv4_cluster.orchestrator.processes import exit_text, group_members, log_tail, signal_group, start_time
 from dsv4_cluster.orchestrator.readback.probe import first_unready
 from dsv4_cluster.orchestrator.supervise.router_admin import RouterAdmin, RouterLink, StateReporter
 from dsv4_cluster.orchestrator.supervise.spawn import spawn
@@ -79,7 +78,7 @@ class WorkerSupervisor:
         self._stop = threading.Event()
         self._first_outcome = threading.Event()
         self._start_error: str | None = None
-        self._restarts = 0
+        self._restarts, self._drain = 0, False   # _drain: an operator drain is under way (`draining`)
         self._crashes = CrashWindow(policy)
         self._error: str | None = None
         self._thread: threading.Thread | None = None
@@ -101,8 +100,7 @@ class WorkerSupervisor:
 
     def _write_record(self, running: bool) -> None:
         """Best effort: without its record a restarted supervisor starts nothing, and says so in its log."""
-        proc = self._proc
-        pid = proc.pid if proc is not None else None
+        pid = self._proc.pid if self._proc is not None else None
         try:
             write_actor_record(self._record_path, ActorRecord(
                 self._actor_id, os.getpid(), pid, start_time(pid) if pid is not None else None,
@@ -121,8 +119,7 @@ class WorkerSupervisor:
         logger.warning("%s: supervisor restarted by Ray; killed %s left of the old worker; starting it again",
                        self._plan.name, leftovers or "nothing")
         self._restarts = old.restarts + 1
-        self._set(WorkerState.STARTING, "its supervisor's process died (the worker with it); Ray restarted "
-                                        "the supervisor, which starts the worker again")
+        self._set(WorkerState.STARTING, "its supervisor's process died (the worker with it); Ray restarted the supervisor")
         self._begin(old.start_timeout_s or RESUME_TIMEOUT_S)
 
     # -- the process thread ---------------------------------------------------------------
@@ -264,7 +261,7 @@ class WorkerSupervisor:
             if problem is None:
                 self._read_back(proc.pid, pinning_due=polls % PINNING_EVERY_POLLS == 0)
                 if failures:
-                    self._set(WorkerState.READY)
+                    self._set(WorkerState.DRAINING if self._drain else WorkerState.READY)
                 failures = 0
             else:
                 failures += 1
@@ -297,10 +294,12 @@ class WorkerSupervisor:
         self._thread = threading.Thread(target=self._run, args=(timeout_s,), daemon=True, name=f"proc-{self._plan.name}")
         self._thread.start()
 
-    def draining(self) -> WorkerStatus:
-        """An operator's drain began (the router pairs it no more): a READY row reads DRAINING until `stop`."""
-        if self._state is WorkerState.READY:
-            self._set(WorkerState.DRAINING)
+    def draining(self, on: bool = True) -> WorkerStatus:
+        """An operator's drain began (the router pairs it no more): a READY row reads DRAINING until `stop`, also
+        after a health blip; `on` False: the drain failed before its stop, READY again."""
+        self._drain = on
+        if self._state is (WorkerState.READY if on else WorkerState.DRAINING):
+            self._set(WorkerState.DRAINING if on else WorkerState.READY)
         return self.status()
 
     def stop(self, deadline_s: float) -> WorkerStatus:
@@ -333,6 +332,7 @@ class WorkerSupervisor:
             self._stop, self._first_outcome = threading.Event(), threading.Event()
             self._restarts += 1
             self._crashes.clear()
+            self._drain = False
         return self.start(timeout_s)
 
     def status(self) -> WorkerStatus:

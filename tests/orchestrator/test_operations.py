@@ -112,14 +112,21 @@ def test_the_router_restarts_by_name_and_serves_the_same_answers_again(cluster):
     first = ask()
     assert first.status_code == 200, first.text
     pid = status_rows(cluster)["router"]["pid"]
+    drained = cluster.cli("drain", "decode-1")   # stopped: its supervisor tells a new router nothing
+    assert drained.returncode == 0, drained.stderr + drained.stdout
     restarted = cluster.cli("restart", "router", "--timeout", "60")
     assert restarted.returncode == 0, restarted.stderr + restarted.stdout
     assert "router restarted: READY" in restarted.stdout
     row = status_rows(cluster)["router"]
     assert row["state"] == "READY" and row["pid"] not in (None, pid)
+    stopped = _admin(cluster, "decode-1")   # the controller told the new router: not paired
+    assert (stopped["state"], stopped["eligible"]) == ("STOPPED", False), stopped
     answers: list[httpx.Response] = []
     wait_for(lambda: answers.append(ask()) or answers[-1].status_code == 200, 30, "an answer through the new router")
     assert answers[-1].json()["choices"][0]["message"] == first.json()["choices"][0]["message"]
+    back = cluster.cli("restart", "decode-1", "--timeout", "120")
+    assert back.returncode == 0, back.stderr + back.stdout
+    assert _admin(cluster, "decode-1")["eligible"]
 
 
 def test_logs_print_and_follow(cluster):

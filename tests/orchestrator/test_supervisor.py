@@ -307,6 +307,21 @@ def test_a_short_health_blip_is_degraded_and_back_without_a_restart(tmp_path: Pa
         sup.stop(deadline_s=5)
 
 
+def test_a_drain_reads_draining_through_a_health_blip_and_ready_again_when_it_fails(tmp_path: Path) -> None:
+    """`draining`: READY reads DRAINING (the controller's drain waits for in-flight requests); a health blip in the
+    meantime comes back to DRAINING, not READY; `draining(False)` (the drain failed, nothing was stopped) is READY."""
+    sup = WorkerSupervisor(_plan(tmp_path, "--unhealthy-after", "1.0", "--unhealthy-for", "0.3"),
+                           RestartPolicy(backoff_s=0.1), FAST_HEALTH)
+    sup.start(timeout_s=30)
+    try:
+        assert sup.draining().state == "DRAINING"
+        assert _wait_for(sup, lambda s: s.state == "DEGRADED").state == "DEGRADED"
+        assert _wait_for(sup, lambda s: s.state != "DEGRADED").state == "DRAINING"
+        assert sup.draining(False).state == "READY"
+    finally:
+        sup.stop(deadline_s=5)
+
+
 def test_the_router_hears_every_state_change(tmp_path: Path) -> None:
     """The real router app (admin API) learns DEGRADED, RESTARTING, READY and STOPPED of a worker."""
     from dsv4_cluster.orchestrator.supervise.router_admin import RouterAdmin, RouterLink
