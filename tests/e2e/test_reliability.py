@@ -60,7 +60,9 @@ def test_a_fault_ends_every_request_explicitly_within_10s_and_the_cluster_recove
     assert result.in_flight >= 1 and result.errored + result.held + _router_tries(cluster) - tried >= 1, summary
     assert (result.hung, result.lost, result.reset) == (0, 0, 0), summary
     assert result.completed + result.errored + result.held == 4, summary
-    assert result.latest_end_after_fault_s <= rf.DEADLINE_S, summary
+    # None: no request ended near the fault, every one was held and completed (a stopped only decode's streams
+    # are held for its restart and continued there)
+    assert result.latest_end_after_fault_s is None or result.latest_end_after_fault_s <= rf.DEADLINE_S, summary
     assert result.recovery_s is not None and result.after_ok == result.after_total == 4, summary
     assert result.kv_after == result.kv_baseline, summary
     assert result.orphans == [], summary
