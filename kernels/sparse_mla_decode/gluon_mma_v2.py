@@ -192,6 +192,45 @@ def _scaled(alpha, o0, o1, o2, o3):
 
 
 @gluon.jit
+def _pv(p, stage, o0, o1, o2, o3, dot_a: gl.constexpr, dot_b: gl.constexpr, DC: gl.constexpr):
+    """O_c += P V[:, c] over one stage's rows, P converted once to the A-operand layout."""
+    p_op = gl.convert_layout(p.to(gl.bfloat16), dot_a)
+    o0 = mma_v2(p_op, stage.slice(0 * DC, DC, dim=1).load(dot_b), o0)
+    o1 = mma_v2(p_op, stage.slice(1 * DC, DC, dim=1).load(dot_b), o1)
+    o2 = mma_v2(p_op, stage.slice(2 * DC, DC, dim=1).load(dot_b), o2)
+    o3 = mma_v2(p_op, stage.slice(3 * DC, DC, dim=1).load(dot_b), o3)
+    return o0, o1, o2, o3
+
+
+@gluon.jit
+def _epilogue(o0, o1, o2, o3, m_i, l_acc, b, split, num_splits, part_o_ptr, part_lse_ptr, sink_ptr, out_ptr,
+              stride_ob, stride_oh, lse_ptr, stride_lb, H: gl.constexpr, DC: gl.constexpr, SPLIT_OUT: gl.constexpr,
+              HAS_SINK: gl.constexpr, row_l: gl.constexpr, col_l: gl.constexpr):
+    """O / l and the lse of a split (part_o [B, splits, H, 512], part_lse) or of the query (the sink applied)."""
+    lse, inv = lse_and_inverse(m_i, gl.sum(l_acc, axis=1))
+    offs_h = gl.arange(0, H, layout=row_l)
+    offs_d = gl.arange(0, DC, layout=col_l)
+    if SPLIT_OUT:
+        row = (b * num_splits + split).to(gl.int64) * H + offs_h
+        base = part_o_ptr + row[:, None] * D_ALL + offs_d[None, :]
+        gl.store(base + 0 * DC, o0 * inv[:, None])
+        gl.store(base + 1 * DC, o1 * inv[:, None])
+        gl.store(base + 2 * DC, o2 * inv[:, None])
+        gl.store(base + 3 * DC, o3 * inv[:, None])
+        gl.store(part_lse_ptr + row, lse)
+    else:
+        if HAS_SINK:
+            inv = inv / (1.0 + gl.exp(gl.load(sink_ptr + offs_h) - lse))
+        base = out_ptr + b.to(gl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :]
+        ty = out_ptr.dtype.element_ty
+        gl.store(base + 0 * DC, (o0 * inv[:, None]).to(ty))
+        gl.store(base + 1 * DC, (o1 * inv[:, None]).to(ty))
+        gl.store(base + 2 * DC, (o2 * inv[:, None]).to(ty))
+        gl.store(base + 3 * DC, (o3 * inv[:, None]).to(ty))
+        gl.store(lse_ptr + b * stride_lb + offs_h, lse)
+
+
+@gluon.jit
 def _sparse_decode_mma_v2_kernel(
     q_ptr, stride_qb, stride_qh,
     kv_ptr, stride_kv, ekv_ptr, stride_ekv,
@@ -303,32 +342,9 @@ def _sparse_decode_mma_v2_kernel(
             l_acc = l_acc * alpha[:, None] + p
             o0, o1, o2, o3 = _scaled(alpha, o0, o1, o2, o3)
             m_i = m_new
-        p_op = gl.convert_layout(p.to(gl.bfloat16), dot_a)
-        o0 = mma_v2(p_op, stage.slice(0 * DC, DC, dim=1).load(dot_b), o0)
-        o1 = mma_v2(p_op, stage.slice(1 * DC, DC, dim=1).load(dot_b), o1)
-        o2 = mma_v2(p_op, stage.slice(2 * DC, DC, dim=1).load(dot_b), o2)
-        o3 = mma_v2(p_op, stage.slice(3 * DC, DC, dim=1).load(dot_b), o3)
+        o0, o1, o2, o3 = _pv(p, stage, o0, o1, o2, o3, dot_a, dot_b, DC)
         _stage_store(k_smem.index((j - lo + 1) % 2), rows_n, BN)
         gl.barrier()
 
-    lse, inv = lse_and_inverse(m_i, gl.sum(l_acc, axis=1))
-    offs_h = gl.arange(0, H, layout=row_l)
-    offs_d = gl.arange(0, DC, layout=col_l)
-    if SPLIT_OUT:
-        row = (b * num_splits + split).to(gl.int64) * H + offs_h  # part_o [B, splits, H, 512]
-        base = part_o_ptr + row[:, None] * D_ALL + offs_d[None, :]
-        gl.store(base + 0 * DC, o0 * inv[:, None])
-        gl.store(base + 1 * DC, o1 * inv[:, None])
-        gl.store(base + 2 * DC, o2 * inv[:, None])
-        gl.store(base + 3 * DC, o3 * inv[:, None])
-        gl.store(part_lse_ptr + row, lse)
-    else:
-        if HAS_SINK:
-            inv = inv / (1.0 + gl.exp(gl.load(sink_ptr + offs_h) - lse))
-        base = out_ptr + b.to(gl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :]
-        ty = out_ptr.dtype.element_ty
-        gl.store(base + 0 * DC, (o0 * inv[:, None]).to(ty))
-        gl.store(base + 1 * DC, (o1 * inv[:, None]).to(ty))
-        gl.store(base + 2 * DC, (o2 * inv[:, None]).to(ty))
-        gl.store(base + 3 * DC, (o3 * inv[:, None]).to(ty))
-        gl.store(lse_ptr + b * stride_lb + offs_h, lse)
+    _epilogue(o0, o1, o2, o3, m_i, l_acc, b, split, num_splits, part_o_ptr, part_lse_ptr, sink_ptr, out_ptr,
+              stride_ob, stride_oh, lse_ptr, stride_lb, H, DC, SPLIT_OUT, HAS_SINK, row_l, col_l)

@@ -20,20 +20,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from .gluon_epilogue import lse_and_inverse
 from .gluon_kernel import _block_range
-from .gluon_mma_v2 import D_ALL, LAZY_LOG2, _block_indices, _dequant, _load_raw, _scaled, _stage_store
-
-
-@gluon.jit
-def _pv(p, stage, o0, o1, o2, o3, dot_a: gl.constexpr, dot_b: gl.constexpr, DC: gl.constexpr):
-    """O_c += P V[:, c] over one stage's rows, P converted once to the A-operand layout."""
-    p_op = gl.convert_layout(p.to(gl.bfloat16), dot_a)
-    o0 = mma_v2(p_op, stage.slice(0 * DC, DC, dim=1).load(dot_b), o0)
-    o1 = mma_v2(p_op, stage.slice(1 * DC, DC, dim=1).load(dot_b), o1)
-    o2 = mma_v2(p_op, stage.slice(2 * DC, DC, dim=1).load(dot_b), o2)
-    o3 = mma_v2(p_op, stage.slice(3 * DC, DC, dim=1).load(dot_b), o3)
-    return o0, o1, o2, o3
+from .gluon_mma_v2 import (D_ALL, LAZY_LOG2, _block_indices, _dequant, _epilogue, _load_raw, _pv, _scaled,
+                           _stage_store)
 
 
 @gluon.jit
@@ -160,24 +149,5 @@ def _sparse_decode_mma_v2_pair_kernel(
         idx_rb = _block_indices(j + 7, hi, nbw, wlen, elen, widx_row, eidx_row, offs_r, BN)
         gl.barrier()
 
-    lse, inv = lse_and_inverse(m_i, gl.sum(l_acc, axis=1))
-    offs_h = gl.arange(0, H, layout=row_l)
-    offs_d = gl.arange(0, DC, layout=col_l)
-    if SPLIT_OUT:
-        row = (b * num_splits + split).to(gl.int64) * H + offs_h
-        base = part_o_ptr + row[:, None] * D_ALL + offs_d[None, :]
-        gl.store(base + 0 * DC, o0 * inv[:, None])
-        gl.store(base + 1 * DC, o1 * inv[:, None])
-        gl.store(base + 2 * DC, o2 * inv[:, None])
-        gl.store(base + 3 * DC, o3 * inv[:, None])
-        gl.store(part_lse_ptr + row, lse)
-    else:
-        if HAS_SINK:
-            inv = inv / (1.0 + gl.exp(gl.load(sink_ptr + offs_h) - lse))
-        base = out_ptr + b.to(gl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :]
-        ty = out_ptr.dtype.element_ty
-        gl.store(base + 0 * DC, (o0 * inv[:, None]).to(ty))
-        gl.store(base + 1 * DC, (o1 * inv[:, None]).to(ty))
-        gl.store(base + 2 * DC, (o2 * inv[:, None]).to(ty))
-        gl.store(base + 3 * DC, (o3 * inv[:, None]).to(ty))
-        gl.store(lse_ptr + b * stride_lb + offs_h, lse)
+    _epilogue(o0, o1, o2, o3, m_i, l_acc, b, split, num_splits, part_o_ptr, part_lse_ptr, sink_ptr, out_ptr,
+              stride_ob, stride_oh, lse_ptr, stride_lb, H, DC, SPLIT_OUT, HAS_SINK, row_l, col_l)
