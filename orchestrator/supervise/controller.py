@@ -29,7 +29,8 @@ from dsv4_cluster.orchestrator.verify.deep_probe import DeepProber
 from dsv4_cluster.orchestrator.launch.plan import LaunchPlan
 from dsv4_cluster.orchestrator.supervise.status_endpoint import StatusServer, with_predicted_capacity
 from dsv4_cluster.orchestrator.monitor.targets import listed, record_targets
-from dsv4_cluster.orchestrator.supervise.router_admin import RouterAdmin, RouterAdminError, RouterLink
+from dsv4_cluster.orchestrator.supervise.router_admin import (
+    RouterAdmin, RouterAdminError, RouterLink, reason_line)
 from dsv4_cluster.orchestrator.supervise.row_store import RowStore
 from dsv4_cluster.orchestrator.supervise.status_push import ControllerSink
 from dsv4_cluster.orchestrator.supervise.supervisor import WorkerSupervisor
@@ -292,7 +293,7 @@ class ClusterController:
         each worker's state from its row."""
         for row in self._rows.rows(p.name for p in self._spec.workers):
             if row.state is not None:   # None: a silent supervisor's row; when it speaks again, it tells
-                admin.set_state(row.name, row.state, (row.error or "").split("\n")[0][:300] or None)
+                admin.set_state(row.name, row.state, reason_line(row.error))
 
     def identity(self) -> str | None:
         """Which cluster this controller runs: `cluster_identity` of its admin token (the record has the token)."""

@@ -89,6 +89,11 @@ class RouterAdmin:
         self._http.close()
 
 
+def reason_line(error: str | None) -> str | None:
+    """A state's reason as the router and the status history keep it: its first line, at most 300 characters."""
+    return (error or "").split("\n")[0][:300] or None
+
+
 class StateReporter:
     """Tells the router a worker's state unless it has it already; a failure waits for the next call
     (the router may not be up yet, or be restarting)."""
@@ -103,7 +108,7 @@ class StateReporter:
         never send out of order; `again`: even if the router has it, for a router that restarted and forgot."""
         with self._lock:
             state, error = read()
-            current = (state, (error or "").split("\n")[0][:300] or None)
+            current = (state, reason_line(error))
             if current == self._told and not again:
                 return
             try:

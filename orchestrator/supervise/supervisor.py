@@ -33,7 +33,7 @@ from dsv4_cluster.orchestrator.launch.port_owner import held_ports_note
 from dsv4_cluster.orchestrator.supervise.policy import CrashWindow, HealthPolicy, RestartPolicy
 from dsv4_cluster.orchestrator.processes import exit_text, group_members, log_tail, signal_group, start_time
 from dsv4_cluster.orchestrator.readback.probe import first_unready
-from dsv4_cluster.orchestrator.supervise.router_admin import RouterAdmin, RouterLink, StateReporter
+from dsv4_cluster.orchestrator.supervise.router_admin import RouterAdmin, RouterLink, StateReporter, reason_line
 from dsv4_cluster.orchestrator.supervise.spawn import spawn
 from dsv4_cluster.orchestrator.supervise.status_push import StatusPusher
 from dsv4_cluster.orchestrator.supervise.status_row import Readings, ray_node_id, status_row, take_readings
@@ -128,7 +128,7 @@ class WorkerSupervisor:
         with self._lock:
             self._state, self._error = state, error
             self._history.append({"at": time.time(), "event": "state", "state": state.value,
-                                  "reason": (error or "").split("\n")[0][:300] or None})
+                                  "reason": reason_line(error)})
         self._changed()
         self._tell_router()
 
