@@ -196,7 +196,7 @@ class Engine:
             req = self.reqs.get(rid)
             if req is not None:
                 self.stats.aborted += 1
-                self.fail(req, 499, reason, state=ReqState.ABORTED, event=Aborted(reason) if finished else None)
+                self.end(req, Aborted(reason) if finished else Failed(499, reason), ReqState.ABORTED)
         else:
             payload()
 
@@ -214,11 +214,14 @@ class Engine:
         self.release(req)
         self.reqs.pop(req.rid, None)
 
-    def fail(self, req: Req, status: int, message: str, state: ReqState = ReqState.ABORTED,
-             event: Aborted | None = None) -> None:
+    def fail(self, req: Req, status: int, message: str, state: ReqState = ReqState.ABORTED) -> None:
+        self.end(req, Failed(status, message), state)
+
+    def end(self, req: Req, event: Failed | Aborted, state: ReqState = ReqState.ABORTED) -> None:
+        """End a request before it finished: `event` (an error, or /abort_request's finish) is its last."""
         keep_pages = req.state is ReqState.TRANSFERRING
         self.on_fail(req)
-        req.emit(event or Failed(status, message))
+        req.emit(event)
         if keep_pages:
             req.state = state
             self.reqs.pop(req.rid, None)
