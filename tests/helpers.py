@@ -83,6 +83,13 @@ def gone(pids: list[int], timeout_s: float = SOON_S) -> list[int]:
     return latest_when(lambda: [p for p in pids if pid_alive(p)], lambda alive: not alive, timeout_s, interval_s=0.1)
 
 
+def metric(url: str, name: str, timeout_s: float = 5.0) -> float:
+    """The sum of a Prometheus metric's samples at `url`/metrics whose line starts with `name` (a family, or one
+    labelled series when `name` carries its labels)."""
+    text = httpx.get(url + "/metrics", timeout=timeout_s).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
 def kv_used(url: str) -> int:
     """The KV tokens a worker holds now (its `/server_info`, as SGLang reports `num_used_tokens`)."""
     return httpx.get(url + "/server_info", timeout=10).json()["internal_states"][0]["num_used_tokens"]

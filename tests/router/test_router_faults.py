@@ -14,7 +14,7 @@ from dsv4_cluster.router.app import build_app
 from dsv4_cluster.router.settings import RouterSettings
 from tests.router_fakes import MESSAGES, WAIT_S, FakeWorker, Rendezvous, router_settings
 from tests.servers import StubThread, UvicornThread, bound_socket
-from tests.helpers import SOON_S, wait_for
+from tests.helpers import SOON_S, metric, wait_for
 
 TOKENS = "".join(f"t{i} " for i in range(8))
 
@@ -39,10 +39,6 @@ def content(data: list[str]) -> str:
     chunks = [json.loads(d) for d in data if d != "[DONE]"]
     return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
 
-
-def metric(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=WAIT_S).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
 @pytest.mark.parametrize("stream", [False, True])

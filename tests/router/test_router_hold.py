@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from dsv4_cluster.router.app import build_app
-from tests.helpers import wait_for
+from tests.helpers import metric, wait_for
 from tests.router_fakes import router_settings
 from tests.servers import UvicornThread
 from tests.worker_procs import WorkerPair, restart, start_pair, stop_pair
@@ -27,10 +27,6 @@ def pair(tmp_path_factory):
     finally:
         stop_pair(pair)
 
-
-def metric(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=5).text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
 
 
 def test_plain_requests_on_the_only_prefill_are_held_across_its_restart(pair: WorkerPair) -> None:

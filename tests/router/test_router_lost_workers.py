@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from dsv4_cluster.router.app import build_app
-from tests.helpers import SOON_S, wait_for
+from tests.helpers import SOON_S, metric, wait_for
 from tests.router_fakes import MESSAGES, FakeWorker, Rendezvous, router_settings
 from tests.servers import UvicornThread
 
@@ -33,10 +33,6 @@ def router(prefill: FakeWorker, *decodes: FakeWorker, **settings: Any) -> Iterat
 def eligible(url: str, role: str) -> int:
     return httpx.get(url + "/health", timeout=SOON_S).json()[role]["eligible"]
 
-
-def metric(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=SOON_S).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
 def read_stream(url: str, after: int = 0, then=None) -> tuple[str, list[dict], list[str]]:
@@ -128,7 +124,7 @@ def test_a_stream_whose_prefill_dies_during_its_prefill_is_tried_again(decode_mo
     prefill, decode = FakeWorker("prefill", meet, mode="die_once"), FakeWorker("decode", meet, mode=decode_mode)
     with router(prefill, decode, stream_hold_s=SOON_S, max_retries=0) as url:
         text, errors, lines = read_stream(url)
-        holds = metric(url, "dsv4_router_stream_hold_tries_total")
+        holds = metric(url, "dsv4_router_stream_hold_tries_total", SOON_S)
     assert errors == [] and lines[-1] == "[DONE]"
     assert text == (tokens(1) if decode_mode == "head_first" else tokens(2))
     assert len(prefill.received) == 2, "one try that died, one that answered"
@@ -155,7 +151,7 @@ def test_a_stream_whose_decode_fails_its_health_checks_is_continued_on_a_fresh_p
     with router(prefill, *decodes, stream_hold_s=SOON_S, migration_limit=0 if case == "no migration budget" else 1) \
             as url:
         text, errors, lines = read_stream(url, after=3, then=lose_decode)
-        migrations = metric(url, "dsv4_router_migrations_total")
+        migrations = metric(url, "dsv4_router_migrations_total", SOON_S)
     assert lines[-1] == "[DONE]" and lost.aborted_soon(lost.received[0]["body"]["rid"])
     if case == "no migration budget":
         assert [e["message"] for e in errors] == ["the decode worker stopped answering while serving this request"]
