@@ -58,7 +58,7 @@ def run_sides(a: argparse.Namespace, pages: str, workdir: Path) -> dict:
     """Start the decode and the prefill side with pools in state `pages`, wait for the prefill's result; neither
     outlives this call."""
     side = {k: getattr(a, k) for k in ("sizes", "preset", "n_layers", "page_size", "repeats", "warmup", "ucx_tls",
-                                       "churn_cycles", "occupancy")}
+                                       "churn_cycles", "occupancy", "order")}
     side.update(port=free_ports(1)[0], pool_pages=pool_pages(a, pages), pages=pages, seed=0, peer_device=a.decode_device)
     mod = [sys.executable, "-m", "bench.kv_transfer_sides"]
     cmds = {"decode": [*mod, json.dumps({**side, "role": "decode", "device": a.decode_device})],
@@ -131,7 +131,8 @@ def table(report: dict) -> str:
             f"{lay['page_size']} tokens, {lay['dtype']}: "
             f"{pool['page_bytes']} B per page, {min(pool['buffer_page_bytes'])}-{max(pool['buffer_page_bytes'])} B "
             "per buffer), "
-            f"pages: {cfg['pages']}, {cfg['repeats']} repeats (+{cfg['warmup']} warmup), GB/s = bytes / p50 latency.\n\n"
+            f"pages: {cfg['pages']}, {cfg.get('order', 'prefill-first')} (which side allocated first), "
+            f"{cfg['repeats']} repeats (+{cfg['warmup']} warmup), GB/s = bytes / p50 latency.\n\n"
             f"UCX transports of the WRITEs (UCX_PROTO_INFO): engine {_transports(ucx['engine'])}; "
             f"raw NIXL {_transports(ucx['raw'])}.\n\n")
     state = pool.get("state", {})
@@ -181,7 +182,7 @@ def build_report(a: argparse.Namespace, pages: str, raw: dict, logs: list[Path],
     ucx = ucx_proto.summarize(logs, list(agents.values()), "cuda" if on_gpus else "host")
     return {"config": {"prefill_device": a.prefill_device, "decode_device": a.decode_device, "preset": a.preset,
                        "repeats": a.repeats, "warmup": a.warmup,
-                       "pages": pages, "churn_cycles": a.churn_cycles if pages != "fresh" else 0,
+                       "pages": pages, "order": a.order, "churn_cycles": a.churn_cycles if pages != "fresh" else 0,
                        "occupancy": a.occupancy if pages in ("churned", "cache") else None,
                        "host_load_avg_at_start": [round(x, 2) for x in load], "ucx_tls": a.ucx_tls or os.environ.get("UCX_TLS")},
             "pool": raw["pool"], "sizes": rows,
@@ -214,6 +215,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    "(every other page held: every free run one page, the worst case); cache (the prefill's pool full "
                    "of a prefix cache after --churn-cycles turns of multi-turn chat, bench/kv_cache_churn.py, its "
                    "allocation making room for each request; the decode's churned)")
+    p.add_argument("--order", choices=("prefill-first", "decode-first"), default="prefill-first",
+                   help="which side allocates a request's pages first: prefill-first (an idle prefill starts before "
+                   "decode's reservation arrives); decode-first (a queued prefill: its pages follow decode's runs)")
     p.add_argument("--occupancy", type=float, default=0.9, help="share of each churned pool held (default 0.9)")
     p.add_argument("--churn-cycles", type=int, default=5000, help="allocate/free cycles (cache: chat turns)")
     p.add_argument("--timeout-s", type=float, default=540.0)

@@ -108,10 +108,10 @@ def prefix_cache_state(pool: KVPool, requests: int, seed: int) -> PrefixCache:
     return cache
 
 
-def cache_alloc(cache: PrefixCache, pages: int, rng: random.Random) -> list[int]:
+def cache_alloc(cache: PrefixCache, pages: int, rng: random.Random, follow: list[int] | None) -> list[int]:
     """A timed request's `pages` through the prefix cache, room made as the prefill engine makes it (its tokens lie
     above the workload's 0-255: never cached); they go back with `pool.release`."""
-    got = cache.allocate([256 + rng.randrange(1 << 20) for _ in range(pages * CACHE_PAGE)])
+    got = cache.allocate([256 + rng.randrange(1 << 20) for _ in range(pages * CACHE_PAGE)], follow)
     if got is None:
         raise SideError(f"the prefix cache could not make room for {pages} pages")
     return got[1]
@@ -282,10 +282,19 @@ class PrefillSide:
 
     def measure(self, tokens: int) -> dict:
         a, pool, transfer = self.a, self.pool, self.transfer
-        # the prefill engine's allocator (in cache mode through its prefix cache, which makes room first)
-        src = cache_alloc(self.cache, pool.pages_for(tokens), self.rng) if self.cache else pool.alloc(tokens)
-        self.link.send({"op": "prepare", "tokens": tokens})
-        dst, nbytes = _recv(self.link)["dst"], len(src) * pool.page_bytes   # what PrefillEngine counts for the WRITE
+        # the prefill engine's allocator (in cache mode through its prefix cache, which makes room first); with
+        # --order decode-first decode reserved first (a queued prefill) and the prefill's pages follow decode's runs
+        first = a.order == "decode-first"
+        if first:
+            self.link.send({"op": "prepare", "tokens": tokens})
+            dst = _recv(self.link)["dst"]
+        follow = dst if first else None
+        src = (cache_alloc(self.cache, pool.pages_for(tokens), self.rng, follow) if self.cache
+               else pool.alloc(tokens, follow))
+        if not first:
+            self.link.send({"op": "prepare", "tokens": tokens})
+            dst = _recv(self.link)["dst"]
+        nbytes = len(src) * pool.page_bytes   # what PrefillEngine counts for the WRITE
         tele: dict[str, dict | None] = {}    # NIXL telemetry of each kind's last WRITE (TELEMETRY_ON)
         poll = {k: functools.partial(p, telemetry=functools.partial(tele.__setitem__, k)) if TELEMETRY_ON else p
                 for k, p in (("engine", transfer.poll), ("raw", self.raw.poll))}

@@ -122,3 +122,59 @@ def test_the_pool_uses_the_allocator_and_keeps_its_pad_page_out():
         pool.alloc(1)
     pool.release(got)
     assert pool.used_tokens == 0 and pad not in pool.alloc(4 * 9)
+
+
+def _churned(seed: int) -> PageAllocator:
+    """A pool of 1,024 pages held at ~90% by requests of arbitrary sizes (the KV bench's churn)."""
+    a, rng, held = PageAllocator(1024), random.Random(seed), []
+    for _ in range(3000):
+        n = rng.randint(1, 128)
+        if held and (1024 - len(a) + n > 920 or rng.random() < 0.3):
+            a.release(held.pop(rng.randrange(len(held))))
+        elif n <= len(a):
+            held.append(a.alloc(n))
+    return a
+
+
+def test_following_the_peers_pages_breaks_only_where_the_peer_does():
+    """Both pools churned: a request no free run holds, allocated blind, moves in the breaks of both sides;
+    allocated following the peer's pages, in no more descriptors, and in the peer's runs alone where this side's
+    free runs can hold those (a constructed case: free runs 6, 5, 4 here, the peer's 4 + 6 + 5)."""
+    total_blind = total_followed = 0
+    for seed in range(8):
+        src, dst = _churned(seed), _churned(100 + seed)
+        longest = max(length for _, length in src.runs)
+        n = min(len(src), len(dst), 2 * longest)
+        assert n > longest                                   # no free run on this side holds it
+        peer = dst.alloc(n)
+        blind = src.alloc(n)
+        src.release(blind)
+        followed = src.alloc(n, follow=peer)
+        assert len(followed) == n and len(set(followed)) == n and set(followed).isdisjoint(p for s, k in src.runs
+                                                                                          for p in range(s, s + k))
+        descs, descs_blind = len(page_runs(followed, peer)), len(page_runs(blind, peer))
+        assert _runs(peer) <= descs <= descs_blind
+        total_blind, total_followed = total_blind + descs_blind, total_followed + descs
+    assert total_followed < total_blind
+
+    a = PageAllocator(20)
+    held = a.alloc(20)
+    for lo, hi in ((0, 6), (8, 13), (15, 19)):
+        a.release(held[lo:hi])
+    peer = [*range(100, 104), *range(40, 46), *range(60, 65)]
+    blind = a.alloc(15)
+    a.release(blind)
+    got = a.alloc(15, follow=peer)
+    assert got == [15, 16, 17, 18, 0, 1, 2, 3, 4, 5, 8, 9, 10, 11, 12]
+    assert len(page_runs(got, peer)) == 3 < len(page_runs(blind, peer)) == 5
+
+
+def test_a_peer_run_no_free_run_holds_is_split_and_nothing_is_lost():
+    a = PageAllocator(20)
+    held = a.alloc(20)
+    for lo, hi in ((0, 3), (5, 9), (12, 14)):
+        a.release(held[lo:hi])                               # free runs of 3, 4, 2
+    got = a.alloc(8, follow=[100, 101, 102, 50, 51, 52, 53, 54])   # peer runs of 3 and 5: the 5 fits nowhere
+    assert got[:3] == [0, 1, 2] and sorted(got[3:]) == [5, 6, 7, 8, 12] and len(a) == 1
+    a.release(got)
+    assert a.alloc(9) and len(a) == 0

@@ -23,7 +23,7 @@ from dsv4_cluster.workers.prefill.engine import PrefillEngine
 from dsv4_cluster.workers.engine.request import Failed, Req, Token
 from dsv4_cluster.workers.engine.runner import ModelRunner, RunnerConfig
 from dsv4_cluster.workers.engine.sampling import SamplingParams
-from dsv4_cluster.workers.kv.transfer import NixlTransfer, XferState
+from dsv4_cluster.workers.kv.transfer import NixlTransfer, XferState, page_runs
 from tests.helpers import wait_for
 
 PAGE = 16
@@ -161,3 +161,35 @@ def test_the_prefill_role_captures_no_decode_graphs_and_takes_the_write_deadline
     assert DecodeServer(parse_args("decode", argv)).runner_config().cuda_graph_max_bs == 32
     with pytest.raises(SystemExit):
         parse_args("prefill", [*boot, "--write-timeout-s", "0"])
+
+
+class _Recorder(_StuckTransfer):
+    """A transfer that records each WRITE's pages and ends it at once."""
+
+    def __init__(self):
+        super().__init__()
+        self.end, self.writes = True, []
+
+    def write_pages(self, peer, src, dst, notif, incarnation=None):
+        self.writes.append((list(src), list(dst)))
+        return object()
+
+
+def test_a_prefill_that_allocates_after_decode_reserved_breaks_its_pages_where_decodes_break():
+    """Decode reserved 19 pages as runs of 9 and 10; this pool's free runs are 12 and 10 pages long. Blind, the
+    prefill would take 12 + 7 and the WRITE would be 3 descriptors; following decode's runs it is 2."""
+    runner = _runner()
+    pool, transfer = runner.pool, _Recorder()
+    held = pool.alloc(pool.capacity_tokens)
+    pool.release([p for p in held if p < 12 or 50 <= p < 60])
+    engine = PrefillEngine(runner, transfer, write_timeout_s=5)
+    dst = [*range(200, 209), *range(300, 310)]
+    engine.destinations.put(11, "dec", dst)
+    events, done = [], threading.Event()
+    req = _req(11, events, done)
+    engine.on_submit(req)
+    engine.reqs[req.rid] = req
+    wait_for(lambda: (engine.step(), transfer.writes)[1], 30, "the request's WRITE", interval_s=0)
+    (src, to), = transfer.writes
+    assert to == dst and src == [*range(0, 9), *range(50, 60)]
+    assert len(page_runs(src, to)) == 2

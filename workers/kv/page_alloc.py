@@ -30,8 +30,9 @@ class PageAllocator:
         """The free runs, (first page, pages), in page order."""
         return [(s, self._length[s]) for s in self._starts]
 
-    def alloc(self, n: int) -> list[int]:
-        """n pages as few runs as the free runs allow (the caller checked `len(self) >= n`)."""
+    def alloc(self, n: int, follow: list[int] | None = None) -> list[int]:
+        """n pages as few runs as the free runs allow (the caller checked `len(self) >= n`); when no free run
+        holds n and `follow` gives the other side's pages for the same tokens, broken where those are."""
         if n > self._free:
             raise PageAllocatorError(f"{n} pages asked, {self._free} free (check len() first)")
         if n <= 0:
@@ -39,6 +40,24 @@ class PageAllocator:
         fits = [s for s in self._starts if self._length[s] >= n]
         if fits:
             return self._take(min(fits, key=lambda s: (self._length[s], s)), n)
+        if follow is not None and len(follow) >= n:
+            return self._follow([length for _, length in _runs_in_order(follow[:n])])
+        return self._longest_first(n)
+
+    def _follow(self, lengths: list[int]) -> list[int]:
+        """One free run per piece of `lengths` (the other side's runs, in token order), longest piece first, best
+        fit; the pieces no free run then holds are split over the longest runs left. Returned in token order."""
+        got: dict[int, list[int]] = {}
+        for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+            fits = [s for s in self._starts if self._length[s] >= lengths[i]]
+            if fits:
+                got[i] = self._take(min(fits, key=lambda s: (self._length[s], s)), lengths[i])
+        for i in range(len(lengths)):
+            if i not in got:
+                got[i] = self._longest_first(lengths[i])
+        return [p for i in range(len(lengths)) for p in got[i]]
+
+    def _longest_first(self, n: int) -> list[int]:
         pages: list[int] = []
         for start in sorted(self._starts, key=lambda s: (-self._length[s], s)):
             pages += self._take(start, min(n - len(pages), self._length[start]))
@@ -117,14 +136,21 @@ class PageAllocator:
         del self._length[start]
 
 
-def _runs(pages: list[int]) -> list[tuple[int, int]]:
-    """Sorted pages -> (first, length) of each stretch of consecutive pages; a repeated page is an error."""
+def _runs_in_order(pages: list[int]) -> list[tuple[int, int]]:
+    """(first, length) of each stretch of consecutive pages, in the list's order (unsorted: a request's pages)."""
     out: list[list[int]] = []
     for p in pages:
         if out and p == out[-1][0] + out[-1][1]:
             out[-1][1] += 1
-        elif out and p < out[-1][0] + out[-1][1]:
-            raise PageAllocatorError(f"page {p} released twice in one call")
         else:
             out.append([p, 1])
     return [(s, n) for s, n in out]
+
+
+def _runs(pages: list[int]) -> list[tuple[int, int]]:
+    """Sorted pages -> (first, length) of each stretch of consecutive pages; a repeated page is an error."""
+    runs = _runs_in_order(pages)
+    for (start, length), (nxt, _) in zip(runs, runs[1:]):
+        if nxt < start + length:
+            raise PageAllocatorError(f"page {nxt} released twice in one call")
+    return runs

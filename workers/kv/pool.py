@@ -172,11 +172,12 @@ class KVPool:
         self._reserved += 1
         return self._free.take_last()
 
-    def alloc(self, num_tokens: int) -> list[int]:
+    def alloc(self, num_tokens: int, follow: list[int] | None = None) -> list[int]:
+        """Pages for `num_tokens`; `follow`: the peer's pages for the same tokens (`PageAllocator.alloc`)."""
         need = self.pages_for(num_tokens)
         if need > len(self._free):
             raise PoolExhausted(f"{need} pages needed, {len(self._free)} free")
-        return self._free.alloc(need)
+        return self._free.alloc(need, follow)
 
     def release(self, pages: list[int]) -> None:
         self._free.release(pages)

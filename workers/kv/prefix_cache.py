@@ -128,13 +128,15 @@ class PrefixCache:
     RESERVE_SHARE = 16    # evicting, free 1/16 of the pool beyond what the request needs (fewer, longer runs)
     COLD_FACTOR = 4       # evict among the least recently used unlocked pages, 4x as many as asked (at most half)
 
-    def allocate(self, tokens: list[int]) -> tuple[list[int], list[int], list[RadixNode]] | None:
+    def allocate(self, tokens: list[int], follow: list[int] | None = None
+                 ) -> tuple[list[int], list[int], list[RadixNode]] | None:
         """A prompt's pages: (all of them, its own new ones, the locked nodes of its cached prefix), or None when
         the pool cannot hold it even after evicting (nothing is held then). When the pool is short, or its free
         pages would give the request more than `MAX_RUNS` runs, cached pages are evicted first: what is short plus
         a reserve of 1/`RESERVE_SHARE` of the pool, as long runs (`evict`), so that the request's KV moves to
         decode in few NIXL descriptors (without this, a full cache handed out the scattered single pages of the
-        many prompts it evicted: p50 23 runs in bench/kv_cache_churn.py, against 1 now)."""
+        many prompts it evicted: p50 23 runs in bench/kv_cache_churn.py, against 1 now). `follow`: the decode's
+        pages for the whole prompt when it reserved them first (`PageAllocator.alloc`)."""
         cached, nodes = self.match(tokens)
         rest = len(tokens) - len(cached) * self.page
         need = self.pool.pages_for(rest)
@@ -147,7 +149,7 @@ class PrefixCache:
         if need > self.pool.free_pages:
             self.unlock(nodes)
             return None
-        own = self.pool.alloc(len(tokens) - len(cached) * self.page)
+        own = self.pool.alloc(rest, follow[len(cached):] if follow is not None else None)
         return cached + own, own, nodes
 
     # -- 4. evict ---------------------------------------------------------------------------------

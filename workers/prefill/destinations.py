@@ -46,6 +46,12 @@ class Destinations:
             self._by_room[room] = Destination(agent_name, pages, now, incarnation)
             return True
 
+    def pages(self, room: int) -> list[int] | None:
+        """The pages decode reserved for `room`, if it has (the engine's allocation follows their runs)."""
+        with self._lock:
+            dest = self._by_room.get(room)
+            return dest.pages if dest is not None else None
+
     def take(self, room: int) -> Destination | None:
         """The engine is about to WRITE into the room's pages (until `done`)."""
         with self._lock:

@@ -143,10 +143,11 @@ class PrefillEngine(Engine):
     def _allocate(self, req: Req) -> None:
         """The request's pages: its cached prefix (locked), then new ones; PoolExhausted (nothing held) if short."""
         pool = self.runner.pool
+        follow = self.destinations.pages(req.room) if req.room is not None else None   # decode reserved first
         if self.cache is None:
-            pages = own = pool.alloc(len(req.prompt_ids))
+            pages = own = pool.alloc(len(req.prompt_ids), follow)
         else:
-            got = self.cache.allocate(req.prompt_ids)
+            got = self.cache.allocate(req.prompt_ids, follow)
             if got is None:
                 raise PoolExhausted(f"{pool.pages_for(len(req.prompt_ids))} pages needed, {pool.free_pages} free "
                                     "and nothing left to evict")
