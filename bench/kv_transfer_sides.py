@@ -3,8 +3,7 @@ answers. Each builds the engine's own pool (`side_pool`, in the state `--pages` 
 the decode side hands the prefill side its `PeerInfo` as the bootstrap server's `/kv/register` does; they talk over
 one loopback connection, the KV moves over NIXL/UCX. Per request size, trial by trial in rotating order: engine
 (`write_pages` of the pages each allocator gave, done when the prefill's `poll` says DONE and the decode has the
-notification; both sides poll without sleeping), raw (one NIXL WRITE of one region of the same bytes), copy
-(`copy_` to the decode device). Checks: the decode side zeroes its pool first (the prefill's values are never zero);
+notification; both sides poll without sleeping), raw (one NIXL WRITE of one region), copy (`copy_` to the decode). Checks: the decode side zeroes its pool first (the prefill's values are never zero);
 afterwards its non-zero bytes equal the request's and its destination pages' SHA-256 equals the source pages'.
 With NIXL_TELEMETRY_ENABLE=y each WRITE's NIXL telemetry (post and post-to-done us, descriptors) is kept per trial.
 """
@@ -58,15 +57,13 @@ def side_pool(a: argparse.Namespace) -> tuple[KVPool, dict, PrefixCache | None]:
     if a.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(a.device))
     pool = build_pool(a.preset, a.n_layers, a.page_size, a.pool_pages, a.device)
-    held, cache = [], None
+    cache = None
     if a.pages == "cache" and a.role == "prefill":
         cache = prefix_cache_state(pool, a.churn_cycles, a.seed)
     elif a.pages in ("churned", "cache"):
-        held = churn(pool, a.churn_cycles, a.occupancy, random.Random(f"{a.seed}-{a.role}"))
+        churn(pool, a.churn_cycles, a.occupancy, random.Random(f"{a.seed}-{a.role}"))
     elif a.pages == "scattered":
-        pages = pool.alloc(pool.capacity_tokens)
-        pool.release(pages[::2])
-        held.append(pages[1::2])
+        pool.release(pool.alloc(pool.capacity_tokens)[::2])
     runs = pool.free_runs
     free = sum(n for _, n in runs)
     return pool, {"pages": a.pages, "churn_cycles": a.churn_cycles if a.pages != "fresh" else 0,
@@ -145,8 +142,8 @@ def nonzero_random(b: torch.Tensor) -> torch.Tensor:
     return torch.randint(1, 256, b.shape, device=b.device, dtype=torch.uint8)
 
 
-class SideError(RuntimeError):  # the other side went away, answered out of protocol, or a transfer failed
-    pass
+class SideError(RuntimeError):
+    """The other side went away, answered out of protocol, or a transfer failed."""
 
 
 class RawAgent:
@@ -280,20 +277,16 @@ class PrefillSide:
         _sync(self.a.device, self.a.peer_device)
         return None, time.monotonic() - t0
 
+    def _prepare(self, tokens: int) -> list[int]:
+        self.link.send({"op": "prepare", "tokens": tokens})   # the decode engine's allocator picks the pages
+        return _recv(self.link)["dst"]
+
     def measure(self, tokens: int) -> dict:
         a, pool, transfer = self.a, self.pool, self.transfer
-        # the prefill engine's allocator (in cache mode through its prefix cache, which makes room first); with
-        # --order decode-first decode reserved first (a queued prefill) and the prefill's pages follow decode's runs
-        first = a.order == "decode-first"
-        if first:
-            self.link.send({"op": "prepare", "tokens": tokens})
-            dst = _recv(self.link)["dst"]
-        follow = dst if first else None
-        src = (cache_alloc(self.cache, pool.pages_for(tokens), self.rng, follow) if self.cache
-               else pool.alloc(tokens, follow))
-        if not first:
-            self.link.send({"op": "prepare", "tokens": tokens})
-            dst = _recv(self.link)["dst"]
+        # the engine's allocators (cache: the prefill's prefix cache makes room); decode-first: src follows dst's runs
+        dst = self._prepare(tokens) if a.order == "decode-first" else None
+        src = cache_alloc(self.cache, pool.pages_for(tokens), self.rng, dst) if self.cache else pool.alloc(tokens, dst)
+        dst = dst or self._prepare(tokens)
         nbytes = len(src) * pool.page_bytes   # what PrefillEngine counts for the WRITE
         tele: dict[str, dict | None] = {}    # NIXL telemetry of each kind's last WRITE (TELEMETRY_ON)
         poll = {k: functools.partial(p, telemetry=functools.partial(tele.__setitem__, k)) if TELEMETRY_ON else p
