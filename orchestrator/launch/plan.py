@@ -58,10 +58,6 @@ class LaunchPlan:
         return (self.health_url, *self.readiness_urls)
 
 
-def _value(x: Any) -> str:
-    return str(getattr(x, "value", x))
-
-
 def requested_kernels(topology: Topology) -> tuple[str, ...]:
     return tuple(k for k in KERNEL_NAMES if getattr(topology.kernels, k))
 
@@ -77,7 +73,7 @@ def _log_path(topology: Topology, name: str) -> str:
 
 def _numactl_prefix(topology: Topology, worker: WorkerConfig) -> list[str]:
     """numactl for the embedded engine; SGLang binds its TP children itself (`--numa-node`)."""
-    if worker.numa_node is None or _value(topology.engine) == "sglang":
+    if worker.numa_node is None or topology.engine == "sglang":
         return []
     n = str(worker.numa_node)
     return ["numactl", f"--cpunodebind={n}", f"--membind={n}"]
@@ -85,7 +81,7 @@ def _numactl_prefix(topology: Topology, worker: WorkerConfig) -> list[str]:
 
 def _worker_env(topology: Topology, worker: WorkerConfig) -> dict[str, str]:
     env = {"PYTHONUNBUFFERED": "1"}
-    if _value(topology.engine) == "sglang":
+    if topology.engine == "sglang":
         env.update(sglang_env(topology, worker, requested_kernels(topology)))
     # embedded workers too keep every GPU visible and name theirs (--device cuda:N): UCX's cuda_ipc needs the
     # peer's GPU visible to copy GPU to GPU (hidden, it stages through host memory or fails)
@@ -96,12 +92,12 @@ def _worker_env(topology: Topology, worker: WorkerConfig) -> dict[str, str]:
 
 def embedded_device(worker: WorkerConfig) -> str:
     """The worker's --device: cpu, or cuda:N for its one GPU N (the topology's index, all GPUs visible)."""
-    device = _value(worker.device)
+    device = worker.device
     return f"cuda:{worker.gpus[0]}" if device == "cuda" and worker.gpus else device
 
 
 def embedded_argv(topology: Topology, worker: WorkerConfig) -> list[str]:
-    role = _value(worker.role)
+    role = worker.role.value
     # the node's own address (what peers and the router use), never 0.0.0.0: a worker has no auth of its own
     argv = [sys.executable, "-m", f"dsv4_cluster.workers.{role}", "--host", topology.node(worker.node).address,
             "--port", str(worker.port)]
@@ -119,7 +115,7 @@ def embedded_argv(topology: Topology, worker: WorkerConfig) -> list[str]:
     if worker.max_total_tokens is not None:
         argv += ["--max-total-tokens", str(worker.max_total_tokens)]
     argv += [
-        "--transfer-backend", _value(topology.transfer.backend),
+        "--transfer-backend", topology.transfer.backend,
         "--device", embedded_device(worker),
         "--node-address", topology.node(worker.node).address,
     ]
@@ -133,14 +129,14 @@ def embedded_argv(topology: Topology, worker: WorkerConfig) -> list[str]:
 
 def worker_plan(topology: Topology, worker: WorkerConfig) -> LaunchPlan:
     """The plan of one prefill or decode worker, for either engine."""
-    engine = _value(topology.engine)
+    engine = topology.engine
     if engine == "embedded":
         argv = embedded_argv(topology, worker)
     elif engine == "sglang":
         argv = sglang_argv(topology, worker)
     else:
         raise PlanError(f"engine {engine!r} has no launch plan; use embedded or sglang")
-    role = Role(_value(worker.role))
+    role = worker.role
     host = topology.node(worker.node).address
     base = f"http://{host}:{worker.port}"
     readiness: tuple[str, ...] = ()

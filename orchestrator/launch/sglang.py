@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from dsv4_cluster.core import Role
 from dsv4_cluster.kernels.sglang_plugin.settings import ATTEST_DIR_ENV, KERNELS_ENV, WORKER_ENV
@@ -18,10 +18,6 @@ if TYPE_CHECKING:
 
 from dsv4_cluster.orchestrator.launch.sglang_facts import (
     SGLANG_KV_DTYPE, SGLANG_REASONING_PARSER, SGLANG_TOOL_CALL_PARSER)
-
-
-def _value(x: Any) -> str:
-    return str(getattr(x, "value", x))
 
 
 def attest_dir(topology: Topology, worker: WorkerConfig) -> Path:
@@ -38,7 +34,7 @@ def numa_node_list(worker: WorkerConfig) -> list[str]:
 
 def sglang_argv(topology: Topology, worker: WorkerConfig) -> list[str]:
     """SGLang 0.5.23 `launch_server` argv (the kernels travel in the env); parsed by SGLang in tests."""
-    role = _value(worker.role)
+    role = worker.role.value
     argv = [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(topology.model.path),
@@ -50,7 +46,7 @@ def sglang_argv(topology: Topology, worker: WorkerConfig) -> list[str]:
         "--port", str(worker.port),
         "--nccl-port", str(worker.nccl_port),
         "--disaggregation-mode", role,
-        "--disaggregation-transfer-backend", _value(topology.transfer.backend),
+        "--disaggregation-transfer-backend", topology.transfer.backend,
     ]
     if role == Role.PREFILL.value:
         argv += ["--disaggregation-bootstrap-port", str(worker.bootstrap_port)]

@@ -45,7 +45,7 @@ def single_process_tokens(topology: Any, prompt_ids: list[int]) -> list[int]:
     decode = topology.decode[0]
     ctx = topology.model.context_length
     pages = -(-ctx // decode.page_size)
-    device = str(getattr(decode.device, "value", decode.device))
+    device = decode.device
     # the decode worker's model, device, kernels and KV layout; on CUDA one graph, of batch 1 (what it replays for
     # this request)
     runner = ModelRunner(RunnerConfig(
