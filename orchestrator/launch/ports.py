@@ -46,13 +46,10 @@ def search_range() -> tuple[int, int]:
     return low, high
 
 
-def free_ports(count: int, low: int | None = None, high: int | None = None,
-               exclude: frozenset[int] = frozenset()) -> list[int]:
-    """`count` distinct ports in [low, high) (default `search_range()`) that are free now (random order, so parallel
-    callers rarely collide)."""
-    if low is None or high is None:
-        default_low, default_high = search_range()
-        low, high = default_low if low is None else low, default_high if high is None else high
+def free_ports(count: int, exclude: frozenset[int] = frozenset()) -> list[int]:
+    """`count` distinct ports in `search_range()` that are free now (random order, so parallel callers rarely
+    collide)."""
+    low, high = search_range()
     candidates = [p for p in range(low, high) if p not in exclude]
     random.shuffle(candidates)
     found: list[int] = []
