@@ -37,8 +37,8 @@ def silent_row(last: WorkerStatus, silent_s: float) -> WorkerStatus:
 class RowStore:
     """The newest row per process; `rows()` in the order asked (start order), silent supervisors marked."""
 
-    def __init__(self, silent_after_s: float = SILENT_AFTER_S, clock: Callable[[], float] = time.monotonic) -> None:
-        self._silent_after_s, self._clock = silent_after_s, clock
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
         self._kept: dict[str, _Kept] = {}
         self._lock = threading.Lock()
 
@@ -69,7 +69,7 @@ class RowStore:
             kept = [self._kept[n] for n in names if n in self._kept]
         for k in kept:
             silent_s = now - k.heard_at
-            out.append(silent_row(k.row, silent_s) if silent_s > self._silent_after_s else k.row)
+            out.append(silent_row(k.row, silent_s) if silent_s > SILENT_AFTER_S else k.row)
         return out
 
 

@@ -48,9 +48,8 @@ class StatusPusher:
     next wake-up or heartbeat, with the row of that moment."""
 
     def __init__(self, name: str, read: Callable[[], WorkerStatus], send: Callable[[WorkerStatus], None],
-                 heartbeat_s: float = HEARTBEAT_S, clock: Callable[[], float] = time.monotonic) -> None:
-        self._name, self._read, self._send = name, read, send
-        self._heartbeat_s, self._clock = heartbeat_s, clock
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._name, self._read, self._send, self._clock = name, read, send, clock
         self._wake = threading.Event()
         self._sent: WorkerStatus | None = None  # the content of the last row the controller took
         self._due = float("-inf")  # when the row goes even unchanged (a heartbeat, or a retry)
@@ -76,7 +75,7 @@ class StatusPusher:
             logger.debug("%s: status not pushed (%s); trying again", self._name, e)
             self._sent, self._due = None, now + RETRY_S  # whatever the controller has, the row goes again
             return False
-        self._sent, self._due = content, now + self._heartbeat_s
+        self._sent, self._due = content, now + HEARTBEAT_S
         return True
 
     def _run(self) -> None:
