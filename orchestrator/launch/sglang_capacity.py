@@ -182,15 +182,14 @@ def available_bytes(pre_gib: float, weights_gib: float, mem_fraction: float) -> 
 
 
 def size_pool(g: DSV4Geometry, *, available: int, mem_fraction: float,
-              max_total_tokens: int | None = None, page_size: int = 256,
-              max_running_requests: int = DSV4_MAX_RUNNING_REQUESTS, sglang_version: str = SIZING_VERSION,
+              max_total_tokens: int | None = None, page_size: int = 256, sglang_version: str = SIZING_VERSION,
               pre_gib: float = 0.0, weights_gib: float = 0.0) -> PoolSize:
     """What SGLang `sglang_version` allocates from `available` bytes; raises SizingError."""
     if sglang_version != SIZING_VERSION:
         raise SizingError(f"the DeepSeek-V4 pool sizing here is SGLang {SIZING_VERSION}'s; SGLang "
                           f"{sglang_version} sizes it differently — not predicted")
     per_full, per_swa = bytes_per_full_token(g, page_size), bytes_per_swa_token(g, page_size)
-    slots = max_running_requests + 1  # a decode server adds disaggregation_decode_extra_slots: 0 by default
+    slots = DSV4_MAX_RUNNING_REQUESTS + 1  # a decode server adds disaggregation_decode_extra_slots: 0 by default
     fixed = c128_state_bytes(g, slots)
     full = int(max(available - fixed, 0) / per_full) // page_size * page_size
     # Reserved low-ratio (1, 2) pages would be removed here; DeepSeek-V4(-Flash) has none.
@@ -207,7 +206,7 @@ def size_pool(g: DSV4Geometry, *, available: int, mem_fraction: float,
     pool = int(full * per_full + fixed)
     free_after = int(pre_gib * GIB - weights_gib * GIB - pool)
     return PoolSize(mem_fraction, available, per_full, per_swa, fixed, full, swa,
-                    min(max_running_requests, full // 2), pool, free_after)
+                    min(DSV4_MAX_RUNNING_REQUESTS, full // 2), pool, free_after)
 
 
 def sizing_flags(extra_args: list[str]) -> tuple[float | None, list[str]]:
