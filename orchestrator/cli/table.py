@@ -49,11 +49,11 @@ def render_table(status: ClusterStatus) -> str:
     return "\n".join(lines)
 
 
-def probe_line(p: ProbeResult, workers: tuple[WorkerStatus, ...], now: float | None = None) -> str:
+def probe_line(p: ProbeResult, workers: tuple[WorkerStatus, ...]) -> str:
     """A deep probe's outcome, its age (it runs every 30 s), and which of its pair is not READY now: an 'ok'
     from before a worker failed or stopped must not read as its health."""
     outcome = f"ok in {p.seconds:.2f}s" if p.ok else f"FAILED: {p.error}"
-    age = max(0.0, (time.time() if now is None else now) - p.at)
+    age = max(0.0, time.time() - p.at)
     states = {w.name: (w.state.value if w.state else "no state") for w in workers}
     changed = [f"{n} is {states[n]} now" for n in (p.prefill, p.decode) if states.get(n, "READY") != "READY"]
     return f"deep probe {p.prefill} -> {p.decode}: {outcome} ({age:.0f}s ago){''.join(f'; {c}' for c in changed)}"
