@@ -129,13 +129,7 @@ def embedded_argv(topology: Topology, worker: WorkerConfig) -> list[str]:
 
 def worker_plan(topology: Topology, worker: WorkerConfig) -> LaunchPlan:
     """The plan of one prefill or decode worker, for either engine."""
-    engine = topology.engine
-    if engine == "embedded":
-        argv = embedded_argv(topology, worker)
-    elif engine == "sglang":
-        argv = sglang_argv(topology, worker)
-    else:
-        raise PlanError(f"engine {engine!r} has no launch plan; use embedded or sglang")
+    argv = sglang_argv(topology, worker) if topology.engine == "sglang" else embedded_argv(topology, worker)
     role = worker.role
     host = topology.node(worker.node).address
     base = f"http://{host}:{worker.port}"
