@@ -202,14 +202,18 @@ class WorkerSupervisor:
         self._set(WorkerState.RESTARTING, f"restarting in {delay:.1f}s; last crash: {failure.reason}")
         return delay
 
+    def _relaunch(self, failure: _Failure | None, timeout_s: float) -> _Failure | None:
+        """Restart after `failure` as the policy allows: None once READY, else the last failure (FAILED, or stopped)."""
+        while failure is not None:
+            delay = self._restart_delay(failure)
+            if delay is None or self._stop.wait(delay):
+                return failure
+            failure = self._launch(timeout_s)
+        return None
+
     def _run(self, timeout_s: float) -> None:
         try:
-            failure = self._launch(timeout_s)
-            while failure is not None:   # a process that exits at start is retried like a crash
-                delay = self._restart_delay(failure)
-                if delay is None or self._stop.wait(delay):
-                    break
-                failure = self._launch(timeout_s)
+            failure = self._relaunch(self._launch(timeout_s), timeout_s)   # exiting at start is retried like a crash
             if failure is not None:
                 self._start_error = self._error if self._state is WorkerState.FAILED else failure.reason
             self._first_outcome.set()
@@ -222,14 +226,9 @@ class WorkerSupervisor:
     def _keep_running(self, timeout_s: float) -> None:
         """Watch the READY process; after it dies or stops answering, restart it as the policy allows."""
         while not self._stop.is_set():
-            failure = self._watch()
-            if failure is None:   # stopped
+            failure = self._watch()   # None: stopped
+            if failure is None or self._relaunch(failure, timeout_s) is not None:
                 return
-            while failure is not None:
-                delay = self._restart_delay(failure)
-                if delay is None or self._stop.wait(delay):
-                    return
-                failure = self._launch(timeout_s)
 
     def _liveness_problem(self) -> str | None:
         """Why the running process does not look alive, or None. A worker is alive while its /health
