@@ -208,12 +208,12 @@ def sites_for(gpu: str, kernel: str | None = None, env: dict | None = None) -> t
     """The call sites SGLang calls on class `gpu` under `env` (an env-routed site replaces the default one of
     its kernel on that class when its switch is on)."""
     env = env or {}
-    on = {s.kernel for s in CALL_SITES if gpu in s.classes and s.env and _truthy(env.get(s.env))}
+    on = {s.kernel for s in CALL_SITES if gpu in s.classes and s.env and truthy(env.get(s.env))}
     return tuple(s for s in CALL_SITES if gpu in s.classes and (kernel is None or s.kernel == kernel)
-                 and ((s.env is not None and _truthy(env.get(s.env))) or (s.env is None and s.kernel not in on)))
+                 and ((s.env is not None and truthy(env.get(s.env))) or (s.env is None and s.kernel not in on)))
 
 
-def _truthy(value: str | None) -> bool:
+def truthy(value: str | None) -> bool:
     return (value or "").strip().lower() in ("1", "true", "yes", "on")
 
 

@@ -24,7 +24,7 @@ from dsv4_cluster.core import KERNEL_NAMES
 
 from .attestation import METADATA, STOCK_DECODE
 from .call_sites import (
-    BACKEND_ATTR, BACKEND_CLASS, BACKEND_MODULE, CallSite, CallSiteError, check_call_site, sites_for)
+    BACKEND_ATTR, BACKEND_CLASS, BACKEND_MODULE, CallSite, CallSiteError, check_call_site, sites_for, truthy)
 from .settings import SGLANG_VERSION, PluginSettings
 
 # SGLang env switches that route the DeepSeek-V4 indexer away from every site the plugin replaces (per class:
@@ -38,10 +38,6 @@ INDEXER_DETOURS = {"sm_90": ("SGLANG_OPT_USE_TILELANG_INDEXER", "SGLANG_OPT_USE_
 
 class PluginInstallError(RuntimeError):
     """A requested kernel cannot be installed into this SGLang process; model init must fail."""
-
-
-def _truthy(value: str | None) -> bool:
-    return (value or "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def preconditions(settings: PluginSettings, gpu: str) -> list[str]:
@@ -61,7 +57,7 @@ def preconditions(settings: PluginSettings, gpu: str) -> list[str]:
             except CallSiteError as e:
                 problems.append(f"{site.kernel}: {e}")
     if "indexer" in settings.kernels:
-        detours = [name for name in INDEXER_DETOURS[gpu] if _truthy(os.environ.get(name))]
+        detours = [name for name in INDEXER_DETOURS[gpu] if truthy(os.environ.get(name))]
         if detours:
             problems.append(f"indexer: {', '.join(detours)} routes SGLang's indexer away from "
                             "deep_gemm.fp8_paged_mqa_logits; unset it")
