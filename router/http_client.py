@@ -335,12 +335,11 @@ class Origin:
             raise ConnectFailed(f"cannot connect to {self.name}: {exc.strerror or exc}") from None
         return conn
 
-    async def request(self, method: str, path: str, body: bytes = b"",
-                      content_type: bytes = b"application/json") -> Response:
+    async def request(self, method: str, path: str, body: bytes = b"") -> Response:
         """Send one request; returns at once (the response's head arrives later: `Response.wait_head`)."""
         conn = self._take_idle() or await self._connect()
-        head = b"%s %s HTTP/1.1\r\nhost: %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n" % (
-            method.encode(), path.encode(), self._host_header, content_type, len(body))
+        head = b"%s %s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % (
+            method.encode(), path.encode(), self._host_header, len(body))
         return conn.send(head, body)
 
     def close(self) -> None:
