@@ -22,8 +22,8 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from dsv4_cluster.core import ClusterStatus, WorkerState
 from dsv4_cluster.orchestrator.cluster import ray_cluster
 from dsv4_cluster.orchestrator.supervise.controller import (
-    ACTOR_MAX_RESTARTS, CONTROLLER_NAME, READ_RETRIES, ClusterController, ClusterSpec, cluster_identity,
-    kill_supervisors)
+    ACTOR_MAX_RESTARTS, CONTROLLER_NAME, READ_RETRIES, ClusterController, ClusterSpec, cause_text,
+    cluster_identity, kill_supervisors)
 from dsv4_cluster.orchestrator.errors import (
     AlreadyUpError, ClusterStartError, ForeignControllerError, NotUpError, PreflightError, RayClusterError)
 from dsv4_cluster.orchestrator.cluster.options import DownOptions, UpOptions
@@ -113,8 +113,7 @@ def up(topology_path: str, options: UpOptions) -> UpResult:
         try:
             started = ray.get(controller.up.remote(options.timeout_s))
         except (RayTaskError, RayActorError) as e:
-            cause = e.cause if isinstance(e, RayTaskError) and e.cause is not None else e
-            raise ClusterStartError(str(cause)) from e
+            raise ClusterStartError(cause_text(e)) from e
         _check_interrupt()
         verification = _verify(topology, started)
         _check_interrupt()

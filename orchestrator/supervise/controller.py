@@ -79,7 +79,7 @@ class Drained:
         return self.in_flight_at_stop > 0
 
 
-def _cause(err: BaseException) -> str:
+def cause_text(err: BaseException) -> str:
     if isinstance(err, RayTaskError):
         return str(err.cause) if err.cause is not None else str(err)
     return str(err)
@@ -179,7 +179,7 @@ class ClusterController:
             try:
                 self._rows.put(ray.get(ref))
             except (RayTaskError, RayActorError) as e:
-                failures.append(f"{name}: {_cause(e)}")
+                failures.append(f"{name}: {cause_text(e)}")
         return failures
 
     def up(self, timeout_s: float) -> ClusterStatus:
@@ -275,7 +275,7 @@ class ClusterController:
         try:
             status = ray.get(supervisor.restart.remote(timeout_s, stop_deadline_s))
         except RayTaskError as e:
-            raise ClusterStartError(f"{name} did not come back: {_cause(e)}") from None
+            raise ClusterStartError(f"{name} did not come back: {cause_text(e)}") from None
         self._rows.put(status)
         self._set_targets(started=(name,))
         admin = self._admin()
@@ -321,7 +321,7 @@ class ClusterController:
                 try:
                     ray.get(ref)
                 except (RayTaskError, RayActorError) as e:
-                    failed.append(f"stop failed: {_cause(e)}")
+                    failed.append(f"stop failed: {cause_text(e)}")
         for actor in self._supervisors.values():
             ray.kill(actor)
         self._rows.forget(self._supervisors)
