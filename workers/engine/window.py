@@ -25,15 +25,15 @@ class Window:
         while self._samples and now - self._samples[0][0] > self.seconds:
             self._samples.popleft()
 
-    def _values(self, now: float | None) -> list[float]:
+    def _values(self) -> list[float]:
         with self._lock:
-            self._expire(time.monotonic() if now is None else now)
+            self._expire(time.monotonic())
             return [v for _, v in self._samples]
 
-    def rate(self, now: float | None = None) -> float:
+    def rate(self) -> float:
         """Sum of the samples per second over the window (0 when nothing happened in it)."""
-        return sum(self._values(now)) / self.seconds
+        return sum(self._values()) / self.seconds
 
-    def mean(self, now: float | None = None) -> float:
-        values = self._values(now)
+    def mean(self) -> float:
+        values = self._values()
         return sum(values) / len(values) if values else 0.0
