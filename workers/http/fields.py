@@ -158,14 +158,6 @@ OPENAI_MESSAGE: dict[str, Rule] = {"refusal": ANY, "annotations": ANY, "audio": 
                                    "function_call": _off(_TOOLS)}
 MESSAGE.update(OPENAI_MESSAGE)
 
-# Fields the SGLang class lacks that a router sends: SGLang's own router (GENERATE's "model"), ours (chat's
-# `stream_token_ids`, protocol.py: what a broken stream is continued from; SGLang's server ignores it).
-ROUTER_EXTRAS = {"GenerateReqInput": frozenset({"model"}), "ChatCompletionRequest": frozenset({"stream_token_ids"})}
-# Fields of a body that its SGLang class lacks, by class: the routers' and the OpenAI API's above
-NOT_SGLANG = {"GenerateReqInput": ROUTER_EXTRAS["GenerateReqInput"],
-              "ChatCompletionRequest": ROUTER_EXTRAS["ChatCompletionRequest"] | set(OPENAI_CHAT),
-              "ChatCompletionMessageGenericParam": frozenset(OPENAI_MESSAGE)}
-
 SAMPLING: dict[str, Rule] = {
     **{k: _SHARED[k] for k in ("frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias",
                                "top_k", "min_p", "regex", "ebnf", "json_schema", "stop_regex", "custom_params",
