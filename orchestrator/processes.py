@@ -9,6 +9,7 @@ import ctypes
 import os
 import signal
 import tempfile
+import time
 from collections import deque
 from pathlib import Path
 from typing import Callable
@@ -61,6 +62,19 @@ def signal_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
     except ProcessLookupError:
         pass
+
+
+def stop_groups(pgids: list[int], deadline_s: float) -> list[int]:
+    """SIGTERM every group, SIGKILL those left after `deadline_s`; returns the groups still not gone."""
+    for pgid in pgids:
+        signal_group(pgid, signal.SIGTERM)
+    end = time.monotonic() + deadline_s
+    while any(group_members(p) for p in pgids) and time.monotonic() < end:
+        time.sleep(0.1)
+    for pgid in pgids:
+        if group_members(pgid):
+            signal_group(pgid, signal.SIGKILL)
+    return [p for p in pgids if group_members(p)]
 
 
 def start_time(pid: int) -> int | None:

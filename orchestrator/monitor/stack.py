@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ from typing import Any
 import httpx
 
 from dsv4_cluster.orchestrator.launch.ports import port_is_free
-from dsv4_cluster.orchestrator.processes import group_members, signal_group
+from dsv4_cluster.orchestrator.processes import group_members, stop_groups
 from dsv4_cluster.orchestrator.monitor.prometheus_config import ScrapeOptions, prometheus_dir, write_config
 from dsv4_cluster.orchestrator.monitor.targets import write_job
 from dsv4_cluster.orchestrator.supervise.supervisor import log_tail
@@ -94,18 +93,6 @@ def _wait_ok(proc: subprocess.Popen[bytes], url: str, log_path: Path, timeout_s:
                        f"{log_tail(str(log_path))}")
 
 
-def _stop(pids: list[int], deadline_s: float) -> list[int]:
-    for pid in pids:
-        signal_group(pid, signal.SIGTERM)
-    end = time.monotonic() + deadline_s
-    while any(group_members(p) for p in pids) and time.monotonic() < end:
-        time.sleep(POLL_S / 2)
-    for pid in pids:
-        if group_members(pid):
-            signal_group(pid, signal.SIGKILL)
-    return [p for p in pids if group_members(p)]
-
-
 def _preflight(run_dir: Path, options: MonitorOptions) -> str:
     existing = read_monitor(run_dir)
     if existing is not None and group_members(existing.prometheus_pid):
@@ -150,7 +137,7 @@ def up(topology: Any, options: MonitorOptions) -> MonitorRecord:
         prometheus_url = f"http://{host}:{options.prometheus_port}"
         _wait_ok(prom, f"{prometheus_url}/-/ready", prom_log, options.timeout_s)
     except BaseException:
-        _stop([p.pid for p in started], deadline_s=5.0)
+        stop_groups([p.pid for p in started], deadline_s=5.0)
         raise
     from dsv4_cluster.deploy.grafana.dashboards import write_all  # only `monitor up` needs the SDK
 
@@ -169,7 +156,7 @@ def down(topology: Any, deadline_s: float) -> list[int]:
     record = read_monitor(run_dir)
     if record is None:
         raise MonitorError(f"no monitor runs for this topology (no {_record_path(run_dir)})")
-    survivors = _stop([record.prometheus_pid, record.exporter_pid], deadline_s)
+    survivors = stop_groups([record.prometheus_pid, record.exporter_pid], deadline_s)
     _record_path(run_dir).unlink(missing_ok=True)
     return survivors
 

@@ -31,7 +31,7 @@ from dsv4_cluster.orchestrator.supervise.actor_record import (
 from dsv4_cluster.orchestrator.launch.plan import LaunchPlan
 from dsv4_cluster.orchestrator.launch.port_owner import held_ports_note
 from dsv4_cluster.orchestrator.supervise.policy import CrashWindow, HealthPolicy, RestartPolicy
-from dsv4_cluster.orchestrator.processes import exit_text, group_members, log_tail, signal_group, start_time
+from dsv4_cluster.orchestrator.processes import exit_text, log_tail, signal_group, start_time, stop_groups
 from dsv4_cluster.orchestrator.readback.probe import first_unready
 from dsv4_cluster.orchestrator.supervise.router_admin import RouterAdmin, RouterLink, StateReporter, reason_line
 from dsv4_cluster.orchestrator.supervise.spawn import spawn
@@ -311,12 +311,7 @@ class WorkerSupervisor:
         self._changed()
         proc, thread = self._proc, self._thread
         if proc is not None:
-            signal_group(proc.pid, signal.SIGTERM)
-            end = time.monotonic() + deadline_s
-            while group_members(proc.pid) and time.monotonic() < end:
-                time.sleep(POLL_INTERVAL_S / 2)
-            if group_members(proc.pid):
-                signal_group(proc.pid, signal.SIGKILL)
+            stop_groups([proc.pid], deadline_s)
         if thread is not None:
             thread.join(10.0)
         self._set(WorkerState.STOPPED, None)
