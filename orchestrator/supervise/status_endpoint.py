@@ -9,7 +9,6 @@ instead of some other cluster's status. This module imports no Ray.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import secrets
 import threading
@@ -28,7 +27,6 @@ if TYPE_CHECKING:
 
 ENDPOINT_FILE = "status_endpoint.json"
 CONNECT_TIMEOUT_S = 10.0  # status() answers from the pushed rows it holds: only a stuck controller takes long
-log = logging.getLogger(__name__)
 
 
 class EndpointUnavailable(RuntimeError):
