@@ -1,6 +1,6 @@
-"""Liveness of processes and process groups, the death signal a supervisor gives its children, a log's tail, and
-the one atomic file write the records and targets use. A zombie counts as gone (it holds nothing, though
-`kill(pid, 0)` succeeds). Linux only (/proc).
+"""Liveness of processes and process groups (and stopping them), the death signal a supervisor gives its children,
+the event SIGTERM/SIGINT set, a log's tail, and the one atomic file write the records and targets use. A zombie
+counts as gone (it holds nothing, though `kill(pid, 0)` succeeds). Linux only (/proc).
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import ctypes
 import os
 import signal
 import tempfile
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -75,6 +76,14 @@ def stop_groups(pgids: list[int], deadline_s: float) -> list[int]:
         if group_members(pgid):
             signal_group(pgid, signal.SIGKILL)
     return [p for p in pgids if group_members(p)]
+
+
+def stop_on_signals() -> threading.Event:
+    """An event SIGTERM or SIGINT sets (each replaces the handler Python or Ray installed)."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
 
 
 def start_time(pid: int) -> int | None:

@@ -14,6 +14,7 @@ from dsv4_cluster.core import ClusterStatus
 from dsv4_cluster.orchestrator.errors import ClusterStartError, NotUpError, RayClusterError, UnknownWorkerError
 from dsv4_cluster.orchestrator.cluster.options import DownOptions, UpOptions
 from dsv4_cluster.orchestrator.cli.table import render_table
+from dsv4_cluster.orchestrator.processes import stop_on_signals
 
 EXIT_OK, EXIT_FAILED = 0, 1
 WATCH_INTERVAL_S = 2.0
@@ -56,13 +57,6 @@ def err(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _stop_on_signals() -> threading.Event:
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    return stop
-
-
 def run_operation(args: argparse.Namespace) -> int:
     from dsv4_cluster.orchestrator.cluster import operations
     from dsv4_cluster.orchestrator.supervise.router_admin import RouterAdminError
@@ -80,7 +74,7 @@ def run_operation(args: argparse.Namespace) -> int:
             print(f"{args.worker} restarted: {row.state.value}, pid {row.pid}", flush=True)
             return EXIT_OK
         path = operations.log_path(args.name)
-        stop = _stop_on_signals()
+        stop = stop_on_signals()
         for line in operations.read_log(path, args.lines, args.follow, stop.is_set):
             sys.stdout.write(line)
             sys.stdout.flush()

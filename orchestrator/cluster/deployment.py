@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import signal
 import socket
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,7 @@ from dsv4_cluster.orchestrator.errors import (
 from dsv4_cluster.orchestrator.cluster.options import DownOptions, UpOptions
 from dsv4_cluster.orchestrator.launch.plan import (
     PlanError, cluster_plans, endpoint, requested_kernels)
-from dsv4_cluster.orchestrator.processes import group_members, pid_alive
+from dsv4_cluster.orchestrator.processes import group_members, pid_alive, stop_on_signals
 from dsv4_cluster.orchestrator.launch.preflight import machine_problems, preflight
 from dsv4_cluster.orchestrator.cluster.record import (
     ClusterRecord, RecordError, clear_record, read_record, write_record)
@@ -231,14 +230,12 @@ def watch(interval_s: float) -> str | None:
     """Block until SIGTERM/SIGINT (None), or until the controller stops answering or a worker is
     FAILED (why)."""
     record = read_record()
-    stop = threading.Event()
     try:
         try:
             controller = find_controller(record)
         except (NotUpError, RayClusterError) as e:
             return str(e)
-        for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs its own
-            signal.signal(sig, lambda *_: stop.set())
+        stop = stop_on_signals()  # after ray.init, which installs its own
         while not stop.wait(interval_s):
             try:
                 current = ray.get(controller.status.options(max_task_retries=READ_RETRIES).remote(), timeout=60)

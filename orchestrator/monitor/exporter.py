@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import logging
 import multiprocessing
-import signal
 import socket
 import threading
 from multiprocessing.connection import Connection
@@ -23,6 +22,7 @@ from dsv4_cluster import metric_names as m
 from dsv4_cluster.core import WorkerState, WorkerStatus
 from dsv4_cluster.orchestrator.cluster.ray_env import prepare_ray_env
 from dsv4_cluster.orchestrator.cluster.record import ClusterRecord, RecordError, read_record
+from dsv4_cluster.orchestrator.processes import stop_on_signals
 
 STATUS_TIMEOUT_S = 10.0  # the controller's status call
 DRIVER_TIMEOUT_S = 30.0  # the child's answer, including its first connect to Ray
@@ -162,9 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     registry.register(_Collector(source))
     server, _ = start_http_server(args.port, addr=args.host, registry=registry)
     logger.info("orchestrator metrics on http://%s:%d/metrics", args.host, args.port)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = stop_on_signals()
     while not stop.wait(1.0):
         pass
     server.shutdown()
