@@ -169,6 +169,30 @@ def test_following_the_peers_pages_breaks_only_where_the_peer_does():
     assert len(page_runs(got, peer)) == 3 < len(page_runs(blind, peer)) == 5
 
 
+def test_following_never_moves_in_more_descriptors_than_not_following():
+    """Random pools and peer layouts: following the peer is kept only where it is no worse than the blind
+    allocation (it can be: the peer's runs 10, 7, 4 against free runs that fit them badly), else undone."""
+    for seed in range(2000):
+        rng = random.Random(seed)
+        size = rng.randint(8, 40)
+        a = PageAllocator(size)
+        a.release([p for p in a.alloc(size) if rng.random() < 0.6])
+        n = rng.randint(2, max(2, len(a)))
+        if len(a) < 2 or any(k >= n for _, k in a.runs):
+            continue
+        peer: list[int] = []
+        while len(peer) < n:
+            start = rng.randrange(1000) * 100
+            peer += range(start, start + rng.randint(1, n))
+        peer, before = peer[:n], a.runs
+        blind = a.alloc(n)
+        a.release(blind)
+        assert a.runs == before
+        got = a.alloc(n, follow=peer)
+        assert sorted(got) == sorted(set(got)) and len(got) == n
+        assert len(page_runs(got, peer)) <= len(page_runs(blind, peer)), seed
+
+
 def test_a_peer_run_no_free_run_holds_is_split_and_nothing_is_lost():
     a = PageAllocator(20)
     held = a.alloc(20)

@@ -2,12 +2,14 @@
 
 A request's KV moves as one NIXL descriptor per run (`transfer.page_runs`), each costing a fixed few
 microseconds; a free list in arrival order scatters under churn. `alloc(n)` takes the shortest free run that holds
-n (best fit), else whole runs longest first; freed pages coalesce. Every operation is O(free runs).
+n (best fit), else whole runs longest first; freed pages coalesce. Every operation is O(free runs) list work (a
+followed allocation, below, O((its runs + free runs) x log free runs) besides).
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 
 
 class PageAllocatorError(ValueError):
@@ -40,22 +42,45 @@ class PageAllocator:
         fits = [s for s in self._starts if self._length[s] >= n]
         if fits:
             return self._take(min(fits, key=lambda s: (self._length[s], s)), n)
-        if follow is not None and len(follow) >= n:
-            return self._follow([length for _, length in _runs_in_order(follow[:n])])
+        if follow is None or len(follow) < n:
+            return self._longest_first(n)
+        follow = follow[:n]
+        peer = _breaks(follow)
+        blind = len(peer | set(itertools.accumulate(self._longest_first_lengths(n)[:-1]))) + 1
+        pages = self._follow([length for _, length in _runs_in_order(follow)])
+        if len(peer | _breaks(pages)) + 1 <= blind:    # descriptors: stretches unbroken on both sides
+            return pages
+        self.release(pages)    # the free runs are the free pages' stretches: as they were before
         return self._longest_first(n)
 
     def _follow(self, lengths: list[int]) -> list[int]:
         """One free run per piece of `lengths` (the other side's runs, in token order), longest piece first, best
-        fit; the pieces no free run then holds are split over the longest runs left. Returned in token order."""
+        fit (a length-sorted copy of the free runs: O(pieces x log runs) searches); the pieces no free run then
+        holds are split over the longest runs left, in one pass. Returned in token order."""
+        by_len = sorted((self._length[s], s) for s in self._starts)
         got: dict[int, list[int]] = {}
         for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-            fits = [s for s in self._starts if self._length[s] >= lengths[i]]
-            if fits:
-                got[i] = self._take(min(fits, key=lambda s: (self._length[s], s)), lengths[i])
-        for i in range(len(lengths)):
-            if i not in got:
-                got[i] = self._longest_first(lengths[i])
+            j = bisect.bisect_left(by_len, (lengths[i], -1))
+            if j < len(by_len):
+                length, start = by_len.pop(j)
+                got[i] = self._take(start, lengths[i])
+                if length > lengths[i]:
+                    bisect.insort(by_len, (length - lengths[i], start + lengths[i]))
+        rest = [i for i in range(len(lengths)) if i not in got]
+        pages, k = self._longest_first(sum(lengths[i] for i in rest)), 0
+        for i in rest:
+            got[i], k = pages[k:k + lengths[i]], k + lengths[i]
         return [p for i in range(len(lengths)) for p in got[i]]
+
+    def _longest_first_lengths(self, n: int) -> list[int]:
+        """The pieces `_longest_first(n)` would take, in order (every free run's, if n is more than is free)."""
+        out, got = [], 0
+        for length in sorted((self._length[s] for s in self._starts), reverse=True):
+            out.append(min(n - got, length))
+            got += out[-1]
+            if got >= n:
+                break
+        return out
 
     def _longest_first(self, n: int) -> list[int]:
         pages: list[int] = []
@@ -67,12 +92,7 @@ class PageAllocator:
 
     def runs_for(self, n: int) -> int:
         """How many runs `alloc(n)` would hand out now (0 for n <= 0; the caller checked `len(self) >= n`)."""
-        got = 0
-        for i, length in enumerate(sorted((self._length[s] for s in self._starts), reverse=True)):
-            got += length
-            if got >= n:
-                return i + 1 if n > 0 else 0
-        return len(self._starts)
+        return len(self._longest_first_lengths(n)) if n > 0 else 0
 
     def take_last(self) -> int:
         """One page from the end of the last free run (kept out of the pool by the caller for good)."""
@@ -134,6 +154,11 @@ class PageAllocator:
     def _remove(self, start: int) -> None:
         del self._starts[bisect.bisect_left(self._starts, start)]
         del self._length[start]
+
+
+def _breaks(pages: list[int]) -> set[int]:
+    """The offsets in a request's page list where a new run of consecutive pages starts (0 not counted)."""
+    return {i for i in range(1, len(pages)) if pages[i] != pages[i - 1] + 1}
 
 
 def _runs_in_order(pages: list[int]) -> list[tuple[int, int]]:
