@@ -44,11 +44,11 @@ class PageAllocator:
             return self._take(min(fits, key=lambda s: (self._length[s], s)), n)
         if follow is None or len(follow) < n:
             return self._longest_first(n)
-        follow = follow[:n]
-        peer = _breaks(follow)
-        blind = len(peer | set(itertools.accumulate(self._longest_first_lengths(n)[:-1]))) + 1
-        pages = self._follow([length for _, length in _runs_in_order(follow)])
-        if len(peer | _breaks(pages)) + 1 <= blind:    # descriptors: stretches unbroken on both sides
+        peer_runs = _run_lengths(follow[:n])
+        peer = _breaks(peer_runs)
+        blind = len(peer | _breaks(self._longest_first_lengths(n))) + 1
+        pages = self._follow(peer_runs)
+        if len(peer | _breaks(_run_lengths(pages))) + 1 <= blind:    # descriptors: stretches unbroken on both sides
             return pages
         self.release(pages)    # the free runs are the free pages' stretches: as they were before
         return self._longest_first(n)
@@ -156,9 +156,13 @@ class PageAllocator:
         del self._length[start]
 
 
-def _breaks(pages: list[int]) -> set[int]:
-    """The offsets in a request's page list where a new run of consecutive pages starts (0 not counted)."""
-    return {i for i in range(1, len(pages)) if pages[i] != pages[i - 1] + 1}
+def _breaks(run_lengths: list[int]) -> set[int]:
+    """The offsets in a request's page list, made of runs of `run_lengths`, where a new run starts (0 not counted)."""
+    return set(itertools.accumulate(run_lengths[:-1]))
+
+
+def _run_lengths(pages: list[int]) -> list[int]:
+    return [length for _, length in _runs_in_order(pages)]
 
 
 def _runs_in_order(pages: list[int]) -> list[tuple[int, int]]:
