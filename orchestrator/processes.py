@@ -5,6 +5,7 @@ counts as gone (it holds nothing, though `kill(pid, 0)` succeeds). Linux only (/
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -13,7 +14,7 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 PR_SET_PDEATHSIG = 1
 LOG_TAIL_LINES = 30
@@ -78,12 +79,23 @@ def stop_groups(pgids: list[int], deadline_s: float) -> list[int]:
     return [p for p in pgids if group_members(p)]
 
 
-def stop_on_signals() -> threading.Event:
-    """An event SIGTERM or SIGINT sets (each replaces the handler Python or Ray installed)."""
-    stop = threading.Event()
+def stop_on_signals(stop: threading.Event | None = None) -> threading.Event:
+    """An event (`stop`, or a new one) SIGTERM or SIGINT sets (each replaces the handler Python or Ray installed)."""
+    stop = stop if stop is not None else threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     return stop
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """SIGTERM and SIGINT held while the block runs, delivered when it ends: a handler a library installs meanwhile
+    (ray.init installs Ray's, which kills the process) never sees them if the block installs its own after it."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def start_time(pid: int) -> int | None:

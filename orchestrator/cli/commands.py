@@ -26,6 +26,7 @@ from dsv4_cluster.orchestrator.launch.sglang_capacity import GpuInputs
 from dsv4_cluster.orchestrator.cli.table import endpoint_status, print_status, render_table
 from dsv4_cluster.kernels.dispatch import GPU_CLASSES, DispatchError
 from dsv4_cluster.orchestrator.cluster.record import RecordError, read_record, record_path
+from dsv4_cluster.orchestrator.processes import stop_on_signals
 from dsv4_cluster.orchestrator.topology.load import TopologyError, load_topology
 
 EXIT_OK, EXIT_FAILED, EXIT_UNFIT = 0, 1, 2
@@ -162,6 +163,8 @@ def _cmd_up(deployment: Any, args: argparse.Namespace) -> int:
     except KeyboardInterrupt as e:
         _err(f"up interrupted ({str(e) or 'SIGINT'}); everything it started was stopped")
         return EXIT_INTERRUPTED
+    # from here to `down` a SIGTERM/SIGINT means "stop the cluster", also while the table prints
+    stop = stop_on_signals() if options.foreground else None
     failed = [w.name for w in result.status.workers if w.state is WorkerState.FAILED]
     if result.already_up:
         print(f"already up from {args.file}; nothing was started")
@@ -174,9 +177,9 @@ def _cmd_up(deployment: Any, args: argparse.Namespace) -> int:
     if result.already_up and failed:   # up again starts nothing: say how to bring these back
         _err(f"FAILED: {', '.join(failed)}; `dsv4-cluster restart NAME` starts one again (`down` then `up`: all)")
         return EXIT_FAILED
-    if not options.foreground:
+    if stop is None:
         return EXIT_OK
-    lost = deployment.watch(FOREGROUND_CHECK_S)
+    lost = deployment.watch(FOREGROUND_CHECK_S, stop)
     if lost is not None:
         _err(f"the cluster went away: {lost}")
     code = _cmd_down(deployment, DownOptions())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,7 @@ from dsv4_cluster.orchestrator.errors import (
 from dsv4_cluster.orchestrator.cluster.options import DownOptions, UpOptions
 from dsv4_cluster.orchestrator.launch.plan import (
     PlanError, cluster_plans, endpoint, requested_kernels)
-from dsv4_cluster.orchestrator.processes import group_members, pid_alive, stop_on_signals
+from dsv4_cluster.orchestrator.processes import group_members, pid_alive, signals_held, stop_on_signals
 from dsv4_cluster.orchestrator.launch.preflight import machine_problems, preflight
 from dsv4_cluster.orchestrator.cluster.record import (
     ClusterRecord, RecordError, clear_record, read_record, write_record)
@@ -226,16 +227,17 @@ def status() -> ClusterStatus:
         ray_cluster.disconnect()
 
 
-def watch(interval_s: float) -> str | None:
-    """Block until SIGTERM/SIGINT (None), or until the controller stops answering or a worker is
-    FAILED (why)."""
+def watch(interval_s: float, stop: threading.Event) -> str | None:
+    """Block until SIGTERM/SIGINT set `stop` (None; the caller installed its handlers), or until the controller stops
+    answering or a worker is FAILED (why)."""
     record = read_record()
     try:
-        try:
-            controller = find_controller(record)
-        except (NotUpError, RayClusterError) as e:
-            return str(e)
-        stop = stop_on_signals()  # after ray.init, which installs its own
+        with signals_held():    # ray.init installs Ray's handlers, which kill the process: a signal waits for ours
+            try:
+                controller = find_controller(record)
+            except (NotUpError, RayClusterError) as e:
+                return str(e)
+            stop_on_signals(stop)
         while not stop.wait(interval_s):
             try:
                 current = ray.get(controller.status.options(max_task_retries=READ_RETRIES).remote(), timeout=60)
