@@ -66,6 +66,18 @@ def chat_logprobs(logprobs: bool | None, top_logprobs: int | None) -> None:
                          "or drop top_logprobs")
 
 
+_OBJECT_TYPES = frozenset({"model_type", "dataclass_type", "is_instance_of"})
+
+
+def error_text(error: Any) -> str:
+    """One pydantic error's message as a client reads it: pydantic's "Value error, " prefix dropped, and a JSON
+    object expected said so (pydantic's "a valid dictionary or instance of GenerateSampling" names our model
+    class, which a client never sees)."""
+    if error["type"] in _OBJECT_TYPES:
+        return "Input should be a JSON object"
+    return error["msg"].removeprefix("Value error, ")
+
+
 def json_body(raw: bytes) -> Any:
     """A request body's JSON, read as the router's admission and the embedded workers both read it; ValueError
     saying what the client must change: not JSON (or not UTF-8), arrays or objects nested past the parser's stack,

@@ -152,10 +152,10 @@ def _field_errors(err: ValidationError) -> str:
     """'field.path: problem' for each error; for a union, the branch that got furthest (the others are noise)."""
     found = []
     for e in err.errors(include_url=False, include_input=False):
-        found.append((tuple(str(p) for p in e["loc"] if _is_field(p)), e["msg"].removeprefix("Value error, ")))
+        found.append((tuple(str(p) for p in e["loc"] if _is_field(p)), rs.error_text(e)))
     kept = [(loc, msg) for loc, msg in found
             if not any(len(other) > len(loc) and other[:len(loc)] == loc for other, _ in found)]
-    return "; ".join(dict.fromkeys(f"{'.'.join(loc) or '(body)'}: {msg}" for loc, msg in kept))
+    return "; ".join(dict.fromkeys(f"{'.'.join(loc)}: {msg}" if loc else msg for loc, msg in kept))
 
 
 def admit(state: Any, path: str, scope: dict[str, Any], raw: bytes) -> tuple[dict[str, Any], bool]:

@@ -167,3 +167,22 @@ def test_metrics_count_requests_latencies_and_workers(router: Router) -> None:
                    "dsv4_router_upstream_connection_errors_total", "dsv4_router_aborts_total"):
         assert needle in text, needle
     assert KEY not in text
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/v1/chat/completions", {"messages": ["hi"]}, "messages.0"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "stream_options": 5}, "stream_options"),
+    ("/generate", {"text": "hi", "sampling_params": [3]}, "sampling_params.0"),
+])
+def test_a_400_names_the_field_and_no_python_class(router: Router, path: str, body: dict, field: str) -> None:
+    """pydantic's "Input should be a valid dictionary or instance of Message" named the router's own model class."""
+    resp = router.post(body, path=path)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["message"] == f"invalid request: {field}: Input should be a JSON object"
+    assert router.untouched()
+
+
+def test_a_rule_over_the_whole_body_is_stated_without_a_placeholder_field(router: Router) -> None:
+    resp = router.post({"messages": MESSAGES, "top_logprobs": 2})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["message"].startswith("invalid request: top_logprobs 2 needs logprobs: true")

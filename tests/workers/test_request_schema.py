@@ -201,3 +201,37 @@ def test_a_batch_is_refused_in_one_sentence_naming_the_prompt_field(model, body,
     (error,) = err.value.errors()
     assert error["msg"].startswith(f"Value error, {field}: a batch (a list of prompts) is not supported")
     model.model_validate({"text": "a"} if model is GenerateRequest else {"prompt": [1, 2]})
+
+
+def test_null_sampling_params_are_the_defaults_as_in_sglang():
+    """SGLang's `GenerateReqInput.sampling_params` is Optional (None normalizes to {}); the worker once refused
+    `"sampling_params": null` with a 400 naming its own model class."""
+    req = GenerateRequest.model_validate({"text": "hi", "sampling_params": None})
+    assert req.sampling(128).max_new_tokens == 128 and req.max_asked() is None
+
+
+@pytest.mark.parametrize("part", [{"type": "text"}, {"type": "text", "text": None}, {"type": "text", "text": 5}],
+                         ids=["missing", "null", "number"])
+def test_a_text_part_without_a_string_text_is_refused_as_sglang_refuses_it(part):
+    """SGLang's text part is `{"type": "text", "text": str}`; the chat template once rendered these as "", "None"
+    and "5" in the prompt and answered 200."""
+    with pytest.raises(ValidationError) as err:
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [part]}]})
+    assert "messages.0.content" in str(err.value) and "'text'" in str(err.value)
+    ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}]})
+
+
+@pytest.mark.parametrize("kind, body, field", [
+    ("generate", {"text": "hi", "sampling_params": [{"max_new_tokens": 2}]}, "sampling_params"),
+    ("chat", {"messages": ["hi"]}, "messages.0"),
+    ("chat", {**CHAT, "stream_options": 5}, "stream_options"),
+])
+def test_a_worker_400_names_the_field_and_no_python_class(kind, body, field):
+    """pydantic's "Input should be a valid dictionary or instance of GenerateSampling" named the worker's own
+    model class to the client."""
+    from dsv4_cluster.workers.args import Role, WorkerArgs
+    from dsv4_cluster.workers.http.server import BadRequest, WorkerServer
+
+    with pytest.raises(BadRequest) as err:
+        WorkerServer(WorkerArgs(role=Role.DECODE)).parse(kind, body)
+    assert str(err.value) == f"{field}: Input should be a JSON object"

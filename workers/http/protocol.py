@@ -114,11 +114,21 @@ class _OpenAISampling(Bootstrap):
                               top_logprobs=top)
 
 
+def _text_parts(content: str | list[dict] | None) -> str | list[dict] | None:
+    """SGLang's text part is `{"type": "text", "text": str}`: one without its text, or with a number or null for
+    it, is refused as SGLang refuses it, never rendered into the prompt as "", "5" or "None". Other parts pass
+    (the chat template refuses what the embedded engine cannot render, naming the message)."""
+    for i, part in enumerate(content if isinstance(content, list) else ()):
+        if part.get("type") == "text" and not isinstance(part.get("text"), str):
+            raise ValueError(f"part {i}: a text part needs 'text', a string")
+    return content
+
+
 class ChatMessage(_SGLangBody):
     RULES: ClassVar = fields.MESSAGE
     SGLANG: ClassVar = "ChatCompletionMessageGenericParam"
     role: Annotated[Literal["system", "developer", "user", "assistant", "tool"], BeforeValidator(_lower)]
-    content: str | list[dict] | None = None
+    content: Annotated[str | list[dict] | None, AfterValidator(_text_parts)] = None
     name: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[dict] | None = None
@@ -191,12 +201,18 @@ class GenerateSampling(_SGLangBody):
                               self.no_stop_trim, logprobs, top_logprobs)
 
 
+def _null_is_defaults(value: Any) -> Any:
+    """SGLang's `sampling_params` is Optional: null means the defaults, as {} does."""
+    return {} if value is None else value
+
+
 class GenerateRequest(Bootstrap):
     RULES: ClassVar = fields.GENERATE
     SGLANG: ClassVar = "GenerateReqInput"
     text: str | None = None
     input_ids: list[int] | None = None
-    sampling_params: GenerateSampling = Field(default_factory=GenerateSampling)
+    sampling_params: Annotated[GenerateSampling | None, BeforeValidator(_null_is_defaults)] = Field(
+        default_factory=GenerateSampling)
     stream: bool = False
     return_logprob: bool | None = False
     top_logprobs_num: rs.TopLogprobs | None = None

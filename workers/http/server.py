@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 from ... import __version__
 from ...core import Role
-from ...request_schema import json_body
+from ...request_schema import error_text, json_body
 from ..args import WorkerArgs
 from ..engine.kernel_ops import KernelOps
 from ..engine.loop import Engine
@@ -314,7 +314,7 @@ def _describe(error: dict, model: str) -> str:
     where = ".".join(map(str, error["loc"]))
     if error["type"] == "extra_forbidden":
         return f"{where}: unknown field (SGLang 0.5.23's {model} has no such field); remove it"
-    message = error["msg"].removeprefix("Value error, ")
+    message = error_text(error)
     return f"{where}: {message}" if where else message
 
 
