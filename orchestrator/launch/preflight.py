@@ -1,12 +1,13 @@
 """Preflight: what `up` checks on this machine before it starts anything, every problem at once: ports free
-(on this machine's nodes), numactl, NIXL, SGLang at the pinned version and able to find our plugin, and each
-pinned worker's NUMA node the one its GPUs sit on.
+(on this machine's nodes), a run folder it can write, numactl, NIXL, SGLang at the pinned version and able to find
+our plugin, and each pinned worker's NUMA node the one its GPUs sit on.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import os
 import shutil
 import socket
 from pathlib import Path
@@ -167,6 +168,22 @@ def kernel_class_problems(topology: Any) -> list[str]:
     return [] if classes is None else kernel_problems(topology, classes, local)   # no driver: hardware_problems
 
 
+def run_dir_problems(topology: Any) -> list[str]:
+    """`cluster.run_dir` must take the logs (the Ray head's first): its `logs` folder is made here, before anything
+    starts, so that a path this user cannot write is a problem named, not a traceback once the head starts."""
+    logs = Path(topology.run_dir_path) / "logs"
+    try:
+        logs.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        problem = f"cannot create {logs} ({e.strerror or e})"
+    else:
+        if os.access(logs, os.W_OK | os.X_OK):
+            return []
+        problem = f"this user cannot write in {logs}"
+    return [f"cluster.run_dir {topology.run_dir_path}: {problem} — pick a folder this user can write"]
+
+
 def preflight(topology: Any, plans: list[LaunchPlan]) -> list[str]:
     """Every problem that would stop the cluster from starting here; empty when none."""
-    return machine_problems(topology) + kernel_class_problems(topology) + port_problems(topology, plans)
+    return (machine_problems(topology) + kernel_class_problems(topology) + run_dir_problems(topology)
+            + port_problems(topology, plans))
