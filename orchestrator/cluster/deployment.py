@@ -23,7 +23,7 @@ from dsv4_cluster.core import ClusterStatus, WorkerState
 from dsv4_cluster.orchestrator.cluster import ray_cluster
 from dsv4_cluster.orchestrator.supervise.controller import (
     ACTOR_MAX_RESTARTS, CONTROLLER_NAME, READ_RETRIES, ClusterController, ClusterSpec, cause_text,
-    cluster_identity, kill_supervisors)
+    cluster_identity, supervisor_name)
 from dsv4_cluster.orchestrator.errors import (
     AlreadyUpError, ClusterStartError, ForeignControllerError, NotUpError, PreflightError, RayClusterError)
 from dsv4_cluster.orchestrator.cluster.options import DownOptions, UpOptions
@@ -176,6 +176,20 @@ def _abandon(controller: Any, spec: ClusterSpec) -> None:
         killed = kill_supervisors(spec.namespace, [p.name for p in (*spec.workers, spec.router)])
         logger.warning("stopping the processes of a failed up: %s; killed the supervisors of %s", e, killed)
     ray.kill(controller)
+
+
+def kill_supervisors(namespace: str, workers: list[str]) -> list[str]:
+    """Kill the named supervisor actors of `workers` (their processes die with them); for a controller
+    that is gone, whose `stop` cannot. Returns the names found."""
+    found = []
+    for worker in workers:
+        try:
+            actor = ray.get_actor(supervisor_name(worker), namespace=namespace)
+        except ValueError:
+            continue
+        ray.kill(actor)
+        found.append(worker)
+    return found
 
 
 def _refuse_second_controller(namespace: str) -> None:

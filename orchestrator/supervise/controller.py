@@ -4,7 +4,8 @@ It places one supervisor per worker on the worker's node, starts prefill and dec
 once every worker is READY, runs the deep probe, and answers `GET /status/<key>` on loopback (`status_endpoint.py`)
 from the rows the supervisors push to it (`row_store.py`): reading status asks no supervisor.
 Ray restarts it (`max_restarts`); the new one takes over the running supervisors by name, which outlive it (and
-asks each for its row once), so `stop` kills them by name (`kill_supervisors` for a controller that is gone).
+asks each for its row once), so `stop` kills them by name (deployment's `kill_supervisors` for a controller that is
+gone).
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ class ClusterController:
         self._rows = RowStore()
         self._prober: DeepProber | None = None
         self._targets_lock = threading.Lock()  # drain, restart and stop may run concurrently (max_concurrency)
+        self._supervisors_lock, self._stopping = threading.Lock(), False  # once `stop` set it, no new supervisor
         self._stopped = self._names()  # stopped on purpose: not scrape targets
         write_actor_record(record_path(spec.router.cwd, CONTROLLER_NAME), ActorRecord(current_actor_id(), os.getpid()))
         self._take_over()
@@ -164,12 +166,15 @@ class ClusterController:
         if plan.role is not Role.ROUTER and self._spec.admin_token is not None:
             link = RouterLink.for_router(self._spec.router, self._spec.admin_token)
         report = ControllerSink(ray.get_runtime_context().current_actor)  # rows pushed to this actor's `report`
-        actor = ray.remote(WorkerSupervisor).options(
-            name=supervisor_name(plan.name), namespace=self._spec.namespace, lifetime="detached",
-            max_restarts=ACTOR_MAX_RESTARTS, num_cpus=0, max_concurrency=SUPERVISOR_CONCURRENCY,
-            resources={self._node_resource(plan.node): NODE_RESOURCE_SHARE},
-        ).remote(plan, router=link, report=report)
-        self._adopt(plan, actor)
+        with self._supervisors_lock:   # an interrupted `up` stops the cluster while `up` still starts processes
+            if self._stopping:
+                raise ClusterStartError(f"{plan.name}: not started, the cluster is being stopped")
+            actor = ray.remote(WorkerSupervisor).options(
+                name=supervisor_name(plan.name), namespace=self._spec.namespace, lifetime="detached",
+                max_restarts=ACTOR_MAX_RESTARTS, num_cpus=0, max_concurrency=SUPERVISOR_CONCURRENCY,
+                resources={self._node_resource(plan.node): NODE_RESOURCE_SHARE},
+            ).remote(plan, router=link, report=report)
+            self._adopt(plan, actor)
         return actor
 
     def _start_all(self, plans: list[LaunchPlan], timeout_s: float) -> list[str]:
@@ -312,9 +317,10 @@ class ClusterController:
             self._prober.stop()
             self._prober = None
         failed: list[str] = []
-        router = self._supervisors.get(self._spec.router.name)
-        groups = [[router] if router is not None else [],
-                  [a for n, a in self._supervisors.items() if n != self._spec.router.name]]
+        with self._supervisors_lock:   # from here `up` (another thread of this actor) creates no supervisor
+            self._stopping, supervisors = True, dict(self._supervisors)
+        groups = [[a for n, a in supervisors.items() if n == self._spec.router.name],
+                  [a for n, a in supervisors.items() if n != self._spec.router.name]]
         for group in groups:
             refs = [a.stop.remote(deadline_s) for a in group]
             for ref in refs:
@@ -322,27 +328,12 @@ class ClusterController:
                     ray.get(ref)
                 except (RayTaskError, RayActorError) as e:
                     failed.append(f"stop failed: {cause_text(e)}")
-        for actor in self._supervisors.values():
+        for actor in supervisors.values():
             ray.kill(actor)
-        self._rows.forget(self._supervisors)
+        self._rows.forget(supervisors)
         self._supervisors.clear()
         return failed
 
 
 def supervisor_name(worker: str) -> str:
     return f"supervisor-{worker}"
-
-
-def kill_supervisors(namespace: str, workers: list[str]) -> list[str]:
-    """Kill the named supervisor actors of `workers` (their processes die with them); for a controller
-    that is gone, whose `stop` cannot. Returns the names found."""
-    found = []
-    for worker in workers:
-        try:
-            actor = ray.get_actor(supervisor_name(worker), namespace=namespace)
-        except ValueError:
-            continue
-        ray.kill(actor)
-        found.append(worker)
-    return found
-
