@@ -102,8 +102,9 @@ def up(topology_path: str, options: UpOptions) -> UpResult:
     controller = None
     try:
         _check_interrupt()       # a signal while the head started: stop it (below)
-        ray_cluster.connect(address, spec.namespace)
-        _interrupt_on_sigterm()  # again: ray.init replaced it
+        with signals_held():     # ray.init installs Ray's SIGTERM handler, which exits: a signal waits for ours
+            ray_cluster.connect(address, spec.namespace)
+            _interrupt_on_sigterm()  # again: ray.init replaced it
         _check_interrupt()
         _refuse_second_controller(spec.namespace)
         write_record(record)
