@@ -8,6 +8,7 @@ legs by id. Batched `/generate` carries one entry per item; a scalar room used f
 
 from __future__ import annotations
 
+import json
 import random
 import secrets
 from dataclasses import dataclass
@@ -67,15 +68,18 @@ def _room(items: int) -> int:
     return _ids.getrandbits(63) if items == 1 else _ids.randrange(ROOM_LIMIT - items + 1)
 
 
+_JSON_KINDS = {list: "an array", str: "a string", bool: "true or false", type(None): "null"}  # as the client wrote it
+
+
 def check_body(body: Any) -> dict[str, Any]:
     """The fields the router relies on, checked before any worker sees the request."""
     if not isinstance(body, dict):
-        raise InvalidRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+        raise InvalidRequest(f"the request body must be a JSON object, got {_JSON_KINDS.get(type(body), 'a number')}")
     taken = [k for k in ROUTER_FIELDS if k in body]
     if taken:
         raise InvalidRequest(f"the router sets {taken} itself (PD pairing); remove them from the request")
     if not isinstance(body.get("stream", False), bool):
-        raise InvalidRequest(f"'stream' must be true or false, got {body['stream']!r}")
+        raise InvalidRequest(f"'stream' must be true or false, got {json.dumps(body['stream'])}")
     return body
 
 

@@ -224,10 +224,12 @@ def test_one_model_by_id_and_wrong_methods(cluster: Cluster) -> None:
 
 @pytest.mark.parametrize("content, needle", [
     (b"{not json", "not valid JSON"),
-    (b"[1, 2]", "must be a JSON object"),
+    (b"[1, 2]", "must be a JSON object, got an array"),
+    (b"null", "must be a JSON object, got null"),
     (b'{"model": "m"}', "'messages'"),
     (b'{"messages": [], "rid": "mine"}', "the router sets ['rid']"),
-    (b'{"messages": [], "stream": "yes"}', "'stream' must be true or false"),
+    (b'{"messages": [], "stream": "yes"}', "'stream' must be true or false, got \"yes\""),
+    (b'{"messages": [], "stream": null}', "'stream' must be true or false, got null"),
 ])
 def test_bad_requests_get_400(cluster: Cluster, content: bytes, needle: str) -> None:
     cluster.reset()
