@@ -119,13 +119,15 @@ def up(topology_path: str, options: UpOptions) -> UpResult:
         verification = _verify(topology, started)
         _check_interrupt()
         return UpResult(started, verification=verification)
-    except BaseException:
+    except BaseException as e:
         if controller is not None:
             _abandon(controller, spec)
         ray_cluster.disconnect()
         if head is not None:
             ray_cluster.stop_head(head, deadline_s=10.0)
         clear_record()
+        if isinstance(e, KeyboardInterrupt) and not str(e) and _INTERRUPTED:   # ray.get raises a bare one
+            raise KeyboardInterrupt(f"signal {_INTERRUPTED[-1]} during up") from e
         raise
     finally:
         ray_cluster.disconnect()

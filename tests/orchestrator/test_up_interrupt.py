@@ -4,6 +4,7 @@ stop what it started and say so, exit 143, as at any other moment of `up`."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,8 +14,6 @@ from dsv4_cluster.orchestrator.launch.ports import port_is_free
 
 from bench.local_cluster import write_topology
 from tests.helpers import gone
-
-pytestmark = pytest.mark.slow
 
 # the CLI, with ray.init sending this process SIGTERM as it returns (still inside `up`'s connect), and the pid of
 # the Ray head `up` starts on stderr
@@ -41,6 +40,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_sigterm_while_up_connects_to_ray_stops_what_up_started(tmp_path: Path) -> None:
     """Seen by a review: `up` exited 15 (Ray's handler's SystemExit; once 134, after Ray's C++ 'SIGTERM received'
     dump) without a word; here what it had started was stopped all the same (the SystemExit went through cleanup)."""
@@ -54,3 +54,25 @@ def test_sigterm_while_up_connects_to_ray_stops_what_up_started(tmp_path: Path) 
     head = int(r.stderr.split("head pid ")[1].split()[0])
     assert gone([head]) == []
     assert all(port_is_free(p) for p in cluster.ports.values())
+
+
+def test_a_sigterm_that_ray_turns_into_a_bare_keyboardinterrupt_is_still_named(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seen by a review: systemd's SIGTERM during `up` was reported as 'up interrupted (SIGINT)': inside ray.get our
+    handler's KeyboardInterrupt becomes Ray's own, which says nothing."""
+    from dsv4_cluster.orchestrator.cluster import deployment, ray_cluster
+
+    def connect(address: str, namespace: str) -> None:
+        deployment._INTERRUPTED.append("SIGTERM")   # what `up`'s handler records before it raises
+        raise KeyboardInterrupt()
+
+    cluster = write_topology(tmp_path)
+    monkeypatch.setenv("DSV4_CLUSTER_HOME", str(cluster.home))
+    monkeypatch.setattr(ray_cluster, "connect", connect)
+    handler = signal.getsignal(signal.SIGTERM)  # `up` installs its own while it starts things
+    try:
+        with pytest.raises(KeyboardInterrupt, match="^signal SIGTERM during up$"):
+            deployment.up(str(cluster.topology), deployment.UpOptions(address="127.0.0.1:1"))
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert not (cluster.home / "current.json").exists()
