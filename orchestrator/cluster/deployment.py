@@ -77,7 +77,7 @@ def up(topology_path: str, options: UpOptions) -> UpResult:
     topology = load_topology(topology_path)
     existing = _existing_cluster()
     if existing is not None:
-        if existing.topology_path == str(Path(topology_path).absolute()):
+        if Path(existing.topology_path).resolve() == Path(topology_path).resolve():   # the same file, any spelling
             try:
                 return UpResult(status(), already_up=True)  # `up` again is a no-op that reports
             except NotUpError as e:
