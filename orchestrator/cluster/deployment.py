@@ -35,7 +35,7 @@ from dsv4_cluster.orchestrator.cluster.record import (
     ClusterRecord, RecordError, clear_record, read_record, write_record)
 from dsv4_cluster.orchestrator.supervise.router_admin import new_admin_token, with_admin_token
 from dsv4_cluster.orchestrator.topology.load import TopologyError, load_topology
-from dsv4_cluster.orchestrator.supervise.status_endpoint import predicted_capacity
+from dsv4_cluster.orchestrator.supervise.status_endpoint import EndpointUnavailable, predicted_capacity, read_status
 from dsv4_cluster.orchestrator.verify.sequence import VerifyReport, verify_cluster
 
 CONTROLLER_CONCURRENCY = 8
@@ -246,24 +246,34 @@ def status() -> ClusterStatus:
 
 def watch(interval_s: float, stop: threading.Event) -> str | None:
     """Block until SIGTERM/SIGINT set `stop` (None; the caller installed its handlers), or until the controller stops
-    answering or a worker is FAILED (why)."""
+    answering or a worker is FAILED (why). It reads the controller's status endpoint, so this process stays out of
+    Ray (whose ray.init installs a SIGTERM handler that kills the process, on any thread the signal lands on); Ray is
+    asked only while the endpoint does not answer (the controller restarting)."""
     record = read_record()
-    try:
-        with signals_held():    # ray.init installs Ray's handlers, which kill the process: a signal waits for ours
+    while not stop.wait(interval_s):
+        try:
+            current = read_status(record.run_dir)
+        except EndpointUnavailable:
             try:
-                controller = find_controller(record)
-            except (NotUpError, RayClusterError) as e:
-                return str(e)
-            stop_on_signals(stop)
-        while not stop.wait(interval_s):
-            try:
-                current = ray.get(controller.status.options(max_task_retries=READ_RETRIES).remote(), timeout=60)
+                current = _status_through_ray(record, stop)
             except (RayActorError, GetTimeoutError) as e:
                 return f"the controller does not answer: {e}"
-            failed = [w for w in current.workers if w.state is WorkerState.FAILED]
-            if failed:
-                return "; ".join(f"{w.name} is FAILED: {(w.error or '').splitlines()[0]}" for w in failed)
-        return None
+            except (NotUpError, RayClusterError) as e:
+                return str(e)
+        failed = [w for w in current.workers if w.state is WorkerState.FAILED]
+        if failed:
+            return "; ".join(f"{w.name} is FAILED: {(w.error or '').splitlines()[0]}" for w in failed)
+    return None
+
+
+def _status_through_ray(record: ClusterRecord, stop: threading.Event) -> ClusterStatus:
+    try:
+        with signals_held():    # ray.init installs Ray's handlers: a signal waits for ours, put back after it
+            try:
+                controller = find_controller(record)
+            finally:
+                stop_on_signals(stop)
+        return ray.get(controller.status.options(max_task_retries=READ_RETRIES).remote(), timeout=60)
     finally:
         ray_cluster.disconnect()
 
