@@ -26,7 +26,7 @@ from dsv4_cluster.orchestrator.launch.sglang_capacity import GpuInputs
 from dsv4_cluster.orchestrator.cli.table import endpoint_status, print_status, render_table
 from dsv4_cluster.kernels.dispatch import GPU_CLASSES, DispatchError
 from dsv4_cluster.orchestrator.cluster.record import RecordError, read_record, record_path
-from dsv4_cluster.orchestrator.processes import stop_on_signals
+from dsv4_cluster.orchestrator.processes import signals_held, stop_on_signals
 from dsv4_cluster.orchestrator.topology.load import TopologyError, load_topology
 
 EXIT_OK, EXIT_FAILED, EXIT_UNFIT = 0, 1, 2
@@ -244,6 +244,13 @@ def _ray_address(args: argparse.Namespace) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "up":
+        # A process-directed SIGTERM lands on any thread that does not block it, and inside ray.init (where `up` holds
+        # the signals on this thread) Ray's C++ handler, which dumps and exits, takes it: torch's import (the topology's
+        # checks need it) starts the one thread that exists before that, so it starts with the signals blocked and
+        # keeps them so (Ray's threads start inside the hold): every SIGTERM reaches `up`'s handler, which cleans up.
+        with signals_held():
+            import torch  # noqa: F401
     if args.command == "plan":
         return _cmd_plan(args)
     if args.command == "install-service":
