@@ -30,6 +30,9 @@ class NotUpError(RuntimeError):
     """There is no cluster to report on or stop."""
 
 
+CLEAN_UP = "; run `dsv4-cluster down` to clean up"   # a NotUpError's advice, which `down` itself leaves out
+
+
 class ForeignControllerError(NotUpError):
     """The recorded cluster's Ray namespace holds another cluster's controller: the recorded one is gone, and
     nothing found there may be touched."""

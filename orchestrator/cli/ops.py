@@ -64,8 +64,9 @@ def run_operation(args: argparse.Namespace) -> int:
     try:
         if args.command == "drain":
             out = operations.drain(args.worker, args.deadline, args.timeout)
-            how = (f"forced after {args.deadline:g}s with {out.in_flight_at_stop} request(s) in flight"
-                   if out.forced else "no request in flight")
+            how = (f"forced after {args.deadline:g}s with {out.in_flight_at_stop} request(s) in flight" if out.forced
+                   else f"its {out.in_flight_at_start} request(s) in flight finished in {out.waited_s:.1f}s"
+                   if out.in_flight_at_start else "no request in flight")
             print(f"{args.worker} drained and stopped ({how}); `dsv4-cluster restart {args.worker}` "
                   "brings it back", flush=True)
             return EXIT_FAILED if out.forced else EXIT_OK

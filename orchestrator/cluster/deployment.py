@@ -25,7 +25,7 @@ from dsv4_cluster.orchestrator.supervise.controller import (
     ACTOR_MAX_RESTARTS, CONTROLLER_NAME, READ_RETRIES, ClusterController, ClusterSpec, cause_text,
     cluster_identity, supervisor_name)
 from dsv4_cluster.orchestrator.errors import (
-    AlreadyUpError, ClusterStartError, ForeignControllerError, NotUpError, PreflightError, RayClusterError)
+    CLEAN_UP, AlreadyUpError, ClusterStartError, ForeignControllerError, NotUpError, PreflightError, RayClusterError)
 from dsv4_cluster.orchestrator.cluster.options import DownOptions, UpOptions
 from dsv4_cluster.orchestrator.launch.plan import (
     PlanError, cluster_plans, endpoint, requested_kernels)
@@ -210,14 +210,13 @@ def find_controller(record: ClusterRecord) -> Any:
     free port), and its namespace's controller is not this cluster's."""
     if record.head is not None and not ray_cluster.head_alive(record.head):
         raise NotUpError(f"the Ray head `up` started for {record.topology_path} (pid {record.head.pid}) is gone, and "
-                         "the cluster with it; run `dsv4-cluster down` to clean up")
+                         f"the cluster with it{CLEAN_UP}")
     ray_cluster.connect(record.address, record.namespace)
     try:
         controller = ray.get_actor(CONTROLLER_NAME, namespace=record.namespace)
     except ValueError:
-        raise NotUpError(f"no controller in Ray namespace {record.namespace!r} at "
-                         f"{record.address}; the cluster is gone — run `dsv4-cluster down` "
-                         "to clean up") from None
+        raise NotUpError(f"no controller in Ray namespace {record.namespace!r} at {record.address}; the cluster is "
+                         f"gone{CLEAN_UP}") from None
     # once this cluster's controller died for good, another cluster may have come up in the same namespace of the
     # same Ray cluster: its controller answers to the name, and must be neither reported nor stopped as this one
     if record.admin_token is not None and cluster_identity(record.admin_token) != ray.get(
@@ -238,8 +237,7 @@ def status() -> ClusterStatus:
     except (RayActorError, GetTimeoutError) as e:
         raise NotUpError(f"the controller does not answer: {e}") from e
     except RayClusterError as e:
-        raise NotUpError(f"the cluster from {record.topology_path} is gone ({e}); run "
-                         "`dsv4-cluster down` to clean up") from e
+        raise NotUpError(f"the cluster from {record.topology_path} is gone ({e}){CLEAN_UP}") from e
     finally:
         ray_cluster.disconnect()
 
@@ -326,7 +324,7 @@ def down(options: DownOptions) -> DownResult:
     except ForeignControllerError as e:
         notes.append(f"controller: {e}")   # the namespace is another cluster's now: its supervisors are not ours
     except (NotUpError, RayClusterError, RayActorError, GetTimeoutError) as e:
-        notes.append(f"controller: {e}")
+        notes.append(f"controller: {str(e).removesuffix(CLEAN_UP)}")   # this is that `down`
         notes += _kill_orphaned_supervisors(record)
     finally:
         ray_cluster.disconnect()

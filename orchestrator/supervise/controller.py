@@ -70,10 +70,13 @@ class ClusterSpec:
 
 @dataclass(frozen=True)
 class Drained:
-    """A drained worker: its final row, and the requests still in flight when it was stopped (0 unless forced)."""
+    """A drained worker: its final row, the requests still in flight when it was stopped (0 unless forced), those in
+    flight when the drain began, and how long it waited for them."""
 
     worker: WorkerStatus
     in_flight_at_stop: int
+    in_flight_at_start: int = 0
+    waited_s: float = 0.0
 
     @property
     def forced(self) -> bool:
@@ -258,7 +261,8 @@ class ClusterController:
         try:
             entry = admin.drain(name)
             self._rows.put(ray.get(supervisor.draining.remote()))   # status reads DRAINING while it waits
-            end = time.monotonic() + deadline_s
+            began, at_start = time.monotonic(), entry["in_flight"]
+            end = began + deadline_s
             while entry["in_flight"] > 0 and time.monotonic() < end:
                 time.sleep(DRAIN_POLL_S)
                 entry = admin.worker(name)
@@ -270,7 +274,7 @@ class ClusterController:
         final = ray.get(supervisor.stop.remote(stop_deadline_s))
         self._rows.put(final)
         self._set_targets(stopped=(name,))
-        return Drained(final, entry["in_flight"])
+        return Drained(final, entry["in_flight"], at_start, time.monotonic() - began)
 
     def restart(self, name: str, timeout_s: float, stop_deadline_s: float) -> WorkerStatus:
         """Stop `name` (SIGTERM, SIGKILL after `stop_deadline_s`), start it again, wait for READY,

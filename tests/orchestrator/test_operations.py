@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import threading
@@ -89,7 +90,9 @@ def test_drain_under_steady_load_loses_no_request_and_restart_brings_it_back(clu
     everyone = {"prefill-0", "decode-0", "decode-1", "router"}
     assert targets == [everyone - {"decode-1"}, everyone]
     assert drained.returncode == 0, drained.stderr + drained.stdout
-    assert "decode-1 drained and stopped (no request in flight)" in drained.stdout
+    # under load the drain may find requests in flight: they finish, and the message says how many and how long
+    assert re.search(r"decode-1 drained and stopped \((no request in flight|its \d+ request\(s\) in flight finished "
+                     r"in \d+\.\ds)\)", drained.stdout), drained.stdout
     assert restarted.returncode == 0, restarted.stderr + restarted.stdout
     assert out and all(r == 16 for r in out), out   # every request of the steady load completed
     rows = status_rows(cluster)

@@ -14,6 +14,7 @@ import pytest
 from dsv4_cluster.core import ClusterStatus, KvUsage, ProbeResult, Role, WorkerState, WorkerStatus
 from dsv4_cluster.orchestrator.launch.ports import free_ports, port_is_free
 from dsv4_cluster.orchestrator.processes import group_members, pid_alive
+from dsv4_cluster.orchestrator.cluster.options import DownOptions
 from dsv4_cluster.orchestrator.cluster.record import (
     HOME_ENV, ClusterRecord, HeadProcess, RecordError, clear_record, read_record, write_record)
 from dsv4_cluster.orchestrator.cli.table import COLUMNS, render_table
@@ -169,6 +170,12 @@ def test_a_dead_head_is_never_looked_up_at_its_address(monkeypatch: pytest.Monke
                         HeadProcess(dead.pid, "/run/logs/ray-head.log"))
     with pytest.raises(NotUpError, match=f"pid {dead.pid}.* is gone.*dsv4-cluster down"):
         deployment.find_controller(rec)
+    monkeypatch.setattr(deployment, "read_record", lambda: rec)
+    monkeypatch.setattr(deployment, "clear_record", lambda: None)
+    gone = deployment.down(DownOptions(timeout_s=1))
+    assert gone.survivors == [] and len(gone.notes) == 1, gone
+    # `down` says what it found, without the advice to run `down` (it said "run `dsv4-cluster down` to clean up")
+    assert "is gone, and the cluster with it" in gone.notes[0] and "dsv4-cluster down" not in gone.notes[0], gone
     assert connected == []
 
 

@@ -1,6 +1,7 @@
-"""`up --foreground`'s watch reads the controller's status endpoint and stays out of Ray while it answers: ray.init
-installs a SIGTERM handler that kills the process on whichever thread the signal lands on (torch's included), so a
-systemd stop inside the watch's connect left the cluster running."""
+"""What the CLI says and does while it watches and drains. `up --foreground`'s watch reads the controller's status
+endpoint and stays out of Ray while it answers: ray.init installs a SIGTERM handler that kills the process on
+whichever thread the signal lands on (torch's included), so a systemd stop inside the watch's connect left the cluster
+running."""
 
 from __future__ import annotations
 
@@ -59,3 +60,20 @@ def test_watch_asks_ray_only_when_the_endpoint_does_not_answer(cluster: SimpleNa
     cluster.replies = [_status(WorkerState.READY), EndpointUnavailable("no status endpoint recorded")]
     assert deployment.watch(0.001, cluster.stop) == "the cluster is gone (asked through Ray)"
     assert cluster.ray_calls == 1
+
+
+@pytest.mark.parametrize("drained, said", [
+    ((0, 0, 0.0), "(no request in flight)"),
+    ((0, 3, 8.64), "(its 3 request(s) in flight finished in 8.6s)"),   # it said "no request in flight"
+    ((2, 5, 60.0), "(forced after 60s with 2 request(s) in flight)"),
+])
+def test_drain_says_what_it_waited_for(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
+                                       drained: tuple[int, int, float], said: str) -> None:
+    from dsv4_cluster.orchestrator.cli.ops import run_operation
+    from dsv4_cluster.orchestrator.cluster import operations
+    from dsv4_cluster.orchestrator.supervise.controller import Drained
+
+    monkeypatch.setattr(operations, "drain", lambda *_: Drained(_status(WorkerState.STOPPED).workers[0], *drained))
+    args = SimpleNamespace(command="drain", worker="decode-0", deadline=60.0, timeout=30.0)
+    assert run_operation(args) == (1 if drained[0] else 0)
+    assert f"decode-0 drained and stopped {said}" in capsys.readouterr().out
