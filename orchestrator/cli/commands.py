@@ -83,7 +83,7 @@ def _add_plan_parser(sub: Any) -> None:
 def _cmd_plan(args: argparse.Namespace) -> int:
     """Starts nothing and needs no Ray: what `up FILE` would run, and the KV pools it would get."""
     from dsv4_cluster.orchestrator.launch.capacity import capacity_rows, capacity_table, inputs_note
-    from dsv4_cluster.orchestrator.launch.plan import PlanError, cluster_plans
+    from dsv4_cluster.orchestrator.launch.plan import cluster_plans
     from dsv4_cluster.router.settings_fields import summary
 
     try:
@@ -91,9 +91,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         workers, router = cluster_plans(topology)
     except TopologyError as e:
         _err(f"{args.file}: {len(e.problems)} problem(s):\n{e}")
-        return EXIT_UNFIT
-    except PlanError as e:
-        _err(f"{args.file}: {e}")
         return EXIT_UNFIT
     for plan in [*workers, router]:
         print(f"# {plan.name} ({plan.role.value}) on node {plan.node}, log {plan.log_path}")

@@ -28,9 +28,9 @@ from dsv4_cluster.orchestrator.errors import (
     CLEAN_UP, AlreadyUpError, ClusterStartError, ForeignControllerError, NotUpError, PreflightError, RayClusterError)
 from dsv4_cluster.orchestrator.cluster.options import DownOptions, UpOptions
 from dsv4_cluster.orchestrator.launch.plan import (
-    PlanError, cluster_plans, endpoint, requested_kernels)
+    cluster_plans, endpoint, requested_kernels)
 from dsv4_cluster.orchestrator.processes import group_members, pid_alive, signals_held, stop_on_signals
-from dsv4_cluster.orchestrator.launch.preflight import machine_problems, preflight
+from dsv4_cluster.orchestrator.launch.preflight import preflight
 from dsv4_cluster.orchestrator.cluster.record import (
     ClusterRecord, RecordError, clear_record, read_record, write_record)
 from dsv4_cluster.orchestrator.supervise.router_admin import new_admin_token, with_admin_token
@@ -43,10 +43,7 @@ logger = logging.getLogger(__name__)
 
 
 def _spec(topology: Any, admin_token: str) -> ClusterSpec:
-    try:
-        workers, router = cluster_plans(topology)
-    except PlanError as e:
-        raise PreflightError([str(e), *machine_problems(topology)]) from e
+    workers, router = cluster_plans(topology)
     problems = preflight(topology, [*workers, router])
     if problems:
         raise PreflightError(problems)

@@ -23,10 +23,6 @@ if TYPE_CHECKING:
 ROUTE_PROBE = "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
 
 
-class PlanError(ValueError):
-    """The topology asks for something no launch plan can honour yet."""
-
-
 @dataclass(frozen=True)
 class LaunchPlan:
     """How to start one process and how to know it is ready."""
@@ -204,7 +200,7 @@ def router_plan(topology: Topology) -> LaunchPlan:
     host = _probe_host(topology.node(r.node).address, r.host)
     config = str(router_config_path(topology))
     plan = LaunchPlan(
-        name="router",
+        name=Role.ROUTER.value,   # the topology refuses it as a worker's name
         role=Role.ROUTER,
         node=r.node,
         argv=(sys.executable, "-m", "dsv4_cluster.router", "--config", config),
@@ -227,9 +223,5 @@ def endpoint(topology: Topology) -> str:
 
 
 def cluster_plans(topology: Topology) -> tuple[list[LaunchPlan], LaunchPlan]:
-    """Every worker's plan (prefill then decode) and the router's; raises PlanError."""
-    router = router_plan(topology)
-    if any(w.name == router.name for w in topology.workers):
-        raise PlanError(f"a worker is named {router.name!r}, the name of the router's own "
-                        "process; rename the worker")
-    return [worker_plan(topology, w) for w in topology.workers], router
+    """Every worker's plan (prefill then decode) and the router's."""
+    return [worker_plan(topology, w) for w in topology.workers], router_plan(topology)

@@ -35,6 +35,9 @@ def _names_unique(ctx: RuleContext) -> Iterator[Finding]:
         name = w.raw.get("name")
         if not isinstance(name, str):
             continue
+        if name == Role.ROUTER.value:
+            yield Finding(w.path + ("name",), f"worker name {name!r} is the router's own process name",
+                          "rename the worker")
         if name in seen:
             first = format_field(seen[name].path)
             yield Finding(w.path + ("name",), f"worker name {name!r} is also used by {first}",

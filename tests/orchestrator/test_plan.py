@@ -12,7 +12,7 @@ import yaml
 from dsv4_cluster.core import Role
 from dsv4_cluster.kernels.sglang_plugin.settings import ATTEST_DIR_ENV, KERNELS_ENV, WORKER_ENV
 from dsv4_cluster.orchestrator.launch.plan import (
-    ROUTE_PROBE, PlanError, cluster_plans, endpoint, router_settings)
+    ROUTE_PROBE, cluster_plans, endpoint, router_settings)
 from dsv4_cluster.orchestrator.topology.load import load_topology, parse_topology, topology_from_data
 from dsv4_cluster.orchestrator.supervise.router_admin import with_admin_token
 from dsv4_cluster.router.settings import OperatorSettings, SettingsError, load_settings
@@ -241,9 +241,3 @@ def test_sglang_flags_are_sglang_0_5_23_flags() -> None:
         argv = plan.argv[plan.argv.index("sglang.launch_server") + 1:]
         flags = {a for a in argv if a.startswith("--")}
         assert flags <= SGLANG_0_5_23_FLAGS, flags - SGLANG_0_5_23_FLAGS
-
-
-def test_a_worker_may_not_take_the_routers_name() -> None:
-    topo = _local(decode=[{"name": "router", "port": 21200}])
-    with pytest.raises(PlanError, match="named 'router'"):
-        cluster_plans(topo)

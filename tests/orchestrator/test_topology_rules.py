@@ -82,6 +82,13 @@ def test_duplicate_worker_names() -> None:
     check(text, "decode[0].name", line_of(text, "name: prefill-0", 2), "'prefill-0' is also used by prefill[0]", "unique")
 
 
+def test_a_worker_may_not_take_the_routers_name() -> None:
+    """It said so without file or line (a plan error after the topology had loaded)."""
+    text = edit(BASE, "name: decode-0", "name: router")
+    check(text, "decode[0].name", line_of(text, "name: router"), "'router' is the router's own process name",
+          "rename the worker")
+
+
 def test_worker_or_router_on_unknown_node() -> None:
     text = edit(BASE, "    port: 30200", "    node: gpu-host\n    port: 30200")
     check(text, "decode[0].node", line_of(text, "node: gpu-host"), "unknown node 'gpu-host'", "'nodes:' (local)")
