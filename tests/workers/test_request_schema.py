@@ -221,6 +221,17 @@ def test_a_text_part_without_a_string_text_is_refused_as_sglang_refuses_it(part)
     ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}]})
 
 
+def test_a_user_message_without_content_is_refused_as_sglang_refuses_it():
+    """SGLang's user message requires `content`; the generic one (system, assistant: a reply with tool calls) may
+    leave it null. The worker once took a user message's null content as an empty prompt."""
+    for user in ({"role": "user", "content": None}, {"role": "user"}):
+        with pytest.raises(ValidationError, match="a user message needs 'content'"):
+            ChatCompletionRequest.model_validate({"messages": [user]})
+    ChatCompletionRequest.model_validate({"messages": [{"role": "system", "content": None},
+                                                       {"role": "user", "content": "hi"},
+                                                       {"role": "assistant", "content": None}]})
+
+
 @pytest.mark.parametrize("kind, body, field", [
     ("generate", {"text": "hi", "sampling_params": [{"max_new_tokens": 2}]}, "sampling_params"),
     ("chat", {"messages": ["hi"]}, "messages.0"),

@@ -138,6 +138,8 @@ class ChatMessage(_SGLangBody):
     def _no_tools(self):
         if self.role == "tool" or self.tool_calls or self.tool_call_id:
             raise ValueError(f"tool messages: {fields.CHAT['tools'].why}")
+        if self.role == "user" and self.content is None:   # SGLang's user message requires it; the others may omit it
+            raise ValueError("a user message needs 'content': a string or a list of parts")
         return self
 
 
