@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 
@@ -18,6 +19,7 @@ import pytest
 
 from dsv4_cluster.metric_names import KV_WRITE_TIMEOUTS
 from dsv4_cluster.workers.engine.model import ModelConfig
+from dsv4_cluster.workers.http.metrics import WorkerMetrics
 from dsv4_cluster.workers.prefill import engine as prefill_engine
 from dsv4_cluster.workers.prefill.engine import PrefillEngine
 from dsv4_cluster.workers.engine.request import Failed, Req, Token
@@ -71,8 +73,8 @@ def test_a_write_into_a_frozen_decode_is_cancelled_at_its_deadline_and_frees_eve
         wait_for(lambda: runner.pool.used_tokens == 0, 5, "every page back")
         assert runner.pool.used_tokens == 0 and engine.reqs == {}    # every page back, nothing held
         assert engine.stats.write_timeouts == 1 and engine.stats.transfer_failed == 1
-        metrics = {name: value for name, _, _, value in engine.role_metrics()}
-        assert metrics[KV_WRITE_TIMEOUTS] == 1
+        exposition = WorkerMetrics(engine, "dsv4-tiny", "prefill", 1024).render().decode()   # what /metrics serves
+        assert re.search(rf"^{KV_WRITE_TIMEOUTS}{{[^}}]*}} 1\.0$", exposition, re.MULTILINE), exposition
         assert engine.destinations.done(7) is None                  # the room is no longer taken
         # the decode side is told: once both agents make progress again (no progress threads: the engines' loops
         # drive it), the decode finds the room failed, and not "may land": NIXL cancelled the write

@@ -183,7 +183,7 @@ class PrefillEngine(Engine):
 
     def role_metrics(self) -> list[tuple[str, str, str, float]]:
         return [*self.stranded.metrics(),
-                (KV_WRITE_TIMEOUTS, "counter", "KV writes cancelled past transfer.write_timeout_s",
+                ("counter", KV_WRITE_TIMEOUTS, "KV writes cancelled past transfer.write_timeout_s",
                  self.stats.write_timeouts)]
 
     def _free_stranded(self) -> None:
