@@ -1,8 +1,8 @@
 """What a supervisor or the controller keeps in the run folder (`<run_dir>/actors/<name>.json`) to survive its own
 process dying: Ray reruns the constructor of a dead actor in a new process, with the same actor id. A supervisor
-records its worker's pid and start time (a recycled pid is never taken for it), restarts, start timeout and
-whether it should run; its worker died with it (PR_SET_PDEATHSIG), so the restarted one reaps the old group and
-starts the worker again.
+records its worker's pid and start time (a recycled pid is never taken for it), restarts, start timeout, status
+history and whether it should run; its worker died with it (PR_SET_PDEATHSIG), so the restarted one reaps the old
+group, starts the worker again and goes on with that history.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import signal
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dsv4_cluster.orchestrator.processes import group_members, pid_alive, signal_group, start_time, write_atomically
@@ -27,6 +27,7 @@ class ActorRecord:
     restarts: int = 0
     start_timeout_s: float | None = None
     running: bool = False  # the worker should be running: started, and not stopped since
+    history: list[dict] = field(default_factory=list)   # its status history so far: a restarted supervisor goes on
 
 
 def record_path(run_dir: str | Path, actor_name: str) -> Path:

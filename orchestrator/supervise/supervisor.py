@@ -104,7 +104,7 @@ class WorkerSupervisor:
         try:
             write_actor_record(self._record_path, ActorRecord(
                 self._actor_id, os.getpid(), pid, start_time(pid) if pid is not None else None,
-                self._restarts, self._start_timeout_s, running))
+                self._restarts, self._start_timeout_s, running, list(self._history)))
         except OSError as e:
             logger.error("%s: cannot write the supervisor record %s: %s", self._plan.name, self._record_path, e)
 
@@ -119,6 +119,7 @@ class WorkerSupervisor:
         logger.warning("%s: supervisor restarted by Ray; killed %s left of the old worker; starting it again",
                        self._plan.name, leftovers or "nothing")
         self._restarts = old.restarts + 1
+        self._history.extend(old.history)   # `status` keeps what happened before this supervisor's process died
         self._set(WorkerState.STARTING, "its supervisor's process died (the worker with it); Ray restarted the supervisor")
         self._begin(old.start_timeout_s or RESUME_TIMEOUT_S)
 

@@ -1,0 +1,39 @@
+"""A supervisor that Ray restarts after its process died goes on with the worker's status history: `status` shows
+the crashes and restarts from before, then the supervisor's own death, not a history that starts at it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dsv4_cluster.orchestrator.supervise import supervisor as supervisor_module
+from dsv4_cluster.orchestrator.supervise.supervisor import (
+    RestartPolicy,
+    WorkerSupervisor,
+)
+
+from tests.orchestrator.test_supervisor import _plan, _wait_for
+
+
+def test_a_supervisor_restarted_by_ray_keeps_the_history_of_the_one_that_died(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(supervisor_module, "current_actor_id", lambda: "actor-1")   # as inside its Ray actor
+    plan = _plan(tmp_path, "--exit-after", "1.0")
+    first = WorkerSupervisor(plan, RestartPolicy(max_restarts=5, backoff_s=0.2))
+    first.start(timeout_s=30)
+    try:
+        _wait_for(first, lambda s: s.restarts == 1 and s.state == "READY")
+        record = Path(plan.cwd, "actors", "supervisor-decode-t.json")
+        died = record.read_text()   # the record as the supervisor's process left it when it died
+    finally:
+        first.stop(deadline_s=5)
+    before = [(e["event"], e.get("state")) for e in first.status().history]
+    assert ("state", "RESTARTING") in before
+    record.write_text(died)
+    second = WorkerSupervisor(plan, RestartPolicy(max_restarts=5, backoff_s=0.2))   # Ray reruns the constructor
+    try:
+        status = _wait_for(second, lambda s: s.state == "READY")
+        events = [(e["event"], e.get("state")) for e in status.history]
+        assert events[:3] == [("spawn", None), ("state", "READY"), ("state", "RESTARTING")], events
+        assert events[-3:] == [("state", "STARTING"), ("spawn", None), ("state", "READY")], events
+        assert "Ray restarted the supervisor" in status.history[-3]["reason"] and status.restarts == 2
+    finally:
+        second.stop(deadline_s=5)
