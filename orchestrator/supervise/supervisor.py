@@ -86,6 +86,7 @@ class WorkerSupervisor:
         self._reporter = StateReporter(RouterAdmin(router)) if router is not None else None
         self._history: deque[dict[str, Any]] = deque(maxlen=HISTORY_LENGTH)
         self._record_path = record_path(plan.cwd, f"supervisor-{plan.name}")
+        self._running = False   # what its actor record says: the worker should be running
         self._actor_id = current_actor_id()
         self._start_timeout_s: float | None = None
         self._readings: Readings | None = None  # the READY process read back on its last poll
@@ -98,15 +99,18 @@ class WorkerSupervisor:
 
     # -- surviving its own process ------------------------------------------------------------
 
-    def _write_record(self, running: bool) -> None:
-        """Best effort: without its record a restarted supervisor starts nothing, and says so in its log."""
-        pid = self._proc.pid if self._proc is not None else None
-        try:
-            write_actor_record(self._record_path, ActorRecord(
-                self._actor_id, os.getpid(), pid, start_time(pid) if pid is not None else None,
-                self._restarts, self._start_timeout_s, running, list(self._history)))
-        except OSError as e:
-            logger.error("%s: cannot write the supervisor record %s: %s", self._plan.name, self._record_path, e)
+    def _write_record(self, running: bool | None = None) -> None:
+        """Best effort: without its record a restarted supervisor starts nothing, and says so in its log.
+        `running` None: as the record said last (a state change only brings its history up to date)."""
+        with self._lock:   # one writer at a time, and never 'running' once a stop began
+            self._running = running = (self._running if running is None else running) and not self._stop.is_set()
+            pid = self._proc.pid if self._proc is not None else None
+            try:
+                write_actor_record(self._record_path, ActorRecord(
+                    self._actor_id, os.getpid(), pid, start_time(pid) if pid is not None else None,
+                    self._restarts, self._start_timeout_s, running, list(self._history)))
+            except OSError as e:
+                logger.error("%s: cannot write the supervisor record %s: %s", self._plan.name, self._record_path, e)
 
     def _resume(self) -> None:
         """In an actor Ray restarted after its process died (its worker died with it): kill what is
@@ -118,7 +122,7 @@ class WorkerSupervisor:
         leftovers = reap_worker(old)
         logger.warning("%s: supervisor restarted by Ray; killed %s left of the old worker; starting it again",
                        self._plan.name, leftovers or "nothing")
-        self._restarts = old.restarts + 1
+        self._restarts, self._running = old.restarts + 1, True
         self._history.extend(old.history)   # `status` keeps what happened before this supervisor's process died
         self._set(WorkerState.STARTING, "its supervisor's process died (the worker with it); Ray restarted the supervisor")
         self._begin(old.start_timeout_s or RESUME_TIMEOUT_S)
@@ -130,6 +134,7 @@ class WorkerSupervisor:
             self._state, self._error = state, error
             self._history.append({"at": time.time(), "event": "state", "state": state.value,
                                   "reason": reason_line(error)})
+        self._write_record()
         self._changed()
         self._tell_router()
 

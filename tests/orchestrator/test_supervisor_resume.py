@@ -3,6 +3,8 @@ the crashes and restarts from before, then the supervisor's own death, not a his
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 from dsv4_cluster.orchestrator.supervise import supervisor as supervisor_module
@@ -11,17 +13,19 @@ from dsv4_cluster.orchestrator.supervise.supervisor import (
     WorkerSupervisor,
 )
 
+from tests.helpers import wait_for
 from tests.orchestrator.test_supervisor import _plan, _wait_for
 
 
 def test_a_supervisor_restarted_by_ray_keeps_the_history_of_the_one_that_died(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(supervisor_module, "current_actor_id", lambda: "actor-1")   # as inside its Ray actor
-    plan = _plan(tmp_path, "--exit-after", "1.0")
+    plan = _plan(tmp_path)
     first = WorkerSupervisor(plan, RestartPolicy(max_restarts=5, backoff_s=0.2))
-    first.start(timeout_s=30)
+    os.kill(first.start(timeout_s=30).pid, signal.SIGKILL)   # one crash
     try:
         _wait_for(first, lambda s: s.restarts == 1 and s.state == "READY")
         record = Path(plan.cwd, "actors", "supervisor-decode-t.json")
+        wait_for(lambda: record.read_text().count('"READY"') == 2, 10, "the restarted worker's READY in the record")
         died = record.read_text()   # the record as the supervisor's process left it when it died
     finally:
         first.stop(deadline_s=5)
@@ -32,8 +36,9 @@ def test_a_supervisor_restarted_by_ray_keeps_the_history_of_the_one_that_died(tm
     try:
         status = _wait_for(second, lambda s: s.state == "READY")
         events = [(e["event"], e.get("state")) for e in status.history]
-        assert events[:3] == [("spawn", None), ("state", "READY"), ("state", "RESTARTING")], events
+        assert events[:5] == [("spawn", None), ("state", "READY"), ("state", "RESTARTING"), ("spawn", None),
+                              ("state", "READY")], events
         assert events[-3:] == [("state", "STARTING"), ("spawn", None), ("state", "READY")], events
-        assert "Ray restarted the supervisor" in status.history[-3]["reason"] and status.restarts == 2
+        assert "Ray restarted the supervisor" in status.history[-3]["reason"] and status.restarts == 2 and status.pid
     finally:
         second.stop(deadline_s=5)
