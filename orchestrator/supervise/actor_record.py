@@ -28,6 +28,7 @@ class ActorRecord:
     start_timeout_s: float | None = None
     running: bool = False  # the worker should be running: started, and not stopped since
     history: list[dict] = field(default_factory=list)   # its status history so far: a restarted supervisor goes on
+    crashes: list[float] = field(default_factory=list)   # its crash window (CrashWindow.times): and with that
 
 
 def record_path(run_dir: str | Path, actor_name: str) -> Path:

@@ -51,6 +51,15 @@ class CrashWindow:
     def __len__(self) -> int:
         return len(self._at)
 
+    def times(self) -> list[float]:
+        """The crashes in the window, time.monotonic() (system-wide on Linux: a restarted supervisor's process on
+        the same node reads them on its own clock)."""
+        return list(self._at)
+
+    def restore(self, times: list[float]) -> None:
+        """Go on with the window a previous supervisor process recorded (`times`)."""
+        self._at.extend(times)
+
     def clear(self) -> None:
         """Forget the crashes so far: an operator's restart starts a new window (and a FAILED worker gets its
         backoff restarts again, not FAILED at its next crash for the crashes before it)."""

@@ -108,13 +108,12 @@ class WorkerSupervisor:
             try:
                 write_actor_record(self._record_path, ActorRecord(
                     self._actor_id, os.getpid(), pid, start_time(pid) if pid is not None else None,
-                    self._restarts, self._start_timeout_s, running, list(self._history)))
+                    self._restarts, self._start_timeout_s, running, list(self._history), self._crashes.times()))
             except OSError as e:
                 logger.error("%s: cannot write the supervisor record %s: %s", self._plan.name, self._record_path, e)
 
     def _resume(self) -> None:
-        """In an actor Ray restarted after its process died (its worker died with it): kill what is
-        left of the old worker's group and start the worker again. Otherwise just record this process."""
+        """Ray restarted this actor (the worker died with its process): reap the old group, start it; else record."""
         old = read_actor_record(self._record_path)
         if self._actor_id is None or old is None or old.actor_id != self._actor_id or not old.running:
             self._write_record(running=False)
@@ -123,7 +122,8 @@ class WorkerSupervisor:
         logger.warning("%s: supervisor restarted by Ray; killed %s left of the old worker; starting it again",
                        self._plan.name, leftovers or "nothing")
         self._restarts, self._running = old.restarts + 1, True
-        self._history.extend(old.history)   # `status` keeps what happened before this supervisor's process died
+        self._history.extend(old.history)   # `status` and the crash-loop limit go on from before this process died
+        self._crashes.restore(old.crashes)
         self._set(WorkerState.STARTING, "its supervisor's process died (the worker with it); Ray restarted the supervisor")
         self._begin(old.start_timeout_s or RESUME_TIMEOUT_S)
 

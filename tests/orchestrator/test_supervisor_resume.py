@@ -42,3 +42,27 @@ def test_a_supervisor_restarted_by_ray_keeps_the_history_of_the_one_that_died(tm
         assert "Ray restarted the supervisor" in status.history[-3]["reason"] and status.restarts == 2 and status.pid
     finally:
         second.stop(deadline_s=5)
+
+
+def test_a_supervisor_restarted_by_ray_goes_on_with_the_crash_window(tmp_path: Path, monkeypatch) -> None:
+    """The crash window was not in the record: a worker crashing between supervisor restarts was never FAILED
+    (9 restarts under a limit of 3, seen by the monitoring review)."""
+    monkeypatch.setattr(supervisor_module, "current_actor_id", lambda: "actor-1")
+    plan, policy = _plan(tmp_path), RestartPolicy(max_restarts=1, backoff_s=0.2)
+    record = Path(plan.cwd, "actors", "supervisor-decode-t.json")
+    first = WorkerSupervisor(plan, policy)
+    os.kill(first.start(timeout_s=30).pid, signal.SIGKILL)   # the one crash the window allows
+    try:
+        _wait_for(first, lambda s: s.restarts == 1 and s.state == "READY")
+        wait_for(lambda: record.read_text().count('"READY"') == 2, 10, "the restarted worker's READY in the record")
+        died = record.read_text()
+    finally:
+        first.stop(deadline_s=5)
+    record.write_text(died)
+    second = WorkerSupervisor(plan, policy)   # Ray reruns the constructor
+    try:
+        os.kill(_wait_for(second, lambda s: s.state == "READY").pid, signal.SIGKILL)   # a second within the window
+        status = _wait_for(second, lambda s: s.state == "FAILED")
+        assert status.state == "FAILED" and "crash loop" in (status.error or ""), status
+    finally:
+        second.stop(deadline_s=5)
