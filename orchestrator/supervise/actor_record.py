@@ -1,8 +1,8 @@
 """What a supervisor or the controller keeps in the run folder (`<run_dir>/actors/<name>.json`) to survive its own
 process dying: Ray reruns the constructor of a dead actor in a new process, with the same actor id. A supervisor
 records its worker's pid and start time (a recycled pid is never taken for it), restarts, start timeout, status
-history and whether it should run; its worker died with it (PR_SET_PDEATHSIG), so the restarted one reaps the old
-group, starts the worker again and goes on with that history.
+history, crash window and whether it should run; its worker died with it (PR_SET_PDEATHSIG), so the restarted one
+reaps the old group, starts the worker again and goes on with that history and window.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class ActorRecord:
     start_timeout_s: float | None = None
     running: bool = False  # the worker should be running: started, and not stopped since
     history: list[dict] = field(default_factory=list)   # its status history so far: a restarted supervisor goes on
-    crashes: list[float] = field(default_factory=list)   # its crash window (CrashWindow.times): and with that
+    crashes: list[float] = field(default_factory=list)   # its crash window (CrashWindow.times): so does the limit
 
 
 def record_path(run_dir: str | Path, actor_name: str) -> Path:

@@ -172,7 +172,7 @@ class WorkerSupervisor:
         with self._lock:
             self._history.append({"at": time.time(), "event": "spawn", "pid": proc.pid})
         self._changed()
-        self._write_record(running=not self._stop.is_set())
+        self._write_record(running=True)   # unless a stop began: `_write_record` checks
         deadline = time.monotonic() + timeout_s
         while True:
             code = proc.poll()
