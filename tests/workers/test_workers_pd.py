@@ -18,7 +18,7 @@ from dsv4_cluster.workers.engine.runner import ModelRunner, RunnerConfig, genera
 from dsv4_cluster.workers.engine.sampling import SamplingParams
 from dsv4_cluster.workers.engine.tokenizer import EOS, ByteTokenizer
 
-from tests.helpers import kv_used, wait_for
+from tests.helpers import kv_used, metric, wait_for
 from tests.servers import free_port
 from tests.worker_procs import _wait, start_pair, stop_pair
 
@@ -211,6 +211,18 @@ def test_metrics_use_sglang_names(pair):
                      "sglang:time_to_first_token_seconds_bucket", "sglang:kv_transfer_latency_ms"):
             assert f"{name}{{" in text, name
         assert f'engine_type="{engine_type}"' in text
+
+
+def test_a_plain_request_counts_in_ttft_and_itl_as_a_stream_does(pair):
+    """SGLang's latency histograms are the engine's, not the transport's: a non-streaming request of n tokens adds
+    one TTFT and n - 1 inter-token observations on the decode, as a streamed one does."""
+    counts = ("sglang:time_to_first_token_seconds_count", "sglang:inter_token_latency_seconds_count")
+    before = [metric(pair.decode_url, name) for name in counts]
+    _, decode = pair.generate("plain timing", 6)
+    assert decode.status_code == 200
+    n = decode.json()["meta_info"]["completion_tokens"]
+    after = [metric(pair.decode_url, name) for name in counts]
+    assert n >= 2 and (after[0] - before[0], after[1] - before[1]) == (1, n - 1)
 
 
 def test_mismatched_page_size_is_refused_with_a_reason(pair, tmp_path):

@@ -222,7 +222,7 @@ class WorkerServer:
 
     async def _answer(self, spec: GenSpec, events: AsyncIterator[Event]) -> Response:
         out = ResponseBuilder(spec, self.tokenizer)
-        started = time.monotonic()
+        started = last = time.monotonic()
         async with contextlib.aclosing(events):
             async for ev in events:
                 if isinstance(ev, Failed):
@@ -231,12 +231,18 @@ class WorkerServer:
                     out.abort(ev.message)
                     return JSONResponse(out.final("abort"))
                 out.push(ev.token_id, ev.finish, ev.cached_tokens, ev.logprob)
-                if len(out.ids) == 1:
-                    self.metrics.ttft.observe(time.monotonic() - started)
+                last = self._token_timed(len(out.ids), last)
                 if ev.finish_reason:
-                    self.metrics.e2e.observe(time.monotonic() - started)
+                    self.metrics.e2e.observe(last - started)
                     return JSONResponse(out.final(ev.finish_reason, prefill_only=self.role == "prefill"))
         return error_response(500, "the request ended without a result")
+
+    def _token_timed(self, n: int, last: float) -> float:
+        """Observe the `n`-th output token's latency (TTFT for the first, inter-token after, streamed or not, as
+        SGLang's engine counts them); returns now."""
+        now = time.monotonic()
+        (self.metrics.ttft if n == 1 else self.metrics.itl).observe(now - last)
+        return now
 
     async def _stream(self, spec: GenSpec, events: AsyncIterator[Event]):
         """One event per token, except while text is held back (`ResponseBuilder.holding`): as SGLang's scheduler
@@ -257,9 +263,7 @@ class WorkerServer:
                         yield sse(usage)
                     break
                 unsent += out.push(ev.token_id, ev.finish, ev.cached_tokens, ev.logprob)
-                now = time.monotonic()
-                (self.metrics.ttft if len(out.ids) == 1 else self.metrics.itl).observe(now - last)
-                last = now
+                now = last = self._token_timed(len(out.ids), last)
                 if out.holding:
                     continue
                 yield sse(out.chunk(unsent, ev.finish_reason, first=not sent, prefill_only=self.role == "prefill"))
