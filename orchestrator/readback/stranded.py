@@ -40,5 +40,9 @@ def stranded_line(row: WorkerStatus) -> str | None:
     s = row.stranded_kv
     if not s:
         return None
-    return (f"{row.name}: stranded KV {s['tokens']} tokens in {s['rooms']} rooms now; freed "
-            f"{s['freed_tokens']} tokens in {s['freed_rooms']} rooms since it started")
+    return (f"{row.name}: stranded KV {_count(s['tokens'], 'token')} in {_count(s['rooms'], 'room')} now; freed "
+            f"{_count(s['freed_tokens'], 'token')} in {_count(s['freed_rooms'], 'room')} since it started")
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")

@@ -294,6 +294,9 @@ def test_stranded_kv_is_read_from_metrics_and_absent_when_not_exported() -> None
     assert numbers == {"tokens": 64, "rooms": 2, "freed_tokens": 128, "freed_rooms": 3}
     assert stranded_line(_row(name="prefill-0", stranded_kv=numbers)) == (
         "prefill-0: stranded KV 64 tokens in 2 rooms now; freed 128 tokens in 3 rooms since it started")
+    one = {"tokens": 1, "rooms": 1, "freed_tokens": 0, "freed_rooms": 0}   # "1 rooms" before: singular when one
+    assert stranded_line(_row(name="prefill-0", stranded_kv=one)) == (
+        "prefill-0: stranded KV 1 token in 1 room now; freed 0 tokens in 0 rooms since it started")
     assert parse_stranded_kv("sglang:num_used_tokens 64.0\n") is None  # SGLang: nothing measured, nothing shown
     assert stranded_line(_row(name="prefill-0")) is None
 
