@@ -76,7 +76,8 @@ class VerifyReport:
         return not self.problems
 
     def summary(self) -> str:
-        lines = [("verified: " if self.ok else "NOT verified: ") + "; ".join(self.notes)]
+        head = "verified" if self.ok else f"NOT verified ({len(self.problems)} problem(s) below)"
+        lines = [head + (": " + "; ".join(self.notes) if self.notes else "")]   # never a bare "NOT verified: "
         lines += [f"problem: {p}" for p in self.problems] + [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 

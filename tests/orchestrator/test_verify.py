@@ -177,3 +177,15 @@ def test_status_reports_sglang_kernels_only_when_every_rank_attests(tmp_path: Pa
     assert dict(attested_kernels(decode, leader)) == dict.fromkeys(KERNELS, "unproven")  # rank 3 missing
     _attest(tmp_path / "attest" / "decode-0", 3, pids[0])
     assert dict(attested_kernels(decode, leader)) == dict.fromkeys(KERNELS, "dsv4-cluster")
+
+
+def test_a_failed_verify_says_why_even_without_notes() -> None:
+    """A verify that failed before any step passed printed "NOT verified: " with nothing after it."""
+    from dsv4_cluster.orchestrator.verify.sequence import VerifyReport
+
+    failed = VerifyReport(problems=["throughput probe failed: connection refused"]).summary()
+    assert failed.splitlines() == ["NOT verified (1 problem(s) below)",
+                                   "problem: throughput probe failed: connection refused"]
+    noted = VerifyReport(problems=["p"], notes=["PD check passed"]).summary()
+    assert noted.splitlines()[0] == "NOT verified (1 problem(s) below): PD check passed"
+    assert VerifyReport(notes=["throughput 9.0 tok/s"]).summary() == "verified: throughput 9.0 tok/s"
