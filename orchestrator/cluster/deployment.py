@@ -172,9 +172,12 @@ def _abandon(controller: Any, spec: ClusterSpec) -> None:
     try:
         ray.get(controller.stop.remote(10.0), timeout=60)
     except (RayTaskError, RayActorError, GetTimeoutError) as e:
-        # Killing the supervisors kills their processes (PR_SET_PDEATHSIG).
+        # Killing the supervisors kills their processes (PR_SET_PDEATHSIG). A controller `down` killed left none.
         killed = kill_supervisors(spec.namespace, [p.name for p in (*spec.workers, spec.router)])
-        logger.warning("stopping the processes of a failed up: %s; killed the supervisors of %s", e, killed)
+        if killed:
+            gone = "is gone" if isinstance(e, RayActorError) else f"did not stop them ({cause_text(e)})"
+            logger.warning("stopping the processes of a failed up: the controller %s; killed the supervisors of %s",
+                           gone, ", ".join(killed))
     ray.kill(controller)
 
 

@@ -201,7 +201,10 @@ class ClusterController:
         if not failures:
             failures = self._start_all([self._spec.router], timeout_s)
         if failures:
+            stopped_by_down = self._stopping   # a stop from outside (`down`) while starting, not a failure
             self.stop(deadline_s=10.0)
+            if stopped_by_down:
+                raise ClusterStartError("`dsv4-cluster down` stopped the cluster while it was starting")
             raise ClusterStartError("the cluster did not come up:\n" + "\n".join(failures))
         self._set_targets(started=self._names())
         status = self.status()  # read before the deep probe starts: its request in flight would show as KV in use

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from dsv4_cluster.orchestrator.launch.ports import port_is_free
 
-from bench.local_cluster import write_topology
-from tests.helpers import gone
+from bench.local_cluster import CLI, write_topology
+from tests.helpers import gone, wait_for
 
 # the CLI, with ray.init sending this process SIGTERM as it returns (still inside `up`'s connect), and the pid of
 # the Ray head `up` starts on stderr
@@ -92,3 +92,26 @@ def test_a_sigterm_that_ray_turns_into_a_bare_keyboardinterrupt_is_still_named(
     finally:
         signal.signal(signal.SIGTERM, handler)
     assert not (cluster.home / "current.json").exists()
+
+
+@pytest.mark.slow
+def test_down_while_up_starts_says_so_in_our_words(tmp_path: Path) -> None:
+    """Seen by a review: `down` while `up` started workers made `up` print Ray's actor-death text (class, actor id,
+    pid, "killed by `ray.kill`") and "did not come up: ... never became ready". `up` now says what happened."""
+    cluster = write_topology(tmp_path)
+    env = {**os.environ, "DSV4_CLUSTER_HOME": str(cluster.home)}
+    up = subprocess.Popen([*CLI, "up", str(cluster.topology)], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: (tmp_path / "run" / "logs" / "decode-0.log").exists() or up.poll() is not None, 120,
+                 "a worker of `up` starting")
+        down = cluster.cli("down", timeout=180)
+        _, err = up.communicate(timeout=120)
+    finally:
+        up.kill()
+    assert down.returncode == 0, down.stderr
+    assert up.returncode == 1, err
+    assert "`dsv4-cluster down` stopped the cluster while it was starting" in err, err
+    assert "ray.kill" not in err and "actor_id" not in err, err
+    assert not (cluster.home / "current.json").exists()
+    assert all(port_is_free(p) for p in cluster.ports.values())
