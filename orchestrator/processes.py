@@ -125,6 +125,13 @@ def log_tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
         return "(no log file)"
 
 
+def with_log_tail(reason: str, path: str) -> str:
+    """`reason`, then the log's last lines on the lines below it (a reason's first line, all the status history and
+    the router keep, is `reason` alone); "(the log is empty)" after it when there are none."""
+    tail = log_tail(path)
+    return f"{reason}\nlast log lines:\n{tail}" if tail.strip() else f"{reason} (the log is empty)"
+
+
 def write_atomically(path: Path, text: str, mode: int = 0o644) -> None:
     """Replace `path` with `text` in one rename: a reader sees the old file or the new one, never a part."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,8 @@ from dsv4_cluster.orchestrator.supervise.actor_record import (
 from dsv4_cluster.orchestrator.launch.plan import LaunchPlan
 from dsv4_cluster.orchestrator.launch.port_owner import held_ports_note
 from dsv4_cluster.orchestrator.supervise.policy import CrashWindow, HealthPolicy, RestartPolicy
-from dsv4_cluster.orchestrator.processes import exit_text, log_tail, signal_group, start_time, stop_groups
+from dsv4_cluster.orchestrator.processes import (
+    exit_text, log_tail, signal_group, start_time, stop_groups, with_log_tail)
 from dsv4_cluster.orchestrator.readback.probe import first_unready
 from dsv4_cluster.orchestrator.supervise.router_admin import RouterAdmin, RouterLink, StateReporter, reason_line
 from dsv4_cluster.orchestrator.supervise.spawn import spawn
@@ -178,9 +179,8 @@ class WorkerSupervisor:
             code = proc.poll()
             if code is not None:
                 usage = code == USAGE_EXIT_CODE
-                return _Failure(f"{exit_text(code)}{USAGE_NOTE if usage else ''} before it was ready"
-                                f"{held_ports_note(plan.ports)}; last log lines:\n{log_tail(plan.log_path)}",
-                                retry=not usage)
+                return _Failure(with_log_tail(f"{exit_text(code)}{USAGE_NOTE if usage else ''} before it was ready"
+                                              f"{held_ports_note(plan.ports)}", plan.log_path), retry=not usage)
             if self._stop.is_set():
                 return _Failure("stopped while starting", retry=False)
             pending = first_unready(self._http, plan.all_readiness_urls)
@@ -191,8 +191,8 @@ class WorkerSupervisor:
             if time.monotonic() >= deadline:
                 signal_group(proc.pid, signal.SIGKILL)
                 proc.wait()
-                return _Failure(f"not ready after {timeout_s:.0f}s (still waiting on {pending}); "
-                                f"log {plan.log_path}, last lines:\n{log_tail(plan.log_path)}", retry=False)
+                return _Failure(with_log_tail(f"not ready after {timeout_s:.0f}s (still waiting on {pending}); "
+                                              f"log {plan.log_path}", plan.log_path), retry=False)
             self._stop.wait(POLL_INTERVAL_S)
 
     def _restart_delay(self, failure: _Failure) -> float | None:
@@ -260,8 +260,7 @@ class WorkerSupervisor:
             if self._stop.is_set():
                 return None
             if code is not None:
-                return _Failure(f"{exit_text(code)} unexpectedly; last log lines:\n"
-                                f"{log_tail(plan.log_path)}")
+                return _Failure(with_log_tail(f"{exit_text(code)} unexpectedly", plan.log_path))
             problem = self._liveness_problem()
             if problem is None:
                 self._read_back(proc.pid, pinning_due=polls % PINNING_EVERY_POLLS == 0)
@@ -273,8 +272,8 @@ class WorkerSupervisor:
                 if failures >= self._health.failures_to_restart:
                     signal_group(proc.pid, signal.SIGKILL)
                     proc.wait()
-                    return _Failure(f"failed {failures} health checks in a row (last: {problem}); killed; "
-                                    f"last log lines:\n{log_tail(plan.log_path)}")
+                    return _Failure(with_log_tail(f"failed {failures} health checks in a row (last: {problem}); "
+                                                  "killed", plan.log_path))
                 self._set(WorkerState.DEGRADED, f"health check {failures}/{self._health.failures_to_restart} "
                                                 f"failed: {problem}")
             self._tell_router(again=polls % RETELL_EVERY_POLLS == 0)

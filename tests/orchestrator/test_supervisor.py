@@ -177,7 +177,10 @@ def test_a_crash_loop_gives_up_and_says_why(tmp_path: Path) -> None:
     assert status.state == WorkerState.FAILED.value and status.pid is None
     assert status.restarts == 2
     assert "gave up after 3 crashes within 60s" in status.error
-    assert "code 3" in status.error
+    assert "code 3" in status.error and "last log lines:\n" in status.error and "stand-in crashing now" in status.error
+    reasons = [h["reason"] for h in status.history if h.get("reason")]   # first lines: none ends "last log lines:"
+    assert reasons[-1] == "gave up after 3 crashes within 60s (crash loop); last: exited with code 3 unexpectedly"
+    assert not [r for r in reasons if r.endswith(":")], reasons
     assert sup.stop(deadline_s=2).state == WorkerState.STOPPED.value
 
 
@@ -224,6 +227,16 @@ def test_an_exit_at_start_names_the_process_holding_its_port(tmp_path: Path) -> 
     finally:
         holder.close()
     assert f"port {port} is in use by pid {os.getpid()} (" in str(err.value)
+
+
+def test_an_exit_with_an_empty_log_says_so_instead_of_an_empty_tail(tmp_path: Path) -> None:
+    """A log emptied under the worker (copytruncate) left the reason ending "last log lines:" and nothing."""
+    plan = _plan(tmp_path)
+    truncating = (sys.executable, "-c", "import sys; open(sys.argv[1], 'w').close(); sys.exit(1)", plan.log_path)
+    sup = WorkerSupervisor(LaunchPlan(**{**plan.__dict__, "argv": truncating}), RestartPolicy(max_restarts=0))
+    with pytest.raises(WorkerStartError) as err:
+        sup.start(timeout_s=30)
+    assert str(err.value).endswith("exited with code 1 before it was ready (the log is empty)"), str(err.value)
 
 
 def test_stop_escalates_to_sigkill_and_reaches_the_whole_group(tmp_path: Path) -> None:
