@@ -13,6 +13,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -115,11 +116,19 @@ def _positive(text: str) -> int:
     return value
 
 
+def _base_url(text: str) -> str:
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        example = "http://127.0.0.1:30001" if "://" in text else f"http://{text}"
+        raise argparse.ArgumentTypeError(f"{text!r}: give a full URL such as {example}")
+    return text
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     d = SweepOptions()
     p = sub.add_parser("bench", help="load a router (or a worker) with streamed chat requests: a concurrency "
                        "sweep with output tok/s, TTFT and TPOT p50/p99, errors")
-    p.add_argument("url", help="the router's (or a worker's) base URL, e.g. http://127.0.0.1:30001")
+    p.add_argument("url", type=_base_url, help="the router's (or a worker's) base URL, e.g. http://127.0.0.1:30001")
     p.add_argument("--concurrency", type=_int_list, default=d.concurrency,
                    help=f"levels, comma-separated (default {','.join(map(str, d.concurrency))})")
     p.add_argument("--requests", type=_positive, default=d.requests,
