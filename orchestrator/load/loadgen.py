@@ -98,13 +98,17 @@ def prompt(i: int, chars: int) -> str:
     return (words * (chars // len(words) + 1))[:chars]
 
 
-def _reason_of_http(status: int, body: bytes) -> str:
+def _http_failure(status: int, body: bytes) -> RequestFailed:
+    """A refusal, counted under its status and error type, with the server's own message (it says what to fix:
+    a PD worker's says to send requests to the router)."""
     try:
         err = json.loads(body).get("error", {})
-        kind = err.get("type") or err.get("code") if isinstance(err, dict) else None
     except (ValueError, AttributeError):
-        kind = None
-    return f"HTTP {status}" + (f" {kind}" if kind else "")
+        err = {}
+    err = err if isinstance(err, dict) else {}
+    kind, message = err.get("type") or err.get("code"), err.get("message")
+    detail = message if isinstance(message, str) else body[:200].decode(errors="replace")
+    return RequestFailed(f"HTTP {status}" + (f" {kind}" if kind else ""), detail)
 
 
 async def one_request(client: httpx.AsyncClient, url: str, spec: LevelSpec, i: int) -> _Outcome:
@@ -116,8 +120,7 @@ async def one_request(client: httpx.AsyncClient, url: str, spec: LevelSpec, i: i
     ttft, chunks, usage = None, 0, None
     async with client.stream("POST", url.rstrip("/") + "/v1/chat/completions", json=body, headers=headers) as r:
         if r.status_code != 200:
-            raw = await r.aread()
-            raise RequestFailed(_reason_of_http(r.status_code, raw), raw[:200].decode(errors="replace"))
+            raise _http_failure(r.status_code, await r.aread())
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue

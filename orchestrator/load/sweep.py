@@ -1,7 +1,8 @@
 """`dsv4-cluster bench URL`: a concurrency sweep of streamed chat requests against a router (or one worker).
 
-A table per level on stdout, progress on stderr, the JSON with `--out`. Exit 0 when every request succeeded,
-2 when some failed, 1 when the endpoint does not answer or `--out` cannot be written (the table is printed first).
+A table per level on stdout; progress, and one failed request of each level with failures (in the server's words),
+on stderr; the JSON with `--out`. Exit 0 when every request succeeded, 2 when some failed, 1 when the endpoint does
+not answer or `--out` cannot be written (the table is printed first).
 """
 
 from __future__ import annotations
@@ -155,6 +156,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"bench: {e}", file=sys.stderr, flush=True)
         return EXIT_UNREACHABLE
     print(table(sweep), end="", flush=True)  # first: a sweep's result is never lost to an unwritable --out
+    for lv in sweep["levels"]:   # the table counts failures by reason; the server's own words say what to fix
+        if lv["errors"]:
+            print(f"bench: concurrency {lv['concurrency']}: {lv['errors']} of {lv['requests']} requests failed, "
+                  f"e.g. request {lv['error_samples'][0]}", file=sys.stderr, flush=True)
     if args.out:
         try:
             args.out.parent.mkdir(parents=True, exist_ok=True)
