@@ -20,7 +20,7 @@ def engine_needs(ctx: RuleContext) -> Iterator[Finding]:
                           "set model.path to a Hugging Face id or local folder, e.g. deepseek-ai/DeepSeek-V4-Flash")
         if ctx.section("transfer").get("backend") == "tcp":
             yield Finding(("transfer", "backend"), "SGLang has no tcp KV transfer backend",
-                          "use backend: nixl with engine sglang (tcp exists for the embedded engine only)")
+                          "use backend: nixl (neither engine has a tcp KV transfer)")
         for w in ctx.workers:
             if w.raw.get("nccl_port") is None:
                 yield Finding(w.path + ("nccl_port",), f"engine sglang needs an nccl_port for {w.label}",
@@ -77,7 +77,7 @@ def _embedded_options(ctx: RuleContext) -> Iterator[Finding]:
     """What the embedded engine's workers would refuse at start (workers/args.py), said before anything starts."""
     if ctx.section("transfer").get("backend") == "tcp":
         yield Finding(("transfer", "backend"), "the embedded engine moves KV over NIXL only (no tcp backend)",
-                      "use backend: nixl")
+                      "use backend: nixl (neither engine has a tcp KV transfer)")
     raw_kernels = ctx.section("kernels") or {}
     kernels = [k for k, f in KernelsConfig.model_fields.items() if raw_kernels.get(k, f.default) is True]
     for w in ctx.workers:

@@ -162,6 +162,15 @@ def test_an_embedded_worker_takes_one_gpu() -> None:
           "list one GPU")
 
 
+@pytest.mark.parametrize(("base", "problem"), [(BASE, "NIXL only"), (SGLANG, "SGLang has no tcp KV transfer")],
+                         ids=["embedded", "sglang"])
+def test_tcp_transfer_fix_names_no_engine_that_has_it(base: str, problem: str) -> None:
+    """Neither engine moves KV over tcp: the fix must not send the operator to the other engine for it."""
+    text = base + "transfer:\n  backend: tcp\n"
+    p = check(text, "transfer.backend", line_of(text, "backend: tcp"), problem, "use backend: nixl")
+    assert "neither engine has a tcp" in p.fix and "exists for" not in p.fix
+
+
 def test_no_prefill_or_empty_decode() -> None:
     text = BASE.split("prefill:")[0] + "decode: []\n"
     found = problems(text)
