@@ -12,7 +12,6 @@ from typing import Any
 
 from dsv4_cluster.core import Role
 from dsv4_cluster.orchestrator.launch import sglang_capacity as sg
-from dsv4_cluster.orchestrator.launch.sglang_facts import KERNELS_NEED_KV_DTYPE, SGLANG_KV_DTYPE
 
 CAPACITY_TOLERANCE = 0.05  # `status` flags a server whose actual capacity misses the prediction by more
 PREDICTED_COLUMN = "KV_PREDICTED"  # status: beside KV_CAPACITY (what /server_info says), what plan predicted
@@ -62,10 +61,6 @@ def _worker_args(worker: Any) -> list[str]:
 def sglang_fractions(worker: Any, gpu: sg.GpuInputs) -> tuple[float, list[float]]:
     """(the fraction the server will use, the table's fractions): the worker's --mem-fraction-static,
     else SGLang's default for its role, and a spread around it."""
-    kv_dtype = SGLANG_KV_DTYPE.get(str(worker.kv_cache_dtype))
-    if kv_dtype != KERNELS_NEED_KV_DTYPE:
-        raise sg.SizingError(f"KV dtype {kv_dtype or worker.kv_cache_dtype}: the sizing is followed (and tested) "
-                             f"for {KERNELS_NEED_KV_DTYPE} only")
     explicit, unmodelled = sg.sizing_flags(_worker_args(worker))
     if unmodelled:
         raise sg.SizingError(f"extra_args {', '.join(unmodelled)} change SGLang's sizing in ways not followed here")

@@ -6,5 +6,7 @@ rules and the launch plan both follow. A leaf module: the topology imports it wi
 SGLANG_REASONING_PARSER = "deepseek-v4"
 SGLANG_TOOL_CALL_PARSER = "deepseekv4"
 DSV4_PAGE_SIZE = 256  # model_overrides/deepseek_v4.py: forced on CUDA whatever --page-size says
-SGLANG_KV_DTYPE = {"auto": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "bf16": "bfloat16"}
-KERNELS_NEED_KV_DTYPE = "fp8_e4m3"  # the adapters read SGLang's 584-byte fp8 rows only
+# The V4 KV pool stores 584-byte fp8 rows only (mem_cache/deepseek_v4_memory_pool.py asserts uint8 storage, which
+# bfloat16 is not): `auto` resolves to it, bf16 fails at start. Our kernels read those rows.
+SGLANG_V4_KV_DTYPE = "fp8_e4m3"
+SGLANG_KV_DTYPE = {"auto": SGLANG_V4_KV_DTYPE, "fp8_e4m3": SGLANG_V4_KV_DTYPE}

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, get_args
 
-from dsv4_cluster.orchestrator.launch.sglang_facts import DSV4_PAGE_SIZE, KERNELS_NEED_KV_DTYPE, SGLANG_KV_DTYPE
+from dsv4_cluster.orchestrator.launch.sglang_facts import DSV4_PAGE_SIZE, SGLANG_KV_DTYPE, SGLANG_V4_KV_DTYPE
 from .rule_context import Finding, Path_, RuleContext, WorkerEntry, as_int, field_value
 from .schema import KernelsConfig, KvCacheDtype, WorkerConfig
 
@@ -60,17 +60,16 @@ def _once(ctx: RuleContext, key: str) -> Iterator[tuple[WorkerEntry, Any, Path_]
 
 
 def _sglang_kv_layout(ctx: RuleContext) -> Iterator[Finding]:
-    """SGLang 0.5.23 DeepSeek-V4: 256-token pages whatever it is told; fp8 KV for the kernels."""
+    """SGLang 0.5.23 DeepSeek-V4: 256-token pages whatever it is told; fp8 KV whatever the kernels."""
     for w, size, path in _once(ctx, "page_size"):
         if ctx.written(w, "page_size") and as_int(size) is not None and size != DSV4_PAGE_SIZE:
             yield Finding(path, f"page_size {size}: SGLang 0.5.23 runs DeepSeek-V4 with {DSV4_PAGE_SIZE}-token pages "
                           "whatever --page-size says", f"set page_size: {DSV4_PAGE_SIZE}, or remove it")
-    kernels = ctx.kernels_requested
     for w, dtype, path in _once(ctx, "kv_cache_dtype"):
-        if dtype in SGLANG_KV_DTYPE and kernels and SGLANG_KV_DTYPE[dtype] != KERNELS_NEED_KV_DTYPE:
-            yield Finding(path, f"kv_cache_dtype {dtype} (SGLang {SGLANG_KV_DTYPE[dtype]}) with kernels "
-                          f"{', '.join(kernels)}: the kernels read SGLang's fp8 KV rows only",
-                          f"set kv_cache_dtype: {KERNELS_NEED_KV_DTYPE}, or set those kernels.* to false")
+        if dtype not in SGLANG_KV_DTYPE:
+            yield Finding(path, f"kv_cache_dtype {dtype}: SGLang 0.5.23 keeps DeepSeek-V4's KV in {SGLANG_V4_KV_DTYPE} "
+                          "only (--kv-cache-dtype bfloat16 passes its parser, then its V4 KV pool asserts uint8 rows "
+                          "at start, after the weights loaded)", "set kv_cache_dtype: auto, or remove it")
 
 
 def _embedded_options(ctx: RuleContext) -> Iterator[Finding]:

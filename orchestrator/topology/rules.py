@@ -160,8 +160,8 @@ def _engine_value(ctx: RuleContext, key: str, value: Any) -> Any:
 
 def _kv_layout_agrees(ctx: RuleContext) -> Iterator[Finding]:
     """P and D copy KV pages as-is: page size and KV dtype must agree as the engine will run them."""
-    valid = {"page_size": lambda v: as_int(v) is not None and v > 0,
-             "kv_cache_dtype": lambda v: v in get_args(KvCacheDtype)}
+    dtypes = SGLANG_KV_DTYPE if ctx.engine == "sglang" else get_args(KvCacheDtype)  # others: their own rule's
+    valid = {"page_size": lambda v: as_int(v) is not None and v > 0, "kv_cache_dtype": lambda v: v in dtypes}
     prefills = [w for w in ctx.workers if w.role is Role.PREFILL]
     if not prefills:
         return

@@ -225,8 +225,7 @@ def test_sglang_plugin_env_names_the_kernels_only_when_asked() -> None:
     assert KERNELS_ENV not in prefill.env_dict and ATTEST_DIR_ENV not in prefill.env_dict
 
 
-@pytest.mark.parametrize("topology_dtype, sglang_dtype", [("bf16", "bfloat16"), ("auto", "fp8_e4m3"),
-                                                          ("fp8_e4m3", "fp8_e4m3")])
+@pytest.mark.parametrize("topology_dtype, sglang_dtype", [("auto", "fp8_e4m3"), ("fp8_e4m3", "fp8_e4m3")])
 def test_sglang_kv_dtype_takes_sglang_names(topology_dtype: str, sglang_dtype: str) -> None:
     topo = _production(kernels=False)
     for w in topo.workers:

@@ -60,12 +60,9 @@ def test_plan_takes_the_gpu_inputs(capsys: pytest.CaptureFixture[str]) -> None:
     assert "free before load 78.5 GiB, weights per GPU TP4 22.5 GiB" in out
 
 
-def _sglang_topology(tmp_path: Path, kv_cache_dtype: str = "fp8_e4m3", **decode: object):
+def _sglang_topology(tmp_path: Path, **decode: object):
     data = yaml.safe_load((REPO / "topology.yaml").read_text())
     data["decode"][0].update(decode)
-    if kv_cache_dtype != "fp8_e4m3":  # both pools (P/D agree), no kernels (they read fp8 rows only)
-        data["defaults"]["kv_cache_dtype"] = kv_cache_dtype
-        data["kernels"] = {k: False for k in data["kernels"]}
     return topology_from_data(data, source=tmp_path / "t.yaml")
 
 
@@ -77,9 +74,6 @@ def test_sglang_prediction_follows_extra_args_and_names_what_it_cannot(tmp_path:
     assert row.max_total_num_tokens is None
     assert row.note == ("not predicted: extra_args --max-running-requests, --enable-hisparse change SGLang's "
                         "sizing in ways not followed here")
-    topo = _sglang_topology(tmp_path, kv_cache_dtype="bf16")
-    assert predict(topo, topo.worker("decode-0")).note == \
-        "not predicted: KV dtype bfloat16: the sizing is followed (and tested) for fp8_e4m3 only"
     topo = _sglang_topology(tmp_path, max_total_tokens=1_000_000)
     assert predict(topo, topo.worker("decode-0")).max_total_num_tokens == 1_000_000 // 256 * 256
 

@@ -104,10 +104,12 @@ def test_prefill_and_decode_disagree_on_page_size() -> None:
 
 
 def test_prefill_and_decode_disagree_on_kv_dtype() -> None:
-    text = SGLANG + "kernels: {sparse_mla_decode: false, indexer: false, topk: false}\n"
-    text = edit(text, "    port: 30200", "    port: 30200\n    kv_cache_dtype: bf16")
-    check(text, "decode[0].kv_cache_dtype", line_of(text, "kv_cache_dtype: bf16"), "'bf16' of decode-0 (decode[0]) "
-          "differs from 'fp8_e4m3' of prefill-0", "use one kv_cache_dtype for every worker")
+    flash = "\n    extra_args: [--model-preset, flash]"   # float32 (auto on the CPU) against fp8 rows
+    text = edit(edit(BASE, "  page_size: 16", "  page_size: 256"), "    bootstrap_port: 8998",
+                "    bootstrap_port: 8998" + flash)
+    text = edit(text, "    port: 30200", "    port: 30200\n    kv_cache_dtype: fp8_e4m3" + flash)
+    check(text, "decode[0].kv_cache_dtype", line_of(text, "kv_cache_dtype: fp8_e4m3"), "'fp8_e4m3' of decode-0 "
+          "(decode[0]) differs from 'auto' of prefill-0", "use one kv_cache_dtype for every worker")
     # agreement is judged as SGLang runs it: "auto" is fp8_e4m3 there
     parse_topology(edit(SGLANG, "    port: 30200", "    port: 30200\n    kv_cache_dtype: auto"))
 
@@ -120,11 +122,13 @@ def test_sglang_page_size_is_256_whatever_it_is_told() -> None:
     assert parse_topology(BASE.replace("  page_size: 16\n", "")).worker("decode-0").page_size == 64
 
 
-def test_sglang_kernels_need_fp8_kv() -> None:
-    text = SGLANG + "defaults:\n  kv_cache_dtype: bf16\n"
-    check(text, "defaults.kv_cache_dtype", line_of(text, "kv_cache_dtype: bf16"), "the kernels read SGLang's fp8 KV",
-          "set kv_cache_dtype: fp8_e4m3")
-    parse_topology(text + "kernels: {sparse_mla_decode: false, indexer: false, topk: false}\n")
+@pytest.mark.parametrize("kernels", ["", "kernels: {sparse_mla_decode: false, indexer: false, topk: false}\n"])
+def test_sglang_runs_deepseek_v4_with_fp8_kv_only(kernels: str) -> None:
+    """bf16 passes SGLang 0.5.23's parser, then its V4 KV pool asserts uint8 (fp8) rows at start, after the weights
+    loaded: said at check time, with or without our kernels."""
+    text = SGLANG + kernels + "defaults:\n  kv_cache_dtype: bf16\n"
+    check(text, "defaults.kv_cache_dtype", line_of(text, "kv_cache_dtype: bf16"),
+          "SGLang 0.5.23 keeps DeepSeek-V4's KV in fp8_e4m3 only", "set kv_cache_dtype: auto")
 
 
 def test_sglang_gpus_must_be_consecutive() -> None:
