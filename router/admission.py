@@ -149,10 +149,12 @@ def _is_field(part: object) -> bool:
 
 
 def _field_errors(err: ValidationError) -> str:
-    """'field.path: problem' for each error; for a union, the branch that got furthest (the others are noise)."""
-    found = []
-    for e in err.errors(include_url=False, include_input=False):
-        found.append((tuple(str(p) for p in e["loc"] if _is_field(p)), rs.error_text(e)))
+    """'field.path: problem' for each error; for a union, the branch that got furthest (the others are noise), and
+    of one value or a list of them, the form the client sent (a list branch's "should be a valid list" is noise)."""
+    errors = [(tuple(str(p) for p in e["loc"] if _is_field(p)), e)
+              for e in err.errors(include_url=False, include_input=False)]
+    found = [(loc, rs.error_text(e)) for loc, e in errors
+             if not (e["type"] == "list_type" and sum(other == loc for other, _ in errors) > 1)]
     kept = [(loc, msg) for loc, msg in found
             if not any(len(other) > len(loc) and other[:len(loc)] == loc for other, _ in found)]
     return "; ".join(dict.fromkeys(f"{'.'.join(loc)}: {msg}" if loc else msg for loc, msg in kept))

@@ -186,3 +186,19 @@ def test_a_rule_over_the_whole_body_is_stated_without_a_placeholder_field(router
     resp = router.post({"messages": MESSAGES, "top_logprobs": 2})
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["message"].startswith("invalid request: top_logprobs 2 needs logprobs: true")
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"text": "hi", "top_logprobs_num": 21}, "top_logprobs_num: Input should be less than or equal to 20"),
+    ({"text": "hi", "sampling_params": {"temperature": -1}},
+     "sampling_params.temperature: Input should be greater than or equal to 0"),
+    ({"text": 5}, "text: Input should be a valid string"),
+    ({"text": "hi", "top_logprobs_num": [1, 21]}, "top_logprobs_num.1: Input should be less than or equal to 20"),
+])
+def test_a_400_on_a_value_or_list_field_names_only_the_form_the_client_sent(router: Router, body: dict,
+                                                                             message: str) -> None:
+    """/generate takes one value or a list of them (a batch): the error for a single value said also "Input should
+    be a valid list" (seen by the docs review), as if a list were wanted."""
+    resp = router.post(body, path="/generate")
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["message"] == f"invalid request: {message}"
