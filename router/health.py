@@ -97,8 +97,8 @@ class HealthChecker:
         if worker.healthy and worker.health_failures >= self._threshold:
             worker.healthy = False
             log.warning("%s at %s failed %d health checks in a row; out of the pool until it passes; "
-                        "ending (or moving to fresh pairs) the %d requests it is part of", worker.describe(), worker.url,
-                        worker.health_failures, len(worker.pairs))
+                        "ending (or moving to fresh pairs) the %d request%s it is part of", worker.describe(),
+                        worker.url, worker.health_failures, len(worker.pairs), "" if len(worker.pairs) == 1 else "s")
             worker.lost(f"failed {worker.health_failures} health checks in a row")
 
     async def run(self) -> None:
