@@ -1,4 +1,4 @@
-"""Kernel benchmarks on one GPU: `python -m bench.kernels {sparse_decode,indexer_topk,sglang_decode,sm120_decode}`.
+"""Kernel benchmarks on one GPU: `python -m bench.kernels NAME`, NAME one of `BENCHES` below.
 
 Every run measures its own ceiling (device-to-device copy bandwidth), so results are fractions of a number seen in
 the same run, never of a datasheet. Results go to bench/results/<name>.json (+ .md) and a printed table.
