@@ -18,7 +18,7 @@ from dsv4_cluster.workers.engine.runner import ModelRunner, RunnerConfig, genera
 from dsv4_cluster.workers.engine.sampling import SamplingParams
 from dsv4_cluster.workers.engine.tokenizer import EOS, ByteTokenizer
 
-from tests.helpers import kv_used, metric, wait_for
+from tests.helpers import kv_used, metric, wait_for, wait_for_async
 from tests.servers import free_port
 from tests.worker_procs import _wait, start_pair, stop_pair
 
@@ -264,6 +264,57 @@ def test_decode_frees_a_given_up_room_at_once_when_prefill_never_wrote_it(pair):
     assert wait_for(lambda: kv_used(pair.decode_url) <= before, 6.0, "the given-up room's pages freed")
     assert kv_used(pair.decode_url) == before
 
+
+
+
+def _room_shared(pair, texts: tuple[str, str]) -> tuple[list[dict], int]:
+    """Bodies of two greedy requests with one bootstrap_room, and the decode's KV now."""
+    room = secrets.randbits(63)
+    return [{"text": t, "sampling_params": {"max_new_tokens": 8, "temperature": 0},
+             **pair.bootstrap(room, f"shared-{room}-{i}")} for i, t in enumerate(texts)], kv_used(pair.decode_url)
+
+
+def test_a_second_request_with_a_room_in_use_is_refused_and_the_first_runs_as_if_alone(pair):
+    """Two requests with one bootstrap_room, both waiting on their KV: the decode kept only the later one under the
+    room, so the first one waited forever (no deadline reached it) and the prefill's KV went to the later one. A
+    room a live request holds is refused (400); the first request runs as if alone."""
+    bodies, before = _room_shared(pair, ("room owner", "a later request that reuses the room"))
+
+    async def run():
+        async with httpx.AsyncClient(timeout=8) as c:
+            d_first = asyncio.create_task(c.post(pair.decode_url + "/generate", json=bodies[0]))
+            await wait_for_async(lambda: kv_used(pair.decode_url) > before, 5, "the first room reserved")
+            d_later = await c.post(pair.decode_url + "/generate", json=bodies[1])
+            p_first = await c.post(pair.prefill_url + "/generate", json=bodies[0])
+            return await d_first, d_later, p_first
+
+    d_first, d_later, p_first = asyncio.run(run())
+    assert d_later.status_code == 400 and "in use" in d_later.json()["error"]["message"], d_later.text
+    assert p_first.status_code == 200 and d_first.status_code == 200, (p_first.text, d_first.text)
+    runner = ModelRunner(RunnerConfig(model=ModelConfig(), page_size=16, max_total_tokens=4096, context_length=1024))
+    params = SamplingParams(max_new_tokens=8, temperature=0)
+    assert d_first.json()["output_ids"] == generate_single_process(runner, TOK.encode("room owner"), params, EOS)
+    assert wait_for(lambda: kv_used(pair.decode_url) <= before, 5, "the decode's KV back to where it was")
+    assert kv_used(pair.prefill_url) == 0
+
+
+def test_kv_of_another_prompt_is_never_written_into_a_rooms_pages(pair):
+    """The prefill got a different request under the room the decode reserved (the two sides saw two requests that
+    share a room in opposite orders): its KV went into the decode's pages and the decode answered 200 with tokens of
+    the wrong prompt. The reservation names its prompt (a digest): both legs fail instead, and free their KV."""
+    bodies, before = _room_shared(pair, ("room owner", "room thief"))
+
+    async def run():
+        async with httpx.AsyncClient(timeout=8) as c:
+            d = asyncio.create_task(c.post(pair.decode_url + "/generate", json=bodies[0]))
+            await wait_for_async(lambda: kv_used(pair.decode_url) > before, 5, "the room reserved")
+            return await c.post(pair.prefill_url + "/generate", json=bodies[1]), await d
+
+    p, d = asyncio.run(run())
+    assert (p.status_code, d.status_code) == (500, 500), (p.text, d.text)
+    assert "another prompt" in p.json()["error"]["message"] and "another prompt" in d.json()["error"]["message"]
+    assert wait_for(lambda: kv_used(pair.decode_url) <= before, 5, "the decode's KV back to where it was")
+    assert kv_used(pair.prefill_url) == 0
 
 def _greedy(pair, path: str, body: dict) -> dict:
     p, d = asyncio.run(_both(pair, path, body))

@@ -60,6 +60,9 @@ class DecodeEngine(Engine):
     def pending(self) -> bool:
         return bool(self.reqs or self._quarantine)
 
+    def room_held(self, room: int) -> bool:
+        return room in self._quarantine     # its prefill's WRITE may still land: the room's next message is its
+
     def on_fail(self, req: Req) -> None:
         if req in self._prealloc:
             self._prealloc.remove(req)

@@ -15,6 +15,7 @@ from ..http.responses import GenSpec
 from ..http.routes import build_app
 from ..http.server import BadRequest, WorkerServer
 from ..kv.transfer import NixlTransfer
+from ..prefill.destinations import prompt_digest
 from .engine import DecodeEngine
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,8 @@ class DecodeServer(WorkerServer):
 
     async def _tell_prefill(self, spec: GenSpec, pages: list[int]) -> None:
         base = spec.bootstrap_url
-        body = {"room": spec.room, "agent_name": self.engine.transfer.name, "pages": pages}
+        body = {"room": spec.room, "agent_name": self.engine.transfer.name, "pages": pages,
+                "prompt": prompt_digest(spec.prompt_ids)}
         try:
             for attempt in range(2):
                 if base not in self._registered:

@@ -188,6 +188,11 @@ class Engine:
         kind, payload = item
         if kind == "submit":
             payload.emit = self._outbox.wrap(payload.emit)
+            refused = self.room_in_use(payload.room)
+            if refused is not None:     # never held: nothing of the request it collides with is touched
+                payload.state = ReqState.ABORTED
+                payload.emit(Failed(400, refused))
+                return
             self.reqs[payload.rid] = payload
             self.stats.requests += 1
             self.on_submit(payload)
@@ -199,6 +204,19 @@ class Engine:
                 self.end(req, Aborted(reason) if finished else Failed(499, reason), ReqState.ABORTED)
         else:
             payload()
+
+    def room_in_use(self, room: int | None) -> str | None:
+        """Why a request that just arrived is refused (400) before it is held, or None: its bootstrap_room is
+        one a live request (or `room_held`) has. KV is matched to a request by its room alone: two at once got
+        each other's KV, and one of them waited forever."""
+        if room is None or not (any(r.room == room for r in self.reqs.values()) or self.room_held(room)):
+            return None
+        return (f"bootstrap_room {room} is in use by another request on this worker; give each request its own "
+                "room")
+
+    def room_held(self, room: int) -> bool:
+        """Role hook: whether KV of `room` is still held or in flight beyond the live requests."""
+        return False
 
     def on_submit(self, req: Req) -> None:
         """Called on the engine thread when a request arrives."""

@@ -3,9 +3,11 @@ and the NIXL notifications prefill sends decode about a room."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 import time
+from array import array
 from dataclasses import dataclass
 
 from ..engine.sampling import TokenLogprob
@@ -17,6 +19,7 @@ class Destination:
     pages: list[int]
     arrived: float
     incarnation: int | None = None   # of the decode process that reserved `pages` (NixlTransfer)
+    prompt: str | None = None        # `prompt_digest` of the decode's request (None: a decode that sends none)
 
 
 class Destinations:
@@ -34,16 +37,17 @@ class Destinations:
         self._cancelled: dict[int, float] = {}      # room -> when decode gave it up
         self._ttl_s = ttl_s
 
-    def put(self, room: int, agent_name: str, pages: list[int], incarnation: int | None = None) -> bool:
-        """Record decode's pages for `room` (reserved by decode process `incarnation`); False if decode
-        already cancelled it."""
+    def put(self, room: int, agent_name: str, pages: list[int], incarnation: int | None = None,
+            prompt: str | None = None) -> bool:
+        """Record decode's pages for `room` (reserved by decode process `incarnation` for a request whose prompt has
+        digest `prompt`); False if decode already cancelled it."""
         with self._lock:
             now = time.monotonic()
             self._by_room = {r: d for r, d in self._by_room.items() if now - d.arrived < self._ttl_s}
             self._cancelled = {r: t for r, t in self._cancelled.items() if now - t < self._ttl_s}
             if room in self._cancelled:
                 return False
-            self._by_room[room] = Destination(agent_name, pages, now, incarnation)
+            self._by_room[room] = Destination(agent_name, pages, now, incarnation, prompt)
             return True
 
     def pages(self, room: int) -> list[int] | None:
@@ -87,6 +91,12 @@ class Destinations:
             self._by_room.pop(room, None)
             self._cancelled[room] = time.monotonic()
             return False
+
+
+def prompt_digest(prompt_ids: list[int]) -> str:
+    """What a decode's reservation says of its request's prompt: a room names a request only as long as no two share
+    it, so the prefill checks that the pages it writes were reserved for the prompt it computed."""
+    return hashlib.blake2b(array("q", prompt_ids).tobytes(), digest_size=16).hexdigest()
 
 
 def notif_message(room: int, first_token: int, cached_tokens: int = 0, logprob: TokenLogprob | None = None) -> bytes:

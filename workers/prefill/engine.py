@@ -35,7 +35,7 @@ from ..engine.runner import Chunk, ModelRunner
 from ..kv.pool import PoolExhausted
 from ..kv.prefix_cache import PrefixCache, RadixNode
 from ..kv.transfer import NixlTransfer, TransferError, XferState, page_runs
-from .destinations import Destinations, failed_message, notif_message
+from .destinations import Destinations, failed_message, notif_message, prompt_digest
 from .stranded import StrandedKV
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,9 @@ class PrefillEngine(Engine):
 
     def on_submit(self, req: Req) -> None:
         self.waiting.put(req, None)
+
+    def room_held(self, room: int) -> bool:
+        return self.destinations.agent_of(room) is not None   # a WRITE (of an ended request) NIXL still runs
 
     def on_fail(self, req: Req) -> None:
         self.waiting.pop(req)   # a request in flight stays in `inflight` until NIXL ends its WRITE
@@ -205,6 +208,11 @@ class PrefillEngine(Engine):
                 continue
             self.peer.pop(req)
             worked = True
+            if dest.prompt is not None and dest.prompt != prompt_digest(req.prompt_ids):
+                reason = f"bootstrap_room {req.room} was reserved by decode for another prompt (two requests share it)"
+                self._tell_decode_failed(req.room, reason)
+                self.fail(req, 500, reason)
+                continue
             with self.serving(req):
                 try:
                     handle = self.transfer.write_pages(dest.agent_name, req.pages, dest.pages,

@@ -26,6 +26,7 @@ class Reserve(BaseModel):
     room: int
     agent_name: str
     pages: list[int]
+    prompt: str | None = None   # destinations.prompt_digest of the decode's request
 
 
 class Cancel(BaseModel):
@@ -85,7 +86,7 @@ class PrefillServer(WorkerServer):
             if incarnation is None:
                 return JSONResponse({"error": f"unknown decode agent {body.agent_name}; register first"},
                                     status_code=409)
-            if not self.engine.destinations.put(body.room, body.agent_name, body.pages, incarnation):
+            if not self.engine.destinations.put(body.room, body.agent_name, body.pages, incarnation, body.prompt):
                 return JSONResponse({"error": f"bootstrap_room {body.room} was cancelled by decode"},
                                     status_code=410)
             return {"success": True}
