@@ -88,9 +88,14 @@ def validate(args: WorkerArgs) -> list[str]:
         problems.append(f"--stall-timeout-s {args.stall_timeout_s}: must be positive")
     if args.default_max_tokens < 1:
         problems.append(f"--default-max-tokens {args.default_max_tokens}: must be at least 1")
+    held = args.max_total_tokens // args.page_size * args.page_size if args.page_size > 0 else 0   # whole pages
     if args.max_total_tokens < args.context_length:
         problems.append(f"--max-total-tokens {args.max_total_tokens} is smaller than --context-length "
                         f"{args.context_length}: one full-length request could never fit")
+    elif 0 < held < args.context_length:
+        problems.append(f"--max-total-tokens {args.max_total_tokens}: its whole pages of {args.page_size} tokens hold "
+                        f"{held}, fewer than --context-length {args.context_length}: one full-length request could "
+                        "never fit (its decode leg would wait forever); round it up to a whole page")
     unknown = [k for k in args.kernel_list if k not in KERNEL_NAMES]
     if unknown:
         problems.append(f"--kernels: unknown {unknown}; choose from {', '.join(KERNEL_NAMES)}")

@@ -83,6 +83,15 @@ def test_request_bodies_reject_what_the_engine_cannot_do():
         GenerateRequest.model_validate({"sampling_params": {}})
 
 
+
+def test_a_pool_whose_whole_pages_hold_less_than_the_context_is_refused_at_start(capsys):
+    """The pool is max_total_tokens // page_size whole pages: 1030 tokens in 16-token pages hold 1024, so a request
+    of the full 1030-token context could never be reserved and its decode leg waited forever."""
+    with pytest.raises(SystemExit):
+        parse_args("decode", ["--max-total-tokens", "1030", "--context-length", "1030"])
+    assert "whole pages of 16 tokens hold 1024" in capsys.readouterr().err
+    assert parse_args("decode", ["--max-total-tokens", "1040", "--context-length", "1030"]).max_total_tokens == 1040
+
 def test_worker_args_refuse_silent_fallbacks(capsys):
     with pytest.raises(SystemExit):
         parse_args("decode", ["--transfer-backend", "tcp"])
