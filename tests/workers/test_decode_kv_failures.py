@@ -124,3 +124,26 @@ def test_failed_frees_the_rooms_pages_at_once_and_may_land_holds_them_until_the_
     assert tokens == generate_single_process(_runner(), PROMPT, SamplingParams(max_new_tokens=8, temperature=0), EOS)
     wait_for(lambda: pool.used_tokens == 0 and not decode.pending(), 10, "every decode page back, nothing held")
     wait_for(lambda: prefill.runner.pool.used_tokens == 0 and not prefill.reqs, 10, "every prefill page back")
+
+
+def test_a_room_decode_gave_up_stays_held_through_may_land_until_the_write_ended(sides):
+    """Decode gave the room up while it waited (the router's abort): its pages are quarantined. The prefill's WRITE
+    then missed its deadline and NIXL could not stop it: its `may_land` message says the WRITE may still land, so
+    the pages stay held until the next message for the room (the WRITE ended)."""
+    decode, prefill, quarantined = sides
+    pool = decode.runner.pool
+    gone = _Client(room=4, budget=1800)                             # 113 of the 128 pages
+    held = _reserve(decode, gone)
+    decode.abort(gone.req.rid)
+    assert gone.ended.wait(30) and quarantined == [4]
+    _tell(prefill, decode, failed_message(4, "did not finish within 1s", may_land=True))
+    waiting = _Client(room=5, budget=len(PROMPT) + 8)               # 19 pages: more than the 15 left
+    decode.submit(waiting.req)
+    with pytest.raises(AssertionError):
+        wait_for(waiting.reserved, 1.5, "a reservation that must not happen while the WRITE may land")
+    assert pool.used_tokens == len(held) * PAGE
+    _tell(prefill, decode, failed_message(4, "the cancelled KV transfer of bootstrap_room 4 ended"))
+    assert set(wait_for(waiting.reserved, 30, "room 5's reservation once room 4's WRITE ended")) & set(held)
+    decode.abort(waiting.req.rid)
+    _tell(prefill, decode, failed_message(5, "never written"))
+    wait_for(lambda: pool.used_tokens == 0 and not decode.pending(), 10, "every decode page back, nothing held")

@@ -131,7 +131,8 @@ class DecodeEngine(Engine):
                 log.warning("ignored a malformed KV notification %r: %r", raw[:200], exc)
                 continue
             if room in self._quarantine:
-                self.release_quarantine(room)
+                if not msg.get("may_land"):   # the WRITE ended (or never began); may_land: it still may land
+                    self.release_quarantine(room)
                 continue
             if "failed" in msg:
                 req = self._by_room.get(room)
