@@ -140,15 +140,22 @@ def _bootstrap_ports(ctx: RuleContext) -> Iterator[Finding]:
 
 
 def _pool_fits_context(ctx: RuleContext) -> Iterator[Finding]:
+    """One full-length request fits the pool's whole pages (a worker refuses the rest at start)."""
     context = as_int(ctx.section("model").get("context_length"))
     reported: set[Path_] = set()
     for w in ctx.workers:
         tokens, path = ctx.resolved(w, "max_total_tokens")
-        if context and as_int(tokens) and 0 < tokens < context and path not in reported:
+        page = as_int(_engine_value(ctx, "page_size", ctx.resolved(w, "page_size")[0]))
+        if not (context and as_int(tokens) and tokens > 0) or path in reported:
+            continue
+        held = tokens // page * page if page and page > 0 else tokens
+        if held < context:
             reported.add(path)
-            yield Finding(path, f"max_total_tokens {tokens} is below model.context_length {context}: one "
+            pages = f": its whole pages of {page} tokens hold {held}," if held < tokens else " is"
+            least = -(-context // page) * page if held < tokens else context
+            yield Finding(path, f"max_total_tokens {tokens}{pages} below model.context_length {context}: one "
                           "full-length request would not fit in the KV pool",
-                          f"raise max_total_tokens to at least {context}, or lower model.context_length")
+                          f"raise max_total_tokens to at least {least}, or lower model.context_length")
 
 
 def _engine_value(ctx: RuleContext, key: str, value: Any) -> Any:

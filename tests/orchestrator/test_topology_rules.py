@@ -210,6 +210,12 @@ def test_embedded_needs_max_total_tokens() -> None:
 def test_kv_pool_must_hold_one_full_request() -> None:
     text = edit(BASE, "max_total_tokens: 16384", "max_total_tokens: 1024")
     check(text, "defaults.max_total_tokens", line_of(text, "1024"), "below model.context_length 2048", "at least 2048")
+    # the pool is whole pages (the worker refuses the rest at start): 2055 tokens in 16-token pages hold 2048
+    parse_topology(edit(BASE, "max_total_tokens: 16384", "max_total_tokens: 2050"))
+    text = edit(edit(BASE, "max_total_tokens: 16384", "max_total_tokens: 2055"), "context_length: 2048",
+                "context_length: 2050")
+    check(text, "defaults.max_total_tokens", line_of(text, "2055"), "its whole pages of 16 tokens hold 2048, below "
+          "model.context_length 2050", "at least 2064")
 
 
 @pytest.mark.parametrize(("value", "message"), [("0", "port 0 is out of range"), ("70000", "port 70000 is out of range")])
