@@ -61,7 +61,7 @@ class DecodeEngine(Engine):
         return bool(self.reqs or self._quarantine)
 
     def room_held(self, room: int) -> bool:
-        return room in self._quarantine     # its prefill's WRITE may still land: the room's next message is its
+        return room in self._quarantine     # its prefill's WRITE may still land: a new request must not wait on it
 
     def on_fail(self, req: Req) -> None:
         if req in self._prealloc:
