@@ -17,7 +17,7 @@ def _engine() -> PrefillEngine:
 
 
 def _submit(engine: PrefillEngine, rid: str, n: int, events: list) -> Req:
-    req = Req(rid=rid, prompt_ids=list(range(10, 10 + n)), params=SamplingParams(max_new_tokens=2, temperature=0),
+    req = Req(rid=rid, prompt_ids=[10 + i % 250 for i in range(n)], params=SamplingParams(max_new_tokens=2, temperature=0),
               budget=n + 2, emit=events.append, room=hash(rid) % 1000)
     engine.reqs[rid] = req
     engine.on_submit(req)
@@ -39,3 +39,31 @@ def test_a_request_sits_in_the_queue_its_state_names_and_leaves_both_when_it_fai
     assert len(engine.peer) == 0 and long.pages == [] and engine.stranded.freed_rooms == 1
     assert [e.status for e in events if isinstance(e, Failed)] == [499, 500]
     assert engine.runner.pool.free_pages == engine.runner.pool.layout.num_pages
+
+
+def test_a_room_decode_reserved_gets_pages_from_prompts_no_decode_reserved_yet():
+    """Both pools full, each waiting on the other (seen by the KV review on a real pair: 6-8 of 8 requests failed
+    after 80 s): the prefill's pool held computed KV for rooms the decode had not reserved, while the decode's held
+    reservations for prompts the prefill had no pages to compute. A reserved room now goes first and takes the pages
+    of the latest unreserved prompt, which is computed again later, with the same first token."""
+    engine, events = _engine(), []
+    engine.peer_timeout_s = engine.stranded.timeout_s = 60.0
+    done = [_submit(engine, rid, 300, events) for rid in ("a", "b", "c")]   # 19 pages each: 57 of 64
+    while engine._prefill_batch():
+        pass
+    assert list(engine.peer) == done
+    first_c = done[2].out[0]
+    waiting, reserved = _submit(engine, "e", 300, events), _submit(engine, "d", 300, events)
+    engine.destinations.put(reserved.room, "decode-agent", list(range(19)))   # decode reserved d, not e
+    assert engine._prefill_batch()                 # the previous code stopped at e: no pages, nothing computed
+    while engine._prefill_batch():
+        pass
+    assert list(engine.peer) == done[:2] + [reserved] and len(reserved.out) == 1
+    assert list(engine.waiting) == [waiting, done[2]] and done[2].pages == [] and done[2].prefilled == 0
+    for req in done[:2]:                           # their WRITEs ended: c is computed again
+        engine.peer.pop(req)
+        engine.release(req)
+    while engine._prefill_batch():
+        pass
+    assert done[2] in engine.peer and done[2].out == [first_c]
+    assert not [e for e in events if isinstance(e, Failed)]

@@ -9,7 +9,8 @@ WAITING_PEER `peer` -> TRANSFERRING `inflight`; pages of a cancelled WRITE that 
    the pool is short). Each step runs one forward over chunks of the queue's first prompts, up to `chunk_tokens`
    tokens in all (batched, chunked prefill, as SGLang's --chunked-prefill-size); a prompt longer than what is left
    goes on in the next step. Once a prompt is done the engine samples its first output token and puts the
-   prompt's whole pages in the cache.
+   prompt's whole pages in the cache. Rooms decode has reserved go first, and take the pages of prompts computed
+   for rooms it has not (computed again later) when the pool is short (`_allocate_preempting`).
 3. It waits until the decode side has reserved pages for this room (`Destinations`, fed by the
    bootstrap server), for at most `peer_timeout_s` (topology: `transfer.stranded_kv_timeout_s`); a room
    unreserved past the detection time is stranded KV (stranded.py), freed at that deadline.
@@ -108,14 +109,11 @@ class PrefillEngine(Engine):
 
     def _prefill_batch(self) -> bool:
         budget, chunks, reqs = self.chunk_tokens, [], []
-        for req in self.waiting:
+        for req in sorted(self.waiting, key=lambda r: self.destinations.pages(r.room) is None):  # reserved first
             if budget <= 0:
                 break
-            if not req.pages:
-                try:
-                    self._allocate(req)
-                except PoolExhausted:
-                    break
+            if not req.pages and not self._allocate_preempting(req):
+                break
             n = min(len(req.prompt_ids) - req.prefilled, budget)
             chunks.append(Chunk(req.prompt_ids[req.prefilled: req.prefilled + n], req.prefilled, req.pages))
             reqs.append(req)
@@ -142,6 +140,26 @@ class PrefillEngine(Engine):
                 self._locks[req.rid] = self.cache.insert(req.prompt_ids, req.pages, self._locks.get(req.rid, []))
             self.peer.put(req, self.now())
         return True
+
+    def _allocate_preempting(self, req: Req) -> bool:
+        """Pages for `req`, or False. When the pool is short and decode already reserved pages for `req`, prompts
+        computed for rooms decode has not reserved give theirs up, latest first, and are computed again later: a
+        decode pool full of reservations like this one's reserves nothing else, so holding that KV deadlocked both
+        pools (each full, each waiting on the other) until the timeouts failed the requests."""
+        while True:
+            try:
+                self._allocate(req)
+                return True
+            except PoolExhausted:
+                unreserved = [r for r in self.peer if self.destinations.pages(r.room) is None]
+                if self.destinations.pages(req.room) is None or not unreserved:
+                    return False
+                victim = unreserved[-1]
+                self.peer.pop(victim)
+                self._free_pages(victim.rid, victim.pages)
+                self.stats.prompt_tokens -= len(victim.prompt_ids)   # counted again when it is computed again
+                victim.pages, victim.prefilled, victim.out, victim.first_logprob = [], 0, [], None
+                self.waiting.put(victim, None)
 
     def _allocate(self, req: Req) -> None:
         """The request's pages: its cached prefix (locked), then new ones; PoolExhausted (nothing held) if short."""
