@@ -147,3 +147,23 @@ def test_a_room_decode_gave_up_stays_held_through_may_land_until_the_write_ended
     decode.abort(waiting.req.rid)
     _tell(prefill, decode, failed_message(5, "never written"))
     wait_for(lambda: pool.used_tokens == 0 and not decode.pending(), 10, "every decode page back, nothing held")
+
+
+def test_no_write_starts_after_decode_stopped_waiting_for_it(sides):
+    """A prefill that got the reservation, then was frozen (SIGSTOP, a paused VM) past decode's transfer timeout:
+    decode failed the request and quarantined the pages, which it hands to another request once the quarantine
+    expires. Waking up, the prefill must not start the WRITE into them: it tells decode nothing will come (the
+    pages are free at once) and fails its leg."""
+    decode, prefill, quarantined = sides
+    pool = decode.runner.pool
+    late = _Client(room=6, budget=600)
+    pages = _reserve(decode, late)
+    decode.abort(late.req.rid)                                      # decode's transfer timeout, in short
+    assert late.ended.wait(30) and quarantined == [6]
+    prefill.destinations.put(6, decode.transfer.name, pages, waits_s=0.05)   # what decode's reservation said
+    threading.Event().wait(0.2)                                     # the prefill was frozen past it
+    leg = _Client(room=6, budget=600)
+    prefill.submit(leg.req)
+    assert leg.ended.wait(60) and isinstance(leg.events[-1], Failed), leg.events
+    assert "decode stopped waiting for the KV of bootstrap_room 6" in leg.events[-1].message
+    wait_for(lambda: pool.used_tokens == 0 and not decode.pending(), 10, "decode's quarantined pages freed at once")

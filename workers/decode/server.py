@@ -93,7 +93,7 @@ class DecodeServer(WorkerServer):
     async def _tell_prefill(self, spec: GenSpec, pages: list[int]) -> None:
         base = spec.bootstrap_url
         body = {"room": spec.room, "agent_name": self.engine.transfer.name, "pages": pages,
-                "prompt": prompt_digest(spec.prompt_ids)}
+                "prompt": prompt_digest(spec.prompt_ids), "waits_s": self.engine.transfer_timeout_s}
         try:
             for attempt in range(2):
                 if base not in self._registered:

@@ -20,6 +20,12 @@ class Destination:
     arrived: float
     incarnation: int | None = None   # of the decode process that reserved `pages` (NixlTransfer)
     prompt: str | None = None        # `prompt_digest` of the decode's request (None: a decode that sends none)
+    waits_s: float | None = None     # how long decode waits for the KV from its reservation (its transfer timeout)
+
+    def given_up(self, now: float) -> bool:
+        """Decode failed the request already (past its wait): its pages may be another request's by the time a WRITE
+        would land (decode frees them at the latest 4 waits later), so none may start."""
+        return self.waits_s is not None and now - self.arrived > self.waits_s
 
 
 class Destinations:
@@ -38,16 +44,16 @@ class Destinations:
         self._ttl_s = ttl_s
 
     def put(self, room: int, agent_name: str, pages: list[int], incarnation: int | None = None,
-            prompt: str | None = None) -> bool:
+            prompt: str | None = None, waits_s: float | None = None) -> bool:
         """Record decode's pages for `room` (reserved by decode process `incarnation` for a request whose prompt has
-        digest `prompt`); False if decode already cancelled it."""
+        digest `prompt`, waited for `waits_s`); False if decode already cancelled it."""
         with self._lock:
             now = time.monotonic()
             self._by_room = {r: d for r, d in self._by_room.items() if now - d.arrived < self._ttl_s}
             self._cancelled = {r: t for r, t in self._cancelled.items() if now - t < self._ttl_s}
             if room in self._cancelled:
                 return False
-            self._by_room[room] = Destination(agent_name, pages, now, incarnation, prompt)
+            self._by_room[room] = Destination(agent_name, pages, now, incarnation, prompt, waits_s)
             return True
 
     def pages(self, room: int) -> list[int] | None:

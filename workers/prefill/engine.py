@@ -226,8 +226,13 @@ class PrefillEngine(Engine):
                 continue
             self.peer.pop(req)
             worked = True
+            reason = None
             if dest.prompt is not None and dest.prompt != prompt_digest(req.prompt_ids):
                 reason = f"bootstrap_room {req.room} was reserved by decode for another prompt (two requests share it)"
+            elif dest.given_up(self.now()):
+                reason = (f"decode stopped waiting for the KV of bootstrap_room {req.room} {dest.waits_s:g}s after "
+                          "reserving it, before it was ready here; nothing was written")
+            if reason is not None:
                 self._tell_decode_failed(req.room, reason)
                 self.fail(req, 500, reason)
                 continue

@@ -27,6 +27,7 @@ class Reserve(BaseModel):
     agent_name: str
     pages: list[int]
     prompt: str | None = None   # destinations.prompt_digest of the decode's request
+    waits_s: float | None = None   # decode's transfer timeout: no WRITE starts after it
 
 
 class Cancel(BaseModel):
@@ -86,7 +87,8 @@ class PrefillServer(WorkerServer):
             if incarnation is None:
                 return JSONResponse({"error": f"unknown decode agent {body.agent_name}; register first"},
                                     status_code=409)
-            if not self.engine.destinations.put(body.room, body.agent_name, body.pages, incarnation, body.prompt):
+            if not self.engine.destinations.put(body.room, body.agent_name, body.pages, incarnation, body.prompt,
+                                                body.waits_s):
                 return JSONResponse({"error": f"bootstrap_room {body.room} was cancelled by decode"},
                                     status_code=410)
             return {"success": True}
