@@ -67,3 +67,23 @@ def test_a_room_decode_reserved_gets_pages_from_prompts_no_decode_reserved_yet()
         pass
     assert done[2] in engine.peer and done[2].out == [first_c]
     assert not [e for e in events if isinstance(e, Failed)]
+
+
+def test_a_prompt_computed_in_part_goes_on_while_a_room_decode_reserved_waits_for_pages():
+    """A long prompt no decode reserved yet was computed in part (it holds its pages) when a reserved room came that
+    the rest of the pool cannot hold, and no computed prompt could give it pages: the reserved room went first,
+    found no pages and stopped the step, so the long prompt never went on and both pools waited on each other until
+    decode's timeout failed the reserved room. The long prompt goes on now; once computed it gives its pages up."""
+    runner = ModelRunner(RunnerConfig(model=ModelConfig(), page_size=16, max_total_tokens=768, context_length=512))
+    engine, events = PrefillEngine(runner, transfer=None, peer_timeout_s=60.0, chunk_tokens=40, prefix_cache=False), []
+    long = _submit(engine, "long", 500, events)                     # 32 of 48 pages
+    engine._prefill_batch()
+    assert 0 < long.prefilled < 500
+    reserved = _submit(engine, "r", 300, events)                    # 19 pages: 16 free
+    engine.destinations.put(reserved.room, "decode-agent", list(range(19)))
+    for _ in range(40):
+        if not engine._prefill_batch():
+            break
+    assert list(engine.peer) == [reserved] and len(reserved.out) == 1
+    assert list(engine.waiting) == [long] and long.pages == [] and long.prefilled == 0
+    assert not [e for e in events if isinstance(e, Failed)]

@@ -108,12 +108,13 @@ class PrefillEngine(Engine):
         return worked
 
     def _prefill_batch(self) -> bool:
-        budget, chunks, reqs = self.chunk_tokens, [], []
+        budget, chunks, reqs, short = self.chunk_tokens, [], [], False
         for req in sorted(self.waiting, key=lambda r: self.destinations.pages(r.room) is None):  # reserved first
             if budget <= 0:
                 break
-            if not req.pages and not self._allocate_preempting(req):
-                break
+            if not req.pages and (short or not self._allocate_preempting(req)):
+                short = True   # no later prompt takes pages first; those computed in part go on (and free theirs)
+                continue
             n = min(len(req.prompt_ids) - req.prefilled, budget)
             chunks.append(Chunk(req.prompt_ids[req.prefilled: req.prefilled + n], req.prefilled, req.pages))
             reqs.append(req)
