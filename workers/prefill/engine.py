@@ -9,13 +9,17 @@ WAITING_PEER `peer` -> TRANSFERRING `inflight`; pages of a cancelled WRITE that 
    the pool is short). Each step runs one forward over chunks of the queue's first prompts, up to `chunk_tokens`
    tokens in all (batched, chunked prefill, as SGLang's --chunked-prefill-size); a prompt longer than what is left
    goes on in the next step. Once a prompt is done the engine samples its first output token and puts the
-   prompt's whole pages in the cache. Rooms decode has reserved go first, and take the pages of prompts computed
-   for rooms it has not (computed again later) when the pool is short (`_allocate_preempting`).
+   prompt's whole pages in the cache. `_prefill_batch` picks the step's prompts: rooms decode has reserved go first,
+   and take the pages of prompts computed for rooms it has not (computed again later) when the pool is short
+   (`_allocate_preempting`); once one prompt finds the pool short, no later one takes pages, but those already
+   holding pages (computed in part) go on.
 3. It waits until the decode side has reserved pages for this room (`Destinations`, fed by the
    bootstrap server), for at most `peer_timeout_s` (topology: `transfer.stranded_kv_timeout_s`); a room
    unreserved past the detection time is stranded KV (stranded.py), freed at that deadline.
 4. It WRITEs the prompt's pages into those pages with a notification carrying the room and the first
-   token (with its logprob when asked); that notification is how decode learns the KV has landed.
+   token (with its logprob when asked); that notification is how decode learns the KV has landed (`_send_ready`).
+   A reservation older than decode's transfer timeout, which it carries (`Destination.given_up`), gets no WRITE:
+   decode has failed that request, so it is told nothing will come (its pages are free at once) and the leg fails.
 5. Once the WRITE is DONE, the pages are freed and the handler answers the router with one token
    and finish_reason length (docs/protocol.md). A WRITE still in flight after `write_timeout_s` (topology:
    `transfer.write_timeout_s`; a decode that died or froze mid-write) is cancelled: the request fails, decode is
