@@ -1,7 +1,7 @@
 """Prometheus `file_sd` targets, written only here: the controller calls `record_targets` when it starts or stops
-processes on purpose (up, drain, restart, down), never when status is read. Every process the cluster means to run
-is a target, whatever its state, so `up == 0` fires the worker-down alert; one stopped on purpose is not. Writes
-are atomic and only on change.
+processes on purpose (up, drain, restart, down), never when status is read; `monitor up` writes the exporter's own
+job through `write_job` (`stack.py`). Every process the cluster means to run is a target, whatever its state, so
+`up == 0` fires the worker-down alert; one stopped on purpose is not. Writes are atomic and only on change.
 """
 
 from __future__ import annotations
