@@ -146,13 +146,14 @@ def _pool_fits_context(ctx: RuleContext) -> Iterator[Finding]:
     for w in ctx.workers:
         tokens, path = ctx.resolved(w, "max_total_tokens")
         page = as_int(_engine_value(ctx, "page_size", ctx.resolved(w, "page_size")[0]))
+        page = page if page and page > 0 else 1
         if not (context and as_int(tokens) and tokens > 0) or path in reported:
             continue
-        held = tokens // page * page if page and page > 0 else tokens
+        held = tokens // page * page
         if held < context:
             reported.add(path)
             pages = f": its whole pages of {page} tokens hold {held}," if held < tokens else " is"
-            least = -(-context // page) * page if held < tokens else context
+            least = -(-context // page) * page   # whole pages too: the workers refuse less
             yield Finding(path, f"max_total_tokens {tokens}{pages} below model.context_length {context}: one "
                           "full-length request would not fit in the KV pool",
                           f"raise max_total_tokens to at least {least}, or lower model.context_length")

@@ -216,6 +216,10 @@ def test_kv_pool_must_hold_one_full_request() -> None:
                 "context_length: 2050")
     check(text, "defaults.max_total_tokens", line_of(text, "2055"), "its whole pages of 16 tokens hold 2048, below "
           "model.context_length 2050", "at least 2064")
+    text = edit(edit(BASE, "max_total_tokens: 16384", "max_total_tokens: 1024"), "context_length: 2048",
+                "context_length: 2050")   # below the context outright: the advice is a whole page too
+    check(text, "defaults.max_total_tokens", line_of(text, "1024"), "1024 is below model.context_length 2050",
+          "at least 2064")
 
 
 @pytest.mark.parametrize(("value", "message"), [("0", "port 0 is out of range"), ("70000", "port 70000 is out of range")])
