@@ -156,10 +156,11 @@ class PrefillEngine(Engine):
                 self._allocate(req)
                 return True
             except PoolExhausted:
-                unreserved = [r for r in self.peer if self.destinations.pages(r.room) is None]
-                if self.destinations.pages(req.room) is None or not unreserved:
+                if self.destinations.pages(req.room) is None:
                     return False
-                victim = unreserved[-1]
+                victim = next((r for r in reversed(list(self.peer)) if self.destinations.pages(r.room) is None), None)
+                if victim is None:
+                    return False
                 self.peer.pop(victim)
                 self._free_pages(victim.rid, victim.pages)
                 self.stats.prompt_tokens -= len(victim.prompt_ids)   # counted again when it is computed again
