@@ -22,7 +22,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from dsv4_cluster.core import ClusterStatus, WorkerState
 from dsv4_cluster.orchestrator.cluster import ray_cluster
 from dsv4_cluster.orchestrator.supervise.controller import (
-    ACTOR_MAX_RESTARTS, CONTROLLER_NAME, READ_RETRIES, ClusterController, ClusterSpec, cause_text,
+    ACTOR_MAX_RESTARTS, CONTROLLER_NAME, READ_RETRIES, STOPPED_BY_DOWN, ClusterController, ClusterSpec, cause_text,
     cluster_identity, supervisor_name)
 from dsv4_cluster.orchestrator.errors import (
     CLEAN_UP, AlreadyUpError, ClusterStartError, ForeignControllerError, NotUpError, PreflightError, RayClusterError)
@@ -111,7 +111,7 @@ def up(topology_path: str, options: UpOptions) -> UpResult:
         try:
             started = ray.get(controller.up.remote(options.timeout_s))
         except (RayTaskError, RayActorError) as e:
-            raise ClusterStartError(cause_text(e)) from e
+            raise ClusterStartError(_start_failure(e)) from e
         _check_interrupt()
         verification = _verify(topology, started)
         _check_interrupt()
@@ -128,6 +128,15 @@ def up(topology_path: str, options: UpOptions) -> UpResult:
         raise
     finally:
         ray_cluster.disconnect()
+
+
+def _start_failure(err: BaseException) -> str:
+    """Why the controller's `up` ended without a cluster. Only `down` kills the controller while `up` waits on it
+    (Ray's death text says `ray.kill`): said in our words, as the controller says it when its `up` sees the stop first
+    (Ray's text named the actor's class, id and pid)."""
+    if isinstance(err, RayActorError) and "ray.kill" in str(err):
+        return STOPPED_BY_DOWN
+    return cause_text(err)
 
 
 def _verify(topology: Any, status: ClusterStatus) -> str:

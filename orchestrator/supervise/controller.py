@@ -83,6 +83,9 @@ class Drained:
         return self.in_flight_at_stop > 0
 
 
+STOPPED_BY_DOWN = "`dsv4-cluster down` stopped the cluster while it was starting"
+
+
 def cause_text(err: BaseException) -> str:
     if isinstance(err, RayTaskError):
         return str(err.cause) if err.cause is not None else str(err)
@@ -204,7 +207,7 @@ class ClusterController:
             stopped_by_down = self._stopping   # a stop from outside (`down`) while starting, not a failure
             self.stop(deadline_s=10.0)
             if stopped_by_down:
-                raise ClusterStartError("`dsv4-cluster down` stopped the cluster while it was starting")
+                raise ClusterStartError(STOPPED_BY_DOWN)
             raise ClusterStartError("the cluster did not come up:\n" + "\n".join(failures))
         self._set_targets(started=self._names())
         status = self.status()  # read before the deep probe starts: its request in flight would show as KV in use

@@ -115,3 +115,19 @@ def test_down_while_up_starts_says_so_in_our_words(tmp_path: Path) -> None:
     assert "ray.kill" not in err and "actor_id" not in err, err
     assert not (cluster.home / "current.json").exists()
     assert all(port_is_free(p) for p in cluster.ports.values())
+
+
+def test_a_controller_down_killed_before_its_up_answered_is_said_in_our_words() -> None:
+    """The other order of the race above (failed a CI run): `down`'s ray.kill lands before the controller's `up`
+    sees the stop, and `up` gets Ray's actor-death error (the text below is what that run printed)."""
+    from ray.exceptions import RayActorError
+
+    from dsv4_cluster.orchestrator.cluster.deployment import _start_failure
+
+    killed = RayActorError(error_msg="The actor died unexpectedly before finishing this task.\n\tclass_name: "
+                           "ClusterController\n\tname: controller\nThe actor is dead because it was killed by "
+                           "`ray.kill`.")
+    assert _start_failure(killed) == "`dsv4-cluster down` stopped the cluster while it was starting"
+    crashed = RayActorError(error_msg="The actor died unexpectedly before finishing this task.\nThe actor is dead "
+                            "because its worker process has died.")
+    assert "its worker process has died" in _start_failure(crashed)   # anything else: Ray's own account
