@@ -117,12 +117,19 @@ def test_failed_frees_the_rooms_pages_at_once_and_may_land_holds_them_until_the_
     assert decode.stats.transfer_failed == 2
 
     # 3. the engine serves on: room 3's KV comes from the real prefill, decoded tokens equal a single process
-    prefill.destinations.put(3, decode.transfer.name, pages)        # what decode's reservation posts to prefill
-    prefill.submit(_Client(room=3, budget=len(PROMPT) + 8).req)
-    assert waiting.ended.wait(60), waiting.events
-    tokens = [e.token_id for e in waiting.events if isinstance(e, Token)]
+    _serves_exactly(decode, prefill, waiting, pages)
+
+
+def _serves_exactly(decode: DecodeEngine, prefill: PrefillEngine, client: _Client, pages: list[int]) -> None:
+    """`client`'s request, reserved on decode (`pages`), gets its KV from the real prefill; its tokens equal a single
+    process's, and every page on both sides comes back."""
+    prefill.destinations.put(client.req.room, decode.transfer.name, pages)   # what decode's reservation posts
+    prefill.submit(_Client(room=client.req.room, budget=len(PROMPT) + 8).req)
+    assert client.ended.wait(60), client.events
+    tokens = [e.token_id for e in client.events if isinstance(e, Token)]
     assert tokens == generate_single_process(_runner(), PROMPT, SamplingParams(max_new_tokens=8, temperature=0), EOS)
-    wait_for(lambda: pool.used_tokens == 0 and not decode.pending(), 10, "every decode page back, nothing held")
+    wait_for(lambda: decode.runner.pool.used_tokens == 0 and not decode.pending(), 10,
+             "every decode page back, nothing held")
     wait_for(lambda: prefill.runner.pool.used_tokens == 0 and not prefill.reqs, 10, "every prefill page back")
 
 
@@ -143,10 +150,9 @@ def test_a_room_decode_gave_up_stays_held_through_may_land_until_the_write_ended
         wait_for(waiting.reserved, 1.5, "a reservation that must not happen while the WRITE may land")
     assert pool.used_tokens == len(held) * PAGE
     _tell(prefill, decode, failed_message(4, "the cancelled KV transfer of bootstrap_room 4 ended"))
-    assert set(wait_for(waiting.reserved, 30, "room 5's reservation once room 4's WRITE ended")) & set(held)
-    decode.abort(waiting.req.rid)
-    _tell(prefill, decode, failed_message(5, "never written"))
-    wait_for(lambda: pool.used_tokens == 0 and not decode.pending(), 10, "every decode page back, nothing held")
+    pages = wait_for(waiting.reserved, 30, "room 5's reservation once room 4's WRITE ended")
+    assert set(pages) & set(held)
+    _serves_exactly(decode, prefill, waiting, pages)   # the engine serves on, in the pages the WRITE could have hit
 
 
 def test_no_write_starts_after_decode_stopped_waiting_for_it(sides):
@@ -167,3 +173,5 @@ def test_no_write_starts_after_decode_stopped_waiting_for_it(sides):
     assert leg.ended.wait(60) and isinstance(leg.events[-1], Failed), leg.events
     assert "decode stopped waiting for the KV of bootstrap_room 6" in leg.events[-1].message
     wait_for(lambda: pool.used_tokens == 0 and not decode.pending(), 10, "decode's quarantined pages freed at once")
+    after = _Client(room=7, budget=len(PROMPT) + 8)
+    _serves_exactly(decode, prefill, after, _reserve(decode, after))   # and serves on
