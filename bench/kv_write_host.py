@@ -129,6 +129,15 @@ def raw(t: NixlTransfer, info, n: int, first_dst: int, notif: bytes) -> dict[str
     return {"raw_write": t1 - t0, "raw_poll_done": c() - t2}
 
 
+def check_before(pages: list[int], num_pages: int) -> np.ndarray:
+    """`_check_pages` and `_indices` (one region) before they converted with array("I"): np.asarray to int64, then
+    int32."""
+    p = np.asarray(pages, dtype=np.int64)
+    if p.size and int(p.view(np.uint64).max()) >= num_pages:
+        raise ValueError("outside")
+    return np.asarray(p, dtype=np.int64).astype(np.int32)
+
+
 def make_only(t: NixlTransfer, local: tuple, remote: tuple, notif: bytes) -> float:
     """make_prepped_xfer of (prepared list, indices) on each side, never posted."""
     t0 = time.perf_counter()
@@ -189,7 +198,17 @@ def run(a: argparse.Namespace) -> dict:
                                      (t._prepped[info.agent_name], di.astype(np.int64))),
                         "mk_list": ((t._local_prepped, si.tolist()), (t._prepped[info.agent_name], di.tolist())),
                         "mk_whole_desc": ((whole_l, one), (whole_r, one))}
+            c = time.perf_counter
             for i in range(a.warmup + a.reps):
+                t0 = c()
+                check_before(src, t._num_pages), check_before(dst, info.num_pages)
+                t1 = c()
+                _indices(_check_pages(src, t._num_pages, "a"), 1, t._num_pages)
+                _indices(_check_pages(dst, info.num_pages, "b"), 1, info.num_pages)
+                t2 = c()
+                if i >= a.warmup:
+                    runs.setdefault("check_idx_before", []).append(t1 - t0)
+                    runs.setdefault("check_idx_now", []).append(t2 - t1)
                 for k, (lo, re) in variants.items():
                     dt = make_only(t, lo, re, notif)
                     if i >= a.warmup:

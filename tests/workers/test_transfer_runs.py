@@ -104,7 +104,8 @@ def test_a_destination_page_outside_the_decode_pool_is_refused_before_nixl_sees_
         prefill.write_pages(decode.name, [0, 1], [19, 20], b"room")
     with pytest.raises(TransferError, match="page 12 .* 12 pages"):
         prefill.write_pages(decode.name, [11, 12], [0, 1], b"room")
-    for src_pages, dst_pages, bad in (([0, 1], [-1, 0], "-1 .* 20"), ([-3, 1], [0, 1], "-3 .* 12")):
+    for src_pages, dst_pages, bad in (([0, 1], [-1, 0], "-1 .* 20"), ([-3, 1], [0, 1], "-3 .* 12"),
+                                      ([0, 1], [0, 2**32], f"{2**32} .* 20"), ([0.5, 1], [0, 1], "0.5 .* 12")):
         with pytest.raises(TransferError, match=f"page {bad} pages"):
             prefill.write_pages(decode.name, src_pages, dst_pages, b"room")
 
