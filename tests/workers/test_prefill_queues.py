@@ -87,3 +87,40 @@ def test_a_prompt_computed_in_part_goes_on_while_a_room_decode_reserved_waits_fo
     assert list(engine.peer) == [reserved] and len(reserved.out) == 1
     assert list(engine.waiting) == [long] and long.pages == [] and long.prefilled == 0
     assert not [e for e in events if isinstance(e, Failed)]
+
+
+
+def test_a_prompt_computed_again_reports_the_cache_it_found_when_first_computed_not_its_own_pages():
+    """A prompt that gave its pages up to a reserved room is computed again. A later prompt that shares its first
+    10 pages (a conversation's next turn) keeps those in the prefix cache, so the second computation finds them:
+    the client's `cached_tokens` and the cache's hit counters said 160 tokens came from the cache, for a prompt
+    nothing had cached when it came. They count the cache a prompt found the first time, once."""
+    runner = ModelRunner(RunnerConfig(model=ModelConfig(), page_size=16, max_total_tokens=1024, context_length=512))
+    engine, events = PrefillEngine(runner, transfer=None, peer_timeout_s=60.0, chunk_tokens=40), []
+
+    def submit(rid: str, prompt: list[int]) -> Req:
+        req = Req(rid=rid, prompt_ids=prompt, params=SamplingParams(max_new_tokens=2, temperature=0), budget=302,
+                  emit=events.append, room=hash(rid) % 1000)
+        engine.reqs[rid] = req
+        engine.on_submit(req)
+        return req
+
+    prompts = [[5 + (first + i) % 240 for i in range(300)] for first in range(3)]   # no two share a page
+    done = [submit(rid, p) for rid, p in zip("abc", prompts)]     # 19 pages each: 57 of 64
+    while engine._prefill_batch():
+        pass
+    assert [r.cached_tokens for r in done] == [0, 0, 0] and engine.cache.cached_tokens_total == 0
+    c = done[2]
+    turn2 = submit("c2", c.prompt_ids[:160] + [7] * 140)         # 10 of c's pages, then 9 of its own
+    engine.destinations.put(turn2.room, "decode-agent", list(range(19)))   # decode reserved it, not c
+    while engine._prefill_batch():
+        pass
+    assert c.pages == [] and c in engine.waiting and turn2.cached_tokens == 160   # c gave its pages up
+    for req in done[:2]:
+        engine.peer.pop(req)
+        engine.release(req)
+    while engine._prefill_batch():
+        pass
+    assert c in engine.peer and c.prefilled == 300
+    assert c.cached_tokens == 0 and engine.cache.cached_tokens_total == 160   # turn2's hit only
+    assert not [e for e in events if isinstance(e, Failed)]

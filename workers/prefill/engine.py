@@ -165,6 +165,7 @@ class PrefillEngine(Engine):
                 self._free_pages(victim.rid, victim.pages)
                 self.stats.prompt_tokens -= len(victim.prompt_ids)   # counted again when it is computed again
                 victim.pages, victim.prefilled, victim.out, victim.first_logprob = [], 0, [], None
+                victim.computed_before = True
                 self.waiting.put(victim, None)
 
     def _allocate(self, req: Req) -> None:
@@ -180,8 +181,11 @@ class PrefillEngine(Engine):
                                     "and nothing left to evict")
             pages, own, self._locks[req.rid] = got
         req.pages, req.prefilled = pages, (len(pages) - len(own)) * pool.layout.page_size
-        req.cached_tokens = req.prefilled
         self.stats.alloc_runs.observe(len(page_runs(own, own)))
+        if req.computed_before:   # the cache may hold its own pages now: what it found the first time, at most
+            req.cached_tokens = min(req.cached_tokens, req.prefilled)
+            return
+        req.cached_tokens = req.prefilled
         if self.cache is not None:
             self.cache.record(len(req.prompt_ids), req.cached_tokens)
 
