@@ -89,7 +89,6 @@ def test_a_prompt_computed_in_part_goes_on_while_a_room_decode_reserved_waits_fo
     assert not [e for e in events if isinstance(e, Failed)]
 
 
-
 def test_a_prompt_computed_again_reports_the_cache_it_found_when_first_computed_not_its_own_pages():
     """A prompt that gave its pages up to a reserved room is computed again. A later prompt that shares its first
     10 pages (a conversation's next turn) keeps those in the prefix cache, so the second computation finds them:
