@@ -123,3 +123,24 @@ def test_a_prompt_computed_again_reports_the_cache_it_found_when_first_computed_
     assert c in engine.peer and c.prefilled == 300
     assert c.cached_tokens == 0 and engine.cache.cached_tokens_total == 160   # turn2's hit only
     assert not [e for e in events if isinstance(e, Failed)]
+
+
+def test_no_prompt_gives_its_pages_up_when_all_of_theirs_would_not_make_room():
+    """A reserved room the pool cannot hold even once every unreserved prompt gave its pages up: each such prompt
+    gave them up anyway (its KV thrown away, computed again for nothing) before the room found the pool short.
+    They keep their pages now; the room waits."""
+    runner = ModelRunner(RunnerConfig(model=ModelConfig(), page_size=16, max_total_tokens=1024, context_length=512))
+    engine, events = PrefillEngine(runner, transfer=None, peer_timeout_s=60.0, chunk_tokens=40, prefix_cache=False), []
+    held = [_submit(engine, rid, 300, events) for rid in ("b", "c", "e")]   # 19 pages each, reserved by decode
+    for req in held:
+        engine.destinations.put(req.room, "decode-agent", list(range(19)))
+    small = _submit(engine, "a", 80, events)                                # 5 pages, not reserved: 62 of 64 held
+    while engine._prefill_batch():
+        pass
+    assert {r.rid for r in engine.peer} == {"a", "b", "c", "e"} and engine.runner.pool.free_pages == 2
+    room = _submit(engine, "d", 300, events)                                # 19 pages: 2 free + a's 5 are 7
+    engine.destinations.put(room.room, "decode-agent", list(range(19)))
+    assert not engine._prefill_batch()
+    assert small in engine.peer and len(small.pages) == 5 and len(small.out) == 1 and not small.computed_before
+    assert list(engine.waiting) == [room] and room.pages == [] and engine.runner.pool.free_pages == 2
+    assert not [e for e in events if isinstance(e, Failed)]

@@ -50,7 +50,6 @@ NOTIFY_PROGRESS_S = 2.0   # how long the loop drives NIXL after a notification (
 @dataclass(frozen=True)
 class Write:
     """A WRITE in flight: NIXL's handle, when it started, how many bytes."""
-
     handle: object
     started: float
     nbytes: int
@@ -59,7 +58,6 @@ class Write:
 @dataclass(frozen=True)
 class AbandonedWrite:
     """A WRITE cancelled past its deadline that NIXL could not stop: its pages wait here until NIXL lets go."""
-
     room: int | None
     handle: object
     rid: str
@@ -150,23 +148,32 @@ class PrefillEngine(Engine):
         """Pages for `req`, or False. When the pool is short and decode already reserved pages for `req`, prompts
         computed for rooms decode has not reserved give theirs up, latest first, and are computed again later: a
         decode pool full of reservations like this one's reserves nothing else, so holding that KV deadlocked both
-        pools (each full, each waiting on the other) until the timeouts failed the requests."""
+        pools (each full, each waiting on the other) until the timeouts failed the requests. None gives its pages
+        up unless all of theirs would make room (else their KV was thrown away and computed again for nothing)."""
         while True:
             try:
                 self._allocate(req)
                 return True
             except PoolExhausted:
-                if self.destinations.pages(req.room) is None:
+                victims = [r for r in self.peer if self.destinations.pages(r.room) is None]
+                if self.destinations.pages(req.room) is None or not victims or not self._room_with(req, victims):
                     return False
-                victim = next((r for r in reversed(list(self.peer)) if self.destinations.pages(r.room) is None), None)
-                if victim is None:
-                    return False
-                self.peer.pop(victim)
-                self._free_pages(victim.rid, victim.pages)
-                self.stats.prompt_tokens -= len(victim.prompt_ids)   # counted again when it is computed again
-                victim.pages, victim.prefilled, victim.out, victim.first_logprob = [], 0, [], None
-                victim.computed_before = True
-                self.waiting.put(victim, None)
+                v = victims[-1]   # the latest
+                self.peer.pop(v)
+                self._free_pages(v.rid, v.pages)
+                self.stats.prompt_tokens -= len(v.prompt_ids)   # counted again when it is computed again
+                v.pages, v.prefilled, v.out, v.first_logprob, v.computed_before = [], 0, [], None, True
+                self.waiting.put(v, None)
+
+    def _room_with(self, req: Req, victims: list[Req]) -> bool:
+        """Whether `req`'s new pages fit once `victims` gave theirs up (pages of its cached prefix count once)."""
+        pool, spare, cached = self.runner.pool, self.runner.pool.free_pages, []
+        if self.cache is not None:
+            cached, nodes = self.cache.match(req.prompt_ids)
+            self.cache.unlock(nodes)
+            spare += self.cache.evictable_pages - sum(self.cache.holders(p) == 0 for p in cached)   # its own prefix
+        freed = {p for v in victims for p in self._freed_by(v)} - set(cached)
+        return pool.pages_for(len(req.prompt_ids)) - len(cached) <= spare + len(freed)
 
     def _allocate(self, req: Req) -> None:
         """The request's pages: its cached prefix (locked), then new ones; PoolExhausted (nothing held) if short."""
@@ -292,11 +299,8 @@ class PrefillEngine(Engine):
             self.inflight.pop(req)
             was_aborted = req.state is ReqState.ABORTED
             req.state = ReqState.FINISHED
-            if state is not XferState.DONE:
-                self._tell_decode_failed(req.room, f"KV transfer of bootstrap_room {req.room} failed in NIXL")
-            else:
-                self.destinations.done(req.room)
             if state is XferState.DONE:
+                self.destinations.done(req.room)
                 secs = max(self.now() - write.started, 1e-9)
                 self.stats.transfer_ms.add(secs * 1e3)
                 self.stats.transfer_gb_s.add(write.nbytes / secs / 1e9)
@@ -304,6 +308,7 @@ class PrefillEngine(Engine):
                     req.emit(Token(req.out[0], Finish("length"), req.cached_tokens, req.first_logprob))
                 self.finish(req)
             else:
+                self._tell_decode_failed(req.room, f"KV transfer of bootstrap_room {req.room} failed in NIXL")
                 self.stats.transfer_failed += 1
                 req.state = ReqState.WAITING_PEER      # pages are ours again; fail() frees them
                 if was_aborted:
