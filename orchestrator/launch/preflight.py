@@ -169,17 +169,17 @@ def kernel_class_problems(topology: Any) -> list[str]:
 
 
 def run_dir_problems(topology: Any) -> list[str]:
-    """`cluster.run_dir` must take the logs (the Ray head's first): its `logs` folder is made here, before anything
-    starts, so that a path this user cannot write is a problem named, not a traceback once the head starts."""
+    """`cluster.run_dir` must take the logs (the Ray head's first): checked before anything starts, so that a path
+    this user cannot write is a problem named, not a traceback once the head starts. Nothing is made here (a failed
+    preflight leaves no folder behind): the head's start and the supervisors make what they write in."""
     logs = Path(topology.run_dir_path) / "logs"
-    try:
-        logs.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        problem = f"cannot create {logs} ({e.strerror or e})"
+    existing = next(p for p in (logs, *logs.parents) if p.exists())
+    if not existing.is_dir():
+        problem = f"cannot create {logs} ({existing} is not a folder)"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        problem = f"this user cannot write in {existing}"
     else:
-        if os.access(logs, os.W_OK | os.X_OK):
-            return []
-        problem = f"this user cannot write in {logs}"
+        return []
     return [f"cluster.run_dir {topology.run_dir_path}: {problem} — pick a folder this user can write"]
 
 

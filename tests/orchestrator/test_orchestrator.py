@@ -144,7 +144,7 @@ def test_port_in_use_is_a_preflight_problem(tmp_path: Path) -> None:
         r = _run(tmp_path, "up", str(topo))
     assert r.returncode == 2, r.stderr
     assert f"decode-0: port {ports['decode']} is in use on this machine by pid {os.getpid()} (" in r.stderr
-    assert not (tmp_path / "home").exists()
+    assert not (tmp_path / "home").exists() and not (tmp_path / "run").exists()   # preflight made no folder
 
 
 def test_a_worker_that_cannot_start_fails_up_and_leaves_nothing(tmp_path: Path) -> None:
