@@ -20,10 +20,9 @@ import ray
 
 from dsv4_cluster.orchestrator.errors import RayClusterError
 from dsv4_cluster.orchestrator.launch.ports import free_ports
-from dsv4_cluster.orchestrator.processes import group_members, signal_group
+from dsv4_cluster.orchestrator.processes import group_members, signal_group, with_log_tail
 from dsv4_cluster.orchestrator.cluster.ray_env import RAY_ENV
 from dsv4_cluster.orchestrator.cluster.record import HeadProcess
-from dsv4_cluster.orchestrator.supervise.supervisor import log_tail
 
 HEAD_HOST = "127.0.0.1"
 READY_LINE = "Ray runtime started"
@@ -75,11 +74,11 @@ def _wait_started(proc: subprocess.Popen[bytes], log_path: Path, offset: int,
     deadline = time.monotonic() + timeout_s
     while READY_LINE not in _read_from(log_path, offset):
         if proc.poll() is not None:
-            raise RayClusterError(f"`ray start --head` exited with code {proc.returncode}; "
-                                  f"{log_path}:\n{log_tail(str(log_path))}")
+            raise RayClusterError(with_log_tail(f"`ray start --head` exited with code {proc.returncode} "
+                                                f"({log_path})", str(log_path)))
         if time.monotonic() > deadline:
-            raise RayClusterError(f"the Ray head did not start within {timeout_s:.0f}s; "
-                                  f"{log_path}:\n{log_tail(str(log_path))}")
+            raise RayClusterError(with_log_tail(f"the Ray head did not start within {timeout_s:.0f}s ({log_path})",
+                                                str(log_path)))
         time.sleep(POLL_S)
 
 

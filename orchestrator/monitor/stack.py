@@ -20,10 +20,9 @@ from typing import Any
 import httpx
 
 from dsv4_cluster.orchestrator.launch.ports import port_is_free
-from dsv4_cluster.orchestrator.processes import group_members, stop_groups
+from dsv4_cluster.orchestrator.processes import group_members, stop_groups, with_log_tail
 from dsv4_cluster.orchestrator.monitor.prometheus_config import ScrapeOptions, prometheus_dir, write_config
 from dsv4_cluster.orchestrator.monitor.targets import write_job
-from dsv4_cluster.orchestrator.supervise.supervisor import log_tail
 
 MONITOR_FILE = "monitor.json"
 POLL_S = 0.2
@@ -81,16 +80,15 @@ def _wait_ok(proc: subprocess.Popen[bytes], url: str, log_path: Path, timeout_s:
     with httpx.Client(timeout=2.0) as client:
         while time.monotonic() < end:
             if proc.poll() is not None:
-                raise MonitorError(f"{proc.args[0]} exited with code {proc.returncode}; last log "
-                                   f"lines ({log_path}):\n{log_tail(str(log_path))}")
+                raise MonitorError(with_log_tail(f"{proc.args[0]} exited with code {proc.returncode} ({log_path})",
+                                                 str(log_path)))
             try:
                 if client.get(url).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(POLL_S)
-    raise MonitorError(f"{url} did not answer within {timeout_s:.0f}s; log {log_path}:\n"
-                       f"{log_tail(str(log_path))}")
+    raise MonitorError(with_log_tail(f"{url} did not answer within {timeout_s:.0f}s ({log_path})", str(log_path)))
 
 
 def _preflight(run_dir: Path, options: MonitorOptions) -> str:

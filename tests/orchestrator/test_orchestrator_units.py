@@ -179,6 +179,20 @@ def test_a_dead_head_is_never_looked_up_at_its_address(monkeypatch: pytest.Monke
     assert connected == []
 
 
+def test_a_head_that_exits_with_an_empty_log_says_so_instead_of_a_dangling_colon(tmp_path: Path) -> None:
+    """`ray start --head` gone before its first line: the error ended in "<log path>:" and an empty line."""
+    from dsv4_cluster.orchestrator.cluster import ray_cluster
+    from dsv4_cluster.orchestrator.errors import RayClusterError
+
+    log = tmp_path / "ray-head.log"
+    log.write_text("")
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    proc.wait()
+    with pytest.raises(RayClusterError) as err:
+        ray_cluster._wait_started(proc, log, 0, timeout_s=5)
+    assert str(err.value) == f"`ray start --head` exited with code 3 ({log}) (the log is empty)"
+
+
 def test_free_ports_are_free_and_below_the_ephemeral_range() -> None:
     ports = free_ports(5)
     assert len(set(ports)) == 5 and all(20000 <= p < 32768 and port_is_free(p) for p in ports)
