@@ -45,14 +45,16 @@ def test_a_room_decode_reserved_gets_pages_from_prompts_no_decode_reserved_yet()
     """Both pools full, each waiting on the other (seen by the KV review on a real pair: 6-8 of 8 requests failed
     after 80 s): the prefill's pool held computed KV for rooms the decode had not reserved, while the decode's held
     reservations for prompts the prefill had no pages to compute. A reserved room now goes first and takes the pages
-    of the latest unreserved prompt, which is computed again later, with the same first token."""
+    of the latest unreserved prompt, which is computed again later, with the same first token; its stranded-KV
+    deadline still counts from its first computation (it started again, so a prompt given up again and again
+    was never stranded)."""
     engine, events = _engine(), []
     engine.peer_timeout_s = engine.stranded.timeout_s = 60.0
     done = [_submit(engine, rid, 300, events) for rid in ("a", "b", "c")]   # 19 pages each: 57 of 64
     while engine._prefill_batch():
         pass
     assert list(engine.peer) == done
-    first_c = done[2].out[0]
+    first_c, ready_c = done[2].out[0], dict(engine.peer.items())[done[2]]
     waiting, reserved = _submit(engine, "e", 300, events), _submit(engine, "d", 300, events)
     engine.destinations.put(reserved.room, "decode-agent", list(range(19)))   # decode reserved d, not e
     assert engine._prefill_batch()                 # the previous code stopped at e: no pages, nothing computed
@@ -66,6 +68,7 @@ def test_a_room_decode_reserved_gets_pages_from_prompts_no_decode_reserved_yet()
     while engine._prefill_batch():
         pass
     assert done[2] in engine.peer and done[2].out == [first_c]
+    assert dict(engine.peer.items())[done[2]] == ready_c < engine.now()
     assert not [e for e in events if isinstance(e, Failed)]
 
 
@@ -141,6 +144,6 @@ def test_no_prompt_gives_its_pages_up_when_all_of_theirs_would_not_make_room():
     room = _submit(engine, "d", 300, events)                                # 19 pages: 2 free + a's 5 are 7
     engine.destinations.put(room.room, "decode-agent", list(range(19)))
     assert not engine._prefill_batch()
-    assert small in engine.peer and len(small.pages) == 5 and len(small.out) == 1 and not small.computed_before
+    assert small in engine.peer and len(small.pages) == 5 and len(small.out) == 1 and small.first_ready is None
     assert list(engine.waiting) == [room] and room.pages == [] and engine.runner.pool.free_pages == 2
     assert not [e for e in events if isinstance(e, Failed)]

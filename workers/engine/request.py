@@ -83,7 +83,7 @@ class Req:
     pages: list[int] = field(default_factory=list)
     prefilled: int = 0                     # prompt tokens whose KV is computed (chunked prefill)
     cached_tokens: int = 0                 # of those, taken from the prefix cache (prefix_cache.py)
-    computed_before: bool = False          # prefill: computed once, then gave its pages up (computed again)
+    first_ready: float | None = None       # prefill: computed once (KV ready then), gave its pages up, computed again
     out: list[int] = field(default_factory=list)
     first_logprob: TokenLogprob | None = None   # prefill: the first output token's, carried to decode with it
     created: float = field(default_factory=time.monotonic)

@@ -141,7 +141,7 @@ class PrefillEngine(Engine):
             self.stats.prompt_tokens += len(req.prompt_ids)
             if self.cache is not None:
                 self._locks[req.rid] = self.cache.insert(req.prompt_ids, req.pages, self._locks.get(req.rid, []))
-            self.peer.put(req, self.now())
+            self.peer.put(req, self.now() if req.first_ready is None else req.first_ready)   # stranded from then
         return True
 
     def _allocate_preempting(self, req: Req) -> bool:
@@ -159,10 +159,10 @@ class PrefillEngine(Engine):
                 if self.destinations.pages(req.room) is None or not victims or not self._room_with(req, victims):
                     return False
                 v = victims[-1]   # the latest
-                self.peer.pop(v)
+                ready = self.peer.pop(v)
                 self._free_pages(v.rid, v.pages)
                 self.stats.prompt_tokens -= len(v.prompt_ids)   # counted again when it is computed again
-                v.pages, v.prefilled, v.out, v.first_logprob, v.computed_before = [], 0, [], None, True
+                v.pages, v.prefilled, v.out, v.first_logprob, v.first_ready = [], 0, [], None, ready
                 self.waiting.put(v, None)
 
     def _room_with(self, req: Req, victims: list[Req]) -> bool:
@@ -189,7 +189,7 @@ class PrefillEngine(Engine):
             pages, own, self._locks[req.rid] = got
         req.pages, req.prefilled = pages, (len(pages) - len(own)) * pool.layout.page_size
         self.stats.alloc_runs.observe(len(page_runs(own, own)))
-        if req.computed_before:   # the cache may hold its own pages now: what it found the first time, at most
+        if req.first_ready is not None:   # the cache may hold its own pages now: what it found the first time, at most
             req.cached_tokens = min(req.cached_tokens, req.prefilled)
             return
         req.cached_tokens = req.prefilled
