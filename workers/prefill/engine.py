@@ -10,9 +10,9 @@ WAITING_PEER `peer` -> TRANSFERRING `inflight`; pages of a cancelled WRITE that 
    tokens in all (batched, chunked prefill, as SGLang's --chunked-prefill-size); a prompt longer than what is left
    goes on in the next step. Once a prompt is done the engine samples its first output token and puts the
    prompt's whole pages in the cache. `_prefill_batch` picks the step's prompts: rooms decode has reserved go first,
-   and take the pages of prompts computed for rooms it has not (computed again later) when the pool is short
-   (`_allocate_preempting`); once one prompt finds the pool short, no later one takes pages, but those already
-   holding pages (computed in part) go on.
+   and take the pages of prompts computed for rooms it has not (computed again later) when the pool is short and
+   theirs make room (`_allocate_preempting`); once one prompt finds the pool short, no later one takes pages, but
+   those already holding pages (computed in part) go on.
 3. It waits until the decode side has reserved pages for this room (`Destinations`, fed by the
    bootstrap server), for at most `peer_timeout_s` (topology: `transfer.stranded_kv_timeout_s`); a room
    unreserved past the detection time is stranded KV (stranded.py), freed at that deadline.
