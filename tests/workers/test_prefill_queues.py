@@ -147,3 +147,38 @@ def test_no_prompt_gives_its_pages_up_when_all_of_theirs_would_not_make_room():
     assert small in engine.peer and len(small.pages) == 5 and len(small.out) == 1 and small.first_ready is None
     assert list(engine.waiting) == [room] and room.pages == [] and engine.runner.pool.free_pages == 2
     assert not [e for e in events if isinstance(e, Failed)]
+
+
+def test_prompts_sharing_cached_pages_give_them_up_together_when_that_makes_room():
+    """Unreserved prompts fill the pool but for 2 pages, three sharing a 25-page system prompt in the prefix cache and
+    two a 10-page one; a reserved room needs 32 pages. A shared page comes free only once all its holders give it up,
+    and the check that all of theirs make room counted it for none of them: the room waited, both pools full, until
+    the stranded deadline failed the prompts."""
+    runner = ModelRunner(RunnerConfig(model=ModelConfig(), page_size=16, max_total_tokens=768, context_length=512))
+    engine, events = PrefillEngine(runner, transfer=None, peer_timeout_s=60.0, chunk_tokens=400), []
+
+    def submit(rid: str, prompt: list[int]) -> Req:
+        req = Req(rid=rid, prompt_ids=prompt, params=SamplingParams(max_new_tokens=2, temperature=0),
+                  budget=len(prompt) + 2, emit=events.append, room=sum(map(ord, rid)))
+        engine.reqs[rid] = req
+        engine.on_submit(req)
+        while engine._prefill_batch():
+            pass
+        return req
+
+    def tokens(n: int, first: int) -> list[int]:
+        return [10 + (first + 7 * i) % 250 for i in range(n)]
+
+    system, other = tokens(400, 0), tokens(160, 1)
+    victims = [submit(f"v{i}", system + tokens(40, 10 + i)) for i in range(3)]
+    victims += [submit(f"w{i}", other + tokens(8, 20 + i)) for i in range(2)]
+    assert engine.runner.pool.free_pages == 2 and {r.rid for r in engine.peer} == {r.rid for r in victims}
+    room = Req(rid="d", prompt_ids=tokens(500, 3), params=SamplingParams(max_new_tokens=2, temperature=0), budget=502,
+               emit=events.append, room=1)
+    engine.reqs["d"] = room
+    engine.on_submit(room)
+    engine.destinations.put(room.room, "decode-agent", list(range(32)))
+    while engine._prefill_batch():
+        pass
+    assert room in engine.peer and len(room.pages) == 32 and len(room.out) == 1
+    assert not [e for e in events if isinstance(e, Failed)]

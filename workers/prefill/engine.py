@@ -30,6 +30,7 @@ WAITING_PEER `peer` -> TRANSFERRING `inflight`; pages of a cancelled WRITE that 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass
 
 from ...metric_names import KV_WRITE_TIMEOUTS
@@ -166,14 +167,14 @@ class PrefillEngine(Engine):
                 self.waiting.put(v, None)
 
     def _room_with(self, req: Req, victims: list[Req]) -> bool:
-        """Whether `req`'s new pages fit once `victims` gave theirs up (pages of its cached prefix count once)."""
-        pool, spare, cached = self.runner.pool, self.runner.pool.free_pages, []
-        if self.cache is not None:
-            cached, nodes = self.cache.match(req.prompt_ids)
-            self.cache.unlock(nodes)
-            spare += self.cache.evictable_pages - sum(self.cache.holders(p) == 0 for p in cached)   # its own prefix
-        freed = {p for v in victims for p in self._freed_by(v)} - set(cached)
-        return pool.pages_for(len(req.prompt_ids)) - len(cached) <= spare + len(freed)
+        """Whether `req`'s new pages fit once `victims` gave theirs up: a cached page counts when only victims hold
+        it (a system prompt they share too), the pages of `req`'s own cached prefix once."""
+        pool, spare, cached, c = self.runner.pool, self.runner.pool.free_pages, [], self.cache
+        if c is not None:
+            cached, nodes = c.match(req.prompt_ids)
+            c.unlock(nodes)
+            spare += c.evictable_pages - sum(c.holders(p) == 0 for p in cached)   # its own prefix
+        return pool.pages_for(len(req.prompt_ids)) - len(cached) <= spare + len(self._freed_by(victims) - set(cached))
 
     def _allocate(self, req: Req) -> None:
         """The request's pages: its cached prefix (locked), then new ones; PoolExhausted (nothing held) if short."""
@@ -202,11 +203,10 @@ class PrefillEngine(Engine):
             self._free_pages(req.rid, req.pages)
             req.pages = []
 
-    def _freed_by(self, req: Req) -> list[int]:
-        """The pages releasing `req` would make available: its own ones, and cached ones only it holds."""
-        if self.cache is None:
-            return list(req.pages)
-        return [p for p in req.pages if not self.cache.owns(p) or self.cache.holders(p) == 1]
+    def _freed_by(self, reqs: list[Req]) -> set[int]:
+        """The pages releasing `reqs` would make available: their own ones, and cached ones only they hold."""
+        held, c = Counter(p for r in reqs for p in r.pages), self.cache
+        return {p for p, n in held.items() if c is None or not c.owns(p) or c.holders(p) == n}
 
     def _free_pages(self, rid: str, pages: list[int]) -> None:
         if self.cache is None:
@@ -228,7 +228,7 @@ class PrefillEngine(Engine):
         """Recount stranded KV; fail the requests past their deadline, which frees their pages."""
         for req in self.stranded.scan(self.peer.items(), self.now()):
             self.stats.bootstrap_failed += 1
-            self.stranded.freed(req, len(self._freed_by(req)))
+            self.stranded.freed(req, len(self._freed_by([req])))
             self.fail(req, 500, f"decode never reserved KV for bootstrap_room {req.room} within "
                                 f"{self.peer_timeout_s:g}s; its stranded KV is freed. Is the decode server "
                                 "reachable and alive? (topology: transfer.stranded_kv_timeout_s)")
@@ -242,8 +242,7 @@ class PrefillEngine(Engine):
                     self.fail(req, 500, f"decode gave up bootstrap_room {req.room} before its KV was sent")
                 continue
             self.peer.pop(req)
-            worked = True
-            reason = None
+            worked, reason = True, None
             if dest.prompt is not None and dest.prompt != prompt_digest(req.prompt_ids):
                 reason = f"bootstrap_room {req.room} was reserved by decode for another prompt (two requests share it)"
             elif dest.given_up(self.now()):
