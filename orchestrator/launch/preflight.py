@@ -173,7 +173,7 @@ def run_dir_problems(topology: Any) -> list[str]:
     this user cannot write is a problem named, not a traceback once the head starts. Nothing is made here (a failed
     preflight leaves no folder behind): the head's start and the supervisors make what they write in."""
     logs = Path(topology.run_dir_path) / "logs"
-    existing = next(p for p in (logs, *logs.parents) if p.exists())
+    existing = next(p for p in (logs, *logs.parents) if p.exists() or p.is_symlink())   # a dangling link: no folder
     if not existing.is_dir():
         problem = f"cannot create {logs} ({existing} is not a folder)"
     elif not os.access(existing, os.W_OK | os.X_OK):
