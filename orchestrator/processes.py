@@ -117,18 +117,20 @@ def death_signal_preexec(parent_pid: int) -> Callable[[], None]:
     return preexec
 
 
-def log_tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
+def log_tail(path: str, lines: int = LOG_TAIL_LINES, offset: int = 0) -> str:
+    """The log's last `lines` lines from byte `offset` on (where this run's part of an appended log starts)."""
     try:
         with open(path, errors="replace") as f:
+            f.seek(offset)
             return "".join(deque(f, maxlen=lines))
     except FileNotFoundError:
         return "(no log file)"
 
 
-def with_log_tail(reason: str, path: str) -> str:
+def with_log_tail(reason: str, path: str, offset: int = 0) -> str:
     """`reason`, then the log's last lines on the lines below it (a reason's first line, all the status history and
     the router keep, is `reason` alone); "(the log is empty)" after it when there are none."""
-    tail = log_tail(path)
+    tail = log_tail(path, offset=offset)
     return f"{reason}\nlast log lines:\n{tail}" if tail.strip() else f"{reason} (the log is empty)"
 
 

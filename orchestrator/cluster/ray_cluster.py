@@ -75,10 +75,10 @@ def _wait_started(proc: subprocess.Popen[bytes], log_path: Path, offset: int,
     while READY_LINE not in _read_from(log_path, offset):
         if proc.poll() is not None:
             raise RayClusterError(with_log_tail(f"`ray start --head` exited with code {proc.returncode} "
-                                                f"({log_path})", str(log_path)))
+                                                f"({log_path})", str(log_path), offset))
         if time.monotonic() > deadline:
             raise RayClusterError(with_log_tail(f"the Ray head did not start within {timeout_s:.0f}s ({log_path})",
-                                                str(log_path)))
+                                                str(log_path), offset))
         time.sleep(POLL_S)
 
 

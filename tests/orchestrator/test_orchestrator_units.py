@@ -180,17 +180,21 @@ def test_a_dead_head_is_never_looked_up_at_its_address(monkeypatch: pytest.Monke
 
 
 def test_a_head_that_exits_with_an_empty_log_says_so_instead_of_a_dangling_colon(tmp_path: Path) -> None:
-    """`ray start --head` gone before its first line: the error ended in "<log path>:" and an empty line."""
+    """`ray start --head` gone before its first line: the error ended in "<log path>:" and an empty line (or showed
+    an earlier head's lines: the log is appended to, and this run's part starts at `offset`)."""
     from dsv4_cluster.orchestrator.cluster import ray_cluster
     from dsv4_cluster.orchestrator.errors import RayClusterError
 
     log = tmp_path / "ray-head.log"
-    log.write_text("")
+    log.write_text("an earlier head's last line\n")
     proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
     proc.wait()
     with pytest.raises(RayClusterError) as err:
-        ray_cluster._wait_started(proc, log, 0, timeout_s=5)
+        ray_cluster._wait_started(proc, log, log.stat().st_size, timeout_s=5)
     assert str(err.value) == f"`ray start --head` exited with code 3 ({log}) (the log is empty)"
+    log.write_text("an earlier head's last line\nthis one's\n")
+    with pytest.raises(RayClusterError, match="\nlast log lines:\nthis one's\n$"):
+        ray_cluster._wait_started(proc, log, len("an earlier head's last line\n"), timeout_s=5)
 
 
 def test_free_ports_are_free_and_below_the_ephemeral_range() -> None:
