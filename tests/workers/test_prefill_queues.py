@@ -78,6 +78,35 @@ def test_a_room_decode_reserved_gets_pages_from_prompts_no_decode_reserved_yet()
     assert not [e for e in events if isinstance(e, Failed)]
 
 
+def test_a_prompt_given_up_for_a_reserved_room_fails_where_it_waits_once_its_deadline_passed():
+    """A prompt that gave its pages up keeps the stranded deadline of its first computation; it was failed only once
+    it had been computed again (its decode long gone, the compute wasted). Now it fails where it waits, with the
+    stranded-KV message; a prompt never computed and a reserved one are not touched."""
+    engine, events = _engine(), []
+    engine.peer_timeout_s = engine.stranded.timeout_s = 60.0
+    done = [_submit(engine, rid, 300, events) for rid in ("a", "b", "c")]   # 19 pages each: 57 of 64
+    while engine._prefill_batch():
+        pass
+    ready_c = dict(engine.peer.items())[done[2]]
+    never, reserved = _submit(engine, "e", 300, events), _submit(engine, "d", 300, events)
+    engine.destinations.put(reserved.room, "decode-agent", list(range(19)))
+    while engine._prefill_batch():                 # d takes c's pages
+        pass
+    assert list(engine.waiting) == [never, done[2]] and done[2].first_ready == ready_c
+    for req in done[:2] + [reserved]:              # their WRITEs ended
+        engine.peer.pop(req)
+        engine.release(req)
+    engine.now = lambda: ready_c + 59.0
+    engine._free_stranded()
+    assert list(engine.waiting) == [never, done[2]] and not [e for e in events if isinstance(e, Failed)]
+    engine.now = lambda: ready_c + 60.0
+    engine._free_stranded()
+    assert list(engine.waiting) == [never] and done[2].state is ReqState.ABORTED and done[2].prefilled == 0
+    failed = [e for e in events if isinstance(e, Failed)]
+    assert len(failed) == 1 and failed[0].status == 500 and f"bootstrap_room {done[2].room}" in failed[0].message
+    assert engine.stranded.freed_rooms == 1 and engine.stats.bootstrap_failed == 1
+
+
 def test_a_prompt_computed_in_part_goes_on_while_a_room_decode_reserved_waits_for_pages():
     """A long prompt no decode reserved yet was computed in part (it holds its pages) when a reserved room came that
     the rest of the pool cannot hold, and no computed prompt could give it pages: the reserved room went first,

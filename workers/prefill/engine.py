@@ -13,9 +13,9 @@ WAITING_PEER `peer` -> TRANSFERRING `inflight`; pages of a cancelled WRITE that 
    and take the pages of prompts computed for rooms it has not (computed again later) when the pool is short and
    theirs make room (`_allocate_preempting`); once one prompt finds the pool short, no later one takes pages, but
    those already holding pages (computed in part) go on.
-3. It waits until the decode side has reserved pages for this room (`Destinations`, fed by the
-   bootstrap server), for at most `peer_timeout_s` (topology: `transfer.stranded_kv_timeout_s`); a room
-   unreserved past the detection time is stranded KV (stranded.py), freed at that deadline.
+3. It waits until the decode side has reserved pages for this room (`Destinations`, fed by the bootstrap server), for
+   at most `peer_timeout_s` (topology: `transfer.stranded_kv_timeout_s`) from when its KV was first ready (kept by a
+   prompt preempted to wait again); a room unreserved past the detection time is stranded KV (stranded.py).
 4. It WRITEs the prompt's pages into those pages with a notification carrying the room and the first
    token (with its logprob when asked); that notification is how decode learns the KV has landed (`_send_ready`).
    A reservation older than decode's transfer timeout, which it carries (`Destination.given_up`), gets no WRITE:
@@ -69,8 +69,7 @@ class PrefillEngine(Engine):
     def __init__(self, runner: ModelRunner, transfer: NixlTransfer, peer_timeout_s: float = 30.0,
                  chunk_tokens: int = 1024, write_timeout_s: float = 30.0, prefix_cache: bool = True):
         super().__init__(runner, "prefill-engine")
-        self.chunk_tokens = chunk_tokens
-        self.transfer = transfer
+        self.chunk_tokens, self.transfer = chunk_tokens, transfer
         self.destinations = Destinations(ttl_s=peer_timeout_s * 4)
         self.peer_timeout_s = peer_timeout_s
         self.waiting: ReqQueue[None] = ReqQueue(ReqState.WAITING_PAGES)   # prompt not computed yet (or in part)
@@ -226,7 +225,9 @@ class PrefillEngine(Engine):
 
     def _free_stranded(self) -> None:
         """Recount stranded KV; fail the requests past their deadline, which frees their pages."""
-        for req in self.stranded.scan(self.peer.items(), self.now()):
+        now, dest = self.now(), self.destinations
+        late = self.stranded.late(((r, r.first_ready) for r in self.waiting if dest.pages(r.room) is None), now)
+        for req in [*self.stranded.scan(self.peer.items(), now), *late]:
             self.stats.bootstrap_failed += 1
             self.stranded.freed(req, len(self._freed_by([req])))
             self.fail(req, 500, f"decode never reserved KV for bootstrap_room {req.room} within "

@@ -44,6 +44,11 @@ class StrandedKV:
         self.tokens, self.rooms = len(pages) * self.page_size, rooms
         return expired
 
+    def late(self, preempted: Iterable[tuple[Req, float | None]], now: float) -> list[Req]:
+        """Those of `preempted` (prompts waiting to be computed again, their KV first ready at the float, None if it
+        never was) past their deadline: failed where they wait, not computed again for a decode that did not come."""
+        return [req for req, ready_at in preempted if ready_at is not None and now - ready_at >= self.timeout_s]
+
     def freed(self, req: Req, pages: int) -> None:
         """`req` is about to be failed because no decode came for it, which frees `pages` pages (those no other
         request holds: a page of the prefix cache shared with another prompt stays)."""
