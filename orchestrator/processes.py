@@ -118,10 +118,11 @@ def death_signal_preexec(parent_pid: int) -> Callable[[], None]:
 
 
 def log_tail(path: str, lines: int = LOG_TAIL_LINES, offset: int = 0) -> str:
-    """The log's last `lines` lines from byte `offset` on (where this run's part of an appended log starts)."""
+    """The log's last `lines` lines from byte `offset` on (where this run's part of an appended log starts; from the
+    start when the log is shorter: truncated under its writer, as by logrotate's copytruncate)."""
     try:
         with open(path, errors="replace") as f:
-            f.seek(offset)
+            f.seek(offset if offset <= os.fstat(f.fileno()).st_size else 0)
             return "".join(deque(f, maxlen=lines))
     except FileNotFoundError:
         return "(no log file)"

@@ -12,9 +12,10 @@ from dsv4_cluster.orchestrator.launch.plan import LaunchPlan
 from dsv4_cluster.orchestrator.processes import death_signal_preexec
 
 
-def spawn(plan: LaunchPlan) -> subprocess.Popen[bytes]:
-    """Start `plan`'s process. The death signal follows the thread that forks: call this from the
-    thread that will outlive the process (the supervisor's process thread)."""
+def spawn(plan: LaunchPlan) -> tuple[subprocess.Popen[bytes], int]:
+    """Start `plan`'s process; returns it and the byte offset in its (appended) log where this start's lines begin.
+    The death signal follows the thread that forks: call this from the thread that will outlive the process (the
+    supervisor's process thread)."""
     Path(plan.log_path).parent.mkdir(parents=True, exist_ok=True)
     Path(plan.cwd).mkdir(parents=True, exist_ok=True)
     for path, text in plan.files:
@@ -24,11 +25,11 @@ def spawn(plan: LaunchPlan) -> subprocess.Popen[bytes]:
         with os.fdopen(fd, "w") as f:
             f.write(text)
     with open(plan.log_path, "ab") as log:
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+        offset, stamp = log.tell(), time.strftime("%Y-%m-%dT%H:%M:%S")
         log.write(f"=== {stamp} supervisor starts: {' '.join(plan.argv)}\n".encode())
         log.flush()
         return subprocess.Popen(
             list(plan.argv), cwd=plan.cwd, env={**os.environ, **plan.env_dict},
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True, preexec_fn=death_signal_preexec(os.getpid()),
-        )
+        ), offset

@@ -79,7 +79,7 @@ class WorkerSupervisor:
         self._stop = threading.Event()
         self._first_outcome = threading.Event()
         self._start_error: str | None = None
-        self._restarts, self._drain = 0, False   # _drain: an operator drain is under way (`draining`)
+        self._restarts, self._drain, self._log_from = 0, False, 0   # an operator drain; this start's log offset
         self._crashes = CrashWindow(policy)
         self._error: str | None = None
         self._thread: threading.Thread | None = None
@@ -166,7 +166,7 @@ class WorkerSupervisor:
         """Spawn and wait until ready: None when READY, else why not (the process is dead)."""
         plan = self._plan
         try:
-            proc = spawn(self._plan)
+            proc, self._log_from = spawn(self._plan)
         except OSError as e:
             return _Failure(f"could not spawn {plan.argv[0]!r}: {e}", retry=False)
         self._proc = proc
@@ -180,7 +180,8 @@ class WorkerSupervisor:
             if code is not None:
                 usage = code == USAGE_EXIT_CODE
                 return _Failure(with_log_tail(f"{exit_text(code)}{USAGE_NOTE if usage else ''} before it was ready"
-                                              f"{held_ports_note(plan.ports)}", plan.log_path), retry=not usage)
+                                              f"{held_ports_note(plan.ports)}", plan.log_path, self._log_from),
+                                retry=not usage)
             if self._stop.is_set():
                 return _Failure("stopped while starting", retry=False)
             pending = first_unready(self._http, plan.all_readiness_urls)
@@ -192,7 +193,7 @@ class WorkerSupervisor:
                 signal_group(proc.pid, signal.SIGKILL)
                 proc.wait()
                 return _Failure(with_log_tail(f"not ready after {timeout_s:.0f}s (still waiting on {pending}); "
-                                              f"log {plan.log_path}", plan.log_path), retry=False)
+                                              f"log {plan.log_path}", plan.log_path, self._log_from), retry=False)
             self._stop.wait(POLL_INTERVAL_S)
 
     def _restart_delay(self, failure: _Failure) -> float | None:
@@ -260,7 +261,7 @@ class WorkerSupervisor:
             if self._stop.is_set():
                 return None
             if code is not None:
-                return _Failure(with_log_tail(f"{exit_text(code)} unexpectedly", plan.log_path))
+                return _Failure(with_log_tail(f"{exit_text(code)} unexpectedly", plan.log_path, self._log_from))
             problem = self._liveness_problem()
             if problem is None:
                 self._read_back(proc.pid, pinning_due=polls % PINNING_EVERY_POLLS == 0)
@@ -273,7 +274,7 @@ class WorkerSupervisor:
                     signal_group(proc.pid, signal.SIGKILL)
                     proc.wait()
                     return _Failure(with_log_tail(f"failed {failures} health checks in a row (last: {problem}); "
-                                                  "killed", plan.log_path))
+                                                  "killed", plan.log_path, self._log_from))
                 self._set(WorkerState.DEGRADED, f"health check {failures}/{self._health.failures_to_restart} "
                                                 f"failed: {problem}")
             self._tell_router(again=polls % RETELL_EVERY_POLLS == 0)

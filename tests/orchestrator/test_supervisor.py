@@ -17,7 +17,7 @@ import pytest
 from dsv4_cluster.core import Role, WorkerState, WorkerStatus
 from dsv4_cluster.orchestrator.launch.plan import LaunchPlan
 from dsv4_cluster.orchestrator.launch.ports import free_ports, port_is_free
-from dsv4_cluster.orchestrator.processes import pid_alive
+from dsv4_cluster.orchestrator.processes import log_tail, pid_alive
 from dsv4_cluster.orchestrator.supervise.supervisor import (
     HealthPolicy, RestartPolicy, WorkerStartError, WorkerSupervisor)
 from tests.helpers import SOON_S, gone, latest_when, wait_for
@@ -227,6 +227,35 @@ def test_an_exit_at_start_names_the_process_holding_its_port(tmp_path: Path) -> 
     finally:
         holder.close()
     assert f"port {port} is in use by pid {os.getpid()} (" in str(err.value)
+
+
+def test_a_start_that_fails_shows_its_own_log_lines_not_an_earlier_starts(tmp_path: Path) -> None:
+    """Logs are appended to across starts (and `up`s): a start that failed after writing few lines showed the last
+    lines of the one before it as its own."""
+    plan = _plan(tmp_path)
+    marker = tmp_path / "second"
+    script = tmp_path / "twice.py"   # a file: the log's header line names the argv
+    script.write_text("import pathlib, sys; m = pathlib.Path(sys.argv[1])\n"
+                      "if m.exists(): print('second start: bad flag'); sys.exit(2)\n"
+                      "m.touch(); [print(f'first start line {i}') for i in range(40)]; sys.exit(1)\n")
+    failing = LaunchPlan(**{**plan.__dict__, "argv": (sys.executable, str(script), str(marker))})
+    errors = []
+    for _ in range(2):
+        with pytest.raises(WorkerStartError) as err:
+            WorkerSupervisor(failing, RestartPolicy(max_restarts=0)).start(timeout_s=30)
+        errors.append(str(err.value))
+    assert "first start line 39" in errors[0] and "second start" not in errors[0]
+    assert "second start: bad flag" in errors[1] and "first start line" not in errors[1], errors[1]
+    assert Path(plan.log_path).read_text().count("first start line") == 40
+
+
+def test_a_log_truncated_under_its_writer_shows_its_lines_from_the_start(tmp_path: Path) -> None:
+    log = tmp_path / "w.log"
+    log.write_text("old\n" * 100)
+    offset = log.stat().st_size
+    log.write_text("after copytruncate\n")
+    assert log_tail(str(log), offset=offset) == "after copytruncate\n"
+    assert log_tail(str(log), offset=6) == "copytruncate\n"   # an offset inside the log still counts
 
 
 def test_an_exit_with_an_empty_log_says_so_instead_of_an_empty_tail(tmp_path: Path) -> None:
