@@ -118,12 +118,15 @@ def death_signal_preexec(parent_pid: int) -> Callable[[], None]:
 
 
 def log_tail(path: str, lines: int = LOG_TAIL_LINES, offset: int = 0) -> str:
-    """The log's last `lines` lines from byte `offset` on (where this run's part of an appended log starts; from the
-    start when the log is shorter: truncated under its writer, as by logrotate's copytruncate)."""
+    """The log's last `lines` lines from byte `offset` on (where this run's part of an appended log starts, a line's
+    start); from the log's start when no line starts there now (truncated under its writer, as by logrotate's
+    copytruncate, and maybe written past that offset again)."""
     try:
-        with open(path, errors="replace") as f:
-            f.seek(offset if offset <= os.fstat(f.fileno()).st_size else 0)
-            return "".join(deque(f, maxlen=lines))
+        with open(path, "rb") as f:
+            if offset > os.fstat(f.fileno()).st_size or offset and (f.seek(offset - 1), f.read(1))[1] != b"\n":
+                offset = 0
+            f.seek(offset)
+            return b"".join(deque(f, maxlen=lines)).decode(errors="replace")
     except FileNotFoundError:
         return "(no log file)"
 

@@ -66,29 +66,33 @@ def read_monitor(run_dir: Path) -> MonitorRecord | None:
         raise MonitorError(f"cannot read {path}: {e}; remove it if no monitor runs") from e
 
 
-def _spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+def _spawn(argv: list[str], log_path: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """The process, and where its start's lines begin in its appended log (its error tails read from there)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
+        offset = log.tell()
         log.write(f"=== {time.strftime('%Y-%m-%dT%H:%M:%S')} monitor starts: {' '.join(argv)}\n".encode())
         log.flush()
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, env=dict(os.environ))
+                                start_new_session=True, env=dict(os.environ)), offset
 
 
-def _wait_ok(proc: subprocess.Popen[bytes], url: str, log_path: Path, timeout_s: float) -> None:
+def _wait_ok(proc: subprocess.Popen[bytes], url: str, log: tuple[Path, int], timeout_s: float) -> None:
+    log_path, offset = log
     end = time.monotonic() + timeout_s
     with httpx.Client(timeout=2.0) as client:
         while time.monotonic() < end:
             if proc.poll() is not None:
                 raise MonitorError(with_log_tail(f"{proc.args[0]} exited with code {proc.returncode} ({log_path})",
-                                                 str(log_path)))
+                                                 str(log_path), offset))
             try:
                 if client.get(url).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(POLL_S)
-    raise MonitorError(with_log_tail(f"{url} did not answer within {timeout_s:.0f}s ({log_path})", str(log_path)))
+    raise MonitorError(with_log_tail(f"{url} did not answer within {timeout_s:.0f}s ({log_path})", str(log_path),
+                                     offset))
 
 
 def _preflight(run_dir: Path, options: MonitorOptions) -> str:
@@ -120,20 +124,20 @@ def up(topology: Any, options: MonitorOptions) -> MonitorRecord:
     started: list[subprocess.Popen[bytes]] = []
     try:
         exporter_log = logs / "exporter.log"
-        exporter = _spawn([sys.executable, "-m", "dsv4_cluster.orchestrator.monitor.exporter", "--host", host,
-                           "--port", str(options.exporter_port)], exporter_log)
+        exporter, exporter_from = _spawn([sys.executable, "-m", "dsv4_cluster.orchestrator.monitor.exporter",
+                                          "--host", host, "--port", str(options.exporter_port)], exporter_log)
         started.append(exporter)
         exporter_url = f"http://{host}:{options.exporter_port}"
-        _wait_ok(exporter, f"{exporter_url}/metrics", exporter_log, options.timeout_s)
+        _wait_ok(exporter, f"{exporter_url}/metrics", (exporter_log, exporter_from), options.timeout_s)
         prom_log = logs / "prometheus.log"
-        prom = _spawn([prometheus, f"--config.file={config}",
-                       f"--storage.tsdb.path={prometheus_dir(run_dir) / 'data'}",
-                       f"--storage.tsdb.retention.time={options.retention}",
-                       f"--web.listen-address={host}:{options.prometheus_port}",
-                       "--web.enable-lifecycle"], prom_log)
+        prom, prom_from = _spawn([prometheus, f"--config.file={config}",
+                                  f"--storage.tsdb.path={prometheus_dir(run_dir) / 'data'}",
+                                  f"--storage.tsdb.retention.time={options.retention}",
+                                  f"--web.listen-address={host}:{options.prometheus_port}",
+                                  "--web.enable-lifecycle"], prom_log)
         started.append(prom)
         prometheus_url = f"http://{host}:{options.prometheus_port}"
-        _wait_ok(prom, f"{prometheus_url}/-/ready", prom_log, options.timeout_s)
+        _wait_ok(prom, f"{prometheus_url}/-/ready", (prom_log, prom_from), options.timeout_s)
     except BaseException:
         stop_groups([p.pid for p in started], deadline_s=5.0)
         raise

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from dsv4_cluster.deploy import path as deploy_path
 from dsv4_cluster.orchestrator.supervise.controller import ClusterSpec
 from dsv4_cluster.orchestrator.launch.plan import cluster_plans
 from dsv4_cluster.orchestrator.monitor.prometheus_config import rules_path, write_config
+from dsv4_cluster.orchestrator.monitor.stack import MonitorError, _spawn, _wait_ok
 from dsv4_cluster.core import Role, WorkerState, WorkerStatus
 from dsv4_cluster.orchestrator.monitor.targets import listed, record_targets, targets_dir
 from dsv4_cluster.orchestrator.topology.load import load_topology
@@ -160,3 +163,15 @@ def test_unwritable_targets_never_break_the_controller(tmp_path: Path, caplog) -
     targets_dir(topology.run_dir_path).write_text("a file where the folder should be")
     record_targets(spec, ())
     assert "cannot write the Prometheus targets" in caplog.text
+
+
+def test_a_monitor_process_that_fails_shows_its_own_log_lines_not_an_earlier_starts(tmp_path: Path) -> None:
+    """The monitor's logs are appended to across `monitor up`s: a start that failed after few lines showed the last
+    lines of the one before it as its own."""
+    log = tmp_path / "exporter.log"
+    log.write_text("".join(f"earlier start line {i}\n" for i in range(40)))
+    proc, offset = _spawn([sys.executable, "-c", "print('this start: bad flag'); raise SystemExit(2)"], log)
+    with pytest.raises(MonitorError) as err:
+        _wait_ok(proc, "http://127.0.0.1:9/metrics", (log, offset), timeout_s=30)
+    assert "exited with code 2" in str(err.value) and "this start: bad flag\n" in str(err.value)
+    assert "earlier start line" not in str(err.value), str(err.value)

@@ -255,7 +255,9 @@ def test_a_log_truncated_under_its_writer_shows_its_lines_from_the_start(tmp_pat
     offset = log.stat().st_size
     log.write_text("after copytruncate\n")
     assert log_tail(str(log), offset=offset) == "after copytruncate\n"
-    assert log_tail(str(log), offset=6) == "copytruncate\n"   # an offset inside the log still counts
+    assert log_tail(str(log), offset=6) == "after copytruncate\n"   # written past the offset again: mid-line there
+    log.write_text("old\nnew\n")
+    assert log_tail(str(log), offset=4) == "new\n"                  # a line starts at the offset: from there
 
 
 def test_an_exit_with_an_empty_log_says_so_instead_of_an_empty_tail(tmp_path: Path) -> None:

@@ -4,6 +4,8 @@ peer queue's ready times."""
 
 from __future__ import annotations
 
+import pytest
+
 from dsv4_cluster.workers.engine.model import ModelConfig
 from dsv4_cluster.workers.engine.request import Failed, Req, ReqState
 from dsv4_cluster.workers.engine.runner import ModelRunner, RunnerConfig
@@ -78,10 +80,11 @@ def test_a_room_decode_reserved_gets_pages_from_prompts_no_decode_reserved_yet()
     assert not [e for e in events if isinstance(e, Failed)]
 
 
-def test_a_prompt_given_up_for_a_reserved_room_fails_where_it_waits_once_its_deadline_passed():
+@pytest.mark.parametrize("reserved_since", [False, True], ids=["unreserved", "reserved while it waits"])
+def test_a_prompt_given_up_for_a_reserved_room_fails_where_it_waits_once_its_deadline_passed(reserved_since):
     """A prompt that gave its pages up keeps the stranded deadline of its first computation; it was failed only once
     it had been computed again (its decode long gone, the compute wasted). Now it fails where it waits, with the
-    stranded-KV message; a prompt never computed and a reserved one are not touched."""
+    stranded-KV message; a prompt never computed is not touched, nor one whose decode reserved its room since."""
     engine, events = _engine(), []
     engine.peer_timeout_s = engine.stranded.timeout_s = 60.0
     done = [_submit(engine, rid, 300, events) for rid in ("a", "b", "c")]   # 19 pages each: 57 of 64
@@ -96,11 +99,16 @@ def test_a_prompt_given_up_for_a_reserved_room_fails_where_it_waits_once_its_dea
     for req in done[:2] + [reserved]:              # their WRITEs ended
         engine.peer.pop(req)
         engine.release(req)
+    if reserved_since:
+        engine.destinations.put(done[2].room, "decode-agent", list(range(19)))
     engine.now = lambda: ready_c + 59.0
     engine._free_stranded()
     assert list(engine.waiting) == [never, done[2]] and not [e for e in events if isinstance(e, Failed)]
     engine.now = lambda: ready_c + 60.0
     engine._free_stranded()
+    if reserved_since:                             # its decode came: it is computed again and sent, not failed
+        assert list(engine.waiting) == [never, done[2]] and not [e for e in events if isinstance(e, Failed)]
+        return
     assert list(engine.waiting) == [never] and done[2].state is ReqState.ABORTED and done[2].prefilled == 0
     failed = [e for e in events if isinstance(e, Failed)]
     assert len(failed) == 1 and failed[0].status == 500 and f"bootstrap_room {done[2].room}" in failed[0].message

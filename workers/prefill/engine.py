@@ -15,7 +15,7 @@ WAITING_PEER `peer` -> TRANSFERRING `inflight`; pages of a cancelled WRITE that 
    those already holding pages (computed in part) go on.
 3. It waits until the decode side has reserved pages for this room (`Destinations`, fed by the bootstrap server), for
    at most `peer_timeout_s` (topology: `transfer.stranded_kv_timeout_s`) from when its KV was first ready (kept by a
-   prompt preempted to wait again); a room unreserved past the detection time is stranded KV (stranded.py).
+   prompt preempted to wait again); unreserved past the detection time it is stranded KV, freed then (stranded.py).
 4. It WRITEs the prompt's pages into those pages with a notification carrying the room and the first
    token (with its logprob when asked); that notification is how decode learns the KV has landed (`_send_ready`).
    A reservation older than decode's transfer timeout, which it carries (`Destination.given_up`), gets no WRITE:
