@@ -73,11 +73,16 @@ class ModelNotFound(RouterError):
 
 
 class NoWorkers(RouterError):
-    """A pool the request needs has no eligible worker; the client may retry after a moment."""
+    """A pool the request needs has no eligible worker: with Retry-After when one is on its way back (restarting,
+    starting, failing health checks), without it when none comes back until an operator acts (FAILED, stopped,
+    drained)."""
 
     status = 503
     type_ = "service_unavailable"
-    headers = {"Retry-After": "1"}
+
+    def __init__(self, message: str, public: str | None = None, soon: bool = True) -> None:
+        super().__init__(message, public=public)
+        self.headers = {"Retry-After": "1"} if soon else None
 
 
 class Saturated(RouterError):

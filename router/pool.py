@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from dsv4_cluster.core import Role
+from dsv4_cluster.core import Role, WorkerState
 
 from .errors import NoWorkers, UnknownWorker
 from .policies import Chooser
@@ -13,10 +13,17 @@ from .worker import Pair, Worker
 
 
 def why_none(workers: tuple[Worker, ...]) -> str:
-    """Why a role has no eligible worker, in counts ("1 of 1 RESTARTING"): the client's half of the 503, which
-    names no worker and carries none of the orchestrator's free text (the log has both)."""
-    reasons = Counter(r for w in workers for r in w.why_not_reasons())
+    """Why a role has no eligible worker, in counts of workers ("1 of 1 RESTARTING and failing health checks"): the
+    client's half of the 503, which names no worker and carries none of the orchestrator's free text (the log has
+    both)."""
+    reasons = Counter(" and ".join(r) for w in workers if (r := w.why_not_reasons()))
     return ", ".join(f"{n} of {len(workers)} {reason}" for reason, n in sorted(reasons.items()))
+
+
+def comes_back(worker: Worker) -> bool:
+    """Whether an ineligible worker becomes eligible again by itself: not FAILED, stopped or drained (an operator's
+    `restart` or undrain brings those back)."""
+    return worker.state not in (WorkerState.FAILED, WorkerState.STOPPED) and not worker.drained
 
 
 class WorkerPool:
@@ -58,11 +65,15 @@ class WorkerPool:
     def _choose(self, role: Role, workers: tuple[Worker, ...], avoid: frozenset[Worker],
                 prompt: str | None = None) -> Worker:
         if not workers:
-            raise NoWorkers(f"the router has no {role} worker configured; add one under {role!r} in its settings")
+            raise NoWorkers(f"the router has no {role} worker configured; add one under {role!r} in its settings",
+                            soon=False)
         eligible = [w for w in workers if w.eligible]
         if not eligible:
+            soon = any(comes_back(w) for w in workers)
             raise NoWorkers(f"no {role} worker can take requests now ({'; '.join(w.why_not() for w in workers)})",
-                            public=f"no {role} worker can take requests now ({why_none(workers)}); retry later")
+                            public=f"no {role} worker can take requests now ({why_none(workers)}); "
+                                   + ("retry later" if soon else "none will until the operator brings one back"),
+                            soon=soon)
         fresh = [w for w in eligible if w not in avoid]
         return self._choosers[role].choose(fresh or eligible, prompt)
 

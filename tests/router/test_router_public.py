@@ -13,9 +13,12 @@ import pytest
 
 from dsv4_cluster.router import generation
 from dsv4_cluster.router.upstream import worker_failed
+from dsv4_cluster.router.errors import NoWorkers
+from dsv4_cluster.router.pool import WorkerPool
 from dsv4_cluster.router.public import Redactor, scrub
+from dsv4_cluster.router.settings import RouterSettings
 from dsv4_cluster.router.worker import Worker
-from dsv4_cluster.core import Role
+from dsv4_cluster.core import Role, WorkerState
 
 from tests.router_fakes import LEAKY, MESSAGES, WAIT_S
 from tests.router_fakes import Cluster
@@ -148,3 +151,32 @@ def test_a_bug_behind_any_other_route_is_a_500_envelope_without_the_exception(cl
     resp = httpx.get(cluster.router.url + "/metrics", timeout=WAIT_S)
     assert resp.status_code == 500 and b"secret" not in resp.content and b"RuntimeError" not in resp.content
     assert "request id" in resp.json()["error"]["message"]
+
+
+def test_a_pool_with_no_worker_coming_back_gets_503_without_retry_after_and_counts_workers_not_reasons() -> None:
+    """A FAILED decode (crash loop) needs the operator's `restart`, but clients were told "retry later" with
+    Retry-After: 1 and retried every second; and one worker both RESTARTING and failing health checks read
+    "1 of 1 RESTARTING, 1 of 1 failing health checks", two of one."""
+    settings = RouterSettings(model_name="m", prefill=[{"name": "p0", "url": "http://127.0.0.1:1000",
+                                                        "bootstrap_host": "127.0.0.1"}],
+                              decode=[{"name": f"d{i}", "url": f"http://127.0.0.1:{2000 + i}"} for i in range(2)])
+    pool = WorkerPool(settings)
+    (p0,), (d0, d1) = pool.prefill, pool.decode
+    p0.state, p0.healthy = WorkerState.RESTARTING, False
+    with pytest.raises(NoWorkers) as err:
+        pool.pick()
+    assert err.value.headers == {"Retry-After": "1"}
+    assert err.value.body()["error"]["message"] == ("no prefill worker can take requests now (1 of 1 RESTARTING and "
+                                                    "failing health checks); retry later")
+    p0.state, p0.healthy = WorkerState.READY, True
+    d0.state, d1.drained = WorkerState.FAILED, True
+    with pytest.raises(NoWorkers) as err:
+        pool.pick()
+    assert err.value.status == 503 and err.value.headers is None
+    assert err.value.body()["error"]["message"] == ("no decode worker can take requests now (1 of 2 FAILED, 1 of 2 "
+                                                    "drained); none will until the operator brings one back")
+    d1.state = WorkerState.STARTING                # an operator's restart: it is on its way
+    d1.drained = False
+    with pytest.raises(NoWorkers) as err:
+        pool.pick()
+    assert err.value.headers == {"Retry-After": "1"}
