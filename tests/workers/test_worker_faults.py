@@ -121,6 +121,20 @@ def test_poison_sampling_values_get_a_400_naming_the_field(pair, expected, field
     _serves(pair, expected, count=4)
 
 
+@pytest.mark.parametrize("path, prompt, field", [
+    ("/v1/completions", {"model": "dsv4-tiny", "prompt": [999999999], "max_tokens": 4}, "prompt"),
+    ("/generate", {"input_ids": [3, -1], "sampling_params": {"max_new_tokens": 4}}, "input_ids"),
+])
+def test_an_unusable_prompt_gets_a_400_naming_the_field_the_client_sent(pair, expected, path, prompt, field):
+    """A completions prompt of ids out of the vocabulary was refused as "input_ids must be ...", a field the client
+    never sent."""
+    for url in (pair.prefill_url, pair.decode_url):
+        r = httpx.post(url + path, json={**prompt, **pair.bootstrap(secrets.randbits(63), "p1")})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"].startswith(f"{field}: the prompt must be a non-empty list"), r.text
+    _serves(pair, expected, count=4)
+
+
 def test_tiny_positive_temperature_is_greedy_as_in_sglang(pair, expected):
     """SGLang 0.5.23's SamplingParams turns temperature < 1e-6 into greedy; so do we."""
     body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 1e-40}}

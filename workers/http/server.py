@@ -117,7 +117,10 @@ class WorkerServer:
         except ChatTemplateError as exc:
             raise BadRequest(str(exc)) from None
         if not ids or any(not 0 <= i < self.tokenizer.vocab_size for i in ids):
-            raise BadRequest(f"input_ids must be a non-empty list of ids in [0, {self.tokenizer.vocab_size})")
+            sent = "prompt" if kind == "completion" else "input_ids" if req.input_ids is not None else \
+                "messages" if kind == "chat" else "text"
+            raise BadRequest(f"{sent}: the prompt must be a non-empty list of token ids in [0, "
+                             f"{self.tokenizer.vocab_size}) (or text that gives one)")
         if len(ids) >= a.context_length:
             raise BadRequest(f"the prompt has {len(ids)} tokens; this server's context_length is "
                              f"{a.context_length} (prompt + output); shorten the prompt")
