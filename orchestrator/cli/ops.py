@@ -74,7 +74,9 @@ def run_operation(args: argparse.Namespace) -> int:
             row = operations.restart(args.worker, args.timeout, DownOptions().timeout_s)
             print(f"{args.worker} restarted: {row.state.value}, pid {row.pid}", flush=True)
             return EXIT_OK
-        path = operations.log_path(args.name)
+        path, note = operations.log_path(args.name)
+        if note:
+            err(note)
         stop = stop_on_signals()
         for line in operations.read_log(path, args.lines, args.follow, stop.is_set):
             sys.stdout.write(line)

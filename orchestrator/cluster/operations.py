@@ -15,7 +15,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from dsv4_cluster.core import WorkerStatus
 from dsv4_cluster.orchestrator.cluster import deployment, ray_cluster
 from dsv4_cluster.orchestrator.errors import ClusterStartError, NotUpError, RayClusterError, UnknownWorkerError
-from dsv4_cluster.orchestrator.cluster.record import read_record
+from dsv4_cluster.orchestrator.cluster.record import RecordError, last_run, read_record
 from dsv4_cluster.orchestrator.supervise.controller import Drained
 from dsv4_cluster.orchestrator.supervise.router_admin import RouterAdminError
 
@@ -49,12 +49,23 @@ def restart(name: str, timeout_s: float, stop_deadline_s: float) -> WorkerStatus
     return _call("restart", name, timeout_s, stop_deadline_s, timeout_s=timeout_s + stop_deadline_s + 60)
 
 
-def log_path(name: str) -> str:
-    """The log file of `name` (a worker or the router), from the cluster's status."""
-    rows = {w.name: w for w in deployment.status().workers}
+def log_path(name: str) -> tuple[str, str | None]:
+    """The log file of `name` (a worker or the router), from the cluster's status; with no cluster up, the last
+    one's log of that name, and a note saying so (None while a cluster is up)."""
+    try:
+        rows = {w.name: w for w in deployment.status().workers}
+    except RecordError as e:   # none recorded (one that is recorded but does not answer says so instead)
+        last = last_run()
+        logs = last[0] / "logs" if last else None
+        if logs is None or not (logs / f"{name}.log").exists():
+            known = f"; the last cluster's logs ({logs}) have none named {name!r}: " \
+                    f"{sorted(p.stem for p in logs.glob('*.log'))}" if logs else ""
+            raise NotUpError(f"{e}{known}") from None
+        ended = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last[1]))
+        return str(logs / f"{name}.log"), f"no cluster is up; the log of the last one, stopped at {ended}:"
     if name not in rows:
         raise UnknownWorkerError(f"no process named {name!r}; this cluster has {sorted(rows)}")
-    return rows[name].log_path
+    return rows[name].log_path, None
 
 
 def read_log(path: str, lines: int | None, follow: bool,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from dsv4_cluster.orchestrator.processes import write_atomically
 
 HOME_ENV = "DSV4_CLUSTER_HOME"
 RECORD_FILE = "current.json"
+LAST_FILE = "last.json"   # the last cluster's run folder, once its record is gone
 
 
 class RecordError(NotUpError):
@@ -78,4 +80,20 @@ def read_record() -> ClusterRecord:
 
 
 def clear_record() -> None:
-    record_path().unlink(missing_ok=True)
+    """Remove the record; keep where the cluster's logs are (`last_run`), for `logs` once it is gone."""
+    path = record_path()
+    try:
+        last = {"run_dir": json.loads(path.read_text())["run_dir"], "ended": time.time()}
+        write_atomically(cluster_home() / LAST_FILE, json.dumps(last) + "\n")
+    except (OSError, ValueError, KeyError, TypeError):
+        pass   # no record, or an unreadable one: nothing to keep
+    path.unlink(missing_ok=True)
+
+
+def last_run() -> tuple[Path, float] | None:
+    """(run folder, when it ended) of the last cluster `down` stopped (or found gone), None if none is known."""
+    try:
+        last = json.loads((cluster_home() / LAST_FILE).read_text())
+        return Path(last["run_dir"]), float(last["ended"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -107,6 +107,11 @@ def test_up_status_chat_down(tmp_path: Path) -> None:
     assert not (tmp_path / "home" / "current.json").exists()
     after = _run(tmp_path, "status")
     assert after.returncode == 1 and "no cluster is up" in after.stderr
+    logs = _run(tmp_path, "logs", "decode-0", "-n", "100000")   # its logs outlive it: read at 3 a.m. after a down
+    assert logs.returncode == 0 and "no cluster is up; the log of the last one, stopped at" in logs.stderr, logs.stderr
+    assert logs.stdout.count("supervisor starts") == 2, logs.stdout[-3000:]   # the first start, then the restart
+    none = _run(tmp_path, "logs", "decode-9")
+    assert none.returncode == 1 and "have none named 'decode-9'" in none.stderr and "'decode-0'" in none.stderr
 
 
 def test_broken_topology_lists_every_problem_and_starts_nothing(tmp_path: Path) -> None:

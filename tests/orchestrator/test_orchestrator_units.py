@@ -15,6 +15,7 @@ from dsv4_cluster.core import ClusterStatus, KvUsage, ProbeResult, Role, WorkerS
 from dsv4_cluster.orchestrator.launch.ports import free_ports, port_is_free
 from dsv4_cluster.orchestrator.processes import group_members, pid_alive
 from dsv4_cluster.orchestrator.cluster.options import DownOptions
+from dsv4_cluster.orchestrator.errors import NotUpError
 from dsv4_cluster.orchestrator.cluster.record import (
     HOME_ENV, ClusterRecord, HeadProcess, RecordError, clear_record, read_record, write_record)
 from dsv4_cluster.orchestrator.cli.table import COLUMNS, render_table
@@ -153,6 +154,25 @@ def test_record_round_trip_and_clear_message(tmp_path: Path, monkeypatch: pytest
     clear_record()
     with pytest.raises(RecordError, match="no cluster is up"):
         read_record()
+
+
+def test_logs_after_down_read_the_last_clusters_logs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`logs decode-0` after `down` said "no cluster is up" while its log lay on disk: at 3 a.m. that is when it is
+    wanted."""
+    from dsv4_cluster.orchestrator.cluster.operations import log_path
+
+    monkeypatch.setenv(HOME_ENV, str(tmp_path / "home"))
+    with pytest.raises(NotUpError, match=r"no cluster is up \(no .*current.json\); start one"):   # nothing known yet
+        log_path("decode-0")
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    (run / "logs" / "decode-0.log").write_text("=== start\n")
+    write_record(ClusterRecord("127.0.0.1:6379", "ns", "http://localhost:30001/v1", "/t.yaml", str(run), None))
+    clear_record()                                              # what `down` does last
+    path, note = log_path("decode-0")
+    assert path == str(run / "logs" / "decode-0.log") and note.startswith("no cluster is up; the log of the last one")
+    with pytest.raises(NotUpError, match=r"have none named 'router': \['decode-0'\]"):
+        log_path("router")
 
 
 def test_a_dead_head_is_never_looked_up_at_its_address(monkeypatch: pytest.MonkeyPatch) -> None:
