@@ -114,7 +114,8 @@ def watch_status(read_status: Callable[[], ClusterStatus], interval_s: float) ->
             return EXIT_FAILED
         finally:
             reading = False
-        sys.stdout.write(f"{CLEAR}{render_table(status)}\n(every {interval_s:g}s; Ctrl-C to stop)\n")
+        top = CLEAR if sys.stdout.isatty() else "\n"   # piped or logged: no escape codes, a blank line between tables
+        sys.stdout.write(f"{top}{render_table(status)}\n(every {interval_s:g}s; Ctrl-C to stop)\n")
         sys.stdout.flush()
         stop.wait(interval_s)
     return EXIT_OK

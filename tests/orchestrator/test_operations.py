@@ -170,6 +170,7 @@ def test_status_watch_refreshes_until_interrupted(cluster):
         while tables < 2:
             line = watch.stdout.readline()
             assert line, "status --watch ended by itself"
+            assert "\x1b[" not in line, "a clear-screen code in piped output"   # only a terminal gets them
             tables += "NAME" in line and "STATE" in line
         watch.send_signal(signal.SIGINT)
         assert watch.wait(30) == 0
