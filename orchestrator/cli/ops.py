@@ -10,10 +10,10 @@ import sys
 import threading
 from typing import Any, Callable
 
-from dsv4_cluster.core import ClusterStatus
+from dsv4_cluster.core import ClusterStatus, Role, WorkerState
 from dsv4_cluster.orchestrator.errors import ClusterStartError, NotUpError, RayClusterError, UnknownWorkerError
 from dsv4_cluster.orchestrator.cluster.options import DownOptions, UpOptions
-from dsv4_cluster.orchestrator.cli.table import render_table
+from dsv4_cluster.orchestrator.cli.table import endpoint_status, render_table
 from dsv4_cluster.orchestrator.processes import stop_on_signals
 
 EXIT_OK, EXIT_FAILED = 0, 1
@@ -63,6 +63,7 @@ def run_operation(args: argparse.Namespace) -> int:
 
     try:
         if args.command == "drain":
+            _warn_if_last(args.worker)
             out = operations.drain(args.worker, args.deadline, args.timeout)
             how = (f"forced after {args.deadline:g}s with {out.in_flight_at_stop} request(s) in flight" if out.forced
                    else f"its {out.in_flight_at_start} request(s) in flight finished in {out.waited_s:.1f}s"
@@ -85,6 +86,18 @@ def run_operation(args: argparse.Namespace) -> int:
     except (UnknownWorkerError, NotUpError, RayClusterError, RouterAdminError, ClusterStartError) as e:
         err(str(e))
         return EXIT_FAILED
+
+
+def _warn_if_last(name: str) -> None:
+    """Before a drain: say so when `name` is its role's only READY worker (nothing is refused: the operator may mean
+    it, and scripts must not hang on a question)."""
+    status, _ = endpoint_status()
+    rows = {w.name: w for w in status.workers} if status is not None else {}
+    if name in rows and rows[name].role in (Role.PREFILL, Role.DECODE):
+        ready = [w.name for w in rows.values() if w.role == rows[name].role and w.state is WorkerState.READY]
+        if ready == [name]:
+            err(f"warning: {name} is the only READY {rows[name].role.value} worker: the router pairs no request "
+                f"until `dsv4-cluster restart {name}` (new requests get 503 meanwhile)")
 
 
 def watch_status(read_status: Callable[[], ClusterStatus], interval_s: float) -> int:

@@ -55,6 +55,21 @@ def test_table_has_every_column_and_dashes_for_the_router() -> None:
     assert lines[4] == "prefill-0: exited with code 3"
 
 
+def test_draining_a_roles_last_ready_worker_warns_first(monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """`drain decode-0` on the only decode took serving down without a word."""
+    from dsv4_cluster.orchestrator.cli import ops
+
+    rows = (_row(), _row(name="decode-1", state=WorkerState.RESTARTING), _row(name="prefill-0", role=Role.PREFILL),
+            _row(name="prefill-1", role=Role.PREFILL), _row(name="router", role=Role.ROUTER, kv=None))
+    monkeypatch.setattr(ops, "endpoint_status", lambda: (ClusterStatus("e", rows), None))
+    for name in ("decode-0", "prefill-0", "router", "decode-9"):
+        ops._warn_if_last(name)
+    warned = capsys.readouterr().err
+    assert warned.startswith("warning: decode-0 is the only READY decode worker: the router pairs no request until "
+                             "`dsv4-cluster restart decode-0`") and warned.count("warning") == 1, warned
+
+
 def test_a_deep_probe_line_says_its_age_and_which_worker_is_down_since() -> None:
     """An 'ok' probe from before decode-0 failed must not read as the pair's health (probes run every 30 s)."""
     prefill = _row(name="prefill-0", role=Role.PREFILL)
