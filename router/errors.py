@@ -73,9 +73,9 @@ class ModelNotFound(RouterError):
 
 
 class NoWorkers(RouterError):
-    """A pool the request needs has no eligible worker: with Retry-After when one is on its way back (restarting,
-    starting, failing health checks), without it when none comes back until an operator acts (FAILED, stopped,
-    drained)."""
+    """A pool the request needs has no eligible worker: with Retry-After when one may come back (restarting,
+    starting, stopped for a restart, failing health checks), without it when none does until an operator acts
+    (FAILED, drained)."""
 
     status = 503
     type_ = "service_unavailable"

@@ -21,9 +21,10 @@ def why_none(workers: tuple[Worker, ...]) -> str:
 
 
 def comes_back(worker: Worker) -> bool:
-    """Whether an ineligible worker becomes eligible again by itself: not FAILED, stopped or drained (an operator's
-    `restart` or undrain brings those back)."""
-    return worker.state not in (WorkerState.FAILED, WorkerState.STOPPED) and not worker.drained
+    """Whether an ineligible worker may become eligible again without an operator: not FAILED (a crash loop) and
+    not drained. STOPPED counts as coming back: an operator's `restart` reports it stopped, then nothing until
+    READY (a drained one stays drained until then)."""
+    return worker.state is not WorkerState.FAILED and not worker.drained
 
 
 class WorkerPool:

@@ -15,7 +15,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from dsv4_cluster.core import WorkerStatus
 from dsv4_cluster.orchestrator.cluster import deployment, ray_cluster
 from dsv4_cluster.orchestrator.errors import ClusterStartError, NotUpError, RayClusterError, UnknownWorkerError
-from dsv4_cluster.orchestrator.cluster.record import RecordError, last_run, read_record
+from dsv4_cluster.orchestrator.cluster.record import RecordError, last_run, read_record, record_path
 from dsv4_cluster.orchestrator.supervise.controller import Drained
 from dsv4_cluster.orchestrator.supervise.router_admin import RouterAdminError
 
@@ -54,7 +54,9 @@ def log_path(name: str) -> tuple[str, str | None]:
     one's log of that name, and a note saying so (None while a cluster is up)."""
     try:
         rows = {w.name: w for w in deployment.status().workers}
-    except RecordError as e:   # none recorded (one that is recorded but does not answer says so instead)
+    except RecordError as e:   # none recorded (a record that is unreadable, or whose cluster is gone, says so)
+        if record_path().exists():
+            raise
         last = last_run()
         logs = last[0] / "logs" if last else None
         if logs is None or not (logs / f"{name}.log").exists():

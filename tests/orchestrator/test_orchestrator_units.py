@@ -188,6 +188,9 @@ def test_logs_after_down_read_the_last_clusters_logs(tmp_path: Path, monkeypatch
     assert path == str(run / "logs" / "decode-0.log") and note.startswith("no cluster is up; the log of the last one")
     with pytest.raises(NotUpError, match=r"have none named 'router': \['decode-0'\]"):
         log_path("router")
+    (tmp_path / "home" / "current.json").write_text('{"address": 1}')   # a record that cannot be read: say so,
+    with pytest.raises(RecordError, match="is invalid"):                  # not an older cluster's log
+        log_path("decode-0")
 
 
 def test_a_dead_head_is_never_looked_up_at_its_address(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -120,7 +120,7 @@ class WorkerServer:
             sent = "prompt" if kind == "completion" else "input_ids" if req.input_ids is not None else \
                 "messages" if kind == "chat" else "text"
             raise BadRequest(f"{sent}: the prompt must be a non-empty list of token ids in [0, "
-                             f"{self.tokenizer.vocab_size}) (or text that gives one)")
+                             f"{self.tokenizer.vocab_size})")
         if len(ids) >= a.context_length:
             raise BadRequest(f"the prompt has {len(ids)} tokens; this server's context_length is "
                              f"{a.context_length} (prompt + output); shorten the prompt")
