@@ -1,6 +1,7 @@
 """Liveness of processes and process groups (and stopping them), the death signal a supervisor gives its children,
-the event SIGTERM/SIGINT set, a log's tail, and the one atomic file write the records and targets use. A zombie
-counts as gone (it holds nothing, though `kill(pid, 0)` succeeds). Linux only (/proc).
+the event SIGTERM/SIGINT set, a start whose output is appended to a log and that log's tail, and the one atomic file
+write the records and targets use. A zombie counts as gone (it holds nothing, though `kill(pid, 0)` succeeds). Linux
+only (/proc).
 """
 
 from __future__ import annotations
@@ -9,12 +10,13 @@ import contextlib
 import ctypes
 import os
 import signal
+import subprocess
 import tempfile
 import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 PR_SET_PDEATHSIG = 1
 LOG_TAIL_LINES = 30
@@ -115,6 +117,20 @@ def death_signal_preexec(parent_pid: int) -> Callable[[], None]:
             os._exit(1)
 
     return preexec
+
+
+def start_logged(argv: list[str] | tuple[str, ...], log_path: str | Path, starter: str,
+                 **popen: Any) -> tuple[subprocess.Popen[bytes], int]:
+    """Start `argv` in a session of its own, stdin closed, its output appended to `log_path` after a header line
+    ("=== <time> <starter> starts: <argv>"); returns it and the header's byte offset, where this start's part of the
+    log begins (its error tails read from there: `log_tail`'s `offset`). `popen`: Popen's other arguments."""
+    Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        offset = log.tell()
+        log.write(f"=== {time.strftime('%Y-%m-%dT%H:%M:%S')} {starter} starts: {' '.join(argv)}\n".encode())
+        log.flush()
+        return subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, **popen), offset
 
 
 def log_tail(path: str, lines: int = LOG_TAIL_LINES, offset: int = 0) -> str:

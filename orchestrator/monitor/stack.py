@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 
 from dsv4_cluster.orchestrator.launch.ports import port_is_free
-from dsv4_cluster.orchestrator.processes import group_members, stop_groups, with_log_tail
+from dsv4_cluster.orchestrator.processes import group_members, start_logged, stop_groups, with_log_tail
 from dsv4_cluster.orchestrator.monitor.prometheus_config import ScrapeOptions, prometheus_dir, write_config
 from dsv4_cluster.orchestrator.monitor.targets import write_job
 
@@ -68,13 +68,7 @@ def read_monitor(run_dir: Path) -> MonitorRecord | None:
 
 def _spawn(argv: list[str], log_path: Path) -> tuple[subprocess.Popen[bytes], int]:
     """The process, and where its start's lines begin in its appended log (its error tails read from there)."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:
-        offset = log.tell()
-        log.write(f"=== {time.strftime('%Y-%m-%dT%H:%M:%S')} monitor starts: {' '.join(argv)}\n".encode())
-        log.flush()
-        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, env=dict(os.environ)), offset
+    return start_logged(argv, log_path, "monitor", env=dict(os.environ))
 
 
 def _wait_ok(proc: subprocess.Popen[bytes], url: str, log: tuple[Path, int], timeout_s: float) -> None:

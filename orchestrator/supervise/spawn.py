@@ -5,18 +5,16 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 from pathlib import Path
 
 from dsv4_cluster.orchestrator.launch.plan import LaunchPlan
-from dsv4_cluster.orchestrator.processes import death_signal_preexec
+from dsv4_cluster.orchestrator.processes import death_signal_preexec, start_logged
 
 
 def spawn(plan: LaunchPlan) -> tuple[subprocess.Popen[bytes], int]:
     """Start `plan`'s process; returns it and the byte offset in its (appended) log where this start's lines begin.
     The death signal follows the thread that forks: call this from the thread that will outlive the process (the
     supervisor's process thread)."""
-    Path(plan.log_path).parent.mkdir(parents=True, exist_ok=True)
     Path(plan.cwd).mkdir(parents=True, exist_ok=True)
     for path, text in plan.files:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -24,12 +22,5 @@ def spawn(plan: LaunchPlan) -> tuple[subprocess.Popen[bytes], int]:
         os.fchmod(fd, 0o600)                                                # hold the admin token
         with os.fdopen(fd, "w") as f:
             f.write(text)
-    with open(plan.log_path, "ab") as log:
-        offset, stamp = log.tell(), time.strftime("%Y-%m-%dT%H:%M:%S")
-        log.write(f"=== {stamp} supervisor starts: {' '.join(plan.argv)}\n".encode())
-        log.flush()
-        return subprocess.Popen(
-            list(plan.argv), cwd=plan.cwd, env={**os.environ, **plan.env_dict},
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=death_signal_preexec(os.getpid()),
-        ), offset
+    return start_logged(plan.argv, plan.log_path, "supervisor", cwd=plan.cwd, env={**os.environ, **plan.env_dict},
+                        preexec_fn=death_signal_preexec(os.getpid()))
