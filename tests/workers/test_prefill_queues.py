@@ -32,6 +32,18 @@ def _submit(engine: PrefillEngine, rid: str, n: int, events: list) -> Req:
     return req
 
 
+def _three_computed(events: list) -> tuple[PrefillEngine, list[Req]]:
+    """An engine (stranded deadline 60 s) holding three computed 300-token prompts, a, b and c, for rooms no decode
+    has reserved: 19 pages each, 57 of its 64."""
+    engine = _engine()
+    engine.peer_timeout_s = engine.stranded.timeout_s = 60.0
+    done = [_submit(engine, rid, 300, events) for rid in ("a", "b", "c")]
+    while engine._prefill_batch():
+        pass
+    assert list(engine.peer) == done
+    return engine, done
+
+
 def test_a_request_sits_in_the_queue_its_state_names_and_leaves_both_when_it_fails():
     engine, events = _engine(), []
     long, short = _submit(engine, "long", 60, events), _submit(engine, "short", 8, events)
@@ -56,12 +68,8 @@ def test_a_room_decode_reserved_gets_pages_from_prompts_no_decode_reserved_yet()
     of the latest unreserved prompt, which is computed again later, with the same first token; its stranded-KV
     deadline still counts from its first computation (it started again, so a prompt given up again and again
     was never stranded)."""
-    engine, events = _engine(), []
-    engine.peer_timeout_s = engine.stranded.timeout_s = 60.0
-    done = [_submit(engine, rid, 300, events) for rid in ("a", "b", "c")]   # 19 pages each: 57 of 64
-    while engine._prefill_batch():
-        pass
-    assert list(engine.peer) == done
+    events: list = []
+    engine, done = _three_computed(events)
     first_c, ready_c = done[2].out[0], dict(engine.peer.items())[done[2]]
     waiting, reserved = _submit(engine, "e", 300, events), _submit(engine, "d", 300, events)
     engine.destinations.put(reserved.room, "decode-agent", list(range(19)))   # decode reserved d, not e
@@ -85,11 +93,8 @@ def test_a_prompt_given_up_for_a_reserved_room_fails_where_it_waits_once_its_dea
     """A prompt that gave its pages up keeps the stranded deadline of its first computation; it was failed only once
     it had been computed again (its decode long gone, the compute wasted). Now it fails where it waits, with the
     stranded-KV message; a prompt never computed is not touched, nor one whose decode reserved its room since."""
-    engine, events = _engine(), []
-    engine.peer_timeout_s = engine.stranded.timeout_s = 60.0
-    done = [_submit(engine, rid, 300, events) for rid in ("a", "b", "c")]   # 19 pages each: 57 of 64
-    while engine._prefill_batch():
-        pass
+    events: list = []
+    engine, done = _three_computed(events)
     ready_c = dict(engine.peer.items())[done[2]]
     never, reserved = _submit(engine, "e", 300, events), _submit(engine, "d", 300, events)
     engine.destinations.put(reserved.room, "decode-agent", list(range(19)))
