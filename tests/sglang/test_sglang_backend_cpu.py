@@ -1,6 +1,7 @@
 """SGLang 0.5.23's own DeepSeek-V4 decode backend on the CPU: its metadata builders feeding our adapters (CI).
 
-A fresh interpreter per mode (`python -c CHILD`, TRITON_INTERPRET=1 for SGLang's Triton metadata kernels)
+An interpreter per mode (`python -c CHILD`, forked from one that imported SGLang: tests/sglang_zygote.py;
+TRITON_INTERPRET=1 for SGLang's Triton metadata kernels)
 stands up SGLang's backend, pool and decode metadata through bench/sglang_backend_rig.py (the stand-ins are
 in bench/sglang_stand_ins.py, each installer says why; on the CPU also FlashMLA, which is CUDA-only) and runs one window-only, one
 ratio-4 and one ratio-128 layer of DeepSeek-V4-Flash at TP4 for 2 requests of 4,096 live tokens:
@@ -14,14 +15,10 @@ Never skipped with CI=true (tests/sglang_support.require_sglang).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.sglang_support import REPO, require_sglang
+from tests.sglang_support import Child, child_result, require_sglang, start_child
 
 require_sglang()
 
@@ -61,27 +58,16 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def _start(mode: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", CHILD, mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=REPO, env={**os.environ, "TRITON_INTERPRET": "1"})
-
-
-def _result(mode: str, proc: subprocess.Popen) -> dict:
-    try:
-        out, err = proc.communicate(timeout=600)
-    finally:
-        proc.kill()
-    lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"{mode} child failed ({proc.returncode}):\n{err[-4000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+def _start(mode: str, code: str = CHILD) -> Child:
+    return start_child(*([mode] if mode != "paired" else []), code=code, env={"TRITON_INTERPRET": "1"})
 
 
 @pytest.fixture(scope="module")
 def runs():
-    """Both modes' children run side by side (each a fresh interpreter: the plugin's replacements are
+    """Both modes' children run side by side (each a process of its own: the plugin's replacements are
     process-wide)."""
-    procs = {mode: _start(mode) for mode in ("stock", "plugin")}
-    return {mode: _result(mode, proc) for mode, proc in procs.items()}
+    children = {mode: _start(mode) for mode in ("stock", "plugin")}
+    return {mode: child_result(child, timeout_s=600) for mode, child in children.items()}
 
 
 def test_load_plugins_wraps_the_dsv4_factory_only_in_plugin_mode(runs):
@@ -157,9 +143,7 @@ def test_paired_rigs_share_one_pool_and_agree_whatever_the_configured_context():
     rigs share the pool's rows, differ in the req-to-token width and the ratio-128 list's width, and, holding the
     same requests and queries, return the same outputs (16K: the ratio-128 list is 128 slots, so SGLang's
     metadata builder there is ours, not SGLang's one-chunk walk)."""
-    proc = subprocess.Popen([sys.executable, "-c", PAIRED_CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=REPO, env={**os.environ, "TRITON_INTERPRET": "1"})
-    got = _result("paired", proc)
+    got = child_result(_start("paired", PAIRED_CHILD), timeout_s=600)
     assert got["shared"] and got["layers"] == 3
     (r8, w8), (r16, w16) = got["widths"]["8192"], got["widths"]["16384"]
     assert (r8, r16) == (8192, 16384) and w16 > w8, got["widths"]
