@@ -2,7 +2,8 @@
 
 - every generated argv goes through SGLang's parser and its model-aware resolution against the
   committed DeepSeek-V4-Flash config.json (tests/data/deepseek-v4-flash, public values);
-- our plugin is discovered and run by SGLang's real `load_plugins()` in a fresh interpreter;
+- our plugin is discovered and run by SGLang's real `load_plugins()` in a process of its own (forked from one that
+  only imported SGLang: tests/sglang_zygote.py);
 - every call site the adapters replace exists with the signature they were written for, and
   SGLang builds the attention backends before it captures CUDA graphs.
 """
@@ -30,8 +31,8 @@ WORKERS, _ = cluster_plans(load_topology(REPO / "topology.yaml"))
 
 @pytest.fixture(scope="module")
 def children(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """Every SGLang child of this module, started together (each a fresh interpreter: SGLang's plugins load
-    once per process); each test reads its own with `child_result`. `*_dir`: the folders they were given."""
+    """Every SGLang child of this module, started together (each a process of its own: SGLang's plugins
+    load once per process); each test reads its own with `child_result`. `*_dir`: the folders they were given."""
     page_64 = _server_argv(WORKERS[1])
     page_64[page_64.index("--page-size") + 1] = "64"
     attest_dir, install_dir = tmp_path_factory.mktemp("attest"), tmp_path_factory.mktemp("install")
