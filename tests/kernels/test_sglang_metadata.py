@@ -14,10 +14,6 @@ import torch
 from bench.sglang_stand_ins import install_import_stand_ins
 from dsv4_cluster.kernels.sglang_adapters import metadata as ours
 
-install_import_stand_ins()  # the GPU image lacks some of SGLang's import-time packages (none is called here)
-sglang_meta = pytest.importorskip("sglang.kernels.ops.attention.dsv4.metadata_kernel")
-sglang_pages = pytest.importorskip("sglang.kernels.ops.attention.dsv4.attn_metadata_kernels")
-
 PAGE = 256
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -36,9 +32,18 @@ def _lengths(batch: int, context: int, seed: int) -> torch.Tensor:
 CASES = [(4, 8192), (3, 1 << 20), (5, 4097 * PAGE), (1, 300), (2, 16384), (3, 65536 + PAGE)]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def sglang_kernels():
+    """SGLang's two builder modules, imported when this module's first test runs, not at collection (every test
+    process collects every module, and SGLang's import is seconds of a core); every test here needs SGLang."""
+    install_import_stand_ins()  # the GPU image lacks some of SGLang's import-time packages (none is called here)
+    return (pytest.importorskip("sglang.kernels.ops.attention.dsv4.metadata_kernel"),
+            pytest.importorskip("sglang.kernels.ops.attention.dsv4.attn_metadata_kernels"))
+
+
 @pytest.mark.parametrize("batch,context", CASES)
 @pytest.mark.parametrize("compute", [True, False])
-def test_compressed_metadata_equals_sglangs(batch, context, compute):
+def test_compressed_metadata_equals_sglangs(batch, context, compute, sglang_kernels):
     lens = _lengths(batch, context, seed=batch + context)
     pages = -(-context // PAGE)
     g = torch.Generator().manual_seed(3)
@@ -46,7 +51,7 @@ def test_compressed_metadata_equals_sglangs(batch, context, compute):
     positions = (lens - 1).to(DEVICE)
     raw_out_loc = torch.randint(0, 1 << 30, (max(batch - 1, 1),), generator=g, dtype=torch.int64).to(DEVICE)
     args = (lens.to(DEVICE), positions, raw_out_loc, table if compute else None, PAGE, compute)
-    want = sglang_meta._init_compressed_attn_metadata_triton(*args)
+    want = sglang_kernels[0]._init_compressed_attn_metadata_triton(*args)
     got = ours._init_compressed_attn_metadata_triton(*args)
     assert len(got) == len(want) == 9
     for i, (a, b) in enumerate(zip(got, want)):
@@ -61,7 +66,7 @@ def test_compressed_metadata_equals_sglangs(batch, context, compute):
 
 
 @pytest.mark.parametrize("batch,context", CASES)
-def test_page_table_positions_equal_sglangs(batch, context):
+def test_page_table_positions_equal_sglangs(batch, context, sglang_kernels):
     lens = _lengths(batch, context, seed=7 * batch + context)
     g = torch.Generator().manual_seed(5)
     pool_rows = batch + 2
@@ -71,7 +76,7 @@ def test_page_table_positions_equal_sglangs(batch, context):
     pool_idx = torch.randperm(pool_rows, generator=g)[:batch].to(DEVICE)
     kw = dict(req_to_token=req_to_token, req_pool_indices_repeated=pool_idx, seq_lens_casual=lens.to(DEVICE),
               max_seq_len=context, page_size=PAGE, swa_window=128)
-    want = sglang_pages.build_page_table_positions_triton(**kw)
+    want = sglang_kernels[1].build_page_table_positions_triton(**kw)
     got = ours.build_page_table_positions_triton(**kw)
     assert type(got) is type(want)
     for name in ("seq_lens_casual", "positions_casual", "page_table", "swa_topk_lengths"):
