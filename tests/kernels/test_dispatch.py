@@ -4,13 +4,12 @@ figure for each is the compiled one."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 
 import pytest
 
 from dsv4_cluster.kernels import dispatch
+from tests.zygote import compile_child
 
 
 def test_table_is_sound_and_gluon_is_sm90_only():
@@ -48,19 +47,17 @@ def test_unknown_gpu_and_bad_forced_class_are_refused_by_name():
 
 def _compiled(heads: int, impl: dispatch.DecodeImpl, capability: int, words: bool | None = None,
               lazy: bool | None = None) -> tuple[int, int]:
-    """Compiled in a fresh interpreter: once any test imported the kernel module under TRITON_INTERPRET=1 its
-    kernels are interpreter functions in this process, which `triton.compile` cannot take. Returns (shared memory
-    per program, spill-store bytes per thread)."""
+    """Compiled in a process without TRITON_INTERPRET (tests/zygote.compile_child says why). Returns (shared
+    memory per program, spill-store bytes per thread)."""
     pytest.importorskip("triton")
     words = impl.fp8_words if words is None else words  # the row's own options unless asked otherwise
     lazy = impl.lazy_rescale if lazy is None else lazy
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = (f"from tests.kernels.test_dispatch import _compile_here; "
             f"print(_compile_here({impl.head_group or heads}, {impl.block_n}, {impl.num_stages}, {capability}, "
             f"{impl.num_warps}, {impl.backend!r}, {words}, {lazy}))")
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    shared, spills = done.stdout.split()[-2:]
+    rc, stdout, stderr = compile_child(code)
+    assert rc == 0, stderr[-3000:]
+    shared, spills = stdout.split()[-2:]
     return int(shared), int(spills)
 
 

@@ -9,11 +9,10 @@ shapes, and its compiled shared memory is the one `config.gluon_smem_bytes` budg
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+
+from tests.zygote import compile_child
 
 # (is_fp8, batch, window, extra, block_n, fused_merge, early_table): the launches SGLang's calls produce on an H200
 # (132 SMs): B = 1 fp8 splits with the fused merge; B = 128 unsplit; a ratio-128 list at 1M (8,192 extra) on
@@ -64,11 +63,9 @@ def test_gluon_kernel_compiles_for_sm90a_within_its_budget(variant):
 
     if config.gluon_api_unavailable() is not None:
         pytest.fail(f"the Gluon kernel does not build on this Triton: {config.gluon_api_unavailable()}")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(variant)], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    code, stdout, stderr = compile_child(CHILD, json.dumps(variant))
+    assert code == 0, stderr[-4000:]
+    got = json.loads(stdout.strip().splitlines()[-1])
     assert got["cubin"] and got["wgmma"], got
     # the budget counts every buffer the kernel allocates; the compiler may add alignment padding only
     assert got["budget"] <= got["shared"] <= got["budget"] + 1024, got
@@ -105,10 +102,8 @@ def test_16_head_kernel_compiles_for_sm90a_within_its_budget(variant):
 
     if config.gluon_api_unavailable() is not None:
         pytest.fail(f"the Gluon kernels do not build on this Triton: {config.gluon_api_unavailable()}")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", H16_CHILD, json.dumps(variant)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    code, stdout, stderr = compile_child(H16_CHILD, json.dumps(variant))
+    assert code == 0, stderr[-4000:]
+    got = json.loads(stdout.strip().splitlines()[-1])
     assert got["cubin"] and got["wgmma"], got
     assert got["budget"] <= got["shared"] <= got["budget"] + 1024 and got["shared"] <= config.SMEM_LIMIT, got

@@ -140,11 +140,8 @@ def test_one_launch_kernel_compiles_for_sm90_without_a_gpu():
     """The one-launch kernel (a per-row barrier) runs on GPUs only, never in the interpreter: compile it for
     sm_90 here, to cubin, in a child without TRITON_INTERPRET, so a frontend error (a non-constexpr global read
     in a @jit function once broke it on the H200 alone) fails in CI."""
-    import os
-    import subprocess
-    import sys
+    from tests.zygote import compile_child
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", COMPILE_SM90], capture_output=True, text=True, timeout=240, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "'cubin'" in done.stdout and "'ptx'" in done.stdout, done.stdout
+    code, stdout, stderr = compile_child(COMPILE_SM90, timeout_s=240)
+    assert code == 0, stderr[-3000:]
+    assert "'cubin'" in stdout and "'ptx'" in stdout, stdout

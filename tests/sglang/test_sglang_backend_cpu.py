@@ -15,10 +15,10 @@ Never skipped with CI=true (tests/sglang_support.require_sglang).
 
 from __future__ import annotations
 
-
 import pytest
 
-from tests.sglang_support import Child, child_result, require_sglang, start_child
+from tests.sglang_support import child_result, require_sglang, start_child
+from tests.zygote import Started
 
 require_sglang()
 
@@ -58,7 +58,7 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def _start(mode: str, code: str = CHILD) -> Child:
+def _start(mode: str, code: str = CHILD) -> Started:
     return start_child(*([mode] if mode != "paired" else []), code=code, env={"TRITON_INTERPRET": "1"})
 
 

@@ -18,7 +18,8 @@ from dsv4_cluster.orchestrator.launch import sglang_capacity as sg
 from dsv4_cluster.orchestrator.launch.plan import cluster_plans
 from dsv4_cluster.orchestrator.topology.load import load_topology
 from dsv4_cluster.orchestrator.launch.capacity import predict
-from tests.sglang_support import REPO, Child, child_result, require_sglang, server_argv, start_child
+from tests.sglang_support import REPO, child_result, require_sglang, server_argv, start_child
+from tests.zygote import Started
 
 require_sglang()
 
@@ -69,7 +70,7 @@ ACTUAL = {"prefill-0": PREDICTED["prefill-0"] - 256, "decode-0": int(PREDICTED["
 
 
 @pytest.fixture(scope="module")
-def children() -> Iterator[dict[str, Child]]:
+def children() -> Iterator[dict[str, Started]]:
     """The module's two SGLang children (SGLang imports take ~20 s of one core each), started together:
     every case sized by SGLang's own classes; the /server_info bodies SGLang builds for ACTUAL."""
     procs = {"capacity": start_child("capacity", json.dumps([{k: v for k, v in c.items() if k != "ours"}
@@ -83,7 +84,7 @@ def children() -> Iterator[dict[str, Child]]:
 
 
 @pytest.fixture(scope="module")
-def sglang_sized(children: dict[str, Child]) -> dict[str, dict]:
+def sglang_sized(children: dict[str, Started]) -> dict[str, dict]:
     """Every case sized by SGLang's own classes, in one child."""
     return dict(zip(CASES, child_result(children["capacity"])))
 
@@ -123,7 +124,7 @@ def test_the_cap_and_the_default_fractions_are_what_sglang_chose(sglang_sized: d
     assert len(defaults) == 3
 
 
-def test_status_reads_sglangs_server_info_and_flags_a_miss_over_5_percent(children: dict[str, Child]) -> None:
+def test_status_reads_sglangs_server_info_and_flags_a_miss_over_5_percent(children: dict[str, Started]) -> None:
     """`status`'s SGLang branch: the capacity comes from a /server_info body built by SGLang 0.5.23's own
     functions (the child), read by the supervisor's probe over HTTP; the prediction is the plan's."""
     import httpx
