@@ -344,4 +344,4 @@ async def wait_all_ready(cluster: Cluster, limit_s: float = 120.0) -> None:
             return
         if time.monotonic() > end:
             raise RuntimeError(f"the cluster is not READY {limit_s:g} s after a fault: {rows}")
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(1.0)  # each look is a `status` process

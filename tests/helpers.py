@@ -20,6 +20,9 @@ if TYPE_CHECKING:
     from bench.local_cluster import LocalCluster
 
 SOON_S = 30.0  # ceiling on what the system does at once (an abort, a freed page, a health check's verdict)
+# a wait on `dsv4-cluster status` polls this often: each look is a process (~0.4 CPU-s), and looking as fast as it can
+# kept one of CI's two cores starting CLI processes while the cluster it waited for restarted on the other
+STATUS_POLL_S = 1.0
 
 
 class TimedOut(AssertionError):
@@ -125,7 +128,7 @@ def latest_when(read: Callable[[], Any], holds: Callable[[Any], bool], timeout_s
 
 def wait_row(c: LocalCluster, name: str, check: Callable[[dict[str, Any]], bool], timeout_s: float) -> dict[str, Any]:
     """`name`'s status row once `check(row)` holds, else the last row read (`latest_when`)."""
-    return latest_when(lambda: status_rows(c)[name], check, timeout_s, interval_s=0.3)
+    return latest_when(lambda: status_rows(c)[name], check, timeout_s, interval_s=STATUS_POLL_S)
 
 
 def wait_ready(c: LocalCluster, name: str, restarts: int, timeout_s: float) -> dict[str, Any]:

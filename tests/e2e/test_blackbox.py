@@ -26,7 +26,7 @@ import pytest
 
 from bench.local_cluster import LocalCluster, write_topology
 from dsv4_cluster.workers.http.responses import held_back
-from tests.helpers import status_rows, wait_for
+from tests.helpers import STATUS_POLL_S, status_rows, wait_for
 
 HOST = socket.gethostname()
 
@@ -150,7 +150,7 @@ async def _load(c: LocalCluster, streams: int, plain: int, max_tokens: int, faul
 
 def _back(c: LocalCluster, name: str, restarts: int) -> None:
     wait_for(lambda: (r := status_rows(c)[name])["state"] == "READY" and r["restarts"] >= restarts, 120,
-             f"{name} READY again")
+             f"{name} READY again", interval_s=STATUS_POLL_S)
 
 
 def _prefill_metric(c: LocalCluster, name: str) -> float:
@@ -225,7 +225,8 @@ def test_a_worker_frozen_for_5s_under_load(cluster: LocalCluster, name: str) -> 
 
     seen = asyncio.run(_load(cluster, 4, 4, 96, freeze))
     scan(cluster, seen)
-    wait_for(lambda: all(r["state"] == "READY" for r in status_rows(cluster).values()), 120, "all READY again")
+    wait_for(lambda: all(r["state"] == "READY" for r in status_rows(cluster).values()), 120, "all READY again",
+             interval_s=STATUS_POLL_S)
 
 
 def test_poison_requests(cluster: LocalCluster) -> None:
@@ -333,7 +334,8 @@ def test_a_resumed_greedy_stream_is_byte_identical_to_the_uninterrupted_one(clus
     client gets the bytes of the uninterrupted stream: text, chunks, token count, usage (cached_tokens too), ids,
     one role chunk. Per route, (a) the stop string matches in the resumed part, (b) it never does (it ends in a
     newline, which the model never writes), so the held text, multi-byte character included, comes out there."""
-    wait_for(lambda: all(r["state"] == "READY" for r in status_rows(cluster).values()), 120, "all READY")
+    wait_for(lambda: all(r["state"] == "READY" for r in status_rows(cluster).values()), 120, "all READY",
+             interval_s=STATUS_POLL_S)
     plain = [(path, _resume_body(path, i)) for i, path in enumerate(ROUTES * 2)]
     texts = [_text(path, raw) for (path, _), raw in zip(plain, asyncio.run(_streams(cluster, plain)))]
     windows = [_held_window(t) for t in texts]

@@ -17,7 +17,7 @@ import pytest
 from dsv4_cluster.orchestrator.launch.ports import port_is_free
 from dsv4_cluster.orchestrator.processes import pid_alive
 
-from tests.helpers import gone, wait_for
+from tests.helpers import STATUS_POLL_S, gone, wait_for
 from bench.local_cluster import CLI, run_cli, write_topology
 
 pytestmark = pytest.mark.slow
@@ -96,7 +96,7 @@ def test_up_status_chat_down(tmp_path: Path) -> None:
         def restarted() -> dict | None:
             row = json.loads(_run(tmp_path, "status", "--json").stdout)["workers"][1]
             return row if (row["restarts"], row["state"]) == (1, "READY") else None
-        decode = wait_for(restarted, 90, "decode-0 READY after 1 restart", interval_s=0.5)
+        decode = wait_for(restarted, 90, "decode-0 READY after 1 restart", interval_s=STATUS_POLL_S)
         assert decode["pid"] != rows["decode-0"]["pid"]
         rows["decode-0-restarted"] = decode
     finally:
@@ -267,7 +267,8 @@ def test_a_killed_ray_head_takes_every_process_with_it_and_down_cleans_up(tmp_pa
     assert gone(pids + [head], timeout_s=30) == []  # supervisors die, PR_SET_PDEATHSIG does the rest
     # bounded, not at once: one CI run's `status`, right after the kill, still found a process in the head's group
     # and served the deep probe (cause not found: a supervisor restarting its worker as it died is one candidate)
-    st = wait_for(lambda: (r := _run(tmp_path, "status")).returncode == 1 and r, 60, "status to report the head gone")
+    st = wait_for(lambda: (r := _run(tmp_path, "status")).returncode == 1 and r, 60, "status to report the head gone",
+                  interval_s=STATUS_POLL_S)
     assert "is gone" in st.stderr and "dsv4-cluster down" in st.stderr
     down = _run(tmp_path, "down")
     assert down.returncode == 0, down.stderr
