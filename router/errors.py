@@ -82,6 +82,7 @@ class NoWorkers(RouterError):
 
     def __init__(self, message: str, public: str | None = None, soon: bool = True) -> None:
         super().__init__(message, public=public)
+        self.soon = soon
         self.headers = {"Retry-After": "1"} if soon else None
 
 

@@ -58,29 +58,43 @@ class WorkerPool:
         """At least one eligible prefill and one eligible decode: the router can serve."""
         return any(w.eligible for w in self.prefill) and any(w.eligible for w in self.decode)
 
+    def may_serve_again(self) -> bool:
+        """Each pool has a worker eligible now or one that may become so without an operator (`comes_back`)."""
+        return all(any(w.eligible or comes_back(w) for w in workers) for workers in (self.prefill, self.decode))
+
     def answering_pair(self) -> bool:
         """An eligible prefill and decode that both answer (no connection failure since they last did)."""
         return any(w.eligible and w.answering for w in self.prefill) and \
             any(w.eligible and w.answering for w in self.decode)
 
+    def _unavailable(self, role: Role, workers: tuple[Worker, ...]) -> NoWorkers | None:
+        """Why `role` has no eligible worker (the 503 to raise), or None."""
+        if not workers:
+            return NoWorkers(f"the router has no {role} worker configured; add one under {role!r} in its settings",
+                             soon=False)
+        if any(w.eligible for w in workers):
+            return None
+        soon = any(comes_back(w) for w in workers)
+        return NoWorkers(f"no {role} worker can take requests now ({'; '.join(w.why_not() for w in workers)})",
+                         public=f"no {role} worker can take requests now ({why_none(workers)}); "
+                                + ("retry later" if soon else "none will until the operator brings one back"),
+                         soon=soon)
+
     def _choose(self, role: Role, workers: tuple[Worker, ...], avoid: frozenset[Worker],
                 prompt: str | None = None) -> Worker:
-        if not workers:
-            raise NoWorkers(f"the router has no {role} worker configured; add one under {role!r} in its settings",
-                            soon=False)
         eligible = [w for w in workers if w.eligible]
-        if not eligible:
-            soon = any(comes_back(w) for w in workers)
-            raise NoWorkers(f"no {role} worker can take requests now ({'; '.join(w.why_not() for w in workers)})",
-                            public=f"no {role} worker can take requests now ({why_none(workers)}); "
-                                   + ("retry later" if soon else "none will until the operator brings one back"),
-                            soon=soon)
         fresh = [w for w in eligible if w not in avoid]
         return self._choosers[role].choose(fresh or eligible, prompt)
 
     def pick(self, avoid: frozenset[Worker] = frozenset(), prompt: str | None = None) -> Pair:
-        """The next eligible pair, counted in flight until `release()`; NoWorkers if a pool has none.
-        Workers in `avoid` (those of a failed attempt) are taken only when nothing else is eligible; `prompt`
-        (the request's prompt text) is what the prefill's `prefix` policy matches."""
+        """The next eligible pair, counted in flight until `release()`; NoWorkers if a pool has none: of a pool no
+        worker will come back to first (no Retry-After: a FAILED decode behind a restarting prefill must not be
+        retried every second), else the prefill's. Workers in `avoid` (those of a failed attempt) are taken only
+        when nothing else is eligible; `prompt` (the request's prompt text) is what the prefill's `prefix` policy
+        matches. Nothing is chosen (no policy state changes) unless both pools can serve."""
+        missing = [e for e in (self._unavailable(Role.PREFILL, self.prefill),
+                               self._unavailable(Role.DECODE, self.decode)) if e is not None]
+        if missing:
+            raise min(missing, key=lambda e: e.soon)   # stable: the prefill's when both may come back
         return Pair(self._choose(Role.PREFILL, self.prefill, avoid, prompt),
                     self._choose(Role.DECODE, self.decode, avoid))

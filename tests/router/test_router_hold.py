@@ -18,6 +18,9 @@ from tests.router_fakes import router_settings
 from tests.servers import UvicornThread
 from tests.worker_procs import WorkerPair, restart, start_pair, stop_pair
 
+ADMIN_TOKEN = "admin-token-0123456789abcdef"
+IN_FLIGHT = 'dsv4_router_worker_in_flight{role="prefill"'   # until the prefill answers
+
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
@@ -44,8 +47,7 @@ def test_plain_requests_on_the_only_prefill_are_held_across_its_restart(pair: Wo
 
         async def scenario() -> tuple[list[httpx.Response], float]:
             load = asyncio.create_task(eight())
-            in_flight = 'dsv4_router_worker_in_flight{role="prefill"'   # until the prefill answers
-            await asyncio.to_thread(wait_for, lambda: metric(router.url, in_flight) == 8, 10,
+            await asyncio.to_thread(wait_for, lambda: metric(router.url, IN_FLIGHT) == 8, 10,
                                     "the 8 requests to be in flight on the stalled prefill")
             os.kill(pair.procs[0].pid, signal.SIGKILL)
             killed = time.monotonic()
@@ -58,3 +60,35 @@ def test_plain_requests_on_the_only_prefill_are_held_across_its_restart(pair: Wo
         assert outage_s > 1.0, "the prefill was down for its restart, and the requests waited through it"
         tries = metric(router.url, "dsv4_router_stream_hold_tries_total")
         assert 8 <= tries <= 8 * outage_s, "each held request tried again, at most once a second"
+
+
+def test_a_held_request_ends_as_soon_as_no_worker_of_its_pool_will_come_back(pair: WorkerPair) -> None:
+    """The only prefill dies under a request and its supervisor gives up (FAILED: a crash loop): the hold ends then,
+    not `stream_hold_s` later, since nothing comes back until the operator acts."""
+    settings = router_settings(pair.prefill_url, pair.decode_url, stream_hold_s=30, health_check_interval_s=0.2,
+                               admin_token=ADMIN_TOKEN)
+    settings = settings.model_copy(update={"prefill": [settings.prefill[0].model_copy(
+        update={"bootstrap_port": pair.bootstrap_port})]})
+    try:
+        with UvicornThread(build_app(settings)) as router:
+            httpx.post(pair.prefill_url + "/debug/stall_engine?seconds=3", timeout=5)
+
+            async def scenario() -> tuple[httpx.Response, float]:
+                async with httpx.AsyncClient(timeout=120) as client:
+                    asked = asyncio.create_task(client.post(router.url + "/v1/chat/completions", json={
+                        "model": "dsv4-tiny", "messages": [{"role": "user", "content": "held"}], "max_tokens": 8}))
+                    await asyncio.to_thread(wait_for, lambda: metric(router.url, IN_FLIGHT) == 1, 10,
+                                            "the request in flight on the stalled prefill")
+                    os.kill(pair.procs[0].pid, signal.SIGKILL)
+                    await asyncio.sleep(1.0)   # held by now: the prefill's connection failed
+                    failed = await client.post(router.url + "/admin/workers/prefill-0/state", headers={
+                        "Authorization": f"Bearer {ADMIN_TOKEN}"}, json={"state": "FAILED", "reason": "crash loop"})
+                    assert failed.status_code == 200, failed.text
+                    told = time.monotonic()
+                    return await asked, time.monotonic() - told
+
+            answer, after_s = asyncio.run(scenario())
+        assert answer.status_code in (502, 503), answer.text
+        assert after_s < 5.0, f"the hold went on {after_s:.1f} s after the prefill was reported FAILED"
+    finally:
+        restart(pair, 0)

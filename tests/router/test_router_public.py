@@ -175,7 +175,16 @@ def test_a_pool_with_no_worker_coming_back_gets_503_without_retry_after_and_coun
     assert err.value.status == 503 and err.value.headers is None
     assert err.value.body()["error"]["message"] == ("no decode worker can take requests now (1 of 2 FAILED, 1 of 2 "
                                                     "drained); none will until the operator brings one back")
+    p0.state, p0.healthy = WorkerState.RESTARTING, False  # the prefill may come back, the decodes will not: said first
+    with pytest.raises(NoWorkers) as err:
+        pool.pick()
+    assert err.value.headers is None and err.value.body()["error"]["message"].startswith("no decode worker"), err.value
     d1.state, d1.drained = WorkerState.STOPPED, False   # an operator's `restart`: stopped, then READY (nothing between)
+    with pytest.raises(NoWorkers) as err:
+        pool.pick()
+    assert err.value.headers == {"Retry-After": "1"} and err.value.body()["error"]["message"].startswith(
+        "no prefill worker") and err.value.body()["error"]["message"].endswith("retry later")   # both may: prefill
+    p0.state, p0.healthy = WorkerState.READY, True
     with pytest.raises(NoWorkers) as err:
         pool.pick()
     assert err.value.headers == {"Retry-After": "1"} and err.value.body()["error"]["message"].endswith("retry later")
