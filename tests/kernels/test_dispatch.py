@@ -138,10 +138,11 @@ def test_sm120_configs_compiled_for_sm120_fit_99_kb(heads, monkeypatch):
         assert spills <= (8 if row.backend == "triton" else 0), row
 
 
-def test_the_mma_v2_options_not_yet_timed_compile_for_sm120_within_99_kb(monkeypatch):
-    """LaunchConfig(fp8_words=True), lazy_rescale=True and num_warps=16 on the sm_120 row (for the next GPU run to
-    time): within 99 KB, and spilling no more than measured here (fp8 words: none; 16 warps: 116 B and 100 B with fp8
-    words, 128 registers; lazy rescale: 32 B, none with fp8 words, 156 B and 76 B at 16 warps)."""
+def test_the_mma_v2_options_the_bench_times_compile_for_sm120_within_99_kb(monkeypatch):
+    """LaunchConfig(fp8_words=True), lazy_rescale=True and num_warps=16 on the sm_120 row, alone and together (the
+    option columns bench/sm120_backends.py times beside the row): within 99 KB, and spilling no more than measured here
+    (fp8 words: none; 16 warps: 116 B and 100 B with fp8 words, 128 registers; lazy rescale: 32 B, none with fp8 words,
+    156 B and 76 B at 16 warps)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     from dataclasses import replace
 
