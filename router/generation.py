@@ -153,15 +153,17 @@ class Flight:
     async def hold(self, error: RouterError, deadline: float | None) -> float:
         """Wait for an eligible pair that answers (the restarted worker: its supervisor's READY report or a passed
         health check), looking every HOLD_POLL_S without sending anything, and at most one try (one prefill leg)
-        per HOLD_TRY_S; raises `error` at the deadline (`stream_hold_s` after the hold began), when the client
-        left, or once a pool has no worker that may come back without the operator (FAILED or drained: nothing to
-        wait for). Returns the deadline."""
+        per HOLD_TRY_S; raises `error` at the deadline (`stream_hold_s` after the hold began) or when the client
+        left, and the pool's 503 (without Retry-After) once a pool has no worker that may come back without the
+        operator (FAILED or drained: nothing to wait for). Returns the deadline."""
         loop = asyncio.get_running_loop()
         now = loop.time()
         deadline = now + self.state.settings.stream_hold_s if deadline is None else deadline
         next_try = now + HOLD_TRY_S
         while loop.time() < next_try or not self.state.pool.answering_pair():
-            if self.gone or loop.time() + HOLD_POLL_S > deadline or not self.state.pool.may_serve_again():
+            if not self.state.pool.may_serve_again():
+                raise self.state.pool.unavailable() or error
+            if self.gone or loop.time() + HOLD_POLL_S > deadline:
                 raise error
             await asyncio.sleep(HOLD_POLL_S)
         self.state.metrics.stream_holds.inc()

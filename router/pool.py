@@ -83,18 +83,24 @@ class WorkerPool:
     def _choose(self, role: Role, workers: tuple[Worker, ...], avoid: frozenset[Worker],
                 prompt: str | None = None) -> Worker:
         eligible = [w for w in workers if w.eligible]
+        assert eligible, f"_choose({role}) with no eligible worker: pick() checks unavailable() first"
         fresh = [w for w in eligible if w not in avoid]
         return self._choosers[role].choose(fresh or eligible, prompt)
 
-    def pick(self, avoid: frozenset[Worker] = frozenset(), prompt: str | None = None) -> Pair:
-        """The next eligible pair, counted in flight until `release()`; NoWorkers if a pool has none: of a pool no
-        worker will come back to first (no Retry-After: a FAILED decode behind a restarting prefill must not be
-        retried every second), else the prefill's. Workers in `avoid` (those of a failed attempt) are taken only
-        when nothing else is eligible; `prompt` (the request's prompt text) is what the prefill's `prefix` policy
-        matches. Nothing is chosen (no policy state changes) unless both pools can serve."""
+    def unavailable(self) -> NoWorkers | None:
+        """The 503 for a pool with no eligible worker, or None: of a pool no worker will come back to first (no
+        Retry-After: a FAILED decode behind a restarting prefill must not be retried every second), else the
+        prefill's."""
         missing = [e for e in (self._unavailable(Role.PREFILL, self.prefill),
                                self._unavailable(Role.DECODE, self.decode)) if e is not None]
-        if missing:
-            raise min(missing, key=lambda e: e.soon)   # stable: the prefill's when both may come back
+        return min(missing, key=lambda e: e.soon) if missing else None   # min keeps the first (prefill) of equals
+
+    def pick(self, avoid: frozenset[Worker] = frozenset(), prompt: str | None = None) -> Pair:
+        """The next eligible pair, counted in flight until `release()`; `unavailable()`'s NoWorkers if a pool has
+        none. Workers in `avoid` (those of a failed attempt) are taken only when nothing else is eligible; `prompt`
+        (the request's prompt text) is what the prefill's `prefix` policy matches. Nothing is chosen (no policy state
+        changes) unless both pools can serve."""
+        if (error := self.unavailable()) is not None:
+            raise error
         return Pair(self._choose(Role.PREFILL, self.prefill, avoid, prompt),
                     self._choose(Role.DECODE, self.decode, avoid))

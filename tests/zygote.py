@@ -8,7 +8,8 @@ per preload and environment on first use and forks the child there; `Started.res
 What a child finds that a fresh interpreter would not: the preloaded modules imported, with the zygote's
 environment. So a zygote serves only children of its environment, apart from the variables `start` is told are read
 when called, never at import. Nothing else is imported and nothing is installed: what a child installs (a plugin, a
-patch) it installs in itself. Its `random` is seeded afresh, as an interpreter's would be.
+patch) it installs in itself. Its `random` is seeded afresh, as an interpreter's would be; its string hashes are the
+zygote's (every child of one zygote iterates a set of strings in the same order).
 
 The zygote's side (`python -m tests.zygote PRELOAD...`, a `module` or `module:function` to call): one JSON line a
 command on stdin, {"argv", "env", "out", "err"}; it answers "PID <pid>" and, once that child ended, writes its exit
@@ -44,33 +45,43 @@ PR_SET_PDEATHSIG = 1
 class Started:
     """A child of a zygote: its pid, and its output and exit status as files (removed once read)."""
 
-    def __init__(self, pid: int, folder: Path) -> None:
-        self.pid, self.folder = pid, folder
+    def __init__(self, pid: int, folder: Path, zygote: subprocess.Popen) -> None:
+        self.pid, self.folder, self._zygote = pid, folder, zygote
 
     def returncode(self) -> int | None:
         rc = self.folder / "out.rc"
         return int(rc.read_text()) if rc.exists() else None
 
+    def _ended(self, timeout_s: float) -> bool:
+        """Whether it ended within `timeout_s` (a zygote that died reaps nothing: its children died with it)."""
+        end = time.monotonic() + timeout_s
+        while self.returncode() is None:
+            if self._zygote.poll() is not None or time.monotonic() > end:
+                return False
+            time.sleep(0.05)
+        return True
+
     def kill(self) -> None:
         """SIGKILL it unless it ended (or was read) already, and wait until the zygote reaped it."""
-        if self.folder.exists() and self.returncode() is None:
+        if self.folder.exists() and self.returncode() is None and self._zygote.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
-            while self.returncode() is None:
-                time.sleep(0.05)
+            self._ended(30)
 
-    def result(self, timeout_s: float) -> tuple[int, str, str]:
-        """(exit status, stdout, stderr) once it ended; killed after `timeout_s` (then the status is -9)."""
-        end = time.monotonic() + timeout_s
-        while self.returncode() is None and time.monotonic() < end:
-            time.sleep(0.05)
-        self.kill()
+    def result(self, timeout_s: float) -> tuple[int | None, str, str]:
+        """(exit status, stdout, stderr) once it ended; killed after `timeout_s` (then the status is -9). The status
+        is None when the zygote died under it."""
+        if not self._ended(timeout_s):
+            self.kill()
         out = (self.returncode(), *((self.folder / name).read_text(errors="replace") for name in ("out", "err")))
         shutil.rmtree(self.folder, ignore_errors=True)
         return out
 
 
 _ZYGOTES: dict[tuple, subprocess.Popen] = {}
+# what may differ between the children of one zygote besides what `start` is told: pytest's name of the running
+# test (a zygote keyed on it served one test each, and they piled up)
+_PER_TEST_ENV = frozenset({"PYTEST_CURRENT_TEST"})
 
 
 def start(argv: list[str], preload: tuple[str, ...], env: dict[str, str],
@@ -78,7 +89,8 @@ def start(argv: list[str], preload: tuple[str, ...], env: dict[str, str],
     """Fork `python ARGV` (argv starts with "-m" or "-c") with environment `env` from this process's zygote for
     `preload` and `env` (whose `call_time_env` variables may differ between its children)."""
     full_env = dict(env)
-    key = (preload, frozenset((k, v) for k, v in full_env.items() if k not in call_time_env))
+    ignored = call_time_env | _PER_TEST_ENV
+    key = (preload, frozenset((k, v) for k, v in full_env.items() if k not in ignored))
     zygote = _ZYGOTES.get(key)
     if zygote is None or zygote.poll() is not None:
         zygote = subprocess.Popen([sys.executable, "-m", "tests.zygote", *preload], stdin=subprocess.PIPE,
@@ -92,7 +104,7 @@ def start(argv: list[str], preload: tuple[str, ...], env: dict[str, str],
     zygote.stdin.flush()
     answer = zygote.stdout.readline()
     assert answer.startswith("PID "), f"the zygote for {preload} did not fork: {answer!r}"
-    return Started(int(answer.split()[1]), folder)
+    return Started(int(answer.split()[1]), folder, zygote)
 
 
 # what the compile tests' children import first (the seconds are torch's and Triton's; the kernel modules each child
@@ -136,11 +148,14 @@ def _child(command: dict) -> None:
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         os.environ.clear()
         os.environ.update(command["env"])
-        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-        for fd, path in ((1, command["out"]), (2, command["err"])):
-            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, command["out"], os.O_WRONLY | os.O_CREAT),
+                                (2, command["err"], os.O_WRONLY | os.O_CREAT)):
+            opened = os.open(path, flags)
+            os.dup2(opened, fd)
+            os.close(opened)
         random.seed()
         code = _run(command["argv"])
+        threading._shutdown()  # as an interpreter's exit: wait for the child's non-daemon threads, then atexit
         atexit._run_exitfuncs()
     finally:
         sys.stdout.flush()

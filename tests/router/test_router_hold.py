@@ -64,7 +64,8 @@ def test_plain_requests_on_the_only_prefill_are_held_across_its_restart(pair: Wo
 
 def test_a_held_request_ends_as_soon_as_no_worker_of_its_pool_will_come_back(pair: WorkerPair) -> None:
     """The only prefill dies under a request and its supervisor gives up (FAILED: a crash loop): the hold ends then,
-    not `stream_hold_s` later, since nothing comes back until the operator acts."""
+    not `stream_hold_s` later, with the pool's 503 saying so (no Retry-After), since nothing comes back until the
+    operator acts."""
     settings = router_settings(pair.prefill_url, pair.decode_url, stream_hold_s=30, health_check_interval_s=0.2,
                                admin_token=ADMIN_TOKEN)
     settings = settings.model_copy(update={"prefill": [settings.prefill[0].model_copy(
@@ -81,6 +82,7 @@ def test_a_held_request_ends_as_soon_as_no_worker_of_its_pool_will_come_back(pai
                                             "the request in flight on the stalled prefill")
                     os.kill(pair.procs[0].pid, signal.SIGKILL)
                     await asyncio.sleep(1.0)   # held by now: the prefill's connection failed
+                    assert not asked.done(), asked.result().text   # held, not failed at once
                     failed = await client.post(router.url + "/admin/workers/prefill-0/state", headers={
                         "Authorization": f"Bearer {ADMIN_TOKEN}"}, json={"state": "FAILED", "reason": "crash loop"})
                     assert failed.status_code == 200, failed.text
@@ -88,7 +90,12 @@ def test_a_held_request_ends_as_soon_as_no_worker_of_its_pool_will_come_back(pai
                     return await asked, time.monotonic() - told
 
             answer, after_s = asyncio.run(scenario())
-        assert answer.status_code in (502, 503), answer.text
+        assert answer.status_code == 503 and "Retry-After" not in answer.headers, answer.text
+        said = answer.json()["error"]["message"]
+        assert said.startswith("no prefill worker can take requests now (1 of 1 FAILED") and said.endswith(
+            "none will until the operator brings one back"), said
         assert after_s < 5.0, f"the hold went on {after_s:.1f} s after the prefill was reported FAILED"
     finally:
+        if pair.procs[0].poll() is None:   # failed before its kill: restart() starts a dead one again
+            pair.procs[0].kill()
         restart(pair, 0)
