@@ -76,10 +76,10 @@ def run_operation(args: argparse.Namespace) -> int:
             print(f"{args.worker} restarted: {row.state.value}, pid {row.pid}", flush=True)
             return EXIT_OK
         path, note = operations.log_path(args.name)
-        if note:
-            err(note)
+        if note:   # the last cluster's log: nothing writes it any more, so nothing to follow
+            err(f"{note}{' (not followed: nothing writes it any more)' if args.follow else ''}:")
         stop = stop_on_signals()
-        for line in operations.read_log(path, args.lines, args.follow, stop.is_set):
+        for line in operations.read_log(path, args.lines, args.follow and not note, stop.is_set):
             sys.stdout.write(line)
             sys.stdout.flush()
         return EXIT_OK

@@ -64,7 +64,7 @@ def log_path(name: str) -> tuple[str, str | None]:
                     f"{sorted(p.stem for p in logs.glob('*.log'))}" if logs else ""
             raise NotUpError(f"{e}{known}") from None
         ended = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last[1]))
-        return str(logs / f"{name}.log"), f"no cluster is up; the log of the last one, stopped at {ended}:"
+        return str(logs / f"{name}.log"), f"no cluster is up; the log of the last one, stopped at {ended}"
     if name not in rows:
         raise UnknownWorkerError(f"no process named {name!r}; this cluster has {sorted(rows)}")
     return rows[name].log_path, None

@@ -4,6 +4,7 @@ process liveness, kernel verification."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -188,6 +189,12 @@ def test_logs_after_down_read_the_last_clusters_logs(tmp_path: Path, monkeypatch
     assert path == str(run / "logs" / "decode-0.log") and note.startswith("no cluster is up; the log of the last one")
     with pytest.raises(NotUpError, match=r"have none named 'router': \['decode-0'\]"):
         log_path("router")
+    # `-f` on it prints it and ends: following a file nothing writes any more hung until Ctrl-C
+    env = {**os.environ, HOME_ENV: str(tmp_path / "home")}
+    done = subprocess.run([sys.executable, "-m", "dsv4_cluster.orchestrator", "logs", "decode-0", "-f"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (0, "=== start\n"), done.stderr
+    assert "(not followed: nothing writes it any more):" in done.stderr, done.stderr
     (tmp_path / "home" / "current.json").write_text('{"address": 1}')   # a record that cannot be read: say so,
     with pytest.raises(RecordError, match="is invalid"):                  # not an older cluster's log
         log_path("decode-0")
