@@ -57,3 +57,11 @@ def plans_on(monkeypatch):
 
     yield on
     clear()
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The modules that start real clusters (any test marked `slow`) first, the rest after them, each module's tests
+    in their order: `-n 2 --dist loadfile` hands whole modules to the two test processes in this order, and with a
+    cluster module (up to ~4 minutes of one core) among the last, the other core sat idle while it finished."""
+    slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.path not in slow)
