@@ -47,6 +47,16 @@ def free_port(host: str = "0.0.0.0", attempts: int = 200) -> int:
     raise RuntimeError(f"no free port in {PORT_RANGE} after {attempts} attempts")
 
 
+def free_ports(count: int, host: str = "0.0.0.0") -> list[int]:
+    """`count` distinct free ports: `free_port()` twice may give the same one, as nothing holds it between the calls
+    (a prefill given it for its HTTP and its bootstrap server failed to bind the second: a CI run's setup error)."""
+    ports: list[int] = []
+    while len(ports) < count:
+        if (port := free_port(host)) not in ports:
+            ports.append(port)
+    return ports
+
+
 def bound_socket(host: str = "127.0.0.1") -> socket.socket:
     """A socket bound (SO_REUSEADDR) to a free port below 32768, ready to hand to a server."""
     for _ in range(200):

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 
 from .helpers import wait_for
-from .servers import free_port
+from .servers import free_ports
 
 
 @dataclass
@@ -59,7 +59,7 @@ def _wait(url: str, procs: list[subprocess.Popen], logs: list[Path], timeout_s: 
 def start_pair(tmp: Path, extra: list[str] = (), prefill_extra: list[str] = (),
                decode_extra: list[str] = (), env: dict[str, str] | None = None,
                ready_timeout_s: float = 60.0) -> WorkerPair:
-    p_port, b_port, d_port = free_port(), free_port(), free_port()
+    p_port, b_port, d_port = free_ports(3)
     common = ["--host", "127.0.0.1", "--max-total-tokens", "4096", "--context-length", "1024", *extra]
     cmds = [
         [sys.executable, "-m", "dsv4_cluster.workers.prefill", "--port", str(p_port),

@@ -16,7 +16,7 @@ from dsv4_cluster.orchestrator.launch.capacity import embedded_bytes_per_token, 
 from dsv4_cluster.orchestrator.cli.main import main
 from dsv4_cluster.orchestrator.launch.plan import cluster_plans
 from dsv4_cluster.orchestrator.topology.load import load_topology, topology_from_data
-from tests.servers import free_port
+from tests.servers import free_ports
 from tests.worker_procs import _wait
 from dsv4_cluster.workers.kv.pool import KVPool
 from dsv4_cluster.workers.engine.model import ModelConfig
@@ -142,13 +142,13 @@ def test_embedded_bytes_per_token_follow_the_preset_and_device() -> None:
 
 def test_embedded_prediction_equals_server_info(tmp_path: Path) -> None:
     """max_total_tokens 4100 with 16-token pages: 256 whole pages, 4096 tokens, as the worker reports."""
-    port, boot = free_port(), free_port()
+    port, boot, prefill_port = free_ports(3)
     topo = topology_from_data({
         "engine": "embedded", "model": {"name": "dsv4-tiny", "context_length": 1024},
         "cluster": {"run_dir": str(tmp_path)}, "kernels": {"sparse_mla_decode": False, "indexer": False,
                                                           "topk": False},
         "defaults": {"page_size": 16, "max_total_tokens": 4100},
-        "prefill": [{"name": "prefill-0", "port": free_port(), "bootstrap_port": boot}],
+        "prefill": [{"name": "prefill-0", "port": prefill_port, "bootstrap_port": boot}],
         "decode": [{"name": "decode-0", "port": port}]}, source=tmp_path / "t.yaml")
     (_, decode), _ = cluster_plans(topo)
     predicted = predict(topo, topo.worker("decode-0"))

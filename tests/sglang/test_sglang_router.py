@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.servers import free_port
+from tests.servers import free_ports
 from tests.worker_procs import start_pair, stop_pair
 from tests.helpers import wait_serving
 
@@ -36,12 +36,12 @@ def router(tmp_path_factory):
     _need_router()
     tmp = tmp_path_factory.mktemp("sglang-router")
     pair = start_pair(tmp)
-    port = free_port()
+    port, prometheus_port = free_ports(2)
     log = tmp / "router.log"
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--host", "127.0.0.1",
            "--port", str(port), "--prefill", pair.prefill_url, str(pair.bootstrap_port), "--decode",
            pair.decode_url, "--policy", "round_robin", "--worker-startup-timeout-secs", "60",
-           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]   # its default port is fixed
+           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus_port)]   # its default port is fixed
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
