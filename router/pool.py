@@ -58,10 +58,6 @@ class WorkerPool:
         """At least one eligible prefill and one eligible decode: the router can serve."""
         return any(w.eligible for w in self.prefill) and any(w.eligible for w in self.decode)
 
-    def may_serve_again(self) -> bool:
-        """Each pool has a worker eligible now or one that may become so without an operator (`comes_back`)."""
-        return all(any(w.eligible or comes_back(w) for w in workers) for workers in (self.prefill, self.decode))
-
     def answering_pair(self) -> bool:
         """An eligible prefill and decode that both answer (no connection failure since they last did)."""
         return any(w.eligible and w.answering for w in self.prefill) and \
