@@ -1,6 +1,6 @@
 """SGLang 0.5.23's own DeepSeek-V4 decode backend on the CPU: its metadata builders feeding our adapters (CI).
 
-An interpreter per mode (`python -c CHILD`, forked from one that imported SGLang: tests/sglang_zygote.py;
+An interpreter per mode (`python -c CHILD`, forked from one that imported SGLang: tests/zygote.py;
 TRITON_INTERPRET=1 for SGLang's Triton metadata kernels)
 stands up SGLang's backend, pool and decode metadata through bench/sglang_backend_rig.py (the stand-ins are
 in bench/sglang_stand_ins.py, each installer says why; on the CPU also FlashMLA, which is CUDA-only) and runs one window-only, one
