@@ -72,6 +72,10 @@ def test_a_held_request_ends_as_soon_as_no_worker_of_its_pool_will_come_back(pai
         update={"bootstrap_port": pair.bootstrap_port})]})
     try:
         with UvicornThread(build_app(settings)) as router:
+            greedy = {"model": "dsv4-tiny", "messages": [{"role": "user", "content": "after"}], "max_tokens": 8,
+                      "temperature": 0, "ignore_eos": True}
+            before = httpx.post(router.url + "/v1/chat/completions", json=greedy, timeout=60)
+            assert before.status_code == 200, before.text
             httpx.post(pair.prefill_url + "/debug/stall_engine?seconds=3", timeout=5)
 
             async def scenario() -> tuple[httpx.Response, float]:
@@ -90,12 +94,18 @@ def test_a_held_request_ends_as_soon_as_no_worker_of_its_pool_will_come_back(pai
                     return await asked, time.monotonic() - told
 
             answer, after_s = asyncio.run(scenario())
+            restart(pair, 0)    # the operator brings it back: READY again, and it serves the same answer
+            auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+            assert httpx.post(router.url + "/admin/workers/prefill-0/state", headers=auth, timeout=10,
+                              json={"state": "READY", "reason": None}).status_code == 200
+            after = wait_for(lambda: (r := httpx.post(router.url + "/v1/chat/completions", json=greedy,
+                                                      timeout=60)).status_code == 200 and r, 30, "served again")
+            assert after.json()["choices"] == before.json()["choices"], (after.text, before.text)
         assert answer.status_code == 503 and "Retry-After" not in answer.headers, answer.text
         said = answer.json()["error"]["message"]
         assert said.startswith("no prefill worker can take requests now (1 of 1 FAILED") and said.endswith(
             "none will until the operator brings one back"), said
         assert after_s < 5.0, f"the hold went on {after_s:.1f} s after the prefill was reported FAILED"
     finally:
-        if pair.procs[0].poll() is None:   # failed before its kill: restart() starts a dead one again
-            pair.procs[0].kill()
-        restart(pair, 0)
+        if pair.procs[0].poll() is not None:   # failed before the restart above
+            restart(pair, 0)
