@@ -52,6 +52,7 @@ def start_head(log_path: Path, num_cpus: int | None, timeout_s: float,
         "--metrics-export-port", str(metrics), "--runtime-env-agent-port", str(env_agent),
         "--include-dashboard=false", "--disable-usage-stats",
         "--include-log-monitor=false",  # it forwards actor output to drivers, and ours connect with log_to_driver=False
+        "--no-monitor",  # the autoscaler's: nothing here scales nodes (`ray.nodes()` reads the GCS)
     ]
     if num_cpus is not None:
         argv += ["--num-cpus", str(num_cpus)]

@@ -15,6 +15,9 @@ RAY_ENV = {
     "RAY_AUTH_MODE": "disabled",
     "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",  # SIGTERM stops a node at once, no 30 s drain
     "RAY_USAGE_STATS_ENABLED": "0",
+    # no idle worker processes started ahead of the first driver's tasks: every process here is an actor with its
+    # own worker, so those idle ones (one per CPU) only took memory and a CPU-second or two each at every `up`
+    "RAY_prestart_worker_first_driver": "0",
 }
 
 
