@@ -7,9 +7,16 @@ port crash-looped, and `up` failed).
 
 Without a CUDA device, Triton runs through its interpreter: TRITON_INTERPRET is read when a @triton.jit function is
 defined, so it is set here, before any test module of any folder imports a kernel module (a bench test that imported
-one at collection, before the kernel tests' folder was reached, made every interpreter test of its worker fail)."""
+one at collection, before the kernel tests' folder was reached, made every interpreter test of its worker fail).
+
+One OpenMP thread per process, for this process and every process it starts (set before torch loads OpenMP): the
+suite runs two test processes beside the clusters they start, on as few as two cores, and torch's default of one
+thread per core had its idle threads spin for cores the others needed (the kernel-path tests took 66 CPU-seconds
+with the default, 26 with one thread). The embedded workers already run one thread each (`workers/http/server.py`)."""
 
 import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch

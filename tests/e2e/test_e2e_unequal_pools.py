@@ -1,5 +1,5 @@
 """A cluster whose decode pool is 8x its prefill's (2,048 vs 16,384 tokens: decode holds every running request's KV,
-the usual shape in production) serves 24 concurrent requests of 300 prompt + 300 output tokens through the router:
+the usual shape in production) serves 24 concurrent requests of 300 prompt + 100 output tokens through the router:
 no errors, every reply's tokens and text byte-for-byte those of a single-process run. The decode holds more tokens
 at once than the prefill's whole pool, so pages above the prefill's pool size are written into (the case the
 prepared descriptor lists once got wrong: every such WRITE failed).
@@ -24,7 +24,7 @@ from tests.helpers import kv_used
 
 pytestmark = pytest.mark.slow
 TOK = ByteTokenizer()
-PREFILL_TOKENS, DECODE_TOKENS, CONCURRENCY, PROMPT, OUTPUT = 2048, 16384, 24, 300, 300
+PREFILL_TOKENS, DECODE_TOKENS, CONCURRENCY, PROMPT, OUTPUT = 2048, 16384, 24, 300, 100
 DISTINCT = 8    # 8 prompts, 3 requests each: the single-process oracle runs 8 times, not 24
 
 
