@@ -42,9 +42,10 @@ CONTROLLER_CONCURRENCY = 8
 logger = logging.getLogger(__name__)
 
 
-def _spec(topology: Any, admin_token: str) -> ClusterSpec:
+def _spec(topology: Any, admin_token: str, new_head: bool) -> ClusterSpec:
     workers, router = cluster_plans(topology)
     problems = preflight(topology, [*workers, router])
+    problems += ray_cluster.beyond_a_new_head(topology, [*workers, router]) if new_head else []
     if problems:
         raise PreflightError(problems)
     return ClusterSpec(
@@ -83,9 +84,9 @@ def up(topology_path: str, options: UpOptions) -> UpResult:
         raise AlreadyUpError(f"a cluster is already up ({existing.topology_path}, "
                              f"{existing.endpoint}); run `dsv4-cluster down` first")
     admin_token = new_admin_token()
-    spec = _spec(topology, admin_token)
-    run_dir = topology.run_dir_path
     address = options.address or topology.cluster.address
+    spec = _spec(topology, admin_token, new_head=address is None)
+    run_dir = topology.run_dir_path
     head = None
     _INTERRUPTED.clear()
     _interrupt_on_sigterm()

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import ray
 
@@ -136,6 +137,20 @@ def disconnect() -> None:
 
 def head_alive(head: HeadProcess) -> bool:
     return bool(group_members(head.pid))
+
+
+def beyond_a_new_head(topology: Any, plans: list[Any]) -> list[str]:
+    """One line per process that a Ray head `up` starts could never place: that head is the only node of its cluster
+    (this machine at HEAD_HOST, which no other machine can join), and Ray places a process by its node's IP."""
+    problems = []
+    for plan in plans:
+        address = topology.node(plan.node).address
+        if ray_node_ip(address) != HEAD_HOST:
+            problems.append(f"{plan.name}: node {plan.node!r} ({address}) is not this machine at {HEAD_HOST}, the only "
+                            f"node of the Ray head `up` starts; start Ray on every node (`ray start --head` here, "
+                            f"`ray start --address <head>` on {address}) and pass the head's address to `up --address` "
+                            f"or cluster.address")
+    return problems
 
 
 def ray_node_ip(address: str) -> str:

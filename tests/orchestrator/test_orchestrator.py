@@ -282,9 +282,13 @@ def test_a_node_missing_from_ray_fails_up_before_any_process_starts(tmp_path: Pa
     topo.write_text(text + "nodes:\n  - {name: local, address: 127.0.0.1}\n"
                            "  - {name: far, address: 10.255.0.9}\n")
     r = _run(tmp_path, "up", str(topo))
-    assert r.returncode == 1, r.stdout + r.stderr
-    assert "decode-0: node 'far' (10.255.0.9) is not in the Ray cluster" in r.stderr
+    assert r.returncode == 2, r.stdout + r.stderr        # found before a Ray head starts: no machine joins a new one
+    assert "cannot start on this machine; nothing was started:\n" in r.stderr, r.stderr
+    problems = r.stderr.split("nothing was started:\n")[1].strip().splitlines()   # decode-0's only: the rest is local
+    assert len(problems) == 1 and problems[0].startswith("decode-0: node 'far' (10.255.0.9) is not this machine at "
+                                                         "127.0.0.1, the only node of the Ray head `up` starts"), problems
     assert not (tmp_path / "run" / "logs" / "prefill-0.log").exists()
+    assert not (tmp_path / "run" / "logs" / "ray-head.log").exists()
     assert not (tmp_path / "home" / "current.json").exists()
 
 
