@@ -53,7 +53,8 @@ def start_head(log_path: Path, num_cpus: int | None, timeout_s: float,
         "--metrics-export-port", str(metrics), "--runtime-env-agent-port", str(env_agent),
         "--include-dashboard=false", "--disable-usage-stats",
         "--include-log-monitor=false",  # it forwards actor output to drivers, and ours connect with log_to_driver=False
-        "--no-monitor",  # the autoscaler's: nothing here scales nodes (`ray.nodes()` reads the GCS)
+        # the autoscaler monitor stays (no --no-monitor): nothing here scales, but without it `ray status` answers
+        # "No cluster status", and an operator's first look at a Ray cluster is that command
     ]
     if num_cpus is not None:
         argv += ["--num-cpus", str(num_cpus)]
