@@ -27,8 +27,7 @@ from dsv4_cluster.orchestrator.supervise.controller import (
 from dsv4_cluster.orchestrator.errors import (
     CLEAN_UP, AlreadyUpError, ClusterStartError, ForeignControllerError, NotUpError, PreflightError, RayClusterError)
 from dsv4_cluster.orchestrator.cluster.options import DownOptions, UpOptions
-from dsv4_cluster.orchestrator.launch.plan import (
-    cluster_plans, endpoint, requested_kernels)
+from dsv4_cluster.orchestrator.launch.plan import cluster_plans, endpoint, requested_kernels
 from dsv4_cluster.orchestrator.processes import group_members, pid_alive, signals_held, stop_on_signals
 from dsv4_cluster.orchestrator.launch.preflight import preflight
 from dsv4_cluster.orchestrator.cluster.record import (
@@ -114,7 +113,7 @@ def up(topology_path: str, options: UpOptions) -> UpResult:
         except (RayTaskError, RayActorError) as e:
             raise ClusterStartError(_start_failure(e)) from e
         _check_interrupt()
-        verification = _verify(topology, started)
+        verification = _verify(topology, started, controller)
         _check_interrupt()
         return UpResult(started, verification=verification)
     except BaseException as e:
@@ -140,12 +139,17 @@ def _start_failure(err: BaseException) -> str:
     return cause_text(err)
 
 
-def _verify(topology: Any, status: ClusterStatus) -> str:
-    """End-to-end check once everything is READY (`verify/sequence.py`); raises ClusterStartError on failure."""
+def _verify(topology: Any, status: ClusterStatus, controller: Any) -> str:
+    """End-to-end check once everything is READY (`verify/sequence.py`); raises ClusterStartError on failure, in our
+    words when `down` stopped the cluster meanwhile (the checks' requests then fail on its closed ports)."""
     report = verify_cluster(topology, status.pids())
-    if not report.ok:
-        raise ClusterStartError(report.summary())
-    return report.summary()
+    if report.ok:
+        return report.summary()
+    try:
+        stopped = ray.get(controller.stopping.remote(), timeout=30)
+    except (RayTaskError, RayActorError, GetTimeoutError) as e:
+        stopped = _start_failure(e) == STOPPED_BY_DOWN   # `down` kills the controller once it stopped the rest
+    raise ClusterStartError(STOPPED_BY_DOWN if stopped else report.summary())
 
 
 def verify() -> VerifyReport:
@@ -192,8 +196,7 @@ def _abandon(controller: Any, spec: ClusterSpec) -> None:
 
 
 def kill_supervisors(namespace: str, workers: list[str]) -> list[str]:
-    """Kill the named supervisor actors of `workers` (their processes die with them); for a controller
-    that is gone, whose `stop` cannot. Returns the names found."""
+    """Kill the named supervisor actors of `workers` (their processes die with them): for a gone controller's."""
     found = []
     for worker in workers:
         try:

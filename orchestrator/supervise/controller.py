@@ -130,10 +130,9 @@ class ClusterController:
             self._prober.start()
 
     def _node_resource(self, node: str) -> str:
-        """The Ray resource that places an actor on topology node `node`: `dsv4-node:<name>` when
-        the Ray cluster's nodes carry such labels (several Ray nodes may share an address, e.g. on
-        one machine), else Ray's built-in `node:<ip>` of the node's address (a hostname resolved: Ray names its
-        nodes by IP)."""
+        """The Ray resource that places an actor on topology node `node`: `dsv4-node:<name>` when the Ray cluster's
+        nodes carry such labels (several Ray nodes may share an address, e.g. on one machine), else Ray's built-in
+        `node:<ip>` of the node's address (a hostname resolved: Ray names its nodes by IP)."""
         labelled = {r for n in ray.nodes() if n.get("Alive") for r in n.get("Resources", {})
                     if r.startswith(NODE_LABEL_PREFIX)}
         if labelled:
@@ -206,9 +205,8 @@ class ClusterController:
         if failures:
             stopped_by_down = self._stopping   # a stop from outside (`down`) while starting, not a failure
             self.stop(deadline_s=10.0)
-            if stopped_by_down:
-                raise ClusterStartError(STOPPED_BY_DOWN)
-            raise ClusterStartError("the cluster did not come up:\n" + "\n".join(failures))
+            raise ClusterStartError(STOPPED_BY_DOWN if stopped_by_down
+                                    else "the cluster did not come up:\n" + "\n".join(failures))
         self._set_targets(started=self._names())
         status = self.status()  # read before the deep probe starts: its request in flight would show as KV in use
         self._prober = DeepProber(self._spec.workers, self._spec.probe_interval_s, ready=self._ready)
@@ -318,6 +316,9 @@ class ClusterController:
         """(host, pid) of every process of this cluster: controller, supervisors, workers."""
         refs = [a.pids.options(max_task_retries=READ_RETRIES).remote() for a in dict(self._supervisors).values()]
         return [(socket.gethostname(), os.getpid())] + [p for r in refs for p in ray.get(r, timeout=30)]
+
+    def stopping(self) -> bool:  # `up` asks when its checks fail after this `up` returned: did `down` stop it?
+        return self._stopping
 
     def stop(self, deadline_s: float) -> list[str]:
         """Router first, then every worker at once: SIGTERM, SIGKILL after `deadline_s`; returns what failed."""

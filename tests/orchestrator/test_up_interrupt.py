@@ -8,8 +8,10 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from dsv4_cluster.orchestrator.errors import ClusterStartError
 from dsv4_cluster.orchestrator.launch.ports import port_is_free
 
 from bench.local_cluster import CLI, write_topology
@@ -131,3 +133,33 @@ def test_a_controller_down_killed_before_its_up_answered_is_said_in_our_words() 
     crashed = RayActorError(error_msg="The actor died unexpectedly before finishing this task.\nThe actor is dead "
                             "because its worker process has died.")
     assert "its worker process has died" in _start_failure(crashed)   # anything else: Ray's own account
+
+
+def test_down_during_ups_checks_is_said_in_our_words(monkeypatch) -> None:
+    """A third order (failed a CI run at -n 3): `down` stopped the cluster after the controller's `up` returned, while
+    `up` ran its checks; the throughput probe then met a closed port. `up` asks the controller whether `stop` ran."""
+    from ray.exceptions import RayActorError
+
+    from dsv4_cluster.orchestrator.cluster import deployment
+    from dsv4_cluster.orchestrator.verify.sequence import VerifyReport
+
+    failed = VerifyReport(problems=["throughput probe failed: [Errno 111] Connection refused"])
+    monkeypatch.setattr(deployment, "verify_cluster", lambda topology, pids: failed)
+    answers: list = []
+
+    def get(ref, timeout):   # the fake controller's `stopping.remote()` hands back the answer itself
+        if isinstance(ref, BaseException):
+            raise ref
+        return ref
+
+    monkeypatch.setattr(deployment.ray, "get", get)
+    controller = SimpleNamespace(stopping=SimpleNamespace(remote=lambda: answers[-1]))
+    status = SimpleNamespace(pids=dict)
+    for answer, said in [(True, "`dsv4-cluster down` stopped the cluster while it was starting"),
+                         (RayActorError(error_msg="The actor is dead because it was killed by `ray.kill`."),
+                          "`dsv4-cluster down` stopped the cluster while it was starting"),
+                         (False, failed.summary())]:
+        answers.append(answer)
+        with pytest.raises(ClusterStartError) as e:
+            deployment._verify(None, status, controller)
+        assert str(e.value) == said
