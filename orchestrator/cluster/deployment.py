@@ -43,8 +43,8 @@ logger = logging.getLogger(__name__)
 
 def _spec(topology: Any, admin_token: str, new_head: bool) -> ClusterSpec:
     workers, router = cluster_plans(topology)
-    problems = preflight(topology, [*workers, router])
-    problems += ray_cluster.beyond_a_new_head(topology, [*workers, router]) if new_head else []
+    plans = [*workers, router]
+    problems = preflight(topology, plans) + (ray_cluster.beyond_a_new_head(topology, plans) if new_head else [])
     if problems:
         raise PreflightError(problems)
     return ClusterSpec(
