@@ -33,6 +33,7 @@ from dsv4_cluster.orchestrator.monitor.targets import listed, record_targets
 from dsv4_cluster.orchestrator.supervise.router_admin import (
     RouterAdmin, RouterAdminError, RouterLink, reason_line)
 from dsv4_cluster.orchestrator.supervise.row_store import RowStore
+from dsv4_cluster.orchestrator.supervise.start_wait import cause_text, wait_started
 from dsv4_cluster.orchestrator.supervise.status_push import ControllerSink
 from dsv4_cluster.orchestrator.supervise.supervisor import WorkerSupervisor
 from dsv4_cluster.orchestrator.verify.sequence import verify_kernels
@@ -84,12 +85,6 @@ class Drained:
 
 
 STOPPED_BY_DOWN = "`dsv4-cluster down` stopped the cluster while it was starting"
-
-
-def cause_text(err: BaseException) -> str:
-    if isinstance(err, RayTaskError):
-        return str(err.cause) if err.cause is not None else str(err)
-    return str(err)
 
 
 class ClusterController:
@@ -183,13 +178,9 @@ class ClusterController:
         return actor
 
     def _start_all(self, plans: list[LaunchPlan], timeout_s: float) -> list[str]:
-        refs = {p.name: self._supervisor(p).start.remote(timeout_s) for p in plans}
-        failures = []
-        for name, ref in refs.items():
-            try:
-                self._rows.put(ray.get(ref))
-            except (RayTaskError, RayActorError) as e:
-                failures.append(f"{name}: {cause_text(e)}")
+        rows, failures = wait_started({p.name: self._supervisor(p).start.remote(timeout_s) for p in plans})
+        for row in rows:
+            self._rows.put(row)
         return failures
 
     def up(self, timeout_s: float) -> ClusterStatus:

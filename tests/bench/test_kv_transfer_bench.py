@@ -36,17 +36,30 @@ def _children(pid: int) -> set[int]:
     return out
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("pages", ["fresh", "churned", "scattered", "cache"])
-def test_the_benchmark_moves_the_pages_bytes_and_reports_every_ratio(tmp_path, pages):
-    out = tmp_path / "kvx"
+PAGE_STATES = ["fresh", "churned", "scattered", "cache"]
+
+
+@pytest.fixture(scope="module")
+def all_states(tmp_path_factory) -> tuple[Path, Path, int, set[int]]:
+    """One command over the four page states (what the GPU run does: a pair of sides per state, one JSON keyed by
+    state, one table each): its output prefix, its logs folder, its exit status and the processes it left."""
+    tmp = tmp_path_factory.mktemp("kvx")
     before = _children(os.getpid())
-    rc = kv_transfer.main(["--out", str(out), "--logs", str(tmp_path / "logs"), "--sizes", "1024,2048",
-                           "--repeats", "3", "--warmup", "1", "--page-size", str(PAGE), "--timeout-s", "90",
-                           "--pages", pages, "--churn-cycles", "300"])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("NIXL_TELEMETRY_ENABLE", raising=False)   # the sides keep NIXL's telemetry only when asked to
+        rc = kv_transfer.main(["--out", str(tmp / "kvx"), "--logs", str(tmp / "logs"), "--sizes", "1024,2048",
+                               "--repeats", "3", "--warmup", "1", "--page-size", str(PAGE), "--timeout-s", "90",
+                               "--pages", ",".join(PAGE_STATES), "--churn-cycles", "300"])
+    return tmp / "kvx", tmp / "logs", rc, _children(os.getpid()) - before
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("pages", PAGE_STATES)
+def test_the_benchmark_moves_the_pages_bytes_and_reports_every_ratio(all_states, pages):
+    out, logs, rc, left = all_states
     assert rc == 0
-    assert _children(os.getpid()) - before == set()           # both sides exited (or were killed) with the run
-    report = json.loads(out.with_suffix(".json").read_text())
+    assert left == set()           # every side exited (or was killed) with the run
+    report = json.loads(out.with_suffix(".json").read_text())[pages]
     pool = report["pool"]
     page_bytes = pool["page_bytes"]
     assert pool["layout"]["page_size"] == PAGE and pool["buffer_dtypes"] == ["float32"]   # the CPU engine's rows
@@ -87,9 +100,7 @@ def test_the_benchmark_moves_the_pages_bytes_and_reports_every_ratio(tmp_path, p
         assert state["churn_cycles"] == 300 and 0.8 <= state["occupancy"] <= 0.95, state
         decode = pool["state"]["decode"]
         assert decode["pages"] == pages and 0.85 <= decode["occupancy"] <= 0.9, decode
-    md = out.with_suffix(".md").read_text()
-    assert "| 2048 |" in md and "UCX transports of the WRITEs" in md and "FAILED" not in md
-    assert (tmp_path / "logs" / pages / "prefill.log").exists() and (tmp_path / "logs" / pages / "decode.log").exists()
+    assert (logs / pages / "prefill.log").exists() and (logs / pages / "decode.log").exists()
 
 
 UCX_LOG = """\
@@ -183,36 +194,32 @@ def test_bad_flags_are_refused_by_name(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.timeout(180)
-def test_several_page_states_in_one_command_write_one_report_per_state(tmp_path):
-    """What the GPU run uses: one command, one pair of sides per state, one JSON keyed by state, one table each."""
-    out = tmp_path / "kvx"
-    rc = kv_transfer.main(["--out", str(out), "--sizes", "1024", "--repeats", "1", "--warmup", "0",
-                           "--pages", "fresh,cache", "--churn-cycles", "100", "--timeout-s", "90"])
+@pytest.mark.timeout(300)
+def test_one_command_writes_one_report_and_one_table_per_state_in_order(all_states):
+    out, _, rc, _ = all_states
     assert rc == 0
     reports = json.loads(out.with_suffix(".json").read_text())
-    assert list(reports) == ["fresh", "cache"]
-    assert [r["config"]["pages"] for r in reports.values()] == ["fresh", "cache"]
-    assert all(r["checks"]["ok"] for rep in reports.values() for r in rep["sizes"])
+    assert list(reports) == PAGE_STATES
+    assert [r["config"]["pages"] for r in reports.values()] == PAGE_STATES
     md = out.with_suffix(".md").read_text()
-    assert md.count("UCX transports of the WRITEs") == 2 and "pages: cache" in md
+    assert md.count("UCX transports of the WRITEs") == 4 and md.count("| 2048 |") == 4 and "FAILED" not in md
+    assert [line.split("pages: ")[1].split(",")[0] for line in md.splitlines() if "pages: " in line] == PAGE_STATES
+    for state in PAGE_STATES:   # without --nixl-telemetry none of it is recorded
+        assert all("engine_nixl_telemetry" not in r for r in reports[state]["sizes"])
+    assert "NIXL telemetry" not in md
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("telemetry", [True, False], ids=["nixl-telemetry", "none"])
-def test_nixl_telemetry_of_every_timed_write_is_kept_and_tabled_when_asked_for(tmp_path, monkeypatch, telemetry):
+def test_nixl_telemetry_of_every_timed_write_is_kept_and_tabled_when_asked_for(tmp_path):
     """--nixl-telemetry: each timed engine and raw WRITE's NIXL post and xfer durations and descriptor count, read
-    before the handle goes (the engine's through NixlTransfer.poll's hook); without it, none of that is recorded."""
-    monkeypatch.delenv("NIXL_TELEMETRY_ENABLE", raising=False)
+    before the handle goes (the engine's through NixlTransfer.poll's hook); without it, none of that is recorded
+    (the four-state run above)."""
     out = tmp_path / "kvx"
     rc = kv_transfer.main(["--out", str(out), "--sizes", "1024", "--repeats", "3", "--warmup", "1",
-                           "--timeout-s", "90", *(["--nixl-telemetry"] if telemetry else [])])
+                           "--timeout-s", "90", "--nixl-telemetry"])
     assert rc == 0
     report = json.loads(out.with_suffix(".json").read_text())
     row, md = report["sizes"][0], out.with_suffix(".md").read_text()
-    if not telemetry:
-        assert "engine_nixl_telemetry" not in row and "NIXL telemetry" not in md
-        return
     for m, descs in (("engine", report["pool"]["regions"]), ("raw", 1)):   # a fresh pool: one run, merged
         t = row[f"{m}_nixl_telemetry"]
         assert t["n"] == 3 and t["descs"] == [descs] and 0 <= t["post_us_p50"] <= t["xfer_us_p50"]
