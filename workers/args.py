@@ -133,7 +133,7 @@ def _device_problems(args: WorkerArgs) -> list[str]:
 
 
 def _kv_problems(args: WorkerArgs, cfg) -> list[str]:
-    """--kv-cache-dtype and --page-size against the preset's KV layout (`kv.pool.PoolLayout.problems`)."""
+    """--kv-cache-dtype and --page-size against the preset's KV layout (`kv.layout.PoolLayout.problems`)."""
     from .engine.presets import KVDtypeError, kv_layout_dtype, pool_layout
 
     try:

@@ -20,26 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..fp8_v4_sizes import (BYTES_PER_TOKEN, DIM, NOPE_DIMS, NUM_TILES, PAGE_STRIDE, PAGE_TOKENS,  # noqa: F401
+                            RECORD_BYTES, ROPE_DIMS, SCALE_BYTES, SCALES_OFFSET, TILE, page_stride_for)
 from .checks import SparseDecodeInputError
 
-PAGE_TOKENS = 64
-DIM = 512
-NOPE_DIMS = 448
-ROPE_DIMS = 64
-TILE = 64
-NUM_TILES = NOPE_DIMS // TILE  # 7
-RECORD_BYTES = NOPE_DIMS + 2 * ROPE_DIMS  # 576
-SCALE_BYTES = NUM_TILES + 1  # 8
-BYTES_PER_TOKEN = RECORD_BYTES + SCALE_BYTES  # 584
-SCALES_OFFSET = PAGE_TOKENS * RECORD_BYTES  # 36,864
-PAGE_STRIDE = -(-PAGE_TOKENS * BYTES_PER_TOKEN // RECORD_BYTES) * RECORD_BYTES  # 37,440
 E4M3_MAX = 448.0
 AMAX_FLOOR = 1e-4
-
-
-def page_stride_for(page_tokens: int) -> int:
-    """Bytes per page of `page_tokens` tokens: records and scales, padded to a multiple of 576 B."""
-    return -(-page_tokens * BYTES_PER_TOKEN // RECORD_BYTES) * RECORD_BYTES
 
 
 @dataclass(frozen=True)

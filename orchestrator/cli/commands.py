@@ -243,9 +243,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "up":
         # A process-directed SIGTERM lands on any thread that does not block it, and inside ray.init (where `up` holds
-        # the signals on this thread) Ray's C++ handler, which dumps and exits, takes it: torch's import (the topology's
-        # checks need it) starts the one thread that exists before that, so it starts with the signals blocked and
-        # keeps them so (Ray's threads start inside the hold): every SIGTERM reaches `up`'s handler, which cleans up.
+        # the signals on this thread) Ray's C++ handler, which dumps and exits, takes it: torch's import (the PD check's
+        # single-process run needs it) starts the one thread that exists before that, so it starts with the signals
+        # blocked and keeps them so (Ray's threads start in the hold): every SIGTERM reaches `up`'s handler, which
+        # cleans up.
         with signals_held():
             import torch  # noqa: F401
     if args.command == "plan":

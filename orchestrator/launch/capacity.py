@@ -41,7 +41,7 @@ def embedded_bytes_per_token(preset: str = "tiny", device: str = "cpu", kv_cache
     """Bytes of the embedded pool per token of capacity for the worker's model preset, in the layout its
     --kv-cache-dtype gives on that device (auto: float32 on cpu; on cuda fp8 for flash, bf16 for tiny): one
     page's bytes over every buffer (fp8 pages with their padding, each layer's compression ratio) over its
-    tokens, the pool's own formula (`kv.pool.PoolLayout.page_bytes`)."""
+    tokens, the pool's own formula (`kv.layout.PoolLayout.page_bytes`)."""
     from dsv4_cluster.workers.engine.presets import kv_bytes_per_token, kv_layout_dtype, model_config
 
     cfg = model_config(preset)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -179,3 +181,18 @@ def test_status_shows_predicted_capacity_and_flags_a_miss_over_5_percent() -> No
     assert (prefill.kv_predicted_tokens, prefill.error) == (16384, None)
     assert decode.error == "KV capacity 15000 tokens differs from the predicted 16384 by 8% (over 5%)"
     assert router.kv_predicted_tokens is None
+
+
+@pytest.mark.parametrize("topology", ["topology.yaml", "examples/local.yaml"])
+def test_plan_and_install_service_import_neither_torch_nor_ray(topology: str, tmp_path: Path) -> None:
+    """The commands that only read a topology answer in well under a second: torch's import alone takes seconds (the
+    embedded presets and the KV layouts they check are torch-free: `kv/layout.py`, `engine/config.py`)."""
+    code = ("import contextlib, io, sys\n"
+            "from dsv4_cluster.orchestrator.cli.main import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+            f"    codes = [main(['plan', {str(REPO / topology)!r}]),\n"
+            f"             main(['install-service', {str(REPO / topology)!r}, '--dry-run'])]\n"
+            "print(codes, sorted({'torch', 'ray'} & set(sys.modules)))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "DSV4_CLUSTER_HOME": str(tmp_path)})
+    assert out.stdout.strip() == "[0, 0] []", out.stdout + out.stderr

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..kv.pool import FP8, PoolLayout
-from .model import DENSE_RATIO, ModelConfig
+from ..kv.layout import FP8, PoolLayout
+from .config import DENSE_RATIO, ModelConfig
 
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(),

@@ -9,49 +9,16 @@ import torch
 
 from ...kernels.indexer.fp8_keys import dequantize_keys, quantize_keys
 from ...kernels.sparse_mla_decode.fp8_layout import (DIM, RECORD_BYTES, SCALE_BYTES, PageGeometry, decode_records,
-                                                     page_stride_for, quantize_records)
+                                                     quantize_records)
+from .layout import KEY_SCALE_BYTES, keys_page_bytes, rows_page_bytes  # noqa: F401
 
-KEY_SCALE_BYTES = 4
 ALIGN = 16          # bytes: every buffer of a page starts on this boundary (vector loads, TMA)
-
-
-def layout_problems(page_size: int, head_dim: int, index_dim: int) -> list[str]:
-    out = []
-    if head_dim != DIM:
-        out.append(f"the fp8 KV layout holds {DIM}-dim rows (448 e4m3 + 64 bf16 RoPE dims), this model's are "
-                   f"{head_dim}: use --kv-cache-dtype auto, or the flash preset")
-    if page_size < 1 or page_size & (page_size - 1):
-        out.append(f"the fp8 KV layout's pages hold a power of two of tokens (SGLang: 256); got page_size {page_size}")
-    if index_dim % 4:
-        out.append(f"fp8 index keys need index_dim % 4 == 0; got {index_dim}")
-    return out
 
 
 def geometry(buf: torch.Tensor, rows_per_page: int) -> PageGeometry:
     """Where a slot's bytes lie in `buf`, a rows buffer of `rows_per_page` rows per page (its stride(0) is the
     page stride: the pool's region page, see `page_major`)."""
     return PageGeometry(rows_per_page, buf.stride(0))
-
-
-def page_bytes(page_size: int, ratios: tuple[int, ...], indexed_ratio: int, index_dim: int) -> int:
-    """Bytes of one pool page over every layer's buffers (padding included)."""
-    total = 0
-    for r in ratios:
-        e = page_size // r
-        total += page_stride_for(page_size) + page_stride_for(e)
-        if r == indexed_ratio:
-            total += e * (index_dim + KEY_SCALE_BYTES)
-    return total
-
-
-def rows_page_bytes(rows_per_page: int) -> int:
-    """Bytes of one page of a rows buffer (records, scale rows, padding to a multiple of 576 B)."""
-    return page_stride_for(rows_per_page)
-
-
-def keys_page_bytes(entries: int, index_dim: int) -> int:
-    """Bytes of one page of an index-keys buffer (e4m3 keys, then one fp32 scale per key)."""
-    return entries * (index_dim + KEY_SCALE_BYTES)
 
 
 def page_major(num_pages: int, sizes: list[int], device) -> tuple[torch.Tensor, list[torch.Tensor]]:

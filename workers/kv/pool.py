@@ -8,83 +8,17 @@ per token), `comp` (a row per compressed entry) and, on ratio-4 layers, `index_k
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from . import fp8 as kv_fp8
+from .layout import FP8, PoolLayout, PoolLayoutError, keys_page_bytes, rows_page_bytes  # noqa: F401
 from .page_alloc import PageAllocator
-
-FP8 = "fp8_e4m3"
 
 
 class PoolExhausted(RuntimeError):
     """Not enough free pages right now (the caller queues the request and retries)."""
-
-
-class PoolLayoutError(ValueError):
-    """A pool layout that cannot hold this model's KV (the message says which flag to change)."""
-
-
-@dataclass(frozen=True)
-class PoolLayout:
-    """What prefill and decode must agree on before KV pages can move between them."""
-
-    page_size: int
-    num_pages: int
-    n_layers: int
-    head_dim: int
-    index_dim: int
-    ratio: int                           # the indexed (top-k) layers' compression ratio
-    dtype: str                           # float32 | bfloat16 | fp8_e4m3
-    layer_ratios: tuple[int, ...] = ()   # each layer's ratio (() = every layer `ratio`)
-
-    def __post_init__(self):
-        object.__setattr__(self, "layer_ratios", tuple(self.layer_ratios))   # a list after a JSON round trip
-
-    @property
-    def ratios(self) -> tuple[int, ...]:
-        return self.layer_ratios or (self.ratio,) * self.n_layers
-
-    @property
-    def entries_per_page(self) -> int:
-        return self.page_size // self.ratio
-
-    def indexed(self, layer: int) -> bool:
-        """Whether the layer picks its entries by indexer + top-k (else it attends to every entry)."""
-        return self.ratios[layer] == self.ratio
-
-    def compatible(self, other: "PoolLayout") -> list[str]:
-        """Names of the fields (all but capacity) on which two pools disagree."""
-        keys = ("page_size", "n_layers", "head_dim", "index_dim", "ratios", "dtype")
-        return [k for k in keys if getattr(self, k) != getattr(other, k)]
-
-    def problems(self) -> list[str]:
-        out = []
-        for r in sorted(set(self.ratios)):
-            if self.page_size % r:
-                hint = "; SGLang runs DeepSeek-V4 with 256-token pages" if r > self.ratio else ""
-                out.append(f"page_size {self.page_size} must be a multiple of the compression ratio {r} of layer "
-                           f"{self.ratios.index(r)}{hint}")
-        if len(self.ratios) != self.n_layers:
-            out.append(f"{len(self.ratios)} layer ratios for {self.n_layers} layers")
-        if self.dtype == FP8:
-            out += kv_fp8.layout_problems(self.page_size, self.head_dim, self.index_dim)
-        return out
-
-    @property
-    def page_bytes(self) -> int:
-        """Bytes one page occupies across every buffer (`KVPool.page_bytes` measures the same on the tensors)."""
-        if self.dtype == FP8:
-            return kv_fp8.page_bytes(self.page_size, self.ratios, self.ratio, self.index_dim)
-        element_size = torch.empty(0, dtype=getattr(torch, self.dtype)).element_size()
-        total = 0
-        for li, r in enumerate(self.ratios):
-            e = self.page_size // r
-            keys = e * self.index_dim if self.indexed(li) else 0
-            total += self.page_size * self.head_dim + e * self.head_dim + keys
-        return total * element_size
 
 
 class KVPool:
@@ -102,9 +36,9 @@ class KVPool:
             sizes = []
             for li, r in enumerate(layout.ratios):
                 e = ps // r
-                sizes += [kv_fp8.rows_page_bytes(ps), kv_fp8.rows_page_bytes(e)]
+                sizes += [rows_page_bytes(ps), rows_page_bytes(e)]
                 if layout.indexed(li):
-                    sizes.append(kv_fp8.keys_page_bytes(e, layout.index_dim))
+                    sizes.append(keys_page_bytes(e, layout.index_dim))
             self.region, views = kv_fp8.page_major(n, sizes, device)
             views.reverse()
         for li, r in enumerate(layout.ratios):
