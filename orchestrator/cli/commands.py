@@ -14,7 +14,7 @@ from typing import Any
 
 from dsv4_cluster.core import ClusterStatus, WorkerState
 from dsv4_cluster.orchestrator.cli.ops import (
-    WATCH_INTERVAL_S, add_operation_commands, err as _err, run_operation, watch_status)
+    WATCH_INTERVAL_S, add_operation_commands, err as _err, logs_without_ray, run_operation, watch_status)
 from dsv4_cluster.orchestrator.errors import (
     AlreadyUpError, ClusterStartError, NotUpError, PreflightError, RayClusterError)
 from dsv4_cluster.orchestrator.load import sweep
@@ -25,12 +25,13 @@ from dsv4_cluster.orchestrator.cluster.ray_env import prepare_ray_env
 from dsv4_cluster.orchestrator.launch.sglang_capacity import GpuInputs
 from dsv4_cluster.orchestrator.cli.table import endpoint_status, print_status, render_table
 from dsv4_cluster.kernels.dispatch import GPU_CLASSES, DispatchError
-from dsv4_cluster.orchestrator.cluster.record import RecordError, read_record, record_path
+from dsv4_cluster.orchestrator.cluster.record import RecordError, no_record, read_record, record_path
 from dsv4_cluster.orchestrator.processes import signals_held, stop_on_signals
 from dsv4_cluster.orchestrator.topology.load import TopologyError, load_topology
 
 EXIT_OK, EXIT_FAILED, EXIT_UNFIT = 0, 1, 2
 EXIT_INTERRUPTED = 128 + 15
+ON_A_CLUSTER = frozenset({"status", "verify", "down", "drain", "restart", "logs"})   # they need a recorded cluster
 FOREGROUND_CHECK_S = 5.0
 
 
@@ -257,6 +258,17 @@ def main(argv: list[str] | None = None) -> int:
         return monitor.main(args)
     if args.command == "bench":
         return sweep.main(args)
+    none_recorded = no_record() if args.command in ON_A_CLUSTER else None
+    if none_recorded is not None and args.command != "logs":   # said as the Ray paths say it, without Ray's import
+        if args.command == "down":
+            _err(f"{none_recorded}; nothing to stop")
+            return EXIT_OK
+        _err(str(none_recorded))
+        return EXIT_FAILED
+    if args.command == "logs":
+        code = logs_without_ray(args, none_recorded)
+        if code is not None:
+            return code
     prepare_ray_env(_ray_address(args))
     from dsv4_cluster.orchestrator.cluster import deployment  # imports Ray: only after prepare_ray_env
 

@@ -12,7 +12,9 @@ from typing import Any, Callable
 
 from dsv4_cluster.core import ClusterStatus, Role, WorkerState
 from dsv4_cluster.orchestrator.errors import ClusterStartError, NotUpError, RayClusterError, UnknownWorkerError
+from dsv4_cluster.orchestrator.cluster.log_files import last_run_log, log_of, read_log
 from dsv4_cluster.orchestrator.cluster.options import DownOptions, UpOptions
+from dsv4_cluster.orchestrator.cluster.record import RecordError
 from dsv4_cluster.orchestrator.cli.table import endpoint_status, render_table
 from dsv4_cluster.orchestrator.processes import stop_on_signals
 
@@ -75,17 +77,36 @@ def run_operation(args: argparse.Namespace) -> int:
             row = operations.restart(args.worker, args.timeout, DownOptions().timeout_s)
             print(f"{args.worker} restarted: {row.state.value}, pid {row.pid}", flush=True)
             return EXIT_OK
-        path, note = operations.log_path(args.name)
-        if note:   # the last cluster's log: nothing writes it any more, so nothing to follow
-            err(f"{note}{' (not followed: nothing writes it any more)' if args.follow else ''}:")
-        stop = stop_on_signals()
-        for line in operations.read_log(path, args.lines, args.follow and not note, stop.is_set):
-            sys.stdout.write(line)
-            sys.stdout.flush()
-        return EXIT_OK
+        return print_log(args, *operations.log_path(args.name))
     except (UnknownWorkerError, NotUpError, RayClusterError, RouterAdminError, ClusterStartError) as e:
         err(str(e))
         return EXIT_FAILED
+
+
+def logs_without_ray(args: argparse.Namespace, none_recorded: RecordError | None) -> int | None:
+    """`logs NAME` from the status endpoint's rows, or with no cluster recorded from the last cluster's logs; None
+    when the endpoint does not answer (the caller asks through Ray)."""
+    try:
+        if none_recorded is not None:
+            return print_log(args, *last_run_log(args.name, none_recorded))
+        status, _ = endpoint_status()
+        if status is None:
+            return None
+        return print_log(args, log_of(args.name, {w.name: w for w in status.workers}), None)
+    except (UnknownWorkerError, NotUpError) as e:
+        err(str(e))
+        return EXIT_FAILED
+
+
+def print_log(args: argparse.Namespace, path: str, note: str | None) -> int:
+    """`logs`' output: the file's last lines, then (with -f) what is appended until SIGINT/SIGTERM."""
+    if note:   # the last cluster's log: nothing writes it any more, so nothing to follow
+        err(f"{note}{' (not followed: nothing writes it any more)' if args.follow else ''}:")
+    stop = stop_on_signals()
+    for line in read_log(path, args.lines, args.follow and not note, stop.is_set):
+        sys.stdout.write(line)
+        sys.stdout.flush()
+    return EXIT_OK
 
 
 def _warn_if_last(name: str) -> None:

@@ -56,6 +56,16 @@ def record_path() -> Path:
     return cluster_home() / RECORD_FILE
 
 
+def no_record() -> RecordError | None:
+    """What `read_record` raises when no cluster is recorded (no record file), else None (one, readable or not)."""
+    path = record_path()
+    return None if path.exists() else _none_at(path)
+
+
+def _none_at(path: Path) -> RecordError:
+    return RecordError(f"no cluster is up (no {path}); start one with `dsv4-cluster up FILE`")
+
+
 def write_record(record: ClusterRecord) -> Path:
     path = record_path()
     write_atomically(path, json.dumps(asdict(record), indent=2) + "\n", mode=0o600)  # it holds the admin token
@@ -68,7 +78,7 @@ def read_record() -> ClusterRecord:
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError:
-        raise RecordError(f"no cluster is up (no {path}); start one with `dsv4-cluster up FILE`") from None
+        raise _none_at(path) from None
     except (OSError, json.JSONDecodeError) as e:
         raise RecordError(f"cannot read the cluster record {path}: {e}; remove it if no cluster "
                           "is running") from e

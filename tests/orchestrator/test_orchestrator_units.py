@@ -195,6 +195,14 @@ def test_logs_after_down_read_the_last_clusters_logs(tmp_path: Path, monkeypatch
                           capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stdout) == (0, "=== start\n"), done.stderr
     assert "(not followed: nothing writes it any more):" in done.stderr, done.stderr
+    # with no cluster recorded, `logs`, `status` and `down` answer without importing Ray (a second of CPU here)
+    code = ("import contextlib, io, sys\n"
+            "from dsv4_cluster.orchestrator.cli.main import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+            "    codes = [main(['logs', 'decode-0']), main(['status']), main(['down'])]\n"
+            "print(codes, 'ray' in sys.modules)\n")
+    quick = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert quick.stdout.strip() == "[0, 1, 0] False", quick.stdout + quick.stderr
     (tmp_path / "home" / "current.json").write_text('{"address": 1}')   # a record that cannot be read: say so,
     with pytest.raises(RecordError, match="is invalid"):                  # not an older cluster's log
         log_path("decode-0")
