@@ -190,6 +190,7 @@ def test_browser_clients_get_sglangs_cors_and_models_carry_its_model_card(either
     (its bytes unchanged) carry the allow headers; a request without an Origin gets none. /v1/models' entries carry
     SGLang's ModelCard fields (root, parent, max_model_len). Under both HTTP servers."""
     cluster, origin = either, {"Origin": "http://app.example"}
+    cluster.reset()   # the test before it left the prefill holding (3 s a request)
     pre = httpx.options(cluster.router.url + "/v1/chat/completions",
                         headers={**origin, "Access-Control-Request-Method": "POST",
                                  "Access-Control-Request-Headers": "authorization, content-type"})
