@@ -43,6 +43,7 @@ class WorkerArgs:
     stall_timeout_s: float = 5.0
     log_level: str = "info"
     test_hooks: bool = False   # TEST ONLY: serve POST /debug/kill_engine and /debug/stall_engine (fault tests)
+    test_start_delay_s: float = 0.0   # TEST ONLY: wait this long before starting (a window for `down` during `up`)
 
     @property
     def kernel_list(self) -> tuple[str, ...]:

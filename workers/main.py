@@ -9,6 +9,7 @@ import importlib
 import logging
 import os
 import sys
+import time
 
 from ..core import Role
 from .args import parse_args
@@ -17,6 +18,7 @@ from .http.serving import serve_all
 
 def main(role: Role, argv: list[str] | None = None) -> None:
     args = parse_args(role, argv)
+    time.sleep(args.test_start_delay_s)
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {role} %(levelname)s %(message)s")
     module = importlib.import_module(f"dsv4_cluster.workers.{role}.server")
     code = 0

@@ -99,8 +99,9 @@ def test_a_sigterm_that_ray_turns_into_a_bare_keyboardinterrupt_is_still_named(
 @pytest.mark.slow
 def test_down_while_up_starts_says_so_in_our_words(tmp_path: Path) -> None:
     """Seen by a review: `down` while `up` started workers made `up` print Ray's actor-death text (class, actor id,
-    pid, "killed by `ray.kill`") and "did not come up: ... never became ready". `up` now says what happened."""
-    cluster = write_topology(tmp_path)
+    pid, "killed by `ray.kill`") and "did not come up: ... never became ready". `up` now says what happened. The
+    decode waits a minute before it starts, so `down` lands while `up` waits for it (not after `up` finished)."""
+    cluster = write_topology(tmp_path, extra_decode=", extra_args: [--test-start-delay-s, '60']")
     env = {**os.environ, "DSV4_CLUSTER_HOME": str(cluster.home)}
     up = subprocess.Popen([*CLI, "up", str(cluster.topology)], env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
