@@ -13,6 +13,7 @@ import torch
 from dsv4_cluster.kernels.indexer.fp8_keys import dequantize_keys, quantize_keys
 from dsv4_cluster.kernels.sparse_mla_decode.fp8_layout import dequantize_kv_v4, quantize_kv_v4
 from dsv4_cluster.workers.kv import fp8 as kv_fp8
+from dsv4_cluster.workers.kv.layout import rows_page_bytes
 from dsv4_cluster.workers.kv.pool import KVPool, PoolLayout, PoolLayoutError
 from dsv4_cluster.workers.engine.model import Batch
 from dsv4_cluster.workers.engine.presets import KVDtypeError, kv_layout_dtype, model_config
@@ -210,7 +211,7 @@ def test_pool_reads_equal_the_layouts_slot_reader():
     from dsv4_cluster.kernels.sparse_mla_decode.fp8_layout import PageGeometry, gather_slots
 
     # a buffer of the pool's page-major region: its pages lie a region page apart, not a packed page apart
-    region, (other, buf) = kv_fp8.page_major(3, [96, kv_fp8.rows_page_bytes(4)], "cpu")
+    region, (other, buf) = kv_fp8.page_major(3, [96, rows_page_bytes(4)], "cpu")
     assert buf.stride(0) == region.stride(0) > PageGeometry.packed(4).page_stride
     kv_fp8.write_rows(buf, 4, torch.arange(12), torch.randn(12, 512, generator=torch.Generator().manual_seed(2)))
     assert not other.any()                                           # the neighbouring buffer is untouched

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kv.fp8 import KEY_SCALE_BYTES, read_key_pages
+from ..kv.fp8 import read_key_pages
+from ..kv.layout import KEY_SCALE_BYTES
 
 
 def select_shared_table(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, table: torch.Tensor,

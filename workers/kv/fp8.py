@@ -10,7 +10,7 @@ import torch
 from ...kernels.indexer.fp8_keys import dequantize_keys, quantize_keys
 from ...kernels.sparse_mla_decode.fp8_layout import (DIM, RECORD_BYTES, SCALE_BYTES, PageGeometry, decode_records,
                                                      quantize_records)
-from .layout import KEY_SCALE_BYTES, keys_page_bytes, rows_page_bytes  # noqa: F401
+from .layout import KEY_SCALE_BYTES
 
 ALIGN = 16          # bytes: every buffer of a page starts on this boundary (vector loads, TMA)
 

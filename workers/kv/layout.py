@@ -33,7 +33,7 @@ def fp8_page_bytes(page_size: int, ratios: tuple[int, ...], indexed_ratio: int, 
         e = page_size // r
         total += rows_page_bytes(page_size) + rows_page_bytes(e)
         if r == indexed_ratio:
-            total += e * (index_dim + KEY_SCALE_BYTES)
+            total += keys_page_bytes(e, index_dim)
     return total
 
 

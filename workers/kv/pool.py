@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from . import fp8 as kv_fp8
-from .layout import FP8, PoolLayout, PoolLayoutError, keys_page_bytes, rows_page_bytes  # noqa: F401
+from .layout import FP8, PoolLayout, PoolLayoutError, keys_page_bytes, rows_page_bytes
 from .page_alloc import PageAllocator
 
 
