@@ -32,11 +32,19 @@ CONNECT_TIMEOUT_S = 5.0
 HEAD_GRACE_S = 1.0  # how long a stopping head's processes get after SIGTERM before SIGKILL (`stop_head`)
 
 
+# `ray start` with Ray's client server off: Ray starts one (port 10001 by default) whenever its client dependencies
+# are installed, and refuses `--ray-client-server-port 0`. Nothing here connects through it (drivers and joining
+# nodes use the GCS address); it would be one more process per head and one more port that runs any code sent to it.
+_RAY_START = ("import sys; from ray.scripts import scripts; "
+              "scripts.get_ray_client_dependency_error = lambda: 'not used by dsv4-cluster'; "
+              "sys.argv[0] = 'ray'; sys.exit(scripts.main())")
+
+
 def _ray_command() -> list[str]:
     """`ray` run by this Python: Ray starts its workers (our actors) with the head's interpreter, so a `ray` found
     on PATH for another Python (a virtualenv over system site-packages) would run the actors on another copy of
     this package (seen: a test's cluster ran the actors, the workers and the router from another checkout)."""
-    return [sys.executable, "-m", "ray.scripts.scripts"]
+    return [sys.executable, "-c", _RAY_START]
 
 
 def start_head(log_path: Path, num_cpus: int | None, timeout_s: float,
@@ -44,11 +52,10 @@ def start_head(log_path: Path, num_cpus: int | None, timeout_s: float,
     """Start a Ray head in its own process group; returns its address once it accepts drivers. `reserved`: ports
     the head must not take though they are free now (the topology's workers and router bind them later: seen in CI,
     a head's port on the router's, which then crash-looped on the bind)."""
-    gcs, client, agent, agent_grpc, metrics, env_agent = free_ports(6, exclude=reserved)
+    gcs, agent, agent_grpc, metrics, env_agent = free_ports(5, exclude=reserved)
     argv = [
         *_ray_command(), "start", "--head", "--block",
         "--node-ip-address", HEAD_HOST, "--port", str(gcs),
-        "--ray-client-server-port", str(client),
         "--dashboard-agent-listen-port", str(agent), "--dashboard-agent-grpc-port", str(agent_grpc),
         "--metrics-export-port", str(metrics), "--runtime-env-agent-port", str(env_agent),
         "--include-dashboard=false", "--disable-usage-stats",

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from dsv4_cluster.orchestrator.launch.ports import port_is_free
-from dsv4_cluster.orchestrator.processes import pid_alive
+from dsv4_cluster.orchestrator.processes import group_members, pid_alive
 
 from tests.helpers import STATUS_POLL_S, gone, wait_for
 from bench.local_cluster import CLI, run_cli, write_topology
@@ -293,21 +293,25 @@ def test_a_node_missing_from_ray_fails_up_before_any_process_starts(tmp_path: Pa
 
 
 def test_the_ray_head_leaves_the_topologys_ports_to_the_topology(tmp_path: Path, monkeypatch) -> None:
-    """`up` starts its Ray head before the workers and the router bind their ports; the head's six ports must avoid
+    """`up` starts its Ray head before the workers and the router bind their ports; the head's five ports must avoid
     them (seen in CI: a head's port on the router's, and the router crash-looped on the bind). A real head in a
-    window of seven free ports with one reserved takes the other six; `up` reserves every port of its plans."""
+    window of six free ports with one reserved takes the other five; `up` reserves every port of its plans."""
     from dsv4_cluster.orchestrator.cluster import deployment, ray_cluster
     from dsv4_cluster.orchestrator.launch.ports import search_range
 
     low, high = search_range()
-    start = next(p for p in range(low, high - 7) if all(port_is_free(q) for q in range(p, p + 7)))
-    window, reserved = range(start, start + 7), start + 3
-    monkeypatch.setenv("DSV4_CLUSTER_PORTS", f"{start}-{start + 7}")
+    start = next(p for p in range(low, high - 6) if all(port_is_free(q) for q in range(p, p + 6)))
+    window, reserved = range(start, start + 6), start + 3
+    monkeypatch.setenv("DSV4_CLUSTER_PORTS", f"{start}-{start + 6}")
     _, head = ray_cluster.start_head(tmp_path / "head.log", num_cpus=1, timeout_s=60, reserved=frozenset({reserved}))
     try:
         argv = Path(f"/proc/{head.pid}/cmdline").read_bytes().split(b"\0")
         taken = {int(a) for a in argv if a.isdigit() and int(a) in window}
         assert taken == set(window) - {reserved}, (taken, reserved)
+        # and no Ray Client server among its processes (a port that runs any code sent to it; nothing uses it)
+        wait_for(lambda: len(group_members(head.pid)) >= 6, 30, "the head's raylet and its agents")
+        commands = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in group_members(head.pid)]
+        assert not [c for c in commands if b"ray.util.client.server" in c], commands
     finally:
         ray_cluster.stop_head(head, deadline_s=10.0)
     assert not gone([head.pid])
