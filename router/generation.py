@@ -161,8 +161,8 @@ class Flight:
         deadline = now + self.state.settings.stream_hold_s if deadline is None else deadline
         next_try = now + HOLD_TRY_S
         while loop.time() < next_try or not self.state.pool.answering_pair():
-            if (none := self.state.pool.unavailable()) is not None and not none.soon:
-                raise none   # a pool no worker will come back to without the operator: nothing to wait for
+            if (refusal := self.state.pool.unavailable()) is not None and not refusal.soon:
+                raise refusal   # a pool no worker will come back to without the operator: nothing to wait for
             if self.gone or loop.time() + HOLD_POLL_S > deadline:
                 raise error
             await asyncio.sleep(HOLD_POLL_S)
