@@ -108,7 +108,9 @@ def test_kv_usage_falls_back_to_metrics(tmp_path: Path) -> None:
 
 
 def test_exit_during_start_fails_fast_with_log_tail(tmp_path: Path) -> None:
-    sup = WorkerSupervisor(_plan(tmp_path, "--ready-after", "60", "--exit-after", "0.5"))
+    """Each exit before READY is seen at once, not at the start timeout: restarted as a crash, then FAILED. Short
+    backoffs here (the default policy sleeps 7 s); backoff is `test_crash_after_ready_is_restarted_with_backoff`'s."""
+    sup = WorkerSupervisor(_plan(tmp_path, "--ready-after", "60", "--exit-after", "0.5"), RestartPolicy(backoff_s=0.1))
     started = time.monotonic()
     with pytest.raises(WorkerStartError) as err:
         sup.start(timeout_s=60)
