@@ -165,14 +165,18 @@ def test_a_worker_that_cannot_start_fails_up_and_leaves_nothing(tmp_path: Path) 
         assert port_is_free(port), port
 
 
-def test_foreground_on_a_joined_cluster_stops_on_sigterm_and_leaves_the_head(tmp_path: Path) -> None:
+def test_foreground_on_a_joined_cluster_ignores_a_stale_record_and_stops_on_sigterm_leaving_the_head(
+        tmp_path: Path) -> None:
+    """`up --foreground` on a Ray head it did not start (what systemd runs). While it serves, a stale record (a cluster
+    whose controller died for good, in the same Ray namespace) must not take this cluster's controller for its own:
+    its `status` and `down` say so, and its `down` stops nothing. Then SIGTERM stops the cluster and leaves the head."""
     from dsv4_cluster.orchestrator.cluster.ray_cluster import head_alive, start_head, stop_head
 
     address, head = start_head(tmp_path / "head.log", num_cpus=1, timeout_s=60)
     try:
         topo, ports = _topology(tmp_path)
         env = {**os.environ, "DSV4_CLUSTER_HOME": str(tmp_path / "home")}
-        proc = subprocess.Popen([*CLI, "up", str(topo), "--address", address, "--foreground"],
+        proc = subprocess.Popen([*CLI, "up", str(topo), "--address", address, "--foreground", "--timeout", "180"],
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             lines = []
@@ -180,62 +184,48 @@ def test_foreground_on_a_joined_cluster_stops_on_sigterm_and_leaves_the_head(tmp
                 lines.append(line)
                 if line.startswith("router"):
                     break
-            # at once, while `up` connects to Ray to watch the cluster (ray.init installs a SIGTERM handler that
-            # kills the process): the signal must still stop the cluster
-            proc.send_signal(signal.SIGTERM)
             assert any(f"127.0.0.1:{ports['router']}/v1" in ln for ln in lines), lines
             table = lines[next(i for i, ln in enumerate(lines) if ln.startswith("NAME")) + 1:]
             pids = [int(ln.split()[3]) for ln in table]     # NAME ROLE NODE PID ...
             assert len(pids) == 3
-            assert json.loads((tmp_path / "home" / "current.json").read_text())["head"] is None
+            record = json.loads((tmp_path / "home" / "current.json").read_text())
+            assert record["head"] is None   # joined: the same address and namespace as the stale one's
+
+            before = json.loads(_run(tmp_path, "status", "--json").stdout)["workers"]
+            ask = {"model": "dsv4-tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8,
+                   "temperature": 0}
+            answer = httpx.post(record["endpoint"] + "/chat/completions", json=ask, timeout=60)
+            assert answer.status_code == 200, answer.text
+            stale = tmp_path / "stale" / "home"
+            stale.mkdir(parents=True)
+            record.update(admin_token="the-token-of-an-earlier-up", run_dir=str(tmp_path / "stale" / "run"),
+                          topology_path=str(tmp_path / "stale" / "topology.yaml"))
+            (stale / "current.json").write_text(json.dumps(record))
+            st = run_cli(stale, "status")
+            assert st.returncode == 1 and "belongs to another cluster" in st.stderr, st.stdout + st.stderr
+            down = run_cli(stale, "down")
+            assert down.returncode == 0 and "belongs to another cluster" in down.stderr, down.stderr
+            assert "supervisors killed" not in down.stderr and not (stale / "current.json").exists()
+            after = json.loads(_run(tmp_path, "status", "--json").stdout)["workers"]
+            assert [(w["name"], w["pid"], w["state"]) for w in after] == \
+                [(w["name"], w["pid"], w["state"]) for w in before]
+            assert all(w["state"] == "READY" for w in after), after
+            again = httpx.post(record["endpoint"] + "/chat/completions", json=ask, timeout=60)  # it serves on, the same
+            assert again.status_code == 200 and again.json()["choices"] == answer.json()["choices"], again.text
+
+            proc.send_signal(signal.SIGTERM)
             out, err = proc.communicate(timeout=120)
         finally:
             proc.kill()
-        assert proc.returncode == 0, err
+        assert proc.returncode == 0, err     # 0: its watch never saw the cluster go away before the signal
         assert "no process left" in out
         assert gone(pids) == []
         assert all(port_is_free(p) for p in ports.values())
         assert head_alive(head), "down stopped a Ray head that up did not start"
     finally:
+        _run(tmp_path, "down")   # nothing, unless an assertion above failed while the cluster was up
         stop_head(head, deadline_s=10)
     assert not head_alive(head)
-
-
-def test_a_stale_record_neither_reports_nor_stops_the_cluster_now_in_its_namespace(tmp_path: Path) -> None:
-    """A cluster whose controller died for good leaves its record; another cluster then comes up in the same Ray
-    namespace. The stale record's `status` and `down` must not take that controller for theirs (`down` stopped it)."""
-    from dsv4_cluster.orchestrator.cluster.ray_cluster import start_head, stop_head
-
-    address, head = start_head(tmp_path / "head.log", num_cpus=1, timeout_s=60)
-    try:
-        topo, _ = _topology(tmp_path)
-        up = _run(tmp_path, "up", str(topo), "--address", address, "--timeout", "180")
-        assert up.returncode == 0, up.stderr
-        before = json.loads(_run(tmp_path, "status", "--json").stdout)["workers"]
-        record = json.loads((tmp_path / "home" / "current.json").read_text())
-        ask = {"model": "dsv4-tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8,
-               "temperature": 0}
-        answer = httpx.post(record["endpoint"] + "/chat/completions", json=ask, timeout=60)
-        assert answer.status_code == 200, answer.text
-        stale = tmp_path / "stale" / "home"
-        stale.mkdir(parents=True)
-        assert record["head"] is None   # joined: the same address and namespace as the stale one's
-        record.update(admin_token="the-token-of-an-earlier-up", run_dir=str(tmp_path / "stale" / "run"),
-                      topology_path=str(tmp_path / "stale" / "topology.yaml"))
-        (stale / "current.json").write_text(json.dumps(record))
-        st = run_cli(stale, "status")
-        assert st.returncode == 1 and "belongs to another cluster" in st.stderr, st.stdout + st.stderr
-        down = run_cli(stale, "down")
-        assert down.returncode == 0 and "belongs to another cluster" in down.stderr, down.stderr
-        assert "supervisors killed" not in down.stderr and not (stale / "current.json").exists()
-        after = json.loads(_run(tmp_path, "status", "--json").stdout)["workers"]
-        assert [(w["name"], w["pid"], w["state"]) for w in after] == [(w["name"], w["pid"], w["state"]) for w in before]
-        assert all(w["state"] == "READY" for w in after), after
-        again = httpx.post(record["endpoint"] + "/chat/completions", json=ask, timeout=60)   # it serves on, the same
-        assert again.status_code == 200 and again.json()["choices"] == answer.json()["choices"], again.text
-    finally:
-        _run(tmp_path, "down")
-        stop_head(head, deadline_s=10)
 
 
 def test_sigterm_during_up_stops_what_up_started(tmp_path: Path) -> None:
