@@ -98,12 +98,21 @@ def ours_argv(port: int, prefills: list[tuple[str, int]], decodes: list[str], tm
     return [sys.executable, "-m", "dsv4_cluster.router", "--config", str(tmp / "router.json"), "--log-level", log_level]
 
 
+def anchor_versions() -> dict[str, str]:
+    """What each gateway says it is, run as `anchor_argv` runs it: by module, because sglang-router 0.3.2 and smg
+    1.13.0 both install a `smg` script and the package installed last owns it (seen: `smg` running 0.3.2)."""
+    smg = subprocess.run([sys.executable, "-m", "smg", "--version"], capture_output=True, text=True, timeout=60)
+    from sglang_router.version import __version__
+    return {"rust": f"sglang-router {__version__}", "smg": smg.stdout.strip() or smg.stderr.strip()[-200:]}
+
+
 def anchor_argv(name: str, port: int, prefills: list[tuple[str, int]], decodes: list[str],
                 policy: str = "round_robin") -> list[str]:
     """SGLang's gateway in PD mode on 127.0.0.1:port: sglang-router 0.3.2 (`rust`, `mini_lb`) or smg 1.13.0 (`smg`,
-    the same flags under `smg launch`); `policy` for prefill and decode alike, warnings only in its log; its metrics
-    exporter on a free loopback port (its default port is fixed: a second gateway on the machine would exit)."""
-    launcher = ["smg", "launch"] if name == "smg" else [sys.executable, "-m", "sglang_router.launch_router"]
+    the same flags under `python -m smg launch`); `policy` for prefill and decode alike, warnings only in its log; its
+    metrics exporter on a free loopback port (its default port is fixed: a second gateway on the machine would exit)."""
+    launcher = [sys.executable, "-m", "smg", "launch"] if name == "smg" else \
+        [sys.executable, "-m", "sglang_router.launch_router"]
     argv = launcher + ["--pd-disaggregation", "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
                        "--log-level", "warn", "--prometheus-host", "127.0.0.1",
                        "--prometheus-port", str(free_ports(1, exclude=frozenset({port}))[0])] + \
@@ -294,16 +303,17 @@ def main(argv: list[str] | None = None) -> int:
                              anchor_argv(name, router_port, [(prefill, bootstrap)], [decode]))
                     with process(argv_, url + "/health", tmp / f"{name}.log", timeout_s=60) as proc:
                         rows += measure(name, url, args, script, (prefill, decode), proc.pid, run, pairing)
-    after = machine()
+    after, anchors = machine(), anchor_versions()
     loopback = "plain" if args.plain_loopback else "private netns, quickack"
-    result = {"loopback": loopback, "concurrency": args.concurrency, "duration_s": args.duration, "passes": args.repeat,
-              "cpus": after["cpus"],
+    result = {"loopback": loopback, "anchors": anchors, "concurrency": args.concurrency, "duration_s": args.duration,
+              "passes": args.repeat, "cpus": after["cpus"],
               "load_average_before": before["loadavg"], "load_average_after": after["loadavg"], "body": BODY,
               "pairing": {n: {"paired": p, "served": s} for n, (p, s) in pairing.items()},
               "rows": [asdict(r) for r in rows]}
     (args.out / "router.json").write_text(json.dumps(result, indent=2) + "\n")
     checks = "\nPairing check (a PD router sends each decode request's prefill leg; the stubs count both): " + \
-        "; ".join(f"{LABELS[n]} {p:,} of {s:,} paired" for n, (p, s) in pairing.items()) + ".\n"
+        "; ".join(f"{LABELS[n]} {p:,} of {s:,} paired" for n, (p, s) in pairing.items()) + ".\n" + \
+        "Gateways as run (each says so itself): " + ", ".join(anchors.values()) + ".\n"
     text = table(rows, args.concurrency) + checks + (
         f"\n{after['cpus']} CPUs; 1-min load average {before['loadavg'][0]:.1f} before, {after['loadavg'][0]:.1f} "
         f"after; {args.duration:g} s of wrk per cell, {args.repeat} pass{'es' if args.repeat > 1 else ''} over the "

@@ -27,7 +27,7 @@ import httpx
 
 from bench import loopback_ns
 from bench.common import RESULTS, cpu_seconds, machine, md_table, pct, process, rss_bytes, write
-from bench.router import anchor_argv, ours_argv
+from bench.router import anchor_argv, anchor_versions, ours_argv
 from bench.scaleout_load import Result, Workload, alone, drive
 from bench.stubs import Model
 from dsv4_cluster.orchestrator.launch.ports import free_ports
@@ -169,9 +169,10 @@ def markdown(result: dict) -> str:
         f"{m['cache_tokens']:,} tokens per prefill (16-token pages of the stubs' own tokens, leaf-first LRU; reported "
         f"as max_total_num_tokens); decode {m['token_ms']:g} ms per token. Routers: ours with `policy.prefill` prefix, "
         "round_robin, least_load (no prefix memory), prefix_noload (no load term), decode round_robin; SGLang's "
-        "gateway `--prefill-policy cache_aware --decode-policy round_robin`: rust = sglang-router 0.3.2, smg = smg "
-        "1.13.0. Sanity: one session alone, then its last turn twice more, must all reach one prefill; a row that "
-        "fails it is invalid and not compared.", "",
+        "gateway `--prefill-policy cache_aware --decode-policy round_robin`: rust = "
+        f"{result['anchors']['rust']}, smg = {result['anchors']['smg']} (as each says itself). Sanity: one session "
+        "alone, then its last turn twice more, must all reach one prefill; a row that fails it is invalid and not "
+        "compared.", "",
         *md_table(["N", "router", "sanity", "requests", "req/s", "TTFT p50 / p99 ms", "hit rate",
                    "router-added p50 / p99 ms", "router CPU ms/req", "prefills used (busiest share)", "pages evicted",
                    "RSS MB before / after", "errors", "load 1m"], rows),
@@ -214,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows += [run_cell(name, n, (prefills, decodes), ports[-1], a, Path(tmp_name)) for name in a.routers]
     after = machine()
     result = {"loopback": "plain" if a.plain_loopback else "private netns, quickack", "cpus": after["cpus"],
+              "anchors": anchor_versions(),
               "load_average_before": before["loadavg"], "load_average_after": after["loadavg"],
               "concurrency": a.concurrency, "workload": asdict(a.workload), "model": asdict(model), "rows": rows}
     text = markdown(result)

@@ -64,6 +64,10 @@ def test_scaleout_benchmark_at_ci_size(tmp_path):
     assert rows["prefix"]["sanity"]["passed"] and not rows["prefix"].get("invalid")      # one prefill for the session
     assert rows["prefix"]["rss_mb_before"] > 0 and rows["prefix"]["rss_mb_after"] > 0
     assert rows["round_robin"]["sanity"] is None                                           # not prefix-aware: no probe
+    # each gateway as run says what it is (both packages install a `smg` script; the last installed owns it), and
+    # smg's cache_aware keeps a lone session on one prefill where sglang-router 0.3.2's PD mode picks at random
+    assert result["anchors"] == {"rust": "sglang-router 0.3.2", "smg": "smg 1.13.0"}
+    assert rows["smg"]["sanity"]["passed"], rows["smg"]["sanity"]
     for anchor in ("rust", "smg"):                         # a failed probe marks the row invalid, and says where
         check = rows[anchor]["sanity"]
         assert check["passed"] == (len(set(check["prefills"])) == 1) != bool(rows[anchor].get("invalid"))
