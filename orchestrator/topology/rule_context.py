@@ -11,8 +11,8 @@ from typing import Any, get_args
 
 from pydantic import BaseModel
 
-from dsv4_cluster.core import KERNEL_NAMES, WORKER_ROLES, Role
-from .schema import ENGINE_DEFAULTS, EngineName, KernelsConfig, WorkerDefaults, default_nodes
+from dsv4_cluster.core import WORKER_ROLES, Role
+from .schema import ENGINE_DEFAULTS, EngineName, WorkerDefaults, default_nodes
 
 Path_ = tuple[Any, ...]
 
@@ -79,11 +79,6 @@ class RuleContext:
     def written(self, worker: WorkerEntry, key: str) -> bool:
         """Whether the file sets `key` for this worker (itself or under defaults)."""
         return worker.raw.get(key) is not None or self.section("defaults").get(key) is not None
-
-    @property
-    def kernels_requested(self) -> list[str]:
-        kernels = self.section("kernels")
-        return [k for k in KERNEL_NAMES if kernels.get(k, KernelsConfig.model_fields[k].default) is True]
 
 
 def build_context(data: dict[Any, Any]) -> RuleContext:
