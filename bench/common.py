@@ -95,9 +95,10 @@ def wait_http(url: str, timeout_s: float, procs: Sequence[subprocess.Popen] = ()
 
 @contextmanager
 def process(argv: list[str], health_url: str | None, log: Path, timeout_s: float = 30.0,
-            env: dict | None = None) -> Iterator[subprocess.Popen]:
-    """`argv` in its own session, its output in `log`, until `health_url` answers (when given); stopped on exit, and
-    killed by the kernel if this thread dies first (a benchmark cut by its timeout leaves nothing running)."""
+            env: dict | None = None, stop_s: float = 10.0) -> Iterator[subprocess.Popen]:
+    """`argv` in its own session, its output in `log`, until `health_url` answers (when given); stopped on exit
+    (SIGTERM, SIGKILL after `stop_s`), and killed by the kernel if this thread dies first (a benchmark cut by its
+    timeout leaves nothing running)."""
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env,
                                 preexec_fn=death_signal_preexec(os.getpid()))
@@ -105,11 +106,11 @@ def process(argv: list[str], health_url: str | None, log: Path, timeout_s: float
         if health_url:
             wait_http(health_url, timeout_s, [proc])
         yield proc
-    finally:          # SIGTERM, then SIGKILL after 10 s; reaped either way
+    finally:          # reaped either way
         if proc.poll() is None:
             proc.terminate()
         try:
-            proc.wait(timeout=10)
+            proc.wait(timeout=stop_s)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()

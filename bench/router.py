@@ -301,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     argv_ = (ours_argv(router_port, [(prefill, bootstrap)], [decode], tmp) if name == "ours" else
                              anchor_argv(name, router_port, [(prefill, bootstrap)], [decode]))
-                    with process(argv_, url + "/health", tmp / f"{name}.log", timeout_s=60) as proc:
+                    with process(argv_, url + "/health", tmp / f"{name}.log", timeout_s=60,
+                                 stop_s=1.0 if name in ANCHORS else 10.0) as proc:   # smg takes 5 s on SIGTERM
                         rows += measure(name, url, args, script, (prefill, decode), proc.pid, run, pairing)
     after, anchors = machine(), anchor_versions()
     loopback = "plain" if args.plain_loopback else "private netns, quickack"

@@ -1,4 +1,5 @@
-"""SGLang's own Rust router (sglang-router 0.3.2, PD mode) in front of the embedded workers.
+"""SGLang's own Rust router in front of the embedded workers, PD mode: sglang-router 0.3.2 (its last release under
+that name) and smg 1.13.0 (SGLang's gateway since), each run by its module (both install a `smg` script).
 
 The router fills in SGLang's default request fields (`no_stop_trim`, `skip_special_tokens`,
 `separate_reasoning`, `return_hidden_states`, ...), pairs a prefill with a decode, adds the bootstrap
@@ -24,37 +25,49 @@ pytestmark = pytest.mark.slow
 MESSAGES = [{"role": "user", "content": "Through SGLang's router."}]
 
 
-def _need_router() -> None:
-    if importlib.util.find_spec("sglang_router") is None:
+GATEWAYS = {"sglang-router 0.3.2": ("sglang_router", ["sglang_router.launch_router"]),
+            "smg 1.13.0": ("smg", ["smg", "launch"])}
+
+
+def _need(package: str, pin: str) -> None:
+    if importlib.util.find_spec(package) is None:
         if os.environ.get("CI") == "true":
-            pytest.fail("sglang-router is not installed; it is in the test extra (pip install -e '.[test]')")
-        pytest.skip("sglang-router is not installed (pip install sglang-router==0.3.2)")
+            pytest.fail(f"{pin} is not installed; it is in the test extra (pip install -e '.[test]')")
+        pytest.skip(f"{pin} is not installed (pip install {pin.replace(' ', '==')})")
 
 
 @pytest.fixture(scope="module")
-def router(tmp_path_factory):
-    _need_router()
-    tmp = tmp_path_factory.mktemp("sglang-router")
-    pair = start_pair(tmp)
+def pair(tmp_path_factory):
+    pair = start_pair(tmp_path_factory.mktemp("sglang-gateways"))
+    yield pair
+    stop_pair(pair)
+
+
+@pytest.fixture(scope="module", params=list(GATEWAYS))
+def router(request, pair, tmp_path_factory):
+    package, module = GATEWAYS[request.param]
+    _need(package, request.param)
+    if package == "smg":
+        version = subprocess.run([sys.executable, "-m", "smg", "--version"], capture_output=True, text=True)
+        assert version.stdout.strip() == request.param, version.stdout + version.stderr
     port, prometheus_port = free_ports(2)
-    log = tmp / "router.log"
-    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--host", "127.0.0.1",
+    log = tmp_path_factory.mktemp(package) / "router.log"
+    cmd = [sys.executable, "-m", *module, "--pd-disaggregation", "--host", "127.0.0.1",
            "--port", str(port), "--prefill", pair.prefill_url, str(pair.bootstrap_port), "--decode",
            pair.decode_url, "--policy", "round_robin", "--worker-startup-timeout-secs", "60",
            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus_port)]   # its default port is fixed
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_serving(url + "/v1/models", 60, "sglang-router", proc, log.read_text)
+        wait_serving(url + "/v1/models", 60, request.param, proc, log.read_text)
         yield url
     finally:
         proc.terminate()
         try:
-            proc.wait(10)
+            proc.wait(1)        # smg 1.13.0 drains for 5 s on SIGTERM; nothing here needs that
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        stop_pair(pair)
 
 
 @pytest.fixture()
