@@ -102,8 +102,12 @@ def anchor_versions() -> dict[str, str]:
     """What each gateway says it is, run as `anchor_argv` runs it: by module, because sglang-router 0.3.2 and smg
     1.13.0 both install a `smg` script and the package installed last owns it (seen: `smg` running 0.3.2)."""
     smg = subprocess.run([sys.executable, "-m", "smg", "--version"], capture_output=True, text=True, timeout=60)
-    from sglang_router.version import __version__
-    return {"rust": f"sglang-router {__version__}", "smg": smg.stdout.strip() or smg.stderr.strip()[-200:]}
+    try:
+        from sglang_router.version import __version__ as rust
+    except ImportError:
+        rust = None
+    return {"rust": f"sglang-router {rust}" if rust else "sglang-router: not installed",
+            "smg": smg.stdout.strip() or smg.stderr.strip()[-200:]}
 
 
 def anchor_argv(name: str, port: int, prefills: list[tuple[str, int]], decodes: list[str],
