@@ -35,6 +35,7 @@ MODEL = "stub"
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 8}
 ROUTERS = ("direct", "ours", "rust", "smg", "mini_lb")
 ANCHORS = ("rust", "smg")  # SGLang's gateway: sglang-router 0.3.2 (its last release under that name) and smg 1.13.0
+ANCHOR_STOP_S = 1.0  # SIGTERM to SIGKILL for a gateway: smg 1.13.0 drains for 5 s, which nothing here needs
 # The previous wrk closed its connections with requests in flight; the aborts and closes that follow gave our router
 # p99s over 1 s when the next wrk started at once (1.0 s without the pause, 0.21 s with it, same run otherwise).
 SETTLE_S = 2.0
@@ -306,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
                     argv_ = (ours_argv(router_port, [(prefill, bootstrap)], [decode], tmp) if name == "ours" else
                              anchor_argv(name, router_port, [(prefill, bootstrap)], [decode]))
                     with process(argv_, url + "/health", tmp / f"{name}.log", timeout_s=60,
-                                 stop_s=1.0 if name in ANCHORS else 10.0) as proc:   # smg takes 5 s on SIGTERM
+                                 stop_s=ANCHOR_STOP_S if name in ANCHORS else 10.0) as proc:
                         rows += measure(name, url, args, script, (prefill, decode), proc.pid, run, pairing)
     after, anchors = machine(), anchor_versions()
     loopback = "plain" if args.plain_loopback else "private netns, quickack"

@@ -27,7 +27,7 @@ import httpx
 
 from bench import loopback_ns
 from bench.common import RESULTS, cpu_seconds, machine, md_table, pct, process, rss_bytes, write
-from bench.router import anchor_argv, anchor_versions, ours_argv
+from bench.router import ANCHOR_STOP_S, anchor_argv, anchor_versions, ours_argv
 from bench.scaleout_load import Result, Workload, alone, drive
 from bench.stubs import Model
 from dsv4_cluster.orchestrator.launch.ports import free_ports
@@ -95,7 +95,7 @@ def run_cell(name: str, n: int, urls: tuple[list, list[str]], port: int, a: argp
     prefills, decodes = urls
     control, url = prefills[0][0], f"http://127.0.0.1:{port}"
     with process(router_argv(name, port, prefills, decodes, tmp), url + "/health", tmp / f"{name}-{n}.log",
-                 timeout_s=180, stop_s=1.0 if name in ANCHORS else 10.0) as proc:   # smg takes 5 s on SIGTERM
+                 timeout_s=180, stop_s=ANCHOR_STOP_S if name in ANCHORS else 10.0) as proc:
         if name in OURS:    # a health round: ours reads each prefill's KV capacity (/server_info) there
             time.sleep(1.0)
         httpx.post(control + "/scaleout/reset", timeout=10).raise_for_status()

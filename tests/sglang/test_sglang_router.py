@@ -11,11 +11,12 @@ from __future__ import annotations
 import importlib.util
 import os
 import subprocess
-import sys
 
 import httpx
 import openai
 import pytest
+
+from bench.router import ANCHOR_STOP_S, anchor_argv, anchor_versions
 
 from tests.servers import free_ports
 from tests.worker_procs import start_pair, stop_pair
@@ -25,8 +26,7 @@ pytestmark = pytest.mark.slow
 MESSAGES = [{"role": "user", "content": "Through SGLang's router."}]
 
 
-GATEWAYS = {"sglang-router 0.3.2": ("sglang_router", ["sglang_router.launch_router"]),
-            "smg 1.13.0": ("smg", ["smg", "launch"])}
+GATEWAYS = {"sglang-router 0.3.2": ("sglang_router", "rust"), "smg 1.13.0": ("smg", "smg")}  # bench.router's names
 
 
 def _need(package: str, pin: str) -> None:
@@ -45,17 +45,16 @@ def pair(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=list(GATEWAYS))
 def router(request, pair, tmp_path_factory):
-    package, module = GATEWAYS[request.param]
+    """The gateway as the benchmarks run it (`bench.router.anchor_argv`: by module, round robin both ways), checked
+    to be the release it is named for."""
+    package, name = GATEWAYS[request.param]
     _need(package, request.param)
-    if package == "smg":
-        version = subprocess.run([sys.executable, "-m", "smg", "--version"], capture_output=True, text=True)
-        assert version.stdout.strip() == request.param, version.stdout + version.stderr
-    port, prometheus_port = free_ports(2)
+    versions = anchor_versions()
+    assert versions[name] == request.param, versions
+    port = free_ports(1)[0]
     log = tmp_path_factory.mktemp(package) / "router.log"
-    cmd = [sys.executable, "-m", *module, "--pd-disaggregation", "--host", "127.0.0.1",
-           "--port", str(port), "--prefill", pair.prefill_url, str(pair.bootstrap_port), "--decode",
-           pair.decode_url, "--policy", "round_robin", "--worker-startup-timeout-secs", "60",
-           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus_port)]   # its default port is fixed
+    cmd = anchor_argv(name, port, [(pair.prefill_url, pair.bootstrap_port)], [pair.decode_url]) + \
+        ["--worker-startup-timeout-secs", "60"]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -64,7 +63,7 @@ def router(request, pair, tmp_path_factory):
     finally:
         proc.terminate()
         try:
-            proc.wait(1)        # smg 1.13.0 drains for 5 s on SIGTERM; nothing here needs that
+            proc.wait(ANCHOR_STOP_S)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
