@@ -113,7 +113,8 @@ class PrefixChooser:
             tied = [w for w, load in zip(eligible, loads) if load <= least + p.shared_balance_abs]
             if names and len(tied) > 1:
                 tied = self._warmest(tied, names)
-            tied = [w for w in tied if w.load == min(x.load for x in tied)]
+            low = min(w.load for w in tied)
+            tied = [w for w in tied if w.load == low]
             chosen = tied[next(self._turn) % len(tied)]
         if names:
             self.tree(chosen).add(names)
