@@ -93,9 +93,12 @@ def wait_http(url: str, timeout_s: float, procs: Sequence[subprocess.Popen] = ()
     raise TimeoutError(f"{url} did not answer 200 within {timeout_s:g} s")
 
 
+STOP_S = 10.0  # SIGTERM to SIGKILL for a process `process` started
+
+
 @contextmanager
 def process(argv: list[str], health_url: str | None, log: Path, timeout_s: float = 30.0,
-            env: dict | None = None, stop_s: float = 10.0) -> Iterator[subprocess.Popen]:
+            env: dict | None = None, stop_s: float = STOP_S) -> Iterator[subprocess.Popen]:
     """`argv` in its own session, its output in `log`, until `health_url` answers (when given); stopped on exit
     (SIGTERM, SIGKILL after `stop_s`), and killed by the kernel if this thread dies first (a benchmark cut by its
     timeout leaves nothing running)."""

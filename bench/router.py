@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 
 from bench import loopback_ns
-from bench.common import RESULTS, cpu_seconds, machine, md_table, process
+from bench.common import RESULTS, STOP_S, cpu_seconds, machine, md_table, process
 from dsv4_cluster.orchestrator.launch.ports import free_ports
 
 MODEL = "stub"
@@ -97,6 +97,11 @@ def ours_argv(port: int, prefills: list[tuple[str, int]], decodes: list[str], tm
                 "decode": [{"name": f"decode-{i}", "url": u} for i, u in enumerate(decodes)]}
     (tmp / "router.json").write_text(json.dumps(settings))
     return [sys.executable, "-m", "dsv4_cluster.router", "--config", str(tmp / "router.json"), "--log-level", log_level]
+
+
+def stop_wait_s(name: str) -> float:
+    """SIGTERM to SIGKILL for the router `name` (`bench.common.process`): a gateway gets `ANCHOR_STOP_S`."""
+    return ANCHOR_STOP_S if name in ANCHORS else STOP_S
 
 
 def anchor_versions() -> dict[str, str]:
@@ -307,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                     argv_ = (ours_argv(router_port, [(prefill, bootstrap)], [decode], tmp) if name == "ours" else
                              anchor_argv(name, router_port, [(prefill, bootstrap)], [decode]))
                     with process(argv_, url + "/health", tmp / f"{name}.log", timeout_s=60,
-                                 stop_s=ANCHOR_STOP_S if name in ANCHORS else 10.0) as proc:
+                                 stop_s=stop_wait_s(name)) as proc:
                         rows += measure(name, url, args, script, (prefill, decode), proc.pid, run, pairing)
     after, anchors = machine(), anchor_versions()
     loopback = "plain" if args.plain_loopback else "private netns, quickack"

@@ -27,7 +27,7 @@ import httpx
 
 from bench import loopback_ns
 from bench.common import RESULTS, cpu_seconds, machine, md_table, pct, process, rss_bytes, write
-from bench.router import ANCHOR_STOP_S, anchor_argv, anchor_versions, ours_argv
+from bench.router import ANCHORS, anchor_argv, anchor_versions, ours_argv, stop_wait_s
 from bench.scaleout_load import Result, Workload, alone, drive
 from bench.stubs import Model
 from dsv4_cluster.orchestrator.launch.ports import free_ports
@@ -39,7 +39,6 @@ ROUTERS = ("prefix", "round_robin", "least_load", "prefix_noload", "rust", "smg"
 OURS = {"prefix": ("prefix", {}), "round_robin": ("round_robin", {}), "least_load": ("least_load", {}),
         "prefix_noload": ("prefix", {"balance_abs": 1e9})}
 PREFIX_AWARE = ("prefix", "prefix_noload", "rust", "smg")
-ANCHORS = ("rust", "smg")
 
 
 def router_argv(name: str, port: int, prefills: list[tuple[str, int]], decodes: list[str], tmp: Path) -> list[str]:
@@ -95,7 +94,7 @@ def run_cell(name: str, n: int, urls: tuple[list, list[str]], port: int, a: argp
     prefills, decodes = urls
     control, url = prefills[0][0], f"http://127.0.0.1:{port}"
     with process(router_argv(name, port, prefills, decodes, tmp), url + "/health", tmp / f"{name}-{n}.log",
-                 timeout_s=180, stop_s=ANCHOR_STOP_S if name in ANCHORS else 10.0) as proc:
+                 timeout_s=180, stop_s=stop_wait_s(name)) as proc:
         if name in OURS:    # a health round: ours reads each prefill's KV capacity (/server_info) there
             time.sleep(1.0)
         httpx.post(control + "/scaleout/reset", timeout=10).raise_for_status()

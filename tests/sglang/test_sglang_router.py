@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 
 import httpx
 import openai
 import pytest
 
-from bench.router import ANCHOR_STOP_S, anchor_argv, anchor_versions
+from bench.common import process
+from bench.router import anchor_argv, anchor_versions, stop_wait_s
 
 from tests.servers import free_ports
 from tests.worker_procs import start_pair, stop_pair
@@ -43,30 +43,27 @@ def pair(tmp_path_factory):
     stop_pair(pair)
 
 
+@pytest.fixture(scope="module")
+def versions():
+    """What each gateway says it is (asked once: `python -m smg --version` is a process)."""
+    return anchor_versions()
+
+
 @pytest.fixture(scope="module", params=list(GATEWAYS))
-def router(request, pair, tmp_path_factory):
-    """The gateway as the benchmarks run it (`bench.router.anchor_argv`: by module, round robin both ways), checked
-    to be the release it is named for."""
+def router(request, pair, versions, tmp_path_factory):
+    """The gateway as the benchmarks run it (`bench.router.anchor_argv`: by module, round robin both ways; stopped
+    as they stop it), checked to be the release it is named for."""
     package, name = GATEWAYS[request.param]
     _need(package, request.param)
-    versions = anchor_versions()
     assert versions[name] == request.param, versions
     port = free_ports(1)[0]
     log = tmp_path_factory.mktemp(package) / "router.log"
     cmd = anchor_argv(name, port, [(pair.prefill_url, pair.bootstrap_port)], [pair.decode_url]) + \
         ["--worker-startup-timeout-secs", "60"]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    try:
+    with process(cmd, None, log, stop_s=stop_wait_s(name)) as proc:
         wait_serving(url + "/v1/models", 60, request.param, proc, log.read_text)
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(ANCHOR_STOP_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture()
