@@ -7,10 +7,11 @@ as soon as its check holds), so a generous one costs nothing when the system is 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import subprocess
 import time
-from typing import TYPE_CHECKING, Any, Callable, Generator
+from typing import TYPE_CHECKING, Any, Callable
 
 import httpx
 
@@ -29,38 +30,40 @@ class TimedOut(AssertionError):
     """A wait's `timeout_s` ran out (a test failure, as any AssertionError)."""
 
 
-def _polls(check: Callable[[], Any], timeout_s: float, what: str) -> Generator[None, None, Any]:
-    """One wait, either kind: yields between looks at `check`; returns its first truthy value; raises an
-    AssertionError naming `what` (and the check's last value) after `timeout_s`."""
-    end = time.monotonic() + timeout_s
-    while not (value := check()):
-        if time.monotonic() > end:
-            raise TimedOut(f"timed out after {timeout_s:.1f}s waiting for {what or check} (last: {value!r})")
-        yield
-    return value
+class _Deadline:
+    """One wait's end: `done(value)` is whether a look's value ends the wait; past `timeout_s` an AssertionError
+    naming `what` (and the last value)."""
+
+    def __init__(self, timeout_s: float, what: Any) -> None:
+        self.timeout_s, self.what, self.end = timeout_s, what, time.monotonic() + timeout_s
+
+    def done(self, value: Any) -> bool:
+        if value:
+            return True
+        if time.monotonic() > self.end:
+            raise TimedOut(f"timed out after {self.timeout_s:.1f}s waiting for {self.what} (last: {value!r})")
+        return False
 
 
 def wait_for(check: Callable[[], Any], timeout_s: float, what: str = "", interval_s: float = 0.05) -> Any:
     """Poll `check` until it returns something truthy and return that; after `timeout_s` raise an
     AssertionError naming `what` (and the check's last value)."""
-    polls = _polls(check, timeout_s, what)
-    try:
-        while True:
-            next(polls)
-            time.sleep(interval_s)
-    except StopIteration as done:
-        return done.value
+    deadline = _Deadline(timeout_s, what or check)
+    while not deadline.done(value := check()):
+        time.sleep(interval_s)
+    return value
 
 
 async def wait_for_async(check: Callable[[], Any], timeout_s: float, what: str = "", interval_s: float = 0.05) -> Any:
-    """`wait_for` inside a running event loop (the loop keeps serving while it waits)."""
-    polls = _polls(check, timeout_s, what)
-    try:
-        while True:
-            next(polls)
-            await asyncio.sleep(interval_s)
-    except StopIteration as done:
-        return done.value
+    """`wait_for` inside a running event loop (the loop keeps serving while it waits); `check` may be async."""
+    async def look() -> Any:
+        value = check()
+        return await value if inspect.isawaitable(value) else value
+
+    deadline = _Deadline(timeout_s, what or check)
+    while not deadline.done(value := await look()):
+        await asyncio.sleep(interval_s)
+    return value
 
 
 def wait_serving(url: str, timeout_s: float, what: str, proc: subprocess.Popen | None = None,

@@ -9,9 +9,9 @@ answer `/health` (503 in mode "unhealthy").
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from dsv4_cluster.router.settings import RouterSettings
 from dsv4_cluster.router.sse import DONE
-from tests.helpers import SOON_S, wait_for
+from tests.helpers import SOON_S, TimedOut, wait_for, wait_for_async
 from tests.servers import UvicornThread
 
 WAIT_S = 5.0
@@ -84,11 +84,10 @@ class FakeWorker:
 
     async def wait(self, what: str, rid: Any, timeout_s: float = WAIT_S) -> bool:
         """Wait for the other leg's `what` unless this leg gets aborted."""
-        event, deadline = self.meet(what, rid), time.monotonic() + timeout_s
-        while not event.is_set() and json.dumps(rid) not in self.ever_aborted:
-            if time.monotonic() > deadline:
-                break
-            await asyncio.sleep(0.005)
+        event = self.meet(what, rid)
+        with contextlib.suppress(TimedOut):
+            await wait_for_async(lambda: event.is_set() or json.dumps(rid) in self.ever_aborted, timeout_s,
+                                 f"{what} of {rid}", interval_s=0.005)
         return event.is_set()
 
     async def prefill(self, body: dict, rid: Any, stream: bool) -> Any:

@@ -12,12 +12,12 @@ import asyncio
 import random
 import socket
 import threading
-import time
 from typing import Any
 
 import uvicorn
 
 from bench.stubs import Stats, StubProtocol
+from tests.helpers import TimedOut, wait_for
 
 PORT_RANGE = (10000, 32767)
 
@@ -90,14 +90,16 @@ class UvicornThread:
 
     def start(self) -> UvicornThread:
         self._thread.start()
-        deadline = time.monotonic() + self._startup_timeout_s
-        while not self._server.started:
+        def started() -> bool:
             if self._error is not None or not self._thread.is_alive():
                 raise RuntimeError(f"server on {self.url} failed to start: {self._error!r}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"server on {self.url} did not start within {self._startup_timeout_s} s")
-            time.sleep(0.01)
+            return self._server.started
+
+        try:
+            wait_for(started, self._startup_timeout_s, f"server on {self.url} to start", interval_s=0.01)
+        except TimedOut:
+            self.stop()
+            raise
         with socket.create_connection((self.host, self.port), timeout=self._startup_timeout_s):
             pass
         return self

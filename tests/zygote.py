@@ -32,7 +32,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import traceback
 from pathlib import Path
 
@@ -54,12 +53,14 @@ class Started:
 
     def _ended(self, timeout_s: float) -> bool:
         """Whether it ended within `timeout_s` (a zygote that died reaps nothing: its children died with it)."""
-        end = time.monotonic() + timeout_s
-        while self.returncode() is None:
-            if self._zygote.poll() is not None or time.monotonic() > end:
-                return False
-            time.sleep(0.05)
-        return True
+        from tests.helpers import TimedOut, wait_for  # the test process's side: the zygote imports nothing more
+
+        try:
+            wait_for(lambda: self.returncode() is not None or self._zygote.poll() is not None, timeout_s,
+                     f"child {self.pid} to end")
+        except TimedOut:
+            return False
+        return self.returncode() is not None
 
     def kill(self) -> None:
         """SIGKILL it unless it ended (or was read) already, and wait until the zygote reaped it."""

@@ -10,6 +10,7 @@ none can, so the pages are freed at once instead of after the quarantine (4 x th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -19,7 +20,7 @@ import httpx
 import pytest
 
 from bench.local_cluster import write_topology
-from tests.helpers import wait_for_async
+from tests.helpers import TimedOut, wait_for, wait_for_async
 
 pytestmark = pytest.mark.slow
 
@@ -73,18 +74,18 @@ def test_a_prefill_outage_under_load_leaves_decode_kv_at_baseline_soon_after_pre
             os.kill(_prefill_pid(cluster), signal.SIGKILL)
             killed = time.monotonic()
             down_seen = False  # the kill made an outage: /health failed at least once before it came back
+
+            async def restarted() -> bool:
+                nonlocal down_seen
+                try:
+                    healthy = (await c.get(prefill_health)).status_code == 200
+                except httpx.HTTPError:
+                    healthy = False
+                down_seen = down_seen or not healthy
+                return healthy and down_seen
+
             async with httpx.AsyncClient(timeout=2) as c:
-                while True:
-                    try:
-                        healthy = (await c.get(prefill_health)).status_code == 200
-                    except httpx.HTTPError:
-                        healthy = False
-                    if not healthy:
-                        down_seen = True
-                    elif down_seen:
-                        break
-                    assert time.monotonic() - killed < 90, "the prefill was not restarted"
-                    await asyncio.sleep(0.1)
+                await wait_for_async(restarted, 90, "the killed prefill to be restarted", interval_s=0.1)
             back = time.monotonic()
             await served(results.count(200) + 4)  # load goes on against the restarted prefill
             stop.set()
@@ -93,8 +94,9 @@ def test_a_prefill_outage_under_load_leaves_decode_kv_at_baseline_soon_after_pre
 
         results, outage_s, back = asyncio.run(scenario())
         assert results.count(200) > 0 and set(results) <= {200, 503}, results   # held, or refused: never a 502
-        while _decode_used(cluster) > baseline and time.monotonic() - back < 10.0:
-            time.sleep(0.2)
+        with contextlib.suppress(TimedOut):  # the assertion below says by how much
+            wait_for(lambda: _decode_used(cluster) <= baseline, max(0.0, back + 10.0 - time.monotonic()),
+                     interval_s=0.2)
         assert _decode_used(cluster) == baseline, f"decode still holds KV {time.monotonic() - back:.1f}s after a {outage_s:.1f}s outage"
         # requests after the fault are served and checked
         for i in range(3):

@@ -18,7 +18,7 @@ from dsv4_cluster.workers.engine.runner import ModelRunner, RunnerConfig, genera
 from dsv4_cluster.workers.engine.sampling import SamplingParams
 from dsv4_cluster.workers.engine.tokenizer import EOS, ByteTokenizer
 
-from tests.helpers import kv_used, metric, wait_for, wait_for_async
+from tests.helpers import SOON_S, kv_used, metric, wait_for, wait_for_async
 from tests.servers import free_port
 from tests.worker_procs import _wait, start_pair, stop_pair
 
@@ -252,8 +252,7 @@ def test_decode_frees_a_given_up_room_at_once_when_prefill_never_wrote_it(pair):
                 **pair.bootstrap(secrets.randbits(63), "gu1")}
         async with httpx.AsyncClient(timeout=30) as c:
             d = asyncio.create_task(c.post(pair.decode_url + "/generate", json=body))
-            while kv_used(pair.decode_url) == before:
-                await asyncio.sleep(0.05)
+            await wait_for_async(lambda: kv_used(pair.decode_url) != before, SOON_S, "the decode to take pages")
             await c.post(pair.decode_url + "/abort_request", json={"rid": "gu1"})
             return await d
 
