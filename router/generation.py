@@ -30,9 +30,9 @@ from .errors import NoWorkers, RouterError, UpstreamFailed, error_response, unex
 from .http_client import Interrupted, UpstreamError
 from .backpressure import check_stages
 from .pairing import pair_request
-from .migration import resumable
+from .migration import Migration, resumable
 from .prefix_tree import prompt_text
-from .relay import relay
+from .relay import StreamBroke, continues, failure_of, pump
 from .resume import prefill_asks, with_ids
 from .state import RouterState
 from .worker import Worker
@@ -45,6 +45,7 @@ PATHS = ("/v1/chat/completions", "/v1/completions", "/generate")
 HOLD_POLL_S = 0.1  # while a request is held for a worker's restart, how often the pool is looked at (no legs sent)
 HOLD_TRY_S = 1.0  # and at most one try (one prefill leg) per held request per this long
 PREFILL_SETTLE_S = 0.25  # a decode failed (5xx): how long its prefill leg may take to show its own fate (`Attempt`)
+SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
 
 class ClientGone:
@@ -55,6 +56,11 @@ class ClientGone:
 
 
 CLIENT_GONE = ClientGone()
+
+
+def streams(attempt: Attempt) -> bool:
+    """Whether the attempt's decode answered 200 with an event stream."""
+    return attempt.decode.ok and attempt.decode.content_type.startswith("text/event-stream")
 
 
 async def send_response(send: Send, status: int, body: bytes, content_type: str = "application/json",
@@ -189,8 +195,8 @@ class Flight:
             self.upstream, self.ids_asked = with_ids(self.path, self.body) if self.resumable else (self.body, False)
             attempt = await self.start(self.upstream)
             try:
-                if stream and attempt.decode.ok and attempt.decode.content_type.startswith("text/event-stream"):
-                    await relay(self, attempt)
+                if stream and streams(attempt):
+                    await self.relay(attempt)
                 else:
                     await self.answer(attempt)
             finally:
@@ -209,6 +215,61 @@ class Flight:
                 watch.remove_done_callback(self.client_gone)
                 watch.cancel()
             state.metrics.finished(self.path, self.status, time.perf_counter() - self.started)
+
+    async def relay(self, attempt: Attempt) -> None:
+        """D's events to the client (`relay.py`, steps 1-5); a failure before the first byte tries a fresh pair as
+        for any first attempt, one after it continues the stream on one (`migration.py`) or ends it with an error
+        event. The pair of each attempt is released by `run`."""
+        migration = Migration(self)
+        while True:
+            try:
+                await pump(self, attempt, migration)
+                attempt.finish()
+                return
+            except (StreamBroke, Interrupted, RouterError) as exc:
+                attempt.abort_both()
+                if (error := failure_of(exc)) is None:
+                    raise  # the client left
+                if isinstance(exc, StreamBroke):
+                    error.retryable = True   # a broken stream can go on elsewhere: tried again, or continued
+                if self.status == 0:  # nothing sent yet
+                    self.state.metrics.pair_failures.inc()
+                    if not error.retryable or self.gone:
+                        raise error from None
+                    pair = attempt.req.pair
+                    pair.release()
+                    avoid = {pair.decode} | ({pair.prefill} if error is attempt.prefill_error else set())
+                    attempt = await self.start(self.upstream, avoid=avoid, failed=error)
+                    if not streams(attempt):
+                        return await self.answer(attempt)  # D's answer or error, as for any first attempt
+                elif not continues(exc, error) or (attempt := await self._migrate(migration, attempt, error)) is None:
+                    raise error from None   # `fail`: an error event and `[DONE]`
+
+    async def _migrate(self, migration: Migration, old: Attempt, broke: RouterError) -> Attempt | None:
+        """The stream continued on a fresh pair (held for a restart when its only decode died); None: it cannot."""
+        body = None if self.gone else migration.continuation(old, broke)
+        if body is None:
+            return None
+        try:
+            attempt = await self.start(body, avoid={old.req.pair.decode}, failed=broke, counted=False)
+        except RouterError:
+            return None
+        finally:
+            old.req.pair.release()
+        if not streams(attempt):
+            attempt.abort_both()
+            return None
+        migration.continued()
+        return attempt
+
+    async def send_events(self, run: bytes, done: bool) -> None:
+        """A run of the stream's events in one write, after the response head for the first; `done`: it ends the
+        body."""
+        if self.status == 0:
+            self.status = 200
+            await self.send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        self.token_sent()
+        await self.send({"type": "http.response.body", "body": run, "more_body": not done})
 
     async def fail(self, error: RouterError) -> None:
         """`error` to the client: its status and body while nothing was sent, else an error event and `[DONE]`."""

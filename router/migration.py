@@ -19,11 +19,11 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable
 
 from . import sse
-from .attempt import Attempt
 from .errors import RouterError
 from .resume import Progress, answer_docs, continuation, migratable, parse_event, progress, prompt_ids_in, strip_ids
 
 if TYPE_CHECKING:
+    from .attempt import Attempt
     from .settings import RouterSettings
     from .stream import StreamOwner
 
@@ -139,10 +139,11 @@ def splice(path: str, done: Progress, seam: Seam = Seam()) -> Callable[[bytes], 
 
 
 class Migration:
-    """The stream's current attempt, the events it sent, and the move to a fresh pair."""
+    """The events a stream sent, and what a move to a fresh pair needs: the continuation's body, then the splice.
+    The request that owns the stream (`Flight.relay`) starts the continuation's attempt."""
 
-    def __init__(self, flight: StreamOwner, attempt: Attempt) -> None:
-        self.flight, self.attempt = flight, attempt
+    def __init__(self, flight: StreamOwner) -> None:
+        self.flight = flight
         self.left = flight.state.settings.migration_limit
         self.keep = resumable(flight.state.settings, flight.path, flight.body)
         self.strip = self.keep and flight.ids_asked
@@ -152,6 +153,7 @@ class Migration:
         self._identity: tuple[str | None, int | None] | None = None   # the stream's id and created, from its start
         self._seam: Seam | None = None          # taken over by every continuation (from the first break on)
         self._prompt: list[int] | None = None   # /generate: the prompt's ids, as the first prefill reported them
+        self._done = Progress()                 # what the stream said before its last break
 
     def outgoing(self, run: bytes) -> bytes:
         """The bytes to send for a run of complete events (spliced after a migration), remembered while migration is
@@ -169,11 +171,12 @@ class Migration:
     def _sent_events(self) -> list[bytes]:
         return sse.events(b"".join(self.sent))
 
-    async def next_attempt(self, broke: RouterError) -> bool:
-        """Continue on a fresh pair; False when this stream cannot (then it ends with the break's error)."""
-        if not self.keep or self.left <= 0 or self.flight.gone:
-            return False
-        path, old = self.flight.path, self.attempt
+    def continuation(self, old: Attempt, broke: RouterError) -> dict[str, Any] | None:
+        """The body that continues the stream on a fresh pair after `old` broke (counted against
+        `migration_limit`); None when this stream cannot go on (then it ends with the break's error)."""
+        if not self.keep or self.left <= 0:
+            return None
+        path = self.flight.path
         if self._seam is None:   # the stream's first attempt: what its prefill reported holds for the whole stream
             first = old.prefill.result() if old.prefill.done() and not old.prefill.cancelled() \
                 and old.prefill.exception() is None and old.prefill.result().ok else None
@@ -185,23 +188,15 @@ class Migration:
             done = replace(done, prompt_ids=self._prompt)
         body = continuation(path, self.flight.upstream, done)
         if body is None:
-            return False
+            return None
         log.warning("rid %s: %s after %d tokens; continued from %s", old.req.rid, broke.message, done.tokens,
                     "text (its workers reported no prompt ids)" if done.prompt_ids is None else
                     f"{len(done.prompt_ids)} prompt + {len(done.ids)} output token ids")
         self.left -= 1
-        try:
-            # with no decode that answers (the only one died), held up to `stream_hold_s` for its restart
-            attempt = await self.flight.start(body, avoid={old.req.pair.decode}, failed=broke, counted=False)
-        except RouterError:
-            return False
-        finally:
-            old.req.pair.release()
-        decode = attempt.decode
-        if not decode.ok or not decode.content_type.startswith("text/event-stream"):
-            attempt.abort_both()
-            return False
+        self._done = done
+        return body
+
+    def continued(self) -> None:
+        """The continuation streams: its events are spliced onto the stream from now on."""
         self.flight.state.metrics.migrations.inc()
-        self.attempt = attempt
-        self._rewrite = splice(path, done, self._seam)
-        return True
+        self._rewrite = splice(self.flight.path, self._done, self._seam)

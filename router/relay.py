@@ -1,5 +1,6 @@
 """One streaming answer: D's SSE events relayed to the client as they arrive, on event boundaries
-(docs/router.md, "What a request goes through", 4).
+(docs/router.md, "What a request goes through", 4). Helpers of the request that owns the stream (`Flight.relay` runs
+the loop over attempts and decides each step below; these frame, check and hand it the events).
 
   1. Nothing is sent before D's first event: until then a retryable failure moves the request to a fresh pair
      (`Flight.may_retry`), any other answers with its status. From it on, what one wake-up brought is framed in
@@ -22,18 +23,17 @@ import logging
 from typing import TYPE_CHECKING
 
 from . import logprobs, sse
-from .attempt import Attempt
 from .errors import RouterError, UpstreamUnreachable
 from .http_client import Interrupted, UpstreamError
-from .migration import Migration
 from .public import worker_text
 from .upstream import event_status, worker_failed
 
 if TYPE_CHECKING:
+    from .attempt import Attempt
+    from .migration import Migration
     from .stream import StreamOwner
 
 log = logging.getLogger(__name__)
-HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
 
 class StreamBroke(Exception):
@@ -44,7 +44,7 @@ class StreamBroke(Exception):
         self.error = error
 
 
-def _error_of(exc: BaseException) -> RouterError | None:
+def failure_of(exc: BaseException) -> RouterError | None:
     """The RouterError a relay failure carries; None when the client left."""
     if isinstance(exc, StreamBroke):
         return exc.error
@@ -53,7 +53,7 @@ def _error_of(exc: BaseException) -> RouterError | None:
     return exc if isinstance(exc, RouterError) else None
 
 
-def _continued(exc: BaseException, error: RouterError) -> bool:
+def continues(exc: BaseException, error: RouterError) -> bool:
     """Whether a failure after the first byte is continued on a fresh pair (step 3): D's stream broke (it died), or a
     worker of the attempt is lost (`Attempt._worker_lost`: D failed its health checks, stopped or restarting; or P,
     on a continuation whose decode has not streamed yet). The client has whole events only, so the seam is exact."""
@@ -123,45 +123,5 @@ async def forward(flight: StreamOwner, attempt: Attempt, migration: Migration, r
         tail = run.rstrip()
         done = tail == b"data: [DONE]" or tail.endswith(b"\n\ndata: [DONE]") or sse.is_done(sse.events(run)[-1])
     attempt.kv_delivered = True   # D streams, so it has the KV: P's part is done (`Attempt`, 4)
-    out = migration.outgoing(run)
-    if flight.status == 0:
-        flight.status = 200
-        await flight.send({"type": "http.response.start", "status": 200, "headers": HEADERS})
-    flight.token_sent()
-    await flight.send({"type": "http.response.body", "body": out, "more_body": not done})
+    await flight.send_events(migration.outgoing(run), done)
     return done
-
-
-async def relay(flight: StreamOwner, attempt: Attempt) -> None:
-    """Steps 1-5 above; the pair of each attempt is released by its owner."""
-    migration = Migration(flight, attempt)
-    while True:
-        try:
-            await pump(flight, migration.attempt, migration)
-            migration.attempt.finish()
-            return
-        except (StreamBroke, Interrupted, RouterError) as exc:
-            migration.attempt.abort_both()
-            error = _error_of(exc)
-            if error is None:
-                raise  # the client left
-            if isinstance(exc, StreamBroke):
-                error.retryable = True   # a broken stream can go on elsewhere: tried again, or continued
-            if flight.status == 0:  # nothing sent yet
-                flight.state.metrics.pair_failures.inc()
-                if not error.retryable or flight.gone:
-                    raise error from None
-                pair = migration.attempt.req.pair
-                pair.release()
-                avoid = {pair.decode} | ({pair.prefill} if error is migration.attempt.prefill_error else set())
-                attempt = await flight.start(flight.upstream, avoid=avoid, failed=error)
-                migration.attempt = attempt
-                if not attempt.decode.ok or not attempt.decode.content_type.startswith("text/event-stream"):
-                    await flight.answer(attempt)  # D's answer or error, as for any first attempt
-                    return
-                continue
-            if _continued(exc, error) and await migration.next_attempt(error):
-                continue
-            await flight.send({"type": "http.response.body", "body": sse.error_event(error.body()) + sse.DONE,
-                               "more_body": False})
-            return
