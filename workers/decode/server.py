@@ -8,6 +8,7 @@ import logging
 import httpx
 from fastapi import FastAPI
 
+from ...core import Role
 from ..args import WorkerArgs
 from ..engine.request import Failed, Req, Reserved
 from ..engine.runner import ModelRunner
@@ -26,7 +27,7 @@ class BootstrapError(RuntimeError):
 
 
 class DecodeServer(WorkerServer):
-    role = "decode"
+    role = Role.DECODE
 
     def __init__(self, args: WorkerArgs):
         super().__init__(args)

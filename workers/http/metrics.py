@@ -9,6 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from ...core import Role
 from ...metric_names import KV_ALLOC_RUNS
 from ..engine.loop import Engine
 
@@ -16,8 +17,8 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 
 
 class _EngineCollector:
-    def __init__(self, engine: Engine, labels: dict[str, str], context_length: int):
-        self.engine, self.labels, self.context_length = engine, labels, context_length
+    def __init__(self, engine: Engine, role: Role, labels: dict[str, str], context_length: int):
+        self.engine, self.role, self.labels, self.context_length = engine, role, labels, context_length
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         g = GaugeMetricFamily(name, doc, labels=list(self.labels))
@@ -37,7 +38,7 @@ class _EngineCollector:
         # SGLang's meaning on a PD worker: the waiting queue beside the PD queues below (a decode's requests whose KV
         # arrived, a prefill's bootstrapped ones); here every such request runs at once, so the backlog is all in
         # the PD queues (counting it here as well would count it twice)
-        pd = self.labels["engine_type"] in ("prefill", "decode")
+        pd = self.role in (Role.PREFILL, Role.DECODE)
         yield g("sglang:num_queue_reqs", "Requests waiting to run (besides the PD queues)", 0 if pd else s.num_queued)
         # SGLang's accounting: capacity = available (free pages) + evictable (cached, no request holds them) + used
         yield g("sglang:token_usage", "Fraction of the KV pool in use (cached pages no request holds are not)",
@@ -59,13 +60,13 @@ class _EngineCollector:
         yield g("sglang:context_len", "Maximum context length", self.context_length)
         yield g("sglang:page_size", "KV page size in tokens", pool.layout.page_size)
         yield g("sglang:num_prefill_bootstrap_queue_reqs", "Prefill requests waiting for pages",
-                s.num_queued if self.labels["engine_type"] == "prefill" else 0)
+                s.num_queued if self.role is Role.PREFILL else 0)
         yield g("sglang:num_prefill_inflight_queue_reqs", "Prefill requests waiting for or in KV transfer",
-                s.num_waiting_peer + s.num_transferring if self.labels["engine_type"] == "prefill" else 0)
+                s.num_waiting_peer + s.num_transferring if self.role is Role.PREFILL else 0)
         yield g("sglang:num_decode_prealloc_queue_reqs", "Decode requests waiting for pages",
-                s.num_queued if self.labels["engine_type"] == "decode" else 0)
+                s.num_queued if self.role is Role.DECODE else 0)
         yield g("sglang:num_decode_transfer_queue_reqs", "Decode requests waiting for KV to arrive",
-                s.num_waiting_peer if self.labels["engine_type"] == "decode" else 0)
+                s.num_waiting_peer if self.role is Role.DECODE else 0)
         yield g("sglang:kv_transfer_speed_gb_s", "Mean speed of the KV transfers of the last 5 s",
                 s.transfer_gb_s.mean())
         yield g("sglang:kv_transfer_latency_ms", "Mean latency of the KV transfers of the last 5 s",
@@ -85,10 +86,10 @@ class _EngineCollector:
 
 
 class WorkerMetrics:
-    def __init__(self, engine: Engine, model_name: str, engine_type: str, context_length: int):
-        labels = {"model_name": model_name, "engine_type": engine_type}
+    def __init__(self, engine: Engine, model_name: str, role: Role, context_length: int):
+        labels = {"model_name": model_name, "engine_type": role.value}   # the wire form ("prefill") SGLang labels with
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine, labels, context_length))
+        self.registry.register(_EngineCollector(engine, role, labels, context_length))
 
         def hist(name: str, doc: str) -> Histogram:
             return Histogram(name, doc, list(labels), buckets=LATENCY_BUCKETS,

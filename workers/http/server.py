@@ -45,7 +45,8 @@ class BadRequest(ValueError):
 
 
 class WorkerServer:
-    role = "unified"
+    # The role a subclass serves; this base serves none of its own (it builds no engine).
+    role: Role | None = None
 
     def __init__(self, args: WorkerArgs):
         self.args = args
@@ -237,7 +238,7 @@ class WorkerServer:
                 last = self._token_timed(len(out.ids), last)
                 if ev.finish_reason:
                     self.metrics.e2e.observe(last - started)
-                    return JSONResponse(out.final(ev.finish_reason, prefill_only=self.role == "prefill"))
+                    return JSONResponse(out.final(ev.finish_reason, prefill_only=self.role is Role.PREFILL))
         return error_response(500, "the request ended without a result")
 
     def _token_timed(self, n: int, last: float) -> float:
@@ -269,7 +270,7 @@ class WorkerServer:
                 now = last = self._token_timed(len(out.ids), last)
                 if out.holding:
                     continue
-                yield sse(out.chunk(unsent, ev.finish_reason, first=not sent, prefill_only=self.role == "prefill"))
+                yield sse(out.chunk(unsent, ev.finish_reason, first=not sent, prefill_only=self.role is Role.PREFILL))
                 sent, unsent = True, ""
                 if ev.finish_reason:
                     self.metrics.e2e.observe(now - started)
@@ -285,7 +286,7 @@ class WorkerServer:
         pool = e.runner.pool
         return {
             "model_path": f"embedded:dsv4-{a.model_preset}", "served_model_name": a.served_model_name, "tp_size": 1,
-            "dp_size": 1, "disaggregation_mode": self.role, "disaggregation_transfer_backend": a.transfer_backend,
+            "dp_size": 1, "disaggregation_mode": self.role.value, "disaggregation_transfer_backend": a.transfer_backend,
             "disaggregation_bootstrap_port": a.disaggregation_bootstrap_port, "context_length": a.context_length,
             "page_size": a.page_size, "kv_cache_dtype": pool.layout.dtype, "device": a.device,
             "max_total_num_tokens": pool.capacity_tokens, "max_req_input_len": a.context_length - 1,
@@ -312,7 +313,7 @@ class WorkerServer:
     def model_info(self) -> dict:
         return {"model_path": f"embedded:dsv4-{self.args.model_preset}", "served_model_name": self.args.served_model_name,
                 "is_generation": True, "reasoning_parser": None, "tool_call_parser": None,
-                "disaggregation_mode": self.role}
+                "disaggregation_mode": self.role.value}
 
 
 

@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
+from ...core import Role
 from ..args import WorkerArgs
 from ..engine.runner import ModelRunner
 from ..http.responses import GenSpec
@@ -36,7 +37,7 @@ class Cancel(BaseModel):
 
 
 class PrefillServer(WorkerServer):
-    role = "prefill"
+    role = Role.PREFILL
 
     def build_engine(self, runner: ModelRunner) -> PrefillEngine:
         a = self.args
