@@ -32,7 +32,7 @@ MERGE_COST = 0.03  # choose_splits: a split's merge, in blocks per (query, split
 # Gluon on bf16 rows: an unsplit query's output is cheap (stored through shared memory) and its blocks are (no
 # dequantisation), so the merge weighs more against them: H200, B = 64, 1 split 30.0 us vs 2 splits 33.0
 # (B = 48 29.0 vs 29.1). On fp8 rows 2 splits stay the faster: 35.8 vs 40.9 at B = 64, 33.2 vs 40.1 at B = 48
-# (bench/results/sparse_decode_ab_session7.log).
+# (`git show cfdfdebcc0:bench/results/sparse_decode_ab_session7.log`).
 GLUON_BF16_MERGE_COST = 0.04
 
 
