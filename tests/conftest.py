@@ -14,9 +14,14 @@ suite runs two test processes beside the clusters they start, on as few as two c
 thread per core had its idle threads spin for cores the others needed (the kernel-path tests took 66 CPU-seconds
 with the default, 26 with one thread). The embedded workers already run one thread each (`workers/http/server.py`)."""
 
+from __future__ import annotations
+
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Callable
 
 import pytest
 import torch
@@ -27,6 +32,9 @@ if not torch.cuda.is_available():
 from dsv4_cluster.orchestrator.cluster.ray_env import prepare_ray_env
 from dsv4_cluster.orchestrator.launch.ports import EPHEMERAL_LOW, PORTS_ENV, SEARCH_LOW
 from tests import servers
+
+if TYPE_CHECKING:
+    from bench.local_cluster import LocalCluster
 
 prepare_ray_env(None)
 
@@ -42,6 +50,19 @@ def _slice(low: int, high: int) -> tuple[int, int]:
 _LOW, _HIGH = _slice(SEARCH_LOW, EPHEMERAL_LOW)
 os.environ[PORTS_ENV] = f"{_LOW}-{_HIGH}"
 servers.PORT_RANGE = (_LOW, _HIGH - 1)   # the test servers' ports too (inclusive bounds), above Ray's worker ports
+
+
+@pytest.fixture(scope="session")
+def local_cluster(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., AbstractContextManager[LocalCluster]]:
+    """The embedded cluster the end-to-end modules bring up: `with local_cluster(name, **topology) as c:` writes
+    `bench.local_cluster.write_topology(<fresh temp folder name>, **topology)`, `up`s it and `down`s it when the block
+    ends (`LocalCluster.running`: both asserted). Each module's own `cluster` fixture calls it with its topology,
+    in its own scope."""
+    from bench.local_cluster import write_topology   # here: the GPU runs import this file without the CLI's needs
+
+    def start(name: str, **topology: Any) -> AbstractContextManager[LocalCluster]:
+        return write_topology(tmp_path_factory.mktemp(name), **topology).running()
+    return start
 
 
 @pytest.fixture

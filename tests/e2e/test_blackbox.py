@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from bench.local_cluster import LocalCluster, write_topology
+from bench.local_cluster import LocalCluster
 from dsv4_cluster.workers.http.responses import held_back
 from tests.helpers import STATUS_POLL_S, status_rows, wait_for
 
@@ -47,10 +47,8 @@ TEXT_KEYS = ("content", "text", "reasoning_content", "token", "tokens", "output_
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory) -> LocalCluster:
-    c = write_topology(tmp_path_factory.mktemp("blackbox"), extra_prefill=HOOKS,
-                       extra=f"nodes:\n  - {{name: {NODE}, address: {HOST}}}\n")
-    with c.running():
+def cluster(local_cluster) -> LocalCluster:
+    with local_cluster("blackbox", extra_prefill=HOOKS, extra=f"nodes:\n  - {{name: {NODE}, address: {HOST}}}\n") as c:
         yield c
 
 

@@ -31,7 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from dsv4_cluster import metric_names as m
 from dsv4_cluster.orchestrator.processes import pid_alive
 
-from bench.local_cluster import LocalCluster, write_topology
+from bench.local_cluster import LocalCluster
 from tests.cluster_cli import next_20_succeed
 from tests.helpers import cluster_status, kv_used, status_rows, wait_for, wait_for_async, wait_ready, wait_row
 
@@ -42,10 +42,9 @@ POLLS_S = 6.0  # a reading reaches status within one health poll (2 s) and its p
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory) -> LocalCluster:
-    c = write_topology(tmp_path_factory.mktemp("cluster-faults"), extra_decode=HOOKS, extra_prefill=HOOKS,
-                       extra=f"transfer: {{backend: nixl, stranded_kv_timeout_s: {STRANDED_TIMEOUT_S}}}\n")
-    with c.running():
+def cluster(local_cluster) -> LocalCluster:
+    with local_cluster("cluster-faults", extra_decode=HOOKS, extra_prefill=HOOKS,
+                       extra=f"transfer: {{backend: nixl, stranded_kv_timeout_s: {STRANDED_TIMEOUT_S}}}\n") as c:
         yield c
 
 

@@ -17,17 +17,14 @@ from dsv4_cluster.workers.engine.runner import ModelRunner, RunnerConfig, genera
 from dsv4_cluster.workers.engine.sampling import SamplingParams
 from dsv4_cluster.workers.engine.tokenizer import EOS, ByteTokenizer
 
-from bench.local_cluster import write_topology
-
 pytestmark = pytest.mark.slow
 TOK = ByteTokenizer()
 MESSAGES = [{"role": "user", "content": "Say something about KV caches."}]
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = write_topology(tmp_path_factory.mktemp("cluster"), context_length=1024, kernels=True)
-    with c.running():
+def cluster(local_cluster):
+    with local_cluster("cluster", context_length=1024, kernels=True) as c:
         yield c
 
 

@@ -11,7 +11,6 @@ import httpx
 import pytest
 
 from bench import reliability_faults as rf
-from bench.local_cluster import write_topology
 from bench.reliability import security_checks, soak
 from bench.reliability_input import fuzz, malformed, oversized, slowloris
 
@@ -20,9 +19,8 @@ HOOKS = ", extra_args: [--test-hooks]"
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    local = write_topology(tmp_path_factory.mktemp("reliability"), extra_decode=HOOKS, extra_prefill=HOOKS)
-    with local.running() as c:
+def cluster(local_cluster):
+    with local_cluster("reliability", extra_decode=HOOKS, extra_prefill=HOOKS) as c:
         yield rf.Cluster(c.router_url, c.ports, c.home)
 
 

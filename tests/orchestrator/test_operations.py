@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 
-from bench.local_cluster import CLI, LocalCluster, write_topology
+from bench.local_cluster import CLI, LocalCluster
 from dsv4_cluster.orchestrator.monitor.targets import listed, targets_dir
 from dsv4_cluster.orchestrator.topology.load import load_topology
 from tests.helpers import status_rows, wait_for, wait_for_async
@@ -27,9 +27,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory) -> LocalCluster:
-    c = write_topology(tmp_path_factory.mktemp("ops"), decodes=2)
-    with c.running():
+def cluster(local_cluster) -> LocalCluster:
+    with local_cluster("ops", decodes=2) as c:
         yield c
 
 
@@ -111,7 +110,8 @@ def test_the_router_restarts_by_name_and_serves_the_same_answers_again(cluster):
     and the same greedy answer through it once the supervisors have told it their workers' states."""
     def ask() -> httpx.Response:
         return httpx.post(cluster.router_url + "/v1/chat/completions", timeout=60, json={
-            "model": "dsv4-tiny", "max_tokens": 12, "temperature": 0, "messages": [{"role": "user", "content": "again"}]})
+            "model": "dsv4-tiny", "max_tokens": 12, "temperature": 0,
+            "messages": [{"role": "user", "content": "again"}]})
 
     first = ask()
     assert first.status_code == 200, first.text

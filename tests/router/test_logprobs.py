@@ -85,7 +85,9 @@ def test_too_many_alternatives_are_refused_naming_the_field_and_the_limit():
 # -- through the router, 1 prefill + 1 decode ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def real_cluster(tmp_path_factory):
+    """(pair, router): the router in front of a real prefill + decode pair (worker processes, KV over NIXL), not
+    tests/router/conftest.py's `cluster` of fake workers: the logprobs must be the engine's own."""
     pair = start_pair(tmp_path_factory.mktemp("pair"))
     settings = RouterSettings(
         host="127.0.0.1", port=1, model_name="dsv4-tiny", request_timeout_s=120, health_check_interval_s=0.5,
@@ -152,8 +154,8 @@ def _text(tokens) -> str:
 
 
 @pytest.mark.slow
-def test_chat_greedy_logprobs_are_the_true_ones_first_token_included(cluster):
-    _, router = cluster
+def test_chat_greedy_logprobs_are_the_true_ones_first_token_included(real_cluster):
+    _, router = real_cluster
     client, n, top = _client(router), 8, 5
     args = dict(model="dsv4-tiny", messages=MESSAGES, max_tokens=n, temperature=0, logprobs=True, top_logprobs=top,
                 extra_body={"ignore_eos": True})
@@ -174,8 +176,8 @@ def test_chat_greedy_logprobs_are_the_true_ones_first_token_included(cluster):
 
 
 @pytest.mark.slow
-def test_chat_seeded_sampling_stream_and_non_stream_agree(cluster):
-    _, router = cluster
+def test_chat_seeded_sampling_stream_and_non_stream_agree(real_cluster):
+    _, router = real_cluster
     client = _client(router)
     args = dict(model="dsv4-tiny", messages=MESSAGES, max_tokens=10, temperature=1.2, top_p=0.95, seed=7,
                 logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
@@ -189,8 +191,8 @@ def test_chat_seeded_sampling_stream_and_non_stream_agree(cluster):
 
 
 @pytest.mark.slow
-def test_legacy_completions_logprobs(cluster):
-    _, router = cluster
+def test_legacy_completions_logprobs(real_cluster):
+    _, router = real_cluster
     client = _client(router)
     args = dict(model="dsv4-tiny", prompt="The pages", max_tokens=6, temperature=0, logprobs=3,
                 extra_body={"ignore_eos": True})
@@ -210,8 +212,8 @@ def test_legacy_completions_logprobs(cluster):
 
 
 @pytest.mark.slow
-def test_generate_logprobs_in_sglang_shape(cluster):
-    _, router = cluster
+def test_generate_logprobs_in_sglang_shape(real_cluster):
+    _, router = real_cluster
     body = {"text": "The pages", "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
             "return_logprob": True, "top_logprobs_num": 4, "return_text_in_logprobs": True}
     answer = httpx.post(router.url + "/generate", json=body, timeout=120).json()
@@ -236,8 +238,8 @@ def test_generate_logprobs_in_sglang_shape(cluster):
 
 
 @pytest.mark.slow
-def test_over_the_limit_is_a_400_naming_the_field_and_limit(cluster):
-    pair, router = cluster
+def test_over_the_limit_is_a_400_naming_the_field_and_limit(real_cluster):
+    pair, router = real_cluster
     client, over = _client(router), MAX_TOP_LOGPROBS + 1
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="dsv4-tiny", messages=MESSAGES, logprobs=True, top_logprobs=over)

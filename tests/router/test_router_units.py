@@ -1,12 +1,13 @@
-"""Router parts on their own: the pairing policies, and migration's reading of a stream's progress."""
+"""Router parts on their own: the pairing policies, migration's reading of a stream's progress, and a worker's
+own record (router/worker.py): whether it answers, and the requests it is part of, ended once when it is lost."""
 
 from __future__ import annotations
 
 from collections import Counter
 
-from dsv4_cluster.core import Role
+from dsv4_cluster.core import Role, WorkerState
 from dsv4_cluster.router.policies import Chooser
-from dsv4_cluster.router.worker import Worker
+from dsv4_cluster.router.worker import Pair, Worker
 
 
 def workers(*loads: float) -> list[Worker]:
@@ -254,3 +255,22 @@ def test_an_answer_read_after_a_recorded_death_does_not_make_the_worker_answerin
     assert asyncio.run(main()) is False
     prefill.alive_at(prefill.last_failure + 1.0)   # an answer asked for after the failure: answering again
     assert prefill.answering
+
+
+def test_a_lost_worker_ends_each_request_it_is_part_of_once():
+    p, d = Worker(Role.PREFILL, "p", "http://p:1"), Worker(Role.DECODE, "d", "http://d:1")
+    other = Worker(Role.DECODE, "e", "x")
+    ended: list[tuple[str, str]] = []
+    pairs = [Pair(p, d), Pair(p, other)]
+    for pair in pairs:
+        pair.on_lost = lambda worker, why, pair=pair: ended.append((pair.decode.name, why))
+    assert (p.in_flight, d.in_flight, other.in_flight) == (2, 1, 1)
+    d.lost("failed 2 health checks in a row")
+    assert ended == [("d", "failed 2 health checks in a row")]
+    pairs[0].release()
+    pairs[0].release()
+    assert (p.in_flight, d.in_flight, d.pairs) == (1, 0, set())
+    d.lost("again")                                  # released: nothing left to end
+    p.lost("prefill hung")
+    assert ended[1:] == [("e", "prefill hung")]
+    assert p.state is WorkerState.READY              # losing requests is not a state change (the admin API's)
