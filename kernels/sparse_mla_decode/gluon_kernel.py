@@ -24,7 +24,7 @@ once. Work is O(live rows): the split's block range comes from the per-query len
 sized by the cache. No host syncs: graph-capturable like `kernel.py`. Splits are merged inside the
 kernel when all B x splits CTAs fit on the SMs at once (`gluon_epilogue._merge_splits`, a cooperative
 launch: each split waits for its query's others on a counter, then merges a share of the heads), else by
-`kernel._combine_kernel` / `_combine_stream_kernel` after it (see launch._combine).
+`kernel._combine_kernel` / `_combine_stream_kernel` after it (see plan._merge_plan).
 
 Semantics are those of `reference.py`; this file only runs on sm_90 (the tests and the benchmark
 compare it with the reference there). Block indices: live block j < nbw is window block j, else extra

@@ -11,29 +11,19 @@ On CPU tensors the same kernels run under TRITON_INTERPRET=1 (the tests do this)
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from .. import dispatch
 from . import checks
 from .fp8_layout import DEFAULT_GEOMETRY, check_cache
 from ..fast_launch import launch as fast_launch
 from ..workspace import scratch
 from . import kernel as _kernels
-from .config import DIM, LaunchConfig, _num_sms, triton_next_pow2
+from .config import DIM, LaunchConfig, _num_sms
 from .config import gluon_api_unavailable, gluon_unavailable, resolved  # noqa: F401  (tests and benches read them here)
-from .plan import plan_launch
+from .plan import LaunchPlan, MergePlan, plan_launch
 
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _DEFAULT_CONFIG = LaunchConfig()
-
-
-@functools.lru_cache(maxsize=16)
-def smem_cap(device: torch.device) -> int | None:
-    """Shared memory per block the device's GPU class allows (dispatch table); None on CPU."""
-    gpu = dispatch.class_of_device(device)
-    return None if gpu is None else dispatch.SMEM_PER_BLOCK[gpu]
 
 
 def _check_common(q, window_idx, extra_idx, sink, window_lens, extra_lens, has_extra):
@@ -109,34 +99,36 @@ def _launch(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, si
     counters = None  # the Gluon kernels' split counters; lse stands in (unread) where they do not merge
     if p.backend in ("gluon", "gluon_h16"):
         counters = split_counters(q.device, b) if p.fused_merge else lse
+    if p.backend == "triton" and not q.is_cuda and type(_kernels._sparse_decode_kernel).__name__ != "InterpretedFunction":
+        raise checks.SparseDecodeInputError(
+            "the Triton kernel runs on CPU tensors only under TRITON_INTERPRET=1 (set before import); "
+            "on CPU call sparse_mla_decode_ref, or sparse_mla_decode, which picks it"
+        )
+    fast_launch(_kernel(p), p.grid,
+                _kernel_args(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, sink, scale,
+                             window_lens, extra_lens, w, k, out, lse, part_o, part_lse, p.splits, counters),
+                p.kwargs, max_shared=p.max_shared)
+    if p.merge is not None:
+        _combine(part_o, part_lse, sink, out, lse, p.splits, p.merge)
+    return out, lse
+
+
+def _kernel(p: LaunchPlan):
+    """The kernel function the plan names (a Gluon module is imported when its kernel first runs)."""
     if p.backend == "gluon":
         from . import gluon_kernel
 
-        kernel, max_shared = gluon_kernel._sparse_decode_ws_kernel, None
-    elif p.backend == "gluon_h16":
+        return gluon_kernel._sparse_decode_ws_kernel
+    if p.backend == "gluon_h16":
         from . import gluon_h16
 
-        kernel, max_shared = gluon_h16._sparse_decode_h16_kernel, None
-    elif p.backend == "gluon_mma_v2":
+        return gluon_h16._sparse_decode_h16_kernel
+    if p.backend == "gluon_mma_v2":
         from . import gluon_mma_v2, gluon_mma_v2_pair
 
-        kernel = gluon_mma_v2_pair._sparse_decode_mma_v2_pair_kernel if p.pairs else \
+        return gluon_mma_v2_pair._sparse_decode_mma_v2_pair_kernel if p.pairs else \
             gluon_mma_v2._sparse_decode_mma_v2_kernel
-        max_shared = smem_cap(q.device)
-    else:
-        if not q.is_cuda and type(_kernels._sparse_decode_kernel).__name__ != "InterpretedFunction":
-            raise checks.SparseDecodeInputError(
-                "the Triton kernel runs on CPU tensors only under TRITON_INTERPRET=1 (set before import); "
-                "on CPU call sparse_mla_decode_ref, or sparse_mla_decode, which picks it"
-            )
-        kernel, max_shared = _kernels._sparse_decode_kernel, smem_cap(q.device)
-    fast_launch(kernel, p.grid,
-                _kernel_args(q, main, main_stride, extra, extra_stride, window_idx, extra_idx, sink, scale,
-                             window_lens, extra_lens, w, k, out, lse, part_o, part_lse, p.splits, counters),
-                p.kwargs, max_shared=max_shared)
-    if p.splits > 1 and not p.fused_merge:
-        _combine(part_o, part_lse, sink, out, lse, b, h, p.splits)
-    return out, lse
+    return _kernels._sparse_decode_kernel
 
 
 COUNTER_STRIDE = 32  # int32s per query: its two counters alone in a 128-byte line (gluon_epilogue.COUNTER_STRIDE)
@@ -166,31 +158,12 @@ def split_counters(device: torch.device, batch: int) -> torch.Tensor:
     return buf
 
 
-ONESHOT_MERGE_FROM = 8  # splits from which the one-shot merge is used (measured, see `_combine`)
-# At 16 heads the streaming merge has B x 2 programs: too few (H100, mma.sync kernel, c128 at 8K, 16 real heads,
-# graph: B = 24, 6 splits 18.8 us with it against 8 splits 15.2 with the one-shot merge; B = 1, 16.6 against 13.4)
-ONESHOT_MERGE_FROM_16_HEADS = 2
-
-
-def _combine(part_o, part_lse, sink, out, lse, b, h, splits):
-    """Merge the splits. From ONESHOT_MERGE_FROM splits on (from 2 at 16 heads): programs over (query, head group,
-    64-dim chunk), each loading all its splits at once (one L2 round trip); below: programs over (query, 8 heads)
-    streaming the splits. The thresholds are measured (H200, bench/results/sparse_decode.md; 16 heads on an H100,
-    DEVELOPERS.md): each is the faster on its side."""
-    sp = triton_next_pow2(splits)
-    if splits < (ONESHOT_MERGE_FROM_16_HEADS if h <= 16 else ONESHOT_MERGE_FROM):
-        hb = min(8, h)
-        fast_launch(_kernels._combine_stream_kernel, (b, h // hb),
-                    (part_o, part_lse, sink if sink is not None else lse,
-                     out, out.stride(0), out.stride(1), lse, lse.stride(0), splits),
-                    dict(H=h, D=DIM, HB=hb, SP=sp, HAS_SINK=sink is not None, num_warps=4), max_shared=smem_cap(out.device))
-        return
-    hb = max(1, min(8, h, 8192 // (sp * 64)))
-    fast_launch(_kernels._combine_kernel, (b, h // hb, DIM // 64),
-                (part_o, part_lse, sink if sink is not None else lse,
-                 out, out.stride(0), out.stride(1), lse, lse.stride(0), splits),
-                dict(H=h, D=DIM, HB=hb, DC=64, SP=sp, HAS_SINK=sink is not None, num_warps=4), max_shared=smem_cap(out.device))
-
+def _combine(part_o, part_lse, sink, out, lse, splits: int, merge: MergePlan) -> None:
+    """The splits' merge kernel, as the plan chose it (`plan._merge_plan`)."""
+    kernel = _kernels._combine_kernel if merge.oneshot else _kernels._combine_stream_kernel
+    fast_launch(kernel, merge.grid, (part_o, part_lse, sink if sink is not None else lse,
+                                     out, out.stride(0), out.stride(1), lse, lse.stride(0), splits),
+                merge.kwargs, max_shared=merge.max_shared)
 
 
 def sparse_mla_decode_triton(q, kv, window_idx, extra_kv=None, extra_idx=None, sink=None, scale=None,

@@ -1,36 +1,55 @@
 """A sparse-decode call's whole launch, resolved once from its shapes: `plan_launch`.
 
 Class (the dispatch table's row for the device), backend (Gluon or Triton, with the reasons Gluon cannot take a
-call in `config`), block and stages, head groups (programs of `head_group` heads on grid axis 2, where the table
-sets it), splits per query, whether the Gluon kernel merges them itself, and every launch keyword. Shapes, dtypes
-and the device only (never tensor values), so a plan is cached and a call stays CUDA-graph capturable;
-`launch.py` only allocates the outputs and launches what the plan says.
+call in `config`), the kernel (the mma.sync backend's one-block or paired kernel), block and stages, head groups
+(programs of `head_group` heads on grid axis 2, where the table sets it), splits per query, whether the Gluon kernel
+merges them itself and otherwise which merge kernel runs after it, and every launch keyword. Shapes, dtypes and the
+device only (never tensor values), so a plan is cached and a call stays CUDA-graph capturable; `launch.py` only
+allocates the outputs and launches what the plan says.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from .. import dispatch
 from . import checks
-from .config import (DIM, PV_REGS, SMEM_LIMIT, LaunchConfig, choose_backend_for, gluon_index_blocks,
-                     gluon_smem_bytes, h16_smem_bytes)
+from .config import (DIM, PV_REGS, SMEM_LIMIT, LaunchConfig, _num_sms, choose_backend, choose_backend_for,
+                     gluon_index_blocks, gluon_smem_bytes, h16_smem_bytes, triton_next_pow2)
 from .fp8_layout import PageGeometry
 from .splits import MMA_V2_16_HEAD_CTAS_PER_SM, choose_splits, fuses_merge, gluon_splits, h16_min_blocks
 
 
+ONESHOT_MERGE_FROM = 8  # splits from which the one-shot merge is used (measured, see `_merge_plan`)
+# At 16 heads the streaming merge has B x 2 programs: too few (H100, mma.sync kernel, c128 at 8K, 16 real heads,
+# graph: B = 24, 6 splits 18.8 us with it against 8 splits 15.2 with the one-shot merge; B = 1, 16.6 against 13.4)
+ONESHOT_MERGE_FROM_16_HEADS = 2
+
+
+@dataclass(frozen=True)
+class MergePlan:
+    """The merge kernel that runs after a split launch whose kernel does not merge its splits itself."""
+
+    oneshot: bool           # `kernel._combine_kernel` (all splits at once); else `_combine_stream_kernel`
+    grid: tuple[int, ...]
+    kwargs: dict
+    max_shared: int | None  # the class's shared memory per block (None on CPU)
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
-    backend: str            # "triton" | "gluon" | "gluon_mma_v2"
+    backend: str            # "triton" | "gluon" | "gluon_h16" | "gluon_mma_v2"
     config: LaunchConfig    # resolved: block_n, num_stages, head_group filled in
-    grid: tuple[int, ...]   # Triton: (B, splits, head groups); Gluon (both): (B, splits)
+    grid: tuple[int, ...]   # Triton: (B, splits, head groups); Gluon (all three): (B, splits)
     splits: int
-    fused_merge: bool       # Gluon merges the splits in-kernel (else the merge kernel runs after it)
+    fused_merge: bool       # Gluon merges the splits in-kernel (else `merge` runs after it)
     kwargs: dict            # the kernel's constexprs and launch options
     pairs: bool = False     # mma.sync: the kernel taking two blocks at a time (gluon_mma_v2_pair.py)
+    max_shared: int | None = None   # the class's shared memory per block, for launches that opt into it
+    merge: MergePlan | None = None  # the merge kernel's launch (split, not merged in the kernel)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -40,6 +59,15 @@ def plan_launch(device: torch.device, b: int, h: int, dtype: torch.dtype, is_fp8
     """The launch of a call of B queries, h heads, w window and k extra indices per query. flags: (has extra
     cache, window lens, extra lens, sink); geos: the fp8 page geometry of the window and extra caches; sms: the
     device's SM count (the split choice spreads B x splits programs over them)."""
+    p = _kernel_plan(device, b, h, dtype, is_fp8, config, w, k, flags, geos, sms)
+    gpu = dispatch.class_of_device(device)
+    cap = None if gpu is None else dispatch.SMEM_PER_BLOCK[gpu]
+    merge = _merge_plan(b, h, p.splits, flags[3], cap) if p.splits > 1 and not p.fused_merge else None
+    return replace(p, max_shared=cap if p.backend in ("triton", "gluon_mma_v2") else None, merge=merge)
+
+
+def _kernel_plan(device, b, h, dtype, is_fp8, config, w, k, flags, geos, sms) -> LaunchPlan:
+    """The kernel's part of `plan_launch`: backend, config, grid, splits and constexprs."""
     asked = config
     backend, config = choose_backend_for(device, h, dtype, is_fp8, config, w, k)
     if asked.backend == "auto" and b < _min_batch(device, h):  # the row's fallback, where it measured faster
@@ -58,6 +86,31 @@ def plan_launch(device: torch.device, b: int, h: int, dtype: torch.dtype, is_fp8
     dot_f32 = dtype == torch.float32 or device.type != "cuda"
     splits, kwargs = _triton_plan(b, h // groups, w, k, is_fp8, config, sms, flags, geos, dot_f32)
     return LaunchPlan("triton", config, (b, splits, groups), splits, False, kwargs)
+
+
+def _merge_plan(b: int, h: int, splits: int, has_sink: bool, max_shared: int | None) -> MergePlan:
+    """From ONESHOT_MERGE_FROM splits on (from 2 at 16 heads): programs over (query, head group, 64-dim chunk), each
+    loading all its splits at once (one L2 round trip); below: programs over (query, 8 heads) streaming the splits.
+    The thresholds are measured (H200, bench/results/sparse_decode.md; 16 heads on an H100, DEVELOPERS.md): each is
+    the faster on its side."""
+    sp = triton_next_pow2(splits)
+    if splits < (ONESHOT_MERGE_FROM_16_HEADS if h <= 16 else ONESHOT_MERGE_FROM):
+        hb = min(8, h)
+        return MergePlan(False, (b, h // hb), dict(H=h, D=DIM, HB=hb, SP=sp, HAS_SINK=has_sink, num_warps=4),
+                         max_shared)
+    hb = max(1, min(8, h, 8192 // (sp * 64)))
+    return MergePlan(True, (b, h // hb, DIM // 64),
+                     dict(H=h, D=DIM, HB=hb, DC=64, SP=sp, HAS_SINK=has_sink, num_warps=4), max_shared)
+
+
+@functools.lru_cache(maxsize=256)
+def dense_config(device: torch.device, batch: int, nominal_rows: int, heads: int, dtype: torch.dtype) -> LaunchConfig:
+    """The config of the embedded engine's ratio-128 (dense) calls: the table's dense backend with its class's block,
+    and splits as for `nominal_rows` rows a query at this batch size (shapes only: graph-capturable, the same at every
+    step of a configured context)."""
+    triton = LaunchConfig(backend=dispatch.DENSE_DECODE_BACKEND)
+    block = choose_backend(device, heads, dtype, True, triton)[1].block_n  # the class's Triton block
+    return replace(triton, block_n=block, num_splits=choose_splits(batch, -(-nominal_rows // block), _num_sms(device)))
 
 
 def _min_batch(device: torch.device, h: int) -> int:

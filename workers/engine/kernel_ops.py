@@ -10,7 +10,6 @@ they read. A ratio-128 layer's call (`dense=True`) runs the Triton kernel with a
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
@@ -93,7 +92,9 @@ class KernelOps:
     def dense_config(self, batch: int):
         """The Triton launch of a ratio-128 call: splits as for `nominal_rows` rows per query at this batch size
         (shapes only, so graph-capturable, and the same at every configured context)."""
-        return _dense_config(self.device, batch, self.nominal_rows, self.n_heads, self.dtype)
+        from ...kernels.sparse_mla_decode.plan import dense_config
+
+        return dense_config(self.device, batch, self.nominal_rows, self.n_heads, self.dtype)
 
     def indexer(self, q_idx, weights, keys, pages, live) -> torch.Tensor:
         """Scores [T, max_pages * E] (the kernel writes only the live prefix of each row)."""
@@ -148,15 +149,3 @@ def decode_impls(device: torch.device, n_heads: int, dtype: torch.dtype,
 
     return tuple(choose_backend(device, n_heads, dtype, fp8, LaunchConfig(), below_min_batch)[0]
                  for fp8 in (False, True))
-
-
-@functools.lru_cache(maxsize=256)
-def _dense_config(device: torch.device, batch: int, nominal_rows: int, heads: int, dtype: torch.dtype):
-    from ...kernels import dispatch
-    from ...kernels.sparse_mla_decode.config import LaunchConfig, _num_sms, choose_backend
-    from ...kernels.sparse_mla_decode.splits import choose_splits
-
-    triton = LaunchConfig(backend=dispatch.DENSE_DECODE_BACKEND)
-    block = choose_backend(device, heads, dtype, True, triton)[1].block_n  # the class's Triton block (dispatch table)
-    return LaunchConfig(backend=dispatch.DENSE_DECODE_BACKEND, block_n=block,
-                        num_splits=choose_splits(batch, -(-nominal_rows // block), _num_sms(device)))
