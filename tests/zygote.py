@@ -35,7 +35,6 @@ import threading
 import traceback
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
 PR_SET_PDEATHSIG = 1
 
 
@@ -95,7 +94,7 @@ def start(argv: list[str], preload: tuple[str, ...], env: dict[str, str],
     zygote = _ZYGOTES.get(key)
     if zygote is None or zygote.poll() is not None:
         zygote = subprocess.Popen([sys.executable, "-m", "tests.zygote", *preload], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, text=True, env=full_env, cwd=REPO)
+                                  stdout=subprocess.PIPE, text=True, env=full_env)
         ready = zygote.stdout.readline()
         assert ready == "READY\n", f"the zygote for {preload} did not start ({zygote.wait()}): {ready!r}"
         _ZYGOTES[key] = zygote
