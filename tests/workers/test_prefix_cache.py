@@ -155,10 +155,11 @@ def test_a_finished_prompt_kept_in_the_cache_is_evictable_not_used_as_sglang_cou
     """SGLang's num_used_tokens is capacity - (available + evictable): the prompt a finished request leaves in the
     prefix cache is evictable, not used, and a repeat of it still hits; pages a request holds, cached ones it
     locked included, are used. The gauges add up to the capacity."""
+    from dsv4_cluster.core import Role
     from dsv4_cluster.workers.http.metrics import WorkerMetrics
 
     engine = _prefill_engine(1024)
-    metrics = WorkerMetrics(engine, "dsv4-tiny", "prefill", 1024)
+    metrics = WorkerMetrics(engine, "dsv4-tiny", Role.PREFILL, 1024)
     ids = TOK.encode("The same prompt, sent twice. " * 2)                # 58 tokens: 3 whole pages and a part
     first = _prefill(engine, 1, ids)
     g = _gauges(metrics.render())

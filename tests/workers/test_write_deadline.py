@@ -19,6 +19,7 @@ import pytest
 
 from dsv4_cluster.metric_names import KV_WRITE_TIMEOUTS
 from dsv4_cluster.workers.engine.model import ModelConfig
+from dsv4_cluster.core import Role
 from dsv4_cluster.workers.http.metrics import WorkerMetrics
 from dsv4_cluster.workers.prefill import engine as prefill_engine
 from dsv4_cluster.workers.prefill.engine import PrefillEngine
@@ -73,7 +74,7 @@ def test_a_write_into_a_frozen_decode_is_cancelled_at_its_deadline_and_frees_eve
         wait_for(lambda: runner.pool.used_tokens == 0, 5, "every page back")
         assert runner.pool.used_tokens == 0 and engine.reqs == {}    # every page back, nothing held
         assert engine.stats.write_timeouts == 1 and engine.stats.transfer_failed == 1
-        exposition = WorkerMetrics(engine, "dsv4-tiny", "prefill", 1024).render().decode()   # what /metrics serves
+        exposition = WorkerMetrics(engine, "dsv4-tiny", Role.PREFILL, 1024).render().decode()   # what /metrics serves
         assert re.search(rf"^{KV_WRITE_TIMEOUTS}{{[^}}]*}} 1\.0$", exposition, re.MULTILINE), exposition
         assert engine.destinations.done(7) is None                  # the room is no longer taken
         # the decode side is told: once both agents make progress again (no progress threads: the engines' loops
