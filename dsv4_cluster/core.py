@@ -58,6 +58,16 @@ class KvUsage:
 
 
 @dataclass(frozen=True)
+class StrandedKv:
+    """A prefill's KV held for rooms no decode fetched (now), and what the deadline freed since it started."""
+
+    tokens: int
+    rooms: int
+    freed_tokens: int
+    freed_rooms: int
+
+
+@dataclass(frozen=True)
 class WorkerStatus:
     """One row of `dsv4-cluster status`: a supervised process as its supervisor sees it."""
 
@@ -74,7 +84,7 @@ class WorkerStatus:
     kernels: tuple[tuple[str, str], ...] = ()  # (kernel, implementation) the engine reports
     log_tail: str | None = None  # the log's last lines while DEGRADED, RESTARTING or FAILED
     pinning: dict[str, Any] | None = None  # read back from /proc; "mismatch" lists differences from the plan
-    stranded_kv: dict[str, int] | None = None  # prefill: tokens/rooms stranded now, freed_tokens/rooms since start
+    stranded_kv: StrandedKv | None = None  # prefill only
     history: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # last spawns and state changes, `at` epoch s
     kv_predicted_tokens: int | None = None  # the capacity planner's prediction (workers only)
     ray_node_id: str | None = None  # the Ray node its supervisor runs on
@@ -100,7 +110,8 @@ class WorkerStatus:
             state=WorkerState(state) if state is not None else None, pid=data.get("pid"), port=int(data["port"]),
             restarts=int(data.get("restarts", 0)), kv=kv, log_path=data["log_path"], error=data.get("error"),
             kernels=tuple(sorted((data.get("kernels") or {}).items())), log_tail=data.get("log_tail"),
-            pinning=data.get("pinning"), stranded_kv=data.get("stranded_kv"),
+            pinning=data.get("pinning"),
+            stranded_kv=StrandedKv(**data["stranded_kv"]) if data.get("stranded_kv") else None,
             history=list(data.get("history") or []), kv_predicted_tokens=data.get("kv_predicted_tokens"),
             ray_node_id=data.get("ray_node_id"), reported_at=data.get("reported_at"))
 

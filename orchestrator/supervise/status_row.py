@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from dsv4_cluster.core import KvUsage, Role, WorkerState, WorkerStatus
+from dsv4_cluster.core import KvUsage, Role, StrandedKv, WorkerState, WorkerStatus
 from dsv4_cluster.orchestrator.launch.plan import LaunchPlan
 from dsv4_cluster.orchestrator.processes import log_tail
 from dsv4_cluster.orchestrator.readback.pinning import pinning_report
@@ -31,7 +31,7 @@ class Readings:
     pid: int
     kv: KvUsage | None = None
     kernels: tuple[tuple[str, str], ...] = ()
-    stranded_kv: dict[str, int] | None = None
+    stranded_kv: StrandedKv | None = None
     pinning: dict[str, Any] | None = None
     error: str | None = None  # a probe that failed
 
@@ -77,7 +77,7 @@ def ray_node_id() -> str | None:
     return ray.get_runtime_context().get_node_id() if ray is not None and ray.is_initialized() else None
 
 
-def _stranded_kv(plan: LaunchPlan, http: httpx.Client) -> dict[str, int] | None:
+def _stranded_kv(plan: LaunchPlan, http: httpx.Client) -> StrandedKv | None:
     """A prefill's stranded-KV numbers from its /metrics (None: not a prefill, or not exported)."""
     if plan.role is not Role.PREFILL or plan.metrics_url is None:
         return None

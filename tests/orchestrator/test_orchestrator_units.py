@@ -356,16 +356,17 @@ def test_port_holders_name_the_process_on_the_port():
 
 
 def test_stranded_kv_is_read_from_metrics_and_absent_when_not_exported() -> None:
+    from dsv4_cluster.core import StrandedKv
     from dsv4_cluster.orchestrator.readback.stranded import parse_stranded_kv, stranded_line
 
     page = ('dsv4_stranded_kv_tokens{engine_type="prefill"} 64.0\ndsv4_stranded_kv_rooms{engine_type="prefill"} 2.0\n'
             'dsv4_stranded_kv_freed_tokens_total{engine_type="prefill"} 128.0\n'
             'dsv4_stranded_kv_freed_rooms_total{engine_type="prefill"} 3.0\nsglang:num_used_tokens 64.0\n')
     numbers = parse_stranded_kv(page)
-    assert numbers == {"tokens": 64, "rooms": 2, "freed_tokens": 128, "freed_rooms": 3}
+    assert numbers == StrandedKv(tokens=64, rooms=2, freed_tokens=128, freed_rooms=3)
     assert stranded_line(_row(name="prefill-0", stranded_kv=numbers)) == (
         "prefill-0: stranded KV 64 tokens in 2 rooms now; freed 128 tokens in 3 rooms since it started")
-    one = {"tokens": 1, "rooms": 1, "freed_tokens": 0, "freed_rooms": 0}   # "1 rooms" before: singular when one
+    one = StrandedKv(tokens=1, rooms=1, freed_tokens=0, freed_rooms=0)   # "1 rooms" before: singular when one
     assert stranded_line(_row(name="prefill-0", stranded_kv=one)) == (
         "prefill-0: stranded KV 1 token in 1 room now; freed 0 tokens in 0 rooms since it started")
     assert parse_stranded_kv("sglang:num_used_tokens 64.0\n") is None  # SGLang: nothing measured, nothing shown
