@@ -16,7 +16,7 @@ from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
-from urllib.error import URLError
+from urllib.error import HTTPError, URLError
 from urllib.request import urlopen
 
 from dsv4_cluster.core import ClusterStatus, WorkerStatus
@@ -47,7 +47,9 @@ def read_status(run_dir: str | Path, timeout_s: float = CONNECT_TIMEOUT_S) -> Cl
         with urlopen(url, timeout=timeout_s) as reply:  # noqa: S310 - a loopback http URL the controller wrote
             return ClusterStatus.from_dict(json.loads(reply.read()))
     except (URLError, OSError, ValueError, KeyError, TypeError) as e:
-        raise EndpointUnavailable(f"the status endpoint {url} does not answer ({e})") from None
+        where = url.rsplit("/status/", 1)[0]   # the path's last part is the controller's key: never printed
+        why = e if isinstance(e, HTTPError) else getattr(e, "reason", e)   # "HTTP Error 404: ...", or the OS's words
+        raise EndpointUnavailable(f"the status endpoint at {where} does not answer ({why})") from None
 
 
 class StatusServer:

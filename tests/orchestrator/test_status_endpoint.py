@@ -35,8 +35,10 @@ def test_status_is_read_at_each_request_and_the_record_goes_with_the_server(tmp_
         server.stop()
     assert not se.endpoint_path(tmp_path).exists()
     se.endpoint_path(tmp_path).write_text(json.dumps(record))  # a record left by a controller that died
-    with pytest.raises(se.EndpointUnavailable, match="does not answer"):
+    with pytest.raises(se.EndpointUnavailable, match="does not answer") as refused:
         se.read_status(tmp_path, timeout_s=5)
+    key = record["url"].rsplit("/", 1)[1]
+    assert key not in str(refused.value) and "urlopen" not in str(refused.value)   # the key is the endpoint's secret
 
 
 def test_another_controller_on_a_dead_ones_port_is_not_read_as_its_status(tmp_path: Path) -> None:
